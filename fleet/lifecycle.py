@@ -1,0 +1,139 @@
+"""Replica lifecycle: the facts recorded about a replica and the status derived from them.
+
+Owns `ReplicaStatus` (PENDING … READY, DRAINING, TERMINATED, FAILED_*) and `Replica`, the
+record the controller keeps per replica. The controller records facts as they happen (placed,
+launched, healthy, warm-up passed, drain asked, exited); `Replica.status` derives the status
+from them, so status can never disagree with what happened (SkyServe's
+``ReplicaStatusProperty.to_replica_status`` is the model).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ReplicaStatus(enum.Enum):
+    PENDING = "PENDING"          # wanted, not yet placed
+    PLACED = "PLACED"            # devices assigned
+    PULLING = "PULLING"          # engine image being made present on the node
+    CACHING = "CACHING"          # weights being made present on the node
+    STARTING = "STARTING"        # engine process launched, /health not yet passing
+    WARMING = "WARMING"          # /health passes, warm-up requests running
+    READY = "READY"              # in the router's pool
+    DRAINING = "DRAINING"        # out of the pool, in-flight requests finishing, then stopped
+    TERMINATED = "TERMINATED"    # stopped on purpose
+    FAILED_PLACEMENT = "FAILED_PLACEMENT"
+    FAILED_START = "FAILED_START"        # engine exited or timed out before /health passed
+    FAILED_WARMUP = "FAILED_WARMUP"      # a warm-up request failed
+    FAILED_CRASHED = "FAILED_CRASHED"    # engine exited after it had started
+    FAILED_UNHEALTHY = "FAILED_UNHEALTHY"  # /health kept failing after the replica was ready
+
+    def failed(self) -> bool:
+        return self.name.startswith("FAILED_")
+
+    def terminal(self) -> bool:
+        """No further transition: the replica's process is gone for good."""
+        return self is ReplicaStatus.TERMINATED or self.failed()
+
+    def serving(self) -> bool:
+        """Receives new requests from the router."""
+        return self is ReplicaStatus.READY
+
+    def counts_toward_desired(self) -> bool:
+        """Occupies one of the deployment's desired replica slots."""
+        return not self.terminal() and self is not ReplicaStatus.DRAINING
+
+
+@dataclass
+class Failure:
+    status: ReplicaStatus
+    reason: str
+    at_s: float
+    log_tail: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Replica:
+    """What happened to one replica, in controller clock seconds. Status is derived, never set."""
+
+    id: str
+    deployment: str
+    revision: str
+    created_at_s: float
+    # Facts, in the order they usually happen.
+    placed_at_s: float | None = None
+    assignment: str | None = None          # human-readable devices, e.g. "cpu:0" or "gpu:GPU-1a2b..."
+    image_ready_at_s: float | None = None
+    weights_ready_at_s: float | None = None
+    launched_at_s: float | None = None
+    port: int | None = None
+    pid: int | None = None
+    log_path: str | None = None
+    healthy_at_s: float | None = None
+    warmup_started_at_s: float | None = None
+    warmup_passed_at_s: float | None = None
+    drain_requested_at_s: float | None = None
+    stop_requested_at_s: float | None = None
+    kill_sent_at_s: float | None = None
+    exited_at_s: float | None = None
+    exit_code: int | None = None
+    consecutive_health_failures: int = 0
+    failure: Failure | None = None
+
+    @property
+    def status(self) -> ReplicaStatus:
+        if self.failure is not None:
+            return self.failure.status
+        if self.exited_at_s is not None:
+            return ReplicaStatus.TERMINATED
+        if self.drain_requested_at_s is not None:
+            return ReplicaStatus.DRAINING
+        if self.warmup_passed_at_s is not None:
+            return ReplicaStatus.READY
+        if self.healthy_at_s is not None:
+            return ReplicaStatus.WARMING
+        if self.launched_at_s is not None:
+            return ReplicaStatus.STARTING
+        if self.placed_at_s is None:
+            return ReplicaStatus.PENDING
+        if self.image_ready_at_s is None:
+            return ReplicaStatus.PULLING
+        if self.weights_ready_at_s is None:
+            return ReplicaStatus.CACHING
+        return ReplicaStatus.PLACED
+
+    @property
+    def endpoint(self) -> str | None:
+        return f"http://127.0.0.1:{self.port}" if self.port is not None else None
+
+    @property
+    def process_alive(self) -> bool:
+        """A process was launched and has not been seen to exit."""
+        return self.launched_at_s is not None and self.exited_at_s is None
+
+    def time_to_ready_s(self) -> float | None:
+        """Seconds from creation to READY, or None if it never got there."""
+        if self.warmup_passed_at_s is None:
+            return None
+        return self.warmup_passed_at_s - self.created_at_s
+
+    def fail(self, status: ReplicaStatus, reason: str, now_s: float, log_tail: list[str] | None = None) -> None:
+        """Record a failure (the first one wins: later symptoms of the same fault are ignored)."""
+        if not status.failed():
+            raise ValueError(f"{status} is not a failure status")
+        if self.failure is None:
+            self.failure = Failure(status, reason, now_s, list(log_tail or []))
+
+    def to_dict(self) -> dict:
+        """JSON-ready snapshot, for the state file and `fleet status`."""
+        d = {k: v for k, v in self.__dict__.items() if k != "failure"}
+        d["status"] = self.status.value
+        d["endpoint"] = self.endpoint
+        d["failure"] = (
+            None if self.failure is None else {
+                "status": self.failure.status.value, "reason": self.failure.reason,
+                "at_s": self.failure.at_s, "log_tail": self.failure.log_tail,
+            }
+        )
+        return d

@@ -1,0 +1,63 @@
+"""Client of the router's admin API, used by the controller to publish pools.
+
+Owns `RouterAdminClient` (httpx, bearer token), the real `fleet.controller.PoolSink`. The API
+itself is served by `router.admin`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import httpx
+
+from fleet.controller import PoolEndpoint
+
+
+class RouterAdminError(Exception):
+    """The router's admin API refused or failed a call."""
+
+
+class RouterAdminClient:
+    def __init__(self, base_url: str, token: str, timeout_s: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def put_pool(self, model: str, policy: str, endpoints: list[PoolEndpoint]) -> None:
+        body = {
+            "policy": policy,
+            "endpoints": [{**asdict(e), "weight": 1.0} for e in endpoints],
+        }
+        r = await self._request("PUT", f"/admin/v1/pools/{model}", json=body)
+        if r.status_code != 200:
+            raise RouterAdminError(f"PUT pool {model}: HTTP {r.status_code}: {r.text[:300]}")
+
+    async def pools(self) -> dict:
+        r = await self._request("GET", "/admin/v1/pools")
+        if r.status_code != 200:
+            raise RouterAdminError(f"GET pools: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()["pools"]
+
+    async def in_flight(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for pool in (await self.pools()).values():
+            for ep in pool["endpoints"]:
+                out[ep["id"]] = out.get(ep["id"], 0) + int(ep["in_flight"])
+        return out
+
+    async def healthy(self) -> bool:
+        try:
+            r = await self._http.get("/health", timeout=1.0)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    async def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            return await self._http.request(method, path, **kw)
+        except httpx.HTTPError as err:
+            raise RouterAdminError(f"{method} {path}: {type(err).__name__}: {err}") from err

@@ -1,0 +1,334 @@
+"""The `InferenceDeployment` document a model owner writes, and loading it from YAML.
+
+Owns the pydantic models of the spec (apiVersion, kind, metadata, spec: model, engine,
+resources, replicas, routing, warmup), the YAML loader for one or many files with several
+documents each, and the error format: every problem names its file, document, field path and
+reason (``quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)``).
+
+Called by the CLI (`fleet validate`, `fleet up`) and the controller. Nothing is started from a
+document that fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from fleet.specbase import FieldError, SpecModel
+from warmup.plan import WarmupPlan
+
+API_VERSION = "fleet.inference.dev/v1alpha1"
+KIND = "InferenceDeployment"
+
+# Kubernetes DNS-1123 label: the deployment name becomes part of replica ids, pod names and
+# metric labels (kubernetes.io/docs/concepts/overview/working-with-objects/names).
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# NVIDIA MIG profile names, e.g. 1g.10gb, 3g.40gb, 1g.20gb+me (MIG user guide, "Supported profiles").
+_MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb(\+me)?$")
+_SOURCE_SCHEMES = ("file://", "hf://", "s3://", "http://", "https://")
+# Engine flags Fleet sets itself from the spec and placement; a user value would conflict.
+_RESERVED_ENGINE_ARGS = {
+    "--host": "is set by Fleet",
+    "--port": "is set by Fleet (ports are allocated per replica)",
+    "--model": "comes from spec.model.source",
+    "--served-model-name": "comes from spec.model.name",
+    "--tensor-parallel-size": "comes from spec.resources.tensorParallelSize",
+    "-tp": "comes from spec.resources.tensorParallelSize",
+}
+_RESERVED_ENGINE_ENV = {
+    "CUDA_VISIBLE_DEVICES": "set by placement (GPU or MIG UUIDs)",
+    "VLLM_CPU_OMP_THREADS_BIND": "set by placement (CPU cores)",
+}
+
+
+class Metadata(SpecModel):
+    name: str = Field(..., max_length=63, description="Deployment name, a DNS-1123 label.")
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, v: str) -> str:
+        if not _DNS_LABEL.match(v):
+            raise ValueError(
+                f"{v!r} is not a DNS-1123 label (lower-case letters, digits and '-', "
+                "starting and ending with a letter or digit)"
+            )
+        return v
+
+
+class ModelSpec(SpecModel):
+    name: str = Field(
+        ..., min_length=1, max_length=256,
+        description="The model name clients send in requests (`model` field); the router routes by it.",
+    )
+    source: str = Field(
+        ..., min_length=1,
+        description="Where the weights are: a local path (absolute, or relative to the YAML file), "
+        "file:///abs/path, or hf://, s3://, http(s):// (remote sources need the node agent's weight cache).",
+    )
+    revision: str = Field("v1", min_length=1, max_length=128, description="Version label of these weights.")
+
+    @field_validator("source")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if "://" in v and not v.startswith(_SOURCE_SCHEMES):
+            raise ValueError(f"unsupported scheme in {v!r}; use a path or one of {', '.join(_SOURCE_SCHEMES)}")
+        return v
+
+    def local_path(self, base_dir: Path) -> Path | None:
+        """The weights directory on this machine, or None for a remote source.
+
+        A relative path is resolved against ``base_dir`` (the YAML file's directory).
+        """
+        src = self.source
+        if src.startswith("file://"):
+            src = src[len("file://"):]
+        elif "://" in src:
+            return None
+        path = Path(src).expanduser()
+        return path if path.is_absolute() else (base_dir / path).resolve()
+
+
+class EngineSpec(SpecModel):
+    kind: str = Field("vllm", description="Engine kind; `vllm` runs vLLM's OpenAI-compatible server.")
+    image: str | None = Field(
+        None, description="Container image (Kubernetes backend). The local backend runs the installed engine."
+    )
+    args: list[str] = Field(default_factory=list, description="Extra engine command-line arguments.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the engine.")
+    startup_timeout_seconds: float = Field(
+        900.0, gt=0,
+        description="Seconds from launch until /health must answer before the replica is FAILED. "
+        "Large models on GPUs can take ~10 minutes to load (shared/notes/anchors.md).",
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        from fleet.engines import engine_kinds
+
+        if v not in engine_kinds():
+            raise ValueError(f"unknown engine kind {v!r}; known: {', '.join(engine_kinds())}")
+        return v
+
+    @model_validator(mode="after")
+    def _reserved(self) -> EngineSpec:
+        for i, arg in enumerate(self.args):
+            flag = arg.split("=", 1)[0]
+            if flag in _RESERVED_ENGINE_ARGS:
+                raise FieldError(f"args[{i}]", f"{flag!r} {_RESERVED_ENGINE_ARGS[flag]}; remove it")
+        for key in self.env:
+            if key in _RESERVED_ENGINE_ENV:
+                raise FieldError(f"env.{key}", f"is {_RESERVED_ENGINE_ENV[key]}; remove it")
+        return self
+
+
+class ResourcesSpec(SpecModel):
+    accelerator: Literal["gpu", "cpu"] = Field(
+        "gpu", description="`gpu`: whole GPUs or a MIG slice per replica; `cpu`: CPU cores (vLLM CPU build)."
+    )
+    gpu_product: str | None = Field(
+        None, description="GPU product name as NVML reports it, e.g. 'NVIDIA H100 80GB HBM3'. Any if unset."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per replica (vLLM tensor parallelism).")
+    mig_profile: str | None = Field(None, description="One MIG instance of this profile per replica, e.g. 3g.40gb.")
+    cpu_cores: int = Field(1, ge=1, le=1024, description="CPU cores per replica (accelerator: cpu).")
+
+    @field_validator("mig_profile")
+    @classmethod
+    def _mig_name(cls, v: str | None) -> str | None:
+        if v is not None and not _MIG_PROFILE.match(v):
+            raise ValueError(f"{v!r} is not a MIG profile name such as 1g.10gb or 3g.40gb")
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self) -> ResourcesSpec:
+        if self.accelerator == "cpu":
+            if self.gpu_product or self.mig_profile:
+                field = "gpuProduct" if self.gpu_product else "migProfile"
+                raise FieldError(field, "is a GPU setting; remove it or set accelerator: gpu")
+            if self.tensor_parallel_size != 1:
+                raise FieldError("tensorParallelSize", "must be 1 with accelerator: cpu")
+        if self.mig_profile and self.tensor_parallel_size != 1:
+            raise FieldError(
+                "tensorParallelSize",
+                f"must be 1 with migProfile {self.mig_profile} (got {self.tensor_parallel_size}): "
+                "MIG slices have no NVLink or CUDA IPC, so tensor parallelism across slices is not possible",
+            )
+        return self
+
+
+class ReplicasSpec(SpecModel):
+    min: int = Field(1, ge=0, le=10_000, description="Fewest replicas.")
+    max: int = Field(1, ge=1, le=10_000, description="Most replicas.")
+    initial: int | None = Field(None, ge=0, description="Replicas at start; defaults to min.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ReplicasSpec:
+        if self.min > self.max:
+            raise FieldError("min", f"must be <= spec.replicas.max ({self.min} > {self.max})")
+        if self.initial is not None and not self.min <= self.initial <= self.max:
+            raise FieldError(
+                "initial", f"must be within spec.replicas.min..max ({self.min}..{self.max}), got {self.initial}"
+            )
+        return self
+
+    @property
+    def desired_at_start(self) -> int:
+        return self.min if self.initial is None else self.initial
+
+
+class RoutingSpec(SpecModel):
+    policy: str = Field("latency-aware", description="Routing policy name (see `fleet validate --help`).")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from router.policies import policy_names
+
+        if v not in policy_names():
+            raise ValueError(f"unknown routing policy {v!r}; known: {', '.join(policy_names())}")
+        return v
+
+
+class DeploymentSpec(SpecModel):
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    replicas: ReplicasSpec = Field(default_factory=ReplicasSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    warmup: WarmupPlan = Field(default_factory=WarmupPlan)
+
+
+class InferenceDeployment(SpecModel):
+    """One deployment: a model served by homogeneous replicas behind the router."""
+
+    api_version: Literal["fleet.inference.dev/v1alpha1"] = Field(..., alias="apiVersion")
+    kind: Literal["InferenceDeployment"]
+    metadata: Metadata
+    spec: DeploymentSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+@dataclass(frozen=True)
+class LoadedDeployment:
+    """A validated deployment and where it came from (relative model paths resolve against it)."""
+
+    deployment: InferenceDeployment
+    path: Path
+    index: int
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.resolve().parent
+
+
+class SpecError(Exception):
+    """One or more documents are invalid. ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def format_errors(err: ValidationError, prefix: str = "") -> list[str]:
+    """Render pydantic errors as ``<prefix>field.path: reason`` lines (list indexes as ``[i]``)."""
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        reason = e["msg"]
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldError):
+            loc.append(cause.field)
+            reason = cause.reason
+        elif e["type"] == "value_error" and reason.startswith("Value error, "):
+            reason = reason[len("Value error, "):]
+        elif e["type"] == "extra_forbidden":
+            reason = "unknown field"
+        elif e["type"] == "missing":
+            reason = "required field is missing"
+        path = ""
+        for part in loc:
+            path += f"[{part}]" if part.isdigit() else (f".{part}" if path else part)
+        lines.append(f"{prefix}{path or '(document)'}: {reason}")
+    return lines
+
+
+def parse_document(doc: Any, where: str = "") -> InferenceDeployment:
+    """Validate one parsed YAML document. Raises SpecError naming each bad field."""
+    if not isinstance(doc, dict):
+        raise SpecError([f"{where}(document): must be a mapping, got {type(doc).__name__}"])
+    try:
+        return InferenceDeployment.model_validate(doc)
+    except ValidationError as err:
+        raise SpecError(format_errors(err, where)) from None
+
+
+def load_deployments(paths: list[Path]) -> list[LoadedDeployment]:
+    """Load every document of every file, all or nothing.
+
+    Raises:
+        SpecError: listing every problem in every file (unreadable file, YAML syntax with line
+            and column, invalid fields, duplicate deployment or model names).
+    """
+    loaded: list[LoadedDeployment] = []
+    problems: list[str] = []
+    for path in paths:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            problems.append(f"{path}: cannot read: {err.strerror or err}")
+            continue
+        try:
+            docs = [d for d in yaml.safe_load_all(text)]
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            problems.append(f"{path}: invalid YAML{at}: {getattr(err, 'problem', None) or err}")
+            continue
+        docs = [d for d in docs if d is not None]
+        if not docs:
+            problems.append(f"{path}: no documents")
+        for i, doc in enumerate(docs):
+            try:
+                loaded.append(LoadedDeployment(parse_document(doc, f"{path}[{i}] "), Path(path), i))
+            except SpecError as err:
+                problems.extend(err.problems)
+    problems.extend(_cross_document_problems(loaded))
+    if problems:
+        raise SpecError(problems)
+    return loaded
+
+
+def _cross_document_problems(loaded: list[LoadedDeployment]) -> list[str]:
+    problems = []
+    by_name: dict[str, LoadedDeployment] = {}
+    by_model: dict[str, LoadedDeployment] = {}
+    for ld in loaded:
+        where = f"{ld.path}[{ld.index}] "
+        first = by_name.setdefault(ld.deployment.name, ld)
+        if first is not ld:
+            problems.append(
+                f"{where}metadata.name: {ld.deployment.name!r} is already used by {first.path}[{first.index}]"
+            )
+        model = ld.deployment.spec.model.name
+        first = by_model.setdefault(model, ld)
+        if first is not ld:
+            problems.append(
+                f"{where}spec.model.name: {model!r} is already served by deployment "
+                f"{first.deployment.name!r}; one deployment per model name"
+            )
+    return problems
+
+
+def dump_deployment(dep: InferenceDeployment) -> str:
+    """YAML text of a deployment with every default written out (loads back equal)."""
+    return yaml.safe_dump(dep.to_document(), sort_keys=False)

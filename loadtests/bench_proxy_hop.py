@@ -1,0 +1,303 @@
+"""What one proxy hop costs: Fleet's router vs a FastAPI + httpx proxy vs no proxy.
+
+Self-contained benchmark kept to justify the router's hot-path design (raw ASGI + aiohttp
+client; see /work/shared/notes/router-performance.md). It starts, each in its own process:
+
+* a fixed-response fake backend (aiohttp.web on uvloop) on two loopback ports, answering
+  every `POST /v1/completions` with the same ~200-byte completion JSON;
+* the proxy under test: (a) Fleet's router (`python -m router`, uvicorn with uvloop and
+  httptools; pool of the two backend ports, default policy), or (b) a FastAPI route that
+  forwards with a plain `httpx.AsyncClient`, round-robin over the two ports (uvicorn with
+  uvloop and httptools too), or (c) nothing: the load goes to the backend directly;
+* a closed-loop load generator (aiohttp on uvloop): `--concurrency` workers each send a
+  45-byte JSON POST, wait for the whole answer, and send the next, for `--seconds` after a
+  one-second warm-up.
+
+For each target it prints requests per second, p50/p99 latency and the CPU time per
+request of the proxy process (user + system time from /proc/PID/stat over the measured
+window divided by the requests served in it), and the same for the backend. Everything
+shares the machine's cores, so figures move from run to run; read the ratios.
+
+Usage: python loadtests/bench_proxy_hop.py [--seconds 10] [--concurrency 8]
+       [--targets router,fastapi-httpx,direct]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request, Response  # module level: FastAPI resolves the handler's string annotations here
+
+REPO = Path(__file__).resolve().parent.parent
+REQUEST_BODY = b'{"model":"bench","prompt":"hello","max_tokens":8}'  # ~45 bytes, as in the reference run
+RESPONSE_BODY = json.dumps({
+    "id": "cmpl-bench", "object": "text_completion", "created": 1700000000, "model": "bench",
+    "choices": [{"index": 0, "text": " world, this is a fixed answer", "logprobs": None, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9},
+}, separators=(",", ":")).encode()  # fmt: skip
+ADMIN_TOKEN = "bench-admin-token"
+TARGETS = ("router", "fastapi-httpx", "direct", "bare-asgi")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# --- roles run in child processes -------------------------------------------------------
+
+
+def role_backend() -> None:
+    """Fixed-response backend on two free ports; prints `PORTS p1 p2`, runs until killed."""
+    import uvloop
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=RESPONSE_BODY, content_type="application/json")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", answer)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        ports = []
+        for _ in range(2):
+            site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
+            await site.start()
+            ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        print("PORTS", *ports, flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+def role_fastapi_httpx(backend_ports: list[int]) -> None:
+    """FastAPI route + plain httpx.AsyncClient proxy, round-robin over the backend ports."""
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI
+
+    from router.server import ListeningServer
+
+    app = FastAPI()
+    urls = itertools.cycle([f"http://127.0.0.1:{p}/v1/completions" for p in backend_ports])
+    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    @app.post("/v1/completions")
+    async def proxy(request: Request) -> Response:
+        body = await request.body()
+        upstream = await client.post(next(urls), content=body, headers={"content-type": "application/json"})
+        return Response(content=upstream.content, status_code=upstream.status_code,
+                        media_type=upstream.headers.get("content-type"))  # fmt: skip
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, loop="uvloop", http="httptools", access_log=False,
+                            log_level="warning")  # fmt: skip
+    ListeningServer(config, lambda h, p: print(f"listening on http://{h}:{p}", flush=True)).run()
+
+
+def role_bare_asgi(backend_ports: list[int]) -> None:
+    """The floor: a raw ASGI app that forwards with aiohttp, round-robin, and does nothing
+    else (no parsing, routing policy, metrics or retries), on uvicorn (uvloop, httptools)."""
+    import aiohttp
+    import uvicorn
+
+    from router.server import ListeningServer
+
+    urls = itertools.cycle([f"http://127.0.0.1:{p}/v1/completions" for p in backend_ports])
+    session: list[aiohttp.ClientSession] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                session.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+                await send({"type": "lifespan.startup.complete"})
+            await session[0].close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        async with session[0].post(next(urls), data=b"".join(chunks),
+                                   headers={"content-type": "application/json"}) as upstream:  # fmt: skip
+            data = await upstream.read()
+            headers = [(b"content-type", upstream.headers["content-type"].encode()),
+                       (b"content-length", str(len(data)).encode())]  # fmt: skip
+            await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+            await send({"type": "http.response.body", "body": data})
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, loop="uvloop", http="httptools", access_log=False,
+                            log_level="warning", lifespan="on")  # fmt: skip
+    ListeningServer(config, lambda h, p: print(f"listening on http://{h}:{p}", flush=True)).run()
+
+
+def role_loadgen(url: str, seconds: float, concurrency: int) -> None:
+    """Closed-loop load: warm up 1 s, print `MEASURING`, run `seconds`, print a JSON result."""
+    import aiohttp
+    import uvloop
+
+    async def main() -> None:
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        headers = {"Content-Type": "application/json"}
+        async with aiohttp.ClientSession(connector=connector) as session:
+            latencies_s: list[float] = []
+            errors = 0
+            measuring = False
+
+            async def worker(deadline_s: float) -> None:
+                nonlocal errors
+                while (start_s := time.perf_counter()) < deadline_s:
+                    async with session.post(url, data=REQUEST_BODY, headers=headers) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                    if measuring:
+                        latencies_s.append(time.perf_counter() - start_s)
+                        errors += not ok
+
+            await asyncio.gather(*(worker(time.perf_counter() + 1.0) for _ in range(concurrency)))
+            measuring = True
+            print("MEASURING", flush=True)
+            began_s = time.perf_counter()
+            await asyncio.gather(*(worker(began_s + seconds) for _ in range(concurrency)))
+            elapsed_s = time.perf_counter() - began_s
+        latencies_s.sort()
+        n = len(latencies_s)
+        print(json.dumps({
+            "requests": n, "errors": errors, "elapsed_s": elapsed_s,
+            "p50_s": latencies_s[n // 2] if n else None,
+            "p99_s": latencies_s[min(n - 1, int(n * 0.99))] if n else None,
+        }), flush=True)  # fmt: skip
+
+    uvloop.run(main())
+
+
+# --- orchestration ----------------------------------------------------------------------
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (fields 14 and 15 of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})  # fmt: skip
+
+
+def read_line(proc: subprocess.Popen[str], prefix: str) -> str:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if prefix in line:
+            return line.strip()
+    raise RuntimeError(f"process {proc.args!r} exited (rc={proc.wait()}) before printing {prefix!r}")
+
+
+def configure_router(base: str, backend_ports: list[int]) -> None:
+    doc = {"endpoints": [{"id": f"backend-{i}", "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(backend_ports)]}
+    request = urllib.request.Request(f"{base}/admin/v1/pools/bench", data=json.dumps(doc).encode(), method="PUT",
+                                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
+                                              "Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 200
+
+
+def run_target(target: str, backend: subprocess.Popen[str], backend_ports: list[int], args: argparse.Namespace
+               ) -> dict[str, Any]:  # fmt: skip
+    proxy: subprocess.Popen[str] | None = None
+    try:
+        if target == "router":
+            proxy = spawn("-m", "router", "--host", "127.0.0.1", "--port", "0",
+                          env={"FLEET_ROUTER_ADMIN_TOKEN": ADMIN_TOKEN})  # fmt: skip
+            base = read_line(proxy, "listening on").rsplit(" ", 1)[1]
+            configure_router(base, backend_ports)
+        elif target in ("fastapi-httpx", "bare-asgi"):
+            proxy = spawn(__file__, "--role", target, "--backend-ports", ",".join(map(str, backend_ports)))
+            base = read_line(proxy, "listening on").rsplit(" ", 1)[1]
+        else:
+            base = f"http://127.0.0.1:{backend_ports[0]}"
+        loadgen = spawn(__file__, "--role", "loadgen", "--url", f"{base}/v1/completions",
+                        "--seconds", str(args.seconds), "--concurrency", str(args.concurrency))  # fmt: skip
+        read_line(loadgen, "MEASURING")
+        proxy_cpu0 = cpu_s(proxy.pid) if proxy else 0.0
+        backend_cpu0 = cpu_s(backend.pid)
+        result = json.loads(read_line(loadgen, "{"))
+        proxy_cpu_s = cpu_s(proxy.pid) - proxy_cpu0 if proxy else None
+        backend_cpu_s = cpu_s(backend.pid) - backend_cpu0
+        loadgen.wait(timeout=30)
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(timeout=30)
+    n = result["requests"]
+    return {
+        "target": target,
+        "req_s": n / result["elapsed_s"],
+        "p50_ms": result["p50_s"] * 1e3,
+        "p99_ms": result["p99_s"] * 1e3,
+        "errors": result["errors"],
+        "proxy_cpu_us": None if proxy_cpu_s is None else proxy_cpu_s / n * 1e6,
+        "backend_cpu_us": backend_cpu_s / n * 1e6,
+    }
+
+
+LABELS = {
+    "router": "Fleet router (raw ASGI + aiohttp, uvicorn uvloop/httptools)",
+    "fastapi-httpx": "FastAPI route + plain httpx.AsyncClient (uvicorn uvloop/httptools)",
+    "direct": "backend directly (no proxy)",
+    "bare-asgi": "floor: bare raw ASGI + aiohttp forwarder (no parsing, policy, metrics)",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per target (default 10)")
+    parser.add_argument("--concurrency", type=int, default=8, help="closed-loop workers (default 8)")
+    parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {TARGETS}")
+    parser.add_argument("--role", choices=("backend", "fastapi-httpx", "bare-asgi", "loadgen"), help=argparse.SUPPRESS)
+    parser.add_argument("--backend-ports", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.role == "backend":
+        return role_backend()
+    if args.role == "fastapi-httpx":
+        return role_fastapi_httpx([int(p) for p in args.backend_ports.split(",")])
+    if args.role == "bare-asgi":
+        return role_bare_asgi([int(p) for p in args.backend_ports.split(",")])
+    if args.role == "loadgen":
+        return role_loadgen(args.url, args.seconds, args.concurrency)
+
+    targets = [t for t in args.targets.split(",") if t]
+    unknown = set(targets) - set(TARGETS)
+    if unknown:
+        parser.error(f"unknown targets {sorted(unknown)}; known: {', '.join(TARGETS)}")
+    backend = spawn(__file__, "--role", "backend")
+    try:
+        backend_ports = [int(p) for p in read_line(backend, "PORTS").split()[1:]]
+        rows = [run_target(t, backend, backend_ports, args) for t in targets]
+    finally:
+        backend.terminate()
+        backend.wait(timeout=30)
+
+    print(f"\n{args.seconds:g} s per target, concurrency {args.concurrency}, {os.cpu_count()} CPUs, "
+          f"{len(REQUEST_BODY)}-byte request, {len(RESPONSE_BODY)}-byte response\n")  # fmt: skip
+    print("| target | req/s | p50 / p99 | proxy CPU per request | backend CPU per request | errors |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        proxy_cpu = "—" if row["proxy_cpu_us"] is None else f"{row['proxy_cpu_us']:,.0f} µs"
+        print(f"| {LABELS[row['target']]} | {row['req_s']:,.0f} | {row['p50_ms']:.2f} / {row['p99_ms']:.2f} ms "
+              f"| {proxy_cpu} | {row['backend_cpu_us']:,.0f} µs | {row['errors']} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

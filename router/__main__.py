@@ -1,0 +1,31 @@
+"""Command line of the router: `python -m router --host 127.0.0.1 --port 8080`.
+
+Reads the admin API's bearer token from the environment variable
+`FLEET_ROUTER_ADMIN_TOKEN` (exit status 2 if it is unset or empty) and calls
+`router.server.serve`. Prints one line once listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from router.server import serve
+
+TOKEN_ENV = "FLEET_ROUTER_ADMIN_TOKEN"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m router", description="Fleet's OpenAI-compatible request router.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one (default 8080)")
+    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    args = parser.parse_args(argv)
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        parser.error(f"environment variable {TOKEN_ENV} must hold the admin API bearer token")  # exits 2
+    serve(args.host, args.port, token, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

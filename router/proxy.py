@@ -1,0 +1,421 @@
+"""The request path: proxy OpenAI completion requests to a pool's endpoints.
+
+Owns `Proxy`, a raw ASGI handler for `POST /v1/completions` and
+`POST /v1/chat/completions`, and the aiohttp client session it forwards with. Called by
+`router.app.RouterApp` for those two paths only; everything else goes to the FastAPI app.
+
+Per request: read and check the JSON body (400), find the model's pool (404), let the
+pool's policy pick a ready endpoint (503 + Retry-After if none), forward the original body
+bytes to `{endpoint.url}{path}`, and relay status, content type and body. Streamed (SSE
+or unsized) bodies are relayed chunk by chunk as they arrive. A connection failure before
+any response byte arrived is retried on an endpoint not yet tried (at most
+`min(max_attempts, ready endpoints)` attempts, then 502); nothing is retried once the
+endpoint has answered. Upstream 4xx and 5xx are relayed as is.
+
+This is the hot path (see /work/shared/notes/router-performance.md): raw ASGI, aiohttp
+client, pre-bound metric children, no per-request logging. Keep it that way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import aiohttp
+
+from router.metrics import RouterMetrics
+from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, PoolTable
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PROXIED_PATHS: dict[str, str] = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+"""Paths the proxy serves (POST only), and the body field each one requires."""
+
+DEFAULT_MAX_ATTEMPTS = 3
+"""Endpoints tried per request when connections fail before any response byte (capped by
+the pool's ready endpoints)."""
+DEFAULT_RETRY_AFTER_S = 2
+"""Retry-After (seconds) of a 503 for a pool with no ready endpoint: long enough not to spin,
+short enough to catch an endpoint that a controller is just adding."""
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+"""Seconds to open a TCP connection to an endpoint before trying another."""
+DEFAULT_KEEPALIVE_TIMEOUT_S = 4.0
+"""Idle upstream connections are closed after this many seconds: below the 5 s keep-alive of
+uvicorn and vLLM (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`), so the router never reuses a connection
+the engine is closing (which would fail the request before any byte and cost a retry)."""
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+"""Largest request body accepted (bytes; 413 above): room for long prompts and inline images."""
+
+# Request headers not forwarded: hop-by-hop ones (RFC 9110 section 7.6.1), the ones aiohttp
+# sets itself, and accept-encoding (the proxy asks for identity bodies so it never has to
+# decode or re-encode).
+_DROP_REQUEST_HEADERS = frozenset({
+    b"host", b"content-length", b"connection", b"keep-alive", b"proxy-authorization",
+    b"proxy-authenticate", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
+    b"upgrade", b"expect", b"accept-encoding",
+})  # fmt: skip
+# Response headers relayed to the client besides the status line.
+_RELAY_RESPONSE_HEADERS = frozenset({b"content-type", b"content-encoding", b"retry-after", b"x-request-id"})
+
+# Failures that happen before the endpoint sent a single response byte, so the request can
+# go to another endpoint: connect refused / reset / timed out, or the connection closed
+# before the status line arrived.
+_RETRYABLE = (
+    aiohttp.ClientOSError,  # includes ClientConnectorError (refused, unreachable, reset)
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientConnectionResetError,
+    aiohttp.ConnectionTimeoutError,
+)
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> bytes:  # fmt: skip
+    """An OpenAI-style error document: `{"error": {"message", "type", "param", "code"}}`."""
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+
+
+async def send_json(send: Send, status: int, body: bytes,
+                    extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
+    """Send a complete JSON response through ASGI `send`."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if extra_headers:
+        headers.extend(extra_headers)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def check_request(body: bytes, path: str) -> tuple[str, None] | tuple[None, bytes]:
+    """Validate a completion request body; return `(model, None)` or `(None, error_body)`.
+
+    Checks only what routing needs and what is cheap: a JSON object, a non-empty string
+    `model`, and `prompt` (completions) or a list `messages` (chat). The engine validates
+    the rest.
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None, error_body(f"request body is not valid JSON: {exc}", code="invalid_json")
+    if not isinstance(data, dict):
+        return None, error_body("request body must be a JSON object", code="invalid_json")
+    model = data.get("model")
+    if model is None:
+        return None, error_body("you must provide a model parameter", param="model", code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        return None, error_body("model must be a non-empty string", param="model", code="invalid_type")
+    field = PROXIED_PATHS[path]
+    value = data.get(field)
+    if value is None:
+        return None, error_body(f"you must provide a {field} parameter", param=field, code="missing_required_parameter")
+    if field == "messages" and not isinstance(value, list):
+        return None, error_body("messages must be a list", param="messages", code="invalid_type")
+    return model, None
+
+
+DISCONNECT_WATCH_DELAY_S = 0.05
+"""A request still running after this many seconds starts watching for a client
+disconnect. Requests answered sooner (most non-streamed ones through a fast engine) never
+pay for the watcher task: started for every request it cost tens of microseconds of CPU
+per request, a large share of the router's own overhead (loadtests/bench_proxy_hop.py)."""
+
+
+class _ClientWatch:
+    """Cancels the request task when the client disconnects before the response is done.
+
+    ASGI servers report a disconnect only through `receive()`, and uvicorn's `send()`
+    silently drops data for a gone client, so without this the proxy would keep the
+    engine generating for nobody. The watching task starts only after `delay_s`; a
+    disconnect before then is seen when it starts. Set `finishing` before the final `send`.
+    """
+
+    __slots__ = ("gone", "finishing", "_owner", "_receive", "_timer", "_task")
+
+    def __init__(self, receive: Receive, delay_s: float) -> None:
+        self.gone = False
+        self.finishing = False
+        owner = asyncio.current_task()
+        assert owner is not None  # always inside the ASGI request task
+        self._owner = owner
+        self._receive = receive
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(delay_s, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        if not self.finishing:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        if not self.finishing:
+            self.gone = True
+            self._owner.cancel()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+class Proxy:
+    """Raw ASGI handler of the proxied paths, with one shared aiohttp `ClientSession`.
+
+    `clock` returns seconds (monotonic; default `time.perf_counter` via `create_app`) and
+    times every measurement. `start()` opens the session (at lifespan startup; called
+    lazily otherwise) and `close()` closes it. Timeouts: `connect_timeout_s` to open an
+    upstream connection; `read_timeout_s` (None: unlimited, as generations can take
+    minutes) between two reads from the endpoint. `failure_cooldown_s`: how long an
+    endpoint whose connection failed is skipped (see `router.pool.DEFAULT_FAILURE_COOLDOWN_S`).
+    """
+
+    def __init__(
+        self,
+        pools: PoolTable,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+        *,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        retry_after_s: int = DEFAULT_RETRY_AFTER_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        read_timeout_s: float | None = None,
+        keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self._pools = pools
+        self._metrics = metrics
+        self._clock = clock
+        self._max_attempts = max_attempts
+        self._retry_after = [(b"retry-after", str(int(retry_after_s)).encode())]
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._keepalive_timeout_s = keepalive_timeout_s
+        self._max_body_bytes = max_body_bytes
+        self._failure_cooldown_s = failure_cooldown_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Open the upstream client session (no connection limit, keep-alive)."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_timeout_s)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=self._timeout,
+                cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must not carry cookies across clients
+                auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding",),
+            )
+
+    async def close(self) -> None:
+        """Close the client session and its connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        query: bytes = scope.get("query_string", b"")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            if chunk:
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > self._max_body_bytes:
+                    await self._reject(send, 413, "", error_body(
+                        f"request body exceeds {self._max_body_bytes} bytes", code="request_too_large"))  # fmt: skip
+                    return
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+        model, problem = check_request(body, path)
+        if model is None:
+            await self._reject(send, 400, "", problem or b"")
+            return
+        pool = self._pools.get(model)
+        if pool is None:
+            known = ", ".join(self._pools.models()) or "(none)"
+            await self._reject(send, 404, "", error_body(
+                f"model {model!r} is not served here; known models: {known}", param="model",
+                code="model_not_found"))  # fmt: skip
+            return
+        endpoint = pool.pick(self._clock())
+        if endpoint is None:
+            await self._reject(send, 503, model, error_body(
+                f"model {model!r} has no ready endpoint; retry later", type_="server_error",
+                code="no_ready_endpoint"), self._retry_after)  # fmt: skip
+            return
+
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k not in _DROP_REQUEST_HEADERS]  # fmt: skip
+        target = f"{path}?{query.decode('latin-1')}" if query else path
+        if self._session is None:
+            await self.start()
+        watch = _ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
+        try:
+            attempts = min(self._max_attempts, len(pool.ready))
+            tried = [endpoint]
+            while True:
+                retry = await self._attempt(endpoint, target, body, headers, send, watch)
+                if not retry:
+                    return  # the client got its response (or is gone)
+                if len(tried) >= attempts:
+                    break
+                next_endpoint = pool.pick(self._clock(), tried)
+                if next_endpoint is None:
+                    break
+                endpoint = next_endpoint
+                tried.append(endpoint)
+                self._metrics.retries.labels(model).inc()
+            log.warning("model %s: no endpoint answered after %d attempt(s): %s", model, len(tried),
+                        ", ".join(e.id for e in tried))  # fmt: skip
+            watch.finishing = True
+            await self._reject(send, 502, model, error_body(
+                f"no endpoint of model {model!r} could be reached ({len(tried)} attempt(s))",
+                type_="server_error", code="upstream_unavailable"))  # fmt: skip
+        except asyncio.CancelledError:
+            if watch.gone:
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]  # we cancelled ourselves
+                return
+            raise
+        finally:
+            watch.stop()
+
+    async def _reject(self, send: Send, status: int, model: str, body: bytes,
+                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
+        self._metrics.rejected.labels(model, str(status)).inc()
+        await send_json(send, status, body, extra_headers)
+
+    async def _attempt(self, endpoint: EndpointState, target: str, body: bytes, headers: list[tuple[str, str]],
+                       send: Send, watch: _ClientWatch) -> bool:  # fmt: skip
+        """Send the request to `{endpoint.url}{target}` (path and query) and relay the answer;
+        True means retry elsewhere.
+
+        Returns True only when the connection failed before any response byte arrived;
+        then nothing has been sent to the client. In every other case the client got a
+        response (relayed, 502/504, or a truncated stream) or is gone.
+
+        Time to first byte is measured to the first body chunk of a streamed response and
+        to the response head of a sized one (an engine sends a non-streamed head with its
+        body, when generation is done). It feeds the EWMA and histogram for < 400 only.
+        """
+        m = endpoint.metrics
+        assert m is not None  # endpoints of a PoolTable are always bound
+        assert self._session is not None
+        endpoint.in_flight += 1
+        endpoint.requests_total += 1
+        clock = self._clock
+        start_s = clock()
+        try:
+            try:
+                resp = await self._session.post(endpoint.url + target, data=body, headers=headers)
+            except _RETRYABLE as exc:
+                endpoint.record_failure(clock(), self._failure_cooldown_s)
+                m.error("connect").inc()
+                log.debug("endpoint %s (%s): connection failed before response: %r", endpoint.id, endpoint.url, exc)
+                return True
+            except _UPSTREAM_ERRORS as exc:
+                timed_out = isinstance(exc, asyncio.TimeoutError)
+                endpoint.record_failure(clock())
+                m.error("timeout" if timed_out else "interrupted").inc()
+                log.warning("endpoint %s (%s): request failed: %r", endpoint.id, endpoint.url, exc)
+                watch.finishing = True
+                await send_json(send, 504 if timed_out else 502, error_body(
+                    f"endpoint {endpoint.id} failed: {type(exc).__name__}", type_="server_error",
+                    code="upstream_timeout" if timed_out else "upstream_error"))  # fmt: skip
+                return False
+            headers_s = clock()
+            completed = False
+            try:
+                status = resp.status
+                m.requests(status).inc()
+                if status >= 500:
+                    endpoint.record_failure(headers_s)
+                    m.error("http_5xx").inc()
+                relay = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() in _RELAY_RESPONSE_HEADERS]
+                content_type = resp.content_type
+                length = resp.content_length
+                first_byte_s: float | None
+                if length is not None and content_type != "text/event-stream":
+                    completed = await self._relay_whole(endpoint, resp, status, relay, send, watch)
+                    first_byte_s = headers_s
+                else:
+                    first_byte_s = await self._relay_stream(endpoint, resp, status, relay, send, watch)
+                    completed = first_byte_s is not None
+                if completed:
+                    assert first_byte_s is not None
+                    end_s = clock()
+                    m.e2e.observe(end_s - start_s)
+                    if status < 400:  # errors are not latency samples (5xx got a penalty above)
+                        ttfb_s = first_byte_s - start_s
+                        m.ttfb.observe(ttfb_s)
+                        endpoint.record_ttft(ttfb_s, end_s)
+            finally:
+                if completed:
+                    resp.release()
+                else:
+                    resp.close()
+            return False
+        finally:
+            endpoint.in_flight -= 1
+
+    async def _relay_whole(self, endpoint: EndpointState, resp: aiohttp.ClientResponse, status: int,
+                           headers: list[tuple[bytes, bytes]], send: Send, watch: _ClientWatch) -> bool:  # fmt: skip
+        """Relay a sized, non-streamed body in one piece; False if the endpoint failed."""
+        try:
+            data = await resp.read()
+        except _UPSTREAM_ERRORS as exc:
+            endpoint.record_failure(self._clock())
+            endpoint.metrics.error("interrupted").inc()  # type: ignore[union-attr]
+            log.warning("endpoint %s (%s): body read failed: %r", endpoint.id, endpoint.url, exc)
+            watch.finishing = True
+            await send_json(send, 502, error_body(f"endpoint {endpoint.id} failed mid-response",
+                                                  type_="server_error", code="upstream_error"))  # fmt: skip
+            return False
+        headers.append((b"content-length", str(len(data)).encode()))
+        watch.finishing = True
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+        return True
+
+    async def _relay_stream(self, endpoint: EndpointState, resp: aiohttp.ClientResponse, status: int,
+                            headers: list[tuple[bytes, bytes]], send: Send,
+                            watch: _ClientWatch) -> float | None:  # fmt: skip
+        """Relay the body chunk by chunk as it arrives; return the clock time of the first
+        body chunk (or of the end, for an empty body), None if the endpoint failed midway.
+
+        On failure the response to the client is left incomplete, so the ASGI server
+        closes the connection and the client sees a truncated stream, not a clean end.
+        """
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        first_byte_s: float | None = None
+        try:
+            async for chunk in resp.content.iter_any():
+                if first_byte_s is None:
+                    first_byte_s = self._clock()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except _UPSTREAM_ERRORS as exc:
+            endpoint.record_failure(self._clock())
+            endpoint.metrics.error("interrupted").inc()  # type: ignore[union-attr]
+            log.warning("endpoint %s (%s): stream interrupted: %r", endpoint.id, endpoint.url, exc)
+            return None
+        if first_byte_s is None:
+            first_byte_s = self._clock()
+        watch.finishing = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return first_byte_s

@@ -1,0 +1,83 @@
+"""The desired-state documents of the router's admin API: pools and their endpoints.
+
+Owns the pydantic models `EndpointSpec` and `PoolSpec`, the body of
+`PUT /admin/v1/pools/{model}`. Parsed by `router.admin`; applied by
+`router.pool.PoolTable.put`; a controller may build them to talk to the router.
+Bad input is rejected here, naming the field (FastAPI turns it into a 422).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from router.policies import DEFAULT_POLICY, policy_names
+
+
+class EndpointSpec(BaseModel):
+    """One engine endpoint of a pool."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$",
+        description="Endpoint id, unique in the pool (e.g. the replica name `chat-0`); a metric label.",
+    )
+    url: str = Field(
+        description="Base URL of the engine's OpenAI server, `http://host:port`, no path; "
+        "the request path (`/v1/completions`) is appended.",
+    )
+    version: str = Field(
+        default="", max_length=128, description="Model/engine version served (e.g. `v1`); informational."
+    )
+    weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="Relative traffic weight, for a canary split; carried, not used by the built-in policies.",
+    )
+    draining: bool = Field(default=False, description="True: send no new requests; in-flight ones finish.")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must be http(s)://host[:port], got {url!r}")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"url must have no path, query or fragment, got {url!r}")
+        try:
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as exc:
+            raise ValueError(f"url has a bad port: {url!r}") from exc
+        return url.rstrip("/")
+
+
+class PoolSpec(BaseModel):
+    """The endpoints that serve one model, and how to choose among them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: str = Field(default=DEFAULT_POLICY, description=f"Routing policy name; one of {policy_names()}.")
+    endpoints: list[EndpointSpec] = Field(
+        default_factory=list, description="All endpoints of the pool, draining ones included; may be empty (503s)."
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, policy: str) -> str:
+        known = policy_names()
+        if policy not in known:
+            raise ValueError(f"unknown routing policy {policy!r}; known policies: {', '.join(known)}")
+        return policy
+
+    @model_validator(mode="after")
+    def _check_unique_ids(self) -> PoolSpec:
+        seen: set[str] = set()
+        for endpoint in self.endpoints:
+            if endpoint.id in seen:
+                raise ValueError(f"duplicate endpoint id {endpoint.id!r}")
+            seen.add(endpoint.id)
+        return self

@@ -1,0 +1,278 @@
+"""Controller: replica lifecycle, replacement with backoff, drain and shutdown, on fake time
+with a fake backend, fake engines and a fake router admin API."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleet.controller import Controller, ControllerSettings
+from fleet.engines import VllmEngine
+from fleet.inventory import Gpu, NodeInventory
+from fleet.lifecycle import ReplicaStatus as S
+from fleet.spec import load_deployments
+from tests.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
+
+CPU_NODE = NodeInventory(name="n", cpu_cores=(0, 1))
+
+
+def write_deployment(tmp_path: Path, name="chat", replicas=2, **spec_extra) -> Path:
+    (tmp_path / "models" / "m").mkdir(parents=True, exist_ok=True)
+    spec = {
+        "model": {"name": f"{name}-model", "source": "./models/m"},
+        "resources": {"accelerator": "cpu"},
+        "replicas": {"min": 0, "max": 8, "initial": replicas},
+        **spec_extra,
+    }
+    doc = {"apiVersion": "fleet.inference.dev/v1alpha1", "kind": "InferenceDeployment",
+           "metadata": {"name": name}, "spec": spec}
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    return f
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, files: list[Path], node=CPU_NODE, **settings):
+        self.clock = FakeClock()
+        self.backend = FakeBackend()
+        self.engines = FakeEngineAPI()
+        self.pools = FakePoolSink()
+        self.events = []
+        self.c = Controller(
+            load_deployments(files), backend=self.backend, engine_api=self.engines, pool_sink=self.pools,
+            node=node, clock=self.clock, sleep=self.clock.sleep, settings=ControllerSettings(**settings),
+            on_event=self.events.append, log_dir=tmp_path / "logs",
+        )
+
+    async def tick(self, seconds: float = 1.0, n: int = 1) -> None:
+        for _ in range(n):
+            self.clock.advance(seconds)
+            await self.c.reconcile_once()
+            for _ in range(5):  # let warm-up tasks run
+                await asyncio.sleep(0)
+
+    def status(self) -> dict[str, S]:
+        return {rid: r.status for rid, r in self.c.replicas.items()}
+
+    def make_healthy(self, *rids: str) -> None:
+        for rid in rids:
+            self.engines.healthy.add(self.c.replicas[rid].port)
+
+    def pool_ids(self, model="chat-model") -> list[str]:
+        return [e.id for e in self.pools.pools.get(model, []) if not e.draining]
+
+    async def all_ready(self, *rids: str) -> None:
+        await self.tick()
+        self.make_healthy(*rids)
+        await self.tick(n=2)
+        assert all(self.c.replicas[r].status is S.READY for r in rids), self.status()
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed(monkeypatch):
+    monkeypatch.setattr(VllmEngine, "preflight", lambda self: None)
+
+
+async def test_replicas_go_through_the_lifecycle_and_join_the_pool_only_when_warm(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path)])
+    await h.tick()
+    assert h.status() == {"chat-0": S.STARTING, "chat-1": S.STARTING}
+    assert h.pool_ids() == []
+    # Devices: one exclusive core each, pinned through the engine's environment.
+    envs = [p.spec.env["VLLM_CPU_OMP_THREADS_BIND"] for p in h.backend.procs.values()]
+    assert sorted(envs) == ["0", "1"]
+    argv = h.backend.by_replica("chat-0").spec.argv
+    assert argv[argv.index("--served-model-name") + 1] == "chat-model"
+    assert argv[argv.index("--port") + 1] == str(h.c.replicas["chat-0"].port)
+
+    h.make_healthy("chat-0")
+    await h.tick()
+    # Healthy is not enough: the warm-up requests run first, through the engine's API.
+    assert h.c.replicas["chat-0"].healthy_at_s is not None
+    await h.tick()
+    assert h.status() == {"chat-0": S.READY, "chat-1": S.STARTING}
+    assert h.pool_ids() == ["chat-0"]
+    assert [p for _, p in h.engines.posts] == ["/v1/completions", "/v1/completions", "/v1/chat/completions"]
+
+    h.make_healthy("chat-1")
+    await h.tick(n=2)
+    assert h.pool_ids() == ["chat-0", "chat-1"]
+    seq = [e.new for e in h.events if e.replica_id == "chat-1"]
+    assert seq == [S.STARTING, S.WARMING, S.READY]
+    assert h.c.replicas["chat-1"].time_to_ready_s() == pytest.approx(4.0)
+
+
+async def test_engine_that_cannot_start_fails_with_reason_and_is_replaced_with_backoff(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path)], backoff_base_s=10, backoff_max_s=25)
+    await h.all_ready("chat-0", "chat-1")
+    # chat-1 crashes; the other keeps serving.
+    h.backend.exit("chat-1", 1, "RuntimeError: CUDA out of memory")
+    await h.tick()
+    r = h.c.replicas["chat-1"]
+    assert r.status is S.FAILED_CRASHED
+    assert r.failure.reason == "engine exited with code 1"
+    assert r.failure.log_tail[-1] == "RuntimeError: CUDA out of memory"
+    assert h.pool_ids() == ["chat-0"]
+    # Replacement waits for the backoff (10 s after the first failure in a row).
+    await h.tick(n=8)
+    assert "chat-2" not in h.c.replicas
+    await h.tick(n=2)
+    assert h.status()["chat-2"] is S.STARTING
+    # It fails before /health: FAILED_START; the next replacement waits 20 s.
+    h.backend.exit("chat-2", 1, "ValueError: bad config.json")
+    await h.tick()
+    assert h.c.replicas["chat-2"].status is S.FAILED_START
+    assert "before /health passed" in h.c.replicas["chat-2"].failure.reason
+    await h.tick(n=18)
+    assert "chat-3" not in h.c.replicas
+    await h.tick(n=2)
+    assert "chat-3" in h.c.replicas
+    # Third failure in a row: capped at backoff_max_s = 25.
+    h.backend.exit("chat-3", 1)
+    await h.tick()
+    assert h.c.deployments["chat"].next_create_at_s - h.clock() == pytest.approx(25.0)
+    assert h.pool_ids() == ["chat-0"]
+    assert h.status()["chat-0"] is S.READY
+
+
+async def test_startup_timeout_stops_the_engine_and_escalates_to_sigkill(tmp_path):
+    f = write_deployment(tmp_path, replicas=1, engine={"startupTimeoutSeconds": 30})
+    h = Harness(tmp_path, [f], stop_grace_s=10)
+    h.backend.ignore_sigterm = True
+    await h.tick(n=30)
+    assert h.status()["chat-0"] is S.STARTING
+    await h.tick(n=2)
+    r = h.c.replicas["chat-0"]
+    assert r.status is S.FAILED_START and "within 30 s" in r.failure.reason
+    assert h.backend.by_replica("chat-0").signals == ["SIGTERM"]
+    await h.tick(n=10)
+    assert h.backend.by_replica("chat-0").signals == ["SIGTERM", "SIGKILL"]
+    await h.tick()
+    assert not r.process_alive
+
+
+async def test_failed_warmup_never_joins_the_pool(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)])
+    await h.tick()
+    port = h.c.replicas["chat-0"].port
+    h.engines.warmup_fails.add(port)
+    h.make_healthy("chat-0")
+    await h.tick(n=2)
+    r = h.c.replicas["chat-0"]
+    assert r.status is S.FAILED_WARMUP
+    assert "HTTP 500: boom" in r.failure.reason
+    # The model is known to the router from the first tick (503 while starting, not 404), empty.
+    assert h.pools.pools == {"chat-model": []}
+    assert h.backend.by_replica("chat-0").signals == ["SIGTERM"]
+
+
+async def test_ready_replica_that_stops_answering_health_is_failed_and_replaced(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)], ready_health_interval_s=5, unhealthy_threshold=3)
+    await h.all_ready("chat-0")
+    h.engines.healthy.clear()
+    await h.tick(5, n=2)
+    assert h.status()["chat-0"] is S.READY
+    await h.tick(5)
+    assert h.status()["chat-0"] is S.FAILED_UNHEALTHY
+    assert h.pool_ids() == []
+    await h.tick(10)
+    assert h.status()["chat-1"] is S.STARTING
+
+
+async def test_scale_down_drains_in_flight_requests_before_stopping(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path)], drain_timeout_s=60)
+    await h.all_ready("chat-0", "chat-1")
+    h.pools.in_flight_by_id = {"chat-1": 2}
+    h.c.set_desired("chat", 1)
+    await h.tick()
+    assert h.status()["chat-1"] is S.DRAINING
+    # Out of rotation at once, still listed (draining) so its in-flight count is visible.
+    assert h.pool_ids() == ["chat-0"]
+    assert [e.id for e in h.pools.pools["chat-model"] if e.draining] == ["chat-1"]
+    await h.tick(n=5)
+    assert h.backend.by_replica("chat-1").signals == []
+    h.pools.in_flight_by_id = {"chat-1": 0}
+    await h.tick()
+    assert h.backend.by_replica("chat-1").signals == ["SIGTERM"]
+    await h.tick()
+    assert h.status()["chat-1"] is S.TERMINATED
+    assert [e.id for e in h.pools.pools["chat-model"]] == ["chat-0"]
+
+
+async def test_drain_gives_up_after_the_drain_timeout(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)], drain_timeout_s=20)
+    await h.all_ready("chat-0")
+    h.pools.in_flight_by_id = {"chat-0": 1}
+    h.c.set_desired("chat", 0)
+    await h.tick(n=19)
+    assert h.backend.by_replica("chat-0").signals == []
+    await h.tick(n=2)
+    assert h.backend.by_replica("chat-0").signals == ["SIGTERM"]
+
+
+async def test_set_desired_is_clamped_to_spec_bounds_and_persisted_first(tmp_path):
+    saved = []
+
+    class Sink:
+        def save(self, snap):
+            saved.append(snap)
+
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)])
+    h.c.state_sink = Sink()
+    h.c.set_desired("chat", 50)
+    assert h.c.deployments["chat"].desired == 8
+    assert saved[-1]["deployments"]["chat"]["desired"] == 8  # persisted before any replica exists
+    assert h.c.replicas == {}
+
+
+async def test_shutdown_leaves_no_process(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path)], stop_grace_s=0.1)
+    await h.all_ready("chat-0", "chat-1")
+    h.backend.ignore_sigterm = True
+    await h.c.shutdown(timeout_s=5, interval_s=0.01)
+    assert h.backend.alive() == []
+    assert all(s in (S.TERMINATED,) for s in h.status().values())
+    assert h.pools.pools["chat-model"] == []
+
+
+async def test_router_update_failure_is_retried_next_tick(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)])
+    h.pools.fail = True
+    await h.all_ready("chat-0")
+    assert h.pools.pools == {}
+    h.pools.fail = False
+    await h.tick()
+    assert h.pool_ids() == ["chat-0"]
+
+
+async def test_gpu_replicas_are_pinned_to_disjoint_gpus_and_wait_when_none_is_free(tmp_path):
+    gpus = tuple(Gpu(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", 81559) for i in range(4))
+    node = NodeInventory("n", gpus=gpus, cpu_cores=(0, 1))
+    f = write_deployment(tmp_path, replicas=3, resources={"accelerator": "gpu", "tensorParallelSize": 2})
+    h = Harness(tmp_path, [f], node=node)
+    await h.tick()
+    assert h.status() == {"chat-0": S.STARTING, "chat-1": S.STARTING, "chat-2": S.PENDING}
+    envs = {p.spec.replica_id: p.spec.env["CUDA_VISIBLE_DEVICES"] for p in h.backend.procs.values()}
+    assert envs == {"chat-0": "GPU-0,GPU-1", "chat-1": "GPU-2,GPU-3"}
+    argv = h.backend.by_replica("chat-0").spec.argv
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert h.c.snapshot()["replicas"][2]["waiting_reason"] == "needs 2 free GPU(s), 0 free"
+    # A failed replica frees its GPUs once its process is gone; the waiting one takes them.
+    h.backend.exit("chat-0", 1)
+    await h.tick()
+    assert h.status()["chat-2"] is S.STARTING
+    assert h.backend.by_replica("chat-2").spec.env["CUDA_VISIBLE_DEVICES"] == "GPU-0,GPU-1"
+
+
+async def test_missing_weights_fail_the_replica_with_the_field_named(tmp_path):
+    f = write_deployment(tmp_path, replicas=1)
+    h = Harness(tmp_path, [f])
+    (tmp_path / "models" / "m").rmdir()
+    await h.tick()
+    r = h.c.replicas["chat-0"]
+    assert r.status is S.FAILED_START
+    assert r.failure.reason == "weights not found: spec.model.source './models/m'"
+    assert h.backend.procs == {}

@@ -1,0 +1,91 @@
+"""HTTP calls from the control plane to an engine replica: `/health` and OpenAI API requests.
+
+Owns `EngineClient`, the one thin wrapper (httpx) through which the controller and the warm-up
+run talk to engines, so unit tests can replace it with a fake. Not on the router's request path.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Protocol
+
+import httpx
+
+
+class EngineRequestError(Exception):
+    """An engine request failed: connection error, timeout, non-2xx status or a bad body."""
+
+
+class EngineAPI(Protocol):
+    async def health(self, endpoint: str, timeout_s: float = 2.0) -> bool:
+        """True when ``GET {endpoint}/health`` answers 200 within ``timeout_s``."""
+        ...
+
+    async def post(self, endpoint: str, path: str, body: dict, timeout_s: float) -> int:
+        """POST an OpenAI API request and read the whole response (a stream to its ``[DONE]``).
+
+        Returns the number of completion tokens the engine reported (``usage``), or of streamed
+        chunks when it reported none. Raises EngineRequestError.
+        """
+        ...
+
+
+class EngineClient:
+    """`EngineAPI` over httpx with one pooled connection set per process."""
+
+    def __init__(self) -> None:
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def health(self, endpoint: str, timeout_s: float = 2.0) -> bool:
+        try:
+            r = await self._http.get(f"{endpoint}/health", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    async def post(self, endpoint: str, path: str, body: dict, timeout_s: float) -> int:
+        url = f"{endpoint}{path}"
+        try:
+            if body.get("stream"):
+                return await self._post_stream(url, body, timeout_s)
+            r = await self._http.post(url, json=body, timeout=timeout_s)
+        except httpx.TimeoutException as err:
+            raise EngineRequestError(f"POST {path}: timed out after {timeout_s:g} s") from err
+        except httpx.HTTPError as err:
+            raise EngineRequestError(f"POST {path}: {type(err).__name__}: {err}") from err
+        if r.status_code != 200:
+            raise EngineRequestError(f"POST {path}: HTTP {r.status_code}: {r.text[:300]}")
+        try:
+            data = r.json()
+            choices = data["choices"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise EngineRequestError(f"POST {path}: response is not an OpenAI completion: {r.text[:300]}") from err
+        if not choices:
+            raise EngineRequestError(f"POST {path}: response has no choices")
+        return int((data.get("usage") or {}).get("completion_tokens") or 0)
+
+    async def _post_stream(self, url: str, body: dict, timeout_s: float) -> int:
+        chunks = 0
+        done = False
+        async with self._http.stream("POST", url, json=body, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode("utf-8", "replace")
+                raise EngineRequestError(f"POST {url}: HTTP {r.status_code}: {text[:300]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                try:
+                    json.loads(payload)
+                except ValueError as err:
+                    raise EngineRequestError(f"POST {url}: bad SSE event: {payload[:200]}") from err
+                chunks += 1
+        if not done:
+            raise EngineRequestError(f"POST {url}: stream ended without [DONE] after {chunks} chunks")
+        return chunks
