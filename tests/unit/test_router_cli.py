@@ -33,3 +33,4 @@ def test_command_line_needs_token_and_prints_listening_line() -> None:
         proc.terminate()
         # uvicorn shuts down gracefully on SIGTERM, then re-raises it so supervisors see it.
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
