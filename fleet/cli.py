@@ -31,8 +31,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 # Off a terminal (pipes, CI logs) rich would wrap at 80 columns; replica lines and tables are wider.
-console = Console(width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=True)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160, soft_wrap=True)
 
 StateDir = Annotated[
     Optional[Path],

@@ -126,6 +126,7 @@ class Controller:
         self._handles: dict[str, ProcessHandle] = {}
         self._assignments: dict[str, Assignment] = {}
         self._warmups: dict[str, asyncio.Task[WarmupResult]] = {}
+        self._wake = asyncio.Event()
         self._last_status: dict[str, ReplicaStatus] = {}
         self._waiting: dict[str, str] = {}          # replica id -> why it is still PENDING
         self._last_probe_s: dict[str, float] = {}
@@ -178,14 +179,27 @@ class Controller:
         self._trim_history()
         self._save()
 
-    async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
-        """Reconcile every ``interval_s`` until ``stop`` is set."""
+    async def run(
+        self, stop: asyncio.Event, interval_s: float = 1.0, after_tick: Callable[[], None] | None = None
+    ) -> None:
+        """Reconcile every ``interval_s`` seconds until ``stop`` is set, and at once when
+        something the loop waits for has happened (a warm-up finished, `wake()`).
+
+        ``after_tick`` runs after each tick (progress output).
+        """
         while not stop.is_set():
             await self.reconcile_once()
+            if after_tick is not None:
+                after_tick()
             try:
-                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+                await asyncio.wait_for(self._wake.wait(), timeout=interval_s)
             except asyncio.TimeoutError:
                 pass
+            self._wake.clear()
+
+    def wake(self) -> None:
+        """Run the next tick now instead of at the end of the interval."""
+        self._wake.set()
 
     async def shutdown(self, timeout_s: float | None = None, interval_s: float = 0.5) -> None:
         """Drain and stop every replica, then return when no replica process is left.
@@ -264,10 +278,12 @@ class Controller:
     def _start_warmup(self, r: Replica) -> None:
         dep = self._dep(r)
         r.warmup_started_at_s = self.clock()
-        self._warmups[r.id] = asyncio.get_running_loop().create_task(
+        task = asyncio.get_running_loop().create_task(
             run_warmup(self.engine_api, r.endpoint, dep.spec.model.name, dep.spec.warmup, self.clock),
             name=f"warmup-{r.id}",
         )
+        task.add_done_callback(lambda _: self.wake())  # a passed replica joins the pool without waiting a tick
+        self._warmups[r.id] = task
 
     async def _collect_warmups(self) -> None:
         now = self.clock()

@@ -201,13 +201,7 @@ async def run_up(
         stop = asyncio.Event()
         _install_signal_handlers(stop, console, controller)
         store.set_extra(phase="running")
-        while not stop.is_set():
-            await controller.reconcile_once()
-            progress.tick(controller, router_url)
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
+        await controller.run(stop, interval_s=1.0, after_tick=lambda: progress.tick(controller, router_url))
         console.print("Draining: replicas leave the router, in-flight requests finish, engines stop...")
         store.set_extra(phase="stopping")
         await controller.shutdown()
@@ -245,6 +239,7 @@ def _install_signal_handlers(stop: asyncio.Event, console: Console, controller: 
         if presses["n"] == 1:
             console.print(f"\n{signal.Signals(signum).name}: shutting down (again to force)...")
             stop.set()
+            controller.wake()
         else:
             console.print("Forcing: killing every replica now.")
             controller.kill_all()

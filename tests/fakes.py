@@ -97,12 +97,15 @@ class FakeEngineAPI:
         self.healthy: set[int] = set()
         self.warmup_fails: set[int] = set()
         self.posts: list[tuple[str, str]] = []
+        self.gate: asyncio.Event | None = None   # when set to an Event, requests wait for it
 
     async def health(self, endpoint: str, timeout_s: float = 2.0) -> bool:
         return int(endpoint.rsplit(":", 1)[1]) in self.healthy
 
     async def post(self, endpoint: str, path: str, body: dict, timeout_s: float) -> int:
         self.posts.append((endpoint, path))
+        if self.gate is not None:
+            await self.gate.wait()
         if int(endpoint.rsplit(":", 1)[1]) in self.warmup_fails:
             raise EngineRequestError("HTTP 500: boom")
         return 1

@@ -276,3 +276,24 @@ async def test_missing_weights_fail_the_replica_with_the_field_named(tmp_path):
     assert r.status is S.FAILED_START
     assert r.failure.reason == "weights not found: spec.model.source './models/m'"
     assert h.backend.procs == {}
+
+
+async def test_a_finished_warmup_wakes_the_loop_instead_of_waiting_for_the_next_tick(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)])
+    h.engines.gate = asyncio.Event()          # warm-up requests hang until released
+    await h.tick()
+    h.make_healthy("chat-0")
+    await h.tick()
+    assert h.status() == {"chat-0": S.WARMING}
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(h.c.run(stop, interval_s=3600))   # no timed tick within the test
+    await asyncio.sleep(0)
+    h.engines.gate.set()
+    async def ready() -> None:
+        while h.status()["chat-0"] is not S.READY:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(ready(), timeout=30)
+    assert h.pool_ids() == ["chat-0"]
+    stop.set()
+    h.c.wake()
+    await asyncio.wait_for(loop_task, timeout=30)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Every test: unit tests, then end-to-end tests that run `fleet up` on real vLLM (CPU build).
+# Installs what it needs into .venv first (see .ci/venv.sh). Extra arguments go to pytest.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$repo/.ci/venv.sh"
+cd "$repo"
+exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra "${@:-tests}"
