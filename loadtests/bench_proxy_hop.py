@@ -13,13 +13,18 @@ client; see /work/shared/notes/router-performance.md). It starts, each in its ow
   45-byte JSON POST, wait for the whole answer, and send the next, for `--seconds` after a
   one-second warm-up.
 
+With `--stream-chunks N` every request asks for `"stream": true` and the backend answers with an
+SSE stream of N token events, `--chunk-gap-ms` apart (an engine paces tokens; events sent all at
+once would coalesce into one read and hide the per-chunk cost), then `data: [DONE]`; every proxy
+relays the stream chunk by chunk, and the load generator reads it to the end.
+
 For each target it prints requests per second, p50/p99 latency and the CPU time per
 request of the proxy process (user + system time from /proc/PID/stat over the measured
 window divided by the requests served in it), and the same for the backend. Everything
 shares the machine's cores, so figures move from run to run; read the ratios.
 
 Usage: python loadtests/bench_proxy_hop.py [--seconds 10] [--concurrency 8]
-       [--targets router,fastapi-httpx,direct]
+       [--targets router,fastapi-httpx,direct] [--stream-chunks 16 --chunk-gap-ms 2]
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ RESPONSE_BODY = json.dumps({
     "choices": [{"index": 0, "text": " world, this is a fixed answer", "logprobs": None, "finish_reason": "length"}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9},
 }, separators=(",", ":")).encode()  # fmt: skip
+STREAM_REQUEST_BODY = b'{"model":"bench","prompt":"hello","max_tokens":16,"stream":true}'
+STREAM_EVENT = (b'data: {"id":"cmpl-bench","object":"text_completion","created":1700000000,"model":"bench",'
+                b'"choices":[{"index":0,"text":" token","logprobs":null,"finish_reason":null}]}\n\n')
 ADMIN_TOKEN = "bench-admin-token"
 TARGETS = ("router", "fastapi-httpx", "direct", "bare-asgi")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -53,14 +61,24 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # --- roles run in child processes -------------------------------------------------------
 
 
-def role_backend() -> None:
-    """Fixed-response backend on two free ports; prints `PORTS p1 p2`, runs until killed."""
+def role_backend(stream_chunks: int, chunk_gap_s: float) -> None:
+    """Fixed-response backend on two free ports; prints `PORTS p1 p2`, runs until killed.
+    Streamed requests get `stream_chunks` SSE events `chunk_gap_s` apart, then `[DONE]`."""
     import uvloop
     from aiohttp import web
 
-    async def answer(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=RESPONSE_BODY, content_type="application/json")
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if b'"stream":true' not in body:
+            return web.Response(body=RESPONSE_BODY, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(stream_chunks):
+            await resp.write(STREAM_EVENT)
+            await asyncio.sleep(chunk_gap_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def main() -> None:
         app = web.Application()
@@ -83,6 +101,8 @@ def role_fastapi_httpx(backend_ports: list[int]) -> None:
     import httpx
     import uvicorn
     from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from starlette.background import BackgroundTask
 
     from router.server import ListeningServer
 
@@ -93,6 +113,13 @@ def role_fastapi_httpx(backend_ports: list[int]) -> None:
     @app.post("/v1/completions")
     async def proxy(request: Request) -> Response:
         body = await request.body()
+        if b'"stream":true' in body:
+            upstream_request = client.build_request("POST", next(urls), content=body,
+                                                    headers={"content-type": "application/json"})
+            streamed = await client.send(upstream_request, stream=True)
+            return StreamingResponse(streamed.aiter_raw(), status_code=streamed.status_code,
+                                     media_type=streamed.headers.get("content-type"),
+                                     background=BackgroundTask(streamed.aclose))
         upstream = await client.post(next(urls), content=body, headers={"content-type": "application/json"})
         return Response(content=upstream.content, status_code=upstream.status_code,
                         media_type=upstream.headers.get("content-type"))  # fmt: skip
@@ -129,6 +156,13 @@ def role_bare_asgi(backend_ports: list[int]) -> None:
                 break
         async with session[0].post(next(urls), data=b"".join(chunks),
                                    headers={"content-type": "application/json"}) as upstream:  # fmt: skip
+            if upstream.content_type == "text/event-stream":
+                await send({"type": "http.response.start", "status": upstream.status,
+                            "headers": [(b"content-type", b"text/event-stream")]})
+                async for chunk in upstream.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+                return
             data = await upstream.read()
             headers = [(b"content-type", upstream.headers["content-type"].encode()),
                        (b"content-length", str(len(data)).encode())]  # fmt: skip
@@ -140,7 +174,7 @@ def role_bare_asgi(backend_ports: list[int]) -> None:
     ListeningServer(config, lambda h, p: print(f"listening on http://{h}:{p}", flush=True)).run()
 
 
-def role_loadgen(url: str, seconds: float, concurrency: int) -> None:
+def role_loadgen(url: str, seconds: float, concurrency: int, request_body: bytes) -> None:
     """Closed-loop load: warm up 1 s, print `MEASURING`, run `seconds`, print a JSON result."""
     import aiohttp
     import uvloop
@@ -156,7 +190,7 @@ def role_loadgen(url: str, seconds: float, concurrency: int) -> None:
             async def worker(deadline_s: float) -> None:
                 nonlocal errors
                 while (start_s := time.perf_counter()) < deadline_s:
-                    async with session.post(url, data=REQUEST_BODY, headers=headers) as resp:
+                    async with session.post(url, data=request_body, headers=headers) as resp:
                         await resp.read()
                         ok = resp.status == 200
                     if measuring:
@@ -226,7 +260,8 @@ def run_target(target: str, backend: subprocess.Popen[str], backend_ports: list[
         else:
             base = f"http://127.0.0.1:{backend_ports[0]}"
         loadgen = spawn(__file__, "--role", "loadgen", "--url", f"{base}/v1/completions",
-                        "--seconds", str(args.seconds), "--concurrency", str(args.concurrency))  # fmt: skip
+                        "--seconds", str(args.seconds), "--concurrency", str(args.concurrency),
+                        "--stream-chunks", str(args.stream_chunks))  # fmt: skip
         read_line(loadgen, "MEASURING")
         proxy_cpu0 = cpu_s(proxy.pid) if proxy else 0.0
         backend_cpu0 = cpu_s(backend.pid)
@@ -263,25 +298,31 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per target (default 10)")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop workers (default 8)")
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {TARGETS}")
+    parser.add_argument("--stream-chunks", type=int, default=0,
+                        help="0: non-streamed requests (default); N: streamed, N SSE token events each")
+    parser.add_argument("--chunk-gap-ms", type=float, default=2.0,
+                        help="milliseconds between the backend's SSE events (default 2)")
     parser.add_argument("--role", choices=("backend", "fastapi-httpx", "bare-asgi", "loadgen"), help=argparse.SUPPRESS)
     parser.add_argument("--backend-ports", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.role == "backend":
-        return role_backend()
+        return role_backend(args.stream_chunks, args.chunk_gap_ms / 1e3)
     if args.role == "fastapi-httpx":
         return role_fastapi_httpx([int(p) for p in args.backend_ports.split(",")])
     if args.role == "bare-asgi":
         return role_bare_asgi([int(p) for p in args.backend_ports.split(",")])
     if args.role == "loadgen":
-        return role_loadgen(args.url, args.seconds, args.concurrency)
+        return role_loadgen(args.url, args.seconds, args.concurrency,
+                            STREAM_REQUEST_BODY if args.stream_chunks else REQUEST_BODY)
 
     targets = [t for t in args.targets.split(",") if t]
     unknown = set(targets) - set(TARGETS)
     if unknown:
         parser.error(f"unknown targets {sorted(unknown)}; known: {', '.join(TARGETS)}")
-    backend = spawn(__file__, "--role", "backend")
+    backend = spawn(__file__, "--role", "backend", "--stream-chunks", str(args.stream_chunks),
+                    "--chunk-gap-ms", str(args.chunk_gap_ms))
     try:
         backend_ports = [int(p) for p in read_line(backend, "PORTS").split()[1:]]
         rows = [run_target(t, backend, backend_ports, args) for t in targets]
@@ -289,8 +330,9 @@ def main() -> None:
         backend.terminate()
         backend.wait(timeout=30)
 
-    print(f"\n{args.seconds:g} s per target, concurrency {args.concurrency}, {os.cpu_count()} CPUs, "
-          f"{len(REQUEST_BODY)}-byte request, {len(RESPONSE_BODY)}-byte response\n")  # fmt: skip
+    answer = (f"{args.stream_chunks} SSE events {args.chunk_gap_ms:g} ms apart" if args.stream_chunks
+              else f"{len(RESPONSE_BODY)}-byte response")
+    print(f"\n{args.seconds:g} s per target, concurrency {args.concurrency}, {os.cpu_count()} CPUs, {answer}\n")
     print("| target | req/s | p50 / p99 | proxy CPU per request | backend CPU per request | errors |")
     print("|---|---|---|---|---|---|")
     for row in rows:
