@@ -17,7 +17,7 @@ router and the load generator wait for a core; `--replicas 1` leaves one core fr
 the router's own cost apart from that contention.
 
 Usage (from the repository root, with the environment of `.ci/venv.sh`):
-    .venv/bin/python loadtests/bench_main_job.py [--replicas 2] [--requests 200] [--concurrency 2] [--max-tokens 16]
+    .venv/bin/python -m loadtests.bench_main_job [--replicas 2] [--requests 200] [--concurrency 2] [--max-tokens 16]
 Prints a table and writes JSON with `--json-out`.
 """
 
@@ -40,6 +40,8 @@ import aiohttp
 import psutil
 import yaml
 
+from loadtests.stats import percentile
+
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -55,13 +57,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process (/proc/PID/stat fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float]:

@@ -1,0 +1,210 @@
+"""Request traces: what arrives when, with how many prompt and output tokens.
+
+Owns `TraceRequest`, `Trace` and their loaders for the two forms Fleet reads:
+
+* **Azure LLM inference traces** (CSV, `TIMESTAMP,ContextTokens,GeneratedTokens`; Patel et al.,
+  "Splitwise", ISCA 2024; AzurePublicDataset, CC-BY 4.0). Copies ship in
+  `loadtests/traces/azure-llm-2023/` with their attribution.
+* **Fleet's JSONL form**, one request per line::
+
+      {"timestamp_s": 0.125, "prompt_tokens": 812, "output_tokens": 64,
+       "session_id": "user-17", "prefix_blocks": [3, 9]}
+
+  `timestamp_s` (seconds, any origin, non-decreasing), `prompt_tokens` (>= 1) and
+  `output_tokens` (>= 1) are required; `session_id` (string) and `prefix_blocks` (list of
+  non-negative ints: ids of shared 16-token prompt blocks, in prompt order, so two requests
+  that list the same leading ids share that prompt prefix) are optional. Unknown keys are
+  rejected.
+
+Arrival times are made relative to the first request (the first arrives at 0 s). Every loader
+error names the file, the line and the field. Called by the trace replayer
+(`loadtests/replay.py`) and the trace simulator.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+PREFIX_BLOCK_TOKENS = 16
+"""Tokens per prefix block id in the JSONL form: vLLM's default KV-cache block size, so one
+shared block id is exactly one cacheable block."""
+
+_JSONL_FIELDS = {"timestamp_s", "prompt_tokens", "output_tokens", "session_id", "prefix_blocks"}
+
+
+class TraceError(ValueError):
+    """A trace file cannot be read; the message names file, line and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request: arrives `arrival_s` seconds after the trace's first request."""
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    session_id: str | None = None
+    prefix_blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests in arrival order, and where they came from."""
+
+    name: str
+    requests: tuple[TraceRequest, ...]
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s if self.requests else 0.0
+
+    def window(self, start_s: float = 0.0, duration_s: float | None = None) -> Trace:
+        """The requests arriving in ``[start_s, start_s + duration_s)``, re-based to start at 0 s."""
+        end_s = float("inf") if duration_s is None else start_s + duration_s
+        picked = [r for r in self.requests if start_s <= r.arrival_s < end_s]
+        base = picked[0].arrival_s if picked else 0.0
+        return Trace(self.name, tuple(_rebase(r, base) for r in picked))
+
+    def compressed(self, speedup: float) -> Trace:
+        """Arrivals ``speedup`` times closer together (2.0: twice the arrival rate)."""
+        if speedup <= 0:
+            raise ValueError(f"speedup must be > 0, got {speedup}")
+        return Trace(self.name, tuple(
+            TraceRequest(r.arrival_s / speedup, r.prompt_tokens, r.output_tokens, r.session_id, r.prefix_blocks)
+            for r in self.requests
+        ))
+
+    def mean_rate_per_s(self) -> float:
+        """Requests per second over the trace's span (0 for fewer than two requests)."""
+        return (len(self.requests) - 1) / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def _rebase(r: TraceRequest, base_s: float) -> TraceRequest:
+    return TraceRequest(r.arrival_s - base_s, r.prompt_tokens, r.output_tokens, r.session_id, r.prefix_blocks)
+
+
+def load_trace(path: Path | str) -> Trace:
+    """Load an Azure CSV (`.csv`) or Fleet JSONL (`.jsonl`) trace.
+
+    Raises:
+        TraceError: unreadable file, unknown extension, or a bad row (naming line and field).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise TraceError(f"{path}: cannot read: {err.strerror or err}") from None
+    if path.suffix == ".csv":
+        requests = _parse_azure_csv(path, text)
+    elif path.suffix == ".jsonl":
+        requests = _parse_jsonl(path, text)
+    else:
+        raise TraceError(f"{path}: unknown trace format {path.suffix!r}; use .csv (Azure) or .jsonl (Fleet)")
+    if not requests:
+        raise TraceError(f"{path}: no requests")
+    base = requests[0].arrival_s
+    return Trace(path.stem, tuple(_rebase(r, base) for r in requests))
+
+
+def _positive_int(value: object, where: str, field: str) -> int:
+    if isinstance(value, bool):
+        raise TraceError(f"{where} {field}: must be an integer >= 1, got {value!r}")
+    try:
+        n = int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TraceError(f"{where} {field}: must be an integer >= 1, got {value!r}") from None
+    if n < 1 or (isinstance(value, float) and value != n):
+        raise TraceError(f"{where} {field}: must be an integer >= 1, got {value!r}")
+    return n
+
+
+def _check_order(where: str, field: str, arrival_s: float, previous_s: float | None) -> None:
+    if previous_s is not None and arrival_s < previous_s:
+        raise TraceError(f"{where} {field}: arrivals must not go back in time ({arrival_s} after {previous_s})")
+
+
+def _parse_azure_csv(path: Path, text: str) -> list[TraceRequest]:
+    reader = csv.reader(text.splitlines())
+    header = next(reader, None)
+    expected = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+    if header is None or [h.strip() for h in header] != expected:
+        raise TraceError(f"{path}:1: header must be {','.join(expected)}, got {','.join(header or [])!r}")
+    requests: list[TraceRequest] = []
+    previous: float | None = None
+    for line_no, row in enumerate(reader, start=2):
+        if not row:
+            continue
+        where = f"{path}:{line_no}"
+        if len(row) != 3:
+            raise TraceError(f"{where}: expected 3 columns, got {len(row)}")
+        try:
+            arrival_s = datetime.fromisoformat(row[0].strip()).timestamp()
+        except ValueError:
+            raise TraceError(f"{where} TIMESTAMP: not a date and time: {row[0]!r}") from None
+        _check_order(where, "TIMESTAMP", arrival_s, previous)
+        previous = arrival_s
+        requests.append(TraceRequest(
+            arrival_s, _positive_int(row[1].strip(), where, "ContextTokens"),
+            # Azure rows with 0 generated tokens do not occur in the 2023 traces; one token is
+            # the least a completion can produce, so 0 is an error, not a silent fix.
+            _positive_int(row[2].strip(), where, "GeneratedTokens"),
+        ))
+    return requests
+
+
+def _parse_jsonl(path: Path, text: str) -> list[TraceRequest]:
+    requests: list[TraceRequest] = []
+    previous: float | None = None
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            doc = json.loads(line)
+        except ValueError as err:
+            raise TraceError(f"{where}: not JSON: {err}") from None
+        if not isinstance(doc, dict):
+            raise TraceError(f"{where}: must be a JSON object, got {type(doc).__name__}")
+        unknown = sorted(set(doc) - _JSONL_FIELDS)
+        if unknown:
+            raise TraceError(f"{where} {unknown[0]}: unknown field (known: {', '.join(sorted(_JSONL_FIELDS))})")
+        for field in ("timestamp_s", "prompt_tokens", "output_tokens"):
+            if field not in doc:
+                raise TraceError(f"{where} {field}: required field is missing")
+        ts = doc["timestamp_s"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts or ts in (float("inf"), float("-inf")):
+            raise TraceError(f"{where} timestamp_s: must be a finite number of seconds, got {ts!r}")
+        _check_order(where, "timestamp_s", float(ts), previous)
+        previous = float(ts)
+        session = doc.get("session_id")
+        if session is not None and not isinstance(session, str):
+            raise TraceError(f"{where} session_id: must be a string, got {session!r}")
+        blocks = doc.get("prefix_blocks", [])
+        if not isinstance(blocks, list) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in blocks):
+            raise TraceError(f"{where} prefix_blocks: must be a list of non-negative integers, got {blocks!r}")
+        prompt = _positive_int(doc["prompt_tokens"], where, "prompt_tokens")
+        if len(blocks) * PREFIX_BLOCK_TOKENS > prompt:
+            raise TraceError(
+                f"{where} prefix_blocks: {len(blocks)} blocks of {PREFIX_BLOCK_TOKENS} tokens exceed "
+                f"prompt_tokens ({prompt})"
+            )
+        requests.append(TraceRequest(
+            float(ts), prompt, _positive_int(doc["output_tokens"], where, "output_tokens"), session, tuple(blocks)
+        ))
+    return requests
+
+
+def write_jsonl(trace: Trace, path: Path | str) -> None:
+    """Write ``trace`` in Fleet's JSONL form (loads back equal)."""
+    with open(path, "w") as f:
+        for r in trace.requests:
+            doc: dict = {"timestamp_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
+            if r.session_id is not None:
+                doc["session_id"] = r.session_id
+            if r.prefix_blocks:
+                doc["prefix_blocks"] = list(r.prefix_blocks)
+            f.write(json.dumps(doc) + "\n")
