@@ -5,7 +5,8 @@ client; see /work/shared/notes/router-performance.md). It starts, each in its ow
 
 * a fixed-response fake backend (aiohttp.web on uvloop) on two loopback ports, answering
   every `POST /v1/completions` with the same ~200-byte completion JSON;
-* the proxy under test: (a) Fleet's router (`python -m router`, uvicorn with uvloop and
+* the proxy under test: (0) `vllm-router` (the Rust router on PyPI, `--policy power_of_two`,
+  `RUST_LOG=warn`) over the two backend ports, or (a) Fleet's router (`python -m router`, uvicorn with uvloop and
   httptools; pool of the two backend ports, default policy), or (b) a FastAPI route that
   forwards with a plain `httpx.AsyncClient`, round-robin over the two ports (uvicorn with
   uvloop and httptools too), or (c) nothing: the load goes to the backend directly;
@@ -54,7 +55,7 @@ STREAM_REQUEST_BODY = b'{"model":"bench","prompt":"hello","max_tokens":16,"strea
 STREAM_EVENT = (b'data: {"id":"cmpl-bench","object":"text_completion","created":1700000000,"model":"bench",'
                 b'"choices":[{"index":0,"text":" token","logprobs":null,"finish_reason":null}]}\n\n')
 ADMIN_TOKEN = "bench-admin-token"
-TARGETS = ("router", "fastapi-httpx", "direct", "bare-asgi")
+TARGETS = ("router", "vllm-router", "fastapi-httpx", "direct", "bare-asgi")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -83,6 +84,9 @@ def role_backend(stream_chunks: int, chunk_gap_s: float) -> None:
     async def main() -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", answer)
+        app.router.add_get("/health", lambda request: web.Response(text=""))   # vllm-router probes it
+        app.router.add_get("/v1/models", lambda request: web.json_response(
+            {"object": "list", "data": [{"id": "bench", "object": "model"}]}))
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         ports = []
@@ -236,6 +240,30 @@ def read_line(proc: subprocess.Popen[str], prefix: str) -> str:
     raise RuntimeError(f"process {proc.args!r} exited (rc={proc.wait()}) before printing {prefix!r}")
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Wait until GET ``url`` answers 200 (the proxy is up and sees its workers)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+
+
 def configure_router(base: str, backend_ports: list[int]) -> None:
     doc = {"endpoints": [{"id": f"backend-{i}", "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(backend_ports)]}
     request = urllib.request.Request(f"{base}/admin/v1/pools/bench", data=json.dumps(doc).encode(), method="PUT",
@@ -254,6 +282,15 @@ def run_target(target: str, backend: subprocess.Popen[str], backend_ports: list[
                           env={"FLEET_ROUTER_ADMIN_TOKEN": ADMIN_TOKEN})  # fmt: skip
             base = read_line(proxy, "listening on").rsplit(" ", 1)[1]
             configure_router(base, backend_ports)
+        elif target == "vllm-router":
+            port = free_port()
+            proxy = subprocess.Popen(
+                [str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
+                 "--policy", args.vllm_router_policy, "--log-level", "warning",
+                 "--worker-urls", *[f"http://127.0.0.1:{p}" for p in backend_ports]],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
+            base = f"http://127.0.0.1:{port}"
+            wait_http(f"{base}/health", proxy)
         elif target in ("fastapi-httpx", "bare-asgi"):
             proxy = spawn(__file__, "--role", target, "--backend-ports", ",".join(map(str, backend_ports)))
             base = read_line(proxy, "listening on").rsplit(" ", 1)[1]
@@ -287,6 +324,7 @@ def run_target(target: str, backend: subprocess.Popen[str], backend_ports: list[
 
 LABELS = {
     "router": "Fleet router (raw ASGI + aiohttp, uvicorn uvloop/httptools)",
+    "vllm-router": "vllm-router 0.1.17 (Rust, PyPI)",
     "fastapi-httpx": "FastAPI route + plain httpx.AsyncClient (uvicorn uvloop/httptools)",
     "direct": "backend directly (no proxy)",
     "bare-asgi": "floor: bare raw ASGI + aiohttp forwarder (no parsing, policy, metrics)",
@@ -302,6 +340,8 @@ def main() -> None:
                         help="0: non-streamed requests (default); N: streamed, N SSE token events each")
     parser.add_argument("--chunk-gap-ms", type=float, default=2.0,
                         help="milliseconds between the backend's SSE events (default 2)")
+    parser.add_argument("--vllm-router-policy", default="power_of_two",
+                        help="policy of the vllm-router target (default power_of_two)")
     parser.add_argument("--role", choices=("backend", "fastapi-httpx", "bare-asgi", "loadgen"), help=argparse.SUPPRESS)
     parser.add_argument("--backend-ports", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
