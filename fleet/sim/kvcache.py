@@ -38,26 +38,32 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None =
 
 
 class BlockPool:
-    """``num_blocks`` KV blocks; block ids are 0..num_blocks-1."""
+    """``num_blocks`` KV blocks; block ids are 0..num_blocks-1.
+
+    Memory grows with the blocks ever used, not with ``num_blocks``: never-used blocks are a
+    range (they sit at the head of vLLM's free queue, so they are handed out first), which keeps
+    an idle replica with a GPU-sized cache small.
+    """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref = [0] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._cached: dict[int, int] = {}   # block hash -> block id
+        self._next_fresh = 0                           # blocks >= this were never used
+        self._ref: dict[int, int] = {}                 # used blocks -> reference count
+        self._hash: dict[int, int] = {}                # cached blocks -> block hash
+        self._free: OrderedDict[int, None] = OrderedDict()   # used, now free blocks, LRU first
+        self._cached: dict[int, int] = {}              # block hash -> block id
 
     @property
     def num_free(self) -> int:
         """Blocks no request holds (cached ones included: they are evictable)."""
-        return len(self._free)
+        return self.num_blocks - self._next_fresh + len(self._free)
 
     def usage(self) -> float:
         """Fraction of blocks held by requests, 0..1 (vLLM's `vllm:kv_cache_usage_perc`)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
 
     def lookup(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes``, at most ``max_blocks``."""
@@ -73,27 +79,30 @@ class BlockPool:
 
     def num_evictable(self, blocks: Iterable[int]) -> int:
         """How many of ``blocks`` sit in the free queue (taking them uses free capacity)."""
-        return sum(1 for b in blocks if self._ref[b] == 0)
+        return sum(1 for b in blocks if self._ref.get(b, 0) == 0)
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Take prefix-hit blocks for a request (out of the free queue if nobody held them)."""
         for b in blocks:
-            if self._ref[b] == 0:
+            ref = self._ref.get(b, 0)
+            if ref == 0:
                 del self._free[b]
-            self._ref[b] += 1
+            self._ref[b] = ref + 1
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks from the head of the free queue. Raises ValueError if too few."""
-        if n > len(self._free):
-            raise ValueError(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise ValueError(f"asked for {n} blocks, {self.num_free} free")
         out = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            h = self._hash[b]
-            if h is not None:
-                if self._cached.get(h) == b:
+            if self._next_fresh < self.num_blocks:
+                b = self._next_fresh
+                self._next_fresh += 1
+            else:
+                b, _ = self._free.popitem(last=False)
+                h = self._hash.pop(b, None)
+                if h is not None and self._cached.get(h) == b:
                     del self._cached[h]
-                self._hash[b] = None
             self._ref[b] = 1
             out.append(b)
         return out
@@ -107,7 +116,7 @@ class BlockPool:
 
     def cache(self, block: int, block_hash: int) -> None:
         """Mark a full, computed block as holding the prefix whose chained hash is given."""
-        if not self.enable_prefix_caching or self._hash[block] is not None:
+        if not self.enable_prefix_caching or block in self._hash:
             return
         self._hash[block] = block_hash
         self._cached.setdefault(block_hash, block)
