@@ -4,8 +4,33 @@ Owns `Profile` (scheduler limits and KV capacity as an `EngineConfig`, the per-s
 `StepCost`, a typical start-up time) and the registry of named profiles. Used by
 `fleet.sim.server`, the `fleet sim-engine` command and `engine.kind: sim`. Pure data.
 
-Each profile's docstring-level notes (`Profile.notes`) say where every number comes from and
-which ones are estimates; docs/simulator.md has the calibration of `cpu-tiny-llama`.
+Profiles and where their numbers come from (comments at each number give the arithmetic;
+`Profile.notes` says what is an estimate; docs/simulator.md has the tables):
+
+- ``cpu-tiny-llama``: fitted by loadtests/calibrate_sim.py to real vLLM 0.32.0 (CPU build) on
+  this workplace's 2-core machine. Fit error: TTFT 15.4% and TPOT 11.6% mean relative error
+  in-sample (20 cells), 14.1% and 16.1% on 4 held-out cells.
+- ``h100-llama-8b`` (Llama 3 8B, BF16, 1x H100 80GB SXM) and ``h100x4-llama-70b`` (Llama 3 70B,
+  BF16, TP=4 on 4x H100 SXM):
+  [1] Lambda Labs, "vllm-benchmark" (github.com/LambdaLabsML/vllm-benchmark), result files
+      results/prompt_10/1xH100-80GB-SXM/Meta-Llama-3-8B-Instruct_tp1_len2048.json and
+      results/prompt_10/4xH100-80GB-SXM/Meta-Llama-3-70B-Instruct_tp4_len2048.json (vLLM 0.6.0,
+      2024-09-07): decode step time and prefill rate.
+  [2] NVIDIA H100 Tensor Core GPU data sheet: 3.35 TB/s HBM3 (SXM5 80GB), for the KV-read
+      cost per context token, scaled by the bandwidth efficiency implied by [1].
+  [3] Meta Llama 3 model configs (8B: 32 layers, 8 KV heads of 128; 70B: 80 layers, 8 KV heads
+      of 128; hidden 4096 / 8192): KV bytes per token and attention FLOPs per query-key pair.
+  [4] vLLM 0.32 source, vllm/engine/arg_utils.py: default max_num_batched_tokens (8192) and
+      max_num_seqs (1024) for >= 70 GiB GPUs other than A100 in the OpenAI server; CUDA block
+      size 16.
+  [5] Cross-checks only, not used in the numbers: the vLLM v0.6.0 performance post
+      (blog.vllm.ai/2024/09/05/perf-update.html: "Llama3 8B can generate 1 token every 13 ms under
+      light load" before v0.6.0) and NVIDIA NIM's LLM benchmarking page
+      (docs.nvidia.com/nim/benchmarking/llm, TensorRT-LLM: Llama-3.1-8B ITL 4.6 ms at concurrency
+      1). Newer stacks are faster than [1]; the GPU profiles are conservative for vLLM >= 0.7.
+  KV capacities are ESTIMATES from [2]-[3] and vLLM's 0.9 memory utilisation (+-10%). The step
+  form (a roofline-style sum) follows Sarathi-Serve (Agrawal et al., OSDI 2024) and DistServe
+  (Zhong et al., OSDI 2024); see fleet/sim/cost.py.
 """
 
 from __future__ import annotations
@@ -180,7 +205,8 @@ register(Profile(
     # shared/notes/anchors.md: "a 4-GPU model load can take about 10 minutes".
     typical_startup_s=600.0,
     notes=(
-        "Measured with vLLM 0.6.0 (Lambda Labs, 2024-09); NIM 1.3.0 (TensorRT-LLM) reports 13.2 ms ITL "
-        "at concurrency 1 for Llama-3.1-70B, so newer stacks are faster. KV capacity is an estimate."
+        "Measured with vLLM 0.6.0 (Lambda Labs, 2024-09); NVIDIA's NIM benchmark page (TensorRT-LLM, "
+        "NIM 1.3.0) reports 13.2 ms ITL at concurrency 1 for Llama-3.1-70B, so newer stacks are faster. "
+        "KV capacity is an estimate."
     ),
 ))

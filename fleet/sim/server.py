@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,7 @@ class _Live:
     """A request being served: what the handler waits on."""
 
     request_id: str
+    api_id: str                       # what clients see, random like vLLM's
     output_ids: list[int]
     max_tokens: int
     arrival_s: float
@@ -294,7 +296,7 @@ class SimReplica:
                                    finish_reason=reason)  # fmt: skip
         except ValueError as err:
             raise ApiError(400, str(err)) from None
-        live = _Live(rid, output_ids, max_tokens, now_s)
+        live = _Live(rid, uuid.uuid4().hex[:16], output_ids, max_tokens, now_s)
         self._live[rid] = live
         self.metrics.request_received(max_tokens, 1)
         self.metrics.gauges(self.model.stats())
@@ -367,7 +369,7 @@ class SimReplica:
 
     def _head(self, live: _Live, chat: bool) -> dict[str, Any]:
         return {
-            "id": ("chatcmpl-" if chat else "cmpl-") + live.request_id,
+            "id": ("chatcmpl-" if chat else "cmpl-") + live.api_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.settings.served_model_name,
