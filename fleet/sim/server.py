@@ -29,7 +29,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -211,7 +211,12 @@ class SimReplica:
                 await self._wake.wait()
                 continue
             start_s = max(self.now_s(), last_end_s)
-            result = self.model.step(start_s)
+            try:
+                result = self.model.step(start_s)
+            except Exception as err:  # noqa: BLE001 - a model bug fails its requests, not the replica
+                log.exception("replica %d: engine step failed", self.index)
+                self._fail_all(f"simulated engine step failed: {type(err).__name__}: {err}")
+                continue
             last_end_s = result.end_s
             if not result.scheduled and not result.preempted:
                 # Only requests still in admission: sleep until the first reaches the scheduler
@@ -228,6 +233,17 @@ class SimReplica:
             else:
                 await asyncio.sleep(0)  # let handlers run between back-to-back steps
             self._deliver(result)
+
+    def _fail_all(self, message: str) -> None:
+        """Abort every request in the engine; their handlers answer 500 (or end the stream)."""
+        now_s = self.now_s()
+        for rid, live in list(self._live.items()):
+            self._live.pop(rid, None)
+            fr = self.model.abort(rid, now_s)
+            if fr is not None:
+                self.metrics.finished(replace(fr, finish_reason="error"), live.max_tokens)
+            live.events.put_nowait(("error", message))
+        self.metrics.gauges(self.model.stats())
 
     def _deliver(self, result: StepResult) -> None:
         end_s = result.end_s
@@ -386,6 +402,8 @@ class SimReplica:
     async def _whole(self, live: _Live, prompt_tokens: int, chat: bool) -> web.Response:
         while True:
             kind, payload = await live.events.get()
+            if kind == "error":
+                return ApiError(500, payload).response()
             if kind == "done":
                 fr: FinishedRequest = payload
                 break
@@ -425,6 +443,11 @@ class SimReplica:
                 text = tokens.token_text(live.output_ids[payload])
                 await send(self._chunk(head, chat, text, None))
                 continue
+            if kind == "error":
+                await send({"error": {"message": payload, "type": "InternalServerError", "param": None, "code": 500}})
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
             fr: FinishedRequest = payload
             break
         if fr.num_output_tokens > emitted:

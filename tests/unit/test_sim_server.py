@@ -264,3 +264,22 @@ async def test_slowdown_switch_scales_the_models_step_times():
         assert float(line.rsplit(" ", 1)[1]) >= 2 * 5 * STEP_S * 0.99
         async with c.post("/sim/faults", json={"slowdown": 0}) as resp:
             assert resp.status == 400
+
+
+async def test_a_failing_engine_step_fails_its_requests_with_500_and_the_replica_goes_on(monkeypatch):
+    async with replica() as (r, c):
+        real_step = r.model.step
+        calls = {"n": 0}
+
+        def broken_step(now_s):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("bug in the model")
+            return real_step(now_s)
+
+        monkeypatch.setattr(r.model, "step", broken_step)
+        async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
+            assert resp.status == 500
+            assert "bug in the model" in (await resp.json())["error"]["message"]
+        async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
+            assert resp.status == 200
