@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fleet.backends.base import Backend, LaunchError, LaunchSpec, ProcessHandle
-from fleet.engines import get_engine
+from fleet.engines import ModelUnavailable, get_engine
 from fleet.inventory import NodeInventory
 from fleet.lifecycle import Replica, ReplicaStatus
 from fleet.placement import Assignment, LocalPlacer, ReplicaShape
@@ -352,8 +352,9 @@ class Controller:
             self._fail(r, ReplicaStatus.FAILED_START, problem)
             return
         r.image_ready_at_s = now  # local backend: the installed engine is the image
-        model_path = dep.spec.model.local_path(ld.base_dir)
-        if model_path is None or not model_path.exists():
+        try:
+            model = engine.model_argument(dep, ld.base_dir)
+        except ModelUnavailable:
             self._fail(r, ReplicaStatus.FAILED_START, f"weights not found: spec.model.source {dep.spec.model.source!r}")
             return
         r.weights_ready_at_s = now
@@ -361,7 +362,7 @@ class Controller:
         log_path = (self.log_dir / f"{r.id}.log") if self.log_dir is not None else None
         spec = LaunchSpec(
             replica_id=r.id,
-            argv=engine.command(dep, model_path, self.settings.host, port),
+            argv=engine.command(dep, model, self.settings.host, port),
             env={**dep.spec.engine.env, **assignment.env},
             port=port,
             log_path=log_path,

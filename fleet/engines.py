@@ -1,9 +1,11 @@
 """Engine kinds: how to start an engine replica for a deployment.
 
-Owns the registry of engine kinds (`spec.engine.kind`) and, for each, the command line and
-environment of one replica. Called by the spec (to reject unknown kinds) and by the controller
-(to build a `fleet.backends.base.LaunchSpec`). Kinds register by name through
-``__init_subclass__(name=...)``.
+Owns the registry of engine kinds (`spec.engine.kind`) and, for each, where its model comes
+from (`model_argument`), whether it can run here (`preflight`) and the command line of one
+replica (`command`). Called by the spec (to reject unknown kinds), by `fleet up`'s preflight
+and by the controller (to build a `fleet.backends.base.LaunchSpec`). Kinds register by name
+through ``__init_subclass__(name=...)``: `vllm` (the real engine) and `sim` (the engine
+SIMULATOR, `fleet.sim`, for tests and fleets without GPUs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ if TYPE_CHECKING:
     from fleet.spec import InferenceDeployment
 
 _ENGINE_KINDS: dict[str, type[EngineKind]] = {}
+
+
+class ModelUnavailable(Exception):
+    """The deployment's model cannot be served by this engine here; the message says why."""
 
 
 class EngineKind:
@@ -33,8 +39,26 @@ class EngineKind:
         """Why this engine cannot run on this machine, or None when it can."""
         raise NotImplementedError
 
-    def command(self, dep: InferenceDeployment, model_path: Path, host: str, port: int) -> list[str]:
-        """argv of one replica serving ``dep`` from ``model_path`` on ``host:port``."""
+    def model_argument(self, dep: InferenceDeployment, base_dir: Path) -> str:
+        """The ``--model`` argument of a replica of ``dep`` (YAML file in ``base_dir``).
+
+        Default: a local weights directory, which must exist.
+
+        Raises:
+            ModelUnavailable: remote source, or no such directory.
+        """
+        path = dep.spec.model.local_path(base_dir)
+        if path is None:
+            raise ModelUnavailable(
+                f"{dep.spec.model.source!r} is remote; the local backend serves weights from a local directory "
+                "(remote sources need the node agent's weight cache)"
+            )
+        if not path.is_dir():
+            raise ModelUnavailable(f"{path} is not a directory")
+        return str(path)
+
+    def command(self, dep: InferenceDeployment, model: str, host: str, port: int) -> list[str]:
+        """argv of one replica serving ``dep`` from ``model`` (`model_argument`) on ``host:port``."""
         raise NotImplementedError
 
 
@@ -70,11 +94,59 @@ class VllmEngine(EngineKind, name="vllm"):
             )
         return None
 
-    def command(self, dep: InferenceDeployment, model_path: Path, host: str, port: int) -> list[str]:
+    def command(self, dep: InferenceDeployment, model: str, host: str, port: int) -> list[str]:
         spec = dep.spec
         return [
             sys.executable, "-m", self.module,
-            "--model", str(model_path),
+            "--model", model,
+            "--served-model-name", spec.model.name,
+            "--host", host,
+            "--port", str(port),
+            "--tensor-parallel-size", str(spec.resources.tensor_parallel_size),
+            *spec.engine.args,
+        ]
+
+
+class SimEngine(EngineKind, name="sim"):
+    """The engine SIMULATOR (`fleet.sim`): vLLM's API and metrics with modelled latencies, no GPU.
+
+    Started as ``python -m fleet.sim`` with the same flags as vLLM, so a deployment switches
+    between ``vllm`` and ``sim`` by its ``engine.kind`` alone; vLLM flags the simulator does not
+    model are ignored. The model source may be ``sim://PROFILE`` (a simulator profile, e.g.
+    ``sim://h100-llama-8b``) or a path that need not exist; ``--profile NAME`` in
+    ``engine.args`` picks the profile too (and wins).
+    """
+
+    module = "fleet.sim"
+
+    def preflight(self) -> str | None:
+        return None  # pure Python, installed with Fleet
+
+    def model_argument(self, dep: InferenceDeployment, base_dir: Path) -> str:
+        from fleet.sim.runner import OptionsError, SIM_SCHEME, resolve_profile
+
+        args = dep.spec.engine.args
+        profile = None
+        for i, arg in enumerate(args):
+            if arg == "--profile" and i + 1 < len(args):
+                profile = args[i + 1]
+            elif arg.startswith("--profile="):
+                profile = arg.split("=", 1)[1]
+        source = dep.spec.model.source
+        try:
+            resolve_profile(profile, source)
+        except OptionsError as err:
+            raise ModelUnavailable(str(err)) from None
+        if source.startswith(SIM_SCHEME):
+            return source
+        path = dep.spec.model.local_path(base_dir)
+        return str(path) if path is not None else source
+
+    def command(self, dep: InferenceDeployment, model: str, host: str, port: int) -> list[str]:
+        spec = dep.spec
+        return [
+            sys.executable, "-m", self.module,
+            "--model", model,
             "--served-model-name", spec.model.name,
             "--host", host,
             "--port", str(port),

@@ -30,7 +30,8 @@ KIND = "InferenceDeployment"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 # NVIDIA MIG profile names, e.g. 1g.10gb, 3g.40gb, 1g.20gb+me (MIG user guide, "Supported profiles").
 _MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb(\+me)?$")
-_SOURCE_SCHEMES = ("file://", "hf://", "s3://", "http://", "https://")
+# sim:// names an engine-simulator profile (engine.kind: sim only; see fleet.sim.profiles).
+_SOURCE_SCHEMES = ("file://", "hf://", "s3://", "http://", "https://", "sim://")
 # Engine flags Fleet sets itself from the spec and placement; a user value would conflict.
 _RESERVED_ENGINE_ARGS = {
     "--host": "is set by Fleet",
@@ -69,7 +70,8 @@ class ModelSpec(SpecModel):
     source: str = Field(
         ..., min_length=1,
         description="Where the weights are: a local path (absolute, or relative to the YAML file), "
-        "file:///abs/path, or hf://, s3://, http(s):// (remote sources need the node agent's weight cache).",
+        "file:///abs/path, or hf://, s3://, http(s):// (remote sources need the node agent's weight cache); "
+        "with engine.kind sim, sim://PROFILE names a simulator profile instead.",
     )
     revision: str = Field("v1", min_length=1, max_length=128, description="Version label of these weights.")
 
@@ -95,7 +97,11 @@ class ModelSpec(SpecModel):
 
 
 class EngineSpec(SpecModel):
-    kind: str = Field("vllm", description="Engine kind; `vllm` runs vLLM's OpenAI-compatible server.")
+    kind: str = Field(
+        "vllm",
+        description="Engine kind; `vllm` runs vLLM's OpenAI-compatible server, `sim` the engine simulator "
+        "(same API and metrics, modelled latencies, no GPU).",
+    )
     image: str | None = Field(
         None, description="Container image (Kubernetes backend). The local backend runs the installed engine."
     )
@@ -203,6 +209,16 @@ class DeploymentSpec(SpecModel):
     replicas: ReplicasSpec = Field(default_factory=ReplicasSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     warmup: WarmupPlan = Field(default_factory=WarmupPlan)
+
+    @model_validator(mode="after")
+    def _sim_source_needs_sim_engine(self) -> DeploymentSpec:
+        if self.model.source.startswith("sim://") and self.engine.kind != "sim":
+            raise FieldError(
+                "model.source",
+                f"{self.model.source!r} names an engine-simulator profile; it needs engine.kind: sim "
+                f"(got {self.engine.kind!r})",
+            )
+        return self
 
 
 class InferenceDeployment(SpecModel):

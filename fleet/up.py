@@ -20,7 +20,7 @@ from rich.console import Console
 from fleet.backends.base import LaunchError, LaunchSpec, ProcessHandle
 from fleet.backends.local import LocalBackend
 from fleet.controller import Controller, ControllerSettings, ReplicaEvent
-from fleet.engines import get_engine
+from fleet.engines import ModelUnavailable, get_engine
 from fleet.inventory import NodeInventory, discover_local
 from fleet.lifecycle import ReplicaStatus
 from fleet.placement import LocalPlacer, ReplicaShape
@@ -51,17 +51,14 @@ def preflight(loaded: list[LoadedDeployment], node: NodeInventory, router_host: 
     for ld in loaded:
         dep = ld.deployment
         where = f"{ld.path}[{ld.index}] ({dep.name})"
-        problem = get_engine(dep.spec.engine.kind).preflight()
+        engine = get_engine(dep.spec.engine.kind)
+        problem = engine.preflight()
         if problem:
             problems.append(f"{where} spec.engine.kind: {problem}")
-        path = dep.spec.model.local_path(ld.base_dir)
-        if path is None:
-            problems.append(
-                f"{where} spec.model.source: {dep.spec.model.source!r} is remote; the local backend serves "
-                "weights from a local directory (remote sources need the node agent's weight cache)"
-            )
-        elif not path.is_dir():
-            problems.append(f"{where} spec.model.source: {path} is not a directory")
+        try:
+            engine.model_argument(dep, ld.base_dir)
+        except ModelUnavailable as err:
+            problems.append(f"{where} spec.model.source: {err}")
         unfit = placer.fits_at_all(ReplicaShape.of(dep), node)
         if unfit is not None:
             problems.append(f"{where} spec.resources: cannot place a replica on this machine: {unfit.reason}")

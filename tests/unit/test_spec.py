@@ -73,7 +73,7 @@ def test_defaults_are_filled():
         ("metadata.name", "Chat_1", "metadata.name: 'Chat_1' is not a DNS-1123 label"),
         ("apiVersion", "v1", "apiVersion: Input should be 'fleet.inference.dev/v1alpha1'"),
         ("kind", "Deployment", "kind: Input should be 'InferenceDeployment'"),
-        ("spec.engine", {"kind": "tgi"}, "spec.engine.kind: unknown engine kind 'tgi'; known: vllm"),
+        ("spec.engine", {"kind": "tgi"}, "spec.engine.kind: unknown engine kind 'tgi'; known: sim, vllm"),
         ("spec.engine", {"args": ["--enforce-eager", "--port", "9"]}, "spec.engine.args[1]: '--port' is set by Fleet"),
         ("spec.engine", {"args": ["--model=/x"]}, "spec.engine.args[0]: '--model' comes from spec.model.source"),
         ("spec.engine", {"env": {"CUDA_VISIBLE_DEVICES": "0"}}, "spec.engine.env.CUDA_VISIBLE_DEVICES: is set by placement"),

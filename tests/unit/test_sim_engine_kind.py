@@ -1,0 +1,88 @@
+"""engine.kind: sim: spec validation, `fleet up` preflight and the controller's launch command."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleet.controller import Controller
+from fleet.engines import ModelUnavailable, SimEngine, get_engine
+from fleet.inventory import NodeInventory
+from fleet.lifecycle import ReplicaStatus as S
+from fleet.spec import SpecError, load_deployments, parse_document
+from fleet.up import PreflightError, preflight
+from tests.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_NODE = NodeInventory(name="n", cpu_cores=(0, 1))
+
+
+def doc(source: str = "sim://h100-llama-8b", kind: str = "sim", args: list[str] | None = None) -> dict:
+    return {
+        "apiVersion": "fleet.inference.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": "sim"},
+        "spec": {"model": {"name": "m", "source": source}, "engine": {"kind": kind, "args": args or []},
+                 "resources": {"accelerator": "cpu"}, "replicas": {"min": 2, "max": 2}},
+    }  # fmt: skip
+
+
+def write(tmp_path: Path, d: dict) -> Path:
+    f = tmp_path / "dep.yaml"
+    f.write_text(yaml.safe_dump(d))
+    return f
+
+
+def test_sim_is_a_registered_engine_kind():
+    assert isinstance(get_engine("sim"), SimEngine)
+    assert get_engine("sim").preflight() is None
+
+
+def test_a_sim_source_needs_the_sim_engine():
+    with pytest.raises(SpecError, match=r"spec\.model\.source: 'sim://h100-llama-8b' .* needs engine\.kind: sim"):
+        parse_document(doc(kind="vllm"))
+    assert parse_document(doc()).spec.engine.kind == "sim"
+
+
+def test_model_argument_takes_profiles_and_paths_that_need_not_exist(tmp_path):
+    sim = SimEngine()
+    assert sim.model_argument(parse_document(doc()), tmp_path) == "sim://h100-llama-8b"
+    assert sim.model_argument(parse_document(doc(source="./nowhere")), tmp_path) == str(tmp_path / "nowhere")
+    with pytest.raises(ModelUnavailable, match="unknown simulator profile 'nope'; known: cpu-tiny-llama"):
+        sim.model_argument(parse_document(doc(source="sim://nope")), tmp_path)
+    with pytest.raises(ModelUnavailable, match="'bogus'"):
+        sim.model_argument(parse_document(doc(source="./x", args=["--profile", "bogus"])), tmp_path)
+
+
+def test_preflight_accepts_a_sim_fleet_with_no_weights_and_still_checks_vllm(tmp_path):
+    preflight(load_deployments([write(tmp_path, doc(source="./no-such-dir"))]), CPU_NODE, "127.0.0.1", 0)
+    with pytest.raises(PreflightError) as err:
+        preflight(load_deployments([write(tmp_path, doc(source="./no-such-dir", kind="vllm"))]), CPU_NODE,
+                  "127.0.0.1", 0)  # fmt: skip
+    assert any("is not a directory" in p for p in err.value.problems)
+    with pytest.raises(PreflightError) as err:
+        preflight(load_deployments([write(tmp_path, doc(source="sim://nope"))]), CPU_NODE, "127.0.0.1", 0)
+    assert any("spec.model.source: unknown simulator profile 'nope'" in p for p in err.value.problems)
+
+
+async def test_the_controller_launches_python_m_fleet_sim_with_vllms_flags(tmp_path):
+    f = write(tmp_path, doc(args=["--seed", "3", "--enforce-eager"]))
+    backend = FakeBackend()
+    clock = FakeClock()
+    c = Controller(load_deployments([f]), backend=backend, engine_api=FakeEngineAPI(), pool_sink=FakePoolSink(),
+                   node=CPU_NODE, clock=clock, sleep=clock.sleep, log_dir=tmp_path / "logs")  # fmt: skip
+    await c.reconcile_once()
+    assert Counter(r.status for r in c.replicas.values()) == {S.STARTING: 2}
+    argv = backend.by_replica("sim-0").spec.argv
+    assert argv[1:3] == ["-m", "fleet.sim"]
+    assert argv[argv.index("--model") + 1] == "sim://h100-llama-8b"
+    assert argv[argv.index("--served-model-name") + 1] == "m"
+    assert argv[argv.index("--port") + 1] == str(c.replicas["sim-0"].port)
+    assert argv[-3:] == ["--seed", "3", "--enforce-eager"]
+
+
+def test_the_example_sim_fleet_is_valid():
+    (ld,) = load_deployments([REPO / "examples" / "sim-fleet.yaml"])
+    assert ld.deployment.spec.engine.kind == "sim"
+    preflight([ld], CPU_NODE, "127.0.0.1", 0)
