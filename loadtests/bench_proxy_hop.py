@@ -44,6 +44,9 @@ from typing import Any
 
 from fastapi import Request, Response  # module level: FastAPI resolves the handler's string annotations here
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file in the role processes
+from loadtests.procs import SimFleet, cpu_s, free_port, wait_http  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 REQUEST_BODY = b'{"model":"bench","prompt":"hello","max_tokens":8}'  # ~45 bytes, as in the reference run
 RESPONSE_BODY = json.dumps({
@@ -51,12 +54,11 @@ RESPONSE_BODY = json.dumps({
     "choices": [{"index": 0, "text": " world, this is a fixed answer", "logprobs": None, "finish_reason": "length"}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9},
 }, separators=(",", ":")).encode()  # fmt: skip
-STREAM_REQUEST_BODY = b'{"model":"bench","prompt":"hello","max_tokens":16,"stream":true}'
+STREAM_REQUEST_BODY = b'{"model":"bench","prompt":"hello","max_tokens":16,"stream":true,"ignore_eos":true}'
 STREAM_EVENT = (b'data: {"id":"cmpl-bench","object":"text_completion","created":1700000000,"model":"bench",'
                 b'"choices":[{"index":0,"text":" token","logprobs":null,"finish_reason":null}]}\n\n')
 ADMIN_TOKEN = "bench-admin-token"
 TARGETS = ("router", "vllm-router", "fastapi-httpx", "direct", "bare-asgi")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # --- roles run in child processes -------------------------------------------------------
@@ -100,7 +102,7 @@ def role_backend(stream_chunks: int, chunk_gap_s: float) -> None:
     uvloop.run(main())
 
 
-def role_fastapi_httpx(backend_ports: list[int]) -> None:
+def role_fastapi_httpx(backend_urls: list[str]) -> None:
     """FastAPI route + plain httpx.AsyncClient proxy, round-robin over the backend ports."""
     import httpx
     import uvicorn
@@ -111,7 +113,7 @@ def role_fastapi_httpx(backend_ports: list[int]) -> None:
     from router.server import ListeningServer
 
     app = FastAPI()
-    urls = itertools.cycle([f"http://127.0.0.1:{p}/v1/completions" for p in backend_ports])
+    urls = itertools.cycle([f"{u}/v1/completions" for u in backend_urls])
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     @app.post("/v1/completions")
@@ -133,7 +135,7 @@ def role_fastapi_httpx(backend_ports: list[int]) -> None:
     ListeningServer(config, lambda h, p: print(f"listening on http://{h}:{p}", flush=True)).run()
 
 
-def role_bare_asgi(backend_ports: list[int]) -> None:
+def role_bare_asgi(backend_urls: list[str]) -> None:
     """The floor: a raw ASGI app that forwards with aiohttp, round-robin, and does nothing
     else (no parsing, routing policy, metrics or retries), on uvicorn (uvloop, httptools)."""
     import aiohttp
@@ -141,7 +143,7 @@ def role_bare_asgi(backend_ports: list[int]) -> None:
 
     from router.server import ListeningServer
 
-    urls = itertools.cycle([f"http://127.0.0.1:{p}/v1/completions" for p in backend_ports])
+    urls = itertools.cycle([f"{u}/v1/completions" for u in backend_urls])
     session: list[aiohttp.ClientSession] = []
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -178,8 +180,9 @@ def role_bare_asgi(backend_ports: list[int]) -> None:
     ListeningServer(config, lambda h, p: print(f"listening on http://{h}:{p}", flush=True)).run()
 
 
-def role_loadgen(url: str, seconds: float, concurrency: int, request_body: bytes) -> None:
-    """Closed-loop load: warm up 1 s, print `MEASURING`, run `seconds`, print a JSON result."""
+def role_loadgen(urls: list[str], seconds: float, concurrency: int, request_body: bytes) -> None:
+    """Closed-loop load: warm up 1 s, print `MEASURING`, run `seconds`, print a JSON result.
+    Worker i sends to urls[i % len(urls)] (direct load spreads over the engines as a proxy does)."""
     import aiohttp
     import uvloop
 
@@ -191,8 +194,9 @@ def role_loadgen(url: str, seconds: float, concurrency: int, request_body: bytes
             errors = 0
             measuring = False
 
-            async def worker(deadline_s: float) -> None:
+            async def worker(i: int, deadline_s: float) -> None:
                 nonlocal errors
+                url = urls[i % len(urls)]
                 while (start_s := time.perf_counter()) < deadline_s:
                     async with session.post(url, data=request_body, headers=headers) as resp:
                         await resp.read()
@@ -201,11 +205,11 @@ def role_loadgen(url: str, seconds: float, concurrency: int, request_body: bytes
                         latencies_s.append(time.perf_counter() - start_s)
                         errors += not ok
 
-            await asyncio.gather(*(worker(time.perf_counter() + 1.0) for _ in range(concurrency)))
+            await asyncio.gather(*(worker(i, time.perf_counter() + 1.0) for i in range(concurrency)))
             measuring = True
             print("MEASURING", flush=True)
             began_s = time.perf_counter()
-            await asyncio.gather(*(worker(began_s + seconds) for _ in range(concurrency)))
+            await asyncio.gather(*(worker(i, began_s + seconds) for i in range(concurrency)))
             elapsed_s = time.perf_counter() - began_s
         latencies_s.sort()
         n = len(latencies_s)
@@ -221,12 +225,6 @@ def role_loadgen(url: str, seconds: float, concurrency: int, request_body: bytes
 # --- orchestration ----------------------------------------------------------------------
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (fields 14 and 15 of /proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})  # fmt: skip
@@ -240,32 +238,8 @@ def read_line(proc: subprocess.Popen[str], prefix: str) -> str:
     raise RuntimeError(f"process {proc.args!r} exited (rc={proc.wait()}) before printing {prefix!r}")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Wait until GET ``url`` answers 200 (the proxy is up and sees its workers)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
-
-
-def configure_router(base: str, backend_ports: list[int]) -> None:
-    doc = {"endpoints": [{"id": f"backend-{i}", "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(backend_ports)]}
+def configure_router(base: str, backend_urls: list[str]) -> None:
+    doc = {"endpoints": [{"id": f"backend-{i}", "url": u} for i, u in enumerate(backend_urls)]}
     request = urllib.request.Request(f"{base}/admin/v1/pools/bench", data=json.dumps(doc).encode(), method="PUT",
                                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
                                               "Content-Type": "application/json"})  # fmt: skip
@@ -273,38 +247,38 @@ def configure_router(base: str, backend_ports: list[int]) -> None:
         assert resp.status == 200
 
 
-def run_target(target: str, backend: subprocess.Popen[str], backend_ports: list[int], args: argparse.Namespace
+def run_target(target: str, backend_pids: list[int], backend_urls: list[str], args: argparse.Namespace
                ) -> dict[str, Any]:  # fmt: skip
     proxy: subprocess.Popen[str] | None = None
     try:
+        base = ""
         if target == "router":
             proxy = spawn("-m", "router", "--host", "127.0.0.1", "--port", "0",
                           env={"FLEET_ROUTER_ADMIN_TOKEN": ADMIN_TOKEN})  # fmt: skip
             base = read_line(proxy, "listening on").rsplit(" ", 1)[1]
-            configure_router(base, backend_ports)
+            configure_router(base, backend_urls)
         elif target == "vllm-router":
             port = free_port()
             proxy = subprocess.Popen(
                 [str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
                  "--policy", args.vllm_router_policy, "--log-level", "warning",
-                 "--worker-urls", *[f"http://127.0.0.1:{p}" for p in backend_ports]],
+                 "--worker-urls", *backend_urls],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
             base = f"http://127.0.0.1:{port}"
             wait_http(f"{base}/health", proxy)
         elif target in ("fastapi-httpx", "bare-asgi"):
-            proxy = spawn(__file__, "--role", target, "--backend-ports", ",".join(map(str, backend_ports)))
+            proxy = spawn(__file__, "--role", target, "--backend-urls", ",".join(backend_urls))
             base = read_line(proxy, "listening on").rsplit(" ", 1)[1]
-        else:
-            base = f"http://127.0.0.1:{backend_ports[0]}"
-        loadgen = spawn(__file__, "--role", "loadgen", "--url", f"{base}/v1/completions",
+        load_urls = [f"{u}/v1/completions" for u in backend_urls] if proxy is None else [f"{base}/v1/completions"]
+        loadgen = spawn(__file__, "--role", "loadgen", "--urls", ",".join(load_urls),
                         "--seconds", str(args.seconds), "--concurrency", str(args.concurrency),
                         "--stream-chunks", str(args.stream_chunks))  # fmt: skip
         read_line(loadgen, "MEASURING")
         proxy_cpu0 = cpu_s(proxy.pid) if proxy else 0.0
-        backend_cpu0 = cpu_s(backend.pid)
+        backend_cpu0 = sum(map(cpu_s, backend_pids))
         result = json.loads(read_line(loadgen, "{"))
         proxy_cpu_s = cpu_s(proxy.pid) - proxy_cpu0 if proxy else None
-        backend_cpu_s = cpu_s(backend.pid) - backend_cpu0
+        backend_cpu_s = sum(map(cpu_s, backend_pids)) - backend_cpu0
         loadgen.wait(timeout=30)
     finally:
         if proxy is not None:
@@ -342,36 +316,45 @@ def main() -> None:
                         help="milliseconds between the backend's SSE events (default 2)")
     parser.add_argument("--vllm-router-policy", default="power_of_two",
                         help="policy of the vllm-router target (default power_of_two)")
+    parser.add_argument("--backend", choices=("fixed", "sim"), default="fixed",
+                        help="fixed: a fixed answer at once (default; the proxy is the only work); "
+                             "sim: two SIMULATED vLLM replicas (fleet.sim) with --sim-profile timing")
+    parser.add_argument("--sim-profile", default="h100-llama-8b", help="simulator profile of --backend sim")
     parser.add_argument("--role", choices=("backend", "fastapi-httpx", "bare-asgi", "loadgen"), help=argparse.SUPPRESS)
-    parser.add_argument("--backend-ports", help=argparse.SUPPRESS)
-    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--backend-urls", help=argparse.SUPPRESS)
+    parser.add_argument("--urls", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.role == "backend":
         return role_backend(args.stream_chunks, args.chunk_gap_ms / 1e3)
     if args.role == "fastapi-httpx":
-        return role_fastapi_httpx([int(p) for p in args.backend_ports.split(",")])
+        return role_fastapi_httpx(args.backend_urls.split(","))
     if args.role == "bare-asgi":
-        return role_bare_asgi([int(p) for p in args.backend_ports.split(",")])
+        return role_bare_asgi(args.backend_urls.split(","))
     if args.role == "loadgen":
-        return role_loadgen(args.url, args.seconds, args.concurrency,
+        return role_loadgen(args.urls.split(","), args.seconds, args.concurrency,
                             STREAM_REQUEST_BODY if args.stream_chunks else REQUEST_BODY)
 
     targets = [t for t in args.targets.split(",") if t]
     unknown = set(targets) - set(TARGETS)
     if unknown:
         parser.error(f"unknown targets {sorted(unknown)}; known: {', '.join(TARGETS)}")
-    backend = spawn(__file__, "--role", "backend", "--stream-chunks", str(args.stream_chunks),
-                    "--chunk-gap-ms", str(args.chunk_gap_ms))
-    try:
-        backend_ports = [int(p) for p in read_line(backend, "PORTS").split()[1:]]
-        rows = [run_target(t, backend, backend_ports, args) for t in targets]
-    finally:
-        backend.terminate()
-        backend.wait(timeout=30)
-
-    answer = (f"{args.stream_chunks} SSE events {args.chunk_gap_ms:g} ms apart" if args.stream_chunks
-              else f"{len(RESPONSE_BODY)}-byte response")
+    if args.backend == "sim":
+        with SimFleet(2, profile=args.sim_profile, model="bench") as sims:
+            rows = [run_target(t, sims.pids, sims.urls, args) for t in targets]
+        answer = (f"two SIMULATED {args.sim_profile} replicas, "
+                  + (f"{args.stream_chunks} streamed tokens" if args.stream_chunks else "8 tokens, not streamed"))
+    else:
+        backend = spawn(__file__, "--role", "backend", "--stream-chunks", str(args.stream_chunks),
+                        "--chunk-gap-ms", str(args.chunk_gap_ms))
+        try:
+            ports = [int(p) for p in read_line(backend, "PORTS").split()[1:]]
+            rows = [run_target(t, [backend.pid], [f"http://127.0.0.1:{p}" for p in ports], args) for t in targets]
+        finally:
+            backend.terminate()
+            backend.wait(timeout=30)
+        answer = (f"{args.stream_chunks} SSE events {args.chunk_gap_ms:g} ms apart" if args.stream_chunks
+                  else f"{len(RESPONSE_BODY)}-byte response")
     print(f"\n{args.seconds:g} s per target, concurrency {args.concurrency}, {os.cpu_count()} CPUs, {answer}\n")
     print("| target | req/s | p50 / p99 | proxy CPU per request | backend CPU per request | errors |")
     print("|---|---|---|---|---|---|")
