@@ -250,7 +250,7 @@ async def test_router_update_failure_is_retried_next_tick(tmp_path):
 
 async def test_gpu_replicas_are_pinned_to_disjoint_gpus_and_wait_when_none_is_free(tmp_path):
     gpus = tuple(Gpu(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", 81559) for i in range(4))
-    node = NodeInventory("n", gpus=gpus, cpu_cores=(0, 1))
+    node = NodeInventory("n", gpus=gpus, cpu_cores=(0, 1), nvlink_domains=((0, 1, 2, 3),))
     f = write_deployment(tmp_path, replicas=3, resources={"accelerator": "gpu", "tensorParallelSize": 2})
     h = Harness(tmp_path, [f], node=node)
     await h.tick()
@@ -259,7 +259,10 @@ async def test_gpu_replicas_are_pinned_to_disjoint_gpus_and_wait_when_none_is_fr
     assert envs == {"chat-0": "GPU-0,GPU-1", "chat-1": "GPU-2,GPU-3"}
     argv = h.backend.by_replica("chat-0").spec.argv
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
-    assert h.c.snapshot()["replicas"][2]["waiting_reason"] == "needs 2 free GPU(s), 0 free"
+    assert h.c.snapshot()["replicas"][2]["waiting_reason"] == (
+        "cannot place 1 of 3 replicas (2 whole GPUs of NVIDIA H100 80GB HBM3 in one NVLink domain): "
+        "1 node: at most 0 free GPUs in one NVLink domain, need 2 [n]"
+    )
     # A failed replica frees its GPUs once its process is gone; the waiting one takes them.
     h.backend.exit("chat-0", 1)
     await h.tick()
