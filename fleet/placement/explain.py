@@ -15,8 +15,8 @@ from collections import Counter
 from collections.abc import Hashable
 
 from fleet.inventory.model import Gpu, Inventory, NodeInventory, product_key
-from fleet.placement.gangs import GangShape, blocks_of, describe_block
-from fleet.placement.shapes import NodeClass, PlacementRequest, ReplicaShape
+from fleet.placement.gangs import blocks_of, describe_block
+from fleet.placement.shapes import GangShape, NodeClass, PlacementRequest, ReplicaShape
 
 
 def by_node_class(request: PlacementRequest, inventory: Inventory, held: Counter[str],

@@ -18,21 +18,14 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fleet.inventory.model import Inventory, NodeInventory, product_key
-from fleet.placement.shapes import PlacementRequest, ReplicaPlacement, ReplicaShape
+from fleet.placement.shapes import GangShape, PlacementRequest, ReplicaPlacement, ReplicaShape
 from fleet.placement.slots import Slot, assign, gpu_slots
 
 if TYPE_CHECKING:
     from fleet.placement.strategies import Context, PlacementStrategy
-
-
-@dataclass(frozen=True)
-class GangShape:
-    per_node: int     # GPUs on each member node, inside one NVLink domain
-    nodes: int        # member nodes
 
 
 def blocks_of(node: NodeInventory) -> list[Hashable]:

@@ -19,6 +19,15 @@ from fleet.spec import InferenceDeployment
 
 
 @dataclass(frozen=True)
+class GangShape:
+    """A replica wider than a node: ``nodes`` member nodes, each with ``per_node`` GPUs inside
+    one NVLink domain (see `fleet.placement.gangs`)."""
+
+    per_node: int
+    nodes: int
+
+
+@dataclass(frozen=True)
 class ReplicaShape:
     accelerator: str = "gpu"                # "gpu" | "cpu"
     gpu_product: str | None = None          # None: any product (one is chosen for all replicas)
@@ -38,7 +47,9 @@ class ReplicaShape:
             return "cpu"
         return "mig" if self.mig_profile else "gpus"
 
-    def describe(self, product: str | None = None) -> str:
+    def describe(self, product: str | None = None, gang: GangShape | None = None) -> str:
+        """``2 whole GPUs of NVIDIA H100 80GB HBM3 in one NVLink domain``, ``1 MIG 3g.40gb
+        instance``, ``16 whole GPUs of ... as a gang of 2 nodes x 8 GPUs in one NVLink domain``."""
         product = product or self.gpu_product
         if self.kind == "cpu":
             return f"{self.cpu_cores} CPU core(s)"
@@ -46,6 +57,8 @@ class ReplicaShape:
             return f"1 MIG {self.mig_profile} instance" + (f" of {product}" if product else "")
         n = self.tensor_parallel_size
         what = f"{n} whole GPU{'s' if n > 1 else ''} of {product or 'one product'}"
+        if gang is not None:
+            return what + f" as a gang of {gang.nodes} nodes x {gang.per_node} GPUs in one NVLink domain"
         return what + (" in one NVLink domain" if n > 1 else "")
 
 
@@ -205,6 +218,7 @@ class PlacementPlan:
     advice: tuple[MigAdvice, ...] = ()
     strategy: str = ""
     note: str = ""                               # a reason that is not about nodes (all-or-nothing, no nodes)
+    gang: GangShape | None = None                # set when each replica spans several nodes
 
     @property
     def unplaced(self) -> int:
@@ -220,7 +234,7 @@ class PlacementPlan:
             return ""
         n = self.request.count
         head = (f"cannot place {self.unplaced} of {n} replica{'s' if n != 1 else ''} "
-                f"({self.request.shape.describe(self.product)})")
+                f"({self.request.shape.describe(self.product, self.gang)})")
         parts = [self.note] if self.note else []
         parts += [c.describe() for c in self.reasons]
         return head + (": " + "; ".join(parts) if parts else "")

@@ -89,7 +89,12 @@ class PlacementStrategy:
         return (slot.node_pos, slot.pos)
 
     def pick(self, index: SlotIndex, group, need: int) -> Slot | None:
+        """The group's best slot for ``need`` units."""
         return index.first(group, need)
+
+    def candidate_key(self, slot: Slot, ctx: Context) -> tuple:
+        """Orders the best slots of equally ranked groups."""
+        return self.slot_key(slot, ctx)
 
     def gang_member_key(self, slot: Slot, ctx: Context, need: int) -> tuple:
         return (slot.node_pos, slot.pos)
@@ -147,7 +152,7 @@ class PlacementStrategy:
             reasons = explain.by_node_class(request, inventory, held, product, gang)
             if shape.kind == "mig":
                 advice = mig_advice.advise(request, inventory, held, product, request.count - len(placements))
-        return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note)
+        return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note, gang)
 
     def fits_at_all(self, shape: ReplicaShape, inventory: Inventory) -> Unplaceable | None:
         """Why one replica of ``shape`` can never fit, even on empty nodes; None when it can."""
@@ -177,11 +182,13 @@ class PlacementStrategy:
         index = SlotIndex(slots, lambda s: self.group_of(s, ctx), lambda s: self.slot_key(s, ctx))
         placements = []
         for _ in range(request.count):
-            groups = list(index.feasible(need))
-            if not groups:
+            ranked = [(self.group_rank(g.key, ctx), g) for g in index.feasible(need)]
+            if not ranked:
                 break
-            group = min(groups, key=lambda g: (self.group_rank(g.key, ctx), g.order))
-            slot = self.pick(index, group, need)
+            top = min(rank for rank, _ in ranked)
+            # Equally ranked groups compete on their best slots (best fit across racks, say).
+            slot = min((self.pick(index, g, need) for rank, g in ranked if rank == top),
+                       key=lambda s: self.candidate_key(s, ctx))
             ctx.node_free[slot.node.name] -= need
             ctx.record(slot.node)
             units = index.take(slot, need)
@@ -254,6 +261,9 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
 
     def pick(self, index: SlotIndex, group, need: int) -> Slot | None:
         return index.best_fit(group, need)
+
+    def candidate_key(self, slot: Slot, ctx: Context) -> tuple:
+        return (slot.capacity, *self.slot_key(slot, ctx))
 
     def gang_member_key(self, slot: Slot, ctx: Context, need: int) -> tuple:
         return (not ctx.warm[slot.node.name], slot.capacity - need, ctx.node_free[slot.node.name], slot.node_pos, slot.pos)
