@@ -383,7 +383,7 @@ def inventory_cmd(
         console.print_json(json.dumps(inventory_document(loaded.inventory, loaded.name, loaded.in_use)))
         return
     console.print(f"{file}: {len(loaded.inventory.nodes)} node(s), {loaded.inventory.gpu_count()} GPU(s): valid",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     for n in loaded.inventory.nodes:
         products = Counter(g.product for g in n.gpus)
         domains = [d for d in n.domains if len(d) > 1]

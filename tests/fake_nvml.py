@@ -194,7 +194,9 @@ class FakePynvml:
         return self._value(self._dev(h)["ecc_volatile_uncorrected"])
 
     def _links(self, h):
-        return self._value(self._dev(h)["nvlinks"])
+        d = self._dev(h)
+        # The real H100 reading recorded only link 0's answer (NotSupported).
+        return self._value(d["nvlinks"] if "nvlinks" in d else d.get("nvlink_state_link0", []))
 
     def nvmlDeviceGetNvLinkState(self, h, link):
         links = self._links(h)
@@ -212,7 +214,7 @@ class FakePynvml:
         return SimpleNamespace(clusterUuid=bytes(16), cliqueId=0, state=0)
 
     def nvmlDeviceGetGpuFabricInfo(self, h, info):
-        f = self._value(self._dev(h)["fabric"])
+        f = self._value(self._dev(h).get("fabric", {"error": "Not Supported"}))
         info.clusterUuid = bytes.fromhex(f["cluster_uuid"])
         info.cliqueId = f["clique_id"]
         info.state = 3 if f["completed"] else 1

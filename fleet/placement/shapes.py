@@ -191,18 +191,19 @@ class MigAdvice:
 
     def commands(self) -> list[str]:
         """nvidia-smi commands that would apply it (MIG user guide, "Getting Started with MIG";
-        ``-cgi ID:start`` places a GPU instance at a start slot). Run only on an idle GPU."""
+        ``-cgi ID:start`` places a GPU instance at a start slot). Only idle instances are
+        destroyed; the kept ones are never touched."""
         out = []
+        gpu = f"-i {self.gpu_index}"
         if self.enable_mig:
-            out.append(f"nvidia-smi -i {self.gpu_index} -mig 1")
-        if self.destroy:
-            out.append(f"nvidia-smi mig -i {self.gpu_index} -dci && nvidia-smi mig -i {self.gpu_index} -dgi  "
-                       "# destroys all instances; recreate the kept ones below")
-            recreate = [*self.keep, *self.create]
-        else:
-            recreate = list(self.create)
-        tuples = ",".join(f"{self.profile_ids.get(s.profile, s.profile)}:{s.start}" for s in recreate)
-        out.append(f"nvidia-smi mig -i {self.gpu_index} -cgi {tuples} -C")
+            out.append(f"nvidia-smi {gpu} -mig 1")
+        if self.destroy and not self.keep:
+            out.append(f"nvidia-smi mig {gpu} -dci && nvidia-smi mig {gpu} -dgi")
+        elif self.destroy:
+            out.append(f"# destroy only the idle instances {', '.join(self.destroy)}: nvidia-smi mig {gpu} -dci -gi ID "
+                       f"&& nvidia-smi mig {gpu} -dgi -gi ID for each (IDs from nvidia-smi mig {gpu} -lgi)")
+        tuples = ",".join(f"{self.profile_ids.get(s.profile, s.profile)}:{s.start}" for s in self.create)
+        out.append(f"nvidia-smi mig {gpu} -cgi {tuples} -C")
         return out
 
 

@@ -279,3 +279,20 @@ async def test_missing_weights_fail_the_replica_with_the_field_named(tmp_path):
     assert r.status is S.FAILED_START
     assert r.failure.reason == "weights not found: spec.model.source './models/m'"
     assert h.backend.procs == {}
+
+
+async def test_mig_replicas_are_pinned_by_mig_uuid_and_a_scale_up_is_placed_as_one_batch(tmp_path):
+    from fleet.inventory import MigInstance
+
+    migs = tuple(MigInstance(f"MIG-{j}", "3g.40gb", "GPU-0", start) for j, start in enumerate((0, 4)))
+    gpus = (Gpu(0, "GPU-0", "NVIDIA H100 80GB HBM3", 81559, mig_enabled=True, mig_instances=migs),)
+    node = NodeInventory("n", gpus=gpus, cpu_cores=(0, 1), nvlink_domains=())
+    f = write_deployment(tmp_path, replicas=3, resources={"accelerator": "gpu", "migProfile": "3g.40gb"})
+    h = Harness(tmp_path, [f], node=node)
+    await h.tick()
+    envs = {p.spec.replica_id: p.spec.env["CUDA_VISIBLE_DEVICES"] for p in h.backend.procs.values()}
+    assert envs == {"chat-0": "MIG-0", "chat-1": "MIG-1"}
+    assert h.c.replicas["chat-0"].assignment == "mig:3g.40gb@gpu0"
+    reason = h.c.snapshot()["replicas"][2]["waiting_reason"]
+    assert "cannot place 1 of 3 replicas (1 MIG 3g.40gb instance of NVIDIA H100 80GB HBM3)" in reason
+    assert "every 3g.40gb instance in use" in reason
