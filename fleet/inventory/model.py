@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 # NVML clock event ("throttle") reason bits, nvml.h `nvmlClocksEventReason*` (same values as the
 # older `nvmlClocksThrottleReason*`). Names are the YAML spelling used in inventory files.
@@ -37,6 +37,7 @@ _CLOCK_EVENT_PROBLEMS: dict[int, str] = {
 }
 
 
+@lru_cache(maxsize=1024)
 def product_key(product: str) -> str:
     """Comparable form of a GPU product name.
 

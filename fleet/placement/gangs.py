@@ -118,7 +118,7 @@ def place_gangs(strategy: PlacementStrategy, request: PlacementRequest, inventor
             units = slot.free[:need]
             del slot.free[:need]
             ctx.node_free[slot.node.name] -= need
-            ctx.record(slot.node, block if i == 0 else None)
+            ctx.record(slot.node, block if i == 0 else None, first=i == 0)
             members.append(assign(slot, units))
         placement = ReplicaPlacement(tuple(members), product)
         held.update(placement.devices)

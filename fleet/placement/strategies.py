@@ -4,20 +4,21 @@ Owns the `PlacementStrategy` base class (the registry by name, and the decision 
 shares: one product for all replicas of a version, single node or gang, the batch loop, all or
 nothing, explanations and MIG advice), and the built-in strategies:
 
-- ``fleet`` (default): warm nodes first, then spread over zones and racks, then best fit (the
-  NVLink domain or MIG GPU with the fewest free units that still fits, so a free 8-GPU domain
-  is not broken for a TP=2 replica while a partly used one fits), then nodes with fewer
-  replicas of the deployment, then fuller nodes.
+- ``fleet`` (default): warm nodes first; then spread: no zone beyond an even share of the
+  version's replicas, no rack beyond a quarter of them (at least one); then best fit (the NVLink domain or MIG GPU with the fewest free
+  units that still fits, so a free 8-GPU domain is not broken for a TP=2 replica while a partly
+  used one fits); then nodes with fewer replicas of the deployment; then fuller nodes.
 - ``first-fit``: the first node, in inventory order, with a domain that fits; lowest GPU
   indexes. The baseline of the benchmark (loadtests/bench_placement.py).
 
-Strategies differ only in their hooks (`group_of`, `group_rank`, `slot_key`, `pick`,
+Strategies differ only in their hooks (`group_of`, `rank_groups`, `slot_key`, `pick`,
 `gang_member_key`, `gang_rank`); all share `place_replicas`. Called by the controller, `fleet up`
 (preflight) and `fleet plan`. Pure: no I/O, no clock; the same inputs give the same plan.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -51,15 +52,17 @@ class Context:
     zone_count: Counter[str | None] = field(default_factory=Counter)
     rack_count: Counter[tuple] = field(default_factory=Counter)
     block_count: Counter[Hashable] = field(default_factory=Counter)
+    replicas: int = 0                                             # of the version, existing and placed
 
-    def record(self, node: NodeInventory, block: Hashable = None) -> None:
-        """One more replica of the deployment on ``node`` (count a gang once per replica:
-        pass ``block`` only with its first member)."""
+    def record(self, node: NodeInventory, block: Hashable = None, first: bool = True) -> None:
+        """One more replica of the deployment on ``node``. A gang records each member, with
+        ``first`` (and its ``block``) only on the first."""
         self.node_count[node.name] += 1
         self.zone_count[node.zone] += 1
         self.rack_count[(node.zone, node.rack)] += 1
         if block is not None:
             self.block_count[block] += 1
+        self.replicas += first
 
 
 class PlacementStrategy:
@@ -82,8 +85,9 @@ class PlacementStrategy:
         """Slots of one group are compared by `pick`; groups by `group_rank`."""
         return None
 
-    def group_rank(self, key: Hashable, ctx: Context) -> tuple:
-        return ()
+    def rank_groups(self, keys: list[Hashable], ctx: Context) -> list[tuple]:
+        """A rank per group key (lower is better), for the groups that can take the replica."""
+        return [() for _ in keys]
 
     def slot_key(self, slot: Slot, ctx: Context) -> tuple:
         return (slot.node_pos, slot.pos)
@@ -165,7 +169,7 @@ class PlacementStrategy:
             for i, name in enumerate(p.nodes):
                 node = inventory.by_name.get(name)
                 if node is not None:
-                    ctx.record(node, gangs.block_of(node) if i == 0 and len(p.members) > 1 else None)
+                    ctx.record(node, gangs.block_of(node) if i == 0 and len(p.members) > 1 else None, first=i == 0)
         return ctx
 
     def _place_single(self, request: PlacementRequest, inventory: Inventory, held: Counter[str],
@@ -180,18 +184,28 @@ class PlacementStrategy:
         for s in slots:
             ctx.node_free[s.node.name] += s.capacity
         index = SlotIndex(slots, lambda s: self.group_of(s, ctx), lambda s: self.slot_key(s, ctx))
+        # Each group's best slot and its key; only the group a replica went to changes.
+        best: dict[Hashable, tuple[tuple, Slot]] = {}
+        for g in index.groups.values():
+            if (s := self.pick(index, g, need)) is not None:
+                best[g.key] = (self.candidate_key(s, ctx), s)
         placements = []
         for _ in range(request.count):
-            ranked = [(self.group_rank(g.key, ctx), g) for g in index.feasible(need)]
-            if not ranked:
+            if not best:
                 break
-            top = min(rank for rank, _ in ranked)
+            keys = list(best)
+            ranks = self.rank_groups(keys, ctx)
+            top = min(ranks)
             # Equally ranked groups compete on their best slots (best fit across racks, say).
-            slot = min((self.pick(index, g, need) for rank, g in ranked if rank == top),
-                       key=lambda s: self.candidate_key(s, ctx))
+            slot = min((best[k] for k, r in zip(keys, ranks) if r == top), key=lambda c: c[0])[1]
             ctx.node_free[slot.node.name] -= need
             ctx.record(slot.node)
             units = index.take(slot, need)
+            group = index.groups[slot.group]
+            if (s := self.pick(index, group, need)) is not None:
+                best[slot.group] = (self.candidate_key(s, ctx), s)
+            else:
+                del best[slot.group]
             placement = ReplicaPlacement((assign(slot, units),), product)
             held.update(placement.devices)
             placements.append(placement)
@@ -251,9 +265,26 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
     def group_of(self, slot: Slot, ctx: Context) -> Hashable:
         return (ctx.warm[slot.node.name], slot.node.zone, slot.node.rack)
 
-    def group_rank(self, key: Hashable, ctx: Context) -> tuple:
-        warm, zone, rack = key
-        return (not warm, ctx.zone_count[zone], ctx.rack_count[(zone, rack)])
+    rack_max_share: ClassVar[float] = 0.25
+
+    def rank_groups(self, keys: list[Hashable], ctx: Context) -> list[tuple]:
+        """(cold, replicas over the zone's share, replicas over the rack's share).
+
+        A zone's share of the version's replicas is even: ``ceil(n / zones that can take one)``
+        for the n-th replica (zone counts never differ by more than one). A rack's share is a
+        quarter of the replicas, at least one: the first four replicas go to four racks, and
+        losing one rack never takes more than a quarter of a large deployment. Within their
+        shares, domains are equal and best fit decides; a stricter even spread over racks was
+        measured to cost TP=8 headroom (docs/placement.md).
+        """
+        n = ctx.replicas + 1
+        zone_share = -(-n // max(1, len({zone for _, zone, _ in keys})))
+        rack_share = max(1, math.ceil(n * self.rack_max_share))
+        return [
+            (not warm, max(0, ctx.zone_count[zone] + 1 - zone_share),
+             max(0, ctx.rack_count[(zone, rack)] + 1 - rack_share))
+            for warm, zone, rack in keys
+        ]
 
     def slot_key(self, slot: Slot, ctx: Context) -> tuple:
         name = slot.node.name
