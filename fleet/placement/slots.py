@@ -3,8 +3,8 @@
 Owns `Slot` (one NVLink domain's free GPUs of one product, or one MIG-mode GPU's free instances
 of one profile), the builders that derive slots from an `Inventory` and the devices in use
 (`gpu_slots`, `mig_slots`), and `SlotIndex`, which keeps slots bucketed by free capacity inside
-strategy-defined groups so that one pick costs about O(groups + log slots) instead of a scan of
-every node: a batch of 1,000 replicas on 10,000 nodes stays well under a second.
+strategy-defined groups, so that a batch re-examines only the group it just took from instead
+of scanning every node again (1,000 replicas on 10,000 nodes: docs/placement.md).
 Used by `fleet.placement.strategies` and `fleet.placement.gangs`. Pure, no I/O.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, defaultdict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,9 +85,6 @@ class _Group:
         self.buckets: dict[int, list[tuple]] = {}   # capacity -> heap of (slot key, seq, slot, version)
         self.counts: Counter[int] = Counter()       # capacity -> live slots with that capacity
 
-    def fits(self, need: int) -> bool:
-        return any(n > 0 and c >= need for c, n in self.counts.items())
-
 
 class SlotIndex:
     """Slots grouped by ``group_of`` and, inside a group, bucketed by capacity, each bucket a
@@ -113,10 +110,6 @@ class SlotIndex:
 
     def _push(self, g: _Group, s: Slot) -> None:
         heapq.heappush(g.buckets.setdefault(s.capacity, []), (self._slot_key(s), next(self._seq), s, s.version))
-
-    def feasible(self, need: int) -> Iterator[_Group]:
-        """Groups holding a slot with at least ``need`` free units."""
-        return (g for g in self.groups.values() if g.fits(need))
 
     def _top(self, g: _Group, capacity: int) -> tuple | None:
         heap = g.buckets.get(capacity, [])

@@ -82,7 +82,7 @@ class PlacementStrategy:
     # ----- hooks: how candidates are ranked (pure) ----------------------------------------------
 
     def group_of(self, slot: Slot, ctx: Context) -> Hashable:
-        """Slots of one group are compared by `pick`; groups by `group_rank`."""
+        """Slots of one group are compared by `pick`; groups by `rank_groups`."""
         return None
 
     def rank_groups(self, keys: list[Hashable], ctx: Context) -> list[tuple]:
