@@ -45,14 +45,18 @@ StateDir = Annotated[
 Files = Annotated[list[Path], typer.Argument(help="Deployment YAML files; each may hold several documents.")]
 
 
+def _fail_with(title: str, problems: list[str]) -> typer.Exit:
+    err_console.print(f"[bold red]{title} ({len(problems)} problem(s)):[/]")
+    for line in problems:
+        err_console.print(f"  {line}", markup=False, highlight=False)
+    return typer.Exit(2)
+
+
 def _load(files: list[Path]):
     try:
         return load_deployments(files)
     except SpecError as err:
-        err_console.print(f"[bold red]Invalid deployment spec ({len(err.problems)} problem(s)):[/]")
-        for line in err.problems:
-            err_console.print(f"  {line}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail_with("Invalid deployment spec", err.problems) from None
 
 
 @app.command()
@@ -226,10 +230,7 @@ def _load_inventory(path: Path):
     try:
         return load_inventory(path)
     except InventoryError as err:
-        err_console.print(f"[bold red]Invalid inventory ({len(err.problems)} problem(s)):[/]")
-        for line in err.problems:
-            err_console.print(f"  {line}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail_with("Invalid inventory", err.problems) from None
 
 
 @app.command()

@@ -210,10 +210,13 @@ class FakePynvml:
     def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
         return SimpleNamespace(busId=self._links(h)[link]["remote_pci_bus_id"].encode())
 
-    def c_nvmlGpuFabricInfo_t(self):
+    def c_nvmlGpuFabricInfoV_t(self):
         return SimpleNamespace(clusterUuid=bytes(16), cliqueId=0, state=0)
 
-    def nvmlDeviceGetGpuFabricInfo(self, h, info):
+    def byref(self, obj):
+        return obj
+
+    def nvmlDeviceGetGpuFabricInfoV(self, h, info):
         f = self._value(self._dev(h).get("fabric", {"error": "Not Supported"}))
         info.clusterUuid = bytes.fromhex(f["cluster_uuid"])
         info.cliqueId = f["clique_id"]

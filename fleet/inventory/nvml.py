@@ -137,9 +137,9 @@ class PynvmlReader:
         return links
 
     def _fabric(self, nv: Any, h: Any) -> dict:
-        try:
-            info = nv.c_nvmlGpuFabricInfo_t()
-            nv.nvmlDeviceGetGpuFabricInfo(h, info)
+        try:   # multi-node NVLink (GB200 NVL72 and the like); Hopper and later
+            info = nv.c_nvmlGpuFabricInfoV_t()
+            nv.nvmlDeviceGetGpuFabricInfoV(h, nv.byref(info))
         except (nv.NVMLError, AttributeError) as err:
             return {"error": str(err)}
         return {

@@ -100,6 +100,8 @@ def test_completed_multi_node_fabric_names_the_nvlink_fabric():
     for d in snap["devices"]:
         d["fabric"] = {"cluster_uuid": "7b968a6dc8aa45e19e07e1e51be99c31", "clique_id": 1, "completed": True}
     assert node_from_nvml(snap, "n").nvlink_fabric == "7b968a6dc8aa45e19e07e1e51be99c31.1"
+    # Read through the real reader from a stand-in pynvml, too.
+    assert node_from_nvml(PynvmlReader(FakePynvml(snap)).snapshot(), "n").nvlink_fabric == "7b968a6dc8aa45e19e07e1e51be99c31.1"
     for d in snap["devices"]:
         d["fabric"]["completed"] = False
     assert node_from_nvml(snap, "n").nvlink_fabric is None
@@ -117,7 +119,7 @@ def test_the_real_reader_over_a_stand_in_pynvml_reads_what_the_snapshot_holds(sn
 
 
 def test_every_nvml_name_the_reader_uses_exists_in_nvidia_ml_py():
-    used = [n for n in vars(FakePynvml) if n.startswith(("nvml", "NVML", "c_nvml"))]
+    used = [n for n in vars(FakePynvml) if n.startswith(("nvml", "NVML", "c_nvml", "byref"))]
     assert len(used) > 25
     missing = [n for n in used if not hasattr(pynvml, n)]
     assert missing == []
