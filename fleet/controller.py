@@ -20,9 +20,9 @@ from typing import Protocol
 
 from fleet.backends.base import Backend, LaunchError, LaunchSpec, ProcessHandle
 from fleet.engines import ModelUnavailable, get_engine
-from fleet.inventory import NodeInventory
+from fleet.inventory import Inventory, NodeInventory
 from fleet.lifecycle import Replica, ReplicaStatus
-from fleet.placement import Assignment, LocalPlacer, ReplicaShape
+from fleet.placement import PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
 from fleet.spec import LoadedDeployment
 from warmup.client import EngineAPI
 from warmup.run import WarmupResult, readiness_gate, run_warmup
@@ -102,7 +102,7 @@ class Controller:
         clock: Callable[[], float],
         sleep: Callable[[float], Awaitable[None]] | None = None,
         state_sink: StateSink | None = None,
-        placer: LocalPlacer | None = None,
+        placer: PlacementStrategy | None = None,
         settings: ControllerSettings | None = None,
         on_event: Callable[[ReplicaEvent], None] | None = None,
         log_dir=None,
@@ -111,10 +111,11 @@ class Controller:
         self.engine_api = engine_api
         self.pool_sink = pool_sink
         self.node = node
+        self.inventory = Inventory((node,))
         self.clock = clock
         self._sleep = sleep or asyncio.sleep   # waits between shutdown ticks; fake time in tests
         self.state_sink = state_sink
-        self.placer = placer or LocalPlacer()
+        self.placer = placer or get_strategy()
         self.settings = settings or ControllerSettings()
         self.on_event = on_event or (lambda e: None)
         self.log_dir = log_dir
@@ -124,7 +125,7 @@ class Controller:
         }
         self.replicas: dict[str, Replica] = {}
         self._handles: dict[str, ProcessHandle] = {}
-        self._assignments: dict[str, Assignment] = {}
+        self._assignments: dict[str, ReplicaPlacement] = {}
         self._warmups: dict[str, asyncio.Task[WarmupResult]] = {}
         self._wake = asyncio.Event()
         self._last_status: dict[str, ReplicaStatus] = {}
@@ -324,26 +325,33 @@ class Controller:
         self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision, created_at_s=now)
 
     async def _place_and_launch(self) -> None:
-        in_use: Counter[str] = Counter()
-        for rid, a in self._assignments.items():
-            if self.replicas[rid].process_alive or self.replicas[rid].status is ReplicaStatus.PLACED:
-                in_use.update(a.devices)
-        now = self.clock()
+        holding = {rid: a for rid, a in self._assignments.items()
+                   if self.replicas[rid].process_alive or self.replicas[rid].status is ReplicaStatus.PLACED}
+        in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
+        pending: dict[str, list[Replica]] = {}
         for r in sorted(self.replicas.values(), key=lambda r: r.created_at_s):
-            if r.status is not ReplicaStatus.PENDING or r.drain_requested_at_s is not None:
-                continue
-            ld = self.deployments[r.deployment].loaded
-            result = self.placer.place(ReplicaShape.of(ld.deployment), self.node, in_use)
-            if not isinstance(result, Assignment):
-                self._waiting[r.id] = result.reason
-                continue
-            self._waiting.pop(r.id, None)
-            in_use.update(result.devices)
-            self._assignments[r.id] = result
-            r.placed_at_s, r.assignment = now, result.label
-            self._launch(r, ld, result)
+            if r.status is ReplicaStatus.PENDING and r.drain_requested_at_s is None:
+                pending.setdefault(r.deployment, []).append(r)
+        now = self.clock()
+        for name, waiting in pending.items():
+            ld = self.deployments[name].loaded
+            dep = ld.deployment
+            existing = [a for rid, a in holding.items() if self.replicas[rid].deployment == name
+                        and self.replicas[rid].revision == dep.spec.model.revision]
+            # The deployment's whole scale-up is one decision. This machine is warm: the local
+            # backend runs the installed engine on local weights.
+            request = PlacementRequest.for_deployment(dep, len(waiting), existing, warm_nodes=[self.node.name])
+            plan = self.placer.place_replicas(request, self.inventory, in_use)
+            for r, placement in zip(waiting, plan.placements):
+                self._waiting.pop(r.id, None)
+                in_use.update(placement.devices)
+                self._assignments[r.id] = placement
+                r.placed_at_s, r.assignment = now, placement.label
+                self._launch(r, ld, placement)
+            for r in waiting[len(plan.placements):]:
+                self._waiting[r.id] = plan.explain()
 
-    def _launch(self, r: Replica, ld: LoadedDeployment, assignment: Assignment) -> None:
+    def _launch(self, r: Replica, ld: LoadedDeployment, assignment: ReplicaPlacement) -> None:
         now = self.clock()
         dep = ld.deployment
         engine = get_engine(dep.spec.engine.kind)

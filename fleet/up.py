@@ -21,9 +21,9 @@ from fleet.backends.base import LaunchError, LaunchSpec, ProcessHandle
 from fleet.backends.local import LocalBackend
 from fleet.controller import Controller, ControllerSettings, ReplicaEvent
 from fleet.engines import ModelUnavailable, get_engine
-from fleet.inventory import NodeInventory, discover_local
+from fleet.inventory import Inventory, NodeInventory, discover_local
 from fleet.lifecycle import ReplicaStatus
-from fleet.placement import LocalPlacer, ReplicaShape
+from fleet.placement import ReplicaShape, get_strategy
 from fleet.router_admin import RouterAdminClient
 from fleet.spec import LoadedDeployment
 from fleet.state import StateStore
@@ -47,7 +47,8 @@ class PreflightError(Exception):
 def preflight(loaded: list[LoadedDeployment], node: NodeInventory, router_host: str, router_port: int) -> None:
     """Check everything that would make `fleet up` half-start. Raises PreflightError."""
     problems = []
-    placer = LocalPlacer()
+    placer = get_strategy()
+    inventory = Inventory((node,))
     for ld in loaded:
         dep = ld.deployment
         where = f"{ld.path}[{ld.index}] ({dep.name})"
@@ -59,7 +60,7 @@ def preflight(loaded: list[LoadedDeployment], node: NodeInventory, router_host: 
             engine.model_argument(dep, ld.base_dir)
         except ModelUnavailable as err:
             problems.append(f"{where} spec.model.source: {err}")
-        unfit = placer.fits_at_all(ReplicaShape.of(dep), node)
+        unfit = placer.fits_at_all(ReplicaShape.of(dep), inventory)
         if unfit is not None:
             problems.append(f"{where} spec.resources: cannot place a replica on this machine: {unfit.reason}")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

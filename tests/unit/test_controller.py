@@ -250,7 +250,7 @@ async def test_router_update_failure_is_retried_next_tick(tmp_path):
 
 async def test_gpu_replicas_are_pinned_to_disjoint_gpus_and_wait_when_none_is_free(tmp_path):
     gpus = tuple(Gpu(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", 81559) for i in range(4))
-    node = NodeInventory("n", gpus=gpus, cpu_cores=(0, 1))
+    node = NodeInventory("n", gpus=gpus, cpu_cores=(0, 1), nvlink_domains=((0, 1, 2, 3),))
     f = write_deployment(tmp_path, replicas=3, resources={"accelerator": "gpu", "tensorParallelSize": 2})
     h = Harness(tmp_path, [f], node=node)
     await h.tick()
@@ -259,7 +259,10 @@ async def test_gpu_replicas_are_pinned_to_disjoint_gpus_and_wait_when_none_is_fr
     assert envs == {"chat-0": "GPU-0,GPU-1", "chat-1": "GPU-2,GPU-3"}
     argv = h.backend.by_replica("chat-0").spec.argv
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
-    assert h.c.snapshot()["replicas"][2]["waiting_reason"] == "needs 2 free GPU(s), 0 free"
+    assert h.c.snapshot()["replicas"][2]["waiting_reason"] == (
+        "cannot place 1 of 3 replicas (2 whole GPUs of NVIDIA H100 80GB HBM3 in one NVLink domain): "
+        "1 node: at most 0 free GPUs in one NVLink domain, need 2 [n]"
+    )
     # A failed replica frees its GPUs once its process is gone; the waiting one takes them.
     h.backend.exit("chat-0", 1)
     await h.tick()
@@ -297,3 +300,20 @@ async def test_a_finished_warmup_wakes_the_loop_instead_of_waiting_for_the_next_
     stop.set()
     h.c.wake()
     await asyncio.wait_for(loop_task, timeout=30)
+
+
+async def test_mig_replicas_are_pinned_by_mig_uuid_and_a_scale_up_is_placed_as_one_batch(tmp_path):
+    from fleet.inventory import MigInstance
+
+    migs = tuple(MigInstance(f"MIG-{j}", "3g.40gb", "GPU-0", start) for j, start in enumerate((0, 4)))
+    gpus = (Gpu(0, "GPU-0", "NVIDIA H100 80GB HBM3", 81559, mig_enabled=True, mig_instances=migs),)
+    node = NodeInventory("n", gpus=gpus, cpu_cores=(0, 1), nvlink_domains=())
+    f = write_deployment(tmp_path, replicas=3, resources={"accelerator": "gpu", "migProfile": "3g.40gb"})
+    h = Harness(tmp_path, [f], node=node)
+    await h.tick()
+    envs = {p.spec.replica_id: p.spec.env["CUDA_VISIBLE_DEVICES"] for p in h.backend.procs.values()}
+    assert envs == {"chat-0": "MIG-0", "chat-1": "MIG-1"}
+    assert h.c.replicas["chat-0"].assignment == "mig:3g.40gb@gpu0"
+    reason = h.c.snapshot()["replicas"][2]["waiting_reason"]
+    assert "cannot place 1 of 3 replicas (1 MIG 3g.40gb instance of NVIDIA H100 80GB HBM3)" in reason
+    assert "every 3g.40gb instance in use" in reason

@@ -1,0 +1,190 @@
+"""Inventory from Kubernetes node objects labelled by NVIDIA GPU Feature Discovery (GFD).
+
+Owns `node_from_k8s` and `inventory_from_k8s`: pure functions over node objects as the
+Kubernetes API returns them (dicts with ``metadata.labels`` and ``status.capacity`` /
+``status.allocatable``). Called by the Kubernetes backend when it reports inventory; tests call
+it with literal node dicts. No API calls here: the backend's client wrapper fetches the nodes.
+
+Label names are those of the GFD README (NVIDIA/k8s-device-plugin,
+docs/gpu-feature-discovery/README.md, "Generated Labels"):
+
+- ``nvidia.com/gpu.product``, ``nvidia.com/gpu.count``, ``nvidia.com/gpu.memory`` (MiB);
+- ``nvidia.com/mig.strategy``: ``none``, ``single`` (every GPU cut the same way; product,
+  count and memory then describe the MIG devices, the product reads ``<GPU>-MIG-<profile>``) or
+  ``mixed`` (``nvidia.com/mig-<profile>.count`` per profile);
+- ``nvidia.com/gpu.clique``: ``<clusterUUID>.<cliqueID>`` of a multi-node NVLink domain.
+
+GFD reports neither GPU UUIDs nor NVLink topology nor per-GPU health. GPUs get stable
+synthetic ids (``<node>/gpu<i>``; the Kubernetes backend asks for counts, not UUIDs); NVLink
+domains come from Fleet's node agent label (`LabelKeys.nvlink_domains`, e.g. ``0-7`` or
+``0-3;4-7``), and are unknown without it; GPUs the NVIDIA device plugin withholds from
+``status.allocatable`` are marked unhealthy.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.inventory.mig import MigSlot, fit_geometry, max_instances, mig_model_for
+from fleet.inventory.model import Gpu, GpuHealth, Inventory, MigInstance, NodeInventory
+
+GFD_PRODUCT = "nvidia.com/gpu.product"
+GFD_COUNT = "nvidia.com/gpu.count"
+GFD_MEMORY = "nvidia.com/gpu.memory"
+GFD_MIG_STRATEGY = "nvidia.com/mig.strategy"
+GFD_CLIQUE = "nvidia.com/gpu.clique"
+_MIG_COUNT = re.compile(r"^nvidia\.com/mig-([1-7]g\.[0-9]+gb(?:\+me)?)\.count$")
+_SINGLE_PRODUCT = re.compile(r"^(.+)-MIG-([1-7]g\.[0-9]+gb(?:\+me)?|INVALID)$")
+_UNHEALTHY = ("withheld from status.allocatable by the NVIDIA device plugin (unhealthy)",)
+
+
+@dataclass(frozen=True)
+class LabelKeys:
+    """Which node labels carry failure domains and topology. Defaults: the well-known zone
+    label of Kubernetes, and Fleet's own labels for what Kubernetes has no standard for."""
+
+    zone: str = "topology.kubernetes.io/zone"
+    rack: str = "fleet.inference.dev/rack"
+    network_block: str = "fleet.inference.dev/network-block"
+    nvlink_domains: str = "fleet.inference.dev/nvlink-domains"
+    cached: str = "fleet.inference.dev/cached"   # annotation: comma-separated images / model sources
+
+
+def parse_nvlink_domains(value: str) -> tuple[tuple[int, ...], ...]:
+    """``"0-7"`` -> ((0..7),); ``"0-3;4-7"`` -> two domains; ``"0,1;2,3"``; ``"none"`` -> ().
+
+    Raises ValueError on anything else.
+    """
+    value = value.strip()
+    if value in ("", "none"):
+        return ()
+    domains = []
+    for part in value.split(";"):
+        members: list[int] = []
+        for item in part.split(","):
+            item = item.strip()
+            if re.fullmatch(r"\d+-\d+", item):
+                lo, hi = (int(x) for x in item.split("-"))
+                if hi < lo:
+                    raise ValueError(f"bad range {item!r}")
+                members.extend(range(lo, hi + 1))
+            elif item.isdigit():
+                members.append(int(item))
+            else:
+                raise ValueError(f"bad NVLink domain list {value!r}: expected e.g. '0-7' or '0-3;4-7'")
+        domains.append(tuple(sorted(set(members))))
+    return tuple(domains)
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return default
+
+
+def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys()) -> NodeInventory:
+    """One Kubernetes node object -> `NodeInventory`. Pure.
+
+    Raises ValueError naming the node and label when a Fleet label is malformed.
+    """
+    meta = node.get("metadata", {})
+    name = meta.get("name", "?")
+    labels: dict[str, str] = dict(meta.get("labels") or {})
+    annotations: dict[str, str] = dict(meta.get("annotations") or {})
+    status = node.get("status") or {}
+    capacity = status.get("capacity") or {}
+    allocatable = status.get("allocatable") or {}
+
+    strategy = labels.get(GFD_MIG_STRATEGY, "none")
+    product = labels.get(GFD_PRODUCT, "")
+    count = _int(labels.get(GFD_COUNT))
+    memory = _int(labels.get(GFD_MEMORY))
+    gpus: list[Gpu] = []
+
+    def gpu(i: int, product: str, memory: int, healthy: bool = True, mig: tuple[MigInstance, ...] | None = None) -> Gpu:
+        uuid = f"{name}/gpu{i}"
+        return Gpu(
+            index=i, uuid=uuid, product=product, memory_mib=memory, mig_enabled=mig is not None,
+            mig_instances=tuple(MigInstance(m.uuid, m.profile, uuid, m.start) for m in (mig or ())),
+            health=GpuHealth() if healthy else GpuHealth(other_problems=_UNHEALTHY),
+        )
+
+    single = _SINGLE_PRODUCT.match(product) if strategy == "single" else None
+    if single:
+        # count and memory describe MIG devices; every GPU holds the same number of them.
+        base, profile = single.group(1), single.group(2)
+        model = mig_model_for(base)
+        per_gpu = len(max_instances(model, profile)) if model and profile != "INVALID" else 0
+        n_gpus = math.ceil(count / per_gpu) if per_gpu else 0
+        full_memory = (model.profiles[-1].memory_mib or 0) if model else 0   # labels give MIG memory only
+        left = count
+        for i in range(n_gpus):
+            slots = max_instances(model, profile)[: min(per_gpu, left)]
+            left -= len(slots)
+            gpus.append(gpu(i, base, full_memory, mig=tuple(
+                MigInstance(f"{name}/gpu{i}/mig{j}", s.profile, "", s.start) for j, s in enumerate(slots))))
+    else:
+        mig_counts = {m.group(1): _int(v) for k, v in labels.items() if (m := _MIG_COUNT.match(k))}
+        mig_counts = {p: n for p, n in mig_counts.items() if n > 0} if strategy == "mixed" else {}
+        mig_gpus = _pack_mig(name, product, memory, mig_counts)
+        whole = count - len(mig_gpus)   # gpu.count counts physical GPUs, MIG-enabled ones too
+        healthy_whole = _int(allocatable.get("nvidia.com/gpu"), whole) if "nvidia.com/gpu" in allocatable else whole
+        for i in range(max(whole, 0)):
+            gpus.append(gpu(i, product, memory, healthy=i < healthy_whole))
+        for j, slots in enumerate(mig_gpus):
+            i = len(gpus)
+            gpus.append(gpu(i, product, memory, mig=tuple(
+                MigInstance(f"{name}/gpu{i}/mig{k}", s.profile, "", s.start) for k, s in enumerate(slots))))
+
+    domains = None
+    if keys.nvlink_domains in labels:
+        try:
+            domains = parse_nvlink_domains(labels[keys.nvlink_domains])
+        except ValueError as err:
+            raise ValueError(f"node {name} label {keys.nvlink_domains}: {err}") from None
+    cached = frozenset(x.strip() for x in annotations.get(keys.cached, "").split(",") if x.strip())
+    return NodeInventory(
+        name=name,
+        gpus=tuple(gpus),
+        cpu_cores=tuple(range(_int(capacity.get("cpu")))),
+        labels=labels,
+        nvlink_domains=domains,
+        zone=labels.get(keys.zone),
+        rack=labels.get(keys.rack),
+        network_block=labels.get(keys.network_block),
+        nvlink_fabric=labels.get(GFD_CLIQUE),
+        cached=cached,
+    )
+
+
+def _pack_mig(node: str, product: str, memory: int, counts: dict[str, int]) -> list[list[MigSlot]]:
+    """Spread the node's MIG devices over as few GPUs as their geometry allows (largest first).
+
+    GFD gives counts per profile, not which GPU holds which device; the split only matters for
+    repartition advice, so any valid one will do. Unknown GPU model: one device per GPU.
+    """
+    model = mig_model_for(product, memory or None)
+    wanted = sorted((p for p, n in counts.items() for _ in range(n)),
+                    key=lambda p: -(model.profile(p).memory_slices if model and model.profile(p) else 0))
+    gpus: list[list[MigSlot]] = []
+    for profile in wanted:
+        for slots in gpus:
+            new = fit_geometry(model, [profile], slots) if model else None
+            if new:
+                slots.extend(new)
+                break
+        else:
+            new = fit_geometry(model, [profile]) if model else None
+            gpus.append(list(new) if new else [MigSlot(profile, 0)])
+    return gpus
+
+
+def inventory_from_k8s(nodes: Iterable[Mapping[str, Any]], keys: LabelKeys = LabelKeys()) -> Inventory:
+    """Every node object -> one `Inventory`, in the order given (nodes without GPUs included:
+    they can host CPU replicas)."""
+    return Inventory(tuple(node_from_k8s(n, keys) for n in nodes))

@@ -1,0 +1,33 @@
+"""Placement: where replicas run. Pure policy over an `Inventory` and the devices in use.
+
+Modules: `shapes` (request, plan and their parts), `slots` (free capacity and its index),
+`strategies` (the registry, the shared decision, the ``fleet`` and ``first-fit`` strategies),
+`gangs` (replicas wider than a node), `explain` (reasons by node class), `mig_advice`
+(repartition plans), `cpu` (CPU replicas). The controller, `fleet up` and `fleet plan` call
+`get_strategy(name).place_replicas(request, inventory, in_use) -> PlacementPlan`.
+"""
+
+from fleet.placement.shapes import (
+    Assignment,
+    MigAdvice,
+    NodeClass,
+    PlacementPlan,
+    PlacementRequest,
+    ReplicaPlacement,
+    ReplicaShape,
+    Unplaceable,
+)
+from fleet.placement.strategies import (
+    DEFAULT_STRATEGY,
+    FirstFitStrategy,
+    FleetStrategy,
+    PlacementStrategy,
+    get_strategy,
+    strategy_names,
+)
+
+__all__ = [
+    "DEFAULT_STRATEGY", "Assignment", "FirstFitStrategy", "FleetStrategy", "MigAdvice", "NodeClass",
+    "PlacementPlan", "PlacementRequest", "PlacementStrategy", "ReplicaPlacement", "ReplicaShape",
+    "Unplaceable", "get_strategy", "strategy_names",
+]

@@ -1,0 +1,40 @@
+"""CPU replicas (vLLM's CPU backend): cores, not GPUs.
+
+Owns `place_cpu`: each replica takes ``cpuCores`` cores of one node, free ones first; when
+every core is taken, CPU replicas share the least-used cores (a CPU core, unlike a GPU, can be
+time-shared) and the assignment says so. Nodes with the most free cores go first. Called by
+`PlacementStrategy.place_replicas`. Pure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from fleet.inventory.model import Inventory
+from fleet.placement.shapes import Assignment, PlacementRequest, ReplicaPlacement
+
+
+def place_cpu(request: PlacementRequest, inventory: Inventory, held: Counter[str]) -> list[ReplicaPlacement]:
+    """Up to ``request.count`` CPU replicas; only nodes with too few cores in total refuse one.
+    Updates ``held``."""
+    need = request.shape.cpu_cores
+    nodes = [n for n in inventory.nodes if len(n.cpu_cores) >= need]
+    placements = []
+    for _ in range(request.count if nodes else 0):
+        node = max(nodes, key=lambda n: sum(1 for c in n.cpu_cores if not held[f"cpu:{c}"]))
+        # Least-used cores first, then lowest index: free cores before shared ones.
+        chosen = sorted(sorted(node.cpu_cores, key=lambda c: (held[f"cpu:{c}"], c))[:need])
+        exclusive = all(held[f"cpu:{c}"] == 0 for c in chosen)
+        cores = ",".join(str(c) for c in chosen)
+        placement = ReplicaPlacement((Assignment(
+            node=node.name,
+            devices=tuple(f"cpu:{c}" for c in chosen),
+            # vLLM's CPU backend binds its OpenMP threads to these cores (vllm/envs.py,
+            # VLLM_CPU_OMP_THREADS_BIND: "0-31" ranges or "0,1" lists).
+            env={"VLLM_CPU_OMP_THREADS_BIND": cores, "CUDA_VISIBLE_DEVICES": ""},
+            label=f"cpu:{cores}" + ("" if exclusive else " (shared)"),
+            exclusive=exclusive,
+        ),))
+        held.update(placement.devices)
+        placements.append(placement)
+    return placements

@@ -1,0 +1,134 @@
+"""Why replicas did not fit, grouped by node class.
+
+Owns `by_node_class`: for every node, the first reason it cannot take one more replica of the
+shape (other product, no GPU, GPUs in MIG mode, unhealthy GPUs, NVLink domains too small, not
+enough free GPUs in one domain, no MIG instance of the profile, gang block too small, CPU cores),
+and nodes grouped by identical reason, largest group first:
+``12 nodes: other GPU product (NVIDIA A100-SXM4-80GB); 3 nodes: at most 2 free GPUs in one NVLink
+domain, need 4``. Reasons name no node, so nodes that fail alike fall into one class.
+Called by `PlacementStrategy.place_replicas` on the state after the batch was placed. Pure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable
+
+from fleet.inventory.model import Gpu, Inventory, NodeInventory, product_key
+from fleet.placement.gangs import blocks_of, describe_block
+from fleet.placement.shapes import GangShape, NodeClass, PlacementRequest, ReplicaShape
+
+
+def by_node_class(request: PlacementRequest, inventory: Inventory, held: Counter[str],
+                  product: str | None, gang: GangShape | None) -> tuple[NodeClass, ...]:
+    """Nodes grouped by why they cannot take one more replica; nodes that could are left out.
+
+    ``product`` is the version's product (None: each node is judged on its own products).
+    """
+    shape = request.shape
+    pk = product_key(product) if product else None
+    capable = _gang_capable(inventory, held, pk, gang) if gang else {}
+    classes: dict[str, list[str]] = {}
+    for node in inventory.nodes:
+        reason = node_reason(node, shape, pk, held, gang, capable)
+        if reason is not None:
+            classes.setdefault(reason, []).append(node.name)
+    return tuple(sorted((NodeClass(r, tuple(n)) for r, n in classes.items()),
+                        key=lambda c: (-len(c.nodes), c.reason)))
+
+
+def node_reason(node: NodeInventory, shape: ReplicaShape, pk: str | None, held: Counter[str],
+                gang: GangShape | None = None, capable: dict[Hashable, int] | None = None) -> str | None:
+    """Why ``node`` cannot take one more replica of ``shape``, or None when it can."""
+    if shape.kind == "cpu":
+        n = len(node.cpu_cores)
+        return None if n >= shape.cpu_cores else f"{n} CPU core{'s' if n != 1 else ''}, need {shape.cpu_cores}"
+    if not node.gpus:
+        return "no GPU"
+    keys = [pk] if pk else list(dict.fromkeys(g.product_key for g in node.gpus))
+    first = None
+    for key in keys:
+        if shape.kind == "mig":
+            reason = _mig_reason(node, key, held, shape.mig_profile)
+        else:
+            need = gang.per_node if gang else shape.tensor_parallel_size
+            reason = _gpus_reason(node, key, held, need, gang, capable or {})
+        if reason is None:
+            return None
+        first = first or reason
+    return first
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def _other_product(node: NodeInventory) -> str:
+    return f"other GPU product ({', '.join(dict.fromkeys(g.product for g in node.gpus))})"
+
+
+def _sickness(gpus: list[Gpu]) -> str:
+    return ", ".join(sorted({p for g in gpus for p in g.health.problems()}))
+
+
+def _gpus_reason(node: NodeInventory, key: str, held: Counter[str], need: int, gang: GangShape | None,
+                 capable: dict[Hashable, int]) -> str | None:
+    mine = [g for g in node.gpus if g.product_key == key]
+    if not mine:
+        return _other_product(node)
+    whole = [g for g in mine if not g.mig_enabled]
+    if not whole:
+        return "GPUs in MIG mode (the replica needs whole GPUs)"
+    healthy = {g.index for g in whole if g.health.healthy}
+    sick = [g for g in whole if g.index not in healthy]
+    if not healthy:
+        return f"GPUs unhealthy: {_sickness(sick)}"
+    sick_note = f" ({_plural(len(sick), 'GPU')} unhealthy: {_sickness(sick)})" if sick else ""
+    what = f"need {need}" + (" per gang member" if gang else "")
+    largest = max(sum(1 for g in dom if g.index in healthy) for dom in node.domains)
+    if largest < need:
+        topo = "" if node.topology_known else " (NVLink topology not reported)"
+        return f"at most {_plural(largest, 'GPU')} in one NVLink domain, {what}{topo}{sick_note}"
+    free = max(sum(1 for g in dom if g.index in healthy and not held[g.uuid]) for dom in node.domains)
+    if free < need:
+        return f"at most {_plural(free, 'free GPU')} in one NVLink domain, {what}{sick_note}"
+    if gang is not None:
+        blocks = blocks_of(node)
+        if not blocks:
+            return f"no NVLink fabric or network block (a gang of {gang.nodes} nodes needs one)"
+        block = max(blocks, key=lambda b: capable.get(b, 0))
+        return (f"{describe_block(block)} has {_plural(capable.get(block, 0), 'node')} with {need} free GPUs "
+                f"in one NVLink domain, a gang needs {gang.nodes}")
+    return None
+
+
+def _mig_reason(node: NodeInventory, key: str, held: Counter[str], profile: str) -> str | None:
+    mine = [g for g in node.gpus if g.product_key == key]
+    if not mine:
+        return _other_product(node)
+    migged = [g for g in mine if g.mig_enabled]
+    if not migged:
+        return "MIG mode off"
+    healthy = [g for g in migged if g.health.healthy]
+    if not healthy:
+        return f"GPUs unhealthy: {_sickness(migged)}"
+    instances = [m for g in healthy for m in g.mig_instances if m.profile == profile]
+    if not instances:
+        have = Counter(m.profile for g in healthy for m in g.mig_instances)
+        listed = ", ".join(f"{n}x {p}" for p, n in sorted(have.items())) or "none"
+        return f"no {profile} instance (MIG instances: {listed})"
+    if all(held[m.uuid] for m in instances):
+        return f"every {profile} instance in use"
+    return None
+
+
+def _gang_capable(inventory: Inventory, held: Counter[str], pk: str | None, gang: GangShape) -> dict[Hashable, int]:
+    """Per gang block: nodes that could host one more member now."""
+    capable: Counter[Hashable] = Counter()
+    for node in inventory.nodes:
+        ok = any(sum(1 for g in dom if g.product_key == pk and not g.mig_enabled and g.health.healthy
+                      and not held[g.uuid]) >= gang.per_node for dom in node.domains)
+        if ok:
+            for block in blocks_of(node):
+                capable[block] += 1
+    return capable

@@ -1,0 +1,126 @@
+"""Gangs: a replica wider than a node, placed over several nodes at once, all or nothing.
+
+Owns the gang shape of a request (`gang_shape`: how many nodes, how many GPUs on each), which
+nodes may form a gang together (`blocks_of`: one multi-node NVLink fabric, or one network
+block), how many gangs fit now (`gang_capacity`, for choosing a product) and the gang loop
+(`place_gangs`) that the strategies' `gang_member_key` / `gang_rank` hooks steer.
+Called by `fleet.placement.strategies`. Pure.
+
+A replica is a gang when its tensor parallel size exceeds the GPUs of its product on any one
+node. Each member then holds ``per_node`` GPUs inside one NVLink domain of its node, where
+``per_node`` is the largest divisor of the tensor parallel size that fits in the largest
+NVLink domain of that product (TP=16 on 8-GPU NVSwitch nodes: 2 members of 8). Every replica
+of a version has the same gang shape (it is taken from the existing replicas when there are
+some). A gang is placed whole or not at all: members are chosen first, devices taken after.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+from fleet.inventory.model import Inventory, NodeInventory, product_key
+from fleet.placement.shapes import GangShape, PlacementRequest, ReplicaPlacement, ReplicaShape
+from fleet.placement.slots import Slot, assign, gpu_slots
+
+if TYPE_CHECKING:
+    from fleet.placement.strategies import Context, PlacementStrategy
+
+
+def blocks_of(node: NodeInventory) -> list[Hashable]:
+    """The groups of nodes this node may form a gang with: its multi-node NVLink fabric (GB200
+    NVL72 style; preferred) and its network block."""
+    out: list[Hashable] = []
+    if node.nvlink_fabric:
+        out.append(("fabric", node.nvlink_fabric))
+    if node.network_block:
+        out.append(("block", node.network_block))
+    return out
+
+
+def block_of(node: NodeInventory) -> Hashable:
+    """The node's preferred gang group, or None."""
+    blocks = blocks_of(node)
+    return blocks[0] if blocks else None
+
+
+def describe_block(block: Hashable) -> str:
+    kind, name = block
+    return f"NVLink fabric {name}" if kind == "fabric" else f"network block {name}"
+
+
+def _product_gpus(node: NodeInventory, pk: str) -> int:
+    return sum(1 for g in node.gpus if g.product_key == pk and not g.mig_enabled)
+
+
+def gang_shape(shape: ReplicaShape, inventory: Inventory, pk: str,
+               existing: tuple[ReplicaPlacement, ...]) -> GangShape | None:
+    """The gang shape of ``shape`` on product ``pk``, or None for a single-node replica."""
+    t = shape.tensor_parallel_size
+    if shape.kind != "gpus" or t == 1:
+        return None
+    if existing:
+        members = len(existing[0].members)
+        return GangShape(t // members, members) if members > 1 else None
+    widest = max((_product_gpus(n, pk) for n in inventory.nodes), default=0)
+    if widest == 0 or t <= widest:
+        return None
+    largest = max(sum(1 for g in dom if g.product_key == pk and not g.mig_enabled)
+                  for n in inventory.nodes for dom in n.domains)
+    per_node = max(d for d in range(1, largest + 1) if t % d == 0)
+    return GangShape(per_node, t // per_node)
+
+
+def gang_capacity(inventory: Inventory, held: Counter[str], pk: str, gang: GangShape) -> int:
+    """About how many gangs fit now (members counted per node's preferred block)."""
+    members: Counter[Hashable] = Counter()
+    for s in gpu_slots(inventory, held, pk):
+        block = block_of(s.node)
+        if block is not None:
+            members[block] += s.capacity // gang.per_node
+    return sum(n // gang.nodes for n in members.values())
+
+
+def place_gangs(strategy: PlacementStrategy, request: PlacementRequest, inventory: Inventory,
+                held: Counter[str], product: str, gang: GangShape, ctx: Context) -> list[ReplicaPlacement]:
+    """Place up to ``request.count`` gangs; each whole or not at all. Updates ``held``."""
+    need = gang.per_node
+    by_node: dict[str, list[Slot]] = defaultdict(list)
+    for s in gpu_slots(inventory, held, product_key(product)):
+        by_node[s.node.name].append(s)
+        ctx.node_free[s.node.name] += s.capacity
+    blocks: dict[Hashable, list[NodeInventory]] = {}
+    for node in inventory.nodes:
+        for block in blocks_of(node):
+            blocks.setdefault(block, []).append(node)
+    placements: list[ReplicaPlacement] = []
+    for _ in range(request.count):
+        best = None
+        for order, (block, nodes) in enumerate(blocks.items()):
+            candidates = []
+            for node in nodes:
+                fitting = [s for s in by_node.get(node.name, ()) if s.capacity >= need]
+                if fitting:
+                    candidates.append(min(fitting, key=lambda s: strategy.gang_member_key(s, ctx, need)))
+            if len(candidates) < gang.nodes:
+                continue
+            candidates.sort(key=lambda s: strategy.gang_member_key(s, ctx, need))
+            chosen = candidates[: gang.nodes]
+            rank = (strategy.gang_rank(block, chosen, ctx, need), order)
+            if best is None or rank < best[0]:
+                best = (rank, block, chosen)
+        if best is None:
+            break
+        _, block, chosen = best
+        members = []
+        for i, slot in enumerate(chosen):
+            units = slot.free[:need]
+            del slot.free[:need]
+            ctx.node_free[slot.node.name] -= need
+            ctx.record(slot.node, block if i == 0 else None, first=i == 0)
+            members.append(assign(slot, units))
+        placement = ReplicaPlacement(tuple(members), product)
+        held.update(placement.devices)
+        placements.append(placement)
+    return placements
