@@ -31,6 +31,14 @@ class ListeningServer(uvicorn.Server):
             self._on_listening(host, port)
 
 
+CLIENT_KEEPALIVE_S = 75
+"""Seconds an idle client connection stays open (uvicorn's default is 5 s). A client that
+reuses a pooled connection just as the server closes it loses that request
+(`ServerDisconnectedError` before any byte); client pools keep idle connections 15 s (aiohttp)
+or longer, so the router outlasts them. 75 s is nginx's `keepalive_timeout` default. Measured:
+bursty trace replay through the router lost 9-29 of 4,132 requests at uvicorn's 5 s."""
+
+
 def _print_listening(host: str, port: int) -> None:
     print(f"fleet router listening on http://{host}:{port}", file=sys.stdout, flush=True)
 
@@ -53,5 +61,6 @@ def serve(host: str, port: int, admin_token: str, log_level: str = "warning") ->
         log_level=log_level,
         server_header=False,
         proxy_headers=False,  # the router does not use the client address; saves a middleware hop
+        timeout_keep_alive=CLIENT_KEEPALIVE_S,
     )
     ListeningServer(config, _print_listening).run()

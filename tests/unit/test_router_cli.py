@@ -34,3 +34,28 @@ def test_command_line_needs_token_and_prints_listening_line() -> None:
         # uvicorn shuts down gracefully on SIGTERM, then re-raises it so supervisors see it.
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
 
+
+
+def test_idle_client_connection_outlives_uvicorns_default_keepalive() -> None:
+    """A pooled client connection idle for 6 s (uvicorn closes after 5 s by default) still
+    serves the next request, so bursty clients do not lose requests to a close race."""
+    import http.client
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", "0"],
+                            env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": TOKEN}, cwd=REPO, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline().rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() == b'{"status":"ok"}'
+        sock = conn.sock
+        time.sleep(6.0)
+        conn.request("GET", "/health")            # http.client reconnects silently if closed...
+        assert conn.getresponse().status == 200
+        assert conn.sock is sock                  # ...so check it reused the very same socket
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

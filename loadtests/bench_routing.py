@@ -1,0 +1,180 @@
+"""Routing quality on real traces: Fleet's policies against vllm-router's, in front of the same
+SIMULATED vLLM replicas, driven by the same open-loop replay of an Azure trace.
+
+For each target, a fresh fleet of `--replicas` simulated replicas (`fleet.sim`, profile
+`--profile`, seeded, so every target meets identical engines) is started, the router under test
+is put in front of it, and a window of the trace is replayed through it open loop
+(`loadtests.replay`), time-compressed so the fleet runs at `--load` of its capacity. Targets:
+`fleet:<policy>` (Fleet's router, `python -m router`, one pool with that policy) and
+`vllm-router:<policy>` (the Rust router from PyPI with `--policy`).
+
+**Load.** One replica's capacity on this trace's request mix is measured with the simulator's
+pure model in virtual time (every request of the window queued at once; completed requests per
+second of makespan). The arrival-rate speedup is `load x replicas x capacity / trace rate`.
+
+**This machine.** Every streamed token costs CPU three times over on 2 shared cores (simulated
+engine, router, replayer). So that the token stream stays within `--max-token-rate` tokens/s,
+every replica is uniformly slowed with the simulator's `--slowdown` factor (all step times x
+factor), and the speedup follows from the slowed capacity. Both factors are printed. Latencies
+are then those of an H100 fleet slowed by that factor: compare targets with each other, not with
+H100 figures.
+
+Usage:
+    python -m loadtests.bench_routing --trace code [--replicas 8] [--load 0.8] \\
+        [--targets fleet:round-robin,fleet:least-outstanding,fleet:latency-aware,vllm-router:round_robin,vllm-router:power_of_two,vllm-router:cache_aware]
+Prints a table; `--json-out` writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from fleet.sim.model import Arrival, EngineModel, run_virtual
+from fleet.sim.profiles import get_profile
+from fleet.traces import Trace, load_trace
+from loadtests.procs import SimFleet, cpu_s, free_port, wait_http
+from loadtests.replay import HttpSender, PromptBuilder, replay, summarize_run
+
+REPO = Path(__file__).resolve().parent.parent
+TRACES = REPO / "loadtests" / "traces" / "azure-llm-2023"
+DEFAULT_WINDOWS = {"code": (480.0, 1200.0), "conv": (1200.0, 300.0)}   # (start s, length s): busy stretches
+ADMIN_TOKEN = "bench-routing-admin-token"
+MODEL = "bench"
+DEFAULT_TARGETS = ("fleet:round-robin,fleet:least-outstanding,fleet:latency-aware,"
+                   "vllm-router:round_robin,vllm-router:power_of_two,vllm-router:cache_aware")
+
+
+def clip(trace: Trace, max_model_len: int) -> Trace:
+    """Requests that fit the engine: prompt + output <= max_model_len (prompt cut if needed)."""
+    from fleet.traces import TraceRequest
+
+    out = []
+    for r in trace.requests:
+        output = min(r.output_tokens, max_model_len // 4)
+        prompt = min(r.prompt_tokens, max_model_len - output)
+        out.append(TraceRequest(r.arrival_s, prompt, output, r.session_id, r.prefix_blocks))
+    return Trace(trace.name, tuple(out))
+
+
+def replica_capacity_per_s(trace: Trace, profile_name: str, slowdown: float) -> float:
+    """Completed requests per second of one replica saturated with ``trace``'s request mix
+    (virtual time, simulator model)."""
+    profile = get_profile(profile_name)
+    model = EngineModel(profile.config, profile.cost, slowdown=slowdown)
+    prompts = PromptBuilder(seed=0, vocab_size=32000)
+    arrivals = [Arrival(0.0, str(i), prompts.prompt(i, r), r.output_tokens) for i, r in enumerate(trace.requests)]
+    finished = run_virtual(model, arrivals)
+    return len(finished) / max(f.finished_s for f in finished)
+
+
+def start_router(target: str, urls: list[str]) -> tuple[subprocess.Popen, str]:
+    kind, policy = target.split(":", 1)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    if kind == "fleet":
+        proc = subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": ADMIN_TOKEN})
+        wait_http(f"{base}/health", proc)
+        doc = {"policy": policy, "endpoints": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(urls)]}
+        req = urllib.request.Request(f"{base}/admin/v1/pools/{MODEL}", data=json.dumps(doc).encode(), method="PUT",
+                                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).close()
+    elif kind == "vllm-router":
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1",
+                                 "--port", str(port), "--policy", policy, "--log-level", "warning",
+                                 "--worker-urls", *urls],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
+        wait_http(f"{base}/health", proc)
+    else:
+        raise SystemExit(f"unknown target kind {kind!r}: use fleet:<policy> or vllm-router:<policy>")
+    return proc, base
+
+
+def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
+    extra = ["--slowdown", str(slowdown)] if slowdown != 1.0 else []
+    with SimFleet(args.replicas, profile=args.profile, model=MODEL, processes=args.sim_processes, seed=args.seed,
+                  extra_args=extra) as sims:
+        proc, base = start_router(target, sims.urls)
+        try:
+            cpu0 = cpu_s(proc.pid)
+
+            async def go():
+                async with HttpSender(base, MODEL, PromptBuilder(args.seed, 32000)) as sender:
+                    return await replay(trace, sender)
+
+            started = time.monotonic()
+            records = asyncio.run(go())
+            wall_s = time.monotonic() - started
+            router_cpu_s = cpu_s(proc.pid) - cpu0
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    summary = summarize_run(records, args.ttft_slo_s)
+    summary["router_cpu_ms_per_request"] = 1e3 * router_cpu_s / max(1, len(records))
+    summary["wall_s"] = wall_s
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", choices=sorted(DEFAULT_WINDOWS), required=True, help="Azure trace")
+    parser.add_argument("--start-s", type=float, help="trace window start (default: a busy stretch)")
+    parser.add_argument("--window-s", type=float, help="trace window length in trace seconds (default 1200)")
+    parser.add_argument("--replicas", type=int, default=8, help="simulated replicas (default 8)")
+    parser.add_argument("--sim-processes", type=int, default=2, help="processes hosting them (default 2)")
+    parser.add_argument("--profile", default="h100-llama-8b", help="simulator profile (default h100-llama-8b)")
+    parser.add_argument("--load", type=float, default=0.8, help="offered load / fleet capacity (default 0.8)")
+    parser.add_argument("--max-token-rate", type=float, default=1500.0,
+                        help="most streamed tokens per second this machine should carry (default 1500)")
+    parser.add_argument("--ttft-slo-s", type=float, help="also report the share within this TTFT")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--targets", default=DEFAULT_TARGETS, help="comma-separated fleet:<policy> / vllm-router:<policy>")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+
+    start_s, window_s = DEFAULT_WINDOWS[args.trace]
+    start_s = args.start_s if args.start_s is not None else start_s
+    window_s = args.window_s if args.window_s is not None else window_s
+    base = clip(load_trace(TRACES / f"{args.trace}.csv").window(start_s, window_s), get_profile(args.profile).config.max_model_len)
+    mean_out = sum(r.output_tokens for r in base.requests) / len(base.requests)
+    capacity_1 = replica_capacity_per_s(base, args.profile, 1.0)
+    tokens_at_load = args.load * args.replicas * capacity_1 * mean_out
+    slowdown = max(1.0, round(tokens_at_load / args.max_token_rate, 1))
+    capacity = replica_capacity_per_s(base, args.profile, slowdown)
+    speedup = args.load * args.replicas * capacity / base.mean_rate_per_s()
+    trace = base.compressed(speedup)
+    print(f"{args.trace}: trace seconds {start_s:g}-{start_s + window_s:g}, {len(trace.requests)} requests, "
+          f"mean {base.mean_rate_per_s():.2f} req/s, {mean_out:.0f} output tokens/request", flush=True)
+    print(f"one {args.profile} replica: {capacity_1:.2f} req/s at saturation; slowdown x{slowdown:g} -> "
+          f"{capacity:.3f} req/s; arrival speedup x{speedup:.2f} -> {trace.mean_rate_per_s():.2f} req/s offered to "
+          f"{args.replicas} replicas ({args.load:.0%} load), {trace.duration_s:.0f} s per target", flush=True)
+
+    rows = []
+    for target in [t for t in args.targets.split(",") if t]:
+        s = run_target(target, trace, args, slowdown)
+        rows.append((target, s))
+        print(f"  {target}: TTFT p50 {s['ttft_s']['p50']:.3f} s p99 {s['ttft_s']['p99']:.3f} s, "
+              f"e2e p50 {s['e2e_s']['p50']:.2f} s p99 {s['e2e_s']['p99']:.2f} s, failed {s['failed']}", flush=True)
+
+    print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 | failed | router CPU / request |")
+    print("|---|---|---|---|---|---|---|")
+    for target, s in rows:
+        print(f"| {target} | {s['ttft_s']['p50']:.3f} s | {s['ttft_s']['p99']:.3f} s | {s['e2e_s']['p50']:.2f} s "
+              f"| {s['e2e_s']['p99']:.2f} s | {s['failed']} | {s['router_cpu_ms_per_request']:.2f} ms |")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({
+            "trace": args.trace, "window": [start_s, window_s], "replicas": args.replicas, "profile": args.profile,
+            "load": args.load, "slowdown": slowdown, "speedup": speedup, "results": dict(rows)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
