@@ -200,27 +200,31 @@ class Stabilizer:
     """Kubernetes HPA's stabilisation of recommendations (`stabilizeRecommendationWithBehaviors`
     in kubernetes/pkg/controller/podautoscaler/horizontal.go): remember each recommendation;
     scale up only to the lowest one of the last ``up_window_s`` and down only to the highest
-    one of the last ``down_window_s`` seconds."""
+    one of the last ``down_window_s`` seconds (the current one included in both)."""
 
     def __init__(self, up_window_s: float, down_window_s: float) -> None:
         self.up_window_s = up_window_s
         self.down_window_s = down_window_s
         self._recs: deque[tuple[float, int]] = deque()
+        self._seed: tuple[float, int] | None = None
 
     def seed(self, now_s: float, replicas: int) -> None:
-        """Count ``replicas`` as recommended at ``now_s`` (the start: no scale-down before a
-        whole window has passed)."""
-        self._recs.append((now_s, replicas))
+        """Count ``replicas`` as a scale-down recommendation made at ``now_s`` (the start: no
+        scale-down before a whole window has passed; a scale-up is not held back)."""
+        self._seed = (now_s, replicas)
 
     def apply(self, now_s: float, current: int, recommendation: int) -> int:
         """Record ``recommendation``; return the stabilised replica count from ``current``."""
         recs = self._recs
+        up_cut_s, down_cut_s = now_s - self.up_window_s, now_s - self.down_window_s
+        up = min([recommendation, *(r for t, r in recs if t > up_cut_s)])
+        down = max([recommendation, *(r for t, r in recs if t > down_cut_s)])
+        if self._seed is not None and self._seed[0] > down_cut_s:
+            down = max(down, self._seed[1])
         recs.append((now_s, recommendation))
         keep_s = max(self.up_window_s, self.down_window_s)
-        while recs and recs[0][0] < now_s - keep_s:
+        while recs and recs[0][0] <= now_s - keep_s:
             recs.popleft()
-        up = min(r for t, r in recs if t >= now_s - self.up_window_s)
-        down = max(r for t, r in recs if t >= now_s - self.down_window_s)
         if current < up:
             return up
         if current > down:
