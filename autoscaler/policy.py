@@ -17,11 +17,13 @@ sequence of contexts always gives the same decisions.
 Fleet's policy, per decision (targets: queue time Tq, p99 TTFT Tt; pressure = the larger of
 queue_time / Tq and ttft_p99 / Tt, TTFT counting only with >= 10 samples in the window):
 
-1. Above target (pressure > 1): want ceil(ready x pressure) replicas, at least ready + 1.
-2. Heading above target: a least-squares line through each signal's ratios over
-   `trendWindowSeconds`, projected ahead by the time a new replica needs to become ready
-   (observed warm or cold start-up; at most as far ahead as the trend window looks back),
-   crosses 1: want ceil(ready x projected), at least ready + 1.
+1. Above target (pressure > 1): want ceil(R x pressure) replicas (at least 1), where R is the
+   time-weighted mean READY count over the signal window: the replicas that produced the
+   windowed signals (just after a scale-up the window still shows what fewer replicas did).
+2. Heading above target: a robust (Theil-Sen) line through each signal's ratios over
+   `trendWindowSeconds` (measured at today's READY count), projected ahead by the time a new
+   replica needs to become ready (observed warm or cold start-up; never further ahead than the
+   points reach back), crosses 1: want ceil(ready x projected), at least ready + 1.
 3. Demand with no READY replica: want 1 (or the load floor).
 4. Every signal below `scaleDownBelowFraction` of its target (hysteresis) or none measured:
    want the load floor (at least spec.replicas.min). Between that fraction and 1: hold.
@@ -243,14 +245,15 @@ def limit_rate(current: int, desired: int, *, up_rate: float, up_step: int, down
 
 
 def _slope(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope (per second) of ``points`` (time, value)."""
-    n = len(points)
-    mean_t = sum(t for t, _ in points) / n
-    mean_v = sum(v for _, v in points) / n
-    var_t = sum((t - mean_t) ** 2 for t, _ in points)
-    if var_t == 0:
+    """Theil-Sen slope (per second) of ``points`` (time, value): the median of the slopes
+    between every pair. Unlike least squares, one outlier (a p99 spike, a momentary dip) cannot
+    tilt it: it tolerates up to 29 % bad points (Sen 1968)."""
+    slopes = [(v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(points) for t2, v2 in points[i + 1:] if t2 != t1]
+    if not slopes:
         return 0.0
-    return sum((t - mean_t) * (v - mean_v) for t, v in points) / var_t
+    slopes.sort()
+    mid = len(slopes) // 2
+    return slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
 
 
 class FleetPolicy(ScalingPolicy, name="fleet"):
@@ -268,7 +271,8 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
 
     def __init__(self, spec: AutoscalingSpec, bounds: ReplicaBounds) -> None:
         super().__init__(spec, bounds)
-        self._ratios: deque[tuple[float, float | None, float | None]] = deque()
+        self._ratios: deque[tuple[float, float | None, float | None, int]] = deque()  # (t, q, ttft, ready)
+        self._ready: deque[tuple[float, int]] = deque()
         self._stabilizer = Stabilizer(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
         self._seeded = False
         self._pending_capacity: deque[tuple[float, float]] = deque()
@@ -284,25 +288,46 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             out["ttft_p99"] = s.ttft_p99_s / self.spec.ttft_p99_target_seconds
         return out
 
-    def _projection(self, now_s: float, horizon_s: float) -> tuple[str, float] | None:
-        """The signal whose trend line reaches highest ``horizon_s`` ahead, and that ratio;
-        None without a trend (fewer than 3 points, or spanning under two intervals)."""
+    def _projection(self, now_s: float, horizon_s: float, ready: int) -> tuple[str, float] | None:
+        """The signal whose trend (Theil-Sen) reaches highest ``horizon_s`` ahead, and that ratio;
+        None without a trend (fewer than 3 points, or spanning under two intervals). Only
+        points measured with today's READY count count: a trend across a scaling step is the
+        step, not the load."""
         best: tuple[str, float] | None = None
         for index, signal in enumerate(self.SIGNALS, start=1):
             points: list[tuple[float, float]] = []
             for entry in self._ratios:
                 ratio = entry[index]
-                if ratio is not None:
-                    points.append((entry[0], ratio))
-            if len(points) < 3 or points[-1][0] - points[0][0] < 2 * self.interval_s:
+                if ratio is not None and entry[3] == ready:
+                    points.append((entry[0], ratio))  # type: ignore[arg-type]
+            span_s = points[-1][0] - points[0][0] if points else 0.0
+            if len(points) < 3 or span_s < 2 * self.interval_s:
                 continue
             latest = points[-1][1]
             if latest < self.spec.scale_down_below_fraction:
                 continue  # far below target: a slope here is noise, not a coming breach
-            projected = latest + max(0.0, _slope(points)) * horizon_s
+            # Never extrapolate further ahead than the points reach back.
+            projected = latest + max(0.0, _slope(points)) * min(horizon_s, span_s)
             if best is None or projected > best[1]:
                 best = (signal, projected)
         return best
+
+    def _replicas_behind_signals(self, now_s: float, ready: int) -> float:
+        """Time-weighted mean of the READY count over the signal window: the replicas that
+        produced the windowed signals. Right after new replicas join, the window still holds
+        what fewer replicas did; sizing from today's count would overshoot."""
+        history = self._ready
+        history.append((now_s, ready))
+        since_s = now_s - self.spec.window_seconds
+        while len(history) > 1 and history[1][0] <= since_s:
+            history.popleft()
+        total_s = weighted = 0.0
+        for (t, n), (t_next, _) in zip(history, [*list(history)[1:], (now_s, ready)]):
+            span_s = t_next - max(t, since_s)
+            if span_s > 0 and n > 0:  # with no READY replica nothing was served: no evidence
+                total_s += span_s
+                weighted += span_s * n
+        return weighted / total_s if total_s > 0 else float(ready)
 
     # ----- capacity -----------------------------------------------------------------------
 
@@ -347,7 +372,7 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             self._stabilizer.seed(now_s, ctx.desired)
             self._seeded = True
         ratios = self._ratios_of(s)
-        self._ratios.append((now_s, ratios.get("queue_time"), ratios.get("ttft_p99")))
+        self._ratios.append((now_s, ratios.get("queue_time"), ratios.get("ttft_p99"), ctx.ready))
         while self._ratios and self._ratios[0][0] < now_s - spec.trend_window_seconds:
             self._ratios.popleft()
         signal, pressure = max(ratios.items(), key=lambda kv: kv[1]) if ratios else (None, None)
@@ -355,21 +380,25 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         self._learn_capacity(now_s, pressure, load, ctx.ready)
         floor = self._load_floor(load, ctx.ready)
         horizon_s = min(ctx.startup.lead_time_s, spec.trend_window_seconds)
-        projection = self._projection(now_s, horizon_s)
+        projection = self._projection(now_s, horizon_s, ctx.ready)
+        behind = self._replicas_behind_signals(now_s, ctx.ready)
         current = ctx.desired
         inputs: dict[str, float | int | None] = {
             "queue_time_s": s.queue_time_s, "ttft_p99_s": s.ttft_p99_s, "pressure": pressure,
             "projected": projection[1] if projection else None, "load": load,
             "per_replica_capacity": self.per_replica_capacity(), "load_floor": floor,
             "lead_time_s": ctx.startup.lead_time_s, "ready": ctx.ready, "starting": ctx.starting,
+            "replicas_behind_signals": behind,
         }  # fmt: skip
 
         scaling_up = True
         if pressure is not None and pressure > 1.0:
-            want = max(math.ceil(ctx.ready * pressure - 1e-9), ctx.ready + 1, floor)
+            want = max(math.ceil(behind * pressure - 1e-9), 1, floor)
             reason = f"{signal}_above_target"
             detail = f"{signal} at {pressure:.2f}x target"
-        elif projection is not None and projection[1] > 1.0:
+            if behind < ctx.ready:
+                detail = f"{detail} over a window averaging {behind:.1f} READY replica(s)"
+        elif projection is not None and projection[1] > 1.0 + 1e-9:
             want = max(math.ceil(ctx.ready * projection[1] - 1e-9), ctx.ready + 1, floor)
             reason = f"{projection[0]}_projected"
             detail = f"{projection[0]} heading to {projection[1]:.2f}x target within {horizon_s:.0f} s"

@@ -80,8 +80,8 @@ def _get(snapshot: Mapping[str, Any], key: str, field: str) -> Any:
 class DeploymentSignals:
     """Engine scrapes of one deployment's replicas, combined with router stats into `Signals`.
 
-    `observe_engine(replica_id, now_s, sample)` records a scrape; `forget_others(ids)` drops
-    replicas no longer READY; `signals(now_s, router_snapshot)` builds the snapshot over
+    `observe_engine(replica_id, now_s, sample)` records a scrape, `scrape_failed(replica_id)`
+    a failed one; `forget_others(ids)` drops replicas no longer READY; `signals(now_s, router_snapshot)` builds the snapshot over
     ``window_s``. ``retention_s`` bounds the scrape history kept per replica.
     """
 
@@ -96,6 +96,11 @@ class DeploymentSignals:
         if sample.queue_time is not None:
             window = self._queue_time.setdefault(replica_id, HistogramWindow(self._retention_s))
             window.add(now_s, sample.queue_time)
+
+    def scrape_failed(self, replica_id: str) -> None:
+        """A scrape of ``replica_id`` failed: its gauges are unknown now (its histogram history
+        stays; the next successful scrape continues it)."""
+        self._latest.pop(replica_id, None)
 
     def forget_others(self, replica_ids: Collection[str]) -> None:
         """Drop the scrapes of replicas not in ``replica_ids`` (gone, draining or failed)."""

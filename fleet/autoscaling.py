@@ -161,6 +161,7 @@ class AutoscalerLoop:
                 text = await self.engine_api.metrics(r.endpoint, self.scrape_timeout_s)
                 d.signals.observe_engine(r.id, now_s, parse_engine_metrics(text, d.model))
             except (EngineRequestError, EngineMetricsError) as err:
+                d.signals.scrape_failed(r.id)
                 log.debug("scrape of %s failed: %s", r.id, err)
 
         await asyncio.gather(*(one(r) for r in ready))

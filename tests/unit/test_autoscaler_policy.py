@@ -71,19 +71,21 @@ def test_ttft_p99_above_target_scales_up_but_only_with_enough_samples() -> None:
 
 
 def test_a_signal_heading_above_target_within_the_start_up_time_scales_up_early() -> None:
-    def rising(t: float, n: int) -> Signals:  # on 2 replicas the ratio goes 0.6, 0.7, 0.8, 0.9 at 5 s steps
-        return signals(t, queue=TQ * (0.6 + 0.02 * t) * 2 / n)
+    def rising(t: float, n: int) -> Signals:  # on 2 replicas the ratio climbs 0.01x target per second
+        return signals(t, queue=TQ * (0.5 + 0.01 * t) * 2 / n)
 
-    # A cold start takes 30 s: at t=10, 0.8 + 0.02/s x 30 s = 1.4x target by the time a replica is ready.
-    cold = fleet(window_seconds=30, trend_window_seconds=60)
-    _, decisions = run(cold, 20.0, 2, rising, startup=StartupEstimate(5.0, 30.0, next_warm=False))
-    assert [d.reason for d in decisions] == ["within_band", "within_band", "queue_time_projected", "within_band"]
-    assert decisions[2].desired == 3 and decisions[2].inputs["projected"] == pytest.approx(1.4)
-    assert decisions[3].desired == 3  # 3 replicas bend the trend: no further step
-    # The same trend with a 5 s warm start reaches only 1.0x: no need to act yet.
-    warm = fleet(window_seconds=30, trend_window_seconds=60)
-    _, decisions = run(warm, 20.0, 2, rising, startup=StartupEstimate(5.0, 30.0, next_warm=True))
-    assert {d.reason for d in decisions} == {"within_band"}
+    def first_up(startup: StartupEstimate) -> ScalingDecision | None:
+        _, decisions = run(fleet(trend_window_seconds=60), 50.0, 2, rising, startup=startup)
+        return next((d for d in decisions if d.direction is Direction.UP), None)
+
+    # A cold start takes 30 s: at t=30 the ratio is 0.8 and heading to 1.1 by the time a
+    # replica would be ready, so the replica is asked for now.
+    cold = first_up(StartupEstimate(5.0, 30.0, next_warm=False))
+    assert cold is not None
+    assert (cold.at_s, cold.reason, cold.desired) == (30.0, "queue_time_projected", 3)
+    assert cold.inputs["projected"] == pytest.approx(1.1) and cold.inputs["pressure"] == pytest.approx(0.8)
+    # The same trend with a 5 s warm start: no need to act before t=50 (1.0 + 0.05).
+    assert first_up(StartupEstimate(5.0, 30.0, next_warm=True)) is None
 
 
 def test_scale_down_waits_for_the_stabilization_window_then_steps_down_at_the_max_rate() -> None:
