@@ -107,6 +107,11 @@ class AutoscalerLoop:
             )  # fmt: skip
 
     @property
+    def slow_step_s(self) -> float:
+        """A step slower than this (the shortest policy interval) delays decisions: warned."""
+        return min([d.policy.interval_s for d in self.scaled.values()] or [5.0])
+
+    @property
     def interval_s(self) -> float:
         """How often `run` should tick: the shortest policy interval (1 s at most)."""
         return min([1.0, *(d.policy.interval_s for d in self.scaled.values())])
@@ -137,8 +142,8 @@ class AutoscalerLoop:
             except Exception:  # noqa: BLE001 - the loop survives its parts
                 log.exception("autoscaler step failed")
             took_s = self.clock() - started_s
-            if took_s > 2.0:
-                log.warning("autoscaler step took %.1f s", took_s)
+            if took_s > self.slow_step_s:
+                log.warning("autoscaler step took %.1f s (decisions are due every %.0f s)", took_s, self.slow_step_s)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
             except asyncio.TimeoutError:

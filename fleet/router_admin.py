@@ -13,6 +13,12 @@ import httpx
 from fleet.controller import PoolEndpoint, PoolSettings
 
 
+KEEPALIVE_EXPIRY_S = 4.0
+"""Idle connections are dropped after this many seconds: below uvicorn's 5 s keep-alive, so a
+poll every 5 s (the autoscaler's) never reuses a connection the router is closing
+(`RemoteProtocolError: Server disconnected without sending a response`)."""
+
+
 class RouterAdminError(Exception):
     """The router's admin API refused or failed a call."""
 
@@ -21,7 +27,8 @@ class RouterAdminClient:
     def __init__(self, base_url: str, token: str, timeout_s: float = 5.0) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+            base_url=self.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     async def aclose(self) -> None:

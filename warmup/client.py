@@ -40,7 +40,9 @@ class EngineClient:
     """`EngineAPI` over httpx with one pooled connection set per process."""
 
     def __init__(self) -> None:
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+        # Idle connections go after 4 s, before the engine's 5 s keep-alive closes them
+        # (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`): a scrape every 5 s must not reuse a closing one.
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), limits=httpx.Limits(keepalive_expiry=4.0))
 
     async def aclose(self) -> None:
         await self._http.aclose()
