@@ -81,8 +81,9 @@ class DeploymentSignals:
     """Engine scrapes of one deployment's replicas, combined with router stats into `Signals`.
 
     `observe_engine(replica_id, now_s, sample)` records a scrape, `scrape_failed(replica_id)`
-    a failed one; `forget_others(ids)` drops replicas no longer READY; `signals(now_s, router_snapshot)` builds the snapshot over
-    ``window_s``. ``retention_s`` bounds the scrape history kept per replica.
+    a failed one; `forget_others(ids)` drops replicas no longer READY;
+    `signals(now_s, router_snapshot)` builds the snapshot over ``window_s``. ``retention_s``
+    bounds the scrape history kept per replica.
     """
 
     def __init__(self, window_s: float, retention_s: float | None = None) -> None:

@@ -71,10 +71,15 @@ def validate(files: Files) -> None:
             else f"MIG {r.mig_profile}" if r.mig_profile
             else f"TP={r.tensor_parallel_size} x {r.gpu_product or 'any GPU'}"
         )
+        a = d.spec.autoscaling
+        scaling = (
+            f", autoscaling {a.policy} (queue time {a.queue_time_target_seconds:g} s, "
+            f"p99 TTFT {a.ttft_p99_target_seconds:g} s)" if a else ""
+        )
         console.print(
             f"[green]ok[/] {ld.path}[{ld.index}] {d.name}: model {d.spec.model.name!r} "
             f"({d.spec.engine.kind}), replicas {d.spec.replicas.min}..{d.spec.replicas.max}, {shape}, "
-            f"routing {d.spec.routing.policy}",
+            f"routing {d.spec.routing.policy}{scaling}",
             highlight=False,
         )
 

@@ -1,9 +1,10 @@
 """The `InferenceDeployment` document a model owner writes, and loading it from YAML.
 
 Owns the pydantic models of the spec (apiVersion, kind, metadata, spec: model, engine,
-resources, replicas, routing, warmup; `autoscaling` is `autoscaler.spec.AutoscalingSpec`), the YAML loader for one or many files with several
-documents each, and the error format: every problem names its file, document, field path and
-reason (``quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)``).
+resources, replicas, routing, warmup; `autoscaling` is `autoscaler.spec.AutoscalingSpec`), the
+YAML loader for one or many files with several documents each, and the error format: every
+problem names its file, document, field path and reason
+(``quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)``).
 
 Called by the CLI (`fleet validate`, `fleet up`) and the controller. Nothing is started from a
 document that fails here.

@@ -168,7 +168,8 @@ class Pool:
         self.max_queue_length = max_queue_length
         self.queue_timeout_s = queue_timeout_s
 
-    def pick(self, now_s: float, tried: Collection[EndpointState] = (), *, within_limit: bool = True) -> EndpointState | None:
+    def pick(self, now_s: float, tried: Collection[EndpointState] = (), *,
+             within_limit: bool = True) -> EndpointState | None:  # fmt: skip
         """The endpoint the policy chooses among the ready ones not in `tried`; None if
         none is left. With a `limit` (and `within_limit`), endpoints with `limit` requests in
         flight are full and left out. Endpoints cooling down after a connection failure are
@@ -302,7 +303,8 @@ class PoolTable:
         pool.shared.queue.wake_all()  # waiting requests find no pool and are answered
         return True
 
-    def stats(self, window_s: float = DEFAULT_WINDOW_S, models: Collection[str] | None = None) -> dict[str, dict[str, object]]:
+    def stats(self, window_s: float = DEFAULT_WINDOW_S,
+              models: Collection[str] | None = None) -> dict[str, dict[str, object]]:  # fmt: skip
         """Windowed statistics of every pool (or of ``models``), by model name, at the table's
         clock: `router.stats.ModelStats.snapshot` plus the live in-flight and queued counts."""
         now_s = self._clock()
