@@ -223,7 +223,8 @@ class RouterMetrics:
         self.queue_time = Histogram(
             "fleet_router_queue_time_seconds",
             "Seconds from a request's arrival at the router (body read, model known) until its "
-            "dispatch to an endpoint: the wait in the admission queue, 0 without one.",
+            "dispatch to an endpoint: the wait in the admission queue, 0 without one (a request "
+            "that timed out in the queue counts with the time it waited).",
             ["model"],
             buckets=E2E_BUCKETS_S,
             registry=r,

@@ -344,6 +344,12 @@ class Proxy:
                     shared.queue_time.observe(now_s - arrival_s)
                 return current, endpoint
             front = True  # the slot went to a retry: wait again, first in line
+        # Gave up: the wait so far counts as a queue-time sample (a lower bound of the real
+        # one), or overload would hide its longest waits from the signal.
+        waited_s = self._clock() - arrival_s
+        stats.queue_time.add(arrival_s + waited_s, waited_s)
+        if shared.queue_time is not None:
+            shared.queue_time.observe(waited_s)
         watch.finishing = True
         await self._reject(send, 503, model, error_body(
             f"model {model!r}: no endpoint slot freed within {pool.queue_timeout_s:g} s; retry later",

@@ -169,7 +169,8 @@ class ModelStats:
     `rejected` - requests the router answered itself with 502/503 (no ready endpoint, admission
     queue full or timed out, every endpoint unreachable);
     `queue_time` - arrival until dispatch to an endpoint: time spent in the router's admission
-    queue (0 when an endpoint had a free slot at once), sampled at dispatch;
+    queue (0 when an endpoint had a free slot at once), sampled at dispatch; a request that
+    gave up waiting (queue timeout) counts with the time it waited;
     `ttft` - arrival until the first response byte reached the client (the client-side time to
     first token: queue time + retries + the endpoint's time to first byte), successful
     (< 400) responses only, sampled then;

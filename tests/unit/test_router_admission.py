@@ -154,6 +154,7 @@ async def test_queue_full_and_queue_timeout_are_503_with_retry_after() -> None:
             await until(lambda: engine.seen == ["a"])
             b = asyncio.create_task(complete(client, "b"))
             await until(lambda: len(queue) == 1)
+            clock.now_s += 7.0  # router time while b waits (the 0.2 s timeout runs in real time)
             async with client.post("/v1/completions", json={"model": "m", "prompt": "c"}) as resp:
                 assert resp.status == 503 and resp.headers["Retry-After"]
                 assert (await resp.json())["error"]["code"] == "queue_full"
@@ -164,6 +165,8 @@ async def test_queue_full_and_queue_timeout_are_503_with_retry_after() -> None:
         assert (await a)[0] == 200
         snap = await stats(client)
     assert snap["rejected"] == 2 and snap["queued"] == 0
+    # a was dispatched at once; b gave up after 7 s of router time, which counts as its queue time.
+    assert snap["queue_time_s"]["samples"] == 2 and snap["queue_time_s"]["max"] == 7.0
     assert engine.seen == ["a"]
 
 
