@@ -78,10 +78,15 @@ def validate(files: Files) -> None:
             else f"MIG {r.mig_profile}" if r.mig_profile
             else f"TP={r.tensor_parallel_size} x {r.gpu_product or 'any GPU'}"
         )
+        a = d.spec.autoscaling
+        scaling = (
+            f", autoscaling {a.policy} (queue time {a.queue_time_target_seconds:g} s, "
+            f"p99 TTFT {a.ttft_p99_target_seconds:g} s)" if a else ""
+        )
         console.print(
             f"[green]ok[/] {ld.path}[{ld.index}] {d.name}: model {d.spec.model.name!r} "
             f"({d.spec.engine.kind}), replicas {d.spec.replicas.min}..{d.spec.replicas.max}, {shape}, "
-            f"routing {d.spec.routing.policy}",
+            f"routing {d.spec.routing.policy}{scaling}",
             highlight=False,
         )
 
@@ -91,6 +96,9 @@ def up(
     files: Files,
     port: Annotated[int, typer.Option(help="Router port (OpenAI-compatible API).")] = 8080,
     host: Annotated[str, typer.Option(help="Router address to listen on.")] = "127.0.0.1",
+    metrics_port: Annotated[Optional[int], typer.Option(
+        help="Port of the autoscaler's Prometheus metrics (default: --port + 1; 0: off). "
+        "Served only when a deployment has spec.autoscaling.")] = None,
     state_dir: StateDir = None,
 ) -> None:
     """Run the deployments on this machine until Ctrl-C or `fleet down`.
@@ -98,15 +106,21 @@ def up(
     Checks every deployment first (spec, engine installed, weights present, devices) and starts
     nothing if one fails. Then starts the router, and for each replica: places it on GPUs (or CPU
     cores), launches the engine, waits for /health, runs the warm-up requests, and only then adds
-    it to the router's pool. Failed replicas are replaced with exponential backoff. Ctrl-C drains:
-    replicas leave the pool, in-flight requests finish, engines get SIGTERM, then SIGKILL.
+    it to the router's pool. Failed replicas are replaced with exponential backoff. Deployments with
+    spec.autoscaling are scaled between spec.replicas.min and max; a scale-down drains a replica
+    before it stops. Ctrl-C drains: replicas leave the pool, in-flight requests finish, engines get
+    SIGTERM, then SIGKILL.
     """
     from fleet.up import PreflightError, run_up
 
     loaded = _load(files)
     store = StateStore(state_dir or default_state_dir())
+    autoscaled = any(ld.deployment.spec.autoscaling is not None for ld in loaded)
+    if metrics_port is None:
+        metrics_port = port + 1 if autoscaled else 0
     try:
-        code = asyncio.run(run_up(loaded, store=store, console=console, host=host, port=port))
+        code = asyncio.run(run_up(loaded, store=store, console=console, host=host, port=port,
+                                  metrics_port=metrics_port or None))  # fmt: skip
     except PreflightError as err:
         err_console.print("[bold red]Cannot start; nothing was started:[/]")
         for line in err.problems:
@@ -160,12 +174,12 @@ def status(
     )
     console.print(f"Node: {state.get('node', '?')}", highlight=False)
     deps = Table(title="Deployments", title_justify="left")
-    for col in ("deployment", "model", "ready/desired", "policy", "source"):
+    for col in ("deployment", "model", "ready/desired", "policy", "autoscaling", "last decision", "source"):
         deps.add_column(col)
     replicas = state.get("replicas", [])
     for name, d in state.get("deployments", {}).items():
         ready = sum(1 for r in replicas if r["deployment"] == name and r["status"] == "READY")
-        deps.add_row(name, d["model"], f"{ready}/{d['desired']}", d["policy"], d["source"])
+        deps.add_row(name, d["model"], f"{ready}/{d['desired']}", d["policy"], *_scaling_columns(d), d["source"])
     console.print(deps)
     table = Table(title="Replicas", title_justify="left")
     for col in ("replica", "status", "endpoint", "devices", "pid", "age", "detail"):
@@ -187,6 +201,18 @@ def status(
             console.print(f"  last engine log lines ({r.get('log_path')}):", style="dim", highlight=False)
             for line in failure["log_tail"][-log_lines:]:
                 console.print(f"  | {line}", markup=False, highlight=False, style="dim")
+
+
+def _scaling_columns(d: dict) -> tuple[str, str]:
+    """(autoscaling, last decision) cells of one deployment in `fleet status`."""
+    policy = d.get("autoscaling")
+    if not policy:
+        return "off", "-"
+    bounds = f"{policy} ({d.get('min')}..{d.get('max')})"
+    last = d.get("last_scaling")
+    if not last:
+        return bounds, "none yet"
+    return bounds, f"{last['direction']} {last['previous']}->{last['desired']}: {last['reason']} ({last['detail']})"
 
 
 @app.command()

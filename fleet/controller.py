@@ -38,10 +38,27 @@ class PoolEndpoint:
     draining: bool = False
 
 
+@dataclass(frozen=True)
+class PoolSettings:
+    """How the router serves one model's pool (from `spec.routing`): routing policy and the
+    admission queue (`max_concurrency_per_endpoint` None: no queue)."""
+
+    policy: str
+    max_concurrency_per_endpoint: int | None = None
+    max_queue_length: int = 1000
+    queue_timeout_s: float = 30.0
+
+    @classmethod
+    def of(cls, routing) -> PoolSettings:
+        """From a `fleet.spec.RoutingSpec`."""
+        return cls(routing.policy, routing.max_concurrency_per_endpoint, routing.max_queue_length,
+                   routing.queue_timeout_seconds)  # fmt: skip
+
+
 class PoolSink(Protocol):
     """Where the controller publishes each model's pool: the router's admin API."""
 
-    async def put_pool(self, model: str, policy: str, endpoints: list[PoolEndpoint]) -> None:
+    async def put_pool(self, model: str, settings: PoolSettings, endpoints: list[PoolEndpoint]) -> None:
         """Replace the pool of ``model``. Raises on failure (retried next tick)."""
         ...
 
@@ -86,6 +103,9 @@ class _DeploymentState:
     failures_in_row: int = 0
     next_create_at_s: float = 0.0
     last_pool: tuple | None = None
+    desired_reason: str = "spec.replicas"        # why `desired` has its value (who set it last)
+    desired_at_s: float | None = None
+    last_scaling: dict | None = None             # the autoscaler's last decision (`fleet status`)
 
 
 class Controller:
@@ -135,12 +155,20 @@ class Controller:
 
     # ----- target state -------------------------------------------------------------------
 
-    def set_desired(self, deployment: str, replicas: int) -> None:
-        """New target replica count (clamped to the spec's min..max); persisted at once."""
+    def set_desired(self, deployment: str, replicas: int, reason: str = "set") -> None:
+        """New target replica count (clamped to the spec's min..max) and why; persisted at once.
+        The reconcile step then adds replicas or drains the surplus."""
         ds = self.deployments[deployment]
         bounds = ds.loaded.deployment.spec.replicas
-        ds.desired = max(bounds.min, min(bounds.max, replicas))
+        desired = max(bounds.min, min(bounds.max, replicas))
+        if desired != ds.desired:
+            ds.desired_reason, ds.desired_at_s = reason, self.clock()
+        ds.desired = desired
         self._save()
+
+    def note_scaling_decision(self, deployment: str, decision: dict) -> None:
+        """Keep the autoscaler's latest decision (JSON-ready) for the state file and `fleet status`."""
+        self.deployments[deployment].last_scaling = decision
 
     def stop_all(self) -> None:
         """Target zero replicas everywhere (shutdown); persisted at once."""
@@ -432,7 +460,7 @@ class Controller:
             key = tuple(endpoints)
             if key == ds.last_pool:
                 continue
-            await self.pool_sink.put_pool(dep.spec.model.name, dep.spec.routing.policy, endpoints)
+            await self.pool_sink.put_pool(dep.spec.model.name, PoolSettings.of(dep.spec.routing), endpoints)
             ds.last_pool = key
 
     # ----- helpers ------------------------------------------------------------------------
@@ -500,6 +528,13 @@ class Controller:
             "deployments": {
                 name: {
                     "desired": ds.desired,
+                    "desired_reason": ds.desired_reason,
+                    "desired_at_s": ds.desired_at_s,
+                    "autoscaling": (ds.loaded.deployment.spec.autoscaling.policy
+                                    if ds.loaded.deployment.spec.autoscaling else None),
+                    "last_scaling": ds.last_scaling,
+                    "min": ds.loaded.deployment.spec.replicas.min,
+                    "max": ds.loaded.deployment.spec.replicas.max,
                     "model": ds.loaded.deployment.spec.model.name,
                     "policy": ds.loaded.deployment.spec.routing.policy,
                     "source": str(ds.loaded.path),

@@ -1,7 +1,7 @@
 """Client of the router's admin API, used by the controller to publish pools.
 
-Owns `RouterAdminClient` (httpx, bearer token), the real `fleet.controller.PoolSink`. The API
-itself is served by `router.admin`.
+Owns `RouterAdminClient` (httpx, bearer token), the real `fleet.controller.PoolSink` and the
+autoscaler's source of router statistics (`stats`). The API itself is served by `router.admin`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ from dataclasses import asdict
 
 import httpx
 
-from fleet.controller import PoolEndpoint
+from fleet.controller import PoolEndpoint, PoolSettings
+
+
+KEEPALIVE_EXPIRY_S = 4.0
+"""Idle connections are dropped after this many seconds: below uvicorn's 5 s keep-alive, so a
+poll every 5 s (the autoscaler's) never reuses a connection the router is closing
+(`RemoteProtocolError: Server disconnected without sending a response`)."""
 
 
 class RouterAdminError(Exception):
@@ -21,16 +27,20 @@ class RouterAdminClient:
     def __init__(self, base_url: str, token: str, timeout_s: float = 5.0) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+            base_url=self.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def put_pool(self, model: str, policy: str, endpoints: list[PoolEndpoint]) -> None:
+    async def put_pool(self, model: str, settings: PoolSettings, endpoints: list[PoolEndpoint]) -> None:
         body = {
-            "policy": policy,
+            "policy": settings.policy,
             "endpoints": [{**asdict(e), "weight": 1.0} for e in endpoints],
+            "max_concurrency_per_endpoint": settings.max_concurrency_per_endpoint,
+            "max_queue_length": settings.max_queue_length,
+            "queue_timeout_s": settings.queue_timeout_s,
         }
         r = await self._request("PUT", f"/admin/v1/pools/{model}", json=body)
         if r.status_code != 200:
@@ -41,6 +51,13 @@ class RouterAdminClient:
         if r.status_code != 200:
             raise RouterAdminError(f"GET pools: HTTP {r.status_code}: {r.text[:300]}")
         return r.json()["pools"]
+
+    async def stats(self, window_s: float) -> dict[str, dict]:
+        """Windowed statistics per model (`GET /admin/v1/stats`; `router.stats.ModelStats.snapshot`)."""
+        r = await self._request("GET", "/admin/v1/stats", params={"window_s": window_s})
+        if r.status_code != 200:
+            raise RouterAdminError(f"GET stats: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()["models"]
 
     async def in_flight(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -1,9 +1,10 @@
 """The `InferenceDeployment` document a model owner writes, and loading it from YAML.
 
 Owns the pydantic models of the spec (apiVersion, kind, metadata, spec: model, engine,
-resources, replicas, routing, warmup), the YAML loader for one or many files with several
-documents each, and the error format: every problem names its file, document, field path and
-reason (``quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)``).
+resources, replicas, routing, warmup; `autoscaling` is `autoscaler.spec.AutoscalingSpec`), the
+YAML loader for one or many files with several documents each, and the error format: every
+problem names its file, document, field path and reason
+(``quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)``).
 
 Called by the CLI (`fleet validate`, `fleet up`) and the controller. Nothing is started from a
 document that fails here.
@@ -19,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from autoscaler.spec import AutoscalingSpec
 from fleet.specbase import FieldError, SpecModel
 from warmup.plan import WarmupPlan
 
@@ -191,6 +193,18 @@ class ReplicasSpec(SpecModel):
 
 class RoutingSpec(SpecModel):
     policy: str = Field("latency-aware", description="Routing policy name (see `fleet validate --help`).")
+    max_concurrency_per_endpoint: int | None = Field(
+        None, ge=1, le=100_000,
+        description="Most requests one replica gets at once; more wait in the router's admission queue "
+        "(first come, first served) and a replica that joins takes them at once. Unset: no router queue, "
+        "requests queue inside the engines. Set it near the engine's batch size (vLLM --max-num-seqs).",
+    )  # fmt: skip
+    max_queue_length: int = Field(
+        1000, ge=0, le=1_000_000, description="Most requests waiting in the admission queue; more get 503."
+    )
+    queue_timeout_seconds: float = Field(
+        30.0, gt=0, le=3600, description="Longest wait in the admission queue before a 503 (seconds)."
+    )
 
     @field_validator("policy")
     @classmethod
@@ -209,6 +223,21 @@ class DeploymentSpec(SpecModel):
     replicas: ReplicasSpec = Field(default_factory=ReplicasSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     warmup: WarmupPlan = Field(default_factory=WarmupPlan)
+    autoscaling: AutoscalingSpec | None = Field(
+        None, description="Scale between spec.replicas.min and max on queue time and p99 TTFT. Unset: "
+        "spec.replicas.initial replicas, fixed.",
+    )
+
+    @model_validator(mode="after")
+    def _autoscaling_range(self) -> DeploymentSpec:
+        a = self.autoscaling
+        if a is not None and a.policy != "fixed" and self.replicas.min == self.replicas.max:
+            raise FieldError(
+                "replicas.max",
+                f"must be > spec.replicas.min to autoscale (both {self.replicas.max}); "
+                "raise it, or remove spec.autoscaling",
+            )
+        return self
 
     @model_validator(mode="after")
     def _sim_source_needs_sim_engine(self) -> DeploymentSpec:

@@ -1,9 +1,10 @@
 """`fleet up`: run deployments on this machine until interrupted, then drain and stop all.
 
 Owns the embedded runtime: preflight checks (nothing starts unless every deployment can), the
-router process, the controller loop, progress output, signal handling and the orderly
-shutdown (pool removal, in-flight drain, SIGTERM, SIGKILL after grace, router last). Called by
-`fleet.cli`.
+router process, the controller loop, the autoscaler loop (`fleet.autoscaling`, for deployments
+with `spec.autoscaling`) and its Prometheus endpoint, progress output, signal handling and the
+orderly shutdown (pool removal, in-flight drain, SIGTERM, SIGKILL after grace, router last).
+Called by `fleet.cli`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ import socket
 import sys
 import time
 
+from prometheus_client import start_http_server
 from rich.console import Console
 
+from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.policy import Direction, ScalingDecision
+from fleet.autoscaling import AutoscalerLoop
 from fleet.backends.base import LaunchError, LaunchSpec, ProcessHandle
 from fleet.backends.local import LocalBackend
 from fleet.controller import Controller, ControllerSettings, ReplicaEvent
@@ -44,7 +49,8 @@ class PreflightError(Exception):
         self.problems = problems
 
 
-def preflight(loaded: list[LoadedDeployment], node: NodeInventory, router_host: str, router_port: int) -> None:
+def preflight(loaded: list[LoadedDeployment], node: NodeInventory, router_host: str, router_port: int,
+              metrics_port: int | None = None) -> None:  # fmt: skip
     """Check everything that would make `fleet up` half-start. Raises PreflightError."""
     problems = []
     placer = get_strategy()
@@ -63,11 +69,13 @@ def preflight(loaded: list[LoadedDeployment], node: NodeInventory, router_host: 
         unfit = placer.fits_at_all(ReplicaShape.of(dep), inventory)
         if unfit is not None:
             problems.append(f"{where} spec.resources: cannot place a replica on this machine: {unfit.reason}")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((router_host, router_port))
-        except OSError as err:
-            problems.append(f"router port {router_host}:{router_port} is not free: {err.strerror}")
+    ports = [("router", router_port)] + ([("metrics", metrics_port)] if metrics_port else [])
+    for what, port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((router_host, port))
+            except OSError as err:
+                problems.append(f"{what} port {router_host}:{port} is not free: {err.strerror}")
     if problems:
         raise PreflightError(problems)
 
@@ -89,6 +97,17 @@ class ProgressPrinter:
             highlight=False,
         )
         self._last_note_s[e.replica_id] = e.at_s
+
+    def decision(self, deployment: str, d: ScalingDecision) -> None:
+        """One line per scale-up or scale-down decision (holds are logged, not printed)."""
+        if d.direction is Direction.HOLD:
+            return
+        style = "bold magenta" if d.direction is Direction.UP else "magenta"
+        self.console.print(
+            f"{time.strftime('%H:%M:%S')} {deployment:<20} [{style}]SCALE {d.direction.value.upper():<10}[/] "
+            f"{d.previous} -> {d.desired} replica(s): {d.reason}: {d.detail}",
+            highlight=False,
+        )
 
     def failure_details(self, controller: Controller, e: ReplicaEvent) -> None:
         r = controller.replicas.get(e.replica_id)
@@ -145,16 +164,20 @@ async def run_up(
     console: Console,
     host: str = "127.0.0.1",
     port: int = 8080,
+    metrics_port: int | None = None,
     settings: ControllerSettings | None = None,
 ) -> int:
     """Serve ``loaded`` until SIGINT/SIGTERM; return the process exit code.
+
+    ``metrics_port``: where the autoscaler's Prometheus metrics are served (on ``host``; None
+    or 0: not served). Deployments with `spec.autoscaling` are scaled by `AutoscalerLoop`.
 
     Raises:
         PreflightError: when any deployment cannot run here (nothing has been started).
         fleet.state.AlreadyRunning: when another `fleet up` holds the state directory.
     """
     node = discover_local()
-    preflight(loaded, node, host, port)
+    preflight(loaded, node, host, port, metrics_port)
     store.acquire()
     backend = LocalBackend()
     clock = time.monotonic
@@ -164,6 +187,7 @@ async def run_up(
     console.print(f"Node: {node.describe()}", highlight=False)
     console.print(f"State and logs: {store.root}", highlight=False)
     router_handle = None
+    metrics_server = None
     admin = RouterAdminClient(router_url, token)
     engine_api = EngineClient()
     try:
@@ -198,13 +222,27 @@ async def run_up(
         )
         stop = asyncio.Event()
         _install_signal_handlers(stop, console, controller)
+        autoscaler_task = None
+        if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
+            autoscaler_metrics = AutoscalerMetrics()
+            if metrics_port:
+                metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
+                console.print(f"Autoscaler metrics on http://{host}:{metrics_port}/metrics", highlight=False)
+            autoscaler = AutoscalerLoop(controller, router=admin, engine_api=engine_api, clock=clock,
+                                        metrics=autoscaler_metrics, on_decision=progress.decision)  # fmt: skip
+            autoscaler_task = asyncio.get_running_loop().create_task(autoscaler.run(stop), name="autoscaler")
         store.set_extra(phase="running")
         await controller.run(stop, interval_s=1.0, after_tick=lambda: progress.tick(controller, router_url))
+        if autoscaler_task is not None:
+            await autoscaler_task  # returns once `stop` is set: no new target during the drain
         console.print("Draining: replicas leave the router, in-flight requests finish, engines stop...")
         store.set_extra(phase="stopping")
         await controller.shutdown()
         return 0
     finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
         if router_handle is not None:
             backend.stop(router_handle)
             for _ in range(50):

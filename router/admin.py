@@ -9,7 +9,9 @@ Endpoints (all need `Authorization: Bearer <admin token>`, else 401):
 `PUT /admin/v1/pools/{model}` (body: `router.spec.PoolSpec`) creates or replaces a pool;
 `DELETE /admin/v1/pools/{model}` removes one (404 if absent);
 `GET /admin/v1/pools` lists all pools with live endpoint stats;
-`GET /admin/v1/pools/{model}` shows one pool.
+`GET /admin/v1/pools/{model}` shows one pool;
+`GET /admin/v1/stats?window_s=30` gives each model's windowed statistics (`router.stats`):
+arrival rate, rejections, in flight, queued, and queue time / TTFT / end-to-end summaries.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 import secrets
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Path
+from fastapi import APIRouter, Depends, Header, HTTPException, Path, Query
 
 from router.pool import PoolTable
 from router.spec import PoolSpec
+from router.stats import DEFAULT_RATE_RETENTION_S, DEFAULT_WINDOW_S
 
 ModelName = Annotated[str, Path(min_length=1, max_length=256, description="Model name, as clients send it in `model`.")]
 
@@ -42,6 +45,15 @@ def admin_router(pools: PoolTable, admin_token: str) -> APIRouter:
     async def list_pools() -> dict[str, object]:
         """All pools: `{"pools": {model: {"policy", "endpoints": [...]}}}`."""
         return {"pools": {model: pool.snapshot() for model, pool in sorted(pools.pools().items())}}
+
+    @router.get("/stats")
+    async def stats(
+        window_s: Annotated[float, Query(gt=0, le=DEFAULT_RATE_RETENTION_S,
+                                         description="Window in seconds, ending now.")] = DEFAULT_WINDOW_S,
+    ) -> dict[str, object]:
+        """Windowed statistics per model: `{"window_s", "models": {model: snapshot}}`, each
+        snapshot as `router.stats.ModelStats.snapshot` documents it (seconds, requests/s)."""
+        return {"window_s": window_s, "models": pools.stats(window_s)}
 
     @router.get("/pools/{model:path}")
     async def get_pool(model: ModelName) -> dict[str, object]:

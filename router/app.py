@@ -121,7 +121,8 @@ def create_app(
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
     `admin_token`: bearer token of the admin API (non-empty, else ValueError).
-    `clock`: monotonic seconds for every latency measurement and the policies' `now_s`.
+    `clock`: monotonic seconds for every latency measurement, the windowed stats and the
+    policies' `now_s`.
     `wall_clock`: epoch seconds, only for `created` in `GET /v1/models`.
     `registry`: Prometheus registry to register on (default: a fresh one, never the global).
     `max_attempts`: endpoints tried per request on connection failures (capped by the
@@ -132,7 +133,7 @@ def create_app(
     if not admin_token:
         raise ValueError("admin_token must not be empty")
     metrics = RouterMetrics(registry)
-    pools = PoolTable(metrics, wall_clock)
+    pools = PoolTable(metrics, wall_clock, clock)
     proxy = Proxy(
         pools,
         metrics,

@@ -5,8 +5,10 @@ of pre-bound label children (`EndpointMetrics`) that the request path updates wi
 label lookup. Created once per app by `router.app.create_app`; `router.pool.PoolTable`
 binds and forgets endpoint bundles as pools change; `router.proxy` records into them.
 
-The two gauges (`fleet_router_requests_in_flight`, `fleet_router_pool_endpoints`) are read
-from the live pools when scraped, so the request path pays nothing for them; counters and
+The gauges (`fleet_router_requests_in_flight`, `fleet_router_pool_endpoints`,
+`fleet_router_queued_requests`, and the windowed `fleet_router_arrival_rate` and
+`fleet_router_window_latency_seconds`) are read from the live pools and their
+`router.stats.ModelStats` when scraped, so the request path pays nothing for them; counters and
 histograms are updated on the request path through pre-bound children.
 
 Names follow the Prometheus conventions (base units, `_total` for counters, `_seconds` for
@@ -59,8 +61,28 @@ class LiveEndpoint(Protocol):
     draining: bool
 
 
-LiveView = Callable[[], Mapping[str, Sequence[LiveEndpoint]]]
-"""Returns every pool's endpoints by model name, at scrape time."""
+class LiveTable(Protocol):
+    """What the scrape-time gauges read from the pools (`router.pool.PoolTable`)."""
+
+    def live_endpoints(self) -> Mapping[str, Sequence[LiveEndpoint]]:
+        """Every pool's endpoints by model name."""
+        ...
+
+    def stats(self) -> Mapping[str, Mapping[str, object]]:
+        """Every pool's windowed statistics by model name (`router.stats.ModelStats.snapshot`)."""
+        ...
+
+
+class _NoPools:
+    def live_endpoints(self) -> Mapping[str, Sequence[LiveEndpoint]]:
+        return {}
+
+    def stats(self) -> Mapping[str, Mapping[str, object]]:
+        return {}
+
+
+WINDOW_SIGNALS = {"queue_time": "queue_time_s", "ttft": "ttft_s", "e2e": "e2e_s"}
+"""`signal` label of `fleet_router_window_latency_seconds` -> key of the stats snapshot."""
 
 
 class EndpointMetrics:
@@ -98,12 +120,12 @@ class _LiveGauges:
     """Collector of the gauges derived from the live pools when the registry is scraped."""
 
     def __init__(self) -> None:
-        self.view: LiveView = dict
+        self.table: LiveTable = _NoPools()
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, ...]:
         return (
             GaugeMetricFamily("fleet_router_requests_in_flight",
                               "Requests dispatched to an endpoint and not yet finished.",
@@ -111,19 +133,42 @@ class _LiveGauges:
             GaugeMetricFamily("fleet_router_pool_endpoints",
                               "Endpoints in a model's pool, by state (ready, draining).",
                               labels=["model", "state"]),
+            GaugeMetricFamily("fleet_router_queued_requests",
+                              "Requests waiting in a model's admission queue for a free endpoint slot.",
+                              labels=["model"]),
+            GaugeMetricFamily("fleet_router_arrival_rate",
+                              "Requests per second that reached a model's pool, over the stats window "
+                              "(router.stats.DEFAULT_WINDOW_S).",
+                              labels=["model"]),
+            GaugeMetricFamily("fleet_router_window_latency_seconds",
+                              "Exact nearest-rank quantiles over the stats window of the client-side "
+                              "queue time, time to first token and end-to-end latency (router.stats).",
+                              labels=["model", "signal", "quantile"]),
         )  # fmt: skip
 
     def collect(self) -> Iterator[Metric]:
-        in_flight, pool_endpoints = self._families()
-        for model, endpoints in self.view().items():
+        in_flight, pool_endpoints, queued, arrival_rate, window_latency = self._families()
+        for model, endpoints in self.table.live_endpoints().items():
             draining = 0
             for endpoint in endpoints:
                 in_flight.add_metric([model, endpoint.id], endpoint.in_flight)
                 draining += endpoint.draining
             pool_endpoints.add_metric([model, "ready"], len(endpoints) - draining)
             pool_endpoints.add_metric([model, "draining"], draining)
+        for model, snap in self.table.stats().items():
+            queued.add_metric([model], float(snap["queued"]))  # type: ignore[arg-type]
+            arrival_rate.add_metric([model], float(snap["arrival_rate_per_s"]))  # type: ignore[arg-type]
+            for signal, key in WINDOW_SIGNALS.items():
+                summary = snap[key]
+                for quantile in ("p50", "p90", "p99"):
+                    value = summary[quantile]  # type: ignore[index]
+                    if value is not None:
+                        window_latency.add_metric([model, signal, f"0.{quantile[1:]}"], value)
         yield in_flight
         yield pool_endpoints
+        yield queued
+        yield arrival_rate
+        yield window_latency
 
 
 class RouterMetrics:
@@ -175,6 +220,15 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.queue_time = Histogram(
+            "fleet_router_queue_time_seconds",
+            "Seconds from a request's arrival at the router (body read, model known) until its "
+            "dispatch to an endpoint: the wait in the admission queue, 0 without one (a request "
+            "that timed out in the queue counts with the time it waited).",
+            ["model"],
+            buckets=E2E_BUCKETS_S,
+            registry=r,
+        )
         self.rejected = Counter(
             "fleet_router_rejected_requests",
             "Requests the router answered itself (400 bad request, 404 unknown model, 502 "
@@ -185,10 +239,14 @@ class RouterMetrics:
         self._live = _LiveGauges()
         r.register(self._live)  # type: ignore[arg-type]  # duck-typed Collector
 
-    def watch_pools(self, view: LiveView) -> None:
-        """Read `fleet_router_requests_in_flight` and `fleet_router_pool_endpoints` from
-        `view()` at each scrape (called once by `router.pool.PoolTable`)."""
-        self._live.view = view
+    def watch_pools(self, table: LiveTable) -> None:
+        """Read the scrape-time gauges from `table` at each scrape (called once by
+        `router.pool.PoolTable`)."""
+        self._live.table = table
+
+    def bind_model(self, model: str) -> Histogram:
+        """The pre-bound `fleet_router_queue_time_seconds` child of `model`."""
+        return self.queue_time.labels(model)  # type: ignore[no-any-return]
 
     def bind(self, model: str, endpoint_id: str) -> EndpointMetrics:
         """Pre-bound label children for one endpoint of `model`'s pool."""
@@ -202,7 +260,7 @@ class RouterMetrics:
 
     def forget_pool(self, model: str) -> None:
         """Remove the pool-level series of a deleted pool."""
-        for family in (self.retries, self.rejected):
+        for family in (self.retries, self.rejected, self.queue_time):
             family.remove_by_labels({"model": model})
 
     def render(self, accept_header: str = "") -> tuple[bytes, str]:

@@ -1,19 +1,28 @@
 """Live routing state: the endpoints of each model's pool and their measured stats.
 
 Owns `EndpointState` (one engine endpoint: identity from the spec plus live stats the
-proxy updates), `Pool` (one model's endpoints and its policy instance) and `PoolTable`
-(all pools by model name). `router.admin` replaces pools through `PoolTable.put/delete`;
-`router.proxy` reads `PoolTable.get`, picks with `Pool.pick` and records into the chosen
-`EndpointState`. Nothing here does I/O or reads a clock: times are passed in.
+proxy updates), `Pool` (one model's endpoints, its policy instance and admission limit),
+`PoolShared` (what a model's successive pools share: windowed statistics, admission queue,
+queue-time metric) and `PoolTable` (all pools by model name). `router.admin` replaces pools
+through `PoolTable.put/delete` and reads `PoolTable.stats`; `router.proxy` reads
+`PoolTable.get`, picks with `Pool.pick` and records into the chosen `EndpointState` and the
+pool's `PoolShared`. Nothing here does I/O; times are passed in, except that `PoolTable`
+stamps new pools with its injected clocks.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Collection, Sequence
 
+from prometheus_client import Histogram
+
+from router.admission import AdmissionQueue
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.policies import RoutingPolicy, make_policy
-from router.spec import PoolSpec
+from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S, PoolSpec
+from router.stats import DEFAULT_WINDOW_S, ModelStats
 
 EWMA_ALPHA = 0.3
 """Weight of the newest time-to-first-byte sample in `EndpointState.ewma_ttft_s`:
@@ -111,27 +120,64 @@ class EndpointState:
         )
 
 
+class PoolShared:
+    """What the successive pools of one model share, so a pool replacement loses nothing:
+    `stats` (`router.stats.ModelStats`), `queue` (`router.admission.AdmissionQueue`) and
+    `queue_time` (the model's pre-bound `fleet_router_queue_time_seconds` child; None outside
+    a `PoolTable`)."""
+
+    __slots__ = ("stats", "queue", "queue_time")
+
+    def __init__(self, stats: ModelStats, queue_time: Histogram | None = None) -> None:
+        self.stats = stats
+        self.queue = AdmissionQueue()
+        self.queue_time = queue_time
+
+
 class Pool:
     """The endpoints serving one model and the policy instance that chooses among them.
 
     `endpoints` holds all endpoints (draining ones too), `ready` the non-draining ones, in
-    spec order. A pool is replaced, never edited, when its spec changes.
+    spec order. `limit` is the most requests one endpoint gets at once (None: no limit, no
+    admission queue); `max_queue_length` and `queue_timeout_s` bound the admission queue.
+    A pool is replaced, never edited, when its spec changes.
     """
 
-    __slots__ = ("model", "policy", "endpoints", "ready", "created_s")
+    __slots__ = ("model", "policy", "endpoints", "ready", "created_s", "shared", "limit",
+                 "max_queue_length", "queue_timeout_s")  # fmt: skip
 
-    def __init__(self, model: str, policy: RoutingPolicy, endpoints: Sequence[EndpointState], created_s: float) -> None:
+    def __init__(
+        self,
+        model: str,
+        policy: RoutingPolicy,
+        endpoints: Sequence[EndpointState],
+        created_s: float,
+        shared: PoolShared | None = None,
+        *,
+        limit: int | None = None,
+        max_queue_length: int = DEFAULT_MAX_QUEUE_LENGTH,
+        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+    ) -> None:
         self.model = model
         self.policy = policy
         self.endpoints = tuple(endpoints)
         self.ready = tuple(e for e in self.endpoints if not e.draining)
         self.created_s = created_s
+        self.shared = shared if shared is not None else PoolShared(ModelStats(0.0))
+        self.limit = limit
+        self.max_queue_length = max_queue_length
+        self.queue_timeout_s = queue_timeout_s
 
-    def pick(self, now_s: float, tried: Collection[EndpointState] = ()) -> EndpointState | None:
+    def pick(self, now_s: float, tried: Collection[EndpointState] = (), *,
+             within_limit: bool = True) -> EndpointState | None:  # fmt: skip
         """The endpoint the policy chooses among the ready ones not in `tried`; None if
-        none is left. Endpoints cooling down after a connection failure are left out
-        unless all remaining ones are (see `DEFAULT_FAILURE_COOLDOWN_S`)."""
+        none is left. With a `limit` (and `within_limit`), endpoints with `limit` requests in
+        flight are full and left out. Endpoints cooling down after a connection failure are
+        left out unless all remaining ones are (see `DEFAULT_FAILURE_COOLDOWN_S`)."""
         candidates: Sequence[EndpointState] = self.ready
+        limit = self.limit
+        if limit is not None and within_limit:
+            candidates = [e for e in candidates if e.in_flight < limit]
         if tried:
             candidates = [e for e in candidates if e not in tried]
         if not candidates:
@@ -142,24 +188,43 @@ class Pool:
                 return self.policy.choose(available or candidates, now_s)
         return self.policy.choose(candidates, now_s)
 
+    def free_slots(self) -> float:
+        """Requests the ready endpoints can take now without queueing (inf without a limit)."""
+        if self.limit is None:
+            return math.inf
+        return sum(max(0, self.limit - e.in_flight) for e in self.ready)
+
+    def in_flight(self) -> int:
+        """Requests dispatched to this pool's endpoints (draining ones too) and not finished."""
+        return sum(e.in_flight for e in self.endpoints)
+
     def snapshot(self) -> dict[str, object]:
         """The pool as `GET /admin/v1/pools` lists it."""
-        return {"policy": self.policy.name, "endpoints": [e.snapshot() for e in self.endpoints]}
+        return {
+            "policy": self.policy.name,
+            "max_concurrency_per_endpoint": self.limit,
+            "queued": len(self.shared.queue),
+            "endpoints": [e.snapshot() for e in self.endpoints],
+        }
 
 
 class PoolTable:
     """All pools of the router, by model name.
 
     `put` and `delete` swap whole `Pool` objects, so a request that already holds a pool
-    (or an endpoint) finishes against it undisturbed. `wall_clock` (seconds since the
-    epoch, default `time.time`) only stamps `Pool.created_s` for `GET /v1/models`.
+    (or an endpoint) finishes against it undisturbed; the model's `PoolShared` (statistics,
+    admission queue) carries over. `wall_clock` (seconds since the epoch) only stamps
+    `Pool.created_s` for `GET /v1/models`; `clock` (the router's monotonic clock, seconds)
+    marks when a model's statistics begin.
     """
 
-    def __init__(self, metrics: RouterMetrics, wall_clock: Callable[[], float]) -> None:
+    def __init__(self, metrics: RouterMetrics, wall_clock: Callable[[], float],
+                 clock: Callable[[], float] = time.perf_counter) -> None:  # fmt: skip
         self._metrics = metrics
         self._wall_clock = wall_clock
+        self._clock = clock
         self._pools: dict[str, Pool] = {}
-        metrics.watch_pools(lambda: {model: pool.endpoints for model, pool in self._pools.items()})
+        metrics.watch_pools(self)
 
     def get(self, model: str) -> Pool | None:
         """The pool serving `model`, or None."""
@@ -172,6 +237,10 @@ class PoolTable:
     def pools(self) -> dict[str, Pool]:
         """A copy of the model-to-pool mapping."""
         return dict(self._pools)
+
+    def live_endpoints(self) -> dict[str, tuple[EndpointState, ...]]:
+        """Every pool's endpoints (draining ones too), by model name."""
+        return {model: pool.endpoints for model, pool in self._pools.items()}
 
     def put(self, model: str, spec: PoolSpec) -> Pool:
         """Create or replace `model`'s pool from `spec`.
@@ -208,8 +277,19 @@ class PoolTable:
             endpoints.append(state)
 
         created_s = old.created_s if old is not None else self._wall_clock()
-        pool = Pool(model, policy, endpoints, created_s)
+        if old is not None:
+            shared = old.shared
+        else:
+            shared = PoolShared(ModelStats(self._clock()), self._metrics.bind_model(model))
+        pool = Pool(model, policy, endpoints, created_s, shared, limit=spec.max_concurrency_per_endpoint,
+                    max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s)  # fmt: skip
         self._pools[model] = pool
+        # Waiting requests take the slots the new pool has (all of them if the limit is gone).
+        free = pool.free_slots()
+        if free == math.inf:
+            shared.queue.wake_all()
+        elif free > 0:
+            shared.queue.wake(int(free))
         return pool
 
     def delete(self, model: str) -> bool:
@@ -220,4 +300,19 @@ class PoolTable:
         for endpoint in pool.endpoints:
             self._metrics.forget(model, endpoint.id)
         self._metrics.forget_pool(model)
+        pool.shared.queue.wake_all()  # waiting requests find no pool and are answered
         return True
+
+    def stats(self, window_s: float = DEFAULT_WINDOW_S,
+              models: Collection[str] | None = None) -> dict[str, dict[str, object]]:  # fmt: skip
+        """Windowed statistics of every pool (or of ``models``), by model name, at the table's
+        clock: `router.stats.ModelStats.snapshot` plus the live in-flight and queued counts."""
+        now_s = self._clock()
+        out = {}
+        for model, pool in sorted(self._pools.items()):
+            if models is not None and model not in models:
+                continue
+            out[model] = pool.shared.stats.snapshot(
+                now_s, window_s, in_flight=pool.in_flight(), queued=len(pool.shared.queue)
+            )
+        return out

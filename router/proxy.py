@@ -6,7 +6,11 @@ Owns `Proxy`, a raw ASGI handler for `POST /v1/completions` and
 
 Per request: read and check the JSON body (400), find the model's pool (404), let the
 pool's policy pick a ready endpoint (503 + Retry-After if none), forward the original body
-bytes to `{endpoint.url}{path}`, and relay status, content type and body. Streamed (SSE
+bytes to `{endpoint.url}{path}`, and relay status, content type and body. A pool with a
+per-endpoint concurrency limit holds a request that finds every ready endpoint full in its
+admission queue (`router.admission`; 503 when the queue is full or the wait times out). Each
+request is recorded in its model's windowed stats (`router.stats`): arrival, queue time
+(arrival until dispatch), client-side TTFT and end-to-end latency. Streamed (SSE
 or unsized) bodies are relayed chunk by chunk as they arrive. A connection failure before
 any response byte arrived is retried on an endpoint not yet tried (at most
 `min(max_attempts, ready endpoints)` attempts, then 502); nothing is retried once the
@@ -27,7 +31,8 @@ from typing import Any
 import aiohttp
 
 from router.metrics import RouterMetrics
-from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, PoolTable
+from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, Pool, PoolShared, PoolTable
+from router.stats import ModelStats
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +259,22 @@ class Proxy:
                 f"model {model!r} is not served here; known models: {known}", param="model",
                 code="model_not_found"))  # fmt: skip
             return
-        endpoint = pool.pick(self._clock())
-        if endpoint is None:
+        arrival_s = self._clock()
+        shared = pool.shared
+        stats = shared.stats
+        stats.arrivals.add(arrival_s)
+        limited = pool.limit is not None
+        # With an admission limit, first come first served: nobody overtakes a waiting request.
+        endpoint = None if limited and shared.queue.has_waiters() else pool.pick(arrival_s)
+        if endpoint is None and (not limited or not pool.ready):
             await self._reject(send, 503, model, error_body(
                 f"model {model!r} has no ready endpoint; retry later", type_="server_error",
-                code="no_ready_endpoint"), self._retry_after)  # fmt: skip
+                code="no_ready_endpoint"), self._retry_after, stats)  # fmt: skip
             return
+        if endpoint is not None:
+            stats.queue_time.add(arrival_s, 0.0)
+            if shared.queue_time is not None:
+                shared.queue_time.observe(0.0)
 
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                    if k not in _DROP_REQUEST_HEADERS]  # fmt: skip
@@ -268,15 +283,21 @@ class Proxy:
             await self.start()
         watch = _ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
         try:
+            if endpoint is None:
+                admitted = await self._wait_for_slot(model, pool, arrival_s, send, watch)
+                if admitted is None:
+                    return  # answered 503
+                pool, endpoint = admitted
             attempts = min(self._max_attempts, len(pool.ready))
             tried = [endpoint]
             while True:
-                retry = await self._attempt(endpoint, target, body, headers, send, watch)
+                retry = await self._attempt(endpoint, target, body, headers, send, watch, arrival_s, shared)
                 if not retry:
                     return  # the client got its response (or is gone)
                 if len(tried) >= attempts:
                     break
-                next_endpoint = pool.pick(self._clock(), tried)
+                # A retry has waited its turn already: it may exceed the admission limit.
+                next_endpoint = pool.pick(self._clock(), tried, within_limit=False)
                 if next_endpoint is None:
                     break
                 endpoint = next_endpoint
@@ -287,7 +308,7 @@ class Proxy:
             watch.finishing = True
             await self._reject(send, 502, model, error_body(
                 f"no endpoint of model {model!r} could be reached ({len(tried)} attempt(s))",
-                type_="server_error", code="upstream_unavailable"))  # fmt: skip
+                type_="server_error", code="upstream_unavailable"), stats=stats)  # fmt: skip
         except asyncio.CancelledError:
             if watch.gone:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # we cancelled ourselves
@@ -296,13 +317,55 @@ class Proxy:
         finally:
             watch.stop()
 
+    async def _wait_for_slot(self, model: str, pool: Pool, arrival_s: float, send: Send,
+                             watch: _ClientWatch) -> tuple[Pool, EndpointState] | None:  # fmt: skip
+        """Wait in the model's admission queue until an endpoint of the model's current pool
+        has a free slot; return that pool and endpoint, or answer 503 (queue full, timed out,
+        pool gone) and return None. Records the queue time at dispatch."""
+        shared = pool.shared
+        queue, stats = shared.queue, shared.stats
+        if len(queue) >= pool.max_queue_length:
+            watch.finishing = True
+            await self._reject(send, 503, model, error_body(
+                f"model {model!r}: all endpoints are busy and {len(queue)} requests are queued; retry later",
+                type_="server_error", code="queue_full"), self._retry_after, stats)  # fmt: skip
+            return None
+        deadline_s = arrival_s + pool.queue_timeout_s
+        front = False
+        while await queue.wait(deadline_s - self._clock(), front=front):
+            current = self._pools.get(model)
+            if current is None:
+                break
+            now_s = self._clock()
+            endpoint = current.pick(now_s)
+            if endpoint is not None:
+                stats.queue_time.add(now_s, now_s - arrival_s)
+                if shared.queue_time is not None:
+                    shared.queue_time.observe(now_s - arrival_s)
+                return current, endpoint
+            front = True  # the slot went to a retry: wait again, first in line
+        # Gave up: the wait so far counts as a queue-time sample (a lower bound of the real
+        # one), or overload would hide its longest waits from the signal.
+        waited_s = self._clock() - arrival_s
+        stats.queue_time.add(arrival_s + waited_s, waited_s)
+        if shared.queue_time is not None:
+            shared.queue_time.observe(waited_s)
+        watch.finishing = True
+        await self._reject(send, 503, model, error_body(
+            f"model {model!r}: no endpoint slot freed within {pool.queue_timeout_s:g} s; retry later",
+            type_="server_error", code="queue_timeout"), self._retry_after, stats)  # fmt: skip
+        return None
+
     async def _reject(self, send: Send, status: int, model: str, body: bytes,
-                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
+                      extra_headers: list[tuple[bytes, bytes]] | None = None,
+                      stats: ModelStats | None = None) -> None:  # fmt: skip
         self._metrics.rejected.labels(model, str(status)).inc()
+        if stats is not None:
+            stats.rejected.add(self._clock())
         await send_json(send, status, body, extra_headers)
 
     async def _attempt(self, endpoint: EndpointState, target: str, body: bytes, headers: list[tuple[str, str]],
-                       send: Send, watch: _ClientWatch) -> bool:  # fmt: skip
+                       send: Send, watch: _ClientWatch, arrival_s: float, shared: PoolShared) -> bool:  # fmt: skip
         """Send the request to `{endpoint.url}{target}` (path and query) and relay the answer;
         True means retry elsewhere.
 
@@ -313,6 +376,9 @@ class Proxy:
         Time to first byte is measured to the first body chunk of a streamed response and
         to the response head of a sized one (an engine sends a non-streamed head with its
         body, when generation is done). It feeds the EWMA and histogram for < 400 only.
+        The model's windowed stats get the client-side latencies, from ``arrival_s``: TTFT
+        (< 400 only) and end-to-end, stamped at completion. A finished request frees its
+        slot: the next request waiting in the admission queue is woken.
         """
         m = endpoint.metrics
         assert m is not None  # endpoints of a PoolTable are always bound
@@ -361,10 +427,13 @@ class Proxy:
                     assert first_byte_s is not None
                     end_s = clock()
                     m.e2e.observe(end_s - start_s)
+                    stats = shared.stats
+                    stats.e2e.add(end_s, end_s - arrival_s)
                     if status < 400:  # errors are not latency samples (5xx got a penalty above)
                         ttfb_s = first_byte_s - start_s
                         m.ttfb.observe(ttfb_s)
                         endpoint.record_ttft(ttfb_s, end_s)
+                        stats.ttft.add(end_s, first_byte_s - arrival_s)
             finally:
                 if completed:
                     resp.release()
@@ -373,6 +442,8 @@ class Proxy:
             return False
         finally:
             endpoint.in_flight -= 1
+            if shared.queue.has_waiters() and not endpoint.draining:
+                shared.queue.wake(1)
 
     async def _relay_whole(self, endpoint: EndpointState, resp: aiohttp.ClientResponse, status: int,
                            headers: list[tuple[bytes, bytes]], send: Send, watch: _ClientWatch) -> bool:  # fmt: skip

@@ -14,6 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from router.policies import DEFAULT_POLICY, policy_names
 
+DEFAULT_MAX_QUEUE_LENGTH = 1000
+"""Requests that may wait in one model's admission queue (when the queue is on)."""
+DEFAULT_QUEUE_TIMEOUT_S = 30.0
+"""Longest wait (seconds) in the admission queue before the router answers 503."""
+
 
 class EndpointSpec(BaseModel):
     """One engine endpoint of a pool."""
@@ -64,6 +69,19 @@ class PoolSpec(BaseModel):
     endpoints: list[EndpointSpec] = Field(
         default_factory=list, description="All endpoints of the pool, draining ones included; may be empty (503s)."
     )
+    max_concurrency_per_endpoint: int | None = Field(
+        default=None, ge=1, le=100_000,
+        description="Most requests one endpoint gets at once; a request finding every ready endpoint at "
+        "this limit waits in the router's admission queue. None: no limit and no queue (dispatch at once).",
+    )  # fmt: skip
+    max_queue_length: int = Field(
+        default=DEFAULT_MAX_QUEUE_LENGTH, ge=0, le=1_000_000,
+        description="Most requests waiting in the admission queue; more are answered 503 at once.",
+    )  # fmt: skip
+    queue_timeout_s: float = Field(
+        default=DEFAULT_QUEUE_TIMEOUT_S, gt=0, le=3600,
+        description="Longest wait in the admission queue (seconds) before a 503.",
+    )  # fmt: skip
 
     @field_validator("policy")
     @classmethod

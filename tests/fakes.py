@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from fleet.backends.base import LaunchError, LaunchSpec, ProcessHandle
-from fleet.controller import PoolEndpoint
+from fleet.controller import PoolEndpoint, PoolSettings
 from warmup.client import EngineRequestError
 
 
@@ -91,13 +91,23 @@ class FakeBackend:
 
 
 class FakeEngineAPI:
-    """Engines answer /health once `healthy` holds their port; warm-up fails for ports in `bad`."""
+    """Engines answer /health once `healthy` holds their port; warm-up fails for ports in
+    `warmup_fails`; `/metrics` answers `metrics_text[port]` (EngineRequestError if absent)."""
 
     def __init__(self) -> None:
         self.healthy: set[int] = set()
         self.warmup_fails: set[int] = set()
         self.posts: list[tuple[str, str]] = []
         self.gate: asyncio.Event | None = None   # when set to an Event, requests wait for it
+        self.metrics_text: dict[int, str] = {}
+        self.scrapes: list[str] = []
+
+    async def metrics(self, endpoint: str, timeout_s: float = 2.0) -> str:
+        self.scrapes.append(endpoint)
+        port = int(endpoint.rsplit(":", 1)[1])
+        if port not in self.metrics_text:
+            raise EngineRequestError("GET /metrics: ConnectError")
+        return self.metrics_text[port]
 
     async def health(self, endpoint: str, timeout_s: float = 2.0) -> bool:
         return int(endpoint.rsplit(":", 1)[1]) in self.healthy
@@ -112,17 +122,30 @@ class FakeEngineAPI:
 
 
 class FakePoolSink:
+    """The router's admin API as records: pools put, in-flight counts and windowed stats that a
+    test sets (`in_flight_by_id`, `stats_by_model`)."""
+
     def __init__(self) -> None:
         self.pools: dict[str, list[PoolEndpoint]] = {}
+        self.settings: dict[str, PoolSettings] = {}
         self.updates = 0
         self.in_flight_by_id: dict[str, int] = {}
+        self.stats_by_model: dict[str, dict] = {}
+        self.stats_windows: list[float] = []
         self.fail = False
 
-    async def put_pool(self, model: str, policy: str, endpoints: list[PoolEndpoint]) -> None:
+    async def put_pool(self, model: str, settings: PoolSettings, endpoints: list[PoolEndpoint]) -> None:
         if self.fail:
             raise RuntimeError("router unreachable")
         self.pools[model] = list(endpoints)
+        self.settings[model] = settings
         self.updates += 1
+
+    async def stats(self, window_s: float) -> dict[str, dict]:
+        if self.fail:
+            raise RuntimeError("router unreachable")
+        self.stats_windows.append(window_s)
+        return dict(self.stats_by_model)
 
     async def in_flight(self) -> dict[str, int]:
         return dict(self.in_flight_by_id)

@@ -1,7 +1,9 @@
-"""HTTP calls from the control plane to an engine replica: `/health` and OpenAI API requests.
+"""HTTP calls from the control plane to an engine replica: `/health`, `/metrics` and OpenAI API
+requests.
 
-Owns `EngineClient`, the one thin wrapper (httpx) through which the controller and the warm-up
-run talk to engines, so unit tests can replace it with a fake. Not on the router's request path.
+Owns `EngineClient`, the one thin wrapper (httpx) through which the controller, the warm-up
+run and the autoscaler (`fleet.autoscaling`, scraping `/metrics`) talk to engines, so unit tests
+can replace it with a fake. Not on the router's request path.
 """
 
 from __future__ import annotations
@@ -29,12 +31,18 @@ class EngineAPI(Protocol):
         """
         ...
 
+    async def metrics(self, endpoint: str, timeout_s: float = 2.0) -> str:
+        """The Prometheus text of ``GET {endpoint}/metrics``. Raises EngineRequestError."""
+        ...
+
 
 class EngineClient:
     """`EngineAPI` over httpx with one pooled connection set per process."""
 
     def __init__(self) -> None:
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+        # Idle connections go after 4 s, before the engine's 5 s keep-alive closes them
+        # (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`): a scrape every 5 s must not reuse a closing one.
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), limits=httpx.Limits(keepalive_expiry=4.0))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -45,6 +53,15 @@ class EngineClient:
         except httpx.HTTPError:
             return False
         return r.status_code == 200
+
+    async def metrics(self, endpoint: str, timeout_s: float = 2.0) -> str:
+        try:
+            r = await self._http.get(f"{endpoint}/metrics", timeout=timeout_s)
+        except httpx.HTTPError as err:
+            raise EngineRequestError(f"GET /metrics: {type(err).__name__}: {err}") from err
+        if r.status_code != 200:
+            raise EngineRequestError(f"GET /metrics: HTTP {r.status_code}")
+        return r.text
 
     async def post(self, endpoint: str, path: str, body: dict, timeout_s: float) -> int:
         url = f"{endpoint}{path}"

@@ -1,0 +1,16 @@
+"""Fleet's autoscaler: signals (queue time, p99 TTFT and latency, in-flight, arrival rate) and
+scaling policies that turn them into a desired replica count. Pure: no I/O, no clock reads.
+
+Modules, in import order: `histograms` (windows over cumulative Prometheus histograms),
+`engine_metrics` (parse an engine's `/metrics` text), `signals` (one deployment's signals from
+router stats and engine scrapes), `startup` (observed time-to-ready, warm and cold), `spec`
+(the `autoscaling:` section of a deployment), `policy` (context, decision, the policy registry
+and Fleet's own policy), `baselines` (`keda-queue`, `kpa`, `fixed`), `metrics` (Prometheus
+export of decisions).
+
+Callers: `fleet.autoscaling` (the loop of `fleet up`: scrapes, decides, calls
+`Controller.set_desired`) and the trace simulator, which runs the same policy objects in
+virtual time. Imports `router.stats` (pure) and `fleet.specbase`; never the reverse.
+"""
+
+from __future__ import annotations

@@ -1,0 +1,173 @@
+"""The `spec.autoscaling` section of a deployment: which policy scales it, toward which targets.
+
+Owns `AutoscalingSpec` and the blocks of the baseline policies (`KpaSpec`, `KedaQueueSpec`).
+Included by `fleet.spec.DeploymentSpec`; read by the policies (`autoscaler.policy`,
+`autoscaler.baselines`) and by `fleet.autoscaling`. The replica bounds are not repeated here:
+every policy scales within `spec.replicas.min..max` and starts from `spec.replicas.initial`.
+
+Top-level fields configure Fleet's policy (`fleet`); the stabilisation windows and scale rates
+also configure `keda-queue`, which follows the Kubernetes HPA that KEDA drives. Defaults:
+scale-down stabilisation 300 s and no scale-up stabilisation are HPA's defaults
+(`behavior.scaleDown.stabilizationWindowSeconds`, kubernetes.io "Horizontal Pod Autoscaling");
+a scale-up of at most x2 or +4 replicas per decision is HPA's default `scaleUp.policies`
+(100 % or 4 pods per 15 s period); at most halving per decision is Knative's
+`max-scale-down-rate` 2.0.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+
+from fleet.specbase import FieldError, SpecModel
+
+
+class KpaSpec(SpecModel):
+    """Parameters of the `kpa` baseline (Knative Pod Autoscaler; defaults are Knative's
+    `config-autoscaler` defaults, knative.dev/docs/serving/autoscaling/kpa-specific)."""
+
+    target_concurrency_per_replica: float = Field(
+        16.0, gt=0, le=100_000,
+        description="Concurrent requests one replica should hold (Knative's per-revision `target`, whose "
+        "default of 100 suits web servers, not an LLM engine's batch).",
+    )  # fmt: skip
+    target_utilization_percentage: float = Field(
+        70.0, gt=0, le=100, description="Share of the target the autoscaler aims at (Knative default 70)."
+    )
+    stable_window_seconds: float = Field(
+        60.0, ge=6, le=3600, description="Window of the stable-mode average concurrency (Knative default 60 s)."
+    )
+    panic_window_percentage: float = Field(
+        10.0, ge=1, le=100, description="Panic window as a share of the stable window (Knative default 10 %: 6 s)."
+    )
+    panic_threshold_percentage: float = Field(
+        200.0, ge=110, le=1000,
+        description="Panic when the panic-window demand reaches this share of the ready replicas (default 200 %).",
+    )  # fmt: skip
+    max_scale_up_rate: float = Field(
+        1000.0, gt=1, description="Desired replicas at most ready x this per decision (Knative default 1000)."
+    )
+    max_scale_down_rate: float = Field(
+        2.0, gt=1, description="Desired replicas at least ready / this per decision (Knative default 2)."
+    )
+
+    @property
+    def target(self) -> float:
+        """Concurrent requests per replica the KPA aims at: target x utilization."""
+        return self.target_concurrency_per_replica * self.target_utilization_percentage / 100.0
+
+    @property
+    def panic_window_seconds(self) -> float:
+        return self.stable_window_seconds * self.panic_window_percentage / 100.0
+
+
+class KedaQueueSpec(SpecModel):
+    """Parameters of the `keda-queue` baseline: KEDA's Prometheus scaler on
+    `sum(vllm:num_requests_waiting)` with an `AverageValue` target, as vLLM's production-stack
+    tutorial sets it up (docs.vllm.ai/projects/production-stack, "Autoscaling with KEDA")."""
+
+    target_waiting_per_replica: float = Field(
+        5.0, gt=0, le=100_000, description="Waiting requests per replica KEDA aims at (the trigger's threshold)."
+    )
+    tolerance: float = Field(
+        0.1, ge=0, lt=1, description="No change while |metric / target - 1| <= this (HPA default 0.1)."
+    )
+
+
+class AutoscalingSpec(SpecModel):
+    """Scale the deployment between `spec.replicas.min` and `spec.replicas.max`."""
+
+    policy: str = Field("fleet", description="Scaling policy: fleet, keda-queue, kpa or fixed.")
+    queue_time_target_seconds: float = Field(
+        0.5, gt=0, le=3600,
+        description="Target mean queue time: router admission queue + engine scheduler queue (seconds).",
+    )  # fmt: skip
+    ttft_p99_target_seconds: float = Field(
+        2.0, gt=0, le=3600, description="Target p99 time to first token as clients see it (seconds)."
+    )
+    interval_seconds: float | None = Field(
+        None, gt=0, le=600,
+        description="Seconds between decisions; default: the policy's own (fleet 5, kpa 2 = Knative's tick, "
+        "keda-queue 15 = HPA's sync period, fixed 5).",
+    )  # fmt: skip
+    window_seconds: float = Field(
+        30.0, ge=1, le=600, description="Window of the signals: queue time, percentiles, arrival rate (seconds)."
+    )
+    scale_up_stabilization_seconds: float = Field(
+        0.0, ge=0, le=3600, description="A scale-up goes to the lowest recommendation of this window (HPA default 0)."
+    )
+    scale_down_stabilization_seconds: float = Field(
+        300.0, ge=0, le=3600,
+        description="A scale-down goes to the highest recommendation of this window (HPA default 300 s).",
+    )  # fmt: skip
+    max_scale_up_rate: float = Field(
+        2.0, ge=1, le=1000,
+        description="One decision at most multiplies the replicas by this or adds maxScaleUpStep, whichever "
+        "allows more (HPA default scaleUp policies: 100 % or 4 pods).",
+    )  # fmt: skip
+    max_scale_up_step: int = Field(
+        4, ge=1, le=10_000, description="Replicas one decision may add at least (see maxScaleUpRate)."
+    )
+    max_scale_down_rate: float = Field(
+        2.0, gt=1, le=1000, description="One decision at most divides the replicas by this (Knative default 2)."
+    )
+    scale_down_below_fraction: float = Field(
+        0.5, gt=0, lt=1,
+        description="Hysteresis: scale down only while every signal is below this fraction of its target.",
+    )  # fmt: skip
+    trend_window_seconds: float = Field(
+        60.0, ge=1, le=3600,
+        description="Window of the linear trend that projects a signal to when a new replica would be ready.",
+    )  # fmt: skip
+    warm_startup_seconds: float = Field(
+        60.0, gt=0, le=86_400,
+        description="Initial estimate of placement-to-READY on a warm node (image and weights present); "
+        "replaced by observed start-ups.",
+    )  # fmt: skip
+    cold_startup_seconds: float = Field(
+        600.0, gt=0, le=86_400,
+        description="Initial estimate of placement-to-READY on a cold node (a 4-GPU model load alone can take "
+        "10 minutes, shared/notes/anchors.md); replaced by observed start-ups.",
+    )  # fmt: skip
+    kpa: KpaSpec | None = Field(None, description="Parameters of policy `kpa`.")
+    keda_queue: KedaQueueSpec | None = Field(None, description="Parameters of policy `keda-queue`.")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from autoscaler.policy import policy_names
+
+        if v not in policy_names():
+            raise ValueError(f"unknown autoscaling policy {v!r}; known: {', '.join(policy_names())}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoscalingSpec:
+        if self.queue_time_target_seconds >= self.ttft_p99_target_seconds:
+            raise FieldError(
+                "queueTimeTargetSeconds",
+                f"must be < ttftP99TargetSeconds ({self.queue_time_target_seconds:g} >= "
+                f"{self.ttft_p99_target_seconds:g}): queue time is part of the time to first token",
+            )
+        if self.cold_startup_seconds < self.warm_startup_seconds:
+            raise FieldError(
+                "coldStartupSeconds",
+                f"must be >= warmStartupSeconds ({self.cold_startup_seconds:g} < {self.warm_startup_seconds:g})",
+            )
+        if self.interval_seconds is not None and self.interval_seconds > self.window_seconds:
+            raise FieldError(
+                "intervalSeconds",
+                f"must be <= windowSeconds ({self.interval_seconds:g} > {self.window_seconds:g}): "
+                "each decision needs fresh samples",
+            )
+        for field, block, policy in (("kpa", self.kpa, "kpa"), ("kedaQueue", self.keda_queue, "keda-queue")):
+            if block is not None and self.policy != policy:
+                raise FieldError(field, f"applies to policy {policy} only (policy is {self.policy})")
+        return self
+
+    @property
+    def kpa_params(self) -> KpaSpec:
+        return self.kpa or KpaSpec()
+
+    @property
+    def keda_params(self) -> KedaQueueSpec:
+        return self.keda_queue or KedaQueueSpec()
