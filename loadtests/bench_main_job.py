@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,23 +38,11 @@ import aiohttp
 import psutil
 import yaml
 
+from loadtests.procs import cpu_s, free_port
 from loadtests.stats import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process (/proc/PID/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float]:
@@ -101,9 +87,9 @@ async def measure_latency(router_url: str, engines: list[str], model: str, args)
         while done < args.requests:
             n = min(block, args.requests - done)
             arms["direct"] += await run_block(session, engines, n, args.concurrency, body)
-            before = cpu_seconds(args.router_pid)
+            before = cpu_s(args.router_pid)
             arms["router"] += await run_block(session, [router_url], n, args.concurrency, body)
-            router_cpu_s += cpu_seconds(args.router_pid) - before
+            router_cpu_s += cpu_s(args.router_pid) - before
             done += n
     out: dict = {"requests_per_arm": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens}
     for arm, samples in arms.items():
