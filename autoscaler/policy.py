@@ -26,7 +26,9 @@ queue_time / Tq and ttft_p99 / Tt, TTFT counting only with >= 10 samples in the 
    points reach back), crosses 1: want ceil(ready x projected), at least ready + 1.
 3. Demand with no READY replica: want 1 (or the load floor).
 4. Every signal below `scaleDownBelowFraction` of its target (hysteresis) or none measured:
-   want the load floor (at least spec.replicas.min). Between that fraction and 1: hold.
+   want the load floor (at least spec.replicas.min, at most the current target: signals this
+   low say the replicas carry the load, whatever the learned capacity says). Between that
+   fraction and 1: hold.
 5. Replicas already starting count: a want at or below the current target is a hold.
 6. HPA stabilisation (`Stabilizer`): scale up to the lowest recommendation of the scale-up
    window, down to the highest of the scale-down window (300 s by default), so one quiet
@@ -407,9 +409,13 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             detail = f"{s.concurrency} requests and no READY replica"
         elif pressure is None or pressure < spec.scale_down_below_fraction:
             scaling_up = False
-            want, reason = max(floor, self.bounds.min), "underloaded"
+            # The floor only keeps replicas: capacity is a lower bound, and signals this far
+            # under target say the current replicas carry the load, so it never adds any.
+            want, reason = max(min(floor, current), self.bounds.min), "underloaded"
             level = "no latency signal" if pressure is None else f"{signal} at {pressure:.2f}x target"
             detail = f"{level}, load {load:.1f} needs {floor} replica(s)"
+            if floor > current:
+                detail = f"{detail} at the capacity learned so far, but the {current} targeted carry it"
         else:
             scaling_up = False
             want, reason = current, "within_band"

@@ -150,6 +150,18 @@ class FleetUp:
 
 @pytest.fixture
 def fleet_up(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[[list[Path]], FleetUp]]:
+    """Starts `fleet up` on deployment files of real vLLM replicas (the tiny model generated)."""
+    yield from _fleet_up_factory(tmp_path)
+
+
+@pytest.fixture
+def sim_fleet_up(tmp_path: Path) -> Iterator[Callable[[list[Path]], FleetUp]]:
+    """Starts `fleet up` on deployment files of `engine.kind: sim` replicas (the engine
+    SIMULATOR: no vLLM, no model; seconds to start)."""
+    yield from _fleet_up_factory(tmp_path)
+
+
+def _fleet_up_factory(tmp_path: Path) -> Iterator[Callable[[list[Path]], FleetUp]]:
     started: list[FleetUp] = []
 
     def start(files: list[Path]) -> FleetUp:

@@ -128,6 +128,22 @@ def test_never_below_what_the_load_needs() -> None:
     assert d.inputs["load"] == pytest.approx(20.0) and d.inputs["load_floor"] == 2
 
 
+def test_the_load_floor_never_adds_replicas_while_signals_are_far_under_target() -> None:
+    # One replica learned that 1 request at a time meets the targets (a warm-up, one client).
+    p = fleet(min_=1, initial=1, window_seconds=30)
+    desired, _ = run(p, 120.0, 1, lambda t, n: signals(t, queue=0.0, ttft=0.1 * TT, in_flight=1))
+    assert desired == 1 and p.per_replica_capacity() == pytest.approx(1.0)
+    # Little's law now says 1.1 in the system: 2 replicas at the learned capacity, but queue time
+    # and TTFT are far under target, so the one replica carries it: hold, never scale up.
+    desired, decisions = run(p, 120.0, 1, lambda t, n: signals(t, queue=0.0, ttft=0.1 * TT, in_flight=1,
+                                                                  rate=1.1, e2e=1.0), start_s=120.0)  # fmt: skip
+    assert desired == 1 and all(d.desired == 1 for d in decisions)
+    first = decisions[0]
+    assert first.inputs["load_floor"] == 2 and first.direction is Direction.HOLD and "carry it" in first.detail
+    # A window later the 1.1 per replica is confirmed sustainable: the capacity rises to it.
+    assert p.per_replica_capacity() == pytest.approx(1.1)
+
+
 def test_unknown_capacity_keeps_every_ready_replica_while_requests_run() -> None:
     p = fleet(min_=1, initial=4)
     desired, decisions = run(p, 900.0, 4, lambda t, n: signals(t, queue=None, in_flight=3))
