@@ -406,8 +406,10 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             want, reason = max(1, floor), "demand_without_replicas"
             detail = f"{s.concurrency} requests and no READY replica"
         elif pressure is None or pressure < spec.scale_down_below_fraction:
+            # The floor only holds a scale-down back: it is a lower bound of the replicas the
+            # load needs (capacity is learned as a lower bound), never a reason to add any.
             scaling_up = False
-            want, reason = max(floor, self.bounds.min), "underloaded"
+            want, reason = min(current, max(floor, self.bounds.min)), "underloaded"
             level = "no latency signal" if pressure is None else f"{signal} at {pressure:.2f}x target"
             detail = f"{level}, load {load:.1f} needs {floor} replica(s)"
         else:
