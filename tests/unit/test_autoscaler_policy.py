@@ -198,3 +198,16 @@ def test_startup_tracker_uses_the_median_of_observed_start_ups() -> None:
     assert t.estimate().warm_s == 34.0  # one slow start does not move the median far
     t.observe("c0", False, 300.0)
     assert t.estimate(next_warm=False).lead_time_s == 300.0
+
+
+def test_the_load_floor_never_adds_replicas_while_latency_is_far_below_target() -> None:
+    p = fleet(min_=1, initial=1, window_seconds=30)
+    # 2 requests in flight on one replica, both targets met for a whole window: 2 per replica is
+    # confirmed sustainable (a lower bound of the real capacity).
+    desired, _ = run(p, 60.0, 1, lambda t, n: signals(t, queue=0.1 * TQ, ttft=0.2 * TT, in_flight=2))
+    assert desired == 1 and p.per_replica_capacity() == pytest.approx(2.0)
+    # A momentary 13 in flight with latency still far below target: the floor says 7, but a floor
+    # built on a lower bound only holds a scale-down back; it is no evidence for more replicas.
+    d = p.decide(ctx(60.0, 1, signals(60.0, queue=0.1 * TQ, ttft=0.3 * TT, in_flight=13)))
+    assert d.inputs["load_floor"] == 7
+    assert (d.desired, d.direction, d.reason) == (1, Direction.HOLD, "underloaded")
