@@ -88,13 +88,16 @@ def test_a_signal_heading_above_target_within_the_start_up_time_scales_up_early(
     assert first_up(StartupEstimate(5.0, 30.0, next_warm=True)) is None
 
 
-def test_scale_down_waits_for_the_stabilization_window_then_steps_down_at_the_max_rate() -> None:
-    p = fleet(min_=1, initial=8, scale_down_stabilization_seconds=300)
+def test_scale_down_waits_for_the_stabilization_window_then_halves_once_per_signal_window() -> None:
+    p = fleet(min_=1, initial=8, scale_down_stabilization_seconds=300, window_seconds=30)
     desired, decisions = run(p, 400.0, 8, lambda t, n: signals(t, queue=0.01))
     downs = [(d.at_s, d.previous, d.desired) for d in decisions if d.direction is Direction.DOWN]
     assert all(d.reason == "stabilizing" for d in decisions if d.at_s < 300)
     assert downs[0][0] == 300.0  # the seed (8 at t=0) leaves the window only now
-    assert [(prev, new) for _, prev, new in downs] == [(8, 4), (4, 2), (2, 1)]  # halving (maxScaleDownRate 2)
+    # Halving (maxScaleDownRate 2), and each next step only once the 30 s window saw the new count.
+    assert downs == [(300.0, 8, 4), (335.0, 4, 2), (370.0, 2, 1)]
+    held = next(d for d in decisions if d.at_s == 305.0)
+    assert held.reason == "stabilizing" and "window still averages 8.0 READY" in held.detail
     assert desired == 1
 
 
@@ -211,3 +214,4 @@ def test_the_load_floor_never_adds_replicas_while_latency_is_far_below_target() 
     d = p.decide(ctx(60.0, 1, signals(60.0, queue=0.1 * TQ, ttft=0.3 * TT, in_flight=13)))
     assert d.inputs["load_floor"] == 7
     assert (d.desired, d.direction, d.reason) == (1, Direction.HOLD, "underloaded")
+
