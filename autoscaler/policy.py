@@ -26,13 +26,14 @@ queue_time / Tq and ttft_p99 / Tt, TTFT counting only with >= 10 samples in the 
    points reach back), crosses 1: want ceil(ready x projected), at least ready + 1.
 3. Demand with no READY replica: want 1 (or the load floor).
 4. Every signal below `scaleDownBelowFraction` of its target (hysteresis) or none measured:
-   want the load floor (at least spec.replicas.min, at most the current target: signals this
-   low say the replicas carry the load, whatever the learned capacity says). Between that
-   fraction and 1: hold.
+   want the load floor (at least spec.replicas.min), never more than the current target (the
+   floor only holds a scale-down back). Between that fraction and 1: hold.
 5. Replicas already starting count: a want at or below the current target is a hold.
 6. HPA stabilisation (`Stabilizer`): scale up to the lowest recommendation of the scale-up
    window, down to the highest of the scale-down window (300 s by default), so one quiet
-   minute after a burst never removes replicas; then the rate limits; then the bounds.
+   minute after a burst never removes replicas; a scale-down also waits until the signal
+   window holds only today's READY count (step down, watch a window, step again); then the
+   rate limits; then the bounds.
 
 The load floor ("never below what current load needs"): load = max(in flight + queued,
 arrival rate x mean end-to-end latency) (Little's law, L = lambda W, smooths the
@@ -408,9 +409,9 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             want, reason = max(1, floor), "demand_without_replicas"
             detail = f"{s.concurrency} requests and no READY replica"
         elif pressure is None or pressure < spec.scale_down_below_fraction:
+            # The floor only holds a scale-down back: it is a lower bound of the replicas the
+            # load needs (capacity is learned as a lower bound), never a reason to add any.
             scaling_up = False
-            # The floor only keeps replicas: capacity is a lower bound, and signals this far
-            # under target say the current replicas carry the load, so it never adds any.
             want, reason = max(min(floor, current), self.bounds.min), "underloaded"
             level = "no latency signal" if pressure is None else f"{signal} at {pressure:.2f}x target"
             detail = f"{level}, load {load:.1f} needs {floor} replica(s)"
@@ -433,6 +434,12 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         elif want > current and stabilized == current:
             reason = "stabilizing"
             detail = f"{detail}; scale-up stabilisation window not yet passed"
+        elif stabilized < current and behind > ctx.ready + 1e-9:
+            # The low signals still include what more replicas did (a scale-down within the
+            # window): see what today's count does before going lower. Not a recommendation.
+            stabilized, reason = current, "stabilizing"
+            detail = (f"{detail}; holding {current}: the signal window still averages {behind:.1f} READY "
+                      f"replica(s), {ctx.ready} now")  # fmt: skip
         desired = limit_rate(current, stabilized, up_rate=spec.max_scale_up_rate, up_step=spec.max_scale_up_step,
                              down_rate=spec.max_scale_down_rate)  # fmt: skip
         if desired != stabilized:
