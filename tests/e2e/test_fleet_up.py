@@ -44,12 +44,17 @@ def test_quickstart_serves_completions_and_streamed_chat_then_stops_cleanly(flee
 
     stream = client.chat.completions.create(
         model="tiny-llama", messages=[{"role": "user", "content": "Say hello."}], max_tokens=10,
-        stream=True, extra_body={"ignore_eos": True},
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
+    # Random weights emit byte-level tokens; vLLM's detokenizer holds back an incomplete UTF-8
+    # sequence and sends it with the next token, so 10 tokens arrive in 2..10 content chunks.
+    # More than one chunk means the stream was relayed, not buffered into one blob (chunk
+    # timing itself is checked in tests/unit/test_router_proxy.py).
     content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(content) >= 5, chunks          # token by token, not one buffered blob
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert len(content) >= 2, chunks
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
 
     # Both replicas are in the router's pool and the router measured them.
     pools = httpx.get(f"{fleet.router_url}/admin/v1/pools",
