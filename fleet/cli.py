@@ -325,8 +325,8 @@ def simulate(
         "--compare", help="Run the deployment's policy beside the baselines: fleet, fixed-peak, fixed-mean, "
         "keda-queue, kpa (docs/autoscaling.md).")] = False,
     policies: Annotated[str | None, typer.Option(
-        "--policies", help="Comma-separated contenders instead: fleet, keda-queue, kpa, fixed (spec.replicas.initial), "
-        "fixed-peak, fixed-mean, fixed-N.")] = None,
+        "--policies", help="Comma-separated contenders (with --compare: added to its set): fleet, keda-queue, kpa, "
+        "fixed (spec.replicas.initial), fixed-peak, fixed-mean, fixed-N.")] = None,
     rate_scale: Annotated[int, typer.Option(
         "--rate-scale", min=1, help="K times the trace's arrival rate on the same time axis (bursts keep their "
         "length; each gap between arrivals gets K-1 more requests with other requests' sizes).")] = 1,
@@ -396,12 +396,11 @@ def simulate(
         err_console.print(f"[red]{err.args[0] if isinstance(err, KeyError) else err}[/]", highlight=False)
         raise typer.Exit(2) from None
     own = base.autoscaling.policy
-    if policies is not None:
-        names = [n.strip() for n in policies.split(",") if n.strip()]
-    elif compare:
-        names = [own if own != "fixed" else "fixed", *(n for n in COMPARE if n != own)]
+    extra = [n.strip() for n in (policies or "").split(",") if n.strip()]
+    if compare:
+        names = [own, *(n for n in COMPARE if n != own), *extra]
     else:
-        names = [own]
+        names = extra or [own]
     with err_console.status("Measuring one replica's capacity on this request mix..."):
         capacity_per_s = replica_capacity_per_s(workload.trace, replica_profile)
     sizing = workload.sizing(capacity_per_s)

@@ -45,16 +45,18 @@ def test_compare_prints_one_row_per_contender_and_writes_json_and_png(files: tup
                                                                       tmp_path: Path) -> None:  # fmt: skip
     trace, dep = files
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
-    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--compare", "--jobs", "1",
-                                 "--warm-startup-s", "5", "--json", str(out_json), "--plot", str(out_png)])  # fmt: skip
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--compare", "--policies", "fixed-3",
+                                 "--jobs", "1", "--warm-startup-s", "5", "--json", str(out_json),
+                                 "--plot", str(out_png)])  # fmt: skip
     assert result.exit_code == 0, result.output
     out = result.output
     assert "Fleet trace SIMULATOR" in out and "1200 requests" in out
     assert "within 2 s TTFT" in out and "replica-hours" in out and "scaling actions" in out
-    for row in ("fleet", "fixed-peak (", "fixed-mean (", "keda-queue", "kpa"):
+    for row in ("fleet", "fixed-peak (", "fixed-mean (", "keda-queue", "kpa", "fixed-3"):
         assert f"│ {row}" in out, row
     doc = json.loads(out_json.read_text())
-    assert [r["name"] for r in doc["results"]][0] == "fleet" and len(doc["results"]) == 5
+    names = [r["name"] for r in doc["results"]]
+    assert names[0] == "fleet" and names[-1] == "fixed-3" and len(names) == 6
     fleet = doc["results"][0]
     assert fleet["summary"]["requests"] == 1200 and fleet["summary"]["failed"] == 0
     assert len(fleet["timeline"]["t_s"]) == 2 and fleet["timeline"]["arrivals_per_s"][0] > 0  # 60 s bins
