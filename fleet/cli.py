@@ -384,6 +384,10 @@ def simulate(
                           highlight=False)  # fmt: skip
         raise typer.Exit(2)
     dep = loaded[0].deployment
+    for out in (json_out, plot_out):
+        if out is not None and not out.resolve().parent.is_dir():
+            err_console.print(f"[red]{out}: directory {out.resolve().parent} does not exist[/]", highlight=False)
+            raise typer.Exit(2)
     try:
         if plot_out is not None:
             require_matplotlib()

@@ -107,6 +107,8 @@ def test_an_unknown_contender_and_an_invalid_spec_are_refused(files: tuple[Path,
     trace, dep = files
     result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fleet,hpa"])
     assert result.exit_code == 2 and "unknown contender 'hpa'" in result.output
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--plot", str(tmp_path / "no" / "x.png")])
+    assert result.exit_code == 2 and f"directory {tmp_path / 'no'} does not exist" in result.output
     bad = tmp_path / "bad.yaml"
     bad.write_text(DEPLOYMENT.replace("max: 4", "max: 0"))
     result = runner.invoke(app, ["simulate", str(trace), "-d", str(bad)])
