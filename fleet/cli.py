@@ -344,6 +344,9 @@ def simulate(
     warm_nodes: Annotated[int | None, typer.Option(
         "--warm-nodes", min=0, help="Node slots holding image and weights at the start; replicas beyond them start "
         "cold (default spec.replicas.max: all warm).")] = None,
+    router_limit: Annotated[int | None, typer.Option(
+        "--max-concurrency-per-endpoint", min=0, help="Override spec.routing.maxConcurrencyPerEndpoint for every "
+        "contender (0: no limit, no router queue).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the rate-scale copies and token ids.")] = 0,
     jobs: Annotated[int | None, typer.Option(
         "--jobs", "-j", min=1, help="Contenders simulated in parallel processes (default: one per CPU core).")] = None,
@@ -392,8 +395,10 @@ def simulate(
         if plot_out is not None:
             require_matplotlib()
         replica_profile = profile_of(dep, profile)
+        overrides = {} if router_limit is None else {"max_concurrency_per_endpoint": router_limit or None}
         base = config_from_deployment(dep, replica_profile, ttft_slo_s=ttft_slo_s, warm_startup_s=warm_startup_s,
-                                      cold_startup_s=cold_startup_s, warm_nodes=warm_nodes, seed=seed)  # fmt: skip
+                                      cold_startup_s=cold_startup_s, warm_nodes=warm_nodes, seed=seed,
+                                      **overrides)  # fmt: skip
         workload = Workload.from_trace(load_trace(trace), replica_profile, rate_scale=rate_scale, speedup=speedup,
                                        seed=seed)  # fmt: skip
     except (TraceError, PlotUnavailable, ValueError, KeyError) as err:

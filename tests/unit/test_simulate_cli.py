@@ -66,11 +66,17 @@ def test_compare_prints_one_row_per_contender_and_writes_json_and_png(files: tup
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_without_compare_only_the_deployments_policy_runs(files: tuple[Path, Path]) -> None:
+def test_policies_pick_the_contenders_and_the_router_limit_can_be_overridden(files: tuple[Path, Path],
+                                                                            tmp_path: Path) -> None:  # fmt: skip
     trace, dep = files
-    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fixed-2,kpa"])
+    out_json = tmp_path / "out.json"
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fixed-2,kpa",
+                                 "--max-concurrency-per-endpoint", "4", "--json", str(out_json)])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "│ fixed-2" in result.output and "│ kpa" in result.output and "│ fleet" not in result.output
+    assert "4 per replica, then the router queue" in result.output
+    doc = json.loads(out_json.read_text())
+    assert {r["params"]["routing"]["max_concurrency_per_endpoint"] for r in doc["results"]} == {4}
 
 
 def test_a_missing_trace_file_is_named(files: tuple[Path, Path], tmp_path: Path) -> None:
