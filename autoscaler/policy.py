@@ -42,7 +42,9 @@ largest load per READY replica that was confirmed sustainable, i.e. whose whole 
 window later still met both targets, over the last 30 minutes. A lower bound of the true
 capacity, so the floor errs toward keeping replicas; as replicas go, the observed load per
 replica rises and the floor follows. Unknown capacity with load present keeps every READY
-replica.
+replica. The arrival rate counts the same way (the largest arrival rate per READY replica
+confirmed sustainable): requests in flight alone understate what fewer replicas would carry,
+as each request takes longer on fewer replicas and a replica serves only so many per second.
 """
 
 from __future__ import annotations
@@ -278,8 +280,9 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         self._ready: deque[tuple[float, int]] = deque()
         self._stabilizer = Stabilizer(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
         self._seeded = False
-        self._pending_capacity: deque[tuple[float, float]] = deque()
-        self._capacity: deque[tuple[float, float]] = deque()
+        # (seen at, load per READY replica, arrival rate per READY replica)
+        self._pending_capacity: deque[tuple[float, float, float]] = deque()
+        self._capacity: deque[tuple[float, float, float]] = deque()
 
     # ----- signals ------------------------------------------------------------------------
 
@@ -339,17 +342,17 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         little = s.arrival_rate_per_s * s.e2e_mean_s if s.e2e_mean_s is not None else 0.0
         return max(float(s.concurrency), little)
 
-    def _learn_capacity(self, now_s: float, pressure: float | None, load: float, ready: int) -> None:
-        """Confirm the load per replica seen a whole window ago if the window since met the
-        targets; queue today's for confirmation."""
+    def _learn_capacity(self, now_s: float, pressure: float | None, load: float, rate: float, ready: int) -> None:
+        """Confirm the load and the arrival rate per replica seen a whole window ago if the
+        window since met the targets; queue today's for confirmation."""
         window_s = self.spec.window_seconds
         pending = self._pending_capacity
         while pending and pending[0][0] <= now_s - window_s:
-            seen_s, per_replica = pending.popleft()
+            seen_s, per_replica, rate_per_replica = pending.popleft()
             if pressure is not None and pressure <= 1.0:
-                self._capacity.append((seen_s, per_replica))
+                self._capacity.append((seen_s, per_replica, rate_per_replica))
         if pressure is not None and pressure <= 1.0 and ready > 0 and load > 0:
-            pending.append((now_s, load / ready))
+            pending.append((now_s, load / ready, rate / ready))
         elif pressure is not None and pressure > 1.0:
             pending.clear()  # the targets broke: what was pending was not sustainable
         while self._capacity and self._capacity[0][0] < now_s - CAPACITY_MEMORY_S:
@@ -357,15 +360,27 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
 
     def per_replica_capacity(self) -> float | None:
         """Largest confirmed sustainable load per READY replica (requests), or None."""
-        return max((c for _, c in self._capacity), default=None)
+        return max((c for _, c, _ in self._capacity), default=None)
 
-    def _load_floor(self, load: float, ready: int) -> int:
+    def per_replica_rate_capacity(self) -> float | None:
+        """Largest confirmed sustainable arrival rate per READY replica (requests/s), or None."""
+        return max((r for _, _, r in self._capacity), default=None) or None
+
+    def _load_floor(self, load: float, rate: float, ready: int) -> int:
+        """Replicas the load needs at the confirmed capacities: the requests in the system per
+        replica, and the arrival rate per replica (requests/s). Both count: a replica can hold
+        many long requests at once yet serve only so many per second, and concurrency measured
+        with more replicas understates what fewer would hold (each request takes longer)."""
         capacity = self.per_replica_capacity()
         if load <= 0:
             return 0
         if capacity is None:
             return ready
-        return math.ceil(load / capacity - 1e-9)
+        need = math.ceil(load / capacity - 1e-9)
+        rate_capacity = self.per_replica_rate_capacity()
+        if rate > 0 and rate_capacity is not None:
+            need = max(need, math.ceil(rate / rate_capacity - 1e-9))
+        return need
 
     # ----- the decision -------------------------------------------------------------------
 
@@ -380,8 +395,8 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             self._ratios.popleft()
         signal, pressure = max(ratios.items(), key=lambda kv: kv[1]) if ratios else (None, None)
         load = self._load(s)
-        self._learn_capacity(now_s, pressure, load, ctx.ready)
-        floor = self._load_floor(load, ctx.ready)
+        self._learn_capacity(now_s, pressure, load, s.arrival_rate_per_s, ctx.ready)
+        floor = self._load_floor(load, s.arrival_rate_per_s, ctx.ready)
         horizon_s = min(ctx.startup.lead_time_s, spec.trend_window_seconds)
         projection = self._projection(now_s, horizon_s, ctx.ready)
         behind = self._replicas_behind_signals(now_s, ctx.ready)
@@ -389,7 +404,8 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         inputs: dict[str, float | int | None] = {
             "queue_time_s": s.queue_time_s, "ttft_p99_s": s.ttft_p99_s, "pressure": pressure,
             "projected": projection[1] if projection else None, "load": load,
-            "per_replica_capacity": self.per_replica_capacity(), "load_floor": floor,
+            "per_replica_capacity": self.per_replica_capacity(),
+            "per_replica_rate_capacity": self.per_replica_rate_capacity(), "load_floor": floor,
             "lead_time_s": ctx.startup.lead_time_s, "ready": ctx.ready, "starting": ctx.starting,
             "replicas_behind_signals": behind,
         }  # fmt: skip

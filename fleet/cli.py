@@ -325,8 +325,8 @@ def simulate(
         "--compare", help="Run the deployment's policy beside the baselines: fleet, fixed-peak, fixed-mean, "
         "keda-queue, kpa (docs/autoscaling.md).")] = False,
     policies: Annotated[str | None, typer.Option(
-        "--policies", help="Comma-separated contenders instead: fleet, keda-queue, kpa, fixed (spec.replicas.initial), "
-        "fixed-peak, fixed-mean, fixed-N.")] = None,
+        "--policies", help="Comma-separated contenders (with --compare: added to its set): fleet, keda-queue, kpa, "
+        "fixed (spec.replicas.initial), fixed-peak, fixed-mean, fixed-N.")] = None,
     rate_scale: Annotated[int, typer.Option(
         "--rate-scale", min=1, help="K times the trace's arrival rate on the same time axis (bursts keep their "
         "length; each gap between arrivals gets K-1 more requests with other requests' sizes).")] = 1,
@@ -344,6 +344,9 @@ def simulate(
     warm_nodes: Annotated[int | None, typer.Option(
         "--warm-nodes", min=0, help="Node slots holding image and weights at the start; replicas beyond them start "
         "cold (default spec.replicas.max: all warm).")] = None,
+    router_limit: Annotated[int | None, typer.Option(
+        "--max-concurrency-per-endpoint", min=0, help="Override spec.routing.maxConcurrencyPerEndpoint for every "
+        "contender (0: no limit, no router queue).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the rate-scale copies and token ids.")] = 0,
     jobs: Annotated[int | None, typer.Option(
         "--jobs", "-j", min=1, help="Contenders simulated in parallel processes (default: one per CPU core).")] = None,
@@ -384,24 +387,29 @@ def simulate(
                           highlight=False)  # fmt: skip
         raise typer.Exit(2)
     dep = loaded[0].deployment
+    for out in (json_out, plot_out):
+        if out is not None and not out.resolve().parent.is_dir():
+            err_console.print(f"[red]{out}: directory {out.resolve().parent} does not exist[/]", highlight=False)
+            raise typer.Exit(2)
     try:
         if plot_out is not None:
             require_matplotlib()
         replica_profile = profile_of(dep, profile)
+        overrides = {} if router_limit is None else {"max_concurrency_per_endpoint": router_limit or None}
         base = config_from_deployment(dep, replica_profile, ttft_slo_s=ttft_slo_s, warm_startup_s=warm_startup_s,
-                                      cold_startup_s=cold_startup_s, warm_nodes=warm_nodes, seed=seed)  # fmt: skip
+                                      cold_startup_s=cold_startup_s, warm_nodes=warm_nodes, seed=seed,
+                                      **overrides)  # fmt: skip
         workload = Workload.from_trace(load_trace(trace), replica_profile, rate_scale=rate_scale, speedup=speedup,
                                        seed=seed)  # fmt: skip
     except (TraceError, PlotUnavailable, ValueError, KeyError) as err:
         err_console.print(f"[red]{err.args[0] if isinstance(err, KeyError) else err}[/]", highlight=False)
         raise typer.Exit(2) from None
     own = base.autoscaling.policy
-    if policies is not None:
-        names = [n.strip() for n in policies.split(",") if n.strip()]
-    elif compare:
-        names = [own if own != "fixed" else "fixed", *(n for n in COMPARE if n != own)]
+    extra = [n.strip() for n in (policies or "").split(",") if n.strip()]
+    if compare:
+        names = [own, *(n for n in COMPARE if n != own), *extra]
     else:
-        names = [own]
+        names = extra or [own]
     with err_console.status("Measuring one replica's capacity on this request mix..."):
         capacity_per_s = replica_capacity_per_s(workload.trace, replica_profile)
     sizing = workload.sizing(capacity_per_s)

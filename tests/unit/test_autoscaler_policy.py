@@ -216,3 +216,19 @@ def test_the_load_floor_never_adds_replicas_while_latency_is_far_below_target() 
     assert (d.desired, d.direction, d.reason) == (1, Direction.HOLD, "underloaded")
     assert "the 1 targeted carry it" in d.detail
 
+
+
+def test_the_floor_counts_throughput_not_only_requests_in_flight() -> None:
+    # Two replicas served 18 requests/s (9 each) within both targets, 44 in flight each.
+    p = fleet(min_=1, initial=2, window_seconds=30, scale_down_stabilization_seconds=60)
+    desired, _ = run(p, 120.0, 2, lambda t, n: signals(t, queue=0.3 * TQ, ttft=0.6 * TT, in_flight=88, rate=18.0))
+    assert p.per_replica_capacity() == pytest.approx(44.0) and p.per_replica_rate_capacity() == pytest.approx(9.0)
+    # Later the same 18 requests/s, latency far below target and only 60 in flight: by requests
+    # in flight one replica would do, but one replica has never been seen to serve 18 per second.
+    desired, decisions = run(p, 300.0, 2, lambda t, n: signals(t, queue=0.05 * TQ, ttft=0.2 * TT, in_flight=60,
+                                                                rate=18.0), start_s=120.0)  # fmt: skip
+    assert desired == 2 and decisions[-1].inputs["load_floor"] == 2
+    # At 8 requests/s one replica is within what was seen: it goes.
+    desired, _ = run(p, 300.0, 2, lambda t, n: signals(t, queue=0.05 * TQ, ttft=0.2 * TT, in_flight=30, rate=8.0),
+                     start_s=420.0)  # fmt: skip
+    assert desired == 1

@@ -48,7 +48,8 @@ class Fleet(Harness):
 
     def offer(self, replicas_worth: float, in_flight: int) -> None:
         """Offer load worth ``replicas_worth`` replicas at the queue-time target: the router's
-        mean queue time is target x load / READY replicas from now on."""
+        mean queue time is target x load / READY replicas, and 4 requests/s arrive per
+        replica's worth, from now on."""
         self.load = (replicas_worth, in_flight)
 
     async def run(self, seconds: float) -> None:
@@ -60,7 +61,7 @@ class Fleet(Harness):
             ready = max(1, self.count(S.READY))
             queue_s = 0.5 * worth / ready
             self.pools.stats_by_model["chat-model"] = router_stats(queue_s=queue_s, ttft_s=4 * queue_s,
-                                                                   in_flight=in_flight)  # fmt: skip
+                                                                   in_flight=in_flight, rate=4.0 * worth)  # fmt: skip
             for r in self.c.replicas.values():
                 if r.port is not None and r.status is S.STARTING:
                     self.engines.healthy.add(r.port)

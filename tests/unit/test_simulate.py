@@ -18,7 +18,12 @@ from fleet.simulate.compare import COMPARE, contender, run_comparison
 from fleet.simulate.engine import SimConfig, Simulation
 from fleet.simulate.replica import NodePool, Phase
 from fleet.simulate.results import RequestLog, SimResult, TickRecord
-from fleet.simulate.workload import FleetSizing, Workload, replica_capacity_per_s, scale_rate
+from fleet.simulate.workload import (
+    FleetSizing,
+    Workload,
+    replica_capacity_per_s,
+    scale_rate,
+)
 from fleet.traces import Trace, TraceRequest
 
 # A small, slow replica: every step costs 50 ms, at most 4 requests in a batch. A request of
@@ -50,7 +55,10 @@ def fleet_spec(**kw: object) -> AutoscalingSpec:
                               "trend_window_seconds": 20, "warm_startup_seconds": 10, **kw})  # type: ignore[arg-type]
 
 
-def config(spec: AutoscalingSpec, bounds: ReplicaBounds = ReplicaBounds(1, 6, 1), **kw: object) -> SimConfig:
+ONE_TO_SIX = ReplicaBounds(1, 6, 1)
+
+
+def config(spec: AutoscalingSpec, bounds: ReplicaBounds = ONE_TO_SIX, **kw: object) -> SimConfig:
     return SimConfig(TINY, spec, bounds, **{"warm_startup_s": 10.0, "cold_startup_s": 40.0, **kw})  # type: ignore[arg-type]
 
 

@@ -45,16 +45,18 @@ def test_compare_prints_one_row_per_contender_and_writes_json_and_png(files: tup
                                                                       tmp_path: Path) -> None:  # fmt: skip
     trace, dep = files
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
-    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--compare", "--jobs", "1",
-                                 "--warm-startup-s", "5", "--json", str(out_json), "--plot", str(out_png)])  # fmt: skip
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--compare", "--policies", "fixed-3",
+                                 "--jobs", "1", "--warm-startup-s", "5", "--json", str(out_json),
+                                 "--plot", str(out_png)])  # fmt: skip
     assert result.exit_code == 0, result.output
     out = result.output
     assert "Fleet trace SIMULATOR" in out and "1200 requests" in out
     assert "within 2 s TTFT" in out and "replica-hours" in out and "scaling actions" in out
-    for row in ("fleet", "fixed-peak (", "fixed-mean (", "keda-queue", "kpa"):
+    for row in ("fleet", "fixed-peak (", "fixed-mean (", "keda-queue", "kpa", "fixed-3"):
         assert f"│ {row}" in out, row
     doc = json.loads(out_json.read_text())
-    assert [r["name"] for r in doc["results"]][0] == "fleet" and len(doc["results"]) == 5
+    names = [r["name"] for r in doc["results"]]
+    assert names[0] == "fleet" and names[-1] == "fixed-3" and len(names) == 6
     fleet = doc["results"][0]
     assert fleet["summary"]["requests"] == 1200 and fleet["summary"]["failed"] == 0
     assert len(fleet["timeline"]["t_s"]) == 2 and fleet["timeline"]["arrivals_per_s"][0] > 0  # 60 s bins
@@ -64,11 +66,17 @@ def test_compare_prints_one_row_per_contender_and_writes_json_and_png(files: tup
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_without_compare_only_the_deployments_policy_runs(files: tuple[Path, Path]) -> None:
+def test_policies_pick_the_contenders_and_the_router_limit_can_be_overridden(files: tuple[Path, Path],
+                                                                            tmp_path: Path) -> None:  # fmt: skip
     trace, dep = files
-    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fixed-2,kpa"])
+    out_json = tmp_path / "out.json"
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fixed-2,kpa",
+                                 "--max-concurrency-per-endpoint", "4", "--json", str(out_json)])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "│ fixed-2" in result.output and "│ kpa" in result.output and "│ fleet" not in result.output
+    assert "4 per replica, then the router queue" in result.output
+    doc = json.loads(out_json.read_text())
+    assert {r["params"]["routing"]["max_concurrency_per_endpoint"] for r in doc["results"]} == {4}
 
 
 def test_a_missing_trace_file_is_named(files: tuple[Path, Path], tmp_path: Path) -> None:
@@ -105,6 +113,8 @@ def test_an_unknown_contender_and_an_invalid_spec_are_refused(files: tuple[Path,
     trace, dep = files
     result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fleet,hpa"])
     assert result.exit_code == 2 and "unknown contender 'hpa'" in result.output
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--plot", str(tmp_path / "no" / "x.png")])
+    assert result.exit_code == 2 and f"directory {tmp_path / 'no'} does not exist" in result.output
     bad = tmp_path / "bad.yaml"
     bad.write_text(DEPLOYMENT.replace("max: 4", "max: 0"))
     result = runner.invoke(app, ["simulate", str(trace), "-d", str(bad)])
