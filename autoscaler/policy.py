@@ -27,7 +27,8 @@ queue_time / Tq and ttft_p99 / Tt, TTFT counting only with >= 10 samples in the 
 3. Demand with no READY replica: want 1 (or the load floor).
 4. Every signal below `scaleDownBelowFraction` of its target (hysteresis) or none measured:
    want the load floor (at least spec.replicas.min), never more than the current target (the
-   floor only holds a scale-down back). Between that fraction and 1: hold.
+   floor only holds a scale-down back); with every signal under half that fraction, one
+   replica below the floor (a probe, below). Between that fraction and 1: hold.
 5. Replicas already starting count: a want at or below the current target is a hold.
 6. HPA stabilisation (`Stabilizer`): scale up to the lowest recommendation of the scale-up
    window, down to the highest of the scale-down window (300 s by default), so one quiet
@@ -45,6 +46,15 @@ replica rises and the floor follows. Unknown capacity with load present keeps ev
 replica. The arrival rate counts the same way (the largest arrival rate per READY replica
 confirmed sustainable): requests in flight alone understate what fewer replicas would carry,
 as each request takes longer on fewer replicas and a replica serves only so many per second.
+
+A floor learned as a lower bound never lets a steady load leave an over-provisioned count (the
+load per replica seen is the most ever confirmed, so the floor is today's count). With every
+signal far below target (under half of `scaleDownBelowFraction`), the policy probes: one
+replica fewer, unless the arrival rate each remaining replica would take is at least
+`PROBE_MARGIN` of the lowest rate per replica seen *overloaded* (a signal above target) in the
+last 30 minutes. A failed probe is that overload: the policy scales back up, and the rate it
+failed at bars the same probe from then on. The probe is latency-driven exploration, the upper
+bound its memory.
 """
 
 from __future__ import annotations
@@ -69,7 +79,15 @@ MIN_TTFT_SAMPLES = 10
 samples is their maximum, and one long prompt would then scale the deployment."""
 
 CAPACITY_MEMORY_S = 1800.0
-"""How long a confirmed per-replica capacity observation is remembered (seconds)."""
+"""How long a confirmed per-replica capacity observation, or an overload, is remembered (seconds)."""
+
+PROBE_BELOW_FRACTION = 0.5
+"""A step below the load floor (a probe) needs every signal under this fraction of
+`scaleDownBelowFraction` (with the defaults: under 0.25x its target)."""
+
+PROBE_MARGIN = 0.8
+"""A probe must leave each remaining replica under this fraction of the lowest arrival rate per
+replica seen overloaded within `CAPACITY_MEMORY_S`."""
 
 
 class Direction(enum.Enum):
@@ -283,6 +301,8 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         # (seen at, load per READY replica, arrival rate per READY replica)
         self._pending_capacity: deque[tuple[float, float, float]] = deque()
         self._capacity: deque[tuple[float, float, float]] = deque()
+        # (seen at, arrival rate per READY replica behind the signals) whenever a target broke
+        self._overloads: deque[tuple[float, float]] = deque()
 
     # ----- signals ------------------------------------------------------------------------
 
@@ -358,6 +378,27 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         while self._capacity and self._capacity[0][0] < now_s - CAPACITY_MEMORY_S:
             self._capacity.popleft()
 
+    def _learn_overload(self, now_s: float, pressure: float | None, rate: float, behind: float) -> None:
+        """Remember the arrival rate per replica at which a target broke (an upper bound of the
+        rate a replica sustains), for `CAPACITY_MEMORY_S`."""
+        if pressure is not None and pressure > 1.0 and rate > 0 and behind > 0:
+            self._overloads.append((now_s, rate / behind))
+        while self._overloads and self._overloads[0][0] < now_s - CAPACITY_MEMORY_S:
+            self._overloads.popleft()
+
+    def per_replica_overload_rate(self) -> float | None:
+        """Lowest arrival rate per READY replica seen with a target broken (requests/s), or None."""
+        return min((r for _, r in self._overloads), default=None)
+
+    def _may_probe(self, pressure: float | None, rate: float, current: int) -> bool:
+        """Whether one replica fewer than the floor allows is worth trying (module docstring)."""
+        if pressure is None or current - 1 < max(self.bounds.min, 1):
+            return False
+        if pressure >= self.spec.scale_down_below_fraction * PROBE_BELOW_FRACTION:
+            return False
+        overload = self.per_replica_overload_rate()
+        return overload is None or rate / (current - 1) < PROBE_MARGIN * overload
+
     def per_replica_capacity(self) -> float | None:
         """Largest confirmed sustainable load per READY replica (requests), or None."""
         return max((c for _, c, _ in self._capacity), default=None)
@@ -400,12 +441,14 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         horizon_s = min(ctx.startup.lead_time_s, spec.trend_window_seconds)
         projection = self._projection(now_s, horizon_s, ctx.ready)
         behind = self._replicas_behind_signals(now_s, ctx.ready)
+        self._learn_overload(now_s, pressure, s.arrival_rate_per_s, behind)
         current = ctx.desired
         inputs: dict[str, float | int | None] = {
             "queue_time_s": s.queue_time_s, "ttft_p99_s": s.ttft_p99_s, "pressure": pressure,
             "projected": projection[1] if projection else None, "load": load,
             "per_replica_capacity": self.per_replica_capacity(),
             "per_replica_rate_capacity": self.per_replica_rate_capacity(), "load_floor": floor,
+            "per_replica_overload_rate": self.per_replica_overload_rate(),
             "lead_time_s": ctx.startup.lead_time_s, "ready": ctx.ready, "starting": ctx.starting,
             "replicas_behind_signals": behind,
         }  # fmt: skip
@@ -433,6 +476,10 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             detail = f"{level}, load {load:.1f} needs {floor} replica(s)"
             if floor > current:
                 detail = f"{detail} at the capacity learned so far, but the {current} targeted carry it"
+            if want >= current and self._may_probe(pressure, s.arrival_rate_per_s, current):
+                want = current - 1
+                detail = (f"{detail}; probing {want}: {s.arrival_rate_per_s / want:.1f} req/s per replica, "
+                          f"under {PROBE_MARGIN:.0%} of any rate seen overloaded")  # fmt: skip
         else:
             scaling_up = False
             want, reason = current, "within_band"

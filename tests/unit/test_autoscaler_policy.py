@@ -121,8 +121,8 @@ def test_never_below_what_the_load_needs() -> None:
     # 40 requests in flight on 4 replicas with both targets met: 10 per replica is sustainable.
     desired, _ = run(p, 120.0, 4, lambda t, n: signals(t, queue=0.4 * TQ, ttft=0.7 * TT, in_flight=40))
     assert desired == 4 and p.per_replica_capacity() == pytest.approx(10.0)
-    # Latency falls far below target but 25 requests remain: 3 replicas, not the minimum of 1.
-    desired, decisions = run(p, 900.0, 4, lambda t, n: signals(t, queue=0.1 * TQ, ttft=0.1 * TT, in_flight=25),
+    # Latency falls below the scale-down band but 25 requests remain: 3 replicas, not the minimum of 1.
+    desired, decisions = run(p, 900.0, 4, lambda t, n: signals(t, queue=0.1 * TQ, ttft=0.3 * TT, in_flight=25),
                              start_s=120.0)  # fmt: skip
     assert desired == 3
     assert decisions[-1].inputs["load_floor"] == 3
@@ -218,17 +218,42 @@ def test_the_load_floor_never_adds_replicas_while_latency_is_far_below_target() 
 
 
 
-def test_the_floor_counts_throughput_not_only_requests_in_flight() -> None:
-    # Two replicas served 18 requests/s (9 each) within both targets, 44 in flight each.
+def test_the_floor_counts_throughput_and_a_failed_probe_bars_the_same_step() -> None:
+    # Two replicas serve 18 requests/s (9 each) within both targets, 44 in flight each; one
+    # replica alone would be overloaded at that rate (queue time 1.5x its target).
+    def load(rate: float) -> Callable[[float, int], Signals]:
+        def make(t: float, n: int) -> Signals:
+            if rate / n > 12:
+                return signals(t, queue=1.5 * TQ, ttft=1.2 * TT, in_flight=60, rate=rate)
+            return signals(t, queue=0.05 * TQ, ttft=0.2 * TT, in_flight=int(5 * rate), rate=rate)
+        return make
+
     p = fleet(min_=1, initial=2, window_seconds=30, scale_down_stabilization_seconds=60)
-    desired, _ = run(p, 120.0, 2, lambda t, n: signals(t, queue=0.3 * TQ, ttft=0.6 * TT, in_flight=88, rate=18.0))
+    run(p, 120.0, 2, lambda t, n: signals(t, queue=0.3 * TQ, ttft=0.6 * TT, in_flight=88, rate=18.0))
     assert p.per_replica_capacity() == pytest.approx(44.0) and p.per_replica_rate_capacity() == pytest.approx(9.0)
-    # Later the same 18 requests/s, latency far below target and only 60 in flight: by requests
-    # in flight one replica would do, but one replica has never been seen to serve 18 per second.
-    desired, decisions = run(p, 300.0, 2, lambda t, n: signals(t, queue=0.05 * TQ, ttft=0.2 * TT, in_flight=60,
-                                                                rate=18.0), start_s=120.0)  # fmt: skip
-    assert desired == 2 and decisions[-1].inputs["load_floor"] == 2
-    # At 8 requests/s one replica is within what was seen: it goes.
-    desired, _ = run(p, 300.0, 2, lambda t, n: signals(t, queue=0.05 * TQ, ttft=0.2 * TT, in_flight=30, rate=8.0),
-                     start_s=420.0)  # fmt: skip
+    # Latency far below target and 90 in flight: by requests in flight one replica would do, by
+    # throughput (18/s, 9 per replica confirmed) two are needed. Every signal under 0.25x its
+    # target: the policy probes one replica, sees it overloaded, goes back to two and remembers.
+    desired, decisions = run(p, 600.0, 2, load(18.0), start_s=120.0)
+    assert desired == 2
+    moves = [(d.previous, d.desired, d.reason) for d in decisions if d.direction is not Direction.HOLD]
+    assert moves[:2] == [(2, 1, "underloaded"), (1, moves[1][1], "queue_time_above_target")], moves
+    assert sum(d.direction is Direction.DOWN and "probing" in d.detail for d in decisions) == 1, moves
+    # The overload is counted per replica behind the window's signals (1 to 2 READY): 9..18 req/s.
+    assert 9.0 <= p.per_replica_overload_rate() <= 18.0
+    assert decisions[-1].inputs["load_floor"] == 2
+    # At 8 requests/s, one replica takes under 80 % of the rate that overloaded it: it goes, and stays.
+    desired, decisions = run(p, 600.0, 2, load(8.0), start_s=720.0)
     assert desired == 1
+    assert [d.direction for d in decisions].count(Direction.UP) == 0
+
+
+def test_a_probe_needs_every_signal_far_below_target() -> None:
+    # A steady load the two replicas have always carried: the floor is today's count.
+    p = fleet(min_=1, initial=2, window_seconds=30, scale_down_stabilization_seconds=60)
+    desired, decisions = run(p, 600.0, 2, lambda t, n: signals(t, queue=0.1 * TQ, ttft=0.3 * TT, in_flight=10,
+                                                                rate=4.0))  # fmt: skip
+    assert desired == 2 and decisions[-1].inputs["load_floor"] == 2  # 0.3x: below the band, no probe
+    desired, decisions = run(p, 600.0, 2, lambda t, n: signals(t, queue=0.1 * TQ, ttft=0.2 * TT, in_flight=10,
+                                                                rate=4.0), start_s=600.0)  # fmt: skip
+    assert desired == 1  # 0.2x: one fewer is tried
