@@ -119,3 +119,24 @@ def test_an_unknown_contender_and_an_invalid_spec_are_refused(files: tuple[Path,
     bad.write_text(DEPLOYMENT.replace("max: 4", "max: 0"))
     result = runner.invoke(app, ["simulate", str(trace), "-d", str(bad)])
     assert result.exit_code == 2 and "spec.replicas.max" in result.output
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_readme_code_figures_are_reproduced() -> None:
+    """The README's autoscaling table for the Azure `code` trace comes from
+    loadtests/results/autoscaling-code.json; a fresh run of Fleet's row must give the same
+    figures (a policy change that moves them must regenerate the table)."""
+    recorded = json.loads((ROOT / "loadtests/results/autoscaling-code.json").read_text())
+    want = next(r["summary"] for r in recorded["results"] if r["name"] == "fleet")
+    result = runner.invoke(app, ["simulate", str(ROOT / "loadtests/traces/azure-llm-2023/code.csv"),
+                                 "-d", str(ROOT / "examples/simulate-h100.yaml"), "--policies", "fleet",
+                                 "--jobs", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("│ fleet"))
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert cells[1] == f"{want['within_slo'] * 100:.1f}%"
+    assert cells[2] == f"{want['ttft_p99_s']:.2f} s"
+    assert cells[4] == f"{want['replica_hours']:.2f}"
+    assert cells[5:] == [str(want["max_replicas"]), str(want["scaling_actions"]), str(want["failed"])]
