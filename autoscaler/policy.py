@@ -50,9 +50,9 @@ as each request takes longer on fewer replicas and a replica serves only so many
 A floor learned as a lower bound never lets a steady load leave an over-provisioned count (the
 load per replica seen is the most ever confirmed, so the floor is today's count). With every
 signal far below target (under half of `scaleDownBelowFraction`), the policy probes: one
-replica fewer, unless the arrival rate each remaining replica would take is at least
-`PROBE_MARGIN` of the lowest rate per replica seen *overloaded* (a signal above target) in the
-last 30 minutes. A failed probe is that overload: the policy scales back up, and the rate it
+replica fewer, unless the arrival rate *and* the load each remaining replica would take both
+reach `PROBE_MARGIN` of those per replica at an *overload* (a signal above target) in the last
+30 minutes. A failed probe is that overload: the policy scales back up, and the rate it
 failed at bars the same probe from then on. The probe is latency-driven exploration, the upper
 bound its memory.
 """
@@ -86,8 +86,8 @@ PROBE_BELOW_FRACTION = 0.5
 `scaleDownBelowFraction` (with the defaults: under 0.25x its target)."""
 
 PROBE_MARGIN = 0.8
-"""A probe must leave each remaining replica under this fraction of the lowest arrival rate per
-replica seen overloaded within `CAPACITY_MEMORY_S`."""
+"""A probe is barred while each remaining replica would take at least this fraction of both the
+arrival rate and the load per replica of an overload seen within `CAPACITY_MEMORY_S`."""
 
 
 class Direction(enum.Enum):
@@ -301,8 +301,8 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         # (seen at, load per READY replica, arrival rate per READY replica)
         self._pending_capacity: deque[tuple[float, float, float]] = deque()
         self._capacity: deque[tuple[float, float, float]] = deque()
-        # (seen at, arrival rate per READY replica behind the signals) whenever a target broke
-        self._overloads: deque[tuple[float, float]] = deque()
+        # (seen at, arrival rate, load) per READY replica behind the signals, whenever a target broke
+        self._overloads: deque[tuple[float, float, float]] = deque()
 
     # ----- signals ------------------------------------------------------------------------
 
@@ -378,26 +378,32 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         while self._capacity and self._capacity[0][0] < now_s - CAPACITY_MEMORY_S:
             self._capacity.popleft()
 
-    def _learn_overload(self, now_s: float, pressure: float | None, rate: float, behind: float) -> None:
-        """Remember the arrival rate per replica at which a target broke (an upper bound of the
-        rate a replica sustains), for `CAPACITY_MEMORY_S`."""
+    def _learn_overload(self, now_s: float, pressure: float | None, rate: float, load: float,
+                        behind: float) -> None:  # fmt: skip
+        """Remember the arrival rate and the load per replica at which a target broke, for
+        `CAPACITY_MEMORY_S`."""
         if pressure is not None and pressure > 1.0 and rate > 0 and behind > 0:
-            self._overloads.append((now_s, rate / behind))
+            self._overloads.append((now_s, rate / behind, load / behind))
         while self._overloads and self._overloads[0][0] < now_s - CAPACITY_MEMORY_S:
             self._overloads.popleft()
 
     def per_replica_overload_rate(self) -> float | None:
         """Lowest arrival rate per READY replica seen with a target broken (requests/s), or None."""
-        return min((r for _, r in self._overloads), default=None)
+        return min((r for _, r, _ in self._overloads), default=None)
 
-    def _may_probe(self, pressure: float | None, rate: float, current: int) -> bool:
-        """Whether one replica fewer than the floor allows is worth trying (module docstring)."""
+    def _may_probe(self, pressure: float | None, rate: float, load: float, current: int) -> bool:
+        """Whether one replica fewer than the floor allows is worth trying (module docstring):
+        not while what each remaining replica would take, in arrival rate AND in load, reaches
+        `PROBE_MARGIN` of an overload remembered. Both count: a closed loop of few clients
+        sends fast when nothing waits (a high rate at a load of one request), and that is no
+        overload however high the rate."""
         if pressure is None or current - 1 < max(self.bounds.min, 1):
             return False
         if pressure >= self.spec.scale_down_below_fraction * PROBE_BELOW_FRACTION:
             return False
-        overload = self.per_replica_overload_rate()
-        return overload is None or rate / (current - 1) < PROBE_MARGIN * overload
+        rate_each, load_each = rate / (current - 1), load / (current - 1)
+        return not any(rate_each >= PROBE_MARGIN * o_rate and load_each >= PROBE_MARGIN * o_load
+                       for _, o_rate, o_load in self._overloads)  # fmt: skip
 
     def per_replica_capacity(self) -> float | None:
         """Largest confirmed sustainable load per READY replica (requests), or None."""
@@ -441,7 +447,7 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         horizon_s = min(ctx.startup.lead_time_s, spec.trend_window_seconds)
         projection = self._projection(now_s, horizon_s, ctx.ready)
         behind = self._replicas_behind_signals(now_s, ctx.ready)
-        self._learn_overload(now_s, pressure, s.arrival_rate_per_s, behind)
+        self._learn_overload(now_s, pressure, s.arrival_rate_per_s, load, behind)
         current = ctx.desired
         inputs: dict[str, float | int | None] = {
             "queue_time_s": s.queue_time_s, "ttft_p99_s": s.ttft_p99_s, "pressure": pressure,
@@ -476,10 +482,10 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             detail = f"{level}, load {load:.1f} needs {floor} replica(s)"
             if floor > current:
                 detail = f"{detail} at the capacity learned so far, but the {current} targeted carry it"
-            if want >= current and self._may_probe(pressure, s.arrival_rate_per_s, current):
+            if want >= current and self._may_probe(pressure, s.arrival_rate_per_s, load, current):
                 want = current - 1
-                detail = (f"{detail}; probing {want}: {s.arrival_rate_per_s / want:.1f} req/s per replica, "
-                          f"under {PROBE_MARGIN:.0%} of any rate seen overloaded")  # fmt: skip
+                detail = (f"{detail}; probing {want}: {s.arrival_rate_per_s / want:.1f} req/s and load "
+                          f"{load / want:.1f} per replica, under {PROBE_MARGIN:.0%} of any overload seen")  # fmt: skip
         else:
             scaling_up = False
             want, reason = current, "within_band"

@@ -257,3 +257,15 @@ def test_a_probe_needs_every_signal_far_below_target() -> None:
     desired, decisions = run(p, 600.0, 2, lambda t, n: signals(t, queue=0.1 * TQ, ttft=0.2 * TT, in_flight=10,
                                                                 rate=4.0), start_s=600.0)  # fmt: skip
     assert desired == 1  # 0.2x: one fewer is tried
+
+
+def test_a_fast_closed_loop_client_is_no_overload() -> None:
+    # Ten clients overloaded one replica: 1.1 requests/s at a load of 10 (queue time 1.6x).
+    p = fleet(min_=1, initial=1, window_seconds=4, interval_seconds=1, scale_down_stabilization_seconds=6)
+    desired, _ = run(p, 3.0, 1, lambda t, n: signals(t, queue=1.6 * TQ, in_flight=2, queued=8, rate=1.1))
+    assert desired > 1 and p.per_replica_overload_rate() is not None
+    # One client is left; alone it sends faster (1.9 requests/s, one request at a time) than the
+    # ten got through. Its rate is above the overload's, its load far below: one replica goes.
+    desired, decisions = run(p, 60.0, 2, lambda t, n: signals(t, queue=0.0, in_flight=1, rate=1.9, e2e=0.5),
+                             start_s=3.0)  # fmt: skip
+    assert desired == 1, decisions[-1].detail
