@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from fleet.inventory.model import Inventory, NodeInventory, product_key
 from fleet.placement.shapes import GangShape, PlacementRequest, ReplicaPlacement, ReplicaShape
-from fleet.placement.slots import Slot, assign, gpu_slots
+from fleet.placement.slots import Slot, assign, gpu_slots, product_table
 
 if TYPE_CHECKING:
     from fleet.placement.strategies import Context, PlacementStrategy
@@ -50,10 +50,6 @@ def describe_block(block: Hashable) -> str:
     return f"NVLink fabric {name}" if kind == "fabric" else f"network block {name}"
 
 
-def _product_gpus(node: NodeInventory, pk: str) -> int:
-    return sum(1 for g in node.gpus if g.product_key == pk and not g.mig_enabled)
-
-
 def gang_shape(shape: ReplicaShape, inventory: Inventory, pk: str,
                existing: tuple[ReplicaPlacement, ...]) -> GangShape | None:
     """The gang shape of ``shape`` on product ``pk``, or None for a single-node replica."""
@@ -63,12 +59,10 @@ def gang_shape(shape: ReplicaShape, inventory: Inventory, pk: str,
     if existing:
         members = len(existing[0].members)
         return GangShape(t // members, members) if members > 1 else None
-    widest = max((_product_gpus(n, pk) for n in inventory.nodes), default=0)
-    if widest == 0 or t <= widest:
+    table = product_table(inventory, pk)     # widest node and largest domain, derived once per inventory
+    if table.widest_node == 0 or t <= table.widest_node:
         return None
-    largest = max(sum(1 for g in dom if g.product_key == pk and not g.mig_enabled)
-                  for n in inventory.nodes for dom in n.domains)
-    per_node = max(d for d in range(1, largest + 1) if t % d == 0)
+    per_node = max(d for d in range(1, table.largest_domain + 1) if t % d == 0)
     return GangShape(per_node, t // per_node)
 
 

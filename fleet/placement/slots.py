@@ -2,9 +2,11 @@
 
 Owns `Slot` (one NVLink domain's free GPUs of one product, or one MIG-mode GPU's free instances
 of one profile), the builders that derive slots from an `Inventory` and the devices in use
-(`gpu_slots`, `mig_slots`), and `SlotIndex`, which keeps slots bucketed by free capacity inside
-strategy-defined groups, so that a batch re-examines only the group it just took from instead
-of scanning every node again (1,000 replicas on 10,000 nodes: docs/placement.md).
+(`gpu_slots`, `mig_slots`), the per-inventory tables those builders read (`product_table`:
+which NVLink domains and MIG GPUs hold a product, derived once per `Inventory` object and
+reused while that object lives), and `SlotIndex`, which keeps slots bucketed by free capacity
+inside strategy-defined groups, so that a batch re-examines only the group it just took from
+instead of scanning every node again (1,000 replicas on 10,000 nodes: docs/placement.md).
 Used by `fleet.placement.strategies` and `fleet.placement.gangs`. Pure, no I/O.
 """
 
@@ -12,8 +14,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import weakref
 from collections import Counter, defaultdict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +24,105 @@ from fleet.inventory.model import Gpu, Inventory, MigInstance, NodeInventory
 from fleet.placement.shapes import Assignment
 
 
-def healthy_free(gpu: Gpu, in_use: Counter[str]) -> bool:
-    return gpu.health.healthy and not in_use[gpu.uuid]
+# ----- per-inventory tables --------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class DomainSpec:
+    """One NVLink domain's GPUs of one product outside MIG mode (what `gpu_slots` makes a slot of)."""
+
+    node: NodeInventory
+    node_pos: int                      # the node's index in the inventory
+    pos: int                           # the domain's index in ``node.domains``
+    name: str                          # "nvlink0", or "gpu3" for a GPU without NVLink peers
+    size: int                          # members, healthy or not
+    healthy: tuple[Gpu, ...]           # the healthy members, index order: the GPUs a replica may use
+
+
+@dataclass(frozen=True)
+class MigGpuSpec:
+    """One healthy MIG-mode GPU with instances of one profile (what `mig_slots` makes a slot of)."""
+
+    node: NodeInventory
+    node_pos: int
+    gpu: Gpu
+    mine: tuple[MigInstance, ...]      # its instances of the profile
+    others: tuple[MigInstance, ...]    # its instances of other profiles
+
+
+@dataclass
+class ProductTable:
+    """What an inventory holds of one product, independent of what is in use. Every list is in
+    inventory order (node, then domain or GPU index), the order placement breaks ties in."""
+
+    domains: list[DomainSpec] = field(default_factory=list)
+    widest_node: int = 0               # most GPUs of the product outside MIG mode on one node
+    largest_domain: int = 0            # most GPUs of the product outside MIG mode in one NVLink domain
+    mig_gpus: list[tuple[int, NodeInventory, Gpu]] = field(default_factory=list)   # healthy, MIG mode
+    _mig: dict[str, list[MigGpuSpec]] = field(default_factory=dict)               # by profile, lazily
+
+    def mig(self, profile: str) -> list[MigGpuSpec]:
+        """The healthy MIG-mode GPUs of the product with at least one ``profile`` instance
+        (derived on the first call per profile, then kept with the table)."""
+        specs = self._mig.get(profile)
+        if specs is None:
+            specs = self._mig[profile] = [
+                MigGpuSpec(node, pos, gpu, mine, tuple(m for m in gpu.mig_instances if m.profile != profile))
+                for pos, node, gpu in self.mig_gpus
+                if (mine := tuple(m for m in gpu.mig_instances if m.profile == profile))
+            ]
+        return specs
+
+
+# id(inventory) -> (weak reference to that inventory, product key -> its table)
+_TABLES: dict[int, tuple[weakref.ref, dict[str, ProductTable]]] = {}
+
+
+def product_table(inventory: Inventory, pk: str) -> ProductTable:
+    """The `ProductTable` of product key ``pk`` (`fleet.inventory.model.product_key`) in
+    ``inventory``.
+
+    Cached per inventory object (by identity, with a weak reference to it) and per product key;
+    derived on first use, O(GPUs), and dropped when the inventory is garbage-collected. This is
+    sound because an `Inventory` is immutable: it and everything the table reads (its nodes,
+    their GPUs, GPU health, MIG instances, NVLink domains) are frozen dataclasses and tuples, and
+    every producer (inventory files, GFD, NVML, the controller's and ``fleet up``'s local node)
+    builds a new `Inventory` when anything changes, which gets tables of its own. The entry is
+    checked against the weak reference, so an id reused by a later object never hits a stale
+    entry. Nothing here depends on the devices in use: the in-use map is read afresh on every
+    call (`gpu_slots`, `mig_slots`).
+    """
+    key = id(inventory)
+    entry = _TABLES.get(key)
+    if entry is None or entry[0]() is not inventory:
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if _TABLES.get(key, (None,))[0] is ref:
+                del _TABLES[key]
+        entry = _TABLES[key] = (weakref.ref(inventory, forget), {})
+    tables = entry[1]
+    table = tables.get(pk)
+    if table is None:
+        table = tables[pk] = _build_table(inventory, pk)
+    return table
+
+
+def _build_table(inventory: Inventory, pk: str) -> ProductTable:
+    t = ProductTable()
+    for pos, node in enumerate(inventory.nodes):
+        t.widest_node = max(t.widest_node, sum(1 for g in node.gpus if g.product_key == pk and not g.mig_enabled))
+        for d, dom in enumerate(node.domains):
+            members = tuple(g for g in dom if g.product_key == pk and not g.mig_enabled)
+            if not members:
+                continue
+            t.largest_domain = max(t.largest_domain, len(members))
+            name = f"nvlink{d}" if len(dom) > 1 else f"gpu{dom[0].index}"
+            t.domains.append(DomainSpec(node, pos, d, name, len(members), tuple(g for g in members if g.health.healthy)))
+        for gpu in node.gpus:
+            if gpu.mig_enabled and gpu.product_key == pk and gpu.health.healthy:
+                t.mig_gpus.append((pos, node, gpu))
+    return t
+
+
+# ----- slots -----------------------------------------------------------------------------------
 
 @dataclass(eq=False)
 class Slot:
@@ -45,34 +144,25 @@ class Slot:
         return len(self.free)
 
 
-def gpu_slots(inventory: Inventory, in_use: Counter[str], product_key: str) -> list[Slot]:
+def gpu_slots(inventory: Inventory, in_use: Mapping[str, int], product_key: str) -> list[Slot]:
     """One slot per NVLink domain holding GPUs of ``product_key`` outside MIG mode; its free
-    units are the domain's healthy GPUs nobody holds, lowest index first."""
-    slots = []
-    for pos, node in enumerate(inventory.nodes):
-        for d, dom in enumerate(node.domains):
-            members = [g for g in dom if g.product_key == product_key and not g.mig_enabled]
-            if not members:
-                continue
-            name = f"nvlink{d}" if len(dom) > 1 else f"gpu{dom[0].index}"
-            free = [g for g in members if healthy_free(g, in_use)]
-            slots.append(Slot(node, pos, name, d, free, len(members)))
-    return slots
+    units are the domain's healthy GPUs nobody holds, lowest index first. O(GPUs of the product):
+    the domains come from `product_table`, only the in-use map is read per call."""
+    get = in_use.get
+    return [Slot(d.node, d.node_pos, d.name, d.pos, [g for g in d.healthy if not get(g.uuid)], d.size)
+            for d in product_table(inventory, product_key).domains]
 
 
-def mig_slots(inventory: Inventory, in_use: Counter[str], product_key: str, profile: str) -> list[Slot]:
-    """One slot per healthy MIG-mode GPU of ``product_key`` with instances of ``profile``."""
+def mig_slots(inventory: Inventory, in_use: Mapping[str, int], product_key: str, profile: str) -> list[Slot]:
+    """One slot per healthy MIG-mode GPU of ``product_key`` with instances of ``profile``
+    (from `product_table`; the in-use map is read per call)."""
+    get = in_use.get
     slots = []
-    for pos, node in enumerate(inventory.nodes):
-        for gpu in node.gpus:
-            if gpu.product_key != product_key or not gpu.mig_enabled or not gpu.health.healthy:
-                continue
-            mine = [m for m in gpu.mig_instances if m.profile == profile]
-            if not mine:
-                continue
-            free: list[MigInstance] = [m for m in mine if not in_use[m.uuid]]
-            others = sum(1 for m in gpu.mig_instances if m.profile != profile and not in_use[m.uuid])
-            slots.append(Slot(node, pos, f"gpu{gpu.index}", gpu.index, free, len(mine), parent=gpu, other_free=others))
+    for m in product_table(inventory, product_key).mig(profile):
+        free: list[MigInstance] = [i for i in m.mine if not get(i.uuid)]
+        others = sum(1 for i in m.others if not get(i.uuid))
+        slots.append(Slot(m.node, m.node_pos, f"gpu{m.gpu.index}", m.gpu.index, free, len(m.mine),
+                          parent=m.gpu, other_free=others))
     return slots
 
 

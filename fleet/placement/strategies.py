@@ -12,12 +12,15 @@ nothing, explanations and MIG advice), and the built-in strategies:
   indexes. The baseline of the benchmark (loadtests/bench_placement.py).
 
 Strategies differ only in their hooks (`group_of`, `rank_groups`, `slot_key`, `pick`,
-`gang_member_key`, `gang_rank`); all share `place_replicas`. Called by the controller, `fleet up`
+`gang_member_key`, `gang_rank`; `ranking` may keep `rank_groups` incrementally, as ``fleet``
+does, for speed only); all share `place_replicas`. Called by the controller, `fleet up`
 (preflight) and `fleet plan`. Pure: no I/O, no clock; the same inputs give the same plan.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import Counter
 from collections.abc import Hashable
@@ -95,6 +98,11 @@ class PlacementStrategy:
     def pick(self, index: SlotIndex, group, need: int) -> Slot | None:
         """The group's best slot for ``need`` units."""
         return index.first(group, need)
+
+    def ranking(self, ctx: Context) -> GroupRanking:
+        """What chooses among the groups' best slots during a batch: `GroupRanking` (calls
+        `rank_groups` on every group at every pick) unless a strategy keeps it incrementally."""
+        return GroupRanking(self, ctx)
 
     def candidate_key(self, slot: Slot, ctx: Context) -> tuple:
         """Orders the best slots of equally ranked groups."""
@@ -185,31 +193,52 @@ class PlacementStrategy:
             ctx.node_free[s.node.name] += s.capacity
         index = SlotIndex(slots, lambda s: self.group_of(s, ctx), lambda s: self.slot_key(s, ctx))
         # Each group's best slot and its key; only the group a replica went to changes.
-        best: dict[Hashable, tuple[tuple, Slot]] = {}
+        ranking = self.ranking(ctx)
         for g in index.groups.values():
             if (s := self.pick(index, g, need)) is not None:
-                best[g.key] = (self.candidate_key(s, ctx), s)
+                ranking.set(g.key, (self.candidate_key(s, ctx), s))
         placements = []
         for _ in range(request.count):
-            if not best:
+            slot = ranking.pick()
+            if slot is None:
                 break
-            keys = list(best)
-            ranks = self.rank_groups(keys, ctx)
-            top = min(ranks)
-            # Equally ranked groups compete on their best slots (best fit across racks, say).
-            slot = min((best[k] for k, r in zip(keys, ranks) if r == top), key=lambda c: c[0])[1]
             ctx.node_free[slot.node.name] -= need
             ctx.record(slot.node)
             units = index.take(slot, need)
             group = index.groups[slot.group]
-            if (s := self.pick(index, group, need)) is not None:
-                best[slot.group] = (self.candidate_key(s, ctx), s)
-            else:
-                del best[slot.group]
+            s = self.pick(index, group, need)
+            ranking.set(slot.group, (self.candidate_key(s, ctx), s) if s is not None else None)
             placement = ReplicaPlacement((assign(slot, units),), product)
             held.update(placement.devices)
             placements.append(placement)
         return placements
+
+
+class GroupRanking:
+    """The groups' best slots during a batch, and the pick among them: the best slot of the
+    groups that `rank_groups` ranks lowest, by candidate key (equally ranked groups compete on
+    their best slots: best fit across racks, say). Calls `rank_groups` on every group at every
+    pick: O(groups) a replica."""
+
+    def __init__(self, strategy: PlacementStrategy, ctx: Context) -> None:
+        self.strategy = strategy
+        self.ctx = ctx
+        self.best: dict[Hashable, tuple[tuple, Slot]] = {}   # group key -> (candidate key, its best slot)
+
+    def set(self, key: Hashable, entry: tuple[tuple, Slot] | None) -> None:
+        """The group's best slot changed (None: it can take no more replicas of the batch)."""
+        if entry is None:
+            self.best.pop(key, None)
+        else:
+            self.best[key] = entry
+
+    def pick(self) -> Slot | None:
+        if not self.best:
+            return None
+        keys = list(self.best)
+        ranks = self.strategy.rank_groups(keys, self.ctx)
+        top = min(ranks)
+        return min((self.best[k] for k, r in zip(keys, ranks) if r == top), key=lambda c: c[0])[1]
 
 
 def _choose_product(request: PlacementRequest, inventory: Inventory, held: Counter[str]) -> str | None:
@@ -286,6 +315,14 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
             for warm, zone, rack in keys
         ]
 
+    def ranking(self, ctx: Context) -> GroupRanking:
+        # _ShareRanking encodes this class's group_of and rank_groups; a subclass that changes
+        # either gets the generic ranking.
+        cls = type(self)
+        if cls.group_of is FleetStrategy.group_of and cls.rank_groups is FleetStrategy.rank_groups:
+            return _ShareRanking(self, ctx)
+        return GroupRanking(self, ctx)
+
     def slot_key(self, slot: Slot, ctx: Context) -> tuple:
         name = slot.node.name
         return (ctx.node_count[name], slot.other_free, ctx.node_free[name], slot.node_pos, slot.pos)
@@ -303,6 +340,96 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         cold = sum(1 for s in members if not ctx.warm[s.node.name])
         leftover = sum(s.capacity - need for s in members)
         return (cold, block[0] != "fabric", ctx.block_count[block], leftover)
+
+
+class _ShareRanking(GroupRanking):
+    """`FleetStrategy.rank_groups` kept incrementally: the same pick as `GroupRanking`, without
+    ranking every rack group at every pick (1,000 replicas on 10,000 nodes: docs/placement.md).
+
+    A group is (warm, zone, rack). Its rank, (cold, zone over its share, rack over its share),
+    is the same for every group of one (warm, zone) but for the rack term, which grows with the
+    replicas already in the rack and is 0 below the rack's share. So the groups of each (warm,
+    zone) sit in heaps by candidate key, one per replica count of their rack; a pick looks at
+    the heads of those heaps in each (warm, zone): the best candidate among racks under their
+    share, else the best in the least-loaded rack. Entries are checked when they reach a head:
+    a group whose best slot changed is dropped (its new entry was pushed), one whose rack
+    gained replicas (from its warm or cold twin) moves to its rack's new count.
+    """
+
+    def __init__(self, strategy: FleetStrategy, ctx: Context) -> None:
+        super().__init__(strategy, ctx)
+        self.rack_max_share = strategy.rack_max_share
+        self.zone_groups: Counter[str | None] = Counter()    # zone -> groups with a best slot
+        # (warm, zone) -> replicas in the rack -> heap of (candidate key, seq, group key)
+        self.heaps: dict[tuple[bool, str | None], dict[int, list[tuple]]] = {}
+        self._seq = itertools.count()
+
+    def _rack_count(self, key: Hashable) -> int:
+        _, zone, rack = key
+        return self.ctx.rack_count[(zone, rack)]
+
+    def set(self, key: Hashable, entry: tuple[tuple, Slot] | None) -> None:
+        warm, zone, _ = key
+        had = key in self.best
+        super().set(key, entry)
+        self.zone_groups[zone] += (key in self.best) - had
+        if entry is not None:
+            by_count = self.heaps.setdefault((warm, zone), {})
+            heapq.heappush(by_count.setdefault(self._rack_count(key), []), (entry[0], next(self._seq), key))
+
+    def _head(self, by_count: dict[int, list[tuple]], count: int) -> tuple | None:
+        """The live head of the heap for racks with ``count`` replicas, after dropping stale
+        entries and moving those whose rack's count grew."""
+        heap = by_count[count]
+        while heap:
+            candidate, _, key = heap[0]
+            entry = self.best.get(key)
+            if entry is None or entry[0] != candidate:
+                heapq.heappop(heap)
+            elif (now := self._rack_count(key)) != count:
+                heapq.heappush(by_count.setdefault(now, []), heapq.heappop(heap))
+            else:
+                return heap[0]
+        return None
+
+    def _best_in(self, by_count: dict[int, list[tuple]], rack_share: int) -> tuple[int, tuple] | None:
+        """(rack over its share, heap entry) of the (warm, zone)'s best group, or None."""
+        under = None
+        count = -1
+        while True:
+            later = [c for c, heap in by_count.items() if c > count and heap]
+            if not later:
+                break
+            count = min(later)
+            if count >= rack_share and under is not None:
+                break
+            head = self._head(by_count, count)
+            if head is None:
+                continue
+            if count < rack_share:
+                under = head if under is None or head < under else under
+            else:
+                return count + 1 - rack_share, head
+        return (0, under) if under is not None else None
+
+    def pick(self) -> Slot | None:
+        if not self.best:
+            return None
+        ctx = self.ctx
+        n = ctx.replicas + 1
+        zone_share = -(-n // max(1, sum(1 for c in self.zone_groups.values() if c > 0)))
+        rack_share = max(1, math.ceil(n * self.rack_max_share))
+        choice: tuple | None = None
+        for (warm, zone), by_count in self.heaps.items():
+            found = self._best_in(by_count, rack_share)
+            if found is None:
+                continue
+            rack_over, (candidate, _, key) = found
+            c = ((not warm, max(0, ctx.zone_count[zone] + 1 - zone_share), rack_over), candidate, key)
+            if choice is None or c[:2] < choice[:2]:
+                choice = c
+        assert choice is not None
+        return self.best[choice[2]][1]
 
 
 class FirstFitStrategy(PlacementStrategy, name="first-fit"):

@@ -194,3 +194,29 @@ def test_cpu_replicas_take_free_cores_then_share():
     assert not plan.placements[2].exclusive
     refused = place(inv, ReplicaShape(accelerator="cpu", cpu_cores=4))
     assert "2 CPU cores, need 4" in refused.explain()
+
+
+def test_fleet_incremental_ranking_picks_what_ranking_every_group_picks():
+    # FleetStrategy keeps rank_groups incrementally (_ShareRanking); GroupRanking ranks every
+    # group at every pick. Racks shared by warm and cold nodes, zones and racks missing,
+    # existing replicas, partly used nodes: the same plan, replica for replica.
+    import random
+
+    from fleet.placement.strategies import FleetStrategy, GroupRanking
+
+    class EveryGroup(FleetStrategy):
+        def ranking(self, ctx):
+            return GroupRanking(self, ctx)
+
+    rng = random.Random(7)
+    for trial in range(20):
+        nodes = [node(f"n{i}", topology=rng.choice(["nvswitch", "quads"]), zone=rng.choice(["z1", "z2", "z3", None]),
+                      rack=rng.choice(["r1", "r2", "r3", "r4", None])) for i in range(rng.randint(2, 24))]
+        inv = cluster(*nodes)
+        held = Counter({f"GPU-{n.name}-{i}": 1 for n in nodes for i in range(8) if rng.random() < 0.4})
+        warm = frozenset(n.name for n in nodes if rng.random() < 0.3)
+        existing = place(inv, count=rng.randint(0, 6), in_use=held).placements
+        for shape in (TP2, ReplicaShape(gpu_product=H100, tensor_parallel_size=1)):
+            request = PlacementRequest(shape, count=rng.randint(1, 60), existing=existing, warm_nodes=warm)
+            fast = FleetStrategy().place_replicas(request, inv, held)
+            assert fast.placements == EveryGroup().place_replicas(request, inv, held).placements, trial
