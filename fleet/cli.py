@@ -33,6 +33,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",   # help paragraphs reflow to the terminal's width
 )
 # Off a terminal (pipes, CI logs) rich would wrap at 80 columns; replica lines and tables are wider.
 console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=True)
@@ -213,9 +214,11 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw state as JSON.")] = False,
     log_lines: Annotated[int, typer.Option(help="Engine log lines shown for a failed replica.")] = 8,
 ) -> None:
-    """Show deployments and replicas of the local fleet: state, endpoint, devices, and for a
-    failed replica the reason and the engine's last log lines. When the controller is gone but
-    engines or the router still run, says so (`fleet up` adopts them, `fleet down` stops them)."""
+    """Show the deployments and replicas of the local fleet.
+
+    For each replica: state, endpoint, devices, and for a failed one the reason and the engine's
+    last log lines. When the controller is gone but engines or the router still run, says so
+    (`fleet up` adopts them, `fleet down` stops them)."""
     store = StateStore(state_dir or default_state_dir())
     state = store.read()
     if state is None:
@@ -289,9 +292,11 @@ def down(
     state_dir: StateDir = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Seconds to wait for the drain to finish.")] = 300.0,
 ) -> None:
-    """Stop the local fleet: drain every replica, stop the engines and the router, and wait until
-    they are gone (same as Ctrl-C on `fleet up`). If the controller is gone (killed, crashed) but
-    engines or the router still run, stops those in the same order."""
+    """Stop the local fleet and wait until everything is gone.
+
+    Drains every replica, stops the engines, then the router (same as Ctrl-C on `fleet up`). If
+    the controller is gone (killed, crashed) but engines or the router still run, stops those in
+    the same order."""
     from fleet.up import run_down
 
     store = StateStore(state_dir or default_state_dir())
@@ -324,8 +329,9 @@ def logs(
     lines: Annotated[int, typer.Option("--lines", "-n", help="Lines of the end of the log to print first.")] = 50,
     state_dir: StateDir = None,
 ) -> None:
-    """Print the log of the controller (`fleet up --detach` writes its output there), the router
-    or one replica's engine (`fleet status` lists replica ids)."""
+    """Print the log of the controller, the router or one replica's engine.
+
+    The controller's log is the output of `fleet up --detach`; `fleet status` lists replica ids."""
     from fleet.backends.procs import read_log_tail
 
     store = StateStore(state_dir or default_state_dir())

@@ -240,10 +240,12 @@ class Controller:
         if r.status.terminal():
             return
         f = self._facts.get(r.id)
+        if ds is None and (r.launched_at_s is None or f is None):
+            r.exited_at_s = now    # not declared any more, and nothing runs: done
+            return
+        if r.launched_at_s is not None and f is None and r.stop_requested_at_s is None:
+            r.launched_at_s = None  # asked to run, but the crash came first: ask again (PLACED)
         if r.launched_at_s is None:
-            r.placed_at_s = r.assignment = r.placement = None   # placed, not started: place again
-            if ds is None:
-                r.exited_at_s = now
             return
         if f is None or f.exited:
             r.exited_at_s, r.exit_code = now, f.exit_code if f else None
@@ -485,6 +487,11 @@ class Controller:
                 to_launch.append((r, placement))
             for r in waiting[len(plan.placements):]:
                 self._waiting[r.id] = plan.explain()
+        placed_now = {r.id for r, _ in to_launch}
+        for r in self.replicas.values():  # placed before a crash, never started: start now
+            if r.status is ReplicaStatus.PLACED and r.placement is not None and r.drain_requested_at_s is None \
+                    and r.id not in placed_now:
+                to_launch.append((r, ReplicaPlacement.from_dict(r.placement)))
         if not to_launch:
             return
         for r, _ in to_launch:

@@ -14,6 +14,11 @@ from router.spec import EndpointSpec, PoolSpec
 from warmup.client import EngineRequestError
 
 
+class ControllerCrash(BaseException):
+    """Raised by a fake to kill the controller mid-tick, as `kill -9` would: a BaseException, so
+    no step's error handling catches it; the state last saved is what a restart reads back."""
+
+
 class FakeClock:
     def __init__(self, start_s: float = 1000.0) -> None:
         self.now_s = start_s
@@ -65,11 +70,14 @@ class FakeBackend:
         self.ignore_sigterm = False
         self.fail_launch: str | None = None
         self.ensure_calls: list[str] = []
+        self.crash_after_ensures: int | None = None   # raise ControllerCrash once this many ensures ran
 
     async def inventory(self) -> Inventory:
         return Inventory(tuple(self.nodes))
 
     async def ensure(self, want: ReplicaWant) -> None:
+        if self.crash_after_ensures is not None and len(self.ensure_calls) >= self.crash_after_ensures:
+            raise ControllerCrash(f"the controller dies before ensure({want.replica_id})")
         self.ensure_calls.append(want.replica_id)
         if self._find(want.replica_id) is not None:
             return
