@@ -282,3 +282,37 @@ def _pools(fleet: FleetUp) -> list[dict]:
     except (httpx.HTTPError, ValueError, KeyError):
         return []
     return [e for p in pools.values() for e in p["endpoints"]]
+
+
+def test_up_detach_returns_once_ready_and_logs_status_down_reach_the_background_fleet(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import REPO, free_port
+
+    f = write_fleet(tmp_path, replicas=2)
+    state = tmp_path / "state"
+    port = free_port()
+    cli = [sys.executable, "-m", "fleet.cli"]
+    try:
+        up = subprocess.run([*cli, "up", str(f), "--detach", "--port", str(port), "--state-dir", str(state)],
+                            capture_output=True, text=True, cwd=REPO, timeout=180)  # fmt: skip
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "All 2 replica(s) READY" in up.stdout and "runs in the background" in up.stdout
+        assert len(engines(state)) == 2
+        logs = subprocess.run([*cli, "logs", "--state-dir", str(state), "-n", "200"], capture_output=True, text=True,
+                              cwd=REPO, timeout=60)  # fmt: skip
+        assert "All 2 replica(s) READY" in logs.stdout
+        engine_log = subprocess.run([*cli, "logs", "sim-chat-0", "--state-dir", str(state)], capture_output=True,
+                                    text=True, cwd=REPO, timeout=60)  # fmt: skip
+        assert "SIMULATOR" in engine_log.stdout, engine_log.stdout
+        down = subprocess.run([*cli, "down", "--state-dir", str(state)], capture_output=True, text=True, cwd=REPO,
+                              timeout=200)  # fmt: skip
+        assert down.returncode == 0 and "Fleet stopped." in down.stdout, down.stdout + down.stderr
+        assert engines(state) == {} and router_pid(state) is None
+    finally:  # a failed test leaves nothing behind: the background `fleet up`, its router and engines
+        up_pid = json.loads((state / "state.json").read_text()).get("pid") if (state / "state.json").exists() else None
+        left = [*engines(state).values(), router_pid(state)] if (state / "fleet-id").exists() else []
+        for pid in [up_pid, *left]:
+            if pid and psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
