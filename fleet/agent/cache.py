@@ -217,7 +217,7 @@ class WeightCache:
         ref = _read_json(self._ref_path(src.canonical))
         if not ref:
             return None
-        key = self.key_for(src.canonical, ref["revision"])
+        key = self.key_for(src.identity, ref["revision"])
         record = self._record(key)
         if record is None or self._stale_files(record):
             return None
@@ -307,10 +307,10 @@ class WeightCache:
             if pin_as:
                 self.pin(cached.name, pin_as)
             return cached
-        key = self.key_for(src.canonical, plan.revision)
+        key = self.key_for(src.identity, plan.revision)
         waiting = self._waiter(key, plan, progress)
         with _flock(self.root / "locks" / f"{key}.lock", on_wait=waiting):
-            path = self._ensure_locked(src.canonical, key, plan, progress)
+            path = self._ensure_locked(src.canonical, src.identity, key, plan, progress)
             if pin_as:
                 self._pin_locked(key, pin_as)
         self._enforce_budget(keep=key)
@@ -327,7 +327,8 @@ class WeightCache:
                 progress(int(doc["done"]), int(doc["total"]))
         return report
 
-    def _ensure_locked(self, canonical: str, key: str, plan: ModelPlan, progress: Progress | None) -> Path:
+    def _ensure_locked(self, canonical: str, identity: str, key: str, plan: ModelPlan,
+                       progress: Progress | None) -> Path:
         model_dir = self.root / "models" / key
         record = self._record(key)
         known: dict[str, str] = {}
@@ -346,7 +347,7 @@ class WeightCache:
                 break
         else:
             raise CacheError(f"{canonical}: blobs kept disappearing while caching it (eviction race)")
-        self._commit(canonical, key, plan, fetched)
+        self._commit(identity, key, plan, fetched)
         self._finish(canonical, key, plan)
         return model_dir
 
@@ -416,15 +417,17 @@ class WeightCache:
                 os.replace(parts[rf.path], blob)
             return rf.path, got.sha256
 
-        if len(missing) <= 1 or self.parallel_files == 1:
-            done.update(one(rf) for rf in missing)
-        else:
-            with ThreadPoolExecutor(self.parallel_files, thread_name_prefix="fleet-cache") as pool:
-                done.update(pool.map(one, sorted(missing, key=lambda r: -(r.size or 0))))
-        meter.flush()
+        try:
+            if len(missing) <= 1 or self.parallel_files == 1:
+                done.update(one(rf) for rf in missing)
+            else:
+                with ThreadPoolExecutor(self.parallel_files, thread_name_prefix="fleet-cache") as pool:
+                    done.update(pool.map(one, sorted(missing, key=lambda r: -(r.size or 0))))
+        finally:
+            meter.close()
         return done
 
-    def _commit(self, canonical: str, key: str, plan: ModelPlan, shas: dict[str, str]) -> None:
+    def _commit(self, identity: str, key: str, plan: ModelPlan, shas: dict[str, str]) -> None:
         """Write the symlink directory and the entry record (renamed into place: a crash leaves
         either the old entry or the new one)."""
         models = self.root / "models"
@@ -444,7 +447,7 @@ class WeightCache:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_json(self._record_path(key), {
-            "source": canonical, "revision": plan.revision, "files": files, "created_s": self.clock()})
+            "source": identity, "revision": plan.revision, "files": files, "created_s": self.clock()})
 
     # -- space -------------------------------------------------------------------------------
     def _make_room(self, plan: ModelPlan, key: str, need: int) -> None:
@@ -552,31 +555,39 @@ class WeightCache:
 
 
 class _Meter:
-    """Bytes done / total of one model across its file threads; mirrored (at most every 0.25 s)
-    into progress.json for processes waiting on the download."""
+    """Bytes done / total of one model across its file threads, mirrored every 0.25 s into
+    progress.json (by a daemon thread, until ``close``) for processes waiting on the download."""
 
     def __init__(self, done: int, total: int, progress: Progress | None, path: Path) -> None:
         self.done, self.total = done, total
         self.progress, self.path = progress, path
         self.lock = threading.Lock()
-        self.last_write_s = -1.0
+        self.closed = threading.Event()
+        self._write()
+        self.thread = threading.Thread(target=self._mirror, name="fleet-cache-progress", daemon=True)
+        self.thread.start()
         self.add(0)
 
     def add(self, n: int) -> None:
         with self.lock:
             self.done += n
-            done = self.done
-            now = time.monotonic()   # throttles a file write; not a policy decision
-            write = now - self.last_write_s >= 0.25
-            if write:
-                self.last_write_s = now
             if self.progress is not None:
-                self.progress(done, self.total)
-        if write:
-            _write_json(self.path, {"done": done, "total": self.total})
+                self.progress(self.done, self.total)
 
-    def flush(self) -> None:
-        _write_json(self.path, {"done": self.done, "total": self.total})
+    def _write(self) -> None:
+        try:
+            _write_json(self.path, {"done": self.done, "total": self.total})
+        except OSError:
+            pass   # the directory is gone: the download finished or was evicted
+
+    def _mirror(self) -> None:
+        while not self.closed.wait(0.25):
+            self._write()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.thread.join()
+        self._write()
 
 
 def _sha256_file(path: Path) -> str:

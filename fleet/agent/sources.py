@@ -102,6 +102,11 @@ class HttpSource:
     def canonical(self) -> str:
         return self.manifest_url
 
+    @property
+    def identity(self) -> str:
+        """What the cache keys an entry by, beside the resolved revision."""
+        return self.manifest_url
+
     def resolve(self, client: Any) -> ModelPlan:
         """GET and check the manifest. ``client``: an ``httpx.Client``.
 
@@ -133,6 +138,12 @@ class HubSource:
     @property
     def canonical(self) -> str:
         return f"hf://{self.repo_id}@{self.revision}"
+
+    @property
+    def identity(self) -> str:
+        """What the cache keys an entry by, beside the resolved commit: branch, tag and commit
+        names of one commit share the entry."""
+        return f"hf://{self.repo_id}"
 
     def resolve(self, client: Any = None) -> ModelPlan:
         """Ask the hub (``HF_ENDPOINT`` or huggingface.co) for the files at this revision.

@@ -44,7 +44,8 @@ class VerificationError(RuntimeError):
 @dataclass(frozen=True)
 class RetryPolicy:
     """Attempts per file and the exponential backoff between them (tenacity's
-    ``wait_exponential``: ``initial_s * 2**n`` capped at ``max_s``, with jitter)."""
+    ``wait_exponential``: ``initial_s * 2**n`` capped at ``max_s``, plus up to ``initial_s`` of
+    random jitter)."""
 
     attempts: int = 5
     initial_s: float = 0.5
@@ -83,14 +84,17 @@ class HttpxTransfer:
                 if resume_size and resp.status_code == 200:
                     out.seek(0)
                     out.truncate()
-                for chunk in resp.iter_raw(CHUNK_BYTES):
+                for chunk in resp.iter_raw():   # as read from the socket: a cut loses nothing written
                     out.write(chunk)
         except httpx.TransportError as err:
             raise TransferError(f"{url}: {type(err).__name__}: {err}") from None
 
 
 class HubTransfer:
-    """huggingface_hub's ``file_download.http_get`` (its retries on cut connections included)."""
+    """huggingface_hub's ``file_download.http_get`` (its retries on cut connections included).
+
+    ``http_get`` writes in ``constants.DOWNLOAD_CHUNK_SIZE`` (10 MiB) pieces: a cut loses the
+    piece in flight, everything written before it is resumed from."""
 
     def fetch(self, url: str, out: BinaryIO, resume_size: int, headers: dict[str, str],
               expected_size: int | None) -> None:
@@ -207,7 +211,7 @@ def fetch_file(rf: RemoteFile, part: Path, transfer: Transfer, headers: dict[str
 
     retrying = tenacity.Retrying(
         stop=tenacity.stop_after_attempt(retry.attempts),
-        wait=tenacity.wait_exponential_jitter(initial=retry.initial_s, max=retry.max_s, jitter=retry.initial_s),
+        wait=tenacity.wait_exponential(multiplier=retry.initial_s, max=retry.max_s) + tenacity.wait_random(0, retry.initial_s),
         retry=tenacity.retry_if_exception_type((TransferError, VerificationError)),
         reraise=True,
     )
