@@ -127,9 +127,12 @@ class QuarantinePolicy:
             new[target] = st
         decisions: list[Decision] = []
         for target, st in list(new.items()):   # lifts first: they free places under the cap
-            if st.quarantined_since_s is not None and st.last_evidence_s is not None \
-                    and now - st.last_evidence_s >= cfg.hold_off_s:
-                decisions.append(Decision(target, "lift", f"no evidence for {now - st.last_evidence_s:.0f} s "
+            if st.quarantined_since_s is None:
+                continue
+            evidence_until = max(st.last_evidence_s or 0.0,
+                                 st.xid_fault_s + cfg.xid_evidence_s if st.xid_fault_s is not None else 0.0)
+            if now - evidence_until >= cfg.hold_off_s:
+                decisions.append(Decision(target, "lift", f"no evidence for {now - evidence_until:.0f} s "
                                           f"(hold-off {cfg.hold_off_s:.0f} s); was: {st.reason}", now))
                 new[target] = TargetState()
         used = sum(targets.get(t, (t, 1.0))[1] for t, s in new.items() if s.quarantined_since_s is not None)
