@@ -808,5 +808,11 @@ def make_tiny_model_cmd(
     console.print(f"Tiny model ready: {path}")
 
 
+# The node agent's commands (fleet/cli_agent.py): `fleet cache ...`, `fleet node-agent`.
+from fleet.cli_agent import cache_app, node_agent  # noqa: E402
+
+app.add_typer(cache_app)
+app.command("node-agent")(node_agent)
+
 if __name__ == "__main__":
     app()
