@@ -626,6 +626,8 @@ class Controller:
         if status is ReplicaStatus.PENDING:
             return self._waiting.get(r.id, "")
         adopted = " (adopted: kept running)" if r.adopted_at_s is not None else ""
+        if status in (ReplicaStatus.PULLING, ReplicaStatus.CACHING):
+            return r.detail.get("cache", "")
         if status is ReplicaStatus.STARTING:
             where = ", ".join(f"{k} {v}" for k, v in r.detail.items() if k in ("port", "pid", "pod"))
             return f"{r.assignment}{', ' + where if where else ''}{adopted}"

@@ -32,7 +32,10 @@ from rich.console import Console
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Direction, ScalingDecision
 from fleet.autoscaling import AutoscalerLoop
-from fleet.backends.local import LocalBackend
+from fleet.cli_agent import default_cache_root
+from fleet.agent.cache import WeightCache
+from fleet.agent.sources import SourceError, parse_source
+from fleet.backends.local import REMOTE_SCHEMES, LocalBackend
 from fleet.controller import Controller, ControllerSettings, ReplicaEvent
 from fleet.engines import ModelUnavailable, get_engine
 from fleet.inventory import Inventory, discover_local
@@ -88,10 +91,16 @@ def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[
         problem = engine.preflight()
         if problem:
             problems.append(f"{where} spec.engine.kind: {problem}")
-        try:
-            engine.model_argument(dep, ld.base_dir)
-        except ModelUnavailable as err:
-            problems.append(f"{where} spec.model.source: {err}")
+        if dep.spec.model.source.startswith(REMOTE_SCHEMES):   # fetched into the weight cache at start
+            try:
+                parse_source(dep.spec.model.source, ld.base_dir)
+            except SourceError as err:
+                problems.append(f"{where} spec.model.source: {err}")
+        else:
+            try:
+                engine.model_argument(dep, ld.base_dir)
+            except ModelUnavailable as err:
+                problems.append(f"{where} spec.model.source: {err}")
         unfit = placer.fits_at_all(ReplicaShape.of(dep), inventory)
         if unfit is not None:
             problems.append(f"{where} spec.resources: cannot place a replica on this machine: {unfit.reason}")
@@ -147,13 +156,16 @@ class ProgressPrinter:
         now = self.clock()
         for r in controller.replicas.values():
             status = r.status
-            if status not in (ReplicaStatus.PENDING, ReplicaStatus.STARTING, ReplicaStatus.WARMING):
+            if status not in (ReplicaStatus.PENDING, ReplicaStatus.PULLING, ReplicaStatus.CACHING,
+                              ReplicaStatus.STARTING, ReplicaStatus.WARMING):
                 continue
             if now - self._last_note_s.get(r.id, now) >= self.every_s:
                 self._last_note_s[r.id] = now
                 since_s = now - (r.launched_at_s or r.created_at_s)
                 log_path = r.detail.get("log")
                 where = f" (log: {log_path})" if log_path and status is ReplicaStatus.STARTING else ""
+                if status is ReplicaStatus.CACHING:
+                    where = f": {r.detail.get('cache', '')}"
                 self.say(f"{r.id:<20} still {status.value} after {since_s:.0f} s{where}", style="dim")
         want = 0 if controller.stopping else sum(ds.desired for ds in controller.deployments.values())
         ready = sum(1 for r in controller.replicas.values() if r.status is ReplicaStatus.READY)
@@ -209,7 +221,8 @@ async def run_up(
     try:
         previous = store.read()
         node = discover_local()
-        backend = LocalBackend(store.root, store.fleet_id(), node)
+        weights = WeightCache(default_cache_root())
+        backend = LocalBackend(store.root, store.fleet_id(), node, weights=weights)
         router = RouterProcess(store, host, port)
         adopting_router = router.recorded() is not None
         ports = {} if adopting_router else {"router": (host, port)}
@@ -222,7 +235,7 @@ async def run_up(
     clock = time.monotonic
     store.set_extra(pid=os.getpid(), router_url=router.url, phase="starting", log_dir=str(store.log_dir))
     console.print(f"Node: {node.describe()}", highlight=False)
-    console.print(f"State and logs: {store.root}", highlight=False)
+    console.print(f"State and logs: {store.root}; weight cache: {weights.root}", highlight=False)
     metrics_server = None
     engine_api = EngineClient()
     stop = asyncio.Event()
@@ -298,7 +311,7 @@ async def run_down(store: StateStore, console: Console, settings: ControllerSett
     store.acquire()
     try:
         state = store.read() or {}
-        backend = LocalBackend(store.root, store.fleet_id(), discover_local())
+        backend = LocalBackend(store.root, store.fleet_id(), discover_local(), weights=WeightCache(default_cache_root()))
         router = RouterProcess(store, "127.0.0.1", 0)
         url = state.get("router_url") or ""
         if url.startswith("http://") and ":" in url[7:]:

@@ -14,22 +14,29 @@ crash left unrecorded; those are reported with no endpoint, and the controller s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleet.backends.base import LaunchError, ReplicaFacts, ReplicaWant, engine_model
 from fleet.backends.procs import LocalProcesses, ProcessRecord, find_marked, read_log_tail, start_ticks
 from fleet.engines import get_engine
 from fleet.inventory import Inventory, NodeInventory
 
+if TYPE_CHECKING:
+    from fleet.agent.cache import WeightCache
+
 log = logging.getLogger("fleet.backends.local")
 
 FLEET_ID_ENV = "FLEET_FLEET_ID"
 REPLICA_ID_ENV = "FLEET_REPLICA_ID"
+REMOTE_SCHEMES = ("http://", "https://", "hf://")
+"""Model sources the node's weight cache fetches (`fleet.agent.cache`); others are local paths."""
 DEPLOYMENT_ENV = "FLEET_DEPLOYMENT"
 SPEC_HASH_ENV = "FLEET_SPEC_HASH"
 
@@ -44,6 +51,8 @@ class _Record:
     port: int | None
     log_path: str | None
     process: ProcessRecord | None = None     # None: written before the process started
+    caching: bool = False                    # its weights are being fetched into the node's cache
+    model_dir: str | None = None             # the cached weights it runs from (pinned by its replica id)
     exited: bool = False
     exit_code: int | None = None
     exit_reason: str | None = None
@@ -63,9 +72,11 @@ class LocalBackend:
     """Engine processes on this machine (`fleet.backends.base.Backend`)."""
 
     def __init__(self, root: Path, fleet_id: str, node: NodeInventory, *, host: str = "127.0.0.1",
-                 processes: LocalProcesses | None = None) -> None:  # fmt: skip
+                 processes: LocalProcesses | None = None, weights: WeightCache | None = None) -> None:  # fmt: skip
         """``root``: the state directory (records in ``replicas.json``, logs in ``logs/``);
-        ``fleet_id``: the marker of this fleet's processes; ``node``: this machine's devices."""
+        ``fleet_id``: the marker of this fleet's processes; ``node``: this machine's devices;
+        ``weights``: the node's weight cache, which fetches http(s):// and hf:// sources (None:
+        such sources cannot start here)."""
         self.root = Path(root)
         self.fleet_id = fleet_id
         self.node = node
@@ -75,12 +86,16 @@ class LocalBackend:
         self.processes = processes or LocalProcesses()
         self._records: dict[str, _Record] = {}
         self._engine_problems: dict[str, str | None] = {}   # engine kind -> why it cannot run here
+        self.weights = weights
+        self._caching: dict[str, asyncio.Task] = {}
+        self._progress: dict[str, tuple[int, int]] = {}      # replica id -> (bytes cached, bytes in all)
+        self._inventory = Inventory((node,))
         self._load()
 
     # ----- Backend ------------------------------------------------------------------------
 
     async def inventory(self) -> Inventory:
-        return Inventory((self.node,))
+        return self._inventory
 
     async def ensure(self, want: ReplicaWant) -> None:
         rid = want.replica_id
@@ -93,24 +108,75 @@ class LocalBackend:
         problem = self._engine_problems[dep.spec.engine.kind]
         if problem:
             raise LaunchError(f"engine image not present: {problem}")
-        model = engine_model(want)
-        port = self._free_port()
+        remote = dep.spec.model.source.startswith(REMOTE_SCHEMES)
+        if remote and self.weights is None:
+            raise LaunchError(f"weights not present: spec.model.source {dep.spec.model.source!r} is remote and "
+                              "this backend has no weight cache")  # fmt: skip
+        model = None if remote else engine_model(want)
         log_path = self.log_dir / f"{rid}.log"
-        record = _Record(rid, dep.name, want.spec_hash, want.placement.nodes[0], self.host, port,
-                         str(log_path))  # fmt: skip
+        record = _Record(rid, dep.name, want.spec_hash, want.placement.nodes[0], self.host, self._free_port(),
+                         str(log_path), caching=remote)  # fmt: skip
         self._records[rid] = record
         self._save()  # before the process exists: a crash from here on leaves a record to check
-        env = {
-            **dep.spec.engine.env, **want.placement.env,
-            FLEET_ID_ENV: self.fleet_id, REPLICA_ID_ENV: rid, DEPLOYMENT_ENV: dep.name, SPEC_HASH_ENV: want.spec_hash,
-        }  # fmt: skip
+        if remote:   # CACHING: the engine starts once the weights are in the node's cache
+            self._progress[rid] = (0, 0)
+            self._caching[rid] = asyncio.get_running_loop().create_task(self._cache_then_start(want),
+                                                                        name=f"cache-{rid}")  # fmt: skip
+            return
         try:
-            process = self.processes.spawn(engine.command(dep, model, self.host, port), env, log_path)
+            self._spawn(want, model)
         except OSError as err:
             del self._records[rid]
             self._save()
             raise LaunchError(f"cannot start the engine: {err.strerror or err}") from err
-        self._records[rid] = replace(record, process=process)
+
+    def _spawn(self, want: ReplicaWant, model: str) -> None:
+        """Start the engine of a recorded replica on ``model``. Raises OSError."""
+        rid, dep = want.replica_id, want.deployment
+        record = self._records[rid]
+        env = {
+            **dep.spec.engine.env, **want.placement.env,
+            FLEET_ID_ENV: self.fleet_id, REPLICA_ID_ENV: rid, DEPLOYMENT_ENV: dep.name, SPEC_HASH_ENV: want.spec_hash,
+        }  # fmt: skip
+        argv = get_engine(dep.spec.engine.kind).command(dep, model, self.host, record.port)
+        process = self.processes.spawn(argv, env, Path(record.log_path) if record.log_path else None)
+        self._records[rid] = replace(self._records[rid], process=process)
+        self._save()
+
+    async def _cache_then_start(self, want: ReplicaWant) -> None:
+        """Fetch the replica's weights into the node's cache (pinned for it), then start its
+        engine on the cached directory; a failure ends the replica with the reason."""
+        from fleet.agent.cache import CacheError
+        from fleet.agent.sources import SourceError
+
+        rid, source = want.replica_id, want.deployment.spec.model.source
+
+        def progress(done: int, total: int) -> None:   # called from the download's thread
+            self._progress[rid] = (done, total)
+
+        why = None
+        path = None
+        try:
+            path = await asyncio.to_thread(self.weights.ensure, source, None, progress, rid)
+        except (CacheError, SourceError, OSError) as err:
+            why = f"weights not present: spec.model.source {source!r}: {err}"
+        except Exception as err:  # noqa: BLE001 - whatever the download raised ends this replica, says why
+            log.exception("caching %s for %s failed", source, rid)
+            why = f"weights not present: spec.model.source {source!r}: {type(err).__name__}: {err}"
+        self._caching.pop(rid, None)
+        rec = self._records.get(rid)
+        if rec is None or rec.exited:       # stopped while caching: let the weights go
+            if path is not None:
+                self.weights.unpin(path.name, rid)
+            return
+        if why is None:
+            self._records[rid] = rec = replace(rec, caching=False, model_dir=str(path))
+            try:
+                self._spawn(want, str(path))
+                return
+            except OSError as err:
+                why = f"cannot start the engine: {err.strerror or err}"
+        self._records[rid] = replace(rec, caching=False, exited=True, exit_reason=why)
         self._save()
 
     async def observe(self) -> dict[str, ReplicaFacts]:
@@ -129,7 +195,10 @@ class LocalBackend:
 
     async def stop(self, replica_id: str) -> None:
         rec = self._records.get(replica_id)
-        if rec is not None and rec.process is not None and not rec.exited:
+        if rec is not None and rec.caching and not rec.exited:   # the download finishes for the cache
+            self._records[replica_id] = replace(rec, caching=False, exited=True, exit_reason="stopped while caching")
+            self._save()
+        elif rec is not None and rec.process is not None and not rec.exited:
             self.processes.stop(rec.process)
 
     async def kill(self, replica_id: str) -> None:
@@ -139,11 +208,14 @@ class LocalBackend:
 
     async def forget(self, replica_id: str) -> None:
         rec = self._records.get(replica_id)
-        if rec is None or not (rec.exited or rec.process is None):
+        if rec is None or not rec.exited:
             return
         if rec.process is not None:
             self.processes.release(rec.process)
+        if rec.model_dir and self.weights is not None:
+            self.weights.unpin(Path(rec.model_dir).name, replica_id)
         del self._records[replica_id]
+        self._progress.pop(replica_id, None)
         self._save()
 
     async def log_tail(self, replica_id: str, lines: int = 20) -> list[str]:
@@ -170,10 +242,15 @@ class LocalBackend:
         detail = {"port": str(rec.port) if rec.port is not None else "-", "log": rec.log_path or "-"}
         if rec.process is not None:
             detail["pid"] = str(rec.process.pid)
+        if rec.caching:
+            done, total = self._progress.get(rec.replica_id, (0, 0))
+            detail["cache"] = f"{_mib(done)} / {_mib(total) if total else '?'} MiB cached"
+        if rec.model_dir:
+            detail["weights"] = rec.model_dir
         return ReplicaFacts(
             replica_id=rec.replica_id, deployment=rec.deployment, spec_hash=rec.spec_hash, node=rec.node,
-            endpoint=endpoint, image_present=rec.process is not None, weights_present=rec.process is not None,
-            running=running, exited=rec.exited, exit_code=rec.exit_code, exit_reason=rec.exit_reason, detail=detail,
+            endpoint=endpoint, image_present=True, weights_present=rec.process is not None, running=running,
+            exited=rec.exited, exit_code=rec.exit_code, exit_reason=rec.exit_reason, detail=detail,
         )  # fmt: skip
 
     def _free_port(self) -> int:
@@ -207,9 +284,11 @@ class LocalBackend:
             if rec.process is None:  # crashed between the record and the start: did it start?
                 pid = by_replica.get(rid)
                 if pid is not None:
-                    self._records[rid] = replace(rec, process=_adopted_record(pid, rec.log_path))
-                else:
-                    self._records[rid] = replace(rec, exited=True, exit_reason="engine never started")
+                    self._records[rid] = replace(rec, process=_adopted_record(pid, rec.log_path), caching=False)
+                else:   # it never started: forget it, so the controller asks again (a download resumes)
+                    if rec.model_dir and self.weights is not None:
+                        self.weights.unpin(Path(rec.model_dir).name, rid)
+                    del self._records[rid]
             elif not self.processes.is_ours(rec.process):
                 self._records[rid] = replace(rec, exited=True, exit_reason="engine process is gone")
         for rid, pid in by_replica.items():
@@ -224,6 +303,10 @@ class LocalBackend:
         tmp = self.records_path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"replicas": [r.to_dict() for r in self._records.values()]}, indent=1))
         os.replace(tmp, self.records_path)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
 
 
 def _adopted_record(pid: int, log_path: str | None) -> ProcessRecord:
