@@ -258,6 +258,10 @@ def status(
         st = r["status"]
         style = "green" if st == "READY" else "red" if st.startswith("FAILED") else "yellow" if st == "DRAINING" else ""
         detail = (r.get("failure") or {}).get("reason") or r.get("waiting_reason") or ""
+        if st == "DRAINING" and r.get("drain_reason"):
+            detail = r["drain_reason"]
+        elif st == "CACHING":
+            detail = (r.get("detail") or {}).get("cache", "")
         if r.get("adopted_at_s") is not None and not st.startswith("FAILED"):
             detail = detail or "adopted"
         table.add_row(

@@ -430,7 +430,7 @@ class Controller:
 
     async def _scale(self) -> None:
         now = self.clock()
-        changed = False
+        changed = self._drain_unhealthy(now)
         for r in self.replicas.values():  # stopping, or deployments no longer declared: everything goes
             if (self.stopping or r.deployment not in self.deployments) and r.status.counts_toward_desired():
                 r.drain_requested_at_s, changed = now, True
@@ -452,6 +452,30 @@ class Controller:
                 changed = True
         if changed:
             self._save()  # decided: persisted before anything acts on it
+
+    def _drain_unhealthy(self, now: float) -> bool:
+        """Replicas holding a GPU (or a MIG instance of a GPU) that the inventory reports unhealthy
+        (quarantined by the node agent, ECC errors, ...) drain; `_scale` replaces them, and
+        placement keeps the replacement off that GPU. True when one was drained."""
+        sick: dict[str, str] = {}
+        for node in self.inventory.nodes:
+            for gpu in node.gpus:
+                problems = gpu.health.problems()
+                if problems:
+                    why = f"GPU {gpu.uuid} on {node.name} unhealthy: {', '.join(problems)}"
+                    sick[gpu.uuid] = why
+                    sick.update({m.uuid: why for m in gpu.mig_instances})
+        if not sick:
+            return False
+        drained = False
+        for r in self.replicas.values():
+            if r.placement is None or not r.status.counts_toward_desired():
+                continue
+            hit = next((sick[d] for d in ReplicaPlacement.from_dict(r.placement).devices if d in sick), None)
+            if hit is not None:
+                r.drain_requested_at_s, r.drain_reason, drained = now, hit, True
+                log.warning("replica %s drains: %s", r.id, hit)
+        return drained
 
     def _create_replica(self, ds: _DeploymentState, now: float) -> None:
         dep = ds.loaded.deployment
@@ -636,6 +660,8 @@ class Controller:
             if r.adopted_at_s is not None:
                 return f"{r.endpoint}{adopted}"
             return f"{r.endpoint} ({ttr:.1f} s to ready)" if ttr is not None else r.endpoint or ""
+        if status is ReplicaStatus.DRAINING and r.drain_reason:
+            return r.drain_reason
         if status is ReplicaStatus.TERMINATED and r.exit_code is not None:
             return f"exit code {r.exit_code}"
         return adopted.strip()

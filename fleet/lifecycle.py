@@ -77,6 +77,7 @@ class Replica:
     warmup_started_at_s: float | None = None
     warmup_passed_at_s: float | None = None
     drain_requested_at_s: float | None = None
+    drain_reason: str | None = None        # why, when it is not a scale-down (e.g. its GPU was quarantined)
     stop_requested_at_s: float | None = None
     kill_sent_at_s: float | None = None
     exited_at_s: float | None = None

@@ -329,3 +329,28 @@ async def test_mig_replicas_are_pinned_by_mig_uuid_and_a_scale_up_is_placed_as_o
     reason = h.c.snapshot()["replicas"][2]["waiting_reason"]
     assert "cannot place 1 of 3 replicas (1 MIG 3g.40gb instance of NVIDIA H100 80GB HBM3)" in reason
     assert "every 3g.40gb instance in use" in reason
+
+
+async def test_a_replica_on_a_gpu_gone_unhealthy_drains_and_its_replacement_lands_elsewhere(tmp_path):
+    import dataclasses
+
+    from fleet.inventory.model import GpuHealth
+
+    gpus = tuple(Gpu(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", 81559) for i in range(3))
+    node = NodeInventory("n", gpus=gpus, cpu_cores=(0, 1), nvlink_domains=((0, 1, 2),))
+    f = write_deployment(tmp_path, replicas=2, resources={"gpuProduct": "NVIDIA H100 80GB HBM3"})
+    h = Harness(tmp_path, [f], node=node)
+    await h.all_ready("chat-0", "chat-1")
+    on = {rid: h.backend.by_replica(rid).spec.env["CUDA_VISIBLE_DEVICES"] for rid in ("chat-0", "chat-1")}
+    assert on == {"chat-0": "GPU-0", "chat-1": "GPU-1"}
+    quarantined = GpuHealth(other_problems=("quarantined: Xid 79 (GPU fell off the bus)",))
+    sick = dataclasses.replace(node, gpus=(gpus[0], dataclasses.replace(gpus[1], health=quarantined), gpus[2]))
+    h.backend.nodes = (sick,)
+    await h.tick()
+    r = h.c.replicas["chat-1"]
+    assert r.status is S.DRAINING
+    assert r.drain_reason == "GPU GPU-1 on n unhealthy: quarantined: Xid 79 (GPU fell off the bus)"
+    assert h.pool_ids() == ["chat-0"]                          # out of the pool at once
+    assert h.backend.by_replica("chat-2").spec.env["CUDA_VISIBLE_DEVICES"] == "GPU-2"
+    await h.tick()
+    assert h.c.replicas["chat-1"].status is S.TERMINATED and h.c.replicas["chat-0"].status is S.READY
