@@ -155,6 +155,15 @@ def _detach(files: list[Path], store: StateStore, *, port: int, host: str, metri
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "COLUMNS": "160"})  # fmt: skip
+    try:
+        return _relay_until_ready(log_path, offset, proc)
+    except KeyboardInterrupt:
+        console.print(f"\nStopped watching; the fleet keeps starting in the background (pid {proc.pid}): "
+                      "`fleet status`, `fleet logs -f`, `fleet down`.", highlight=False)  # fmt: skip
+        return 0
+
+
+def _relay_until_ready(log_path: Path, offset: int, proc: subprocess.Popen) -> int:
     with open(log_path, "rb") as f:
         f.seek(offset)
         while True:

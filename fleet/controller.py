@@ -360,9 +360,12 @@ class Controller:
                 self._fail(r, ReplicaStatus.FAILED_START, f"{why} before /health passed", tail)
             else:
                 self._fail(r, ReplicaStatus.FAILED_CRASHED, why, tail)
-        for rid, f in facts.items():  # owned, unknown (a record lost): stop it
-            if rid not in self.replicas and f.running:
-                await self.backend.stop(rid)
+        for rid, f in facts.items():  # owned, unknown (a record lost or trimmed): stop it, or forget it once gone
+            if rid not in self.replicas:
+                if f.running:
+                    await self.backend.stop(rid)
+                elif f.exited:
+                    await self.backend.forget(rid)
 
     async def _probe_health(self) -> None:
         now = self.clock()
