@@ -5,7 +5,8 @@ Owns the FastAPI `APIRouter` mounted at `/admin/v1` and its bearer-token check. 
 PUTs the full endpoint list of a pool whenever it changes and polls `GET /admin/v1/pools`
 to see when a draining endpoint has no request in flight.
 
-Endpoints (all need `Authorization: Bearer <admin token>`, else 401):
+Endpoints (all need `Authorization: Bearer <admin token>`, else 401; `router.app.RouterApp`
+checks it before reading the body, and bounds the body; the check here is a second line):
 `PUT /admin/v1/pools/{model}` (body: `router.spec.PoolSpec`) creates or replaces a pool;
 `DELETE /admin/v1/pools/{model}` removes one (404 if absent);
 `GET /admin/v1/pools` lists all pools with live endpoint stats;
@@ -17,13 +18,35 @@ arrival rate, rejections, in flight, queued, and queue time / TTFT / end-to-end 
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Path, Query
+from fastapi import APIRouter, Depends, Header, HTTPException, Path, Query, Response
 
 from router.pool import PoolTable
 from router.spec import PoolSpec
 from router.stats import DEFAULT_RATE_RETENTION_S, DEFAULT_WINDOW_S
+
+ADMIN_PREFIX = "/admin/"
+"""Paths under this prefix are the admin API's (guarded by `router.app.RouterApp`)."""
+
+MAX_VALIDATION_ERRORS = 5
+"""Most field errors a 422 message lists."""
+
+
+def validation_message(errors: Sequence[Any]) -> str:
+    """One line naming each bad field and why, from pydantic/FastAPI validation errors
+    (`[{"loc": (...), "msg": str, ...}]`), e.g. `body.endpoints.3.weight: Input should be a
+    finite number`. Never includes the rejected input (it may be huge or not JSON-encodable)."""
+    parts = []
+    for error in list(errors)[:MAX_VALIDATION_ERRORS]:
+        loc = ".".join(str(part) for part in error.get("loc", ()))[:200]
+        parts.append(f"{loc}: {str(error.get('msg', 'invalid'))[:300]}")
+    more = len(errors) - MAX_VALIDATION_ERRORS
+    if more > 0:
+        parts.append(f"and {more} more error(s)")
+    return "invalid request: " + "; ".join(parts)
+
 
 ModelName = Annotated[str, Path(min_length=1, max_length=256, description="Model name, as clients send it in `model`.")]
 
