@@ -46,8 +46,11 @@ class HealthProbe(threading.Thread):
         conn = http.client.HTTPConnection(self.host, self.port, timeout=300)
         while not self.stop.is_set():
             sent_s = time.perf_counter()
-            conn.request("GET", "/health")
-            conn.getresponse().read()
+            try:
+                conn.request("GET", "/health")
+                conn.getresponse().read()
+            except OSError:  # the router was stopped (end of run, or an admin call timed out)
+                return
             self.samples.append((sent_s, time.perf_counter() - sent_s))
             time.sleep(self.every_s)
         conn.close()
@@ -57,9 +60,10 @@ class HealthProbe(threading.Thread):
         return max((lat for sent, lat in self.samples if start_s <= sent <= end_s), default=0.0)
 
 
-def admin_call(host: str, port: int, method: str, path: str, doc: dict | None, timeout_s: float) -> float:
-    """Send one admin request on a fresh connection; return its wall time (s). Raises on non-200."""
-    body = json.dumps(doc).encode() if doc is not None else None
+def admin_call(host: str, port: int, method: str, path: str, body: bytes | None, timeout_s: float) -> float:
+    """Send one admin request on a fresh connection; return its wall time (s). Raises on non-200.
+    The body is encoded beforehand, so that the probe thread of this process is not kept from
+    the GIL while the call is timed."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     start_s = time.perf_counter()
     conn.request(method, path, body=body, headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
@@ -94,11 +98,12 @@ def main() -> None:
         probe.start()
         print(f"{'endpoints':>9}  {'step':<8} {'admin call':>11} {'slowest /health meanwhile':>26}")
         for n in sizes:
-            for step, method, doc in (("create", "PUT", pool_doc(n, "e")), ("replace", "PUT", pool_doc(n, "r")),
-                                      ("delete", "DELETE", None)):  # fmt: skip
+            bodies = [json.dumps(pool_doc(n, prefix)).encode() for prefix in ("e", "r")]
+            for step, method, body in (("create", "PUT", bodies[0]), ("replace", "PUT", bodies[1]),
+                                       ("delete", "DELETE", None)):  # fmt: skip
                 start_s = time.perf_counter()
                 try:
-                    elapsed_s = admin_call(host, port, method, "/admin/v1/pools/bench", doc, args.timeout_s)
+                    elapsed_s = admin_call(host, port, method, "/admin/v1/pools/bench", body, args.timeout_s)
                 except TimeoutError:
                     print(f"{n:>9}  {step:<8} {'> %.0f s' % args.timeout_s:>11}  (no answer; stopping)")
                     return

@@ -145,8 +145,8 @@ class EndpointMetrics:
         self.ttft: Histogram | _Discard = _DISCARD
         self.tpot: Histogram | _Discard = _DISCARD
         self.e2e: Histogram | _Discard = _DISCARD
-        self._requests: dict[int, Counter | _Discard] = {}
-        self._errors: dict[str, Counter | _Discard] = {}
+        self._requests: dict[int, Counter | _Discard] | None = None  # made at bind: pools of 10,000
+        self._errors: dict[str, Counter | _Discard] | None = None  # allocate nothing per endpoint
 
     def bind(self) -> None:
         """Create this endpoint's series (no-op once bound or after `forget`)."""
@@ -158,19 +158,22 @@ class EndpointMetrics:
         self.tpot = m.time_per_output_token.labels(*labels)
         self.e2e = m.e2e_latency.labels(*labels)
         self._errors = {r: m.endpoint_errors.labels(*labels, r) for r in ENDPOINT_ERROR_REASONS}
+        self._requests = {}
         self.bound = True
 
     def requests(self, code: int) -> Counter | _Discard:
         """The `fleet_router_requests_total` child for HTTP status `code`."""
-        child = self._requests.get(code)
+        requests = self._requests
+        if requests is None:  # not bound (or forgotten): count nowhere
+            return _DISCARD
+        child = requests.get(code)
         if child is None:
-            child = _DISCARD if self.forgotten else self._metrics.requests.labels(*self.labels, str(code))
-            self._requests[code] = child
+            child = requests[code] = self._metrics.requests.labels(*self.labels, str(code))
         return child
 
     def error(self, reason: str) -> Counter | _Discard:
         """The `fleet_router_endpoint_errors_total` child for `reason` (see ENDPOINT_ERROR_REASONS)."""
-        return self._errors.get(reason, _DISCARD)
+        return _DISCARD if self._errors is None else self._errors.get(reason, _DISCARD)
 
     def forget(self) -> None:
         """Remove every series this endpoint created; later records go nowhere."""
@@ -181,14 +184,12 @@ class EndpointMetrics:
         if self.bound:
             for family in (m.time_to_first_byte, m.time_to_first_token, m.time_per_output_token, m.e2e_latency):
                 family.remove(*labels)
-            for reason in self._errors:
+            for reason in self._errors or ():
                 m.endpoint_errors.remove(*labels, reason)
-        for code, child in self._requests.items():
-            if child is not _DISCARD:
+            for code in self._requests or ():
                 m.requests.remove(*labels, str(code))
         self.first_byte = self.ttft = self.tpot = self.e2e = _DISCARD
-        self._requests = {}
-        self._errors = {}
+        self._requests = self._errors = None
 
 
 class _LiveGauges:

@@ -201,14 +201,14 @@ class Pool:
         """Requests dispatched to this pool's endpoints (draining ones too) and not finished."""
         return sum(e.in_flight for e in self.endpoints)
 
+    def snapshot_head(self) -> dict[str, object]:
+        """The pool's settings and queue, without its endpoints."""
+        return {"policy": self.policy.name, "max_concurrency_per_endpoint": self.limit,
+                "queued": len(self.shared.queue)}  # fmt: skip
+
     def snapshot(self) -> dict[str, object]:
         """The pool as `GET /admin/v1/pools` lists it."""
-        return {
-            "policy": self.policy.name,
-            "max_concurrency_per_endpoint": self.limit,
-            "queued": len(self.shared.queue),
-            "endpoints": [e.snapshot() for e in self.endpoints],
-        }
+        return {**self.snapshot_head(), "endpoints": [e.snapshot() for e in self.endpoints]}
 
 
 class PoolTable:
