@@ -62,11 +62,17 @@ _ERROR_CODES = {400: "bad_request", 401: "invalid_admin_token", 404: "not_found"
                 408: "request_timeout", 413: "request_too_large", 422: "invalid_document"}  # fmt: skip
 
 
-def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The request's Content-Length (None without one, e.g. a chunked body; -1 if malformed)."""
     for name, value in headers:
-        if (name == b"content-length" and value.strip() not in (b"", b"0")) or name == b"transfer-encoding":
-            return True
-    return False
+        if name == b"content-length":
+            return int(value) if value.strip().isdigit() else -1
+    return None
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    length = _declared_length(headers)
+    return (length is not None and length != 0) or any(name == b"transfer-encoding" for name, _ in headers)
 
 
 class RouterApp:
@@ -121,6 +127,9 @@ class RouterApp:
         if not secrets.compare_digest(scheme.lower() + b" " + token.strip(), self._expected_auth):
             await self._refuse(send, 401, "missing or invalid admin bearer token",
                                [(b"www-authenticate", b"Bearer"), *(CLOSE if _has_body(headers) else [])])
+            return
+        if (_declared_length(headers) or 0) > MAX_ADMIN_BODY_BYTES:
+            await self._refuse(send, 413, f"admin request body exceeds {MAX_ADMIN_BODY_BYTES} bytes", CLOSE)
             return
         try:
             async with asyncio.timeout(self._body_timeout_s):

@@ -16,7 +16,6 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import uvicorn
 from aiohttp import web
 
 from router.server import ListeningServer, uvicorn_config
