@@ -7,16 +7,15 @@ routing, validation or middleware) and everything else to a FastAPI app: `GET /v
 lifespan itself, opening and closing the proxy's client session.
 
 Admin requests are guarded here, before FastAPI sees them: the bearer token is checked from the
-request head (401 without reading a byte of the body), then the body is read within the body
-timeout and at most `MAX_ADMIN_BODY_BYTES` (408 / 413 otherwise, the connection closed) and
-handed to FastAPI from memory. Every error answer, FastAPI's included (unknown path 404, 405,
+request head (401 without reading a byte of the body), then the body is read, at most
+`MAX_ADMIN_BODY_BYTES` (413 otherwise, the connection closed; the server bounds the time it may
+take, `router.server.RequestGuardProtocol`), and handed to FastAPI from memory. Every error answer, FastAPI's included (unknown path 404, 405,
 422), is in OpenAI's error format and counted in `fleet_router_rejected_requests_total`.
 Called by `router.server.serve` (uvicorn) and by tests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
@@ -32,7 +31,6 @@ from router.metrics import RouterMetrics
 from router.pool import DEFAULT_FAILURE_COOLDOWN_S, PoolTable
 from router.proxy import (
     CLOSE,
-    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_RETRY_AFTER_S,
@@ -79,8 +77,8 @@ class RouterApp:
     """ASGI app of the router. Attributes: `pools` (`PoolTable`), `metrics`
     (`RouterMetrics`), `proxy` (`Proxy`), `api` (the FastAPI sub-app)."""
 
-    def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI, admin_token: str,
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:  # fmt: skip
+    def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
+                 admin_token: str) -> None:  # fmt: skip
         if not admin_token:
             raise ValueError("admin_token must not be empty")
         self.pools = pools
@@ -88,7 +86,6 @@ class RouterApp:
         self.proxy = proxy
         self.api = api
         self._expected_auth = b"bearer " + admin_token.encode()
-        self._body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -132,11 +129,7 @@ class RouterApp:
             await self._refuse(send, 413, f"admin request body exceeds {MAX_ADMIN_BODY_BYTES} bytes", CLOSE)
             return
         try:
-            async with asyncio.timeout(self._body_timeout_s):
-                body = await read_body(receive, MAX_ADMIN_BODY_BYTES)
-        except TimeoutError:
-            await self._refuse(send, 408, f"request body not received within {self._body_timeout_s:g} s", CLOSE)
-            return
+            body = await read_body(receive, MAX_ADMIN_BODY_BYTES)
         except BodyTooLarge:
             await self._refuse(send, 413, f"admin request body exceeds {MAX_ADMIN_BODY_BYTES} bytes", CLOSE)
             return
@@ -234,7 +227,6 @@ def create_app(
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     read_timeout_s: float | None = None,
     failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> RouterApp:
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
@@ -247,8 +239,8 @@ def create_app(
     pool's ready endpoints). `retry_after_s`: the Retry-After of a 503 (seconds).
     `connect_timeout_s` / `read_timeout_s`: upstream timeouts (None: unlimited).
     `failure_cooldown_s`: how long an endpoint is skipped after a connection failure.
-    `body_timeout_s`: longest time to receive a request body (408 beyond it); the request head
-    is bounded by the server (`router.server.uvicorn_config`).
+    The time a request's head and body may take to arrive is bounded by the server
+    (`router.server.uvicorn_config`).
     """
     if not admin_token:
         raise ValueError("admin_token must not be empty")
@@ -263,7 +255,6 @@ def create_app(
         connect_timeout_s=connect_timeout_s,
         read_timeout_s=read_timeout_s,
         failure_cooldown_s=failure_cooldown_s,
-        body_timeout_s=body_timeout_s,
     )
     api = _build_api(pools, metrics, admin_token)
-    return RouterApp(pools, metrics, proxy, api, admin_token, body_timeout_s)
+    return RouterApp(pools, metrics, proxy, api, admin_token)

@@ -4,8 +4,8 @@ Owns `Proxy`, a raw ASGI handler for `POST /v1/completions` and
 `POST /v1/chat/completions`, and the aiohttp client session it forwards with. Called by
 `router.app.RouterApp` for those two paths only; everything else goes to the FastAPI app.
 
-Per request: read the body within `body_timeout_s` (408 and the connection closed, else) and
-check the JSON (400), find the model's pool (404), let the pool's policy pick a ready endpoint
+Per request: read the body (at most `max_body_bytes`, else 413; the server bounds the time,
+`router.server.RequestGuardProtocol`) and check the JSON (400), find the model's pool (404), let the pool's policy pick a ready endpoint
 (503 + Retry-After if none), forward the original body bytes to `{endpoint.url}{path}`, and
 relay status, content type and body. A pool with a
 per-endpoint concurrency limit holds a request that finds every ready endpoint full in its
@@ -65,11 +65,6 @@ uvicorn and vLLM (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`), so the router never reuses a 
 the engine is closing (which would fail the request before any byte and cost a retry)."""
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest request body accepted (bytes; 413 above): room for long prompts and inline images."""
-DEFAULT_BODY_TIMEOUT_S = 60.0
-"""Longest time (seconds) to receive a whole request body once its head has arrived; a client
-slower than that (or one that declares more bytes than it sends) gets 408 and its connection is
-closed. 64 MiB (`DEFAULT_MAX_BODY_BYTES`) in 60 s needs about 1.1 MB/s; nginx's
-`client_body_timeout` is 60 s (between two reads; here for the whole body)."""
 MAX_REFLECTED_CHARS = 256
 """Most characters of a client-supplied value (a model name) echoed back in an error message."""
 MAX_LISTED_MODELS = 20
@@ -133,8 +128,8 @@ class BodyTooLarge(Exception):
 async def read_body(receive: Receive, max_bytes: int) -> bytes | None:
     """The whole request body from ASGI `receive`; None if the client disconnected first.
 
-    Raises `BodyTooLarge` as soon as more than `max_bytes` arrived. Does not time out: callers
-    bound it (`asyncio.timeout`)."""
+    Raises `BodyTooLarge` as soon as more than `max_bytes` arrived. Does not time out: the
+    server bounds the time (`router.server.RequestGuardProtocol`)."""
     message = await receive()
     if message["type"] == "http.disconnect":
         return None
@@ -244,7 +239,7 @@ class Proxy:
     upstream connection; `read_timeout_s` (None: unlimited, as generations can take
     minutes) between two reads from the endpoint. `failure_cooldown_s`: how long an
     endpoint whose connection failed is skipped (see `router.pool.DEFAULT_FAILURE_COOLDOWN_S`).
-    `max_body_bytes` / `body_timeout_s`: bounds on a request body (413 / 408 beyond them).
+    `max_body_bytes`: the largest request body (413 beyond it).
     """
 
     def __init__(
@@ -260,12 +255,9 @@ class Proxy:
         keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
-        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        if not body_timeout_s > 0:
-            raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
         self._pools = pools
         self._metrics = metrics
         self._clock = clock
@@ -275,7 +267,6 @@ class Proxy:
         self._keepalive_timeout_s = keepalive_timeout_s
         self._max_body_bytes = max_body_bytes
         self._failure_cooldown_s = failure_cooldown_s
-        self._body_timeout_s = body_timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -299,14 +290,8 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         query: bytes = scope.get("query_string", b"")
-        try:
-            async with asyncio.timeout(self._body_timeout_s):
-                body = await read_body(receive, self._max_body_bytes)
-        except TimeoutError:
-            await self._reject(send, 408, "", error_body(
-                f"request body not received within {self._body_timeout_s:g} s", code="request_timeout"),
-                CLOSE)  # fmt: skip
-            return
+        try:  # the server answers 408 to a body that does not arrive in time: we see a disconnect
+            body = await read_body(receive, self._max_body_bytes)
         except BodyTooLarge:
             await self._reject(send, 413, "", error_body(
                 f"request body exceeds {self._max_body_bytes} bytes", code="request_too_large"), CLOSE)  # fmt: skip

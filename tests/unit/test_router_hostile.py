@@ -33,9 +33,9 @@ SHORT_S = 0.3  # the body / head timeouts the router under test runs with
 
 @contextlib.asynccontextmanager
 async def router(**server: Any) -> AsyncIterator[tuple[RouterApp, aiohttp.ClientSession, str]]:
-    app = create_app(TOKEN, body_timeout_s=SHORT_S)
+    app = create_app(TOKEN)
     timeout = aiohttp.ClientTimeout(total=WAIT_S)
-    async with running_app(app, head_timeout_s=SHORT_S, **server) as base, \
+    async with running_app(app, head_timeout_s=SHORT_S, body_timeout_s=SHORT_S, **server) as base, \
             aiohttp.ClientSession(base, timeout=timeout) as client:  # fmt: skip
         yield app, client, base
 
