@@ -42,6 +42,7 @@ _TOKEN_EVENT = re.compile(
     rb'"(?:text|content|reasoning_content|reasoning)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{'
 )
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_find_tokens = _TOKEN_EVENT.findall
 
 
 class SseRelay:
@@ -66,6 +67,10 @@ class SseRelay:
     def feed(self, chunk: bytes, now_s: float) -> bytes:
         """Take one chunk read at `now_s`; return the bytes to relay now (complete events, possibly
         empty), keeping a trailing partial event back."""
+        if not self._pending and chunk.endswith(b"\n\n"):  # the usual read: whole events
+            self.aligned = True
+            self._count(chunk, now_s)
+            return chunk
         data = self._pending + chunk if self._pending else chunk
         cut = data.rfind(b"\n\n")
         if cut >= 0:
@@ -91,7 +96,7 @@ class SseRelay:
         return ready
 
     def _count(self, events: bytes, now_s: float) -> None:
-        n = len(_TOKEN_EVENT.findall(events))
+        n = len(_find_tokens(events))
         if n:
             if self.first_token_s is None:
                 self.first_token_s = now_s
