@@ -6,7 +6,9 @@ Starts Fleet's router (`python -m router`, port 0) in a child process, then for 
 1. `PUT /admin/v1/pools/bench` with N endpoints (`e0` .. `eN-1`; the URLs are never contacted),
 2. `PUT` again with every endpoint renamed (`r0` .. `rN-1`): a full replacement, so every
    endpoint of the old pool leaves it and its metric series must go,
-3. `DELETE /admin/v1/pools/bench`.
+3. `GET /metrics` (a scrape: one `fleet_router_requests_in_flight` series per endpoint) and
+   `GET /admin/v1/pools` (the listing a controller polls),
+4. `DELETE /admin/v1/pools/bench`.
 
 It prints the wall time of each call (client side: request sent until answer read), and, from a
 thread that sends `GET /health` every 10 ms during the calls, the slowest `/health` answer seen
@@ -99,11 +101,16 @@ def main() -> None:
         print(f"{'endpoints':>9}  {'step':<8} {'admin call':>11} {'slowest /health meanwhile':>26}")
         for n in sizes:
             bodies = [json.dumps(pool_doc(n, prefix)).encode() for prefix in ("e", "r")]
-            for step, method, body in (("create", "PUT", bodies[0]), ("replace", "PUT", bodies[1]),
-                                       ("delete", "DELETE", None)):  # fmt: skip
+            for step, method, path, body in (
+                ("create", "PUT", "/admin/v1/pools/bench", bodies[0]),
+                ("replace", "PUT", "/admin/v1/pools/bench", bodies[1]),
+                ("scrape", "GET", "/metrics", None),
+                ("list", "GET", "/admin/v1/pools", None),
+                ("delete", "DELETE", "/admin/v1/pools/bench", None),
+            ):
                 start_s = time.perf_counter()
                 try:
-                    elapsed_s = admin_call(host, port, method, "/admin/v1/pools/bench", body, args.timeout_s)
+                    elapsed_s = admin_call(host, port, method, path, body, args.timeout_s)
                 except TimeoutError:
                     print(f"{n:>9}  {step:<8} {'> %.0f s' % args.timeout_s:>11}  (no answer; stopping)")
                     return

@@ -209,7 +209,7 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str) -> Fa
     @api.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus exposition of the router's registry (format negotiated from Accept)."""
-        body, content_type = metrics.render(request.headers.get("accept", ""))
+        body, content_type = await metrics.render_off_loop(request.headers.get("accept", ""))
         return Response(content=body, headers={"content-type": content_type})
 
     api.include_router(admin_router(pools, admin_token))

@@ -19,6 +19,8 @@ so several apps (tests, embedding) can live in one process.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
@@ -192,6 +194,12 @@ class EndpointMetrics:
         self._requests = self._errors = None
 
 
+_SCRAPE_VIEW: contextvars.ContextVar[tuple[Mapping[str, Sequence[LiveEndpoint]], Mapping[str, Mapping[str, object]]]
+                                     | None] = contextvars.ContextVar("fleet_router_scrape_view", default=None)
+"""The live pools' endpoints and statistics as `RouterMetrics.render_off_loop` read them on the
+event loop, for the collector that runs in a worker thread (None: read the live table)."""
+
+
 class _LiveGauges:
     """Collector of the gauges derived from the live pools when the registry is scraped."""
 
@@ -226,14 +234,16 @@ class _LiveGauges:
 
     def collect(self) -> Iterator[Metric]:
         in_flight, pool_endpoints, queued, arrival_rate, window_latency = self._families()
-        for model, endpoints in self.table.live_endpoints().items():
+        view = _SCRAPE_VIEW.get()
+        live, stats = view if view is not None else (self.table.live_endpoints(), self.table.stats())
+        for model, endpoints in live.items():
             draining = 0
             for endpoint in endpoints:
                 in_flight.add_metric([model, endpoint.id], endpoint.in_flight)
                 draining += endpoint.draining
             pool_endpoints.add_metric([model, "ready"], len(endpoints) - draining)
             pool_endpoints.add_metric([model, "draining"], draining)
-        for model, snap in self.table.stats().items():
+        for model, snap in stats.items():
             queued.add_metric([model], float(snap["queued"]))  # type: ignore[arg-type]
             arrival_rate.add_metric([model], float(snap["arrival_rate_per_s"]))  # type: ignore[arg-type]
             for signal, key in WINDOW_SIGNALS.items():
@@ -362,6 +372,15 @@ class RouterMetrics:
         """Remove the pool-level series of a deleted pool."""
         for family in (self.retries, self.rejected, self.queue_time):
             family.remove_by_labels({"model": model})
+
+    async def render_off_loop(self, accept_header: str = "") -> tuple[bytes, str]:
+        """`render` in a worker thread, so a scrape never holds the event loop. Encoding is
+        Python code that hands the GIL back every few milliseconds, and it grows with the series:
+        measured 1.1 s and 12 MB for a pool of 10,000 endpoints of which 1,000 had served
+        requests. The live pools are read here, on the loop, so the thread touches no state the
+        request path mutates (prometheus_client's own values are locked)."""
+        _SCRAPE_VIEW.set((self._live.table.live_endpoints(), self._live.table.stats()))
+        return await asyncio.to_thread(self.render, accept_header)  # the thread gets a copy of the context
 
     def render(self, accept_header: str = "") -> tuple[bytes, str]:
         """Text exposition of the registry and its content type, negotiated from `Accept`."""
