@@ -9,13 +9,15 @@ lifespan itself, opening and closing the proxy's client session.
 Admin requests are guarded here, before FastAPI sees them: the bearer token is checked from the
 request head (401 without reading a byte of the body), then the body is read, at most
 `MAX_ADMIN_BODY_BYTES` (413 otherwise, the connection closed; the server bounds the time it may
-take, `router.server.RequestGuardProtocol`), and handed to FastAPI from memory. Every error answer, FastAPI's included (unknown path 404, 405,
-422), is in OpenAI's error format and counted in `fleet_router_rejected_requests_total`.
+take, `router.server.RequestGuardProtocol`), and handed to FastAPI from memory. Every error
+answer, FastAPI's included (unknown path 404, 405, 422, an unexpected 500), is in OpenAI's
+error format and counted in `fleet_router_rejected_requests_total`.
 Called by `router.server.serve` (uvicorn) and by tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -93,7 +95,14 @@ class RouterApp:
             path = scope["path"]
             if path in PROXIED_PATHS:
                 if scope["method"] == "POST":
-                    await self.proxy(scope, receive, send)
+                    try:
+                        await self.proxy(scope, receive, send)
+                    except Exception:  # a bug, not a client error: say so in OpenAI's format if we still can
+                        log.exception("router error on %s", path)
+                        self.metrics.reject("", 500, False)
+                        with contextlib.suppress(Exception):  # the response had begun: the server closes it
+                            await send_json(send, 500, error_body("internal router error", type_="server_error",
+                                                                  code="internal_error"))  # fmt: skip
                 else:
                     self.metrics.reject("", 405, False)
                     body = error_body(f"method {scope['method']} is not allowed; use POST", code="method_not_allowed")
@@ -109,7 +118,7 @@ class RouterApp:
 
     def on_server_reject(self, status: int) -> None:
         """Count an error the HTTP server answered before the app saw the request (a request head
-        too slow or too large: `router.server.HeadGuardProtocol`)."""
+        too slow or too large: `router.server.RequestGuardProtocol`)."""
         self.metrics.reject("", status, False)
 
     async def _admin(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -184,6 +193,13 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str) -> Fa
         headers = dict(exc.headers or {})
         headers["content-type"] = "application/json"
         return Response(content=body, status_code=status, headers=headers)
+
+    @api.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        """An unexpected error (a bug): 500 in OpenAI's format; the server logs the traceback."""
+        metrics.reject("", 500, False)
+        body = error_body("internal router error", type_="server_error", code="internal_error")
+        return Response(content=body, status_code=500, media_type="application/json")
 
     @api.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> Response:

@@ -251,3 +251,19 @@ async def test_a_version_change_moves_the_endpoint_to_new_series() -> None:
         assert get("fleet_router_requests_total", {**labels, "version": "v1"}) is None
         assert get("fleet_router_requests_total", {**labels, "version": "v2"}) == 1
         assert app.pools.get("m").endpoints[0].requests_total == 2  # type: ignore[union-attr]  # same state kept
+
+
+async def test_a_bug_is_answered_500_in_openai_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    async with router() as (app, client, _):
+        monkeypatch.setattr("router.proxy.check_request", broken)
+        monkeypatch.setattr(app.pools, "stats", broken)
+        for method, path in (("POST", "/v1/completions"), ("GET", "/admin/v1/stats")):
+            async with client.request(method, path, json={"model": "m", "prompt": "x"}, headers=AUTH) as resp:
+                assert resp.status == 500, path
+                assert (await resp.json())["error"]["code"] == "internal_error"
+        async with client.get("/health") as resp:
+            assert resp.status == 200
+    assert rejected(app, "", 500) == 2
