@@ -35,7 +35,8 @@ SHORT_S = 0.3  # the body / head timeouts the router under test runs with
 async def router(**server: Any) -> AsyncIterator[tuple[RouterApp, aiohttp.ClientSession, str]]:
     app = create_app(TOKEN)
     timeout = aiohttp.ClientTimeout(total=WAIT_S)
-    async with running_app(app, head_timeout_s=SHORT_S, body_timeout_s=SHORT_S, **server) as base, \
+    server = {"head_timeout_s": SHORT_S, "body_timeout_s": SHORT_S, **server}
+    async with running_app(app, **server) as base, \
             aiohttp.ClientSession(base, timeout=timeout) as client:  # fmt: skip
         yield app, client, base
 
@@ -267,3 +268,31 @@ async def test_a_bug_is_answered_500_in_openai_format(monkeypatch: pytest.Monkey
         async with client.get("/health") as resp:
             assert resp.status == 200
     assert rejected(app, "", 500) == 2
+
+
+async def test_the_deadlines_bound_receiving_a_request_not_idle_or_answering_time() -> None:
+    """The head has `head_timeout_s`; the body then has `body_timeout_s` of its own; an idle
+    kept-alive connection and a slow answer are not cut by either."""
+    async with FakeEngine("e") as engine, router(body_timeout_s=10 * SHORT_S) as (_, client, base):
+        await put_pool(client, "m", [{"id": "e", "url": engine.url}])
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        parts = urlsplit(base)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            # The body arrives after the head deadline but within the body's own: served.
+            writer.write(head % len(body))
+            await asyncio.sleep(2 * SHORT_S)  # past head_timeout_s, inside body_timeout_s: the case under test
+            writer.write(body)
+            status_line = await asyncio.wait_for(reader.readuntil(b"\r\n"), WAIT_S)
+            assert status_line.startswith(b"HTTP/1.1 200")
+            response_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+            length = int(response_head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await asyncio.wait_for(reader.readexactly(length), WAIT_S)
+            # Idle on a kept-alive connection for longer than both deadlines: still usable.
+            await asyncio.sleep(5 * SHORT_S)  # idle time is the case under test
+            writer.write(head % len(body) + body)
+            status_line = await asyncio.wait_for(reader.readuntil(b"\r\n"), WAIT_S)
+            assert status_line.startswith(b"HTTP/1.1 200")
+        finally:
+            writer.close()

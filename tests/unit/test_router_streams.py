@@ -81,6 +81,18 @@ def test_relay_holds_back_a_partial_event_until_its_end_arrives() -> None:
     assert relay.feed(b"data: [DO", 3.0) == b"" and relay.rest() == b"data: [DO"
 
 
+def test_relay_output_does_not_depend_on_how_reads_split_the_stream() -> None:
+    stream = (event({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) + text_event("a") +
+              text_event("bc") + event({"choices": [], "usage": {"completion_tokens": 3}}) + b"data: [DONE]\n\n")
+    for i in range(1, len(stream)):
+        for j in range(i, len(stream), 7):
+            relay = SseRelay()
+            out = [relay.feed(stream[:i], 1.0), relay.feed(stream[i:j], 2.0), relay.feed(stream[j:], 3.0)]
+            assert b"".join(out) + relay.rest() == stream
+            assert all(chunk.endswith(b"\n\n") for chunk in out if chunk)  # whole events only
+            assert (relay.token_events, relay.output_tokens()) == (2, 3)
+
+
 def test_relay_counts_only_events_that_carry_generated_text() -> None:
     relay = SseRelay()
     chat_role = event({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
