@@ -28,6 +28,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
+from pydantic_core import to_json
 
 from router.pool import EndpointState, PoolTable
 from router.spec import MAX_ENDPOINTS_PER_POOL, EndpointSpec, PoolSpec
@@ -87,14 +88,14 @@ async def _validate_pool(body: bytes) -> PoolSpec:
 
 
 async def _pool_json(head: dict[str, object], endpoints: Sequence[EndpointState]) -> bytes:
-    """`head` plus `"endpoints": [...]` as JSON, encoded `YIELD_EVERY` endpoints at a time."""
+    """`head` plus `"endpoints": [...]` as JSON, encoded `YIELD_EVERY` endpoints at a time
+    (`pydantic_core.to_json`, Rust, for each slice)."""
     parts = []
     for start in range(0, len(endpoints), YIELD_EVERY):
-        parts.append(",".join(json.dumps(e.snapshot(), separators=(",", ":")) for e in endpoints[start:start + YIELD_EVERY]))
+        parts.append(to_json([e.snapshot() for e in endpoints[start:start + YIELD_EVERY]])[1:-1])
         if len(endpoints) > YIELD_EVERY:
             await asyncio.sleep(0)
-    head_json = json.dumps(head, separators=(",", ":"))
-    return head_json[:-1].encode() + b',"endpoints":[' + ",".join(parts).encode() + b"]}"
+    return to_json(head)[:-1] + b',"endpoints":[' + b",".join(parts) + b"]}"
 
 
 _ENDPOINT_LIST: TypeAdapter[list[EndpointSpec]] = TypeAdapter(list[EndpointSpec])
