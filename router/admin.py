@@ -78,8 +78,10 @@ async def _validate_pool(body: bytes) -> PoolSpec:
                 try:
                     validated.extend(_ENDPOINT_LIST.validate_python(batch))
                 except ValidationError as exc:
-                    raise RequestValidationError([{**e, "loc": ("body", "endpoints", e["loc"][0] + start, *e["loc"][1:])}
-                                                  for e in exc.errors()]) from None  # fmt: skip
+                    errors = exc.errors()
+                    raise RequestValidationError(
+                        [{**e, "loc": ("body", "endpoints", e["loc"][0] + start, *e["loc"][1:])} for e in errors]
+                    ) from None
                 await asyncio.sleep(0)
             doc = {**doc, "endpoints": validated + endpoints[len(validated):]}  # instances are not re-validated
         return PoolSpec.model_validate(doc)
@@ -173,8 +175,9 @@ def admin_router(pools: PoolTable, admin_token: str) -> APIRouter:
             spec = await _validate_pool(body)
             with _gc_paused():
                 pool = pools.put(model, spec)
-        return _json_response(json.dumps({"model": model, **pool.snapshot_head(), "endpoints_total": len(pool.endpoints),
-                                          "endpoints_ready": len(pool.ready)}).encode())  # fmt: skip
+        summary = {"model": model, **pool.snapshot_head(), "endpoints_total": len(pool.endpoints),
+                   "endpoints_ready": len(pool.ready)}  # fmt: skip
+        return _json_response(to_json(summary))
 
     @router.delete("/pools/{model:path}")
     async def delete_pool(model: ModelName) -> dict[str, object]:

@@ -53,8 +53,9 @@ class EndpointState:
     interrupted), `ewma_first_byte_s` (EWMA of the time to first byte, seconds: the first body
     chunk of a streamed reply, the response head of a sized one, so for a non-streamed
     completion the whole generation; None before the first sample), `last_sample_s`
-    (router-clock seconds of the latest sample; None before it), `unavailable_until_s` (router-clock seconds until which a connection failure keeps the
-    endpoint out of the candidates). `metrics` holds the endpoint's Prometheus children
+    (router-clock seconds of the latest sample; None before it), `unavailable_until_s`
+    (router-clock seconds until which a connection failure keeps the endpoint out of the
+    candidates). `metrics` holds the endpoint's Prometheus children
     (`router.metrics.EndpointMetrics`; None outside a `PoolTable`).
     """
 

@@ -5,9 +5,9 @@ Owns `Proxy`, a raw ASGI handler for `POST /v1/completions` and
 `router.app.RouterApp` for those two paths only; everything else goes to the FastAPI app.
 
 Per request: read the body (at most `max_body_bytes`, else 413; the server bounds the time,
-`router.server.RequestGuardProtocol`) and check the JSON (400), find the model's pool (404), let the pool's policy pick a ready endpoint
-(503 + Retry-After if none), forward the original body bytes to `{endpoint.url}{path}`, and
-relay status, content type and body. A pool with a
+`router.server.RequestGuardProtocol`) and check the JSON (400), find the model's pool (404),
+let the pool's policy pick a ready endpoint (503 + Retry-After if none), forward the original
+body bytes to `{endpoint.url}{path}`, and relay status, content type and body. A pool with a
 per-endpoint concurrency limit holds a request that finds every ready endpoint full in its
 admission queue (`router.admission`; 503 when the queue is full or the wait times out). Each
 request is recorded in its model's windowed stats (`router.stats`): arrival, queue time

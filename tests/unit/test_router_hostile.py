@@ -164,7 +164,8 @@ async def test_admin_token_is_checked_before_the_body_is_read_and_bodies_are_bou
         async with client.put("/admin/v1/pools/m", data=chunks(), headers=AUTH) as resp:
             assert resp.status == 413
         # An admin body that never arrives in full: 408.
-        raw = await raw_exchange(base, head.replace(b"209715200", b"1000") + f"authorization: Bearer {TOKEN}\r\n\r\n{{".encode())
+        slow = head.replace(b"209715200", b"1000") + f"authorization: Bearer {TOKEN}\r\n\r\n{{".encode()
+        raw = await raw_exchange(base, slow)
         assert status_of(raw) == 408
         async with client.get("/health") as resp:
             assert resp.status == 200
@@ -276,7 +277,8 @@ async def test_the_deadlines_bound_receiving_a_request_not_idle_or_answering_tim
     async with FakeEngine("e") as engine, router(body_timeout_s=10 * SHORT_S) as (_, client, base):
         await put_pool(client, "m", [{"id": "e", "url": engine.url}])
         body = json.dumps({"model": "m", "prompt": "hi"}).encode()
-        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n")
         parts = urlsplit(base)
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         try:
