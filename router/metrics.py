@@ -337,9 +337,11 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             "fleet_router_rejected_requests",
-            "Requests the router answered itself with an error, by HTTP status: 400 bad request, "
+            "Requests the router answered itself with an error, by HTTP status: 400 bad request "
+            "(JSON or HTTP), "
             "401 admin token, 404 unknown model or path, 405, 408 request not received in time, 413, "
-            "422 bad admin document, 431 request head too large, 502 all attempts failed, 503 no "
+            "422 bad admin document, 431 request head too large, 500 router bug, 502 all attempts "
+            "failed or the endpoint failed before answering, 504 endpoint timed out, 503 no "
             "ready endpoint or queue full. model: the pool's model; '(unknown)' for a model "
             "without a pool; empty when no model was named.",
             ["model", "code"],

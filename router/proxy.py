@@ -410,10 +410,13 @@ class Proxy:
             type_="server_error", code="queue_timeout"), self._retry_after, stats)  # fmt: skip
         return None
 
+    def _count_rejection(self, model: str, status: int) -> None:
+        self._metrics.reject(model, status, self._pools.get(model) is not None)
+
     async def _reject(self, send: Send, status: int, model: str, body: bytes,
                       extra_headers: list[tuple[bytes, bytes]] | None = None,
                       stats: ModelStats | None = None) -> None:  # fmt: skip
-        self._metrics.reject(model, status, self._pools.get(model) is not None)
+        self._count_rejection(model, status)
         if stats is not None:
             stats.rejected.add(self._clock())
         await send_json(send, status, body, extra_headers)
@@ -459,7 +462,9 @@ class Proxy:
                 m.error("timeout" if timed_out else "interrupted").inc()
                 log.warning("endpoint %s (%s): request failed: %r", endpoint.id, endpoint.url, exc)
                 watch.finishing = True
-                await send_json(send, 504 if timed_out else 502, error_body(
+                status = 504 if timed_out else 502
+                self._count_rejection(m.labels[0], status)
+                await send_json(send, status, error_body(
                     f"endpoint {endpoint.id} failed: {type(exc).__name__}", type_="server_error",
                     code="upstream_timeout" if timed_out else "upstream_error"))  # fmt: skip
                 return False
@@ -525,6 +530,7 @@ class Proxy:
             m.error("interrupted").inc()
             log.warning("endpoint %s (%s): body read failed: %r", endpoint.id, endpoint.url, exc)
             watch.finishing = True
+            self._count_rejection(m.labels[0], 502)
             await send_json(send, 502, error_body(f"endpoint {endpoint.id} failed mid-response",
                                                   type_="server_error", code="upstream_error"))  # fmt: skip
             return False

@@ -100,6 +100,10 @@ class RequestGuardProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_message_complete()
 
+    def send_400_response(self, msg: str) -> None:
+        """A request the HTTP parser cannot read: 400 in OpenAI's format (uvicorn's is plain text)."""
+        self._refuse(400, b"Bad Request", b"invalid HTTP request", b"invalid_http_request")
+
     def _arm(self) -> None:
         self._head_bytes = 0
         self._head_done_s = None

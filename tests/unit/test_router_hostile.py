@@ -298,3 +298,33 @@ async def test_the_deadlines_bound_receiving_a_request_not_idle_or_answering_tim
             assert status_line.startswith(b"HTTP/1.1 200")
         finally:
             writer.close()
+
+
+async def test_a_request_the_http_parser_cannot_read_gets_400_in_openai_format() -> None:
+    async with router() as (app, client, base):
+        raw = await raw_exchange(base, b"GARBAGE\x00 / HTTP/1.1\r\n\r\n")
+        assert status_of(raw) == 400 and error_of(raw)["code"] == "invalid_http_request"
+        async with client.get("/health") as resp:
+            assert resp.status == 200
+    assert rejected(app, "", 400) == 1
+
+
+async def test_an_endpoint_failing_before_its_answer_is_complete_counts_as_a_rejection() -> None:
+    async def cut_short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"cho")
+        await writer.drain()
+        writer.transport.abort()
+
+    server = await asyncio.start_server(cut_short, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with router() as (app, client, _):
+            await put_pool(client, "m", [{"id": "cut", "url": url}])
+            async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+                assert resp.status == 502
+                assert (await resp.json())["error"]["code"] == "upstream_error"
+        assert rejected(app, "m", 502) == 1
+    finally:
+        server.close()
+        await server.wait_closed()
