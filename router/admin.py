@@ -7,12 +7,18 @@ to see when a draining endpoint has no request in flight.
 
 Endpoints (all need `Authorization: Bearer <admin token>`, else 401; `router.app.RouterApp`
 checks it before reading the body, and bounds the body; the check here is a second line):
-`PUT /admin/v1/pools/{model}` (body: `router.spec.PoolSpec`) creates or replaces a pool;
+`PUT /admin/v1/pools/{model}` (body: `router.spec.PoolSpec`) creates or replaces a pool and
+answers a summary (422 naming the field for a bad document);
 `DELETE /admin/v1/pools/{model}` removes one (404 if absent);
 `GET /admin/v1/pools` lists all pools with live endpoint stats;
 `GET /admin/v1/pools/{model}` shows one pool;
 `GET /admin/v1/stats?window_s=30` gives each model's windowed statistics (`router.stats`):
-arrival rate, rejections, in flight, queued, and queue time / TTFT / end-to-end summaries.
+arrival rate, rejections, in flight, queued, and queue time / TTFT / TPOT / end-to-end summaries.
+
+Pools of thousands of endpoints never hold the event loop long: documents are validated and
+listed in slices between yields (`YIELD_EVERY`), PUTs and DELETEs apply in arrival order under
+one lock, and garbage collection is paused while a pool is swapped (`_gc_paused`); the figures
+are in README.md ("The router under hostile input and large pools").
 """
 
 from __future__ import annotations
