@@ -30,10 +30,9 @@ bursty trace replay through the router lost 9-29 of 4,132 requests at uvicorn's 
 
 
 DEFAULT_HEAD_TIMEOUT_S = 10.0
-"""Longest time (seconds) from a connection's opening, or from the first byte of a request on a
-kept-alive one, until the request head (request line and headers) is complete; 408 and the
-connection closed after it. uvicorn has no such bound: a client that opens a connection and
-sends part of a head would hold it (and its memory) forever. A real client sends its head in one
+"""Longest time (seconds) from the first byte of a request until its head (request line and
+headers) is complete; 408 and the connection closed after it. uvicorn has no such bound: a
+client that sends part of a head would hold the connection (and its memory) forever. A real client sends its head in one
 write; 10 s leaves room for a slow link (nginx's `client_header_timeout` is 60 s)."""
 
 DEFAULT_BODY_TIMEOUT_S = 60.0
@@ -51,9 +50,10 @@ class RequestGuardProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus deadlines on receiving each request and a size limit on
     its head.
 
-    One timer per request, armed when the request begins (at `connection_made` for a new
-    connection, at the first byte of the next request on a kept-alive one) and cancelled when
-    the whole request (head and body) has arrived, which for most requests is the same read.
+    One timer per request, armed at the request's first byte and cancelled when the whole
+    request (head and body) has arrived, which for most requests is the same read. Before its
+    first byte a connection is idle, new or kept alive, and uvicorn's keep-alive timeout
+    (`CLIENT_KEEPALIVE_S`) closes it silently.
     The head must be complete within `head_timeout_s`, the body within `body_timeout_s` of the
     head's end; the head's size is counted over the reads after which it is still incomplete.
     Beyond a limit the client gets 408 / 431 in OpenAI's error format with `connection: close`
@@ -73,19 +73,29 @@ class RequestGuardProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm()
+        # Until its first byte, a new connection is idle like a kept-alive one: uvicorn's
+        # keep-alive timer closes it silently (uvicorn arms none here, so an idle connection
+        # stayed open forever); the first byte cancels it and starts the request's deadline.
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self._timer is not None and self._head_done_s is None and not self.transport.is_closing():
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_head_bytes:
-                self._refuse(431, b"Request Header Fields Too Large", b"request head too large",
-                             b"request_header_fields_too_large")  # fmt: skip
+        super().data_received(data)  # cancels the keep-alive timer
+        if self.transport.is_closing():
+            return
+        if self._timer is not None:
+            if self._head_done_s is None:
+                self._head_bytes += len(data)
+                if self._head_bytes > self.max_head_bytes:
+                    self._refuse(431, b"Request Header Fields Too Large", b"request head too large",
+                                 b"request_header_fields_too_large")  # fmt: skip
+        elif self.timeout_keep_alive_task is None and (self.cycle is None or self.cycle.response_complete):
+            # Bytes that began no request (blank lines, which the parser skips): still idle.
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)  # fmt: skip
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
