@@ -76,7 +76,8 @@ class RequestGuardProtocol(HttpToolsProtocol):
         # Until its first byte, a new connection is idle like a kept-alive one: uvicorn's
         # keep-alive timer closes it silently (uvicorn arms none here, so an idle connection
         # stayed open forever); the first byte cancels it and starts the request's deadline.
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)  # fmt: skip
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
