@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol
@@ -124,37 +126,79 @@ def _raise_for_status(status: int, url: str, detail: str = "") -> None:
     raise FetchRefused(msg)
 
 
+class _Hasher:
+    """sha256 (and the git blob id when the source lists one) of a byte stream, computed on a
+    thread of its own so that hashing overlaps receiving (large hashlib updates release the
+    GIL). Chunks are handed over in batches of ``BATCH_BYTES`` (one queue operation per batch,
+    not per 64 KiB socket read); ``hexdigests`` hands over the rest and waits."""
+
+    BATCH_BYTES = 4 << 20
+
+    def __init__(self, rf: RemoteFile) -> None:
+        self.sha256 = hashlib.sha256()
+        self.git = _git_hasher(rf)
+        self.batch: list[bytes] = []
+        self.batch_bytes = 0
+        self.q: queue.Queue[list[bytes] | None] = queue.Queue(8)
+        self.thread = threading.Thread(target=self._run, name="fleet-cache-sha256", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (batch := self.q.get()) is not None:
+            for chunk in batch:
+                self.sha256.update(chunk)
+                if self.git is not None:
+                    self.git.update(chunk)
+
+    def update(self, chunk: bytes) -> None:
+        self.batch.append(chunk)
+        self.batch_bytes += len(chunk)
+        if self.batch_bytes >= self.BATCH_BYTES:
+            self.q.put(self.batch)
+            self.batch, self.batch_bytes = [], 0
+
+    def hexdigests(self) -> tuple[str, str | None]:
+        """Stop the thread; returns (sha256, git blob id or None)."""
+        if self.batch:
+            self.q.put(self.batch)
+            self.batch, self.batch_bytes = [], 0
+        self.q.put(None)
+        self.thread.join()
+        return self.sha256.hexdigest(), (self.git.hexdigest() if self.git is not None else None)
+
+
 class _HashingWriter:
-    """The file object handed to a transport: hashes what is written, counts it for progress,
-    and re-hashes from the file when a transport rewinds and truncates it."""
+    """The file object handed to a transport: writes at once (what was received is on disk, for
+    a later resume), hashes through a `_Hasher`, counts bytes for progress, and re-hashes from
+    the file when a transport rewinds and truncates it."""
 
     def __init__(self, f: BinaryIO, rf: RemoteFile, on_bytes: OnBytes | None) -> None:
         self.f = f
         self.rf = rf
         self.on_bytes = on_bytes
-        self.sha256 = hashlib.sha256()
-        self.git = _git_hasher(rf)
+        self.hasher = _Hasher(rf)
         self.written = 0
+
+    def _absorb(self, limit: int | None) -> None:
+        self.f.seek(0)
+        while (limit is None or self.written < limit) and (
+                chunk := self.f.read(CHUNK_BYTES if limit is None else min(CHUNK_BYTES, limit - self.written))):
+            self.hasher.update(chunk)
+            self.written += len(chunk)
 
     def absorb_existing(self) -> int:
         """Hash the part file's current content (a resumed download); returns its length."""
-        self.f.seek(0)
-        while chunk := self.f.read(CHUNK_BYTES):
-            self._update(chunk)
+        self._absorb(None)
         return self.written
 
-    def _update(self, chunk: bytes) -> None:
-        self.sha256.update(chunk)
-        if self.git is not None:
-            self.git.update(chunk)
-        self.written += len(chunk)
-
     def write(self, chunk: bytes) -> int:
-        n = self.f.write(chunk)
-        self._update(chunk)
+        chunk = bytes(chunk)
+        self.f.write(chunk)
+        self.hasher.update(chunk)
+        self.written += len(chunk)
         if self.on_bytes is not None:
             self.on_bytes(len(chunk))
-        return n
+        return len(chunk)
 
     def tell(self) -> int:
         return self.f.tell()
@@ -166,17 +210,19 @@ class _HashingWriter:
         keep = self.f.tell() if size is None else size
         dropped = self.written - keep
         self.f.truncate(keep)
+        self.hasher.hexdigests()
+        self.hasher, self.written = _Hasher(self.rf), 0
+        self._absorb(keep)
         self.f.seek(keep)
-        self.sha256, self.git, self.written = hashlib.sha256(), _git_hasher(self.rf), 0
-        self.f.seek(0)
-        while self.written < keep and (chunk := self.f.read(min(CHUNK_BYTES, keep - self.written))):
-            self._update(chunk)
         if self.on_bytes is not None and dropped > 0:
             self.on_bytes(-dropped)
         return keep
 
     def flush(self) -> None:
         self.f.flush()
+
+    def finish(self) -> tuple[str, str | None]:
+        return self.hasher.hexdigests()
 
 
 def _git_hasher(rf: RemoteFile):
@@ -223,21 +269,22 @@ def _fetch_once(rf: RemoteFile, part: Path, transfer: Transfer, headers: dict[st
     fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
     with os.fdopen(fd, "r+b") as f:
         writer = _HashingWriter(f, rf, None)
-        have = writer.absorb_existing()
-        if rf.size is not None and have > rf.size:   # longer than the file: not a prefix of it
-            writer.truncate(0)
-            have = 0
-        if on_bytes is not None and have:
-            on_bytes(have)
-        writer.on_bytes = on_bytes
-        f.seek(have)
-        if rf.size is None or have < rf.size:
-            transfer.fetch(rf.url, writer, have, headers, rf.size)
-        f.flush()
+        try:
+            have = writer.absorb_existing()
+            if rf.size is not None and have > rf.size:   # longer than the file: not a prefix of it
+                writer.truncate(0)
+                have = 0
+            if on_bytes is not None and have:
+                on_bytes(have)
+            writer.on_bytes = on_bytes
+            f.seek(have)
+            if rf.size is None or have < rf.size:
+                transfer.fetch(rf.url, writer, have, headers, rf.size)
+            writer.flush()
+        finally:
+            digest, git = writer.finish()   # stops the hashing thread, also when the transfer failed
         os.fsync(f.fileno())
         size = writer.written
-        digest = writer.sha256.hexdigest()
-        git = writer.git.hexdigest() if writer.git is not None else None
     problem = None
     if rf.size is not None and size != rf.size:
         problem = f"size {size} bytes, the source lists {rf.size}"
