@@ -7,6 +7,8 @@ Serves a generated model (``--shards`` safetensors-sized files of random bytes p
 files, a fleet-manifest.json with sha256) from tests/hub_server.py (``sendfile``, HTTP/1.1
 keep-alive) on 127.0.0.1, then, ``--repeats`` times in alternation:
 
+The server (tests/hub_server.py) runs in a process of its own. Measured:
+
 - curl, one process for all files, sequential (``-o`` per URL) and ``--parallel --parallel-max 4``;
 - Fleet, ``WeightCache.ensure`` of the manifest into a fresh cache root, one file at a time and 4
   at once (the default): fetch + sha256 while writing + verification + rename into the store.
@@ -36,7 +38,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.agent.cache import WeightCache  # noqa: E402
 from fleet.agent.sources import write_manifest  # noqa: E402
-from tests.hub_server import HubServer  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ServerProcess:
+    """tests/hub_server.py in a process of its own (in this one it would share the GIL with
+    Fleet's client, and not with curl)."""
+
+    def __init__(self, static_root: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.hub_server", str(static_root)], cwd=REPO,
+                                     stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http://"):
+            self.proc.kill()
+            raise RuntimeError("the hub server did not start")
+
+    def requests(self) -> list:
+        import httpx
+
+        return httpx.get(f"{self.url}/_log").json()["requests"]
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def make_model(d: Path, size_mib: int, shards: int) -> int:
@@ -50,6 +78,7 @@ def make_model(d: Path, size_mib: int, shards: int) -> int:
     (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     (d / "tokenizer.json").write_bytes(os.urandom(2_000_000))
     write_manifest(d)
+    os.sync()   # the model's dirty pages written back: the first timed run does not pay for them
     return sum(p.stat().st_size for p in d.iterdir() if p.name != "fleet-manifest.json")
 
 
@@ -96,7 +125,7 @@ def main() -> None:
         total = make_model(static / "model", args.size_mib, args.shards)
         files = sorted(p.name for p in (static / "model").iterdir() if p.name != "fleet-manifest.json")
         print(f"model: {len(files)} files, {total / 1e6:.0f} MB; machine: {os.cpu_count()} CPU(s)")
-        with HubServer(static_root=static) as server:
+        with ServerProcess(static) as server:
             source = f"{server.url}/static/model/"
             urls = [f"{server.url}/static/model/{n}" for n in files]
             times: dict[str, list[float]] = {k: [] for k in ("curl x1", "fleet x1", "curl x4", "fleet x4")}
@@ -104,6 +133,7 @@ def main() -> None:
                 for name in times:
                     out = work / f"run-{r}-{name.replace(' ', '')}"
                     parallel = 4 if name.endswith("x4") else 1
+                    os.sync()
                     t = run_curl(urls, out, parallel) if name.startswith("curl") else run_fleet(source, out, parallel)
                     times[name].append(t)
                     shutil.rmtree(out)
@@ -138,12 +168,12 @@ def main() -> None:
             print(f"  fleet cache verify (full re-hash):   {verify_s:.2f} s")
             print(f"  lookup (stat check of {len(files)} files):   {lookup_ms:.2f} ms per use")
 
-            n0 = len(server.log.requests)
+            n0 = len(server.requests())
             root = work / "concurrent"
             start_at = time.time() + 1.5
             with multiprocessing.get_context("spawn").Pool(8) as pool:
                 paths = pool.map(_ensure_in_process, [(str(root), source, start_at)] * 8)
-            gets = [p for m, p, _ in server.log.requests[n0:] if m == "GET" and p.endswith(".safetensors")]
+            gets = [p for m, p, _ in server.requests()[n0:] if m == "GET" and p.endswith(".safetensors")]
             per_shard = {n: sum(1 for p in gets if p.endswith(n)) for n in files if n.endswith(".safetensors")}
             print(f"\n8 processes asking for one model at once: {len(set(paths))} distinct path(s); "
                   f"GETs per shard: {sorted(set(per_shard.values()))} "

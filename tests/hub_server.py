@@ -17,6 +17,11 @@ Routes (as huggingface.co answers them, read from huggingface_hub 2.x's client c
   ``X-Linked-Size`` / ``X-Linked-Etag`` for LFS files, and ``Range: bytes=N-`` answered 206;
 - ``GET /static/{path}``: a file of ``static_root`` (Range too), sent with ``sendfile``.
 
+``GET /_log``: the request log as JSON (for a client in another process).
+
+Run alone (loadtests/bench_cache_fill.py does, so that the server does not share the client's
+GIL): ``python -m tests.hub_server STATIC_ROOT`` prints its URL and serves until killed.
+
 Faults: ``cut_after[path] = n`` closes the connection after ``n`` bytes of that file (once);
 ``hold_after[path] = n`` sends ``n`` bytes then waits until ``release`` is set (a client can be
 killed mid-download); ``corrupt.add(path)`` flips a byte of what is sent (once).
@@ -198,6 +203,9 @@ def _handler(server: HubServer):
                     extra.update({"X-Linked-Size": str(len(data)), "X-Linked-Etag": f'"{etag}"'})
                 self._send_bytes(path, len(data), lambda off, n: data[off:off + n], extra)
                 return
+            if path == "/_log":   # the request log, for a client in another process (the benchmark)
+                self._json({"requests": server.log.requests, "body_bytes": server.log.body_bytes})
+                return
             if parts[0] == "static" and server.static_root is not None:
                 file = (server.static_root / "/".join(parts[1:])).resolve()
                 if not file.is_file() or server.static_root.resolve() not in file.parents:
@@ -295,3 +303,13 @@ def _handler(server: HubServer):
             server.sent(sent)
 
     return Handler
+
+
+if __name__ == "__main__":
+    import sys
+    import time
+
+    with HubServer(static_root=Path(sys.argv[1])) as _server:
+        print(_server.url, flush=True)
+        while True:
+            time.sleep(3600)

@@ -409,22 +409,39 @@ class WeightCache:
                 got = fetch_file(rf, parts[rf.path], transfer, plan.headers, meter.add, self.retry)
             except Exception as err:
                 raise CacheError(f"{plan.source}: {rf.path}: {err}") from err
-            blob = self._blob(got.sha256)
-            if blob.is_file():
-                parts[rf.path].unlink(missing_ok=True)
-            else:
-                os.chmod(parts[rf.path], 0o444)
-                os.replace(parts[rf.path], blob)
             return rf.path, got.sha256
 
+        fetched: dict[str, str] = {}
+        errors: list[CacheError] = []
         try:
-            if len(missing) <= 1 or self.parallel_files == 1:
-                done.update(one(rf) for rf in missing)
-            else:
-                with ThreadPoolExecutor(self.parallel_files, thread_name_prefix="fleet-cache") as pool:
-                    done.update(pool.map(one, sorted(missing, key=lambda r: -(r.size or 0))))
+            with ThreadPoolExecutor(min(self.parallel_files, max(1, len(missing))),
+                                    thread_name_prefix="fleet-cache") as pool:
+                futures = [pool.submit(one, rf) for rf in sorted(missing, key=lambda r: -(r.size or 0))]
+                for fut in futures:
+                    try:
+                        path, sha = fut.result()
+                        fetched[path] = sha
+                    except CacheError as err:
+                        errors.append(err)
         finally:
             meter.close()
+        # Made durable once all are fetched (the kernel has been writing them back meanwhile, as
+        # for any download), then renamed into the store: a blob is never a torn file.
+        for path, sha in fetched.items():
+            part, blob = parts[path], self._blob(sha)
+            if blob.is_file():
+                part.unlink(missing_ok=True)
+                continue
+            fd = os.open(part, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.chmod(part, 0o444)
+            os.replace(part, blob)
+        if errors:   # the files that were fetched are in the store: the next attempt skips them
+            raise errors[0]
+        done.update(fetched)
         return done
 
     def _commit(self, identity: str, key: str, plan: ModelPlan, shas: dict[str, str]) -> None:

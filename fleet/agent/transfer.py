@@ -243,7 +243,8 @@ class Fetched:
 
 def fetch_file(rf: RemoteFile, part: Path, transfer: Transfer, headers: dict[str, str] | None = None,
                on_bytes: OnBytes | None = None, retry: RetryPolicy = RetryPolicy()) -> Fetched:
-    """Fetch ``rf`` into ``part`` (created, or resumed from its length) and verify it.
+    """Fetch ``rf`` into ``part`` (created, or resumed from its length) and verify it. The part
+    file is not fsynced here: the caller does, before renaming it into the store.
 
     ``on_bytes(n)`` is called with each chunk's length (negative when a transport discards bytes).
     Transient failures are retried with exponential backoff (``retry``); a verification failure
@@ -283,7 +284,6 @@ def _fetch_once(rf: RemoteFile, part: Path, transfer: Transfer, headers: dict[st
             writer.flush()
         finally:
             digest, git = writer.finish()   # stops the hashing thread, also when the transfer failed
-        os.fsync(f.fileno())
         size = writer.written
     problem = None
     if rf.size is not None and size != rf.size:

@@ -273,6 +273,7 @@ def test_a_file_that_never_matches_its_digest_fails_naming_it(hub, tmp_path):
     with pytest.raises(CacheError, match="config.json.*(size|sha256)"):
         cache.ensure(source)
     assert cache.entries() == [] and not list((tmp_path / "cache" / "partial").rglob("*.part"))
+    assert cache.blob_bytes() >= len(_files(5)["model.safetensors"])   # the good files are kept for next time
 
 
 def test_free_disk_is_checked_before_fetching(hub, tmp_path):
@@ -294,7 +295,7 @@ def test_lru_eviction_to_the_budget_never_evicts_pinned_models(hub, tmp_path):
     clock.advance(10)
     c = cache.ensure(sources[2])                 # evicts b (a is pinned)
     keys = {e.key for e in cache.entries()}
-    assert keys == {a.name, c.name} and cache.blob_bytes() <= 1_000_000
+    assert keys == {a.name, c.name} and b.name not in keys and cache.blob_bytes() <= 1_000_000
     assert cache.entries()[0].pinned_by == ("replica-a",)
     cache.pin(c.name, "replica-c")
     with pytest.raises(InsufficientSpace, match="budget"):
