@@ -47,7 +47,7 @@ from fleet.agent.sources import (
     HttpSource, HubSource, LocalSource, ModelPlan, RemoteFile, SourceError, parse_source,
 )
 from fleet.agent.transfer import (
-    CHUNK_BYTES, HttpxTransfer, HubTransfer, RetryPolicy, Transfer, fetch_file,
+    CHUNK_BYTES, HttpTransfer, HubTransfer, RetryPolicy, Transfer, fetch_file,
 )
 
 Progress = Callable[[int, int], None]
@@ -129,7 +129,7 @@ class WeightCache:
 
     ``budget_bytes``: the most the blobs may take (None: only the disk limits it); eviction is
     least-recently-used over unpinned models. ``clock``: seconds (LRU times). ``http_client``:
-    an ``httpx.Client`` for http(s) sources (one is made when None). ``reserve_bytes``: free disk
+    an ``httpx.Client`` for reading http(s) manifests (one is made when None). ``reserve_bytes``: free disk
     left untouched. ``parallel_files``: files of one model fetched at once. ``disk_usage`` is
     ``shutil.disk_usage`` (tests inject a full disk).
     """
@@ -174,7 +174,7 @@ class WeightCache:
             if kind == "hub":
                 self._transfers[kind] = HubTransfer()
             else:
-                self._transfers[kind] = HttpxTransfer(self._client())
+                self._transfers[kind] = HttpTransfer()
         return self._transfers[kind]
 
     def _client(self) -> Any:

@@ -2,7 +2,8 @@
 
 Owns `fetch_file` (a `RemoteFile` into a part file: resume from its length with an HTTP Range
 request, hash while writing, verify size / sha256 / git blob id, retry with tenacity) and the two
-transports behind one signature: `HttpxTransfer` (http(s) manifests) and `HubTransfer`
+transports behind one signature: `HttpTransfer` (http(s) manifests; the standard library's
+http.client) and `HubTransfer`
 (huggingface_hub's own ``file_download.http_get``, the code ``hf_hub_download`` streams with).
 Called by `fleet.agent.cache.WeightCache`; tests run it against tests/hub_server.py.
 
@@ -15,18 +16,23 @@ hands its length to ``http_get(resume_size=...)``, which sends the Range request
 from __future__ import annotations
 
 import hashlib
+import http.client
+import logging
 import os
 import queue
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Protocol
+from typing import BinaryIO, Callable, Protocol
+from urllib.parse import urljoin, urlsplit
 
 import tenacity
 
 from fleet.agent.sources import RemoteFile
 
 CHUNK_BYTES = 1 << 20
+log = logging.getLogger("fleet.agent.transfer")
 OnBytes = Callable[[int], None]
 
 
@@ -55,9 +61,10 @@ class RetryPolicy:
 
 
 class Transfer(Protocol):
-    def fetch(self, url: str, out: BinaryIO, resume_size: int, headers: dict[str, str],
+    def fetch(self, url: str, out: _HashingWriter, resume_size: int, headers: dict[str, str],
               expected_size: int | None) -> None:
-        """Write the bytes of ``url`` from offset ``resume_size`` to ``out`` (positioned there).
+        """Write the bytes of ``url`` from offset ``resume_size`` to ``out`` (positioned there;
+        file-like: ``write``, ``seek``, ``tell``, ``truncate``, and ``fill(readinto)``).
 
         A server that ignores the Range answers 200: the transport then truncates ``out`` to 0
         and writes the whole body. Raises TransferError (retryable) or FetchRefused.
@@ -65,31 +72,78 @@ class Transfer(Protocol):
         ...
 
 
-class HttpxTransfer:
-    """GET with httpx, streaming ``CHUNK_BYTES`` at a time. ``client``: an ``httpx.Client``."""
+class HttpTransfer:
+    """GET with the standard library's ``http.client``, ``readinto`` pooled ``CHUNK_BYTES``
+    buffers (`_HashingWriter.fill`): about curl's CPU per byte, where httpx's 64 KiB event loop
+    costs twice as much (loadtests/bench_cache_fill.py). Follows up to ``MAX_REDIRECTS``
+    redirects (dropping ``Authorization`` when the host changes); keeps one connection per host
+    per thread. ``HTTP(S)_PROXY`` is not honoured on this path (hub sources go through
+    huggingface_hub, which does)."""
 
-    def __init__(self, client: Any) -> None:
-        self.client = client
+    MAX_REDIRECTS = 5
 
-    def fetch(self, url: str, out: BinaryIO, resume_size: int, headers: dict[str, str],
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+        conns = self._local.__dict__.setdefault("conns", {})
+        key = (scheme, netloc)
+        if key not in conns:
+            if scheme == "https":
+                conns[key] = http.client.HTTPSConnection(netloc, timeout=self.timeout_s,
+                                                         context=ssl.create_default_context())
+            else:
+                conns[key] = http.client.HTTPConnection(netloc, timeout=self.timeout_s)
+        return conns[key]
+
+    def _drop(self, scheme: str, netloc: str) -> None:
+        conn = self._local.__dict__.setdefault("conns", {}).pop((scheme, netloc), None)
+        if conn is not None:
+            conn.close()
+
+    def fetch(self, url: str, out: _HashingWriter, resume_size: int, headers: dict[str, str],
               expected_size: int | None) -> None:
-        import httpx
-
         req_headers = dict(headers)
         if resume_size:
             req_headers["Range"] = f"bytes={resume_size}-"
-        try:
-            with self.client.stream("GET", url, headers=req_headers, follow_redirects=True) as resp:
-                if resp.status_code == 416 and expected_size == resume_size:
+        first_host = urlsplit(url).netloc
+        for _ in range(self.MAX_REDIRECTS + 1):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https"):
+                raise FetchRefused(f"{url}: not an http(s) URL")
+            if parts.netloc != first_host:
+                req_headers.pop("Authorization", None)
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            try:
+                conn = self._conn(parts.scheme, parts.netloc)
+                conn.request("GET", target, headers=req_headers)
+                resp = conn.getresponse()
+                location = resp.getheader("Location")
+                if resp.status in (301, 302, 303, 307, 308) and location:
+                    resp.read()
+                    url = urljoin(url, location)
+                    continue
+                if resp.status == 416 and expected_size == resume_size:
+                    resp.read()
                     return   # already complete
-                _raise_for_status(resp.status_code, url)
-                if resume_size and resp.status_code == 200:
+                if resp.status >= 400:
+                    resp.read()
+                    _raise_for_status(resp.status, url)
+                if resume_size and resp.status == 200:   # the server ignored the Range
                     out.seek(0)
                     out.truncate()
-                for chunk in resp.iter_raw():   # as read from the socket: a cut loses nothing written
-                    out.write(chunk)
-        except httpx.TransportError as err:
-            raise TransferError(f"{url}: {type(err).__name__}: {err}") from None
+                length = resp.getheader("Content-Length")
+                got = 0
+                while n := out.fill(resp.readinto):
+                    got += n
+                if length is not None and got < int(length):   # http.client ends a cut body quietly
+                    raise TransferError(f"{url}: connection closed after {got} of {length} bytes")
+                return
+            except (OSError, http.client.HTTPException) as err:
+                self._drop(parts.scheme, parts.netloc)
+                raise TransferError(f"{url}: {type(err).__name__}: {err}") from None
+        raise FetchRefused(f"{url}: more than {self.MAX_REDIRECTS} redirects")
 
 
 class HubTransfer:
@@ -98,7 +152,7 @@ class HubTransfer:
     ``http_get`` writes in ``constants.DOWNLOAD_CHUNK_SIZE`` (10 MiB) pieces: a cut loses the
     piece in flight, everything written before it is resumed from."""
 
-    def fetch(self, url: str, out: BinaryIO, resume_size: int, headers: dict[str, str],
+    def fetch(self, url: str, out: _HashingWriter, resume_size: int, headers: dict[str, str],
               expected_size: int | None) -> None:
         import httpx2
         from huggingface_hub.errors import HfHubHTTPError
@@ -129,39 +183,54 @@ def _raise_for_status(status: int, url: str, detail: str = "") -> None:
 class _Hasher:
     """sha256 (and the git blob id when the source lists one) of a byte stream, computed on a
     thread of its own so that hashing overlaps receiving (large hashlib updates release the
-    GIL). Chunks are handed over in batches of ``BATCH_BYTES`` (one queue operation per batch,
-    not per 64 KiB socket read); ``hexdigests`` hands over the rest and waits."""
+    GIL). Takes ``bytes`` (``update``) or a pooled buffer (``update_buffer``: handed back to the
+    pool once hashed; at most ``POOL`` buffers exist); ``hexdigests`` waits for the rest."""
 
-    BATCH_BYTES = 4 << 20
+    POOL = 8
 
     def __init__(self, rf: RemoteFile) -> None:
         self.sha256 = hashlib.sha256()
         self.git = _git_hasher(rf)
-        self.batch: list[bytes] = []
-        self.batch_bytes = 0
-        self.q: queue.Queue[list[bytes] | None] = queue.Queue(8)
+        self.q: queue.Queue[bytes | tuple[bytearray, int] | None] = queue.Queue(2 * self.POOL)
+        self.free: queue.Queue[bytearray] = queue.Queue()
+        self.buffers = 0
         self.thread = threading.Thread(target=self._run, name="fleet-cache-sha256", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while (batch := self.q.get()) is not None:
-            for chunk in batch:
-                self.sha256.update(chunk)
-                if self.git is not None:
-                    self.git.update(chunk)
+        while (item := self.q.get()) is not None:
+            if isinstance(item, tuple):
+                buf, n = item
+                data = memoryview(buf)[:n]
+            else:
+                buf, data = None, item
+            self.sha256.update(data)
+            if self.git is not None:
+                self.git.update(data)
+            if buf is not None:
+                self.free.put(buf)
+
+    def buffer(self) -> bytearray:
+        """A free buffer of ``CHUNK_BYTES`` (waits for one when ``POOL`` are in flight)."""
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            if self.buffers < self.POOL:
+                self.buffers += 1
+                return bytearray(CHUNK_BYTES)
+            return self.free.get()
+
+    def give_back(self, buf: bytearray) -> None:
+        self.free.put(buf)
 
     def update(self, chunk: bytes) -> None:
-        self.batch.append(chunk)
-        self.batch_bytes += len(chunk)
-        if self.batch_bytes >= self.BATCH_BYTES:
-            self.q.put(self.batch)
-            self.batch, self.batch_bytes = [], 0
+        self.q.put(chunk)
+
+    def update_buffer(self, buf: bytearray, n: int) -> None:
+        self.q.put((buf, n))
 
     def hexdigests(self) -> tuple[str, str | None]:
         """Stop the thread; returns (sha256, git blob id or None)."""
-        if self.batch:
-            self.q.put(self.batch)
-            self.batch, self.batch_bytes = [], 0
         self.q.put(None)
         self.thread.join()
         return self.sha256.hexdigest(), (self.git.hexdigest() if self.git is not None else None)
@@ -195,10 +264,30 @@ class _HashingWriter:
         chunk = bytes(chunk)
         self.f.write(chunk)
         self.hasher.update(chunk)
-        self.written += len(chunk)
-        if self.on_bytes is not None:
-            self.on_bytes(len(chunk))
+        self._count(len(chunk))
         return len(chunk)
+
+    def fill(self, readinto: Callable[[memoryview], int]) -> int:
+        """One ``readinto`` into a pooled buffer, written at once and hashed on the hashing
+        thread; returns the bytes read (0 at the end)."""
+        buf = self.hasher.buffer()
+        try:
+            n = readinto(memoryview(buf))
+        except BaseException:
+            self.hasher.give_back(buf)
+            raise
+        if not n:
+            self.hasher.give_back(buf)
+            return 0
+        self.f.write(memoryview(buf)[:n])
+        self.hasher.update_buffer(buf, n)
+        self._count(n)
+        return n
+
+    def _count(self, n: int) -> None:
+        self.written += n
+        if self.on_bytes is not None:
+            self.on_bytes(n)
 
     def tell(self) -> int:
         return self.f.tell()
@@ -260,6 +349,7 @@ def fetch_file(rf: RemoteFile, part: Path, transfer: Transfer, headers: dict[str
         stop=tenacity.stop_after_attempt(retry.attempts),
         wait=tenacity.wait_exponential(multiplier=retry.initial_s, max=retry.max_s) + tenacity.wait_random(0, retry.initial_s),
         retry=tenacity.retry_if_exception_type((TransferError, VerificationError)),
+        before_sleep=tenacity.before_sleep_log(log, logging.WARNING),
         reraise=True,
     )
     return retrying(attempt)

@@ -131,9 +131,9 @@ def test_interrupted_download_resumes_with_a_range_request(hub, tmp_path):
     assert hub.log.body_bytes < sum(map(len, files.values())) + 10_000   # nothing fetched twice
 
 
-def _kill_mid_download(root: Path, source: str, part_bytes: int) -> None:
+def _kill_mid_download(root: Path, source: str, part_bytes: int) -> int:
     """Run ``ensure(source)`` in another process and SIGKILL it once a part file holds
-    ``part_bytes`` (the server holds the file there)."""
+    ``part_bytes`` (the server holds the file a little further); returns the part's length."""
     code = ("import sys; from pathlib import Path; from fleet.agent.cache import WeightCache; "
             "WeightCache(Path(sys.argv[1]), reserve_bytes=0, parallel_files=1).ensure(sys.argv[2])")
     proc = subprocess.Popen([sys.executable, "-c", code, str(root), source], cwd=REPO,
@@ -151,17 +151,18 @@ def _kill_mid_download(root: Path, source: str, part_bytes: int) -> None:
     finally:
         proc.kill()
         proc.wait(30)
+    return parts[0].stat().st_size
 
 
 def test_download_killed_mid_file_resumes_in_the_next_process(hub, tmp_path):
     files = _files(3)
     source = _manifest_source(hub, "m3", files)
-    hub.hold_after["m3/model.safetensors"] = 600_000
-    _kill_mid_download(tmp_path / "cache", source, 600_000)
+    hub.hold_after["m3/model.safetensors"] = 1_500_000
+    kept = _kill_mid_download(tmp_path / "cache", source, 1 << 20)   # the transport writes 1 MiB reads
     hub.release.set()
     path = _cache(tmp_path).ensure(source)
     assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
-    assert hub.log.file_gets("m3/model.safetensors")[-1] == "bytes=600000-"
+    assert hub.log.file_gets("m3/model.safetensors")[-1] == f"bytes={kept}-"
 
 
 def test_hub_download_killed_mid_file_resumes_through_huggingface_hub(hub, tmp_path):
@@ -171,11 +172,11 @@ def test_hub_download_killed_mid_file_resumes_through_huggingface_hub(hub, tmp_p
     files = _files(7, big=piece + 300_000)
     hub.repos["org/big"] = HubRepo(files)
     hub.hold_after["model.safetensors"] = piece + 100_000
-    _kill_mid_download(tmp_path / "cache", "hf://org/big", piece)
+    kept = _kill_mid_download(tmp_path / "cache", "hf://org/big", piece)
     hub.release.set()
     path = _cache(tmp_path).ensure("hf://org/big")
     assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
-    assert hub.log.file_gets("model.safetensors")[-1] == f"bytes={piece}-"
+    assert kept == piece and hub.log.file_gets("model.safetensors")[-1] == f"bytes={piece}-"
 
 
 def test_eight_concurrent_callers_cause_one_download(hub, tmp_path):
@@ -206,7 +207,7 @@ def test_eight_concurrent_callers_cause_one_download(hub, tmp_path):
 
 def test_a_process_waiting_on_another_s_download_sees_its_progress(hub, tmp_path):
     source = _manifest_source(hub, "m4", _files(4))
-    hub.hold_after["m4/model.safetensors"] = 500_000
+    hub.hold_after["m4/model.safetensors"] = 1_500_000   # past the transport's first 1 MiB read
     seen: list[tuple[int, int]] = []
     first = threading.Thread(target=lambda: _cache(tmp_path, parallel_files=1).ensure(source))
     first.start()
