@@ -24,7 +24,8 @@ GIL): ``python -m tests.hub_server STATIC_ROOT`` prints its URL and serves until
 
 Faults: ``cut_after[path] = n`` closes the connection after ``n`` bytes of that file (once);
 ``hold_after[path] = n`` sends ``n`` bytes then waits until ``release`` is set (a client can be
-killed mid-download); ``corrupt.add(path)`` flips a byte of what is sent (once).
+killed mid-download); ``corrupt.add(path)`` flips a byte of what is sent (once); ``redirect[path] = location``
+answers 302; ``ignore_range.add(path)`` answers 200 in full to a Range request.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class HubServer:
         self.cut_after: dict[str, int] = {}
         self.hold_after: dict[str, int] = {}
         self.corrupt: set[str] = set()
+        self.redirect: dict[str, str] = {}     # path suffix -> Location (302), always
+        self.ignore_range: set[str] = set()    # path suffixes answered 200 in full even with a Range
         self.release = threading.Event()
         self.log = ServerLog()
         self._lock = threading.Lock()
@@ -206,6 +209,13 @@ def _handler(server: HubServer):
             if path == "/_log":   # the request log, for a client in another process (the benchmark)
                 self._json({"requests": server.log.requests, "body_bytes": server.log.body_bytes})
                 return
+            target = next((loc for suffix, loc in server.redirect.items() if path.endswith(suffix)), None)
+            if target is not None:
+                self.send_response(302)
+                self.send_header("Location", target)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             if parts[0] == "static" and server.static_root is not None:
                 file = (server.static_root / "/".join(parts[1:])).resolve()
                 if not file.is_file() or server.static_root.resolve() not in file.parents:
@@ -218,6 +228,8 @@ def _handler(server: HubServer):
 
         def _range_start(self, size: int) -> int | None:
             rng = self.headers.get("Range")
+            if any(unquote(urlsplit(self.path).path).endswith(s) for s in server.ignore_range):
+                return None
             if not rng or not rng.startswith("bytes=") or not rng.endswith("-"):
                 return None
             return int(rng[len("bytes="):-1])

@@ -154,7 +154,6 @@ class HubTransfer:
 
     def fetch(self, url: str, out: _HashingWriter, resume_size: int, headers: dict[str, str],
               expected_size: int | None) -> None:
-        import httpx2
         from huggingface_hub.errors import HfHubHTTPError
         from huggingface_hub.file_download import http_get
 
@@ -165,7 +164,9 @@ class HubTransfer:
             status = err.response.status_code if err.response is not None else 0
             _raise_for_status(status, url, str(err).splitlines()[0])
             raise TransferError(f"{url}: {err}") from None
-        except (httpx2.HTTPError, OSError) as err:
+        except ValueError as err:   # e.g. a file over http_get's plain-HTTP size limit
+            raise FetchRefused(f"{url}: {err}") from None
+        except Exception as err:    # the client library's transport errors (its HTTP client varies by version)
             if "Consistency check failed" in str(err):
                 raise VerificationError(f"{url}: {str(err).splitlines()[0]}") from None
             raise TransferError(f"{url}: {type(err).__name__}: {err}") from None

@@ -179,6 +179,40 @@ def test_hub_download_killed_mid_file_resumes_through_huggingface_hub(hub, tmp_p
     assert kept == piece and hub.log.file_gets("model.safetensors")[-1] == f"bytes={piece}-"
 
 
+def test_two_processes_asking_at_once_cause_one_download(hub, tmp_path):
+    hub.hold_after["model.safetensors"] = 100_000
+    code = ("import sys; from pathlib import Path; from fleet.agent.cache import WeightCache; "
+            "print(WeightCache(Path(sys.argv[1]), reserve_bytes=0).ensure(sys.argv[2]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cache"), "hf://org/tiny"], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+             for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not hub.log.file_gets("model.safetensors"):
+            time.sleep(0.02)
+        hub.release.set()
+        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1]
+    assert len(hub.log.file_gets("model.safetensors")) == 1 and len(_file_gets(hub)) == 3
+
+
+def test_redirects_are_followed_and_a_server_ignoring_range_is_handled(hub, tmp_path):
+    files = _files(8)
+    source = _manifest_source(hub, "m8", files)
+    (hub.static_root / "moved").mkdir()
+    (hub.static_root / "moved" / "weights.bin").write_bytes(files["model.safetensors"])
+    hub.redirect["m8/model.safetensors"] = "/static/moved/weights.bin"
+    hub.cut_after["moved/weights.bin"] = 500_000
+    hub.ignore_range.add("moved/weights.bin")
+    path = _cache(tmp_path).ensure(source)
+    assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert hub.log.file_gets("moved/weights.bin") == [None, "bytes=500000-"]   # answered 200: refetched whole
+
+
 def test_eight_concurrent_callers_cause_one_download(hub, tmp_path):
     cache = _cache(tmp_path)
     hub.hold_after["model.safetensors"] = 100_000      # keep the first download going while the rest arrive
