@@ -210,7 +210,7 @@ class WeightCache:
     def lookup(self, source: str, revision: str | None = None) -> Path | None:
         """The directory of ``source`` if it is cached and its files pass the stat check, else
         None. No network: a hub branch means the commit it last resolved to. A local source is
-        its directory when that exists."""
+        its directory when that exists. Not a use: LRU order changes only with ``ensure``."""
         src = self._source(source, revision)
         if isinstance(src, LocalSource):
             return src.path if src.path.is_dir() else None
@@ -221,7 +221,6 @@ class WeightCache:
         record = self._record(key)
         if record is None or self._stale_files(record):
             return None
-        self._touch(key)
         return self.root / "models" / key
 
     def entries(self) -> list[CacheEntry]:
@@ -304,6 +303,7 @@ class WeightCache:
             cached = self.lookup(source, revision)   # offline: the revision it last resolved to
             if cached is None:
                 raise
+            self._touch(cached.name)
             if pin_as:
                 self.pin(cached.name, pin_as)
             return cached
