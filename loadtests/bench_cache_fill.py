@@ -13,7 +13,8 @@ The server (tests/hub_server.py) runs in a process of its own. Measured:
 - Fleet, ``WeightCache.ensure`` of the manifest into a fresh cache root, one file at a time and 4
   at once (the default): fetch + sha256 while writing + verification + rename into the store.
 
-Prints the medians (MB/s and the ratio to curl at the same parallelism), then the verification
+Prints the medians (MB/s, the CPU seconds each client spent per GB, and the ratio to curl at the
+same parallelism), then the verification
 costs: sha256 of the files alone (what hashing costs on this CPU), ``verify`` (a full re-hash of
 the cached model), and ``lookup`` (the stat check every use makes). Last, 8 processes call
 ``ensure`` on one empty cache at the same moment and the server counts the GETs of each shard
@@ -26,6 +27,7 @@ import argparse
 import hashlib
 import multiprocessing
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -129,19 +131,25 @@ def main() -> None:
             source = f"{server.url}/static/model/"
             urls = [f"{server.url}/static/model/{n}" for n in files]
             times: dict[str, list[float]] = {k: [] for k in ("curl x1", "fleet x1", "curl x4", "fleet x4")}
+            cpu: dict[str, list[float]] = {k: [] for k in times}
             for r in range(args.repeats):
                 for name in times:
                     out = work / f"run-{r}-{name.replace(' ', '')}"
                     parallel = 4 if name.endswith("x4") else 1
                     os.sync()
+                    who = resource.RUSAGE_CHILDREN if name.startswith("curl") else resource.RUSAGE_SELF
+                    before = resource.getrusage(who)
                     t = run_curl(urls, out, parallel) if name.startswith("curl") else run_fleet(source, out, parallel)
+                    after = resource.getrusage(who)
                     times[name].append(t)
+                    cpu[name].append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
                     shutil.rmtree(out)
             med = {k: statistics.median(v) for k, v in times.items()}
             print(f"\nfill throughput (median of {args.repeats}; MB = 1e6 bytes):")
             for k in times:
                 print(f"  {k:9s} {total / med[k] / 1e6:8.0f} MB/s  ({med[k]:.2f} s; runs "
-                      + ", ".join(f"{t:.2f}" for t in times[k]) + ")")
+                      + ", ".join(f"{t:.2f}" for t in times[k])
+                      + f"; CPU {statistics.median(cpu[k]) / total * 1e9:.2f} s per GB)")
             for p in ("x1", "x4"):
                 print(f"  fleet/curl {p}: {med['curl ' + p] / med['fleet ' + p]:.2f}x")
 

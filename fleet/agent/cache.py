@@ -18,7 +18,8 @@ Layout under ``root`` (every write is a temporary name renamed into place)::
     partial/<key>/progress.json  bytes done / total, for processes waiting on the download
     pins/<key>/<holder>        one file per replica using the model: never evicted while any
     locks/<key>.lock           flock: one download per model across threads and processes
-    locks/store.lock           flock: eviction and space accounting
+    locks/store.lock           flock: eviction and space accounting (taken after an entry's
+                               lock, never before; eviction only tries entry locks)
 
 Verification: a file is verified when fetched (sha256 where the source lists one, the hub's git
 blob id for small files, the size otherwise; `fleet.agent.transfer`). Each use (``lookup``,
@@ -544,7 +545,9 @@ class WeightCache:
 
         Raises KeyError (no such model), CacheError (pinned by a replica, unless ``force``).
         """
-        with _flock(self.root / "locks" / "store.lock"), _flock(self.root / "locks" / f"{key}.lock"):
+        # Lock order everywhere: the entry's lock, then the store's (ensure holds its entry's
+        # lock when it makes room under the store's).
+        with _flock(self.root / "locks" / f"{key}.lock"), _flock(self.root / "locks" / "store.lock"):
             if self._record(key) is None:
                 raise KeyError(f"no cached model {key!r}")
             holders = self.pinned_by(key)
