@@ -376,3 +376,14 @@ def test_local_sources_are_served_in_place(tmp_path):
     assert cache.ensure(str(d)) == d and cache.ensure(f"file://{d}") == d and cache.lookup(str(d)) == d
     with pytest.raises(SourceError, match="not a directory"):
         cache.ensure(str(tmp_path / "absent"))
+
+
+def test_the_test_hub_speaks_enough_for_hf_hub_download_too(hub, tmp_path):
+    """The server is faithful beyond Fleet's own calls: huggingface_hub's hf_hub_download (HEAD
+    with X-Repo-Commit / ETag / X-Linked-*, then GET) works against it."""
+    from huggingface_hub import hf_hub_download
+
+    got = hf_hub_download("org/tiny", "model.safetensors", cache_dir=tmp_path / "hf", endpoint=hub.url)
+    assert Path(got).read_bytes() == _files(0)["model.safetensors"]
+    got = hf_hub_download("org/tiny", "config.json", cache_dir=tmp_path / "hf", endpoint=hub.url)
+    assert Path(got).read_bytes() == _files(0)["config.json"]
