@@ -191,6 +191,22 @@ class NodeAgent:
                 return
 
 
+def status_lines(status: dict[str, Any]) -> list[str]:
+    """One line per quarantined or withheld GPU / MIG instance of an agent's ``status()``, for
+    `fleet status` and `fleet inventory`; e.g. ``node-a GPU-... quarantined since 12:00:05:
+    ecc_uncorrected: 2 uncorrected ...``. Pure."""
+    node = status.get("node", "?")
+    lines = []
+    if not status.get("health_checks", True):
+        lines.append(f"{node}: GPU health checks off (no NVML)")
+    for q in status.get("quarantined", []):
+        since = time.strftime("%H:%M:%S", time.gmtime(q["since_s"])) if q.get("since_s") else "?"
+        lines.append(f"{node} {q['gpu']} quarantined since {since} UTC: {q['reason']}")
+    for gpu in status.get("withheld", []):
+        lines.append(f"{node} {gpu} NOT quarantined (cap on the share of quarantined GPUs reached): see events")
+    return lines
+
+
 def _write_json(path: Path, doc: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from fleet.agent.health import Finding, GpuHealthChecker, Severity
 from fleet.agent.nvml_health import NvmlHealthReader
 from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy, QuarantineState
-from fleet.agent.runner import NodeAgent
+from fleet.agent.runner import NodeAgent, status_lines
 from tests.fake_nvml import FakePynvml, mig_h100, nvswitch_8gpu
 from tests.fakes import FakeClock
 
@@ -169,6 +169,8 @@ def test_node_agent_quarantines_a_faulty_gpu_exports_it_and_lifts_it_after_repai
     status = agent.status()
     assert status["quarantined"][0]["gpu"] == uuid and "ecc_uncorrected" in status["quarantined"][0]["reason"]
     assert (tmp_path / "agent.json").is_file()
+    [line] = status_lines(status)
+    assert line.startswith(f"node-a {uuid} quarantined since ") and "ecc_uncorrected" in line
     fake.heal(6)                                   # the GPU was reset
     clock.advance(3600 + 600)
     [d] = agent.step()
