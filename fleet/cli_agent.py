@@ -244,8 +244,12 @@ def node_agent(
     agent = NodeAgent(name, checker, QuarantinePolicy(config, time.time), time.time, cache=_cache(root, budget),
                       registry=registry, status_path=status_file, fleet_gpus=fleet_gpus)
     if once:
+        from fleet.agent.runner import status_lines
+
         agent.step()
         console.print_json(json.dumps(agent.status(), default=str))
+        for line in status_lines(agent.status()):
+            err_console.print(line, highlight=False, markup=False)
         if checker is not None:
             checker.reader.close()
         return
