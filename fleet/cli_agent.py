@@ -206,6 +206,9 @@ def node_agent(
         "--max-quarantined-share", min=0.0, max=1.0, help="Most of the GPUs quarantined at once; beyond: alert only.")] = 0.25,
     fleet_gpus: Annotated[Optional[int], typer.Option(
         "--fleet-gpus", help="GPUs in the whole fleet (the cap's base). Default: this node's.")] = None,
+    verify_every_s: Annotated[Optional[float], typer.Option(
+        "--verify-every-s", min=1.0,
+        help="Re-hash one cached model (the one verified longest ago) this often; default: never.")] = None,
     once: Annotated[bool, typer.Option("--once", help="Check once, print the status as JSON and exit.")] = False,
     root: Root = None, budget: Budget = None,
 ) -> None:
@@ -242,7 +245,8 @@ def node_agent(
         err_console.print(f"{err}: GPU health checks are off on this node.", highlight=False)
     registry = CollectorRegistry()
     agent = NodeAgent(name, checker, QuarantinePolicy(config, time.time), time.time, cache=_cache(root, budget),
-                      registry=registry, status_path=status_file, fleet_gpus=fleet_gpus)
+                      registry=registry, status_path=status_file, fleet_gpus=fleet_gpus,
+                      verify_every_s=verify_every_s)
     if once:
         from fleet.agent.runner import status_lines
 

@@ -14,7 +14,7 @@ Series (prometheus-client; ``gpu`` is a GPU or MIG instance UUID):
 - ``fleet_gpu_xid_events_total{node,gpu,xid,xid_class}``: Xid events seen;
 - ``fleet_node_agent_check_duration_seconds{node}`` and ``fleet_node_agent_check_errors_total{node}``;
 - ``fleet_weight_cache_bytes{node}``, ``fleet_weight_cache_budget_bytes{node}``,
-  ``fleet_weight_cache_models{node}``.
+  ``fleet_weight_cache_models{node}``, ``fleet_weight_cache_corrupt_files_total{node}``.
 """
 
 from __future__ import annotations
@@ -67,18 +67,24 @@ class AgentMetrics:
                                   ["node"], registry=registry)
         self.cache_models = Gauge("fleet_weight_cache_models", "Models in the weight cache", ["node"],
                                   registry=registry)
+        self.cache_corrupt = Counter("fleet_weight_cache_corrupt_files",
+                                     "Cached files found corrupt by the periodic re-hash (deleted, fetched again on use)",
+                                     ["node"], registry=registry)
 
 
 class NodeAgent:
     """One node's agent. ``checker`` is None on a machine without NVML (health checks off; the
     cache is still reported). ``fleet_gpus``: the cap's base (default: this node's GPUs, the
     standalone case). ``status_path``: where ``status()`` is written after each step (JSON) for
-    `fleet status` / `fleet inventory`. ``on_decision``: called with every decision (events)."""
+    `fleet status` / `fleet inventory`. ``on_decision``: called with every decision (events).
+    ``verify_every_s``: re-hash one cached model (the one verified longest ago) at most this
+    often, so silent corruption is found before a replica loads it (None: never)."""
 
     def __init__(self, node: str, checker: GpuHealthChecker | None, policy: QuarantinePolicy,
                  clock: Callable[[], float], cache: WeightCache | None = None,
                  registry: CollectorRegistry | None = None, status_path: Path | None = None,
-                 fleet_gpus: float | None = None, on_decision: Callable[[Decision], None] | None = None) -> None:
+                 fleet_gpus: float | None = None, on_decision: Callable[[Decision], None] | None = None,
+                 verify_every_s: float | None = None) -> None:
         self.node = node
         self.checker = checker
         self.policy = policy
@@ -88,6 +94,9 @@ class NodeAgent:
         self.status_path = status_path
         self.fleet_gpus = fleet_gpus
         self.on_decision = on_decision
+        self.verify_every_s = verify_every_s
+        self._last_verify_s: float | None = None
+        self._verified: dict[str, float] = {}
         self.state = QuarantineState()
         self.findings: list[Finding] = []
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
@@ -158,7 +167,23 @@ class NodeAgent:
         m, node = self.metrics, self.node
         m.cache_bytes.labels(node).set(self.cache.blob_bytes())
         m.cache_budget.labels(node).set(self.cache.budget_bytes or 0)
-        m.cache_models.labels(node).set(len(self.cache.entries()))
+        entries = self.cache.entries()
+        m.cache_models.labels(node).set(len(entries))
+        m.cache_corrupt.labels(node)   # exported at 0 before the first finding
+        now = self.clock()
+        due = self.verify_every_s is not None and (
+            self._last_verify_s is None or now - self._last_verify_s >= self.verify_every_s)
+        if due and entries:
+            entry = min(entries, key=lambda e: (self._verified.get(e.key, float("-inf")), e.key))
+            self._last_verify_s = now
+            self._verified[entry.key] = now
+            bad = self.cache.verify(entry.key)
+            if bad:
+                m.cache_corrupt.labels(node).inc(len(bad))
+                event = {"node": node, "target": entry.key, "action": "cache_corrupt",
+                         "reason": f"corrupt: {', '.join(bad)} (deleted; fetched again on next use)", "at_s": now}
+                self.events.append(event)
+                log.warning("weight cache %s: %s", entry.key, event["reason"])
 
     def status(self) -> dict[str, Any]:
         """What `fleet status` / `fleet inventory` show of this node: quarantined targets with

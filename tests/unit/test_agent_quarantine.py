@@ -3,6 +3,8 @@ quarantine, hold-off, lift, the cap, application Xids, metrics and status."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -198,3 +200,38 @@ def test_node_agent_mig_instance_quarantined_alone():
     fake.inject_xid(2, 94, gpu_instance_id=1)
     [d] = agent.step()
     assert d.target == "MIG-2-0" and d.action == "quarantine"
+
+
+def test_node_agent_re_hashes_cached_models_in_turn(tmp_path):
+    from fleet.agent.cache import WeightCache
+    from fleet.agent.sources import write_manifest
+    from tests.hub_server import HubServer
+
+    clock = FakeClock()
+    static = tmp_path / "static"
+    for name in ("a", "b"):
+        (static / name).mkdir(parents=True)
+        (static / name / "w.bin").write_bytes(name.encode() * 5000)
+        write_manifest(static / name)
+    cache = WeightCache(tmp_path / "cache", reserve_bytes=0, clock=clock)
+    with HubServer(static_root=static) as server:
+        paths = [cache.ensure(f"{server.url}/static/{n}/") for n in ("a", "b")]
+    blob = (paths[1] / "w.bin").resolve()
+    blob.chmod(0o644)
+    st = blob.stat()
+    blob.write_bytes(b"x" * 10000)                                  # same size, mtime restored:
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))             # only a re-hash finds it
+    registry = CollectorRegistry()
+    agent = NodeAgent("node-a", None, QuarantinePolicy(CFG, clock), clock, cache=cache, registry=registry,
+                      verify_every_s=60)
+    agent.step()                                                    # verifies one model: a
+    assert _metric(registry, 'fleet_weight_cache_corrupt_files_total{node="node-a"} 0.0')
+    clock.advance(30)
+    agent.step()                                                    # not due yet
+    assert not [e for e in agent.events if e["action"] == "cache_corrupt"]
+    clock.advance(30)
+    agent.step()                                                    # b: found and deleted
+    assert _metric(registry, 'fleet_weight_cache_corrupt_files_total{node="node-a"} 1.0')
+    [event] = [e for e in agent.events if e["action"] == "cache_corrupt"]
+    assert event["target"] == paths[1].name and "w.bin" in event["reason"]
+    assert not blob.exists()
