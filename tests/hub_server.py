@@ -20,7 +20,9 @@ Routes (as huggingface.co answers them, read from huggingface_hub 2.x's client c
 ``GET /_log``: the request log as JSON (for a client in another process).
 
 Run alone (loadtests/bench_cache_fill.py does, so that the server does not share the client's
-GIL): ``python -m tests.hub_server STATIC_ROOT`` prints its URL and serves until killed.
+GIL): ``python -m tests.hub_server [STATIC_ROOT] [--repo org/name=DIR] [--port N]`` prints its
+URL and serves until killed (``fleet make-tiny-model DIR`` then ``--repo org/tiny=DIR`` and
+``HF_ENDPOINT=<url>`` give ``hf://org/tiny`` to ``fleet cache pull`` or a deployment).
 
 Faults: ``cut_after[path] = n`` closes the connection after ``n`` bytes of that file (once);
 ``hold_after[path] = n`` sends ``n`` bytes then waits until ``release`` is set (a client can be
@@ -71,7 +73,7 @@ class HubServer:
     """Start with ``with HubServer(...) as hub:``; ``hub.url`` is ``http://127.0.0.1:<port>``."""
 
     def __init__(self, repos: dict[str, HubRepo] | None = None, static_root: Path | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, port: int = 0) -> None:
         self.repos = dict(repos or {})
         self.static_root = static_root
         self.token = token
@@ -83,7 +85,7 @@ class HubServer:
         self.release = threading.Event()
         self.log = ServerLog()
         self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
 
@@ -317,11 +319,39 @@ def _handler(server: HubServer):
     return Handler
 
 
-if __name__ == "__main__":
-    import sys
+def repo_from_dir(model_dir: Path, private: bool = False) -> HubRepo:
+    """A hub repository holding every file under ``model_dir`` (read into memory: test models)."""
+    files = {p.relative_to(model_dir).as_posix(): p.read_bytes()
+             for p in sorted(model_dir.rglob("*")) if p.is_file()}
+    return HubRepo(files, private=private)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.hub_server [--static DIR] [--repo org/name=DIR ...] [--port N]``: serve
+    until killed, printing the URL first. For demos of ``fleet up`` with an ``hf://`` source:
+    ``HF_ENDPOINT=<url>`` and ``source: hf://org/name``."""
+    import argparse
     import time
 
-    with HubServer(static_root=Path(sys.argv[1])) as _server:
-        print(_server.url, flush=True)
+    ap = argparse.ArgumentParser(description="A local stand-in for the Hugging Face Hub (tests only).")
+    ap.add_argument("static", nargs="?", type=Path, help="Directory served under /static/.")
+    ap.add_argument("--static", dest="static_opt", type=Path, help="Same as the positional argument.")
+    ap.add_argument("--repo", action="append", default=[], metavar="ORG/NAME=DIR",
+                    help="Serve DIR as the hub model repository ORG/NAME (repeatable).")
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args(argv)
+    repos = {}
+    for spec in args.repo:
+        name, _, d = spec.partition("=")
+        if not d or not Path(d).is_dir():
+            ap.error(f"--repo {spec!r}: expected ORG/NAME=DIR with DIR a directory")
+        repos[name] = repo_from_dir(Path(d))
+    server = HubServer(repos, static_root=args.static_opt or args.static, port=args.port)
+    with server:
+        print(server.url, flush=True)
         while True:
             time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()

@@ -88,3 +88,28 @@ def test_parse_size():
     assert parse_size("4096") == 4096
     with pytest.raises(typer.BadParameter, match="not a size"):
         parse_size("lots")
+
+
+def test_hub_server_serves_a_model_directory_for_hf_sources(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    model = tmp_path / "tiny"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "sub" / "weights.bin").write_bytes(os.urandom(5000))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.hub_server", "--repo", f"org/tiny={model}"], cwd=repo,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        url = proc.stdout.readline().strip()
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        r = runner.invoke(app, ["cache", "pull", "hf://org/tiny", "--root", str(tmp_path / "cache")])
+        assert r.exit_code == 0, r.output
+        path = Path(r.stdout.strip().splitlines()[-1])
+        assert (path / "sub" / "weights.bin").read_bytes() == (model / "sub" / "weights.bin").read_bytes()
+    finally:
+        proc.kill()
+        proc.wait()
