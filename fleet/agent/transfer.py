@@ -108,13 +108,16 @@ class HttpTransfer:
         if resume_size:
             req_headers["Range"] = f"bytes={resume_size}-"
         first_host = urlsplit(url).netloc
-        for _ in range(self.MAX_REDIRECTS + 1):
+        hops = redials = 0
+        while hops <= self.MAX_REDIRECTS:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https"):
                 raise FetchRefused(f"{url}: not an http(s) URL")
             if parts.netloc != first_host:
                 req_headers.pop("Authorization", None)
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            reused = (parts.scheme, parts.netloc) in self._local.__dict__.get("conns", {})
+            got = 0
             try:
                 conn = self._conn(parts.scheme, parts.netloc)
                 conn.request("GET", target, headers=req_headers)
@@ -123,6 +126,7 @@ class HttpTransfer:
                 if resp.status in (301, 302, 303, 307, 308) and location:
                     resp.read()
                     url = urljoin(url, location)
+                    hops += 1
                     continue
                 if resp.status == 416 and expected_size == resume_size:
                     resp.read()
@@ -133,8 +137,11 @@ class HttpTransfer:
                 if resume_size and resp.status == 200:   # the server ignored the Range
                     out.seek(0)
                     out.truncate()
+                elif resp.status == 206 and not (resp.getheader("Content-Range") or "").startswith(
+                        f"bytes {resume_size}-"):
+                    raise TransferError(f"{url}: asked for bytes {resume_size}- and got "
+                                        f"{resp.getheader('Content-Range')!r}")
                 length = resp.getheader("Content-Length")
-                got = 0
                 while n := out.fill(resp.readinto):
                     got += n
                 if length is not None and got < int(length):   # http.client ends a cut body quietly
@@ -142,6 +149,9 @@ class HttpTransfer:
                 return
             except (OSError, http.client.HTTPException) as err:
                 self._drop(parts.scheme, parts.netloc)
+                if reused and got == 0 and redials == 0:   # a kept-alive connection the server had closed
+                    redials += 1
+                    continue
                 raise TransferError(f"{url}: {type(err).__name__}: {err}") from None
         raise FetchRefused(f"{url}: more than {self.MAX_REDIRECTS} redirects")
 
