@@ -82,6 +82,7 @@ class HubServer:
         self.corrupt: set[str] = set()
         self.redirect: dict[str, str] = {}     # path suffix -> Location (302), always
         self.ignore_range: set[str] = set()    # path suffixes answered 200 in full even with a Range
+        self.drop_kept_alive = False           # close every connection after one response, unannounced
         self.release = threading.Event()
         self.log = ServerLog()
         self._lock = threading.Lock()
@@ -182,6 +183,13 @@ def _handler(server: HubServer):
             self.do_GET()
 
         def do_GET(self) -> None:
+            try:
+                self._get()
+            finally:
+                if server.drop_kept_alive:
+                    self.close_connection = True   # no "Connection: close": the client finds out on reuse
+
+        def _get(self) -> None:
             path = unquote(urlsplit(self.path).path)
             server.record(self.command, path, self.headers.get("Range"))
             parts = path.strip("/").split("/")

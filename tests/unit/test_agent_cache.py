@@ -213,6 +213,15 @@ def test_redirects_are_followed_and_a_server_ignoring_range_is_handled(hub, tmp_
     assert hub.log.file_gets("moved/weights.bin") == [None, "bytes=500000-"]   # answered 200: refetched whole
 
 
+def test_a_kept_alive_connection_the_server_closed_is_redialled(hub, tmp_path):
+    files = _files(9)
+    source = _manifest_source(hub, "m9", files)
+    hub.drop_kept_alive = True
+    cache = _cache(tmp_path, parallel_files=1, retry=RetryPolicy(attempts=1, initial_s=0, max_s=0))
+    path = cache.ensure(source)                       # no retry allowed: only the redial saves it
+    assert {rel: (path / rel).read_bytes() for rel in files} == files
+
+
 def test_eight_concurrent_callers_cause_one_download(hub, tmp_path):
     cache = _cache(tmp_path)
     hub.hold_after["model.safetensors"] = 100_000      # keep the first download going while the rest arrive
