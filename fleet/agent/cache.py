@@ -14,7 +14,9 @@ Layout under ``root`` (every write is a temporary name renamed into place)::
                                mtime_ns), created_s
     models/<key>.used          last use (clock seconds), for LRU
     refs/<id>.json             the revision a source string last resolved to (offline lookups)
-    partial/<key>/*.part       downloads in progress; a later ensure resumes them (HTTP Range)
+    partial/<key>/*.part       downloads in progress; a later ensure resumes them (HTTP Range);
+                               they count against the budget, and abandoned ones are the first
+                               space given back
     partial/<key>/progress.json  bytes done / total, for processes waiting on the download
     pins/<key>/<holder>        one file per replica using the model: never evicted while any
     locks/<key>.lock           flock: one download per model across threads and processes
@@ -220,7 +222,7 @@ class WeightCache:
             return None
         key = self.key_for(src.identity, ref["revision"])
         record = self._record(key)
-        if record is None or self._stale_files(record):
+        if record is None or not (self.root / "models" / key).is_dir() or self._stale_files(record):
             return None
         return self.root / "models" / key
 
@@ -449,8 +451,9 @@ class WeightCache:
         """Write the symlink directory and the entry record (renamed into place: a crash leaves
         either the old entry or the new one)."""
         models = self.root / "models"
+        for stale in models.glob(f".{key}.*.tmp"):   # left by a process that crashed here (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = models / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         files = []
         for rf in plan.files:
             sha = shas[rf.path]
@@ -461,6 +464,7 @@ class WeightCache:
             st = blob.stat()
             files.append({"path": rf.path, "sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
         final = models / key
+        self._record_path(key).unlink(missing_ok=True)   # not usable while it is rebuilt
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -474,13 +478,13 @@ class WeightCache:
         Raises InsufficientSpace naming the model, the bytes and the path."""
         with _flock(self.root / "locks" / "store.lock"):
             while True:
-                used = self.blob_bytes()
+                used = self.blob_bytes() + self._partial_bytes(exclude=key)
                 free = self._disk_usage(self.root).free
                 over_budget = self.budget_bytes is not None and used + need > self.budget_bytes
                 over_disk = need + self.reserve_bytes > free
                 if not (over_budget or over_disk):
                     return
-                if not self._evict_one(keep=key):
+                if not (self._drop_abandoned_partial(keep=key) or self._evict_one(keep=key)):
                     break
         if over_disk:
             raise InsufficientSpace(
@@ -491,6 +495,32 @@ class WeightCache:
             f"cannot cache {plan.source} (revision {plan.revision}): {human_bytes(need)} to fetch, cache "
             f"{self.root} holds {human_bytes(used)} of its {human_bytes(self.budget_bytes or 0)} budget, "
             "and no unpinned model left to evict")
+
+    def _partial_bytes(self, exclude: str) -> int:
+        """Bytes of downloads in progress or abandoned, other than ``exclude``'s."""
+        total = 0
+        for d in (self.root / "partial").iterdir():
+            if d.is_dir() and d.name != exclude:
+                total += sum(p.stat().st_size for p in d.glob("*.part"))
+        return total
+
+    def _drop_abandoned_partial(self, keep: str) -> bool:
+        """Delete the part files of one download nobody is running (a crashed process's, or a
+        model never asked for again): the first space to give back. Store lock held."""
+        for d in sorted((self.root / "partial").iterdir()):
+            if not d.is_dir() or d.name == keep or not any(d.glob("*.part")):
+                continue
+            fd = os.open(self.root / "locks" / f"{d.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue   # being downloaded right now
+                shutil.rmtree(d, ignore_errors=True)
+                return True
+            finally:
+                os.close(fd)
+        return False
 
     def _enforce_budget(self, keep: str | None = None) -> None:
         if self.budget_bytes is None:

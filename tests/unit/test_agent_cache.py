@@ -378,6 +378,32 @@ def test_crash_after_blobs_before_the_entry_refetches_nothing(hub, tmp_path):
     assert len(_file_gets(hub)) == gets + 1   # only config.json (not in LFS: no sha256 to find its blob by)
 
 
+def test_a_crash_mid_commit_leaves_nothing_usable_and_the_next_ensure_repairs_it(hub, tmp_path):
+    cache = _cache(tmp_path)
+    path = cache.ensure("hf://org/tiny")
+    models = tmp_path / "cache" / "models"
+    # The crash: the old directory gone, the new one still under its temporary name.
+    (models / f"{path.name}.json").unlink()
+    path.rename(models / f".{path.name}.4242.1.tmp")
+    assert cache.lookup("hf://org/tiny") is None
+    assert cache.ensure("hf://org/tiny") == path and (path / "config.json").read_bytes() == _files(0)["config.json"]
+    assert not list(models.glob(".*.tmp"))
+
+
+def test_an_abandoned_download_is_the_first_space_given_back(hub, tmp_path):
+    files = _files(30, big=1_500_000)
+    source = _manifest_source(hub, "ab", files)
+    hub.hold_after["ab/model.safetensors"] = 1_200_000
+    kept = _kill_mid_download(tmp_path / "cache", source, 1 << 20)   # leaves 1 MiB of part file
+    hub.release.set()
+    other = _manifest_source(hub, "ot", _files(31, big=1_500_000))
+    cache = _cache(tmp_path, budget_bytes=2_000_000)          # room for one model, not one and a part
+    assert kept >= 1 << 20
+    path = cache.ensure(other)
+    assert (path / "model.safetensors").is_file()
+    assert not list((tmp_path / "cache" / "partial").rglob("*.part"))
+
+
 def test_local_sources_are_served_in_place(tmp_path):
     d = tmp_path / "weights"
     d.mkdir()
