@@ -194,7 +194,7 @@ def cache_manifest(
 def node_agent(
     interval_s: Annotated[float, typer.Option("--interval-s", min=0.1, help="Seconds between health checks.")] = 30.0,
     metrics_port: Annotated[int, typer.Option(
-        "--metrics-port", help="Port of the Prometheus /metrics endpoint (0: none).")] = 9402,
+        "--metrics-port", help="Port of /metrics (Prometheus) and /status (JSON) (0: none).")] = 9402,
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "0.0.0.0",
     node_name: Annotated[Optional[str], typer.Option("--node-name", help="Node name. Default: this host's name.")] = None,
     status_file: Annotated[Optional[Path], typer.Option(
@@ -219,7 +219,7 @@ def node_agent(
     hold-off and a cap, CPU cores local to each GPU, and the weight cache's contents, exported as
     Prometheus metrics (fleet_gpu_quarantined{gpu}, ...) and a status file. Without an NVIDIA
     driver the health checks are off and say so; the cache is still reported."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
 
     from fleet.agent.health import GpuHealthChecker
     from fleet.agent.nvml_health import NvmlHealthReader
@@ -258,8 +258,11 @@ def node_agent(
             checker.reader.close()
         return
     if metrics_port:
-        start_http_server(metrics_port, addr=metrics_host, registry=registry)
-        err_console.print(f"metrics on http://{metrics_host}:{metrics_port}/metrics", highlight=False)
+        from fleet.agent.runner import serve
+
+        serve(agent, metrics_host, metrics_port)
+        err_console.print(f"metrics on http://{metrics_host}:{metrics_port}/metrics, status on /status",
+                          highlight=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,7 +1,8 @@
 """The node agent's loop: GPU health checks on a period, quarantine decisions, metrics, status.
 
 Owns `NodeAgent` (one ``step``: check, decide, export; ``run``: steps every ``interval_s`` until
-stopped, each step surviving its own errors) and `AgentMetrics` (the Prometheus series below).
+stopped, each step surviving its own errors), `AgentMetrics` (the Prometheus series below),
+`serve` (``/metrics``, ``/status``, ``/healthz``) and `status_lines`.
 Called by `fleet node-agent` (fleet/cli_agent.py); `fleet up` and the controller integrate it
 through ``step`` / ``status`` (docs/node-agent.md, "Integration").
 
@@ -26,6 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
@@ -102,6 +104,7 @@ class NodeAgent:
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
         self.last_step_s: float | None = None
         self.last_error: str | None = None
+        self.last_status: dict[str, Any] = {"node": node, "checked_at_s": None}
 
     def step(self) -> list[Decision]:
         """Check, decide, export. Raises nothing: a failing part is logged, counted and retried
@@ -121,9 +124,14 @@ class NodeAgent:
             self.last_error = f"cache: {type(err).__name__}: {err}"
             log.exception("node agent %s: cache metrics failed", self.node)
         self.last_step_s = self.clock()
+        try:
+            self.last_status = self.status()   # what /status serves (read from other threads)
+        except Exception as err:
+            self.metrics.errors.labels(self.node).inc()
+            log.exception("node agent %s: status failed: %s", self.node, err)
         if self.status_path is not None:
             try:
-                _write_json(self.status_path, self.status())
+                _write_json(self.status_path, self.last_status)
             except OSError as err:
                 log.warning("node agent %s: cannot write %s: %s", self.node, self.status_path, err)
         elapsed = time.monotonic() - started
@@ -214,6 +222,39 @@ class NodeAgent:
             self.step()
             if stop.wait(interval_s):
                 return
+
+
+def serve(agent: NodeAgent, host: str, port: int) -> ThreadingHTTPServer:
+    """Serve ``GET /metrics`` (Prometheus text), ``GET /status`` (the last step's `status()`,
+    JSON: what a controller on Kubernetes reads from each node's agent) and ``GET /healthz`` on
+    ``host:port`` (0: any free port; see ``server.server_address``), on a daemon thread."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, ctype = generate_latest(agent.metrics.registry), CONTENT_TYPE_LATEST
+            elif path == "/status":
+                body, ctype = json.dumps(agent.last_status, default=str).encode(), "application/json"
+            elif path == "/healthz":
+                body, ctype = b"ok\n", "text/plain"
+            else:
+                self.send_error(404, "GET /metrics, /status or /healthz")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="node-agent-http", daemon=True).start()
+    return server
 
 
 def status_lines(status: dict[str, Any]) -> list[str]:

@@ -235,3 +235,26 @@ def test_node_agent_re_hashes_cached_models_in_turn(tmp_path):
     [event] = [e for e in agent.events if e["action"] == "cache_corrupt"]
     assert event["target"] == paths[1].name and "w.bin" in event["reason"]
     assert not blob.exists()
+
+
+def test_node_agent_serves_metrics_and_status_over_http():
+    import httpx
+
+    from fleet.agent.runner import serve
+
+    clock = FakeClock()
+    fake, agent, _ = _agent(nvswitch_8gpu(), clock)
+    fake.inject(1, ecc_volatile_uncorrected=3)
+    agent.step()
+    server = serve(agent, "127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        uuid = fake.snap["devices"][1]["uuid"]
+        status = httpx.get(f"{base}/status").json()
+        assert [q["gpu"] for q in status["quarantined"]] == [uuid]
+        assert f'fleet_gpu_quarantined{{gpu="{uuid}",node="node-a"}} 1.0' in httpx.get(f"{base}/metrics").text
+        assert httpx.get(f"{base}/healthz").text == "ok\n"
+        assert httpx.get(f"{base}/nope").status_code == 404
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -113,3 +113,45 @@ def test_hub_server_serves_a_model_directory_for_hf_sources(tmp_path, monkeypatc
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_node_agent_loop_serves_status_and_stops_on_sigterm(tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    repo = Path(__file__).resolve().parents[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli", "node-agent", "--interval-s", "0.2", "--metrics-port", str(port),
+         "--metrics-host", "127.0.0.1", "--node-name", "n2", "--root", str(tmp_path / "cache"),
+         "--status-file", str(tmp_path / "status.json")],
+        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                status = httpx.get(f"http://127.0.0.1:{port}/status", timeout=2).json()
+                if status.get("checked_at_s"):
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.1)
+        assert status and status["node"] == "n2" and status["checked_at_s"]
+        assert json.loads((tmp_path / "status.json").read_text())["node"] == "n2"
+        assert "fleet_weight_cache_models" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
