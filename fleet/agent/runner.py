@@ -40,6 +40,7 @@ from fleet.agent.xid import classify_xid
 
 log = logging.getLogger("fleet.node_agent")
 SLOW_STEP_S = 5.0
+EVENT_POLL_S = 1.0
 
 
 class AgentMetrics:
@@ -217,11 +218,16 @@ class NodeAgent:
         }
 
     def run(self, interval_s: float, stop: threading.Event) -> None:
-        """Step now and every ``interval_s`` seconds until ``stop`` is set."""
+        """Step now and every ``interval_s`` seconds until ``stop`` is set; between steps, drain
+        Xid events every ``EVENT_POLL_S`` (`GpuHealthChecker.poll_events`)."""
         while True:
             self.step()
-            if stop.wait(interval_s):
-                return
+            deadline = time.monotonic() + interval_s
+            while (left := deadline - time.monotonic()) > 0:
+                if stop.wait(min(left, EVENT_POLL_S)):
+                    return
+                if self.checker is not None:
+                    self.checker.poll_events()
 
 
 def serve(agent: NodeAgent, host: str, port: int) -> ThreadingHTTPServer:
