@@ -24,6 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fleet.cli_agent import cache_app, node_agent
 from fleet.spec import SpecError, load_deployments
 from fleet.state import AlreadyRunning, StateStore, default_state_dir
 
@@ -822,8 +823,6 @@ def make_tiny_model_cmd(
 
 
 # The node agent's commands (fleet/cli_agent.py): `fleet cache ...`, `fleet node-agent`.
-from fleet.cli_agent import cache_app, node_agent  # noqa: E402
-
 app.add_typer(cache_app)
 app.command("node-agent")(node_agent)
 
