@@ -252,6 +252,12 @@ def status(
         console.print(f"[bold yellow]The controller is not running, but {' and '.join(what)} still run.[/] "
                       "`fleet up FILES` adopts them; `fleet down` stops them.", highlight=False)  # fmt: skip
     console.print(f"Nodes: {'; '.join(state.get('inventory', [])) or '?'}", highlight=False)
+    agent_status = _read_json(store.root / "node-agent.json")
+    if agent_status:
+        from fleet.agent.runner import status_lines
+
+        for line in status_lines(agent_status):
+            console.print(f"[yellow]{line}[/]", highlight=False)
     deps = Table(title="Deployments", title_justify="left")
     for col in ("deployment", "model", "ready/desired", "policy", "autoscaling", "last decision", "source"):
         deps.add_column(col)
@@ -287,6 +293,13 @@ def status(
                           highlight=False)  # fmt: skip
             for line in failure["log_tail"][-log_lines:]:
                 console.print(f"  | {line}", markup=False, highlight=False, style="dim")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _scaling_columns(d: dict) -> tuple[str, str]:

@@ -221,11 +221,8 @@ def node_agent(
     driver the health checks are off and say so; the cache is still reported."""
     from prometheus_client import CollectorRegistry
 
-    from fleet.agent.health import GpuHealthChecker
-    from fleet.agent.nvml_health import NvmlHealthReader
     from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
-    from fleet.agent.runner import NodeAgent
-    from fleet.inventory.nvml import PynvmlReader, node_from_nvml
+    from fleet.agent.runner import NodeAgent, local_health_checker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = node_name or re.sub(r"[^a-z0-9.-]+", "-", socket.gethostname().lower()).strip("-.") or "local"
@@ -235,14 +232,9 @@ def node_agent(
     except ValueError as err:
         err_console.print(f"[red]{err}[/]", highlight=False)
         raise typer.Exit(2) from None
-    checker = None
-    try:
-        domains = node_from_nvml(PynvmlReader().snapshot(), name).nvlink_domains
-        reader = NvmlHealthReader(nvlink_domains=domains)
-        reader.open()
-        checker = GpuHealthChecker(reader, time.time)
-    except RuntimeError as err:
-        err_console.print(f"{err}: GPU health checks are off on this node.", highlight=False)
+    checker, why = local_health_checker(name, time.time)
+    if checker is None:
+        err_console.print(f"{why}: GPU health checks are off on this node.", highlight=False)
     registry = CollectorRegistry()
     agent = NodeAgent(name, checker, QuarantinePolicy(config, time.time), time.time, cache=_cache(root, budget),
                       registry=registry, status_path=status_file, fleet_gpus=fleet_gpus,

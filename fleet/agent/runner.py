@@ -284,3 +284,19 @@ def _write_json(path: Path, doc: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def local_health_checker(node_name: str, clock: Callable[[], float]) -> tuple[GpuHealthChecker | None, str | None]:
+    """A health checker over this machine's NVML, or (None, why) when there is no NVIDIA driver
+    (health checks off). The caller closes ``checker.reader`` when done."""
+    from fleet.agent.nvml_health import NvmlHealthReader
+    from fleet.inventory.nvml import PynvmlReader, node_from_nvml
+
+    try:
+        domains = node_from_nvml(PynvmlReader().snapshot(), node_name).nvlink_domains
+        reader = NvmlHealthReader(nvlink_domains=domains)
+        reader.open()
+    except RuntimeError as err:
+        return None, str(err)
+    return GpuHealthChecker(reader, clock), None
+
