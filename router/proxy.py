@@ -32,6 +32,7 @@ import aiohttp
 
 from router.metrics import RouterMetrics
 from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, Pool, PoolShared, PoolTable
+from router.split import sticky_key
 from router.stats import ModelStats
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,8 @@ class Proxy:
         stats.arrivals.add(arrival_s)
         limited = pool.limit is not None
         # With an admission limit, first come first served: nobody overtakes a waiting request.
-        endpoint = None if limited and shared.queue.has_waiters() else pool.pick(arrival_s)
+        key = sticky_key(pool.sticky_key, scope["headers"], body)   # keeps a user on one revision (router.split)
+        endpoint = None if limited and shared.queue.has_waiters() else pool.pick(arrival_s, key=key)
         if endpoint is None and (not limited or not pool.ready):
             await self._reject(send, 503, model, error_body(
                 f"model {model!r} has no ready endpoint; retry later", type_="server_error",
@@ -284,7 +286,7 @@ class Proxy:
         watch = _ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
         try:
             if endpoint is None:
-                admitted = await self._wait_for_slot(model, pool, arrival_s, send, watch)
+                admitted = await self._wait_for_slot(model, pool, arrival_s, send, watch, key)
                 if admitted is None:
                     return  # answered 503
                 pool, endpoint = admitted
@@ -297,7 +299,7 @@ class Proxy:
                 if len(tried) >= attempts:
                     break
                 # A retry has waited its turn already: it may exceed the admission limit.
-                next_endpoint = pool.pick(self._clock(), tried, within_limit=False)
+                next_endpoint = pool.pick(self._clock(), tried, within_limit=False, key=key)
                 if next_endpoint is None:
                     break
                 endpoint = next_endpoint
@@ -318,7 +320,7 @@ class Proxy:
             watch.stop()
 
     async def _wait_for_slot(self, model: str, pool: Pool, arrival_s: float, send: Send,
-                             watch: _ClientWatch) -> tuple[Pool, EndpointState] | None:  # fmt: skip
+                             watch: _ClientWatch, key: str | None = None) -> tuple[Pool, EndpointState] | None:  # fmt: skip
         """Wait in the model's admission queue until an endpoint of the model's current pool
         has a free slot; return that pool and endpoint, or answer 503 (queue full, timed out,
         pool gone) and return None. Records the queue time at dispatch."""
@@ -337,7 +339,7 @@ class Proxy:
             if current is None:
                 break
             now_s = self._clock()
-            endpoint = current.pick(now_s)
+            endpoint = current.pick(now_s, key=key)
             if endpoint is not None:
                 stats.queue_time.add(now_s, now_s - arrival_s)
                 if shared.queue_time is not None:
