@@ -22,6 +22,7 @@ from router.admission import AdmissionQueue
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.policies import RoutingPolicy, make_policy
 from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S, PoolSpec
+from router.revision_stats import RequestLog
 from router.split import RevisionSplit, SplitState
 from router.stats import DEFAULT_WINDOW_S, ModelStats
 
@@ -125,15 +126,17 @@ class PoolShared:
     """What the successive pools of one model share, so a pool replacement loses nothing:
     `stats` (`router.stats.ModelStats`), `queue` (`router.admission.AdmissionQueue`),
     `queue_time` (the model's pre-bound `fleet_router_queue_time_seconds` child; None outside
-    a `PoolTable`) and `split` (the revision split's counters, `router.split.SplitState`)."""
+    a `PoolTable`), `split` (the revision split's counters, `router.split.SplitState`) and
+    `requests` (finished requests by revision and endpoint, `router.revision_stats.RequestLog`)."""
 
-    __slots__ = ("stats", "queue", "queue_time", "split")
+    __slots__ = ("stats", "queue", "queue_time", "split", "requests")
 
     def __init__(self, stats: ModelStats, queue_time: Histogram | None = None) -> None:
         self.stats = stats
         self.queue = AdmissionQueue()
         self.queue_time = queue_time
         self.split = SplitState()
+        self.requests = RequestLog()
 
 
 class Pool:
@@ -330,3 +333,11 @@ class PoolTable:
                 now_s, window_s, in_flight=pool.in_flight(), queued=len(pool.shared.queue)
             )
         return out
+
+    def revision_samples(self, model: str, window_s: float) -> dict[str, object] | None:
+        """The finished requests of ``model`` in the last ``window_s`` seconds by revision and
+        endpoint (`router.revision_stats.RequestLog.rows`), or None when it has no pool."""
+        pool = self._pools.get(model)
+        if pool is None:
+            return None
+        return {"window_s": window_s, "rows": pool.shared.requests.rows(self._clock(), window_s)}

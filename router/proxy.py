@@ -32,6 +32,7 @@ import aiohttp
 
 from router.metrics import RouterMetrics
 from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, Pool, PoolShared, PoolTable
+from router.revision_stats import count_sse_events, tpot_s
 from router.split import sticky_key
 from router.stats import ModelStats
 
@@ -401,6 +402,8 @@ class Proxy:
                 timed_out = isinstance(exc, asyncio.TimeoutError)
                 endpoint.record_failure(clock())
                 m.error("timeout" if timed_out else "interrupted").inc()
+                shared.requests.record(clock(), endpoint.version, endpoint.id, ttft_s=None, tpot_s=None, e2e_s=None,
+                                       queue_time_s=start_s - arrival_s, failed=True)  # fmt: skip
                 log.warning("endpoint %s (%s): request failed: %r", endpoint.id, endpoint.url, exc)
                 watch.finishing = True
                 await send_json(send, 504 if timed_out else 502, error_body(
@@ -419,11 +422,12 @@ class Proxy:
                 content_type = resp.content_type
                 length = resp.content_length
                 first_byte_s: float | None
+                events = [0]   # server-sent data events relayed (router.revision_stats)
                 if length is not None and content_type != "text/event-stream":
                     completed = await self._relay_whole(endpoint, resp, status, relay, send, watch)
                     first_byte_s = headers_s
                 else:
-                    first_byte_s = await self._relay_stream(endpoint, resp, status, relay, send, watch)
+                    first_byte_s = await self._relay_stream(endpoint, resp, status, relay, send, watch, events)
                     completed = first_byte_s is not None
                 if completed:
                     assert first_byte_s is not None
@@ -436,6 +440,16 @@ class Proxy:
                         m.ttfb.observe(ttfb_s)
                         endpoint.record_ttft(ttfb_s, end_s)
                         stats.ttft.add(end_s, first_byte_s - arrival_s)
+                # Per revision: TTFT and TPOT of streamed replies only (router.revision_stats).
+                ok = completed and status < 500
+                streamed = ok and events[0] > 0 and first_byte_s is not None
+                done_s = clock()
+                shared.requests.record(
+                    done_s, endpoint.version, endpoint.id,
+                    ttft_s=first_byte_s - arrival_s if streamed else None,  # type: ignore[operator]
+                    tpot_s=tpot_s(first_byte_s, done_s, events[0]) if streamed else None,  # type: ignore[arg-type]
+                    e2e_s=done_s - arrival_s if completed else None, queue_time_s=start_s - arrival_s, failed=not ok,
+                )  # fmt: skip
             finally:
                 if completed:
                     resp.release()
@@ -468,7 +482,7 @@ class Proxy:
 
     async def _relay_stream(self, endpoint: EndpointState, resp: aiohttp.ClientResponse, status: int,
                             headers: list[tuple[bytes, bytes]], send: Send,
-                            watch: _ClientWatch) -> float | None:  # fmt: skip
+                            watch: _ClientWatch, events: list[int] | None = None) -> float | None:  # fmt: skip
         """Relay the body chunk by chunk as it arrives; return the clock time of the first
         body chunk (or of the end, for an empty body), None if the endpoint failed midway.
 
@@ -481,6 +495,8 @@ class Proxy:
             async for chunk in resp.content.iter_any():
                 if first_byte_s is None:
                     first_byte_s = self._clock()
+                if events is not None:
+                    events[0] += count_sse_events(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except _UPSTREAM_ERRORS as exc:
             endpoint.record_failure(self._clock())

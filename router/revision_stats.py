@@ -1,0 +1,76 @@
+"""Per-request records of one model, by revision and endpoint: what canary analysis compares.
+
+Owns `RequestLog`, a bounded ring of finished requests (router clock time, the endpoint's
+version and id, TTFT, TPOT, end-to-end, queue time, failed or not) kept in the model's
+`router.pool.PoolShared` across pool replacements, and `count_sse_events`. `router.proxy`
+records one entry per request that reached an endpoint; `router.admin`
+(`GET /admin/v1/revisions/{model}`) returns the entries of a window, and the controller builds
+each revision's samples from them (`fleet.rollouts.side_samples`), leaving out a replica's first
+seconds after READY. Nothing here does I/O or reads a clock.
+
+What each value measures (router clock, seconds):
+
+- TTFT (time to first token): request arrival at the router until the first server-sent event
+  of a streamed reply reached the router; None for a reply that is not streamed (its first
+  byte comes with the whole answer, so it says nothing about the first token) and for failures.
+- TPOT (time per output token): (last event - first event) / (events - 1) of a streamed reply
+  with at least two data events; vLLM's OpenAI server sends one event per engine step, one token
+  each without speculative decoding (several with it: then it is time per step).
+- end-to-end: arrival until the last byte was relayed; queue time: arrival until dispatch to
+  the endpoint (admission queue and earlier attempts); failed: 5xx, timed out, cut mid-response.
+"""
+
+from __future__ import annotations
+
+import math
+
+DEFAULT_CAPACITY = 50_000
+"""Requests kept per model: at 100 requests/s, more than 8 minutes (analysis windows are ~1 min)."""
+
+
+def count_sse_events(chunk: bytes) -> int:
+    """Data events in one relayed chunk of a server-sent-event stream, ``[DONE]`` not counted.
+    An event split across two chunks counts in the chunk that holds its ``data:`` field name."""
+    return chunk.count(b"data:") - chunk.count(b"[DONE]")
+
+
+class RequestLog:
+    """The newest ``capacity`` finished requests of one model; times must not decrease."""
+
+    __slots__ = ("_rows", "_next", "capacity")
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._rows: list[tuple | None] = [None] * capacity
+        self._next = 0
+
+    def record(self, now_s: float, version: str, endpoint: str, *, ttft_s: float | None, tpot_s: float | None,
+               e2e_s: float | None, queue_time_s: float, failed: bool) -> None:  # fmt: skip
+        """One finished request (module docstring for what each value is)."""
+        i = self._next
+        self._rows[i] = (now_s, version, endpoint, ttft_s, tpot_s, e2e_s, queue_time_s, failed)
+        self._next = i + 1 if i + 1 < self.capacity else 0
+
+    def rows(self, now_s: float, window_s: float) -> list[list]:
+        """Requests that finished in ``[now_s - window_s, now_s]``, oldest first, as
+        ``[version, endpoint, age_s, ttft_s, tpot_s, e2e_s, queue_time_s, failed]`` (age: seconds
+        before ``now_s``; the layout `fleet.rollouts.RequestSample.from_row` reads)."""
+        since_s = now_s - window_s
+        out = []
+        n = self.capacity
+        for k in range(n):
+            row = self._rows[(self._next + k) % n]
+            if row is None or not since_s <= row[0] <= now_s:
+                continue
+            t, version, endpoint, ttft, tpot, e2e, queue, failed = row
+            out.append([version, endpoint, now_s - t, ttft, tpot, e2e, queue, failed])
+        return out
+
+
+def tpot_s(first_event_s: float, last_event_s: float, events: int) -> float | None:
+    """Time per output token of a stream (seconds), or None with fewer than two events."""
+    if events < 2 or not math.isfinite(last_event_s - first_event_s):
+        return None
+    return max(0.0, last_event_s - first_event_s) / (events - 1)
