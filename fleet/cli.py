@@ -24,6 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fleet import cli_rollout
 from fleet.spec import SpecError, load_deployments
 from fleet.state import AlreadyRunning, StateStore, default_state_dir
 
@@ -250,6 +251,7 @@ def status(
         ready = sum(1 for r in replicas if r["deployment"] == name and r["status"] == "READY")
         deps.add_row(name, d["model"], f"{ready}/{d['desired']}", d["policy"], *_scaling_columns(d), d["source"])
     console.print(deps)
+    cli_rollout.print_status_revisions(console, state)
     table = Table(title="Replicas", title_justify="left")
     for col in ("replica", "status", "endpoint", "devices", "pid", "age", "detail"):
         table.add_column(col)
@@ -807,6 +809,8 @@ def make_tiny_model_cmd(
         path = make_tiny_model(out_dir, seed=seed)
     console.print(f"Tiny model ready: {path}")
 
+
+cli_rollout.register(app, console, err_console)   # `fleet apply`, `fleet rollout ...` (fleet/cli_rollout.py)
 
 if __name__ == "__main__":
     app()

@@ -5,7 +5,8 @@ Owns the embedded runtime: preflight checks (run once; nothing starts unless eve
 can), taking over from a previous controller on the same state directory (its router and its
 replicas are adopted, not restarted: `fleet.controller.Controller.start`), the router process
 and its supervision (`fleet.routerproc`: restarted, with every pool published again, if it
-dies), the controller loop, the autoscaler loop (`fleet.autoscaling`) and its Prometheus
+dies), the controller loop, the control channel (`fleet.control`: `fleet apply`, `fleet rollout`),
+the autoscaler loop (`fleet.autoscaling`) and its Prometheus
 endpoint, progress output, signal handling and the orderly shutdown (pools drained, in-flight
 requests finished, engines stopped, router last). `run_down` is `fleet down` for a fleet whose
 controller is gone: it adopts what still runs and shuts it down the same way. Called by
@@ -33,6 +34,7 @@ from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Direction, ScalingDecision
 from fleet.autoscaling import AutoscalerLoop
 from fleet.backends.local import LocalBackend
+from fleet.control import ControlServer
 from fleet.controller import Controller, ControllerSettings, ReplicaEvent
 from fleet.engines import ModelUnavailable, get_engine
 from fleet.inventory import Inventory, discover_local
@@ -248,7 +250,8 @@ async def run_up(
 
         controller = Controller(
             loaded, backend=backend, engine_api=engine_api, pool_sink=router.admin, clock=clock,
-            state_sink=store, settings=settings, on_event=on_event,
+            state_sink=store, settings=settings, on_event=on_event, analysis_source=router.admin,
+            on_rollout_event=lambda name, line: progress.say(f"{name:<20} ROLLOUT {line}", style="bold blue"),
         )
         await controller.start(previous)
         adopted = [r.id for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive]
@@ -257,7 +260,9 @@ async def run_up(
                           highlight=False)  # fmt: skip
         _install_signal_handlers(stop, console, controller)
         tasks = [asyncio.get_running_loop().create_task(_supervise_router(router, controller, stop, progress),
-                                                        name="router-supervisor")]  # fmt: skip
+                                                        name="router-supervisor"),
+                 asyncio.get_running_loop().create_task(ControlServer(store.root, controller, progress.say).run(stop),
+                                                        name="control")]  # `fleet apply`, `fleet rollout`  # fmt: skip
         if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
             autoscaler_metrics = AutoscalerMetrics()
             if metrics_port:
