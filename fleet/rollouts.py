@@ -19,7 +19,7 @@ from typing import Protocol
 
 from fleet.spec import LoadedDeployment, SpecError, parse_document
 from rollout.analysis import SideSamples
-from rollout.machine import CanaryMachine, RolloutPhase, RolloutState, split_replicas
+from rollout.machine import CanaryMachine, RolloutPhase, RolloutState, replica_targets
 
 
 def revision_label(ld: LoadedDeployment) -> str:
@@ -194,8 +194,7 @@ def revision_targets(revs: Revisions, total: int) -> dict[str, int]:
     if machine is None:
         return {revs.stable: total}
     assert revs.rollout is not None and revs.canary is not None
-    stable_n, _ = split_replicas(total, revs.rollout.weight)
-    _, canary_n = split_replicas(total, machine.sizing_weight(revs.rollout))
+    stable_n, canary_n = replica_targets(total, revs.rollout.weight, machine.sizing_weight(revs.rollout))
     return {revs.stable: stable_n, revs.canary: canary_n}
 
 

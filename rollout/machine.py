@@ -2,8 +2,8 @@
 
 Owns `RolloutPhase`, `RolloutState` (everything a rollout has decided, JSON round trip for the
 controller's state file) and `CanaryMachine` (the pure transitions over it: `start`, `advance`,
-`analysis_due`, `record`, `pause`, `resume`, `promote`, `abort`) and `split_replicas` (how many
-replicas each revision gets for a deployment size and weight). Called by the controller on every
+`analysis_due`, `record`, `pause`, `resume`, `promote`, `abort`), `split_replicas` (how many
+replicas each revision gets for a deployment size and weight) and `replica_targets`. Called by the controller on every
 tick and by the trace simulator in virtual time; no I/O, no clock (the caller passes ``now_s``).
 
 Semantics (issue 12):
@@ -90,6 +90,13 @@ def split_replicas(total: int, canary_weight: float) -> tuple[int, int]:
         return 0, max(total, 1)
     canary = max(1, math.ceil(total * canary_weight / 100.0 - 1e-9))
     return max(1, total - canary), canary
+
+
+def replica_targets(total: int, weight: float, sizing_weight: float) -> tuple[int, int]:
+    """(stable, canary) replicas wanted during a rollout: stable keeps its share of the current
+    ``weight`` (it shrinks only once the canary carries that traffic), the canary gets its share
+    of ``sizing_weight`` (`CanaryMachine.sizing_weight`: READY before it gets that traffic)."""
+    return split_replicas(total, weight)[0], split_replicas(total, sizing_weight)[1]
 
 
 class CanaryMachine:
