@@ -8,6 +8,7 @@ through its state directory (`fleet.control`), which hands it to the controller
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Optional
@@ -97,6 +98,80 @@ def register(app: typer.Typer, console: Console, err_console: Console) -> None:
     for command in COMMANDS:
         rollout_app.command(command)(_command(command))
     app.add_typer(rollout_app, name="rollout")
+
+    @app.command("simulate-rollout")
+    def simulate_rollout(
+        trace: Annotated[Path, typer.Argument(help="Request trace (Azure LLM CSV or Fleet JSONL), e.g. "
+                                                   "loadtests/traces/azure-llm-2023/conv.csv.")],
+        deployment: Annotated[Path, typer.Option("--deployment", "-d", help="Deployment YAML with spec.rollout "
+                                                 "(strategy canary); spec.model.source sim://<profile>.")],
+        rate_scale: Annotated[int, typer.Option("--rate-scale", min=1, help="K times the trace's rate.")] = 1,
+        judges: Annotated[str, typer.Option(help="Comma-separated judges: fleet, abs-p99, success-rate.")] = (
+            "fleet,abs-p99,success-rate"),
+        variants: Annotated[str, typer.Option(help="Comma-separated canaries: identical, ttft+30%, tpot+30%, "
+                                              "errors-2%, no-traffic.")] = "identical,ttft+30%,tpot+30%,errors-2%,no-traffic",
+        rollout_start_s: Annotated[float, typer.Option("--rollout-start-s", min=0.0,
+                                                       help="Virtual second the rollout starts.")] = 600.0,
+        max_rollout_s: Annotated[float, typer.Option("--max-rollout-s", min=1.0,
+                                                     help="Undecided after this many seconds.")] = 1200.0,
+        canary_startup_s: Annotated[float, typer.Option("--canary-startup-s", min=0.0,
+                                                        help="Seconds until a canary replica is READY.")] = 60.0,
+        json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the outcomes as JSON here.")] = None,
+    ) -> None:
+        """Canary rollouts in the trace SIMULATOR: each judge (Fleet's analysis and two baselines)
+        against canaries that are identical, +30 % TTFT, +30 % TPOT, 2 % errors, or get no traffic;
+        whether each is promoted or rolled back, how fast, and how many requests the canary served."""
+        from rich.table import Table
+
+        from fleet.simulate.compare import profile_of
+        from fleet.simulate.rollout import VARIANTS, RolloutSimConfig, run_experiment
+        from fleet.simulate.workload import Workload
+        from fleet.traces import TraceError, load_trace
+        from rollout.judges import judge_names
+
+        try:
+            loaded = load_deployments([deployment])
+        except SpecError as e:
+            for line in e.problems:
+                err_console.print(line, markup=False, highlight=False)
+            raise typer.Exit(2) from None
+        dep = loaded[0].deployment
+        by_name = {v.name: v for v in VARIANTS}
+        chosen = [n.strip() for n in variants.split(",") if n.strip()]
+        names = [n.strip() for n in judges.split(",") if n.strip()]
+        problems = [f"--variants: unknown {n!r}; known: {', '.join(by_name)}" for n in chosen if n not in by_name]
+        problems += [f"--judges: unknown {n!r}; known: {', '.join(judge_names())}" for n in names
+                     if n not in judge_names()]  # fmt: skip
+        if dep.spec.rollout.strategy != "canary":
+            problems.append(f"{deployment}: spec.rollout.strategy must be canary")
+        try:
+            profile = profile_of(dep)
+            workload = Workload.from_trace(load_trace(trace), profile, rate_scale=rate_scale)
+        except (TraceError, ValueError, KeyError) as err:
+            problems.append(str(err.args[0] if isinstance(err, KeyError) else err))
+        if problems:
+            for line in problems:
+                err_console.print(f"[red]{line}[/]", highlight=False)
+            raise typer.Exit(2)
+        base = RolloutSimConfig(profile, dep.spec.replicas.desired_at_start, dep.spec.rollout, names[0],
+                                by_name[chosen[0]], rollout_start_s=rollout_start_s, max_rollout_s=max_rollout_s,
+                                canary_startup_s=canary_startup_s, routing_policy=dep.spec.routing.policy)  # fmt: skip
+        console.print(f"{workload.source} x{rate_scale}: {len(workload.requests)} requests; "
+                      f"{base.replicas} replicas of {profile.name}; rollout at {rollout_start_s:g} s "
+                      "(simulated engines: fleet.sim)", highlight=False)  # fmt: skip
+        with err_console.status("Simulating rollouts..."):
+            outcomes = run_experiment(base, workload, names, tuple(by_name[n] for n in chosen))
+        table = Table(title="Canary rollouts (trace SIMULATOR)", title_justify="left")
+        for col in ("canary", "judge", "decision", "decided after", "canary requests", "canary failed", "right?"):
+            table.add_column(col)
+        for o in outcomes:
+            after = f"{o.decided_after_s:.0f} s" if o.decided_after_s is not None else f"> {max_rollout_s:g} s"
+            table.add_row(o.variant, o.judge, o.decision, after, str(o.canary_requests), str(o.canary_failed),
+                          "yes" if o.correct else "[red]no[/]")  # fmt: skip
+        console.print(table)
+        if json_out is not None:
+            json_out.write_text(json.dumps([o.to_dict() for o in outcomes], indent=1) + "\n")
+            console.print(f"Wrote {json_out}", highlight=False)
 
 
 def print_rollout(console: Console, status: dict) -> None:

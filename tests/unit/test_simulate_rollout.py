@@ -67,3 +67,29 @@ def test_the_absolute_threshold_comes_from_stable_before_the_rollout():
     cfg = RolloutSimConfig(PROFILE, 4, SPEC, "abs-p99", CanaryVariant("identical"), rollout_start_s=60.0)
     threshold_s = abs_p99_threshold(WL, cfg)
     assert 0.5 < threshold_s < 30.0
+
+
+def test_fleet_simulate_rollout_prints_the_table_and_refuses_bad_names(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from fleet.cli import app
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
+                                         "output_tokens": r.output_tokens}) + "\n"
+                             for r in WL.requests[:2400]))  # fmt: skip
+    deployment = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "canary-simulate.yaml")
+    runner = CliRunner()
+    out = tmp_path / "o.json"
+    result = runner.invoke(app, ["simulate-rollout", str(trace), "-d", deployment, "--judges", "fleet",
+                                 "--variants", "errors-2%", "--rollout-start-s", "60", "--canary-startup-s", "20",
+                                 "--max-rollout-s", "200", "--json", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "errors-2%" in result.output and "rolled back" in result.output
+    assert json.loads(out.read_text())[0]["decision"] == "rolled back"
+    bad = runner.invoke(app, ["simulate-rollout", str(trace), "-d", deployment, "--judges", "argo",
+                              "--variants", "slow"])  # fmt: skip
+    assert bad.exit_code == 2
+    assert "--variants: unknown 'slow'" in bad.output and "--judges: unknown 'argo'" in bad.output
