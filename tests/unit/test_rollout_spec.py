@@ -47,7 +47,7 @@ def problems(rollout) -> list[str]:
 def test_absent_rollout_means_replace_with_default_analysis():
     dep = parse_document(BASE)
     assert dep.spec.rollout.strategy == "replace" and dep.spec.rollout.steps == []
-    assert [m.metric for m in dep.spec.rollout.analysis.metrics] == ["ttftP99", "tpotP99", "errorRate"]
+    assert [m.metric for m in dep.spec.rollout.analysis.metrics] == ["ttftP99", "tpotP99", "tpotP50", "errorRate"]
 
 
 def test_canary_section_round_trips_through_yaml():
