@@ -40,6 +40,7 @@ from fleet.engines import ModelUnavailable, get_engine
 from fleet.inventory import Inventory, discover_local
 from fleet.lifecycle import ReplicaStatus
 from fleet.placement import ReplicaShape, get_strategy
+from fleet.rollout_metrics import RolloutCollector
 from fleet.routerproc import RouterProcess, RouterStartError
 from fleet.spec import LoadedDeployment
 from fleet.state import StateStore
@@ -263,11 +264,12 @@ async def run_up(
                                                         name="router-supervisor"),
                  asyncio.get_running_loop().create_task(ControlServer(store.root, controller, progress.say).run(stop),
                                                         name="control")]  # `fleet apply`, `fleet rollout`  # fmt: skip
+        autoscaler_metrics = AutoscalerMetrics()
+        autoscaler_metrics.registry.register(RolloutCollector(controller))   # fleet_rollout_* (fleet.rollout_metrics)
+        if metrics_port:
+            metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
+            console.print(f"Autoscaler and rollout metrics on http://{host}:{metrics_port}/metrics", highlight=False)
         if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
-            autoscaler_metrics = AutoscalerMetrics()
-            if metrics_port:
-                metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
-                console.print(f"Autoscaler metrics on http://{host}:{metrics_port}/metrics", highlight=False)
             autoscaler = AutoscalerLoop(controller, router=router.admin, engine_api=engine_api, clock=clock,
                                         metrics=autoscaler_metrics, on_decision=progress.decision)  # fmt: skip
             tasks.append(asyncio.get_running_loop().create_task(autoscaler.run(stop), name="autoscaler"))

@@ -61,6 +61,7 @@ class RolloutState:
     passes: int = 0
     failures: int = 0
     inconclusive_in_row: int = 0
+    inconclusive: int = 0
     errors: int = 0
     paused_at_s: float | None = None
     decided_at_s: float | None = None   # promoted or rolled back at
@@ -173,6 +174,7 @@ class CanaryMachine:
                 why = f"{state.failures} failed analysis runs (failureLimit {a.failure_limit}): {run.summary()}"
                 return events + self._decide(state, RolloutPhase.ROLLED_BACK, now_s, why)
         elif run.verdict is Verdict.INCONCLUSIVE:
+            state.inconclusive += 1
             state.inconclusive_in_row += 1
             if a.inconclusive_limit is not None and state.inconclusive_in_row >= a.inconclusive_limit:
                 why = f"{state.inconclusive_in_row} inconclusive analysis runs in a row (inconclusiveLimit)"

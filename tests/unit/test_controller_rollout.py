@@ -354,3 +354,28 @@ async def test_a_canary_that_cannot_start_is_rolled_back(tmp_path):
         await f.tick(n=1, seconds=400)                        # past the replacement back-off
     assert f.rollout.phase is RolloutPhase.ROLLED_BACK and "canary replicas failed" in f.rollout.reason
     assert f.replicas() == {"v1": 4}
+
+
+async def test_rollout_metrics_show_weights_phase_verdicts_and_the_last_checks(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fleet.rollout_metrics import RolloutCollector
+
+    f = Fleet(tmp_path, write(tmp_path))
+    await f.up()
+    registry = CollectorRegistry()
+    registry.register(RolloutCollector(f.c))
+    text = generate_latest(registry).decode()
+    assert 'fleet_rollout_weight_percent{deployment="chat",revision="v1@' in text and "fleet_rollout_phase{" not in text
+    f.apply(revision="v2")
+    await f.tick(4)
+    await f.tick(60)
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in generate_latest(registry).decode().splitlines()
+             if ln.startswith("fleet_rollout")}  # fmt: skip
+    canary = next(k for k in lines if k.startswith("fleet_rollout_weight_percent") and 'role="canary"' in k)
+    assert lines[canary] == 25.0
+    assert lines['fleet_rollout_phase{deployment="chat",phase="Progressing"}'] == 1.0
+    assert lines['fleet_rollout_analysis_runs_total{deployment="chat",verdict="pass"}'] == 1.0
+    assert lines['fleet_rollout_check_passed{deployment="chat",kind="relative",metric="ttftP99"}'] == 1.0
+    assert lines['fleet_rollout_check_samples{deployment="chat",kind="relative",metric="ttftP99",side="canary"}'] >= 20
+    assert 0.2 <= lines['fleet_rollout_check_value{deployment="chat",kind="relative",metric="ttftP99",side="stable"}'] < 0.3
