@@ -194,7 +194,8 @@ def revision_targets(revs: Revisions, total: int) -> dict[str, int]:
     if machine is None:
         return {revs.stable: total}
     assert revs.rollout is not None and revs.canary is not None
-    stable_n, canary_n = replica_targets(total, revs.rollout.weight, machine.sizing_weight(revs.rollout))
+    stable_n, canary_n = replica_targets(total, revs.rollout.weight, machine.sizing_weight(revs.rollout),
+                                         machine.spec.surge)  # fmt: skip
     return {revs.stable: stable_n, revs.canary: canary_n}
 
 

@@ -93,11 +93,16 @@ def split_replicas(total: int, canary_weight: float) -> tuple[int, int]:
     return max(1, total - canary), canary
 
 
-def replica_targets(total: int, weight: float, sizing_weight: float) -> tuple[int, int]:
-    """(stable, canary) replicas wanted during a rollout: stable keeps its share of the current
-    ``weight`` (it shrinks only once the canary carries that traffic), the canary gets its share
-    of ``sizing_weight`` (`CanaryMachine.sizing_weight`: READY before it gets that traffic)."""
-    return split_replicas(total, weight)[0], split_replicas(total, sizing_weight)[1]
+def replica_targets(total: int, weight: float, sizing_weight: float, surge: bool = True) -> tuple[int, int]:
+    """(stable, canary) replicas wanted during a rollout: the canary gets its share of
+    ``sizing_weight`` (`CanaryMachine.sizing_weight`: READY before it gets that traffic); with
+    ``surge`` stable keeps its share of the current ``weight`` (it shrinks only once the canary
+    carries that traffic), without it stable makes room at once (at least one stays while the
+    weight is below 100)."""
+    canary = split_replicas(total, sizing_weight)[1]
+    if surge:
+        return split_replicas(total, weight)[0], canary
+    return (max(1, total - canary) if weight < 100 else 0), canary
 
 
 class CanaryMachine:

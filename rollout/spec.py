@@ -169,6 +169,10 @@ class RolloutSpec(SpecModel):
     steps: list[RolloutStep] = Field(default_factory=list, description="Canary steps; a final weight 100 is implied.")
     analysis: AnalysisSpec = Field(default_factory=AnalysisSpec, description="How analysis runs judge the canary.")
     stickiness: StickinessSpec | None = Field(None, description="Keep one user on one revision.")
+    surge: bool = Field(
+        True, description="Start canary replicas beside the stable ones (default: no capacity is lost) or, with "
+        "false, in their place (for a machine or cluster without room for more: a stable replica drains first).",
+    )
 
     @model_validator(mode="after")
     def _steps(self) -> RolloutSpec:

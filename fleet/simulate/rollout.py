@@ -328,7 +328,8 @@ class RolloutSimulation:
             self.machine.advance(st, now_s, canary_ready=canary_ready, total=cfg.replicas)
         if st.phase.terminal():
             return
-        stable_n, canary_n = replica_targets(cfg.replicas, st.weight, self.machine.sizing_weight(st))
+        stable_n, canary_n = replica_targets(cfg.replicas, st.weight, self.machine.sizing_weight(st),
+                                             cfg.rollout.surge)  # fmt: skip
         for version, want in (("stable", stable_n), ("canary", canary_n)):
             active = [r for r in self.replicas if self.version[r.id] == version
                       and r.phase in (Phase.STARTING, Phase.READY)]  # fmt: skip

@@ -379,3 +379,22 @@ async def test_rollout_metrics_show_weights_phase_verdicts_and_the_last_checks(t
     assert lines['fleet_rollout_check_passed{deployment="chat",kind="relative",metric="ttftP99"}'] == 1.0
     assert lines['fleet_rollout_check_samples{deployment="chat",kind="relative",metric="ttftP99",side="canary"}'] >= 20
     assert 0.2 <= lines['fleet_rollout_check_value{deployment="chat",kind="relative",metric="ttftP99",side="stable"}'] < 0.3
+
+
+async def test_without_surge_a_full_machine_makes_room_for_the_canary(tmp_path):
+    from fleet.inventory import NodeInventory as Node
+
+    rollout = {**copy.deepcopy(CANARY), "surge": False}
+    f = Fleet(tmp_path, write(tmp_path, rollout=rollout, replicas=2))
+    f.backend.nodes = (Node(name="n", cpu_cores=(0, 1)),)      # room for two replicas, no more
+    await f.tick(4)
+    assert f.replicas() == {"v1": 2}
+    f.apply(revision="v2", rollout=rollout, replicas=2)
+    f.min_ready = 10**9
+    await f.tick(6)
+    assert f.replicas() == {"v1": 1, "v2": 1} and f.versions() == {"v1": 75.0, "v2": 25.0}
+    await f.tick(130)
+    assert f.rollout.phase is RolloutPhase.PROMOTED
+    await f.tick(10)
+    assert f.replicas() == {"v2": 2}
+    assert f.min_ready >= 1                                   # one replica kept serving throughout

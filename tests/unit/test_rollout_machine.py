@@ -192,3 +192,13 @@ def test_the_machine_judges_real_analysis_runs_end_to_end():
 def test_only_canary_specs_drive_the_machine():
     with pytest.raises(ValueError, match="strategy canary"):
         CanaryMachine(RolloutSpec())
+
+
+def test_replica_targets_with_and_without_surge():
+    from rollout.machine import replica_targets
+
+    assert replica_targets(2, 0, 25) == (2, 1)                 # surge: stable keeps serving while the canary warms
+    assert replica_targets(2, 25, 25) == (1, 1)
+    assert replica_targets(2, 0, 25, surge=False) == (1, 1)    # no room: a stable replica makes way first
+    assert replica_targets(1, 0, 25, surge=False) == (1, 1)    # the last stable replica never goes before 100
+    assert replica_targets(4, 100, 100, surge=False) == (0, 4)
