@@ -488,8 +488,10 @@ class Controller(RolloutSteps):
             # Older revisions serve until the current ones have the READY replicas to replace them
             # (a rolled-back one goes at once); the least advanced go first.
             older = [r for r in active if r.spec_hash not in targets]
-            ready_now = sum(1 for r in active if r.spec_hash in targets and r.status is ReplicaStatus.READY)
-            keep = max(0, ds.desired - ready_now)
+            current = [r for r in active if r.spec_hash in targets]
+            if ds.loaded.deployment.spec.rollout.surge:
+                current = [r for r in current if r.status is ReplicaStatus.READY]
+            keep = max(0, ds.desired - len(current))   # without surge, older replicas make room at once
             by_value = sorted(older, key=lambda r: (r.spec_hash in ds.revs.rolled_back, -order.index(r.status),
                                                     created[r.id]))  # fmt: skip
             for i, r in enumerate(by_value):

@@ -55,6 +55,8 @@ class StreamedLoad:
 
     url: str
     rate_per_s: float = 8.0
+    model: str = MODEL
+    max_tokens: int = 24
     results: list[str] = field(default_factory=list)   # "ok", "cut", an HTTP status or an error name
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -68,8 +70,8 @@ class StreamedLoad:
         self._thread.join(timeout=60)
 
     async def _run(self) -> None:
-        body = {"model": MODEL, "prompt": "hello " * 20, "max_tokens": 24, "stream": True}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        body = {"model": self.model, "prompt": "hello " * 20, "max_tokens": self.max_tokens, "stream": True}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             async def one() -> None:
                 try:
                     async with session.post(f"{self.url}/v1/completions", json=body) as r:
