@@ -79,7 +79,7 @@ class RolloutSteps:
         bounds = ld.deployment.spec.replicas
         ds.desired = max(bounds.min, min(bounds.max, ds.desired))
         ds.last_pool = None           # routing settings may have changed: publish again
-        events = ds.revs.declare(ld, now)
+        events = ds.revs.declare(ld, now, ds.desired)
         for line in events:
             self._rollout_event(ld.deployment.name, line)
         return events

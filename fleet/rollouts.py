@@ -103,9 +103,10 @@ class Revisions:
             return None
         return CanaryMachine(self.specs[self.canary].deployment.spec.rollout)
 
-    def declare(self, ld: LoadedDeployment, now_s: float) -> list[str]:
+    def declare(self, ld: LoadedDeployment, now_s: float, total: int = 0) -> list[str]:
         """The declared spec changed (or was read again): start, continue or end a rollout, or
-        replace. Returns event lines."""
+        replace. ``total``: the deployment's size now (for the notes on per-replica load).
+        Returns event lines."""
         h = ld.serving_hash
         if h == self.stable:
             self.specs[h] = ld
@@ -127,8 +128,10 @@ class Revisions:
             events.append(f"rollout of {revision_label(self.specs[self.canary])} superseded by {revision_label(ld)}")
         if ld.deployment.spec.rollout.strategy == "canary":
             self.canary = h
-            self.rollout = CanaryMachine(ld.deployment.spec.rollout).start(h, self.stable, now_s)
-            return events + [f"canary rollout of {revision_label(ld)} over {revision_label(self.specs[self.stable])}"]
+            machine = CanaryMachine(ld.deployment.spec.rollout)
+            self.rollout = machine.start(h, self.stable, now_s)
+            return events + [f"canary rollout of {revision_label(ld)} over {revision_label(self.specs[self.stable])}",
+                             *machine.load_notes(total)]
         self.stable, self.canary, self.rollout = h, None, None
         return events + [f"replacing with {revision_label(ld)}"]
 

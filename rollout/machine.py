@@ -105,6 +105,17 @@ def replica_targets(total: int, weight: float, sizing_weight: float, surge: bool
     return (max(1, total - canary) if weight < 100 else 0), canary
 
 
+def load_ratio(total: int, weight: float) -> float | None:
+    """Requests per canary replica / requests per stable replica at ``weight`` percent for a
+    deployment of ``total`` (`split_replicas`); None when one side has no replica. Below 1 the
+    canary's replicas are less loaded than stable's, so its TTFT and TPOT look better than they
+    are; weights that are multiples of 100 / total give 1."""
+    stable, canary = split_replicas(total, weight)
+    if stable == 0 or canary == 0 or not 0 < weight < 100:
+        return None
+    return (weight / canary) / ((100.0 - weight) / stable)
+
+
 class CanaryMachine:
     """Transitions of a `RolloutState` under one `RolloutSpec` (strategy canary). Stateless:
     the same spec, state and inputs always give the same result."""
@@ -117,6 +128,19 @@ class CanaryMachine:
     def start(self, canary: str, stable: str, now_s: float) -> RolloutState:
         return RolloutState(canary=canary, stable=stable, started_at_s=now_s, step_started_at_s=now_s,
                             window_from_s=now_s)  # fmt: skip
+
+    def load_notes(self, total: int, tolerance: float = 0.2) -> list[str]:
+        """One line per weight step at which a canary replica's load differs from a stable
+        replica's by more than ``tolerance`` (`load_ratio`), for a deployment of ``total``."""
+        notes = []
+        for step in self.spec.steps:
+            ratio = load_ratio(total, step.weight) if step.weight is not None else None
+            if ratio is not None and abs(ratio - 1.0) > tolerance:
+                notes.append(f"note: at weight {step.weight:g} % a canary replica carries {ratio:.2f}x a stable "
+                             f"replica's load ({total} replicas), so latency comparisons "
+                             f"{'favour' if ratio < 1 else 'penalise'} the canary; multiples of "
+                             f"{100 / max(total, 1):g} % compare like with like")  # fmt: skip
+        return notes
 
     def sizing_weight(self, state: RolloutState) -> float:
         """The weight the revisions' replica counts follow: the weight the current weight step is

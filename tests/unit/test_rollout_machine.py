@@ -202,3 +202,16 @@ def test_replica_targets_with_and_without_surge():
     assert replica_targets(2, 0, 25, surge=False) == (1, 1)    # no room: a stable replica makes way first
     assert replica_targets(1, 0, 25, surge=False) == (1, 1)    # the last stable replica never goes before 100
     assert replica_targets(4, 100, 100, surge=False) == (0, 4)
+
+
+def test_load_ratio_and_notes_say_when_canary_replicas_carry_another_load_than_stable_ones():
+    from rollout.machine import load_ratio
+
+    assert load_ratio(4, 25) == pytest.approx(1.0) and load_ratio(4, 50) == pytest.approx(1.0)
+    assert load_ratio(4, 10) == pytest.approx((10 / 1) / (90 / 3))        # a third of a stable replica's load
+    assert load_ratio(1, 25) == pytest.approx(25 / 75)                    # the surge replica of a one-replica deployment
+    assert load_ratio(4, 0) is None
+    notes = CanaryMachine(spec()).load_notes(4)                          # weights 10 and 50
+    assert notes == ["note: at weight 10 % a canary replica carries 0.33x a stable replica's load (4 replicas), so "
+                     "latency comparisons favour the canary; multiples of 25 % compare like with like"]
+    assert CanaryMachine(spec()).load_notes(10) == []
