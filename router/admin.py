@@ -11,7 +11,9 @@ Endpoints (all need `Authorization: Bearer <admin token>`, else 401):
 `GET /admin/v1/pools` lists all pools with live endpoint stats;
 `GET /admin/v1/pools/{model}` shows one pool;
 `GET /admin/v1/stats?window_s=30` gives each model's windowed statistics (`router.stats`):
-arrival rate, rejections, in flight, queued, and queue time / TTFT / end-to-end summaries;
+arrival rate, rejections, in flight, queued, and queue time / TTFT / end-to-end summaries, and
+per revision (`revisions`: requests, errors, TTFT and TPOT of streamed replies, end-to-end, queue
+time; `router.revision_stats.revision_summaries`);
 `GET /admin/v1/revisions/{model}?window_s=60` lists the model's finished requests by revision
 and endpoint (TTFT, TPOT, end-to-end, queue time, failed), what canary analysis compares.
 """

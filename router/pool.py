@@ -22,7 +22,7 @@ from router.admission import AdmissionQueue
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.policies import RoutingPolicy, make_policy
 from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S, PoolSpec
-from router.revision_stats import RequestLog
+from router.revision_stats import RequestLog, revision_summaries
 from router.split import RevisionSplit, SplitState
 from router.stats import DEFAULT_WINDOW_S, ModelStats
 
@@ -332,6 +332,7 @@ class PoolTable:
             out[model] = pool.shared.stats.snapshot(
                 now_s, window_s, in_flight=pool.in_flight(), queued=len(pool.shared.queue)
             )
+            out[model]["revisions"] = revision_summaries(pool.shared.requests, now_s, window_s)  # router.revision_stats
         return out
 
     def revision_samples(self, model: str, window_s: float) -> dict[str, object] | None:

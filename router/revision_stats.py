@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 
+from router.stats import LatencySummary
+
 DEFAULT_CAPACITY = 50_000
 """Requests kept per model: at 100 requests/s, more than 8 minutes (analysis windows are ~1 min)."""
 
@@ -67,6 +69,25 @@ class RequestLog:
             t, version, endpoint, ttft, tpot, e2e, queue, failed = row
             out.append([version, endpoint, now_s - t, ttft, tpot, e2e, queue, failed])
         return out
+
+
+def revision_summaries(log: RequestLog, now_s: float, window_s: float) -> dict[str, dict[str, object]]:
+    """Per version over the window: ``requests``, ``errors`` and `router.stats.LatencySummary`
+    dicts of ``ttft_s``, ``tpot_s``, ``e2e_s`` and ``queue_time_s`` (the model's entry
+    ``revisions`` in `GET /admin/v1/stats`)."""
+    by_version: dict[str, dict[str, list]] = {}
+    counts: dict[str, list[int]] = {}
+    for version, _, _, ttft, tpot, e2e, queue, failed in log.rows(now_s, window_s):
+        lists = by_version.setdefault(version, {"ttft_s": [], "tpot_s": [], "e2e_s": [], "queue_time_s": []})
+        n = counts.setdefault(version, [0, 0])
+        n[0] += 1
+        n[1] += bool(failed)
+        for key, value in (("ttft_s", ttft), ("tpot_s", tpot), ("e2e_s", e2e), ("queue_time_s", queue)):
+            if value is not None and not (failed and key != "queue_time_s"):
+                lists[key].append(value)
+    return {v: {"requests": counts[v][0], "errors": counts[v][1],
+                **{k: LatencySummary.of(vals).to_dict() for k, vals in lists.items()}}
+            for v, lists in sorted(by_version.items())}  # fmt: skip
 
 
 def tpot_s(first_event_s: float, last_event_s: float, events: int) -> float | None:

@@ -51,6 +51,8 @@ async def test_the_proxy_records_each_request_by_revision_and_the_client_reads_t
                 rows = (await r.json())["rows"]
             async with c.get("/admin/v1/revisions/none", headers=AUTH) as r:
                 assert r.status == 404
+            async with c.get("/admin/v1/stats", headers=AUTH) as r:
+                revisions = (await r.json())["models"]["m"]["revisions"]
             client = RouterAdminClient(base, TOKEN)
             try:
                 samples = await client.revision_samples("m", 60.0)
@@ -70,3 +72,8 @@ async def test_the_proxy_records_each_request_by_revision_and_the_client_reads_t
     assert all(s.e2e_s is not None and 0 <= s.age_s < 60 for s in ok)
     bad = by_version["v2@bbbb"]
     assert [s.error for s in bad] == [True, True] and all(s.ttft_s is None for s in bad)
+    # The same per revision in the windowed statistics: TTFT and TPOT of the one streamed success.
+    assert revisions["v1@aaaa"]["requests"] == 2 and revisions["v1@aaaa"]["errors"] == 0
+    assert revisions["v1@aaaa"]["ttft_s"]["samples"] == 1 and revisions["v1@aaaa"]["tpot_s"]["samples"] == 1
+    assert revisions["v1@aaaa"]["e2e_s"]["samples"] == 2
+    assert revisions["v2@bbbb"]["errors"] == 2 and revisions["v2@bbbb"]["ttft_s"]["samples"] == 0
