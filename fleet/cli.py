@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.cli_agent import cache_app, node_agent
+from fleet import cli_rollout
 from fleet.spec import SpecError, load_deployments
 from fleet.state import AlreadyRunning, StateStore, default_state_dir
 
@@ -266,6 +267,7 @@ def status(
         ready = sum(1 for r in replicas if r["deployment"] == name and r["status"] == "READY")
         deps.add_row(name, d["model"], f"{ready}/{d['desired']}", d["policy"], *_scaling_columns(d), d["source"])
     console.print(deps)
+    cli_rollout.print_status_revisions(console, state)
     table = Table(title="Replicas", title_justify="left")
     for col in ("replica", "status", "endpoint", "devices", "pid", "age", "detail"):
         table.add_column(col)
@@ -838,6 +840,7 @@ def make_tiny_model_cmd(
 # The node agent's commands (fleet/cli_agent.py): `fleet cache ...`, `fleet node-agent`.
 app.add_typer(cache_app)
 app.command("node-agent")(node_agent)
+cli_rollout.register(app, console, err_console)   # `fleet apply`, `fleet rollout ...` (fleet/cli_rollout.py)
 
 if __name__ == "__main__":
     app()

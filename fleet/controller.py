@@ -12,6 +12,10 @@ later pods; `fleet.backends.base`), `EngineAPI` (engine HTTP), `PoolSink` (route
 clock must be the same across controller restarts on one machine (`time.monotonic` is: Linux's
 CLOCK_MONOTONIC counts from boot), since recorded facts are in its seconds.
 
+Revisions: each deployment serves a stable revision and, during a canary rollout, a canary
+(`fleet.rollouts.Revisions`, persisted with the targets); replicas are wanted per revision and
+`fleet.controller_rollouts.RolloutSteps` (mixed in) takes new specs (`apply`) and drives rollouts.
+
 Persistence: the whole state (target and replica records) is written atomically before each
 batch of side effects (after new targets and replicas are decided, before the backend is asked
 to run or stop replicas) and at the end of every tick. Called by `fleet up` and `fleet down`
@@ -28,9 +32,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fleet.backends.base import Backend, LaunchError, ReplicaFacts, ReplicaWant
+from fleet.controller_rollouts import RolloutSteps
 from fleet.inventory import Inventory
 from fleet.lifecycle import Replica, ReplicaStatus
 from fleet.placement import PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
+from fleet.rollouts import AnalysisSource, Revisions, endpoint_weights, revision_label
 from fleet.spec import LoadedDeployment
 from router.spec import EndpointSpec, PoolSpec
 from warmup.client import EngineAPI
@@ -97,14 +103,28 @@ class _DeploymentState:
     desired_reason: str = "spec.replicas"        # why `desired` has its value (who set it last)
     desired_at_s: float | None = None
     last_scaling: dict | None = None             # the autoscaler's last decision (`fleet status`)
+    revisions: Revisions | None = None           # what it serves: stable, canary, rollout (fleet.rollouts)
+
+    def __post_init__(self) -> None:
+        if self.revisions is None:
+            self.revisions = Revisions.of(self.loaded)
+
+    @property
+    def revs(self) -> Revisions:
+        assert self.revisions is not None
+        return self.revisions
 
     @property
     def model(self) -> str:
         return self.loaded.deployment.spec.model.name
 
 
-class Controller:
-    """Converges desired to observed replicas, one idempotent `reconcile_once` per tick."""
+class Controller(RolloutSteps):
+    """Converges desired to observed replicas, one idempotent `reconcile_once` per tick.
+
+    A deployment serves revisions (`fleet.rollouts.Revisions`): the stable one and, during a
+    canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`) and the
+    rollout is driven by `RolloutSteps` (fleet.controller_rollouts)."""
 
     def __init__(
         self,
@@ -119,8 +139,12 @@ class Controller:
         placer: PlacementStrategy | None = None,
         settings: ControllerSettings | None = None,
         on_event: Callable[[ReplicaEvent], None] | None = None,
+        analysis_source: AnalysisSource | None = None,
+        on_rollout_event: Callable[[str, str], None] | None = None,
     ) -> None:
         self.backend = backend
+        self.analysis_source = analysis_source
+        self.on_rollout_event = on_rollout_event or (lambda deployment, line: None)
         self.engine_api = engine_api
         self.pool_sink = pool_sink
         self.inventory = Inventory(())
@@ -198,6 +222,9 @@ class Controller:
         self._facts = await self.backend.observe()
         if previous and previous.get("format") == STATE_FORMAT:
             self._restore_targets(previous.get("deployments", {}))
+        for ds in self.deployments.values():   # today's files against what was served: a rollout may start
+            self._declare(ds, ds.loaded, now)
+        if previous and previous.get("format") == STATE_FORMAT:
             for rd in previous.get("replicas", []):
                 try:
                     r = Replica.from_dict(rd)
@@ -231,6 +258,10 @@ class Controller:
             ds.next_index = max(ds.next_index, int(d.get("next_index", 0)))
             ds.failures_in_row = int(d.get("failures_in_row", 0))
             ds.last_scaling = d.get("last_scaling")
+            try:
+                ds.revs.restore(d.get("revisions") or {})
+            except (KeyError, TypeError, ValueError) as err:
+                log.warning("deployment %s: unreadable revisions record, serving today's spec: %s", name, err)
         declared = {ds.model for ds in self.deployments.values()}
         self._retired = {name: model for name, model in self._retired.items() if model not in declared}
 
@@ -258,7 +289,7 @@ class Controller:
             r.drain_requested_at_s = r.drain_requested_at_s or now   # not declared any more
             return
         r.consecutive_health_failures = 0
-        if r.spec_hash != ds.loaded.serving_hash:
+        if r.spec_hash not in (ds.revs.stable, ds.revs.canary):
             r.drain_requested_at_s = r.drain_requested_at_s or now
         elif r.status is ReplicaStatus.WARMING:
             r.healthy_at_s = None   # its warm-up died with the old controller: probe, then warm again
@@ -272,6 +303,7 @@ class Controller:
             self._observe,
             self._probe_health,
             self._collect_warmups,
+            self._rollouts,
             self._scale,
             self._place_and_launch,
             self._drain_and_stop,
@@ -437,22 +469,38 @@ class Controller:
         for r in self.replicas.values():  # stopping, or deployments no longer declared: everything goes
             if (self.stopping or r.deployment not in self.deployments) and r.status.counts_toward_desired():
                 r.drain_requested_at_s, changed = now, True
+        order = list(ReplicaStatus)
+        created = {rid: i for i, rid in enumerate(self.replicas)}  # insertion = creation order
         for name, ds in self.deployments.items():
             if self.stopping:
                 break
             active = [r for r in self.replicas.values() if r.deployment == name and r.status.counts_toward_desired()]
-            if len(active) < ds.desired and now >= ds.next_create_at_s:
-                for _ in range(ds.desired - len(active)):
-                    self._create_replica(ds, now)
-                changed = True
-            elif len(active) > ds.desired:
-                # Remove the least advanced first (PENDING before STARTING before READY), newest first.
-                order = list(ReplicaStatus)
-                created = {rid: i for i, rid in enumerate(self.replicas)}  # insertion = creation order
-                victims = sorted(active, key=lambda r: (order.index(r.status), -created[r.id]))
-                for r in victims[: len(active) - ds.desired]:
+            targets = ds.revs.targets(ds.desired)
+            for h, want in targets.items():
+                mine = [r for r in active if r.spec_hash == h]
+                if len(mine) < want and now >= ds.next_create_at_s:
+                    for _ in range(want - len(mine)):
+                        self._create_replica(ds, h, now)
+                    changed = True
+                elif len(mine) > want:
+                    # Remove the least advanced first (PENDING before STARTING before READY), newest first.
+                    victims = sorted(mine, key=lambda r: (order.index(r.status), -created[r.id]))
+                    for r in victims[: len(mine) - want]:
+                        r.drain_requested_at_s = now
+                    changed = True
+            # Older revisions serve until the current ones have the READY replicas to replace them
+            # (a rolled-back one goes at once); the least advanced go first.
+            older = [r for r in active if r.spec_hash not in targets]
+            current = [r for r in active if r.spec_hash in targets]
+            if ds.loaded.deployment.spec.rollout.surge:
+                current = [r for r in current if r.status is ReplicaStatus.READY]
+            keep = max(0, ds.desired - len(current))   # without surge, older replicas make room at once
+            by_value = sorted(older, key=lambda r: (r.spec_hash in ds.revs.rolled_back, -order.index(r.status),
+                                                    created[r.id]))  # fmt: skip
+            for i, r in enumerate(by_value):
+                if i >= keep or r.spec_hash in ds.revs.rolled_back:
                     r.drain_requested_at_s = now
-                changed = True
+                    changed = True
         if changed:
             self._save()  # decided: persisted before anything acts on it
 
@@ -481,25 +529,26 @@ class Controller:
                 log.warning("replica %s drains: %s", r.id, hit)
         return drained
 
-    def _create_replica(self, ds: _DeploymentState, now: float) -> None:
-        dep = ds.loaded.deployment
+    def _create_replica(self, ds: _DeploymentState, spec_hash: str, now: float) -> None:
+        ld = ds.revs.specs[spec_hash]
+        dep = ld.deployment
         rid = f"{dep.name}-{ds.next_index}"
         ds.next_index += 1
         self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision, created_at_s=now,
-                                     spec_hash=ds.loaded.serving_hash)  # fmt: skip
+                                     spec_hash=spec_hash)  # fmt: skip
 
     async def _place_and_launch(self) -> None:
         holding = {rid: ReplicaPlacement.from_dict(r.placement) for rid, r in self.replicas.items()
                    if r.placement is not None and (r.engine_alive or r.status is ReplicaStatus.PLACED)}
         in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
-        pending: dict[str, list[Replica]] = {}
+        pending: dict[tuple[str, str], list[Replica]] = {}
         for r in sorted(self.replicas.values(), key=lambda r: r.created_at_s):
             if r.status is ReplicaStatus.PENDING and r.drain_requested_at_s is None:
-                pending.setdefault(r.deployment, []).append(r)
+                pending.setdefault((r.deployment, r.spec_hash), []).append(r)
         now = self.clock()
         to_launch: list[tuple[Replica, ReplicaPlacement]] = []
-        for name, waiting in pending.items():
-            ld = self.deployments[name].loaded
+        for (name, spec_hash), waiting in pending.items():
+            ld = self.deployments[name].revs.specs[spec_hash]
             dep = ld.deployment
             existing = [a for rid, a in holding.items() if self.replicas[rid].spec_hash == ld.serving_hash]
             # Warm nodes: where a replica of this very spec runs, so its image and weights are there.
@@ -526,7 +575,7 @@ class Controller:
             r.launched_at_s = now
         self._save()  # persisted before the backend acts: a crash now leaves records to adopt
         for r, placement in to_launch:
-            ld = self.deployments[r.deployment].loaded
+            ld = self.deployments[r.deployment].revs.specs[r.spec_hash]
             want = ReplicaWant(r.id, ld.deployment, placement, ld.serving_hash, ld.base_dir)
             try:
                 await self.backend.ensure(want)
@@ -593,10 +642,14 @@ class Controller:
         for name, ds in self.deployments.items():
             routing = ds.loaded.deployment.spec.routing
             endpoints = self._pool_endpoints(name)
+            stickiness = ds.loaded.deployment.spec.rollout.stickiness
+            sticky_key = None if stickiness is None else (
+                f"header:{stickiness.header}" if stickiness.header else "body:user")
             pool = PoolSpec(
                 policy=routing.policy, endpoints=endpoints,
                 max_concurrency_per_endpoint=routing.max_concurrency_per_endpoint,
                 max_queue_length=routing.max_queue_length, queue_timeout_s=routing.queue_timeout_seconds,
+                sticky_key=sticky_key,
             )  # fmt: skip
             if pool == ds.last_pool:
                 continue
@@ -605,19 +658,33 @@ class Controller:
 
     def _pool_endpoints(self, deployment: str) -> list[EndpointSpec]:
         """The router's view of a deployment: replicas that passed warm-up and still run; DRAINING
-        ones marked draining (no new requests, in-flight ones finish)."""
-        return [
-            EndpointSpec(id=r.id, url=r.endpoint, version=r.revision, draining=r.status is ReplicaStatus.DRAINING)
-            for r in sorted(self.replicas.values(), key=lambda r: r.id)
+        ones marked draining (no new requests, in-flight ones finish). Each endpoint's version is
+        its revision's label and its weight its revision's share (`fleet.rollouts.endpoint_weights`)."""
+        members = [
+            r for r in sorted(self.replicas.values(), key=lambda r: r.id)
             if r.deployment == deployment and r.warmup_passed_at_s is not None and r.endpoint is not None
             and r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING) and r.engine_alive
             and r.stop_requested_at_s is None
         ]
+        revs = self.deployments[deployment].revs if deployment in self.deployments else None
+        ready = Counter(r.spec_hash for r in members if r.status is ReplicaStatus.READY)
+        weights = endpoint_weights(revs, ready) if revs is not None else {}
+        return [
+            EndpointSpec(id=r.id, url=r.endpoint, version=self._version(r), weight=weights.get(r.spec_hash, 1.0),
+                         draining=r.status is ReplicaStatus.DRAINING)  # fmt: skip
+            for r in members
+        ]
+
+    def _version(self, r: Replica) -> str:
+        ds = self.deployments.get(r.deployment)
+        ld = ds.revs.specs.get(r.spec_hash) if ds is not None else None
+        return revision_label(ld) if ld is not None else f"{r.revision}@{r.spec_hash[:8]}"
 
     # ----- helpers ------------------------------------------------------------------------
 
     def _dep(self, r: Replica):
-        return self.deployments[r.deployment].loaded.deployment
+        ds = self.deployments[r.deployment]
+        return ds.revs.specs.get(r.spec_hash, ds.loaded).deployment
 
     def _fail(self, r: Replica, status: ReplicaStatus, reason: str, log_tail: list[str] | None = None) -> None:
         if r.failure is not None:
@@ -703,6 +770,7 @@ class Controller:
                     "policy": ds.loaded.deployment.spec.routing.policy,
                     "source": str(ds.loaded.path),
                     "failures_in_row": ds.failures_in_row,
+                    "revisions": ds.revs.to_dict(),
                 }
                 for name, ds in self.deployments.items()
             },

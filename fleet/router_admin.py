@@ -1,7 +1,8 @@
 """Client of the router's admin API, used by the controller to publish pools.
 
-Owns `RouterAdminClient` (httpx, bearer token), the real `fleet.controller.PoolSink` and the
-autoscaler's source of router statistics (`stats`). The pool document is `router.spec.PoolSpec`,
+Owns `RouterAdminClient` (httpx, bearer token), the real `fleet.controller.PoolSink`, the
+autoscaler's source of router statistics (`stats`) and the canary analysis' source of
+per-revision samples (`revision_samples`, a `fleet.rollouts.AnalysisSource`). The pool document is `router.spec.PoolSpec`,
 defined once and parsed by the router itself. The API itself is served by `router.admin`.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import httpx
 
+from fleet.rollouts import RequestSample
 from router.spec import PoolSpec
 
 
@@ -59,6 +61,15 @@ class RouterAdminClient:
         if r.status_code != 200:
             raise RouterAdminError(f"GET stats: HTTP {r.status_code}: {r.text[:300]}")
         return r.json()["models"]
+
+    async def revision_samples(self, model: str, window_s: float) -> list[RequestSample]:
+        """Finished requests of ``model`` in the last ``window_s`` seconds by revision and endpoint
+        (`GET /admin/v1/revisions/{model}`): the controller's `fleet.rollouts.AnalysisSource`.
+        Raises RouterAdminError (the analysis run is then an error, never a failure)."""
+        r = await self._request("GET", f"/admin/v1/revisions/{model}", params={"window_s": min(window_s, 3600.0)})
+        if r.status_code != 200:
+            raise RouterAdminError(f"GET revisions {model}: HTTP {r.status_code}: {r.text[:300]}")
+        return [RequestSample.from_row(row) for row in r.json()["rows"]]
 
     async def in_flight(self) -> dict[str, int]:
         out: dict[str, int] = {}

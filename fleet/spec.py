@@ -1,7 +1,8 @@
 """The `InferenceDeployment` document a model owner writes, and loading it from YAML.
 
 Owns the pydantic models of the spec (apiVersion, kind, metadata, spec: model, engine,
-resources, replicas, routing, warmup; `autoscaling` is `autoscaler.spec.AutoscalingSpec`), the
+resources, replicas, routing, warmup; `autoscaling` is `autoscaler.spec.AutoscalingSpec`,
+`rollout` is `rollout.spec.RolloutSpec`), the
 YAML loader for one or many files with several documents each, and the error format: every
 problem names its file, document, field path and reason
 (``quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)``).
@@ -25,6 +26,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from autoscaler.spec import AutoscalingSpec
 from fleet.agent.sources import SourceError, parse_source
 from fleet.specbase import FieldError, SpecModel
+from fleet.rollout.spec import RolloutSpec
 from warmup.plan import WarmupPlan
 
 API_VERSION = "fleet.inference.dev/v1alpha1"
@@ -235,6 +237,11 @@ class DeploymentSpec(SpecModel):
     autoscaling: AutoscalingSpec | None = Field(
         None, description="Scale between spec.replicas.min and max on queue time and p99 TTFT. Unset: "
         "spec.replicas.initial replicas, fixed.",
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="How a new revision (a change of model source or revision, or engine image, args or env) "
+        "reaches users: `replace` (default) or `canary` steps judged against stable (rollout.spec).",
     )
 
     @model_validator(mode="after")

@@ -5,7 +5,8 @@ Owns the embedded runtime: preflight checks (run once; nothing starts unless eve
 can), taking over from a previous controller on the same state directory (its router and its
 replicas are adopted, not restarted: `fleet.controller.Controller.start`), the router process
 and its supervision (`fleet.routerproc`: restarted, with every pool published again, if it
-dies), the controller loop, the autoscaler loop (`fleet.autoscaling`) and its Prometheus
+dies), the controller loop, the control channel (`fleet.control`: `fleet apply`, `fleet rollout`),
+the autoscaler loop (`fleet.autoscaling`) and its Prometheus
 endpoint, progress output, signal handling and the orderly shutdown (pools drained, in-flight
 requests finished, engines stopped, router last). `run_down` is `fleet down` for a fleet whose
 controller is gone: it adopts what still runs and shuts it down the same way. Called by
@@ -39,11 +40,13 @@ from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
 from fleet.agent.runner import NodeAgent, local_health_checker
 from fleet.agent.sources import SourceError, parse_source
 from fleet.backends.local import REMOTE_SCHEMES, LocalBackend
+from fleet.control import ControlServer
 from fleet.controller import Controller, ControllerSettings, ReplicaEvent
 from fleet.engines import ModelUnavailable, get_engine
 from fleet.inventory import Inventory, discover_local
 from fleet.lifecycle import ReplicaStatus
 from fleet.placement import ReplicaShape, get_strategy
+from fleet.rollout_metrics import RolloutCollector
 from fleet.routerproc import RouterProcess, RouterStartError
 from fleet.spec import LoadedDeployment
 from fleet.state import StateStore
@@ -275,7 +278,8 @@ async def run_up(
 
         controller = Controller(
             loaded, backend=backend, engine_api=engine_api, pool_sink=router.admin, clock=clock,
-            state_sink=store, settings=settings, on_event=on_event,
+            state_sink=store, settings=settings, on_event=on_event, analysis_source=router.admin,
+            on_rollout_event=lambda name, line: progress.say(f"{name:<20} ROLLOUT {line}", style="bold blue"),
         )
         await controller.start(previous)
         adopted = [r.id for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive]
@@ -284,12 +288,15 @@ async def run_up(
                           highlight=False)  # fmt: skip
         _install_signal_handlers(stop, console, controller)
         tasks = [asyncio.get_running_loop().create_task(_supervise_router(router, controller, stop, progress),
-                                                        name="router-supervisor")]  # fmt: skip
+                                                        name="router-supervisor"),
+                 asyncio.get_running_loop().create_task(ControlServer(store.root, controller, progress.say).run(stop),
+                                                        name="control")]  # `fleet apply`, `fleet rollout`  # fmt: skip
+        autoscaler_metrics = AutoscalerMetrics()
+        autoscaler_metrics.registry.register(RolloutCollector(controller))   # fleet_rollout_* (fleet.rollout_metrics)
+        if metrics_port:
+            metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
+            console.print(f"Autoscaler and rollout metrics on http://{host}:{metrics_port}/metrics", highlight=False)
         if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
-            autoscaler_metrics = AutoscalerMetrics()
-            if metrics_port:
-                metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
-                console.print(f"Autoscaler metrics on http://{host}:{metrics_port}/metrics", highlight=False)
             autoscaler = AutoscalerLoop(controller, router=router.admin, engine_api=engine_api, clock=clock,
                                         metrics=autoscaler_metrics, on_decision=progress.decision)  # fmt: skip
             tasks.append(asyncio.get_running_loop().create_task(autoscaler.run(stop), name="autoscaler"))

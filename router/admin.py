@@ -13,7 +13,11 @@ answers a summary (422 naming the field for a bad document);
 `GET /admin/v1/pools` lists all pools with live endpoint stats;
 `GET /admin/v1/pools/{model}` shows one pool;
 `GET /admin/v1/stats?window_s=30` gives each model's windowed statistics (`router.stats`):
-arrival rate, rejections, in flight, queued, and queue time / TTFT / TPOT / end-to-end summaries.
+arrival rate, rejections, in flight, queued, and queue time / TTFT / TPOT / end-to-end summaries, and
+per revision (`revisions`: requests, errors, TTFT and TPOT of streamed replies, end-to-end, queue
+time; `router.revision_stats.revision_summaries`);
+`GET /admin/v1/revisions/{model}?window_s=60` lists the model's finished requests by revision
+and endpoint (TTFT, TPOT, end-to-end, queue time, failed), what canary analysis compares.
 
 Pools of thousands of endpoints never hold the event loop long: documents are validated and
 listed in slices between yields (`YIELD_EVERY`), PUTs and DELETEs apply in arrival order under
@@ -161,6 +165,19 @@ def admin_router(pools: PoolTable, admin_token: str) -> APIRouter:
         """Windowed statistics per model: `{"window_s", "models": {model: snapshot}}`, each
         snapshot as `router.stats.ModelStats.snapshot` documents it (seconds, requests/s)."""
         return {"window_s": window_s, "models": pools.stats(window_s)}
+
+    @router.get("/revisions/{model:path}")
+    async def revisions(
+        model: ModelName,
+        window_s: Annotated[float, Query(gt=0, le=3600, description="Window in seconds, ending now.")] = 60.0,
+    ) -> dict[str, object]:
+        """Finished requests of `model` in the window by revision and endpoint, for canary
+        analysis: `{"window_s", "rows": [[version, endpoint, age_s, ttft_s, tpot_s, e2e_s,
+        queue_time_s, failed], ...]}` (`router.revision_stats`); 404 if the model has no pool."""
+        out = pools.revision_samples(model, window_s)
+        if out is None:
+            raise HTTPException(404, f"no pool for model {model!r}")
+        return out
 
     @router.get("/pools/{model:path}")
     async def get_pool(model: ModelName) -> Response:

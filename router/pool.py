@@ -22,6 +22,8 @@ from router.admission import AdmissionQueue
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.policies import RoutingPolicy, make_policy
 from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S, PoolSpec
+from router.revision_stats import RequestLog, revision_summaries
+from router.split import RevisionSplit, SplitState
 from router.stats import DEFAULT_WINDOW_S, ModelStats
 
 EWMA_ALPHA = 0.3
@@ -126,29 +128,34 @@ class EndpointState:
 
 class PoolShared:
     """What the successive pools of one model share, so a pool replacement loses nothing:
-    `stats` (`router.stats.ModelStats`), `queue` (`router.admission.AdmissionQueue`) and
+    `stats` (`router.stats.ModelStats`), `queue` (`router.admission.AdmissionQueue`),
     `queue_time` (the model's pre-bound `fleet_router_queue_time_seconds` child; None outside
-    a `PoolTable`)."""
+    a `PoolTable`), `split` (the revision split's counters, `router.split.SplitState`) and
+    `requests` (finished requests by revision and endpoint, `router.revision_stats.RequestLog`)."""
 
-    __slots__ = ("stats", "queue", "queue_time")
+    __slots__ = ("stats", "queue", "queue_time", "split", "requests")
 
     def __init__(self, stats: ModelStats, queue_time: Histogram | None = None) -> None:
         self.stats = stats
         self.queue = AdmissionQueue()
         self.queue_time = queue_time
+        self.split = SplitState()
+        self.requests = RequestLog()
 
 
 class Pool:
     """The endpoints serving one model and the policy instance that chooses among them.
 
     `endpoints` holds all endpoints (draining ones too), `ready` the non-draining ones, in
-    spec order. `limit` is the most requests one endpoint gets at once (None: no limit, no
+    spec order. `split` divides requests between the revisions (versions) of the ready
+    endpoints by weight before the policy chooses (`router.split`; None with one version);
+    `sticky_key` names the request key that keeps a user on one revision (None: none). `limit` is the most requests one endpoint gets at once (None: no limit, no
     admission queue); `max_queue_length` and `queue_timeout_s` bound the admission queue.
     A pool is replaced, never edited, when its spec changes.
     """
 
     __slots__ = ("model", "policy", "endpoints", "ready", "created_s", "shared", "limit",
-                 "max_queue_length", "queue_timeout_s")  # fmt: skip
+                 "max_queue_length", "queue_timeout_s", "split", "sticky_key")  # fmt: skip
 
     def __init__(
         self,
@@ -161,6 +168,7 @@ class Pool:
         limit: int | None = None,
         max_queue_length: int = DEFAULT_MAX_QUEUE_LENGTH,
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+        sticky_key: str | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
@@ -171,13 +179,17 @@ class Pool:
         self.limit = limit
         self.max_queue_length = max_queue_length
         self.queue_timeout_s = queue_timeout_s
+        self.split = RevisionSplit.of(self.ready, self.shared.split)
+        self.sticky_key = sticky_key
 
     def pick(self, now_s: float, tried: Collection[EndpointState] = (), *,
-             within_limit: bool = True) -> EndpointState | None:  # fmt: skip
+             within_limit: bool = True, key: str | None = None) -> EndpointState | None:  # fmt: skip
         """The endpoint the policy chooses among the ready ones not in `tried`; None if
         none is left. With a `limit` (and `within_limit`), endpoints with `limit` requests in
-        flight are full and left out. Endpoints cooling down after a connection failure are
-        left out unless all remaining ones are (see `DEFAULT_FAILURE_COOLDOWN_S`)."""
+        flight are full and left out. With more than one revision, the split first narrows the
+        candidates to one revision (`router.split`; ``key``: the request's sticky key).
+        Endpoints cooling down after a connection failure are left out unless all remaining
+        ones are (see `DEFAULT_FAILURE_COOLDOWN_S`)."""
         candidates: Sequence[EndpointState] = self.ready
         limit = self.limit
         if limit is not None and within_limit:
@@ -186,6 +198,8 @@ class Pool:
             candidates = [e for e in candidates if e not in tried]
         if not candidates:
             return None
+        if self.split is not None:
+            candidates = self.split.narrow(candidates, key)
         for endpoint in candidates:
             if endpoint.unavailable_until_s > now_s:
                 available = [e for e in candidates if e.unavailable_until_s <= now_s]
@@ -205,7 +219,8 @@ class Pool:
     def snapshot_head(self) -> dict[str, object]:
         """The pool's settings and queue, without its endpoints."""
         return {"policy": self.policy.name, "max_concurrency_per_endpoint": self.limit,
-                "queued": len(self.shared.queue)}  # fmt: skip
+                "queued": len(self.shared.queue), "split": self.split.shares() if self.split is not None else None,
+                "sticky_key": self.sticky_key}  # fmt: skip
 
     def snapshot(self) -> dict[str, object]:
         """The pool as `GET /admin/v1/pools` lists it."""
@@ -295,7 +310,8 @@ class PoolTable:
         else:
             shared = PoolShared(ModelStats(self._clock()), self._metrics.bind_model(model))
         pool = Pool(model, policy, endpoints, created_s, shared, limit=spec.max_concurrency_per_endpoint,
-                    max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s)  # fmt: skip
+                    max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s,
+                    sticky_key=spec.sticky_key)  # fmt: skip
         self._pools[model] = pool
         # Waiting requests take the slots the new pool has (all of them if the limit is gone).
         free = pool.free_slots()
@@ -329,4 +345,13 @@ class PoolTable:
             out[model] = pool.shared.stats.snapshot(
                 now_s, window_s, in_flight=pool.in_flight(), queued=len(pool.shared.queue)
             )
+            out[model]["revisions"] = revision_summaries(pool.shared.requests, now_s, window_s)  # router.revision_stats
         return out
+
+    def revision_samples(self, model: str, window_s: float) -> dict[str, object] | None:
+        """The finished requests of ``model`` in the last ``window_s`` seconds by revision and
+        endpoint (`router.revision_stats.RequestLog.rows`), or None when it has no pool."""
+        pool = self._pools.get(model)
+        if pool is None:
+            return None
+        return {"window_s": window_s, "rows": pool.shared.requests.rows(self._clock(), window_s)}

@@ -38,6 +38,7 @@ import aiohttp
 
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, Pool, PoolShared, PoolTable
+from router.split import sticky_key
 from router.sse import SseRelay
 from router.stats import ModelStats
 
@@ -319,7 +320,8 @@ class Proxy:
         stats.arrivals.add(arrival_s)
         limited = pool.limit is not None
         # With an admission limit, first come first served: nobody overtakes a waiting request.
-        endpoint = None if limited and shared.queue.has_waiters() else pool.pick(arrival_s)
+        key = sticky_key(pool.sticky_key, scope["headers"], body)   # keeps a user on one revision (router.split)
+        endpoint = None if limited and shared.queue.has_waiters() else pool.pick(arrival_s, key=key)
         if endpoint is None and (not limited or not pool.ready):
             await self._reject(send, 503, model, error_body(
                 f"model {model!r} has no ready endpoint; retry later", type_="server_error",
@@ -338,7 +340,7 @@ class Proxy:
         watch = _ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
         try:
             if endpoint is None:
-                admitted = await self._wait_for_slot(model, pool, arrival_s, send, watch)
+                admitted = await self._wait_for_slot(model, pool, arrival_s, send, watch, key)
                 if admitted is None:
                     return  # answered 503
                 pool, endpoint = admitted
@@ -351,7 +353,7 @@ class Proxy:
                 if len(tried) >= attempts:
                     break
                 # A retry has waited its turn already: it may exceed the admission limit.
-                next_endpoint = pool.pick(self._clock(), tried, within_limit=False)
+                next_endpoint = pool.pick(self._clock(), tried, within_limit=False, key=key)
                 if next_endpoint is None:
                     break
                 endpoint = next_endpoint
@@ -372,7 +374,7 @@ class Proxy:
             watch.stop()
 
     async def _wait_for_slot(self, model: str, pool: Pool, arrival_s: float, send: Send,
-                             watch: _ClientWatch) -> tuple[Pool, EndpointState] | None:  # fmt: skip
+                             watch: _ClientWatch, key: str | None = None) -> tuple[Pool, EndpointState] | None:  # fmt: skip
         """Wait in the model's admission queue until an endpoint of the model's current pool
         has a free slot; return that pool and endpoint, or answer 503 (queue full, timed out,
         pool gone) and return None. Records the queue time at dispatch."""
@@ -391,7 +393,7 @@ class Proxy:
             if current is None:
                 break
             now_s = self._clock()
-            endpoint = current.pick(now_s)
+            endpoint = current.pick(now_s, key=key)
             if endpoint is not None:
                 stats.queue_time.add(now_s, now_s - arrival_s)
                 if shared.queue_time is not None:
@@ -460,6 +462,8 @@ class Proxy:
                 timed_out = isinstance(exc, asyncio.TimeoutError)
                 endpoint.record_failure(clock())
                 m.error("timeout" if timed_out else "interrupted").inc()
+                shared.requests.record(clock(), endpoint.version, endpoint.id, ttft_s=None, tpot_s=None, e2e_s=None,
+                                       queue_time_s=start_s - arrival_s, failed=True)  # fmt: skip
                 log.warning("endpoint %s (%s): request failed: %r", endpoint.id, endpoint.url, exc)
                 watch.finishing = True
                 status = 504 if timed_out else 502
@@ -504,10 +508,21 @@ class Proxy:
                         stats.ttft.add(end_s, first_byte_s - arrival_s)
                         if sse is not None and sse.first_token_s is not None:
                             m.ttft.observe(sse.first_token_s - start_s)
-                            tpot_s = sse.time_per_output_token_s()
-                            if tpot_s is not None:
-                                m.tpot.observe(tpot_s)
-                                stats.tpot.add(end_s, tpot_s)
+                            tpot = sse.time_per_output_token_s()
+                            if tpot is not None:
+                                m.tpot.observe(tpot)
+                                stats.tpot.add(end_s, tpot)
+                # Per revision, for canary analysis (router.revision_stats): TTFT (first token, as the
+                # client sees it) and TPOT of streamed replies only.
+                ok = completed and status < 500
+                first_token_s = sse.first_token_s if ok and sse is not None else None
+                done_s = clock()
+                shared.requests.record(
+                    done_s, endpoint.version, endpoint.id,
+                    ttft_s=first_token_s - arrival_s if first_token_s is not None else None,
+                    tpot_s=sse.time_per_output_token_s() if first_token_s is not None else None,
+                    e2e_s=done_s - arrival_s if completed else None, queue_time_s=start_s - arrival_s, failed=not ok,
+                )  # fmt: skip
             finally:
                 if completed:
                     resp.release()

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.policies import DEFAULT_POLICY, policy_names
+from router.split import STICKY_KEY_PATTERN
 
 DEFAULT_MAX_QUEUE_LENGTH = 1000
 """Requests that may wait in one model's admission queue (when the queue is on)."""
@@ -43,13 +44,14 @@ class EndpointSpec(BaseModel):
     )
     version: str = Field(
         default="", max_length=128,
-        description="Model/engine version served (e.g. `v1`): the `version` label of the endpoint's "
-        "metric series, so a canary and its stable arm can be compared.",
+        description="Revision served (e.g. `v1`): requests are split between the versions of a pool by "
+        "weight, and it is the `version` label of the endpoint's metric series.",
     )  # fmt: skip
     weight: float = Field(
         default=1.0,
         ge=0.0,
-        description="Relative traffic weight, for a canary split; carried, not used by the built-in policies.",
+        description="Traffic weight: a revision (version) gets the sum of its ready endpoints' weights as its "
+        "share of requests when the pool holds more than one version (router.split); ignored otherwise.",
     )
     draining: bool = Field(default=False, description="True: send no new requests; in-flight ones finish.")
 
@@ -91,6 +93,11 @@ class PoolSpec(BaseModel):
         default=DEFAULT_QUEUE_TIMEOUT_S, gt=0, le=3600,
         description="Longest wait in the admission queue (seconds) before a 503.",
     )  # fmt: skip
+    sticky_key: str | None = Field(
+        default=None, pattern=STICKY_KEY_PATTERN,
+        description="Request key that keeps one user on one revision while weights hold: `header:NAME` "
+        "or `body:user` (the OpenAI `user` field). None: requests are split one by one.",
+    )
 
     @field_validator("policy")
     @classmethod

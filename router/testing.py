@@ -63,7 +63,7 @@ class FakeEngine:
     """A stand-in for a vLLM OpenAI server on a free loopback port.
 
     Answers POST `/v1/completions` and `/v1/chat/completions`: with `"stream": true` an
-    SSE stream of `chunks` events then `data: [DONE]`, otherwise one JSON document with a
+    SSE stream of `chunks` events (`event_interval_s` apart) then `data: [DONE]`, otherwise one JSON document with a
     Content-Length. Every body names the engine (`"served_by": name`). `status` forces the
     response status. `handler` replaces the built-in behaviour entirely. Received bodies
     are kept in `requests` (parsed JSON). Use as `async with FakeEngine("a") as engine:`;
@@ -71,9 +71,10 @@ class FakeEngine:
     """
 
     def __init__(self, name: str = "engine", *, chunks: int = 3, status: int = 200,
-                 handler: Handler | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
+                 handler: Handler | None = None, host: str = "127.0.0.1", event_interval_s: float = 0.0) -> None:  # fmt: skip
         self.name = name
         self.chunks = chunks
+        self.event_interval_s = event_interval_s
         self.status = status
         self.requests: list[Any] = []
         self._handler = handler
@@ -114,6 +115,8 @@ class FakeEngine:
             event = {"id": "cmpl-fake", "model": model, "served_by": self.name,
                      "choices": [{"index": 0, "text": str(i)}]}  # fmt: skip
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            if self.event_interval_s:
+                await asyncio.sleep(self.event_interval_s)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

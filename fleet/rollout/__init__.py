@@ -1,0 +1,12 @@
+"""Canary rollouts: the `spec.rollout` section, the analysis of a canary against stable, and the
+rollout state machine. Pure: no I/O, no clock reads.
+
+Modules, in import order: `spec` (pydantic models of `spec.rollout`), `analysis` (one analysis
+run: per-check values, limits, sample counts and verdicts), `machine` (steps, weights, pauses,
+promote and roll back over a `RolloutState`). The router's per-request split between revisions
+lives beside the routing policies (`router.split`).
+
+Callers: the controller (`fleet.controller`, revisions of a deployment) and the trace simulator
+(`fleet.simulate.rollout`), which run the same objects in real and in virtual time. Imports
+`router.stats` (pure) and `fleet.specbase`; never the reverse.
+"""
