@@ -97,8 +97,8 @@ def up(
     port: Annotated[int, typer.Option(help="Router port (OpenAI-compatible API).")] = 8080,
     host: Annotated[str, typer.Option(help="Router address to listen on.")] = "127.0.0.1",
     metrics_port: Annotated[Optional[int], typer.Option(
-        help="Port of the autoscaler's Prometheus metrics (default: --port + 1; 0: off). "
-        "Served only when a deployment has spec.autoscaling.")] = None,
+        help="Port of fleet up's Prometheus metrics: replica states, autoscaler decisions "
+        "(default: --port + 1; 0: off).")] = None,
     state_dir: StateDir = None,
 ) -> None:
     """Run the deployments on this machine until Ctrl-C or `fleet down`.
@@ -115,9 +115,8 @@ def up(
 
     loaded = _load(files)
     store = StateStore(state_dir or default_state_dir())
-    autoscaled = any(ld.deployment.spec.autoscaling is not None for ld in loaded)
     if metrics_port is None:
-        metrics_port = port + 1 if autoscaled else 0
+        metrics_port = port + 1
     try:
         code = asyncio.run(run_up(loaded, store=store, console=console, host=host, port=port,
                                   metrics_port=metrics_port or None))  # fmt: skip
@@ -687,6 +686,10 @@ def make_tiny_model_cmd(
         path = make_tiny_model(out_dir, seed=seed)
     console.print(f"Tiny model ready: {path}")
 
+
+from fleet.cli_observability import register as _register_observability  # noqa: E402
+
+_register_observability(app)  # prometheus-config, dashboard, rules, top
 
 if __name__ == "__main__":
     app()

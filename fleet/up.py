@@ -28,6 +28,7 @@ from fleet.controller import Controller, ControllerSettings, ReplicaEvent
 from fleet.engines import ModelUnavailable, get_engine
 from fleet.inventory import Inventory, NodeInventory, discover_local
 from fleet.lifecycle import ReplicaStatus
+from fleet.observability.discovery import LocalObservability
 from fleet.placement import ReplicaShape, get_strategy
 from fleet.router_admin import RouterAdminClient
 from fleet.spec import LoadedDeployment
@@ -223,16 +224,19 @@ async def run_up(
         stop = asyncio.Event()
         _install_signal_handlers(stop, console, controller)
         autoscaler_task = None
+        autoscaler_metrics = AutoscalerMetrics()
+        observability = LocalObservability(store.root, router_url, metrics_port and f"http://{host}:{metrics_port}",
+                                           registry=autoscaler_metrics.registry)  # fmt: skip
+        if metrics_port:
+            metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
+            console.print(f"Controller and autoscaler metrics on http://{host}:{metrics_port}/metrics", highlight=False)
         if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
-            autoscaler_metrics = AutoscalerMetrics()
-            if metrics_port:
-                metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
-                console.print(f"Autoscaler metrics on http://{host}:{metrics_port}/metrics", highlight=False)
             autoscaler = AutoscalerLoop(controller, router=admin, engine_api=engine_api, clock=clock,
                                         metrics=autoscaler_metrics, on_decision=progress.decision)  # fmt: skip
             autoscaler_task = asyncio.get_running_loop().create_task(autoscaler.run(stop), name="autoscaler")
         store.set_extra(phase="running")
-        await controller.run(stop, interval_s=1.0, after_tick=lambda: progress.tick(controller, router_url))
+        await controller.run(stop, interval_s=1.0, after_tick=lambda: (
+            progress.tick(controller, router_url), observability.tick(controller.snapshot())))
         if autoscaler_task is not None:
             await autoscaler_task  # returns once `stop` is set: no new target during the drain
         console.print("Draining: replicas leave the router, in-flight requests finish, engines stop...")
