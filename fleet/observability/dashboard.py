@@ -192,9 +192,11 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
     ]
 
 
-ANNOTATION_EXPR = (f'sum by (deployment, direction, reason) (increase(fleet_autoscaler_decisions_total{{{DEPLOYMENT}, '
-                   f'direction!="hold"}}[{RATE}])) > 0')  # fmt: skip
-"""Grafana annotation query: one mark per scale-up / scale-down decision, titled by its direction."""
+ANNOTATION_EXPR = f"changes(fleet_autoscaler_desired_replicas{{{DEPLOYMENT}}}[{RATE}]) > 0"
+"""Grafana annotation query: a mark where the autoscaler's desired replicas changed (a scale-up
+or scale-down decision). Read from the desired-replicas gauge, not from
+``increase(fleet_autoscaler_decisions_total{direction!="hold"})``: a decision counter series is
+born at its first decision with value 1, and ``increase()`` cannot see that first step."""
 
 
 def rows(slo: SLO = SLO()) -> list[tuple[str, list[PanelDef]]]:
@@ -245,8 +247,8 @@ def build_dashboard(slo: SLO = SLO()) -> dict:
     doc = json.loads(JSONEncoder(sort_keys=True).encode(b.build()))
     for ann in doc.get("annotations", {}).get("list", []):
         if ann.get("expr") == ANNOTATION_EXPR:  # Prometheus annotation fields the typed model lacks
-            ann.update({"titleFormat": "scale {{direction}}", "textFormat": "{{deployment}}: {{reason}}",
-                        "tagKeys": "deployment,direction", "useValueForTime": False, "step": "15s"})  # fmt: skip
+            ann.update({"titleFormat": "scaling decision", "textFormat": "{{deployment}}: desired replicas changed",
+                        "tagKeys": "deployment", "useValueForTime": False, "step": "15s"})  # fmt: skip
     return doc
 
 

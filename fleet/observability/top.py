@@ -57,11 +57,19 @@ def _p(summary: Any, key: str) -> float | None:
     return summary.get(key) if isinstance(summary, Mapping) else None
 
 
-def describe_scaling(last: Mapping[str, Any] | None) -> str:
-    """``up 1->3 queue_time_above_target`` from a deployment's ``last_scaling`` (or ``-``)."""
-    if not last:
+def describe_scaling(d: Mapping[str, Any], clock_s: float | None) -> str:
+    """The last change of a deployment's desired replicas, from its state entry:
+    ``up 1->3 queue_time_above_target`` when the autoscaler's latest decision moved it, else
+    ``=3 12 s ago: queue_time_above_target`` (when and why desired last changed), else ``-``."""
+    last = d.get("last_scaling") or {}
+    if last.get("direction") in ("up", "down"):
+        return f"{last['direction']} {last.get('previous')}->{last.get('desired')} {last.get('reason', '')}".strip()
+    at_s = d.get("desired_at_s")
+    if at_s is None:
         return "-"
-    return f"{last.get('direction')} {last.get('previous')}->{last.get('desired')} {last.get('reason', '')}".strip()
+    reason = str(d.get("desired_reason", "")).removeprefix("autoscaler: ")
+    age = f" {clock_s - at_s:.0f} s ago" if clock_s is not None else ""
+    return f"={d.get('desired')}{age}: {reason}"
 
 
 def describe_rollout(d: Mapping[str, Any]) -> str:
@@ -82,7 +90,7 @@ def describe_rollout(d: Mapping[str, Any]) -> str:
 
 
 def build_rows(state: Mapping[str, Any], stats: Mapping[str, Mapping[str, Any]],
-               errors_per_s: Mapping[str, float] | None = None) -> list[TopRow]:  # fmt: skip
+               errors_per_s: Mapping[str, float] | None = None, now_unix: float | None = None) -> list[TopRow]:  # fmt: skip
     """One row per (deployment, version) with a replica that is not TERMINATED (a deployment
     with none gets one row under its spec's version, so it never vanishes).
 
@@ -90,8 +98,13 @@ def build_rows(state: Mapping[str, Any], stats: Mapping[str, Mapping[str, Any]],
         state: state.json (`fleet.controller.Controller.snapshot` plus `fleet up`'s extras).
         stats: ``GET /admin/v1/stats`` ``models`` (`router.stats.ModelStats.snapshot` per model).
         errors_per_s: 5xx/s per model (None where unknown, e.g. the first frame).
+        now_unix: the wall clock now, to age the state's controller clock (``clock_s`` was
+            read at ``updated_at_unix``).
     """
     errors_per_s = errors_per_s or {}
+    clock_s = state.get("clock_s")
+    if clock_s is not None and state.get("updated_at_unix") is not None and now_unix is not None:
+        clock_s += max(0.0, now_unix - state["updated_at_unix"])
     by_key: dict[tuple[str, str], dict[str, int]] = {}
     for r in state.get("replicas", []):
         status = r.get("status", "?")
@@ -114,7 +127,7 @@ def build_rows(state: Mapping[str, Any], stats: Mapping[str, Mapping[str, Any]],
                 ttft_p50_s=_p(s.get("ttft_s"), "p50"), ttft_p99_s=_p(s.get("ttft_s"), "p99"),
                 tpot_p99_s=_p(s.get("tpot_s"), "p99"), queue_p99_s=_p(s.get("queue_time_s"), "p99"),
                 errors_per_s=errors_per_s.get(model), in_flight=s.get("in_flight"), queued=s.get("queued"),
-                last_scaling=describe_scaling(d.get("last_scaling")), rollout=describe_rollout(d),
+                last_scaling=describe_scaling(d, clock_s), rollout=describe_rollout(d),
             ))  # fmt: skip
     return rows
 
@@ -230,7 +243,7 @@ def run_top(state_dir: Path, *, interval_s: float, window_s: float, once: bool, 
             problem = f"  router: {type(err).__name__}: {err}"
         header = (f"fleet top - {current.get('phase', '?')}, router {current.get('router_url')}, "
                   f"window {window_s:g} s, {time.strftime('%H:%M:%S')}{problem}")  # fmt: skip
-        return render(build_rows(current, stats, errors), header)
+        return render(build_rows(current, stats, errors, now_unix=time.time()), header)
 
     try:
         if once:
