@@ -122,8 +122,8 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
             PanelDef("Error ratio (5xx)", "Share of requests answered with a 5xx (endpoint or router).",
                      "percentunit", (Query(error_ratio(RATE, "model", ROUTER_MODEL), "{{model}}"),)),
             PanelDef("Requests in flight", "Dispatched to an endpoint and not finished, per endpoint.", "short",
-                     (Query(f'sum by (endpoint) (fleet_router_requests_in_flight{{model=~"$model", '
-                            f'endpoint=~"$replica"}})', "{{endpoint}}"),)),
+                     (Query('sum by (endpoint) (fleet_router_requests_in_flight{model=~"$model", '
+                            'endpoint=~"$replica"})', "{{endpoint}}"),)),
             PanelDef("Admission queue length", "Requests waiting in the router for a free endpoint slot.", "short",
                      (Query(f"sum by (model) (fleet_router_queued_requests{{{ROUTER_MODEL}}})", "{{model}}"),)),
             PanelDef("Rejections", "Requests/s the router answered itself, by code (503: queue full or timed "

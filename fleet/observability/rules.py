@@ -147,7 +147,8 @@ def alerts(slo: SLO = SLO()) -> list[Alert]:
             windows = [w for pair in pairs for w in pair[:2]]
             out.append(Alert(
                 name=f"Fleet{kind}BudgetBurn{speed}", expr=_burn(series, budget, pairs), for_=for_, severity=severity,
-                summary=f"{{{{ $labels.model }}}}: {kind.lower()} error budget burning {'fast' if speed == 'Fast' else 'steadily'}",
+                summary=(f"{{{{ $labels.model }}}}: {'TTFT' if kind == 'TTFT' else 'error'} budget burning "
+                         f"{'fast' if speed == 'Fast' else 'steadily'}"),
                 description=(f"The share of {what} for model {{{{ $labels.model }}}} is above "
                              + " or ".join(f"{b:g}x the budget ({b * budget:.4g}) over {lw} and {sw}"
                                            for lw, sw, b in pairs) + " (SRE workbook, table 5-8)."),
