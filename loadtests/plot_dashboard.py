@@ -88,7 +88,7 @@ def plot_dashboard(prom_url: str, start: float, end: float, out: Path, rate_inte
                 ax.plot(xs, ys, linewidth=1.2, label=_legend(target.get("legendFormat", ""), series["metric"]))
         ax.set_title(title, fontsize=10)
         ax.set_ylabel({"s": "seconds", "percentunit": "%", "reqps": "req/s"}.get(unit, ""), fontsize=8)
-        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
+        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         if ax.lines:
