@@ -29,11 +29,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from grafana_foundation_sdk.builders import common as gcommon
 from grafana_foundation_sdk.builders import dashboard as gdash
 from grafana_foundation_sdk.builders import prometheus as gprom
-from grafana_foundation_sdk.builders import stat as gstat
 from grafana_foundation_sdk.builders import timeseries as gts
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as mcommon
 from grafana_foundation_sdk.models import dashboard as mdash
 
 from fleet.observability.rules import SLO, error_ratio, ttft_good_ratio
@@ -71,7 +72,6 @@ class PanelDef:
     description: str
     unit: str
     queries: tuple[Query, ...]
-    kind: str = "timeseries"   # or "stat"
     width: int = 12
 
 
@@ -214,8 +214,12 @@ def _query_var(name: str, label: str, query: str) -> gdash.QueryVariable:
             .sort(mdash.VariableSort.ALPHABETICAL_ASC))  # fmt: skip
 
 
-def _panel(p: PanelDef):
-    builder = gstat.Panel() if p.kind == "stat" else gts.Panel().line_width(1).fill_opacity(5)
+def _panel(p: PanelDef) -> gts.Panel:
+    builder = (gts.Panel().line_width(1).fill_opacity(5)
+               .legend(gcommon.VizLegendOptions().display_mode(mcommon.LegendDisplayMode.LIST)
+                       .placement(mcommon.LegendPlacement.BOTTOM).show_legend(True))
+               .tooltip(gcommon.VizTooltipOptions().mode(mcommon.TooltipDisplayMode.MULTI)
+                        .sort(mcommon.SortOrder.DESCENDING)))  # fmt: skip
     builder = builder.title(p.title).description(p.description).unit(p.unit).datasource(_datasource()).span(p.width)
     builder = builder.height(8)
     for i, q in enumerate(p.queries):
