@@ -104,6 +104,6 @@ def _check_quantile(call, problems: list[str]) -> None:
     labels = list(modifier.labels) if modifier is not None else []
     by = modifier is not None and modifier.type == promql_parser.AggModifierType.By
     keeps_le = ("le" in labels) if by else (modifier is not None and "le" not in labels)
-    if inner.op.__str__().lower() not in ("sum",) or not keeps_le:
+    if str(inner.op).lower() != "sum" or not keeps_le:
         problems.append(f"histogram_quantile over {inner.op} {'by' if by else 'without'} ({', '.join(labels)}): "
                         "the buckets must be summed by (le, ...)")
