@@ -12,6 +12,8 @@ document that fails here.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,6 +276,21 @@ class LoadedDeployment:
     @property
     def base_dir(self) -> Path:
         return self.path.resolve().parent
+
+    @property
+    def serving_hash(self) -> str:
+        """What a replica of this deployment serves, as 16 hex digits of sha256: the model (name,
+        source with relative paths resolved, revision), the engine (kind, image, args, env) and
+        the replica shape. Replicas with equal hashes are interchangeable; a restarted controller
+        adopts a running replica only when its hash is today's (else it is drained and replaced)."""
+        spec = self.deployment.spec
+        local = spec.model.local_path(self.base_dir)
+        what = {
+            "model": {**spec.model.model_dump(mode="json"), "resolved": str(local) if local else None},
+            "engine": spec.engine.model_dump(mode="json", exclude={"startup_timeout_seconds"}),
+            "resources": spec.resources.model_dump(mode="json"),
+        }
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class SpecError(Exception):

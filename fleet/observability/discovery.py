@@ -40,6 +40,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from fleet.lifecycle import ReplicaStatus
+
 JOB_ROUTER = "fleet-router"
 JOB_ENGINE = "fleet-engine"
 JOB_CONTROLLER = "fleet-controller"
@@ -50,10 +52,7 @@ engine simulator exports the same names), and `fleet up`'s own (``fleet_autoscal
 SCRAPED_STATUSES = ("STARTING", "WARMING", "READY", "DRAINING")
 """Replica statuses whose engine process runs and serves ``/metrics`` (`fleet.lifecycle`)."""
 
-REPLICA_STATUSES = (
-    "PENDING", "PLACED", "PULLING", "CACHING", "STARTING", "WARMING", "READY", "DRAINING", "TERMINATED",
-    "FAILED_PLACEMENT", "FAILED_START", "FAILED_WARMUP", "FAILED_CRASHED", "FAILED_UNHEALTHY",
-)  # fmt: skip
+REPLICA_STATUSES = tuple(s.value for s in ReplicaStatus)
 """Every `fleet.lifecycle.ReplicaStatus` value: `fleet_replicas` exports each (0 included), so a
 state that empties shows 0 instead of vanishing."""
 
