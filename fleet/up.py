@@ -290,6 +290,7 @@ async def run_up(
         console.print("Draining: replicas leave the router, in-flight requests finish, engines stop...")
         store.set_extra(phase="stopping")
         await controller.shutdown()
+        observability.stopped()  # Prometheus: nothing left to scrape
         return 0
     finally:
         stop.set()

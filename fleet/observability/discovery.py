@@ -221,6 +221,14 @@ class LocalObservability:
         if registry is not None:
             registry.register(self.collector)  # type: ignore[arg-type]  # duck-typed Collector
 
+    def stopped(self) -> None:
+        """The fleet stopped in order (engines and router gone): leave Prometheus no target, so
+        nothing reads as down."""
+        try:
+            self.writer.write([])
+        except OSError as err:
+            log.warning("cannot write Prometheus targets %s: %s", self.writer.path, err)
+
     def tick(self, snapshot: Mapping[str, Any]) -> None:
         """Refresh the metrics and the file_sd file from ``snapshot``; a file that cannot be
         written is logged (the next tick tries again), never raised into the controller loop."""

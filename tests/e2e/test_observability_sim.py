@@ -211,6 +211,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             prom.wait(timeout=60)
         if fleet.proc.poll() is None:
             assert fleet.interrupt() == 0
+            assert yaml.safe_load(targets_path(fleet.state_dir).read_text()) == []  # nothing left to scrape
         if fleet.proc.poll() is None or fleet.leftover_pids():
             fleet.kill_everything()
 

@@ -131,6 +131,8 @@ def test_tick_writes_the_targets_file_and_survives_an_unwritable_directory(tmp_p
     obs.tick(SNAPSHOT)
     assert json.loads(targets_path(tmp_path).read_text()) == file_sd_groups(
         SNAPSHOT, "http://127.0.0.1:8080", "http://127.0.0.1:8081")
+    obs.stopped()  # an orderly stop leaves Prometheus nothing to scrape
+    assert json.loads(targets_path(tmp_path).read_text()) == []
     broken = LocalObservability(tmp_path / "missing" / "dir", "http://127.0.0.1:8080", None)
     broken.tick(SNAPSHOT)  # logged, not raised into the controller loop
     assert "cannot write Prometheus targets" in caplog.text
