@@ -11,8 +11,8 @@ same config and workload give the same result. This is a SIMULATOR: the engines 
 What runs for real (the live objects, fed in virtual time):
 
 - routing: `router.pool.Pool.pick` with the policy object of `router.policies.make_policy`,
-  over `router.pool.EndpointState`s whose ``in_flight``, ``requests_total`` and TTFT EWMA
-  (`EndpointState.record_ttft`) are updated where `router.proxy` updates them; draining
+  over `router.pool.EndpointState`s whose ``in_flight``, ``requests_total`` and first-byte EWMA
+  (`EndpointState.record_first_byte`) are updated where `router.proxy` updates them; draining
   endpoints stay in the pool marked draining, as the controller publishes them;
 - router statistics: one `router.stats.ModelStats` recorded at the proxy's points (arrival;
   queue time at dispatch or at a queue timeout; client-side TTFT and end-to-end latency
@@ -325,7 +325,7 @@ class Simulation:
         self._done += 1
         arrival_s = log.arrival_s[i]
         self.stats.e2e.add(now_s, now_s - arrival_s)
-        endpoint.record_ttft(fr.first_token_s - log.dispatch_s[i], now_s)
+        endpoint.record_first_byte(fr.first_token_s - log.dispatch_s[i], now_s)
         self.stats.ttft.add(now_s, fr.first_token_s - arrival_s)
 
     # ----- engines ----------------------------------------------------------------------

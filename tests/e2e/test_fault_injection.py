@@ -316,3 +316,21 @@ def test_up_detach_returns_once_ready_and_logs_status_down_reach_the_background_
         for pid in [up_pid, *left]:
             if pid and psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_kill_9_of_a_replica_fails_no_request_that_had_not_started_streaming(sim_fleet_up, tmp_path):
+    f = write_fleet(tmp_path)
+    fleet = sim_fleet_up([f])
+    state_dir = fleet.state_dir
+    fleet.wait_for("3 replicas READY", lambda: all_ready(fleet, 3), timeout_s=120)
+    victim = engines(state_dir)["sim-chat-1"]
+    with Load(fleet.router_url) as load:
+        time.sleep(2)
+        os.killpg(victim, signal.SIGKILL)
+        fleet.wait_for("the replica replaced", lambda: fleet.status_of("sim-chat-1") == "FAILED_CRASHED"
+                       and all_ready(fleet, 3), timeout_s=120)  # fmt: skip
+        time.sleep(2)
+    print(f"\nFIGURE kill -9 replica: {len(load.results)} requests, {len(load.failed)} failed")
+    assert load.failed == [], load.failed[:10]
+    assert "sim-chat-3" in engines(state_dir)
+    stop_cleanly(fleet, state_dir)
