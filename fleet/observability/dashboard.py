@@ -19,7 +19,7 @@ panels split by the ``version`` label (the replica's revision), so a canary and 
 version draw side by side.
 
 Where each label comes from: router series carry ``model`` (its pool), ``endpoint`` (= replica
-id) and, once streamed-reply metrics land, ``version``; engine series get ``deployment``,
+id) and ``version``; engine series get ``deployment``,
 ``version`` and ``replica`` from Fleet's service discovery (`fleet.observability.discovery`);
 ``fleet_deployment_info`` maps a deployment to its model, which the ``model`` variable follows.
 """
@@ -44,20 +44,12 @@ QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999))
 RATE = "$__rate_interval"
 
 ROUTER_EP = 'model=~"$model", endpoint=~"$replica", version=~"$version"'
-"""Router per-endpoint series (requests, time to first byte, end-to-end latency)."""
-ROUTER_VERSION = 'model=~"$model", version=~"$version"'
-"""Router streamed-reply histograms (time to first token, time per output token): no endpoint."""
+"""Router per-endpoint series (router/metrics.py `ENDPOINT_LABELS`: requests, time to first
+token / byte, time per output token, end-to-end latency)."""
 ROUTER_MODEL = 'model=~"$model"'
 ENGINE = 'deployment=~"$deployment", version=~"$version", replica=~"$replica"'
 DEPLOYMENT = 'deployment=~"$deployment"'
 
-PENDING_ROUTER_METRICS = (
-    "Time to first token (streamed, router)",
-    "Time per output token (streamed, router)",
-)
-"""Panels on ``fleet_router_time_to_first_token_seconds`` / ``fleet_router_time_per_output_token_seconds``,
-which the router exports once streamed-reply metrics land: until then the integration test
-expects them empty. TO BE REMOVED when those metrics are merged (then every panel must have data)."""
 
 
 @dataclass(frozen=True)
@@ -92,24 +84,24 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
     lat = "Seconds; histogram_quantile over sum by (le, ...) (rate(..._bucket[$__rate_interval]))."
     return [
         ("Tail latency, as clients see it (router)", [
-            PanelDef(PENDING_ROUTER_METRICS[0], "Time to first token of streamed replies, per version "
-                     "(canary and stable side by side). " + lat, "s",
-                     quantiles("fleet_router_time_to_first_token_seconds", ROUTER_VERSION, "version", "{{version}}")),
-            PanelDef(PENDING_ROUTER_METRICS[1], "Time per output token of streamed replies, per version. " + lat,
-                     "s", quantiles("fleet_router_time_per_output_token_seconds", ROUTER_VERSION, "version",
-                                    "{{version}}")),
-            PanelDef("Time to first byte (router)", "Dispatch to first response byte: the TTFT of a streamed "
-                     "reply, the whole answer of a sized one. " + lat, "s",
+            PanelDef("Time to first token (streamed, router)", "Dispatch to the first SSE event carrying text, "
+                     "per version (canary and stable side by side). " + lat, "s",
+                     quantiles("fleet_router_time_to_first_token_seconds", ROUTER_EP, "version", "{{version}}")),
+            PanelDef("Time per output token (streamed, router)", "(last token - first token) / (tokens - 1) per "
+                     "streamed request, per version. " + lat, "s",
+                     quantiles("fleet_router_time_per_output_token_seconds", ROUTER_EP, "version", "{{version}}")),
+            PanelDef("Time to first byte (router)", "Dispatch to the first response byte, every reply: "
+                     "for a sized reply that is its whole answer. " + lat, "s",
                      quantiles("fleet_router_time_to_first_byte_seconds", ROUTER_EP, "version", "{{version}}")),
             PanelDef("End-to-end latency (router)", "Dispatch to last byte relayed. " + lat, "s",
                      quantiles("fleet_router_e2e_request_latency_seconds", ROUTER_EP, "version", "{{version}}")),
             PanelDef("Queue time (router admission queue)", "Arrival to dispatch: the wait for a free endpoint "
                      "slot (routing.maxConcurrencyPerEndpoint). " + lat, "s",
                      quantiles("fleet_router_queue_time_seconds", ROUTER_MODEL, "model", "{{model}}")),
-            PanelDef("p99 time to first byte by endpoint", "One line per replica: a slow endpoint stands out. "
+            PanelDef("p99 time to first token by endpoint", "One line per replica: a slow endpoint stands out. "
                      + lat, "s",
                      (Query("histogram_quantile(0.99, sum by (le, endpoint) (rate("
-                            f"fleet_router_time_to_first_byte_seconds_bucket{{{ROUTER_EP}}}[{RATE}])))",
+                            f"fleet_router_time_to_first_token_seconds_bucket{{{ROUTER_EP}}}[{RATE}])))",
                             "{{endpoint}}"),)),
         ]),  # fmt: skip
         ("Traffic, errors and admission", [
@@ -131,8 +123,8 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
                      (Query(f"sum by (model, code) (rate(fleet_router_rejected_requests_total{{{ROUTER_MODEL}}}"
                             f"[{RATE}]))", "{{model}} {{code}}"),)),
         ]),  # fmt: skip
-        (f"SLO: first byte within {thr} for {slo.ttft_objective:.4g}, no 5xx for {slo.availability_objective:.4g}", [
-            PanelDef(f"Requests within the TTFT SLO ({thr})", f"Share of requests whose first byte came within "
+        (f"SLO: first token within {thr} for {slo.ttft_objective:.4g}, no 5xx for {slo.availability_objective:.4g}", [
+            PanelDef(f"Requests within the TTFT SLO ({thr})", f"Share of streamed requests whose first token came within "
                      f"{thr} (objective {slo.ttft_objective:.4g}).", "percentunit",
                      (Query(ttft_good_ratio(RATE, slo, "model", ROUTER_MODEL), "{{model}}"),)),
             PanelDef("TTFT SLO burn rate", "Error-budget burn rate: 1 spends the budget exactly over the SLO "

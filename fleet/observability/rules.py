@@ -6,12 +6,13 @@ Checked by `promtool check rules` and unit-tested by `promtool test rules`
 (tests/data/observability/fleet-rules.test.yaml); the integration test
 (tests/e2e/test_observability_sim.py) evaluates every rule against a real Prometheus.
 
-SLOs (`SLO`): time to first byte at the router (for a streamed reply, its time to first token
-as the client sees it; for a sized reply, the whole answer: the same signal the autoscaler's
-``ttftP99TargetSeconds`` scales on) within `SLO.ttft_threshold_s` for `SLO.ttft_objective` of
-requests; requests answered without a 5xx (the router's own 502/503 rejections included) for
-`SLO.availability_objective`. The threshold must be one of the histogram's bucket bounds
-(router/metrics.py `TTFB_BUCKETS_S`): a ratio read from buckets is exact only there.
+SLOs (`SLO`): time to first token of streamed replies at the router
+(``fleet_router_time_to_first_token_seconds``: dispatch to the first SSE event carrying text)
+within `SLO.ttft_threshold_s` for `SLO.ttft_objective` of them; requests answered without a 5xx
+(the router's own 502/503/504 rejections included) for `SLO.availability_objective`. A sized
+(non-streamed) reply has no time to first token apart from its whole answer, so it counts in the
+availability SLO only. The threshold must be one of the histogram's bucket bounds
+(router/metrics.py `TTFT_BUCKETS_S`): a ratio read from buckets is exact only there.
 
 Alerts follow the multiwindow, multi-burn-rate recipe of Google's SRE workbook, chapter 5
 ("Alerting on SLOs", table 5-8): page when 2 % of a 30-day budget burns in 1 h (burn rate 14.4,
@@ -29,31 +30,35 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from router.metrics import TTFB_BUCKETS_S
+from router.metrics import TTFT_BUCKETS_S
 
 WINDOWS = ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
 """Windows of the recorded error ratios (the burn-rate alerts' long and short windows)."""
 
-TTFB = "fleet_router_time_to_first_byte_seconds"
-"""The histogram the TTFT SLO is read from (one name, so moving the SLO to the streamed-only
-``fleet_router_time_to_first_token_seconds`` is a one-line change)."""
+TTFT = "fleet_router_time_to_first_token_seconds"
+"""The histogram the TTFT SLO is read from (streamed replies; one name, so moving the SLO to
+``fleet_router_time_to_first_byte_seconds``, which also covers sized replies by their whole
+answer, is a one-line change)."""
 
 REQUESTS = "fleet_router_requests_total"
 REJECTED = "fleet_router_rejected_requests_total"
+NAMED_POOL = 'model!="", model!="(unknown)"'
+"""Rejections that belong to a model's pool: the router labels those for no model ``""`` and
+those for a model without a pool ``(unknown)``."""
 
 
 @dataclass(frozen=True)
 class SLO:
-    """The objectives the rules alert on (defaults: 99 % of requests see their first byte
-    within 1 s; 99.9 % of requests answered without a 5xx)."""
+    """The objectives the rules alert on (defaults: 99 % of streamed requests see their first
+    token within 1 s; 99.9 % of requests answered without a 5xx)."""
 
     ttft_threshold_s: float = 1.0
     ttft_objective: float = 0.99
     availability_objective: float = 0.999
 
     def __post_init__(self) -> None:
-        if self.ttft_threshold_s not in TTFB_BUCKETS_S:
-            raise ValueError(f"ttft_threshold_s: must be a bucket bound of {TTFB} {TTFB_BUCKETS_S}, "
+        if self.ttft_threshold_s not in TTFT_BUCKETS_S:
+            raise ValueError(f"ttft_threshold_s: must be a bucket bound of {TTFT} {TTFT_BUCKETS_S}, "
                              f"got {self.ttft_threshold_s}")  # fmt: skip
         for name in ("ttft_objective", "availability_objective"):
             value = getattr(self, name)
@@ -68,10 +73,10 @@ class SLO:
 
 
 def ttft_good_ratio(window: str, slo: SLO, by: str = "model", selector: str = "") -> str:
-    """Share of requests (0..1) whose first byte came within the SLO threshold, over ``window``."""
+    """Share of streamed requests (0..1) whose first token came within the SLO threshold, over ``window``."""
     sel = f"{selector}, " if selector else ""
-    count = f"{TTFB}_count{{{selector}}}" if selector else f"{TTFB}_count"
-    return (f'sum by ({by}) (rate({TTFB}_bucket{{{sel}le=~"{slo.le_matcher()}"}}[{window}]))\n'
+    count = f"{TTFT}_count{{{selector}}}" if selector else f"{TTFT}_count"
+    return (f'sum by ({by}) (rate({TTFT}_bucket{{{sel}le=~"{slo.le_matcher()}"}}[{window}]))\n'
             f'/ sum by ({by}) (rate({count}[{window}]))')  # fmt: skip
 
 
@@ -81,7 +86,7 @@ def answered(window: str, by: str = "model", code: str = "", selector: str = "")
     c = f'code=~"{code}", ' if code else ""
     sel = f"{selector}, " if selector else ""
     return (f'sum by ({by}) (rate({REQUESTS}{{{sel}{c}}}[{window}]) '
-            f'or rate({REJECTED}{{{sel}{c}model!=""}}[{window}]))').replace(", }", "}").replace("{}", "")  # fmt: skip
+            f'or rate({REJECTED}{{{sel}{c}{NAMED_POOL}}}[{window}]))').replace(", }", "}").replace("{}", "")  # fmt: skip
 
 
 def error_ratio(window: str, by: str = "model", selector: str = "") -> str:
@@ -140,7 +145,7 @@ def alerts(slo: SLO = SLO()) -> list[Alert]:
     thr = f"{slo.ttft_threshold_s:g} s"
     out = []
     for kind, series, budget, what in (
-        ("TTFT", ttft, ttft_budget, f"requests over the {thr} time-to-first-token SLO"),
+        ("TTFT", ttft, ttft_budget, f"streamed requests over the {thr} time-to-first-token SLO"),
         ("Error", err, err_budget, "requests answered with a 5xx"),
     ):
         for speed, pairs, severity, for_ in (("Fast", BURN_PAGE, "page", "2m"), ("Slow", BURN_TICKET, "ticket", "15m")):
@@ -182,7 +187,7 @@ def alerts(slo: SLO = SLO()) -> list[Alert]:
         ("max by (deployment) (fleet_autoscaler_desired_replicas)\n"
          "/ on (deployment) max by (deployment) (fleet_deployment_max_replicas)", burning),
     ))
-    rejecting = 'sum by (model) (rate(fleet_router_rejected_requests_total{code="503", model!=""}[5m]))'
+    rejecting = f'sum by (model) (rate({REJECTED}{{code="503", {NAMED_POOL}}}[5m]))'
     out.append(Alert(
         "FleetAdmissionQueueRejecting", f"{rejecting} > 0", "5m", "ticket",
         "{{ $labels.model }}: the router is rejecting requests with 503",
