@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 
 MAIN_PANELS = (
-    "Time to first byte (router)",
+    "Time to first token (streamed, router)",
+    "Time per output token (streamed, router)",
     "End-to-end latency (router)",
     "Queue time (router admission queue)",
     "Requests by code",
@@ -35,9 +36,8 @@ MAIN_PANELS = (
     "Running and waiting requests",
     "KV-cache usage",
     "Engine time to first token",
-    "Engine time per output token",
 )
-"""Panels drawn, by title (those with data before the router's streamed-reply metrics land)."""
+"""Panels drawn, by title."""
 
 
 def _legend(template: str, labels: dict[str, str]) -> str:
