@@ -7,8 +7,7 @@ the 5xx counters) and `run_top` (the refresh loop under `rich.live.Live`). Calle
 `fleet.cli_observability`.
 
 Columns: replicas by state (from state.json), request rate, TTFT p50 / p99 (the router's
-windowed nearest-rank quantiles of arrival to first byte, `router.stats`), TPOT p99 (when the
-router's statistics carry ``tpot_s``), queue time p99, errors/s (5xx from endpoints plus the
+windowed nearest-rank quantiles, `router.stats`), TPOT p99 (streamed replies), queue time p99, errors/s (5xx from endpoints plus the
 router's own rejections, from counter deltas between two frames), the last scaling decision
 and the rollout step (when the state has one). The router's statistics are per model; every
 version of a deployment shows its model's figures until the router reports them per version.

@@ -281,7 +281,8 @@ def test_fleet_top_shows_the_deployment_live_in_a_terminal(stack: Stack) -> None
 
         def live_row() -> bool:
             line = row_line()
-            return "READY" in line and "v1" in line.split() and re.search(r"\d+ ms|\d\.\d\d s", line) is not None
+            # READY replicas of v1, and TTFT p50 / p99, TPOT p99 and queue p99 all measured
+            return "READY" in line and "v1" in line.split() and len(re.findall(r"\d+ ms|\d\.\d\d s", line)) == 4
 
         try:
             _wait("fleet top's row for the deployment with READY replicas and latencies", live_row, timeout_s=60)
