@@ -24,6 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fleet.cli_agent import cache_app, node_agent
 from fleet.spec import SpecError, load_deployments
 from fleet.state import AlreadyRunning, StateStore, default_state_dir
 
@@ -250,6 +251,12 @@ def status(
         console.print(f"[bold yellow]The controller is not running, but {' and '.join(what)} still run.[/] "
                       "`fleet up FILES` adopts them; `fleet down` stops them.", highlight=False)  # fmt: skip
     console.print(f"Nodes: {'; '.join(state.get('inventory', [])) or '?'}", highlight=False)
+    agent_status = _read_json(store.root / "node-agent.json")
+    if agent_status:
+        from fleet.agent.runner import status_lines
+
+        for line in status_lines(agent_status):
+            console.print(f"[yellow]{line}[/]", highlight=False)
     deps = Table(title="Deployments", title_justify="left")
     for col in ("deployment", "model", "ready/desired", "policy", "autoscaling", "last decision", "source"):
         deps.add_column(col)
@@ -285,6 +292,13 @@ def status(
                           highlight=False)  # fmt: skip
             for line in failure["log_tail"][-log_lines:]:
                 console.print(f"  | {line}", markup=False, highlight=False, style="dim")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _scaling_columns(d: dict) -> tuple[str, str]:
@@ -821,8 +835,6 @@ def make_tiny_model_cmd(
 
 
 # The node agent's commands (fleet/cli_agent.py): `fleet cache ...`, `fleet node-agent`.
-from fleet.cli_agent import cache_app, node_agent  # noqa: E402
-
 app.add_typer(cache_app)
 app.command("node-agent")(node_agent)
 

@@ -194,7 +194,7 @@ def cache_manifest(
 def node_agent(
     interval_s: Annotated[float, typer.Option("--interval-s", min=0.1, help="Seconds between health checks.")] = 30.0,
     metrics_port: Annotated[int, typer.Option(
-        "--metrics-port", help="Port of the Prometheus /metrics endpoint (0: none).")] = 9402,
+        "--metrics-port", help="Port of /metrics (Prometheus) and /status (JSON) (0: none).")] = 9402,
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "0.0.0.0",
     node_name: Annotated[Optional[str], typer.Option("--node-name", help="Node name. Default: this host's name.")] = None,
     status_file: Annotated[Optional[Path], typer.Option(
@@ -206,6 +206,9 @@ def node_agent(
         "--max-quarantined-share", min=0.0, max=1.0, help="Most of the GPUs quarantined at once; beyond: alert only.")] = 0.25,
     fleet_gpus: Annotated[Optional[int], typer.Option(
         "--fleet-gpus", help="GPUs in the whole fleet (the cap's base). Default: this node's.")] = None,
+    verify_every_s: Annotated[Optional[float], typer.Option(
+        "--verify-every-s", min=1.0,
+        help="Re-hash one cached model (the one verified longest ago) this often; default: never.")] = None,
     once: Annotated[bool, typer.Option("--once", help="Check once, print the status as JSON and exit.")] = False,
     root: Root = None, budget: Budget = None,
 ) -> None:
@@ -216,13 +219,10 @@ def node_agent(
     hold-off and a cap, CPU cores local to each GPU, and the weight cache's contents, exported as
     Prometheus metrics (fleet_gpu_quarantined{gpu}, ...) and a status file. Without an NVIDIA
     driver the health checks are off and say so; the cache is still reported."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
 
-    from fleet.agent.health import GpuHealthChecker
-    from fleet.agent.nvml_health import NvmlHealthReader
     from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
-    from fleet.agent.runner import NodeAgent
-    from fleet.inventory.nvml import PynvmlReader, node_from_nvml
+    from fleet.agent.runner import NodeAgent, local_health_checker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = node_name or re.sub(r"[^a-z0-9.-]+", "-", socket.gethostname().lower()).strip("-.") or "local"
@@ -232,26 +232,29 @@ def node_agent(
     except ValueError as err:
         err_console.print(f"[red]{err}[/]", highlight=False)
         raise typer.Exit(2) from None
-    checker = None
-    try:
-        domains = node_from_nvml(PynvmlReader().snapshot(), name).nvlink_domains
-        reader = NvmlHealthReader(nvlink_domains=domains)
-        reader.open()
-        checker = GpuHealthChecker(reader, time.time)
-    except RuntimeError as err:
-        err_console.print(f"{err}: GPU health checks are off on this node.", highlight=False)
+    checker, why = local_health_checker(name, time.time)
+    if checker is None:
+        err_console.print(f"{why}: GPU health checks are off on this node.", highlight=False)
     registry = CollectorRegistry()
     agent = NodeAgent(name, checker, QuarantinePolicy(config, time.time), time.time, cache=_cache(root, budget),
-                      registry=registry, status_path=status_file, fleet_gpus=fleet_gpus)
+                      registry=registry, status_path=status_file, fleet_gpus=fleet_gpus,
+                      verify_every_s=verify_every_s)
     if once:
+        from fleet.agent.runner import status_lines
+
         agent.step()
         console.print_json(json.dumps(agent.status(), default=str))
+        for line in status_lines(agent.status()):
+            err_console.print(line, highlight=False, markup=False)
         if checker is not None:
             checker.reader.close()
         return
     if metrics_port:
-        start_http_server(metrics_port, addr=metrics_host, registry=registry)
-        err_console.print(f"metrics on http://{metrics_host}:{metrics_port}/metrics", highlight=False)
+        from fleet.agent.runner import serve
+
+        serve(agent, metrics_host, metrics_port)
+        err_console.print(f"metrics on http://{metrics_host}:{metrics_port}/metrics, status on /status",
+                          highlight=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

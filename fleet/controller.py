@@ -462,6 +462,7 @@ class Controller:
         placement keeps the replacement off that GPU. True when one was drained."""
         sick: dict[str, str] = {}
         for node in self.inventory.nodes:
+            sick.update({uuid: f"{uuid} on {node.name} quarantined: {why}" for uuid, why in node.quarantined.items()})
             for gpu in node.gpus:
                 problems = gpu.health.problems()
                 if problems:

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 
 from prometheus_client import start_http_server
@@ -34,6 +35,8 @@ from autoscaler.policy import Direction, ScalingDecision
 from fleet.autoscaling import AutoscalerLoop
 from fleet.cli_agent import default_cache_root
 from fleet.agent.cache import WeightCache
+from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
+from fleet.agent.runner import NodeAgent, local_health_checker
 from fleet.agent.sources import SourceError, parse_source
 from fleet.backends.local import REMOTE_SCHEMES, LocalBackend
 from fleet.controller import Controller, ControllerSettings, ReplicaEvent
@@ -54,6 +57,9 @@ _STYLE = {
     ReplicaStatus.DRAINING: "yellow",
     ReplicaStatus.TERMINATED: "dim",
 }
+
+AGENT_INTERVAL_S = 30.0
+"""How often the node agent checks GPU health in `fleet up` (Xid events are drained every second between)."""
 
 ROUTER_CHECK_INTERVAL_S = 1.0
 """How often `fleet up` checks that the router process still runs (a dead router is restarted)."""
@@ -223,7 +229,8 @@ async def run_up(
         previous = store.read()
         node = discover_local()
         weights = WeightCache(default_cache_root())
-        backend = LocalBackend(store.root, store.fleet_id(), node, weights=weights)
+        agent, agent_off = _node_agent(node, weights, store)
+        backend = LocalBackend(store.root, store.fleet_id(), node, weights=weights, agent=agent)
         router = RouterProcess(store, host, port)
         adopting_router = router.recorded() is not None
         ports = {} if adopting_router else {"router": (host, port)}
@@ -237,6 +244,8 @@ async def run_up(
     store.set_extra(pid=os.getpid(), router_url=router.url, phase="starting", log_dir=str(store.log_dir))
     console.print(f"Node: {node.describe()}", highlight=False)
     console.print(f"State and logs: {store.root}; weight cache: {weights.root}", highlight=False)
+    console.print(f"Node agent: GPU health checks {'on' if agent else f'off ({agent_off})'}", highlight=False)
+    agent_stop = threading.Event()
     metrics_server = None
     engine_api = EngineClient()
     stop = asyncio.Event()
@@ -254,6 +263,11 @@ async def run_up(
 
         progress = ProgressPrinter(console, clock)
         controller: Controller
+        if agent is not None:
+            agent.on_decision = lambda d: progress.say(f"{d.target:<20} {d.action.upper()}: {d.reason}",
+                                                       style="bold yellow")  # fmt: skip
+            threading.Thread(target=agent.run, args=(AGENT_INTERVAL_S, agent_stop), name="node-agent",
+                             daemon=True).start()  # fmt: skip
 
         def on_event(e: ReplicaEvent) -> None:
             progress.event(e)
@@ -294,6 +308,9 @@ async def run_up(
         return 0
     finally:
         stop.set()
+        agent_stop.set()
+        if agent is not None and agent.checker is not None:
+            agent.checker.reader.close()
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
@@ -340,6 +357,19 @@ async def run_down(store: StateStore, console: Console, settings: ControllerSett
         return 0
     finally:
         store.release()
+
+
+def _node_agent(node, weights: WeightCache, store: StateStore) -> tuple[NodeAgent | None, str | None]:
+    """This machine's node agent when it has NVIDIA GPUs (health checks, quarantine; status in
+    ``<state dir>/node-agent.json`` for `fleet status`), else (None, why not)."""
+    if not node.gpus:
+        return None, "no NVIDIA GPU"
+    checker, why = local_health_checker(node.name, time.time)
+    if checker is None:
+        return None, why
+    agent = NodeAgent(node.name, checker, QuarantinePolicy(QuarantineConfig(), time.time), time.time, cache=weights,
+                      status_path=store.root / "node-agent.json")  # fmt: skip
+    return agent, None
 
 
 class _NoRouter:

@@ -17,9 +17,17 @@ Routes (as huggingface.co answers them, read from huggingface_hub 2.x's client c
   ``X-Linked-Size`` / ``X-Linked-Etag`` for LFS files, and ``Range: bytes=N-`` answered 206;
 - ``GET /static/{path}``: a file of ``static_root`` (Range too), sent with ``sendfile``.
 
+``GET /_log``: the request log as JSON (for a client in another process).
+
+Run alone (loadtests/bench_cache_fill.py does, so that the server does not share the client's
+GIL): ``python -m tests.hub_server [STATIC_ROOT] [--repo org/name=DIR] [--port N]`` prints its
+URL and serves until killed (``fleet make-tiny-model DIR`` then ``--repo org/tiny=DIR`` and
+``HF_ENDPOINT=<url>`` give ``hf://org/tiny`` to ``fleet cache pull`` or a deployment).
+
 Faults: ``cut_after[path] = n`` closes the connection after ``n`` bytes of that file (once);
 ``hold_after[path] = n`` sends ``n`` bytes then waits until ``release`` is set (a client can be
-killed mid-download); ``corrupt.add(path)`` flips a byte of what is sent (once).
+killed mid-download); ``corrupt.add(path)`` flips a byte of what is sent (once); ``redirect[path] = location``
+answers 302; ``ignore_range.add(path)`` answers 200 in full to a Range request.
 """
 
 from __future__ import annotations
@@ -65,17 +73,20 @@ class HubServer:
     """Start with ``with HubServer(...) as hub:``; ``hub.url`` is ``http://127.0.0.1:<port>``."""
 
     def __init__(self, repos: dict[str, HubRepo] | None = None, static_root: Path | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, port: int = 0) -> None:
         self.repos = dict(repos or {})
         self.static_root = static_root
         self.token = token
         self.cut_after: dict[str, int] = {}
         self.hold_after: dict[str, int] = {}
         self.corrupt: set[str] = set()
+        self.redirect: dict[str, str] = {}     # path suffix -> Location (302), always
+        self.ignore_range: set[str] = set()    # path suffixes answered 200 in full even with a Range
+        self.drop_kept_alive = False           # close every connection after one response, unannounced
         self.release = threading.Event()
         self.log = ServerLog()
         self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
 
@@ -172,6 +183,13 @@ def _handler(server: HubServer):
             self.do_GET()
 
         def do_GET(self) -> None:
+            try:
+                self._get()
+            finally:
+                if server.drop_kept_alive:
+                    self.close_connection = True   # no "Connection: close": the client finds out on reuse
+
+        def _get(self) -> None:
             path = unquote(urlsplit(self.path).path)
             server.record(self.command, path, self.headers.get("Range"))
             parts = path.strip("/").split("/")
@@ -198,6 +216,16 @@ def _handler(server: HubServer):
                     extra.update({"X-Linked-Size": str(len(data)), "X-Linked-Etag": f'"{etag}"'})
                 self._send_bytes(path, len(data), lambda off, n: data[off:off + n], extra)
                 return
+            if path == "/_log":   # the request log, for a client in another process (the benchmark)
+                self._json({"requests": server.log.requests, "body_bytes": server.log.body_bytes})
+                return
+            target = next((loc for suffix, loc in server.redirect.items() if path.endswith(suffix)), None)
+            if target is not None:
+                self.send_response(302)
+                self.send_header("Location", target)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             if parts[0] == "static" and server.static_root is not None:
                 file = (server.static_root / "/".join(parts[1:])).resolve()
                 if not file.is_file() or server.static_root.resolve() not in file.parents:
@@ -210,6 +238,8 @@ def _handler(server: HubServer):
 
         def _range_start(self, size: int) -> int | None:
             rng = self.headers.get("Range")
+            if any(unquote(urlsplit(self.path).path).endswith(s) for s in server.ignore_range):
+                return None
             if not rng or not rng.startswith("bytes=") or not rng.endswith("-"):
                 return None
             return int(rng[len("bytes="):-1])
@@ -295,3 +325,41 @@ def _handler(server: HubServer):
             server.sent(sent)
 
     return Handler
+
+
+def repo_from_dir(model_dir: Path, private: bool = False) -> HubRepo:
+    """A hub repository holding every file under ``model_dir`` (read into memory: test models)."""
+    files = {p.relative_to(model_dir).as_posix(): p.read_bytes()
+             for p in sorted(model_dir.rglob("*")) if p.is_file()}
+    return HubRepo(files, private=private)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.hub_server [--static DIR] [--repo org/name=DIR ...] [--port N]``: serve
+    until killed, printing the URL first. For demos of ``fleet up`` with an ``hf://`` source:
+    ``HF_ENDPOINT=<url>`` and ``source: hf://org/name``."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description="A local stand-in for the Hugging Face Hub (tests only).")
+    ap.add_argument("static", nargs="?", type=Path, help="Directory served under /static/.")
+    ap.add_argument("--static", dest="static_opt", type=Path, help="Same as the positional argument.")
+    ap.add_argument("--repo", action="append", default=[], metavar="ORG/NAME=DIR",
+                    help="Serve DIR as the hub model repository ORG/NAME (repeatable).")
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args(argv)
+    repos = {}
+    for spec in args.repo:
+        name, _, d = spec.partition("=")
+        if not d or not Path(d).is_dir():
+            ap.error(f"--repo {spec!r}: expected ORG/NAME=DIR with DIR a directory")
+        repos[name] = repo_from_dir(Path(d))
+    server = HubServer(repos, static_root=args.static_opt or args.static, port=args.port)
+    with server:
+        print(server.url, flush=True)
+        while True:
+            time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()

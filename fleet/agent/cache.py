@@ -14,11 +14,14 @@ Layout under ``root`` (every write is a temporary name renamed into place)::
                                mtime_ns), created_s
     models/<key>.used          last use (clock seconds), for LRU
     refs/<id>.json             the revision a source string last resolved to (offline lookups)
-    partial/<key>/*.part       downloads in progress; a later ensure resumes them (HTTP Range)
+    partial/<key>/*.part       downloads in progress; a later ensure resumes them (HTTP Range);
+                               they count against the budget, and abandoned ones are the first
+                               space given back
     partial/<key>/progress.json  bytes done / total, for processes waiting on the download
     pins/<key>/<holder>        one file per replica using the model: never evicted while any
     locks/<key>.lock           flock: one download per model across threads and processes
-    locks/store.lock           flock: eviction and space accounting
+    locks/store.lock           flock: eviction and space accounting (taken after an entry's
+                               lock, never before; eviction only tries entry locks)
 
 Verification: a file is verified when fetched (sha256 where the source lists one, the hub's git
 blob id for small files, the size otherwise; `fleet.agent.transfer`). Each use (``lookup``,
@@ -47,7 +50,7 @@ from fleet.agent.sources import (
     HttpSource, HubSource, LocalSource, ModelPlan, RemoteFile, SourceError, parse_source,
 )
 from fleet.agent.transfer import (
-    CHUNK_BYTES, HttpxTransfer, HubTransfer, RetryPolicy, Transfer, fetch_file,
+    CHUNK_BYTES, HttpTransfer, HubTransfer, RetryPolicy, Transfer, fetch_file,
 )
 
 Progress = Callable[[int, int], None]
@@ -129,7 +132,7 @@ class WeightCache:
 
     ``budget_bytes``: the most the blobs may take (None: only the disk limits it); eviction is
     least-recently-used over unpinned models. ``clock``: seconds (LRU times). ``http_client``:
-    an ``httpx.Client`` for http(s) sources (one is made when None). ``reserve_bytes``: free disk
+    an ``httpx.Client`` for reading http(s) manifests (one is made when None). ``reserve_bytes``: free disk
     left untouched. ``parallel_files``: files of one model fetched at once. ``disk_usage`` is
     ``shutil.disk_usage`` (tests inject a full disk).
     """
@@ -174,7 +177,7 @@ class WeightCache:
             if kind == "hub":
                 self._transfers[kind] = HubTransfer()
             else:
-                self._transfers[kind] = HttpxTransfer(self._client())
+                self._transfers[kind] = HttpTransfer()
         return self._transfers[kind]
 
     def _client(self) -> Any:
@@ -210,7 +213,7 @@ class WeightCache:
     def lookup(self, source: str, revision: str | None = None) -> Path | None:
         """The directory of ``source`` if it is cached and its files pass the stat check, else
         None. No network: a hub branch means the commit it last resolved to. A local source is
-        its directory when that exists."""
+        its directory when that exists. Not a use: LRU order changes only with ``ensure``."""
         src = self._source(source, revision)
         if isinstance(src, LocalSource):
             return src.path if src.path.is_dir() else None
@@ -219,9 +222,8 @@ class WeightCache:
             return None
         key = self.key_for(src.identity, ref["revision"])
         record = self._record(key)
-        if record is None or self._stale_files(record):
+        if record is None or not (self.root / "models" / key).is_dir() or self._stale_files(record):
             return None
-        self._touch(key)
         return self.root / "models" / key
 
     def entries(self) -> list[CacheEntry]:
@@ -304,6 +306,7 @@ class WeightCache:
             cached = self.lookup(source, revision)   # offline: the revision it last resolved to
             if cached is None:
                 raise
+            self._touch(cached.name)
             if pin_as:
                 self.pin(cached.name, pin_as)
             return cached
@@ -409,30 +412,48 @@ class WeightCache:
                 got = fetch_file(rf, parts[rf.path], transfer, plan.headers, meter.add, self.retry)
             except Exception as err:
                 raise CacheError(f"{plan.source}: {rf.path}: {err}") from err
-            blob = self._blob(got.sha256)
-            if blob.is_file():
-                parts[rf.path].unlink(missing_ok=True)
-            else:
-                os.chmod(parts[rf.path], 0o444)
-                os.replace(parts[rf.path], blob)
             return rf.path, got.sha256
 
+        fetched: dict[str, str] = {}
+        errors: list[CacheError] = []
         try:
-            if len(missing) <= 1 or self.parallel_files == 1:
-                done.update(one(rf) for rf in missing)
-            else:
-                with ThreadPoolExecutor(self.parallel_files, thread_name_prefix="fleet-cache") as pool:
-                    done.update(pool.map(one, sorted(missing, key=lambda r: -(r.size or 0))))
+            with ThreadPoolExecutor(min(self.parallel_files, max(1, len(missing))),
+                                    thread_name_prefix="fleet-cache") as pool:
+                futures = [pool.submit(one, rf) for rf in sorted(missing, key=lambda r: -(r.size or 0))]
+                for fut in futures:
+                    try:
+                        path, sha = fut.result()
+                        fetched[path] = sha
+                    except CacheError as err:
+                        errors.append(err)
         finally:
             meter.close()
+        # Made durable once all are fetched (the kernel has been writing them back meanwhile, as
+        # for any download), then renamed into the store: a blob is never a torn file.
+        for path, sha in fetched.items():
+            part, blob = parts[path], self._blob(sha)
+            if blob.is_file():
+                part.unlink(missing_ok=True)
+                continue
+            fd = os.open(part, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.chmod(part, 0o444)
+            os.replace(part, blob)
+        if errors:   # the files that were fetched are in the store: the next attempt skips them
+            raise errors[0]
+        done.update(fetched)
         return done
 
     def _commit(self, identity: str, key: str, plan: ModelPlan, shas: dict[str, str]) -> None:
         """Write the symlink directory and the entry record (renamed into place: a crash leaves
         either the old entry or the new one)."""
         models = self.root / "models"
+        for stale in models.glob(f".{key}.*.tmp"):   # left by a process that crashed here (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = models / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         files = []
         for rf in plan.files:
             sha = shas[rf.path]
@@ -443,6 +464,7 @@ class WeightCache:
             st = blob.stat()
             files.append({"path": rf.path, "sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
         final = models / key
+        self._record_path(key).unlink(missing_ok=True)   # not usable while it is rebuilt
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -456,13 +478,13 @@ class WeightCache:
         Raises InsufficientSpace naming the model, the bytes and the path."""
         with _flock(self.root / "locks" / "store.lock"):
             while True:
-                used = self.blob_bytes()
+                used = self.blob_bytes() + self._partial_bytes(exclude=key)
                 free = self._disk_usage(self.root).free
                 over_budget = self.budget_bytes is not None and used + need > self.budget_bytes
                 over_disk = need + self.reserve_bytes > free
                 if not (over_budget or over_disk):
                     return
-                if not self._evict_one(keep=key):
+                if not (self._drop_abandoned_partial(keep=key) or self._evict_one(keep=key)):
                     break
         if over_disk:
             raise InsufficientSpace(
@@ -473,6 +495,32 @@ class WeightCache:
             f"cannot cache {plan.source} (revision {plan.revision}): {human_bytes(need)} to fetch, cache "
             f"{self.root} holds {human_bytes(used)} of its {human_bytes(self.budget_bytes or 0)} budget, "
             "and no unpinned model left to evict")
+
+    def _partial_bytes(self, exclude: str) -> int:
+        """Bytes of downloads in progress or abandoned, other than ``exclude``'s."""
+        total = 0
+        for d in (self.root / "partial").iterdir():
+            if d.is_dir() and d.name != exclude:
+                total += sum(p.stat().st_size for p in d.glob("*.part"))
+        return total
+
+    def _drop_abandoned_partial(self, keep: str) -> bool:
+        """Delete the part files of one download nobody is running (a crashed process's, or a
+        model never asked for again): the first space to give back. Store lock held."""
+        for d in sorted((self.root / "partial").iterdir()):
+            if not d.is_dir() or d.name == keep or not any(d.glob("*.part")):
+                continue
+            fd = os.open(self.root / "locks" / f"{d.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue   # being downloaded right now
+                shutil.rmtree(d, ignore_errors=True)
+                return True
+            finally:
+                os.close(fd)
+        return False
 
     def _enforce_budget(self, keep: str | None = None) -> None:
         if self.budget_bytes is None:
@@ -527,7 +575,9 @@ class WeightCache:
 
         Raises KeyError (no such model), CacheError (pinned by a replica, unless ``force``).
         """
-        with _flock(self.root / "locks" / "store.lock"), _flock(self.root / "locks" / f"{key}.lock"):
+        # Lock order everywhere: the entry's lock, then the store's (ensure holds its entry's
+        # lock when it makes room under the store's).
+        with _flock(self.root / "locks" / f"{key}.lock"), _flock(self.root / "locks" / "store.lock"):
             if self._record(key) is None:
                 raise KeyError(f"no cached model {key!r}")
             holders = self.pinned_by(key)

@@ -154,7 +154,7 @@ def classify(reading: Reading, events: list[Reading], previous: Reading | None, 
             XidClass.UNKNOWN: Severity.SUSPECT,
         }[info.cls]
         out.append(Finding(target, gpu, "xid", severity, f"Xid {info.xid}: {info.name} ({info.cls.value})",
-                           now_s, event=True, xid=info.xid))
+                           ev.get("observed_s", now_s), event=True, xid=info.xid))
     return out
 
 
@@ -191,6 +191,21 @@ class GpuHealthChecker:
         self.config = config
         self.previous: Reading | None = None
         self.last_reading: Reading | None = None
+        self.pending_events: list[Reading] = []
+
+    def poll_events(self) -> int:
+        """Drain NVML's Xid event queue now, stamping each event with the clock; they join the
+        next ``check``. Called between checks (every second by `NodeAgent.run`) so that a burst
+        neither waits a whole period nor overflows the driver's queue. Returns how many."""
+        if not self.reader.opened:
+            return 0
+        try:
+            events = self.reader.xid_events()
+        except Exception:   # reported by the next check, which reads NVML again
+            return 0
+        now = self.clock()
+        self.pending_events.extend({**e, "observed_s": now} for e in events)
+        return len(events)
 
     def check(self) -> list[Finding]:
         now = self.clock()
@@ -198,7 +213,8 @@ class GpuHealthChecker:
             if not self.reader.opened:
                 self.reader.open()
             reading = self.reader.read()
-            events = self.reader.xid_events()
+            events = self.pending_events + self.reader.xid_events()
+            self.pending_events = []
         except Exception as err:   # NVML gone mid-run: one node-wide finding, the loop goes on
             return [Finding(NODE_TARGET, NODE_TARGET, "nvml", Severity.FAULT, f"NVML failed: {err}", now)]
         findings = classify(reading, events, self.previous, now, self.config)

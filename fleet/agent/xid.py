@@ -38,7 +38,7 @@ def _table(*rows: tuple[int, str, XidClass]) -> dict[int, XidInfo]:
     return {xid: XidInfo(xid, name, cls) for xid, name, cls in rows}
 
 
-A, I, F, L = XidClass.APPLICATION, XidClass.IGNORE, XidClass.GPU_FAULT, XidClass.GPU_LOST
+A, IG, F, L = XidClass.APPLICATION, XidClass.IGNORE, XidClass.GPU_FAULT, XidClass.GPU_LOST
 XID_CATALOGUE: dict[int, XidInfo] = _table(
     (8, "GPU stopped processing (channel idle timeout)", A),
     (11, "Invalid or corrupted push buffer stream", A),
@@ -49,22 +49,22 @@ XID_CATALOGUE: dict[int, XidInfo] = _table(
     (48, "Double bit ECC error", F),
     (61, "Internal micro-controller breakpoint/warning", F),
     (62, "Internal micro-controller halt", F),
-    (63, "ECC page retirement or row remapping recorded", I),
+    (63, "ECC page retirement or row remapping recorded", IG),
     (64, "ECC page retirement or row remapping recording failure", F),
     (68, "Video processor (NVDEC) exception", A),
     (69, "Graphics engine class error", A),
     (74, "NVLink error", F),
     (79, "GPU has fallen off the bus", L),
-    (92, "High single-bit ECC error rate", I),
+    (92, "High single-bit ECC error rate", IG),
     (94, "Contained ECC error", F),
     (95, "Uncontained ECC error", F),
     (109, "Context switch timeout", A),
     (119, "GSP RPC timeout", F),
     (120, "GSP error", F),
-    (121, "C2C link corrected error", I),
+    (121, "C2C link corrected error", IG),
     (140, "Unrecovered ECC error", F),
 )
-del A, I, F, L
+del A, IG, F, L
 
 
 def classify_xid(xid: int) -> XidInfo:

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from fleet.inventory import Inventory, NodeInventory
 
 if TYPE_CHECKING:
     from fleet.agent.cache import WeightCache
+    from fleet.agent.runner import NodeAgent
 
 log = logging.getLogger("fleet.backends.local")
 
@@ -72,11 +74,14 @@ class LocalBackend:
     """Engine processes on this machine (`fleet.backends.base.Backend`)."""
 
     def __init__(self, root: Path, fleet_id: str, node: NodeInventory, *, host: str = "127.0.0.1",
-                 processes: LocalProcesses | None = None, weights: WeightCache | None = None) -> None:  # fmt: skip
+                 processes: LocalProcesses | None = None, weights: WeightCache | None = None,
+                 agent: NodeAgent | None = None) -> None:  # fmt: skip
         """``root``: the state directory (records in ``replicas.json``, logs in ``logs/``);
         ``fleet_id``: the marker of this fleet's processes; ``node``: this machine's devices;
         ``weights``: the node's weight cache, which fetches http(s):// and hf:// sources (None:
-        such sources cannot start here)."""
+        such sources cannot start here); ``agent``: the node agent, whose quarantined GPUs and
+        MIG instances the inventory reports (placement skips them, the controller drains what
+        runs on them)."""
         self.root = Path(root)
         self.fleet_id = fleet_id
         self.node = node
@@ -89,12 +94,20 @@ class LocalBackend:
         self.weights = weights
         self._caching: dict[str, asyncio.Task] = {}
         self._progress: dict[str, tuple[int, int]] = {}      # replica id -> (bytes cached, bytes in all)
+        self.agent = agent
         self._inventory = Inventory((node,))
         self._load()
 
     # ----- Backend ------------------------------------------------------------------------
 
     async def inventory(self) -> Inventory:
+        """This node; while the node agent quarantines devices, as placement must see it. The
+        same object is returned while nothing changes (placement caches tables per inventory)."""
+        if self.agent is not None:
+            status = self.agent.last_status   # replaced whole after each of the agent's steps: safe to read
+            quarantined = {q["gpu"]: q["reason"] for q in status.get("quarantined", [])}
+            if quarantined != self._inventory.nodes[0].quarantined:
+                self._inventory = Inventory((self.node.with_quarantine(quarantined),))
         return self._inventory
 
     async def ensure(self, want: ReplicaWant) -> None:
@@ -139,9 +152,25 @@ class LocalBackend:
             FLEET_ID_ENV: self.fleet_id, REPLICA_ID_ENV: rid, DEPLOYMENT_ENV: dep.name, SPEC_HASH_ENV: want.spec_hash,
         }  # fmt: skip
         argv = get_engine(dep.spec.engine.kind).command(dep, model, self.host, record.port)
+        cores = self.numa_cores(want)
+        if cores and shutil.which("taskset"):   # the engine on the CPU cores local to its GPUs (NUMA)
+            argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
         process = self.processes.spawn(argv, env, Path(record.log_path) if record.log_path else None)
         self._records[rid] = replace(self._records[rid], process=process)
         self._save()
+
+    def numa_cores(self, want: ReplicaWant) -> tuple[int, ...]:
+        """CPU cores local to the replica's GPUs (NVML's CPU affinity, read by the node agent);
+        () when unknown (no agent, no GPU, or NVML gave none)."""
+        if self.agent is None or self.agent.checker is None:
+            return ()
+        from fleet.agent.health import local_cores
+
+        gpu_uuids = {g.uuid for g in self.node.gpus}
+        parents = {m.uuid: g.uuid for g in self.node.gpus for m in g.mig_instances}
+        gpus = sorted({d if d in gpu_uuids else parents[d] for d in want.placement.devices
+                       if d in gpu_uuids or d in parents})  # fmt: skip
+        return local_cores(self.agent.checker.cpu_affinity(), gpus)
 
     async def _cache_then_start(self, want: ReplicaWant) -> None:
         """Fetch the replica's weights into the node's cache (pinned for it), then start its

@@ -131,9 +131,9 @@ def test_interrupted_download_resumes_with_a_range_request(hub, tmp_path):
     assert hub.log.body_bytes < sum(map(len, files.values())) + 10_000   # nothing fetched twice
 
 
-def _kill_mid_download(root: Path, source: str, part_bytes: int) -> None:
+def _kill_mid_download(root: Path, source: str, part_bytes: int) -> int:
     """Run ``ensure(source)`` in another process and SIGKILL it once a part file holds
-    ``part_bytes`` (the server holds the file there)."""
+    ``part_bytes`` (the server holds the file a little further); returns the part's length."""
     code = ("import sys; from pathlib import Path; from fleet.agent.cache import WeightCache; "
             "WeightCache(Path(sys.argv[1]), reserve_bytes=0, parallel_files=1).ensure(sys.argv[2])")
     proc = subprocess.Popen([sys.executable, "-c", code, str(root), source], cwd=REPO,
@@ -151,17 +151,18 @@ def _kill_mid_download(root: Path, source: str, part_bytes: int) -> None:
     finally:
         proc.kill()
         proc.wait(30)
+    return parts[0].stat().st_size
 
 
 def test_download_killed_mid_file_resumes_in_the_next_process(hub, tmp_path):
     files = _files(3)
     source = _manifest_source(hub, "m3", files)
-    hub.hold_after["m3/model.safetensors"] = 600_000
-    _kill_mid_download(tmp_path / "cache", source, 600_000)
+    hub.hold_after["m3/model.safetensors"] = 1_500_000
+    kept = _kill_mid_download(tmp_path / "cache", source, 1 << 20)   # the transport writes 1 MiB reads
     hub.release.set()
     path = _cache(tmp_path).ensure(source)
     assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
-    assert hub.log.file_gets("m3/model.safetensors")[-1] == "bytes=600000-"
+    assert hub.log.file_gets("m3/model.safetensors")[-1] == f"bytes={kept}-"
 
 
 def test_hub_download_killed_mid_file_resumes_through_huggingface_hub(hub, tmp_path):
@@ -171,11 +172,54 @@ def test_hub_download_killed_mid_file_resumes_through_huggingface_hub(hub, tmp_p
     files = _files(7, big=piece + 300_000)
     hub.repos["org/big"] = HubRepo(files)
     hub.hold_after["model.safetensors"] = piece + 100_000
-    _kill_mid_download(tmp_path / "cache", "hf://org/big", piece)
+    kept = _kill_mid_download(tmp_path / "cache", "hf://org/big", piece)
     hub.release.set()
     path = _cache(tmp_path).ensure("hf://org/big")
     assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
-    assert hub.log.file_gets("model.safetensors")[-1] == f"bytes={piece}-"
+    assert kept == piece and hub.log.file_gets("model.safetensors")[-1] == f"bytes={piece}-"
+
+
+def test_two_processes_asking_at_once_cause_one_download(hub, tmp_path):
+    hub.hold_after["model.safetensors"] = 100_000
+    code = ("import sys; from pathlib import Path; from fleet.agent.cache import WeightCache; "
+            "print(WeightCache(Path(sys.argv[1]), reserve_bytes=0).ensure(sys.argv[2]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cache"), "hf://org/tiny"], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+             for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not hub.log.file_gets("model.safetensors"):
+            time.sleep(0.02)
+        hub.release.set()
+        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1]
+    assert len(hub.log.file_gets("model.safetensors")) == 1 and len(_file_gets(hub)) == 3
+
+
+def test_redirects_are_followed_and_a_server_ignoring_range_is_handled(hub, tmp_path):
+    files = _files(8)
+    source = _manifest_source(hub, "m8", files)
+    (hub.static_root / "moved").mkdir()
+    (hub.static_root / "moved" / "weights.bin").write_bytes(files["model.safetensors"])
+    hub.redirect["m8/model.safetensors"] = "/static/moved/weights.bin"
+    hub.cut_after["moved/weights.bin"] = 500_000
+    hub.ignore_range.add("moved/weights.bin")
+    path = _cache(tmp_path).ensure(source)
+    assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert hub.log.file_gets("moved/weights.bin") == [None, "bytes=500000-"]   # answered 200: refetched whole
+
+
+def test_a_kept_alive_connection_the_server_closed_is_redialled(hub, tmp_path):
+    files = _files(9)
+    source = _manifest_source(hub, "m9", files)
+    hub.drop_kept_alive = True
+    cache = _cache(tmp_path, parallel_files=1, retry=RetryPolicy(attempts=1, initial_s=0, max_s=0))
+    path = cache.ensure(source)                       # no retry allowed: only the redial saves it
+    assert {rel: (path / rel).read_bytes() for rel in files} == files
 
 
 def test_eight_concurrent_callers_cause_one_download(hub, tmp_path):
@@ -206,7 +250,7 @@ def test_eight_concurrent_callers_cause_one_download(hub, tmp_path):
 
 def test_a_process_waiting_on_another_s_download_sees_its_progress(hub, tmp_path):
     source = _manifest_source(hub, "m4", _files(4))
-    hub.hold_after["m4/model.safetensors"] = 500_000
+    hub.hold_after["m4/model.safetensors"] = 1_500_000   # past the transport's first 1 MiB read
     seen: list[tuple[int, int]] = []
     first = threading.Thread(target=lambda: _cache(tmp_path, parallel_files=1).ensure(source))
     first.start()
@@ -273,6 +317,7 @@ def test_a_file_that_never_matches_its_digest_fails_naming_it(hub, tmp_path):
     with pytest.raises(CacheError, match="config.json.*(size|sha256)"):
         cache.ensure(source)
     assert cache.entries() == [] and not list((tmp_path / "cache" / "partial").rglob("*.part"))
+    assert cache.blob_bytes() >= len(_files(5)["model.safetensors"])   # the good files are kept for next time
 
 
 def test_free_disk_is_checked_before_fetching(hub, tmp_path):
@@ -294,7 +339,7 @@ def test_lru_eviction_to_the_budget_never_evicts_pinned_models(hub, tmp_path):
     clock.advance(10)
     c = cache.ensure(sources[2])                 # evicts b (a is pinned)
     keys = {e.key for e in cache.entries()}
-    assert keys == {a.name, c.name} and cache.blob_bytes() <= 1_000_000
+    assert keys == {a.name, c.name} and b.name not in keys and cache.blob_bytes() <= 1_000_000
     assert cache.entries()[0].pinned_by == ("replica-a",)
     cache.pin(c.name, "replica-c")
     with pytest.raises(InsufficientSpace, match="budget"):
@@ -333,6 +378,32 @@ def test_crash_after_blobs_before_the_entry_refetches_nothing(hub, tmp_path):
     assert len(_file_gets(hub)) == gets + 1   # only config.json (not in LFS: no sha256 to find its blob by)
 
 
+def test_a_crash_mid_commit_leaves_nothing_usable_and_the_next_ensure_repairs_it(hub, tmp_path):
+    cache = _cache(tmp_path)
+    path = cache.ensure("hf://org/tiny")
+    models = tmp_path / "cache" / "models"
+    # The crash: the old directory gone, the new one still under its temporary name.
+    (models / f"{path.name}.json").unlink()
+    path.rename(models / f".{path.name}.4242.1.tmp")
+    assert cache.lookup("hf://org/tiny") is None
+    assert cache.ensure("hf://org/tiny") == path and (path / "config.json").read_bytes() == _files(0)["config.json"]
+    assert not list(models.glob(".*.tmp"))
+
+
+def test_an_abandoned_download_is_the_first_space_given_back(hub, tmp_path):
+    files = _files(30, big=1_500_000)
+    source = _manifest_source(hub, "ab", files)
+    hub.hold_after["ab/model.safetensors"] = 1_200_000
+    kept = _kill_mid_download(tmp_path / "cache", source, 1 << 20)   # leaves 1 MiB of part file
+    hub.release.set()
+    other = _manifest_source(hub, "ot", _files(31, big=1_500_000))
+    cache = _cache(tmp_path, budget_bytes=2_000_000)          # room for one model, not one and a part
+    assert kept >= 1 << 20
+    path = cache.ensure(other)
+    assert (path / "model.safetensors").is_file()
+    assert not list((tmp_path / "cache" / "partial").rglob("*.part"))
+
+
 def test_local_sources_are_served_in_place(tmp_path):
     d = tmp_path / "weights"
     d.mkdir()
@@ -340,3 +411,14 @@ def test_local_sources_are_served_in_place(tmp_path):
     assert cache.ensure(str(d)) == d and cache.ensure(f"file://{d}") == d and cache.lookup(str(d)) == d
     with pytest.raises(SourceError, match="not a directory"):
         cache.ensure(str(tmp_path / "absent"))
+
+
+def test_the_test_hub_speaks_enough_for_hf_hub_download_too(hub, tmp_path):
+    """The server is faithful beyond Fleet's own calls: huggingface_hub's hf_hub_download (HEAD
+    with X-Repo-Commit / ETag / X-Linked-*, then GET) works against it."""
+    from huggingface_hub import hf_hub_download
+
+    got = hf_hub_download("org/tiny", "model.safetensors", cache_dir=tmp_path / "hf", endpoint=hub.url)
+    assert Path(got).read_bytes() == _files(0)["model.safetensors"]
+    got = hf_hub_download("org/tiny", "config.json", cache_dir=tmp_path / "hf", endpoint=hub.url)
+    assert Path(got).read_bytes() == _files(0)["config.json"]

@@ -150,3 +150,15 @@ def test_numa_local_cores():
     assert local_cores(aff, ["GPU-a", "GPU-b"]) == (2, 3)
     assert local_cores(aff, ["GPU-a", "GPU-c"]) == (0, 1, 2, 3, 8, 9)   # across NUMA nodes: the union
     assert local_cores(aff, ["GPU-x"]) == ()
+
+
+def test_xid_events_polled_between_checks_keep_their_time():
+    fake, checker = _checker(nvswitch_8gpu())
+    checker.check()
+    fake.inject_xid(4, 48)
+    checker.clock.advance(7)
+    assert checker.poll_events() == 1
+    checker.clock.advance(23)
+    [f] = checker.check()
+    assert f.xid == 48 and f.observed_s == 1007.0        # when it was drained, not at the check
+    assert checker.check() == []

@@ -3,13 +3,15 @@ quarantine, hold-off, lift, the cap, application Xids, metrics and status."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fleet.agent.health import Finding, GpuHealthChecker, Severity
 from fleet.agent.nvml_health import NvmlHealthReader
 from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy, QuarantineState
-from fleet.agent.runner import NodeAgent
+from fleet.agent.runner import NodeAgent, status_lines
 from tests.fake_nvml import FakePynvml, mig_h100, nvswitch_8gpu
 from tests.fakes import FakeClock
 
@@ -169,6 +171,8 @@ def test_node_agent_quarantines_a_faulty_gpu_exports_it_and_lifts_it_after_repai
     status = agent.status()
     assert status["quarantined"][0]["gpu"] == uuid and "ecc_uncorrected" in status["quarantined"][0]["reason"]
     assert (tmp_path / "agent.json").is_file()
+    [line] = status_lines(status)
+    assert line.startswith(f"node-a {uuid} quarantined since ") and "ecc_uncorrected" in line
     fake.heal(6)                                   # the GPU was reset
     clock.advance(3600 + 600)
     [d] = agent.step()
@@ -196,3 +200,61 @@ def test_node_agent_mig_instance_quarantined_alone():
     fake.inject_xid(2, 94, gpu_instance_id=1)
     [d] = agent.step()
     assert d.target == "MIG-2-0" and d.action == "quarantine"
+
+
+def test_node_agent_re_hashes_cached_models_in_turn(tmp_path):
+    from fleet.agent.cache import WeightCache
+    from fleet.agent.sources import write_manifest
+    from tests.hub_server import HubServer
+
+    clock = FakeClock()
+    static = tmp_path / "static"
+    for name in ("a", "b"):
+        (static / name).mkdir(parents=True)
+        (static / name / "w.bin").write_bytes(name.encode() * 5000)
+        write_manifest(static / name)
+    cache = WeightCache(tmp_path / "cache", reserve_bytes=0, clock=clock)
+    with HubServer(static_root=static) as server:
+        paths = [cache.ensure(f"{server.url}/static/{n}/") for n in ("a", "b")]
+    blob = (paths[1] / "w.bin").resolve()
+    blob.chmod(0o644)
+    st = blob.stat()
+    blob.write_bytes(b"x" * 10000)                                  # same size, mtime restored:
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))             # only a re-hash finds it
+    registry = CollectorRegistry()
+    agent = NodeAgent("node-a", None, QuarantinePolicy(CFG, clock), clock, cache=cache, registry=registry,
+                      verify_every_s=60)
+    agent.step()                                                    # verifies one model: a
+    assert _metric(registry, 'fleet_weight_cache_corrupt_files_total{node="node-a"} 0.0')
+    clock.advance(30)
+    agent.step()                                                    # not due yet
+    assert not [e for e in agent.events if e["action"] == "cache_corrupt"]
+    clock.advance(30)
+    agent.step()                                                    # b: found and deleted
+    assert _metric(registry, 'fleet_weight_cache_corrupt_files_total{node="node-a"} 1.0')
+    [event] = [e for e in agent.events if e["action"] == "cache_corrupt"]
+    assert event["target"] == paths[1].name and "w.bin" in event["reason"]
+    assert not blob.exists()
+
+
+def test_node_agent_serves_metrics_and_status_over_http():
+    import httpx
+
+    from fleet.agent.runner import serve
+
+    clock = FakeClock()
+    fake, agent, _ = _agent(nvswitch_8gpu(), clock)
+    fake.inject(1, ecc_volatile_uncorrected=3)
+    agent.step()
+    server = serve(agent, "127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        uuid = fake.snap["devices"][1]["uuid"]
+        status = httpx.get(f"{base}/status").json()
+        assert [q["gpu"] for q in status["quarantined"]] == [uuid]
+        assert f'fleet_gpu_quarantined{{gpu="{uuid}",node="node-a"}} 1.0' in httpx.get(f"{base}/metrics").text
+        assert httpx.get(f"{base}/healthz").text == "ok\n"
+        assert httpx.get(f"{base}/nope").status_code == 404
+    finally:
+        server.shutdown()
+        server.server_close()
