@@ -250,6 +250,20 @@ def test_every_dashboard_panel_query_returns_data(stack: Stack) -> None:
     assert not missing, "panels without data:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
 
 
+def test_every_template_variable_has_values(stack: Stack) -> None:
+    variables = [v for v in build_dashboard()["templating"]["list"] if v["type"] == "query"]
+    assert [v["name"] for v in variables] == ["deployment", "model", "version", "replica"]
+    expected = {"deployment": {DEPLOYMENT}, "model": {MODEL}, "version": {"v1"}}
+    for v in variables:  # Grafana's label_values(SELECTOR, LABEL), asked the way Grafana asks it
+        match = re.fullmatch(r"label_values\((.*), (\w+)\)", v["query"])
+        assert match, v["query"]
+        selector, label = grafana_to_promql(match.group(1)), match.group(2)
+        values = httpx.get(f"{stack.prom_url}/api/v1/label/{label}/values", timeout=10,
+                           params={"match[]": selector}).json()["data"]  # fmt: skip
+        assert values, (v["name"], selector)
+        assert set(values) >= expected.get(v["name"], set()), (v["name"], values)
+
+
 def test_every_alert_rule_evaluates_and_its_signals_return_data(stack: Stack) -> None:
     for a in alerts():
         stack.query_range(a.expr)  # parses and evaluates (data only when it fires)
