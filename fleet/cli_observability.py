@@ -79,8 +79,9 @@ def rules(
 
 def top(
     state_dir: StateDir = None,
-    interval_s: Annotated[float, typer.Option("--interval-s", help="Seconds between refreshes.")] = 2.0,
-    window_s: Annotated[float, typer.Option("--window-s", help="Statistics window of the router (s).")] = 30.0,
+    interval_s: Annotated[float, typer.Option("--interval-s", min=0.2, help="Seconds between refreshes.")] = 2.0,
+    window_s: Annotated[float, typer.Option("--window-s", min=1.0, max=600.0,
+                                            help="Statistics window of the router (s).")] = 30.0,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
 ) -> None:
     """Live view of the local fleet: per deployment and version, request rate, TTFT p50/p99,
