@@ -241,6 +241,9 @@ def test_the_targets_carry_deployment_version_and_replica_labels(stack: Stack) -
 
     _wait("the engines' series in Prometheus with their replica label", lambda: replicas_seen() >= ready)
     assert {s["metric"]["version"] for s in stack.query_range(query)} == {"v1"}
+    # The router names an endpoint by its replica id: the dashboard's `replica` variable filters both.
+    endpoints = {s["metric"]["endpoint"] for s in stack.query_range(f'fleet_router_requests_total{{job="{JOB_ROUTER}"}}')}
+    assert endpoints and endpoints <= set(stack.fleet.replicas()), endpoints
 
 
 def test_every_dashboard_panel_query_returns_data(stack: Stack) -> None:
