@@ -241,6 +241,8 @@ def build_dashboard(slo: SLO = SLO()) -> dict:
         for p in panels:
             b = b.with_panel(_panel(p))
     doc = json.loads(JSONEncoder(sort_keys=True).encode(b.build()))
+    for panel_id, panel in enumerate(doc.get("panels", []), start=1):  # stable, unique ids (links, alerts)
+        panel["id"] = panel_id
     for ann in doc.get("annotations", {}).get("list", []):
         if ann.get("expr") == ANNOTATION_EXPR:  # Prometheus annotation fields the typed model lacks
             ann.update({"titleFormat": "scaling decision", "textFormat": "{{deployment}}: desired replicas changed",
