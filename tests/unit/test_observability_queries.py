@@ -102,6 +102,8 @@ def test_the_dashboard_covers_tail_latency_per_deployment_version_and_endpoint()
             "Prefix cache hit rate", "Preemptions"} <= set(panels)  # fmt: skip
     assert [a["name"] for a in doc["annotations"]["list"]] == ["Scaling decisions"]
     assert all(p["datasource"]["uid"] == "${datasource}" for p in panels.values())
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(set(ids)) == len(ids) == len(doc["panels"]) and all(isinstance(i, int) and i > 0 for i in ids)
 
 
 def test_the_slo_threshold_must_be_a_bucket_bound_and_objectives_fractions() -> None:
