@@ -101,8 +101,8 @@ def up(
     port: Annotated[int, typer.Option(help="Router port (OpenAI-compatible API).")] = 8080,
     host: Annotated[str, typer.Option(help="Router address to listen on.")] = "127.0.0.1",
     metrics_port: Annotated[Optional[int], typer.Option(
-        help="Port of the autoscaler's Prometheus metrics (default: --port + 1; 0: off). "
-        "Served only when a deployment has spec.autoscaling.")] = None,
+        help="Port of fleet up's Prometheus metrics: replica states, autoscaler decisions "
+        "(default: --port + 1; 0: off).")] = None,
     detach: Annotated[bool, typer.Option(
         "--detach", "-d", help="Run in the background: return once every replica is READY "
         "(or on the first failure); `fleet logs`, `fleet status` and `fleet down` reach it.")] = False,
@@ -127,9 +127,8 @@ def up(
         raise typer.Exit(_detach(files, store, port=port, host=host, metrics_port=metrics_port))
     from fleet.up import PreflightError, run_up
 
-    autoscaled = any(ld.deployment.spec.autoscaling is not None for ld in loaded)
     if metrics_port is None:
-        metrics_port = port + 1 if autoscaled else 0
+        metrics_port = port + 1
     try:
         code = asyncio.run(run_up(loaded, store=store, console=console, host=host, port=port,
                                   metrics_port=metrics_port or None))  # fmt: skip
@@ -841,6 +840,11 @@ def make_tiny_model_cmd(
 app.add_typer(cache_app)
 app.command("node-agent")(node_agent)
 cli_rollout.register(app, console, err_console)   # `fleet apply`, `fleet rollout ...` (fleet/cli_rollout.py)
+
+# SRE commands (fleet/cli_observability.py): prometheus-config, dashboard, rules, top.
+from fleet.cli_observability import register as _register_observability  # noqa: E402
+
+_register_observability(app)
 
 if __name__ == "__main__":
     app()

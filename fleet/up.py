@@ -45,6 +45,7 @@ from fleet.controller import Controller, ControllerSettings, ReplicaEvent
 from fleet.engines import ModelUnavailable, get_engine
 from fleet.inventory import Inventory, discover_local
 from fleet.lifecycle import ReplicaStatus
+from fleet.observability.discovery import LocalObservability
 from fleet.placement import ReplicaShape, get_strategy
 from fleet.rollout_metrics import RolloutCollector
 from fleet.routerproc import RouterProcess, RouterStartError
@@ -293,20 +294,25 @@ async def run_up(
                                                         name="control")]  # `fleet apply`, `fleet rollout`  # fmt: skip
         autoscaler_metrics = AutoscalerMetrics()
         autoscaler_metrics.registry.register(RolloutCollector(controller))   # fleet_rollout_* (fleet.rollout_metrics)
+        observability = LocalObservability(store.root, router.url, metrics_port and f"http://{host}:{metrics_port}",
+                                           registry=autoscaler_metrics.registry)  # fmt: skip
         if metrics_port:
             metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
-            console.print(f"Autoscaler and rollout metrics on http://{host}:{metrics_port}/metrics", highlight=False)
+            console.print(f"Controller, autoscaler and rollout metrics on http://{host}:{metrics_port}/metrics",
+                          highlight=False)  # fmt: skip
         if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
             autoscaler = AutoscalerLoop(controller, router=router.admin, engine_api=engine_api, clock=clock,
                                         metrics=autoscaler_metrics, on_decision=progress.decision)  # fmt: skip
             tasks.append(asyncio.get_running_loop().create_task(autoscaler.run(stop), name="autoscaler"))
         store.set_extra(phase="running")
-        await controller.run(stop, interval_s=1.0, after_tick=lambda: progress.tick(controller, router.url))
+        await controller.run(stop, interval_s=1.0, after_tick=lambda: (
+            progress.tick(controller, router.url), observability.tick(controller.snapshot())))
         for task in tasks:
             await task  # each returns once `stop` is set: no new target or router restart during the drain
         console.print("Draining: replicas leave the router, in-flight requests finish, engines stop...")
         store.set_extra(phase="stopping")
         await controller.shutdown()
+        observability.stopped()  # Prometheus: nothing left to scrape
         return 0
     finally:
         stop.set()

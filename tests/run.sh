@@ -4,5 +4,6 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/.ci/venv.sh"
+source "$repo/.ci/prometheus.sh"
 cd "$repo"
 exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra "${@:-tests}"

@@ -60,12 +60,15 @@ class FleetUp:
     def __init__(self, files: list[Path], state_dir: Path, port: int | None = None, out_name: str = "fleet-up.out") -> None:
         self.state_dir = state_dir
         self.port = port or free_port()
+        # Its own free port: the default (--port + 1) is often taken by an outgoing connection
+        # when --port is an ephemeral one.
+        self.metrics_port = free_port()
         self.router_url = f"http://127.0.0.1:{self.port}"
         self.out_path = state_dir.parent / out_name
         self._out = open(self.out_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleet.cli", "up", *map(str, files), "--port", str(self.port),
-             "--state-dir", str(state_dir)],
+             "--metrics-port", str(self.metrics_port), "--state-dir", str(state_dir)],
             stdout=self._out, stderr=subprocess.STDOUT, cwd=REPO,
         )
         self.seen_pids: set[int] = set()

@@ -295,7 +295,8 @@ def test_up_detach_returns_once_ready_and_logs_status_down_reach_the_background_
     port = free_port()
     cli = [sys.executable, "-m", "fleet.cli"]
     try:
-        up = subprocess.run([*cli, "up", str(f), "--detach", "--port", str(port), "--state-dir", str(state)],
+        up = subprocess.run([*cli, "up", str(f), "--detach", "--port", str(port), "--metrics-port", str(free_port()),
+                             "--state-dir", str(state)],
                             capture_output=True, text=True, cwd=REPO, timeout=180)  # fmt: skip
         assert up.returncode == 0, up.stdout + up.stderr
         assert "All 2 replica(s) READY" in up.stdout and "runs in the background" in up.stdout

@@ -1,0 +1,239 @@
+"""Prometheus service discovery for a local fleet, and the controller's replica-state metrics.
+
+Owns three things, all fed by the controller's JSON snapshot (`fleet.controller.Controller.snapshot`,
+the same document `state.json` holds) and never by the controller object itself:
+
+- `file_sd_groups` - a pure function from a snapshot to Prometheus file_sd target groups
+  (https://prometheus.io/docs/guides/file-sd/): the router, `fleet up`'s own metrics endpoint
+  (autoscaler decisions and the replica states below), and every engine replica whose process
+  runs, each labelled with ``job`` (`JOB_ROUTER`, `JOB_CONTROLLER`, `JOB_ENGINE`) and, for
+  engines, ``deployment``, ``version`` (the replica's revision) and ``replica`` (its id, the
+  same string as the ``endpoint`` label of the router's per-endpoint series).
+- `FileSDWriter` - writes those groups atomically (temp file + rename, as Prometheus asks of
+  file_sd writers), and only when they changed.
+- `ControllerStateCollector` - a prometheus-client collector exporting the replica states,
+  desired/min/max replicas, consecutive failures and the model each deployment serves, from
+  the last snapshot it was given (scrapes run on another thread; they read the snapshot, never
+  the live controller).
+
+`LocalObservability` bundles the writer and the collector; `fleet.up` builds one and calls
+`tick(snapshot)` after each controller tick. `fleet.cli_observability` (`fleet prometheus-config`)
+reads the file path from `targets_path`.
+
+Why the router and controller targets carry no ``deployment`` label: one router serves every
+deployment and its series say which pool they are about in their own ``model`` label
+(the controller's in ``deployment``); a target label would overwrite those (Prometheus renames
+the scraped label to ``exported_deployment``). The dashboard maps model to deployment through
+``fleet_deployment_info{deployment, model}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from fleet.lifecycle import ReplicaStatus
+
+JOB_ROUTER = "fleet-router"
+JOB_ENGINE = "fleet-engine"
+JOB_CONTROLLER = "fleet-controller"
+"""``job`` label values: the router's series (``fleet_router_*``), the engines' (``vllm:*``; the
+engine simulator exports the same names), and `fleet up`'s own (``fleet_autoscaler_*``,
+``fleet_replicas``, ``fleet_deployment_*``)."""
+
+SCRAPED_STATUSES = ("STARTING", "WARMING", "READY", "DRAINING")
+"""Replica statuses whose engine process runs and serves ``/metrics`` (`fleet.lifecycle`)."""
+
+REPLICA_STATUSES = tuple(s.value for s in ReplicaStatus)
+"""Every `fleet.lifecycle.ReplicaStatus` value: `fleet_replicas` exports each (0 included), so a
+state that empties shows 0 instead of vanishing."""
+
+log = logging.getLogger(__name__)
+
+TARGETS_FILE = "prometheus-targets.json"
+"""Name of the file_sd file in the state directory (`fleet.state.StateStore.root`)."""
+
+
+def targets_path(state_dir: Path) -> Path:
+    """Where `fleet up` keeps its file_sd file for the fleet whose state is in ``state_dir``."""
+    return Path(state_dir) / TARGETS_FILE
+
+
+def _host_port(url: str) -> str:
+    """``http://127.0.0.1:8080/`` -> ``127.0.0.1:8080`` (a Prometheus target address)."""
+    rest = url.split("://", 1)[-1]
+    return rest.split("/", 1)[0]
+
+
+def file_sd_groups(snapshot: Mapping[str, Any], router_url: str | None,
+                   controller_url: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Prometheus file_sd target groups for one local fleet.
+
+    Args:
+        snapshot: `Controller.snapshot()` (or state.json): ``replicas`` is a list of dicts with
+            ``id``, ``deployment``, ``revision``, ``status`` and ``endpoint``
+            (``http://host:port`` or None).
+        router_url: the router's base URL (its ``/metrics`` is scraped), or None.
+        controller_url: base URL of `fleet up`'s metrics server, or None when not served.
+
+    Returns:
+        ``[{"targets": ["host:port"], "labels": {...}}, ...]``, sorted (router, controller,
+        then engines by deployment and replica id), so equal fleets give equal files.
+    """
+    groups: list[dict[str, Any]] = []
+    if router_url:
+        groups.append({"targets": [_host_port(router_url)], "labels": {"job": JOB_ROUTER}})
+    if controller_url:
+        groups.append({"targets": [_host_port(controller_url)], "labels": {"job": JOB_CONTROLLER}})
+    engines = [
+        r for r in snapshot.get("replicas", [])
+        if r.get("endpoint") and r.get("status") in SCRAPED_STATUSES
+    ]
+    for r in sorted(engines, key=lambda r: (r["deployment"], r["id"])):
+        groups.append({
+            "targets": [_host_port(r["endpoint"])],
+            "labels": {
+                "job": JOB_ENGINE,
+                "deployment": r["deployment"],
+                "version": str(r.get("revision") or ""),
+                "replica": r["id"],
+            },
+        })
+    return groups
+
+
+class FileSDWriter:
+    """Keeps a file_sd file current: `write(groups)` replaces it atomically when it changed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._last: str | None = None
+
+    def write(self, groups: list[dict[str, Any]]) -> bool:
+        """Write ``groups`` as JSON unless identical to the last write; True when written.
+        Raises OSError when the directory is not writable."""
+        text = json.dumps(groups, indent=1, sort_keys=True) + "\n"
+        if text == self._last:
+            return False
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.path)
+        self._last = text
+        return True
+
+
+def controller_families(snapshot: Mapping[str, Any], failures_seen: Mapping[tuple[str, str], int]) -> list[Metric]:
+    """The controller's metric families for one snapshot (pure).
+
+    `fleet_replicas{deployment,version,state}` - replicas per status (every status, 0 included);
+    `fleet_replica_failures_total{deployment,version}` - replicas that failed, from
+    ``failures_seen`` (counts per (deployment, version), kept monotonic by the caller);
+    `fleet_deployment_desired_replicas`, `..._min_replicas`, `..._max_replicas{deployment}`;
+    `fleet_deployment_consecutive_failures{deployment}` - failures since the last replica
+    became READY (what the restart backoff grows with);
+    `fleet_deployment_info{deployment,model}` - 1, to map the router's ``model`` to a deployment.
+    """
+    replicas = GaugeMetricFamily("fleet_replicas", "Replicas of a deployment version, by lifecycle state "
+                                 "(fleet/lifecycle.py).", labels=["deployment", "version", "state"])  # fmt: skip
+    failures = CounterMetricFamily("fleet_replica_failures", "Replicas that failed (any FAILED_* state), "
+                                   "counted once each.", labels=["deployment", "version"])  # fmt: skip
+    desired = GaugeMetricFamily("fleet_deployment_desired_replicas", "Replicas the controller targets.",
+                                labels=["deployment"])  # fmt: skip
+    minimum = GaugeMetricFamily("fleet_deployment_min_replicas", "spec.replicas.min.", labels=["deployment"])
+    maximum = GaugeMetricFamily("fleet_deployment_max_replicas", "spec.replicas.max.", labels=["deployment"])
+    in_row = GaugeMetricFamily("fleet_deployment_consecutive_failures",
+                               "Replica failures since a replica of the deployment last became READY.",
+                               labels=["deployment"])  # fmt: skip
+    info = GaugeMetricFamily("fleet_deployment_info", "The model name a deployment serves (value 1).",
+                             labels=["deployment", "model"])  # fmt: skip
+    counts: dict[tuple[str, str], dict[str, int]] = {}
+    for r in snapshot.get("replicas", []):
+        key = (r["deployment"], str(r.get("revision") or ""))
+        by_state = counts.setdefault(key, dict.fromkeys(REPLICA_STATUSES, 0))
+        by_state[r["status"]] = by_state.get(r["status"], 0) + 1
+    for name, d in snapshot.get("deployments", {}).items():
+        desired.add_metric([name], float(d.get("desired", 0)))
+        minimum.add_metric([name], float(d.get("min", 0)))
+        maximum.add_metric([name], float(d.get("max", 0)))
+        in_row.add_metric([name], float(d.get("failures_in_row", 0)))
+        info.add_metric([name, str(d.get("model", ""))], 1.0)
+    for (deployment, version), by_state in sorted(counts.items()):
+        for state, n in by_state.items():
+            replicas.add_metric([deployment, version, state], float(n))
+        failures.add_metric([deployment, version], float(failures_seen.get((deployment, version), 0)))
+    return [replicas, failures, desired, minimum, maximum, in_row, info]
+
+
+class ControllerStateCollector:
+    """prometheus-client collector of `controller_families` over the last snapshot given to
+    `update` (thread-safe: `update` runs on the controller's loop, `collect` on the scrape
+    thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._snapshot: Mapping[str, Any] = {}
+        self._failed_before: set[str] = set()
+        self._failures: dict[tuple[str, str], int] = {}
+
+    def update(self, snapshot: Mapping[str, Any]) -> None:
+        """Take a new snapshot; count the replicas that failed since the last one (the
+        controller trims old terminal replicas from its snapshot, so counting the failed ones
+        present would go down)."""
+        failed_now = set()
+        with self._lock:
+            self._snapshot = snapshot
+            for r in snapshot.get("replicas", []):
+                if str(r.get("status", "")).startswith("FAILED_"):
+                    failed_now.add(r["id"])
+                    if r["id"] not in self._failed_before:
+                        key = (r["deployment"], str(r.get("revision") or ""))
+                        self._failures[key] = self._failures.get(key, 0) + 1
+            self._failed_before = failed_now
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            snapshot = self._snapshot
+            failures = dict(self._failures)
+        yield from controller_families(snapshot, failures)
+
+
+class LocalObservability:
+    """What `fleet up` does for Prometheus after each tick: keep the file_sd file current and the
+    replica-state metrics fresh."""
+
+    def __init__(self, state_dir: Path, router_url: str, controller_url: str | None,
+                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+        self.router_url = router_url
+        self.controller_url = controller_url
+        self.writer = FileSDWriter(targets_path(state_dir))
+        self.collector = ControllerStateCollector()
+        if registry is not None:
+            registry.register(self.collector)  # type: ignore[arg-type]  # duck-typed Collector
+
+    def stopped(self) -> None:
+        """The fleet stopped in order (engines and router gone): leave Prometheus no target, so
+        nothing reads as down."""
+        try:
+            self.writer.write([])
+        except OSError as err:
+            log.warning("cannot write Prometheus targets %s: %s", self.writer.path, err)
+
+    def tick(self, snapshot: Mapping[str, Any]) -> None:
+        """Refresh the metrics and the file_sd file from ``snapshot``; a file that cannot be
+        written is logged (the next tick tries again), never raised into the controller loop."""
+        self.collector.update(snapshot)
+        try:
+            self.writer.write(file_sd_groups(snapshot, self.router_url, self.controller_url))
+        except OSError as err:
+            log.warning("cannot write Prometheus targets %s: %s", self.writer.path, err)

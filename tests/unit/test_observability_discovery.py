@@ -1,0 +1,156 @@
+"""Prometheus service discovery from the controller snapshot, the atomic file_sd writer, the
+controller's replica-state metrics (fleet/observability/discovery.py) and the scrape config
+(fleet/observability/scrape.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleet.observability.discovery import (
+    JOB_CONTROLLER,
+    JOB_ENGINE,
+    JOB_ROUTER,
+    REPLICA_STATUSES,
+    FileSDWriter,
+    LocalObservability,
+    file_sd_groups,
+    targets_path,
+)
+from fleet.observability.scrape import prometheus_config
+
+
+def replica(rid: str, status: str, port: int | None, deployment: str = "chat", revision: str = "v1") -> dict:
+    return {"id": rid, "deployment": deployment, "revision": revision, "status": status,
+            "endpoint": f"http://127.0.0.1:{port}" if port else None}  # fmt: skip
+
+
+SNAPSHOT = {
+    "deployments": {
+        "chat": {"desired": 3, "min": 1, "max": 4, "model": "llama", "failures_in_row": 1},
+        "embed": {"desired": 1, "min": 1, "max": 1, "model": "e5", "failures_in_row": 0},
+    },
+    "replicas": [
+        replica("chat-2", "READY", 9002, revision="v2"),
+        replica("chat-0", "READY", 9000),
+        replica("chat-1", "DRAINING", 9001),
+        replica("chat-3", "STARTING", 9003, revision="v2"),
+        replica("chat-4", "FAILED_START", 9004),
+        replica("chat-5", "TERMINATED", 9005),
+        replica("chat-6", "PENDING", None),
+        replica("embed-0", "WARMING", 9100, deployment="embed"),
+    ],
+}
+
+
+def test_targets_are_the_router_the_controller_and_every_running_engine_with_its_labels() -> None:
+    groups = file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080", "http://127.0.0.1:8081")
+    assert groups[0] == {"targets": ["127.0.0.1:8080"], "labels": {"job": JOB_ROUTER}}
+    assert groups[1] == {"targets": ["127.0.0.1:8081"], "labels": {"job": JOB_CONTROLLER}}
+    engines = groups[2:]
+    assert [(g["targets"], g["labels"]) for g in engines] == [
+        (["127.0.0.1:9000"], {"job": JOB_ENGINE, "deployment": "chat", "version": "v1", "replica": "chat-0"}),
+        (["127.0.0.1:9001"], {"job": JOB_ENGINE, "deployment": "chat", "version": "v1", "replica": "chat-1"}),
+        (["127.0.0.1:9002"], {"job": JOB_ENGINE, "deployment": "chat", "version": "v2", "replica": "chat-2"}),
+        (["127.0.0.1:9003"], {"job": JOB_ENGINE, "deployment": "chat", "version": "v2", "replica": "chat-3"}),
+        (["127.0.0.1:9100"], {"job": JOB_ENGINE, "deployment": "embed", "version": "v1", "replica": "embed-0"}),
+    ]  # failed, terminated and pending replicas have no process to scrape
+
+
+def test_router_and_controller_targets_carry_no_label_their_series_already_have() -> None:
+    groups = file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080/", None)
+    assert [g["labels"] for g in groups if g["labels"]["job"] != JOB_ENGINE] == [{"job": JOB_ROUTER}]
+    assert file_sd_groups({}, None, None) == []
+
+
+def test_the_writer_replaces_the_file_atomically_and_only_on_change(tmp_path: Path) -> None:
+    path = tmp_path / "targets.json"
+    writer = FileSDWriter(path)
+    groups = file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080")
+    assert writer.write(groups) is True
+    assert json.loads(path.read_text()) == groups
+    mtime = path.stat().st_mtime_ns
+    assert writer.write(groups) is False and path.stat().st_mtime_ns == mtime
+    assert writer.write(groups[:1]) is True and json.loads(path.read_text()) == groups[:1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["targets.json"]  # no temp file left
+
+
+def _scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_replica_states_desired_bounds_and_model_are_exported() -> None:
+    registry = CollectorRegistry()
+    obs = LocalObservability(Path("/nonexistent-dir"), "http://127.0.0.1:8080", None, registry=registry)
+    obs.collector.update(SNAPSHOT)
+    m = _scrape(registry)
+
+    def rep(dep: str, version: str, state: str) -> float:
+        return m[("fleet_replicas", (("deployment", dep), ("state", state), ("version", version)))]
+
+    assert rep("chat", "v1", "READY") == 1 and rep("chat", "v1", "DRAINING") == 1
+    assert rep("chat", "v2", "READY") == 1 and rep("chat", "v2", "STARTING") == 1
+    assert rep("chat", "v1", "FAILED_START") == 1 and rep("chat", "v1", "PENDING") == 1
+    assert rep("embed", "v1", "WARMING") == 1 and rep("embed", "v1", "READY") == 0
+    states = {dict(k[1])["state"] for k in m if k[0] == "fleet_replicas"}
+    assert states == set(REPLICA_STATUSES)  # every state exported, 0 included
+    assert m[("fleet_deployment_desired_replicas", (("deployment", "chat"),))] == 3
+    assert m[("fleet_deployment_max_replicas", (("deployment", "chat"),))] == 4
+    assert m[("fleet_deployment_min_replicas", (("deployment", "embed"),))] == 1
+    assert m[("fleet_deployment_consecutive_failures", (("deployment", "chat"),))] == 1
+    assert m[("fleet_deployment_info", (("deployment", "chat"), ("model", "llama")))] == 1
+    assert m[("fleet_replica_failures_total", (("deployment", "chat"), ("version", "v1")))] == 1
+    assert m[("fleet_replica_failures_total", (("deployment", "embed"), ("version", "v1")))] == 0
+
+
+def test_the_failure_counter_never_goes_down_when_old_failures_are_trimmed() -> None:
+    registry = CollectorRegistry()
+    obs = LocalObservability(Path("/nonexistent-dir"), "http://r", None, registry=registry)
+    key = ("fleet_replica_failures_total", (("deployment", "chat"), ("version", "v1")))
+    obs.collector.update({"replicas": [replica("chat-0", "FAILED_CRASHED", None)]})
+    obs.collector.update({"replicas": [replica("chat-0", "FAILED_CRASHED", None)]})  # same failure, next tick
+    assert _scrape(registry)[key] == 1
+    obs.collector.update({"replicas": [replica("chat-0", "FAILED_CRASHED", None), replica("chat-1", "FAILED_START", None)]})
+    obs.collector.update({"replicas": [replica("chat-1", "FAILED_START", None), replica("chat-2", "READY", 9)]})  # 0 trimmed
+    assert _scrape(registry)[key] == 2
+
+
+def test_tick_writes_the_targets_file_and_survives_an_unwritable_directory(tmp_path: Path, caplog) -> None:
+    obs = LocalObservability(tmp_path, "http://127.0.0.1:8080", "http://127.0.0.1:8081")
+    obs.tick(SNAPSHOT)
+    assert json.loads(targets_path(tmp_path).read_text()) == file_sd_groups(
+        SNAPSHOT, "http://127.0.0.1:8080", "http://127.0.0.1:8081")
+    obs.stopped()  # an orderly stop leaves Prometheus nothing to scrape
+    assert json.loads(targets_path(tmp_path).read_text()) == []
+    broken = LocalObservability(tmp_path / "missing" / "dir", "http://127.0.0.1:8080", None)
+    broken.tick(SNAPSHOT)  # logged, not raised into the controller loop
+    assert "cannot write Prometheus targets" in caplog.text
+
+
+def test_the_scrape_config_reads_the_targets_file_and_loads_the_rules(tmp_path: Path) -> None:
+    text = prometheus_config(tmp_path / "t.json", scrape_interval="1s", rule_files=[tmp_path / "r.yaml"])
+    doc = yaml.safe_load(text)
+    assert doc["global"] == {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    assert doc["scrape_configs"][0]["file_sd_configs"][0]["files"] == [str(tmp_path / "t.json")]
+    assert doc["rule_files"] == [str(tmp_path / "r.yaml")]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool is not installed (Debian package prometheus; .ci/prometheus.sh installs it)")
+def test_promtool_accepts_the_scrape_config(tmp_path: Path) -> None:
+    (tmp_path / "t.json").write_text(json.dumps(file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080")))
+    config = tmp_path / "prometheus.yml"
+    config.write_text(prometheus_config(tmp_path / "t.json"))
+    result = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,110 @@
+"""`fleet top` (fleet/observability/top.py): rows from state.json and the router's statistics,
+the rendered frame, 5xx rates from counter deltas, and one frame through the CLI entry point
+with a fake router reader."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from fleet.observability.top import ErrorRates, build_rows, render, run_top, server_errors
+
+STATE = {
+    "phase": "running", "router_url": "http://127.0.0.1:8080", "clock_s": 100.0, "updated_at_unix": 1000.0,
+    "deployments": {
+        "chat": {"model": "llama", "desired": 3, "desired_at_s": 70.0, "desired_reason": "autoscaler: queue_time_above_target",
+                 "last_scaling": {"direction": "hold", "previous": 3, "desired": 3, "reason": "at_max_replicas"},
+                 "rollout": {"phase": "canary", "step": 2, "canary_weight": 25}},
+        "embed": {"model": "e5", "desired": 1},
+    },
+    "replicas": [
+        {"id": "chat-0", "deployment": "chat", "revision": "v1", "status": "READY"},
+        {"id": "chat-1", "deployment": "chat", "revision": "v1", "status": "READY"},
+        {"id": "chat-2", "deployment": "chat", "revision": "v2", "status": "WARMING"},
+        {"id": "chat-3", "deployment": "chat", "revision": "v1", "status": "FAILED_CRASHED"},
+        {"id": "chat-4", "deployment": "chat", "revision": "v0", "status": "TERMINATED"},
+    ],
+}  # fmt: skip
+STATS = {"llama": {
+    "arrival_rate_per_s": 12.5, "in_flight": 4, "queued": 2,
+    "ttft_s": {"p50": 0.120, "p99": 1.5}, "queue_time_s": {"p50": 0.0, "p99": 0.250},
+    "tpot_s": {"p99": 0.031},
+}}
+
+
+def test_one_row_per_deployment_and_version_with_the_model_figures() -> None:
+    rows = build_rows(STATE, STATS, {"llama": 0.5}, now_unix=1005.0)
+    assert [(r.deployment, r.version) for r in rows] == [("chat", "v1"), ("chat", "v2"), ("embed", "-")]
+    v1, v2, embed = rows
+    assert v1.replicas == {"READY": 2, "FAILED": 1} and v2.replicas == {"WARMING": 1}
+    assert (v1.rate_per_s, v1.ttft_p50_s, v1.ttft_p99_s, v1.tpot_p99_s, v1.queue_p99_s) == (12.5, 0.12, 1.5, 0.031, 0.25)
+    assert v1.errors_per_s == 0.5 and v1.in_flight == 4 and v1.queued == 2
+    assert v1.last_scaling == "=3 35 s ago: queue_time_above_target"  # 100 - 70 + 5 s since the state was written
+    assert v1.rollout == "canary step 2 canary 25"
+    assert embed.replicas == {} and embed.rate_per_s is None and embed.last_scaling == "-"
+
+
+def test_a_scale_up_decision_shows_its_direction() -> None:
+    state = json.loads(json.dumps(STATE))
+    state["deployments"]["chat"]["last_scaling"] = {"direction": "up", "previous": 1, "desired": 3,
+                                                    "reason": "ttft_p99_above_target"}  # fmt: skip
+    assert build_rows(state, {})[0].last_scaling == "up 1->3 ttft_p99_above_target"
+
+
+def test_the_frame_shows_every_column() -> None:
+    console = Console(record=True, width=220)
+    console.print(render(build_rows(STATE, STATS, {"llama": 0.5}, now_unix=1005.0), "fleet top - running"))
+    text = console.export_text()
+    for cell in ("TTFT p50", "TTFT p99", "TPOT p99", "queue p99", "errors/s", "last scaling", "rollout",
+                 "2 READY 1 FAILED (want 3)", "120 ms", "1.50 s", "31 ms", "250 ms", "12.5", "0.50"):  # fmt: skip
+        assert cell in text, (cell, text)
+
+
+EXPOSITION = """# TYPE fleet_router_requests_total counter
+fleet_router_requests_total{model="llama",endpoint="chat-0",code="200"} 90.0
+fleet_router_requests_total{model="llama",endpoint="chat-0",code="500"} 3.0
+fleet_router_requests_total{model="llama",endpoint="chat-1",code="502"} 1.0
+# TYPE fleet_router_rejected_requests_total counter
+fleet_router_rejected_requests_total{model="llama",code="503"} 6.0
+fleet_router_rejected_requests_total{model="",code="404"} 9.0
+"""
+
+
+def test_5xx_totals_and_rates_from_the_router_counters() -> None:
+    assert server_errors(EXPOSITION) == {"llama": 10.0}
+    rates = ErrorRates()
+    assert rates.update(10.0, {"llama": 10.0}) == {}       # one reading is no rate
+    assert rates.update(12.0, {"llama": 14.0}) == {"llama": 2.0}
+    assert rates.update(14.0, {}) == {"llama": 0.0}         # a model that vanished reads 0
+
+
+class FakeReader:
+    def __init__(self, url: str, token: str) -> None:
+        self.url, self.token, self.closed = url, token, False
+        FakeReader.last = self
+
+    def stats(self, window_s: float) -> dict:
+        return STATS
+
+    def errors_total(self) -> dict:
+        return {"llama": 1.0}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_run_top_once_reads_the_state_directory_and_the_router(tmp_path: Path) -> None:
+    (tmp_path / "state.json").write_text(json.dumps({**STATE, "updated_at_unix": time.time()}))
+    (tmp_path / "admin-token").write_text("secret\n")
+    console = Console(record=True, width=220)
+    assert run_top(tmp_path, interval_s=1, window_s=30, once=True, console=console, reader_factory=FakeReader) == 0
+    assert FakeReader.last.url == "http://127.0.0.1:8080" and FakeReader.last.token == "secret"
+    assert FakeReader.last.closed
+    text = console.export_text()
+    assert "chat" in text and "12.5" in text and "120 ms" in text
+    empty = Console(record=True)
+    assert run_top(tmp_path / "none", interval_s=1, window_s=30, once=True, console=empty) == 1
+    assert "No fleet state" in empty.export_text()
