@@ -808,5 +808,10 @@ def make_tiny_model_cmd(
     console.print(f"Tiny model ready: {path}")
 
 
+from fleet.cli_k8s import register as _register_k8s  # noqa: E402 - `fleet crd`, `fleet operator`
+
+_register_k8s(app)
+
+
 if __name__ == "__main__":
     app()
