@@ -66,7 +66,32 @@ def operator(
     raise typer.Exit(asyncio.run(run_operator(settings)))
 
 
+def router_pod(
+    port: Annotated[int, typer.Option(help="Port of the OpenAI API (the public Service's target).")] = 8080,
+    admin_port: Annotated[int, typer.Option(help="Port of the admin API (the operator's pool updates).")] = 9090,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+) -> None:
+    """Run the router as the chart's router pods do: the OpenAI API on --port, the admin API on
+    --admin-port only (404 under /admin on --port). The admin token is read from
+    $FLEET_ROUTER_ADMIN_TOKEN."""
+    import asyncio
+    import os
+
+    from fleet.k8s.routerpod import serve_router_pod
+
+    token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN", "")
+    if not token:
+        typer.echo("FLEET_ROUTER_ADMIN_TOKEN is not set: the admin API needs a token.", err=True)
+        raise typer.Exit(2)
+    try:
+        asyncio.run(serve_router_pod(host, port, admin_port, token))
+    except ValueError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
+
+
 def register(app: typer.Typer) -> None:
-    """Add `fleet crd` and `fleet operator` to ``app`` (called by fleet.cli)."""
+    """Add `fleet crd`, `fleet operator` and `fleet router-pod` to ``app`` (called by fleet.cli)."""
     app.command("crd")(crd)
     app.command("operator")(operator)
+    app.command("router-pod")(router_pod)
