@@ -58,24 +58,36 @@ def _config(app, host: str, port: int, lifespan: str, log_level: str) -> uvicorn
 
 
 async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: str,
-                           log_level: str = "warning") -> None:  # fmt: skip
+                           log_level: str = "warning", stop: asyncio.Event | None = None) -> None:  # fmt: skip
     """Serve the OpenAI API on ``host:port`` and the admin API on ``host:admin_port`` until
-    SIGINT/SIGTERM. Raises ValueError when the ports are equal or the token is empty."""
+    ``stop`` is set (None: until SIGINT/SIGTERM). Raises ValueError when the ports are equal or
+    the token is empty."""
     if port == admin_port:
         raise ValueError(f"--admin-port must differ from --port ({port}): the admin API never shares the public port")
     app = create_app(admin_token)
     admin = _QuietServer(_config(app, host, admin_port, "on", log_level))
     public = _QuietServer(_config(PublicOnly(app), host, port, "off", log_level))
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: [setattr(s, "should_exit", True) for s in (admin, public)])
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+    async def stopper() -> None:
+        await stop.wait()
+        admin.should_exit = public.should_exit = True
+
+    stopper_task = loop.create_task(stopper())
     admin_task = loop.create_task(admin.serve())
     while not admin.started and not admin_task.done():   # the proxy starts with the admin server's lifespan
         await asyncio.sleep(0.05)
-    if admin_task.done():
+    try:
+        if admin_task.done():
+            await admin_task
+            return
+        print(f"fleet router listening on http://{host}:{port} (admin API on port {admin_port})", flush=True)
+        await public.serve()
+        admin.should_exit = True
         await admin_task
-        return
-    print(f"fleet router listening on http://{host}:{port} (admin API on port {admin_port})", flush=True)
-    await public.serve()
-    admin.should_exit = True
-    await admin_task
+    finally:
+        stopper_task.cancel()

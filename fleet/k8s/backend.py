@@ -1,0 +1,181 @@
+"""The Kubernetes backend: the second implementation of the replica protocol
+(`fleet.backends.base.Backend`); a replica is a Pod.
+
+Owns the calls that make replicas run as pods and what it observes of them: `inventory` (Node
+objects and their GPU Feature Discovery labels through `fleet.inventory.gfd`, minus nodes that
+are not Ready, cordoned, or that engine pods could not go to: node selector, untolerated
+NoSchedule taints), `ensure` (create the pod `fleet.k8s.pods.pod_manifest` builds; a pod that
+exists, running or not, is left alone), `observe` (every pod of this fleet by its labels ->
+`ReplicaFacts`; a pod that vanished — deleted, evicted and collected, or lost with its node — is
+reported exited once, until `forget`), `stop` (delete with the pod's grace period: the kubelet
+sends SIGTERM), `kill` (delete with grace 0), `forget` (delete a finished pod's object) and
+`log_tail` (the pod log). Draining is the controller's, through the router, before `stop`.
+
+Objects come from informers when the operator gives them (`fleet.k8s.informer`: list + watch),
+else from a list per call. Every call goes through `fleet.k8s.client.Kube`.
+Created by the operator (`fleet.k8s.operator`) per namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+from fleet.backends.base import LaunchError, ReplicaFacts, ReplicaWant
+from fleet.inventory import Inventory
+from fleet.inventory.gfd import LabelKeys, node_from_k8s
+from fleet.k8s.client import NODES, PODS, ApiError, Conflict, Kube
+from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, MANAGED_BY, EnginePodSettings, label_value, pod_facts, \
+    pod_manifest  # fmt: skip
+
+log = logging.getLogger("fleet.k8s.backend")
+
+
+class ObjectSource:
+    """Where the backend reads objects from: an informer's cache (`fleet.k8s.informer.Informer`
+    has this shape) or a list per call (`ListSource`)."""
+
+    async def items(self) -> list[dict]: ...
+
+
+class ListSource:
+    """Objects by one list call each time (no informer)."""
+
+    def __init__(self, kube: Kube, res, namespace: str | None, selector: str | None) -> None:
+        self.kube, self.res, self.namespace, self.selector = kube, res, namespace, selector
+
+    async def items(self) -> list[dict]:
+        objs, _ = await self.kube.list(self.res, self.namespace, self.selector)
+        return objs
+
+
+def node_usable(node: dict, settings: EnginePodSettings) -> str | None:
+    """Why engine pods cannot be placed on ``node``, or None: not Ready, cordoned, the engine
+    node selector does not match, or a NoSchedule/NoExecute taint is not tolerated."""
+    spec = node.get("spec") or {}
+    labels = node["metadata"].get("labels") or {}
+    ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+    if ready and ready[0].get("status") != "True":
+        return "not Ready"
+    if spec.get("unschedulable"):
+        return "cordoned"
+    for key, value in settings.node_selector.items():
+        if labels.get(key) != value:
+            return f"label {key}={value} missing (engine node selector)"
+    for taint in spec.get("taints") or []:
+        if taint.get("effect") not in ("NoSchedule", "NoExecute"):
+            continue
+        if not any(_tolerates(t, taint) for t in settings.tolerations):
+            return f"taint {taint.get('key')}={taint.get('value', '')}:{taint.get('effect')} not tolerated"
+    return None
+
+
+def _tolerates(toleration: dict, taint: dict) -> bool:
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("operator") == "Exists":
+        return not toleration.get("key") or toleration["key"] == taint.get("key")
+    return toleration.get("key") == taint.get("key") and toleration.get("value", "") == taint.get("value", "")
+
+
+class KubernetesBackend:
+    """Replicas as pods in ``namespace`` (`fleet.backends.base.Backend`)."""
+
+    def __init__(self, kube: Kube, namespace: str, fleet_id: str, *, settings: EnginePodSettings | None = None,
+                 owner_of: Callable[[str], dict | None] = lambda deployment: None,
+                 pods: ObjectSource | None = None, nodes: ObjectSource | None = None,
+                 label_keys: LabelKeys = LabelKeys()) -> None:  # fmt: skip
+        """``fleet_id``: the value of the fleet label on this fleet's pods; ``owner_of``: the
+        InferenceDeployment object of a deployment name (its pods' owner), None if unknown."""
+        self.kube = kube
+        self.namespace = namespace
+        self.fleet_id = fleet_id
+        self.settings = settings or EnginePodSettings()
+        self.owner_of = owner_of
+        self.selector = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_FLEET}={label_value(fleet_id)}"
+        self.pods = pods or ListSource(kube, PODS, namespace, self.selector)
+        self.nodes = nodes or ListSource(kube, NODES, None, None)
+        self.label_keys = label_keys
+        self.unusable_nodes: dict[str, str] = {}     # node -> why it is left out of the inventory
+        self._seen: dict[str, ReplicaFacts] = {}     # replica id -> last facts while its pod existed
+        self._gone: dict[str, ReplicaFacts] = {}     # pods that vanished, reported exited until forget
+        self._forgotten: set[str] = set()            # finished pods being deleted: no longer reported
+        self._created: dict[str, ReplicaFacts] = {}  # created by this backend, not yet observed
+
+    # ----- Backend ----------------------------------------------------------------------------
+
+    async def inventory(self) -> Inventory:
+        nodes = []
+        self.unusable_nodes = {}
+        for obj in sorted(await self.nodes.items(), key=lambda n: n["metadata"]["name"]):
+            why = node_usable(obj, self.settings)
+            if why:
+                self.unusable_nodes[obj["metadata"]["name"]] = why
+                continue
+            try:
+                nodes.append(node_from_k8s(obj, self.label_keys))
+            except ValueError as err:
+                self.unusable_nodes[obj["metadata"]["name"]] = str(err)
+        return Inventory(tuple(nodes))
+
+    async def ensure(self, want: ReplicaWant) -> None:
+        rid = want.replica_id
+        if rid in self._seen or rid in self._gone or rid in self._created or rid in self._forgotten:
+            return
+        manifest = pod_manifest(want, fleet_id=self.fleet_id, owner=self.owner_of(want.deployment.name),
+                                settings=self.settings)  # fmt: skip
+        manifest["metadata"]["labels"][LABEL_FLEET] = label_value(self.fleet_id)
+        try:
+            await self.kube.create(PODS, self.namespace, manifest)
+        except Conflict:
+            pass   # the pod exists (an earlier ensure, or an operator before a restart): leave it
+        except ApiError as err:
+            raise LaunchError(f"the API server refused the pod: {err}") from err
+        self._created[rid] = ReplicaFacts(rid, want.deployment.name, want.spec_hash, want.placement.nodes[0],
+                                          detail={"pod": rid, "phase": "Pending"})  # fmt: skip
+
+    async def observe(self) -> dict[str, ReplicaFacts]:
+        facts: dict[str, ReplicaFacts] = {}
+        for pod in await self.pods.items():
+            f = pod_facts(pod)
+            facts[f.replica_id] = f
+        self._forgotten &= set(facts)          # deleted for good: no longer hidden
+        visible = {rid: f for rid, f in facts.items() if rid not in self._forgotten}
+        for rid, last in list(self._seen.items()):
+            if rid not in visible:             # the pod vanished under us
+                del self._seen[rid]
+                why = last.exit_reason if last.exited else (
+                    "pod was deleted (stopped, evicted, deleted by someone, or its node was lost)")
+                self._gone[rid] = replace(last, running=False, exited=True, endpoint=None, exit_reason=why)
+        for rid, f in visible.items():
+            self._seen[rid] = f
+            self._gone.pop(rid, None)
+            self._created.pop(rid, None)
+        # Created, not yet seen (the informer lags the create): starting, not missing.
+        pending = {rid: f for rid, f in self._created.items() if rid not in visible}
+        return {**pending, **self._gone, **visible}
+
+    async def stop(self, replica_id: str) -> None:
+        await self.kube.delete(PODS, self.namespace, replica_id, grace_period_s=None)
+
+    async def kill(self, replica_id: str) -> None:
+        await self.kube.delete(PODS, self.namespace, replica_id, grace_period_s=0)
+
+    async def forget(self, replica_id: str) -> None:
+        self._created.pop(replica_id, None)
+        if self._gone.pop(replica_id, None) is not None:
+            return
+        f = self._seen.get(replica_id)
+        if f is None or not f.exited:
+            return
+        del self._seen[replica_id]             # a finished pod's object is still there: delete it
+        self._forgotten.add(replica_id)
+        await self.kube.delete(PODS, self.namespace, replica_id, grace_period_s=0)
+
+    async def log_tail(self, replica_id: str, lines: int = 20) -> list[str]:
+        try:
+            text = await self.kube.read_log(self.namespace, replica_id, lines)
+        except ApiError:
+            return []
+        return text.splitlines()[-lines:]
