@@ -47,6 +47,11 @@ def operator(
         "(Fleet's own image for engine.kind: sim).")] = "",
     metrics_port: Annotated[int, typer.Option(envvar="FLEET_METRICS_PORT",
                                               help="Port of the operator's /metrics and /healthz (0: off).")] = 8081,
+    engine_pod_json: Annotated[str, typer.Option(
+        envvar="FLEET_ENGINE_POD_JSON", help="Pod settings of every replica as JSON (the chart's engine: values: "
+        "runtimeClassName, tolerations, shmSize, extraEnv, migStrategy, ...).")] = "",
+    lease_duration_s: Annotated[float, typer.Option(help="Seconds a Lease holder that stopped renewing keeps it.")]
+    = 15.0,
 ) -> None:
     """Run the Fleet operator: watch InferenceDeployment resources and run each one's replicas
     as pods, through the same controller `fleet up` uses.
@@ -61,8 +66,16 @@ def operator(
     settings = OperatorSettings(
         namespace=namespace, router_admin_url=router_admin_url, router_selector=router_selector,
         router_admin_port=router_admin_port, identity=identity, lease_name=lease_name, resync_s=resync_s,
-        tick_s=tick_s, engine_image=engine_image, metrics_port=metrics_port,
+        tick_s=tick_s, engine_image=engine_image, metrics_port=metrics_port, engine_pod_json=engine_pod_json,
+        lease_duration_s=lease_duration_s,
     )  # fmt: skip
+    try:
+        from fleet.k8s.pods import EnginePodSettings
+
+        EnginePodSettings.from_json(engine_pod_json)
+    except ValueError as err:
+        typer.echo(f"--engine-pod-json: {err}", err=True)
+        raise typer.Exit(2) from None
     raise typer.Exit(asyncio.run(run_operator(settings)))
 
 

@@ -34,6 +34,8 @@ LABEL_REPLICA = "fleet.inference.dev/replica"
 LABEL_REVISION = "fleet.inference.dev/revision"
 LABEL_SPEC_HASH = "fleet.inference.dev/spec-hash"
 ANNOTATION_PLACEMENT = "fleet.inference.dev/placement"
+ANNOTATION_MODEL = "fleet.inference.dev/model"          # spec.model.name (the router pool it serves)
+ANNOTATION_READY_AT = "fleet.inference.dev/ready-at"    # Unix seconds its warm-up passed (operator writes it)
 ENGINE_PORT = 8000
 ENGINE_CONTAINER = "engine"
 
@@ -192,7 +194,8 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
         "name": want.replica_id,
         "labels": labels,
         "annotations": {**settings.pod_annotations,
-                        ANNOTATION_PLACEMENT: json.dumps(want.placement.to_dict(), sort_keys=True)},
+                        ANNOTATION_PLACEMENT: json.dumps(want.placement.to_dict(), sort_keys=True),
+                        ANNOTATION_MODEL: spec.model.name},
     }  # fmt: skip
     if owner is not None:
         metadata["ownerReferences"] = [{

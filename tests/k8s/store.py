@@ -5,8 +5,8 @@ Owns `ObjectStore`: objects by (resource, namespace, name) with a global resourc
 create (409 AlreadyExists), replace and merge patch (409 on a stale metadata.resourceVersion),
 the status subresource (a main write never changes status, a status write never changes spec;
 metadata.generation counts spec changes), delete (graceful for pods: deletionTimestamp first,
-`finish_delete` later; owner references cascade in the background, as the garbage collector
-does), label selectors (=, ==, !=, in, notin, exists, !exists), and watches that replay history
+`finish_delete` later; an object with finalizers stays, marked, until a write removes the last
+one; owner references cascade in the background, as the garbage collector does), label selectors (=, ==, !=, in, notin, exists, !exists), and watches that replay history
 after a resourceVersion (410 Gone when it is older than the kept window) and send bookmarks.
 
 Used by the fake client (tests/k8s/fake.py) and by the HTTP stand-in (tests/k8s/apiserver.py).
@@ -208,6 +208,9 @@ class ObjectStore:
         self._bump(new)
         self.objects[self._key(res, current["metadata"].get("namespace"), current["metadata"]["name"])] = new
         self._emit(res, "MODIFIED", new)
+        meta = new["metadata"]
+        if meta.get("deletionTimestamp") and not meta.get("finalizers") and res.plural != PODS.plural:
+            self.finish_delete(res, meta.get("namespace"), meta["name"])   # the last finalizer went
         return copy.deepcopy(new)
 
     def replace(self, res: Resource, namespace: str | None, name: str, body: dict) -> dict:
@@ -244,7 +247,7 @@ class ObjectStore:
             raise NotFound(404, "NotFound", f'{res.plural} "{name}" not found')
         graceful = res.plural == PODS.plural and self.graceful_pod_delete and grace_period_s != 0 \
             and (obj.get("spec") or {}).get("nodeName")
-        if graceful:
+        if graceful or obj["metadata"].get("finalizers"):
             if "deletionTimestamp" not in obj["metadata"]:
                 new = copy.deepcopy(obj)
                 new["metadata"]["deletionTimestamp"] = now_iso()
