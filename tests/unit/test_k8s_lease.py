@@ -47,11 +47,21 @@ async def test_one_holder_renews_the_other_waits_then_takes_over():
 async def test_a_stale_write_loses_the_race():
     kube, clock, wall, a, b = _pair()
     assert await a.try_acquire_or_renew()
+    assert not await b.try_acquire_or_renew()  # b first sees the record: its clock for expiry starts now
     clock.advance(16)
     stale = kube.store.get(LEASES, "ns", "fleet-operator")
     assert await b.try_acquire_or_renew()      # b takes the expired lease
     with pytest.raises(Exception, match="409"):  # a write from the version a read before: refused
         await kube.replace(LEASES, "ns", "fleet-operator", stale)
+
+
+async def test_expiry_is_judged_by_the_candidates_own_observation():
+    kube, clock, wall, a, b = _pair()
+    assert await a.try_acquire_or_renew()
+    clock.advance(100)       # a long-dead holder, but b has never looked: it waits a full duration
+    assert not await b.try_acquire_or_renew()
+    clock.advance(15)
+    assert await b.try_acquire_or_renew()
 
 
 async def test_release_hands_over_at_once():
