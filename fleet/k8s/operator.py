@@ -343,6 +343,7 @@ async def run_operator(settings: OperatorSettings) -> int:
 
     logging.basicConfig(level=os.environ.get("FLEET_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per engine probe is noise
     token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN", "")
     if not token:
         log.error("FLEET_ROUTER_ADMIN_TOKEN is not set: the router admin API needs a token")
