@@ -51,6 +51,20 @@ FINALIZER = "fleet.inference.dev/drain"
 drained through the router and their pods are gone."""
 
 
+WRITE_CONCURRENCY = 16
+"""API writes (events, statuses, annotations) in flight at once after a tick."""
+
+
+async def _bounded(coros: list, limit: int) -> None:
+    sem = asyncio.Semaphore(limit)
+
+    async def one(coro) -> None:
+        async with sem:
+            await coro
+
+    await asyncio.gather(*(one(c) for c in coros))
+
+
 @dataclass(frozen=True)
 class OperatorSettings:
     namespace: str | None = None
@@ -230,24 +244,22 @@ class Operator:
         now = self.clock()
         events = list(self._events)   # the controller appends to this very list (on_event)
         self._events.clear()
+        writes = []
         for e in events:
             r = c.replicas.get(e.replica_id)
             if e.new is ReplicaStatus.READY and r is not None and r.warmup_passed_at_s is not None:
-                try:
-                    await self.kube.patch(PODS, self.namespace, e.replica_id, {"metadata": {"annotations": {
-                        ANNOTATION_READY_AT: f"{r.warmup_passed_at_s:.3f}"}}})
-                except ApiError as err:
-                    log.warning("cannot annotate pod %s: %s", e.replica_id, err)
+                writes.append(self._annotate_ready(e.replica_id, r.warmup_passed_at_s))
             owner = self.crs.get(e.deployment, self.namespace)
             if owner is not None:
-                await self._event(event_object(e, owner, self.identity, now))
+                writes.append(self._event(event_object(e, owner, self.identity, now)))
         for name in c.deployments:
             cr = self.crs.get(name, self.namespace)
             if cr is None:
                 continue
             generation = int(cr["metadata"].get("generation") or 1)
-            await self._write_status(name, deployment_status(c, name, generation, self._statuses.get(name)
-                                                             or cr.get("status"), now))  # fmt: skip
+            writes.append(self._write_status(name, deployment_status(c, name, generation, self._statuses.get(name)
+                                                                     or cr.get("status"), now)))  # fmt: skip
+        await _bounded(writes, WRITE_CONCURRENCY)
         live_by_deployment = {p["metadata"].get("labels", {}).get(LABEL_DEPLOYMENT) for p in self.pods.objects.values()}
         for cr in list(self.crs.objects.values()):
             meta = cr["metadata"]
@@ -260,6 +272,13 @@ class Operator:
                                                              "resourceVersion": meta["resourceVersion"]}})
                     self._statuses.pop(name, None)
                     self._observed.pop(name, None)
+
+    async def _annotate_ready(self, pod: str, ready_at_s: float) -> None:
+        try:
+            await self.kube.patch(PODS, self.namespace, pod, {"metadata": {"annotations": {
+                ANNOTATION_READY_AT: f"{ready_at_s:.3f}"}}})
+        except ApiError as err:
+            log.warning("cannot annotate pod %s: %s", pod, err)
 
     async def _write_status(self, name: str, status: dict) -> None:
         if self._statuses.get(name) == status:

@@ -182,3 +182,20 @@ def test_example_values_files_are_valid_yaml_mappings():
     for files in VALUES.values():
         for f in files:
             assert isinstance(yaml.safe_load(Path(f).read_text()), dict)
+
+
+def test_dockerfile_matches_the_chart_and_the_packages():
+    """The image runs as the user the chart's securityContext names and carries every package
+    pyproject ships (the operator, the router and the simulator run from it)."""
+    import tomllib
+
+    text = (REPO / "Dockerfile").read_text()
+    kinds = _by_kind(render())
+    users = {d["spec"]["template"]["spec"]["securityContext"]["runAsUser"] for d in kinds["Deployment"]}
+    assert users == {10001} and "USER 10001" in text
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for pkg in packages:
+        assert f"COPY {pkg.rstrip('*')} ./{pkg.rstrip('*')}" in text, pkg
+    assert 'ENTRYPOINT ["fleet"]' in text
+    router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
+    assert router["spec"]["template"]["spec"]["containers"][0]["args"][0] == "router-pod"   # a `fleet` command
