@@ -33,7 +33,7 @@ def operator(
         "every router pod behind it gets every pool (see --router-selector).")] = "",
     router_selector: Annotated[str, typer.Option(
         envvar="FLEET_ROUTER_SELECTOR", help="Label selector of the router pods: each one is sent every pool "
-        "update. Empty: only --router-admin-url.")] = "app.kubernetes.io/component=router",
+        "update. `none`: only --router-admin-url.")] = "app.kubernetes.io/component=router",
     router_admin_port: Annotated[int, typer.Option(envvar="FLEET_ROUTER_ADMIN_PORT",
                                                    help="Admin port of each router pod.")] = 9090,
     identity: Annotated[Optional[str], typer.Option(

@@ -4,8 +4,8 @@
 Owns the calls that make replicas run as pods and what it observes of them: `inventory` (Node
 objects and their GPU Feature Discovery labels through `fleet.inventory.gfd`, minus nodes that
 are not Ready, cordoned, or that engine pods could not go to: node selector, untolerated
-NoSchedule taints), `ensure` (create the pod `fleet.k8s.pods.pod_manifest` builds; a pod that
-exists, running or not, is left alone), `observe` (every pod of this fleet by its labels ->
+NoSchedule taints), `ensure` (create the pod `fleet.k8s.pods.pod_manifest` builds, in the
+background, a bounded number at once; a pod that exists, running or not, is left alone), `observe` (every pod of this fleet by its labels ->
 `ReplicaFacts`; a pod that vanished — deleted, evicted and collected, or lost with its node — is
 reported exited once, until `forget`), `stop` (delete with the pod's grace period: the kubelet
 sends SIGTERM), `kill` (delete with grace 0), `forget` (delete a finished pod's object) and
@@ -18,11 +18,12 @@ Created by the operator (`fleet.k8s.operator`) per namespace.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from fleet.backends.base import LaunchError, ReplicaFacts, ReplicaWant
+from fleet.backends.base import ReplicaFacts, ReplicaWant
 from fleet.inventory import Inventory
 from fleet.inventory.gfd import LabelKeys, node_from_k8s
 from fleet.k8s.client import NODES, PODS, ApiError, Conflict, Kube
@@ -30,6 +31,9 @@ from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, MANAGED_BY, EnginePodS
     pod_manifest  # fmt: skip
 
 log = logging.getLogger("fleet.k8s.backend")
+
+CREATE_CONCURRENCY = 16
+"""Pod creates in flight at once (`ensure` returns before its pod exists)."""
 
 
 class ObjectSource:
@@ -102,6 +106,8 @@ class KubernetesBackend:
         self._gone: dict[str, ReplicaFacts] = {}     # pods that vanished, reported exited until forget
         self._forgotten: set[str] = set()            # finished pods being deleted: no longer reported
         self._created: dict[str, ReplicaFacts] = {}  # created by this backend, not yet observed
+        self._creating: set[asyncio.Task] = set()
+        self._create_slots = asyncio.Semaphore(CREATE_CONCURRENCY)
 
     # ----- Backend ----------------------------------------------------------------------------
 
@@ -125,15 +131,29 @@ class KubernetesBackend:
             return
         manifest = pod_manifest(want, fleet_id=self.fleet_id, owner=self.owner_of(want.deployment.name),
                                 settings=self.settings)  # fmt: skip
-        manifest["metadata"]["labels"][LABEL_FLEET] = label_value(self.fleet_id)
-        try:
-            await self.kube.create(PODS, self.namespace, manifest)
-        except Conflict:
-            pass   # the pod exists (an earlier ensure, or an operator before a restart): leave it
-        except ApiError as err:
-            raise LaunchError(f"the API server refused the pod: {err}") from err
         self._created[rid] = ReplicaFacts(rid, want.deployment.name, want.spec_hash, want.placement.nodes[0],
                                           detail={"pod": rid, "phase": "Pending"})  # fmt: skip
+        # Non-blocking (the protocol's rule): the create runs beside the controller's tick, a
+        # bounded number at once; a refusal shows up in the next `observe` as an exit.
+        task = asyncio.get_running_loop().create_task(self._create(rid, manifest), name=f"create-pod-{rid}")
+        self._creating.add(task)
+        task.add_done_callback(self._creating.discard)
+
+    async def _create(self, rid: str, manifest: dict) -> None:
+        async with self._create_slots:
+            try:
+                await self.kube.create(PODS, self.namespace, manifest)
+            except Conflict:
+                pass   # the pod exists (an operator before a restart created it): leave it
+            except Exception as err:  # noqa: BLE001 - ApiError, connection errors: the replica fails to start
+                pending = self._created.pop(rid, None)
+                if pending is not None:
+                    self._gone[rid] = replace(pending, exited=True, exit_reason=f"the API server refused the pod: {err}")
+
+    async def drain_creates(self) -> None:
+        """Wait for the pod creates in flight (tests, benchmarks, orderly stop)."""
+        while self._creating:
+            await asyncio.gather(*list(self._creating), return_exceptions=True)
 
     async def observe(self) -> dict[str, ReplicaFacts]:
         facts: dict[str, ReplicaFacts] = {}

@@ -26,7 +26,9 @@ class Informer:
 
     def __init__(self, kube: Kube, res: Resource, namespace: str | None, label_selector: str | None = None, *,
                  resync_s: float = 300.0, watch_timeout_s: float = 290.0, error_backoff_s: float = 1.0,
-                 on_change: Callable[[str, dict], None] | None = None) -> None:  # fmt: skip
+                 on_change: Callable[[str, dict], None] | None = None, name: str | None = None) -> None:  # fmt: skip
+        """``name``: what metrics and logs call it (default: the resource's plural)."""
+        self.name = name or res.plural
         self.kube = kube
         self.res = res
         self.namespace = namespace
@@ -86,7 +88,7 @@ class Informer:
             except (ApiError, OSError, Exception) as err:  # noqa: BLE001 - the API server hiccups; list again
                 if stop.is_set():
                     return
-                log.warning("%s informer: %s; listing again in %.0f s", self.res.plural, err, self.error_backoff_s)
+                log.warning("%s informer: %s; listing again in %.0f s", self.name, err, self.error_backoff_s)
                 need_list = True
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=self.error_backoff_s)

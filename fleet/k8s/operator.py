@@ -131,7 +131,7 @@ class Operator:
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``: hold or wait for the Lease; while held, reconcile every tick. Pods
         outlive the operator: stopping it stops nothing but its own loop (and gives the Lease up)."""
-        tasks = [asyncio.get_running_loop().create_task(i.run(stop), name=f"informer-{i.res.plural}")
+        tasks = [asyncio.get_running_loop().create_task(i.run(stop), name=f"informer-{i.name}")
                  for i in self.informers()]  # fmt: skip
         renew_every_s = max(0.2, self.settings.lease_duration_s / 3)
         next_renew_s = 0.0
@@ -330,7 +330,7 @@ async def _serve_health(operator: Operator, port: int):
     leader = Gauge("fleet_operator_leader", "1 while this operator holds the Lease.", registry=registry)
     ticks = Gauge("fleet_operator_reconcile_ticks", "Reconcile ticks run since start.", registry=registry)
     tick_s = Gauge("fleet_operator_last_reconcile_seconds", "Duration of the last reconcile tick.", registry=registry)
-    events = Gauge("fleet_operator_watch_events", "Watch events handled since start, by resource.", ["resource"],
+    events = Gauge("fleet_operator_watch_events", "Watch events handled since start, by informer.", ["informer"],
                    registry=registry)  # fmt: skip
 
     async def healthz(request):
@@ -341,7 +341,7 @@ async def _serve_health(operator: Operator, port: int):
         ticks.set(operator.ticks)
         tick_s.set(operator.last_tick_s)
         for i in operator.informers():
-            events.labels(i.res.plural).set(i.events_handled)
+            events.labels(i.name).set(i.events_handled)
         return web.Response(body=generate_latest(registry), content_type="text/plain")
 
     app = web.Application()
@@ -374,7 +374,8 @@ async def run_operator(settings: OperatorSettings) -> int:
         return 2
     namespace = settings.namespace or _own_namespace() or "default"
     identity = settings.identity or socket.gethostname()
-    router_pods = Informer(kube, PODS, namespace, settings.router_selector) if settings.router_selector else None
+    selector = settings.router_selector if settings.router_selector not in ("", "none") else None
+    router_pods = Informer(kube, PODS, namespace, selector, name="router-pods") if selector else None
     fanout = RouterFanout(lambda: list(router_pods.objects.values()) if router_pods else [],
                           settings.router_admin_port, token, static_urls=(settings.router_admin_url,))  # fmt: skip
     engine_api = EngineClient()

@@ -64,7 +64,7 @@ class Operator:
     def __init__(self, tmp: Path, kubeconfig: Path, admin_url: str, identity: str) -> None:
         self.log_path = tmp / f"operator-{identity}.log"
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "FLEET_NAMESPACE": NS, "POD_NAME": identity,
-               "FLEET_ROUTER_ADMIN_TOKEN": TOKEN, "FLEET_ROUTER_ADMIN_URL": admin_url, "FLEET_ROUTER_SELECTOR": "",
+               "FLEET_ROUTER_ADMIN_TOKEN": TOKEN, "FLEET_ROUTER_ADMIN_URL": admin_url, "FLEET_ROUTER_SELECTOR": "none",
                "FLEET_ENGINE_IMAGE": "fleet:standin", "FLEET_LOG_LEVEL": "INFO",
                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
         self.proc = subprocess.Popen(

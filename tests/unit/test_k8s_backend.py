@@ -361,3 +361,18 @@ async def test_a_changed_spec_replaces_pods_after_the_new_ones_warm():
     new = sorted(n for n, p in pods.items() if p["metadata"]["labels"][LABEL_SPEC_HASH] == changed.serving_hash)
     assert new == ["chat-2", "chat-3"]
     assert all(pods[n]["metadata"].get("deletionTimestamp") for n in ("chat-0", "chat-1"))
+
+
+async def test_a_refused_pod_create_fails_the_start_with_the_reason():
+    from fleet.k8s.client import ApiError
+
+    cl = Cluster(_dep(replicas={"min": 1, "max": 1}))
+    cl.kube.fail_next["create"] = ApiError(422, "Invalid", 'Pod "chat-0" is invalid: spec.containers[0].image')
+    await cl.c.start(None)
+    await cl.tick(n=2)
+    r = cl.c.replicas["chat-0"]
+    assert r.status is S.FAILED_START
+    assert "the API server refused the pod: 422 Invalid" in r.failure.reason
+    await cl.backend.drain_creates()
+    await cl.tick(n=2, seconds=6)      # replaced after the backoff
+    assert "chat-1" in cl.pods()
