@@ -43,10 +43,12 @@ def _condition(type_: str, ok: bool, reason: str, message: str, generation: int,
 
 
 def deployment_status(controller: Controller, name: str, generation: int, previous: dict | None,
-                      now: float) -> dict[str, Any]:  # fmt: skip
-    """The status of deployment ``name`` (the CRD's status schema: fleet/k8s/crd.py)."""
+                      now: float, records: list | None = None) -> dict[str, Any]:  # fmt: skip
+    """The status of deployment ``name`` (the CRD's status schema: fleet/k8s/crd.py).
+    ``records``: its replica records when the caller has grouped them (else found here)."""
     ds = controller.deployments[name]
-    records = [r for r in controller.replicas.values() if r.deployment == name]
+    if records is None:
+        records = [r for r in controller.replicas.values() if r.deployment == name]
     live = [r for r in records if not r.status.terminal()]
     states = Counter(r.status.value for r in records)
     ready = states.get(ReplicaStatus.READY.value, 0)
