@@ -7,7 +7,8 @@ are not Ready, cordoned, or that engine pods could not go to: node selector, unt
 NoSchedule taints), `ensure` (create the pod `fleet.k8s.pods.pod_manifest` builds, in the
 background, a bounded number at once; a pod that exists, running or not, is left alone), `observe` (every pod of this fleet by its labels ->
 `ReplicaFacts`; a pod that vanished — deleted, evicted and collected, or lost with its node — is
-reported exited once, until `forget`), `stop` (delete with the pod's grace period: the kubelet
+reported exited once, until `forget`; a pod whose Node object is gone counts as
+exited, its node lost), `stop` (delete with the pod's grace period: the kubelet
 sends SIGTERM), `kill` (delete with grace 0), `forget` (delete a finished pod's object) and
 `log_tail` (the pod log). Draining is the controller's, through the router, before `stop`.
 
@@ -157,8 +158,12 @@ class KubernetesBackend:
 
     async def observe(self) -> dict[str, ReplicaFacts]:
         facts: dict[str, ReplicaFacts] = {}
+        nodes = {n["metadata"]["name"] for n in await self.nodes.items()}
         for pod in await self.pods.items():
             f = pod_facts(pod)
+            if f.node and f.node not in nodes and not f.exited:   # its node object is gone: the node is lost
+                f = replace(f, running=False, exited=True, endpoint=None,
+                            exit_reason=f"node {f.node} was lost (its Node object is gone)")
             facts[f.replica_id] = f
         self._forgotten &= set(facts)          # deleted for good: no longer hidden
         visible = {rid: f for rid, f in facts.items() if rid not in self._forgotten}

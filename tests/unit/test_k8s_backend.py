@@ -376,3 +376,15 @@ async def test_a_refused_pod_create_fails_the_start_with_the_reason():
     await cl.backend.drain_creates()
     await cl.tick(n=2, seconds=6)      # replaced after the backoff
     assert "chat-1" in cl.pods()
+
+
+async def test_a_lost_node_replaces_its_replicas_elsewhere():
+    cl = await _ready_cluster(_dep())
+    lost = cl.pods()["chat-0"]["spec"]["nodeName"]
+    cl.store.finish_delete(NODES, None, lost)       # the node object goes (the node was removed or died)
+    await cl.tick()
+    r = cl.c.replicas["chat-0"]
+    assert r.status is S.FAILED_CRASHED and f"node {lost} was lost" in r.failure.reason
+    await cl.tick(seconds=11)       # backoff after up to two failures in a row (5 s, 10 s)
+    new = [p for n, p in cl.pods().items() if n not in ("chat-0", "chat-1")]
+    assert new and all(p["spec"]["nodeName"] != lost for p in new)
