@@ -103,6 +103,7 @@ class KubernetesBackend:
         self.nodes = nodes or ListSource(kube, NODES, None, None)
         self.label_keys = label_keys
         self.unusable_nodes: dict[str, str] = {}     # node -> why it is left out of the inventory
+        self._node_cache: dict[tuple[str, str | None], object] = {}   # (name, resourceVersion) -> NodeInventory
         self._seen: dict[str, ReplicaFacts] = {}     # replica id -> last facts while its pod existed
         self._gone: dict[str, ReplicaFacts] = {}     # pods that vanished, reported exited until forget
         self._forgotten: set[str] = set()            # finished pods being deleted: no longer reported
@@ -120,10 +121,16 @@ class KubernetesBackend:
             if why:
                 self.unusable_nodes[obj["metadata"]["name"]] = why
                 continue
+            key = (obj["metadata"]["name"], obj["metadata"].get("resourceVersion"))
             try:
-                nodes.append(node_from_k8s(obj, self.label_keys))
+                if key not in self._node_cache:   # a node changes rarely; its inventory is built once per version
+                    self._node_cache[key] = node_from_k8s(obj, self.label_keys)
+                nodes.append(self._node_cache[key])
             except ValueError as err:
                 self.unusable_nodes[obj["metadata"]["name"]] = str(err)
+        current = {(n.name, None) for n in nodes}
+        if len(self._node_cache) > 2 * len(nodes) + 16:
+            self._node_cache = {k: v for k, v in self._node_cache.items() if (k[0], None) in current}
         return Inventory(tuple(nodes))
 
     async def ensure(self, want: ReplicaWant) -> None:
