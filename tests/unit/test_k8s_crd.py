@@ -111,3 +111,22 @@ def test_nullable_fields_accept_null():
     doc["spec"]["engine"]["image"] = None
     doc["spec"]["autoscaling"] = None
     assert schema_errors(crd_document(), doc) == []
+
+
+def test_fleet_operator_refuses_to_start_without_token_or_cluster(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLEET_ROUTER_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    result = CliRunner().invoke(app, ["operator", "--metrics-port", "0"])
+    assert result.exit_code == 2
+    monkeypatch.setenv("FLEET_ROUTER_ADMIN_TOKEN", "t")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    result = CliRunner().invoke(app, ["operator", "--metrics-port", "0"])
+    assert result.exit_code == 2
+    result = CliRunner().invoke(app, ["operator", "--engine-pod-json", '{"migStrategy": "half"}'])
+    assert result.exit_code == 2 and "migStrategy" in result.output
+
+
+def test_fleet_help_lists_the_kubernetes_commands():
+    out = CliRunner().invoke(app, ["--help"]).output
+    for command in ("crd", "operator", "router-pod"):
+        assert command in out
