@@ -125,7 +125,6 @@ class Operator:
                                      lease_duration_s=settings.lease_duration_s)  # fmt: skip
         self.controller: Controller | None = None
         self._declared: dict[str, str] = {}            # name -> spec JSON the controller runs
-        self._replicas_spec: dict[str, str] = {}       # name -> spec.replicas JSON (a change resets desired)
         self._statuses: dict[str, dict] = {}           # name -> status last written
         self._observed: dict[str, int] = {}            # name -> generation an event was sent for
         self._events: list[ReplicaEvent] = []
@@ -230,12 +229,13 @@ class Operator:
         controller = Controller(loaded, backend=self.backend, engine_api=self.engine_api, pool_sink=self.pool_sink,
                                 clock=self.clock, settings=self.controller_settings, on_event=self._events.append)
         await controller.start(previous)
-        for ld in loaded:   # an edited spec.replicas takes effect (fleet up restores targets instead)
-            name = ld.deployment.name
-            replicas = json.dumps(ld.deployment.spec.replicas.to_document(), sort_keys=True)
-            if self._replicas_spec.get(name, replicas) != replicas and ld.deployment.spec.autoscaling is None:
-                controller.set_desired(name, ld.deployment.spec.replicas.desired_at_start, "spec.replicas")
-            self._replicas_spec[name] = replicas
+        for ld in loaded:
+            # Without autoscaling the resource's spec.replicas is the target, also when it was
+            # edited while no operator ran (`fleet up` restores the recorded target instead).
+            spec = ld.deployment.spec
+            if spec.autoscaling is None and controller.deployments[ld.deployment.name].desired != \
+                    spec.replicas.desired_at_start:
+                controller.set_desired(ld.deployment.name, spec.replicas.desired_at_start, "spec.replicas")
         self.controller, self._declared = controller, declared
         adopted = sum(1 for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive)
         log.info("running %d deployment(s); %d running replica(s) adopted", len(loaded), adopted)

@@ -222,3 +222,22 @@ def test_example_resource_is_what_the_operator_accepts():
 
     doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/kubernetes/sim-chat.yaml").read_text())
     assert doc["kind"] == "InferenceDeployment" and doc["spec"]["engine"]["kind"] == "sim"
+
+
+async def test_a_replicas_edit_made_while_no_operator_ran_takes_effect():
+    env = Env()
+    a = env.operator("op-a")
+    try:
+        await _serving(env, a)
+        a._drop_controller()
+        env.store.patch(INFERENCE_DEPLOYMENTS, NS, "chat", {"spec": {"replicas": {"initial": 3}}})
+        b = env.operator("op-b")
+        await env.start_informers(b)
+        await env.tick(b)
+        b.elector._observed_at_s -= 16     # op-a never renews again
+        await env.tick(b, n=2)
+        assert b.elector.is_leader
+        assert sorted(env.pods()) == ["chat-0", "chat-1", "chat-2"]
+        assert b.controller.deployments["chat"].desired_reason == "spec.replicas"
+    finally:
+        await env.close()
