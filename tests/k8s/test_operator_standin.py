@@ -3,8 +3,8 @@ HTTP STAND-IN for the API server and a stand-in kubelet that runs each pod as a 
 SIMULATOR (tests/k8s/apiserver.py). Not a Kubernetes cluster: docs/kubernetes.md says what has
 and has not run against a real one.
 
-Apply an InferenceDeployment, the pods start, warm, and the router serves them; scale; kill -9
-the operator and start another (it waits for the Lease, then adopts: no pod restarted, no
+Apply an InferenceDeployment, the pods start, warm, and the router serves them; scale; an engine
+dies and its replica is replaced; kill -9 the operator and start another (it waits for the Lease, then adopts: no pod restarted, no
 warm-up again); delete the resource and everything goes (drained through the router first)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet.k8s.client import INFERENCE_DEPLOYMENTS, LEASES, NODES, PODS, KubeClient, NotFound
+from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, LEASES, NODES, PODS, KubeClient, NotFound
 from fleet.k8s.routerpod import serve_router_pod
 from tests.k8s.apiserver import APIServerStandIn, KubeletStandIn
 from tests.k8s.nodes import node
@@ -129,6 +129,17 @@ async def test_operator_against_the_api_server_stand_in(tmp_path):
         await kube.patch(INFERENCE_DEPLOYMENTS, NS, "sim-chat", {"spec": {"replicas": {"initial": 3}}})
         await _until(lambda: served(3), 60, "3 replicas served after scaling", why)
         await _until(lambda: _status_with(status, 3), 30, "status readyReplicas 3", why)
+
+        # an engine dies (kill -9 of its process: the pod fails): replaced, served by 3 again
+        kubelet.procs[(NS, "sim-chat-0")].kill()
+
+        async def replaced() -> bool:
+            names = set(await pods())
+            return "sim-chat-0" not in names and "sim-chat-3" in names and await served(3)
+
+        await _until(replaced, 60, "the failed replica replaced and served", why)
+        events = [e for e in store.list(EVENTS, NS, None)[0] if e["involvedObject"]["name"] == "sim-chat"]
+        assert any(e["reason"] == "ReplicaFailedCrashed" and e["type"] == "Warning" for e in events)
         before = {n: p["metadata"]["uid"] for n, p in (await pods()).items()}
         started = kubelet.started
 
