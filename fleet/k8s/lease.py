@@ -41,6 +41,7 @@ class LeaderElector:
         self.is_leader = False
         self._observed: tuple[str, str] | None = None   # (holder, renewTime) last seen
         self._observed_at_s = 0.0
+        self.renewed_at_s: float | None = None          # clock() of our last successful write
         self.transitions = 0
 
     def _spec(self, acquire: bool, transitions: int) -> dict:
@@ -62,6 +63,7 @@ class LeaderElector:
                 await self.kube.create(LEASES, self.namespace, body)
             except Conflict:
                 return self._set(False)
+            self.renewed_at_s = self.clock()
             return self._set(True)
         except ApiError as err:
             log.warning("cannot read lease %s: %s", self.name, err)
@@ -88,7 +90,14 @@ class LeaderElector:
         if acquire:
             self.transitions = transitions
         self._observed, self._observed_at_s = (self.identity, new_spec["renewTime"]), now_s
+        self.renewed_at_s = now_s
         return self._set(True)
+
+    def holds(self) -> bool:
+        """Whether this candidate may act now: it holds the Lease and its last renewal is less
+        than a lease duration old (after that a standby may take over)."""
+        return self.is_leader and self.renewed_at_s is not None and \
+            self.clock() < self.renewed_at_s + self.lease_duration_s
 
     async def release(self) -> None:
         """Give the Lease up (orderly stop) so that a standby acquires it on its next round."""

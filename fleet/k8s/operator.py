@@ -145,23 +145,22 @@ class Operator:
         outlive the operator: stopping it stops nothing but its own loop (and gives the Lease up)."""
         tasks = [asyncio.get_running_loop().create_task(i.run(stop), name=f"informer-{i.name}")
                  for i in self.informers()]  # fmt: skip
-        renew_every_s = max(0.2, self.settings.lease_duration_s / 3)
-        next_renew_s = 0.0
-        loop = asyncio.get_running_loop()
+        tasks.append(asyncio.get_running_loop().create_task(self._keep_lease(stop), name="lease"))
         try:
             while not stop.is_set():
-                if loop.time() >= next_renew_s:
-                    leader = await self.elector.try_acquire_or_renew()
-                    next_renew_s = loop.time() + renew_every_s
-                    if not leader and self.controller is not None:
-                        log.warning("%s lost the lease: no longer acting", self.identity)
-                        self._drop_controller()
-                if self.elector.is_leader and all(i.synced.is_set() for i in self.informers()):
+                holds = self.elector.holds()
+                if not holds and self.controller is not None:
+                    log.warning("%s does not hold the lease: no longer acting", self.identity)
+                    self._drop_controller()
+                if holds and all(i.synced.is_set() for i in self.informers()):
                     await self.tick()
+                    if self.last_tick_s > self.settings.lease_duration_s:
+                        log.warning("a reconcile tick took %.1f s, longer than the lease (%.0f s): raise "
+                                    "--lease-duration-s, or a standby may act at the same time",
+                                    self.last_tick_s, self.settings.lease_duration_s)  # fmt: skip
                 self.wake.clear()
-                wait_s = self.settings.tick_s if self.elector.is_leader else min(self.settings.tick_s, renew_every_s)
                 try:
-                    await asyncio.wait_for(self.wake.wait(), timeout=wait_s)
+                    await asyncio.wait_for(self.wake.wait(), timeout=self.settings.tick_s)
                 except asyncio.TimeoutError:
                     pass
         finally:
@@ -171,6 +170,19 @@ class Operator:
             await asyncio.gather(*tasks, return_exceptions=True)
             self._drop_controller()
             await self.elector.release()
+
+    async def _keep_lease(self, stop: asyncio.Event) -> None:
+        """Acquire or renew the Lease every third of its duration, beside the ticks (a slow tick
+        does not delay a renewal unless it holds the event loop itself)."""
+        every_s = max(0.2, self.settings.lease_duration_s / 3)
+        while not stop.is_set():
+            was = self.elector.is_leader
+            if await self.elector.try_acquire_or_renew() and not was:
+                self.wake.set()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=every_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def tick(self) -> None:
         """One reconcile of everything (the caller holds the Lease)."""
@@ -221,6 +233,10 @@ class Operator:
                 self._observed[name] = generation
                 await self._event(decision_event(cr, "SpecAccepted", f"generation {generation} accepted: model "
                                                  f"{model!r}, {dep.spec.engine.kind}", self.identity, now))  # fmt: skip
+                if dep.spec.autoscaling is not None:
+                    await self._event(decision_event(
+                        cr, "AutoscalingNotRun", "spec.autoscaling is accepted but the operator does not run the "
+                        "autoscaler yet: the size is spec.replicas.initial (or min)", self.identity, now, True))
         if self.controller is not None and declared == self._declared:
             return
         previous = self.controller.snapshot() if self.controller is not None else \

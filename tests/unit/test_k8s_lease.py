@@ -70,3 +70,13 @@ async def test_release_hands_over_at_once():
     await a.release()
     assert not a.is_leader
     assert await b.try_acquire_or_renew()
+
+
+async def test_a_holder_stops_acting_once_its_last_renewal_is_a_lease_old():
+    kube, clock, wall, a, b = _pair()
+    assert await a.try_acquire_or_renew() and a.holds()
+    clock.advance(14)
+    assert a.holds()
+    clock.advance(2)     # no renewal for 16 s (say, a tick held the event loop): a standby may act now
+    assert a.is_leader and not a.holds()
+    assert await a.try_acquire_or_renew() and a.holds()

@@ -241,3 +241,19 @@ async def test_a_replicas_edit_made_while_no_operator_ran_takes_effect():
         assert b.controller.deployments["chat"].desired_reason == "spec.replicas"
     finally:
         await env.close()
+
+
+async def test_autoscaling_that_the_operator_does_not_run_is_said():
+    env = Env()
+    op = env.operator("op-a")
+    try:
+        cr = copy.deepcopy(CR)
+        cr["spec"]["autoscaling"] = {"policy": "fleet"}
+        env.store.create(INFERENCE_DEPLOYMENTS, NS, cr)
+        await env.start_informers(op)
+        await env.tick(op)
+        events = {e["reason"]: e for e in env.store.list(EVENTS, NS, None)[0]}
+        assert events["AutoscalingNotRun"]["type"] == "Warning"
+        assert sorted(env.pods()) == ["chat-0", "chat-1"]     # spec.replicas.initial
+    finally:
+        await env.close()
