@@ -23,6 +23,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
 from fleet.backends.base import ReplicaFacts, ReplicaWant
 from fleet.inventory import Inventory
@@ -37,11 +38,13 @@ CREATE_CONCURRENCY = 16
 """Pod creates in flight at once (`ensure` returns before its pod exists)."""
 
 
-class ObjectSource:
+class ObjectSource(Protocol):
     """Where the backend reads objects from: an informer's cache (`fleet.k8s.informer.Informer`
     has this shape) or a list per call (`ListSource`)."""
 
-    async def items(self) -> list[dict]: ...
+    async def items(self) -> list[dict]:
+        """The objects now (dicts as the API serves them)."""
+        ...
 
 
 class ListSource:
