@@ -29,8 +29,8 @@ from fleet.backends.base import ReplicaFacts, ReplicaWant
 from fleet.inventory import Inventory
 from fleet.inventory.gfd import LabelKeys, node_from_k8s
 from fleet.k8s.client import NODES, PODS, ApiError, Conflict, Kube
-from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, MANAGED_BY, EnginePodSettings, label_value, pod_facts, \
-    pod_manifest  # fmt: skip
+from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, LABEL_REPLICA, MANAGED_BY, EnginePodSettings, \
+    group_facts, label_value, pod_group  # fmt: skip
 
 log = logging.getLogger("fleet.k8s.backend")
 
@@ -111,6 +111,7 @@ class KubernetesBackend:
         self._gone: dict[str, ReplicaFacts] = {}     # pods that vanished, reported exited until forget
         self._forgotten: set[str] = set()            # finished pods being deleted: no longer reported
         self._created: dict[str, ReplicaFacts] = {}  # created by this backend, not yet observed
+        self._members: dict[str, list[str]] = {}     # replica id -> its pod names (a gang has several)
         self._creating: set[asyncio.Task] = set()
         self._create_slots = asyncio.Semaphore(CREATE_CONCURRENCY)
 
@@ -140,26 +141,37 @@ class KubernetesBackend:
         rid = want.replica_id
         if rid in self._seen or rid in self._gone or rid in self._created or rid in self._forgotten:
             return
-        manifest = pod_manifest(want, fleet_id=self.fleet_id, owner=self.owner_of(want.deployment.name),
-                                settings=self.settings)  # fmt: skip
+        pods = pod_group(want, fleet_id=self.fleet_id, owner=self.owner_of(want.deployment.name),
+                         settings=self.settings)  # fmt: skip
+        self._members[rid] = [p["metadata"]["name"] for p in pods]
         self._created[rid] = ReplicaFacts(rid, want.deployment.name, want.spec_hash, want.placement.nodes[0],
                                           detail={"pod": rid, "phase": "Pending"})  # fmt: skip
-        # Non-blocking (the protocol's rule): the create runs beside the controller's tick, a
+        # Non-blocking (the protocol's rule): the creates run beside the controller's tick, a
         # bounded number at once; a refusal shows up in the next `observe` as an exit.
-        task = asyncio.get_running_loop().create_task(self._create(rid, manifest), name=f"create-pod-{rid}")
+        task = asyncio.get_running_loop().create_task(self._create(rid, pods), name=f"create-pods-{rid}")
         self._creating.add(task)
         task.add_done_callback(self._creating.discard)
 
-    async def _create(self, rid: str, manifest: dict) -> None:
+    async def _create(self, rid: str, pods: list[dict]) -> None:
+        """Create the replica's pods, all or nothing: when one is refused, those created are deleted."""
+        created: list[str] = []
         async with self._create_slots:
-            try:
-                await self.kube.create(PODS, self.namespace, manifest)
-            except Conflict:
-                pass   # the pod exists (an operator before a restart created it): leave it
-            except Exception as err:  # noqa: BLE001 - ApiError, connection errors: the replica fails to start
-                pending = self._created.pop(rid, None)
-                if pending is not None:
-                    self._gone[rid] = replace(pending, exited=True, exit_reason=f"the API server refused the pod: {err}")
+            for pod in pods:
+                try:
+                    await self.kube.create(PODS, self.namespace, pod)
+                    created.append(pod["metadata"]["name"])
+                except Conflict:
+                    created.append(pod["metadata"]["name"])   # exists (an operator before a restart created it)
+                except Exception as err:  # noqa: BLE001 - ApiError, connection errors: the replica fails to start
+                    for name in created:
+                        await self.kube.delete(PODS, self.namespace, name, grace_period_s=0)
+                    pending = self._created.pop(rid, None)
+                    if pending is not None:
+                        why = f"the API server refused pod {pod['metadata']['name']}: {err}"
+                        if len(pods) > 1:
+                            why += f" (gang of {len(pods)}: none kept)"
+                        self._gone[rid] = replace(pending, exited=True, exit_reason=why)
+                    return
 
     async def drain_creates(self) -> None:
         """Wait for the pod creates in flight (tests, benchmarks, orderly stop)."""
@@ -169,12 +181,20 @@ class KubernetesBackend:
     async def observe(self) -> dict[str, ReplicaFacts]:
         facts: dict[str, ReplicaFacts] = {}
         nodes = {n["metadata"]["name"] for n in await self.nodes.items()}
+        groups: dict[str, list[dict]] = {}
         for pod in await self.pods.items():
-            f = pod_facts(pod)
-            if f.node and f.node not in nodes and not f.exited:   # its node object is gone: the node is lost
+            rid = (pod["metadata"].get("labels") or {}).get(LABEL_REPLICA, pod["metadata"]["name"])
+            groups.setdefault(rid, []).append(pod)
+        for rid, pods in groups.items():
+            self._members[rid] = sorted({*self._members.get(rid, ()), *(p["metadata"]["name"] for p in pods)})
+            f = group_facts(pods)
+            if f.exited and rid in self._created and "missing" in (f.exit_reason or ""):
+                continue   # a gang whose members are still being created (or not yet seen): pending
+            lost = sorted({(p.get("spec") or {}).get("nodeName") for p in pods} - nodes - {None, ""})
+            if lost and not f.exited:   # a node object is gone: the node is lost
                 f = replace(f, running=False, exited=True, endpoint=None,
-                            exit_reason=f"node {f.node} was lost (its Node object is gone)")
-            facts[f.replica_id] = f
+                            exit_reason=f"node {lost[0]} was lost (its Node object is gone)")
+            facts[rid] = f
         self._forgotten &= set(facts)          # deleted for good: no longer hidden
         visible = {rid: f for rid, f in facts.items() if rid not in self._forgotten}
         for rid, last in list(self._seen.items()):
@@ -192,21 +212,26 @@ class KubernetesBackend:
         return {**pending, **self._gone, **visible}
 
     async def stop(self, replica_id: str) -> None:
-        await self.kube.delete(PODS, self.namespace, replica_id, grace_period_s=None)
+        for name in self._members.get(replica_id, [replica_id]):
+            await self.kube.delete(PODS, self.namespace, name, grace_period_s=None)
 
     async def kill(self, replica_id: str) -> None:
-        await self.kube.delete(PODS, self.namespace, replica_id, grace_period_s=0)
+        for name in self._members.get(replica_id, [replica_id]):
+            await self.kube.delete(PODS, self.namespace, name, grace_period_s=0)
 
     async def forget(self, replica_id: str) -> None:
         self._created.pop(replica_id, None)
         if self._gone.pop(replica_id, None) is not None:
+            for name in self._members.pop(replica_id, [])[1:]:   # gang members left behind
+                await self.kube.delete(PODS, self.namespace, name, grace_period_s=0)
             return
         f = self._seen.get(replica_id)
         if f is None or not f.exited:
             return
-        del self._seen[replica_id]             # a finished pod's object is still there: delete it
+        del self._seen[replica_id]             # a finished replica's pod objects are still there: delete them
         self._forgotten.add(replica_id)
-        await self.kube.delete(PODS, self.namespace, replica_id, grace_period_s=0)
+        for name in self._members.get(replica_id, [replica_id]):
+            await self.kube.delete(PODS, self.namespace, name, grace_period_s=0)
 
     async def log_tail(self, replica_id: str, lines: int = 20) -> list[str]:
         try:

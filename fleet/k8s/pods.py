@@ -33,6 +33,10 @@ LABEL_DEPLOYMENT = "fleet.inference.dev/deployment"
 LABEL_REPLICA = "fleet.inference.dev/replica"
 LABEL_REVISION = "fleet.inference.dev/revision"
 LABEL_SPEC_HASH = "fleet.inference.dev/spec-hash"
+LABEL_GANG_ROLE = "fleet.inference.dev/gang-role"      # leader | worker (multi-node replicas only)
+LABEL_GANG_INDEX = "fleet.inference.dev/gang-index"    # 0 (leader) .. size-1
+LABEL_GANG_SIZE = "fleet.inference.dev/gang-size"
+RAY_PORT = 6379
 ANNOTATION_PLACEMENT = "fleet.inference.dev/placement"
 ANNOTATION_MODEL = "fleet.inference.dev/model"          # spec.model.name (the router pool it serves)
 ANNOTATION_READY_AT = "fleet.inference.dev/ready-at"    # Unix seconds its warm-up passed (operator writes it)
@@ -74,6 +78,7 @@ class EnginePodSettings:
     gangs: str = "auto"
     termination_grace_period_s: int = 120
     image_pull_secrets: list[dict] = field(default_factory=list)
+    gang_service: str = "fleet-gangs"   # headless Service over gang leaders: their DNS names
 
     @classmethod
     def from_json(cls, text: str, default_image: str = "") -> EnginePodSettings:
@@ -94,6 +99,7 @@ class EnginePodSettings:
             pod_labels=dict(d.get("podLabels") or {}), mig_strategy=strategy, gangs=d.get("gangs") or "auto",
             termination_grace_period_s=int(d.get("terminationGracePeriodSeconds", 120)),
             image_pull_secrets=list(d.get("imagePullSecrets") or []),
+            gang_service=d.get("gangService") or "fleet-gangs",
         )  # fmt: skip
 
 
@@ -139,8 +145,7 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
     dep = want.deployment
     spec = dep.spec
     if len(want.placement.members) != 1:
-        raise LaunchError("multi-node replicas (gangs) are not supported by the Kubernetes backend yet "
-                          f"(placement {want.placement.label}); see docs/kubernetes.md")  # fmt: skip
+        raise LaunchError(f"placement {want.placement.label} is a multi-node gang: use pod_group")
     image = spec.engine.image or settings.default_image
     if not image:
         raise LaunchError("engine image not present: spec.engine.image is unset and the operator has no "
@@ -260,4 +265,104 @@ def pod_facts(pod: dict) -> ReplicaFacts:
         endpoint=f"http://{ip}:{ENGINE_PORT}" if ip and (running or exited) else None,
         image_present=image_present, weights_present=image_present, running=running and not exited,
         exited=exited, exit_code=code, exit_reason=reason, problem=problem, detail=detail,
+    )  # fmt: skip
+
+
+def member_name(replica_id: str, index: int) -> str:
+    """Pod name of gang member ``index`` (0 is the leader and carries the replica id itself)."""
+    return replica_id if index == 0 else f"{replica_id}-w{index}"
+
+
+def pod_group(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
+              settings: EnginePodSettings) -> list[dict[str, Any]]:  # fmt: skip
+    """The pods of one replica: one pod, or for a multi-node placement (a gang) one pod per
+    member, created all or nothing, members[0] the leader.
+
+    A gang runs vLLM over Ray, as vLLM documents multi-node serving (docs.vllm.ai, "Parallelism
+    and Scaling"; examples/online_serving/multi-node-serving.sh): the leader starts the Ray head,
+    waits until every member has joined, then runs ``vllm serve`` with tensor parallelism over
+    the GPUs of one node and pipeline parallelism over the nodes; each worker joins the head at
+    the leader's DNS name (``<replica>.<gang service>``: the pod's hostname and subdomain under
+    the chart's headless Service) and blocks. Only the leader serves, is probed and is the
+    endpoint. Raises LaunchError for an engine without a multi-node mode (the simulator)."""
+    if len(want.placement.members) == 1:
+        return [pod_manifest(want, fleet_id=fleet_id, owner=owner, settings=settings)]
+    dep = want.deployment
+    if dep.spec.engine.kind != "vllm":
+        raise LaunchError(f"spec.engine.kind {dep.spec.engine.kind!r} has no multi-node mode; a replica wider than "
+                          f"a node ({want.placement.label}) needs vllm")  # fmt: skip
+    members = want.placement.members
+    size = len(members)
+    per_node = len(members[0].devices)
+    leader_want = ReplicaWant(want.replica_id, dep, type(want.placement)((members[0],), want.placement.product),
+                              want.spec_hash, want.base_dir)  # fmt: skip
+    leader = pod_manifest(leader_want, fleet_id=fleet_id, owner=owner, settings=settings)
+    c = leader["spec"]["containers"][0]
+    serve = list(c["command"])
+    i = serve.index("--tensor-parallel-size")
+    serve[i + 1: i + 2] = [str(per_node), "--pipeline-parallel-size", str(size),
+                           "--distributed-executor-backend", "ray"]  # fmt: skip
+    wait = ("import ray, sys, time\n"
+            "ray.init(address='auto', logging_level=40)\n"
+            f"while sum(n['Alive'] for n in ray.nodes()) < {size}: time.sleep(2)\n")  # fmt: skip
+    c["command"] = ["bash", "-c", f"ray start --head --port={RAY_PORT} && python3 -c \"$FLEET_RAY_WAIT\" && exec "
+                    + " ".join(_sh(a) for a in serve)]  # fmt: skip
+    c["env"].append({"name": "FLEET_RAY_WAIT", "value": wait})
+    c["resources"] = {"requests": {"nvidia.com/gpu": str(per_node)}, "limits": {"nvidia.com/gpu": str(per_node)}}
+    c["ports"].append({"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"})
+    leader["spec"]["hostname"] = want.replica_id
+    leader["spec"]["subdomain"] = settings.gang_service
+    pods = [leader]
+    leader_dns = f"{want.replica_id}.{settings.gang_service}"
+    for index, member in enumerate(members[1:], start=1):
+        worker = json.loads(json.dumps(leader))
+        worker["metadata"]["name"] = member_name(want.replica_id, index)
+        worker["spec"]["nodeName"] = member.node
+        worker["spec"].pop("hostname")
+        worker["spec"].pop("subdomain")
+        wc = worker["spec"]["containers"][0]
+        wc["command"] = ["bash", "-c", f"until ray start --address={leader_dns}:{RAY_PORT} --block; do sleep 5; done"]
+        wc["env"] = [e for e in wc["env"] if e["name"] != "FLEET_RAY_WAIT"]
+        wc["resources"] = {"requests": {"nvidia.com/gpu": str(len(member.devices))},
+                           "limits": {"nvidia.com/gpu": str(len(member.devices))}}  # fmt: skip
+        wc["ports"] = [{"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"}]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            wc.pop(probe, None)
+        pods.append(worker)
+    for index, pod in enumerate(pods):
+        pod["metadata"]["labels"].update({LABEL_GANG_ROLE: "leader" if index == 0 else "worker",
+                                          LABEL_GANG_INDEX: str(index), LABEL_GANG_SIZE: str(size)})  # fmt: skip
+    return pods
+
+
+def _sh(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def group_facts(pods: list[dict]) -> ReplicaFacts:
+    """One replica's facts from all its pods (one, or a gang's members): the leader's endpoint;
+    running while every member runs; exited when any member exited or one is missing."""
+    by_index = {int((p["metadata"].get("labels") or {}).get(LABEL_GANG_INDEX, "0")): p for p in pods}
+    leader = by_index.get(0)
+    size = int(((leader or pods[0])["metadata"].get("labels") or {}).get(LABEL_GANG_SIZE, "1"))
+    facts = pod_facts(leader or pods[0])
+    if size == 1:
+        return facts
+    members = [pod_facts(by_index[i]) for i in sorted(by_index)]
+    exited = [(i, f) for i, f in zip(sorted(by_index), members) if f.exited]
+    missing = [i for i in range(size) if i not in by_index]
+    detail = {**facts.detail, "members": str(size)}
+    if leader is None or exited or missing:
+        why = (f"gang member {exited[0][0]} exited: {exited[0][1].exit_reason}" if exited
+               else f"gang member(s) {missing} missing")  # fmt: skip
+        return ReplicaFacts(facts.replica_id, facts.deployment, facts.spec_hash, facts.node, None,
+                            all(f.image_present for f in members), all(f.weights_present for f in members),
+                            False, True, exited[0][1].exit_code if exited else None, why, facts.problem, detail)
+    return ReplicaFacts(
+        facts.replica_id, facts.deployment, facts.spec_hash, facts.node, facts.endpoint,
+        all(f.image_present for f in members), all(f.weights_present for f in members),
+        all(f.running for f in members), False, None, None, next((f.problem for f in members if f.problem), None),
+        detail,
     )  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 from fleet.controller import STATE_FORMAT, Controller, ReplicaEvent
 from fleet.lifecycle import ReplicaStatus
 from fleet.k8s.pods import (ANNOTATION_MODEL, ANNOTATION_PLACEMENT, ANNOTATION_READY_AT, LABEL_DEPLOYMENT,
-                            LABEL_REPLICA, LABEL_REVISION, LABEL_SPEC_HASH, pod_facts)  # fmt: skip
+                            LABEL_GANG_ROLE, LABEL_REPLICA, LABEL_REVISION, LABEL_SPEC_HASH, pod_facts)  # fmt: skip
 from fleet.placement import ReplicaPlacement
 
 _IN_PROGRESS = (ReplicaStatus.PENDING, ReplicaStatus.PLACED, ReplicaStatus.PULLING, ReplicaStatus.CACHING,
@@ -157,8 +157,8 @@ def snapshot_from_cluster(crs: list[dict], pods: list[dict]) -> dict[str, Any]:
         labels = meta.get("labels") or {}
         ann = meta.get("annotations") or {}
         rid, dep = labels.get(LABEL_REPLICA), labels.get(LABEL_DEPLOYMENT)
-        if not rid or not dep:
-            continue
+        if not rid or not dep or labels.get(LABEL_GANG_ROLE) == "worker":
+            continue   # one record per replica: a gang is recorded from its leader
         d = deployments.setdefault(dep, {"desired": 0, "next_index": 0, "model": ann.get(ANNOTATION_MODEL)})
         index = rid.rsplit("-", 1)[-1]
         if index.isdigit():

@@ -372,7 +372,7 @@ async def test_a_refused_pod_create_fails_the_start_with_the_reason():
     await cl.tick(n=2)
     r = cl.c.replicas["chat-0"]
     assert r.status is S.FAILED_START
-    assert "the API server refused the pod: 422 Invalid" in r.failure.reason
+    assert "the API server refused pod chat-0: 422 Invalid" in r.failure.reason
     await cl.backend.drain_creates()
     await cl.tick(n=2, seconds=6)      # replaced after the backoff
     assert "chat-1" in cl.pods()
@@ -388,3 +388,91 @@ async def test_a_lost_node_replaces_its_replicas_elsewhere():
     await cl.tick(seconds=11)       # backoff after up to two failures in a row (5 s, 10 s)
     new = [p for n, p in cl.pods().items() if n not in ("chat-0", "chat-1")]
     assert new and all(p["spec"]["nodeName"] != lost for p in new)
+
+
+# ----- multi-node replicas (gangs) ------------------------------------------------------------------
+
+
+def _gang_dep():
+    return _dep(model={"name": "big", "source": "hf://org/big"}, engine={"kind": "vllm", "image": "vllm:1"},
+                resources={"accelerator": "gpu", "tensorParallelSize": 16})
+
+
+def _gang_want(ld, rid="chat-0"):
+    placement = ReplicaPlacement(tuple(Assignment(n, tuple(f"{n}/gpu{i}" for i in range(8)), {}, "gpu:0-7")
+                                       for n in ("gpu-a", "gpu-b")))  # fmt: skip
+    return ReplicaWant(rid, ld.deployment, placement, ld.serving_hash, ld.base_dir)
+
+
+def test_a_gang_is_a_leader_pod_and_worker_pods_over_ray():
+    from fleet.k8s.pods import LABEL_GANG_ROLE, pod_group
+
+    pods = pod_group(_gang_want(_gang_dep()), fleet_id="f", owner=OWNER, settings=EnginePodSettings())
+    leader, worker = pods
+    assert [p["metadata"]["name"] for p in pods] == ["chat-0", "chat-0-w1"]
+    assert [p["spec"]["nodeName"] for p in pods] == ["gpu-a", "gpu-b"]
+    assert [p["metadata"]["labels"][LABEL_GANG_ROLE] for p in pods] == ["leader", "worker"]
+    assert all(p["metadata"]["labels"][LABEL_REPLICA] == "chat-0" for p in pods)
+    lc, wc = leader["spec"]["containers"][0], worker["spec"]["containers"][0]
+    assert lc["resources"]["limits"] == wc["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    script = lc["command"][2]
+    assert script.startswith("ray start --head --port=6379 && ")
+    assert "--tensor-parallel-size 8 --pipeline-parallel-size 2 --distributed-executor-backend ray" in script
+    assert "vllm serve org/big" in script
+    assert (leader["spec"]["hostname"], leader["spec"]["subdomain"]) == ("chat-0", "fleet-gangs")
+    assert "ray start --address=chat-0.fleet-gangs:6379 --block" in wc["command"][2]
+    assert "readinessProbe" not in wc and "readinessProbe" in lc     # only the leader serves
+    for pod in pods:
+        kubernetes_validate.validate(pod, "1.37.0", strict=True)
+
+
+def test_the_simulator_has_no_gangs():
+    ld = _dep(engine={"kind": "sim"}, resources={"accelerator": "gpu", "tensorParallelSize": 16})
+    from fleet.k8s.pods import pod_group
+
+    with pytest.raises(LaunchError, match="no multi-node mode"):
+        pod_group(_gang_want(ld), fleet_id="f", owner=None, settings=EnginePodSettings())
+
+
+async def test_gang_pods_are_created_all_or_nothing_and_observed_as_one_replica():
+    from fleet.k8s.client import ApiError
+
+    kube = FakeKube()
+    for n in ("gpu-a", "gpu-b"):
+        kube.store.create(NODES, None, node(n, gpus=8))
+    backend = KubernetesBackend(kube, NS, "fleet")
+    ld = _gang_dep()
+    await backend.ensure(_gang_want(ld))
+    await backend.drain_creates()
+    assert sorted(p["metadata"]["name"] for p in kube.store.list(PODS, NS, None)[0]) == ["chat-0", "chat-0-w1"]
+    facts = await backend.observe()
+    assert list(facts) == ["chat-0"] and not facts["chat-0"].running and not facts["chat-0"].exited
+    run_pod(kube.store, NS, "chat-0", "10.0.0.1")
+    assert not (await backend.observe())["chat-0"].running      # the worker does not run yet
+    run_pod(kube.store, NS, "chat-0-w1", "10.0.0.2")
+    f = (await backend.observe())["chat-0"]
+    assert f.running and f.endpoint == "http://10.0.0.1:8000" and f.detail["members"] == "2"
+    terminate_pod(kube.store, NS, "chat-0-w1", 1)                  # a worker dies: the replica has exited
+    f = (await backend.observe())["chat-0"]
+    assert f.exited and "gang member 1 exited" in f.exit_reason
+    await backend.forget("chat-0")
+    assert kube.store.list(PODS, NS, None)[0] == [] or all(
+        p["metadata"].get("deletionTimestamp") for p in kube.store.list(PODS, NS, None)[0])
+    # all or nothing: the worker is refused, the leader already created is deleted again
+    calls = {"n": 0}
+    real_create = kube.store.create
+
+    def refuse_second(res, ns, body):
+        calls["n"] += 1
+        if res is PODS and calls["n"] == 2:
+            raise ApiError(403, "Forbidden", "exceeded quota: requests.nvidia.com/gpu")
+        return real_create(res, ns, body)
+
+    kube.store.create = refuse_second
+    await backend.ensure(_gang_want(ld, rid="chat-1"))
+    await backend.drain_creates()
+    names = [p["metadata"]["name"] for p in kube.store.list(PODS, NS, None)[0]
+             if not p["metadata"].get("deletionTimestamp")]
+    assert not any(n.startswith("chat-1") for n in names)
+    f = (await backend.observe())["chat-1"]
+    assert f.exited and "exceeded quota" in f.exit_reason and "gang of 2: none kept" in f.exit_reason

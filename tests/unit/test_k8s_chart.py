@@ -74,7 +74,7 @@ def test_defaults_render_the_expected_objects():
     kinds = _by_kind(render())
     assert {k: len(v) for k, v in kinds.items()} == {
         "CustomResourceDefinition": 1, "ServiceAccount": 1, "Role": 1, "RoleBinding": 1, "ClusterRole": 1,
-        "ClusterRoleBinding": 1, "Secret": 1, "Deployment": 2, "Service": 2, "PodDisruptionBudget": 1,
+        "ClusterRoleBinding": 1, "Secret": 1, "Deployment": 2, "Service": 3, "PodDisruptionBudget": 1,
     }
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     assert router["spec"]["replicas"] == 2
@@ -111,7 +111,7 @@ def test_rbac_is_least_privilege():
     assert role["metadata"]["namespace"] == "fleet"
     resources = {r for rule in role["rules"] for r in rule["resources"]}
     assert resources == {"inferencedeployments", "inferencedeployments/status", "inferencedeployments/finalizers",
-                         "pods", "pods/log", "events", "leases", "leaderworkersets"}
+                         "pods", "pods/log", "events", "leases"}
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         if rule["resources"] == ["inferencedeployments"]:
