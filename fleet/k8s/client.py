@@ -1,7 +1,7 @@
 """The one thin wrapper every cluster call of Fleet goes through.
 
 Owns `Resource` (a kind's API group, version and plural: the paths), the resources Fleet uses
-(`PODS`, `NODES`, `EVENTS`, `LEASES`, `INFERENCE_DEPLOYMENTS`, `LEADER_WORKER_SETS`, `CRDS`),
+(`PODS`, `NODES`, `EVENTS`, `LEASES`, `INFERENCE_DEPLOYMENTS`, `CRDS`),
 `WatchEvent`, the errors (`ApiError`, `Conflict`, `NotFound`, `Gone`), the `Kube` protocol
 (list, watch, get, create, replace, patch, patch_status, delete, read_log: objects are plain
 dicts as the API serves them) and `KubeClient`, its implementation on the official `kubernetes`
@@ -69,7 +69,6 @@ NODES = Resource("", "v1", "nodes", "Node", namespaced=False)
 EVENTS = Resource("", "v1", "events", "Event")
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease")
 INFERENCE_DEPLOYMENTS = Resource(GROUP, VERSION, PLURAL, KIND)
-LEADER_WORKER_SETS = Resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet")
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                 namespaced=False)  # fmt: skip
 
