@@ -13,7 +13,8 @@ controller's, a new `fleet.controller.Controller` takes over from the old one's 
 (`Controller.start` is the crash-safe hand-over: running replicas adopted, replicas of a changed
 spec drained and replaced, deployments no longer declared drained and their pools deleted);
 after an operator restart the snapshot is rebuilt from the pods and statuses
-(`fleet.k8s.status.snapshot_from_cluster`); (2) `Controller.reconcile_once`; (3) what happened is
+(`fleet.k8s.status.snapshot_from_cluster`); (2) `Controller.reconcile_once`, then the autoscaler (`fleet.autoscaling.AutoscalerLoop`, as in
+`fleet up`, on router statistics merged over the router pods); (3) what happened is
 written back: pods that passed warm-up are annotated (so a later operator adopts them READY),
 Events per replica transition, each resource's status (only when it changed), and a deleted
 resource's finalizer is removed once its pods are gone (its replicas drain through the router
@@ -35,6 +36,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.policy import Direction
+from fleet.autoscaling import AutoscalerLoop
 from fleet.controller import Controller, ControllerSettings, ReplicaEvent
 from fleet.k8s.backend import KubernetesBackend
 from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, NODES, PODS, ApiError, Kube
@@ -128,9 +132,17 @@ class Operator:
         self._statuses: dict[str, dict] = {}           # name -> status last written
         self._observed: dict[str, int] = {}            # name -> generation an event was sent for
         self._events: list[ReplicaEvent] = []
+        self._decisions: list[tuple[str, object]] = []
+        self.autoscaler: AutoscalerLoop | None = None
+        self.autoscaler_metrics = AutoscalerMetrics()
         self._parsed: dict[str, tuple] = {}            # name -> (generation key, deployment, spec JSON)
         self.ticks = 0
         self.last_tick_s = 0.0
+
+    def _on_decision(self, deployment: str, decision) -> None:
+        """A scaling decision (`fleet.autoscaling.AutoscalerLoop`): an Event when it changes the size."""
+        if decision.direction is not Direction.HOLD:
+            self._decisions.append((deployment, decision))
 
     def _on_change(self, type_: str, obj: dict) -> None:
         self.wake.set()
@@ -190,11 +202,17 @@ class Operator:
         await self._sync_deployments()
         if self.controller is not None:
             await self.controller.reconcile_once()
+            if self.autoscaler is not None:
+                try:
+                    await self.autoscaler.step()   # each deployment's policy decides when it is due
+                except Exception:  # noqa: BLE001 - a failed decision never stops the reconcile
+                    log.exception("autoscaler step failed")
             await self._write_back()
         self.ticks += 1
         self.last_tick_s = time.perf_counter() - started
 
     def _drop_controller(self) -> None:
+        self.autoscaler = None
         if self.controller is not None:
             for task in self.controller._warmups.values():
                 task.cancel()
@@ -233,10 +251,6 @@ class Operator:
                 self._observed[name] = generation
                 await self._event(decision_event(cr, "SpecAccepted", f"generation {generation} accepted: model "
                                                  f"{model!r}, {dep.spec.engine.kind}", self.identity, now))  # fmt: skip
-                if dep.spec.autoscaling is not None:
-                    await self._event(decision_event(
-                        cr, "AutoscalingNotRun", "spec.autoscaling is accepted but the operator does not run the "
-                        "autoscaler yet: the size is spec.replicas.initial (or min)", self.identity, now, True))
         if self.controller is not None and declared == self._declared:
             return
         previous = self.controller.snapshot() if self.controller is not None else \
@@ -253,6 +267,11 @@ class Operator:
                     spec.replicas.desired_at_start:
                 controller.set_desired(ld.deployment.name, spec.replicas.desired_at_start, "spec.replicas")
         self.controller, self._declared = controller, declared
+        self.autoscaler = None
+        if any(ld.deployment.spec.autoscaling is not None for ld in loaded) and hasattr(self.pool_sink, "stats"):
+            self.autoscaler = AutoscalerLoop(controller, router=self.pool_sink, engine_api=self.engine_api,
+                                             clock=self.clock, metrics=self.autoscaler_metrics,
+                                             on_decision=self._on_decision)  # fmt: skip
         adopted = sum(1 for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive)
         log.info("running %d deployment(s); %d running replica(s) adopted", len(loaded), adopted)
 
@@ -296,6 +315,14 @@ class Operator:
         by_deployment: dict[str, list] = {}
         for r in c.replicas.values():
             by_deployment.setdefault(r.deployment, []).append(r)
+        decisions = list(self._decisions)
+        self._decisions.clear()
+        for name, d in decisions:
+            owner = self.crs.get(name, self.namespace)
+            if owner is not None:
+                reason = "ScaleUp" if d.direction is Direction.UP else "ScaleDown"
+                writes.append(self._event(decision_event(owner, reason, f"{d.previous} -> {d.desired} replica(s): "
+                                                         f"{d.reason}: {d.detail}", self.identity, now)))  # fmt: skip
         for name in c.deployments:
             cr = self.crs.get(name, self.namespace)
             if cr is None:

@@ -5,7 +5,7 @@ Owns `RouterFanout`: the admin API of each running router pod (found by label se
 an informer; ``http://<podIP>:<admin port>``), written to concurrently. A write counts only when
 every router took it (else it raises, and the controller publishes again next tick, to all:
 pool writes are idempotent). In-flight counts are summed over routers (each holds its own
-requests). `new_routers` tells the operator that a router appeared, so every pool is published
+requests), and windowed statistics merged for the autoscaler (`merge_router_stats`). `new_routers` tells the operator that a router appeared, so every pool is published
 again (`Controller.forget_published_pools`). Called by `fleet.k8s.operator`.
 """
 
@@ -71,6 +71,11 @@ class RouterFanout:
     async def delete_pool(self, model: str) -> None:
         await self._all(lambda c: c.delete_pool(model))
 
+    async def stats(self, window_s: float) -> dict[str, dict]:
+        """Windowed statistics per model over every router (`merge_router_stats`): the
+        autoscaler's router signals (`fleet.autoscaling.RouterStatsSource`)."""
+        return merge_router_stats(await self._all(lambda c: c.stats(window_s)))
+
     async def in_flight(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for counts in await self._all(lambda c: c.in_flight()):
@@ -82,3 +87,37 @@ class RouterFanout:
         for client in self._clients.values():
             await client.aclose()
         self._clients.clear()
+
+
+_SUMS = ("arrivals", "arrival_rate_per_s", "rejected", "rejected_rate_per_s", "in_flight", "queued")
+_LATENCIES = ("queue_time_s", "ttft_s", "e2e_s")
+
+
+def merge_router_stats(per_router: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per-model statistics of several routers (`router.stats.ModelStats.snapshot` each) as one.
+
+    Counts and rates add up; a latency's ``samples`` add up and its ``mean`` is the
+    sample-weighted mean (both exact); ``p50``/``p90``/``p99``/``max`` are the largest of the
+    routers' (an upper bound: exact with one router, and never below the true value, so the
+    autoscaler errs toward more replicas); ``covered_s`` is the smallest. Pure."""
+    out: dict[str, dict] = {}
+    for stats in per_router:
+        for model, s in stats.items():
+            m = out.get(model)
+            if m is None:
+                out[model] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in s.items()}
+                continue
+            for key in _SUMS:
+                m[key] = (m.get(key) or 0) + (s.get(key) or 0)
+            m["covered_s"] = min(m.get("covered_s") or 0.0, s.get("covered_s") or 0.0)
+            for key in _LATENCIES:
+                a, b = m.get(key) or {}, s.get(key) or {}
+                na, nb = a.get("samples") or 0, b.get("samples") or 0
+                merged = {"samples": na + nb}
+                merged["mean"] = ((a["mean"] * na if na else 0.0) + (b["mean"] * nb if nb else 0.0)) / (na + nb) \
+                    if na + nb else None  # fmt: skip
+                for q in ("p50", "p90", "p99", "max"):
+                    values = [x[q] for x, n in ((a, na), (b, nb)) if n and x.get(q) is not None]
+                    merged[q] = max(values) if values else None
+                m[key] = merged
+    return out

@@ -189,6 +189,7 @@ class EndpointEngines:
     def __init__(self) -> None:
         self.healthy: set[str] = set()
         self.posts: list[str] = []
+        self.metrics_text: str | None = None     # every healthy engine's /metrics
 
     async def health(self, endpoint: str, timeout_s: float = 2.0) -> bool:
         return endpoint in self.healthy
@@ -198,7 +199,11 @@ class EndpointEngines:
         return 1
 
     async def metrics(self, endpoint: str, timeout_s: float = 2.0) -> str:
-        raise AssertionError("not scraped here")
+        from warmup.client import EngineRequestError
+
+        if self.metrics_text is None or endpoint not in self.healthy:
+            raise EngineRequestError("GET /metrics: ConnectError")
+        return self.metrics_text
 
 
 class Cluster:

@@ -243,17 +243,40 @@ async def test_a_replicas_edit_made_while_no_operator_ran_takes_effect():
         await env.close()
 
 
-async def test_autoscaling_that_the_operator_does_not_run_is_said():
+async def test_the_autoscaler_scales_a_resource_and_says_so():
+    """`spec.autoscaling` runs in the operator as in `fleet up`: router statistics (merged over
+    router pods) and engine /metrics in, a new target out, an Event for the decision."""
+    from tests.fakes import FakeClock
+    from tests.unit.test_autoscaler_wiring import AUTOSCALING, BUSY_METRICS, router_stats
+
     env = Env()
-    op = env.operator("op-a")
+    clock = FakeClock(1_800_000_000.0)
+    env.engines.metrics_text = BUSY_METRICS
+    op = Operator(env.kube, OperatorSettings(engine_image="fleet:1"), namespace=NS, identity="op-a",
+                  engine_api=env.engines, pool_sink=env.pools, clock=clock, monotonic=clock,
+                  controller_settings=ControllerSettings(backoff_base_s=0.01))
+    env.ops.append(op)
     try:
         cr = copy.deepcopy(CR)
-        cr["spec"]["autoscaling"] = {"policy": "fleet"}
+        cr["spec"]["replicas"] = {"min": 1, "max": 4, "initial": 1}
+        cr["spec"]["autoscaling"] = AUTOSCALING
         env.store.create(INFERENCE_DEPLOYMENTS, NS, cr)
         await env.start_informers(op)
         await env.tick(op)
-        events = {e["reason"]: e for e in env.store.list(EVENTS, NS, None)[0]}
-        assert events["AutoscalingNotRun"]["type"] == "Warning"
-        assert sorted(env.pods()) == ["chat-0", "chat-1"]     # spec.replicas.initial
+        env.kubelet()
+        for _ in range(4):
+            clock.advance(1)
+            await env.tick(op)
+        assert env.cr()["status"]["readyReplicas"] == 1
+        # 3.6 replicas' worth of load: queue time 3.6x its target on the one replica
+        env.pools.stats_by_model["chat-model"] = router_stats(queue_s=1.8, ttft_s=7.2, in_flight=16, rate=14.4)
+        for _ in range(6):
+            clock.advance(1)
+            await env.tick(op)
+        assert sorted(env.pods()) == ["chat-0", "chat-1", "chat-2", "chat-3"]
+        st = env.cr()["status"]
+        assert st["desiredReplicas"] == 4 and st["desiredReason"] == "autoscaler: queue_time_above_target"
+        up = [e for e in env.store.list(EVENTS, NS, None)[0] if e["reason"] == "ScaleUp"]
+        assert len(up) == 1 and up[0]["message"].startswith("1 -> 4 replica(s): queue_time_above_target")
     finally:
         await env.close()
