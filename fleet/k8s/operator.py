@@ -394,7 +394,9 @@ def _own_namespace() -> str | None:
 
 
 async def _serve_health(operator: Operator, port: int):
-    """/healthz (the process runs; says whether it leads) and /metrics (Prometheus text)."""
+    """/healthz (the process runs; says whether it leads) and /metrics (Prometheus text: the
+    operator's own gauges and the autoscaler's `fleet_autoscaler_*`, which the chart's
+    PrometheusRule reads)."""
     from aiohttp import web
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
@@ -414,7 +416,8 @@ async def _serve_health(operator: Operator, port: int):
         tick_s.set(operator.last_tick_s)
         for i in operator.informers():
             events.labels(i.name).set(i.events_handled)
-        return web.Response(body=generate_latest(registry), content_type="text/plain")
+        body = generate_latest(registry) + generate_latest(operator.autoscaler_metrics.registry)
+        return web.Response(body=body, content_type="text/plain")
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)

@@ -280,3 +280,29 @@ async def test_the_autoscaler_scales_a_resource_and_says_so():
         assert len(up) == 1 and up[0]["message"].startswith("1 -> 4 replica(s): queue_time_above_target")
     finally:
         await env.close()
+
+
+async def test_operator_metrics_serve_its_gauges_and_the_autoscalers():
+    import socket
+
+    import httpx
+
+    from fleet.k8s.operator import _serve_health
+
+    env = Env()
+    op = env.operator("op-a")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runner = await _serve_health(op, port)
+    try:
+        op.autoscaler_metrics.desired.labels("chat").set(3)
+        async with httpx.AsyncClient() as c:
+            text = (await c.get(f"http://127.0.0.1:{port}/metrics")).text
+            health = (await c.get(f"http://127.0.0.1:{port}/healthz")).json()
+        assert "fleet_operator_leader 0.0" in text
+        assert 'fleet_autoscaler_desired_replicas{deployment="chat"} 3.0' in text
+        assert health == {"ok": True, "leader": False, "identity": "op-a"}
+    finally:
+        await runner.cleanup()
+        await env.close()
