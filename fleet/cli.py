@@ -846,5 +846,10 @@ from fleet.cli_observability import register as _register_observability  # noqa:
 
 _register_observability(app)
 
+from fleet.cli_k8s import register as _register_k8s  # noqa: E402 - `fleet crd`, `fleet operator`
+
+_register_k8s(app)
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,191 @@
+"""The `InferenceDeployment` CustomResourceDefinition, generated from the pydantic spec.
+
+Owns `crd_document` (the CRD as a dict), `spec_schema` (the ``openAPIV3Schema`` of one
+resource) and `crd_yaml` (what `fleet crd` prints and what the chart ships in
+``charts/fleet/files/crd-inferencedeployments.yaml``; tests/unit/test_k8s_crd.py fails when the
+two drift). The same YAML file `fleet up` takes is what `kubectl apply` takes: the schema is
+`fleet.spec.InferenceDeployment`'s JSON Schema made *structural* (Kubernetes
+"Specifying a structural schema", apiextensions.k8s.io/v1): ``$ref`` inlined, ``anyOf`` with
+``null`` turned into ``nullable: true``, ``const`` into a one-value ``enum``, JSON Schema 2020's
+numeric ``exclusiveMinimum``/``exclusiveMaximum`` into OpenAPI v3.0's ``minimum`` +
+``exclusiveMinimum: true``, and ``additionalProperties: false`` dropped (Kubernetes prunes
+unknown fields, and ``kubectl apply`` rejects them with server-side field validation).
+
+Cross-field rules (min <= max, MIG needs TP 1, ...) stay in pydantic: the operator validates
+every resource with `fleet.spec.parse_document` and reports a failure in the resource's status
+(condition Ready=False, reason InvalidSpec) with the same message `fleet validate` prints.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from fleet.spec import API_VERSION, KIND, InferenceDeployment
+
+GROUP, VERSION = API_VERSION.split("/")
+PLURAL = "inferencedeployments"
+SINGULAR = "inferencedeployment"
+SHORT_NAMES = ["infd"]
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+# Keys of JSON Schema that a Kubernetes structural schema accepts (JSONSchemaProps).
+_KEEP = {
+    "type", "description", "properties", "items", "additionalProperties", "required", "enum", "default",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern",
+    "minItems", "maxItems", "format", "nullable",
+}  # fmt: skip
+
+_STATUS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "What the operator observed; written by the operator only (status subresource).",
+    "properties": {
+        "observedGeneration": {"type": "integer", "description": "metadata.generation this status describes."},
+        "desiredReplicas": {"type": "integer", "description": "Target replica count and why (desiredReason)."},
+        "desiredReason": {"type": "string"},
+        "readyReplicas": {"type": "integer", "description": "Replicas in the router's pool."},
+        "replicas": {"type": "object", "additionalProperties": {"type": "integer"},
+                     "description": "Replica count by state (PENDING, STARTING, WARMING, READY, DRAINING, FAILED_*)."},
+        "revisions": {"type": "object", "additionalProperties": {"type": "integer"},
+                      "description": "Live replicas by spec.model.revision."},
+        "servingHash": {"type": "string", "description": "What the current replicas serve (fleet.spec.serving_hash)."},
+        "nextIndex": {"type": "integer", "description": "Index of the next replica id (<name>-<index>)."},
+        "conditions": {
+            "type": "array",
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+            "items": {
+                "type": "object",
+                "required": ["type", "status"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["Ready", "Progressing", "Degraded"]},
+                    "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+                    "reason": {"type": "string"},
+                    "message": {"type": "string"},
+                    "observedGeneration": {"type": "integer"},
+                    "lastTransitionTime": {"type": "string", "format": "date-time"},
+                },
+            },
+        },
+    },
+}  # fmt: skip
+
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    """One JSON Schema node -> its structural OpenAPI v3.0 form (recursively)."""
+    if not isinstance(node, dict):
+        return node
+    node = dict(node)
+    if "$ref" in node:
+        ref = node.pop("$ref").split("/")[-1]
+        node = {**copy.deepcopy(defs[ref]), **node}
+    nullable = False
+    if "anyOf" in node:
+        options = [o for o in node.pop("anyOf") if o != {"type": "null"}]
+        nullable = True   # pydantic writes X | None as anyOf [X, null]
+        if len(options) != 1:
+            raise ValueError(f"cannot make a structural schema of anyOf {options!r}")
+        option = options[0]
+        if "$ref" in option:
+            option = {**copy.deepcopy(defs[option["$ref"].split("/")[-1]])}
+        node = {**option, **node}
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+        node.setdefault("type", "string")
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key not in _KEEP:
+            continue
+        if key == "properties":
+            out[key] = {name: _structural(v, defs) for name, v in value.items()}
+        elif key in ("items", "additionalProperties"):
+            if value is False:
+                continue   # extra="forbid": Kubernetes prunes unknown fields instead
+            out[key] = _structural(value, defs) if isinstance(value, dict) else value
+        elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            out[key.replace("exclusiveM", "m")] = value
+            out[key] = True
+        elif key == "default" and value is None:
+            continue
+        else:
+            out[key] = value
+    if nullable:
+        out["nullable"] = True
+    return out
+
+
+def _registry_enums(spec: dict[str, Any]) -> None:
+    """Names the pydantic validators check against registries become enums (strict on
+    ``kubectl apply``); the MIG profile gets its pattern."""
+    from autoscaler.policy import policy_names as autoscaling_policies
+    from fleet.engines import engine_kinds
+    from fleet.spec import _MIG_PROFILE
+    from router.policies import policy_names as routing_policies
+
+    props = spec["properties"]
+    props["engine"]["properties"]["kind"]["enum"] = engine_kinds()
+    props["routing"]["properties"]["policy"]["enum"] = sorted(routing_policies())
+    props["autoscaling"]["properties"]["policy"]["enum"] = sorted(autoscaling_policies())
+    props["resources"]["properties"]["migProfile"]["pattern"] = _MIG_PROFILE.pattern
+
+
+def spec_schema() -> dict[str, Any]:
+    """The ``openAPIV3Schema`` of one InferenceDeployment resource: apiVersion, kind, metadata
+    (left to Kubernetes), ``spec`` from `fleet.spec.DeploymentSpec` and the operator's ``status``."""
+    full = InferenceDeployment.model_json_schema(by_alias=True)
+    defs = full.get("$defs", {})
+    spec = _structural(full["properties"]["spec"], defs)
+    _registry_enums(spec)
+    spec["description"] = ("The deployment: the same `spec` `fleet up` reads (fleet/spec.py). "
+                           "Cross-field rules are checked by the operator; see status.conditions.")
+    return {
+        "type": "object",
+        "description": "A model served by homogeneous replicas behind Fleet's router.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": copy.deepcopy(_STATUS_SCHEMA),
+        },
+    }
+
+
+def crd_document() -> dict[str, Any]:
+    """The CustomResourceDefinition (apiextensions.k8s.io/v1) as a dict: namespaced, one served
+    and stored version, status subresource, and the scale subresource on
+    ``spec.replicas.initial`` (``kubectl scale`` sets the starting size; the autoscaler owns the rest)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/part-of": "fleet"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
+                      "shortNames": list(SHORT_NAMES), "categories": ["fleet"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": spec_schema()},
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+                    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
+                    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+                    {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+            }],
+        },
+    }  # fmt: skip
+
+
+def crd_yaml() -> str:
+    """The CRD as YAML text (`fleet crd`; charts/fleet/files/crd-inferencedeployments.yaml)."""
+    header = "# Generated by `fleet crd` from fleet/spec.py: do not edit (tests/unit/test_k8s_crd.py checks it).\n"
+    return header + yaml.safe_dump(crd_document(), sort_keys=False, width=120)

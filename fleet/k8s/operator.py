@@ -1,0 +1,486 @@
+"""`fleet operator`: run InferenceDeployments on Kubernetes through the same controller
+`fleet up` runs, with the Kubernetes backend as its replica backend.
+
+Owns `Operator` (informers on InferenceDeployments, this fleet's pods, nodes and router pods;
+leader election; the loop; status, events, finalizers) and `run_operator` (the process: client,
+router fan-out, /healthz and /metrics, signals).
+
+The loop, while this pod holds the Lease (`fleet.k8s.lease`), every ``tick_s`` or at once when
+an informer reports a change: (1) the declared deployments are read from the resources, each
+validated by `fleet.spec.parse_document` (a refused one gets status InvalidSpec with the very
+messages `fleet validate` prints; nothing of it starts); when they differ from the running
+controller's, a new `fleet.controller.Controller` takes over from the old one's snapshot
+(`Controller.start` is the crash-safe hand-over: running replicas adopted, replicas of a changed
+spec drained and replaced, deployments no longer declared drained and their pools deleted);
+after an operator restart the snapshot is rebuilt from the pods and statuses
+(`fleet.k8s.status.snapshot_from_cluster`); (2) `Controller.reconcile_once`, then the autoscaler (`fleet.autoscaling.AutoscalerLoop`, as in
+`fleet up`, on router statistics merged over the router pods); (3) what happened is
+written back: pods that passed warm-up are annotated (so a later operator adopts them READY),
+Events per replica transition, each resource's status (only when it changed), and a deleted
+resource's finalizer is removed once its pods are gone (its replicas drain through the router
+first). Level-triggered: each tick derives everything from the informers' caches, which are
+relisted every ``resync_s``. The reconcile logic is the controller's; this module adds no policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.policy import Direction
+from fleet.autoscaling import AutoscalerLoop
+from fleet.controller import Controller, ControllerSettings, ReplicaEvent
+from fleet.k8s.backend import KubernetesBackend
+from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, NODES, PODS, ApiError, Kube
+from fleet.k8s.informer import Informer
+from fleet.k8s.lease import LeaderElector
+from fleet.k8s.pods import ANNOTATION_READY_AT, LABEL_DEPLOYMENT, EnginePodSettings
+from fleet.k8s.status import decision_event, deployment_status, event_object, invalid_status, snapshot_from_cluster
+from fleet.lifecycle import ReplicaStatus
+from fleet.spec import API_VERSION, KIND, LoadedDeployment, SpecError, parse_document
+
+log = logging.getLogger("fleet.k8s.operator")
+
+FINALIZER = "fleet.inference.dev/drain"
+"""On every InferenceDeployment the operator runs: a deleted one stays until its replicas have
+drained through the router and their pods are gone."""
+
+
+@dataclass(frozen=True)
+class ClusterDeployment(LoadedDeployment):
+    """A deployment read from a resource. Its serving hash is computed once: the controller reads
+    it for every replica on every tick (`LoadedDeployment.serving_hash` hashes, and resolves a
+    path, on each access), which at 10,000 replicas is most of a tick."""
+
+    @cached_property
+    def serving_hash(self) -> str:  # type: ignore[override]
+        return LoadedDeployment.serving_hash.fget(self)
+
+
+WRITE_CONCURRENCY = 16
+"""API writes (events, statuses, annotations) in flight at once after a tick."""
+
+
+async def _bounded(coros: list, limit: int) -> None:
+    sem = asyncio.Semaphore(limit)
+
+    async def one(coro) -> None:
+        async with sem:
+            await coro
+
+    await asyncio.gather(*(one(c) for c in coros))
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    namespace: str | None = None
+    router_admin_url: str = ""
+    router_selector: str = "app.kubernetes.io/component=router"
+    router_admin_port: int = 9090
+    identity: str | None = None
+    lease_name: str = "fleet-operator"
+    lease_duration_s: float = 15.0
+    resync_s: float = 300.0
+    tick_s: float = 1.0
+    engine_image: str = ""
+    engine_pod_json: str = ""
+    metrics_port: int = 8081
+    fleet_id: str = ""
+
+
+class Operator:
+    """One operator process; acts only while it holds the Lease."""
+
+    def __init__(self, kube: Kube, settings: OperatorSettings, *, namespace: str, identity: str, engine_api,
+                 pool_sink, router_pods: Informer | None = None, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 controller_settings: ControllerSettings | None = None) -> None:  # fmt: skip
+        self.kube = kube
+        self.settings = settings
+        self.namespace = namespace
+        self.identity = identity
+        self.engine_api = engine_api
+        self.pool_sink = pool_sink
+        self.clock = clock
+        self.controller_settings = controller_settings
+        self.wake = asyncio.Event()
+        on_change = self._on_change
+        fleet_id = settings.fleet_id or namespace
+        pod_settings = EnginePodSettings.from_json(settings.engine_pod_json, default_image=settings.engine_image)
+        self.crs = Informer(kube, INFERENCE_DEPLOYMENTS, namespace, resync_s=settings.resync_s, on_change=on_change)
+        self.backend = KubernetesBackend(kube, namespace, fleet_id, settings=pod_settings,
+                                         owner_of=lambda name: self.crs.get(name, namespace))  # fmt: skip
+        self.pods = Informer(kube, PODS, namespace, self.backend.selector, resync_s=settings.resync_s,
+                             on_change=on_change)  # fmt: skip
+        self.nodes = Informer(kube, NODES, None, resync_s=settings.resync_s, on_change=on_change)
+        self.router_pods = router_pods
+        self.backend.pods, self.backend.nodes = self.pods, self.nodes
+        self.elector = LeaderElector(kube, namespace, settings.lease_name, identity, clock=monotonic, wall=clock,
+                                     lease_duration_s=settings.lease_duration_s)  # fmt: skip
+        self.controller: Controller | None = None
+        self._declared: dict[str, str] = {}            # name -> spec JSON the controller runs
+        self._statuses: dict[str, dict] = {}           # name -> status last written
+        self._observed: dict[str, int] = {}            # name -> generation an event was sent for
+        self._events: list[ReplicaEvent] = []
+        self._decisions: list[tuple[str, object]] = []
+        self.autoscaler: AutoscalerLoop | None = None
+        self.autoscaler_metrics = AutoscalerMetrics()
+        self._parsed: dict[str, tuple] = {}            # name -> (generation key, deployment, spec JSON)
+        self.ticks = 0
+        self.last_tick_s = 0.0
+
+    def _on_decision(self, deployment: str, decision) -> None:
+        """A scaling decision (`fleet.autoscaling.AutoscalerLoop`): an Event when it changes the size."""
+        if decision.direction is not Direction.HOLD:
+            self._decisions.append((deployment, decision))
+
+    def _on_change(self, type_: str, obj: dict) -> None:
+        self.wake.set()
+
+    def informers(self) -> list[Informer]:
+        return [i for i in (self.crs, self.pods, self.nodes, self.router_pods) if i is not None]
+
+    # ----- the loop ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: hold or wait for the Lease; while held, reconcile every tick. Pods
+        outlive the operator: stopping it stops nothing but its own loop (and gives the Lease up)."""
+        tasks = [asyncio.get_running_loop().create_task(i.run(stop), name=f"informer-{i.name}")
+                 for i in self.informers()]  # fmt: skip
+        tasks.append(asyncio.get_running_loop().create_task(self._keep_lease(stop), name="lease"))
+        try:
+            while not stop.is_set():
+                holds = self.elector.holds()
+                if not holds and self.controller is not None:
+                    log.warning("%s does not hold the lease: no longer acting", self.identity)
+                    self._drop_controller()
+                if holds and all(i.synced.is_set() for i in self.informers()):
+                    await self.tick()
+                    if self.last_tick_s > self.settings.lease_duration_s:
+                        log.warning("a reconcile tick took %.1f s, longer than the lease (%.0f s): raise "
+                                    "--lease-duration-s, or a standby may act at the same time",
+                                    self.last_tick_s, self.settings.lease_duration_s)  # fmt: skip
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=self.settings.tick_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._drop_controller()
+            await self.elector.release()
+
+    async def _keep_lease(self, stop: asyncio.Event) -> None:
+        """Acquire or renew the Lease every third of its duration, beside the ticks (a slow tick
+        does not delay a renewal unless it holds the event loop itself)."""
+        every_s = max(0.2, self.settings.lease_duration_s / 3)
+        while not stop.is_set():
+            was = self.elector.is_leader
+            if await self.elector.try_acquire_or_renew() and not was:
+                self.wake.set()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=every_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def tick(self) -> None:
+        """One reconcile of everything (the caller holds the Lease)."""
+        started = time.perf_counter()
+        await self._sync_deployments()
+        if self.controller is not None:
+            await self.controller.reconcile_once()
+            if self.autoscaler is not None:
+                try:
+                    await self.autoscaler.step()   # each deployment's policy decides when it is due
+                except Exception:  # noqa: BLE001 - a failed decision never stops the reconcile
+                    log.exception("autoscaler step failed")
+            await self._write_back()
+        self.ticks += 1
+        self.last_tick_s = time.perf_counter() - started
+
+    def _drop_controller(self) -> None:
+        self.autoscaler = None
+        if self.controller is not None:
+            for task in self.controller._warmups.values():
+                task.cancel()
+        self.controller = None
+        self._declared = {}
+
+    # ----- declared deployments -> controller -------------------------------------------------
+
+    async def _sync_deployments(self) -> None:
+        crs = sorted(self.crs.objects.values(), key=lambda o: o["metadata"]["name"])
+        loaded: list[LoadedDeployment] = []
+        declared: dict[str, str] = {}
+        models: dict[str, str] = {}
+        now = self.clock()
+        for cr in crs:
+            meta = cr["metadata"]
+            name = meta["name"]
+            if meta.get("deletionTimestamp"):
+                continue     # being deleted: not declared any more, drained by the controller
+            generation = int(meta.get("generation") or 1)
+            try:
+                dep = self._parse(cr)
+                model = dep.spec.model.name
+                if model in models:
+                    raise SpecError([f"spec.model.name: {model!r} is already served by InferenceDeployment "
+                                     f"{models[model]!r}; one deployment per model name"])  # fmt: skip
+            except SpecError as err:
+                await self._refuse(cr, generation, err.problems, now)
+                continue
+            models[model] = name
+            if FINALIZER not in (meta.get("finalizers") or []):
+                await self._patch_cr(name, {"metadata": {"finalizers": [*(meta.get("finalizers") or []), FINALIZER]}})
+            loaded.append(ClusterDeployment(dep, Path(f"/kubernetes/{self.namespace}/{name}.yaml"), 0))
+            declared[name] = self._parsed[name][2]
+            if self._observed.get(name) != generation:
+                self._observed[name] = generation
+                await self._event(decision_event(cr, "SpecAccepted", f"generation {generation} accepted: model "
+                                                 f"{model!r}, {dep.spec.engine.kind}", self.identity, now))  # fmt: skip
+        if self.controller is not None and declared == self._declared:
+            return
+        previous = self.controller.snapshot() if self.controller is not None else \
+            snapshot_from_cluster(crs, list(self.pods.objects.values()))  # fmt: skip
+        self._drop_controller()
+        controller = Controller(loaded, backend=self.backend, engine_api=self.engine_api, pool_sink=self.pool_sink,
+                                clock=self.clock, settings=self.controller_settings, on_event=self._events.append)
+        await controller.start(previous)
+        for ld in loaded:
+            # Without autoscaling the resource's spec.replicas is the target, also when it was
+            # edited while no operator ran (`fleet up` restores the recorded target instead).
+            spec = ld.deployment.spec
+            if spec.autoscaling is None and controller.deployments[ld.deployment.name].desired != \
+                    spec.replicas.desired_at_start:
+                controller.set_desired(ld.deployment.name, spec.replicas.desired_at_start, "spec.replicas")
+        self.controller, self._declared = controller, declared
+        self.autoscaler = None
+        if any(ld.deployment.spec.autoscaling is not None for ld in loaded) and hasattr(self.pool_sink, "stats"):
+            self.autoscaler = AutoscalerLoop(controller, router=self.pool_sink, engine_api=self.engine_api,
+                                             clock=self.clock, metrics=self.autoscaler_metrics,
+                                             on_decision=self._on_decision)  # fmt: skip
+        adopted = sum(1 for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive)
+        log.info("running %d deployment(s); %d running replica(s) adopted", len(loaded), adopted)
+
+    def _parse(self, cr: dict):
+        """`fleet.spec.parse_document` of a resource, cached by generation and labels (a tick
+        with 1,000 resources does not validate 1,000 documents again). Raises SpecError."""
+        meta = cr["metadata"]
+        key = (meta.get("generation"), json.dumps(meta.get("labels") or {}, sort_keys=True), meta.get("uid"))
+        cached = self._parsed.get(meta["name"])
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": meta["name"], "labels": meta.get("labels")
+               or {}}, "spec": cr.get("spec")}  # fmt: skip
+        dep = parse_document(doc, "")
+        self._parsed[meta["name"]] = (key, dep, json.dumps(dep.spec.to_document(), sort_keys=True))
+        return dep
+
+    async def _refuse(self, cr: dict, generation: int, problems: list[str], now: float) -> None:
+        name = cr["metadata"]["name"]
+        status = invalid_status(generation, problems, cr.get("status"), now)
+        if self._observed.get(name) != generation:
+            self._observed[name] = generation
+            await self._event(decision_event(cr, "InvalidSpec", "; ".join(problems)[:1000], self.identity, now, True))
+        await self._write_status(name, status)
+
+    # ----- write back -------------------------------------------------------------------------
+
+    async def _write_back(self) -> None:
+        c = self.controller
+        now = self.clock()
+        events = list(self._events)   # the controller appends to this very list (on_event)
+        self._events.clear()
+        writes = []
+        for e in events:
+            r = c.replicas.get(e.replica_id)
+            if e.new is ReplicaStatus.READY and r is not None and r.warmup_passed_at_s is not None:
+                writes.append(self._annotate_ready(e.replica_id, r.warmup_passed_at_s))
+            owner = self.crs.get(e.deployment, self.namespace)
+            if owner is not None:
+                writes.append(self._event(event_object(e, owner, self.identity, now)))
+        by_deployment: dict[str, list] = {}
+        for r in c.replicas.values():
+            by_deployment.setdefault(r.deployment, []).append(r)
+        decisions = list(self._decisions)
+        self._decisions.clear()
+        for name, d in decisions:
+            owner = self.crs.get(name, self.namespace)
+            if owner is not None:
+                reason = "ScaleUp" if d.direction is Direction.UP else "ScaleDown"
+                writes.append(self._event(decision_event(owner, reason, f"{d.previous} -> {d.desired} replica(s): "
+                                                         f"{d.reason}: {d.detail}", self.identity, now)))  # fmt: skip
+        for name in c.deployments:
+            cr = self.crs.get(name, self.namespace)
+            if cr is None:
+                continue
+            generation = int(cr["metadata"].get("generation") or 1)
+            status = deployment_status(c, name, generation, self._statuses.get(name) or cr.get("status"), now,
+                                       by_deployment.get(name, []))  # fmt: skip
+            writes.append(self._write_status(name, status))
+        await _bounded(writes, WRITE_CONCURRENCY)
+        live_by_deployment = {p["metadata"].get("labels", {}).get(LABEL_DEPLOYMENT) for p in self.pods.objects.values()}
+        for cr in list(self.crs.objects.values()):
+            meta = cr["metadata"]
+            if meta.get("deletionTimestamp") and FINALIZER in (meta.get("finalizers") or []):
+                name = meta["name"]
+                alive = any(r.engine_alive for r in by_deployment.get(name, []))
+                if not alive and name not in live_by_deployment and name not in c._retired:
+                    rest = [f for f in meta["finalizers"] if f != FINALIZER]
+                    await self._patch_cr(name, {"metadata": {"finalizers": rest or None,
+                                                             "resourceVersion": meta["resourceVersion"]}})
+                    self._statuses.pop(name, None)
+                    self._observed.pop(name, None)
+
+    async def _annotate_ready(self, pod: str, ready_at_s: float) -> None:
+        try:
+            await self.kube.patch(PODS, self.namespace, pod, {"metadata": {"annotations": {
+                ANNOTATION_READY_AT: f"{ready_at_s:.3f}"}}})
+        except ApiError as err:
+            log.warning("cannot annotate pod %s: %s", pod, err)
+
+    async def _write_status(self, name: str, status: dict) -> None:
+        if self._statuses.get(name) == status:
+            return
+        cr = self.crs.get(name, self.namespace)
+        before = self._statuses.get(name) or (cr or {}).get("status") or {}
+        patch = dict(status)
+        for key in ("replicas", "revisions"):   # a merge patch keeps map keys unless they are nulled
+            gone = set(before.get(key) or {}) - set(status.get(key) or {})
+            if gone:
+                patch[key] = {**(status.get(key) or {}), **{k: None for k in gone}}
+        for key in set(before) - set(status):
+            patch[key] = None
+        try:
+            await self.kube.patch_status(INFERENCE_DEPLOYMENTS, self.namespace, name, {"status": patch})
+            self._statuses[name] = status
+        except ApiError as err:
+            log.warning("cannot write the status of %s: %s", name, err)
+
+    async def _patch_cr(self, name: str, patch: dict) -> None:
+        try:
+            await self.kube.patch(INFERENCE_DEPLOYMENTS, self.namespace, name, patch)
+        except ApiError as err:
+            log.warning("cannot patch InferenceDeployment %s: %s", name, err)
+
+    async def _event(self, body: dict) -> None:
+        try:
+            await self.kube.create(EVENTS, self.namespace, body)
+        except ApiError as err:
+            log.debug("event not recorded: %s", err)
+
+
+# ----- the process ----------------------------------------------------------------------------
+
+
+def _own_namespace() -> str | None:
+    try:
+        return Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip() or None
+    except OSError:
+        return None
+
+
+async def _serve_health(operator: Operator, port: int):
+    """/healthz (the process runs; says whether it leads) and /metrics (Prometheus text: the
+    operator's own gauges and the autoscaler's `fleet_autoscaler_*`, which the chart's
+    PrometheusRule reads)."""
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    leader = Gauge("fleet_operator_leader", "1 while this operator holds the Lease.", registry=registry)
+    ticks = Gauge("fleet_operator_reconcile_ticks", "Reconcile ticks run since start.", registry=registry)
+    tick_s = Gauge("fleet_operator_last_reconcile_seconds", "Duration of the last reconcile tick.", registry=registry)
+    events = Gauge("fleet_operator_watch_events", "Watch events handled since start, by informer.", ["informer"],
+                   registry=registry)  # fmt: skip
+
+    async def healthz(request):
+        return web.json_response({"ok": True, "leader": operator.elector.is_leader, "identity": operator.identity})
+
+    async def metrics(request):
+        leader.set(1 if operator.elector.is_leader else 0)
+        ticks.set(operator.ticks)
+        tick_s.set(operator.last_tick_s)
+        for i in operator.informers():
+            events.labels(i.name).set(i.events_handled)
+        body = generate_latest(registry) + generate_latest(operator.autoscaler_metrics.registry)
+        return web.Response(body=body, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
+
+
+async def run_operator(settings: OperatorSettings) -> int:
+    """`fleet operator` until SIGINT/SIGTERM; returns the exit code (2: no cluster configuration
+    or no admin token)."""
+    from fleet.k8s.client import KubeClient
+    from fleet.k8s.routers import RouterFanout
+    from warmup.client import EngineClient
+
+    logging.basicConfig(level=os.environ.get("FLEET_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per engine probe is noise
+    token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN", "")
+    if not token:
+        log.error("FLEET_ROUTER_ADMIN_TOKEN is not set: the router admin API needs a token")
+        return 2
+    try:
+        kube = KubeClient.load()
+    except Exception as err:  # noqa: BLE001 - kubernetes.config.ConfigException and file errors
+        log.error("no cluster configuration (in-cluster service account or kubeconfig): %s", err)
+        return 2
+    namespace = settings.namespace or _own_namespace() or "default"
+    identity = settings.identity or socket.gethostname()
+    selector = settings.router_selector if settings.router_selector not in ("", "none") else None
+    router_pods = Informer(kube, PODS, namespace, selector, name="router-pods") if selector else None
+    fanout = RouterFanout(lambda: list(router_pods.objects.values()) if router_pods else [],
+                          settings.router_admin_port, token, static_urls=(settings.router_admin_url,))  # fmt: skip
+    engine_api = EngineClient()
+    operator = Operator(kube, settings, namespace=namespace, identity=identity, engine_api=engine_api,
+                        pool_sink=fanout, router_pods=router_pods)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = await _serve_health(operator, settings.metrics_port) if settings.metrics_port else None
+
+    async def republish_on_new_router() -> None:
+        while not stop.is_set():
+            if fanout.new_routers() and operator.controller is not None:
+                operator.controller.forget_published_pools()
+                operator.wake.set()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    watcher = loop.create_task(republish_on_new_router())
+    log.info("fleet operator %s watching namespace %s", identity, namespace)
+    try:
+        await operator.run(stop)
+    finally:
+        watcher.cancel()
+        await fanout.aclose()
+        await engine_api.aclose()
+        if runner is not None:
+            await runner.cleanup()
+        kube.close()
+    return 0
