@@ -39,6 +39,7 @@ from pathlib import Path
 
 from fleet.sim.model import Arrival, EngineModel, run_virtual
 from fleet.sim.profiles import get_profile
+from fleet.simulate.workload import clip as clip_workload
 from fleet.traces import Trace, load_trace
 from loadtests.procs import SimFleet, cpu_s, free_port, wait_http
 from loadtests.replay import HttpSender, PromptBuilder, replay, summarize_run
@@ -55,14 +56,7 @@ DEFAULT_TARGETS = ("fleet:round-robin,fleet:least-outstanding,fleet:latency-awar
 
 def clip(trace: Trace, max_model_len: int) -> Trace:
     """Requests that fit the engine: prompt + output <= max_model_len (prompt cut if needed)."""
-    from fleet.traces import TraceRequest
-
-    out = []
-    for r in trace.requests:
-        output = min(r.output_tokens, max_model_len // 4)
-        prompt = min(r.prompt_tokens, max_model_len - output)
-        out.append(TraceRequest(r.arrival_s, prompt, output, r.session_id, r.prefix_blocks))
-    return Trace(trace.name, tuple(out))
+    return clip_workload(trace, max_model_len)
 
 
 def replica_capacity_per_s(trace: Trace, profile_name: str, slowdown: float) -> float:

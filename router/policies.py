@@ -4,22 +4,33 @@ Owns the `RoutingPolicy` base class, the registry of policies by name, and the b
 policies. Called by `router.pool.Pool.pick` on the request path (once per attempt) and by
 anything that wants to replay routing decisions in virtual time (the trace simulator).
 
-Policies decide, the proxy acts: a policy reads the live stats of the candidate endpoints
-(`in_flight`, `ewma_ttft_s`, `last_sample_s`) and returns one of them. It does no I/O and
-never reads a clock; the caller passes `now_s` (seconds on the router's injected clock).
-The only state a policy keeps is a rotation counter for breaking ties.
+Policies decide, the proxy acts: a policy reads the request (`router.prompt_blocks.RouteRequest`:
+its prompt's block hashes, token counts, session key) and the live stats of the candidate
+endpoints (`in_flight`, `prefill_tokens`, `prefilling`, `ewma_ttft_s`, `last_sample_s`) and
+returns one of them. It does no I/O and never reads a clock; the caller passes `now_s`
+(seconds on the router's injected clock). State a policy keeps: a rotation counter for
+breaking ties and, for `kv-aware`, its view of each endpoint's prefix cache
+(`router.prefix_index.PrefixIndex`).
 
-Every policy has the same signature, `choose(candidates, now_s) -> EndpointState`, and
-registers under a name with `class Foo(RoutingPolicy, name="foo")`.
+Every policy has the same signature, `choose(candidates, request, now_s) -> EndpointState`
+(the request joined the signature for every policy at once when `kv-aware` came), and
+registers under a name with `class Foo(RoutingPolicy, name="foo")`. `on_endpoints(ids)` tells
+a policy which endpoints its pool has now, so per-endpoint state of departed ones is dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import zlib
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, ClassVar
+
+from router.prefix_index import PrefixIndex
+from router.prompt_blocks import ROUTER_BLOCK_TOKENS
 
 if TYPE_CHECKING:
     from router.pool import EndpointState
+    from router.prompt_blocks import RouteRequest
 
 DEFAULT_POLICY = "latency-aware"
 """Name of the policy a pool gets when its spec names none."""
@@ -27,6 +38,29 @@ DEFAULT_POLICY = "latency-aware"
 DEFAULT_STALE_AFTER_S = 10.0
 """How old (seconds) an endpoint's last TTFT sample may be before `latency-aware` treats
 the endpoint as unmeasured and tries it first, so a recovered endpoint is re-measured."""
+
+DEFAULT_CACHE_TOKENS_PER_ENDPOINT = 400_000
+"""Prompt tokens `kv-aware` remembers per endpoint before it forgets the least recently routed:
+about the KV cache of one H100 serving an 8B model (27,000 blocks of 16 tokens = 432k tokens,
+fleet/sim/profiles.py), a little less because running requests hold blocks too."""
+
+DEFAULT_LOAD_BOUND = 1.5
+"""`kv-aware`'s bound on an endpoint's share of the requests in flight, as a factor of the mean:
+an endpoint with `ceil(bound x (in flight + 1) / endpoints)` requests in flight takes no more
+until the others catch up, however much of the prompt it holds. The "c" of consistent hashing
+with bounded loads (Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded
+Loads", SODA 2018), whose analysis holds for any c > 1; 1.5 was the best of 1.25, 1.5 and 2 on
+the Mooncake trace in the trace simulator (README, "Routing that knows the KV cache")."""
+
+DEFAULT_DECODE_TOKEN_WEIGHT = 64.0
+"""Prefill tokens that one request decoding on an endpoint is worth in `kv-aware`'s cost: each
+running decode lengthens every engine step (it reads its whole context), so it delays the
+prefills queued behind it. Chosen with the trace simulator (README, same section)."""
+
+DEFAULT_AFFINITY_SLACK = 0.25
+"""When no endpoint is known to hold a request's prefix, `kv-aware` prefers its affinity key's
+endpoint (rendezvous hashing) among those whose cost is within this fraction of the prompt's
+tokens of the cheapest, so that a conversation starts where every router will look for it."""
 
 _REGISTRY: dict[str, type[RoutingPolicy]] = {}
 
@@ -52,13 +86,19 @@ class RoutingPolicy:
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, candidates: Sequence[EndpointState], now_s: float) -> EndpointState:
-        """Return the endpoint that should serve the next request.
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
+        """Return the endpoint that should serve `request`.
 
         `candidates` is non-empty and holds only ready (non-draining, not yet tried)
-        endpoints; `now_s` is the router clock in seconds. Must not do I/O.
+        endpoints; `now_s` is the router clock in seconds. A policy may set
+        `request.cached_tokens` (what it expects the chosen endpoint to have cached). Must
+        not do I/O.
         """
         raise NotImplementedError
+
+    def on_endpoints(self, endpoint_ids: Collection[str]) -> None:
+        """The pool's endpoints are now `endpoint_ids` (draining ones included); forget state
+        kept for any other. Called whenever a pool is (re)built. Default: nothing kept."""
 
     def _rotate(self, ties: Sequence[EndpointState]) -> EndpointState:
         """Pick among equally good endpoints in turn, so ties spread load evenly. A single
@@ -107,14 +147,14 @@ def _fewest_in_flight(candidates: Sequence[EndpointState]) -> list[EndpointState
 class RoundRobin(RoutingPolicy, name="round-robin"):
     """Each candidate in turn, ignoring load and latency."""
 
-    def choose(self, candidates: Sequence[EndpointState], now_s: float) -> EndpointState:
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
         return self._rotate(candidates)
 
 
 class LeastOutstanding(RoutingPolicy, name="least-outstanding"):
     """The candidate with the fewest requests in flight through this router; ties rotate."""
 
-    def choose(self, candidates: Sequence[EndpointState], now_s: float) -> EndpointState:
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
         return self._rotate(_fewest_in_flight(candidates))
 
 
@@ -132,7 +172,7 @@ class LatencyAware(RoutingPolicy, name="latency-aware"):
         super().__init__()
         self.stale_after_s = stale_after_s
 
-    def choose(self, candidates: Sequence[EndpointState], now_s: float) -> EndpointState:
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
         ties = _fewest_in_flight(candidates)
         if len(ties) == 1:
             return ties[0]
@@ -151,3 +191,104 @@ class LatencyAware(RoutingPolicy, name="latency-aware"):
             elif ewma_s == best_s:
                 fastest.append(endpoint)
         return self._rotate(unknown or fastest)
+
+
+class KvAware(RoutingPolicy, name="kv-aware"):
+    """The endpoint where the request costs least: prompt tokens it would prefill there plus
+    the work already queued there, under a bound on load; ties go by rendezvous hash.
+
+    For each candidate `e`, with `cached(e)` the request's leading prompt tokens the router
+    believes `e` holds (`router.prefix_index.PrefixIndex`, fed with every prompt this policy
+    routed):
+
+        cost(e) = prompt_tokens - cached(e)            # what e would prefill for it
+                + e.prefill_tokens                     # prefill queued on e (not yet past TTFT)
+                + decode_token_weight x decoding(e)    # requests decoding on e
+
+    in prefill tokens. Prompts vary a hundredfold in length, so queued work is counted in
+    tokens, not requests. Steps:
+
+    1. **Bounded load** (Mirrokni et al. 2018, see `DEFAULT_LOAD_BOUND`): endpoints with
+       `ceil(load_bound x (in flight + 1) / n)` or more requests in flight are left out, so a
+       popular prefix spills over to other endpoints instead of piling onto one.
+    2. The cheapest of the rest wins if some endpoint is believed to hold a prefix of the
+       request (affinity earned by the cache).
+    3. Otherwise (a new conversation, or a prompt shorter than one block) the request's
+       affinity key (`RouteRequest.affinity_key`: session id, else the first block's hash)
+       picks, by rendezvous hashing (highest random weight; Thaler and Ravishankar, 1998),
+       among the endpoints within `affinity_slack x prompt_tokens` of the cheapest. Every
+       router computes the same weights, so two routers in front of one pool place a new
+       conversation on the same endpoint while loads are comparable, and each then finds
+       the next turn's prefix where the other put it, without talking. No key: fewest
+       tokens, ties rotate.
+
+    The chosen endpoint's expected hit is written to `request.cached_tokens`, and the prompt's
+    blocks are recorded as held there. Session affinity is the same rendezvous choice keyed on
+    the session, so it works where prompts share no prefix.
+
+    Args:
+        cache_tokens_per_endpoint: prompt tokens remembered per endpoint (LRU beyond).
+        load_bound, decode_token_weight, affinity_slack: see the module constants.
+
+    Raises:
+        ValueError: `load_bound` <= 1, or a negative weight or slack.
+    """
+
+    def __init__(self, *, cache_tokens_per_endpoint: int = DEFAULT_CACHE_TOKENS_PER_ENDPOINT,
+                 load_bound: float = DEFAULT_LOAD_BOUND, decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT,
+                 affinity_slack: float = DEFAULT_AFFINITY_SLACK) -> None:  # fmt: skip
+        super().__init__()
+        if load_bound <= 1.0:
+            raise ValueError(f"load_bound must be > 1, got {load_bound}")
+        if decode_token_weight < 0 or affinity_slack < 0:
+            raise ValueError("decode_token_weight and affinity_slack must be >= 0")
+        self.index = PrefixIndex(max(1, cache_tokens_per_endpoint // ROUTER_BLOCK_TOKENS))
+        self.load_bound = load_bound
+        self.decode_token_weight = decode_token_weight
+        self.affinity_slack = affinity_slack
+        self._endpoint_hash: dict[str, int] = {}
+
+    def on_endpoints(self, endpoint_ids: Collection[str]) -> None:
+        self.index.retain(endpoint_ids)
+        for endpoint_id in [e for e in self._endpoint_hash if e not in endpoint_ids]:
+            del self._endpoint_hash[endpoint_id]
+
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
+        hashes = request.block_hashes
+        matched = self.index.match(hashes) if hashes else {}
+        prompt = request.prompt_tokens
+        n = len(candidates)
+        if n > 1:
+            total = 0
+            for e in candidates:
+                total += e.in_flight
+            cap = math.ceil(self.load_bound * (total + 1) / n)
+            eligible = [e for e in candidates if e.in_flight < cap] or list(candidates)
+        else:
+            eligible = list(candidates)
+        weight = self.decode_token_weight
+        costs: list[float] = []
+        best = math.inf
+        for e in eligible:
+            cached = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
+            cost = prompt - cached + e.prefill_tokens + weight * (e.in_flight - e.prefilling)
+            costs.append(cost)
+            if cost < best:
+                best = cost
+        key = request.affinity_key()
+        if key is not None and not any(matched.get(e.id) for e in eligible):
+            limit = best + self.affinity_slack * prompt
+            chosen = max((e for e, c in zip(eligible, costs) if c <= limit), key=lambda e: self._weight(key, e.id))
+        else:
+            chosen = self._rotate([e for e, c in zip(eligible, costs) if c == best])
+        request.cached_tokens = min(prompt, matched.get(chosen.id, 0) * ROUTER_BLOCK_TOKENS)
+        if hashes:
+            self.index.record(chosen.id, hashes)
+        return chosen
+
+    def _weight(self, key: int, endpoint_id: str) -> int:
+        """Rendezvous weight of `endpoint_id` for `key`: the same in every router process."""
+        h = self._endpoint_hash.get(endpoint_id)
+        if h is None:
+            h = self._endpoint_hash[endpoint_id] = zlib.crc32(endpoint_id.encode())
+        return hash((key, h))

@@ -32,6 +32,7 @@ import aiohttp
 
 from router.metrics import RouterMetrics
 from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, Pool, PoolShared, PoolTable
+from router.prompt_blocks import SESSION_HEADER, RouteRequest, route_request
 from router.stats import ModelStats
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ _DROP_REQUEST_HEADERS = frozenset({
     b"proxy-authenticate", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
     b"upgrade", b"expect", b"accept-encoding",
 })  # fmt: skip
+_SESSION_HEADER = SESSION_HEADER.encode()
 # Response headers relayed to the client besides the status line.
 _RELAY_RESPONSE_HEADERS = frozenset({b"content-type", b"content-encoding", b"retry-after", b"x-request-id"})
 
@@ -104,24 +106,33 @@ def check_request(body: bytes, path: str) -> tuple[str, None] | tuple[None, byte
     `model`, and `prompt` (completions) or a list `messages` (chat). The engine validates
     the rest.
     """
+    model, _, problem = parse_request(body, path)
+    return (model, None) if model is not None else (None, problem)  # type: ignore[return-value]
+
+
+def parse_request(body: bytes, path: str) -> tuple[str | None, dict | None, bytes | None]:
+    """`check_request`, also returning the parsed body: `(model, doc, None)` or
+    `(None, None, error_body)`."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None, error_body(f"request body is not valid JSON: {exc}", code="invalid_json")
+        return None, None, error_body(f"request body is not valid JSON: {exc}", code="invalid_json")
     if not isinstance(data, dict):
-        return None, error_body("request body must be a JSON object", code="invalid_json")
+        return None, None, error_body("request body must be a JSON object", code="invalid_json")
     model = data.get("model")
     if model is None:
-        return None, error_body("you must provide a model parameter", param="model", code="missing_required_parameter")
+        return None, None, error_body("you must provide a model parameter", param="model",
+                                      code="missing_required_parameter")  # fmt: skip
     if not isinstance(model, str) or not model:
-        return None, error_body("model must be a non-empty string", param="model", code="invalid_type")
+        return None, None, error_body("model must be a non-empty string", param="model", code="invalid_type")
     field = PROXIED_PATHS[path]
     value = data.get(field)
     if value is None:
-        return None, error_body(f"you must provide a {field} parameter", param=field, code="missing_required_parameter")
+        return None, None, error_body(f"you must provide a {field} parameter", param=field,
+                                      code="missing_required_parameter")  # fmt: skip
     if field == "messages" and not isinstance(value, list):
-        return None, error_body("messages must be a list", param="messages", code="invalid_type")
-    return model, None
+        return None, None, error_body("messages must be a list", param="messages", code="invalid_type")
+    return model, data, None
 
 
 DISCONNECT_WATCH_DELAY_S = 0.05
@@ -248,8 +259,8 @@ class Proxy:
                 break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-        model, problem = check_request(body, path)
-        if model is None:
+        model, doc, problem = parse_request(body, path)
+        if model is None or doc is None:
             await self._reject(send, 400, "", problem or b"")
             return
         pool = self._pools.get(model)
@@ -260,12 +271,17 @@ class Proxy:
                 code="model_not_found"))  # fmt: skip
             return
         arrival_s = self._clock()
+        session = None
+        for k, v in scope["headers"]:
+            if k == _SESSION_HEADER:
+                session = v.decode("latin-1")
+        request = route_request(doc, session)
         shared = pool.shared
         stats = shared.stats
         stats.arrivals.add(arrival_s)
         limited = pool.limit is not None
         # With an admission limit, first come first served: nobody overtakes a waiting request.
-        endpoint = None if limited and shared.queue.has_waiters() else pool.pick(arrival_s)
+        endpoint = None if limited and shared.queue.has_waiters() else pool.pick(request, arrival_s)
         if endpoint is None and (not limited or not pool.ready):
             await self._reject(send, 503, model, error_body(
                 f"model {model!r} has no ready endpoint; retry later", type_="server_error",
@@ -284,20 +300,21 @@ class Proxy:
         watch = _ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
         try:
             if endpoint is None:
-                admitted = await self._wait_for_slot(model, pool, arrival_s, send, watch)
+                admitted = await self._wait_for_slot(model, pool, request, arrival_s, send, watch)
                 if admitted is None:
                     return  # answered 503
                 pool, endpoint = admitted
             attempts = min(self._max_attempts, len(pool.ready))
             tried = [endpoint]
             while True:
-                retry = await self._attempt(endpoint, target, body, headers, send, watch, arrival_s, shared)
+                retry = await self._attempt(endpoint, request.prefill_tokens, target, body, headers, send, watch,
+                                            arrival_s, shared)  # fmt: skip
                 if not retry:
                     return  # the client got its response (or is gone)
                 if len(tried) >= attempts:
                     break
                 # A retry has waited its turn already: it may exceed the admission limit.
-                next_endpoint = pool.pick(self._clock(), tried, within_limit=False)
+                next_endpoint = pool.pick(request, self._clock(), tried, within_limit=False)
                 if next_endpoint is None:
                     break
                 endpoint = next_endpoint
@@ -317,7 +334,7 @@ class Proxy:
         finally:
             watch.stop()
 
-    async def _wait_for_slot(self, model: str, pool: Pool, arrival_s: float, send: Send,
+    async def _wait_for_slot(self, model: str, pool: Pool, request: RouteRequest, arrival_s: float, send: Send,
                              watch: _ClientWatch) -> tuple[Pool, EndpointState] | None:  # fmt: skip
         """Wait in the model's admission queue until an endpoint of the model's current pool
         has a free slot; return that pool and endpoint, or answer 503 (queue full, timed out,
@@ -337,7 +354,7 @@ class Proxy:
             if current is None:
                 break
             now_s = self._clock()
-            endpoint = current.pick(now_s)
+            endpoint = current.pick(request, now_s)
             if endpoint is not None:
                 stats.queue_time.add(now_s, now_s - arrival_s)
                 if shared.queue_time is not None:
@@ -364,8 +381,9 @@ class Proxy:
             stats.rejected.add(self._clock())
         await send_json(send, status, body, extra_headers)
 
-    async def _attempt(self, endpoint: EndpointState, target: str, body: bytes, headers: list[tuple[str, str]],
-                       send: Send, watch: _ClientWatch, arrival_s: float, shared: PoolShared) -> bool:  # fmt: skip
+    async def _attempt(self, endpoint: EndpointState, prefill_tokens: int, target: str, body: bytes,
+                       headers: list[tuple[str, str]], send: Send, watch: _ClientWatch, arrival_s: float,
+                       shared: PoolShared) -> bool:  # fmt: skip
         """Send the request to `{endpoint.url}{target}` (path and query) and relay the answer;
         True means retry elsewhere.
 
@@ -378,13 +396,15 @@ class Proxy:
         body, when generation is done). It feeds the EWMA and histogram for < 400 only.
         The model's windowed stats get the client-side latencies, from ``arrival_s``: TTFT
         (< 400 only) and end-to-end, stamped at completion. A finished request frees its
-        slot: the next request waiting in the admission queue is woken.
+        slot: the next request waiting in the admission queue is woken. `prefill_tokens` (the
+        prompt tokens the policy expects the endpoint to compute) count as its queued prefill
+        work until the first byte (`EndpointState.start` / `first_byte` / `finish`).
         """
         m = endpoint.metrics
         assert m is not None  # endpoints of a PoolTable are always bound
         assert self._session is not None
-        endpoint.in_flight += 1
-        endpoint.requests_total += 1
+        endpoint.start(prefill_tokens)
+        first = [prefill_tokens]   # emptied when the first byte releases the prefill charge
         clock = self._clock
         start_s = clock()
         try:
@@ -421,7 +441,7 @@ class Proxy:
                     completed = await self._relay_whole(endpoint, resp, status, relay, send, watch)
                     first_byte_s = headers_s
                 else:
-                    first_byte_s = await self._relay_stream(endpoint, resp, status, relay, send, watch)
+                    first_byte_s = await self._relay_stream(endpoint, resp, status, relay, send, watch, first)
                     completed = first_byte_s is not None
                 if completed:
                     assert first_byte_s is not None
@@ -441,7 +461,7 @@ class Proxy:
                     resp.close()
             return False
         finally:
-            endpoint.in_flight -= 1
+            endpoint.finish(prefill_tokens, not first)
             if shared.queue.has_waiters() and not endpoint.draining:
                 shared.queue.wake(1)
 
@@ -465,10 +485,11 @@ class Proxy:
         return True
 
     async def _relay_stream(self, endpoint: EndpointState, resp: aiohttp.ClientResponse, status: int,
-                            headers: list[tuple[bytes, bytes]], send: Send,
-                            watch: _ClientWatch) -> float | None:  # fmt: skip
+                            headers: list[tuple[bytes, bytes]], send: Send, watch: _ClientWatch,
+                            first: list[int]) -> float | None:  # fmt: skip
         """Relay the body chunk by chunk as it arrives; return the clock time of the first
         body chunk (or of the end, for an empty body), None if the endpoint failed midway.
+        At the first chunk the prefill charge in `first` is released (`first` is emptied).
 
         On failure the response to the client is left incomplete, so the ASGI server
         closes the connection and the client sees a truncated stream, not a clean end.
@@ -479,6 +500,7 @@ class Proxy:
             async for chunk in resp.content.iter_any():
                 if first_byte_s is None:
                     first_byte_s = self._clock()
+                    endpoint.first_byte(first.pop())
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except _UPSTREAM_ERRORS as exc:
             endpoint.record_failure(self._clock())
