@@ -290,5 +290,18 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         """Rendezvous weight of `endpoint_id` for `key`: the same in every router process."""
         h = self._endpoint_hash.get(endpoint_id)
         if h is None:
-            h = self._endpoint_hash[endpoint_id] = zlib.crc32(endpoint_id.encode())
-        return hash((key, h))
+            h = self._endpoint_hash[endpoint_id] = _mix64(zlib.crc32(endpoint_id.encode()))
+        return _mix64(_mix64(key & _MASK64) ^ h)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer (Steele, Lea and Flood, "Fast splittable pseudorandom number
+    generators", OOPSLA 2014): a 64-bit bijection whose output bits all depend on all input
+    bits, so rendezvous weights of one key over several endpoints are independent."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
