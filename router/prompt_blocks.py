@@ -150,8 +150,15 @@ def _chat_bytes(messages: list) -> bytes:
     return "".join(parts).encode("utf-8", "replace")
 
 
-def _is_token_ids(value: list) -> bool:
-    return bool(value) and all(type(x) is int for x in value)
+def _id_hashes(ids: list) -> list[int]:
+    """`token_id_block_hashes` of a list that should hold token ids. Elements are not checked
+    one by one (a Python loop over every id would cost more than the hashing): whatever is
+    hashable hashes, and the engine answers 400 to a prompt that is not token ids; an
+    unhashable element (a list, a dict) gives no blocks."""
+    try:
+        return token_id_block_hashes(ids)
+    except TypeError:
+        return []
 
 
 def _count(value: object) -> int:
@@ -177,15 +184,13 @@ def route_request(doc: Mapping, session_header: str | None = None) -> RouteReque
     elif isinstance(prompt, list) and prompt:
         first = prompt[0]
         if type(first) is int:
-            if _is_token_ids(prompt):
-                hashes = token_id_block_hashes(prompt)
+            hashes = _id_hashes(prompt)
             prompt_tokens = len(prompt)
         elif isinstance(first, str):
             hashes = text_block_hashes(first.encode("utf-8", "replace"))
             prompt_tokens = sum(len(p) // BYTES_PER_TOKEN + 1 for p in prompt if isinstance(p, str))
         elif isinstance(first, list):
-            if _is_token_ids(first):
-                hashes = token_id_block_hashes(first)
+            hashes = _id_hashes(first)
             prompt_tokens = sum(len(p) for p in prompt if isinstance(p, list))
     else:
         messages = doc.get("messages")
