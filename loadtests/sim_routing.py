@@ -57,7 +57,7 @@ def run_row(label: str, factory, workload: Workload, args, profile) -> dict:
     cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy="fixed"),
                     bounds=ReplicaBounds(args.replicas, args.replicas, args.replicas),
                     routing_policy=label.partition(":")[0], ttft_slo_s=args.ttft_slo_s, seed=args.seed,
-                    name=label, routers=args.routers)  # fmt: skip
+                    name=label, routers=args.routers, shared_view=args.shared_view)  # fmt: skip
     sim = Simulation(cfg, workload)
     sim.routings = [factory() for _ in range(args.routers)]
     sim.routing = sim.routings[0]
@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, help="override the profile's max_model_len")
     parser.add_argument("--load", type=float, default=0.8, help="offered load / fleet capacity")
     parser.add_argument("--routers", type=int, default=1)
+    parser.add_argument("--shared-view", action="store_true",
+                        help="every router learns every placement (what KV cache events would tell it)")
     parser.add_argument("--ttft-slo-s", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", default="round-robin,least-outstanding,latency-aware,kv-aware",
@@ -99,7 +101,7 @@ def main() -> None:
     print(f"{args.trace.name}: {len(workload.requests)} requests ({base.clipped} clipped to {profile.config.max_model_len} "
           f"tokens), one replica {capacity:.3f} req/s saturated, speedup x{speedup:.3f} -> "
           f"{workload.trace.mean_rate_per_s():.2f} req/s on {args.replicas} replicas ({args.load:.0%} load), "
-          f"{args.routers} router(s)", flush=True)
+          f"{args.routers} router(s){', shared view' if args.shared_view else ''}", flush=True)
     specs = args.policies.split(";") if ";" in args.policies else args.policies.split(",")
     rows = []
     print("| policy | TTFT p50 | TTFT p99 | within SLO | prefix hit rate | predicted / actual hits | prediction error "

@@ -100,6 +100,10 @@ class RoutingPolicy:
         """The pool's endpoints are now `endpoint_ids` (draining ones included); forget state
         kept for any other. Called whenever a pool is (re)built. Default: nothing kept."""
 
+    def learn(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
+        """Another source says `endpoint_id` now holds the prompt blocks `block_hashes` (a
+        peer router's placement, or the engine's KV events). Default: ignored."""
+
     def _rotate(self, ties: Sequence[EndpointState]) -> EndpointState:
         """Pick among equally good endpoints in turn, so ties spread load evenly. A single
         candidate does not advance the turn (a retry with one endpoint left keeps the
@@ -247,6 +251,10 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         self.decode_token_weight = decode_token_weight
         self.affinity_slack = affinity_slack
         self._endpoint_hash: dict[str, int] = {}
+
+    def learn(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
+        if block_hashes:
+            self.index.record(endpoint_id, block_hashes)
 
     def on_endpoints(self, endpoint_ids: Collection[str]) -> None:
         self.index.retain(endpoint_ids)

@@ -18,7 +18,9 @@ What runs for real (the live objects, fed in virtual time):
   updates them; draining endpoints stay in the pool marked draining, as the controller
   publishes them. With ``routers`` > 1, that many independent routers (each its own policy
   object and its own endpoint states, seeing only its own requests) take the requests in
-  turn, as routers behind a load balancer do;
+  turn, as routers behind a load balancer do. ``shared_view`` also tells every router of every
+  placement (`RoutingPolicy.learn`), which is what each would learn from the engines' KV cache
+  events: the upper bound of what an exact, shared view gives;
 - router statistics: one `router.stats.ModelStats` recorded at the proxy's points (arrival;
   queue time at dispatch or at a queue timeout; client-side TTFT and end-to-end latency
   stamped at completion; rejections);
@@ -129,6 +131,7 @@ class SimConfig:
     name: str = ""
     model: str = "sim-model"
     routers: int = 1
+    shared_view: bool = False
 
     def __post_init__(self) -> None:
         if self.routers < 1:
@@ -153,7 +156,7 @@ class SimConfig:
             "profile": self.profile.name, "policy": self.autoscaling.policy,
             "autoscaling": self.autoscaling.to_document() if self.autoscaling.policy != "fixed" else None,
             "replicas": {"min": self.bounds.min, "max": self.bounds.max, "initial": self.bounds.initial},
-            "routing": {"policy": self.routing_policy, "routers": self.routers,
+            "routing": {"policy": self.routing_policy, "routers": self.routers, "shared_view": self.shared_view,
                         "max_concurrency_per_endpoint": self.max_concurrency_per_endpoint,
                         "max_queue_length": self.max_queue_length, "queue_timeout_s": self.queue_timeout_s},
             "startup": {"warm_s": self.warm_startup_s, "cold_s": self.cold_startup_s,
@@ -325,7 +328,12 @@ class Simulation:
 
     def _dispatch(self, i: int, replica: SimReplica, now_s: float) -> None:
         route = self._routes[i]
-        replica.endpoints[self._router_of[i]].start(route.prefill_tokens)
+        k = self._router_of[i]
+        replica.endpoints[k].start(route.prefill_tokens)
+        if self.config.shared_view:
+            for other, routing in enumerate(self.routings):
+                if other != k:
+                    routing.learn(replica.id, route.block_hashes)
         self._prefilling[i] = 1
         log = self.log
         log.dispatch_s[i] = now_s

@@ -84,3 +84,16 @@ def test_two_routers_agree_on_where_each_conversation_lives() -> None:
         homes.setdefault(i % N_CONV, Counter())[replica] += 1
     at_home = sum(c.most_common(1)[0][1] for c in homes.values())
     assert at_home / len(two.log) >= 0.9
+
+
+def test_a_shared_view_tells_every_router_of_every_placement() -> None:
+    """With `shared_view` (what KV cache events would give each router) the second router's
+    index knows where the first one put each turn, so its predictions match the engines'."""
+    cfg = SimConfig(profile=PREFILL, autoscaling=AutoscalingSpec(policy="fixed"), bounds=ReplicaBounds(4, 4, 4),
+                    routing_policy="kv-aware", routers=2, shared_view=True)  # fmt: skip
+    sim = Simulation(cfg, Workload.from_trace(conversations(), PREFILL))
+    sim.run()
+    a, b = (r.index for r in sim.routings)   # type: ignore[attr-defined]
+    assert {e: a.blocks(e) for e in a.endpoints()} == {e: b.blocks(e) for e in b.endpoints()}
+    predicted, actual = sum(sim.log.predicted_cached_tokens), sum(sim.log.cached_tokens)
+    assert actual > 0 and abs(predicted - actual) <= 0.05 * actual
