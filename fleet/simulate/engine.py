@@ -117,7 +117,7 @@ class SimConfig:
     profile: Profile
     autoscaling: AutoscalingSpec
     bounds: ReplicaBounds
-    routing_policy: str = "latency-aware"
+    routing_policy: str = "kv-aware"
     max_concurrency_per_endpoint: int | None = None
     max_queue_length: int = DEFAULT_MAX_QUEUE_LENGTH
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S

@@ -24,7 +24,7 @@ def table() -> PoolTable:
 
 def test_spec_defaults_and_url_normalisation() -> None:
     parsed = PoolSpec.model_validate({"endpoints": [{"id": "chat-0", "url": "http://127.0.0.1:8101/"}]})
-    assert parsed.policy == "latency-aware"
+    assert parsed.policy == "kv-aware"
     (ep,) = parsed.endpoints
     assert (ep.url, ep.version, ep.weight, ep.draining) == ("http://127.0.0.1:8101", "", 1.0, False)
 
