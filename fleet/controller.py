@@ -1,12 +1,21 @@
 """The controller: one reconcile loop converging the desired replicas of each deployment to
-the observed ones.
+the observed ones, and picking up where a previous controller left off.
 
-Owns target state (desired replicas per deployment, persisted before it is acted on), the
-replica records (`fleet.lifecycle.Replica`), and the reconcile step that is the only place
-replicas are created, placed, launched, warmed, admitted to the router, drained, stopped and
-replaced. Every side effect goes through an injected wrapper: `Backend` (processes),
-`EngineAPI` (engine HTTP), `PoolSink` (router admin API), `StateStore` (state file); time comes
-from an injected clock, so tests drive it on fake time. Called by `fleet up` (fleet.up).
+Owns target state (desired replicas per deployment), the replica records
+(`fleet.lifecycle.Replica`: facts, status derived), the reconcile step that is the only place
+replicas are created, placed, asked to run, warmed, admitted to the router, drained, stopped and
+replaced, and `start`, which reads the previous controller's state back and adopts what still runs.
+
+Every side effect goes through an injected wrapper: `Backend` (runs replicas: local processes,
+later pods; `fleet.backends.base`), `EngineAPI` (engine HTTP), `PoolSink` (router admin API),
+`StateSink` (the state file). Time comes from an injected clock (tests run it on fake time). The
+clock must be the same across controller restarts on one machine (`time.monotonic` is: Linux's
+CLOCK_MONOTONIC counts from boot), since recorded facts are in its seconds.
+
+Persistence: the whole state (target and replica records) is written atomically before each
+batch of side effects (after new targets and replicas are decided, before the backend is asked
+to run or stop replicas) and at the end of every tick. Called by `fleet up` and `fleet down`
+(fleet.up).
 """
 
 from __future__ import annotations
@@ -18,48 +27,31 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from fleet.backends.base import Backend, LaunchError, LaunchSpec, ProcessHandle
-from fleet.engines import ModelUnavailable, get_engine
-from fleet.inventory import Inventory, NodeInventory
+from fleet.backends.base import Backend, LaunchError, ReplicaFacts, ReplicaWant
+from fleet.inventory import Inventory
 from fleet.lifecycle import Replica, ReplicaStatus
 from fleet.placement import PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
 from fleet.spec import LoadedDeployment
+from router.spec import EndpointSpec, PoolSpec
 from warmup.client import EngineAPI
 from warmup.run import WarmupResult, readiness_gate, run_warmup
 
 log = logging.getLogger("fleet.controller")
 
-
-@dataclass(frozen=True)
-class PoolEndpoint:
-    id: str
-    url: str
-    version: str
-    draining: bool = False
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    """How the router serves one model's pool (from `spec.routing`): routing policy and the
-    admission queue (`max_concurrency_per_endpoint` None: no queue)."""
-
-    policy: str
-    max_concurrency_per_endpoint: int | None = None
-    max_queue_length: int = 1000
-    queue_timeout_s: float = 30.0
-
-    @classmethod
-    def of(cls, routing) -> PoolSettings:
-        """From a `fleet.spec.RoutingSpec`."""
-        return cls(routing.policy, routing.max_concurrency_per_endpoint, routing.max_queue_length,
-                   routing.queue_timeout_seconds)  # fmt: skip
+STATE_FORMAT = 2
+"""Version of the snapshot layout (`Controller.snapshot`); a snapshot of another version is not read back."""
 
 
 class PoolSink(Protocol):
-    """Where the controller publishes each model's pool: the router's admin API."""
+    """Where the controller publishes each model's pool: the router's admin API. The pool document
+    is `router.spec.PoolSpec`, the one definition the router parses."""
 
-    async def put_pool(self, model: str, settings: PoolSettings, endpoints: list[PoolEndpoint]) -> None:
+    async def put_pool(self, model: str, pool: PoolSpec) -> None:
         """Replace the pool of ``model``. Raises on failure (retried next tick)."""
+        ...
+
+    async def delete_pool(self, model: str) -> None:
+        """Remove the pool of ``model`` (absent is fine). Raises on failure."""
         ...
 
     async def in_flight(self) -> dict[str, int]:
@@ -83,11 +75,10 @@ class ReplicaEvent:
 
 @dataclass(frozen=True)
 class ControllerSettings:
-    host: str = "127.0.0.1"
     health_timeout_s: float = 2.0
     ready_health_interval_s: float = 5.0        # how often READY replicas are probed
     unhealthy_threshold: int = 3                # consecutive failed probes before FAILED_UNHEALTHY
-    stop_grace_s: float = 30.0                  # SIGTERM -> SIGKILL
+    stop_grace_s: float = 30.0                  # stop -> kill
     drain_timeout_s: float = 120.0              # longest wait for in-flight requests to finish
     backoff_base_s: float = 10.0                # replacement after the n-th failure in a row:
     backoff_max_s: float = 300.0                #   min(base * 2**(n-1), max) seconds
@@ -102,10 +93,14 @@ class _DeploymentState:
     next_index: int = 0
     failures_in_row: int = 0
     next_create_at_s: float = 0.0
-    last_pool: tuple | None = None
+    last_pool: PoolSpec | None = None
     desired_reason: str = "spec.replicas"        # why `desired` has its value (who set it last)
     desired_at_s: float | None = None
     last_scaling: dict | None = None             # the autoscaler's last decision (`fleet status`)
+
+    @property
+    def model(self) -> str:
+        return self.loaded.deployment.spec.model.name
 
 
 class Controller:
@@ -118,39 +113,37 @@ class Controller:
         backend: Backend,
         engine_api: EngineAPI,
         pool_sink: PoolSink,
-        node: NodeInventory,
         clock: Callable[[], float],
         sleep: Callable[[float], Awaitable[None]] | None = None,
         state_sink: StateSink | None = None,
         placer: PlacementStrategy | None = None,
         settings: ControllerSettings | None = None,
         on_event: Callable[[ReplicaEvent], None] | None = None,
-        log_dir=None,
     ) -> None:
         self.backend = backend
         self.engine_api = engine_api
         self.pool_sink = pool_sink
-        self.node = node
-        self.inventory = Inventory((node,))
+        self.inventory = Inventory(())
         self.clock = clock
         self._sleep = sleep or asyncio.sleep   # waits between shutdown ticks; fake time in tests
         self.state_sink = state_sink
         self.placer = placer or get_strategy()
         self.settings = settings or ControllerSettings()
         self.on_event = on_event or (lambda e: None)
-        self.log_dir = log_dir
         self.deployments: dict[str, _DeploymentState] = {
             ld.deployment.name: _DeploymentState(ld, ld.deployment.spec.replicas.desired_at_start)
             for ld in deployments
         }
         self.replicas: dict[str, Replica] = {}
-        self._handles: dict[str, ProcessHandle] = {}
-        self._assignments: dict[str, ReplicaPlacement] = {}
+        self.stopping = False                       # shutdown asked: every replica drains and stops
+        self._retired: dict[str, str] = {}          # deployment no longer declared -> its model (pool to drain, delete)
+        self._retired_pools: dict[str, PoolSpec] = {}
         self._warmups: dict[str, asyncio.Task[WarmupResult]] = {}
         self._wake = asyncio.Event()
         self._last_status: dict[str, ReplicaStatus] = {}
         self._waiting: dict[str, str] = {}          # replica id -> why it is still PENDING
         self._last_probe_s: dict[str, float] = {}
+        self._facts: dict[str, ReplicaFacts] = {}
         self.tick_count = 0
 
     # ----- target state -------------------------------------------------------------------
@@ -171,16 +164,104 @@ class Controller:
         self.deployments[deployment].last_scaling = decision
 
     def stop_all(self) -> None:
-        """Target zero replicas everywhere (shutdown); persisted at once."""
-        for ds in self.deployments.values():
-            ds.desired = 0
+        """Shutdown: every replica drains and stops. The targets are kept (a controller started
+        after a crash during shutdown serves them again); persisted at once."""
+        self.stopping = True
         self._save()
 
-    def kill_all(self) -> None:
-        """SIGKILL every replica process now (a second Ctrl-C)."""
-        for rid, handle in self._handles.items():
-            if self.replicas[rid].process_alive:
-                self.backend.kill(handle)
+    async def kill_all(self) -> None:
+        """Force every running replica's engine to exit now (a second Ctrl-C)."""
+        for r in self.replicas.values():
+            if r.engine_alive:
+                await self.backend.kill(r.id)
+
+    def forget_published_pools(self) -> None:
+        """The router lost its pools (it was restarted): publish every pool again next tick."""
+        for ds in self.deployments.values():
+            ds.last_pool = None
+
+    # ----- start: read the previous state back, adopt what runs ----------------------------
+
+    async def start(self, previous: dict | None) -> None:
+        """Take over from the controller that wrote ``previous`` (a `snapshot`; None: fresh start).
+
+        Targets of deployments still declared are restored (clamped to today's min..max).
+        Replicas recorded as running that the backend still runs, with today's serving hash,
+        are adopted as they are: no restart, READY ones stay in the pool; a replica that was
+        warming warms again. Recorded replicas that are gone are marked exited (FAILED_CRASHED
+        unless a stop had been asked); running replicas of a changed spec are drained and
+        replaced; those of deployments no longer declared are stopped and their pools deleted;
+        replicas the backend owns but no record names cannot be verified and are stopped.
+        """
+        now = self.clock()
+        self.inventory = await self.backend.inventory()
+        self._facts = await self.backend.observe()
+        if previous and previous.get("format") == STATE_FORMAT:
+            self._restore_targets(previous.get("deployments", {}))
+            for rd in previous.get("replicas", []):
+                try:
+                    r = Replica.from_dict(rd)
+                except (KeyError, TypeError, ValueError) as err:
+                    log.warning("ignoring an unreadable replica record %r: %s", rd.get("id"), err)
+                    continue
+                self._adopt(r, now)
+        elif previous:
+            log.warning("previous state has format %r, not %r: starting fresh", previous.get("format"), STATE_FORMAT)
+        for rid, f in self._facts.items():
+            if rid not in self.replicas and f.running:  # owned, but nothing says what it is
+                r = Replica(id=rid, deployment=f.deployment, revision="?", created_at_s=now, spec_hash=f.spec_hash,
+                            launched_at_s=now, drain_requested_at_s=now, stop_requested_at_s=now, node=f.node,
+                            detail=dict(f.detail))  # fmt: skip
+                self.replicas[rid] = r
+                log.warning("replica %s runs but no record names it: stopping it", rid)
+                await self.backend.stop(rid)
+        self._save()
+
+    def _restore_targets(self, deployments: dict) -> None:
+        for name, d in deployments.items():
+            ds = self.deployments.get(name)
+            if ds is None:
+                if d.get("model"):
+                    self._retired[name] = d["model"]
+                continue
+            bounds = ds.loaded.deployment.spec.replicas
+            ds.desired = max(bounds.min, min(bounds.max, int(d.get("desired", ds.desired))))
+            ds.desired_reason = d.get("desired_reason") or ds.desired_reason
+            ds.desired_at_s = d.get("desired_at_s")
+            ds.next_index = max(ds.next_index, int(d.get("next_index", 0)))
+            ds.failures_in_row = int(d.get("failures_in_row", 0))
+            ds.last_scaling = d.get("last_scaling")
+        declared = {ds.model for ds in self.deployments.values()}
+        self._retired = {name: model for name, model in self._retired.items() if model not in declared}
+
+    def _adopt(self, r: Replica, now: float) -> None:
+        self.replicas[r.id] = r
+        ds = self.deployments.get(r.deployment)
+        if r.status.terminal():
+            return
+        f = self._facts.get(r.id)
+        if ds is None and (r.launched_at_s is None or f is None):
+            r.exited_at_s = now    # not declared any more, and nothing runs: done
+            return
+        if r.launched_at_s is not None and f is None and r.stop_requested_at_s is None:
+            r.launched_at_s = None  # asked to run, but the crash came first: ask again (PLACED)
+        if r.launched_at_s is None:
+            return
+        if f is None or f.exited:
+            r.exited_at_s, r.exit_code = now, f.exit_code if f else None
+            if r.stop_requested_at_s is None and r.drain_requested_at_s is None:
+                r.fail(ReplicaStatus.FAILED_CRASHED, "engine exited while no controller was running", now)
+            return
+        r.node, r.endpoint, r.detail = f.node, f.endpoint, dict(f.detail)
+        r.adopted_at_s = now
+        if ds is None:
+            r.drain_requested_at_s = r.drain_requested_at_s or now   # not declared any more
+            return
+        r.consecutive_health_failures = 0
+        if r.spec_hash != ds.loaded.serving_hash:
+            r.drain_requested_at_s = r.drain_requested_at_s or now
+        elif r.status is ReplicaStatus.WARMING:
+            r.healthy_at_s = None   # its warm-up died with the old controller: probe, then warm again
 
     # ----- the loop -----------------------------------------------------------------------
 
@@ -188,7 +269,7 @@ class Controller:
         """One tick. Each step has its own error handling so one failing part never stops the rest."""
         self.tick_count += 1
         for step in (
-            self._observe_processes,
+            self._observe,
             self._probe_health,
             self._collect_warmups,
             self._scale,
@@ -231,54 +312,73 @@ class Controller:
         self._wake.set()
 
     async def shutdown(self, timeout_s: float | None = None, interval_s: float = 0.5) -> None:
-        """Drain and stop every replica, then return when no replica process is left.
+        """Drain and stop every replica, then return when no replica's engine is left.
 
         Replicas leave the pool first, in-flight requests finish (up to the drain timeout),
-        engines get SIGTERM, then SIGKILL after the stop grace period.
+        engines are asked to stop, then killed after the stop grace period.
         """
         self.stop_all()
         limit_s = timeout_s or (self.settings.drain_timeout_s + self.settings.stop_grace_s + 10.0)
         deadline_s = self.clock() + limit_s
-        while any(r.process_alive for r in self.replicas.values()) and self.clock() < deadline_s:
+        while any(r.engine_alive for r in self.replicas.values()) and self.clock() < deadline_s:
             await self.reconcile_once()
             await self._sleep(interval_s)
-        self.kill_all()
+        await self.kill_all()
         for task in self._warmups.values():
             task.cancel()
         await self.reconcile_once()
 
     # ----- steps --------------------------------------------------------------------------
 
-    async def _observe_processes(self) -> None:
+    async def _observe(self) -> None:
         now = self.clock()
-        for rid, handle in self._handles.items():
-            r = self.replicas[rid]
-            if not r.process_alive:
+        self.inventory = await self.backend.inventory()
+        self._facts = facts = await self.backend.observe()
+        for r in self.replicas.values():
+            f = facts.get(r.id)
+            if not r.engine_alive:
+                if f is not None and f.exited and r.exited_at_s is not None:
+                    await self.backend.forget(r.id)
                 continue
-            code = self.backend.poll(handle)
-            if code is None:
+            if f is None:
+                f = ReplicaFacts(r.id, r.deployment, r.spec_hash, r.node or "", exited=True,
+                                 exit_reason="the backend has no record of it")  # fmt: skip
+            r.node, r.endpoint, r.detail = f.node, f.endpoint, dict(f.detail)
+            if f.image_present and r.image_ready_at_s is None:
+                r.image_ready_at_s = now
+            if f.weights_present and r.weights_ready_at_s is None:
+                r.weights_ready_at_s = now
+            if not f.exited:
                 continue
-            r.exited_at_s, r.exit_code = now, code
-            self._cancel_warmup(rid)
+            r.exited_at_s, r.exit_code = now, f.exit_code
+            self._cancel_warmup(r.id)
             if r.stop_requested_at_s is not None:
                 continue
-            tail = self.backend.log_tail(handle, self.settings.log_tail_lines)
+            tail = await self.backend.log_tail(r.id, self.settings.log_tail_lines)
+            why = f.exit_reason or "engine exited"
             if r.healthy_at_s is None:
-                self._fail(r, ReplicaStatus.FAILED_START, f"engine exited with code {code} before /health passed", tail)
+                self._fail(r, ReplicaStatus.FAILED_START, f"{why} before /health passed", tail)
             else:
-                self._fail(r, ReplicaStatus.FAILED_CRASHED, f"engine exited with code {code}", tail)
+                self._fail(r, ReplicaStatus.FAILED_CRASHED, why, tail)
+        for rid, f in facts.items():  # owned, unknown (a record lost or trimmed): stop it, or forget it once gone
+            if rid not in self.replicas:
+                if f.running:
+                    await self.backend.stop(rid)
+                elif f.exited:
+                    await self.backend.forget(rid)
 
     async def _probe_health(self) -> None:
         now = self.clock()
         probes: list[Replica] = []
         for r in self.replicas.values():
-            if not r.process_alive or r.failure or r.stop_requested_at_s is not None:
+            if not r.engine_alive or r.failure or r.stop_requested_at_s is not None or r.endpoint is None:
                 continue
             status = r.status
             if status is ReplicaStatus.STARTING:
                 timeout_s = self._dep(r).spec.engine.startup_timeout_seconds
-                if now - r.launched_at_s > timeout_s:
-                    self._fail(r, ReplicaStatus.FAILED_START, f"/health did not pass within {timeout_s:g} s of launch")
+                since_s = max(r.launched_at_s, r.weights_ready_at_s or r.launched_at_s)
+                if now - since_s > timeout_s:
+                    self._fail(r, ReplicaStatus.FAILED_START, f"/health did not pass within {timeout_s:g} s of start")
                     continue
                 probes.append(r)
             elif status is ReplicaStatus.READY:
@@ -333,11 +433,18 @@ class Controller:
 
     async def _scale(self) -> None:
         now = self.clock()
+        changed = self._drain_unhealthy(now)
+        for r in self.replicas.values():  # stopping, or deployments no longer declared: everything goes
+            if (self.stopping or r.deployment not in self.deployments) and r.status.counts_toward_desired():
+                r.drain_requested_at_s, changed = now, True
         for name, ds in self.deployments.items():
+            if self.stopping:
+                break
             active = [r for r in self.replicas.values() if r.deployment == name and r.status.counts_toward_desired()]
             if len(active) < ds.desired and now >= ds.next_create_at_s:
                 for _ in range(ds.desired - len(active)):
                     self._create_replica(ds, now)
+                changed = True
             elif len(active) > ds.desired:
                 # Remove the least advanced first (PENDING before STARTING before READY), newest first.
                 order = list(ReplicaStatus)
@@ -345,76 +452,96 @@ class Controller:
                 victims = sorted(active, key=lambda r: (order.index(r.status), -created[r.id]))
                 for r in victims[: len(active) - ds.desired]:
                     r.drain_requested_at_s = now
+                changed = True
+        if changed:
+            self._save()  # decided: persisted before anything acts on it
+
+    def _drain_unhealthy(self, now: float) -> bool:
+        """Replicas holding a GPU (or a MIG instance of a GPU) that the inventory reports unhealthy
+        (quarantined by the node agent, ECC errors, ...) drain; `_scale` replaces them, and
+        placement keeps the replacement off that GPU. True when one was drained."""
+        sick: dict[str, str] = {}
+        for node in self.inventory.nodes:
+            sick.update({uuid: f"{uuid} on {node.name} quarantined: {why}" for uuid, why in node.quarantined.items()})
+            for gpu in node.gpus:
+                problems = gpu.health.problems()
+                if problems:
+                    why = f"GPU {gpu.uuid} on {node.name} unhealthy: {', '.join(problems)}"
+                    sick[gpu.uuid] = why
+                    sick.update({m.uuid: why for m in gpu.mig_instances})
+        if not sick:
+            return False
+        drained = False
+        for r in self.replicas.values():
+            if r.placement is None or not r.status.counts_toward_desired():
+                continue
+            hit = next((sick[d] for d in ReplicaPlacement.from_dict(r.placement).devices if d in sick), None)
+            if hit is not None:
+                r.drain_requested_at_s, r.drain_reason, drained = now, hit, True
+                log.warning("replica %s drains: %s", r.id, hit)
+        return drained
 
     def _create_replica(self, ds: _DeploymentState, now: float) -> None:
         dep = ds.loaded.deployment
         rid = f"{dep.name}-{ds.next_index}"
         ds.next_index += 1
-        self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision, created_at_s=now)
+        self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision, created_at_s=now,
+                                     spec_hash=ds.loaded.serving_hash)  # fmt: skip
 
     async def _place_and_launch(self) -> None:
-        holding = {rid: a for rid, a in self._assignments.items()
-                   if self.replicas[rid].process_alive or self.replicas[rid].status is ReplicaStatus.PLACED}
+        holding = {rid: ReplicaPlacement.from_dict(r.placement) for rid, r in self.replicas.items()
+                   if r.placement is not None and (r.engine_alive or r.status is ReplicaStatus.PLACED)}
         in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
         pending: dict[str, list[Replica]] = {}
         for r in sorted(self.replicas.values(), key=lambda r: r.created_at_s):
             if r.status is ReplicaStatus.PENDING and r.drain_requested_at_s is None:
                 pending.setdefault(r.deployment, []).append(r)
         now = self.clock()
+        to_launch: list[tuple[Replica, ReplicaPlacement]] = []
         for name, waiting in pending.items():
             ld = self.deployments[name].loaded
             dep = ld.deployment
-            existing = [a for rid, a in holding.items() if self.replicas[rid].deployment == name
-                        and self.replicas[rid].revision == dep.spec.model.revision]
-            # The deployment's whole scale-up is one decision. This machine is warm: the local
-            # backend runs the installed engine on local weights.
-            request = PlacementRequest.for_deployment(dep, len(waiting), existing, warm_nodes=[self.node.name])
+            existing = [a for rid, a in holding.items() if self.replicas[rid].spec_hash == ld.serving_hash]
+            # Warm nodes: where a replica of this very spec runs, so its image and weights are there.
+            warm = {self.replicas[rid].node for rid in holding
+                    if self.replicas[rid].spec_hash == ld.serving_hash and self.replicas[rid].weights_ready_at_s}
+            # The deployment's whole scale-up is one decision.
+            request = PlacementRequest.for_deployment(dep, len(waiting), existing, warm_nodes=warm - {None})
             plan = self.placer.place_replicas(request, self.inventory, in_use)
             for r, placement in zip(waiting, plan.placements):
                 self._waiting.pop(r.id, None)
                 in_use.update(placement.devices)
-                self._assignments[r.id] = placement
-                r.placed_at_s, r.assignment = now, placement.label
-                self._launch(r, ld, placement)
+                r.placed_at_s, r.assignment, r.placement = now, placement.label, placement.to_dict()
+                to_launch.append((r, placement))
             for r in waiting[len(plan.placements):]:
                 self._waiting[r.id] = plan.explain()
-
-    def _launch(self, r: Replica, ld: LoadedDeployment, assignment: ReplicaPlacement) -> None:
-        now = self.clock()
-        dep = ld.deployment
-        engine = get_engine(dep.spec.engine.kind)
-        problem = engine.preflight()
-        if problem:
-            self._fail(r, ReplicaStatus.FAILED_START, problem)
+        placed_now = {r.id for r, _ in to_launch}
+        for r in self.replicas.values():  # placed before a crash, never started: start now
+            if r.status is ReplicaStatus.PLACED and r.placement is not None and r.drain_requested_at_s is None \
+                    and r.id not in placed_now:
+                to_launch.append((r, ReplicaPlacement.from_dict(r.placement)))
+        if not to_launch:
             return
-        r.image_ready_at_s = now  # local backend: the installed engine is the image
-        try:
-            model = engine.model_argument(dep, ld.base_dir)
-        except ModelUnavailable:
-            self._fail(r, ReplicaStatus.FAILED_START, f"weights not found: spec.model.source {dep.spec.model.source!r}")
-            return
-        r.weights_ready_at_s = now
-        port = self.backend.allocate_port()
-        log_path = (self.log_dir / f"{r.id}.log") if self.log_dir is not None else None
-        spec = LaunchSpec(
-            replica_id=r.id,
-            argv=engine.command(dep, model, self.settings.host, port),
-            env={**dep.spec.engine.env, **assignment.env},
-            port=port,
-            log_path=log_path,
-        )
-        try:
-            handle = self.backend.launch(spec)
-        except LaunchError as err:
-            self._fail(r, ReplicaStatus.FAILED_START, str(err))
-            return
-        self._handles[r.id] = handle
-        r.launched_at_s, r.port, r.pid = now, port, handle.pid
-        r.log_path = str(log_path) if log_path else None
+        for r, _ in to_launch:
+            r.launched_at_s = now
+        self._save()  # persisted before the backend acts: a crash now leaves records to adopt
+        for r, placement in to_launch:
+            ld = self.deployments[r.deployment].loaded
+            want = ReplicaWant(r.id, ld.deployment, placement, ld.serving_hash, ld.base_dir)
+            try:
+                await self.backend.ensure(want)
+            except LaunchError as err:
+                r.exited_at_s = now
+                self._fail(r, ReplicaStatus.FAILED_START, str(err), [])
+            except Exception as err:  # noqa: BLE001 - a backend bug fails this replica, not the step
+                log.exception("backend could not start replica %s", r.id)
+                r.exited_at_s = now
+                self._fail(r, ReplicaStatus.FAILED_START, f"backend error: {err!r}", [])
+        await self._observe()  # endpoints, image and weights of what just started, in this same tick
 
     async def _drain_and_stop(self) -> None:
         now = self.clock()
-        draining = [r for r in self.replicas.values() if r.status is ReplicaStatus.DRAINING and r.process_alive]
+        draining = [r for r in self.replicas.values() if r.status is ReplicaStatus.DRAINING and r.engine_alive]
         in_flight: dict[str, int] = {}
         if any(r.warmup_passed_at_s is not None and r.stop_requested_at_s is None for r in draining):
             try:
@@ -422,46 +549,70 @@ class Controller:
             except Exception as err:  # noqa: BLE001 - router unreachable: wait for the drain timeout
                 log.warning("cannot read in-flight requests from the router: %s", err)
                 in_flight = {r.id: 1 for r in draining}
+        stops: list[Replica] = []
+        kills: list[Replica] = []
         for r in self.replicas.values():
-            handle = self._handles.get(r.id)
-            if handle is None or not r.process_alive:
+            if not r.engine_alive:
                 continue
             if r.stop_requested_at_s is None:
                 if r.failure is not None:
-                    self._request_stop(r, handle, now)
+                    stops.append(r)
                 elif r.status is ReplicaStatus.DRAINING:
                     was_serving = r.warmup_passed_at_s is not None
                     drained = not was_serving or in_flight.get(r.id, 0) == 0
                     if drained or now - r.drain_requested_at_s >= self.settings.drain_timeout_s:
-                        self._request_stop(r, handle, now)
+                        stops.append(r)
             elif r.kill_sent_at_s is None and now - r.stop_requested_at_s >= self.settings.stop_grace_s:
-                self.backend.kill(handle)
-                r.kill_sent_at_s = now
-        # Replicas that never launched and are asked to go are done at once.
+                kills.append(r)
+        for r in stops:
+            r.stop_requested_at_s = now
+            self._cancel_warmup(r.id)
+        for r in kills:
+            r.kill_sent_at_s = now
+        if stops or kills:
+            self._save()
+        for r in stops:
+            await self.backend.stop(r.id)
+        for r in kills:
+            await self.backend.kill(r.id)
+        # Replicas that never started and are asked to go are done at once.
         for r in self.replicas.values():
             if r.status is ReplicaStatus.DRAINING and r.launched_at_s is None:
                 r.exited_at_s = now
 
-    def _request_stop(self, r: Replica, handle: ProcessHandle, now: float) -> None:
-        r.stop_requested_at_s = now
-        self._cancel_warmup(r.id)
-        self.backend.stop(handle)
-
     async def _publish_pools(self) -> None:
+        for name, model in list(self._retired.items()):  # drained through the router, then deleted
+            endpoints = self._pool_endpoints(name)
+            if not endpoints:
+                await self.pool_sink.delete_pool(model)
+                del self._retired[name]
+                self._retired_pools.pop(model, None)
+            elif self._retired_pools.get(model) != (pool := PoolSpec(endpoints=endpoints)):
+                await self.pool_sink.put_pool(model, pool)
+                self._retired_pools[model] = pool
         for name, ds in self.deployments.items():
-            dep = ds.loaded.deployment
-            endpoints = [
-                PoolEndpoint(r.id, r.endpoint, r.revision, draining=r.status is ReplicaStatus.DRAINING)
-                for r in sorted(self.replicas.values(), key=lambda r: r.id)
-                if r.deployment == name and r.warmup_passed_at_s is not None
-                and r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING) and r.process_alive
-                and r.stop_requested_at_s is None
-            ]
-            key = tuple(endpoints)
-            if key == ds.last_pool:
+            routing = ds.loaded.deployment.spec.routing
+            endpoints = self._pool_endpoints(name)
+            pool = PoolSpec(
+                policy=routing.policy, endpoints=endpoints,
+                max_concurrency_per_endpoint=routing.max_concurrency_per_endpoint,
+                max_queue_length=routing.max_queue_length, queue_timeout_s=routing.queue_timeout_seconds,
+            )  # fmt: skip
+            if pool == ds.last_pool:
                 continue
-            await self.pool_sink.put_pool(dep.spec.model.name, PoolSettings.of(dep.spec.routing), endpoints)
-            ds.last_pool = key
+            await self.pool_sink.put_pool(ds.model, pool)
+            ds.last_pool = pool
+
+    def _pool_endpoints(self, deployment: str) -> list[EndpointSpec]:
+        """The router's view of a deployment: replicas that passed warm-up and still run; DRAINING
+        ones marked draining (no new requests, in-flight ones finish)."""
+        return [
+            EndpointSpec(id=r.id, url=r.endpoint, version=r.revision, draining=r.status is ReplicaStatus.DRAINING)
+            for r in sorted(self.replicas.values(), key=lambda r: r.id)
+            if r.deployment == deployment and r.warmup_passed_at_s is not None and r.endpoint is not None
+            and r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING) and r.engine_alive
+            and r.stop_requested_at_s is None
+        ]
 
     # ----- helpers ------------------------------------------------------------------------
 
@@ -472,11 +623,11 @@ class Controller:
         if r.failure is not None:
             return
         now = self.clock()
-        if log_tail is None and r.id in self._handles:
-            log_tail = self.backend.log_tail(self._handles[r.id], self.settings.log_tail_lines)
-        r.fail(status, reason, now, log_tail)
+        r.fail(status, reason, now, log_tail or [])
         self._cancel_warmup(r.id)
-        ds = self.deployments[r.deployment]
+        ds = self.deployments.get(r.deployment)
+        if ds is None:
+            return
         ds.failures_in_row += 1
         delay_s = min(self.settings.backoff_base_s * 2 ** (ds.failures_in_row - 1), self.settings.backoff_max_s)
         ds.next_create_at_s = now + delay_s
@@ -502,40 +653,53 @@ class Controller:
             return r.failure.reason
         if status is ReplicaStatus.PENDING:
             return self._waiting.get(r.id, "")
+        adopted = " (adopted: kept running)" if r.adopted_at_s is not None else ""
+        if status in (ReplicaStatus.PULLING, ReplicaStatus.CACHING):
+            return r.detail.get("cache", "")
         if status is ReplicaStatus.STARTING:
-            return f"{r.assignment}, port {r.port}, pid {r.pid}"
+            where = ", ".join(f"{k} {v}" for k, v in r.detail.items() if k in ("port", "pid", "pod"))
+            return f"{r.assignment}{', ' + where if where else ''}{adopted}"
         if status is ReplicaStatus.READY:
             ttr = r.time_to_ready_s()
+            if r.adopted_at_s is not None:
+                return f"{r.endpoint}{adopted}"
             return f"{r.endpoint} ({ttr:.1f} s to ready)" if ttr is not None else r.endpoint or ""
+        if status is ReplicaStatus.DRAINING and r.drain_reason:
+            return r.drain_reason
         if status is ReplicaStatus.TERMINATED and r.exit_code is not None:
             return f"exit code {r.exit_code}"
-        return ""
+        return adopted.strip()
 
     def _trim_history(self) -> None:
-        for name in self.deployments:
+        for name in {r.deployment for r in self.replicas.values()}:
             done = [r for r in self.replicas.values() if r.deployment == name and r.status.terminal()]
             for r in sorted(done, key=lambda r: r.created_at_s)[: max(0, len(done) - self.settings.history_per_deployment)]:
-                if r.process_alive:
+                if r.engine_alive:
                     continue
-                for table in (self.replicas, self._handles, self._assignments, self._last_status, self._waiting):
+                for table in (self.replicas, self._last_status, self._waiting):
                     table.pop(r.id, None)
 
     def snapshot(self) -> dict:
-        """JSON-ready view of targets and replicas (the state file; `fleet status`)."""
+        """JSON-ready state: targets and replica records (the state file; `fleet status`; read
+        back by `start`)."""
         return {
+            "format": STATE_FORMAT,
             "clock_s": self.clock(),
-            "node": self.node.describe(),
+            "stopping": self.stopping,
+            "inventory": [n.describe() for n in self.inventory.nodes],
             "deployments": {
                 name: {
                     "desired": ds.desired,
                     "desired_reason": ds.desired_reason,
                     "desired_at_s": ds.desired_at_s,
+                    "next_index": ds.next_index,
+                    "serving_hash": ds.loaded.serving_hash,
                     "autoscaling": (ds.loaded.deployment.spec.autoscaling.policy
                                     if ds.loaded.deployment.spec.autoscaling else None),
                     "last_scaling": ds.last_scaling,
                     "min": ds.loaded.deployment.spec.replicas.min,
                     "max": ds.loaded.deployment.spec.replicas.max,
-                    "model": ds.loaded.deployment.spec.model.name,
+                    "model": ds.model,
                     "policy": ds.loaded.deployment.spec.routing.policy,
                     "source": str(ds.loaded.path),
                     "failures_in_row": ds.failures_in_row,

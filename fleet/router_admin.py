@@ -1,16 +1,15 @@
 """Client of the router's admin API, used by the controller to publish pools.
 
 Owns `RouterAdminClient` (httpx, bearer token), the real `fleet.controller.PoolSink` and the
-autoscaler's source of router statistics (`stats`). The API itself is served by `router.admin`.
+autoscaler's source of router statistics (`stats`). The pool document is `router.spec.PoolSpec`,
+defined once and parsed by the router itself. The API itself is served by `router.admin`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import httpx
 
-from fleet.controller import PoolEndpoint, PoolSettings
+from router.spec import PoolSpec
 
 
 KEEPALIVE_EXPIRY_S = 4.0
@@ -31,20 +30,22 @@ class RouterAdminClient:
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
+    def set_token(self, token: str) -> None:
+        """Use a new admin token from now on (the router was restarted with it)."""
+        self._http.headers["Authorization"] = f"Bearer {token}"
+
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def put_pool(self, model: str, settings: PoolSettings, endpoints: list[PoolEndpoint]) -> None:
-        body = {
-            "policy": settings.policy,
-            "endpoints": [{**asdict(e), "weight": 1.0} for e in endpoints],
-            "max_concurrency_per_endpoint": settings.max_concurrency_per_endpoint,
-            "max_queue_length": settings.max_queue_length,
-            "queue_timeout_s": settings.queue_timeout_s,
-        }
-        r = await self._request("PUT", f"/admin/v1/pools/{model}", json=body)
+    async def put_pool(self, model: str, pool: PoolSpec) -> None:
+        r = await self._request("PUT", f"/admin/v1/pools/{model}", json=pool.model_dump(mode="json"))
         if r.status_code != 200:
             raise RouterAdminError(f"PUT pool {model}: HTTP {r.status_code}: {r.text[:300]}")
+
+    async def delete_pool(self, model: str) -> None:
+        r = await self._request("DELETE", f"/admin/v1/pools/{model}")
+        if r.status_code not in (200, 404):
+            raise RouterAdminError(f"DELETE pool {model}: HTTP {r.status_code}: {r.text[:300]}")
 
     async def pools(self) -> dict:
         r = await self._request("GET", "/admin/v1/pools")

@@ -12,6 +12,8 @@ document that fails here.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from autoscaler.spec import AutoscalingSpec
+from fleet.agent.sources import SourceError, parse_source
 from fleet.specbase import FieldError, SpecModel
 from warmup.plan import WarmupPlan
 
@@ -72,7 +75,8 @@ class ModelSpec(SpecModel):
     source: str = Field(
         ..., min_length=1,
         description="Where the weights are: a local path (absolute, or relative to the YAML file), "
-        "file:///abs/path, or hf://, s3://, http(s):// (remote sources need the node agent's weight cache); "
+        "file:///abs/path, hf://org/name[@revision], or an http(s):// manifest URL (remote sources are fetched "
+        "by the node agent's weight cache, docs/node-agent.md); "
         "with engine.kind sim, sim://PROFILE names a simulator profile instead.",
     )
     revision: str = Field("v1", min_length=1, max_length=128, description="Version label of these weights.")
@@ -82,6 +86,11 @@ class ModelSpec(SpecModel):
     def _scheme(cls, v: str) -> str:
         if "://" in v and not v.startswith(_SOURCE_SCHEMES):
             raise ValueError(f"unsupported scheme in {v!r}; use a path or one of {', '.join(_SOURCE_SCHEMES)}")
+        if v.startswith(("hf://", "http://", "https://")):   # the weight cache's forms (docs/node-agent.md)
+            try:
+                parse_source(v)
+            except SourceError as err:
+                raise ValueError(str(err)) from None
         return v
 
     def local_path(self, base_dir: Path) -> Path | None:
@@ -274,6 +283,21 @@ class LoadedDeployment:
     @property
     def base_dir(self) -> Path:
         return self.path.resolve().parent
+
+    @property
+    def serving_hash(self) -> str:
+        """What a replica of this deployment serves, as 16 hex digits of sha256: the model (name,
+        source with relative paths resolved, revision), the engine (kind, image, args, env) and
+        the replica shape. Replicas with equal hashes are interchangeable; a restarted controller
+        adopts a running replica only when its hash is today's (else it is drained and replaced)."""
+        spec = self.deployment.spec
+        local = spec.model.local_path(self.base_dir)
+        what = {
+            "model": {**spec.model.model_dump(mode="json"), "resolved": str(local) if local else None},
+            "engine": spec.engine.model_dump(mode="json", exclude={"startup_timeout_seconds"}),
+            "resources": spec.resources.model_dump(mode="json"),
+        }
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class SpecError(Exception):

@@ -1,7 +1,9 @@
 """The state directory of a local fleet: where `fleet up` records what it runs, and where
 `fleet status` and `fleet down` read it.
 
-Owns the layout of the directory (``state.json``, ``admin-token``, ``logs/``, ``up.lock``),
+Owns the layout of the directory (``state.json``: the controller's targets and replica records,
+read back by the next `fleet up`; ``admin-token``; ``fleet-id``; ``logs/``; ``up.lock``; the
+local backend's ``replicas.json`` and the router's ``router.json`` belong to their owners),
 atomic writes of the state snapshot, and the lock that allows one `fleet up` per directory.
 Default directory: ``$FLEET_STATE_DIR``, else ``$XDG_STATE_HOME/fleet``, else
 ``~/.local/state/fleet`` (XDG Base Directory spec).
@@ -60,6 +62,25 @@ class StateStore:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
             self._lock_file = None
+
+    def fleet_id(self) -> str:
+        """This state directory's fleet id (made once): the marker in the environment of every
+        process the fleet starts, so a restarted controller finds them (`fleet.backends.local`)."""
+        path = self.root / "fleet-id"
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fid = secrets.token_hex(8)
+            path.write_text(fid)
+            return fid
+
+    def admin_token(self) -> str | None:
+        """The router admin token in use, or None when there is none."""
+        try:
+            return self.token_path.read_text().strip() or None
+        except OSError:
+            return None
 
     def new_admin_token(self) -> str:
         """A fresh router admin token, written readable by this user only."""

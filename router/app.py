@@ -5,62 +5,160 @@ Owns `create_app` and `RouterApp`. `RouterApp` sends `POST /v1/completions` and
 routing, validation or middleware) and everything else to a FastAPI app: `GET /v1/models`,
 `GET /health`, `GET /metrics` and the admin API (`router.admin`). It handles the ASGI
 lifespan itself, opening and closing the proxy's client session.
+
+Admin requests are guarded here, before FastAPI sees them: the bearer token is checked from the
+request head (401 without reading a byte of the body), then the body is read, at most
+`MAX_ADMIN_BODY_BYTES` (413 otherwise, the connection closed; the server bounds the time it may
+take, `router.server.RequestGuardProtocol`), and handed to FastAPI from memory. Every error
+answer, FastAPI's included (unknown path 404, 405, 422, an unexpected 500), is in OpenAI's
+error format and counted in `fleet_router_rejected_requests_total`.
 Called by `router.server.serve` (uvicorn) and by tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.admin import admin_router
+from router.admin import ADMIN_PREFIX, admin_router, validation_message
 from router.metrics import RouterMetrics
 from router.pool import DEFAULT_FAILURE_COOLDOWN_S, PoolTable
 from router.proxy import (
+    CLOSE,
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_RETRY_AFTER_S,
     PROXIED_PATHS,
+    Message,
     Proxy,
     Receive,
     Scope,
     Send,
+    BodyTooLarge,
     error_body,
+    read_body,
+    reflect,
     send_json,
 )
 
 log = logging.getLogger(__name__)
+
+MAX_ADMIN_BODY_BYTES = 16 * 1024 * 1024
+"""Largest admin request body (bytes; 413 above). A pool document of 10,000 endpoints is about
+0.8 MB, so this leaves room for the largest pool `router.spec` accepts at typical id and URL
+lengths while keeping what an admin request can make the router hold small."""
+
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                408: "timeout_error", 413: "invalid_request_error", 422: "invalid_request_error"}  # fmt: skip
+_ERROR_CODES = {400: "bad_request", 401: "invalid_admin_token", 404: "not_found", 405: "method_not_allowed",
+                408: "request_timeout", 413: "request_too_large", 422: "invalid_document"}  # fmt: skip
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The request's Content-Length (None without one, e.g. a chunked body; -1 if malformed)."""
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.strip().isdigit() else -1
+    return None
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    length = _declared_length(headers)
+    return (length is not None and length != 0) or any(name == b"transfer-encoding" for name, _ in headers)
 
 
 class RouterApp:
     """ASGI app of the router. Attributes: `pools` (`PoolTable`), `metrics`
     (`RouterMetrics`), `proxy` (`Proxy`), `api` (the FastAPI sub-app)."""
 
-    def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI) -> None:
+    def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
+                 admin_token: str) -> None:  # fmt: skip
+        if not admin_token:
+            raise ValueError("admin_token must not be empty")
         self.pools = pools
         self.metrics = metrics
         self.proxy = proxy
         self.api = api
+        self._expected_auth = b"bearer " + admin_token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            if scope["path"] in PROXIED_PATHS:
+            path = scope["path"]
+            if path in PROXIED_PATHS:
                 if scope["method"] == "POST":
-                    await self.proxy(scope, receive, send)
+                    try:
+                        await self.proxy(scope, receive, send)
+                    except Exception:  # a bug, not a client error: say so in OpenAI's format if we still can
+                        log.exception("router error on %s", path)
+                        self.metrics.reject("", 500, False)
+                        with contextlib.suppress(Exception):  # the response had begun: the server closes it
+                            await send_json(send, 500, error_body("internal router error", type_="server_error",
+                                                                  code="internal_error"))  # fmt: skip
                 else:
+                    self.metrics.reject("", 405, False)
                     body = error_body(f"method {scope['method']} is not allowed; use POST", code="method_not_allowed")
                     await send_json(send, 405, body, [(b"allow", b"POST")])
+            elif path.startswith(ADMIN_PREFIX):
+                await self._admin(scope, receive, send)
             else:
                 await self.api(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
         else:
             await self.api(scope, receive, send)
+
+    def on_server_reject(self, status: int) -> None:
+        """Count an error the HTTP server answered before the app saw the request (a request head
+        too slow or too large: `router.server.RequestGuardProtocol`)."""
+        self.metrics.reject("", status, False)
+
+    async def _admin(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the token from the head, read the body within bounds, then hand over to FastAPI."""
+        headers = scope["headers"]
+        authorization = b""
+        for name, value in headers:
+            if name == b"authorization":
+                authorization = value
+                break
+        scheme, _, token = authorization.partition(b" ")
+        if not secrets.compare_digest(scheme.lower() + b" " + token.strip(), self._expected_auth):
+            await self._refuse(send, 401, "missing or invalid admin bearer token",
+                               [(b"www-authenticate", b"Bearer"), *(CLOSE if _has_body(headers) else [])])
+            return
+        if (_declared_length(headers) or 0) > MAX_ADMIN_BODY_BYTES:
+            await self._refuse(send, 413, f"admin request body exceeds {MAX_ADMIN_BODY_BYTES} bytes", CLOSE)
+            return
+        try:
+            body = await read_body(receive, MAX_ADMIN_BODY_BYTES)
+        except BodyTooLarge:
+            await self._refuse(send, 413, f"admin request body exceeds {MAX_ADMIN_BODY_BYTES} bytes", CLOSE)
+            return
+        if body is None:
+            return  # the client is gone
+        replayed = False
+
+        async def receive_read_body() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.api(scope, receive_read_body, send)
+
+    async def _refuse(self, send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+        self.metrics.reject("", status, False)
+        await send_json(send, status, error_body(message, type_=_ERROR_TYPES[status], code=_ERROR_CODES[status]),
+                        headers)  # fmt: skip
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -82,6 +180,34 @@ class RouterApp:
 def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str) -> FastAPI:
     api = FastAPI(title="Fleet router", docs_url=None, redoc_url=None, openapi_url=None)
 
+    @api.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """FastAPI's own errors (unknown path, method, the admin API's 404) in OpenAI's format."""
+        status = exc.status_code
+        metrics.reject("", status, False)
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if status == 404 and message == "Not Found":
+            message = f"no such path: {request.method} {reflect(request.url.path)}"
+        body = error_body(message, type_=_ERROR_TYPES.get(status, "invalid_request_error"),
+                          code=_ERROR_CODES.get(status))  # fmt: skip
+        headers = dict(exc.headers or {})
+        headers["content-type"] = "application/json"
+        return Response(content=body, status_code=status, headers=headers)
+
+    @api.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        """An unexpected error (a bug): 500 in OpenAI's format; the server logs the traceback."""
+        metrics.reject("", 500, False)
+        body = error_body("internal router error", type_="server_error", code="internal_error")
+        return Response(content=body, status_code=500, media_type="application/json")
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        """422 naming each bad field and why, without echoing the (possibly huge or non-finite) input."""
+        metrics.reject("", 422, False)
+        body = error_body(validation_message(exc.errors()), code="invalid_document")
+        return Response(content=body, status_code=422, media_type="application/json")
+
     @api.get("/v1/models")
     async def list_models() -> dict[str, object]:
         """OpenAI model list: every model that has a pool (draining or empty ones too)."""
@@ -99,7 +225,7 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str) -> Fa
     @api.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus exposition of the router's registry (format negotiated from Accept)."""
-        body, content_type = metrics.render(request.headers.get("accept", ""))
+        body, content_type = await metrics.render_off_loop(request.headers.get("accept", ""))
         return Response(content=body, headers={"content-type": content_type})
 
     api.include_router(admin_router(pools, admin_token))
@@ -129,6 +255,8 @@ def create_app(
     pool's ready endpoints). `retry_after_s`: the Retry-After of a 503 (seconds).
     `connect_timeout_s` / `read_timeout_s`: upstream timeouts (None: unlimited).
     `failure_cooldown_s`: how long an endpoint is skipped after a connection failure.
+    The time a request's head and body may take to arrive is bounded by the server
+    (`router.server.uvicorn_config`).
     """
     if not admin_token:
         raise ValueError("admin_token must not be empty")
@@ -144,4 +272,5 @@ def create_app(
         read_timeout_s=read_timeout_s,
         failure_cooldown_s=failure_cooldown_s,
     )
-    return RouterApp(pools, metrics, proxy, _build_api(pools, metrics, admin_token))
+    api = _build_api(pools, metrics, admin_token)
+    return RouterApp(pools, metrics, proxy, api, admin_token)

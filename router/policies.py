@@ -6,7 +6,7 @@ anything that wants to replay routing decisions in virtual time (the trace simul
 
 Policies decide, the proxy acts: a policy reads the request (`router.prompt_blocks.RouteRequest`:
 its prompt's block hashes, token counts, session key) and the live stats of the candidate
-endpoints (`in_flight`, `prefill_tokens`, `prefilling`, `ewma_ttft_s`, `last_sample_s`) and
+endpoints (`in_flight`, `prefill_tokens`, `prefilling`, `ewma_first_byte_s`, `last_sample_s`) and
 returns one of them. It does no I/O and never reads a clock; the caller passes `now_s`
 (seconds on the router's injected clock). State a policy keeps: a rotation counter for
 breaking ties and, for `kv-aware`, its view of each endpoint's prefix cache
@@ -174,7 +174,7 @@ class LatencyAware(RoutingPolicy, name="latency-aware"):
 
     Among the endpoints with the fewest requests in flight, an endpoint that is unmeasured
     (no TTFT sample yet, or its last sample is more than `stale_after_s` old) is preferred,
-    so that it gets measured; otherwise the endpoint with the lowest `ewma_ttft_s` wins.
+    so that it gets measured; otherwise the endpoint with the lowest `ewma_first_byte_s` wins.
     Remaining ties rotate. Outstanding-requests-first keeps one fast endpoint from taking
     every request; the EWMA only orders equally loaded endpoints.
     """
@@ -192,7 +192,7 @@ class LatencyAware(RoutingPolicy, name="latency-aware"):
         fastest: list[EndpointState] = []
         best_s = float("inf")
         for endpoint in ties:
-            ewma_s = endpoint.ewma_ttft_s
+            ewma_s = endpoint.ewma_first_byte_s
             sampled_s = endpoint.last_sample_s
             if ewma_s is None or sampled_s is None or sampled_s < oldest_fresh_s:
                 unknown.append(endpoint)

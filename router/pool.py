@@ -26,17 +26,17 @@ from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S, PoolS
 from router.stats import DEFAULT_WINDOW_S, ModelStats
 
 EWMA_ALPHA = 0.3
-"""Weight of the newest time-to-first-byte sample in `EndpointState.ewma_ttft_s`:
+"""Weight of the newest time-to-first-byte sample in `EndpointState.ewma_first_byte_s`:
 ewma <- alpha * sample + (1 - alpha) * ewma. At 0.3 a sample's weight halves after about
 two further samples, so a slowdown shows within a handful of requests while one outlier
 moves the average by under a third of its excess."""
 
 FAILURE_PENALTY_S = 10.0
 """A failed attempt (connect error, timeout, 5xx, interrupted response) is folded into
-`ewma_ttft_s` as a sample of this many seconds, far above interactive TTFTs, so that
+`ewma_first_byte_s` as a sample of this many seconds, far above interactive TTFTs, so that
 `latency-aware` ranks a failing endpoint last among equally loaded ones instead of
 treating a fast error as a fast endpoint (or, having no sample, as unknown and first).
-It is not observed in the TTFT histogram."""
+It is not observed in any latency histogram."""
 
 DEFAULT_FAILURE_COOLDOWN_S = 2.0
 """After a connection failure (nothing reached the endpoint) the endpoint is left out of
@@ -51,18 +51,21 @@ class EndpointState:
     Spec fields: `id`, `url` (base URL, no trailing slash), `version`, `weight`, `draining`.
     Live stats: `in_flight` (requests dispatched, not finished), `requests_total`
     (attempts dispatched), `errors_total` (attempts that failed: connect error, 5xx,
-    interrupted), `ewma_ttft_s` (EWMA of time to first byte, seconds; None before the first
-    sample), `last_sample_s` (router-clock seconds of the latest sample; None before it),
-    `unavailable_until_s` (router-clock seconds until which a connection failure keeps the
-    endpoint out of the candidates), `prefill_tokens` (prompt tokens, not expected cached,
-    of the requests in flight that have no first byte yet: queued prefill work) and
-    `prefilling` (how many requests those are; `in_flight - prefilling` are decoding), kept
-    by `start`, `first_byte` and `finish`. `metrics` holds the pre-bound Prometheus children (None outside a `PoolTable`).
+    interrupted), `ewma_first_byte_s` (EWMA of the time to first byte, seconds: the first body
+    chunk of a streamed reply, the response head of a sized one, so for a non-streamed
+    completion the whole generation; None before the first sample), `last_sample_s`
+    (router-clock seconds of the latest sample; None before it), `unavailable_until_s`
+    (router-clock seconds until which a connection failure keeps the endpoint out of the
+    candidates), `prefill_tokens` (prompt tokens, not expected cached, of the requests in
+    flight that have no first byte yet: queued prefill work) and `prefilling` (how many
+    requests those are; `in_flight - prefilling` are decoding), kept by `start`, `first_byte`
+    and `finish`. `metrics` holds the endpoint's Prometheus children
+    (`router.metrics.EndpointMetrics`; None outside a `PoolTable`).
     """
 
     __slots__ = (
         "id", "url", "version", "weight", "draining",
-        "in_flight", "requests_total", "errors_total", "ewma_ttft_s", "last_sample_s", "unavailable_until_s",
+        "in_flight", "requests_total", "errors_total", "ewma_first_byte_s", "last_sample_s", "unavailable_until_s",
         "prefill_tokens", "prefilling", "metrics",
     )  # fmt: skip
 
@@ -84,7 +87,7 @@ class EndpointState:
         self.in_flight = 0
         self.requests_total = 0
         self.errors_total = 0
-        self.ewma_ttft_s: float | None = None
+        self.ewma_first_byte_s: float | None = None
         self.last_sample_s: float | None = None
         self.unavailable_until_s = 0.0
         self.prefill_tokens = 0
@@ -109,17 +112,18 @@ class EndpointState:
         if not got_first_byte:
             self.first_byte(prefill_tokens)
 
-    def record_ttft(self, ttft_s: float, now_s: float) -> None:
+    def record_first_byte(self, first_byte_s: float, now_s: float) -> None:
         """Fold one time-to-first-byte sample (seconds) into the EWMA (see `EWMA_ALPHA`)."""
-        ewma_s = self.ewma_ttft_s
-        self.ewma_ttft_s = ttft_s if ewma_s is None else EWMA_ALPHA * ttft_s + (1.0 - EWMA_ALPHA) * ewma_s
+        ewma_s = self.ewma_first_byte_s
+        self.ewma_first_byte_s = (first_byte_s if ewma_s is None
+                                  else EWMA_ALPHA * first_byte_s + (1.0 - EWMA_ALPHA) * ewma_s)  # fmt: skip
         self.last_sample_s = now_s
 
     def record_failure(self, now_s: float, cooldown_s: float = 0.0) -> None:
         """Count a failed attempt: fold `FAILURE_PENALTY_S` into the EWMA and, for a
         connection failure, keep the endpoint out of the candidates for `cooldown_s`."""
         self.errors_total += 1
-        self.record_ttft(FAILURE_PENALTY_S, now_s)
+        self.record_first_byte(FAILURE_PENALTY_S, now_s)
         if cooldown_s > 0.0:
             self.unavailable_until_s = now_s + cooldown_s
 
@@ -134,13 +138,13 @@ class EndpointState:
             "in_flight": self.in_flight,
             "requests_total": self.requests_total,
             "errors_total": self.errors_total,
-            "ewma_ttft_s": self.ewma_ttft_s,
+            "ewma_first_byte_s": self.ewma_first_byte_s,
         }
 
     def __repr__(self) -> str:
         return (
             f"EndpointState(id={self.id!r}, url={self.url!r}, draining={self.draining}, "
-            f"in_flight={self.in_flight}, ewma_ttft_s={self.ewma_ttft_s})"
+            f"in_flight={self.in_flight}, ewma_first_byte_s={self.ewma_first_byte_s})"
         )
 
 
@@ -223,14 +227,14 @@ class Pool:
         """Requests dispatched to this pool's endpoints (draining ones too) and not finished."""
         return sum(e.in_flight for e in self.endpoints)
 
+    def snapshot_head(self) -> dict[str, object]:
+        """The pool's settings and queue, without its endpoints."""
+        return {"policy": self.policy.name, "max_concurrency_per_endpoint": self.limit,
+                "queued": len(self.shared.queue)}  # fmt: skip
+
     def snapshot(self) -> dict[str, object]:
         """The pool as `GET /admin/v1/pools` lists it."""
-        return {
-            "policy": self.policy.name,
-            "max_concurrency_per_endpoint": self.limit,
-            "queued": len(self.shared.queue),
-            "endpoints": [e.snapshot() for e in self.endpoints],
-        }
+        return {**self.snapshot_head(), "endpoints": [e.snapshot() for e in self.endpoints]}
 
 
 class PoolTable:
@@ -273,7 +277,10 @@ class PoolTable:
         An endpoint whose id and url are unchanged keeps its `EndpointState` (stats,
         in-flight count) and takes the new version, weight and draining flag; others start
         fresh. The policy instance is kept when the policy name is unchanged. Removed
-        endpoints lose their metric series; their in-flight requests finish normally.
+        endpoints lose their metric series (and a kept endpoint whose version changed its
+        series of the old version); their in-flight requests finish normally. Linear in the
+        endpoints of the old and new pools: series are created at an endpoint's first request
+        and removed by their exact label sets (`router.metrics.EndpointMetrics`).
         Raises `KeyError` for an unknown policy name (`PoolSpec` validation prevents it).
         """
         old = self._pools.get(model)
@@ -286,17 +293,23 @@ class PoolTable:
             if previous is not None and previous.url == endpoint_spec.url:
                 kept[endpoint_spec.id] = previous
         for endpoint_id, previous in old_by_id.items():
-            if kept.get(endpoint_id) is not previous:
-                self._metrics.forget(model, endpoint_id)
+            if kept.get(endpoint_id) is not previous and previous.metrics is not None:
+                previous.metrics.forget()
 
+        metrics = self._metrics
         endpoints: list[EndpointState] = []
         for endpoint_spec in spec.endpoints:
             state = kept.get(endpoint_spec.id)
+            version = endpoint_spec.version
             if state is None:
-                state = EndpointState(
-                    endpoint_spec.id, endpoint_spec.url, metrics=self._metrics.bind(model, endpoint_spec.id)
-                )
-            state.version = endpoint_spec.version
+                state = EndpointState(endpoint_spec.id, endpoint_spec.url,
+                                      metrics=metrics.bind(model, endpoint_spec.id, version))  # fmt: skip
+            elif state.version != version:
+                # The version is a label of the endpoint's series: the old ones go, new ones start.
+                if state.metrics is not None:
+                    state.metrics.forget()
+                state.metrics = metrics.bind(model, endpoint_spec.id, version)
+            state.version = version
             state.weight = endpoint_spec.weight
             state.draining = endpoint_spec.draining
             endpoints.append(state)
@@ -323,7 +336,8 @@ class PoolTable:
         if pool is None:
             return False
         for endpoint in pool.endpoints:
-            self._metrics.forget(model, endpoint.id)
+            if endpoint.metrics is not None:
+                endpoint.metrics.forget()
         self._metrics.forget_pool(model)
         pool.shared.queue.wake_all()  # waiting requests find no pool and are answered
         return True

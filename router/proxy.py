@@ -4,19 +4,25 @@ Owns `Proxy`, a raw ASGI handler for `POST /v1/completions` and
 `POST /v1/chat/completions`, and the aiohttp client session it forwards with. Called by
 `router.app.RouterApp` for those two paths only; everything else goes to the FastAPI app.
 
-Per request: read and check the JSON body (400), find the model's pool (404), let the
-pool's policy pick a ready endpoint (503 + Retry-After if none), forward the original body
-bytes to `{endpoint.url}{path}`, and relay status, content type and body. A pool with a
+Per request: read the body (at most `max_body_bytes`, else 413; the server bounds the time,
+`router.server.RequestGuardProtocol`) and check the JSON (400), find the model's pool (404),
+let the pool's policy pick a ready endpoint (503 + Retry-After if none), forward the original
+body bytes to `{endpoint.url}{path}`, and relay status, content type and body. A pool with a
 per-endpoint concurrency limit holds a request that finds every ready endpoint full in its
 admission queue (`router.admission`; 503 when the queue is full or the wait times out). Each
 request is recorded in its model's windowed stats (`router.stats`): arrival, queue time
-(arrival until dispatch), client-side TTFT and end-to-end latency. Streamed (SSE
-or unsized) bodies are relayed chunk by chunk as they arrive. A connection failure before
+(arrival until dispatch), client-side TTFT, TPOT (streamed) and end-to-end latency. Streamed
+bodies are relayed as they arrive: SSE event by event through `router.sse.SseRelay`, which
+also times the token events (`fleet_router_time_to_first_token_seconds`,
+`fleet_router_time_per_output_token_seconds`); an SSE stream the engine cuts off ends with an
+OpenAI error event and `data: [DONE]`, not a truncated body. A connection failure before
 any response byte arrived is retried on an endpoint not yet tried (at most
 `min(max_attempts, ready endpoints)` attempts, then 502); nothing is retried once the
-endpoint has answered. Upstream 4xx and 5xx are relayed as is.
+endpoint has answered. Upstream 4xx and 5xx are relayed as is. Every error the router answers
+itself is in OpenAI's format and counted in `fleet_router_rejected_requests_total`
+(`RouterMetrics.reject`); what it reflects of the request (the model name) is truncated.
 
-This is the hot path (see /work/shared/notes/router-performance.md): raw ASGI, aiohttp
+This is the hot path (figures: README.md, "The router against `vllm-router`"): raw ASGI, aiohttp
 client, pre-bound metric children, no per-request logging. Keep it that way.
 """
 
@@ -30,9 +36,10 @@ from typing import Any
 
 import aiohttp
 
-from router.metrics import RouterMetrics
+from router.metrics import EndpointMetrics, RouterMetrics
 from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, Pool, PoolShared, PoolTable
 from router.prompt_blocks import SESSION_HEADER, RouteRequest, route_request
+from router.sse import SseRelay
 from router.stats import ModelStats
 
 log = logging.getLogger(__name__)
@@ -59,6 +66,10 @@ uvicorn and vLLM (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`), so the router never reuses a 
 the engine is closing (which would fail the request before any byte and cost a retry)."""
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest request body accepted (bytes; 413 above): room for long prompts and inline images."""
+MAX_REFLECTED_CHARS = 256
+"""Most characters of a client-supplied value (a model name) echoed back in an error message."""
+MAX_LISTED_MODELS = 20
+"""Most model names a 404 lists."""
 
 # Request headers not forwarded: hop-by-hop ones (RFC 9110 section 7.6.1), the ones aiohttp
 # sets itself, and accept-encoding (the proxy asks for identity bodies so it never has to
@@ -89,6 +100,19 @@ def error_body(message: str, *, type_: str = "invalid_request_error", param: str
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
+def reflect(value: str, limit: int = MAX_REFLECTED_CHARS) -> str:
+    """`repr(value)` cut to about `limit` characters, saying how long the value was: what an error
+    message may echo of client input."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+CLOSE = [(b"connection", b"close")]
+"""Response header that makes the server close the connection after the response (a request
+whose body was not read, or not in time, must not leave its connection usable)."""
+
+
 async def send_json(send: Send, status: int, body: bytes,
                     extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
     """Send a complete JSON response through ASGI `send`."""
@@ -97,6 +121,41 @@ async def send_json(send: Send, status: int, body: bytes,
         headers.extend(extra_headers)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class BodyTooLarge(Exception):
+    """A request body longer than the caller's limit (raised by `read_body`)."""
+
+
+async def read_body(receive: Receive, max_bytes: int) -> bytes | None:
+    """The whole request body from ASGI `receive`; None if the client disconnected first.
+
+    Raises `BodyTooLarge` as soon as more than `max_bytes` arrived. Does not time out: the
+    server bounds the time (`router.server.RequestGuardProtocol`)."""
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        return None
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):  # the usual case: the whole body in one message
+        if len(body) > max_bytes:
+            raise BodyTooLarge
+        return body
+    chunks = [body]
+    size = len(body)
+    if size > max_bytes:
+        raise BodyTooLarge
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        if chunk:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > max_bytes:
+                raise BodyTooLarge
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def check_request(body: bytes, path: str) -> tuple[str, None] | tuple[None, bytes]:
@@ -191,6 +250,7 @@ class Proxy:
     upstream connection; `read_timeout_s` (None: unlimited, as generations can take
     minutes) between two reads from the endpoint. `failure_cooldown_s`: how long an
     endpoint whose connection failed is skipped (see `router.pool.DEFAULT_FAILURE_COOLDOWN_S`).
+    `max_body_bytes`: the largest request body (413 beyond it).
     """
 
     def __init__(
@@ -241,23 +301,14 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         query: bytes = scope.get("query_string", b"")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            if chunk:
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > self._max_body_bytes:
-                    await self._reject(send, 413, "", error_body(
-                        f"request body exceeds {self._max_body_bytes} bytes", code="request_too_large"))  # fmt: skip
-                    return
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:  # the server answers 408 to a body that does not arrive in time: we see a disconnect
+            body = await read_body(receive, self._max_body_bytes)
+        except BodyTooLarge:
+            await self._reject(send, 413, "", error_body(
+                f"request body exceeds {self._max_body_bytes} bytes", code="request_too_large"), CLOSE)  # fmt: skip
+            return
+        if body is None:
+            return  # the client is gone
 
         model, doc, problem = parse_request(body, path)
         if model is None or doc is None:
@@ -265,9 +316,12 @@ class Proxy:
             return
         pool = self._pools.get(model)
         if pool is None:
-            known = ", ".join(self._pools.models()) or "(none)"
-            await self._reject(send, 404, "", error_body(
-                f"model {model!r} is not served here; known models: {known}", param="model",
+            models = self._pools.models()
+            known = ", ".join(reflect(m) for m in models[:MAX_LISTED_MODELS]) or "(none)"
+            if len(models) > MAX_LISTED_MODELS:
+                known += f" and {len(models) - MAX_LISTED_MODELS} more (GET /v1/models)"
+            await self._reject(send, 404, model, error_body(
+                f"model {reflect(model)} is not served here; known models: {known}", param="model",
                 code="model_not_found"))  # fmt: skip
             return
         arrival_s = self._clock()
@@ -373,10 +427,13 @@ class Proxy:
             type_="server_error", code="queue_timeout"), self._retry_after, stats)  # fmt: skip
         return None
 
+    def _count_rejection(self, model: str, status: int) -> None:
+        self._metrics.reject(model, status, self._pools.get(model) is not None)
+
     async def _reject(self, send: Send, status: int, model: str, body: bytes,
                       extra_headers: list[tuple[bytes, bytes]] | None = None,
                       stats: ModelStats | None = None) -> None:  # fmt: skip
-        self._metrics.rejected.labels(model, str(status)).inc()
+        self._count_rejection(model, status)
         if stats is not None:
             stats.rejected.add(self._clock())
         await send_json(send, status, body, extra_headers)
@@ -389,19 +446,23 @@ class Proxy:
 
         Returns True only when the connection failed before any response byte arrived;
         then nothing has been sent to the client. In every other case the client got a
-        response (relayed, 502/504, or a truncated stream) or is gone.
+        response (relayed, 502/504, or a stream ended by an error event) or is gone.
 
         Time to first byte is measured to the first body chunk of a streamed response and
         to the response head of a sized one (an engine sends a non-streamed head with its
-        body, when generation is done). It feeds the EWMA and histogram for < 400 only.
-        The model's windowed stats get the client-side latencies, from ``arrival_s``: TTFT
-        (< 400 only) and end-to-end, stamped at completion. A finished request frees its
-        slot: the next request waiting in the admission queue is woken. `prefill_tokens` (the
-        prompt tokens the policy expects the endpoint to compute) count as its queued prefill
-        work until the first byte (`EndpointState.start` / `first_byte` / `finish`).
+        body, when generation is done). It feeds the first-byte EWMA and histogram for < 400
+        only; a streamed (SSE) < 400 reply also gives its time to first token and time per
+        output token (`router.sse`). The model's windowed stats get the client-side latencies,
+        from ``arrival_s``: TTFT (first byte; < 400 only), TPOT and end-to-end, stamped at
+        completion. A finished request frees its slot: the next request waiting in the
+        admission queue is woken. `prefill_tokens` (the prompt tokens the policy expects the
+        endpoint to compute) count as its queued prefill work until the first byte
+        (`EndpointState.start` / `first_byte` / `finish`).
         """
         m = endpoint.metrics
-        assert m is not None  # endpoints of a PoolTable are always bound
+        assert m is not None  # endpoints of a PoolTable always have their metrics
+        if not m.bound:
+            m.bind()  # series appear at an endpoint's first request (cheap pool updates)
         assert self._session is not None
         endpoint.start(prefill_tokens)
         first = [prefill_tokens]   # emptied when the first byte releases the prefill charge
@@ -421,7 +482,9 @@ class Proxy:
                 m.error("timeout" if timed_out else "interrupted").inc()
                 log.warning("endpoint %s (%s): request failed: %r", endpoint.id, endpoint.url, exc)
                 watch.finishing = True
-                await send_json(send, 504 if timed_out else 502, error_body(
+                status = 504 if timed_out else 502
+                self._count_rejection(m.labels[0], status)
+                await send_json(send, status, error_body(
                     f"endpoint {endpoint.id} failed: {type(exc).__name__}", type_="server_error",
                     code="upstream_timeout" if timed_out else "upstream_error"))  # fmt: skip
                 return False
@@ -437,11 +500,16 @@ class Proxy:
                 content_type = resp.content_type
                 length = resp.content_length
                 first_byte_s: float | None
-                if length is not None and content_type != "text/event-stream":
-                    completed = await self._relay_whole(endpoint, resp, status, relay, send, watch)
+                sse: SseRelay | None = None
+                if content_type == "text/event-stream":
+                    sse = SseRelay()
+                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, sse, first)
+                    completed = first_byte_s is not None
+                elif length is not None:
+                    completed = await self._relay_whole(endpoint, m, resp, status, relay, send, watch)
                     first_byte_s = headers_s
                 else:
-                    first_byte_s = await self._relay_stream(endpoint, resp, status, relay, send, watch, first)
+                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, None, first)
                     completed = first_byte_s is not None
                 if completed:
                     assert first_byte_s is not None
@@ -450,10 +518,16 @@ class Proxy:
                     stats = shared.stats
                     stats.e2e.add(end_s, end_s - arrival_s)
                     if status < 400:  # errors are not latency samples (5xx got a penalty above)
-                        ttfb_s = first_byte_s - start_s
-                        m.ttfb.observe(ttfb_s)
-                        endpoint.record_ttft(ttfb_s, end_s)
+                        first_byte_latency_s = first_byte_s - start_s
+                        m.first_byte.observe(first_byte_latency_s)
+                        endpoint.record_first_byte(first_byte_latency_s, end_s)
                         stats.ttft.add(end_s, first_byte_s - arrival_s)
+                        if sse is not None and sse.first_token_s is not None:
+                            m.ttft.observe(sse.first_token_s - start_s)
+                            tpot_s = sse.time_per_output_token_s()
+                            if tpot_s is not None:
+                                m.tpot.observe(tpot_s)
+                                stats.tpot.add(end_s, tpot_s)
             finally:
                 if completed:
                     resp.release()
@@ -465,16 +539,18 @@ class Proxy:
             if shared.queue.has_waiters() and not endpoint.draining:
                 shared.queue.wake(1)
 
-    async def _relay_whole(self, endpoint: EndpointState, resp: aiohttp.ClientResponse, status: int,
-                           headers: list[tuple[bytes, bytes]], send: Send, watch: _ClientWatch) -> bool:  # fmt: skip
+    async def _relay_whole(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
+                           status: int, headers: list[tuple[bytes, bytes]], send: Send,
+                           watch: _ClientWatch) -> bool:  # fmt: skip
         """Relay a sized, non-streamed body in one piece; False if the endpoint failed."""
         try:
             data = await resp.read()
         except _UPSTREAM_ERRORS as exc:
             endpoint.record_failure(self._clock())
-            endpoint.metrics.error("interrupted").inc()  # type: ignore[union-attr]
+            m.error("interrupted").inc()
             log.warning("endpoint %s (%s): body read failed: %r", endpoint.id, endpoint.url, exc)
             watch.finishing = True
+            self._count_rejection(m.labels[0], 502)
             await send_json(send, 502, error_body(f"endpoint {endpoint.id} failed mid-response",
                                                   type_="server_error", code="upstream_error"))  # fmt: skip
             return False
@@ -484,31 +560,52 @@ class Proxy:
         await send({"type": "http.response.body", "body": data, "more_body": False})
         return True
 
-    async def _relay_stream(self, endpoint: EndpointState, resp: aiohttp.ClientResponse, status: int,
-                            headers: list[tuple[bytes, bytes]], send: Send, watch: _ClientWatch,
-                            first: list[int]) -> float | None:  # fmt: skip
-        """Relay the body chunk by chunk as it arrives; return the clock time of the first
-        body chunk (or of the end, for an empty body), None if the endpoint failed midway.
-        At the first chunk the prefill charge in `first` is released (`first` is emptied).
+    async def _relay_stream(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
+                            status: int, headers: list[tuple[bytes, bytes]], send: Send, watch: _ClientWatch,
+                            sse: SseRelay | None, first: list[int]) -> float | None:  # fmt: skip
+        """Relay the body as it arrives (SSE: whole events, through `sse`); return the clock time
+        of the first body chunk (or of the end, for an empty body), None if the endpoint failed
+        midway. At the first chunk the prefill charge in `first` is released (`first` is emptied).
 
-        On failure the response to the client is left incomplete, so the ASGI server
-        closes the connection and the client sees a truncated stream, not a clean end.
+        On failure an SSE stream ends with an OpenAI error event and `data: [DONE]` (what vLLM
+        sends when generation fails mid-stream; OpenAI clients raise it as an `APIError`);
+        another body is left incomplete, so the ASGI server closes the connection and the
+        client sees a truncated body, not a clean end.
         """
         await send({"type": "http.response.start", "status": status, "headers": headers})
         first_byte_s: float | None = None
+        clock = self._clock
         try:
             async for chunk in resp.content.iter_any():
-                if first_byte_s is None:
-                    first_byte_s = self._clock()
+                if sse is not None:
+                    now_s = clock()
+                    if first_byte_s is None:
+                        first_byte_s = now_s
+                        endpoint.first_byte(first.pop())
+                    chunk = sse.feed(chunk, now_s)
+                    if not chunk:
+                        continue  # a partial event, held back until its end arrives
+                elif first_byte_s is None:
+                    first_byte_s = clock()
                     endpoint.first_byte(first.pop())
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except _UPSTREAM_ERRORS as exc:
-            endpoint.record_failure(self._clock())
-            endpoint.metrics.error("interrupted").inc()  # type: ignore[union-attr]
+            endpoint.record_failure(clock())
+            m.error("interrupted").inc()
             log.warning("endpoint %s (%s): stream interrupted: %r", endpoint.id, endpoint.url, exc)
+            if sse is not None and sse.aligned:
+                watch.finishing = True
+                await send({"type": "http.response.body", "more_body": False, "body": stream_error_tail(
+                    f"endpoint {endpoint.id} failed mid-stream ({type(exc).__name__}); the response is incomplete")})
             return None
         if first_byte_s is None:
-            first_byte_s = self._clock()
+            first_byte_s = clock()
         watch.finishing = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": sse.rest() if sse is not None else b"", "more_body": False})
         return first_byte_s
+
+
+def stream_error_tail(message: str) -> bytes:
+    """The end of an SSE stream that failed: an OpenAI error event, then `data: [DONE]`."""
+    error = error_body(message, type_="server_error", code="upstream_interrupted")
+    return b"data: " + error + b"\n\ndata: [DONE]\n\n"

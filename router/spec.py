@@ -3,7 +3,9 @@
 Owns the pydantic models `EndpointSpec` and `PoolSpec`, the body of
 `PUT /admin/v1/pools/{model}`. Parsed by `router.admin`; applied by
 `router.pool.PoolTable.put`; a controller may build them to talk to the router.
-Bad input is rejected here, naming the field (FastAPI turns it into a 422).
+Bad input is rejected here, naming the field (`router.admin` turns it into a 422 in OpenAI's
+error format). Numbers must be finite: `NaN` and `Infinity` (which Python's JSON parser accepts)
+are refused, as are pools of more than `MAX_ENDPOINTS_PER_POOL` endpoints.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ DEFAULT_MAX_QUEUE_LENGTH = 1000
 """Requests that may wait in one model's admission queue (when the queue is on)."""
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 """Longest wait (seconds) in the admission queue before the router answers 503."""
+MAX_ENDPOINTS_PER_POOL = 100_000
+"""Most endpoints one pool document may list: ten times the largest pool the router is measured
+with (loadtests/bench_pool_update.py), so a runaway controller gets a 422, not a stalled router."""
 
 
 class EndpointSpec(BaseModel):
     """One engine endpoint of a pool."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     id: str = Field(
         min_length=1,
@@ -32,12 +37,15 @@ class EndpointSpec(BaseModel):
         description="Endpoint id, unique in the pool (e.g. the replica name `chat-0`); a metric label.",
     )
     url: str = Field(
+        max_length=2048,
         description="Base URL of the engine's OpenAI server, `http://host:port`, no path; "
         "the request path (`/v1/completions`) is appended.",
     )
     version: str = Field(
-        default="", max_length=128, description="Model/engine version served (e.g. `v1`); informational."
-    )
+        default="", max_length=128,
+        description="Model/engine version served (e.g. `v1`): the `version` label of the endpoint's "
+        "metric series, so a canary and its stable arm can be compared.",
+    )  # fmt: skip
     weight: float = Field(
         default=1.0,
         ge=0.0,
@@ -63,11 +71,12 @@ class EndpointSpec(BaseModel):
 class PoolSpec(BaseModel):
     """The endpoints that serve one model, and how to choose among them."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     policy: str = Field(default=DEFAULT_POLICY, description=f"Routing policy name; one of {policy_names()}.")
     endpoints: list[EndpointSpec] = Field(
-        default_factory=list, description="All endpoints of the pool, draining ones included; may be empty (503s)."
+        default_factory=list, max_length=MAX_ENDPOINTS_PER_POOL,
+        description="All endpoints of the pool, draining ones included; may be empty (503s).",
     )
     max_concurrency_per_endpoint: int | None = Field(
         default=None, ge=1, le=100_000,

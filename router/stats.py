@@ -1,4 +1,4 @@
-"""Windowed request statistics of each model: arrival rate, queue time, TTFT, end-to-end latency.
+"""Windowed request statistics of each model: arrival rate, queue time, TTFT, TPOT, end-to-end latency.
 
 Owns the two window primitives and `ModelStats`, the per-model bundle the request path records
 into. `router.pool.PoolTable` keeps one `ModelStats` per model across pool replacements;
@@ -172,13 +172,16 @@ class ModelStats:
     queue (0 when an endpoint had a free slot at once), sampled at dispatch; a request that
     gave up waiting (queue timeout) counts with the time it waited;
     `ttft` - arrival until the first response byte reached the client (the client-side time to
-    first token: queue time + retries + the endpoint's time to first byte), successful
-    (< 400) responses only, sampled then;
+    first token of a streamed reply: queue time + retries + the endpoint's time to first byte;
+    for a non-streamed reply the whole answer), successful (< 400) responses only, sampled then;
+    `tpot` - time per output token of a successful streamed reply, as the router saw its token
+    events arrive (`router.sse`; the formula is `router.metrics`'
+    `fleet_router_time_per_output_token_seconds`), sampled at completion;
     `e2e` - arrival until the last response byte was relayed, every completed response,
     sampled then.
     """
 
-    __slots__ = ("arrivals", "rejected", "queue_time", "ttft", "e2e", "started_s")
+    __slots__ = ("arrivals", "rejected", "queue_time", "ttft", "tpot", "e2e", "started_s")
 
     def __init__(self, started_s: float, samples: int = DEFAULT_SAMPLES_PER_WINDOW,
                  rate_retention_s: float = DEFAULT_RATE_RETENTION_S) -> None:  # fmt: skip
@@ -187,6 +190,7 @@ class ModelStats:
         self.rejected = RateWindow(started_s, rate_retention_s)
         self.queue_time = SampleWindow(samples)
         self.ttft = SampleWindow(samples)
+        self.tpot = SampleWindow(samples)
         self.e2e = SampleWindow(samples)
 
     def snapshot(self, now_s: float, window_s: float = DEFAULT_WINDOW_S, *, in_flight: int = 0,
@@ -198,14 +202,15 @@ class ModelStats:
         Keys: ``window_s``, ``covered_s`` (the span the latency samples cover; below
         ``window_s`` only when a ring overflowed), ``arrivals``, ``arrival_rate_per_s``,
         ``rejected``, ``rejected_rate_per_s``, ``in_flight``, ``queued``, and
-        ``queue_time_s``, ``ttft_s``, ``e2e_s`` (`LatencySummary.to_dict`).
+        ``queue_time_s``, ``ttft_s``, ``tpot_s``, ``e2e_s`` (`LatencySummary.to_dict`).
         """
         arrivals, rate_span_s = self.arrivals.count(now_s, window_s)
         rejected, _ = self.rejected.count(now_s, window_s)
         rate_span_s = max(rate_span_s, self.arrivals.slice_s)  # one early request is not a rate
         covered = [window_s]
         summaries = {}
-        for name, ring in (("queue_time_s", self.queue_time), ("ttft_s", self.ttft), ("e2e_s", self.e2e)):
+        for name, ring in (("queue_time_s", self.queue_time), ("ttft_s", self.ttft), ("tpot_s", self.tpot),
+                           ("e2e_s", self.e2e)):  # fmt: skip
             values, covered_s = ring.values(now_s, window_s)
             covered.append(covered_s)
             summaries[name] = LatencySummary.of(values).to_dict()

@@ -16,20 +16,18 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import uvicorn
 from aiohttp import web
 
-from router.server import ListeningServer
+from router.server import ListeningServer, uvicorn_config
 
 
 @contextlib.asynccontextmanager
-async def running_app(app: Any, host: str = "127.0.0.1") -> AsyncIterator[str]:
-    """Serve the ASGI `app` (uvicorn, httptools, lifespan on) on a free port of `host`;
-    yield its base URL (`http://host:port`); shut it down on exit (at most 5 s grace)."""
-    config = uvicorn.Config(
-        app, host=host, port=0, http="httptools", lifespan="on", access_log=False, proxy_headers=False,
-        log_level="warning", timeout_graceful_shutdown=5,
-    )  # fmt: skip
+async def running_app(app: Any, host: str = "127.0.0.1", **server: Any) -> AsyncIterator[str]:
+    """Serve the ASGI `app` with the router's server settings (`router.server.uvicorn_config`:
+    httptools with the request-head guard, lifespan on) on a free port of `host`; yield its base
+    URL (`http://host:port`); shut it down on exit (at most 5 s grace). `server`: further
+    arguments of `uvicorn_config` (e.g. `head_timeout_s`)."""
+    config = uvicorn_config(app, host, 0, loop="auto", timeout_graceful_shutdown=5, **server)
     bound: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
 
     def on_listening(bound_host: str, bound_port: int) -> None:

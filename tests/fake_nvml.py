@@ -98,7 +98,15 @@ class FakeNvml:
 
 
 class FakeNVMLError(Exception):
-    pass
+    """Like pynvml.NVMLError: ``value`` is the NVML return code."""
+
+    def __init__(self, message: str = "Unknown Error", value: int = 999) -> None:
+        super().__init__(message)
+        self.value = value
+
+
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_GPU_IS_LOST = 15
 
 
 class FakePynvml:
@@ -119,14 +127,42 @@ class FakePynvml:
     NVML_NVLINK_DEVICE_TYPE_GPU = 0
     NVML_NVLINK_DEVICE_TYPE_SWITCH = 2
     NVML_GPU_FABRIC_STATE_COMPLETED = 3
+    NVML_ERROR_TIMEOUT = NVML_ERROR_TIMEOUT
+    NVML_ERROR_GPU_IS_LOST = NVML_ERROR_GPU_IS_LOST
+    nvmlEventTypeXidCriticalError = 0x8
+    NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 1
+    NVML_P2P_CAPS_INDEX_NVLINK = 2
 
     def __init__(self, snapshot: dict) -> None:
         self.snap = snapshot
         self.initialized = 0
+        self._pristine = copy.deepcopy(snapshot)
+        self.events: list[SimpleNamespace] = []
+        self.registered: set[int] = set()
+
+    # -- fault injection (health tests) -----------------------------------------------------------
+    def inject(self, index: int, **readings) -> None:
+        """Overwrite readings of GPU ``index``, e.g. ``inject(1, ecc_volatile_uncorrected=2)``,
+        ``inject(0, pcie={...})``, ``inject(2, lost=True)``, ``inject(3, nvlink_errors={"0": {...}})``."""
+        self.snap["devices"][index].update(readings)
+
+    def heal(self, index: int) -> None:
+        """GPU ``index`` back to its readings at construction (a reset, a replaced part)."""
+        self.snap["devices"][index] = copy.deepcopy(self._pristine["devices"][index])
+
+    def inject_xid(self, index: int, xid: int, gpu_instance_id: int | None = None) -> None:
+        """Queue an Xid event as NVML's event set delivers it (only for registered GPUs)."""
+        if index in self.registered:
+            self.events.append(SimpleNamespace(
+                device=index, eventType=self.nvmlEventTypeXidCriticalError, eventData=xid,
+                gpuInstanceId=0xFFFFFFFF if gpu_instance_id is None else gpu_instance_id, computeInstanceId=0))
 
     # -- helpers ---------------------------------------------------------------------------------
     def _dev(self, h):
-        return self.snap["devices"][h] if isinstance(h, int) else h["mig"]
+        d = self.snap["devices"][h] if isinstance(h, int) else h["mig"]
+        if d.get("lost"):
+            raise FakeNVMLError("GPU is lost", NVML_ERROR_GPU_IS_LOST)
+        return d
 
     def _value(self, value):
         if isinstance(value, dict) and "error" in value:
@@ -236,6 +272,42 @@ class FakePynvml:
 
     def nvmlDeviceGetGpuInstanceById(self, h, gi_id):
         return next(m for m in self._dev(h)["mig_instances"] if m["gi_id"] == gi_id)
+
+    # -- health readings and events ---------------------------------------------------------------
+    def nvmlDeviceGetRetiredPages(self, h, cause):
+        return list(self._value(self._dev(h).get("retired_pages_dbe", {"error": "Not Supported"})))
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
+        return self._value(self._dev(h).get("retired_pages_pending", {"error": "Not Supported"}))
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, h, link, counter):
+        names = {0: "replay", 1: "recovery", 2: "crc_flit", 3: "crc_data"}
+        return self._dev(h).get("nvlink_errors", {}).get(str(link), {}).get(names[counter], 0)
+
+    def nvmlDeviceGetP2PStatus(self, h1, h2, cap):
+        return self._dev(h1).get("p2p_nvlink", {}).get(str(h2), 0)
+
+    def nvmlDeviceGetCpuAffinity(self, h, words):
+        cores = self._dev(h).get("cpu_affinity", list(range(16)))   # the real H100: "CPU affinity 0-15"
+        mask = [0] * words
+        for c in cores:
+            mask[c // 64] |= 1 << (c % 64)
+        return mask
+
+    def nvmlEventSetCreate(self):
+        return "event-set"
+
+    def nvmlDeviceRegisterEvents(self, h, types, event_set):
+        self._dev(h)
+        self.registered.add(h)
+
+    def nvmlEventSetWait_v2(self, event_set, timeout_ms):
+        if not self.events:
+            raise FakeNVMLError("Timeout", NVML_ERROR_TIMEOUT)
+        return self.events.pop(0)
+
+    def nvmlEventSetFree(self, event_set):
+        pass
 
     def nvmlGpuInstanceGetInfo(self, gi):
         return SimpleNamespace(profileId=0, placement=SimpleNamespace(start=gi["start"], size=0))

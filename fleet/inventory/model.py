@@ -10,7 +10,7 @@ Pure data: no I/O.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 # NVML clock event ("throttle") reason bits, nvml.h `nvmlClocksEventReason*` (same values as the
@@ -148,6 +148,23 @@ class NodeInventory:
     network_block: str | None = None
     nvlink_fabric: str | None = None
     cached: frozenset[str] = frozenset()
+    quarantined: dict[str, str] = field(default_factory=dict)   # GPU / MIG uuid -> why (node agent)
+
+    def with_quarantine(self, quarantined: dict[str, str]) -> NodeInventory:
+        """This node as placement must see it while the node agent quarantines ``quarantined``
+        (GPU or MIG instance uuid -> reason): a quarantined GPU is unhealthy (placement skips it,
+        `GpuHealth.problems` says why), a quarantined MIG instance is left out. Pure."""
+        if not quarantined:
+            return self if not self.quarantined else replace(self, quarantined={})
+        gpus = []
+        for g in self.gpus:
+            if g.uuid in quarantined:
+                g = replace(g, health=replace(g.health, other_problems=(
+                    *g.health.other_problems, f"quarantined: {quarantined[g.uuid]}")))
+            if any(m.uuid in quarantined for m in g.mig_instances):
+                g = replace(g, mig_instances=tuple(m for m in g.mig_instances if m.uuid not in quarantined))
+            gpus.append(g)
+        return replace(self, gpus=tuple(gpus), quarantined=dict(quarantined))
 
     @cached_property
     def domains(self) -> tuple[tuple[Gpu, ...], ...]:

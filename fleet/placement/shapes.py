@@ -104,6 +104,18 @@ class ReplicaPlacement:
     def exclusive(self) -> bool:
         return all(m.exclusive for m in self.members)
 
+    def to_dict(self) -> dict:
+        """JSON-ready form (the controller's state file); `from_dict` reads it back."""
+        return {"product": self.product, "members": [
+            {"node": m.node, "devices": list(m.devices), "env": dict(m.env), "label": m.label, "domain": m.domain,
+             "exclusive": m.exclusive} for m in self.members]}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReplicaPlacement:
+        return cls(tuple(Assignment(m["node"], tuple(m["devices"]), dict(m.get("env") or {}), m.get("label", ""),
+                                    m.get("domain", ""), bool(m.get("exclusive", True))) for m in d["members"]),
+                   d.get("product"))  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Unplaceable:

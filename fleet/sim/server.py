@@ -355,6 +355,9 @@ class SimReplica:
                 live = self._admit(prompt_ids, body, None if chat else 16)
             except tokens.PromptError as err:
                 return ApiError(400, str(err)).response()
+            except UnicodeEncodeError as err:  # a lone surrogate ("\udc80"): vLLM's tokenizer refuses it with 400 too
+                return ApiError(400, f"the prompt is not valid Unicode text: {err.reason} at position {err.start}",
+                                "messages" if chat else "prompt").response()
             except ApiError as err:
                 return err.response()
             if body.get("stream"):

@@ -14,7 +14,7 @@ What runs for real (the live objects, fed in virtual time):
   for a `router.prompt_blocks.RouteRequest` built by `route_request` from the very token-id
   prompt the engine model gets (as the proxy builds it from the body), over
   `router.pool.EndpointState`s whose load (`start`, `first_byte` at the first token,
-  `finish`) and TTFT EWMA (`EndpointState.record_ttft`) are updated where `router.proxy`
+  `finish`) and first-byte EWMA (`EndpointState.record_first_byte`) are updated where `router.proxy`
   updates them; draining endpoints stay in the pool marked draining, as the controller
   publishes them. With ``routers`` > 1, that many independent routers (each its own policy
   object and its own endpoint states, seeing only its own requests) take the requests in
@@ -376,7 +376,7 @@ class Simulation:
         self._done += 1
         arrival_s = log.arrival_s[i]
         self.stats.e2e.add(now_s, now_s - arrival_s)
-        endpoint.record_ttft(fr.first_token_s - log.dispatch_s[i], now_s)
+        endpoint.record_first_byte(fr.first_token_s - log.dispatch_s[i], now_s)
         self.stats.ttft.add(now_s, fr.first_token_s - arrival_s)
 
     # ----- engines ----------------------------------------------------------------------

@@ -57,11 +57,11 @@ def free_port() -> int:
 class FleetUp:
     """One `fleet up` child process with its own state directory and router port."""
 
-    def __init__(self, files: list[Path], state_dir: Path) -> None:
+    def __init__(self, files: list[Path], state_dir: Path, port: int | None = None, out_name: str = "fleet-up.out") -> None:
         self.state_dir = state_dir
-        self.port = free_port()
+        self.port = port or free_port()
         self.router_url = f"http://127.0.0.1:{self.port}"
-        self.out_path = state_dir.parent / "fleet-up.out"
+        self.out_path = state_dir.parent / out_name
         self._out = open(self.out_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleet.cli", "up", *map(str, files), "--port", str(self.port),
@@ -165,8 +165,8 @@ def sim_fleet_up(tmp_path: Path) -> Iterator[Callable[[list[Path]], FleetUp]]:
 def _fleet_up_factory(tmp_path: Path) -> Iterator[Callable[[list[Path]], FleetUp]]:
     started: list[FleetUp] = []
 
-    def start(files: list[Path]) -> FleetUp:
-        f = FleetUp(files, tmp_path / "state")
+    def start(files: list[Path], port: int | None = None) -> FleetUp:
+        f = FleetUp(files, tmp_path / "state", port=port, out_name=f"fleet-up-{len(started)}.out")
         started.append(f)
         return f
 

@@ -73,7 +73,7 @@ def test_quickstart_serves_completions_and_streamed_chat_then_stops_cleanly(flee
     assert as_json["running"] is True
     assert {r["assignment"] for r in as_json["replicas"]} == {"cpu:0", "cpu:1"}
 
-    engine_pids = [r["pid"] for r in fleet.replicas().values()]
+    engine_pids = [int(r["detail"]["pid"]) for r in fleet.replicas().values()]
     assert fleet.interrupt() == 0
     assert fleet.leftover_pids() == [], f"processes left behind: {fleet.leftover_pids()}"
     assert all(pid in fleet.seen_pids for pid in engine_pids)

@@ -63,9 +63,9 @@ class Fleet(Harness):
             self.pools.stats_by_model["chat-model"] = router_stats(queue_s=queue_s, ttft_s=4 * queue_s,
                                                                    in_flight=in_flight, rate=4.0 * worth)  # fmt: skip
             for r in self.c.replicas.values():
-                if r.port is not None and r.status is S.STARTING:
-                    self.engines.healthy.add(r.port)
-                    self.engines.metrics_text[r.port] = BUSY_METRICS
+                if r.endpoint is not None and r.status is S.STARTING:
+                    self.engines.healthy.add(self.port(r.id))
+                    self.engines.metrics_text[self.port(r.id)] = BUSY_METRICS
             await self.loop.step()
 
     def count(self, *statuses: S) -> int:

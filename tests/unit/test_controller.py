@@ -4,6 +4,7 @@ with a fake backend, fake engines and a fake router admin API."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,14 +38,14 @@ def write_deployment(tmp_path: Path, name="chat", replicas=2, **spec_extra) -> P
 class Harness:
     def __init__(self, tmp_path: Path, files: list[Path], node=CPU_NODE, **settings):
         self.clock = FakeClock()
-        self.backend = FakeBackend()
+        self.backend = FakeBackend(node)
         self.engines = FakeEngineAPI()
         self.pools = FakePoolSink()
         self.events = []
         self.c = Controller(
             load_deployments(files), backend=self.backend, engine_api=self.engines, pool_sink=self.pools,
-            node=node, clock=self.clock, sleep=self.clock.sleep, settings=ControllerSettings(**settings),
-            on_event=self.events.append, log_dir=tmp_path / "logs",
+            clock=self.clock, sleep=self.clock.sleep, settings=ControllerSettings(**settings),
+            on_event=self.events.append,
         )
 
     async def tick(self, seconds: float = 1.0, n: int = 1) -> None:
@@ -59,7 +60,10 @@ class Harness:
 
     def make_healthy(self, *rids: str) -> None:
         for rid in rids:
-            self.engines.healthy.add(self.c.replicas[rid].port)
+            self.engines.healthy.add(self.port(rid))
+
+    def port(self, rid: str) -> int:
+        return self.backend.by_replica(rid).spec.port
 
     def pool_ids(self, model="chat-model") -> list[str]:
         return [e.id for e in self.pools.pools.get(model, []) if not e.draining]
@@ -76,6 +80,14 @@ def vllm_installed(monkeypatch):
     monkeypatch.setattr(VllmEngine, "preflight", lambda self: None)
 
 
+@pytest.fixture(autouse=True)
+def no_real_processes(monkeypatch):
+    """The controller reaches processes only through the backend: a real start here is a bug."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a unit test of the controller tried to start a real process")
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
 async def test_replicas_go_through_the_lifecycle_and_join_the_pool_only_when_warm(tmp_path):
     h = Harness(tmp_path, [write_deployment(tmp_path)])
     await h.tick()
@@ -86,7 +98,7 @@ async def test_replicas_go_through_the_lifecycle_and_join_the_pool_only_when_war
     assert sorted(envs) == ["0", "1"]
     argv = h.backend.by_replica("chat-0").spec.argv
     assert argv[argv.index("--served-model-name") + 1] == "chat-model"
-    assert argv[argv.index("--port") + 1] == str(h.c.replicas["chat-0"].port)
+    assert argv[argv.index("--port") + 1] == str(h.port("chat-0"))
 
     h.make_healthy("chat-0")
     await h.tick()
@@ -151,13 +163,13 @@ async def test_startup_timeout_stops_the_engine_and_escalates_to_sigkill(tmp_pat
     await h.tick(n=10)
     assert h.backend.by_replica("chat-0").signals == ["SIGTERM", "SIGKILL"]
     await h.tick()
-    assert not r.process_alive
+    assert not r.engine_alive
 
 
 async def test_failed_warmup_never_joins_the_pool(tmp_path):
     h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)])
     await h.tick()
-    port = h.c.replicas["chat-0"].port
+    port = h.port("chat-0")
     h.engines.warmup_fails.add(port)
     h.make_healthy("chat-0")
     await h.tick(n=2)
@@ -277,7 +289,7 @@ async def test_missing_weights_fail_the_replica_with_the_field_named(tmp_path):
     await h.tick()
     r = h.c.replicas["chat-0"]
     assert r.status is S.FAILED_START
-    assert r.failure.reason == "weights not found: spec.model.source './models/m'"
+    assert r.failure.reason.startswith("weights not present: spec.model.source './models/m': ")
     assert h.backend.procs == {}
 
 
@@ -317,3 +329,28 @@ async def test_mig_replicas_are_pinned_by_mig_uuid_and_a_scale_up_is_placed_as_o
     reason = h.c.snapshot()["replicas"][2]["waiting_reason"]
     assert "cannot place 1 of 3 replicas (1 MIG 3g.40gb instance of NVIDIA H100 80GB HBM3)" in reason
     assert "every 3g.40gb instance in use" in reason
+
+
+async def test_a_replica_on_a_gpu_gone_unhealthy_drains_and_its_replacement_lands_elsewhere(tmp_path):
+    import dataclasses
+
+    from fleet.inventory.model import GpuHealth
+
+    gpus = tuple(Gpu(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", 81559) for i in range(3))
+    node = NodeInventory("n", gpus=gpus, cpu_cores=(0, 1), nvlink_domains=((0, 1, 2),))
+    f = write_deployment(tmp_path, replicas=2, resources={"gpuProduct": "NVIDIA H100 80GB HBM3"})
+    h = Harness(tmp_path, [f], node=node)
+    await h.all_ready("chat-0", "chat-1")
+    on = {rid: h.backend.by_replica(rid).spec.env["CUDA_VISIBLE_DEVICES"] for rid in ("chat-0", "chat-1")}
+    assert on == {"chat-0": "GPU-0", "chat-1": "GPU-1"}
+    quarantined = GpuHealth(other_problems=("quarantined: Xid 79 (GPU fell off the bus)",))
+    sick = dataclasses.replace(node, gpus=(gpus[0], dataclasses.replace(gpus[1], health=quarantined), gpus[2]))
+    h.backend.nodes = (sick,)
+    await h.tick()
+    r = h.c.replicas["chat-1"]
+    assert r.status is S.DRAINING
+    assert r.drain_reason == "GPU GPU-1 on n unhealthy: quarantined: Xid 79 (GPU fell off the bus)"
+    assert h.pool_ids() == ["chat-0"]                          # out of the pool at once
+    assert h.backend.by_replica("chat-2").spec.env["CUDA_VISIBLE_DEVICES"] == "GPU-2"
+    await h.tick()
+    assert h.c.replicas["chat-1"].status is S.TERMINATED and h.c.replicas["chat-0"].status is S.READY

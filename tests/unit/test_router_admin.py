@@ -93,7 +93,7 @@ async def test_pool_listing_and_update_keep_stats_of_unchanged_endpoints() -> No
         await complete(client, "org/model", n=4)
         before = {e["id"]: e for e in (await pools(client))["org/model"]["endpoints"]}
         assert before["a"]["requests_total"] == before["b"]["requests_total"] == 2
-        assert before["a"]["ewma_ttft_s"] > 0
+        assert before["a"]["ewma_first_byte_s"] > 0
 
         listing = await put(client, "org/model", {"policy": "round-robin", "endpoints": [
             {"id": "a", "url": a.url, "version": "v2", "weight": 0.5},  # unchanged id+url: stats kept
@@ -103,7 +103,8 @@ async def test_pool_listing_and_update_keep_stats_of_unchanged_endpoints() -> No
         after = {e["id"]: e for e in (await pools(client))["org/model"]["endpoints"]}
         assert after["a"] == {**before["a"], "version": "v2", "weight": 0.5}
         assert after["b"] == {"id": "b", "url": c.url, "version": "v2", "weight": 1.0, "draining": False,
-                              "in_flight": 0, "requests_total": 0, "errors_total": 0, "ewma_ttft_s": None}  # fmt: skip
+                              "in_flight": 0, "requests_total": 0, "errors_total": 0,
+                              "ewma_first_byte_s": None}  # fmt: skip
         await complete(client, "org/model", n=2)
         assert len(c.requests) == 1 and len(b.requests) == 2
 

@@ -49,13 +49,13 @@ def test_spec_rejects_bad_input_naming_the_problem(doc: dict[str, object], needl
 
 def test_ewma_update() -> None:
     state = EndpointState("a", "http://h:1")
-    state.record_ttft(1.0, now_s=5.0)
-    assert (state.ewma_ttft_s, state.last_sample_s) == (1.0, 5.0)
-    state.record_ttft(2.0, now_s=6.0)
-    assert state.ewma_ttft_s == pytest.approx(EWMA_ALPHA * 2.0 + (1 - EWMA_ALPHA) * 1.0)
+    state.record_first_byte(1.0, now_s=5.0)
+    assert (state.ewma_first_byte_s, state.last_sample_s) == (1.0, 5.0)
+    state.record_first_byte(2.0, now_s=6.0)
+    assert state.ewma_first_byte_s == pytest.approx(EWMA_ALPHA * 2.0 + (1 - EWMA_ALPHA) * 1.0)
     state.record_failure(now_s=7.0, cooldown_s=3.0)
     assert state.errors_total == 1 and state.unavailable_until_s == 10.0
-    assert state.ewma_ttft_s is not None and state.ewma_ttft_s > EWMA_ALPHA * FAILURE_PENALTY_S
+    assert state.ewma_first_byte_s is not None and state.ewma_first_byte_s > EWMA_ALPHA * FAILURE_PENALTY_S
 
 
 def test_put_keeps_stats_of_unchanged_endpoints_only() -> None:

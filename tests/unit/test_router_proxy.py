@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -82,6 +83,8 @@ def http_chunk(data: bytes) -> bytes:
 
 
 def counter_value(app: RouterApp, name: str, **labels: str) -> float:
+    if "endpoint" in labels and not name.startswith("fleet_router_requests_in_flight"):
+        labels.setdefault("version", "")  # per-endpoint series carry the endpoint's version
     value = app.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
 
@@ -109,7 +112,7 @@ async def test_non_streaming_completion_is_relayed_with_body_unchanged() -> None
     assert seen == [(raw, "api-version=2", "Bearer user-key", "1")]
     state = app.pools.get("m").endpoints[0]  # type: ignore[union-attr]
     assert (state.requests_total, state.errors_total, state.in_flight) == (1, 0, 0)
-    assert state.ewma_ttft_s is not None and state.ewma_ttft_s > 0
+    assert state.ewma_first_byte_s is not None and state.ewma_first_byte_s > 0
 
 
 async def test_stream_chunk_reaches_client_before_engine_finishes() -> None:
@@ -305,8 +308,12 @@ async def test_no_retry_once_upstream_sent_bytes() -> None:
             assert resp.status == 200
             first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), WAIT_S)
             assert first == b"data: chunk-1\n\n"
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await asyncio.wait_for(resp.content.read(), WAIT_S)
+            # The cut stream ends cleanly with an OpenAI error event, not a truncated body.
+            rest = await asyncio.wait_for(resp.content.read(), WAIT_S)
+            error_event, done, tail = rest.split(b"\n\n")
+            assert error_event.startswith(b"data: ") and done == b"data: [DONE]" and tail == b""
+            error = json.loads(error_event[len(b"data: "):])["error"]
+            assert error["code"] == "upstream_interrupted" and "dying" in error["message"]
 
         assert len(connections) == 1
         assert len(live.requests) == 1  # only the warm-up request: no retry
@@ -383,13 +390,15 @@ async def test_models_health_and_metrics() -> None:
             assert resp.content_type == "text/plain"
             text = await resp.text()
     for needle in (
-        'fleet_router_requests_total{code="200",endpoint="e0",model="a-model"} 2.0',
-        'fleet_router_time_to_first_byte_seconds_count{endpoint="e0",model="a-model"} 2.0',
-        'fleet_router_e2e_request_latency_seconds_bucket{endpoint="e0",le="+Inf",model="a-model"} 2.0',
+        'fleet_router_requests_total{code="200",endpoint="e0",model="a-model",version=""} 2.0',
+        'fleet_router_time_to_first_byte_seconds_count{endpoint="e0",model="a-model",version=""} 2.0',
+        'fleet_router_time_to_first_token_seconds_count{endpoint="e0",model="a-model",version=""} 1.0',
+        'fleet_router_time_per_output_token_seconds_count{endpoint="e0",model="a-model",version=""}',
+        'fleet_router_e2e_request_latency_seconds_bucket{endpoint="e0",le="+Inf",model="a-model",version=""} 2.0',
         'fleet_router_requests_in_flight{endpoint="e0",model="a-model"} 0.0',
-        'fleet_router_endpoint_errors_total{endpoint="e0",model="a-model",reason="connect"} 0.0',
+        'fleet_router_endpoint_errors_total{endpoint="e0",model="a-model",reason="connect",version=""} 0.0',
         'fleet_router_pool_endpoints{model="a-model",state="ready"} 1.0',
-        'fleet_router_rejected_requests_total{code="404",model=""} 1.0',
+        'fleet_router_rejected_requests_total{code="404",model="(unknown)"} 1.0',
         "# TYPE fleet_router_retries_total counter",
     ):
         assert needle in text, needle

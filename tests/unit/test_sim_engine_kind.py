@@ -10,7 +10,7 @@ import yaml
 
 from fleet.controller import Controller
 from fleet.engines import ModelUnavailable, SimEngine, get_engine
-from fleet.inventory import NodeInventory
+from fleet.inventory import Inventory, NodeInventory
 from fleet.lifecycle import ReplicaStatus as S
 from fleet.spec import SpecError, load_deployments, parse_document
 from fleet.up import PreflightError, preflight
@@ -18,6 +18,7 @@ from tests.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_NODE = NodeInventory(name="n", cpu_cores=(0, 1))
+CPU = Inventory((CPU_NODE,))
 
 
 def doc(source: str = "sim://h100-llama-8b", kind: str = "sim", args: list[str] | None = None) -> dict:
@@ -56,33 +57,32 @@ def test_model_argument_takes_profiles_and_paths_that_need_not_exist(tmp_path):
 
 
 def test_preflight_accepts_a_sim_fleet_with_no_weights_and_still_checks_vllm(tmp_path):
-    preflight(load_deployments([write(tmp_path, doc(source="./no-such-dir"))]), CPU_NODE, "127.0.0.1", 0)
+    preflight(load_deployments([write(tmp_path, doc(source="./no-such-dir"))]), CPU, {})
     with pytest.raises(PreflightError) as err:
-        preflight(load_deployments([write(tmp_path, doc(source="./no-such-dir", kind="vllm"))]), CPU_NODE,
-                  "127.0.0.1", 0)  # fmt: skip
+        preflight(load_deployments([write(tmp_path, doc(source="./no-such-dir", kind="vllm"))]), CPU, {})
     assert any("is not a directory" in p for p in err.value.problems)
     with pytest.raises(PreflightError) as err:
-        preflight(load_deployments([write(tmp_path, doc(source="sim://nope"))]), CPU_NODE, "127.0.0.1", 0)
+        preflight(load_deployments([write(tmp_path, doc(source="sim://nope"))]), CPU, {})
     assert any("spec.model.source: unknown simulator profile 'nope'" in p for p in err.value.problems)
 
 
 async def test_the_controller_launches_python_m_fleet_sim_with_vllms_flags(tmp_path):
     f = write(tmp_path, doc(args=["--seed", "3", "--enforce-eager"]))
-    backend = FakeBackend()
+    backend = FakeBackend(CPU_NODE)
     clock = FakeClock()
     c = Controller(load_deployments([f]), backend=backend, engine_api=FakeEngineAPI(), pool_sink=FakePoolSink(),
-                   node=CPU_NODE, clock=clock, sleep=clock.sleep, log_dir=tmp_path / "logs")  # fmt: skip
+                   clock=clock, sleep=clock.sleep)  # fmt: skip
     await c.reconcile_once()
     assert Counter(r.status for r in c.replicas.values()) == {S.STARTING: 2}
     argv = backend.by_replica("sim-0").spec.argv
     assert argv[1:3] == ["-m", "fleet.sim"]
     assert argv[argv.index("--model") + 1] == "sim://h100-llama-8b"
     assert argv[argv.index("--served-model-name") + 1] == "m"
-    assert argv[argv.index("--port") + 1] == str(c.replicas["sim-0"].port)
+    assert argv[argv.index("--port") + 1] == str(backend.by_replica("sim-0").spec.port)
     assert argv[-3:] == ["--seed", "3", "--enforce-eager"]
 
 
 def test_the_example_sim_fleet_is_valid():
     (ld,) = load_deployments([REPO / "examples" / "sim-fleet.yaml"])
     assert ld.deployment.spec.engine.kind == "sim"
-    preflight([ld], CPU_NODE, "127.0.0.1", 0)
+    preflight([ld], CPU, {})

@@ -162,6 +162,8 @@ async def test_ignore_eos_and_min_tokens_with_an_eos_model():
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n=1"),
+    ("/v1/completions", {"prompt": "lone \udc80 surrogate"}, 400, "not valid Unicode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc80"}]}, 400, "not valid Unicode"),
 ])  # fmt: skip
 async def test_bad_requests_get_vllm_style_errors(path, body, status, fragment):
     async with replica() as (r, c):

@@ -1,0 +1,17 @@
+"""The node agent: what one node knows and keeps for the controller.
+
+One agent runs per node (inside `fleet up` on one machine; standalone as `fleet node-agent`, the
+shape a Kubernetes DaemonSet runs). It owns:
+
+- the weight cache (`fleet.agent.cache.WeightCache`): a content-addressed store of model files
+  fetched from the sources in `fleet.agent.sources` (local path / ``file://``, ``http(s)://``
+  manifests, ``hf://org/name@revision``) by `fleet.agent.transfer` (resumable, verified,
+  retried with tenacity);
+- GPU health (`fleet.agent.health.GpuHealthChecker` over `fleet.agent.nvml_health`, Xid
+  classification in `fleet.agent.xid`) and the pure quarantine decision
+  (`fleet.agent.quarantine.QuarantinePolicy`);
+- the periodic runner with Prometheus metrics (`fleet.agent.runner.NodeAgent`).
+
+Callers: `fleet.cli_agent` (``fleet cache``, ``fleet node-agent``); the controller integrates
+through the interfaces described in docs/node-agent.md. Nothing here imports the controller.
+"""

@@ -1,0 +1,289 @@
+"""Model sources: what `spec.model.source` strings mean, and the list of files each one names.
+
+Owns `parse_source` (a string to a `LocalSource`, `HttpSource` or `HubSource`), the
+`ModelPlan` a remote source resolves to (files with their URL, size and digest, and a pinned
+revision), and the http(s) manifest format (`write_manifest` builds one). Called by
+`fleet.agent.cache.WeightCache` and `fleet cache`; network I/O happens only in `resolve`, through
+an injected `httpx.Client` (http) or `huggingface_hub` (hub).
+
+Source strings (docs/node-agent.md has the full description):
+
+- a path (absolute or relative) or ``file:///abs/dir``: weights already on this node, served in
+  place (never copied: copying would double the disk they take);
+- ``http(s)://host/dir/fleet-manifest.json`` or ``http(s)://host/dir/`` (the manifest is then
+  ``fleet-manifest.json`` in that directory): a JSON manifest listing the files,
+  ``{"fleetManifest": 1, "files": [{"path": "config.json", "size": 651, "sha256": "<hex>"}]}``,
+  each file fetched from its path relative to the manifest's URL (or from its own ``url``);
+  ``sha256`` is optional (then the size is the check). The revision is the manifest's sha256, so
+  an edited manifest is a new cache entry;
+- ``hf://org/name`` or ``hf://org/name@revision`` (default ``main``): a Hugging Face Hub model
+  repository, read through `huggingface_hub` (`HfApi.model_info(files_metadata=True)` for the
+  file list, LFS sha256 and git blob ids; the revision pinned to the commit it names), from
+  ``HF_ENDPOINT`` when set (mirrors) with the token `huggingface_hub.get_token()` finds
+  (``HF_TOKEN``, then the token file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urljoin
+
+MANIFEST_NAME = "fleet-manifest.json"
+_HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class SourceError(ValueError):
+    """A source string that cannot be used, or a remote source that cannot be resolved
+    (unreachable, unknown repository or revision, bad manifest). The message names the source."""
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a model as its source lists it.
+
+    ``path``: relative path inside the model directory (POSIX, no ``..``); ``url``: where to GET
+    it; ``size``: bytes, or None when the source does not say; ``sha256``: hex digest when the
+    source gives one; ``git_sha1``: the git blob id of a hub file that is not in LFS (checked as
+    ``sha1(b"blob <size>\\0" + content)``).
+    """
+
+    path: str
+    url: str
+    size: int | None
+    sha256: str | None = None
+    git_sha1: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What a remote source resolved to: a pinned ``revision`` and its ``files``.
+
+    ``transfer`` names the downloader (``"http"``: httpx; ``"hub"``: huggingface_hub's
+    ``http_get``); ``headers`` go with every file request (the hub token).
+    """
+
+    source: str
+    revision: str
+    files: tuple[RemoteFile, ...]
+    transfer: str = "http"
+    headers: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size or 0 for f in self.files)
+
+
+@dataclass(frozen=True)
+class LocalSource:
+    """Weights already on this node: a directory used in place."""
+
+    path: Path
+
+    @property
+    def canonical(self) -> str:
+        return f"file://{self.path}"
+
+
+@dataclass(frozen=True)
+class HttpSource:
+    """A manifest on an http(s) server (see the module docstring for the format)."""
+
+    manifest_url: str
+
+    @property
+    def canonical(self) -> str:
+        return self.manifest_url
+
+    @property
+    def identity(self) -> str:
+        """What the cache keys an entry by, beside the resolved revision."""
+        return self.manifest_url
+
+    def resolve(self, client: Any) -> ModelPlan:
+        """GET and check the manifest. ``client``: an ``httpx.Client``.
+
+        Raises SourceError naming the URL on a transport error, an HTTP error or a bad manifest.
+        """
+        import httpx
+
+        try:
+            response = client.get(self.manifest_url, follow_redirects=True)
+            response.raise_for_status()
+        except httpx.HTTPError as err:
+            raise SourceError(f"manifest {self.manifest_url}: {err}") from None
+        body = response.content
+        try:
+            doc = json.loads(body)
+        except ValueError as err:
+            raise SourceError(f"manifest {self.manifest_url} is not JSON: {err}") from None
+        files = parse_manifest(doc, self.manifest_url)
+        return ModelPlan(self.manifest_url, hashlib.sha256(body).hexdigest()[:16], files, "http")
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """A Hugging Face Hub model repository at a revision (branch, tag or commit)."""
+
+    repo_id: str
+    revision: str = "main"
+
+    @property
+    def canonical(self) -> str:
+        return f"hf://{self.repo_id}@{self.revision}"
+
+    @property
+    def identity(self) -> str:
+        """What the cache keys an entry by, beside the resolved commit: branch, tag and commit
+        names of one commit share the entry."""
+        return f"hf://{self.repo_id}"
+
+    def resolve(self, client: Any = None) -> ModelPlan:
+        """Ask the hub (``HF_ENDPOINT`` or huggingface.co) for the files at this revision.
+
+        The revision is pinned to the commit sha the hub answers, so a branch that moves is a new
+        cache entry. Raises SourceError (unknown repository or revision, no access, unreachable).
+        """
+        from huggingface_hub import HfApi, get_token, hf_hub_url
+        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.utils import build_hf_headers
+
+        endpoint = hub_endpoint()
+        token = get_token()
+        try:
+            info = HfApi(endpoint=endpoint, token=token).model_info(
+                self.repo_id, revision=self.revision, files_metadata=True)
+        except RevisionNotFoundError:
+            raise SourceError(f"{self.canonical}: revision {self.revision!r} not found on {endpoint}") from None
+        except RepositoryNotFoundError:
+            raise SourceError(
+                f"{self.canonical}: repository {self.repo_id!r} not found on {endpoint} (or no access: "
+                "set HF_TOKEN)") from None
+        except (HfHubHTTPError, OSError) as err:
+            raise SourceError(f"{self.canonical}: {endpoint} did not answer: {err}") from None
+        if not info.sha:
+            raise SourceError(f"{self.canonical}: {endpoint} returned no commit sha")
+        files = []
+        for sib in info.siblings or []:
+            _check_relative(sib.rfilename, self.canonical)
+            lfs = sib.lfs
+            files.append(RemoteFile(
+                path=sib.rfilename,
+                url=hf_hub_url(self.repo_id, sib.rfilename, revision=info.sha, endpoint=endpoint),
+                size=lfs.size if lfs else sib.size,
+                sha256=lfs.sha256 if lfs else None,
+                git_sha1=None if lfs else sib.blob_id,
+            ))
+        if not files:
+            raise SourceError(f"{self.canonical}: the repository has no files at {info.sha}")
+        headers = build_hf_headers(token=token)
+        return ModelPlan(self.canonical, info.sha, tuple(files), "hub", headers)
+
+
+Source = LocalSource | HttpSource | HubSource
+
+
+def hub_endpoint() -> str:
+    """``HF_ENDPOINT`` read now (huggingface_hub reads it once at import), else huggingface.co."""
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def parse_source(source: str, base_dir: Path | None = None) -> Source:
+    """Parse a `spec.model.source` string. Pure.
+
+    ``base_dir`` resolves a relative path (the YAML file's directory; default the current one).
+    Raises SourceError naming the source and the reason.
+    """
+    s = source.strip()
+    if s.startswith("hf://"):
+        rest = s[len("hf://"):]
+        repo, _, revision = rest.partition("@")
+        if not _HF_REPO.match(repo) or (("@" in rest) and not revision):
+            raise SourceError(f"{source!r}: expected hf://org/name or hf://org/name@revision")
+        return HubSource(repo, revision or "main")
+    if s.startswith(("http://", "https://")):
+        url = s if not s.endswith("/") else s + MANIFEST_NAME
+        if not url.split("?", 1)[0].endswith(".json"):
+            raise SourceError(
+                f"{source!r}: an http(s) source names a manifest (a .json file) or a directory ending in '/' "
+                f"that holds {MANIFEST_NAME}; see docs/node-agent.md")
+        return HttpSource(url)
+    if s.startswith("file://"):
+        s = s[len("file://"):]
+        if not s.startswith("/"):
+            raise SourceError(f"{source!r}: a file:// source needs an absolute path (file:///abs/dir)")
+    elif "://" in s:
+        raise SourceError(f"{source!r}: unsupported scheme; use a path, file://, http(s):// or hf://")
+    path = Path(s).expanduser()
+    if not path.is_absolute():
+        path = ((base_dir or Path.cwd()) / path).resolve()
+    return LocalSource(path)
+
+
+def _check_relative(path: str, where: str) -> str:
+    norm = posixpath.normpath(path)
+    if (not path or path.startswith("/") or norm.startswith("..") or norm != path
+            or "\\" in path or "\0" in path):
+        raise SourceError(f"{where}: file path {path!r} must be relative, normalised and stay inside the model")
+    return path
+
+
+def parse_manifest(doc: Any, manifest_url: str) -> tuple[RemoteFile, ...]:
+    """The files of a manifest document (see the module docstring). Pure.
+
+    Raises SourceError naming the manifest and the entry (``files[3].size: ...``).
+    """
+    if not isinstance(doc, dict) or doc.get("fleetManifest") != 1 or not isinstance(doc.get("files"), list):
+        raise SourceError(f"manifest {manifest_url}: expected {{\"fleetManifest\": 1, \"files\": [...]}}")
+    out, seen = [], set()
+    for i, entry in enumerate(doc["files"]):
+        where = f"manifest {manifest_url} files[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise SourceError(f"{where}.path: required (a relative path)")
+        path = _check_relative(entry["path"], where + ".path")
+        if path in seen:
+            raise SourceError(f"{where}.path: {path!r} listed twice")
+        seen.add(path)
+        size = entry.get("size")
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise SourceError(f"{where}.size: must be a non-negative integer of bytes, got {size!r}")
+        sha = entry.get("sha256")
+        if sha is not None and (not isinstance(sha, str) or not _HEX64.match(sha)):
+            raise SourceError(f"{where}.sha256: must be 64 lower-case hex digits")
+        if size is None and sha is None:
+            raise SourceError(f"{where}: give size or sha256 (a file with neither cannot be verified)")
+        url = entry.get("url") or urljoin(manifest_url, quote(path))
+        out.append(RemoteFile(path=path, url=url, size=size, sha256=sha))
+    if not out:
+        raise SourceError(f"manifest {manifest_url}: no files")
+    return tuple(out)
+
+
+def write_manifest(model_dir: Path, with_sha256: bool = True) -> Path:
+    """Write ``fleet-manifest.json`` for every file under ``model_dir`` (hashing each one when
+    ``with_sha256``); returns its path. Serve the directory over http(s) and use its URL as the
+    source. Used by `fleet cache manifest`, the tests and loadtests/bench_cache_fill.py."""
+    files = []
+    for p in sorted(model_dir.rglob("*")):
+        if not p.is_file() or p.name == MANIFEST_NAME:
+            continue
+        entry: dict[str, Any] = {"path": p.relative_to(model_dir).as_posix(), "size": p.stat().st_size}
+        if with_sha256:
+            h = hashlib.sha256()
+            with p.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+            entry["sha256"] = h.hexdigest()
+        files.append(entry)
+    out = model_dir / MANIFEST_NAME
+    out.write_text(json.dumps({"fleetManifest": 1, "files": files}, indent=1) + "\n")
+    return out

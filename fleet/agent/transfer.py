@@ -1,0 +1,401 @@
+"""Fetching one file: resumable, verified, retried with backoff.
+
+Owns `fetch_file` (a `RemoteFile` into a part file: resume from its length with an HTTP Range
+request, hash while writing, verify size / sha256 / git blob id, retry with tenacity) and the two
+transports behind one signature: `HttpTransfer` (http(s) manifests; the standard library's
+http.client) and `HubTransfer`
+(huggingface_hub's own ``file_download.http_get``, the code ``hf_hub_download`` streams with).
+Called by `fleet.agent.cache.WeightCache`; tests run it against tests/hub_server.py.
+
+Why not ``hf_hub_download`` itself: in huggingface_hub 2.x it downloads into a process-unique
+temporary file that it deletes on failure (``_download_to_tmp_and_move``), so a download cut by
+a crash or a restart starts again from byte 0. Fleet keeps its part file across processes and
+hands its length to ``http_get(resume_size=...)``, which sends the Range request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import logging
+import os
+import queue
+import ssl
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Protocol
+from urllib.parse import urljoin, urlsplit
+
+import tenacity
+
+from fleet.agent.sources import RemoteFile
+
+CHUNK_BYTES = 1 << 20
+log = logging.getLogger("fleet.agent.transfer")
+OnBytes = Callable[[int], None]
+
+
+class TransferError(RuntimeError):
+    """A transfer that may succeed when tried again (connection cut, 5xx, 429, timeout)."""
+
+
+class FetchRefused(RuntimeError):
+    """The server refused the file for good (404, 401, 403, other 4xx). Not retried."""
+
+
+class VerificationError(RuntimeError):
+    """A complete download whose size or digest differs from what the source listed. The part
+    file is deleted, so the next attempt fetches it from byte 0."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Attempts per file and the exponential backoff between them (tenacity's
+    ``wait_exponential``: ``initial_s * 2**n`` capped at ``max_s``, plus up to ``initial_s`` of
+    random jitter)."""
+
+    attempts: int = 5
+    initial_s: float = 0.5
+    max_s: float = 30.0
+
+
+class Transfer(Protocol):
+    def fetch(self, url: str, out: _HashingWriter, resume_size: int, headers: dict[str, str],
+              expected_size: int | None) -> None:
+        """Write the bytes of ``url`` from offset ``resume_size`` to ``out`` (positioned there;
+        file-like: ``write``, ``seek``, ``tell``, ``truncate``, and ``fill(readinto)``).
+
+        A server that ignores the Range answers 200: the transport then truncates ``out`` to 0
+        and writes the whole body. Raises TransferError (retryable) or FetchRefused.
+        """
+        ...
+
+
+class HttpTransfer:
+    """GET with the standard library's ``http.client``, ``readinto`` pooled ``CHUNK_BYTES``
+    buffers (`_HashingWriter.fill`): about curl's CPU per byte, where httpx's 64 KiB event loop
+    costs twice as much (loadtests/bench_cache_fill.py). Follows up to ``MAX_REDIRECTS``
+    redirects (dropping ``Authorization`` when the host changes); keeps one connection per host
+    per thread. ``HTTP(S)_PROXY`` is not honoured on this path (hub sources go through
+    huggingface_hub, which does)."""
+
+    MAX_REDIRECTS = 5
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+        conns = self._local.__dict__.setdefault("conns", {})
+        key = (scheme, netloc)
+        if key not in conns:
+            if scheme == "https":
+                conns[key] = http.client.HTTPSConnection(netloc, timeout=self.timeout_s,
+                                                         context=ssl.create_default_context())
+            else:
+                conns[key] = http.client.HTTPConnection(netloc, timeout=self.timeout_s)
+        return conns[key]
+
+    def _drop(self, scheme: str, netloc: str) -> None:
+        conn = self._local.__dict__.setdefault("conns", {}).pop((scheme, netloc), None)
+        if conn is not None:
+            conn.close()
+
+    def fetch(self, url: str, out: _HashingWriter, resume_size: int, headers: dict[str, str],
+              expected_size: int | None) -> None:
+        req_headers = dict(headers)
+        if resume_size:
+            req_headers["Range"] = f"bytes={resume_size}-"
+        first_host = urlsplit(url).netloc
+        hops = redials = 0
+        while hops <= self.MAX_REDIRECTS:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https"):
+                raise FetchRefused(f"{url}: not an http(s) URL")
+            if parts.netloc != first_host:
+                req_headers.pop("Authorization", None)
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            reused = (parts.scheme, parts.netloc) in self._local.__dict__.get("conns", {})
+            got = 0
+            try:
+                conn = self._conn(parts.scheme, parts.netloc)
+                conn.request("GET", target, headers=req_headers)
+                resp = conn.getresponse()
+                location = resp.getheader("Location")
+                if resp.status in (301, 302, 303, 307, 308) and location:
+                    resp.read()
+                    url = urljoin(url, location)
+                    hops += 1
+                    continue
+                if resp.status == 416 and expected_size == resume_size:
+                    resp.read()
+                    return   # already complete
+                if resp.status >= 400:
+                    resp.read()
+                    _raise_for_status(resp.status, url)
+                if resume_size and resp.status == 200:   # the server ignored the Range
+                    out.seek(0)
+                    out.truncate()
+                elif resp.status == 206 and not (resp.getheader("Content-Range") or "").startswith(
+                        f"bytes {resume_size}-"):
+                    raise TransferError(f"{url}: asked for bytes {resume_size}- and got "
+                                        f"{resp.getheader('Content-Range')!r}")
+                length = resp.getheader("Content-Length")
+                while n := out.fill(resp.readinto):
+                    got += n
+                if length is not None and got < int(length):   # http.client ends a cut body quietly
+                    raise TransferError(f"{url}: connection closed after {got} of {length} bytes")
+                return
+            except (OSError, http.client.HTTPException) as err:
+                self._drop(parts.scheme, parts.netloc)
+                if reused and got == 0 and redials == 0:   # a kept-alive connection the server had closed
+                    redials += 1
+                    continue
+                raise TransferError(f"{url}: {type(err).__name__}: {err}") from None
+        raise FetchRefused(f"{url}: more than {self.MAX_REDIRECTS} redirects")
+
+
+class HubTransfer:
+    """huggingface_hub's ``file_download.http_get`` (its retries on cut connections included).
+
+    ``http_get`` writes in ``constants.DOWNLOAD_CHUNK_SIZE`` (10 MiB) pieces: a cut loses the
+    piece in flight, everything written before it is resumed from."""
+
+    def fetch(self, url: str, out: _HashingWriter, resume_size: int, headers: dict[str, str],
+              expected_size: int | None) -> None:
+        from huggingface_hub.errors import HfHubHTTPError
+        from huggingface_hub.file_download import http_get
+
+        try:
+            http_get(url, out, resume_size=resume_size, headers=headers, expected_size=expected_size,
+                     displayed_filename=url.rsplit("/", 1)[-1])
+        except HfHubHTTPError as err:
+            status = err.response.status_code if err.response is not None else 0
+            _raise_for_status(status, url, str(err).splitlines()[0])
+            raise TransferError(f"{url}: {err}") from None
+        except ValueError as err:   # e.g. a file over http_get's plain-HTTP size limit
+            raise FetchRefused(f"{url}: {err}") from None
+        except Exception as err:    # the client library's transport errors (its HTTP client varies by version)
+            if "Consistency check failed" in str(err):
+                raise VerificationError(f"{url}: {str(err).splitlines()[0]}") from None
+            raise TransferError(f"{url}: {type(err).__name__}: {err}") from None
+
+
+def _raise_for_status(status: int, url: str, detail: str = "") -> None:
+    if status < 400:
+        return
+    msg = f"{url}: HTTP {status}" + (f" ({detail})" if detail else "")
+    if status in (408, 429) or status >= 500:
+        raise TransferError(msg)
+    raise FetchRefused(msg)
+
+
+class _Hasher:
+    """sha256 (and the git blob id when the source lists one) of a byte stream, computed on a
+    thread of its own so that hashing overlaps receiving (large hashlib updates release the
+    GIL). Takes ``bytes`` (``update``) or a pooled buffer (``update_buffer``: handed back to the
+    pool once hashed; at most ``POOL`` buffers exist); ``hexdigests`` waits for the rest."""
+
+    POOL = 8
+
+    def __init__(self, rf: RemoteFile) -> None:
+        self.sha256 = hashlib.sha256()
+        self.git = _git_hasher(rf)
+        self.q: queue.Queue[bytes | tuple[bytearray, int] | None] = queue.Queue(2 * self.POOL)
+        self.free: queue.Queue[bytearray] = queue.Queue()
+        self.buffers = 0
+        self.thread = threading.Thread(target=self._run, name="fleet-cache-sha256", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.q.get()) is not None:
+            if isinstance(item, tuple):
+                buf, n = item
+                data = memoryview(buf)[:n]
+            else:
+                buf, data = None, item
+            self.sha256.update(data)
+            if self.git is not None:
+                self.git.update(data)
+            if buf is not None:
+                self.free.put(buf)
+
+    def buffer(self) -> bytearray:
+        """A free buffer of ``CHUNK_BYTES`` (waits for one when ``POOL`` are in flight)."""
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            if self.buffers < self.POOL:
+                self.buffers += 1
+                return bytearray(CHUNK_BYTES)
+            return self.free.get()
+
+    def give_back(self, buf: bytearray) -> None:
+        self.free.put(buf)
+
+    def update(self, chunk: bytes) -> None:
+        self.q.put(chunk)
+
+    def update_buffer(self, buf: bytearray, n: int) -> None:
+        self.q.put((buf, n))
+
+    def hexdigests(self) -> tuple[str, str | None]:
+        """Stop the thread; returns (sha256, git blob id or None)."""
+        self.q.put(None)
+        self.thread.join()
+        return self.sha256.hexdigest(), (self.git.hexdigest() if self.git is not None else None)
+
+
+class _HashingWriter:
+    """The file object handed to a transport: writes at once (what was received is on disk, for
+    a later resume), hashes through a `_Hasher`, counts bytes for progress, and re-hashes from
+    the file when a transport rewinds and truncates it."""
+
+    def __init__(self, f: BinaryIO, rf: RemoteFile, on_bytes: OnBytes | None) -> None:
+        self.f = f
+        self.rf = rf
+        self.on_bytes = on_bytes
+        self.hasher = _Hasher(rf)
+        self.written = 0
+
+    def _absorb(self, limit: int | None) -> None:
+        self.f.seek(0)
+        while (limit is None or self.written < limit) and (
+                chunk := self.f.read(CHUNK_BYTES if limit is None else min(CHUNK_BYTES, limit - self.written))):
+            self.hasher.update(chunk)
+            self.written += len(chunk)
+
+    def absorb_existing(self) -> int:
+        """Hash the part file's current content (a resumed download); returns its length."""
+        self._absorb(None)
+        return self.written
+
+    def write(self, chunk: bytes) -> int:
+        chunk = bytes(chunk)
+        self.f.write(chunk)
+        self.hasher.update(chunk)
+        self._count(len(chunk))
+        return len(chunk)
+
+    def fill(self, readinto: Callable[[memoryview], int]) -> int:
+        """One ``readinto`` into a pooled buffer, written at once and hashed on the hashing
+        thread; returns the bytes read (0 at the end)."""
+        buf = self.hasher.buffer()
+        try:
+            n = readinto(memoryview(buf))
+        except BaseException:
+            self.hasher.give_back(buf)
+            raise
+        if not n:
+            self.hasher.give_back(buf)
+            return 0
+        self.f.write(memoryview(buf)[:n])
+        self.hasher.update_buffer(buf, n)
+        self._count(n)
+        return n
+
+    def _count(self, n: int) -> None:
+        self.written += n
+        if self.on_bytes is not None:
+            self.on_bytes(n)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.f.seek(pos, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        keep = self.f.tell() if size is None else size
+        dropped = self.written - keep
+        self.f.truncate(keep)
+        self.hasher.hexdigests()
+        self.hasher, self.written = _Hasher(self.rf), 0
+        self._absorb(keep)
+        self.f.seek(keep)
+        if self.on_bytes is not None and dropped > 0:
+            self.on_bytes(-dropped)
+        return keep
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def finish(self) -> tuple[str, str | None]:
+        return self.hasher.hexdigests()
+
+
+def _git_hasher(rf: RemoteFile):
+    if rf.git_sha1 is None or rf.size is None:
+        return None
+    h = hashlib.sha1(usedforsecurity=False)
+    h.update(b"blob %d\0" % rf.size)
+    return h
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A verified part file: its sha256 (hex) and size in bytes."""
+
+    sha256: str
+    size: int
+
+
+def fetch_file(rf: RemoteFile, part: Path, transfer: Transfer, headers: dict[str, str] | None = None,
+               on_bytes: OnBytes | None = None, retry: RetryPolicy = RetryPolicy()) -> Fetched:
+    """Fetch ``rf`` into ``part`` (created, or resumed from its length) and verify it. The part
+    file is not fsynced here: the caller does, before renaming it into the store.
+
+    ``on_bytes(n)`` is called with each chunk's length (negative when a transport discards bytes).
+    Transient failures are retried with exponential backoff (``retry``); a verification failure
+    deletes the part file and is retried from byte 0. Raises FetchRefused, TransferError or
+    VerificationError when the attempts are used up.
+    """
+    part.parent.mkdir(parents=True, exist_ok=True)
+
+    def attempt() -> Fetched:
+        return _fetch_once(rf, part, transfer, headers or {}, on_bytes)
+
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(retry.attempts),
+        wait=tenacity.wait_exponential(multiplier=retry.initial_s, max=retry.max_s) + tenacity.wait_random(0, retry.initial_s),
+        retry=tenacity.retry_if_exception_type((TransferError, VerificationError)),
+        before_sleep=tenacity.before_sleep_log(log, logging.WARNING),
+        reraise=True,
+    )
+    return retrying(attempt)
+
+
+def _fetch_once(rf: RemoteFile, part: Path, transfer: Transfer, headers: dict[str, str],
+                on_bytes: OnBytes | None) -> Fetched:
+    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+    with os.fdopen(fd, "r+b") as f:
+        writer = _HashingWriter(f, rf, None)
+        try:
+            have = writer.absorb_existing()
+            if rf.size is not None and have > rf.size:   # longer than the file: not a prefix of it
+                writer.truncate(0)
+                have = 0
+            if on_bytes is not None and have:
+                on_bytes(have)
+            writer.on_bytes = on_bytes
+            f.seek(have)
+            if rf.size is None or have < rf.size:
+                transfer.fetch(rf.url, writer, have, headers, rf.size)
+            writer.flush()
+        finally:
+            digest, git = writer.finish()   # stops the hashing thread, also when the transfer failed
+        size = writer.written
+    problem = None
+    if rf.size is not None and size != rf.size:
+        problem = f"size {size} bytes, the source lists {rf.size}"
+    elif rf.sha256 is not None and digest != rf.sha256:
+        problem = f"sha256 {digest}, the source lists {rf.sha256}"
+    elif rf.git_sha1 is not None and git is not None and git != rf.git_sha1:
+        problem = f"git blob id {git}, the source lists {rf.git_sha1}"
+    if problem is not None:
+        part.unlink(missing_ok=True)
+        if on_bytes is not None:
+            on_bytes(-size)
+        raise VerificationError(f"{rf.path} from {rf.url}: {problem}")
+    return Fetched(digest, size)

@@ -1,0 +1,424 @@
+"""The weight cache against the local hub server (tests/hub_server.py): hub and http manifest
+sources, verification, resume, one download for concurrent callers, space checks, LRU and pins."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fleet.agent.cache import CacheError, InsufficientSpace, WeightCache
+from fleet.agent.sources import SourceError, write_manifest
+from fleet.agent.transfer import RetryPolicy
+from tests.fakes import FakeClock
+from tests.hub_server import HubRepo, HubServer
+
+FAST = RetryPolicy(attempts=3, initial_s=0.0, max_s=0.0)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _files(seed: int = 0, big: int = 2_000_000) -> dict[str, bytes]:
+    rnd = hashlib.sha256(str(seed).encode()).digest()
+    return {
+        "config.json": b'{"architectures": ["LlamaForCausalLM"], "seed": %d}' % seed,
+        "model.safetensors": (rnd * (big // 32 + 1))[:big],
+        "tokenizer/tokenizer.json": b"t" * 3000 + bytes([seed]),
+    }
+
+
+@pytest.fixture()
+def hub(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))   # no token file from the machine
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    static = tmp_path / "static"
+    static.mkdir()
+    with HubServer({"org/tiny": HubRepo(_files(0))}, static_root=static, token="s3cret") as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        yield server
+
+
+def _cache(tmp_path: Path, **kw) -> WeightCache:
+    kw.setdefault("retry", FAST)
+    kw.setdefault("reserve_bytes", 0)
+    return WeightCache(tmp_path / "cache", **kw)
+
+
+def _file_gets(hub: HubServer) -> list[str]:
+    return [p for m, p, _ in hub.log.requests if m == "GET" and "/resolve/" in p]
+
+
+def _manifest_source(hub: HubServer, name: str, files: dict[str, bytes], sha: bool = True) -> str:
+    d = hub.static_root / name
+    for rel, data in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+    write_manifest(d, with_sha256=sha)
+    return f"{hub.url}/static/{name}/"
+
+
+def test_hub_model_cached_once_and_served_from_the_cache(hub, tmp_path):
+    cache = _cache(tmp_path)
+    seen = []
+    path = cache.ensure("hf://org/tiny", progress=lambda d, t: seen.append((d, t)))
+    for rel, data in _files(0).items():
+        assert (path / rel).read_bytes() == data
+    assert seen[-1] == (sum(map(len, _files(0).values())),) * 2
+    assert len(_file_gets(hub)) == 3
+    # A second deployment of the same weights: no file is fetched again (one metadata call).
+    assert cache.ensure("hf://org/tiny@main") == path
+    assert len(_file_gets(hub)) == 3
+    assert cache.lookup("hf://org/tiny") == path
+    [entry] = cache.entries()
+    assert entry.key == path.name and entry.revision == hub.repos["org/tiny"].commit and entry.files == 3
+
+
+def test_hub_revision_pinned_to_commit_and_unknown_ones_named(hub, tmp_path):
+    cache = _cache(tmp_path)
+    commit = hub.repos["org/tiny"].commit
+    assert cache.ensure(f"hf://org/tiny@{commit}") == cache.ensure("hf://org/tiny", revision="main")
+    with pytest.raises(SourceError, match="revision 'nope' not found"):
+        cache.ensure("hf://org/tiny@nope")
+    with pytest.raises(SourceError, match="repository 'org/absent' not found.*HF_TOKEN"):
+        cache.ensure("hf://org/absent")
+
+
+def test_private_hub_repo_needs_the_token_from_the_environment(hub, tmp_path, monkeypatch):
+    hub.repos["org/private"] = HubRepo(_files(1), private=True)
+    cache = _cache(tmp_path)
+    with pytest.raises(SourceError, match="HF_TOKEN"):
+        cache.ensure("hf://org/private")
+    monkeypatch.setenv("HF_TOKEN", "s3cret")
+    path = cache.ensure("hf://org/private")
+    assert (path / "config.json").read_bytes() == _files(1)["config.json"]
+
+
+def test_offline_ensure_uses_the_revision_last_resolved(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    with HubServer({"org/tiny": HubRepo(_files(0))}) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        cache = _cache(tmp_path)
+        path = cache.ensure("hf://org/tiny")
+    assert cache.ensure("hf://org/tiny") == path          # hub gone: the cached commit
+    with pytest.raises(SourceError):
+        cache.ensure("hf://org/other")
+
+
+def test_http_manifest_source(hub, tmp_path):
+    files = _files(2)
+    source = _manifest_source(hub, "m2", files)
+    cache = _cache(tmp_path)
+    path = cache.ensure(source)
+    assert {rel: (path / rel).read_bytes() for rel in files} == files
+    assert cache.lookup(source) == path
+    assert cache.lookup(source.rstrip("/") + "/fleet-manifest.json") == path
+
+
+def test_interrupted_download_resumes_with_a_range_request(hub, tmp_path):
+    files = _files(6)
+    source = _manifest_source(hub, "m6", files)
+    hub.cut_after["m6/model.safetensors"] = 700_000
+    path = _cache(tmp_path).ensure(source)
+    assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
+    ranges = hub.log.file_gets("m6/model.safetensors")
+    assert ranges == [None, "bytes=700000-"]
+    assert hub.log.body_bytes < sum(map(len, files.values())) + 10_000   # nothing fetched twice
+
+
+def _kill_mid_download(root: Path, source: str, part_bytes: int) -> int:
+    """Run ``ensure(source)`` in another process and SIGKILL it once a part file holds
+    ``part_bytes`` (the server holds the file a little further); returns the part's length."""
+    code = ("import sys; from pathlib import Path; from fleet.agent.cache import WeightCache; "
+            "WeightCache(Path(sys.argv[1]), reserve_bytes=0, parallel_files=1).ensure(sys.argv[2])")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root), source], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 60
+        parts = []
+        while time.monotonic() < deadline:
+            parts = [p for p in (root / "partial").rglob("*.part") if p.stat().st_size >= part_bytes]
+            if parts:
+                break
+            assert proc.poll() is None, "the downloading process exited early"
+            time.sleep(0.05)
+        assert parts, "the download never reached the hold point"
+    finally:
+        proc.kill()
+        proc.wait(30)
+    return parts[0].stat().st_size
+
+
+def test_download_killed_mid_file_resumes_in_the_next_process(hub, tmp_path):
+    files = _files(3)
+    source = _manifest_source(hub, "m3", files)
+    hub.hold_after["m3/model.safetensors"] = 1_500_000
+    kept = _kill_mid_download(tmp_path / "cache", source, 1 << 20)   # the transport writes 1 MiB reads
+    hub.release.set()
+    path = _cache(tmp_path).ensure(source)
+    assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert hub.log.file_gets("m3/model.safetensors")[-1] == f"bytes={kept}-"
+
+
+def test_hub_download_killed_mid_file_resumes_through_huggingface_hub(hub, tmp_path):
+    from huggingface_hub import constants
+
+    piece = constants.DOWNLOAD_CHUNK_SIZE           # http_get writes in pieces of this size
+    files = _files(7, big=piece + 300_000)
+    hub.repos["org/big"] = HubRepo(files)
+    hub.hold_after["model.safetensors"] = piece + 100_000
+    kept = _kill_mid_download(tmp_path / "cache", "hf://org/big", piece)
+    hub.release.set()
+    path = _cache(tmp_path).ensure("hf://org/big")
+    assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert kept == piece and hub.log.file_gets("model.safetensors")[-1] == f"bytes={piece}-"
+
+
+def test_two_processes_asking_at_once_cause_one_download(hub, tmp_path):
+    hub.hold_after["model.safetensors"] = 100_000
+    code = ("import sys; from pathlib import Path; from fleet.agent.cache import WeightCache; "
+            "print(WeightCache(Path(sys.argv[1]), reserve_bytes=0).ensure(sys.argv[2]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cache"), "hf://org/tiny"], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+             for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not hub.log.file_gets("model.safetensors"):
+            time.sleep(0.02)
+        hub.release.set()
+        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1]
+    assert len(hub.log.file_gets("model.safetensors")) == 1 and len(_file_gets(hub)) == 3
+
+
+def test_redirects_are_followed_and_a_server_ignoring_range_is_handled(hub, tmp_path):
+    files = _files(8)
+    source = _manifest_source(hub, "m8", files)
+    (hub.static_root / "moved").mkdir()
+    (hub.static_root / "moved" / "weights.bin").write_bytes(files["model.safetensors"])
+    hub.redirect["m8/model.safetensors"] = "/static/moved/weights.bin"
+    hub.cut_after["moved/weights.bin"] = 500_000
+    hub.ignore_range.add("moved/weights.bin")
+    path = _cache(tmp_path).ensure(source)
+    assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert hub.log.file_gets("moved/weights.bin") == [None, "bytes=500000-"]   # answered 200: refetched whole
+
+
+def test_a_kept_alive_connection_the_server_closed_is_redialled(hub, tmp_path):
+    files = _files(9)
+    source = _manifest_source(hub, "m9", files)
+    hub.drop_kept_alive = True
+    cache = _cache(tmp_path, parallel_files=1, retry=RetryPolicy(attempts=1, initial_s=0, max_s=0))
+    path = cache.ensure(source)                       # no retry allowed: only the redial saves it
+    assert {rel: (path / rel).read_bytes() for rel in files} == files
+
+
+def test_eight_concurrent_callers_cause_one_download(hub, tmp_path):
+    cache = _cache(tmp_path)
+    hub.hold_after["model.safetensors"] = 100_000      # keep the first download going while the rest arrive
+    results, errors = [], []
+
+    def ask():
+        try:
+            results.append(_cache(tmp_path).ensure("hf://org/tiny"))
+        except Exception as err:   # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(hub.log.file_gets("model.safetensors")) < 1:
+        time.sleep(0.02)
+    hub.release.set()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(results) == 8 and len(set(results)) == 1
+    assert len(hub.log.file_gets("model.safetensors")) == 1
+    assert len(_file_gets(hub)) == 3
+    assert len(cache.entries()) == 1
+
+
+def test_a_process_waiting_on_another_s_download_sees_its_progress(hub, tmp_path):
+    source = _manifest_source(hub, "m4", _files(4))
+    hub.hold_after["m4/model.safetensors"] = 1_500_000   # past the transport's first 1 MiB read
+    seen: list[tuple[int, int]] = []
+    first = threading.Thread(target=lambda: _cache(tmp_path, parallel_files=1).ensure(source))
+    first.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not list((tmp_path / "cache" / "partial").rglob("progress.json")):
+        time.sleep(0.02)
+    second = threading.Thread(target=lambda: _cache(tmp_path).ensure(source, progress=lambda d, t: seen.append((d, t))))
+    second.start()
+    while time.monotonic() < deadline and not any(0 < d < t for d, t in seen):
+        time.sleep(0.02)
+    hub.release.set()
+    first.join(60)
+    second.join(60)
+    assert any(0 < d < t for d, t in seen), seen
+    assert len(hub.log.file_gets("m4/model.safetensors")) == 1
+
+
+def test_corrupted_cache_file_is_caught_and_fetched_again(hub, tmp_path):
+    cache = _cache(tmp_path)
+    path = cache.ensure("hf://org/tiny")
+    blob = (path / "model.safetensors").resolve()
+    os.chmod(blob, 0o644)
+    with blob.open("r+b") as f:     # same size, one byte flipped
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 1]))
+    assert cache.lookup("hf://org/tiny") is None
+    before = len(hub.log.file_gets("model.safetensors"))
+    assert cache.ensure("hf://org/tiny") == path
+    assert (path / "model.safetensors").read_bytes() == _files(0)["model.safetensors"]
+    assert len(hub.log.file_gets("model.safetensors")) == before + 1
+    assert len(hub.log.file_gets("config.json")) == 1      # only the bad file was fetched again
+
+
+def test_deep_verify_finds_corruption_that_kept_size_and_mtime(hub, tmp_path):
+    cache = _cache(tmp_path)
+    path = cache.ensure("hf://org/tiny")
+    blob = (path / "model.safetensors").resolve()
+    st = blob.stat()
+    os.chmod(blob, 0o644)
+    with blob.open("r+b") as f:
+        f.write(b"\0\0\0\0")
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cache.lookup("hf://org/tiny") == path            # a stat cannot see it ...
+    assert cache.verify(path.name) == ["model.safetensors"]  # ... a re-hash does
+    assert cache.lookup("hf://org/tiny") is None
+    cache.ensure("hf://org/tiny")
+    assert cache.verify(path.name) == []
+
+
+def test_corrupt_transfer_is_detected_and_retried(hub, tmp_path):
+    hub.corrupt.update({"model.safetensors", "config.json"})   # LFS sha256 and git blob id checks
+    path = _cache(tmp_path).ensure("hf://org/tiny")
+    assert (path / "model.safetensors").read_bytes() == _files(0)["model.safetensors"]
+    assert (path / "config.json").read_bytes() == _files(0)["config.json"]
+    assert len(hub.log.file_gets("model.safetensors")) == 2 and len(hub.log.file_gets("config.json")) == 2
+
+
+def test_a_file_that_never_matches_its_digest_fails_naming_it(hub, tmp_path):
+    source = _manifest_source(hub, "m5", _files(5))
+    (hub.static_root / "m5" / "config.json").write_bytes(b"changed after the manifest was written")
+    cache = _cache(tmp_path)
+    with pytest.raises(CacheError, match="config.json.*(size|sha256)"):
+        cache.ensure(source)
+    assert cache.entries() == [] and not list((tmp_path / "cache" / "partial").rglob("*.part"))
+    assert cache.blob_bytes() >= len(_files(5)["model.safetensors"])   # the good files are kept for next time
+
+
+def test_free_disk_is_checked_before_fetching(hub, tmp_path):
+    cache = _cache(tmp_path, disk_usage=lambda p: SimpleNamespace(free=1_000_000))
+    with pytest.raises(InsufficientSpace) as err:
+        cache.ensure("hf://org/tiny")
+    msg = str(err.value)
+    assert "hf://org/tiny@main" in msg and "1.9 MiB to fetch" in msg and str(tmp_path / "cache") in msg
+    assert _file_gets(hub) == []
+
+
+def test_lru_eviction_to_the_budget_never_evicts_pinned_models(hub, tmp_path):
+    clock = FakeClock()
+    sources = [_manifest_source(hub, f"lru{i}", _files(10 + i, big=400_000)) for i in range(4)]
+    cache = _cache(tmp_path, budget_bytes=1_000_000, clock=clock)   # room for two models
+    a = cache.ensure(sources[0], pin_as="replica-a")
+    clock.advance(10)
+    b = cache.ensure(sources[1])
+    clock.advance(10)
+    c = cache.ensure(sources[2])                 # evicts b (a is pinned)
+    keys = {e.key for e in cache.entries()}
+    assert keys == {a.name, c.name} and b.name not in keys and cache.blob_bytes() <= 1_000_000
+    assert cache.entries()[0].pinned_by == ("replica-a",)
+    cache.pin(c.name, "replica-c")
+    with pytest.raises(InsufficientSpace, match="budget"):
+        cache.ensure(sources[3])
+    cache.unpin(a.name, "replica-a")
+    clock.advance(10)
+    d = cache.ensure(sources[3])                 # now a (least recently used, unpinned) goes
+    assert {e.key for e in cache.entries()} == {c.name, d.name}
+
+
+def test_shared_files_are_stored_once_and_outlive_one_model(hub, tmp_path):
+    shared = _files(20)
+    other = dict(shared, **{"config.json": b'{"other": true}'})
+    s1, s2 = _manifest_source(hub, "s1", shared), _manifest_source(hub, "s2", other)
+    cache = _cache(tmp_path)
+    p1, p2 = cache.ensure(s1), cache.ensure(s2)
+    assert (p1 / "model.safetensors").resolve() == (p2 / "model.safetensors").resolve()
+    assert len(hub.log.file_gets("s2/model.safetensors")) == 0     # deduplicated by sha256
+    cache.pin(p2.name, "r1")
+    with pytest.raises(CacheError, match="in use by r1"):
+        cache.remove(p2.name)
+    freed = cache.remove(p1.name)
+    assert freed == len(shared["config.json"])                        # the shared blobs stay
+    assert (p2 / "model.safetensors").read_bytes() == shared["model.safetensors"]
+    cache.remove(p2.name, force=True)
+    assert cache.entries() == [] and cache.blob_bytes() == 0
+
+
+def test_crash_after_blobs_before_the_entry_refetches_nothing(hub, tmp_path):
+    cache = _cache(tmp_path)
+    path = cache.ensure("hf://org/tiny")
+    (tmp_path / "cache" / "models" / f"{path.name}.json").unlink()    # the crash: record never written
+    gets = len(_file_gets(hub))
+    assert cache.lookup("hf://org/tiny") is None
+    assert cache.ensure("hf://org/tiny") == path
+    assert len(_file_gets(hub)) == gets + 1   # only config.json (not in LFS: no sha256 to find its blob by)
+
+
+def test_a_crash_mid_commit_leaves_nothing_usable_and_the_next_ensure_repairs_it(hub, tmp_path):
+    cache = _cache(tmp_path)
+    path = cache.ensure("hf://org/tiny")
+    models = tmp_path / "cache" / "models"
+    # The crash: the old directory gone, the new one still under its temporary name.
+    (models / f"{path.name}.json").unlink()
+    path.rename(models / f".{path.name}.4242.1.tmp")
+    assert cache.lookup("hf://org/tiny") is None
+    assert cache.ensure("hf://org/tiny") == path and (path / "config.json").read_bytes() == _files(0)["config.json"]
+    assert not list(models.glob(".*.tmp"))
+
+
+def test_an_abandoned_download_is_the_first_space_given_back(hub, tmp_path):
+    files = _files(30, big=1_500_000)
+    source = _manifest_source(hub, "ab", files)
+    hub.hold_after["ab/model.safetensors"] = 1_200_000
+    kept = _kill_mid_download(tmp_path / "cache", source, 1 << 20)   # leaves 1 MiB of part file
+    hub.release.set()
+    other = _manifest_source(hub, "ot", _files(31, big=1_500_000))
+    cache = _cache(tmp_path, budget_bytes=2_000_000)          # room for one model, not one and a part
+    assert kept >= 1 << 20
+    path = cache.ensure(other)
+    assert (path / "model.safetensors").is_file()
+    assert not list((tmp_path / "cache" / "partial").rglob("*.part"))
+
+
+def test_local_sources_are_served_in_place(tmp_path):
+    d = tmp_path / "weights"
+    d.mkdir()
+    cache = _cache(tmp_path)
+    assert cache.ensure(str(d)) == d and cache.ensure(f"file://{d}") == d and cache.lookup(str(d)) == d
+    with pytest.raises(SourceError, match="not a directory"):
+        cache.ensure(str(tmp_path / "absent"))
+
+
+def test_the_test_hub_speaks_enough_for_hf_hub_download_too(hub, tmp_path):
+    """The server is faithful beyond Fleet's own calls: huggingface_hub's hf_hub_download (HEAD
+    with X-Repo-Commit / ETag / X-Linked-*, then GET) works against it."""
+    from huggingface_hub import hf_hub_download
+
+    got = hf_hub_download("org/tiny", "model.safetensors", cache_dir=tmp_path / "hf", endpoint=hub.url)
+    assert Path(got).read_bytes() == _files(0)["model.safetensors"]
+    got = hf_hub_download("org/tiny", "config.json", cache_dir=tmp_path / "hf", endpoint=hub.url)
+    assert Path(got).read_bytes() == _files(0)["config.json"]
