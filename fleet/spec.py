@@ -203,7 +203,7 @@ class ReplicasSpec(SpecModel):
 
 
 class RoutingSpec(SpecModel):
-    policy: str = Field("latency-aware", description="Routing policy name (see `fleet validate --help`).")
+    policy: str = Field("kv-aware", description="Routing policy name (see `fleet validate --help`).")
     max_concurrency_per_endpoint: int | None = Field(
         None, ge=1, le=100_000,
         description="Most requests one replica gets at once; more wait in the router's admission queue "

@@ -1,6 +1,6 @@
 """Request traces: what arrives when, with how many prompt and output tokens.
 
-Owns `TraceRequest`, `Trace` and their loaders for the two forms Fleet reads:
+Owns `TraceRequest`, `Trace` and their loaders for the forms Fleet reads:
 
 * **Azure LLM inference traces** (CSV, `TIMESTAMP,ContextTokens,GeneratedTokens`; Patel et al.,
   "Splitwise", ISCA 2024; AzurePublicDataset, CC-BY 4.0). Copies ship in
@@ -11,10 +11,17 @@ Owns `TraceRequest`, `Trace` and their loaders for the two forms Fleet reads:
        "session_id": "user-17", "prefix_blocks": [3, 9]}
 
   `timestamp_s` (seconds, any origin, non-decreasing), `prompt_tokens` (>= 1) and
-  `output_tokens` (>= 1) are required; `session_id` (string) and `prefix_blocks` (list of
-  non-negative ints: ids of shared 16-token prompt blocks, in prompt order, so two requests
-  that list the same leading ids share that prompt prefix) are optional. Unknown keys are
-  rejected.
+  `output_tokens` (>= 1) are required; `session_id` (string), `prefix_blocks` (list of
+  non-negative ints: ids of shared prompt blocks, in prompt order, so two requests that list
+  the same leading ids share that prompt prefix) and `prefix_block_tokens` (tokens per block
+  id: a positive multiple of 16, default 16) are optional. Unknown keys are rejected.
+* **Mooncake traces** (JSONL, `{"timestamp": ms, "input_length", "output_length",
+  "hash_ids": [...]}`: ids of 512-token prompt blocks; Qin et al., "Mooncake", USENIX FAST
+  2025; Apache-2.0). A copy ships in `loadtests/traces/mooncake-fast25/` with its
+  attribution. `load_trace` recognizes the form by its first row; `mooncake_to_fleet` and
+  `write_jsonl` convert it to Fleet's JSONL form (block ids kept, `prefix_block_tokens` 512:
+  one Mooncake id is 32 of vLLM's 16-token blocks, and an id shared by two requests is a
+  shared 512-token prefix block in both).
 
 Arrival times are made relative to the first request (the first arrives at 0 s). Every loader
 error names the file, the line and the field. Called by the trace replayer
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -33,7 +40,12 @@ PREFIX_BLOCK_TOKENS = 16
 """Tokens per prefix block id in the JSONL form: vLLM's default KV-cache block size, so one
 shared block id is exactly one cacheable block."""
 
-_JSONL_FIELDS = {"timestamp_s", "prompt_tokens", "output_tokens", "session_id", "prefix_blocks"}
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per `hash_ids` entry in Mooncake's traces (FAST'25 release README)."""
+
+_JSONL_FIELDS = {"timestamp_s", "prompt_tokens", "output_tokens", "session_id", "prefix_blocks",
+                 "prefix_block_tokens"}
+_MOONCAKE_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}
 
 
 class TraceError(ValueError):
@@ -42,13 +54,15 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request: arrives `arrival_s` seconds after the trace's first request."""
+    """One request: arrives `arrival_s` seconds after the trace's first request. Its prompt
+    begins with the shared blocks `prefix_blocks`, of `prefix_block_tokens` tokens each."""
 
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
     session_id: str | None = None
     prefix_blocks: tuple[int, ...] = ()
+    prefix_block_tokens: int = PREFIX_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -73,10 +87,7 @@ class Trace:
         """Arrivals ``speedup`` times closer together (2.0: twice the arrival rate)."""
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
-        return Trace(self.name, tuple(
-            TraceRequest(r.arrival_s / speedup, r.prompt_tokens, r.output_tokens, r.session_id, r.prefix_blocks)
-            for r in self.requests
-        ))
+        return Trace(self.name, tuple(replace(r, arrival_s=r.arrival_s / speedup) for r in self.requests))
 
     def mean_rate_per_s(self) -> float:
         """Requests per second over the trace's span (0 for fewer than two requests)."""
@@ -84,11 +95,11 @@ class Trace:
 
 
 def _rebase(r: TraceRequest, base_s: float) -> TraceRequest:
-    return TraceRequest(r.arrival_s - base_s, r.prompt_tokens, r.output_tokens, r.session_id, r.prefix_blocks)
+    return replace(r, arrival_s=r.arrival_s - base_s)
 
 
 def load_trace(path: Path | str) -> Trace:
-    """Load an Azure CSV (`.csv`) or Fleet JSONL (`.jsonl`) trace.
+    """Load an Azure CSV (`.csv`), a Fleet JSONL or a Mooncake JSONL (`.jsonl`) trace.
 
     Raises:
         TraceError: unreadable file, unknown extension, or a bad row (naming line and field).
@@ -101,7 +112,7 @@ def load_trace(path: Path | str) -> Trace:
     if path.suffix == ".csv":
         requests = _parse_azure_csv(path, text)
     elif path.suffix == ".jsonl":
-        requests = _parse_jsonl(path, text)
+        requests = _parse_mooncake(path, text) if _is_mooncake(text) else _parse_jsonl(path, text)
     else:
         raise TraceError(f"{path}: unknown trace format {path.suffix!r}; use .csv (Azure) or .jsonl (Fleet)")
     if not requests:
@@ -187,13 +198,18 @@ def _parse_jsonl(path: Path, text: str) -> list[TraceRequest]:
         if not isinstance(blocks, list) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in blocks):
             raise TraceError(f"{where} prefix_blocks: must be a list of non-negative integers, got {blocks!r}")
         prompt = _positive_int(doc["prompt_tokens"], where, "prompt_tokens")
-        if len(blocks) * PREFIX_BLOCK_TOKENS > prompt:
+        block_tokens = _positive_int(doc.get("prefix_block_tokens", PREFIX_BLOCK_TOKENS), where, "prefix_block_tokens")
+        if block_tokens % PREFIX_BLOCK_TOKENS:
+            raise TraceError(f"{where} prefix_block_tokens: must be a multiple of {PREFIX_BLOCK_TOKENS}, "
+                             f"got {block_tokens}")  # fmt: skip
+        if (len(blocks) - 1) * block_tokens >= prompt:
             raise TraceError(
-                f"{where} prefix_blocks: {len(blocks)} blocks of {PREFIX_BLOCK_TOKENS} tokens exceed "
-                f"prompt_tokens ({prompt})"
+                f"{where} prefix_blocks: {len(blocks)} blocks of {block_tokens} tokens do not fit "
+                f"prompt_tokens ({prompt}): only the last block may be partial"
             )
         requests.append(TraceRequest(
-            float(ts), prompt, _positive_int(doc["output_tokens"], where, "output_tokens"), session, tuple(blocks)
+            float(ts), prompt, _positive_int(doc["output_tokens"], where, "output_tokens"), session, tuple(blocks),
+            block_tokens,
         ))
     return requests
 
@@ -207,4 +223,66 @@ def write_jsonl(trace: Trace, path: Path | str) -> None:
                 doc["session_id"] = r.session_id
             if r.prefix_blocks:
                 doc["prefix_blocks"] = list(r.prefix_blocks)
+                if r.prefix_block_tokens != PREFIX_BLOCK_TOKENS:
+                    doc["prefix_block_tokens"] = r.prefix_block_tokens
             f.write(json.dumps(doc) + "\n")
+
+
+def _is_mooncake(text: str) -> bool:
+    """Whether the first non-empty line of a JSONL text is a Mooncake row (has `hash_ids`)."""
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                return False
+            return isinstance(doc, dict) and "hash_ids" in doc
+    return False
+
+
+def _parse_mooncake(path: Path, text: str) -> list[TraceRequest]:
+    """Mooncake rows -> requests whose `prefix_blocks` are the `hash_ids` (512-token blocks)."""
+    requests: list[TraceRequest] = []
+    previous: float | None = None
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            doc = json.loads(line)
+        except ValueError as err:
+            raise TraceError(f"{where}: not JSON: {err}") from None
+        if not isinstance(doc, dict):
+            raise TraceError(f"{where}: must be a JSON object, got {type(doc).__name__}")
+        unknown = sorted(set(doc) - _MOONCAKE_FIELDS)
+        if unknown:
+            raise TraceError(f"{where} {unknown[0]}: unknown field (known: {', '.join(sorted(_MOONCAKE_FIELDS))})")
+        for field in sorted(_MOONCAKE_FIELDS):
+            if field not in doc:
+                raise TraceError(f"{where} {field}: required field is missing")
+        ts = doc["timestamp"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts or ts in (float("inf"), float("-inf")):
+            raise TraceError(f"{where} timestamp: must be a finite number of milliseconds, got {ts!r}")
+        arrival_s = float(ts) / 1000.0
+        _check_order(where, "timestamp", arrival_s, previous)
+        previous = arrival_s
+        blocks = doc["hash_ids"]
+        if not isinstance(blocks, list) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in blocks):
+            raise TraceError(f"{where} hash_ids: must be a list of non-negative integers, got {blocks!r}")
+        prompt = _positive_int(doc["input_length"], where, "input_length")
+        if (len(blocks) - 1) * MOONCAKE_BLOCK_TOKENS >= prompt:
+            raise TraceError(f"{where} hash_ids: {len(blocks)} blocks of {MOONCAKE_BLOCK_TOKENS} tokens do not fit "
+                             f"input_length ({prompt})")  # fmt: skip
+        requests.append(TraceRequest(arrival_s, prompt, _positive_int(doc["output_length"], where, "output_length"),
+                                     None, tuple(blocks), MOONCAKE_BLOCK_TOKENS))  # fmt: skip
+    return requests
+
+
+def mooncake_to_fleet(src: Path | str, dst: Path | str) -> Trace:
+    """Convert a Mooncake trace file to Fleet's JSONL form at `dst`; return the trace.
+
+    Each row keeps its arrival (milliseconds -> seconds from the first request), token counts
+    and block ids, with `prefix_block_tokens` 512. Raises `TraceError` for a bad row."""
+    trace = load_trace(src)
+    write_jsonl(trace, dst)
+    return trace

@@ -9,18 +9,92 @@ dropped too. Every `--sample-every-s` it records the router's resident memory (V
 retired endpoints). Prints the samples and the growth from the first sample after warm-up to
 the last.
 
+`--policy kv-aware --distinct-prompts` routes with the prefix-aware policy and gives every
+request a prompt no other request shares (token ids, `--prompt-tokens` long), so the router's
+prefix index sees new blocks on every request: its memory must stay flat all the same.
+
+`--policy-stream N` measures the same state without HTTP, at a scale the live run cannot reach
+on a small machine: N distinct prompts through `route_request` and a `kv-aware` pool of 8
+endpoints in this process (the objects the router runs), reporting the index's entries and
+the traced Python memory (tracemalloc) every N/10 prompts.
+
 Usage: python -m loadtests.bench_router_memory [--seconds 120] [--concurrency 32]
+       python -m loadtests.bench_router_memory --policy kv-aware --distinct-prompts
+       python -m loadtests.bench_router_memory --policy-stream 1000000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
 
 from loadtests.bench_proxy_hop import ADMIN_TOKEN, read_line, spawn
+
+DISTINCT_LOADGEN = """
+import asyncio, json, sys, time
+import aiohttp
+url, seconds, concurrency, n_tokens = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+async def main():
+    sent = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        async def worker(i, deadline_s):
+            nonlocal sent
+            k = i
+            while time.perf_counter() < deadline_s:
+                base = 1_000_000 + k * n_tokens
+                body = json.dumps({"model": "bench", "prompt": list(range(base, base + n_tokens)), "max_tokens": 8})
+                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                    await resp.read()
+                sent += 1
+                k += concurrency
+        print("MEASURING", flush=True)
+        await asyncio.gather(*(worker(i, time.perf_counter() + seconds) for i in range(concurrency)))
+    print(json.dumps({"requests": sent}), flush=True)
+asyncio.run(main())
+"""
+"""A closed-loop load generator whose every request carries a prompt of distinct token ids."""
+
+
+def policy_stream(n: int, prompt_tokens: int, trace_memory: bool) -> None:
+    """`n` distinct prompts through `route_request` and a `kv-aware` pool of 8 endpoints, in
+    process; prints the index's size, the process RSS and (with `trace_memory`, which slows
+    every allocation) Python's traced memory every n/10 prompts."""
+    import tracemalloc
+
+    from router.metrics import RouterMetrics
+    from router.pool import PoolTable
+    from router.prompt_blocks import route_request
+    from router.spec import PoolSpec
+
+    table = PoolTable(RouterMetrics(), wall_clock=time.time, clock=time.perf_counter)
+    pool = table.put("bench", PoolSpec.model_validate(
+        {"policy": "kv-aware", "endpoints": [{"id": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(8)]}))
+    index = pool.policy.index  # type: ignore[attr-defined]
+    if trace_memory:
+        tracemalloc.start()
+    print(f"\n{n:,} distinct prompts of {prompt_tokens} token ids through kv-aware (8 endpoints, "
+          f"{index.capacity_blocks:,} blocks remembered per endpoint)\n")
+    print("| prompts routed | index entries | distinct blocks | traced memory MiB | router RSS MiB |")
+    print("|---|---|---|---|---|")
+    started = time.process_time()
+    for i in range(1, n + 1):
+        base = 1_000_000 + i * prompt_tokens
+        request = route_request({"prompt": list(range(base, base + prompt_tokens)), "max_tokens": 8})
+        endpoint = pool.pick(request, 0.0)
+        assert endpoint is not None
+        endpoint.start(request.prefill_tokens)
+        endpoint.finish(request.prefill_tokens, got_first_byte=False)
+        if i % max(1, n // 10) == 0:
+            traced = f"{tracemalloc.get_traced_memory()[0] / 2**20:.1f}" if trace_memory else "—"
+            print(f"| {i:,} | {len(index):,} | {index.distinct_blocks():,} | {traced} "
+                  f"| {rss_mib(os.getpid()):.1f} |", flush=True)
+    cpu_s = time.process_time() - started
+    print(f"\nCPU per prompt (body to RouteRequest, scoring, recording; tracemalloc "
+          f"{'on' if trace_memory else 'off'}; the JSON parse is not included): {1e6 * cpu_s / n:.0f} us")
 
 
 def rss_mib(pid: int) -> float:
@@ -44,7 +118,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop workers (default 32)")
     parser.add_argument("--sample-every-s", type=float, default=10.0, help="seconds between samples (default 10)")
     parser.add_argument("--churn-every-s", type=float, default=5.0, help="seconds between endpoint renames (default 5)")
+    parser.add_argument("--policy", default=None, help="routing policy of the pool (default: the router's default)")
+    parser.add_argument("--distinct-prompts", action="store_true", help="every request carries its own prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="token ids per distinct prompt (default 1024)")
+    parser.add_argument("--policy-stream", type=int, metavar="N", help="N distinct prompts in process, no HTTP")
+    parser.add_argument("--trace-memory", action="store_true", help="with --policy-stream: also tracemalloc")
     args = parser.parse_args()
+    if args.policy_stream:
+        policy_stream(args.policy_stream, args.prompt_tokens, args.trace_memory)
+        return
 
     backend = spawn(__file__.replace("bench_router_memory", "bench_proxy_hop"), "--role", "backend")
     router = None
@@ -56,13 +138,17 @@ def main() -> None:
         generation = 0
 
         def pool_doc() -> dict:
-            return {"endpoints": [{"id": "stable", "url": f"http://127.0.0.1:{ports[0]}"},
+            return {**({"policy": args.policy} if args.policy else {}), "endpoints": [{"id": "stable", "url": f"http://127.0.0.1:{ports[0]}"},
                                   {"id": f"replica-{generation}", "url": f"http://127.0.0.1:{ports[1]}"}]}
 
         admin(base, "PUT", "/admin/v1/pools/bench", pool_doc())
-        loadgen = spawn(__file__.replace("bench_router_memory", "bench_proxy_hop"), "--role", "loadgen",
-                        "--url", f"{base}/v1/completions", "--seconds", str(args.seconds),
-                        "--concurrency", str(args.concurrency), "--stream-chunks", "0")
+        if args.distinct_prompts:
+            loadgen = spawn("-c", DISTINCT_LOADGEN, f"{base}/v1/completions", str(args.seconds),
+                            str(args.concurrency), str(args.prompt_tokens))
+        else:
+            loadgen = spawn(__file__.replace("bench_router_memory", "bench_proxy_hop"), "--role", "loadgen",
+                            "--url", f"{base}/v1/completions", "--seconds", str(args.seconds),
+                            "--concurrency", str(args.concurrency), "--stream-chunks", "0")
         read_line(loadgen, "MEASURING")
         retired = 0
         last_seen: dict[str, int] = {}
@@ -94,7 +180,8 @@ def main() -> None:
                 proc.wait(timeout=30)
 
     series = sum(1 for line in metrics.splitlines() if line.startswith("fleet_router_requests_total{"))
-    print(f"\n{args.seconds:g} s of closed-loop load, concurrency {args.concurrency}, "
+    kind = f"distinct {args.prompt_tokens}-token prompts" if args.distinct_prompts else "one fixed prompt"
+    print(f"\npolicy {args.policy or 'default'}, {kind}: {args.seconds:g} s of closed-loop load, concurrency {args.concurrency}, "
           f"{result['requests']:,} requests, pool endpoint renamed every {args.churn_every_s:g} s ({generation} times)\n")
     print("| elapsed s | requests served | router RSS MiB |")
     print("|---|---|---|")

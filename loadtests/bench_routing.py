@@ -1,5 +1,10 @@
 """Routing quality on real traces: Fleet's policies against vllm-router's, in front of the same
-SIMULATED vLLM replicas, driven by the same open-loop replay of an Azure trace.
+SIMULATED vLLM replicas, driven by the same open-loop replay of a trace.
+
+Traces: `code` and `conv` (the Azure traces, no shared prefixes), `mooncake` (Mooncake's
+FAST'25 trace: multi-turn prompts sharing 512-token blocks), or any trace file
+(`fleet.traces.load_trace`: Azure CSV, Fleet JSONL, Mooncake JSONL) with `--start-s` and
+`--window-s`.
 
 For each target, a fresh fleet of `--replicas` simulated replicas (`fleet.sim`, profile
 `--profile`, seeded, so every target meets identical engines) is started, the router under test
@@ -19,9 +24,14 @@ factor), and the speedup follows from the slowed capacity. Both factors are prin
 are then those of an H100 fleet slowed by that factor: compare targets with each other, not with
 H100 figures.
 
+**Prefix-cache hit rate.** After each target's replay every replica's
+`vllm:prefix_cache_hits_total` and `vllm:prefix_cache_queries_total` are read and summed: the
+share of prompt tokens the fleet found in its prefix caches.
+
 Usage:
     python -m loadtests.bench_routing --trace code [--replicas 8] [--load 0.8] \\
         [--targets fleet:round-robin,fleet:least-outstanding,fleet:latency-aware,vllm-router:round_robin,vllm-router:power_of_two,vllm-router:cache_aware]
+    python -m loadtests.bench_routing --trace mooncake --load 0.9 --targets fleet:kv-aware,vllm-router:cache_aware
 Prints a table; `--json-out` writes the figures.
 """
 
@@ -38,15 +48,22 @@ import urllib.request
 from pathlib import Path
 
 from fleet.sim.model import Arrival, EngineModel, run_virtual
-from fleet.sim.profiles import get_profile
+from fleet.sim.profiles import Profile, get_profile
+from fleet.simulate.workload import clip as clip_workload
 from fleet.traces import Trace, load_trace
 from loadtests.procs import SimFleet, cpu_s, free_port, wait_http
 from loadtests.replay import HttpSender, PromptBuilder, replay, summarize_run
 from loadtests.stats import summarize
 
 REPO = Path(__file__).resolve().parent.parent
-TRACES = REPO / "loadtests" / "traces" / "azure-llm-2023"
-DEFAULT_WINDOWS = {"code": (480.0, 1200.0), "conv": (1200.0, 300.0)}   # (start s, length s): busy stretches
+TRACES = REPO / "loadtests" / "traces"
+TRACE_FILES = {"code": TRACES / "azure-llm-2023" / "code.csv", "conv": TRACES / "azure-llm-2023" / "conv.csv",
+               "mooncake": TRACES / "mooncake-fast25" / "synthetic_trace.jsonl"}
+DEFAULT_WINDOWS = {"code": (480.0, 1200.0), "conv": (1200.0, 300.0),   # (start s, length s): busy stretches
+                   "mooncake": (600.0, 300.0)}   # conversations are under way: their later turns reuse blocks
+DEFAULT_MAX_MODEL_LEN = {"mooncake": 32768}
+"""Context the replicas get for a trace (default: the profile's): Mooncake's prompts average
+15k tokens (Llama 3.1 8B serves 128k); prompts beyond it are cut, as every trace's are."""
 ADMIN_TOKEN = "bench-routing-admin-token"
 MODEL = "bench"
 DEFAULT_TARGETS = ("fleet:round-robin,fleet:least-outstanding,fleet:latency-aware,"
@@ -55,20 +72,12 @@ DEFAULT_TARGETS = ("fleet:round-robin,fleet:least-outstanding,fleet:latency-awar
 
 def clip(trace: Trace, max_model_len: int) -> Trace:
     """Requests that fit the engine: prompt + output <= max_model_len (prompt cut if needed)."""
-    from fleet.traces import TraceRequest
-
-    out = []
-    for r in trace.requests:
-        output = min(r.output_tokens, max_model_len // 4)
-        prompt = min(r.prompt_tokens, max_model_len - output)
-        out.append(TraceRequest(r.arrival_s, prompt, output, r.session_id, r.prefix_blocks))
-    return Trace(trace.name, tuple(out))
+    return clip_workload(trace, max_model_len)
 
 
-def replica_capacity_per_s(trace: Trace, profile_name: str, slowdown: float) -> float:
+def replica_capacity_per_s(trace: Trace, profile: Profile, slowdown: float) -> float:
     """Completed requests per second of one replica saturated with ``trace``'s request mix
     (virtual time, simulator model)."""
-    profile = get_profile(profile_name)
     model = EngineModel(profile.config, profile.cost, slowdown=slowdown)
     prompts = PromptBuilder(seed=0, vocab_size=32000)
     arrivals = [Arrival(0.0, str(i), prompts.prompt(i, r), r.output_tokens) for i, r in enumerate(trace.requests)]
@@ -76,12 +85,11 @@ def replica_capacity_per_s(trace: Trace, profile_name: str, slowdown: float) -> 
     return len(finished) / max(f.finished_s for f in finished)
 
 
-def virtual_round_robin(trace: Trace, args, slowdown: float) -> dict:
+def virtual_round_robin(trace: Trace, args, slowdown: float, profile: Profile) -> dict:
     """Reference: the same requests round-robin over `replicas` simulator models in virtual time
     (no HTTP, no router, no CPU contention). Round-robin ignores load, so each replica's share
     can be simulated on its own. If the live rows sit far above this, the machine, not the
     routing, is what was measured."""
-    profile = get_profile(args.profile)
     prompts = PromptBuilder(args.seed, 32000)
     finished = []
     for k in range(args.replicas):
@@ -119,8 +127,23 @@ def start_router(target: str, urls: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, base
 
 
+def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
+    """(hits, queries) in prompt tokens, summed over the replicas' `vllm:prefix_cache_*_total`."""
+    hits = queries = 0.0
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
 def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     extra = ["--slowdown", str(slowdown)] if slowdown != 1.0 else []
+    if args.max_model_len is not None:
+        extra += ["--max-model-len", str(args.max_model_len)]
     with SimFleet(args.replicas, profile=args.profile, model=MODEL, processes=args.sim_processes, seed=args.seed,
                   extra_args=extra) as sims:
         proc, base = start_router(target, sims.urls)
@@ -135,10 +158,12 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             records = asyncio.run(go())
             wall_s = time.monotonic() - started
             router_cpu_s = cpu_s(proc.pid) - cpu0
+            hits, queries = prefix_cache_tokens(sims.urls)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
     summary = summarize_run(records, args.ttft_slo_s)
+    summary["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
     summary["router_cpu_ms_per_request"] = 1e3 * router_cpu_s / max(1, len(records))
     summary["wall_s"] = wall_s
     return summary
@@ -146,7 +171,9 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", choices=sorted(DEFAULT_WINDOWS), required=True, help="Azure trace")
+    parser.add_argument("--trace", required=True,
+                        help=f"{', '.join(sorted(TRACE_FILES))}, or a trace file (.csv Azure, .jsonl Fleet or Mooncake)")
+    parser.add_argument("--max-model-len", type=int, help="replicas' context (default: per trace, else the profile's)")
     parser.add_argument("--start-s", type=float, help="trace window start (default: a busy stretch)")
     parser.add_argument("--window-s", type=float, help="trace window length in trace seconds (default 1200)")
     parser.add_argument("--replicas", type=int, default=8, help="simulated replicas (default 8)")
@@ -161,39 +188,46 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
-    start_s, window_s = DEFAULT_WINDOWS[args.trace]
+    path = TRACE_FILES.get(args.trace, Path(args.trace))
+    start_s, window_s = DEFAULT_WINDOWS.get(args.trace, (0.0, None))
     start_s = args.start_s if args.start_s is not None else start_s
     window_s = args.window_s if args.window_s is not None else window_s
-    base = clip(load_trace(TRACES / f"{args.trace}.csv").window(start_s, window_s), get_profile(args.profile).config.max_model_len)
+    if args.max_model_len is None:
+        args.max_model_len = DEFAULT_MAX_MODEL_LEN.get(args.trace)
+    profile = get_profile(args.profile).with_overrides(max_model_len=args.max_model_len)
+    base = clip(load_trace(path).window(start_s, window_s), profile.config.max_model_len)
     mean_out = sum(r.output_tokens for r in base.requests) / len(base.requests)
-    capacity_1 = replica_capacity_per_s(base, args.profile, 1.0)
+    capacity_1 = replica_capacity_per_s(base, profile, 1.0)
     tokens_at_load = args.load * args.replicas * capacity_1 * mean_out
     slowdown = max(1.0, round(tokens_at_load / args.max_token_rate, 1))
-    capacity = replica_capacity_per_s(base, args.profile, slowdown)
+    capacity = replica_capacity_per_s(base, profile, slowdown)
     speedup = args.load * args.replicas * capacity / base.mean_rate_per_s()
     trace = base.compressed(speedup)
-    print(f"{args.trace}: trace seconds {start_s:g}-{start_s + window_s:g}, {len(trace.requests)} requests, "
+    print(f"{args.trace}: trace seconds {start_s:g}-{start_s + base.duration_s:g}, {len(trace.requests)} requests, "
           f"mean {base.mean_rate_per_s():.2f} req/s, {mean_out:.0f} output tokens/request", flush=True)
     print(f"one {args.profile} replica: {capacity_1:.2f} req/s at saturation; slowdown x{slowdown:g} -> "
           f"{capacity:.3f} req/s; arrival speedup x{speedup:.2f} -> {trace.mean_rate_per_s():.2f} req/s offered to "
           f"{args.replicas} replicas ({args.load:.0%} load), {trace.duration_s:.0f} s per target", flush=True)
 
-    reference = virtual_round_robin(trace, args, slowdown)
+    reference = virtual_round_robin(trace, args, slowdown, profile)
     rows = []
     for target in [t for t in args.targets.split(",") if t]:
         s = run_target(target, trace, args, slowdown)
         rows.append((target, s))
         print(f"  {target}: TTFT p50 {s['ttft_s']['p50']:.3f} s p99 {s['ttft_s']['p99']:.3f} s, "
-              f"e2e p50 {s['e2e_s']['p50']:.2f} s p99 {s['e2e_s']['p99']:.2f} s, failed {s['failed']}", flush=True)
+              f"e2e p50 {s['e2e_s']['p50']:.2f} s p99 {s['e2e_s']['p99']:.2f} s, prefix-cache hits "
+              f"{100 * s['prefix_cache_hit_rate']:.1f}%, failed {s['failed']}", flush=True)
 
     slo = f"within {args.ttft_slo_s:g} s TTFT" if args.ttft_slo_s is not None else None
-    print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |{f' {slo} |' if slo else ''} failed | router CPU / request |")
-    print("|---|---|---|---|---|---|---|" + ("---|" if slo else ""))
+    print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |{f' {slo} |' if slo else ''} prefix-cache hits "
+          "| failed | router CPU / request |")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if slo else ""))
     for target, s in [("virtual-time reference: ideal round-robin, no router", {**reference, "router_cpu_ms_per_request": None}), *rows]:
         cpu = "—" if s["router_cpu_ms_per_request"] is None else f"{s['router_cpu_ms_per_request']:.2f} ms"
         share = f" {100 * s['within_ttft_slo']:.1f}% |" if slo else ""
+        hits = "—" if s.get("prefix_cache_hit_rate") is None else f"{100 * s['prefix_cache_hit_rate']:.1f}%"
         print(f"| {target} | {s['ttft_s']['p50']:.3f} s | {s['ttft_s']['p99']:.3f} s | {s['e2e_s']['p50']:.2f} s "
-              f"| {s['e2e_s']['p99']:.2f} s |{share} {s['failed']} | {cpu} |")
+              f"| {s['e2e_s']['p99']:.2f} s |{share} {hits} | {s['failed']} | {cpu} |")
     if args.json_out:
         args.json_out.write_text(json.dumps({
             "trace": args.trace, "window": [start_s, window_s], "replicas": args.replicas, "profile": args.profile,

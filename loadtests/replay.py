@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fleet.traces import PREFIX_BLOCK_TOKENS, Trace, TraceError, TraceRequest, load_trace
+from fleet.traces import Trace, TraceError, TraceRequest, load_trace
 from loadtests.stats import summarize
 
 
@@ -136,7 +136,7 @@ class PromptBuilder:
         n = r.prompt_tokens if clip_tokens is None else min(r.prompt_tokens, clip_tokens)
         ids: list[int] = []
         for block in r.prefix_blocks:
-            ids.extend(self._ids(f"block:{block}", PREFIX_BLOCK_TOKENS))
+            ids.extend(self._ids(f"block:{block}", r.prefix_block_tokens))
         ids = ids[:n]
         ids.extend(self._ids(f"request:{index}", n - len(ids)))
         return ids

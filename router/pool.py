@@ -21,6 +21,7 @@ from prometheus_client import Histogram
 from router.admission import AdmissionQueue
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.policies import RoutingPolicy, make_policy
+from router.prompt_blocks import RouteRequest
 from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S, PoolSpec
 from router.revision_stats import RequestLog, revision_summaries
 from router.split import RevisionSplit, SplitState
@@ -57,14 +58,17 @@ class EndpointState:
     completion the whole generation; None before the first sample), `last_sample_s`
     (router-clock seconds of the latest sample; None before it), `unavailable_until_s`
     (router-clock seconds until which a connection failure keeps the endpoint out of the
-    candidates). `metrics` holds the endpoint's Prometheus children
+    candidates), `prefill_tokens` (prompt tokens, not expected cached, of the requests in
+    flight that have no first byte yet: queued prefill work) and `prefilling` (how many
+    requests those are; `in_flight - prefilling` are decoding), kept by `start`, `first_byte`
+    and `finish`. `metrics` holds the endpoint's Prometheus children
     (`router.metrics.EndpointMetrics`; None outside a `PoolTable`).
     """
 
     __slots__ = (
         "id", "url", "version", "weight", "draining",
         "in_flight", "requests_total", "errors_total", "ewma_first_byte_s", "last_sample_s", "unavailable_until_s",
-        "metrics",
+        "prefill_tokens", "prefilling", "metrics",
     )  # fmt: skip
 
     def __init__(
@@ -88,7 +92,27 @@ class EndpointState:
         self.ewma_first_byte_s: float | None = None
         self.last_sample_s: float | None = None
         self.unavailable_until_s = 0.0
+        self.prefill_tokens = 0
+        self.prefilling = 0
         self.metrics = metrics
+
+    def start(self, prefill_tokens: int) -> None:
+        """A request is dispatched here, with `prefill_tokens` to compute before its first token."""
+        self.in_flight += 1
+        self.requests_total += 1
+        self.prefill_tokens += prefill_tokens
+        self.prefilling += 1
+
+    def first_byte(self, prefill_tokens: int) -> None:
+        """A request started with `prefill_tokens` got its first byte: its prefill is done."""
+        self.prefill_tokens -= prefill_tokens
+        self.prefilling -= 1
+
+    def finish(self, prefill_tokens: int, got_first_byte: bool) -> None:
+        """A request started with `prefill_tokens` left (done, failed or cancelled)."""
+        self.in_flight -= 1
+        if not got_first_byte:
+            self.first_byte(prefill_tokens)
 
     def record_first_byte(self, first_byte_s: float, now_s: float) -> None:
         """Fold one time-to-first-byte sample (seconds) into the EWMA (see `EWMA_ALPHA`)."""
@@ -181,15 +205,16 @@ class Pool:
         self.queue_timeout_s = queue_timeout_s
         self.split = RevisionSplit.of(self.ready, self.shared.split)
         self.sticky_key = sticky_key
+        policy.on_endpoints({e.id for e in self.endpoints})
 
-    def pick(self, now_s: float, tried: Collection[EndpointState] = (), *,
+    def pick(self, request: RouteRequest, now_s: float, tried: Collection[EndpointState] = (), *,
              within_limit: bool = True, key: str | None = None) -> EndpointState | None:  # fmt: skip
-        """The endpoint the policy chooses among the ready ones not in `tried`; None if
-        none is left. With a `limit` (and `within_limit`), endpoints with `limit` requests in
-        flight are full and left out. With more than one revision, the split first narrows the
-        candidates to one revision (`router.split`; ``key``: the request's sticky key).
-        Endpoints cooling down after a connection failure are left out unless all remaining
-        ones are (see `DEFAULT_FAILURE_COOLDOWN_S`)."""
+        """The endpoint the policy chooses for `request` among the ready ones not in `tried`;
+        None if none is left. With a `limit` (and `within_limit`), endpoints with `limit` requests
+        in flight are full and left out. With more than one revision, the split first narrows the
+        candidates to one revision (`router.split`; ``key``: the request's sticky key), for every
+        policy alike. Endpoints cooling down after a connection failure are left out unless all
+        remaining ones are (see `DEFAULT_FAILURE_COOLDOWN_S`)."""
         candidates: Sequence[EndpointState] = self.ready
         limit = self.limit
         if limit is not None and within_limit:
@@ -203,8 +228,8 @@ class Pool:
         for endpoint in candidates:
             if endpoint.unavailable_until_s > now_s:
                 available = [e for e in candidates if e.unavailable_until_s <= now_s]
-                return self.policy.choose(available or candidates, now_s)
-        return self.policy.choose(candidates, now_s)
+                return self.policy.choose(available or candidates, request, now_s)
+        return self.policy.choose(candidates, request, now_s)
 
     def free_slots(self) -> float:
         """Requests the ready endpoints can take now without queueing (inf without a limit)."""

@@ -38,6 +38,7 @@ import aiohttp
 
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, Pool, PoolShared, PoolTable
+from router.prompt_blocks import SESSION_HEADER, RouteRequest, route_request
 from router.split import sticky_key
 from router.sse import SseRelay
 from router.stats import ModelStats
@@ -79,6 +80,7 @@ _DROP_REQUEST_HEADERS = frozenset({
     b"proxy-authenticate", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
     b"upgrade", b"expect", b"accept-encoding",
 })  # fmt: skip
+_SESSION_HEADER = SESSION_HEADER.encode()
 # Response headers relayed to the client besides the status line.
 _RELAY_RESPONSE_HEADERS = frozenset({b"content-type", b"content-encoding", b"retry-after", b"x-request-id"})
 
@@ -164,24 +166,33 @@ def check_request(body: bytes, path: str) -> tuple[str, None] | tuple[None, byte
     `model`, and `prompt` (completions) or a list `messages` (chat). The engine validates
     the rest.
     """
+    model, _, problem = parse_request(body, path)
+    return (model, None) if model is not None else (None, problem)  # type: ignore[return-value]
+
+
+def parse_request(body: bytes, path: str) -> tuple[str | None, dict | None, bytes | None]:
+    """`check_request`, also returning the parsed body: `(model, doc, None)` or
+    `(None, None, error_body)`."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None, error_body(f"request body is not valid JSON: {exc}", code="invalid_json")
+        return None, None, error_body(f"request body is not valid JSON: {exc}", code="invalid_json")
     if not isinstance(data, dict):
-        return None, error_body("request body must be a JSON object", code="invalid_json")
+        return None, None, error_body("request body must be a JSON object", code="invalid_json")
     model = data.get("model")
     if model is None:
-        return None, error_body("you must provide a model parameter", param="model", code="missing_required_parameter")
+        return None, None, error_body("you must provide a model parameter", param="model",
+                                      code="missing_required_parameter")  # fmt: skip
     if not isinstance(model, str) or not model:
-        return None, error_body("model must be a non-empty string", param="model", code="invalid_type")
+        return None, None, error_body("model must be a non-empty string", param="model", code="invalid_type")
     field = PROXIED_PATHS[path]
     value = data.get(field)
     if value is None:
-        return None, error_body(f"you must provide a {field} parameter", param=field, code="missing_required_parameter")
+        return None, None, error_body(f"you must provide a {field} parameter", param=field,
+                                      code="missing_required_parameter")  # fmt: skip
     if field == "messages" and not isinstance(value, list):
-        return None, error_body("messages must be a list", param="messages", code="invalid_type")
-    return model, None
+        return None, None, error_body("messages must be a list", param="messages", code="invalid_type")
+    return model, data, None
 
 
 DISCONNECT_WATCH_DELAY_S = 0.05
@@ -300,8 +311,8 @@ class Proxy:
         if body is None:
             return  # the client is gone
 
-        model, problem = check_request(body, path)
-        if model is None:
+        model, doc, problem = parse_request(body, path)
+        if model is None or doc is None:
             await self._reject(send, 400, "", problem or b"")
             return
         pool = self._pools.get(model)
@@ -315,13 +326,18 @@ class Proxy:
                 code="model_not_found"))  # fmt: skip
             return
         arrival_s = self._clock()
+        session = None
+        for k, v in scope["headers"]:
+            if k == _SESSION_HEADER:
+                session = v.decode("latin-1")
+        request = route_request(doc, session)
         shared = pool.shared
         stats = shared.stats
         stats.arrivals.add(arrival_s)
         limited = pool.limit is not None
         # With an admission limit, first come first served: nobody overtakes a waiting request.
-        key = sticky_key(pool.sticky_key, scope["headers"], body)   # keeps a user on one revision (router.split)
-        endpoint = None if limited and shared.queue.has_waiters() else pool.pick(arrival_s, key=key)
+        key = sticky_key(pool.sticky_key, scope["headers"], doc)   # keeps a user on one revision (router.split)
+        endpoint = None if limited and shared.queue.has_waiters() else pool.pick(request, arrival_s, key=key)
         if endpoint is None and (not limited or not pool.ready):
             await self._reject(send, 503, model, error_body(
                 f"model {model!r} has no ready endpoint; retry later", type_="server_error",
@@ -340,20 +356,21 @@ class Proxy:
         watch = _ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
         try:
             if endpoint is None:
-                admitted = await self._wait_for_slot(model, pool, arrival_s, send, watch, key)
+                admitted = await self._wait_for_slot(model, pool, request, arrival_s, send, watch, key)
                 if admitted is None:
                     return  # answered 503
                 pool, endpoint = admitted
             attempts = min(self._max_attempts, len(pool.ready))
             tried = [endpoint]
             while True:
-                retry = await self._attempt(endpoint, target, body, headers, send, watch, arrival_s, shared)
+                retry = await self._attempt(endpoint, request.prefill_tokens, target, body, headers, send, watch,
+                                            arrival_s, shared)  # fmt: skip
                 if not retry:
                     return  # the client got its response (or is gone)
                 if len(tried) >= attempts:
                     break
                 # A retry has waited its turn already: it may exceed the admission limit.
-                next_endpoint = pool.pick(self._clock(), tried, within_limit=False, key=key)
+                next_endpoint = pool.pick(request, self._clock(), tried, within_limit=False, key=key)
                 if next_endpoint is None:
                     break
                 endpoint = next_endpoint
@@ -373,7 +390,7 @@ class Proxy:
         finally:
             watch.stop()
 
-    async def _wait_for_slot(self, model: str, pool: Pool, arrival_s: float, send: Send,
+    async def _wait_for_slot(self, model: str, pool: Pool, request: RouteRequest, arrival_s: float, send: Send,
                              watch: _ClientWatch, key: str | None = None) -> tuple[Pool, EndpointState] | None:  # fmt: skip
         """Wait in the model's admission queue until an endpoint of the model's current pool
         has a free slot; return that pool and endpoint, or answer 503 (queue full, timed out,
@@ -393,7 +410,7 @@ class Proxy:
             if current is None:
                 break
             now_s = self._clock()
-            endpoint = current.pick(now_s, key=key)
+            endpoint = current.pick(request, now_s, key=key)
             if endpoint is not None:
                 stats.queue_time.add(now_s, now_s - arrival_s)
                 if shared.queue_time is not None:
@@ -423,8 +440,9 @@ class Proxy:
             stats.rejected.add(self._clock())
         await send_json(send, status, body, extra_headers)
 
-    async def _attempt(self, endpoint: EndpointState, target: str, body: bytes, headers: list[tuple[str, str]],
-                       send: Send, watch: _ClientWatch, arrival_s: float, shared: PoolShared) -> bool:  # fmt: skip
+    async def _attempt(self, endpoint: EndpointState, prefill_tokens: int, target: str, body: bytes,
+                       headers: list[tuple[str, str]], send: Send, watch: _ClientWatch, arrival_s: float,
+                       shared: PoolShared) -> bool:  # fmt: skip
         """Send the request to `{endpoint.url}{target}` (path and query) and relay the answer;
         True means retry elsewhere.
 
@@ -439,15 +457,17 @@ class Proxy:
         output token (`router.sse`). The model's windowed stats get the client-side latencies,
         from ``arrival_s``: TTFT (first byte; < 400 only), TPOT and end-to-end, stamped at
         completion. A finished request frees its slot: the next request waiting in the
-        admission queue is woken.
+        admission queue is woken. `prefill_tokens` (the prompt tokens the policy expects the
+        endpoint to compute) count as its queued prefill work until the first byte
+        (`EndpointState.start` / `first_byte` / `finish`).
         """
         m = endpoint.metrics
         assert m is not None  # endpoints of a PoolTable always have their metrics
         if not m.bound:
             m.bind()  # series appear at an endpoint's first request (cheap pool updates)
         assert self._session is not None
-        endpoint.in_flight += 1
-        endpoint.requests_total += 1
+        endpoint.start(prefill_tokens)
+        first = [prefill_tokens]   # emptied when the first byte releases the prefill charge
         clock = self._clock
         start_s = clock()
         try:
@@ -487,13 +507,13 @@ class Proxy:
                 sse: SseRelay | None = None
                 if content_type == "text/event-stream":
                     sse = SseRelay()
-                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, sse)
+                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, sse, first)
                     completed = first_byte_s is not None
                 elif length is not None:
                     completed = await self._relay_whole(endpoint, m, resp, status, relay, send, watch)
                     first_byte_s = headers_s
                 else:
-                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, None)
+                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, None, first)
                     completed = first_byte_s is not None
                 if completed:
                     assert first_byte_s is not None
@@ -530,7 +550,7 @@ class Proxy:
                     resp.close()
             return False
         finally:
-            endpoint.in_flight -= 1
+            endpoint.finish(prefill_tokens, not first)
             if shared.queue.has_waiters() and not endpoint.draining:
                 shared.queue.wake(1)
 
@@ -557,10 +577,10 @@ class Proxy:
 
     async def _relay_stream(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
                             status: int, headers: list[tuple[bytes, bytes]], send: Send, watch: _ClientWatch,
-                            sse: SseRelay | None) -> float | None:  # fmt: skip
+                            sse: SseRelay | None, first: list[int]) -> float | None:  # fmt: skip
         """Relay the body as it arrives (SSE: whole events, through `sse`); return the clock time
         of the first body chunk (or of the end, for an empty body), None if the endpoint failed
-        midway.
+        midway. At the first chunk the prefill charge in `first` is released (`first` is emptied).
 
         On failure an SSE stream ends with an OpenAI error event and `data: [DONE]` (what vLLM
         sends when generation fails mid-stream; OpenAI clients raise it as an `APIError`);
@@ -576,11 +596,13 @@ class Proxy:
                     now_s = clock()
                     if first_byte_s is None:
                         first_byte_s = now_s
+                        endpoint.first_byte(first.pop())
                     chunk = sse.feed(chunk, now_s)
                     if not chunk:
                         continue  # a partial event, held back until its end arrives
                 elif first_byte_s is None:
                     first_byte_s = clock()
+                    endpoint.first_byte(first.pop())
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except _UPSTREAM_ERRORS as exc:
             endpoint.record_failure(clock())

@@ -31,7 +31,6 @@ Choice:
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -120,10 +119,10 @@ STICKY_KEY_PATTERN = r"^(header:[A-Za-z0-9-]{1,128}|body:user)$"
 (the value of that request header) or ``body:user`` (the OpenAI request's ``user`` field)."""
 
 
-def sticky_key(source: str | None, headers: Iterable[tuple[bytes, bytes]], body: bytes) -> str | None:
+def sticky_key(source: str | None, headers: Iterable[tuple[bytes, bytes]], doc: object) -> str | None:
     """The request's sticky key per ``source`` (`STICKY_KEY_PATTERN`; None: no stickiness), or
     None when the request carries none. ``headers``: ASGI (lower-case name, value) byte pairs;
-    ``body``: the JSON request body (parsed only for ``body:user``; a malformed one has no key)."""
+    ``doc``: the request body as the proxy parsed it (its ``user`` field for ``body:user``)."""
     if source is None:
         return None
     if source.startswith("header:"):
@@ -132,8 +131,5 @@ def sticky_key(source: str | None, headers: Iterable[tuple[bytes, bytes]], body:
             if k == name:
                 return v.decode("latin-1") or None
         return None
-    try:
-        user = json.loads(body).get("user")
-    except (ValueError, AttributeError, RecursionError):
-        return None
+    user = doc.get("user") if isinstance(doc, dict) else None
     return user if isinstance(user, str) and user else None

@@ -11,9 +11,16 @@ same config and workload give the same result. This is a SIMULATOR: the engines 
 What runs for real (the live objects, fed in virtual time):
 
 - routing: `router.pool.Pool.pick` with the policy object of `router.policies.make_policy`,
-  over `router.pool.EndpointState`s whose ``in_flight``, ``requests_total`` and first-byte EWMA
-  (`EndpointState.record_first_byte`) are updated where `router.proxy` updates them; draining
-  endpoints stay in the pool marked draining, as the controller publishes them;
+  for a `router.prompt_blocks.RouteRequest` built by `route_request` from the very token-id
+  prompt the engine model gets (as the proxy builds it from the body), over
+  `router.pool.EndpointState`s whose load (`start`, `first_byte` at the first token,
+  `finish`) and first-byte EWMA (`EndpointState.record_first_byte`) are updated where `router.proxy`
+  updates them; draining endpoints stay in the pool marked draining, as the controller
+  publishes them. With ``routers`` > 1, that many independent routers (each its own policy
+  object and its own endpoint states, seeing only its own requests) take the requests in
+  turn, as routers behind a load balancer do. ``shared_view`` also tells every router of every
+  placement (`RoutingPolicy.learn`), which is what each would learn from the engines' KV cache
+  events: the upper bound of what an exact, shared view gives;
 - router statistics: one `router.stats.ModelStats` recorded at the proxy's points (arrival;
   queue time at dispatch or at a queue timeout; client-side TTFT and end-to-end latency
   stamped at completion; rejections);
@@ -62,6 +69,7 @@ from fleet.simulate.results import RequestLog, SimResult, TickRecord
 from fleet.simulate.workload import Workload, prompt_ids
 from router.policies import make_policy as make_routing_policy
 from router.pool import Pool, PoolShared
+from router.prompt_blocks import RouteRequest, route_request
 from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S
 from router.stats import ModelStats
 
@@ -109,7 +117,7 @@ class SimConfig:
     profile: Profile
     autoscaling: AutoscalingSpec
     bounds: ReplicaBounds
-    routing_policy: str = "latency-aware"
+    routing_policy: str = "kv-aware"
     max_concurrency_per_endpoint: int | None = None
     max_queue_length: int = DEFAULT_MAX_QUEUE_LENGTH
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
@@ -122,8 +130,14 @@ class SimConfig:
     seed: int = 0
     name: str = ""
     model: str = "sim-model"
+    routers: int = 1
+    shared_view: bool = False
 
     def __post_init__(self) -> None:
+        if self.routers < 1:
+            raise ValueError(f"routers must be >= 1, got {self.routers}")
+        if self.routers > 1 and self.max_concurrency_per_endpoint is not None:
+            raise ValueError("routers > 1 is simulated without max_concurrency_per_endpoint (no shared admission queue)")
         if not 0 <= self.warm_startup_s <= self.cold_startup_s:
             raise ValueError(f"need 0 <= warm start-up <= cold start-up, got {self.warm_startup_s} s and "
                              f"{self.cold_startup_s} s")  # fmt: skip
@@ -142,7 +156,8 @@ class SimConfig:
             "profile": self.profile.name, "policy": self.autoscaling.policy,
             "autoscaling": self.autoscaling.to_document() if self.autoscaling.policy != "fixed" else None,
             "replicas": {"min": self.bounds.min, "max": self.bounds.max, "initial": self.bounds.initial},
-            "routing": {"policy": self.routing_policy, "max_concurrency_per_endpoint": self.max_concurrency_per_endpoint,
+            "routing": {"policy": self.routing_policy, "routers": self.routers, "shared_view": self.shared_view,
+                        "max_concurrency_per_endpoint": self.max_concurrency_per_endpoint,
                         "max_queue_length": self.max_queue_length, "queue_timeout_s": self.queue_timeout_s},
             "startup": {"warm_s": self.warm_startup_s, "cold_s": self.cold_startup_s,
                         "warm_nodes": self.bounds.max if self.warm_nodes is None else self.warm_nodes},
@@ -171,7 +186,12 @@ class Simulation:
         self.startup = StartupTracker(spec.warm_startup_seconds, spec.cold_startup_seconds)
         self.stats = ModelStats(0.0)
         self.shared = PoolShared(self.stats)
-        self.routing = make_routing_policy(config.routing_policy)
+        self.routings = [make_routing_policy(config.routing_policy) for _ in range(config.routers)]
+        self.routing = self.routings[0]
+        self._routes: dict[int, RouteRequest] = {}      # request -> what its router saw (until it ends)
+        self._prompts: dict[int, list[int]] = {}        # request -> token ids, until dispatched
+        self._router_of = bytearray(len(workload.requests))
+        self._prefilling = bytearray(len(workload.requests))   # 1 until the first token
         self.nodes = NodePool(config.bounds.max if config.warm_nodes is None else config.warm_nodes)
         self.replicas: list[SimReplica] = []
         self.desired = config.bounds.initial
@@ -187,7 +207,8 @@ class Simulation:
         self._by_endpoint: dict[str, SimReplica] = {}
         self._startups: list[tuple[str, bool, float]] = []
         self._ran = False
-        self.pool = self._make_pool()
+        self.pools = self._make_pools()
+        self.pool = self.pools[0]
 
     # ----- events -----------------------------------------------------------------------
 
@@ -250,9 +271,15 @@ class Simulation:
     def _on_arrival(self, i: int, now_s: float) -> None:
         stats = self.stats
         stats.arrivals.add(now_s)
-        pool = self.pool
+        k = i % len(self.pools)
+        self._router_of[i] = k
+        pool = self.pools[k]
+        r = self.workload.requests[i]
+        ids = prompt_ids(i, r, self.config.seed)
+        self._prompts[i] = ids
+        route = self._routes[i] = route_request({"prompt": ids, "max_tokens": r.output_tokens}, r.session_id)
         limited = pool.limit is not None
-        endpoint = None if limited and self._queued else pool.pick(now_s)   # FCFS: nobody overtakes a waiter
+        endpoint = None if limited and self._queued else pool.pick(route, now_s)   # FCFS: nobody overtakes a waiter
         if endpoint is not None:
             stats.queue_time.add(now_s, 0.0)
             self._dispatch(i, self._by_endpoint[endpoint.id], now_s)
@@ -270,7 +297,7 @@ class Simulation:
         while self._queued:
             while not self._waiting[queue[0]]:
                 queue.popleft()  # timed out already
-            endpoint = pool.pick(now_s)
+            endpoint = pool.pick(self._routes[queue[0]], now_s)
             if endpoint is None:
                 return
             i = queue.popleft()
@@ -293,28 +320,52 @@ class Simulation:
         self._fail(i, now_s)
 
     def _fail(self, i: int, now_s: float) -> None:
+        self._routes.pop(i, None)
+        self._prompts.pop(i, None)
         self.log.failed[i] = True
         self.log.end_s[i] = now_s
         self._done += 1
 
     def _dispatch(self, i: int, replica: SimReplica, now_s: float) -> None:
-        endpoint = replica.endpoint
-        endpoint.in_flight += 1
-        endpoint.requests_total += 1
-        self.log.dispatch_s[i] = now_s
-        self.log.replica[i] = replica.index
+        route = self._routes[i]
+        k = self._router_of[i]
+        replica.endpoints[k].start(route.prefill_tokens)
+        if self.config.shared_view:
+            for other, routing in enumerate(self.routings):
+                if other != k:
+                    routing.learn(replica.id, route.block_hashes)
+        self._prefilling[i] = 1
+        log = self.log
+        log.dispatch_s[i] = now_s
+        log.replica[i] = replica.index
+        log.prompt_tokens[i] = route.prompt_tokens
+        log.predicted_cached_tokens[i] = route.cached_tokens
         r = self.workload.requests[i]
         rid = str(i)
         replica.in_flight_ids.add(rid)
-        replica.engine.add_request(rid, prompt_ids(i, r, self.config.seed), r.output_tokens, now_s)
+        replica.engine.add_request(rid, self._prompts.pop(i), r.output_tokens, now_s)
         if not replica.busy:
             self._step(replica, now_s)
+
+    def _first_token(self, replica: SimReplica, i: int) -> None:
+        """Request ``i`` emitted its first token: its prefill charge leaves the endpoint's load
+        (where the proxy calls `EndpointState.first_byte`)."""
+        if self._prefilling[i]:
+            self._prefilling[i] = 0
+            replica.endpoints[self._router_of[i]].first_byte(self._routes[i].prefill_tokens)
+
+    def _release(self, replica: SimReplica, i: int) -> None:
+        """Request ``i`` left ``replica``: its router's endpoint state forgets it."""
+        route = self._routes.pop(i)
+        replica.endpoints[self._router_of[i]].finish(route.prefill_tokens, not self._prefilling[i])
+        self._prefilling[i] = 0
 
     def _finish(self, replica: SimReplica, fr: FinishedRequest, now_s: float) -> None:
         i = int(fr.request_id)
         log = self.log
-        endpoint = replica.endpoint
-        endpoint.in_flight -= 1
+        endpoint = replica.endpoints[self._router_of[i]]
+        self._release(replica, i)
+        log.cached_tokens[i] = fr.num_cached_prompt_tokens
         replica.in_flight_ids.discard(fr.request_id)
         replica.observe_finished(fr)
         if fr.finish_reason == "abort" or fr.first_token_s is None:
@@ -360,10 +411,13 @@ class Simulation:
         replica.busy = False
         if replica.phase is Phase.TERMINATED:
             return  # stopped at its drain timeout while this step ran; its requests were aborted then
+        for rid, token in result.emitted.items():
+            if token == 0:
+                self._first_token(replica, int(rid))
         if result.finished:
             for fr in result.finished:
                 self._finish(replica, fr, now_s)
-            if replica.phase is Phase.DRAINING and replica.endpoint.in_flight == 0:
+            if replica.phase is Phase.DRAINING and not replica.in_flight_ids:
                 self._stop(replica, now_s)
                 return
             if self._queued:
@@ -379,7 +433,7 @@ class Simulation:
         index = len(self.replicas)
         startup_s = 0.0 if ready_now else (cfg.warm_startup_s if warm else cfg.cold_startup_s)
         engine = EngineModel(cfg.profile.config, cfg.profile.cost, slowdown=cfg.slowdown)
-        replica = SimReplica(f"{cfg.model}-{index}", index, engine, now_s, now_s + startup_s, warm, slot)
+        replica = SimReplica(f"{cfg.model}-{index}", index, engine, now_s, now_s + startup_s, warm, slot, cfg.routers)
         self.replicas.append(replica)
         self._by_endpoint[replica.id] = replica
         if ready_now:
@@ -406,7 +460,7 @@ class Simulation:
             return
         replica.phase = Phase.DRAINING
         replica.drain_s = now_s
-        if replica.endpoint.in_flight == 0:
+        if not replica.in_flight_ids:
             self._stop(replica, now_s)
             return
         self._push(now_s + self.config.drain_timeout_s, _DRAIN_TIMEOUT, replica)
@@ -420,7 +474,7 @@ class Simulation:
                 self._finish(replica, fr, now_s)
         # Requests whose last step is still running left the engine already: they are cut off too.
         for rid in sorted(replica.in_flight_ids, key=int):
-            replica.endpoint.in_flight -= 1
+            self._release(replica, int(rid))
             self._fail(int(rid), now_s)
         replica.in_flight_ids.clear()
         self._stop(replica, now_s)
@@ -431,19 +485,25 @@ class Simulation:
         self.nodes.release(replica.node)
         self._rebuild_pool()
 
-    def _make_pool(self) -> Pool:
+    def _make_pools(self) -> list[Pool]:
+        """One pool per router, over that router's endpoint states of the READY and DRAINING
+        replicas, in creation order (as the controller lists them, by id)."""
         cfg = self.config
-        endpoints = []
-        for r in self.replicas:   # creation order, as the controller lists them (by id)
-            if r.phase in (Phase.READY, Phase.DRAINING):
-                r.endpoint.draining = r.phase is Phase.DRAINING
-                endpoints.append(r.endpoint)
-        return Pool(cfg.model, self.routing, endpoints, 0.0, self.shared, limit=cfg.max_concurrency_per_endpoint,
-                    max_queue_length=cfg.max_queue_length, queue_timeout_s=cfg.queue_timeout_s)  # fmt: skip
+        pools = []
+        for k, routing in enumerate(self.routings):
+            endpoints = []
+            for r in self.replicas:
+                if r.phase in (Phase.READY, Phase.DRAINING):
+                    r.endpoints[k].draining = r.phase is Phase.DRAINING
+                    endpoints.append(r.endpoints[k])
+            pools.append(Pool(cfg.model, routing, endpoints, 0.0, self.shared, limit=cfg.max_concurrency_per_endpoint,
+                              max_queue_length=cfg.max_queue_length, queue_timeout_s=cfg.queue_timeout_s))  # fmt: skip
+        return pools
 
     def _rebuild_pool(self) -> None:
-        """Replace the pool (as the controller's PUT does) from the READY and DRAINING replicas."""
-        self.pool = self._make_pool()
+        """Replace the pools (as the controller's PUT does) from the READY and DRAINING replicas."""
+        self.pools = self._make_pools()
+        self.pool = self.pools[0]
 
     # ----- the autoscaler (fleet.autoscaling's step) -------------------------------------
 
@@ -453,7 +513,7 @@ class Simulation:
         for r in ready:
             self.signals.observe_engine(r.id, now_s, r.sample())
         self.signals.forget_others({r.id for r in ready})
-        snapshot = self.stats.snapshot(now_s, self.signals.window_s, in_flight=self.pool.in_flight(),
+        snapshot = self.stats.snapshot(now_s, self.signals.window_s, in_flight=sum(p.in_flight() for p in self.pools),
                                        queued=self._queued)  # fmt: skip
         ctx = ScalingContext(now_s, self.desired, len(ready), starting, self.signals.signals(now_s, snapshot),
                              self.startup.estimate(next_warm=self.nodes.next_is_warm()))  # fmt: skip

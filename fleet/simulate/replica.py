@@ -52,15 +52,19 @@ class SimReplica:
     `fleet.sim.metrics`) observe it.
     """
 
-    __slots__ = ("_qt_count", "_qt_counts", "_qt_sum", "busy", "created_s", "drain_s", "endpoint", "engine", "id",
+    __slots__ = ("_qt_count", "_qt_counts", "_qt_sum", "busy", "created_s", "drain_s", "endpoint", "endpoints",
+                 "engine", "id",
                  "in_flight_ids", "index", "node", "phase", "ready_at_s", "stopped_s", "wake_at_s", "warm")  # fmt: skip
 
     def __init__(self, replica_id: str, index: int, engine: EngineModel, created_s: float, ready_at_s: float,
-                 warm: bool, node: int) -> None:  # fmt: skip
+                 warm: bool, node: int, routers: int = 1) -> None:  # fmt: skip
         self.id = replica_id
         self.index = index
         self.engine = engine
-        self.endpoint = EndpointState(replica_id, f"sim://{replica_id}")
+        # One endpoint state per router in front of the pool: each router sees only its own
+        # requests in flight, as independent router processes do.
+        self.endpoints = [EndpointState(replica_id, f"sim://{replica_id}") for _ in range(routers)]
+        self.endpoint = self.endpoints[0]
         self.phase = Phase.STARTING
         self.created_s = created_s
         self.ready_at_s = ready_at_s

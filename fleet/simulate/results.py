@@ -41,7 +41,8 @@ class RequestLog:
     """Per-request timeline, indexed by the request's position in the workload. Times are
     virtual seconds; NaN where the event did not happen (never dispatched, no token)."""
 
-    __slots__ = ("arrival_s", "dispatch_s", "end_s", "failed", "first_token_s", "replica")
+    __slots__ = ("arrival_s", "cached_tokens", "dispatch_s", "end_s", "failed", "first_token_s",
+                 "predicted_cached_tokens", "prompt_tokens", "replica")
 
     def __init__(self, arrivals_s: list[float]) -> None:
         n = len(arrivals_s)
@@ -52,6 +53,14 @@ class RequestLog:
         self.end_s = [nan] * n
         self.replica = [-1] * n
         self.failed = [False] * n
+        self.prompt_tokens = [0] * n
+        self.cached_tokens = [0] * n             # found in the engine's prefix cache
+        self.predicted_cached_tokens = [0] * n   # what the routing policy expected there
+
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / prompt tokens, over dispatched requests."""
+        total = sum(self.prompt_tokens)
+        return sum(self.cached_tokens) / total if total else 0.0
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -89,6 +98,7 @@ class Summary:
     scale_downs: int
     failed: int
     max_replicas: int
+    prefix_hit_rate: float = 0.0
 
     @property
     def scaling_actions(self) -> int:
@@ -131,6 +141,7 @@ class SimResult:
             mean_replicas=self.replica_cost_s / self.horizon_s if self.horizon_s > 0 else 0.0,
             scale_ups=ups, scale_downs=downs, failed=sum(log.failed),
             max_replicas=max((t.ready + t.starting for t in self.ticks), default=0),
+            prefix_hit_rate=log.prefix_hit_rate(),
         )  # fmt: skip
 
     def timeline(self, bin_s: float = 60.0) -> dict[str, list[float]]:

@@ -38,6 +38,7 @@ from fleet.sim.model import EngineModel, FinishedRequest, StepResult
 from fleet.sim.profiles import Profile
 from fleet.simulate.replica import Phase, SimReplica
 from fleet.simulate.workload import Workload, prompt_ids
+from router.prompt_blocks import route_request
 from fleet.rollout.analysis import SideSamples
 from fleet.rollout.judges import make_judge
 from fleet.rollout.machine import CanaryMachine, RolloutPhase, replica_targets
@@ -158,6 +159,7 @@ class RolloutSimulation:
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.canary_requests = self.canary_failed = self.requests = self.failed = 0
+        self._prefill: dict[str, int] = {}   # request id -> prefill tokens charged to its endpoint
         self.pool = self._make_pool()
 
     def _push(self, at_s: float, kind: int, payload: object) -> None:
@@ -245,7 +247,10 @@ class RolloutSimulation:
 
     def _arrive(self, i: int, now_s: float) -> None:
         self.requests += 1
-        endpoint = self.pool.pick(now_s)
+        req = self.workload.requests[i]
+        ids = prompt_ids(i, req, self.cfg.seed)
+        route = route_request({"prompt": ids, "max_tokens": req.output_tokens}, req.session_id)
+        endpoint = self.pool.pick(route, now_s)
         if endpoint is None:
             self.failed += 1
             return
@@ -259,15 +264,15 @@ class RolloutSimulation:
             self.shared.requests.record(now_s, "canary", r.id, ttft_s=None, tpot_s=None, e2e_s=None,
                                         queue_time_s=0.0, failed=True)  # fmt: skip
             return
-        endpoint.in_flight += 1
-        req = self.workload.requests[i]
+        endpoint.start(route.prefill_tokens)   # the load the routing policies read, as the proxy keeps it
+        self._prefill[str(i)] = route.prefill_tokens
         r.in_flight_ids.add(str(i))
-        r.engine.add_request(str(i), prompt_ids(i, req, self.cfg.seed), req.output_tokens, now_s)
+        r.engine.add_request(str(i), ids, req.output_tokens, now_s)
         if not r.busy:
             self._step(r, now_s)
 
     def _finish(self, r: SimReplica, fr: FinishedRequest, now_s: float) -> None:
-        r.endpoint.in_flight -= 1
+        r.endpoint.finish(self._prefill.pop(fr.request_id, 0), False)
         r.in_flight_ids.discard(fr.request_id)
         ok = fr.finish_reason != "abort" and fr.first_token_s is not None
         if not ok:

@@ -29,12 +29,12 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fleet.sim.model import Arrival, EngineModel, run_virtual
 from fleet.sim.profiles import Profile
-from fleet.traces import PREFIX_BLOCK_TOKENS, Trace, TraceRequest
+from fleet.traces import Trace, TraceRequest
 
 CAPACITY_SAMPLE = 2000
 """Most requests of the trace's mix used to measure one replica's capacity (a stride sample;
@@ -51,8 +51,8 @@ def clip(trace: Trace, max_model_len: int) -> Trace:
     for r in trace.requests:
         output = min(r.output_tokens, max_model_len // 4)
         prompt = min(r.prompt_tokens, max_model_len - output)
-        blocks = r.prefix_blocks[: prompt // PREFIX_BLOCK_TOKENS]
-        out.append(TraceRequest(r.arrival_s, prompt, output, r.session_id, blocks))
+        blocks = r.prefix_blocks[: -(-prompt // r.prefix_block_tokens)]   # the last one may be cut
+        out.append(replace(r, prompt_tokens=prompt, output_tokens=output, prefix_blocks=blocks))
     return Trace(trace.name, tuple(out))
 
 
@@ -73,21 +73,22 @@ def scale_rate(trace: Trace, k: int, seed: int = 0) -> Trace:
         batch = [r]
         for j in range(1, k):
             other = reqs[(i + j * n // k) % n]
-            batch.append(TraceRequest(r.arrival_s + rng.random() * gap_s, other.prompt_tokens,
-                                      other.output_tokens, other.session_id, other.prefix_blocks))  # fmt: skip
+            batch.append(replace(other, arrival_s=r.arrival_s + rng.random() * gap_s))
         batch.sort(key=lambda x: x.arrival_s)
         out.extend(batch)
     return Trace(trace.name, tuple(out))
 
 
 def prompt_ids(index: int, r: TraceRequest, seed: int = 0) -> list[int]:
-    """``r.prompt_tokens`` token ids: the prefix blocks first (ids depend on the block id and
-    the seed only, so equal leading blocks hit the prefix cache), then ids unique to request
-    ``index`` (no accidental prefix hits: the Azure traces carry no prompt content)."""
+    """``r.prompt_tokens`` token ids: the prefix blocks first (``r.prefix_block_tokens`` ids
+    each, which depend on the block id and the seed only, so equal leading blocks hit the
+    prefix cache), then ids unique to request ``index`` (no accidental prefix hits: the Azure
+    traces carry no prompt content)."""
     ids: list[int] = []
+    width = r.prefix_block_tokens
     for block in r.prefix_blocks:
-        rng = random.Random(f"{seed}:block:{block}")
-        ids.extend(rng.randrange(10, 32000) for _ in range(PREFIX_BLOCK_TOKENS))
+        key = (seed, block, width)
+        ids.extend(10 + hash((key, j)) % 31990 for j in range(width))
     ids = ids[: r.prompt_tokens]
     base = 1_000_000 + (seed % 1000 * 10_000_000 + index) * 10_000
     ids.extend(range(base, base + r.prompt_tokens - len(ids)))

@@ -79,7 +79,7 @@ async def test_a_burst_scales_up_and_the_quiet_after_it_drains_back_down(tmp_pat
     assert h.count(S.READY) == 1 and h.c.deployments["chat"].desired == 1
     assert h.pools.stats_windows[-1] == 30.0
     assert h.engines.scrapes and h.decisions[-1].inputs["ready"] == 1
-    assert h.pools.settings["chat-model"].policy == "latency-aware"
+    assert h.pools.settings["chat-model"].policy == "kv-aware"
 
     # Burst: 3.6 replicas' worth of load, queue time 3.6x its target on the one replica.
     h.offer(3.6, in_flight=16)

@@ -263,7 +263,7 @@ async def test_a_bug_is_answered_500_in_openai_format(monkeypatch: pytest.Monkey
         raise RuntimeError("a bug")
 
     async with router() as (app, client, _):
-        monkeypatch.setattr("router.proxy.check_request", broken)
+        monkeypatch.setattr("router.proxy.parse_request", broken)
         monkeypatch.setattr(app.pools, "stats", broken)
         for method, path in (("POST", "/v1/completions"), ("GET", "/admin/v1/stats")):
             async with client.request(method, path, json={"model": "m", "prompt": "x"}, headers=AUTH) as resp:

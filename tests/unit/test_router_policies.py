@@ -6,6 +6,7 @@ import pytest
 
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_AFTER_S, RoutingPolicy, make_policy, policy_names
 from router.pool import EndpointState
+from router.prompt_blocks import RouteRequest
 
 
 def endpoint(id_: str, in_flight: int = 0, ewma_first_byte_s: float | None = None, last_sample_s: float | None = None
@@ -18,12 +19,12 @@ def endpoint(id_: str, in_flight: int = 0, ewma_first_byte_s: float | None = Non
 
 
 def choices(policy: RoutingPolicy, candidates: list[EndpointState], n: int, now_s: float = 100.0) -> list[str]:
-    return [policy.choose(candidates, now_s).id for _ in range(n)]
+    return [policy.choose(candidates, RouteRequest(), now_s).id for _ in range(n)]
 
 
 def test_registry_lists_builtin_policies_and_default() -> None:
-    assert policy_names() == ["latency-aware", "least-outstanding", "round-robin"]
-    assert DEFAULT_POLICY == "latency-aware"
+    assert policy_names() == ["kv-aware", "latency-aware", "least-outstanding", "round-robin"]
+    assert DEFAULT_POLICY == "kv-aware"
     for name in policy_names():
         policy = make_policy(name)
         assert isinstance(policy, RoutingPolicy) and policy.name == name
@@ -81,7 +82,7 @@ def test_latency_aware_breaks_ties_by_lowest_ewma() -> None:
 def test_latency_aware_tries_unmeasured_endpoint_first() -> None:
     measured = endpoint("measured", ewma_first_byte_s=0.01)
     new = endpoint("new")
-    assert make_policy("latency-aware").choose([measured, new], 100.0).id == "new"
+    assert make_policy("latency-aware").choose([measured, new], RouteRequest(), 100.0).id == "new"
 
 
 def test_latency_aware_treats_stale_sample_as_unknown() -> None:
@@ -89,10 +90,10 @@ def test_latency_aware_treats_stale_sample_as_unknown() -> None:
     fresh = endpoint("fresh", ewma_first_byte_s=0.01, last_sample_s=now_s - 1.0)
     stale = endpoint("stale", ewma_first_byte_s=0.50, last_sample_s=now_s - DEFAULT_STALE_AFTER_S - 0.1)
     policy = make_policy("latency-aware")
-    assert policy.choose([fresh, stale], now_s).id == "stale"
+    assert policy.choose([fresh, stale], RouteRequest(), now_s).id == "stale"
     # Just inside the window the slow sample still counts, and the fast endpoint wins.
     stale.last_sample_s = now_s - DEFAULT_STALE_AFTER_S + 0.1
-    assert policy.choose([fresh, stale], now_s).id == "fresh"
+    assert policy.choose([fresh, stale], RouteRequest(), now_s).id == "fresh"
 
 
 def test_latency_aware_rotates_among_unknown_and_equal_endpoints() -> None:
@@ -106,4 +107,4 @@ def test_latency_aware_rotates_among_unknown_and_equal_endpoints() -> None:
 def test_single_candidate_is_always_chosen() -> None:
     only = endpoint("only", in_flight=7, ewma_first_byte_s=9.0)
     for name in policy_names():
-        assert make_policy(name).choose([only], 0.0) is only
+        assert make_policy(name).choose([only], RouteRequest(), 0.0) is only

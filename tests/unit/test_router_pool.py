@@ -6,8 +6,12 @@ import pytest
 from pydantic import ValidationError
 
 from router.metrics import RouterMetrics
+from router.prompt_blocks import RouteRequest
 from router.pool import EWMA_ALPHA, FAILURE_PENALTY_S, EndpointState, PoolTable
 from router.spec import PoolSpec
+
+REQ = RouteRequest()
+"""A request with no prompt blocks: the policies route it on load alone."""
 
 
 def spec(*endpoints: dict[str, object], policy: str = "round-robin") -> PoolSpec:
@@ -20,7 +24,7 @@ def table() -> PoolTable:
 
 def test_spec_defaults_and_url_normalisation() -> None:
     parsed = PoolSpec.model_validate({"endpoints": [{"id": "chat-0", "url": "http://127.0.0.1:8101/"}]})
-    assert parsed.policy == "latency-aware"
+    assert parsed.policy == "kv-aware"
     (ep,) = parsed.endpoints
     assert (ep.url, ep.version, ep.weight, ep.draining) == ("http://127.0.0.1:8101", "", 1.0, False)
 
@@ -28,7 +32,7 @@ def test_spec_defaults_and_url_normalisation() -> None:
 @pytest.mark.parametrize(
     ("doc", "needle"),
     [
-        ({"policy": "fastest"}, "known policies: latency-aware, least-outstanding, round-robin"),
+        ({"policy": "fastest"}, "known policies: kv-aware, latency-aware, least-outstanding, round-robin"),
         ({"endpoints": [{"id": "a", "url": "ftp://h:1"}]}, "url"),
         ({"endpoints": [{"id": "a", "url": "http://h:1/v1"}]}, "no path"),
         ({"endpoints": [{"id": "a", "url": "http://h:1"}, {"id": "a", "url": "http://h:2"}]}, "duplicate endpoint id"),
@@ -94,18 +98,18 @@ def test_pick_skips_draining_tried_and_cooling_endpoints() -> None:
     pool = pools.put("m", spec({"id": "a", "url": "http://h:1"}, {"id": "b", "url": "http://h:2"},
                                {"id": "c", "url": "http://h:3", "draining": True}))  # fmt: skip
     a, b, _draining = pool.endpoints
-    picks = {pool.pick(0.0).id for _ in range(10)}  # type: ignore[union-attr]
+    picks = {pool.pick(REQ, 0.0).id for _ in range(10)}  # type: ignore[union-attr]
     assert picks == {"a", "b"}
-    assert pool.pick(0.0, tried=[a]) is b
-    assert pool.pick(0.0, tried=[a, b]) is None
+    assert pool.pick(REQ, 0.0, tried=[a]) is b
+    assert pool.pick(REQ, 0.0, tried=[a, b]) is None
     a.record_failure(now_s=10.0, cooldown_s=2.0)
-    assert {pool.pick(11.0).id for _ in range(10)} == {"b"}  # type: ignore[union-attr]
-    assert {pool.pick(12.0).id for _ in range(10)} == {"a", "b"}  # type: ignore[union-attr]
+    assert {pool.pick(REQ, 11.0).id for _ in range(10)} == {"b"}  # type: ignore[union-attr]
+    assert {pool.pick(REQ, 12.0).id for _ in range(10)} == {"a", "b"}  # type: ignore[union-attr]
     b.record_failure(now_s=20.0, cooldown_s=2.0)
     a.record_failure(now_s=20.0, cooldown_s=2.0)
-    assert {pool.pick(21.0).id for _ in range(10)} == {"a", "b"}  # type: ignore[union-attr]  # all cooling: all are candidates
+    assert {pool.pick(REQ, 21.0).id for _ in range(10)} == {"a", "b"}  # type: ignore[union-attr]  # all cooling: all are candidates
 
 
 def test_empty_pool_has_no_pick() -> None:
     pool = table().put("m", spec())
-    assert pool.pick(0.0) is None
+    assert pool.pick(REQ, 0.0) is None

@@ -17,10 +17,13 @@ from router.metrics import RouterMetrics
 from router.policies import make_policy, policy_names
 from router.pool import EndpointState, Pool, PoolTable
 from router.spec import EndpointSpec, PoolSpec
+from router.prompt_blocks import route_request
 from router.split import RevisionSplit, sticky_key
 from router.testing import FakeEngine, running_app
 
 N = 10_000
+
+REQ = route_request({"prompt": "hello"})   # one request; the split does not look at it
 
 
 def endpoints(weights: dict[str, tuple[int, float]]) -> list[EndpointState]:
@@ -35,7 +38,7 @@ def endpoints(weights: dict[str, tuple[int, float]]) -> list[EndpointState]:
 def shares(pool: Pool, n: int = N, keys: list[str] | None = None) -> dict[str, float]:
     seen: Counter[str] = Counter()
     for i in range(n):
-        e = pool.pick(float(i), key=keys[i] if keys else None)
+        e = pool.pick(REQ, float(i), key=keys[i] if keys else None)
         seen[e.version] += 1
     return {v: 100.0 * c / n for v, c in seen.items()}
 
@@ -58,34 +61,34 @@ def test_over_10000_requests_each_revision_gets_its_weight_within_one_point(poli
 def test_the_policy_still_chooses_inside_the_chosen_revision():
     eps = endpoints({"stable": (3, 90.0), "canary": (1, 10.0)})
     pool = Pool("m", make_policy("round-robin"), eps, 0.0)
-    per_endpoint = Counter(pool.pick(0.0).id for _ in range(1000))
+    per_endpoint = Counter(pool.pick(REQ, 0.0).id for _ in range(1000))
     assert per_endpoint["canary-0"] == 100
     assert sorted(per_endpoint[f"stable-{i}"] for i in range(3)) == [300, 300, 300]
 
 
 def test_canary_picks_are_spread_evenly_not_bunched():
     pool = Pool("m", make_policy("least-outstanding"), endpoints({"s": (1, 95.0), "c": (1, 5.0)}), 0.0)
-    at = [i for i in range(2000) if pool.pick(0.0).version == "c"]
+    at = [i for i in range(2000) if pool.pick(REQ, 0.0).version == "c"]
     assert len(at) == 100 and max(b - a for a, b in zip(at, at[1:])) == 20
 
 
 def test_a_sticky_key_always_lands_on_the_same_revision_and_keys_split_by_weight():
     pool = Pool("m", make_policy("latency-aware"), endpoints({"stable": (3, 80.0), "canary": (1, 20.0)}), 0.0)
     keys = [f"session-{i}" for i in range(N)]
-    first = {k: pool.pick(0.0, key=k).version for k in keys}
+    first = {k: pool.pick(REQ, 0.0, key=k).version for k in keys}
     assert abs(100.0 * Counter(first.values())["canary"] / N - 20.0) <= 1.0
     for k in keys[:500]:                      # again and again, interleaved with unsticky requests
-        pool.pick(0.0)
-        assert pool.pick(0.0, key=k).version == first[k]
+        pool.pick(REQ, 0.0)
+        assert pool.pick(REQ, 0.0, key=k).version == first[k]
     republished = Pool("m", make_policy("latency-aware"), endpoints({"stable": (3, 80.0), "canary": (1, 20.0)}), 1.0)
-    assert all(republished.pick(0.0, key=k).version == first[k] for k in keys)
+    assert all(republished.pick(REQ, 0.0, key=k).version == first[k] for k in keys)
 
 
 def test_raising_the_canary_weight_moves_only_stable_keys_to_the_canary():
     keys = [f"user-{i}" for i in range(N)]
     before = Pool("m", make_policy("round-robin"), endpoints({"stable": (1, 90.0), "canary": (1, 10.0)}), 0.0)
     after = Pool("m", make_policy("round-robin"), endpoints({"stable": (1, 50.0), "canary": (1, 50.0)}), 0.0)
-    moved = Counter((before.pick(0.0, key=k).version, after.pick(0.0, key=k).version) for k in keys)
+    moved = Counter((before.pick(REQ, 0.0, key=k).version, after.pick(REQ, 0.0, key=k).version) for k in keys)
     assert moved[("canary", "stable")] == 0                          # a canary user stays on the canary
     assert abs(100.0 * (moved[("canary", "canary")] + moved[("stable", "canary")]) / N - 50.0) <= 1.0
 
@@ -93,7 +96,7 @@ def test_raising_the_canary_weight_moves_only_stable_keys_to_the_canary():
 def test_a_revision_of_weight_zero_gets_no_new_requests():
     pool = Pool("m", make_policy("least-outstanding"), endpoints({"stable": (2, 100.0), "canary": (2, 0.0)}), 0.0)
     assert shares(pool, 1000) == {"stable": 100.0}
-    assert {pool.pick(0.0, key=f"k{i}").version for i in range(1000)} == {"stable"}
+    assert {pool.pick(REQ, 0.0, key=f"k{i}").version for i in range(1000)} == {"stable"}
 
 
 def test_one_version_or_all_weights_zero_is_not_split():
@@ -101,15 +104,15 @@ def test_one_version_or_all_weights_zero_is_not_split():
     assert RevisionSplit.of(endpoints({"v1": (1, 0.0), "v2": (1, 0.0)})) is None
     legacy = [EndpointState("a", "http://a:1", "v1"), EndpointState("b", "http://b:1", "v1", 0.0)]
     pool = Pool("m", make_policy("round-robin"), legacy, 0.0)      # weights of a single version are ignored
-    assert Counter(pool.pick(0.0).id for _ in range(10)) == {"a": 5, "b": 5}
+    assert Counter(pool.pick(REQ, 0.0).id for _ in range(10)) == {"a": 5, "b": 5}
 
 
 def test_a_full_or_tried_revision_falls_back_to_the_others():
     eps = endpoints({"stable": (1, 50.0), "canary": (1, 50.0)})
     pool = Pool("m", make_policy("round-robin"), eps, 0.0, limit=1)
     eps[1].in_flight = 1                                             # the canary's only endpoint is full
-    assert {pool.pick(0.0).version for _ in range(10)} == {"stable"}
-    assert pool.pick(0.0, tried=[eps[0]], within_limit=False).version == "canary"
+    assert {pool.pick(REQ, 0.0).version for _ in range(10)} == {"stable"}
+    assert pool.pick(REQ, 0.0, tried=[eps[0]], within_limit=False).version == "canary"
 
 
 def test_the_split_counters_carry_over_pool_replacements():
@@ -121,19 +124,18 @@ def test_the_split_counters_carry_over_pool_replacements():
     for i in range(N):
         if i % 7 == 0:                       # the controller republishes often (a replica's state changes)
             table.put("m", spec)
-        seen[table.get("m").pick(0.0).version] += 1
+        seen[table.get("m").pick(REQ, 0.0).version] += 1
     assert seen["v2"] == 300
 
 
 def test_sticky_key_sources():
     headers = [(b"content-type", b"application/json"), (b"x-session-id", b"abc")]
-    assert sticky_key("header:X-Session-Id", headers, b"{}") == "abc"
-    assert sticky_key("header:x-other", headers, b"{}") is None
-    assert sticky_key(None, headers, b"{}") is None
-    assert sticky_key("body:user", [], b'{"model": "m", "user": "u-7"}') == "u-7"
-    assert sticky_key("body:user", [], b'{"model": "m", "user": 7}') is None
-    assert sticky_key("body:user", [], b"[1, 2]") is None
-    assert sticky_key("body:user", [], b"not json") is None
+    assert sticky_key("header:X-Session-Id", headers, {}) == "abc"
+    assert sticky_key("header:x-other", headers, {}) is None
+    assert sticky_key(None, headers, {}) is None
+    assert sticky_key("body:user", [], {"model": "m", "user": "u-7"}) == "u-7"
+    assert sticky_key("body:user", [], {"model": "m", "user": 7}) is None
+    assert sticky_key("body:user", [], [1, 2]) is None
 
 
 def test_the_pool_document_validates_the_sticky_key():

@@ -55,7 +55,7 @@ def test_examples_exist_and_round_trip():
 def test_defaults_are_filled():
     dep = parse_document(VALID)
     assert dep.spec.engine.kind == "vllm"
-    assert dep.spec.routing.policy == "latency-aware"
+    assert dep.spec.routing.policy == "kv-aware"
     assert dep.spec.warmup.enabled and dep.spec.warmup.total_requests == 3
     assert dep.spec.replicas.desired_at_start == 1
 

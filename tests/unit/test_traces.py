@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.traces import Trace, TraceError, TraceRequest, load_trace, write_jsonl
+from fleet.traces import Trace, TraceError, TraceRequest, load_trace, mooncake_to_fleet, write_jsonl
 
 AZURE = Path(__file__).resolve().parents[2] / "loadtests" / "traces" / "azure-llm-2023"
 
@@ -63,8 +63,16 @@ def test_jsonl_arrivals_are_rebased_to_the_first_request(tmp_path: Path) -> None
      "f.jsonl:1 prompt_tokens: must be an integer >= 1, got 2.5"),
     ("b.jsonl", '{"timestamp_s": 0, "prompt_tokens": 5, "output_tokens": 1, "prefix_blocks": [1, -2]}\n',
      "b.jsonl:1 prefix_blocks: must be a list of non-negative integers"),
-    ("p.jsonl", '{"timestamp_s": 0, "prompt_tokens": 20, "output_tokens": 1, "prefix_blocks": [1, 2]}\n',
-     "p.jsonl:1 prefix_blocks: 2 blocks of 16 tokens exceed prompt_tokens (20)"),
+    ("p.jsonl", '{"timestamp_s": 0, "prompt_tokens": 20, "output_tokens": 1, "prefix_blocks": [1, 2, 3]}\n',
+     "p.jsonl:1 prefix_blocks: 3 blocks of 16 tokens do not fit prompt_tokens (20)"),
+    ("w.jsonl", '{"timestamp_s": 0, "prompt_tokens": 20, "output_tokens": 1, "prefix_block_tokens": 24}\n',
+     "w.jsonl:1 prefix_block_tokens: must be a multiple of 16, got 24"),
+    ("m.jsonl", '{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2, 3]}\n',
+     "m.jsonl:1 hash_ids: 3 blocks of 512 tokens do not fit input_length (600)"),
+    ("n.jsonl", '{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1], "x": 1}\n',
+     "n.jsonl:1 x: unknown field"),
+    ("o.jsonl", '{"timestamp": 0, "input_length": 0, "output_length": 2, "hash_ids": [1]}\n',
+     "o.jsonl:1 input_length: must be an integer >= 1"),
     ("i.jsonl", '{"timestamp_s": "soon", "prompt_tokens": 5, "output_tokens": 1}\n',
      "i.jsonl:1 timestamp_s: must be a finite number of seconds"),
     ("e.jsonl", "\n", "e.jsonl: no requests"),
@@ -82,3 +90,32 @@ def test_malformed_traces_name_file_line_and_field(tmp_path: Path, name: str, te
 def test_missing_file_is_a_trace_error(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot read"):
         load_trace(tmp_path / "nope.csv")
+
+
+def test_mooncake_rows_load_and_convert_to_fleet_jsonl(tmp_path: Path) -> None:
+    src = tmp_path / "mooncake.jsonl"
+    src.write_text(
+        '{"timestamp": 1000, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]}\n'
+        '{"timestamp": 1500, "input_length": 1600, "output_length": 3, "hash_ids": [0, 1, 2, 9]}\n'
+    )
+    trace = load_trace(src)
+    assert trace.requests == (
+        TraceRequest(0.0, 1100, 7, None, (0, 1, 2), 512),
+        TraceRequest(0.5, 1600, 3, None, (0, 1, 2, 9), 512),
+    )
+    dst = tmp_path / "fleet.jsonl"
+    assert mooncake_to_fleet(src, dst) == trace
+    assert '"prefix_block_tokens": 512' in dst.read_text().splitlines()[0]
+    assert load_trace(dst).requests == trace.requests
+
+
+def test_the_shipped_mooncake_trace_loads_with_its_prefix_sharing() -> None:
+    trace = load_trace(Path(__file__).resolve().parents[2] / "loadtests/traces/mooncake-fast25/synthetic_trace.jsonl")
+    assert len(trace.requests) == 3993 and round(trace.duration_s) == 1022
+    seen: set[int] = set()
+    shared = total = 0
+    for r in trace.requests:
+        total += len(r.prefix_blocks)
+        shared += sum(1 for b in r.prefix_blocks if b in seen)
+        seen.update(r.prefix_blocks)
+    assert 0.6 < shared / total < 0.7      # the README beside it: 64% of blocks repeat an earlier one

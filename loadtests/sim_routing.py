@@ -1,0 +1,127 @@
+"""Routing policies compared in the trace simulator: virtual time, no HTTP, deterministic.
+
+Each row replays one trace window through a fixed fleet of `--replicas` simulated replicas
+(`fleet.simulate.engine.Simulation`, autoscaling `fixed`) with one routing policy: the very
+policy objects of `router.policies` that the router runs, fed `RouteRequest`s built by the
+router's own `route_request` from the token-id prompts the engine models get. Load is set as
+`loadtests/bench_routing.py` sets it: one replica's capacity on the window's request mix is
+measured with the engine model, and arrivals are compressed so the fleet runs at `--load`.
+
+A policy may carry parameters for tuning: `kv-aware:load_bound=2,decode_token_weight=0`.
+`--routers N` puts N independent routers in front of the pool, taking requests in turn, each
+with its own policy object and its own view of the endpoints (`SimConfig.routers`).
+
+Reported per row: TTFT p50 / p99, share within `--ttft-slo-s`, the prefix-cache hit rate
+(prompt tokens found in the engines' prefix caches / prompt tokens), and, for `kv-aware`, how
+well its prefix index predicted those hits: predicted cached tokens / actual ones, and the
+prediction error (sum over requests of |predicted - actual| cached tokens / prompt tokens).
+This is a SIMULATOR: engines are `fleet.sim` latency models.
+
+Usage:
+    python -m loadtests.sim_routing --trace loadtests/traces/mooncake-fast25/synthetic_trace.jsonl \\
+        --max-model-len 32768 --load 0.8 --policies round-robin,least-outstanding,latency-aware,kv-aware
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from autoscaler.policy import ReplicaBounds
+from autoscaler.spec import AutoscalingSpec
+from fleet.sim.profiles import get_profile
+from fleet.simulate.engine import SimConfig, Simulation
+from fleet.simulate.workload import Workload, replica_capacity_per_s
+from fleet.traces import load_trace
+from router.policies import make_policy
+
+
+def make_variant(spec: str):
+    """`name` or `name:key=value,...` -> (label, factory of a fresh policy object)."""
+    name, _, params = spec.partition(":")
+    kwargs: dict[str, float] = {}
+    for item in filter(None, params.split(",")):
+        key, _, value = item.partition("=")
+        kwargs[key] = float(value) if "." in value or "e" in value else int(value)
+    if not kwargs:
+        return spec, lambda: make_policy(name)
+    cls = type(make_policy(name))
+    return spec, lambda: cls(**kwargs)
+
+
+def run_row(label: str, factory, workload: Workload, args, profile) -> dict:
+    cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy="fixed"),
+                    bounds=ReplicaBounds(args.replicas, args.replicas, args.replicas),
+                    routing_policy=label.partition(":")[0], ttft_slo_s=args.ttft_slo_s, seed=args.seed,
+                    name=label, routers=args.routers, shared_view=args.shared_view)  # fmt: skip
+    sim = Simulation(cfg, workload)
+    sim.routings = [factory() for _ in range(args.routers)]
+    sim.routing = sim.routings[0]
+    started = time.perf_counter()
+    result = sim.run()
+    wall_s = time.perf_counter() - started
+    s = result.summary()
+    log = result.requests
+    actual = sum(log.cached_tokens)
+    predicted = sum(log.predicted_cached_tokens)
+    error = sum(abs(p - a) for p, a in zip(log.predicted_cached_tokens, log.cached_tokens))
+    return {"policy": label, "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s, "within_slo": s.within_slo,
+            "prefix_hit_rate": s.prefix_hit_rate, "predicted_over_actual_hits": predicted / actual if actual else None,
+            "prediction_error": error / sum(log.prompt_tokens), "failed": s.failed, "wall_s": wall_s}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", type=Path, required=True, help="Azure CSV, Fleet JSONL or Mooncake JSONL")
+    parser.add_argument("--start-s", type=float, default=0.0, help="window start, trace seconds")
+    parser.add_argument("--window-s", type=float, help="window length, trace seconds (default: all)")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--profile", default="h100-llama-8b")
+    parser.add_argument("--max-model-len", type=int, help="override the profile's max_model_len")
+    parser.add_argument("--load", type=float, default=0.8, help="offered load / fleet capacity")
+    parser.add_argument("--routers", type=int, default=1)
+    parser.add_argument("--shared-view", action="store_true",
+                        help="every router learns every placement (what KV cache events would tell it)")
+    parser.add_argument("--ttft-slo-s", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default="round-robin,least-outstanding,latency-aware,kv-aware",
+                        help="comma-separated; ';' separates policies that carry parameters")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+
+    profile = get_profile(args.profile).with_overrides(max_model_len=args.max_model_len)
+    base = Workload.from_trace(load_trace(args.trace).window(args.start_s, args.window_s), profile)
+    capacity = replica_capacity_per_s(base.trace, profile)
+    speedup = args.load * args.replicas * capacity / base.trace.mean_rate_per_s()
+    workload = replace(base, trace=base.trace.compressed(speedup), speedup=speedup)
+    print(f"{args.trace.name}: {len(workload.requests)} requests ({base.clipped} clipped to {profile.config.max_model_len} "
+          f"tokens), one replica {capacity:.3f} req/s saturated, speedup x{speedup:.3f} -> "
+          f"{workload.trace.mean_rate_per_s():.2f} req/s on {args.replicas} replicas ({args.load:.0%} load), "
+          f"{args.routers} router(s){', shared view' if args.shared_view else ''}", flush=True)
+    specs = args.policies.split(";") if ";" in args.policies else args.policies.split(",")
+    rows = []
+    print("| policy | TTFT p50 | TTFT p99 | within SLO | prefix hit rate | predicted / actual hits | prediction error "
+          "| failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for spec in filter(None, specs):
+        label, factory = make_variant(spec)
+        row = run_row(label, factory, workload, args, profile)
+        rows.append(row)
+        ratio = row["predicted_over_actual_hits"]
+        print(f"| {label} | {row['ttft_p50_s']:.3f} s | {row['ttft_p99_s']:.3f} s | {100 * row['within_slo']:.1f}% "
+              f"| {100 * row['prefix_hit_rate']:.1f}% | {'-' if ratio is None else f'{ratio:.2f}'} "
+              f"| {100 * row['prediction_error']:.1f}% | {row['failed']} |",
+              flush=True)
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"trace": str(args.trace), "args": vars(args) | {"trace": str(args.trace),
+                                            "json_out": str(args.json_out)}, "speedup": speedup,
+                                             "capacity_per_s": capacity, "rows": rows}, indent=1))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The `kv-aware` routing policy: cost scoring, bounded load, rendezvous affinity, two routers
+agreeing (router.policies.KvAware). Time is passed in (`now_s`); nothing reads a clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.metrics import RouterMetrics
+from router.policies import DEFAULT_DECODE_TOKEN_WEIGHT, KvAware, make_policy
+from router.pool import EndpointState, PoolTable
+from router.prompt_blocks import ROUTER_BLOCK_TOKENS, RouteRequest, route_request
+from router.spec import PoolSpec
+
+NOW_S = 1000.0
+
+
+def endpoints(*ids: str) -> list[EndpointState]:
+    return [EndpointState(i, f"http://127.0.0.1/{i}") for i in ids]
+
+
+def prompt(conversation: int, blocks: int, turn: int = 0) -> list[int]:
+    """Token ids: `blocks` router blocks shared by every turn of `conversation`, then a tail
+    unique to the turn."""
+    shared = [conversation * 100_000 + j for j in range(blocks * ROUTER_BLOCK_TOKENS)]
+    return shared + [9_000_000 + conversation * 1000 + turn] * (ROUTER_BLOCK_TOKENS // 2)
+
+
+def request(ids: list[int], session: str | None = None) -> RouteRequest:
+    return route_request({"prompt": ids, "max_tokens": 16}, session)
+
+
+def dispatch(e: EndpointState, r: RouteRequest) -> None:
+    e.start(r.prefill_tokens)
+
+
+def test_kv_aware_is_registered_with_the_shared_signature() -> None:
+    policy = make_policy("kv-aware")
+    assert isinstance(policy, KvAware) and policy.name == "kv-aware"
+    (only,) = endpoints("a")
+    r = request(prompt(1, 3))
+    assert policy.choose([only], r, NOW_S) is only
+    assert r.cached_tokens == 0          # nothing cached yet
+    r2 = request(prompt(1, 3, turn=1))
+    assert policy.choose([only], r2, NOW_S) is only and r2.cached_tokens == 3 * ROUTER_BLOCK_TOKENS
+
+
+def test_a_repeated_prefix_goes_where_it_is_cached() -> None:
+    policy = KvAware()
+    eps = endpoints("a", "b", "c", "d")
+    first = policy.choose(eps, request(prompt(7, 20)), NOW_S)
+    for turn in range(1, 6):
+        r = request(prompt(7, 20, turn))
+        assert policy.choose(eps, r, NOW_S) is first
+        assert r.cached_tokens == 20 * ROUTER_BLOCK_TOKENS and r.prefill_tokens == len(prompt(7, 20, turn)) - 1280
+
+
+def test_queued_prefill_outweighs_a_small_cache_hit_but_not_a_large_one() -> None:
+    policy = KvAware(affinity_slack=0.0)
+    a, b = endpoints("a", "b")
+    policy.index.record("a", request(prompt(1, 4)).block_hashes)     # a holds 4 blocks = 256 tokens
+    a.start(5000)                                                      # 5,000 prefill tokens queued on a
+    b.start(0)
+    b.first_byte(0)                                                    # b: one request decoding
+    small = request(prompt(1, 4, turn=1))
+    assert policy.choose([a, b], small, NOW_S) is b and small.cached_tokens == 0
+    policy.index.record("a", request(prompt(2, 120)).block_hashes)   # 7,680 tokens cached on a
+    large = request(prompt(2, 120, turn=1))
+    assert policy.choose([a, b], large, NOW_S) is a and large.cached_tokens == 120 * ROUTER_BLOCK_TOKENS
+
+
+def test_load_counts_prefill_tokens_and_decoding_requests_not_request_counts() -> None:
+    policy = KvAware()
+    a, b = endpoints("a", "b")
+    a.start(20_000)                     # one request, a long prompt still prefilling
+    for _ in range(3):                  # three short requests, decoding
+        b.start(100)
+        b.first_byte(100)
+    assert (a.in_flight, a.prefill_tokens, a.prefilling) == (1, 20_000, 1)
+    assert (b.in_flight, b.prefill_tokens, b.prefilling) == (3, 0, 0)
+    assert 3 * DEFAULT_DECODE_TOKEN_WEIGHT < 20_000
+    assert policy.choose([a, b], RouteRequest(prompt_tokens=500), NOW_S) is b
+    b.finish(100, got_first_byte=True)
+    a.finish(20_000, got_first_byte=False)
+    assert (a.in_flight, a.prefill_tokens, a.prefilling) == (0, 0, 0)
+
+
+def test_bounded_load_spills_a_popular_prefix() -> None:
+    """Mirrokni et al.: no endpoint takes more than ceil(c x (in flight + 1) / n) requests."""
+    policy = KvAware(load_bound=1.5)
+    eps = endpoints("a", "b", "c", "d")
+    hot = prompt(3, 100)
+    placed: dict[str, int] = {}
+    for turn in range(40):
+        r = request(hot[:-1] + [turn])       # the same 6,400-token prefix every time
+        e = policy.choose(eps, r, NOW_S)
+        total = sum(x.in_flight for x in eps)
+        assert e.in_flight < -(-1.5 * (total + 1) // 4)   # the chosen one was under the bound
+        dispatch(e, r)
+        placed[e.id] = placed.get(e.id, 0) + 1
+    assert len(placed) == 4                                # it spilled to every endpoint
+    assert max(placed.values()) <= -(-1.5 * 40 // 4)
+
+
+def test_new_conversations_go_by_rendezvous_hash_and_spread() -> None:
+    policy = KvAware()
+    eps = endpoints(*"abcdefgh")
+    counts = dict.fromkeys("abcdefgh", 0)
+    for conv in range(400):
+        counts[policy.choose(eps, request(prompt(conv, 2)), NOW_S).id] += 1   # loads stay equal (0)
+    assert min(counts.values()) >= 25      # ~50 each: no endpoint is starved or hot
+    # Removing an endpoint moves only the conversations it had (consistent hashing).
+    fresh = KvAware()
+    before = {conv: fresh.choose(eps, request(prompt(conv, 2)), NOW_S).id for conv in range(400, 600)}
+    fresh2 = KvAware()
+    after = {conv: fresh2.choose(eps[1:], request(prompt(conv, 2)), NOW_S).id for conv in range(400, 600)}
+    moved = [c for c in before if before[c] != after[c]]
+    assert moved and all(before[c] == "a" for c in moved)
+
+
+def test_two_routers_agree_on_affinity_without_talking() -> None:
+    """Each router has its own policy object, its own index and its own endpoint states (its
+    own requests in flight). The turns of each conversation alternate between them."""
+    routers = [KvAware(), KvAware()]
+    views = [endpoints(*"abcdefgh"), endpoints(*"abcdefgh")]
+    homes: dict[int, set[str]] = {}
+    turn_of: dict[int, int] = {}
+    for step in range(600):
+        conv = (step * 7) % 150                  # 150 conversations, 4 turns each, interleaved
+        turn = turn_of[conv] = turn_of.get(conv, -1) + 1
+        k = (conv + turn) % 2                    # the next turn goes to the other router
+        r = request(prompt(conv, 10, turn))
+        e = routers[k].choose(views[k], r, NOW_S)
+        homes.setdefault(conv, set()).add(e.id)
+        dispatch(e, r)
+        if step >= 8:                            # requests finish: in flight stays small
+            for view in views:
+                for x in view:
+                    if x.in_flight:
+                        x.finish(x.prefill_tokens, got_first_byte=False)
+                        break
+    agreed = sum(1 for ids in homes.values() if len(ids) == 1)
+    assert agreed / len(homes) >= 0.9
+
+
+def test_session_affinity_where_prompts_share_nothing() -> None:
+    routers = [KvAware(), KvAware()]
+    views = [endpoints(*"abcd"), endpoints(*"abcd")]
+    homes: dict[str, set[str]] = {}
+    for i in range(200):
+        session = f"user-{i % 20}"
+        r = route_request({"prompt": f"question {i}", "user": session})
+        assert r.block_hashes == ()              # shorter than a block: no prefix to match
+        k = i % 2
+        homes.setdefault(session, set()).add(routers[k].choose(views[k], r, NOW_S).id)
+    assert all(len(ids) == 1 for ids in homes.values())
+    assert len({next(iter(ids)) for ids in homes.values()}) == 4   # sessions spread over endpoints
+
+
+def test_no_key_no_cache_takes_the_least_work_and_rotates_ties() -> None:
+    policy = KvAware()
+    a, b, c = endpoints("a", "b", "c")
+    c.start(300)
+    picks = [policy.choose([a, b, c], RouteRequest(prompt_tokens=10), NOW_S).id for _ in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"]
+
+
+def test_pool_replacement_keeps_the_index_of_kept_endpoints_only() -> None:
+    table = PoolTable(RouterMetrics(), wall_clock=lambda: 0.0, clock=lambda: 0.0)
+    doc = {"policy": "kv-aware", "endpoints": [{"id": "a", "url": "http://h:1"}, {"id": "b", "url": "http://h:2"}]}
+    pool = table.put("m", PoolSpec.model_validate(doc))
+    policy = pool.policy
+    assert isinstance(policy, KvAware)
+    a, b = pool.endpoints
+    policy.index.record("a", [1, 2])
+    policy.index.record("b", [1, 3])
+    doc["endpoints"] = [{"id": "a", "url": "http://h:1"}, {"id": "c", "url": "http://h:3"}]
+    pool = table.put("m", PoolSpec.model_validate(doc))
+    assert pool.policy is policy
+    assert policy.index.endpoints() == ["a"]
+    assert pool.pick(request(prompt(1, 2)), NOW_S) is not None
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"load_bound": 1.0}, "load_bound must be > 1"),
+    ({"decode_token_weight": -1}, "must be >= 0"),
+    ({"affinity_slack": -0.1}, "must be >= 0"),
+])  # fmt: skip
+def test_bad_parameters_are_refused(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        KvAware(**kwargs)
