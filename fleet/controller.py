@@ -557,7 +557,16 @@ class Controller(RolloutSteps):
             # The deployment's whole scale-up is one decision.
             request = PlacementRequest.for_deployment(dep, len(waiting), existing, warm_nodes=warm - {None})
             plan = self.placer.place_replicas(request, self.inventory, in_use)
+            # Devices a draining replica of this deployment still holds free up soon: a new replica
+            # waits for them rather than share a device now (two CPU engines on one core starve
+            # each other; a canary in place of a stable replica must not start on a shared one).
+            freeing = [d for d in self.replicas.values() if d.deployment == name and d.engine_alive
+                       and d.status is ReplicaStatus.DRAINING and d.placement is not None]  # fmt: skip
             for r, placement in zip(waiting, plan.placements):
+                if freeing and not placement.exclusive:
+                    self._waiting[r.id] = (f"waiting for the devices of draining replica(s) "
+                                           f"{', '.join(d.id for d in freeing)} rather than share {placement.label}")
+                    continue
                 self._waiting.pop(r.id, None)
                 in_use.update(placement.devices)
                 r.placed_at_s, r.assignment, r.placement = now, placement.label, placement.to_dict()

@@ -354,3 +354,18 @@ async def test_a_replica_on_a_gpu_gone_unhealthy_drains_and_its_replacement_land
     assert h.backend.by_replica("chat-2").spec.env["CUDA_VISIBLE_DEVICES"] == "GPU-2"
     await h.tick()
     assert h.c.replicas["chat-1"].status is S.TERMINATED and h.c.replicas["chat-0"].status is S.READY
+
+
+async def test_a_replacement_waits_for_a_draining_replicas_core_rather_than_share_one(tmp_path):
+    f = write_deployment(tmp_path, replicas=2)
+    h = Harness(tmp_path, [f])
+    await h.all_ready("chat-0", "chat-1")
+    h.pools.in_flight_by_id = {"chat-1": 1}
+    h.c.replicas["chat-1"].drain_requested_at_s = h.clock()   # e.g. made room for a canary
+    await h.tick()
+    assert h.status()["chat-2"] is S.PENDING                   # cpu:0 would be shared: it waits
+    assert "waiting for the devices of draining replica(s) chat-1" in h.c._waiting["chat-2"]
+    h.pools.in_flight_by_id = {}
+    await h.tick(n=2)
+    assert h.status()["chat-1"] is S.TERMINATED
+    assert h.backend.by_replica("chat-2").spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"   # chat-1's core, alone
