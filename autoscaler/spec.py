@@ -126,7 +126,7 @@ class AutoscalingSpec(SpecModel):
     cold_startup_seconds: float = Field(
         600.0, gt=0, le=86_400,
         description="Initial estimate of placement-to-READY on a cold node (a 4-GPU model load alone can take "
-        "10 minutes, shared/notes/anchors.md); replaced by observed start-ups.",
+        "10 minutes, docs/anchors.md); replaced by observed start-ups.",
     )  # fmt: skip
     kpa: KpaSpec | None = Field(None, description="Parameters of policy `kpa`.")
     keda_queue: KedaQueueSpec | None = Field(None, description="Parameters of policy `keda-queue`.")

@@ -8,7 +8,7 @@ passed), and by the trace simulator with its modelled start-up times.
 
 Warm vs cold: a warm start finds the engine image and the weights already on the node, a cold
 one pulls and copies them first (minutes for a 30 GB image or a large model,
-shared/notes/anchors.md). A median of the last five is robust to one slow start (a node with a
+docs/anchors.md). A median of the last five is robust to one slow start (a node with a
 busy disk) and follows a lasting change within three starts.
 """
 

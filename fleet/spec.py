@@ -123,7 +123,7 @@ class EngineSpec(SpecModel):
     startup_timeout_seconds: float = Field(
         900.0, gt=0,
         description="Seconds from launch until /health must answer before the replica is FAILED. "
-        "Large models on GPUs can take ~10 minutes to load (shared/notes/anchors.md).",
+        "Large models on GPUs can take ~10 minutes to load (docs/anchors.md).",
     )
 
     @field_validator("kind")

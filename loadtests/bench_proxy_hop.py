@@ -1,7 +1,7 @@
 """What one proxy hop costs: Fleet's router vs a FastAPI + httpx proxy vs no proxy.
 
 Self-contained benchmark kept to justify the router's hot-path design (raw ASGI + aiohttp
-client; see /work/shared/notes/router-performance.md). It starts, each in its own process:
+client; see docs/router-performance.md). It starts, each in its own process:
 
 * a fixed-response fake backend (aiohttp.web on uvloop) on two loopback ports, answering
   every `POST /v1/completions` with the same ~200-byte completion JSON;

@@ -25,7 +25,7 @@ and the prefix-cache cell (the same long prompt twice) are reported, not fitted.
 Run it under the machine's heavy lock; it refuses otherwise:
 
     flock /tmp/fleet-heavy.lock .venv/bin/python loadtests/calibrate_sim.py \\
-        --vllm-python /work/main/.venv/bin/python --model /work/main/examples/models/tiny-llama
+        --vllm-python .venv/bin/python --model examples/models/tiny-llama
 
 `--from-json FILE` refits saved measurements without starting vLLM.
 """
@@ -295,8 +295,8 @@ def print_report(cost: StepCost, report: list[dict], results: dict, profile_name
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vllm-python", default="/work/main/.venv/bin/python")
-    ap.add_argument("--model", default="/work/main/examples/models/tiny-llama")
+    ap.add_argument("--vllm-python", default=".venv/bin/python")
+    ap.add_argument("--model", default="examples/models/tiny-llama")
     ap.add_argument("--port", type=int, default=8311)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)

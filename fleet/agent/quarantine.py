@@ -34,7 +34,7 @@ class QuarantineConfig:
     """Seconds without evidence before a quarantine is lifted."""
     degraded_after_s: float = 60.0
     """Seconds a degraded condition must persist before it quarantines (DCGM, too, wants about a
-    minute of samples before its first verdict; shared/notes/anchors.md)."""
+    minute of samples before its first verdict; docs/anchors.md)."""
     xid_evidence_s: float = 3600.0
     """Seconds an Xid fault counts as evidence after it happened (a reset clears the readings,
     not the event)."""

@@ -7,7 +7,7 @@ Sources: NVIDIA's Xid catalogue for Ampere and later, "Resolution Bucket (Immedi
 column (https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html: RESTART_APP,
 RESET_GPU, RESTART_BM, IGNORE, ...), and the application-error Xids NVIDIA's Kubernetes device
 plugin skips by default (13, 31, 43, 45, 68, 109: the application's fault, not the GPU's;
-shared/notes/anchors.md). Only Xids whose meaning is clear from those sources are listed; an Xid
+docs/anchors.md). Only Xids whose meaning is clear from those sources are listed; an Xid
 not listed is ``UNKNOWN``: reported, and quarantining only when it repeats (see
 `fleet.agent.quarantine.QuarantineConfig.unknown_xid_repeats`), so one noisy Xid never takes GPUs
 away (the NVSentinel report of 77 nodes flagged for one job's Xid 45 burst).

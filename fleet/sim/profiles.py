@@ -121,7 +121,7 @@ register(Profile(
         fixed_s=1.910e-3, per_seq_s=1.280e-5, per_decode_ctx_s=3.848e-7, per_prefill_pair_s=1.061e-8,
         per_token_s=2.230e-5, admission_s=4.042e-3,
     ),
-    # shared/notes/vllm-on-cpu.md: 32 s from start to /health with --enforce-eager (21-40 s here).
+    # docs/vllm-on-cpu.md: 32 s from start to /health with --enforce-eager (21-40 s here).
     typical_startup_s=32.0,
     notes=(
         "Fit error (mean |relative error| over cells): in-sample TTFT 15.4% (max 39.8%), TPOT 11.6% "
@@ -167,7 +167,7 @@ register(Profile(
         # effective prefill rate above (16.06 GFLOP per token per 45.6 us = 352 TFLOP/s).
         per_prefill_pair_s=4 * 32 * 4096 / 352e12,
     ),
-    # shared/notes/anchors.md: one pod's cold start 52 s with node-local weights (110 s without).
+    # docs/anchors.md: one pod's cold start 52 s with node-local weights (110 s without).
     typical_startup_s=52.0,
     notes=(
         "Decode step and prefill rate measured with vLLM 0.6.0 (Lambda Labs, 2024-09); newer vLLM "
@@ -202,7 +202,7 @@ register(Profile(
         # Derived: 4 x 80 layers x 8192 FLOP per pair at 141 GFLOP per token per 102.7 us.
         per_prefill_pair_s=4 * 80 * 8192 / (141.1e9 / 102.7e-6),
     ),
-    # shared/notes/anchors.md: "a 4-GPU model load can take about 10 minutes".
+    # docs/anchors.md: "a 4-GPU model load can take about 10 minutes".
     typical_startup_s=600.0,
     notes=(
         "Measured with vLLM 0.6.0 (Lambda Labs, 2024-09); NVIDIA's NIM benchmark page (TensorRT-LLM, "

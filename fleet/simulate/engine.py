@@ -75,7 +75,7 @@ from router.stats import ModelStats
 
 DEFAULT_WARM_STARTUP_S = 60.0
 """Modelled placement-to-READY on a warm node (image and weights on the node), seconds: 52 s
-measured for one 8B pod with node-local weights (shared/notes/anchors.md), plus warm-up."""
+measured for one 8B pod with node-local weights (docs/anchors.md), plus warm-up."""
 
 DEFAULT_COLD_STARTUP_S = 600.0
 """Modelled placement-to-READY on a cold node, seconds: image pull (~30 GB vLLM images take
