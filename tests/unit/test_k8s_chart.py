@@ -189,7 +189,7 @@ def test_dockerfile_matches_the_chart_and_the_packages():
     pyproject ships (the operator, the router and the simulator run from it)."""
     import tomllib
 
-    text = (REPO / "Dockerfile").read_text()
+    text = (REPO / "charts" / "fleet" / "Dockerfile").read_text()
     kinds = _by_kind(render())
     users = {d["spec"]["template"]["spec"]["securityContext"]["runAsUser"] for d in kinds["Deployment"]}
     assert users == {10001} and "USER 10001" in text
