@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -167,9 +168,10 @@ def _parse_azure_csv(path: Path, text: str) -> list[TraceRequest]:
     return requests
 
 
-def _parse_jsonl(path: Path, text: str) -> list[TraceRequest]:
-    requests: list[TraceRequest] = []
-    previous: float | None = None
+def _json_rows(path: Path, text: str, known: frozenset[str] | set[str],
+               required: Iterable[str]) -> Iterator[tuple[str, dict]]:  # fmt: skip
+    """``(where, row)`` for each non-empty line of a JSONL text: a JSON object with only ``known``
+    fields and every ``required`` one. Raises TraceError naming the file, line and field."""
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -180,12 +182,19 @@ def _parse_jsonl(path: Path, text: str) -> list[TraceRequest]:
             raise TraceError(f"{where}: not JSON: {err}") from None
         if not isinstance(doc, dict):
             raise TraceError(f"{where}: must be a JSON object, got {type(doc).__name__}")
-        unknown = sorted(set(doc) - _JSONL_FIELDS)
+        unknown = sorted(set(doc) - set(known))
         if unknown:
-            raise TraceError(f"{where} {unknown[0]}: unknown field (known: {', '.join(sorted(_JSONL_FIELDS))})")
-        for field in ("timestamp_s", "prompt_tokens", "output_tokens"):
+            raise TraceError(f"{where} {unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
+        for field in required:
             if field not in doc:
                 raise TraceError(f"{where} {field}: required field is missing")
+        yield where, doc
+
+
+def _parse_jsonl(path: Path, text: str) -> list[TraceRequest]:
+    requests: list[TraceRequest] = []
+    previous: float | None = None
+    for where, doc in _json_rows(path, text, _JSONL_FIELDS, ("timestamp_s", "prompt_tokens", "output_tokens")):
         ts = doc["timestamp_s"]
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts or ts in (float("inf"), float("-inf")):
             raise TraceError(f"{where} timestamp_s: must be a finite number of seconds, got {ts!r}")
@@ -244,22 +253,7 @@ def _parse_mooncake(path: Path, text: str) -> list[TraceRequest]:
     """Mooncake rows -> requests whose `prefix_blocks` are the `hash_ids` (512-token blocks)."""
     requests: list[TraceRequest] = []
     previous: float | None = None
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}"
-        try:
-            doc = json.loads(line)
-        except ValueError as err:
-            raise TraceError(f"{where}: not JSON: {err}") from None
-        if not isinstance(doc, dict):
-            raise TraceError(f"{where}: must be a JSON object, got {type(doc).__name__}")
-        unknown = sorted(set(doc) - _MOONCAKE_FIELDS)
-        if unknown:
-            raise TraceError(f"{where} {unknown[0]}: unknown field (known: {', '.join(sorted(_MOONCAKE_FIELDS))})")
-        for field in sorted(_MOONCAKE_FIELDS):
-            if field not in doc:
-                raise TraceError(f"{where} {field}: required field is missing")
+    for where, doc in _json_rows(path, text, _MOONCAKE_FIELDS, sorted(_MOONCAKE_FIELDS)):
         ts = doc["timestamp"]
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts or ts in (float("inf"), float("-inf")):
             raise TraceError(f"{where} timestamp: must be a finite number of milliseconds, got {ts!r}")
