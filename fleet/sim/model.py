@@ -309,6 +309,15 @@ class EngineModel:
         """Requests in the engine (running, waiting, or still in admission)."""
         return bool(self._running or self._waiting or self._pending)
 
+    def retry_at_s(self, now_s: float) -> float:
+        """After a step that scheduled nothing at ``now_s``: when to step again (the next
+        request in admission reaches the scheduler). Raises RuntimeError when nothing ever
+        would (work queued, nothing schedulable: a bug in the model or its profile)."""
+        ready_s = self.next_ready_s()
+        if ready_s is None or ready_s <= now_s:
+            raise RuntimeError(f"engine model is stuck at t={now_s:.3f} s: work queued but nothing schedulable")
+        return ready_s
+
     def next_ready_s(self) -> float | None:
         """When the next request in admission reaches the scheduler; None if none is.
 
@@ -510,9 +519,7 @@ def run_virtual(model: EngineModel, arrivals: Iterable[Arrival], start_s: float 
             continue
         result = model.step(now_s)
         if not result.scheduled and not result.preempted:
-            ready_s = model.next_ready_s()
-            if ready_s is None or ready_s <= now_s:
-                raise RuntimeError(f"engine model is stuck at t={now_s}: work queued but nothing schedulable")
+            ready_s = model.retry_at_s(now_s)
             now_s = min(ready_s, pending[0].at_s) if pending else ready_s
             continue
         if on_step is not None:

@@ -388,9 +388,7 @@ class Simulation:
             return
         result = engine.step(now_s)
         if not result.scheduled and not result.preempted:
-            ready_s = engine.next_ready_s()
-            if ready_s is None or ready_s <= now_s:
-                raise RuntimeError(f"engine of {replica.id} is stuck at {now_s:.3f} s: work queued, nothing schedulable")
+            ready_s = engine.retry_at_s(now_s)
             if replica.wake_at_s is None or ready_s < replica.wake_at_s:
                 replica.wake_at_s = ready_s
                 self._push(ready_s, _WAKE, replica)
