@@ -10,16 +10,13 @@ records them ("Crash safety").
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import psutil
 import pytest
 import yaml
@@ -28,6 +25,7 @@ from fleet.backends.local import FLEET_ID_ENV, REPLICA_ID_ENV
 from fleet.backends.procs import find_marked
 
 from tests.e2e.conftest import FleetUp
+from tests.e2e.load import OpenLoopLoad
 
 MODEL = "llama-8b-sim"
 
@@ -65,51 +63,9 @@ def router_pid(state_dir: Path) -> int | None:
     return pid if psutil.pid_exists(pid) else None
 
 
-@dataclass
-class Load:
-    """Open-loop load: one short completion every 1/rate s, whatever the earlier ones do."""
-
-    url: str
-    rate_per_s: float = 20.0
-    results: list[tuple[float, int | str]] = field(default_factory=list)   # (sent at, status or error)
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> Load:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-
-    async def _run(self) -> None:
-        body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
-        timeout = aiohttp.ClientTimeout(total=20)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            async def one() -> None:
-                sent = time.monotonic()
-                try:
-                    async with session.post(f"{self.url}/v1/completions", json=body) as r:
-                        await r.read()
-                        self.results.append((sent, r.status))
-                except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-                    self.results.append((sent, type(err).__name__))
-
-            tasks = set()
-            next_s = time.monotonic()
-            while not self._stop.is_set():
-                task = asyncio.create_task(one())
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                next_s += 1.0 / self.rate_per_s
-                await asyncio.sleep(max(0.0, next_s - time.monotonic()))
-            if tasks:
-                await asyncio.wait(tasks, timeout=30)
-
-    @property
-    def failed(self) -> list[tuple[float, int | str]]:
-        return [r for r in self.results if r[1] != 200]
+def Load(url: str) -> OpenLoopLoad:
+    """Short non-streamed completions at 20/s."""
+    return OpenLoopLoad(url, MODEL)
 
 
 def wait(what: str, predicate, timeout_s: float = 120.0) -> float:
@@ -197,7 +153,7 @@ def test_kill_9_of_the_router_fails_requests_only_while_it_is_down(sim_fleet_up,
                       and "pools published again" in fleet.output(), timeout_s=60)  # fmt: skip
         time.sleep(3)
     after = [r for r in load.results if r[0] > killed_at + back_s + 1.0]
-    assert after and all(status == 200 for _, status in after)
+    assert after and all(outcome == "ok" for _, outcome in after)
     failed_window_s = (max(t for t, _ in load.failed) - min(t for t, _ in load.failed)) if load.failed else 0.0
     print(f"\nFIGURE kill -9 router: {len(load.results)} requests, {len(load.failed)} failed within "
           f"{failed_window_s:.1f} s; router back with its pools {back_s:.1f} s after the kill")

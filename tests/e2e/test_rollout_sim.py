@@ -10,14 +10,12 @@ its figures; the README records them ("Canary rollouts").
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import yaml
+
+from tests.e2e.load import OpenLoopLoad
 
 MODEL = "llama-8b-rollout"
 
@@ -48,55 +46,9 @@ def write(tmp_path: Path, revision: str = "v1", slowdown: float | None = None) -
     return f
 
 
-@dataclass
-class StreamedLoad:
-    """Open-loop streamed completions, one every 1/rate s; a reply counts as whole when its
-    stream ends with `data: [DONE]`."""
-
-    url: str
-    rate_per_s: float = 8.0
-    model: str = MODEL
-    max_tokens: int = 24
-    results: list[str] = field(default_factory=list)   # "ok", "cut", an HTTP status or an error name
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> StreamedLoad:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-
-    async def _run(self) -> None:
-        body = {"model": self.model, "prompt": "hello " * 20, "max_tokens": self.max_tokens, "stream": True}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            async def one() -> None:
-                try:
-                    async with session.post(f"{self.url}/v1/completions", json=body) as r:
-                        data = await r.read()
-                        if r.status != 200:
-                            self.results.append(str(r.status))
-                        else:
-                            self.results.append("ok" if data.rstrip().endswith(b"data: [DONE]") else "cut")
-                except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-                    self.results.append(type(err).__name__)
-
-            tasks: set[asyncio.Task] = set()
-            next_s = time.monotonic()
-            while not self._stop.is_set():
-                task = asyncio.create_task(one())
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                next_s += 1.0 / self.rate_per_s
-                await asyncio.sleep(max(0.0, next_s - time.monotonic()))
-            if tasks:
-                await asyncio.wait(tasks, timeout=30)
-
-    @property
-    def failed(self) -> list[str]:
-        return [r for r in self.results if r != "ok"]
+def StreamedLoad(url: str, rate_per_s: float = 8.0, model: str = MODEL, max_tokens: int = 24) -> OpenLoopLoad:
+    """Open-loop streamed completions; a reply counts as whole when its stream ends with `data: [DONE]`."""
+    return OpenLoopLoad(url, model, rate_per_s=rate_per_s, max_tokens=max_tokens, stream=True, prompt="hello " * 20)
 
 
 def rollout(fleet) -> dict:
