@@ -27,6 +27,7 @@ import signal
 import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 from prometheus_client import start_http_server
 from rich.console import Console
@@ -342,11 +343,9 @@ async def run_down(store: StateStore, console: Console, settings: ControllerSett
     try:
         state = store.read() or {}
         backend = LocalBackend(store.root, store.fleet_id(), discover_local(), weights=WeightCache(default_cache_root()))
-        router = RouterProcess(store, "127.0.0.1", 0)
         url = state.get("router_url") or ""
-        if url.startswith("http://") and ":" in url[7:]:
-            host, _, port = url[7:].rpartition(":")
-            router = RouterProcess(store, host, int(port))
+        where = urlsplit(url)
+        router = RouterProcess(store, where.hostname or "127.0.0.1", where.port or 0)
         router_alive = router.recorded() is not None and await router.adopt()
         if backend.live_process_count() == 0 and not router_alive:
             return 1

@@ -80,6 +80,9 @@ class RoutingPolicy:
     """
 
     name: ClassVar[str] = ""
+    uses_prompt_blocks: ClassVar[bool] = False
+    """Whether `choose` reads `RouteRequest.block_hashes`; when no policy of a pool does, the
+    proxy does not hash prompts (the hashing is the dearest part of building a request's view)."""
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -244,6 +247,8 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     Raises:
         ValueError: `load_bound` <= 1, or a negative weight or slack.
     """
+
+    uses_prompt_blocks = True
 
     def __init__(self, *, cache_tokens_per_endpoint: int = DEFAULT_CACHE_TOKENS_PER_ENDPOINT,
                  load_bound: float = DEFAULT_LOAD_BOUND, decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT,

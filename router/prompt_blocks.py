@@ -165,38 +165,40 @@ def _count(value: object) -> int:
     return value if type(value) is int and value > 0 else 0
 
 
-def route_request(doc: Mapping, session_header: str | None = None) -> RouteRequest:
+def route_request(doc: Mapping, session_header: str | None = None, hash_blocks: bool = True) -> RouteRequest:
     """The `RouteRequest` of a parsed `/v1/completions` or `/v1/chat/completions` body.
 
     `doc` is the JSON object (already checked to be one); `session_header` the value of the
     `x-session-id` header, if any. `prompt` may be text, a list of token ids, or a batch (a
     list of texts or of token-id lists: the first gives the blocks, all count as tokens);
     `messages` a chat. Output tokens: `max_completion_tokens`, else `max_tokens`, else
-    `DEFAULT_OUTPUT_TOKENS`. Never raises: a field of an unexpected type contributes nothing.
+    `DEFAULT_OUTPUT_TOKENS`. ``hash_blocks`` False: no block hashes (the pool's policy does not
+    read them; the token counts are still made). Never raises: a field of an unexpected type
+    contributes nothing.
     """
     hashes: list[int] = []
     prompt_tokens = 0
     prompt = doc.get("prompt")
     if isinstance(prompt, str):
         data = prompt.encode("utf-8", "replace")
-        hashes = text_block_hashes(data)
+        hashes = text_block_hashes(data) if hash_blocks else []
         prompt_tokens = len(data) // BYTES_PER_TOKEN + 1
     elif isinstance(prompt, list) and prompt:
         first = prompt[0]
         if type(first) is int:
-            hashes = _id_hashes(prompt)
+            hashes = _id_hashes(prompt) if hash_blocks else []
             prompt_tokens = len(prompt)
         elif isinstance(first, str):
-            hashes = text_block_hashes(first.encode("utf-8", "replace"))
+            hashes = text_block_hashes(first.encode("utf-8", "replace")) if hash_blocks else []
             prompt_tokens = sum(len(p) // BYTES_PER_TOKEN + 1 for p in prompt if isinstance(p, str))
         elif isinstance(first, list):
-            hashes = _id_hashes(first)
+            hashes = _id_hashes(first) if hash_blocks else []
             prompt_tokens = sum(len(p) for p in prompt if isinstance(p, list))
     else:
         messages = doc.get("messages")
         if isinstance(messages, list):
             data = _chat_bytes(messages)
-            hashes = text_block_hashes(data)
+            hashes = text_block_hashes(data) if hash_blocks else []
             prompt_tokens = len(data) // BYTES_PER_TOKEN + 1
     output_tokens = _count(doc.get("max_completion_tokens")) or _count(doc.get("max_tokens")) or DEFAULT_OUTPUT_TOKENS
     session = session_header

@@ -330,7 +330,7 @@ class Proxy:
         for k, v in scope["headers"]:
             if k == _SESSION_HEADER:
                 session = v.decode("latin-1")
-        request = route_request(doc, session)
+        request = route_request(doc, session, hash_blocks=pool.policy.uses_prompt_blocks)
         shared = pool.shared
         stats = shared.stats
         stats.arrivals.add(arrival_s)
@@ -515,9 +515,13 @@ class Proxy:
                 else:
                     first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, None, first)
                     completed = first_byte_s is not None
+                end_s = clock()
+                ok = completed and status < 500
+                # TTFT (first token, as the client sees it) and TPOT: streamed replies only.
+                first_token_s = sse.first_token_s if ok and sse is not None else None
+                tpot = sse.time_per_output_token_s() if first_token_s is not None else None
                 if completed:
                     assert first_byte_s is not None
-                    end_s = clock()
                     m.e2e.observe(end_s - start_s)
                     stats = shared.stats
                     stats.e2e.add(end_s, end_s - arrival_s)
@@ -526,22 +530,16 @@ class Proxy:
                         m.first_byte.observe(first_byte_latency_s)
                         endpoint.record_first_byte(first_byte_latency_s, end_s)
                         stats.ttft.add(end_s, first_byte_s - arrival_s)
-                        if sse is not None and sse.first_token_s is not None:
-                            m.ttft.observe(sse.first_token_s - start_s)
-                            tpot = sse.time_per_output_token_s()
+                        if first_token_s is not None:
+                            m.ttft.observe(first_token_s - start_s)
                             if tpot is not None:
                                 m.tpot.observe(tpot)
                                 stats.tpot.add(end_s, tpot)
-                # Per revision, for canary analysis (router.revision_stats): TTFT (first token, as the
-                # client sees it) and TPOT of streamed replies only.
-                ok = completed and status < 500
-                first_token_s = sse.first_token_s if ok and sse is not None else None
-                done_s = clock()
+                # Per revision, for canary analysis (router.revision_stats).
                 shared.requests.record(
-                    done_s, endpoint.version, endpoint.id,
-                    ttft_s=first_token_s - arrival_s if first_token_s is not None else None,
-                    tpot_s=sse.time_per_output_token_s() if first_token_s is not None else None,
-                    e2e_s=done_s - arrival_s if completed else None, queue_time_s=start_s - arrival_s, failed=not ok,
+                    end_s, endpoint.version, endpoint.id,
+                    ttft_s=first_token_s - arrival_s if first_token_s is not None else None, tpot_s=tpot,
+                    e2e_s=end_s - arrival_s if completed else None, queue_time_s=start_s - arrival_s, failed=not ok,
                 )  # fmt: skip
             finally:
                 if completed:

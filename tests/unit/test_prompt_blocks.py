@@ -109,3 +109,17 @@ def test_hashes_are_the_same_in_every_process() -> None:
         outs.append(json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                               check=True, timeout=60).stdout))  # fmt: skip
     assert outs[0] == outs[1] and all(outs[0])
+
+
+def test_without_block_hashing_the_counts_stay_and_no_hash_is_made(monkeypatch):
+    import router.prompt_blocks as pb
+    from router.policies import make_policy
+
+    doc = {"prompt": "x" * 5000, "max_tokens": 7, "user": "u"}
+    full = pb.route_request(doc)
+    assert full.block_hashes
+    monkeypatch.setattr(pb, "text_block_hashes", lambda data: (_ for _ in ()).throw(AssertionError("hashed")))
+    lean = pb.route_request(doc, hash_blocks=False)
+    assert lean.block_hashes == () and (lean.prompt_tokens, lean.output_tokens, lean.session_key) == (
+        full.prompt_tokens, full.output_tokens, full.session_key)
+    assert make_policy("kv-aware").uses_prompt_blocks and not make_policy("latency-aware").uses_prompt_blocks
