@@ -47,6 +47,7 @@ from fleet.k8s.lease import LeaderElector
 from fleet.k8s.pods import ANNOTATION_READY_AT, LABEL_DEPLOYMENT, EnginePodSettings
 from fleet.k8s.status import decision_event, deployment_status, event_object, invalid_status, snapshot_from_cluster
 from fleet.lifecycle import ReplicaStatus
+from fleet.observability.discovery import ControllerStateCollector
 from fleet.spec import API_VERSION, KIND, LoadedDeployment, SpecError, parse_document
 
 log = logging.getLogger("fleet.k8s.operator")
@@ -135,6 +136,7 @@ class Operator:
         self._decisions: list[tuple[str, object]] = []
         self.autoscaler: AutoscalerLoop | None = None
         self.autoscaler_metrics = AutoscalerMetrics()
+        self.controller_metrics = ControllerStateCollector()   # fleet_replicas etc., as `fleet up` exports them
         self._parsed: dict[str, tuple] = {}            # name -> (generation key, deployment, spec JSON)
         self.ticks = 0
         self.last_tick_s = 0.0
@@ -207,7 +209,10 @@ class Operator:
                     await self.autoscaler.step()   # each deployment's policy decides when it is due
                 except Exception:  # noqa: BLE001 - a failed decision never stops the reconcile
                     log.exception("autoscaler step failed")
+            transitions = bool(self._events)
             await self._write_back()
+            if transitions:   # a replica failed is counted before the controller trims it from its snapshot
+                self.controller_metrics.update(self.controller.snapshot())
         self.ticks += 1
         self.last_tick_s = time.perf_counter() - started
 
@@ -395,8 +400,11 @@ def _own_namespace() -> str | None:
 
 async def _serve_health(operator: Operator, port: int):
     """/healthz (the process runs; says whether it leads) and /metrics (Prometheus text: the
-    operator's own gauges and the autoscaler's `fleet_autoscaler_*`, which the chart's
-    PrometheusRule reads)."""
+    operator's own gauges, the autoscaler's `fleet_autoscaler_*` and, while it leads, the
+    controller's `fleet_replicas` / `fleet_deployment_*` / `fleet_replica_failures_total` from
+    `fleet.observability.discovery.ControllerStateCollector`, the series `fleet up` exports,
+    which the chart's dashboard and PrometheusRule read). A standby exports no controller
+    series: summed over operators, they count the leader's replicas once."""
     from aiohttp import web
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
@@ -406,6 +414,8 @@ async def _serve_health(operator: Operator, port: int):
     tick_s = Gauge("fleet_operator_last_reconcile_seconds", "Duration of the last reconcile tick.", registry=registry)
     events = Gauge("fleet_operator_watch_events", "Watch events handled since start, by informer.", ["informer"],
                    registry=registry)  # fmt: skip
+    controller_registry = CollectorRegistry()
+    controller_registry.register(operator.controller_metrics)  # type: ignore[arg-type]  # duck-typed Collector
 
     async def healthz(request):
         return web.json_response({"ok": True, "leader": operator.elector.is_leader, "identity": operator.identity})
@@ -417,6 +427,9 @@ async def _serve_health(operator: Operator, port: int):
         for i in operator.informers():
             events.labels(i.name).set(i.events_handled)
         body = generate_latest(registry) + generate_latest(operator.autoscaler_metrics.registry)
+        if operator.controller is not None and operator.elector.is_leader:
+            operator.controller_metrics.update(operator.controller.snapshot())   # on the loop: no tick runs now
+            body += generate_latest(controller_registry)
         return web.Response(body=body, content_type="text/plain")
 
     app = web.Application()

@@ -306,3 +306,65 @@ async def test_operator_metrics_serve_its_gauges_and_the_autoscalers():
     finally:
         await runner.cleanup()
         await env.close()
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+
+
+async def test_operator_metrics_export_the_controller_series_fleet_up_exports():
+    """The shipped dashboard and rules read `fleet_replicas{deployment,version,state}`,
+    `fleet_deployment_*` and `fleet_replica_failures_total` on a cluster too: the leader exports
+    them through the collector `fleet up` registers (fleet/observability/discovery.py), a standby
+    none (summed over operators, replicas count once)."""
+    import socket
+
+    import httpx
+
+    from fleet.k8s.operator import _serve_health
+    from tests.k8s.kubelet import terminate_pod
+
+    env = Env()
+    op, standby = env.operator("op-a"), env.operator("op-b")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    runners = [await _serve_health(op, ports[0]), await _serve_health(standby, ports[1])]
+    try:
+        await _serving(env, op)
+        await env.start_informers(standby)
+        await env.tick(standby)
+        async with httpx.AsyncClient() as c:
+            leader = _samples((await c.get(f"http://127.0.0.1:{ports[0]}/metrics")).text)
+            waiting = (await c.get(f"http://127.0.0.1:{ports[1]}/metrics")).text
+        def at(samples: dict, name: str, **labels: str) -> float:
+            return samples[(name, tuple(sorted(labels.items())))]
+
+        dv = {"deployment": "chat", "version": "v1"}
+        assert at(leader, "fleet_replicas", **dv, state="READY") == 2
+        assert at(leader, "fleet_replicas", **dv, state="FAILED_CRASHED") == 0   # every state, 0 included
+        assert at(leader, "fleet_replica_failures_total", **dv) == 0
+        assert at(leader, "fleet_deployment_desired_replicas", deployment="chat") == 2
+        assert at(leader, "fleet_deployment_min_replicas", deployment="chat") == 1
+        assert at(leader, "fleet_deployment_max_replicas", deployment="chat") == 4
+        assert at(leader, "fleet_deployment_info", deployment="chat", model="chat-model") == 1
+        assert "fleet_operator_leader 0.0" in waiting and "fleet_replicas" not in waiting
+
+        terminate_pod(env.store, NS, "chat-1", exit_code=1)   # the engine crashes: one failure, counted once
+        await env.tick(op, n=2)
+        async with httpx.AsyncClient() as c:
+            for _ in range(2):   # a second scrape does not count it again
+                after = _samples((await c.get(f"http://127.0.0.1:{ports[0]}/metrics")).text)
+        assert at(after, "fleet_replica_failures_total", **dv) == 1
+        failed = {dict(k[1])["state"]: v for k, v in after.items()
+                  if k[0] == "fleet_replicas" and v and dict(k[1])["state"].startswith("FAILED_")}  # fmt: skip
+        assert sum(failed.values()) == 1, failed
+    finally:
+        for r in runners:
+            await r.cleanup()
+        await env.close()
