@@ -59,8 +59,9 @@ def prometheus_config(
 def dashboard(
     ttft_slo_seconds: TtftSlo = 1.0, ttft_objective: TtftObjective = 0.99, availability_objective: Availability = 0.999,
 ) -> None:
-    """Print the Grafana dashboard JSON (tail latency, SLO burn, replicas, autoscaling, engines);
-    import it in Grafana or load it through the sidecar. Shipped as docs/observability/fleet-dashboard.json."""
+    """Print the Grafana dashboard JSON (tail latency, SLO burn, replicas, autoscaling, engines, GPU
+    health and quarantine); import it in Grafana or load it through the sidecar. Shipped as
+    docs/observability/fleet-dashboard.json and charts/fleet/dashboards/fleet-dashboard.json."""
     from fleet.observability.dashboard import render_dashboard
 
     sys.stdout.write(render_dashboard(_slo(ttft_slo_seconds, ttft_objective, availability_objective)))
@@ -68,13 +69,16 @@ def dashboard(
 
 def rules(
     ttft_slo_seconds: TtftSlo = 1.0, ttft_objective: TtftObjective = 0.99, availability_objective: Availability = 0.999,
+    kubernetes: Annotated[bool, typer.Option("--kubernetes", help="Add the cluster-only group (operator down): "
+                                             "the chart's copy, charts/fleet/files/fleet-rules.yaml.")] = False,
 ) -> None:
     """Print the Prometheus rules file: SLO recording rules and multiwindow, multi-burn-rate alerts
-    (TTFT and errors), no ready endpoint, replicas failing repeatedly, autoscaler pinned at max,
-    admission queue rejecting, target down. Shipped as docs/observability/fleet-rules.yaml."""
+    (TTFT and errors), no ready endpoint, replicas failing repeatedly, deployment below desired,
+    autoscaler pinned at max, admission queue rejecting, GPUs quarantined, quarantine cap reached,
+    target down. Shipped as docs/observability/fleet-rules.yaml."""
     from fleet.observability.rules import render_rules
 
-    sys.stdout.write(render_rules(_slo(ttft_slo_seconds, ttft_objective, availability_objective)))
+    sys.stdout.write(render_rules(_slo(ttft_slo_seconds, ttft_objective, availability_objective), kubernetes=kubernetes))
 
 
 def top(

@@ -38,7 +38,7 @@ from fleet.autoscaling import AutoscalerLoop
 from fleet.cli_agent import default_cache_root
 from fleet.agent.cache import WeightCache
 from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
-from fleet.agent.runner import NodeAgent, local_health_checker
+from fleet.agent.runner import NodeAgent, local_health_checker, serve as serve_agent
 from fleet.agent.sources import SourceError, parse_source
 from fleet.backends.local import REMOTE_SCHEMES, LocalBackend
 from fleet.control import ControlServer
@@ -250,7 +250,7 @@ async def run_up(
     console.print(f"State and logs: {store.root}; weight cache: {weights.root}", highlight=False)
     console.print(f"Node agent: GPU health checks {'on' if agent else f'off ({agent_off})'}", highlight=False)
     agent_stop = threading.Event()
-    metrics_server = None
+    metrics_server = agent_server = None
     engine_api = EngineClient()
     stop = asyncio.Event()
     try:
@@ -272,6 +272,10 @@ async def run_up(
                                                        style="bold yellow")  # fmt: skip
             threading.Thread(target=agent.run, args=(AGENT_INTERVAL_S, agent_stop), name="node-agent",
                              daemon=True).start()  # fmt: skip
+            # Its own target (job fleet-node-agent), as the DaemonSet's pod is on Kubernetes; any free port.
+            agent_server = serve_agent(agent, host, 0)
+            console.print(f"Node agent metrics (GPU health, quarantine) on http://{host}:"
+                          f"{agent_server.server_address[1]}/metrics", highlight=False)  # fmt: skip
 
         def on_event(e: ReplicaEvent) -> None:
             progress.event(e)
@@ -295,8 +299,9 @@ async def run_up(
                                                         name="control")]  # `fleet apply`, `fleet rollout`  # fmt: skip
         autoscaler_metrics = AutoscalerMetrics()
         autoscaler_metrics.registry.register(RolloutCollector(controller))   # fleet_rollout_* (fleet.rollout_metrics)
-        observability = LocalObservability(store.root, router.url, metrics_port and f"http://{host}:{metrics_port}",
-                                           registry=autoscaler_metrics.registry)  # fmt: skip
+        observability = LocalObservability(
+            store.root, router.url, metrics_port and f"http://{host}:{metrics_port}", registry=autoscaler_metrics.registry,
+            node_agent_url=agent_server and f"http://{host}:{agent_server.server_address[1]}")  # fmt: skip
         if metrics_port:
             metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
             console.print(f"Controller, autoscaler and rollout metrics on http://{host}:{metrics_port}/metrics",
@@ -320,9 +325,10 @@ async def run_up(
         agent_stop.set()
         if agent is not None and agent.checker is not None:
             agent.checker.reader.close()
-        if metrics_server is not None:
-            metrics_server.shutdown()
-            metrics_server.server_close()
+        for server in (metrics_server, agent_server):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
         await router.stop()
         backend.kill_all()   # belt and braces: nothing started by this fleet outlives an orderly stop
         await engine_api.aclose()

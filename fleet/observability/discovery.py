@@ -5,8 +5,9 @@ the same document `state.json` holds) and never by the controller object itself:
 
 - `file_sd_groups` - a pure function from a snapshot to Prometheus file_sd target groups
   (https://prometheus.io/docs/guides/file-sd/): the router, `fleet up`'s own metrics endpoint
-  (autoscaler decisions and the replica states below), and every engine replica whose process
-  runs, each labelled with ``job`` (`JOB_ROUTER`, `JOB_CONTROLLER`, `JOB_ENGINE`) and, for
+  (autoscaler decisions and the replica states below), the node agent's (GPU health and
+  quarantine, `fleet.agent.runner`), and every engine replica whose process runs, each labelled
+  with ``job`` (`JOB_ROUTER`, `JOB_CONTROLLER`, `JOB_NODE_AGENT`, `JOB_ENGINE`) and, for
   engines, ``deployment``, ``version`` (the replica's revision) and ``replica`` (its id, the
   same string as the ``endpoint`` label of the router's per-endpoint series).
 - `FileSDWriter` - writes those groups atomically (temp file + rename, as Prometheus asks of
@@ -45,9 +46,13 @@ from fleet.lifecycle import ReplicaStatus
 JOB_ROUTER = "fleet-router"
 JOB_ENGINE = "fleet-engine"
 JOB_CONTROLLER = "fleet-controller"
+JOB_NODE_AGENT = "fleet-node-agent"
 """``job`` label values: the router's series (``fleet_router_*``), the engines' (``vllm:*``; the
-engine simulator exports the same names), and `fleet up`'s own (``fleet_autoscaler_*``,
-``fleet_replicas``, ``fleet_deployment_*``)."""
+engine simulator exports the same names), `fleet up`'s own or the operator's
+(``fleet_autoscaler_*``, ``fleet_replicas``, ``fleet_deployment_*``), and the node agent's
+(``fleet_gpu_*``, ``fleet_node_agent_*``, ``fleet_weight_cache_*``, each with a ``node`` label).
+The Helm chart's ServiceMonitor and PodMonitors set the same values (charts/fleet/templates/
+monitoring.yaml), so the shipped dashboard and rules read a cluster as they read `fleet up`."""
 
 SCRAPED_STATUSES = ("STARTING", "WARMING", "READY", "DRAINING")
 """Replica statuses whose engine process runs and serves ``/metrics`` (`fleet.lifecycle`)."""
@@ -73,8 +78,8 @@ def _host_port(url: str) -> str:
     return rest.split("/", 1)[0]
 
 
-def file_sd_groups(snapshot: Mapping[str, Any], router_url: str | None,
-                   controller_url: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def file_sd_groups(snapshot: Mapping[str, Any], router_url: str | None, controller_url: str | None = None,
+                   node_agent_url: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Prometheus file_sd target groups for one local fleet.
 
     Args:
@@ -83,16 +88,20 @@ def file_sd_groups(snapshot: Mapping[str, Any], router_url: str | None,
             (``http://host:port`` or None).
         router_url: the router's base URL (its ``/metrics`` is scraped), or None.
         controller_url: base URL of `fleet up`'s metrics server, or None when not served.
+        node_agent_url: base URL of the node agent's server (`fleet.agent.runner.serve`), or
+            None when no agent runs (a machine without NVIDIA GPUs).
 
     Returns:
-        ``[{"targets": ["host:port"], "labels": {...}}, ...]``, sorted (router, controller,
-        then engines by deployment and replica id), so equal fleets give equal files.
+        ``[{"targets": ["host:port"], "labels": {...}}, ...]``, sorted (router, controller, node
+        agent, then engines by deployment and replica id), so equal fleets give equal files.
     """
     groups: list[dict[str, Any]] = []
     if router_url:
         groups.append({"targets": [_host_port(router_url)], "labels": {"job": JOB_ROUTER}})
     if controller_url:
         groups.append({"targets": [_host_port(controller_url)], "labels": {"job": JOB_CONTROLLER}})
+    if node_agent_url:
+        groups.append({"targets": [_host_port(node_agent_url)], "labels": {"job": JOB_NODE_AGENT}})
     engines = [
         r for r in snapshot.get("replicas", [])
         if r.get("endpoint") and r.get("status") in SCRAPED_STATUSES
@@ -213,9 +222,10 @@ class LocalObservability:
     replica-state metrics fresh."""
 
     def __init__(self, state_dir: Path, router_url: str, controller_url: str | None,
-                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+                 registry: CollectorRegistry | None = None, node_agent_url: str | None = None) -> None:  # fmt: skip
         self.router_url = router_url
         self.controller_url = controller_url
+        self.node_agent_url = node_agent_url
         self.writer = FileSDWriter(targets_path(state_dir))
         self.collector = ControllerStateCollector()
         if registry is not None:
@@ -234,6 +244,6 @@ class LocalObservability:
         written is logged (the next tick tries again), never raised into the controller loop."""
         self.collector.update(snapshot)
         try:
-            self.writer.write(file_sd_groups(snapshot, self.router_url, self.controller_url))
+            self.writer.write(file_sd_groups(snapshot, self.router_url, self.controller_url, self.node_agent_url))
         except OSError as err:
             log.warning("cannot write Prometheus targets %s: %s", self.writer.path, err)

@@ -196,6 +196,36 @@ def alerts(slo: SLO = SLO()) -> list[Alert]:
         "routing.queueTimeoutSeconds, or no ready endpoint.",
         (rejecting,),
     ))
+    ready_replicas = 'sum by (deployment) (fleet_replicas{state="READY"})'
+    desired_replicas = "max by (deployment) (fleet_deployment_desired_replicas)"
+    out.append(Alert(
+        "FleetDeploymentBelowDesired", f"{desired_replicas}\n- on (deployment)\n{ready_replicas}\n> 0", "15m", "ticket",
+        "{{ $labels.deployment }}: fewer READY replicas than desired for 15 minutes",
+        "Deployment {{ $labels.deployment }} has had {{ $value }} fewer READY replicas than the controller wants "
+        "for 15 minutes: replicas cannot be placed (no free GPU, pods unschedulable), their image or weights do not "
+        "arrive, or they fail their start or warm-up. `fleet status` (or the InferenceDeployment's status and "
+        "Events) says which.",
+        (ready_replicas, desired_replicas),
+    ))
+    quarantined = "sum by (node) (fleet_gpu_quarantined)"
+    out.append(Alert(
+        "FleetGpuQuarantined", f"{quarantined} > 0", "0m", "ticket",
+        "{{ $labels.node }}: {{ $value }} GPU(s) quarantined",
+        "The node agent on {{ $labels.node }} quarantined {{ $value }} GPU(s) or MIG instance(s) after a failed "
+        "health check (fleet_gpu_health_findings says which check): replicas on them were drained and no new one "
+        "is placed there. The capacity is gone until the GPU is reset or replaced (docs/node-agent.md).",
+        (quarantined,),
+    ))
+    withheld = "max by (node, gpu) (fleet_gpu_quarantine_withheld)"
+    out.append(Alert(
+        "FleetGpuQuarantineCapReached", f"{withheld} == 1", "0m", "page",
+        "{{ $labels.node }} {{ $labels.gpu }}: failing GPU NOT quarantined (quarantine cap reached)",
+        "A GPU health check failed on {{ $labels.gpu }} ({{ $labels.node }}) but the node agent withheld the "
+        "quarantine: the share of quarantined GPUs is at its cap (--max-quarantined-share), which stops one "
+        "faulty check from draining the fleet. Replicas keep running on a GPU that failed its checks: decide by "
+        "hand (docs/node-agent.md).",
+        (withheld,),
+    ))
     up = 'up{job=~"fleet-.*"}'
     out.append(Alert(
         "FleetTargetDown", f"{up} == 0", "2m", "ticket",
@@ -207,15 +237,36 @@ def alerts(slo: SLO = SLO()) -> list[Alert]:
     return out
 
 
-def rules_document(slo: SLO = SLO()) -> dict:
-    """The Prometheus rules file (https://prometheus.io/docs/prometheus/latest/configuration/recording_rules/)."""
-    return {"groups": [
+def kubernetes_alerts() -> list[Alert]:
+    """Alerts only a cluster needs: on one machine `fleet up` is the controller, and a stopped
+    fleet leaves no target to miss. The chart's ServiceMonitor gives the operator's metrics
+    endpoint ``job="fleet-controller"`` (charts/fleet/templates/monitoring.yaml)."""
+    controller_up = 'up{job="fleet-controller"}'
+    return [Alert(
+        "FleetOperatorDown", f"absent({controller_up} == 1)", "10m", "page",
+        "No Fleet operator answers scrapes",
+        "No Fleet operator has been scraped for 10 minutes: replicas are not replaced, scaled or rolled out "
+        "(the engines and routers keep serving what they serve).",
+        (controller_up,),
+    )]
+
+
+def _alert_rules(group: list[Alert]) -> list[dict]:
+    return [{"alert": a.name, "expr": a.expr, "for": a.for_, "labels": {"severity": a.severity},
+             "annotations": {"summary": a.summary, "description": a.description}} for a in group]  # fmt: skip
+
+
+def rules_document(slo: SLO = SLO(), kubernetes: bool = False) -> dict:
+    """The Prometheus rules file (https://prometheus.io/docs/prometheus/latest/configuration/recording_rules/);
+    ``kubernetes``: with the group of `kubernetes_alerts` (the chart's PrometheusRule)."""
+    groups = [
         {"name": "fleet-slo", "interval": "30s",
          "rules": [{"record": r.record, "expr": r.expr} for r in recording_rules(slo)]},
-        {"name": "fleet-alerts",
-         "rules": [{"alert": a.name, "expr": a.expr, "for": a.for_, "labels": {"severity": a.severity},
-                    "annotations": {"summary": a.summary, "description": a.description}} for a in alerts(slo)]},
-    ]}  # fmt: skip
+        {"name": "fleet-alerts", "rules": _alert_rules(alerts(slo))},
+    ]  # fmt: skip
+    if kubernetes:
+        groups.append({"name": "fleet-kubernetes", "rules": _alert_rules(kubernetes_alerts())})
+    return {"groups": groups}
 
 
 class _LiteralDumper(yaml.SafeDumper):
@@ -230,13 +281,15 @@ def _str_presenter(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
 _LiteralDumper.add_representer(str, _str_presenter)
 
 
-def render_rules(slo: SLO = SLO(), interval: str | None = None) -> str:
+def render_rules(slo: SLO = SLO(), interval: str | None = None, kubernetes: bool = False) -> str:
     """`rules_document` as YAML (multi-line queries as literal blocks); ``interval`` overrides
-    the recording group's evaluation interval (the integration test uses seconds)."""
-    doc = rules_document(slo)
+    the recording group's evaluation interval (the integration test uses seconds);
+    ``kubernetes``: the chart's copy (charts/fleet/files/fleet-rules.yaml, `fleet rules --kubernetes`)."""
+    doc = rules_document(slo, kubernetes)
     if interval:
         for group in doc["groups"]:
             group["interval"] = interval
+    command = "fleet rules --kubernetes" if kubernetes else "fleet rules"
     header = ("# Fleet's Prometheus rules: SLO recording rules and alerts (fleet/observability/rules.py).\n"
-              "# Generated by `fleet rules`; do not edit by hand.\n")  # fmt: skip
+              f"# Generated by `{command}`; do not edit by hand.\n")  # fmt: skip
     return header + yaml.dump(doc, Dumper=_LiteralDumper, sort_keys=False, width=200)

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet.observability.discovery import (
     JOB_CONTROLLER,
     JOB_ENGINE,
+    JOB_NODE_AGENT,
     JOB_ROUTER,
     REPLICA_STATUSES,
     FileSDWriter,
@@ -68,6 +69,14 @@ def test_router_and_controller_targets_carry_no_label_their_series_already_have(
     groups = file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080/", None)
     assert [g["labels"] for g in groups if g["labels"]["job"] != JOB_ENGINE] == [{"job": JOB_ROUTER}]
     assert file_sd_groups({}, None, None) == []
+
+
+def test_the_node_agent_is_a_target_of_its_own_job_after_the_controller() -> None:
+    groups = file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080", "http://127.0.0.1:8081", "http://127.0.0.1:9402/")
+    assert groups[2] == {"targets": ["127.0.0.1:9402"], "labels": {"job": JOB_NODE_AGENT}}
+    assert [g["labels"]["job"] for g in groups[3:]] == [JOB_ENGINE] * 5
+    # its series say which node they are about in their own `node` label: no target label for it
+    assert [g for g in file_sd_groups({}, None, None, "http://h:1") if g["labels"] != {"job": JOB_NODE_AGENT}] == []
 
 
 def test_the_writer_replaces_the_file_atomically_and_only_on_change(tmp_path: Path) -> None:

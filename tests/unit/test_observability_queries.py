@@ -5,6 +5,7 @@ promtool checks and unit-tests the rules (tests/data/observability/fleet-rules.t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,10 +22,17 @@ from fleet.observability.dashboard import (
     render_dashboard,
 )
 from fleet.observability.promql import PromQLSyntaxError, grafana_to_promql, lint
-from fleet.observability.rules import SLO, alerts, recording_rules, render_rules
+from fleet.observability.rules import SLO, alerts, kubernetes_alerts, recording_rules, render_rules
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "observability"
+CHART_RULES = REPO / "charts" / "fleet" / "files" / "fleet-rules.yaml"
+CHART_DASHBOARD = REPO / "charts" / "fleet" / "dashboards" / "fleet-dashboard.json"
+REGENERATE = ("regenerate them: `fleet dashboard > docs/observability/fleet-dashboard.json; "
+              "cp docs/observability/fleet-dashboard.json charts/fleet/dashboards/; "
+              "fleet rules > docs/observability/fleet-rules.yaml; "
+              "fleet rules --kubernetes > charts/fleet/files/fleet-rules.yaml` "
+              "(or run this test with FLEET_UPDATE_GOLDEN=1), then review the diff")
 needs_promtool = pytest.mark.skipif(
     shutil.which("promtool") is None,
     reason="promtool is not installed (Debian package prometheus; .ci/prometheus.sh installs it)",
@@ -70,20 +78,41 @@ def test_grafana_variables_become_promql() -> None:
 def test_every_dashboard_query_and_every_rule_passes_the_lint() -> None:
     queries = [(t, grafana_to_promql(q)) for t, q in panel_queries(build_dashboard())]
     queries += [(r.record, r.expr) for r in recording_rules()]
-    queries += [(a.name, q) for a in alerts() for q in (a.expr, *a.data_exprs)]
+    queries += [(a.name, q) for a in [*alerts(), *kubernetes_alerts()] for q in (a.expr, *a.data_exprs)]
     bad = {name: lint(q) for name, q in queries if lint(q)}
     assert not bad, bad
 
 
 def test_the_shipped_files_are_the_generated_ones() -> None:
-    assert (DOCS / "fleet-dashboard.json").read_text() == render_dashboard(), "run `fleet dashboard`"
-    assert (DOCS / "fleet-rules.yaml").read_text() == render_rules(), "run `fleet rules`"
+    """The dashboard and rules under docs/ and in the chart (its dashboards ConfigMap and its
+    PrometheusRule read them) are what the generators make: a changed panel or rule that was not
+    regenerated fails here."""
+    shipped = {
+        DOCS / "fleet-dashboard.json": render_dashboard(),
+        CHART_DASHBOARD: render_dashboard(),
+        DOCS / "fleet-rules.yaml": render_rules(),
+        CHART_RULES: render_rules(kubernetes=True),
+    }
+    if os.environ.get("FLEET_UPDATE_GOLDEN") == "1":
+        for path, text in shipped.items():
+            path.write_text(text)
+    stale = [str(p.relative_to(REPO)) for p, text in shipped.items() if not p.exists() or p.read_text() != text]
+    assert not stale, f"stale generated files {stale}: {REGENERATE}"
+    assert sorted(p.name for p in CHART_DASHBOARD.parent.glob("*.json")) == ["fleet-dashboard.json"]
+
+
+def test_the_charts_rules_are_the_plain_rules_and_the_cluster_group() -> None:
+    plain = yaml.safe_load(render_rules())["groups"]
+    chart = yaml.safe_load(render_rules(kubernetes=True))["groups"]
+    assert chart[:-1] == plain
+    assert chart[-1]["name"] == "fleet-kubernetes"
+    assert [r["alert"] for r in chart[-1]["rules"]] == [a.name for a in kubernetes_alerts()] == ["FleetOperatorDown"]
 
 
 def test_the_dashboard_covers_tail_latency_per_deployment_version_and_endpoint() -> None:
     doc = build_dashboard()
     variables = [v["name"] for v in doc["templating"]["list"]]
-    assert variables == ["datasource", "deployment", "model", "version", "replica"]
+    assert variables == ["datasource", "deployment", "model", "version", "replica", "node"]
     panels = {p["title"]: p for p in doc["panels"] if p["type"] != "row"}
     for title in ("Time to first token (streamed, router)", "Time per output token (streamed, router)",
                   "Time to first byte (router)", "End-to-end latency (router)", "Queue time (router admission queue)",
@@ -99,7 +128,11 @@ def test_the_dashboard_covers_tail_latency_per_deployment_version_and_endpoint()
     assert {"Requests by code", "Error ratio (5xx)", "Requests in flight", "Admission queue length", "Rejections",
             "Requests within the TTFT SLO (1 s)", "TTFT SLO burn rate", "Replicas by state",
             "Autoscaler: desired vs ready", "Running and waiting requests", "KV-cache usage",
-            "Prefix cache hit rate", "Preemptions"} <= set(panels)  # fmt: skip
+            "Prefix cache hit rate", "Preemptions", "GPU health checks failing", "Quarantined GPUs",
+            "Quarantine decisions", "Xid events"} <= set(panels)  # fmt: skip
+    gpu = [t["expr"] for title in ("GPU health checks failing", "Quarantined GPUs", "Quarantine decisions")
+           for t in panels[title]["targets"]]  # fmt: skip
+    assert all('node=~"$node"' in e for e in gpu) and "by (node, gpu, check, severity)" in gpu[0]
     assert [a["name"] for a in doc["annotations"]["list"]] == ["Scaling decisions"]
     assert all(p["datasource"]["uid"] == "${datasource}" for p in panels.values())
     ids = [p["id"] for p in doc["panels"]]
@@ -130,11 +163,11 @@ def test_the_cli_prints_the_dashboard_rules_and_a_scrape_config(tmp_path: Path) 
 
 
 @needs_promtool
-def test_promtool_checks_the_rules() -> None:
-    result = subprocess.run(["promtool", "check", "rules", str(DOCS / "fleet-rules.yaml")],
-                            capture_output=True, text=True)  # fmt: skip
+@pytest.mark.parametrize("path, extra", [(DOCS / "fleet-rules.yaml", 0), (CHART_RULES, len(kubernetes_alerts()))])
+def test_promtool_checks_the_rules(path: Path, extra: int) -> None:
+    result = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(alerts()) + len(recording_rules())} rules found" in result.stdout
+    assert f"SUCCESS: {len(alerts()) + len(recording_rules()) + extra} rules found" in result.stdout
 
 
 @needs_promtool
@@ -144,4 +177,4 @@ def test_promtool_unit_tests_of_the_alerts_pass() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     tested = yaml.safe_load((REPO / "tests/data/observability/fleet-rules.test.yaml").read_text())
     alerted = {t["alertname"] for case in tested["tests"] for t in case.get("alert_rule_test", [])}
-    assert alerted == {a.name for a in alerts()}  # every alert has a unit test
+    assert alerted == {a.name for a in [*alerts(), *kubernetes_alerts()]}  # every alert has a unit test
