@@ -57,7 +57,9 @@ def free_port() -> int:
 class FleetUp:
     """One `fleet up` child process with its own state directory and router port."""
 
-    def __init__(self, files: list[Path], state_dir: Path, port: int | None = None, out_name: str = "fleet-up.out") -> None:
+    def __init__(self, files: list[Path], state_dir: Path, port: int | None = None, out_name: str = "fleet-up.out",
+                 cli_module: str = "fleet.cli") -> None:
+        """``cli_module``: the module run as `fleet` (tests.e2e.fake_gpu_fleet: over a stand-in NVML)."""
         self.state_dir = state_dir
         self.port = port or free_port()
         # Its own free port: the default (--port + 1) is often taken by an outgoing connection
@@ -67,7 +69,7 @@ class FleetUp:
         self.out_path = state_dir.parent / out_name
         self._out = open(self.out_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli", "up", *map(str, files), "--port", str(self.port),
+            [sys.executable, "-m", cli_module, "up", *map(str, files), "--port", str(self.port),
              "--metrics-port", str(self.metrics_port), "--state-dir", str(state_dir)],
             stdout=self._out, stderr=subprocess.STDOUT, cwd=REPO,
         )

@@ -2,10 +2,15 @@
 scraping it through Fleet's service discovery, every dashboard query and every alert rule
 evaluated against that Prometheus, and `fleet top` driven in tmux.
 
-Real here: `fleet up` (controller, router, autoscaler, the file_sd file it keeps current and its
-metrics endpoint), the engine SIMULATOR's processes and `vllm:` metrics, Prometheus itself
+Real here: `fleet up` (controller, router, autoscaler, node agent, the file_sd file it keeps
+current and its metrics endpoints), the engine SIMULATOR's processes and `vllm:` metrics, Prometheus itself
 (Debian's `prometheus` package; `.ci/prometheus.sh` installs it) scraping every second with
 Fleet's rules loaded, `fleet prometheus-config`, `fleet top` in a real terminal (tmux).
+
+The GPUs are not real: `fleet up` runs over tests/fake_nvml.py's stand-in NVML
+(tests/e2e/fake_gpu_fleet.py: eight H100s, GPU 7 with a double-bit ECC error and an Xid 48), so
+its node agent runs its real checks, quarantines GPU 7 and exports it, and the GPU health and
+quarantine panels are evaluated like every other (the deployment itself runs on CPU).
 
 The load: closed-loop clients, half of them streaming, on a deployment with two slots per
 replica and an admission queue of three, so the router queues, rejects some requests with 503,
@@ -34,10 +39,11 @@ import pytest
 import yaml
 
 from fleet.observability.dashboard import build_dashboard, panel_queries
-from fleet.observability.discovery import JOB_CONTROLLER, JOB_ENGINE, JOB_ROUTER, targets_path
+from fleet.observability.discovery import JOB_CONTROLLER, JOB_ENGINE, JOB_NODE_AGENT, JOB_ROUTER, targets_path
 from fleet.observability.promql import grafana_to_promql
 from fleet.observability.rules import alerts, recording_rules, render_rules
 from tests.e2e.conftest import REPO, FleetUp, free_port
+from tests.e2e.fake_gpu_fleet import FAULTY_GPU, XID
 
 MODEL = "llama-8b-sim"
 DEPLOYMENT = "chat"
@@ -147,7 +153,7 @@ def _wait(what: str, predicate, timeout_s: float = TIMEOUT_S, fleet: FleetUp | N
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("observability")
-    fleet = FleetUp([deployment(tmp)], tmp / "state")
+    fleet = FleetUp([deployment(tmp)], tmp / "state", cli_module="tests.e2e.fake_gpu_fleet")
     prom = None
     load = Load(fleet.router_url)
     try:
@@ -190,10 +196,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         fleet.wait_for("a scale-up decision", lambda: desired() > 1, TIMEOUT_S)
         fleet.wait_for("two READY replicas", lambda: sum(
             r["status"] == "READY" for r in fleet.replicas().values()) >= 2, TIMEOUT_S)
-        _wait("Prometheus scraping router, controller and two engines", lambda: {
+        _wait("Prometheus scraping router, controller, node agent and two engines", lambda: {
             (x["labels"]["job"], x["labels"].get("replica", "")) for x in httpx.get(
                 f"{prom_url}/api/v1/targets", timeout=5).json()["data"]["activeTargets"] if x["health"] == "up"
-        } >= {(JOB_ROUTER, ""), (JOB_CONTROLLER, "")} | {
+        } >= {(JOB_ROUTER, ""), (JOB_CONTROLLER, ""), (JOB_NODE_AGENT, "")} | {
             (JOB_ENGINE, rid) for rid, r in fleet.replicas().items() if r["status"] == "READY"}, fleet=fleet)
         _wait("a 503 rejection by the admission queue", lambda: load.outcomes["503"] > 0, fleet=fleet)
         yield s
@@ -253,10 +259,28 @@ def test_every_dashboard_panel_query_returns_data(stack: Stack) -> None:
     assert not missing, "panels without data:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
 
 
+def test_the_node_agent_quarantines_the_faulty_gpu_and_prometheus_sees_it(stack: Stack) -> None:
+    """`fleet up`'s node agent is a target of its own (job fleet-node-agent) and its series say
+    what the stand-in NVML's GPU 7 did: a failing ECC check, a quarantine, an Xid 48."""
+    gpu = f"GPU-{FAULTY_GPU:08d}-0000-0000-0000-000000000000"
+
+    def latest(expr: str) -> dict[tuple, float]:
+        return {tuple(sorted(s["metric"].items())): float(s["values"][-1][1]) for s in stack.query_range(expr)}
+
+    _wait("the quarantine in Prometheus", lambda: latest(f'fleet_gpu_quarantined{{gpu="{gpu}"}}') != {})
+    [(labels, value)] = latest(f'fleet_gpu_quarantined{{gpu="{gpu}"}}').items()
+    assert value == 1 and dict(labels)["job"] == JOB_NODE_AGENT and dict(labels)["node"] == "local"
+    assert sum(latest("fleet_gpu_quarantined").values()) == 1   # the seven healthy GPUs export 0
+    assert {dict(k)["check"] for k in latest(f'fleet_gpu_health_findings{{gpu="{gpu}"}}')} >= {"ecc_uncorrected"}
+    assert list(latest('fleet_gpu_quarantine_decisions_total{action="quarantine"}').values()) == [1]
+    assert list(latest(f'fleet_gpu_xid_events_total{{xid="{XID}"}}').values()) == [1]
+    assert f"{gpu} QUARANTINE" in stack.fleet.output()
+
+
 def test_every_template_variable_has_values(stack: Stack) -> None:
     variables = [v for v in build_dashboard()["templating"]["list"] if v["type"] == "query"]
-    assert [v["name"] for v in variables] == ["deployment", "model", "version", "replica"]
-    expected = {"deployment": {DEPLOYMENT}, "model": {MODEL}, "version": {"v1"}}
+    assert [v["name"] for v in variables] == ["deployment", "model", "version", "replica", "node"]
+    expected = {"deployment": {DEPLOYMENT}, "model": {MODEL}, "version": {"v1"}, "node": {"local"}}
     for v in variables:  # Grafana's label_values(SELECTOR, LABEL), asked the way Grafana asks it
         match = re.fullmatch(r"label_values\((.*), (\w+)\)", v["query"])
         assert match, v["query"]
