@@ -44,8 +44,8 @@ def prometheus_config(
     scrape_interval: Annotated[str, typer.Option(help="Prometheus scrape and rule evaluation interval.")] = "15s",
     rules: Annotated[Optional[Path], typer.Option(help="Rules file to load (see `fleet rules`).")] = None,
 ) -> None:
-    """Print a prometheus.yml that scrapes the local fleet: the router, `fleet up`'s metrics and
-    every engine, found through the file_sd file `fleet up` keeps current in the state directory
+    """Print a prometheus.yml that scrapes the local fleet: the router, `fleet up`'s metrics, its
+    node agent (GPU health, quarantine) and every engine, found through the file_sd file `fleet up` keeps current in the state directory
     (labels job, deployment, version, replica). Run: `fleet prometheus-config > prometheus.yml &&
     prometheus --config.file=prometheus.yml`."""
     from fleet.observability.discovery import targets_path

@@ -7,7 +7,8 @@ replicas are adopted, not restarted: `fleet.controller.Controller.start`), the r
 and its supervision (`fleet.routerproc`: restarted, with every pool published again, if it
 dies), the controller loop, the control channel (`fleet.control`: `fleet apply`, `fleet rollout`),
 the autoscaler loop (`fleet.autoscaling`) and its Prometheus
-endpoint, progress output, signal handling and the orderly shutdown (pools drained, in-flight
+endpoint, the node agent's thread and its /metrics (a target of its own in the file_sd file,
+`fleet.observability.discovery`), progress output, signal handling and the orderly shutdown (pools drained, in-flight
 requests finished, engines stopped, router last). `run_down` is `fleet down` for a fleet whose
 controller is gone: it adopts what still runs and shuts it down the same way. Called by
 `fleet.cli`.

@@ -4,7 +4,8 @@ Owns `NodeAgent` (one ``step``: check, decide, export; ``run``: steps every ``in
 stopped, each step surviving its own errors), `AgentMetrics` (the Prometheus series below),
 `serve` (``/metrics``, ``/status``, ``/healthz``) and `status_lines`.
 Called by `fleet node-agent` (fleet/cli_agent.py); `fleet up` and the controller integrate it
-through ``step`` / ``status`` (docs/node-agent.md, "Integration").
+through ``step`` / ``status`` (docs/node-agent.md, "Integration"), and `fleet up` serves its
+``/metrics`` with `serve` as the file_sd target ``job="fleet-node-agent"`` (fleet/observability/).
 
 Series (prometheus-client; ``gpu`` is a GPU or MIG instance UUID):
 

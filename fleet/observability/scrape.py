@@ -17,8 +17,8 @@ def prometheus_config(targets_file: Path, *, scrape_interval: str = "15s", evalu
     """prometheus.yml text scraping every target in ``targets_file`` (file_sd JSON).
 
     The ``job`` of each target comes from the file (`discovery.JOB_ROUTER`, `JOB_ENGINE`,
-    `JOB_CONTROLLER`): target labels from service discovery take precedence over the scrape
-    job's name. ``refresh_interval`` is how often Prometheus re-reads the file besides its
+    `JOB_CONTROLLER`, `JOB_NODE_AGENT`): target labels from service discovery take precedence
+    over the scrape job's name. ``refresh_interval`` is how often Prometheus re-reads the file besides its
     inotify watch.
     """
     doc: dict = {
