@@ -400,11 +400,12 @@ def _own_namespace() -> str | None:
 
 async def _serve_health(operator: Operator, port: int):
     """/healthz (the process runs; says whether it leads) and /metrics (Prometheus text: the
-    operator's own gauges, the autoscaler's `fleet_autoscaler_*` and, while it leads, the
+    operator's own gauges and, while it leads, the autoscaler's `fleet_autoscaler_*` and the
     controller's `fleet_replicas` / `fleet_deployment_*` / `fleet_replica_failures_total` from
     `fleet.observability.discovery.ControllerStateCollector`, the series `fleet up` exports,
-    which the chart's dashboard and PrometheusRule read). A standby exports no controller
-    series: summed over operators, they count the leader's replicas once."""
+    which the chart's dashboard and PrometheusRule read). A standby exports neither the
+    autoscaler's nor the controller's series (an operator that lost the Lease would export
+    stale ones): summed over operators, they count the leader's once."""
     from aiohttp import web
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
@@ -426,10 +427,10 @@ async def _serve_health(operator: Operator, port: int):
         tick_s.set(operator.last_tick_s)
         for i in operator.informers():
             events.labels(i.name).set(i.events_handled)
-        body = generate_latest(registry) + generate_latest(operator.autoscaler_metrics.registry)
+        body = generate_latest(registry)
         if operator.controller is not None and operator.elector.is_leader:
             operator.controller_metrics.update(operator.controller.snapshot())   # on the loop: no tick runs now
-            body += generate_latest(controller_registry)
+            body += generate_latest(operator.autoscaler_metrics.registry) + generate_latest(controller_registry)
         return web.Response(body=body, content_type="text/plain")
 
     app = web.Application()

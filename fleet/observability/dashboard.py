@@ -144,8 +144,9 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
             PanelDef("Replicas by state", "Replicas per lifecycle state (fleet/lifecycle.py), per version.",
                      "short", (Query(f'sum by (version, state) (fleet_replicas{{{DEPLOYMENT}, version=~"$version"}}) '
                                      "> 0", "{{version}} {{state}}"),)),
-            PanelDef("Router pool endpoints", "Endpoints in the router's pool: ready and draining.", "short",
-                     (Query(f"sum by (model, state) (fleet_router_pool_endpoints{{{ROUTER_MODEL}}})",
+            PanelDef("Router pool endpoints", "Endpoints in the router's pool: ready and draining (max over "
+                     "router replicas: on Kubernetes every router pod holds the same pool).", "short",
+                     (Query(f"max by (model, state) (fleet_router_pool_endpoints{{{ROUTER_MODEL}}})",
                             "{{model}} {{state}}"),)),
             PanelDef("Autoscaler: desired vs ready", "Replicas the autoscaler wants, READY replicas at its last "
                      "decision, and spec.replicas.max; each scaling decision is an annotation.", "short", (
