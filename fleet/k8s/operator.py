@@ -209,9 +209,9 @@ class Operator:
                     await self.autoscaler.step()   # each deployment's policy decides when it is due
                 except Exception:  # noqa: BLE001 - a failed decision never stops the reconcile
                     log.exception("autoscaler step failed")
-            transitions = bool(self._events)
+            failed = any(e.new.failed() for e in self._events)
             await self._write_back()
-            if transitions:   # a replica failed is counted before the controller trims it from its snapshot
+            if failed:   # counted before the controller trims it from its snapshot (scrapes refresh the rest)
                 self.controller_metrics.update(self.controller.snapshot())
         self.ticks += 1
         self.last_tick_s = time.perf_counter() - started

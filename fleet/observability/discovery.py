@@ -195,7 +195,10 @@ class ControllerStateCollector:
     def update(self, snapshot: Mapping[str, Any]) -> None:
         """Take a new snapshot; count the replicas that failed since the last one (the
         controller trims old terminal replicas from its snapshot, so counting the failed ones
-        present would go down)."""
+        present would go down). Callers update after every tick in which a replica failed
+        (`fleet up`: after every tick; the operator: after those ticks and at each scrape), so a
+        failure is counted unless the very reconcile that failed the replica also trimmed it
+        (it was older than `ControllerSettings.history_per_deployment` newer terminal ones)."""
         failed_now = set()
         with self._lock:
             self._snapshot = snapshot
