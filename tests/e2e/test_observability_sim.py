@@ -277,6 +277,17 @@ def test_the_node_agent_quarantines_the_faulty_gpu_and_prometheus_sees_it(stack:
     assert f"{gpu} QUARANTINE" in stack.fleet.output()
 
 
+def test_every_panel_returns_data_with_one_value_of_each_variable_selected(stack: Stack) -> None:
+    """Not only "All": a selected version, endpoint, deployment, model and node filter every panel
+    to data (the router's `version` is `<revision>@<hash>`, the variable's values revisions)."""
+    ready = sorted(rid for rid, r in stack.fleet.replicas().items() if r["status"] == "READY")
+    selected = {"deployment": DEPLOYMENT, "model": MODEL, "version": "v1", "replica": ready[0], "node": "local"}
+    queries = [(title, grafana_to_promql(expr, selected, rate_interval=RATE_INTERVAL))
+               for title, expr in panel_queries(build_dashboard())]  # fmt: skip
+    missing = _missing(stack, queries, deadline_s=60)
+    assert not missing, f"panels without data for {selected}:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
+
+
 def test_every_template_variable_has_values(stack: Stack) -> None:
     variables = [v for v in build_dashboard()["templating"]["list"] if v["type"] == "query"]
     assert [v["name"] for v in variables] == ["deployment", "model", "version", "replica", "node"]

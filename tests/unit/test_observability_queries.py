@@ -123,7 +123,7 @@ def test_the_dashboard_covers_tail_latency_per_deployment_version_and_endpoint()
     for title in ("Time to first token (streamed, router)", "Time per output token (streamed, router)",
                   "Time to first byte (router)", "End-to-end latency (router)"):  # fmt: skip
         # canary vs stable: split by the version label, filtered by every template variable
-        assert all("sum by (le, version)" in t["expr"] and 'version=~"$version"' in t["expr"]
+        assert all("sum by (le, version)" in t["expr"] and 'version=~"$version(@.*)?"' in t["expr"]
                    and 'endpoint=~"$replica"' in t["expr"] for t in panels[title]["targets"]), title  # fmt: skip
     assert {"Requests by code", "Error ratio (5xx)", "Requests in flight", "Admission queue length", "Rejections",
             "Requests within the TTFT SLO (1 s)", "TTFT SLO burn rate", "Replicas by state",
