@@ -136,10 +136,12 @@ def test_the_failure_counter_never_goes_down_when_old_failures_are_trimmed() -> 
 
 
 def test_tick_writes_the_targets_file_and_survives_an_unwritable_directory(tmp_path: Path, caplog) -> None:
-    obs = LocalObservability(tmp_path, "http://127.0.0.1:8080", "http://127.0.0.1:8081")
+    obs = LocalObservability(tmp_path, "http://127.0.0.1:8080", "http://127.0.0.1:8081",
+                             node_agent_url="http://127.0.0.1:40123")  # fmt: skip
     obs.tick(SNAPSHOT)
-    assert json.loads(targets_path(tmp_path).read_text()) == file_sd_groups(
-        SNAPSHOT, "http://127.0.0.1:8080", "http://127.0.0.1:8081")
+    written = json.loads(targets_path(tmp_path).read_text())
+    assert written == file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080", "http://127.0.0.1:8081", "http://127.0.0.1:40123")
+    assert {"targets": ["127.0.0.1:40123"], "labels": {"job": JOB_NODE_AGENT}} in written
     obs.stopped()  # an orderly stop leaves Prometheus nothing to scrape
     assert json.loads(targets_path(tmp_path).read_text()) == []
     broken = LocalObservability(tmp_path / "missing" / "dir", "http://127.0.0.1:8080", None)
