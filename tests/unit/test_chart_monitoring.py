@@ -65,6 +65,9 @@ def test_the_prometheus_rule_carries_the_generated_groups() -> None:
             "FleetOperatorDown"} <= set(alerts)  # fmt: skip
     # Prometheus's templates reach Prometheus as written (the file is not run through Helm's templating)
     assert alerts["FleetNoReadyEndpoint"]["annotations"]["summary"] == "{{ $labels.model }}: no ready endpoint"
+    # nothing scrapes the operator without the ServiceMonitor: no absent() alert that would fire forever
+    alone = _objects(extra=("--set", "monitoring.serviceMonitor.enabled=false"))[("PrometheusRule", "fleet")]
+    assert alone["spec"] == rules_document(kubernetes=False)
 
 
 def test_the_engine_pod_monitor_gives_the_file_sd_labels_from_the_operators_pod_labels() -> None:
