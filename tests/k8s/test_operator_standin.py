@@ -61,7 +61,7 @@ async def _until(cond, timeout_s: float, what: str, why=lambda: ""):
 class Operator:
     """`fleet operator` as a process of its own."""
 
-    def __init__(self, tmp: Path, kubeconfig: Path, admin_url: str, identity: str) -> None:
+    def __init__(self, tmp: Path, kubeconfig: Path, admin_url: str, identity: str, metrics_port: int = 0) -> None:
         self.log_path = tmp / f"operator-{identity}.log"
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "FLEET_NAMESPACE": NS, "POD_NAME": identity,
                "FLEET_ROUTER_ADMIN_TOKEN": TOKEN, "FLEET_ROUTER_ADMIN_URL": admin_url, "FLEET_ROUTER_SELECTOR": "none",
@@ -69,7 +69,7 @@ class Operator:
                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleet.cli", "operator", "--tick-s", "0.3", "--lease-duration-s", "3",
-             "--metrics-port", "0", "--resync-s", "30"],
+             "--metrics-port", str(metrics_port), "--resync-s", "30"],
             env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
@@ -146,7 +146,8 @@ async def test_operator_against_the_api_server_stand_in(tmp_path):
         # kill -9 the operator; another one waits for the Lease, then adopts
         os.killpg(ops[0].proc.pid, signal.SIGKILL)
         await _until(lambda: _exited(ops[0]), 10, "op-a to die")
-        ops.append(Operator(tmp_path, kubeconfig, admin_url, "op-b"))
+        metrics_port = _free_port()
+        ops.append(Operator(tmp_path, kubeconfig, admin_url, "op-b", metrics_port=metrics_port))
 
         async def b_leads() -> bool:
             lease = await kube.get(LEASES, NS, "fleet-operator")
@@ -158,6 +159,17 @@ async def test_operator_against_the_api_server_stand_in(tmp_path):
         await _until(lambda: served(3), 30, "3 replicas still served under op-b", why)
         assert {n: p["metadata"]["uid"] for n, p in (await pods()).items()} == before   # no pod replaced
         assert kubelet.started == started                                                # no process restarted
+
+        # its /metrics carries the controller's series as `fleet up`'s does (the chart's dashboard reads them)
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        samples = [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
+        ready = sum(v for n, labels, v in samples if n == "fleet_replicas" and labels["state"] == "READY"
+                    and labels["deployment"] == "sim-chat")  # fmt: skip
+        assert ready == 3, text
+        assert ("fleet_deployment_info", {"deployment": "sim-chat", "model": "llama-8b-sim"}, 1.0) in samples
+        assert ("fleet_operator_leader", {}, 1.0) in samples
 
         # delete: drained through the router, pods go, the resource goes, the pool goes
         await kube.delete(INFERENCE_DEPLOYMENTS, NS, "sim-chat")
