@@ -133,14 +133,18 @@ def test_prometheus_attaches_the_labels_the_dashboard_filters_on(tmp_path: Path)
     objs = _objects()
     engine = objs[("PodMonitor", "fleet-engines")]["spec"]["podMetricsEndpoints"][0]
     router = next(e for e in objs[("ServiceMonitor", "fleet")]["spec"]["endpoints"] if e["port"] == "http")
+    controller = next(e for e in objs[("ServiceMonitor", "fleet")]["spec"]["endpoints"] if e["port"] == "metrics")
+    agent = objs[("PodMonitor", "fleet-node-agent")]["spec"]["podMetricsEndpoints"][0]
     pod_labels = {LABEL_DEPLOYMENT: "chat", LABEL_REVISION: "v2", LABEL_REPLICA: "chat-3"}
     meta = {prometheus_label(k): v for k, v in pod_labels.items()}
     files = {
         "engine": [{"targets": ["127.0.0.1:9"], "labels": {"job": "fleet/fleet-engines", "endpoint": "http", **meta}}],
         "router": [{"targets": ["127.0.0.1:10"], "labels": {"job": "serviceMonitor/fleet/fleet/0", "endpoint": "http"}}],
+        "controller": [{"targets": ["127.0.0.1:11"], "labels": {"job": "serviceMonitor/fleet/fleet/1"}}],
+        "agent": [{"targets": ["127.0.0.1:12"], "labels": {"job": "podMonitor/fleet/fleet-node-agent/0"}}],
     }
     scrape = []
-    for name, endpoint in (("engine", engine), ("router", router)):
+    for name, endpoint in (("engine", engine), ("router", router), ("controller", controller), ("agent", agent)):
         (tmp_path / f"{name}.json").write_text(json.dumps(files[name]))
         scrape.append({"job_name": name, "scrape_interval": "1h", "file_sd_configs": [{"files": [str(tmp_path / f"{name}.json")]}],
                        "relabel_configs": [_prometheus_relabel(r) for r in endpoint["relabelings"]]})  # fmt: skip
@@ -155,19 +159,21 @@ def test_prometheus_attaches_the_labels_the_dashboard_filters_on(tmp_path: Path)
     try:
         targets: dict[str, dict] = {}
         deadline = time.monotonic() + 60
-        while len(targets) < 2 and time.monotonic() < deadline:
+        while len(targets) < len(files) and time.monotonic() < deadline:
             try:
                 active = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=2).json()["data"]["activeTargets"]
                 targets = {t["scrapePool"]: t["labels"] for t in active}
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
-            if len(targets) < 2:
+            if len(targets) < len(files):
                 time.sleep(0.3)
-        assert len(targets) == 2, (tmp_path / "prometheus.log").read_text()
+        assert len(targets) == len(files), (tmp_path / "prometheus.log").read_text()
         [local] = file_sd_groups({"replicas": [{"id": "chat-3", "deployment": "chat", "revision": "v2",
                                                 "status": "READY", "endpoint": "http://127.0.0.1:9"}]}, None)  # fmt: skip
         assert {k: v for k, v in targets["engine"].items() if k != "instance" and k != "endpoint"} == local["labels"]
         assert targets["router"] == {"job": JOB_ROUTER, "instance": "127.0.0.1:10"}   # no `endpoint` target label
+        assert targets["controller"] == {"job": JOB_CONTROLLER, "instance": "127.0.0.1:11"}
+        assert targets["agent"] == {"job": JOB_NODE_AGENT, "instance": "127.0.0.1:12"}
     finally:
         prom.terminate()
         prom.wait(timeout=30)
