@@ -537,9 +537,41 @@ class Controller(RolloutSteps):
         self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision, created_at_s=now,
                                      spec_hash=spec_hash)  # fmt: skip
 
+    def _holding(self) -> dict[str, ReplicaPlacement]:
+        """Replica id -> placement of every replica that holds its devices now."""
+        return {rid: ReplicaPlacement.from_dict(r.placement) for rid, r in self.replicas.items()
+                if r.placement is not None and (r.engine_alive or r.status is ReplicaStatus.PLACED)}
+
+    def _placement_request(self, ld: LoadedDeployment, count: int,
+                           holding: dict[str, ReplicaPlacement]) -> PlacementRequest:
+        """``count`` more replicas of ``ld``: its live replicas fix product and gang width; warm
+        nodes are where a replica of this very spec has its weights (so image and weights are
+        there), beside what the nodes report as ``cached``."""
+        mine = [rid for rid in holding if self.replicas[rid].spec_hash == ld.serving_hash]
+        warm = {self.replicas[rid].node for rid in mine if self.replicas[rid].weights_ready_at_s}
+        return PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
+                                               warm_nodes=warm - {None})
+
+    def next_replica_warm(self, deployment: str) -> bool:
+        """Whether one more replica of ``deployment``'s serving spec, placed now, would start warm:
+        every node of its placement holds the image and the weights
+        (`fleet.placement.shapes.PlacementRequest.is_warm`). False when it does not fit now (it
+        waits for capacity: no warm start to count on). Read by the autoscaler for its start-up
+        estimate (`autoscaler.startup.StartupEstimate.next_warm`). Pure over the last observed
+        inventory."""
+        ds = self.deployments[deployment]
+        ld = ds.revs.specs[ds.revs.stable]
+        holding = self._holding()
+        request = self._placement_request(ld, 1, holding)
+        plan = self.placer.place_replicas(request, self.inventory,
+                                          Counter(d for a in holding.values() for d in a.devices))
+        if not plan.placements:
+            return False
+        return all(request.is_warm(self.inventory.node(m.node)) or m.node in request.warm_nodes
+                   for m in plan.placements[0].members)
+
     async def _place_and_launch(self) -> None:
-        holding = {rid: ReplicaPlacement.from_dict(r.placement) for rid, r in self.replicas.items()
-                   if r.placement is not None and (r.engine_alive or r.status is ReplicaStatus.PLACED)}
+        holding = self._holding()
         in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
         pending: dict[tuple[str, str], list[Replica]] = {}
         for r in sorted(self.replicas.values(), key=lambda r: r.created_at_s):
@@ -549,13 +581,7 @@ class Controller(RolloutSteps):
         to_launch: list[tuple[Replica, ReplicaPlacement]] = []
         for (name, spec_hash), waiting in pending.items():
             ld = self.deployments[name].revs.specs[spec_hash]
-            dep = ld.deployment
-            existing = [a for rid, a in holding.items() if self.replicas[rid].spec_hash == ld.serving_hash]
-            # Warm nodes: where a replica of this very spec runs, so its image and weights are there.
-            warm = {self.replicas[rid].node for rid in holding
-                    if self.replicas[rid].spec_hash == ld.serving_hash and self.replicas[rid].weights_ready_at_s}
-            # The deployment's whole scale-up is one decision.
-            request = PlacementRequest.for_deployment(dep, len(waiting), existing, warm_nodes=warm - {None})
+            request = self._placement_request(ld, len(waiting), holding)   # the whole scale-up: one decision
             plan = self.placer.place_replicas(request, self.inventory, in_use)
             # Devices a draining replica of this deployment still holds free up soon: a new replica
             # waits for them rather than share a device now (two CPU engines on one core starve
