@@ -9,7 +9,6 @@ from pathlib import Path
 
 from fleet.autoscaling import AutoscalerLoop
 from fleet.inventory import NodeInventory
-from fleet.lifecycle import ReplicaStatus as S
 from fleet.placement.shapes import PlacementRequest, ReplicaShape, canonical_source
 from tests.unit.test_autoscaler_wiring import AUTOSCALING
 from tests.unit.test_controller import Harness, vllm_installed, write_deployment  # noqa: F401 - fixture
