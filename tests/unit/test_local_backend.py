@@ -168,7 +168,9 @@ async def test_a_hub_source_is_cached_once_and_both_engines_start_from_the_cache
         assert sorted(entry.pinned_by) == ["sim-0", "sim-1"]
         assert len(hub.log.file_gets("/model.safetensors")) == 1   # two replicas, one download
         # The node now reports the weights as held (canonical source): placement counts it warm.
-        assert "hf://org/tiny@main" in (await backend.inventory()).nodes[0].cached
+        node = (await backend.inventory()).nodes[0]
+        assert "hf://org/tiny@main" in node.cached
+        assert "holds: hf://org/tiny@main" in node.describe()             # the Nodes line of fleet status
         for rid in ("sim-0", "sim-1"):
             await backend.kill(rid)
         await loop.run_in_executor(None, wait_until, lambda: all(
