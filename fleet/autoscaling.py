@@ -184,9 +184,9 @@ class AutoscalerLoop:
         now_s = self.clock()
         await self._scrape(d, ready, now_s)
         signals = d.signals.signals(now_s, (router_stats or {}).get(d.model))
-        # The local backend keeps image and weights on this node: the next replica starts warm.
+        # Warm or cold: where placement would put one more replica now, and what that node holds.
         ctx = ScalingContext(now_s, controller.deployments[d.name].desired, len(ready), len(starting), signals,
-                             d.startup.estimate(next_warm=True))  # fmt: skip
+                             d.startup.estimate(next_warm=controller.next_replica_warm(d.name)))  # fmt: skip
         decision = d.policy.decide(ctx)
         d.next_due_s = now_s + d.policy.interval_s
         if decision.desired != ctx.desired:

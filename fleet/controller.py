@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fleet.backends.base import Backend, LaunchError, ReplicaFacts, ReplicaWant
+from fleet.controller_restart import STATE_FORMAT, RestartSteps
 from fleet.controller_rollouts import RolloutSteps
 from fleet.inventory import Inventory
 from fleet.lifecycle import Replica, ReplicaStatus
@@ -44,8 +45,6 @@ from warmup.run import WarmupResult, readiness_gate, run_warmup
 
 log = logging.getLogger("fleet.controller")
 
-STATE_FORMAT = 2
-"""Version of the snapshot layout (`Controller.snapshot`); a snapshot of another version is not read back."""
 
 
 class PoolSink(Protocol):
@@ -119,12 +118,13 @@ class _DeploymentState:
         return self.loaded.deployment.spec.model.name
 
 
-class Controller(RolloutSteps):
+class Controller(RolloutSteps, RestartSteps):
     """Converges desired to observed replicas, one idempotent `reconcile_once` per tick.
 
     A deployment serves revisions (`fleet.rollouts.Revisions`): the stable one and, during a
     canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`) and the
-    rollout is driven by `RolloutSteps` (fleet.controller_rollouts)."""
+    rollout is driven by `RolloutSteps` (fleet.controller_rollouts); taking over from a previous
+    controller (`start`) is `RestartSteps` (fleet.controller_restart)."""
 
     def __init__(
         self,
@@ -203,96 +203,6 @@ class Controller(RolloutSteps):
         """The router lost its pools (it was restarted): publish every pool again next tick."""
         for ds in self.deployments.values():
             ds.last_pool = None
-
-    # ----- start: read the previous state back, adopt what runs ----------------------------
-
-    async def start(self, previous: dict | None) -> None:
-        """Take over from the controller that wrote ``previous`` (a `snapshot`; None: fresh start).
-
-        Targets of deployments still declared are restored (clamped to today's min..max).
-        Replicas recorded as running that the backend still runs, with today's serving hash,
-        are adopted as they are: no restart, READY ones stay in the pool; a replica that was
-        warming warms again. Recorded replicas that are gone are marked exited (FAILED_CRASHED
-        unless a stop had been asked); running replicas of a changed spec are drained and
-        replaced; those of deployments no longer declared are stopped and their pools deleted;
-        replicas the backend owns but no record names cannot be verified and are stopped.
-        """
-        now = self.clock()
-        self.inventory = await self.backend.inventory()
-        self._facts = await self.backend.observe()
-        if previous and previous.get("format") == STATE_FORMAT:
-            self._restore_targets(previous.get("deployments", {}))
-        for ds in self.deployments.values():   # today's files against what was served: a rollout may start
-            self._declare(ds, ds.loaded, now)
-        if previous and previous.get("format") == STATE_FORMAT:
-            for rd in previous.get("replicas", []):
-                try:
-                    r = Replica.from_dict(rd)
-                except (KeyError, TypeError, ValueError) as err:
-                    log.warning("ignoring an unreadable replica record %r: %s", rd.get("id"), err)
-                    continue
-                self._adopt(r, now)
-        elif previous:
-            log.warning("previous state has format %r, not %r: starting fresh", previous.get("format"), STATE_FORMAT)
-        for rid, f in self._facts.items():
-            if rid not in self.replicas and f.running:  # owned, but nothing says what it is
-                r = Replica(id=rid, deployment=f.deployment, revision="?", created_at_s=now, spec_hash=f.spec_hash,
-                            launched_at_s=now, drain_requested_at_s=now, stop_requested_at_s=now, node=f.node,
-                            detail=dict(f.detail))  # fmt: skip
-                self.replicas[rid] = r
-                log.warning("replica %s runs but no record names it: stopping it", rid)
-                await self.backend.stop(rid)
-        self._save()
-
-    def _restore_targets(self, deployments: dict) -> None:
-        for name, d in deployments.items():
-            ds = self.deployments.get(name)
-            if ds is None:
-                if d.get("model"):
-                    self._retired[name] = d["model"]
-                continue
-            bounds = ds.loaded.deployment.spec.replicas
-            ds.desired = max(bounds.min, min(bounds.max, int(d.get("desired", ds.desired))))
-            ds.desired_reason = d.get("desired_reason") or ds.desired_reason
-            ds.desired_at_s = d.get("desired_at_s")
-            ds.next_index = max(ds.next_index, int(d.get("next_index", 0)))
-            ds.failures_in_row = int(d.get("failures_in_row", 0))
-            ds.last_scaling = d.get("last_scaling")
-            try:
-                ds.revs.restore(d.get("revisions") or {})
-            except (KeyError, TypeError, ValueError) as err:
-                log.warning("deployment %s: unreadable revisions record, serving today's spec: %s", name, err)
-        declared = {ds.model for ds in self.deployments.values()}
-        self._retired = {name: model for name, model in self._retired.items() if model not in declared}
-
-    def _adopt(self, r: Replica, now: float) -> None:
-        self.replicas[r.id] = r
-        ds = self.deployments.get(r.deployment)
-        if r.status.terminal():
-            return
-        f = self._facts.get(r.id)
-        if ds is None and (r.launched_at_s is None or f is None):
-            r.exited_at_s = now    # not declared any more, and nothing runs: done
-            return
-        if r.launched_at_s is not None and f is None and r.stop_requested_at_s is None:
-            r.launched_at_s = None  # asked to run, but the crash came first: ask again (PLACED)
-        if r.launched_at_s is None:
-            return
-        if f is None or f.exited:
-            r.exited_at_s, r.exit_code = now, f.exit_code if f else None
-            if r.stop_requested_at_s is None and r.drain_requested_at_s is None:
-                r.fail(ReplicaStatus.FAILED_CRASHED, "engine exited while no controller was running", now)
-            return
-        r.node, r.endpoint, r.detail = f.node, f.endpoint, dict(f.detail)
-        r.adopted_at_s = now
-        if ds is None:
-            r.drain_requested_at_s = r.drain_requested_at_s or now   # not declared any more
-            return
-        r.consecutive_health_failures = 0
-        if r.spec_hash not in (ds.revs.stable, ds.revs.canary):
-            r.drain_requested_at_s = r.drain_requested_at_s or now
-        elif r.status is ReplicaStatus.WARMING:
-            r.healthy_at_s = None   # its warm-up died with the old controller: probe, then warm again
 
     # ----- the loop -----------------------------------------------------------------------
 
@@ -537,9 +447,41 @@ class Controller(RolloutSteps):
         self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision, created_at_s=now,
                                      spec_hash=spec_hash)  # fmt: skip
 
+    def _holding(self) -> dict[str, ReplicaPlacement]:
+        """Replica id -> placement of every replica that holds its devices now."""
+        return {rid: ReplicaPlacement.from_dict(r.placement) for rid, r in self.replicas.items()
+                if r.placement is not None and (r.engine_alive or r.status is ReplicaStatus.PLACED)}
+
+    def _placement_request(self, ld: LoadedDeployment, count: int,
+                           holding: dict[str, ReplicaPlacement]) -> PlacementRequest:
+        """``count`` more replicas of ``ld``: its live replicas fix product and gang width; warm
+        nodes are where a replica of this very spec has its weights (so image and weights are
+        there), beside what the nodes report as ``cached``."""
+        mine = [rid for rid in holding if self.replicas[rid].spec_hash == ld.serving_hash]
+        warm = {self.replicas[rid].node for rid in mine if self.replicas[rid].weights_ready_at_s}
+        return PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
+                                               warm_nodes=warm - {None})
+
+    def next_replica_warm(self, deployment: str) -> bool:
+        """Whether one more replica of ``deployment``'s serving spec, placed now, would start warm:
+        every node of its placement holds the image and the weights
+        (`fleet.placement.shapes.PlacementRequest.is_warm`). False when it does not fit now (it
+        waits for capacity: no warm start to count on). Read by the autoscaler for its start-up
+        estimate (`autoscaler.startup.StartupEstimate.next_warm`). Pure over the last observed
+        inventory."""
+        ds = self.deployments[deployment]
+        ld = ds.revs.specs[ds.revs.stable]
+        holding = self._holding()
+        request = self._placement_request(ld, 1, holding)
+        plan = self.placer.place_replicas(request, self.inventory,
+                                          Counter(d for a in holding.values() for d in a.devices))
+        if not plan.placements:
+            return False
+        return all(request.is_warm(self.inventory.node(m.node)) or m.node in request.warm_nodes
+                   for m in plan.placements[0].members)
+
     async def _place_and_launch(self) -> None:
-        holding = {rid: ReplicaPlacement.from_dict(r.placement) for rid, r in self.replicas.items()
-                   if r.placement is not None and (r.engine_alive or r.status is ReplicaStatus.PLACED)}
+        holding = self._holding()
         in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
         pending: dict[tuple[str, str], list[Replica]] = {}
         for r in sorted(self.replicas.values(), key=lambda r: r.created_at_s):
@@ -549,13 +491,7 @@ class Controller(RolloutSteps):
         to_launch: list[tuple[Replica, ReplicaPlacement]] = []
         for (name, spec_hash), waiting in pending.items():
             ld = self.deployments[name].revs.specs[spec_hash]
-            dep = ld.deployment
-            existing = [a for rid, a in holding.items() if self.replicas[rid].spec_hash == ld.serving_hash]
-            # Warm nodes: where a replica of this very spec runs, so its image and weights are there.
-            warm = {self.replicas[rid].node for rid in holding
-                    if self.replicas[rid].spec_hash == ld.serving_hash and self.replicas[rid].weights_ready_at_s}
-            # The deployment's whole scale-up is one decision.
-            request = PlacementRequest.for_deployment(dep, len(waiting), existing, warm_nodes=warm - {None})
+            request = self._placement_request(ld, len(waiting), holding)   # the whole scale-up: one decision
             plan = self.placer.place_replicas(request, self.inventory, in_use)
             # Devices a draining replica of this deployment still holds free up soon: a new replica
             # waits for them rather than share a device now (two CPU engines on one core starve

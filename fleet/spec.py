@@ -13,6 +13,7 @@ document that fails here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -291,12 +292,13 @@ class LoadedDeployment:
     def base_dir(self) -> Path:
         return self.path.resolve().parent
 
-    @property
+    @functools.cached_property
     def serving_hash(self) -> str:
         """What a replica of this deployment serves, as 16 hex digits of sha256: the model (name,
         source with relative paths resolved, revision), the engine (kind, image, args, env) and
         the replica shape. Replicas with equal hashes are interchangeable; a restarted controller
-        adopts a running replica only when its hash is today's (else it is drained and replaced)."""
+        adopts a running replica only when its hash is today's (else it is drained and replaced).
+        Computed once per loaded document (the controller reads it several times a tick)."""
         spec = self.deployment.spec
         local = spec.model.local_path(self.base_dir)
         what = {

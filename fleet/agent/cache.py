@@ -226,6 +226,22 @@ class WeightCache:
             return None
         return self.root / "models" / key
 
+    def cached_sources(self) -> frozenset[str]:
+        """The canonical sources (`fleet.agent.sources` ``canonical``: ``hf://org/name@revision``,
+        a manifest URL) whose entry is cached and passes the stat check: what this node reports as
+        warm for placement (`fleet.placement.shapes.PlacementRequest.is_warm`). No network."""
+        out = set()
+        for ref_path in (self.root / "refs").glob("*.json"):
+            ref = _read_json(ref_path)
+            if not ref or "source" not in ref:
+                continue
+            try:
+                if self.lookup(ref["source"]) is not None:
+                    out.add(ref["source"])
+            except SourceError:
+                continue
+        return frozenset(out)
+
     def entries(self) -> list[CacheEntry]:
         """Every cached model, least recently used first."""
         out = []

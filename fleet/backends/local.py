@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +40,8 @@ FLEET_ID_ENV = "FLEET_FLEET_ID"
 REPLICA_ID_ENV = "FLEET_REPLICA_ID"
 REMOTE_SCHEMES = ("http://", "https://", "hf://")
 """Model sources the node's weight cache fetches (`fleet.agent.cache`); others are local paths."""
+CACHE_LISTING_TTL_S = 10.0
+"""How long the node's list of cached sources is reused before the cache is read again."""
 DEPLOYMENT_ENV = "FLEET_DEPLOYMENT"
 SPEC_HASH_ENV = "FLEET_SPEC_HASH"
 
@@ -95,20 +98,37 @@ class LocalBackend:
         self._caching: dict[str, asyncio.Task] = {}
         self._progress: dict[str, tuple[int, int]] = {}      # replica id -> (bytes cached, bytes in all)
         self.agent = agent
+        self._images: frozenset[str] = frozenset()     # engine images whose engine started here
+        self._sources: frozenset[str] = frozenset()    # the weight cache's canonical sources
+        self._sources_read_at, self._sources_dirty = 0.0, True
         self._inventory = Inventory((node,))
         self._load()
 
     # ----- Backend ------------------------------------------------------------------------
 
     async def inventory(self) -> Inventory:
-        """This node; while the node agent quarantines devices, as placement must see it. The
-        same object is returned while nothing changes (placement caches tables per inventory)."""
+        """This node as placement must see it: devices the node agent quarantines marked so, and
+        ``cached`` holding what the node holds (the declared inventory's entries, the canonical
+        sources in the weight cache, the images of engines that started here). The same object
+        is returned while nothing changes (placement caches tables per inventory)."""
+        node = self._inventory.nodes[0]
+        quarantined = node.quarantined
         if self.agent is not None:
             status = self.agent.last_status   # replaced whole after each of the agent's steps: safe to read
             quarantined = {q["gpu"]: q["reason"] for q in status.get("quarantined", [])}
-            if quarantined != self._inventory.nodes[0].quarantined:
-                self._inventory = Inventory((self.node.with_quarantine(quarantined),))
+        cached = self.node.cached | self._images | await self._cached_sources()
+        if quarantined != node.quarantined or cached != node.cached:
+            self._inventory = Inventory((replace(self.node, cached=cached).with_quarantine(quarantined),))
         return self._inventory
+
+    async def _cached_sources(self) -> frozenset[str]:
+        """The weight cache's sources, read again when a fill ended here or after
+        `CACHE_LISTING_TTL_S` (another process, `fleet cache pull`, may fill it too)."""
+        now = time.monotonic()
+        if self.weights is not None and (self._sources_dirty or now - self._sources_read_at >= CACHE_LISTING_TTL_S):
+            self._sources = await asyncio.to_thread(self.weights.cached_sources)
+            self._sources_read_at, self._sources_dirty = now, False
+        return self._sources
 
     async def ensure(self, want: ReplicaWant) -> None:
         rid = want.replica_id
@@ -121,6 +141,8 @@ class LocalBackend:
         problem = self._engine_problems[dep.spec.engine.kind]
         if problem:
             raise LaunchError(f"engine image not present: {problem}")
+        if dep.spec.engine.image is not None:   # the installed engine stands for the image here
+            self._images |= {dep.spec.engine.image}
         remote = dep.spec.model.source.startswith(REMOTE_SCHEMES)
         if remote and self.weights is None:
             raise LaunchError(f"weights not present: spec.model.source {dep.spec.model.source!r} is remote and "
@@ -193,6 +215,7 @@ class LocalBackend:
             log.exception("caching %s for %s failed", source, rid)
             why = f"weights not present: spec.model.source {source!r}: {type(err).__name__}: {err}"
         self._caching.pop(rid, None)
+        self._sources_dirty = True
         rec = self._records.get(rid)
         if rec is None or rec.exited:       # stopped while caching: let the weights go
             if path is not None:

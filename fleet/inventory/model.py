@@ -197,6 +197,8 @@ class NodeInventory:
         linked = [d for d in self.domains if len(d) > 1]
         if linked:
             parts.append("NVLink: " + " ".join("{" + ",".join(str(g.index) for g in d) + "}" for d in linked))
+        if self.cached:   # weights and images held here: placement counts the node warm for them
+            parts.append(f"holds: {', '.join(sorted(self.cached))}")
         return "; ".join(parts)
 
 

@@ -33,7 +33,6 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 from autoscaler.metrics import AutoscalerMetrics
@@ -59,13 +58,8 @@ drained through the router and their pods are gone."""
 
 @dataclass(frozen=True)
 class ClusterDeployment(LoadedDeployment):
-    """A deployment read from a resource. Its serving hash is computed once: the controller reads
-    it for every replica on every tick (`LoadedDeployment.serving_hash` hashes, and resolves a
-    path, on each access), which at 10,000 replicas is most of a tick."""
-
-    @cached_property
-    def serving_hash(self) -> str:  # type: ignore[override]
-        return LoadedDeployment.serving_hash.fget(self)
+    """A deployment read from a resource (its serving hash, like every `LoadedDeployment`'s, is
+    computed once: the controller reads it for every replica on every tick)."""
 
 
 WRITE_CONCURRENCY = 16

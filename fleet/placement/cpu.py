@@ -2,7 +2,9 @@
 
 Owns `place_cpu`: each replica takes ``cpuCores`` cores of one node, free ones first; when
 every core is taken, CPU replicas share the least-used cores (a CPU core, unlike a GPU, can be
-time-shared) and the assignment says so. Nodes with the most free cores go first. Called by
+time-shared) and the assignment says so. A node where the replica gets its cores to itself goes
+first, then a warm node (`PlacementRequest.is_warm`: it holds the weights), then the node with
+the most free cores. Called by
 `PlacementStrategy.place_replicas`. Pure.
 """
 
@@ -19,9 +21,15 @@ def place_cpu(request: PlacementRequest, inventory: Inventory, held: Counter[str
     Updates ``held``."""
     need = request.shape.cpu_cores
     nodes = [n for n in inventory.nodes if len(n.cpu_cores) >= need]
+    warm = {n.name: request.is_warm(n) for n in nodes}
+
+    def rank(n) -> tuple[bool, bool, int]:
+        free = sum(1 for c in n.cpu_cores if not held[f"cpu:{c}"])
+        return free >= need, warm[n.name], free
+
     placements = []
     for _ in range(request.count if nodes else 0):
-        node = max(nodes, key=lambda n: sum(1 for c in n.cpu_cores if not held[f"cpu:{c}"]))
+        node = max(nodes, key=rank)   # the first of equals: inventory order
         # Least-used cores first, then lowest index: free cores before shared ones.
         chosen = sorted(sorted(node.cpu_cores, key=lambda c: (held[f"cpu:{c}"], c))[:need])
         exclusive = all(held[f"cpu:{c}"] == 0 for c in chosen)

@@ -10,9 +10,11 @@ every placement strategy, the controller, `fleet up` and `fleet plan`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from fleet.agent.sources import SourceError, parse_source
 from fleet.inventory.mig import MigSlot
 from fleet.inventory.model import NodeInventory
 from fleet.spec import InferenceDeployment
@@ -122,15 +124,30 @@ class Unplaceable:
     reason: str
 
 
+@functools.lru_cache(maxsize=4096)
+def canonical_source(source: str) -> str:
+    """``spec.model.source`` as caches report it (`fleet.agent.sources.Source.canonical`), or
+    as written when it is no cacheable source (``sim://``, a relative path)."""
+    if "://" not in source and not source.startswith("/"):
+        return source
+    try:
+        return parse_source(source).canonical
+    except SourceError:
+        return source
+
+
 @dataclass(frozen=True)
 class PlacementRequest:
     """A scale-up: ``count`` more replicas of one deployment version, decided together.
 
     ``existing`` holds the placements of the version's live replicas (they fix the product and
-    gang width, and count toward spreading); ``warm_nodes`` are nodes the node agent reports
-    as having the engine image and the weights (a node whose ``cached`` set holds both
-    ``image`` and ``model_source`` is warm too). With ``all_or_nothing`` nothing is placed
-    unless all ``count`` replicas fit.
+    gang width, and count toward spreading); ``warm_nodes`` are nodes known to hold the engine
+    image and the weights (the controller passes nodes that run a replica of this very spec); a
+    node whose ``cached`` set (what its node agent or backend reports:
+    `fleet.agent.cache.WeightCache.cached_sources`, the images in ``Node.status.images``) holds both
+    ``image`` and ``model_source`` is warm too (sources compared in their canonical form,
+    `canonical_source`: ``hf://org/name`` is ``hf://org/name@main``). With
+    ``all_or_nothing`` nothing is placed unless all ``count`` replicas fit.
     """
 
     shape: ReplicaShape
@@ -147,15 +164,17 @@ class PlacementRequest:
                        warm_nodes: Iterable[str] = (), all_or_nothing: bool = False) -> PlacementRequest:
         return cls(
             shape=ReplicaShape.of(dep), count=count, deployment=dep.name, existing=tuple(existing),
-            warm_nodes=frozenset(warm_nodes), image=dep.spec.engine.image, model_source=dep.spec.model.source,
-            all_or_nothing=all_or_nothing,
+            warm_nodes=frozenset(warm_nodes), image=dep.spec.engine.image,
+            model_source=dep.spec.model.source, all_or_nothing=all_or_nothing,
         )
 
     def is_warm(self, node: NodeInventory) -> bool:
         if node.name in self.warm_nodes:
             return True
-        return (self.model_source is not None and self.model_source in node.cached
-                and (self.image is None or self.image in node.cached))
+        if self.model_source is None or (self.image is not None and self.image not in node.cached):
+            return False
+        source = canonical_source(self.model_source)
+        return any(canonical_source(c) == source for c in node.cached)
 
 
 @dataclass(frozen=True)

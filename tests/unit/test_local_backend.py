@@ -147,6 +147,7 @@ async def test_a_hub_source_is_cached_once_and_both_engines_start_from_the_cache
         cache = WeightCache(tmp_path / "cache", retry=RetryPolicy(attempts=2, initial_s=0.0, max_s=0.0),
                             reserve_bytes=0)  # fmt: skip
         backend = LocalBackend(tmp_path / "state", "fleet-c", NODE, weights=cache)
+        assert "hf://org/tiny@main" not in (await backend.inventory()).nodes[0].cached   # cold
         wants = [_sim_want(tmp_path, rid, source="hf://org/tiny") for rid in ("sim-0", "sim-1")]
         for want in wants:
             await backend.ensure(want)
@@ -166,6 +167,10 @@ async def test_a_hub_source_is_cached_once_and_both_engines_start_from_the_cache
         assert {f.detail["weights"] for f in facts.values()} == {str(entry.path)}
         assert sorted(entry.pinned_by) == ["sim-0", "sim-1"]
         assert len(hub.log.file_gets("/model.safetensors")) == 1   # two replicas, one download
+        # The node now reports the weights as held (canonical source): placement counts it warm.
+        node = (await backend.inventory()).nodes[0]
+        assert "hf://org/tiny@main" in node.cached
+        assert "holds: hf://org/tiny@main" in node.describe()             # the Nodes line of fleet status
         for rid in ("sim-0", "sim-1"):
             await backend.kill(rid)
         await loop.run_in_executor(None, wait_until, lambda: all(
