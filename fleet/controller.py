@@ -28,7 +28,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from fleet.backends.base import Backend, LaunchError, ReplicaFacts, ReplicaWant
@@ -103,6 +103,7 @@ class _DeploymentState:
     desired_at_s: float | None = None
     last_scaling: dict | None = None             # the autoscaler's last decision (`fleet status`)
     revisions: Revisions | None = None           # what it serves: stable, canary, rollout (fleet.rollouts)
+    failures_total: dict[str, int] = field(default_factory=dict)   # replicas failed, by revision (a counter)
 
     def __post_init__(self) -> None:
         if self.revisions is None:
@@ -641,6 +642,7 @@ class Controller(RolloutSteps, RestartSteps):
         if ds is None:
             return
         ds.failures_in_row += 1
+        ds.failures_total[r.revision] = ds.failures_total.get(r.revision, 0) + 1
         delay_s = min(self.settings.backoff_base_s * 2 ** (ds.failures_in_row - 1), self.settings.backoff_max_s)
         ds.next_create_at_s = now + delay_s
         log.warning("replica %s %s: %s (replacement in %.0f s)", r.id, status.value, reason, delay_s)
@@ -715,6 +717,7 @@ class Controller(RolloutSteps, RestartSteps):
                     "policy": ds.loaded.deployment.spec.routing.policy,
                     "source": str(ds.loaded.path),
                     "failures_in_row": ds.failures_in_row,
+                    "failures_total": dict(ds.failures_total),
                     "revisions": ds.revs.to_dict(),
                 }
                 for name, ds in self.deployments.items()

@@ -78,6 +78,7 @@ class RestartSteps:
             ds.desired_at_s = d.get("desired_at_s")
             ds.next_index = max(ds.next_index, int(d.get("next_index", 0)))
             ds.failures_in_row = int(d.get("failures_in_row", 0))
+            ds.failures_total = {str(k): int(v) for k, v in (d.get("failures_total") or {}).items()}
             ds.last_scaling = d.get("last_scaling")
             try:
                 ds.revs.restore(d.get("revisions") or {})

@@ -203,10 +203,7 @@ class Operator:
                     await self.autoscaler.step()   # each deployment's policy decides when it is due
                 except Exception:  # noqa: BLE001 - a failed decision never stops the reconcile
                     log.exception("autoscaler step failed")
-            failed = any(e.new.failed() for e in self._events)
             await self._write_back()
-            if failed:   # counted before the controller trims it from its snapshot (scrapes refresh the rest)
-                self.controller_metrics.update(self.controller.snapshot())
         self.ticks += 1
         self.last_tick_s = time.perf_counter() - started
 

@@ -139,12 +139,13 @@ class FileSDWriter:
         return True
 
 
-def controller_families(snapshot: Mapping[str, Any], failures_seen: Mapping[tuple[str, str], int]) -> list[Metric]:
+def controller_families(snapshot: Mapping[str, Any]) -> list[Metric]:
     """The controller's metric families for one snapshot (pure).
 
     `fleet_replicas{deployment,version,state}` - replicas per status (every status, 0 included);
-    `fleet_replica_failures_total{deployment,version}` - replicas that failed, from
-    ``failures_seen`` (counts per (deployment, version), kept monotonic by the caller);
+    `fleet_replica_failures_total{deployment,version}` - replicas that failed, the controller's
+    own counter per deployment and revision (``failures_total``: kept across a controller
+    restart, and counting replicas trimmed from the snapshot's history);
     `fleet_deployment_desired_replicas`, `..._min_replicas`, `..._max_replicas{deployment}`;
     `fleet_deployment_consecutive_failures{deployment}` - failures since the last replica
     became READY (what the restart backoff grows with);
@@ -174,10 +175,13 @@ def controller_families(snapshot: Mapping[str, Any], failures_seen: Mapping[tupl
         maximum.add_metric([name], float(d.get("max", 0)))
         in_row.add_metric([name], float(d.get("failures_in_row", 0)))
         info.add_metric([name, str(d.get("model", ""))], 1.0)
+    failed = {(name, str(version)): n for name, d in snapshot.get("deployments", {}).items()
+              for version, n in (d.get("failures_total") or {}).items()}
     for (deployment, version), by_state in sorted(counts.items()):
         for state, n in by_state.items():
             replicas.add_metric([deployment, version, state], float(n))
-        failures.add_metric([deployment, version], float(failures_seen.get((deployment, version), 0)))
+    for (deployment, version) in sorted(set(counts) | set(failed)):
+        failures.add_metric([deployment, version], float(failed.get((deployment, version), 0)))
     return [replicas, failures, desired, minimum, maximum, in_row, info]
 
 
@@ -189,26 +193,11 @@ class ControllerStateCollector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._snapshot: Mapping[str, Any] = {}
-        self._failed_before: set[str] = set()
-        self._failures: dict[tuple[str, str], int] = {}
 
     def update(self, snapshot: Mapping[str, Any]) -> None:
-        """Take a new snapshot; count the replicas that failed since the last one (the
-        controller trims old terminal replicas from its snapshot, so counting the failed ones
-        present would go down). Callers update after every tick in which a replica failed
-        (`fleet up`: after every tick; the operator: after those ticks and at each scrape), so a
-        failure is counted unless the very reconcile that failed the replica also trimmed it
-        (it was older than `ControllerSettings.history_per_deployment` newer terminal ones)."""
-        failed_now = set()
+        """Take a new snapshot (`fleet.controller.Controller.snapshot`)."""
         with self._lock:
             self._snapshot = snapshot
-            for r in snapshot.get("replicas", []):
-                if str(r.get("status", "")).startswith("FAILED_"):
-                    failed_now.add(r["id"])
-                    if r["id"] not in self._failed_before:
-                        key = (r["deployment"], str(r.get("revision") or ""))
-                        self._failures[key] = self._failures.get(key, 0) + 1
-            self._failed_before = failed_now
 
     def describe(self) -> list[Metric]:
         return []
@@ -216,8 +205,7 @@ class ControllerStateCollector:
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             snapshot = self._snapshot
-            failures = dict(self._failures)
-        yield from controller_families(snapshot, failures)
+        yield from controller_families(snapshot)
 
 
 class LocalObservability:

@@ -364,7 +364,7 @@ async def test_operator_metrics_export_the_controller_series_fleet_up_exports():
         assert "fleet_operator_leader 0.0" in waiting and "fleet_replicas" not in waiting
 
         # Both engines crash, one after the other, with no scrape between: the first is trimmed from
-        # the snapshot by the time of the scrape, and still counted (on the tick it failed).
+        # the snapshot by the time of the scrape, and still counted (the controller's own counter).
         terminate_pod(env.store, NS, "chat-0", exit_code=1)
         await env.tick(op, n=2)
         terminate_pod(env.store, NS, "chat-1", exit_code=1)

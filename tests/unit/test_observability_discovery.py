@@ -35,7 +35,7 @@ def replica(rid: str, status: str, port: int | None, deployment: str = "chat", r
 
 SNAPSHOT = {
     "deployments": {
-        "chat": {"desired": 3, "min": 1, "max": 4, "model": "llama", "failures_in_row": 1},
+        "chat": {"desired": 3, "min": 1, "max": 4, "model": "llama", "failures_in_row": 1, "failures_total": {"v1": 1}},
         "embed": {"desired": 1, "min": 1, "max": 1, "model": "e5", "failures_in_row": 0},
     },
     "replicas": [
@@ -123,16 +123,30 @@ def test_replica_states_desired_bounds_and_model_are_exported() -> None:
     assert m[("fleet_replica_failures_total", (("deployment", "embed"), ("version", "v1")))] == 0
 
 
-def test_the_failure_counter_never_goes_down_when_old_failures_are_trimmed() -> None:
+async def test_the_failure_counter_counts_trimmed_failures_and_survives_a_controller_restart(tmp_path: Path) -> None:
+    """`fleet_replica_failures_total` is the controller's own counter: a failed replica trimmed
+    from the snapshot's history still counts, and a restarted controller goes on from it."""
+    from fleet.controller import Controller, ControllerSettings
+    from fleet.spec import load_deployments
+    from tests.fakes import FakeEngineAPI, FakePoolSink
+    from tests.unit.test_controller import Harness, write_deployment
+
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)], history_per_deployment=1, backoff_base_s=0.5)
+    h.backend.fail_launch = "engine image not present: test"
+    for _ in range(3):
+        await h.tick()
+    snap = h.c.snapshot()
+    assert len([r for r in snap["replicas"] if r["status"] == "FAILED_START"]) == 1   # older ones trimmed
+    assert snap["deployments"]["chat"]["failures_total"] == {"v1": 3}
     registry = CollectorRegistry()
     obs = LocalObservability(Path("/nonexistent-dir"), "http://r", None, registry=registry)
+    obs.collector.update(snap)
     key = ("fleet_replica_failures_total", (("deployment", "chat"), ("version", "v1")))
-    obs.collector.update({"replicas": [replica("chat-0", "FAILED_CRASHED", None)]})
-    obs.collector.update({"replicas": [replica("chat-0", "FAILED_CRASHED", None)]})  # same failure, next tick
-    assert _scrape(registry)[key] == 1
-    obs.collector.update({"replicas": [replica("chat-0", "FAILED_CRASHED", None), replica("chat-1", "FAILED_START", None)]})
-    obs.collector.update({"replicas": [replica("chat-1", "FAILED_START", None), replica("chat-2", "READY", 9)]})  # 0 trimmed
-    assert _scrape(registry)[key] == 2
+    assert _scrape(registry)[key] == 3
+    again = Controller(load_deployments([tmp_path / "chat.yaml"]), backend=h.backend, engine_api=FakeEngineAPI(),
+                       pool_sink=FakePoolSink(), clock=h.clock, settings=ControllerSettings())  # fmt: skip
+    await again.start(snap)
+    assert again.snapshot()["deployments"]["chat"]["failures_total"] == {"v1": 3}
 
 
 def test_tick_writes_the_targets_file_and_survives_an_unwritable_directory(tmp_path: Path, caplog) -> None:
