@@ -93,7 +93,7 @@ def image_aliases(ref: str) -> frozenset[str]:
     one-part Docker Hub name is under ``library/``, no tag and no digest means ``:latest``):
     ``vllm/vllm-openai:v0.11.0`` -> {itself, ``docker.io/vllm/vllm-openai:v0.11.0``};
     ``ubuntu`` -> {``ubuntu``, ``ubuntu:latest``, ``library/ubuntu:latest``,
-    ``docker.io/library/ubuntu:latest``}. A reference with a digest is spelled by the digest
+    ``docker.io/library/ubuntu:latest``, and the same without ``:latest``}. A reference with a digest is spelled by the digest
     only (``name@sha256:...``: how runtimes list pulled digests; a tag beside it is ignored). Pure."""
     ref = ref.strip()
     if not ref:
@@ -120,6 +120,8 @@ def image_aliases(ref: str) -> frozenset[str]:
         out |= {f"{n}@{digest}" for n in names}
     else:   # a digest fixes the content; a tag beside it says nothing more
         out |= {f"{n}:{tag or 'latest'}" for n in names}
+        if tag in ("", "latest"):
+            out |= names
     return frozenset(out)
 
 

@@ -350,7 +350,9 @@ class KubernetesBackend:
                 self._launch(rid, pods)
                 continue
             recs = [r for n in nodes if (r := policy.record(n, image)) is not None]
-            gave_up = [r for r in recs if r.phase is Pull.GAVE_UP]
+            # Only a replica that waited through the attempts fails; one that arrives later waits
+            # for the next attempt (after the backoff) rather than fail at once.
+            gave_up = [r for r in plan.failed if r.phase is Pull.GAVE_UP and r.image == image and r.node in nodes]
             pending = self._created.get(rid)
             if gave_up and pending is not None:
                 del self._awaiting[rid]
