@@ -187,6 +187,7 @@ class KubeletStandIn:
         self.procs: dict[tuple[str, str], asyncio.subprocess.Process] = {}
         self.ips: dict[tuple[str, str], str] = {}
         self.started = 0
+        self.seen_pods: set[str] = set()   # every pod bound to these nodes, by name
         self._next_ip = 10
         self._task: asyncio.Task | None = None
         self._waiters: set[asyncio.Task] = set()
@@ -220,6 +221,7 @@ class KubeletStandIn:
         key = (meta["namespace"], meta["name"])
         if (pod.get("spec") or {}).get("nodeName") not in self.nodes:
             return
+        self.seen_pods.add(meta["name"])
         proc = self.procs.get(key)
         if meta.get("deletionTimestamp"):
             if proc is None:
