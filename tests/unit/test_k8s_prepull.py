@@ -444,3 +444,34 @@ async def test_nothing_pulls_when_pre_pull_is_off():
     await env.tick()
     assert env.created_pods() == ["chat-0"]
     await asyncio.sleep(0)
+
+
+async def test_the_operator_pre_pulls_a_resources_image_onto_the_nodes_its_selector_names():
+    import copy
+
+    from tests.unit.test_k8s_operator import CR, Env as OperatorEnv
+
+    env = OperatorEnv()
+    for name in ("g0", "g1"):
+        env.store.create(NODES, None, node(name, labels={"pool": "gpu"}))
+    op = env.operator("op-a")
+    puller = ImagePuller()
+    try:
+        cr = copy.deepcopy(CR)
+        cr["spec"]["replicas"] = {"min": 0, "max": 2, "initial": 0}
+        cr["spec"]["prePull"] = {"nodeSelector": {"pool": "gpu"}, "maxParallel": 1}
+        env.store.create(INFERENCE_DEPLOYMENTS, NS, cr)
+        await env.start_informers(op)
+        pulled_at = []
+        for _ in range(6):
+            await env.tick(op)
+            pulls = {p["spec"]["nodeName"] for p in env.store.list(PODS, NS, None)[0] if is_pull_pod(p)}
+            assert len(pulls) <= 1                                  # maxParallel
+            for p in env.store.list(PODS, NS, None)[0]:
+                if is_pull_pod(p) and puller.sync(env.store, NS, p["metadata"]["name"]) == "pulled":
+                    pulled_at.append(p["spec"]["nodeName"])
+        assert sorted(pulled_at) == ["g0", "g1"]                   # the operator's default image, not cpu-a
+        assert {n for n, image in puller.pulls} == {"g0", "g1"} and {i for _, i in puller.pulls} == {"fleet:1"}
+        assert not [p for p in env.store.list(PODS, NS, None)[0] if is_pull_pod(p)]
+    finally:
+        await env.close()
