@@ -343,8 +343,17 @@ class KubernetesBackend:
             deployments |= {d for d, (image, _s, _l) in self._pre_pull.items() if image == rec.image}
             for name in sorted(deployments):
                 await self._event(name, "ImagePullFailed", rec.describe(now))
+        names = {n["metadata"]["name"] for n in node_objs}
         for rid, (_dep, image, pods) in list(self._awaiting.items()):
             nodes = [p["spec"]["nodeName"] for p in pods]
+            lost = [n for n in nodes if n not in names]
+            pending = self._created.get(rid)
+            if lost and pending is not None:
+                del self._awaiting[rid]
+                del self._created[rid]
+                self._gone[rid] = replace(pending, exited=True, exit_reason=(
+                    f"node {lost[0]} was lost (its Node object is gone) while image {image} was being pre-pulled"))
+                continue
             if self._image_on(image, nodes):
                 del self._awaiting[rid]
                 self._launch(rid, pods)
@@ -353,7 +362,6 @@ class KubernetesBackend:
             # Only a replica that waited through the attempts fails; one that arrives later waits
             # for the next attempt (after the backoff) rather than fail at once.
             gave_up = [r for r in plan.failed if r.phase is Pull.GAVE_UP and r.image == image and r.node in nodes]
-            pending = self._created.get(rid)
             if gave_up and pending is not None:
                 del self._awaiting[rid]
                 del self._created[rid]

@@ -475,3 +475,48 @@ async def test_the_operator_pre_pulls_a_resources_image_onto_the_nodes_its_selec
         assert not [p for p in env.store.list(PODS, NS, None)[0] if is_pull_pod(p)]
     finally:
         await env.close()
+
+
+async def test_a_replica_waiting_for_its_image_on_a_lost_node_fails_and_is_replaced_elsewhere():
+    env = Env(_dep(), nodes=[node("cpu-a", cpu=4), node("cpu-b", cpu=4, images=[IMAGE])])
+    # cpu-b is warm for the image only (no weights annotation): placement may pick either; force cpu-a
+    env.store.patch(NODES, None, "cpu-b", {"spec": {"unschedulable": True}})
+    await env.c.start(None)
+    await env.tick()
+    assert [p["spec"]["nodeName"] for p in env.pull_pods().values()] == ["cpu-a"]
+    env.store.patch(NODES, None, "cpu-b", {"spec": {"unschedulable": False}})
+    env.store.delete(NODES, None, "cpu-a")
+    await env.tick()
+    r = env.c.replicas["chat-0"]
+    assert r.status is S.FAILED_START and "node cpu-a was lost" in r.failure.reason
+    await env.tick(seconds=6)
+    assert env.pull_pods() == {} and env.engine_pods()["chat-1"]["spec"]["nodeName"] == "cpu-b"
+
+
+def test_node_agent_annotate_node_without_a_cluster_says_so(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from fleet.cli import app
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    r = CliRunner().invoke(app, ["node-agent", "--annotate-node", "--once", "--root", str(tmp_path / "cache"),
+                                 "--node-name", "n1", "--metrics-port", "0"])  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert "--annotate-node: no cluster configuration" in r.output
+
+
+async def test_the_stand_in_kubelet_pulls_in_steps_and_fails_unpullable_images():
+    kube = FakeKube()
+    kube.store.create(NODES, None, node("n1"))
+    puller = ImagePuller(steps=3, unpullable={"nope:1"})
+    kube.store.create(PODS, NS, pull_pod_manifest("n1", IMAGE, fleet_id="fleet", settings=EnginePodSettings()))
+    name = pull_pod_name("n1", IMAGE)
+    assert [puller.sync(kube.store, NS, name) for _ in range(3)] == ["pulling", "pulling", "pulled"]
+    assert pod_pull_state(kube.store.get(PODS, NS, name))[0] is PodPull.PULLED
+    assert image_aliases(IMAGE) <= node_images(kube.store.get(NODES, None, "n1"))
+    kube.store.create(PODS, NS, pull_pod_manifest("n1", "nope:1", fleet_id="fleet", settings=EnginePodSettings()))
+    bad = pull_pod_name("n1", "nope:1")
+    assert puller.sync(kube.store, NS, bad) == "failed"
+    assert pod_pull_state(kube.store.get(PODS, NS, bad))[0] is PodPull.FAILED
+    assert puller.pulls == {("n1", IMAGE): 1}
