@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Protocol
 
+import tenacity
+
 from fleet.backends.base import ReplicaFacts, ReplicaWant
 from fleet.inventory import Inventory
 from fleet.inventory.gfd import LabelKeys, image_aliases, node_from_k8s, node_images
@@ -130,8 +132,6 @@ class KubernetesBackend:
         self.clock = clock
         self.prepuller: PrePuller | None = None
         if self.settings.pre_pull:
-            import tenacity
-
             policy = PrePullPolicy(clock, timeout_s=self.settings.pre_pull_timeout_s,
                                    wait=tenacity.wait_exponential(multiplier=self.settings.pre_pull_backoff_s,
                                                                   max=self.settings.pre_pull_max_backoff_s),
@@ -325,11 +325,14 @@ class KubernetesBackend:
         """Advance the pre-pulls: the pods of replicas whose images are now present are created,
         failures become Events, replicas whose pull was given up exit."""
         wanted: dict[tuple[str, str], int | None] = {}
+        selected: dict[str, set[str]] = {}   # deployment -> nodes its spec.prePull selects
+        usable = [o for o in node_objs if node_usable(o, self.settings) is None]
         for name, (image, selector, limit) in self._pre_pull.items():
-            for obj in node_objs:
+            for obj in usable:
                 labels = obj["metadata"].get("labels") or {}
-                if node_usable(obj, self.settings) is None and all(labels.get(k) == v for k, v in selector.items()):
+                if all(labels.get(k) == v for k, v in selector.items()):
                     key = (obj["metadata"]["name"], image)
+                    selected.setdefault(name, set()).add(key[0])
                     wanted[key] = limit if wanted.get(key, limit) is not None else None
         for _dep, image, pods in self._awaiting.values():
             for pod in pods:
@@ -340,7 +343,8 @@ class KubernetesBackend:
         for rec in plan.failed:
             deployments = {d for d, image, pods in self._awaiting.values()
                            if image == rec.image and any(p["spec"]["nodeName"] == rec.node for p in pods)}
-            deployments |= {d for d, (image, _s, _l) in self._pre_pull.items() if image == rec.image}
+            deployments |= {d for d, (image, _s, _l) in self._pre_pull.items()
+                            if image == rec.image and rec.node in selected.get(d, ())}
             for name in sorted(deployments):
                 await self._event(name, "ImagePullFailed", rec.describe(now))
         names = {n["metadata"]["name"] for n in node_objs}

@@ -520,3 +520,20 @@ async def test_the_stand_in_kubelet_pulls_in_steps_and_fails_unpullable_images()
     assert puller.sync(kube.store, NS, bad) == "failed"
     assert pod_pull_state(kube.store.get(PODS, NS, bad))[0] is PodPull.FAILED
     assert puller.pulls == {("n1", IMAGE): 1}
+
+
+async def test_a_selector_wide_pull_that_fails_is_an_event_on_its_deployment_only_for_its_nodes():
+    ld = _dep(replicas={"min": 0, "max": 2, "initial": 0}, prePull={"nodeSelector": {"pool": "gpu"}})
+    other = _dep("other", replicas={"min": 0, "max": 2, "initial": 0}, prePull={"nodeSelector": {"pool": "cpu"}})
+    env = Env(ld, other, nodes=[node("g0", labels={"pool": "gpu"}), node("c0", labels={"pool": "cpu"}, images=[IMAGE])],
+              puller=ImagePuller(unpullable={IMAGE}))  # fmt: skip
+    env.backend.set_pre_pull([ld.deployment, other.deployment])
+    await env.backend.observe()
+    assert [p["spec"]["nodeName"] for p in env.pull_pods().values()] == ["g0"]
+    env.kubelet()
+    env.clock.advance(1)
+    await env.backend.observe()
+    events = env.events("ImagePullFailed")
+    assert [e["involvedObject"]["name"] for e in events] == ["chat"]        # not "other": c0 holds the image
+    assert "node g0" in events[0]["message"] and "ErrImagePull" in events[0]["message"]
+    assert env.backend.prepuller.policy.record("g0", IMAGE).retry_at_s == env.clock() + 10
