@@ -241,18 +241,18 @@ class PrePullPolicy:
                 if rec is not None and rec.phase is Pull.PRESENT:
                     del self.records[key]   # the node lists it: its status is the fact from now on
                 elif rec is not None:
-                    rec.phase = Pull.PRESENT
+                    rec.phase, rec.failures, rec.first_failure_s = Pull.PRESENT, 0, None
                 if pod is not None:
                     plan.delete.append(pod["metadata"]["name"])
                 continue
             if pod is not None:
                 if rec is None or rec.phase is not Pull.PULLING:   # left by an earlier operator: adopt it
                     rec = self.records.setdefault(key, PullRecord(node, image, Pull.PULLING))
-                    rec.phase, rec.started_s = Pull.PULLING, rec.started_s if rec.started_s is not None else now
+                    rec.phase, rec.started_s = Pull.PULLING, now   # its timeout counts from now
                 rec.pod_seen = True
                 state, why = pod_pull_state(pod)
                 if state is PodPull.PULLED:
-                    rec.phase = Pull.PRESENT
+                    rec.phase, rec.failures, rec.first_failure_s = Pull.PRESENT, 0, None   # a success resets the count
                     plan.delete.append(pod["metadata"]["name"])
                 elif state is PodPull.FAILED:
                     self._fail(rec, why, now, plan)

@@ -537,3 +537,26 @@ async def test_a_selector_wide_pull_that_fails_is_an_event_on_its_deployment_onl
     assert [e["involvedObject"]["name"] for e in events] == ["chat"]        # not "other": c0 holds the image
     assert "node g0" in events[0]["message"] and "ErrImagePull" in events[0]["message"]
     assert env.backend.prepuller.policy.record("g0", IMAGE).retry_at_s == env.clock() + 10
+
+
+def test_a_success_resets_the_failure_count_and_an_adopted_pod_times_out_from_adoption():
+    clock = FakeClock(0.0)
+    policy = PrePullPolicy(clock, timeout_s=100)
+    key = ("n1", IMAGE)
+    wanted, images = {key: None}, {"n1": frozenset()}
+    policy.step(wanted, images, {})
+    policy.step(wanted, images, {key: _pod({"waiting": {"reason": "ErrImagePull"}})})
+    assert policy.record(*key).failures == 1
+    clock.advance(10)
+    assert policy.step(wanted, images, {}).create == [key]
+    policy.step(wanted, images, {key: _pod({"terminated": {"exitCode": 0}}, "Succeeded", "sha256:1")})
+    rec = policy.record(*key)
+    assert rec.phase is Pull.PRESENT and rec.failures == 0 and policy.present("n1", IMAGE, ())
+    # a fresh policy (an operator restart) adopts a pod still pulling; its timeout starts now
+    clock.advance(1000)
+    fresh = PrePullPolicy(clock, timeout_s=100)
+    assert fresh.step(wanted, images, {key: _pod()}).delete == []
+    clock.advance(99)
+    assert fresh.step(wanted, images, {key: _pod()}).delete == []
+    clock.advance(1)
+    assert fresh.step(wanted, images, {key: _pod()}).delete == ["p"]
