@@ -30,6 +30,7 @@ image pre-pull, `fleet.k8s.prepull`).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -87,6 +88,7 @@ def parse_nvlink_domains(value: str) -> tuple[tuple[int, ...], ...]:
     return tuple(domains)
 
 
+@functools.lru_cache(maxsize=4096)
 def image_aliases(ref: str) -> frozenset[str]:
     """Every spelling of one image reference that means the same image, after Docker's
     normalisation (distribution/reference: a name without a registry is on ``docker.io``, a
