@@ -241,17 +241,19 @@ def node_agent(
         err_console.print(f"{why}: GPU health checks are off on this node.", highlight=False)
     registry = CollectorRegistry()
     on_step = None
+    cache = _cache(root, budget)
     if annotate_node:
         from fleet.agent.node_annotation import NodeAnnotator
         from fleet.k8s.client import KubeClient
 
         try:
-            on_step = NodeAnnotator(KubeClient.load(), name).publish_status
+            annotator = NodeAnnotator(KubeClient.load(), name)
+            on_step = lambda _status: annotator.publish_cache(cache)  # noqa: E731
         except Exception as err:  # noqa: BLE001 - kubernetes.config.ConfigException and file errors
             err_console.print(f"[red]--annotate-node: no cluster configuration (in-cluster service account or "
                               f"kubeconfig): {err}[/]", highlight=False)
             raise typer.Exit(2) from None
-    agent = NodeAgent(name, checker, QuarantinePolicy(config, time.time), time.time, cache=_cache(root, budget),
+    agent = NodeAgent(name, checker, QuarantinePolicy(config, time.time), time.time, cache=cache,
                       registry=registry, status_path=status_file, fleet_gpus=fleet_gpus,
                       verify_every_s=verify_every_s, on_step=on_step)
     if once:

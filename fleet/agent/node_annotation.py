@@ -1,9 +1,11 @@
 """The node agent's report of weight warmth on Kubernetes: the model sources its weight cache
 holds, written as the annotation ``fleet.inference.dev/cached`` on its own Node.
 
-Owns `cached_sources` (cache entries -> the source strings a deployment's
-``spec.model.source`` is compared with), `annotation_value` and `NodeAnnotator` (patches the
-Node through `fleet.k8s.client.Kube` when the value changes, nothing otherwise). The other half
+Owns `annotation_value` and `NodeAnnotator` (patches the Node through `fleet.k8s.client.Kube`
+when the value changes, nothing otherwise). The sources are the cache's canonical ones
+(`fleet.agent.cache.WeightCache.cached_sources`: ``hf://org/name@revision``, a manifest URL),
+the form `PlacementRequest.is_warm` compares ``spec.model.source`` in
+(`fleet.placement.shapes.canonical_source`), as the local backend reports them in `fleet up`. The other half
 of warmth, the container images, is the kubelet's own ``Node.status.images``;
 `fleet.inventory.gfd.node_from_k8s` merges both into `NodeInventory.cached`, which
 `fleet.placement.shapes.PlacementRequest.is_warm` reads.
@@ -18,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
+from fleet.agent.cache import WeightCache
 from fleet.inventory.gfd import LabelKeys
 from fleet.k8s.client import NODES, Kube
 
@@ -31,25 +33,11 @@ MAX_VALUE_CHARS = 64 * 1024
 """The annotation's longest value (the API server caps all annotations of an object at 256 KiB)."""
 
 
-def cached_sources(entries: Iterable[Mapping[str, Any]]) -> list[str]:
-    """The source strings of cached models, sorted: each entry's source as the cache records it
-    (`fleet.agent.cache.CacheEntry.source`: an http(s) manifest URL, or ``hf://org/name``), and
-    for the hub also ``hf://org/name@<commit>`` (a deployment may pin the commit). ``entries``:
-    `CacheEntry` objects or the dicts of `fleet.agent.runner.NodeAgent.status` ``cache``."""
-    out: set[str] = set()
-    for e in entries:
-        source = e["source"] if isinstance(e, Mapping) else e.source
-        revision = e["revision"] if isinstance(e, Mapping) else e.revision
-        out.add(source)
-        if source.startswith("hf://") and "@" not in source and revision:
-            out.add(f"{source}@{revision}")
-    return sorted(s for s in out if "," not in s)   # the annotation is comma-separated
-
-
 def annotation_value(sources: Iterable[str]) -> str:
-    """``a,b,c`` (sorted), cut to whole entries within `MAX_VALUE_CHARS`."""
+    """``a,b,c`` (sorted), cut to whole entries within `MAX_VALUE_CHARS`; a source with a comma
+    cannot be listed (the annotation is comma-separated) and is left out."""
     value = ""
-    for s in sorted(set(sources)):
+    for s in sorted({s for s in sources if "," not in s}):
         candidate = f"{value},{s}" if value else s
         if len(candidate) > MAX_VALUE_CHARS:
             log.warning("annotation %s: %d characters at most; %s and later sources left out", ANNOTATION,
@@ -81,10 +69,10 @@ class NodeAnnotator:
         self.patches += 1
         return True
 
-    def publish_status(self, status: Mapping[str, Any]) -> None:
-        """`publish` from a node agent's status (its ``cache`` list), from the agent's own thread
-        (`fleet.agent.runner.NodeAgent` ``on_step``). Never raises."""
+    def publish_cache(self, cache: WeightCache) -> None:
+        """`publish` the sources ``cache`` holds, from the agent's own thread (no event loop
+        runs there: `fleet.agent.runner.NodeAgent` ``on_step``). Never raises."""
         try:
-            asyncio.run(self.publish(cached_sources(status.get("cache") or [])))
+            asyncio.run(self.publish(cache.cached_sources()))
         except Exception as err:  # noqa: BLE001 - the agent's loop survives; the next step retries
             log.warning("cannot annotate node %s with %s: %s", self.node, self.key, err)

@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import tenacity
 
-from fleet.agent.node_annotation import ANNOTATION, NodeAnnotator, annotation_value, cached_sources
+from fleet.agent.node_annotation import ANNOTATION, NodeAnnotator, annotation_value
 from fleet.controller import Controller, ControllerSettings
 from fleet.inventory import Inventory
 from fleet.inventory.gfd import image_aliases, node_from_k8s, node_images
@@ -379,34 +379,60 @@ async def test_the_backend_places_on_the_warm_node_and_creates_its_pod_at_once()
     assert env.created_pods() == ["chat-0"] and env.engine_pods()["chat-0"]["spec"]["nodeName"] == "b-warm"
 
 
-def test_the_agent_annotation_round_trips_into_node_inventory():
+@pytest.fixture()
+def filled_cache(tmp_path, monkeypatch):
+    """A real weight cache holding ``hf://org/llama-8b`` fetched from the local hub server."""
+    from fleet.agent.cache import WeightCache
+    from fleet.agent.transfer import RetryPolicy
+    from tests.hub_server import HubRepo, HubServer
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    static = tmp_path / "static"
+    static.mkdir()
+    files = {"config.json": b'{"architectures": ["LlamaForCausalLM"]}', "model.safetensors": b"w" * 100_000}
+    with HubServer({"org/llama-8b": HubRepo(files)}, static_root=static) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        cache = WeightCache(tmp_path / "cache", retry=RetryPolicy(attempts=2, initial_s=0.0, max_s=0.0),
+                            reserve_bytes=0)  # fmt: skip
+        cache.ensure(SOURCE)
+        yield cache
+
+
+def test_the_agent_annotation_round_trips_into_node_inventory(filled_cache):
     kube = FakeKube()
     kube.store.create(NODES, None, node("cpu-b", images=[IMAGE]))
     annotator = NodeAnnotator(kube, "cpu-b")
-    status = {"cache": [{"key": "hf--org--llama-8b--abc", "source": SOURCE, "revision": "abc123", "size_bytes": 1},
-                        {"key": "https--m", "source": "https://models.example.com/m/manifest.json", "revision": "f0"}]}
-    annotator.publish_status(status)        # the agent's thread: no running event loop
+    annotator.publish_cache(filled_cache)   # the agent's thread: no running event loop
     obj = kube.store.get(NODES, None, "cpu-b")
-    assert obj["metadata"]["annotations"][ANNOTATION] == (
-        f"{SOURCE},{SOURCE}@abc123,https://models.example.com/m/manifest.json")
-    cached = node_from_k8s(obj).cached
-    assert {SOURCE, f"{SOURCE}@abc123", "https://models.example.com/m/manifest.json"} <= cached and IMAGE in cached
-    dep = _dep(model={"name": "m", "source": SOURCE}, engine={"kind": "vllm", "image": IMAGE}).deployment
-    assert PlacementRequest.for_deployment(dep, 1).is_warm(node_from_k8s(obj))
-    annotator.publish_status(status)        # unchanged: no write
+    assert obj["metadata"]["annotations"][ANNOTATION] == f"{SOURCE}@main"   # the cache's canonical form
+    inv = node_from_k8s(obj)
+    assert f"{SOURCE}@main" in inv.cached and IMAGE in inv.cached
+    for source in (SOURCE, f"{SOURCE}@main"):   # as a deployment may write it
+        dep = _dep(model={"name": "m", "source": source}, engine={"kind": "vllm", "image": IMAGE}).deployment
+        assert PlacementRequest.for_deployment(dep, 1).is_warm(inv)
+    other = _dep(model={"name": "m", "source": "hf://org/other"}, engine={"kind": "vllm", "image": IMAGE}).deployment
+    assert not PlacementRequest.for_deployment(other, 1).is_warm(inv)
+    annotator.publish_cache(filled_cache)   # unchanged: no write
     assert annotator.patches == 1 and kube.calls["patch"] == 1
-    annotator.publish_status({"cache": []})  # evicted: the annotation goes
+    filled_cache.remove(filled_cache.entries()[0].key)   # evicted: the annotation goes
+    annotator.publish_cache(filled_cache)
     assert ANNOTATION not in (kube.store.get(NODES, None, "cpu-b")["metadata"].get("annotations") or {})
+
+
+def test_a_failed_annotation_is_logged_and_retried(filled_cache):
+    kube = FakeKube()
+    kube.store.create(NODES, None, node("cpu-b"))
+    annotator = NodeAnnotator(kube, "cpu-b")
     kube.fail_next["patch"] = RuntimeError("connection refused")
-    annotator.publish_status(status)        # a failed patch is logged, not raised; retried next time
-    annotator.publish_status(status)
-    assert ANNOTATION in kube.store.get(NODES, None, "cpu-b")["metadata"]["annotations"]
+    annotator.publish_cache(filled_cache)   # logged, not raised
+    assert ANNOTATION not in (kube.store.get(NODES, None, "cpu-b")["metadata"].get("annotations") or {})
+    annotator.publish_cache(filled_cache)   # retried at the next step
+    assert kube.store.get(NODES, None, "cpu-b")["metadata"]["annotations"][ANNOTATION] == f"{SOURCE}@main"
 
 
-def test_cached_sources_and_the_annotation_value():
-    assert cached_sources([{"source": SOURCE, "revision": "c1"}, {"source": "https://h/a,b.json", "revision": "x"}]) \
-        == [SOURCE, f"{SOURCE}@c1"]   # a source with a comma cannot be listed
-    assert annotation_value(["b", "a", "a"]) == "a,b"
+def test_the_annotation_value():
+    assert annotation_value(["b", "a", "a", "https://h/a,b.json"]) == "a,b"   # a source with a comma cannot be listed
 
 
 def test_the_node_agent_calls_on_step_with_its_status(tmp_path):
