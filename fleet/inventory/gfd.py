@@ -203,7 +203,8 @@ def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys()) -> Nod
             domains = parse_nvlink_domains(labels[keys.nvlink_domains])
         except ValueError as err:
             raise ValueError(f"node {name} label {keys.nvlink_domains}: {err}") from None
-    cached = frozenset(x.strip() for x in annotations.get(keys.cached, "").split(",") if x.strip()) | node_images(node)
+    cached = frozenset(x.strip() for x in annotations.get(keys.cached, "").split(",") if x.strip())
+    cached |= {n for n in node_images(node) if not n.startswith("library/")}   # the spellings people write
     return NodeInventory(
         name=name,
         gpus=tuple(gpus),
