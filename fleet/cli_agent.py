@@ -196,7 +196,11 @@ def node_agent(
     metrics_port: Annotated[int, typer.Option(
         "--metrics-port", help="Port of /metrics (Prometheus) and /status (JSON) (0: none).")] = 9402,
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "0.0.0.0",
-    node_name: Annotated[Optional[str], typer.Option("--node-name", help="Node name. Default: this host's name.")] = None,
+    node_name: Annotated[Optional[str], typer.Option(
+        "--node-name", envvar="NODE_NAME", help="Node name. Default: $NODE_NAME, else this host's name.")] = None,
+    annotate_node: Annotated[bool, typer.Option(
+        "--annotate-node", help="Kubernetes: write the cached model sources on this node's Node object "
+        "(annotation fleet.inference.dev/cached; in-cluster service account or kubeconfig).")] = False,
     status_file: Annotated[Optional[Path], typer.Option(
         "--status-file", help="Write the agent's status (JSON) here after each check.")] = None,
     hold_off_s: Annotated[float, typer.Option("--hold-off-s", help="Seconds without evidence before a quarantine lifts.")] = 600.0,
@@ -236,9 +240,22 @@ def node_agent(
     if checker is None:
         err_console.print(f"{why}: GPU health checks are off on this node.", highlight=False)
     registry = CollectorRegistry()
-    agent = NodeAgent(name, checker, QuarantinePolicy(config, time.time), time.time, cache=_cache(root, budget),
+    on_step = None
+    cache = _cache(root, budget)
+    if annotate_node:
+        from fleet.agent.node_annotation import NodeAnnotator
+        from fleet.k8s.client import KubeClient
+
+        try:
+            annotator = NodeAnnotator(KubeClient.load(), name)
+            on_step = lambda _status: annotator.publish_cache(cache)  # noqa: E731
+        except Exception as err:  # noqa: BLE001 - kubernetes.config.ConfigException and file errors
+            err_console.print(f"[red]--annotate-node: no cluster configuration (in-cluster service account or "
+                              f"kubeconfig): {err}[/]", highlight=False)
+            raise typer.Exit(2) from None
+    agent = NodeAgent(name, checker, QuarantinePolicy(config, time.time), time.time, cache=cache,
                       registry=registry, status_path=status_file, fleet_gpus=fleet_gpus,
-                      verify_every_s=verify_every_s)
+                      verify_every_s=verify_every_s, on_step=on_step)
     if once:
         from fleet.agent.runner import status_lines
 

@@ -228,6 +228,36 @@ class RoutingSpec(SpecModel):
         return v
 
 
+# Kubernetes label syntax (kubernetes.io/docs/concepts/overview/working-with-objects/labels):
+# an optional DNS-subdomain prefix and "/", then a name of <= 63 characters; values <= 63.
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
+_LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+class PrePullSpec(SpecModel):
+    """Kubernetes only: pull the engine image onto every node matching ``nodeSelector`` ahead of
+    need (fleet/k8s/prepull.py); the nodes a replica is placed on are pre-pulled anyway."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Node labels that must all match (empty: every node engine pods may use).",
+    )
+    max_parallel: int = Field(4, ge=1, le=1000, description="Most nodes pulling the image at once.")
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            prefix, _, name = key.rpartition("/")
+            if not _LABEL_NAME.match(name) or (prefix and (len(prefix) > 253 or not _LABEL_PREFIX.match(prefix))):
+                raise FieldError(key, "is not a Kubernetes label key ([prefix/]name, name <= 63 characters of "
+                                      "letters, digits, '-', '_', '.')")  # fmt: skip
+            if value and not _LABEL_NAME.match(value):
+                raise FieldError(key, f"{value!r} is not a Kubernetes label value (<= 63 characters of letters, "
+                                      "digits, '-', '_', '.', alphanumeric at both ends)")  # fmt: skip
+        return v
+
+
 class DeploymentSpec(SpecModel):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -243,6 +273,10 @@ class DeploymentSpec(SpecModel):
         default_factory=RolloutSpec,
         description="How a new revision (a change of model source or revision, or engine image, args or env) "
         "reaches users: `replace` (default) or `canary` steps judged against stable (rollout.spec).",
+    )
+    pre_pull: PrePullSpec | None = Field(
+        None, description="Kubernetes: pre-pull the engine image onto every node matching a selector, a bounded "
+        "number at once (OpenKruise ImagePullJob's idea). Unset: only the nodes replicas are placed on.",
     )
 
     @model_validator(mode="after")

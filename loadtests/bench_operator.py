@@ -9,7 +9,8 @@ server is the stand-in (one aiohttp process: this one), so the figures include t
 own cost and are not a real API server's. Fleet's router runs in this process too (the operator
 publishes every pool to it). No kubelet runs: pods stay Pending (the figures are
 the operator's: decide, place, create, write status and events). Nodes: 100 CPU nodes of 128
-cores, labelled as GPU Feature Discovery would label a CPU node (no GPU labels).
+cores, labelled as GPU Feature Discovery would label a CPU node (no GPU labels), each listing the
+engine image in ``status.images`` (so no image pre-pull runs: pods are created at once).
 
 Usage (repository root):
     .venv/bin/python -m loadtests.bench_operator [--sizes 1,100,1000] [--replicas 10] [--json-out PATH]
@@ -75,7 +76,7 @@ async def run_size(n: int, replicas: int, timeout_s: float) -> dict:
     await api.start()
     store = api.store
     for i in range(100):
-        store.create(NODES, None, node(f"node-{i:03d}", cpu=128))
+        store.create(NODES, None, node(f"node-{i:03d}", cpu=128, images=["fleet:bench"]))
     tmp = Path(tempfile.mkdtemp(prefix="bench-operator-"))
     metrics_port, router_port, admin_port = _free_port(), _free_port(), _free_port()
     router_stop = asyncio.Event()

@@ -82,14 +82,18 @@ class NodeAgent:
     standalone case). ``status_path``: where ``status()`` is written after each step (JSON) for
     `fleet status` / `fleet inventory`. ``on_decision``: called with every decision (events).
     ``verify_every_s``: re-hash one cached model (the one verified longest ago) at most this
-    often, so silent corruption is found before a replica loads it (None: never)."""
+    often, so silent corruption is found before a replica loads it (None: never). ``on_step``:
+    called with the status after each step (the Kubernetes node annotation,
+    `fleet.agent.node_annotation.NodeAnnotator.publish_status`)."""
 
     def __init__(self, node: str, checker: GpuHealthChecker | None, policy: QuarantinePolicy,
                  clock: Callable[[], float], cache: WeightCache | None = None,
                  registry: CollectorRegistry | None = None, status_path: Path | None = None,
                  fleet_gpus: float | None = None, on_decision: Callable[[Decision], None] | None = None,
-                 verify_every_s: float | None = None) -> None:
+                 verify_every_s: float | None = None,
+                 on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.node = node
+        self.on_step = on_step
         self.checker = checker
         self.policy = policy
         self.clock = clock
@@ -136,6 +140,12 @@ class NodeAgent:
                 _write_json(self.status_path, self.last_status)
             except OSError as err:
                 log.warning("node agent %s: cannot write %s: %s", self.node, self.status_path, err)
+        if self.on_step is not None:
+            try:
+                self.on_step(self.last_status)
+            except Exception:
+                self.metrics.errors.labels(self.node).inc()
+                log.exception("node agent %s: on_step failed", self.node)
         elapsed = time.monotonic() - started
         self.metrics.check_s.labels(self.node).observe(elapsed)
         if elapsed > SLOW_STEP_S:

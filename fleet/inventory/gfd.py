@@ -19,10 +19,18 @@ synthetic ids (``<node>/gpu<i>``; the Kubernetes backend asks for counts, not UU
 domains come from Fleet's node agent label (`LabelKeys.nvlink_domains`, e.g. ``0-7`` or
 ``0-3;4-7``), and are unknown without it; GPUs the NVIDIA device plugin withholds from
 ``status.allocatable`` are marked unhealthy.
+
+Warmth (`NodeInventory.cached`, what `fleet.placement.shapes.PlacementRequest.is_warm` reads):
+the container images of ``Node.status.images`` (the kubelet's list: ``names`` per image, at
+most 50 images, largest first), each under every spelling `image_aliases` gives, plus the model
+sources in Fleet's node-agent annotation (`LabelKeys.cached`, written by
+`fleet.agent.node_annotation`). Owns `image_aliases` and `node_images` (also used by the
+image pre-pull, `fleet.k8s.prepull`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -78,6 +86,54 @@ def parse_nvlink_domains(value: str) -> tuple[tuple[int, ...], ...]:
                 raise ValueError(f"bad NVLink domain list {value!r}: expected e.g. '0-7' or '0-3;4-7'")
         domains.append(tuple(sorted(set(members))))
     return tuple(domains)
+
+
+@functools.lru_cache(maxsize=4096)
+def image_aliases(ref: str) -> frozenset[str]:
+    """Every spelling of one image reference that means the same image, after Docker's
+    normalisation (distribution/reference: a name without a registry is on ``docker.io``, a
+    one-part Docker Hub name is under ``library/``, no tag and no digest means ``:latest``):
+    ``vllm/vllm-openai:v0.11.0`` -> {itself, ``docker.io/vllm/vllm-openai:v0.11.0``};
+    ``ubuntu`` -> {``ubuntu``, ``ubuntu:latest``, ``library/ubuntu:latest``,
+    ``docker.io/library/ubuntu:latest``, and the same without ``:latest``}. A reference with a digest is spelled by the digest
+    only (``name@sha256:...``: how runtimes list pulled digests; a tag beside it is ignored). Pure."""
+    ref = ref.strip()
+    if not ref:
+        return frozenset()
+    name, _, digest = ref.partition("@")
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    tag = name[colon + 1:] if colon > slash else ""
+    repo = name[:colon] if colon > slash else name
+    first, _, rest = repo.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        domain, path = first, rest
+    else:
+        domain, path = "docker.io", repo
+    if domain == "docker.io" and "/" not in path:
+        path = f"library/{path}"
+    full = f"{domain}/{path}"
+    short = path[len("library/"):] if domain == "docker.io" and path.startswith("library/") else path
+    names = {full, short if domain == "docker.io" else full}
+    if domain == "docker.io":
+        names.add(path)
+    out = {ref}
+    if digest:
+        out |= {f"{n}@{digest}" for n in names}
+    else:   # a digest fixes the content; a tag beside it says nothing more
+        out |= {f"{n}:{tag or 'latest'}" for n in names}
+        if tag in ("", "latest"):
+            out |= names
+    return frozenset(out)
+
+
+def node_images(node: Mapping[str, Any]) -> frozenset[str]:
+    """The image names a Node object's ``status.images`` lists, with their `image_aliases`."""
+    out: set[str] = set()
+    for image in (node.get("status") or {}).get("images") or []:
+        for name in image.get("names") or []:
+            out |= image_aliases(name)
+    return frozenset(out)
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -148,6 +204,7 @@ def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys()) -> Nod
         except ValueError as err:
             raise ValueError(f"node {name} label {keys.nvlink_domains}: {err}") from None
     cached = frozenset(x.strip() for x in annotations.get(keys.cached, "").split(",") if x.strip())
+    cached |= {n for n in node_images(node) if not n.startswith("library/")}   # the spellings people write
     return NodeInventory(
         name=name,
         gpus=tuple(gpus),

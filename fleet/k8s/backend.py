@@ -12,6 +12,16 @@ exited, its node lost), `stop` (delete with the pod's grace period: the kubelet
 sends SIGTERM), `kill` (delete with grace 0), `forget` (delete a finished pod's object) and
 `log_tail` (the pod log). Draining is the controller's, through the router, before `stop`.
 
+Image pre-pull (`fleet.k8s.prepull`): ``ensure`` creates the pod at once only when every node of
+the placement holds the engine image (``Node.status.images``, or a finished pre-pull);
+otherwise the replica waits, PULLING (its facts say ``image_present`` False, and ``detail.cache``
+what the pull is doing), while ``observe`` advances the pre-pull pods each tick; the pod is
+created once the image is there. A failed pull is an Event on the InferenceDeployment naming
+the node, the image and the reason, and backs off; when the policy gives up, the waiting
+replica exits with that reason (the controller replaces it). ``set_pre_pull`` adds the
+selector-wide pulls of ``spec.prePull``. A replica's pod on a node that lists its image
+reports ``image_present`` from that fact.
+
 Objects come from informers when the operator gives them (`fleet.k8s.informer`: list + watch),
 else from a list per call. Every call goes through `fleet.k8s.client.Kube`.
 Created by the operator (`fleet.k8s.operator`) per namespace.
@@ -21,14 +31,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Protocol
 
+import tenacity
+
 from fleet.backends.base import ReplicaFacts, ReplicaWant
 from fleet.inventory import Inventory
-from fleet.inventory.gfd import LabelKeys, node_from_k8s
-from fleet.k8s.client import NODES, PODS, ApiError, Conflict, Kube
+from fleet.inventory.gfd import LabelKeys, image_aliases, node_from_k8s, node_images
+from fleet.k8s.client import EVENTS, NODES, PODS, ApiError, Conflict, Kube
+from fleet.k8s.prepull import Pull, PrePuller, PrePullPolicy, is_pull_pod
 from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, LABEL_REPLICA, MANAGED_BY, EnginePodSettings, \
     group_facts, label_value, pod_group  # fmt: skip
 
@@ -93,9 +107,10 @@ class KubernetesBackend:
     def __init__(self, kube: Kube, namespace: str, fleet_id: str, *, settings: EnginePodSettings | None = None,
                  owner_of: Callable[[str], dict | None] = lambda deployment: None,
                  pods: ObjectSource | None = None, nodes: ObjectSource | None = None,
-                 label_keys: LabelKeys = LabelKeys()) -> None:  # fmt: skip
+                 label_keys: LabelKeys = LabelKeys(), clock: Callable[[], float] = time.time) -> None:  # fmt: skip
         """``fleet_id``: the value of the fleet label on this fleet's pods; ``owner_of``: the
-        InferenceDeployment object of a deployment name (its pods' owner), None if unknown."""
+        InferenceDeployment object of a deployment name (its pods' owner), None if unknown;
+        ``clock``: seconds, for the pre-pull's timeouts and backoff (wall time: Events carry it)."""
         self.kube = kube
         self.namespace = namespace
         self.fleet_id = fleet_id
@@ -114,13 +129,26 @@ class KubernetesBackend:
         self._members: dict[str, list[str]] = {}     # replica id -> its pod names (a gang has several)
         self._creating: set[asyncio.Task] = set()
         self._create_slots = asyncio.Semaphore(CREATE_CONCURRENCY)
+        self.clock = clock
+        self.prepuller: PrePuller | None = None
+        if self.settings.pre_pull:
+            policy = PrePullPolicy(clock, timeout_s=self.settings.pre_pull_timeout_s,
+                                   wait=tenacity.wait_exponential(multiplier=self.settings.pre_pull_backoff_s,
+                                                                  max=self.settings.pre_pull_max_backoff_s),
+                                   stop=tenacity.stop_after_attempt(self.settings.pre_pull_attempts))  # fmt: skip
+            self.prepuller = PrePuller(kube, namespace, fleet_id, self.settings, policy)
+        self._images: dict[str, frozenset[str]] = {}   # node -> image names its status lists (last seen)
+        self._awaiting: dict[str, tuple[str, str, list[dict]]] = {}   # replica id -> (deployment, image, pods)
+        self._pre_pull: dict[str, tuple[str, dict[str, str], int]] = {}   # deployment -> (image, selector, limit)
 
     # ----- Backend ----------------------------------------------------------------------------
 
     async def inventory(self) -> Inventory:
         nodes = []
         self.unusable_nodes = {}
-        for obj in sorted(await self.nodes.items(), key=lambda n: n["metadata"]["name"]):
+        objs = await self.nodes.items()
+        self._images = {n["metadata"]["name"]: node_images(n) for n in objs}
+        for obj in sorted(objs, key=lambda n: n["metadata"]["name"]):
             why = node_usable(obj, self.settings)
             if why:
                 self.unusable_nodes[obj["metadata"]["name"]] = why
@@ -146,6 +174,23 @@ class KubernetesBackend:
         self._members[rid] = [p["metadata"]["name"] for p in pods]
         self._created[rid] = ReplicaFacts(rid, want.deployment.name, want.spec_hash, want.placement.nodes[0],
                                           detail={"pod": rid, "phase": "Pending"})  # fmt: skip
+        image = pods[0]["spec"]["containers"][0]["image"]
+        if self.prepuller is not None and not self._image_on(image, [p["spec"]["nodeName"] for p in pods]):
+            self._awaiting[rid] = (want.deployment.name, image, pods)   # observe() pre-pulls, then creates
+            return
+        self._launch(rid, pods)
+
+    def _image_on(self, image: str, nodes: Iterable[str]) -> bool:
+        """Every one of ``nodes`` holds ``image`` (its status lists it, or its pre-pull finished)."""
+        if self.prepuller is None:
+            return True
+        return all(self.prepuller.policy.present(n, image, self._images.get(n, ())) for n in nodes)
+
+    def _launch(self, rid: str, pods: list[dict]) -> None:
+        pending = self._created.get(rid)
+        if pending is not None and self.prepuller is not None:   # checked by the caller: the image is there
+            self._created[rid] = replace(pending, image_present=True,
+                                         detail={k: v for k, v in pending.detail.items() if k != "cache"})
         # Non-blocking (the protocol's rule): the creates run beside the controller's tick, a
         # bounded number at once; a refusal shows up in the next `observe` as an exit.
         task = asyncio.get_running_loop().create_task(self._create(rid, pods), name=f"create-pods-{rid}")
@@ -180,14 +225,23 @@ class KubernetesBackend:
 
     async def observe(self) -> dict[str, ReplicaFacts]:
         facts: dict[str, ReplicaFacts] = {}
-        nodes = {n["metadata"]["name"] for n in await self.nodes.items()}
+        node_objs = await self.nodes.items()
+        nodes = {n["metadata"]["name"] for n in node_objs}
+        self._images = {n["metadata"]["name"]: node_images(n) for n in node_objs}
         groups: dict[str, list[dict]] = {}
+        pull_pods = []
         for pod in await self.pods.items():
+            if is_pull_pod(pod):
+                pull_pods.append(pod)
+                continue
             rid = (pod["metadata"].get("labels") or {}).get(LABEL_REPLICA, pod["metadata"]["name"])
             groups.setdefault(rid, []).append(pod)
         for rid, pods in groups.items():
             self._members[rid] = sorted({*self._members.get(rid, ()), *(p["metadata"]["name"] for p in pods)})
             f = group_facts(pods)
+            image = ((pods[0].get("spec") or {}).get("containers") or [{}])[0].get("image", "")
+            if not f.image_present and image and image_aliases(image) & self._images.get(f.node, frozenset()):
+                f = replace(f, image_present=True)   # the node lists it: the kubelet will not pull
             if f.exited and rid in self._created and "missing" in (f.exit_reason or ""):
                 continue   # a gang whose members are still being created (or not yet seen): pending
             lost = sorted({(p.get("spec") or {}).get("nodeName") for p in pods} - nodes - {None, ""})
@@ -207,15 +261,27 @@ class KubernetesBackend:
             self._seen[rid] = f
             self._gone.pop(rid, None)
             self._created.pop(rid, None)
+        if self.prepuller is not None:
+            await self._pre_pull_step(node_objs, pull_pods)
         # Created, not yet seen (the informer lags the create): starting, not missing.
         pending = {rid: f for rid, f in self._created.items() if rid not in visible}
         return {**pending, **self._gone, **visible}
 
+    def _drop_awaiting(self, replica_id: str) -> None:
+        """A replica stopped while it waited for its image: it never gets a pod."""
+        if self._awaiting.pop(replica_id, None) is not None:
+            pending = self._created.pop(replica_id, None)
+            if pending is not None:
+                self._gone[replica_id] = replace(pending, exited=True, exit_reason="stopped while its image was "
+                                                 "being pre-pulled (no pod was created)")  # fmt: skip
+
     async def stop(self, replica_id: str) -> None:
+        self._drop_awaiting(replica_id)
         for name in self._members.get(replica_id, [replica_id]):
             await self.kube.delete(PODS, self.namespace, name, grace_period_s=None)
 
     async def kill(self, replica_id: str) -> None:
+        self._drop_awaiting(replica_id)
         for name in self._members.get(replica_id, [replica_id]):
             await self.kube.delete(PODS, self.namespace, name, grace_period_s=0)
 
@@ -239,3 +305,85 @@ class KubernetesBackend:
         except ApiError:
             return []
         return text.splitlines()[-lines:]
+
+    # ----- image pre-pull ---------------------------------------------------------------------
+
+    def set_pre_pull(self, deployments: Iterable) -> None:
+        """The selector-wide pre-pulls: each deployment (`fleet.spec.InferenceDeployment`) with
+        ``spec.prePull`` has its engine image pulled onto every usable node matching its node
+        selector, at most ``maxParallel`` pulls of that image at once. Called by the operator
+        with the declared deployments."""
+        targets = {}
+        for dep in deployments:
+            pull = getattr(dep.spec, "pre_pull", None)
+            image = dep.spec.engine.image or self.settings.default_image
+            if pull is not None and image:
+                targets[dep.name] = (image, dict(pull.node_selector), pull.max_parallel)
+        self._pre_pull = targets
+
+    async def _pre_pull_step(self, node_objs: list[dict], pull_pods: list[dict]) -> None:
+        """Advance the pre-pulls: the pods of replicas whose images are now present are created,
+        failures become Events, replicas whose pull was given up exit."""
+        wanted: dict[tuple[str, str], int | None] = {}
+        selected: dict[str, set[str]] = {}   # deployment -> nodes its spec.prePull selects
+        usable = [o for o in node_objs if node_usable(o, self.settings) is None]
+        for name, (image, selector, limit) in self._pre_pull.items():
+            for obj in usable:
+                labels = obj["metadata"].get("labels") or {}
+                if all(labels.get(k) == v for k, v in selector.items()):
+                    key = (obj["metadata"]["name"], image)
+                    selected.setdefault(name, set()).add(key[0])
+                    wanted[key] = limit if wanted.get(key, limit) is not None else None
+        for _dep, image, pods in self._awaiting.values():
+            for pod in pods:
+                wanted[(pod["spec"]["nodeName"], image)] = None
+        plan = await self.prepuller.reconcile(wanted, node_objs, pull_pods)
+        now = self.clock()
+        policy = self.prepuller.policy
+        for rec in plan.failed:
+            deployments = {d for d, image, pods in self._awaiting.values()
+                           if image == rec.image and any(p["spec"]["nodeName"] == rec.node for p in pods)}
+            deployments |= {d for d, (image, _s, _l) in self._pre_pull.items()
+                            if image == rec.image and rec.node in selected.get(d, ())}
+            for name in sorted(deployments):
+                await self._event(name, "ImagePullFailed", rec.describe(now))
+        names = {n["metadata"]["name"] for n in node_objs}
+        for rid, (_dep, image, pods) in list(self._awaiting.items()):
+            nodes = [p["spec"]["nodeName"] for p in pods]
+            lost = [n for n in nodes if n not in names]
+            pending = self._created.get(rid)
+            if lost and pending is not None:
+                del self._awaiting[rid]
+                del self._created[rid]
+                self._gone[rid] = replace(pending, exited=True, exit_reason=(
+                    f"node {lost[0]} was lost (its Node object is gone) while image {image} was being pre-pulled"))
+                continue
+            if self._image_on(image, nodes):
+                del self._awaiting[rid]
+                self._launch(rid, pods)
+                continue
+            recs = [r for n in nodes if (r := policy.record(n, image)) is not None]
+            # Only a replica that waited through the attempts fails; one that arrives later waits
+            # for the next attempt (after the backoff) rather than fail at once.
+            gave_up = [r for r in plan.failed if r.phase is Pull.GAVE_UP and r.image == image and r.node in nodes]
+            if gave_up and pending is not None:
+                del self._awaiting[rid]
+                del self._created[rid]
+                r = gave_up[0]
+                self._gone[rid] = replace(pending, exited=True, exit_reason=(
+                    f"image {image} could not be pulled onto node {r.node} ({r.failures} attempt(s)): {r.reason}"))
+            elif pending is not None:
+                what = "; ".join(r.describe(now) for r in recs) or f"waiting to pre-pull image {image}"
+                self._created[rid] = replace(pending, detail={**pending.detail, "cache": what})
+
+    async def _event(self, deployment: str, reason: str, message: str) -> None:
+        from fleet.k8s.status import decision_event
+
+        owner = self.owner_of(deployment)
+        if owner is None:
+            return
+        try:
+            await self.kube.create(EVENTS, self.namespace, decision_event(owner, reason, message[:1000],
+                                                                          "fleet-operator", self.clock(), True))
+        except Exception as err:  # noqa: BLE001 - an event is best effort
+            log.debug("event not recorded: %s", err)

@@ -113,7 +113,7 @@ class Operator:
         fleet_id = settings.fleet_id or namespace
         pod_settings = EnginePodSettings.from_json(settings.engine_pod_json, default_image=settings.engine_image)
         self.crs = Informer(kube, INFERENCE_DEPLOYMENTS, namespace, resync_s=settings.resync_s, on_change=on_change)
-        self.backend = KubernetesBackend(kube, namespace, fleet_id, settings=pod_settings,
+        self.backend = KubernetesBackend(kube, namespace, fleet_id, settings=pod_settings, clock=clock,
                                          owner_of=lambda name: self.crs.get(name, namespace))  # fmt: skip
         self.pods = Informer(kube, PODS, namespace, self.backend.selector, resync_s=settings.resync_s,
                              on_change=on_change)  # fmt: skip
@@ -247,6 +247,7 @@ class Operator:
                 self._observed[name] = generation
                 await self._event(decision_event(cr, "SpecAccepted", f"generation {generation} accepted: model "
                                                  f"{model!r}, {dep.spec.engine.kind}", self.identity, now))  # fmt: skip
+        self.backend.set_pre_pull(ld.deployment for ld in loaded)   # spec.prePull: selector-wide image pre-pulls
         if self.controller is not None and declared == self._declared:
             return
         previous = self.controller.snapshot() if self.controller is not None else \

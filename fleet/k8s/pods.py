@@ -79,6 +79,15 @@ class EnginePodSettings:
     termination_grace_period_s: int = 120
     image_pull_secrets: list[dict] = field(default_factory=list)
     gang_service: str = "fleet-gangs"   # headless Service over gang leaders: their DNS names
+    # Image pre-pull (fleet.k8s.prepull): before a replica's pod is created on a node lacking the
+    # engine image; a pull without a result for this long fails; failed pulls back off
+    # exponentially from the initial to the max wait; after this many failures the waiting
+    # replicas fail.
+    pre_pull: bool = True
+    pre_pull_timeout_s: float = 1800.0
+    pre_pull_backoff_s: float = 10.0
+    pre_pull_max_backoff_s: float = 600.0
+    pre_pull_attempts: int = 3
 
     @classmethod
     def from_json(cls, text: str, default_image: str = "") -> EnginePodSettings:
@@ -90,7 +99,20 @@ class EnginePodSettings:
         strategy = d.get("migStrategy", "mixed")
         if strategy not in ("mixed", "single"):
             raise ValueError(f"FLEET_ENGINE_POD_JSON migStrategy: {strategy!r} is not mixed or single")
+        pull = d.get("prePull") or {}
+        if not isinstance(pull, dict):
+            raise ValueError("FLEET_ENGINE_POD_JSON prePull: must be an object")
+        numbers = {}
+        for key, default, low in (("timeoutSeconds", 1800.0, 1.0), ("initialBackoffSeconds", 10.0, 0.0),
+                                  ("maxBackoffSeconds", 600.0, 0.0), ("attempts", 3, 1)):  # fmt: skip
+            value = pull.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+                raise ValueError(f"FLEET_ENGINE_POD_JSON prePull.{key}: {value!r} is not a number >= {low:g}")
+            numbers[key] = value
         return cls(
+            pre_pull=bool(pull.get("enabled", True)), pre_pull_timeout_s=float(numbers["timeoutSeconds"]),
+            pre_pull_backoff_s=float(numbers["initialBackoffSeconds"]),
+            pre_pull_max_backoff_s=float(numbers["maxBackoffSeconds"]), pre_pull_attempts=int(numbers["attempts"]),
             default_image=default_image, runtime_class_name=d.get("runtimeClassName") or "",
             priority_class_name=d.get("priorityClassName") or "",
             service_account_name=d.get("serviceAccountName") or "", tolerations=list(d.get("tolerations") or []),

@@ -9,7 +9,9 @@ JSON lines, bookmarks, an ERROR event with code 410 for a too-old resourceVersio
 create, PUT (409 on a stale resourceVersion), JSON merge patch, the status subresource, delete
 with grace periods and finalizers, pod logs; errors as ``Status`` objects.
 
-`KubeletStandIn` runs each pod bound to its nodes (``spec.nodeName``) as a local process: the
+`KubeletStandIn` pulls the images of each pod bound to its nodes first (`tests.k8s.kubelet.ImagePuller`:
+the image lands in ``Node.status.images``; an unpullable one leaves the pod in ErrImagePull;
+a pre-pull pod then completes), then runs each pod bound to its nodes (``spec.nodeName``) as a local process: the
 pod's engine command (the engine SIMULATOR, ``engine.kind: sim``) with the image's ``python``
 replaced by this interpreter and ``--host`` by the pod's IP, a loopback address of its own
 (127.0.0.N, port 8000 as in a real pod). It reports Running, the exit code when the process ends,
@@ -29,7 +31,8 @@ from pathlib import Path
 from aiohttp import web
 
 from fleet.k8s.client import PODS, ApiError, Gone, Resource
-from tests.k8s.kubelet import run_pod, terminate_pod
+from fleet.k8s.prepull import is_pull_pod
+from tests.k8s.kubelet import ImagePuller, run_pod, terminate_pod
 from tests.k8s.store import _RESOURCES, ObjectStore
 
 _BY_PATH = {(r.group, r.version, r.plural): r for r in _RESOURCES}
@@ -174,14 +177,17 @@ class APIServerStandIn:
 class KubeletStandIn:
     """Runs the pods of ``nodes`` as local processes (see the module docstring)."""
 
-    def __init__(self, store: ObjectStore, nodes: set[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, store: ObjectStore, nodes: set[str], log_dir: Path, env: dict[str, str] | None = None,
+                 puller: ImagePuller | None = None) -> None:  # fmt: skip
         self.store = store
+        self.puller = puller or ImagePuller()
         self.nodes = nodes
         self.log_dir = log_dir
         self.env = env or {}
         self.procs: dict[tuple[str, str], asyncio.subprocess.Process] = {}
         self.ips: dict[tuple[str, str], str] = {}
         self.started = 0
+        self.seen_pods: set[str] = set()   # every pod bound to these nodes, by name
         self._next_ip = 10
         self._task: asyncio.Task | None = None
         self._waiters: set[asyncio.Task] = set()
@@ -215,6 +221,7 @@ class KubeletStandIn:
         key = (meta["namespace"], meta["name"])
         if (pod.get("spec") or {}).get("nodeName") not in self.nodes:
             return
+        self.seen_pods.add(meta["name"])
         proc = self.procs.get(key)
         if meta.get("deletionTimestamp"):
             if proc is None:
@@ -224,7 +231,12 @@ class KubeletStandIn:
                 proc.send_signal(signal.SIGKILL if grace == 0 else signal.SIGTERM)
             return
         if proc is None and (pod.get("status") or {}).get("phase") in (None, "Pending"):
-            await self._start(key, pod)
+            try:
+                pulled = self.puller.sync(self.store, *key)
+            except ApiError:
+                return   # deleted meanwhile
+            if pulled == "pulled" and not is_pull_pod(pod):
+                await self._start(key, pod)
 
     async def _start(self, key: tuple[str, str], pod: dict) -> None:
         container = pod["spec"]["containers"][0]

@@ -3,12 +3,24 @@
 `run_pod` (containers running, a pod IP), `terminate_pod` (the container exited), `evict_pod`
 (phase Failed, reason Evicted), `image_pull_backoff` and `finish_deletions` (graceful deletions
 complete: the objects go). Unit tests call them by hand; the integration test's kubelet
-(tests/k8s/apiserver.py) calls them when its simulated engines start and stop."""
+(tests/k8s/apiserver.py) calls them when its simulated engines start and stop.
+
+Image pulls: `ImagePuller` is a STAND-IN for the kubelet's image manager and a registry.
+``sync(store, ns, pod)`` pulls the images of a pod bound to a node that its Node's
+``status.images`` lacks: after ``steps`` calls the image is added to the node's list (under
+the fully qualified name a container runtime reports, ``docker.io/library/x:tag``); an image
+configured as unpullable puts the container in ``waiting: ErrImagePull`` (then
+``ImagePullBackOff``), as the kubelet does. A pre-pull pod whose image is there completes
+(phase Succeeded, exit code 0, an image ID)."""
 
 from __future__ import annotations
 
-from fleet.k8s.client import PODS
+import hashlib
+
+from fleet.inventory.gfd import image_aliases
+from fleet.k8s.client import NODES, PODS
 from fleet.k8s.pods import ENGINE_CONTAINER
+from fleet.k8s.prepull import PULL_CONTAINER, is_pull_pod
 from tests.k8s.store import ObjectStore, now_iso
 
 
@@ -54,3 +66,77 @@ def finish_deletions(store: ObjectStore, ns: str) -> list[str]:
             store.finish_delete(PODS, ns, name)
             gone.append(name)
     return gone
+
+
+def _runtime_name(image: str) -> str:
+    """The name containerd lists for ``image``: the longest (fully qualified) alias."""
+    return max(image_aliases(image), key=lambda n: (n.count("/"), len(n)))
+
+
+class ImagePuller:
+    """The kubelet's image pulls on the stand-in nodes (see the module docstring). A STAND-IN.
+
+    ``steps``: ``sync`` calls an image takes to pull (1: the first call pulls it);
+    ``unpullable``: images that fail with ErrImagePull; ``pulls``: completed pulls by
+    (node, image), so a test can assert an image was pulled once."""
+
+    def __init__(self, steps: int = 1, unpullable: set[str] | None = None, size_bytes: int = 9_000_000_000) -> None:
+        self.steps = steps
+        self.unpullable = set(unpullable or ())
+        self.size_bytes = size_bytes
+        self.progress: dict[tuple[str, str], int] = {}
+        self.pulls: dict[tuple[str, str], int] = {}
+        self.failures: dict[tuple[str, str], int] = {}
+
+    def sync(self, store: ObjectStore, ns: str, name: str) -> str:
+        """One kubelet pass over pod ``name``: "pulled" (every image is on the node; a pre-pull
+        pod is then Succeeded), "pulling" or "failed". Pods on no node are left alone ("unbound")."""
+        pod = store.get(PODS, ns, name)
+        node_name = (pod.get("spec") or {}).get("nodeName")
+        if not node_name or pod["metadata"].get("deletionTimestamp"):
+            return "unbound"
+        containers = [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]
+        for c in containers:
+            image = c["image"]
+            node = store.get(NODES, None, node_name)
+            listed = set()
+            for entry in (node.get("status") or {}).get("images") or []:
+                for n in entry.get("names") or []:
+                    listed |= image_aliases(n)
+            if image_aliases(image) & listed:
+                continue
+            key = (node_name, image)
+            if image in self.unpullable:
+                self.failures[key] = self.failures.get(key, 0) + 1
+                reason = "ErrImagePull" if self.failures[key] == 1 else "ImagePullBackOff"
+                message = (f'failed to pull and unpack image "{_runtime_name(image)}": not found' if reason ==
+                           "ErrImagePull" else f'Back-off pulling image "{image}"')  # fmt: skip
+                self._waiting(store, ns, name, pod, c["name"], image, reason, message)
+                return "failed"
+            self.progress[key] = self.progress.get(key, 0) + 1
+            if self.progress[key] < self.steps:
+                self._waiting(store, ns, name, pod, c["name"], image, "ContainerCreating",
+                              f"Pulling image {image} ({self.progress[key]}/{self.steps})")
+                return "pulling"
+            del self.progress[key]
+            self.pulls[key] = self.pulls.get(key, 0) + 1
+            images = list((node.get("status") or {}).get("images") or [])
+            digest = "sha256:" + hashlib.sha256(image.encode()).hexdigest()
+            repo = _runtime_name(image).rsplit(":", 1)[0] if "@" not in image else image.split("@")[0]
+            images.insert(0, {"names": [f"{repo}@{digest}", _runtime_name(image)], "sizeBytes": self.size_bytes})
+            store.patch_status(NODES, None, node_name, {"status": {"images": images}})
+        if is_pull_pod(pod) and (pod.get("status") or {}).get("phase") in (None, "Pending"):
+            c = pod["spec"]["containers"][0]
+            store.patch_status(PODS, ns, name, {"status": {"phase": "Succeeded", "containerStatuses": [{
+                "name": PULL_CONTAINER, "ready": False, "restartCount": 0, "image": c["image"],
+                "imageID": "sha256:" + hashlib.sha256(c["image"].encode()).hexdigest(),
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]}})  # fmt: skip
+        return "pulled"
+
+    @staticmethod
+    def _waiting(store: ObjectStore, ns: str, name: str, pod: dict, container: str, image: str, reason: str,
+                 message: str) -> None:  # fmt: skip
+        state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
+        store.patch_status(PODS, ns, name, {"status": {"phase": "Pending", "containerStatuses": [{
+            "name": container, "ready": False, "restartCount": 0, "image": image, "imageID": "",
+            "state": state}]}})  # fmt: skip

@@ -120,6 +120,10 @@ async def test_operator_against_the_api_server_stand_in(tmp_path):
         # kubectl apply: the same document `fleet up` takes
         await kube.create(INFERENCE_DEPLOYMENTS, NS, CR)
         await _until(lambda: served(2), 90, "2 replicas served through the router", why)
+        # the engine image was pre-pulled onto the node once, by a pod that is gone again
+        assert kubelet.puller.pulls == {("node-a", "fleet:standin"): 1}
+        assert any(n.startswith("prepull-node-a-") for n in kubelet.seen_pods)
+        assert not [n for n in await pods() if n.startswith("prepull-")]
         st = await _until(lambda: _status_with(status, 2), 30, "status readyReplicas 2", why)
         cond = {c["type"]: c["status"] for c in st["conditions"]}
         assert cond == {"Ready": "True", "Progressing": "False", "Degraded": "False"}

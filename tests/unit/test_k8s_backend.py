@@ -211,7 +211,7 @@ class Cluster:
         self.kube = kube or FakeKube()
         self.store = self.kube.store
         if not self.store.list(NODES, None, None)[0]:
-            for n in nodes or (node("cpu-a", cpu=4), node("cpu-b", cpu=4)):
+            for n in nodes or (node("cpu-a", cpu=4, images=["fleet:1"]), node("cpu-b", cpu=4, images=["fleet:1"])):
                 self.store.create(NODES, None, n)
         self.owners = {}
         for ld in deps:
@@ -276,7 +276,7 @@ async def test_replicas_run_as_pods_warm_and_join_the_pool():
     assert {p["spec"]["nodeName"] for p in pods.values()} <= {"cpu-a", "cpu-b"}
     assert all(p["metadata"]["ownerReferences"][0]["uid"] == cl.owners["chat"]["metadata"]["uid"]
                for p in pods.values())
-    assert set(cl.status().values()) == {S.PULLING}     # created, no container yet
+    assert set(cl.status().values()) == {S.CACHING}     # the nodes list the image; no container yet
     assert cl.pool() == []
     cl.kubelet_runs_everything()
     await cl.tick(n=3)
@@ -445,7 +445,7 @@ async def test_gang_pods_are_created_all_or_nothing_and_observed_as_one_replica(
     kube = FakeKube()
     for n in ("gpu-a", "gpu-b"):
         kube.store.create(NODES, None, node(n, gpus=8))
-    backend = KubernetesBackend(kube, NS, "fleet")
+    backend = KubernetesBackend(kube, NS, "fleet", settings=EnginePodSettings(pre_pull=False))   # pre-pull: elsewhere
     ld = _gang_dep()
     await backend.ensure(_gang_want(ld))
     await backend.drain_creates()

@@ -199,3 +199,39 @@ def test_dockerfile_matches_the_chart_and_the_packages():
     assert 'ENTRYPOINT ["fleet"]' in text
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     assert router["spec"]["template"]["spec"]["containers"][0]["args"][0] == "router-pod"   # a `fleet` command
+
+
+def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings_reach_the_operator():
+    objs = render(extra=("--set", "agent.enabled=true", "--set", "engine.prePull.attempts=5"))
+    for obj in objs:
+        if obj["kind"] in ("DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
+            for kube in ("1.30.0", "1.37.0"):
+                kubernetes_validate.validate(obj, kube, strict=True)
+    kinds = _by_kind(objs)
+    ds = kinds["DaemonSet"][0]["spec"]["template"]["spec"]
+    container = ds["containers"][0]
+    assert container["args"][0] == "node-agent"
+    assert {"--root=/var/lib/fleet/cache", "--annotate-node", "--node-name=$(NODE_NAME)"} <= set(container["args"])
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]} == {"NODE_NAME": "spec.nodeName"}
+    assert ds["serviceAccountName"] == "fleet-agent" and ds["automountServiceAccountToken"] is True
+    agent_role = next(r for r in kinds["ClusterRole"] if r["metadata"]["name"].endswith("-agent"))
+    assert agent_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    binding = next(b for b in kinds["ClusterRoleBinding"] if b["metadata"]["name"].endswith("-agent"))
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "fleet-agent", "namespace": "fleet"}]
+    op = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-operator")
+    env = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+    import json
+
+    assert json.loads(env["FLEET_ENGINE_POD_JSON"])["prePull"] == {
+        "enabled": True, "timeoutSeconds": 1800, "initialBackoffSeconds": 10, "maxBackoffSeconds": 600, "attempts": 5}
+    # without the annotation the agent gets no API token and no role
+    kinds = _by_kind(render(extra=("--set", "agent.enabled=true", "--set", "agent.annotateNode=false")))
+    assert kinds["DaemonSet"][0]["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert "--annotate-node" not in kinds["DaemonSet"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert len(kinds["ClusterRole"]) == 1
+
+
+def test_values_schema_refuses_bad_pre_pull_settings():
+    proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), "--set", "engine.prePull.attempts=0"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode != 0 and "attempts" in proc.stderr, proc.stderr

@@ -41,7 +41,7 @@ class Env:
         self.kube = kube or FakeKube()
         self.store = self.kube.store
         if not self.store.list(NODES, None, None)[0]:
-            self.store.create(NODES, None, node("cpu-a", cpu=8))
+            self.store.create(NODES, None, node("cpu-a", cpu=8, images=["fleet:1"]))
         self.engines = EndpointEngines()
         self.pools = FakePoolSink()
         self.stop = asyncio.Event()
