@@ -3,8 +3,8 @@
 Owns `place_cpu`: each replica takes ``cpuCores`` cores of one node, free ones first; when
 every core is taken, CPU replicas share the least-used cores (a CPU core, unlike a GPU, can be
 time-shared) and the assignment says so. A node where the replica gets its cores to itself goes
-first, then a warm node (`PlacementRequest.is_warm`: it holds the weights), then the node with
-the most free cores. Called by
+first, then a warmer node (`PlacementRequest.warmth`: it holds the weights, the image), then
+the node with the most free cores. Called by
 `PlacementStrategy.place_replicas`. Pure.
 """
 
@@ -21,9 +21,9 @@ def place_cpu(request: PlacementRequest, inventory: Inventory, held: Counter[str
     Updates ``held``."""
     need = request.shape.cpu_cores
     nodes = [n for n in inventory.nodes if len(n.cpu_cores) >= need]
-    warm = {n.name: request.is_warm(n) for n in nodes}
+    warm = {n.name: request.warmth(n) for n in nodes}
 
-    def rank(n) -> tuple[bool, bool, int]:
+    def rank(n) -> tuple[bool, int, int]:
         free = sum(1 for c in n.cpu_cores if not held[f"cpu:{c}"])
         return free >= need, warm[n.name], free
 

@@ -124,6 +124,10 @@ class Unplaceable:
     reason: str
 
 
+WARM = 3
+"""`PlacementRequest.warmth` of a node that holds the engine image and the weights."""
+
+
 @functools.lru_cache(maxsize=4096)
 def canonical_source(source: str) -> str:
     """``spec.model.source`` as caches report it (`fleet.agent.sources.Source.canonical`), or
@@ -168,13 +172,24 @@ class PlacementRequest:
             model_source=dep.spec.model.source, all_or_nothing=all_or_nothing,
         )
 
-    def is_warm(self, node: NodeInventory) -> bool:
+    def warmth(self, node: NodeInventory) -> int:
+        """What ``node`` holds of what the replica needs: `WARM` (3: the weights and the image,
+        or a node in ``warm_nodes``), 2 the weights only, 1 the image only (or no image named and
+        no weights), 0 nothing. Placement prefers warmer nodes; weights count above the image (a
+        model's weights are usually larger than the engine image, and an image can be pre-pulled
+        ahead of need: fleet/k8s/prepull.py)."""
         if node.name in self.warm_nodes:
-            return True
-        if self.model_source is None or (self.image is not None and self.image not in node.cached):
-            return False
-        source = canonical_source(self.model_source)
-        return any(canonical_source(c) == source for c in node.cached)
+            return WARM
+        image = self.image is None or self.image in node.cached
+        weights = False
+        if self.model_source is not None and node.cached:
+            source = canonical_source(self.model_source)
+            weights = any(canonical_source(c) == source for c in node.cached)
+        return 2 * weights + image
+
+    def is_warm(self, node: NodeInventory) -> bool:
+        """Whether ``node`` holds the image and the weights (`warmth` is `WARM`)."""
+        return self.warmth(node) == WARM
 
 
 @dataclass(frozen=True)

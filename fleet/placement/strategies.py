@@ -4,7 +4,8 @@ Owns the `PlacementStrategy` base class (the registry by name, and the decision 
 shares: one product for all replicas of a version, single node or gang, the batch loop, all or
 nothing, explanations and MIG advice), and the built-in strategies:
 
-- ``fleet`` (default): warm nodes first; then spread: no zone beyond an even share of the
+- ``fleet`` (default): warm nodes first (image and weights, then weights, then image:
+  `PlacementRequest.warmth`); then spread: no zone beyond an even share of the
   version's replicas, no rack beyond a quarter of them (at least one); then best fit (the NVLink domain or MIG GPU with the fewest free
   units that still fits, so a free 8-GPU domain is not broken for a TP=2 replica while a partly
   used one fits); then nodes with fewer replicas of the deployment; then fuller nodes.
@@ -32,6 +33,7 @@ from fleet.placement import cpu, explain, gangs, mig_advice
 from fleet.placement.shapes import (
     PlacementPlan,
     PlacementRequest,
+    WARM,
     ReplicaPlacement,
     ReplicaShape,
     Unplaceable,
@@ -49,7 +51,7 @@ class Context:
     the version's existing replicas and grow with every replica the batch places."""
 
     request: PlacementRequest
-    warm: dict[str, bool]
+    warm: dict[str, int]              # node -> PlacementRequest.warmth (WARM: image and weights)
     node_free: Counter[str] = field(default_factory=Counter)     # free units of the kind, per node
     node_count: Counter[str] = field(default_factory=Counter)    # replicas of the deployment, per node
     zone_count: Counter[str | None] = field(default_factory=Counter)
@@ -172,7 +174,7 @@ class PlacementStrategy:
         return None if plan.complete else Unplaceable(plan.explain())
 
     def _context(self, request: PlacementRequest, inventory: Inventory) -> Context:
-        ctx = Context(request, {n.name: request.is_warm(n) for n in inventory.nodes})
+        ctx = Context(request, {n.name: request.warmth(n) for n in inventory.nodes})
         for p in request.existing:
             for i, name in enumerate(p.nodes):
                 node = inventory.by_name.get(name)
@@ -310,7 +312,7 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         zone_share = -(-n // max(1, len({zone for _, zone, _ in keys})))
         rack_share = max(1, math.ceil(n * self.rack_max_share))
         return [
-            (not warm, max(0, ctx.zone_count[zone] + 1 - zone_share),
+            (WARM - warm, max(0, ctx.zone_count[zone] + 1 - zone_share),
              max(0, ctx.rack_count[(zone, rack)] + 1 - rack_share))
             for warm, zone, rack in keys
         ]
@@ -334,10 +336,11 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         return (slot.capacity, *self.slot_key(slot, ctx))
 
     def gang_member_key(self, slot: Slot, ctx: Context, need: int) -> tuple:
-        return (not ctx.warm[slot.node.name], slot.capacity - need, ctx.node_free[slot.node.name], slot.node_pos, slot.pos)
+        return (WARM - ctx.warm[slot.node.name], slot.capacity - need, ctx.node_free[slot.node.name], slot.node_pos,
+                slot.pos)
 
     def gang_rank(self, block: Hashable, members: list[Slot], ctx: Context, need: int) -> tuple:
-        cold = sum(1 for s in members if not ctx.warm[s.node.name])
+        cold = sum(WARM - ctx.warm[s.node.name] for s in members)
         leftover = sum(s.capacity - need for s in members)
         return (cold, block[0] != "fabric", ctx.block_count[block], leftover)
 
@@ -360,8 +363,8 @@ class _ShareRanking(GroupRanking):
         super().__init__(strategy, ctx)
         self.rack_max_share = strategy.rack_max_share
         self.zone_groups: Counter[str | None] = Counter()    # zone -> groups with a best slot
-        # (warm, zone) -> replicas in the rack -> heap of (candidate key, seq, group key)
-        self.heaps: dict[tuple[bool, str | None], dict[int, list[tuple]]] = {}
+        # (warmth, zone) -> replicas in the rack -> heap of (candidate key, seq, group key)
+        self.heaps: dict[tuple[int, str | None], dict[int, list[tuple]]] = {}
         self._seq = itertools.count()
 
     def _rack_count(self, key: Hashable) -> int:
@@ -425,7 +428,7 @@ class _ShareRanking(GroupRanking):
             if found is None:
                 continue
             rack_over, (candidate, _, key) = found
-            c = ((not warm, max(0, ctx.zone_count[zone] + 1 - zone_share), rack_over), candidate, key)
+            c = ((WARM - warm, max(0, ctx.zone_count[zone] + 1 - zone_share), rack_over), candidate, key)
             if choice is None or c[:2] < choice[:2]:
                 choice = c
         assert choice is not None

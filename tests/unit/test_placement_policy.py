@@ -111,6 +111,21 @@ def test_a_node_caching_the_image_and_weights_is_warm():
     assert plan.placements[0].nodes == ("warm",)
 
 
+def test_warmth_is_graded_weights_and_image_then_weights_then_image_then_nothing():
+    image, weights = "vllm/vllm-openai:v0.11.0", "/models/m"
+    nodes = {"cold": node("cold"), "image": node("image", cached=frozenset({image})),
+             "weights": node("weights", cached=frozenset({weights})),
+             "both": node("both", cached=frozenset({image, weights}))}
+    request = PlacementRequest(TP2, image=image, model_source=weights)
+    assert {k: request.warmth(n) for k, n in nodes.items()} == {"cold": 0, "image": 1, "weights": 2, "both": 3}
+    inv = cluster(*nodes.values())
+    # Four TP=2 replicas, one per node's worth of room (each node has 8 GPUs, 6 of them held):
+    # they fill the warmest first.
+    held = sum((busy(n, 0, 1, 2, 3, 4, 5) for n in nodes.values()), Counter())
+    plan = place(inv, count=4, in_use=held, image=image, model_source=weights)
+    assert [p.nodes[0] for p in plan.placements] == ["both", "weights", "image", "cold"]
+
+
 def test_homogeneity_the_batch_picks_one_product_that_hosts_it_all():
     h100 = node("h100", n=4)
     inv = cluster(h100, node("a100-1", n=4, product=A100_80), node("a100-2", n=4, product=A100_80))
