@@ -194,6 +194,20 @@ class Controller(RolloutSteps, RestartSteps):
         self.stopping = True
         self._save()
 
+    def abandon(self) -> None:
+        """This controller is being dropped (the operator lost its Lease): cancel its warm-up
+        tasks; replicas and records are left as they are for the next controller to adopt."""
+        for rid in list(self._warmups):
+            self._cancel_warmup(rid)
+
+    def waiting_reason(self, replica_id: str) -> str | None:
+        """Why a PENDING replica is not placed yet (`fleet.placement` explanation), or None."""
+        return self._waiting.get(replica_id)
+
+    def retiring(self, deployment: str) -> bool:
+        """Whether ``deployment`` is no longer declared and its pool is still being drained."""
+        return deployment in self._retired
+
     async def kill_all(self) -> None:
         """Force every running replica's engine to exit now (a second Ctrl-C)."""
         for r in self.replicas.values():

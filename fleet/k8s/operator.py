@@ -210,8 +210,7 @@ class Operator:
     def _drop_controller(self) -> None:
         self.autoscaler = None
         if self.controller is not None:
-            for task in self.controller._warmups.values():
-                task.cancel()
+            self.controller.abandon()
         self.controller = None
         self._declared = {}
 
@@ -335,7 +334,7 @@ class Operator:
             if meta.get("deletionTimestamp") and FINALIZER in (meta.get("finalizers") or []):
                 name = meta["name"]
                 alive = any(r.engine_alive for r in by_deployment.get(name, []))
-                if not alive and name not in live_by_deployment and name not in c._retired:
+                if not alive and name not in live_by_deployment and not c.retiring(name):
                     rest = [f for f in meta["finalizers"] if f != FINALIZER]
                     await self._patch_cr(name, {"metadata": {"finalizers": rest or None,
                                                              "resourceVersion": meta["resourceVersion"]}})

@@ -53,7 +53,7 @@ def deployment_status(controller: Controller, name: str, generation: int, previo
     states = Counter(r.status.value for r in records)
     ready = states.get(ReplicaStatus.READY.value, 0)
     prev = {c["type"]: c for c in (previous or {}).get("conditions") or []}
-    waiting = [controller._waiting.get(r.id) for r in live if r.status is ReplicaStatus.PENDING]
+    waiting = [controller.waiting_reason(r.id) for r in live if r.status is ReplicaStatus.PENDING]
     waiting = [w for w in waiting if w]
     in_progress = [r for r in live if r.status in _IN_PROGRESS]
     failed_recently = ds.failures_in_row > 0
