@@ -40,6 +40,7 @@ RAY_PORT = 6379
 ANNOTATION_PLACEMENT = "fleet.inference.dev/placement"
 ANNOTATION_MODEL = "fleet.inference.dev/model"          # spec.model.name (the router pool it serves)
 ANNOTATION_READY_AT = "fleet.inference.dev/ready-at"    # Unix seconds its warm-up passed (operator writes it)
+ANNOTATION_REVISION = "fleet.inference.dev/revision"    # spec.model.revision as written (the label is sanitised)
 ENGINE_PORT = 8000
 ENGINE_CONTAINER = "engine"
 
@@ -222,7 +223,7 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
         "labels": labels,
         "annotations": {**settings.pod_annotations,
                         ANNOTATION_PLACEMENT: json.dumps(want.placement.to_dict(), sort_keys=True),
-                        ANNOTATION_MODEL: spec.model.name},
+                        ANNOTATION_MODEL: spec.model.name, ANNOTATION_REVISION: spec.model.revision},
     }  # fmt: skip
     if owner is not None:
         metadata["ownerReferences"] = [{

@@ -24,7 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from fleet.k8s.pods import LABEL_DEPLOYMENT, LABEL_REPLICA, LABEL_REVISION
+from fleet.k8s.pods import ANNOTATION_REVISION, LABEL_DEPLOYMENT, LABEL_REPLICA, LABEL_REVISION, label_value
 from fleet.observability.dashboard import render_dashboard
 from fleet.observability.discovery import JOB_CONTROLLER, JOB_ENGINE, JOB_NODE_AGENT, JOB_ROUTER, file_sd_groups
 from fleet.observability.rules import rules_document
@@ -40,10 +40,11 @@ def _objects(extra: tuple[str, ...] = ("--set", "agent.enabled=true")) -> dict[t
     return {(o["kind"], o["metadata"]["name"]): o for o in render(MONITORING, api_versions=API, extra=extra)}
 
 
-def prometheus_label(pod_label: str) -> str:
-    """The meta label Kubernetes service discovery gives a pod label: every character outside
-    [a-zA-Z0-9_] becomes ``_`` (Prometheus ``strutil.SanitizeLabelName``)."""
-    return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", pod_label)
+def prometheus_label(pod_label: str, kind: str = "label") -> str:
+    """The meta label Kubernetes service discovery gives a pod label (``kind`` "annotation": a
+    pod annotation): every character outside [a-zA-Z0-9_] becomes ``_`` (Prometheus
+    ``strutil.SanitizeLabelName``)."""
+    return f"__meta_kubernetes_pod_{kind}_" + re.sub(r"[^a-zA-Z0-9_]", "_", pod_label)
 
 
 def _relabel(endpoint: dict) -> dict[str, str]:
@@ -79,7 +80,7 @@ def test_the_engine_pod_monitor_gives_the_file_sd_labels_from_the_operators_pod_
     assert labels == {
         "job": JOB_ENGINE,
         "deployment": prometheus_label(LABEL_DEPLOYMENT),
-        "version": prometheus_label(LABEL_REVISION),
+        "version": prometheus_label(ANNOTATION_REVISION, "annotation"),   # as written, not the sanitised label
         "replica": prometheus_label(LABEL_REPLICA),
     }
     # exactly the labels fleet up's file_sd gives an engine
@@ -135,8 +136,11 @@ def test_prometheus_attaches_the_labels_the_dashboard_filters_on(tmp_path: Path)
     router = next(e for e in objs[("ServiceMonitor", "fleet")]["spec"]["endpoints"] if e["port"] == "http")
     controller = next(e for e in objs[("ServiceMonitor", "fleet")]["spec"]["endpoints"] if e["port"] == "metrics")
     agent = objs[("PodMonitor", "fleet-node-agent")]["spec"]["podMetricsEndpoints"][0]
-    pod_labels = {LABEL_DEPLOYMENT: "chat", LABEL_REVISION: "v2", LABEL_REPLICA: "chat-3"}
+    # A revision no label value may hold: the label is sanitised, the annotation keeps it as written.
+    revision = "2026-11/ft+lora v2"
+    pod_labels = {LABEL_DEPLOYMENT: "chat", LABEL_REVISION: label_value(revision), LABEL_REPLICA: "chat-3"}
     meta = {prometheus_label(k): v for k, v in pod_labels.items()}
+    meta[prometheus_label(ANNOTATION_REVISION, "annotation")] = revision
     files = {
         "engine": [{"targets": ["127.0.0.1:9"], "labels": {"job": "fleet/fleet-engines", "endpoint": "http", **meta}}],
         "router": [{"targets": ["127.0.0.1:10"], "labels": {"job": "serviceMonitor/fleet/fleet/0", "endpoint": "http"}}],
@@ -168,7 +172,7 @@ def test_prometheus_attaches_the_labels_the_dashboard_filters_on(tmp_path: Path)
             if len(targets) < len(files):
                 time.sleep(0.3)
         assert len(targets) == len(files), (tmp_path / "prometheus.log").read_text()
-        [local] = file_sd_groups({"replicas": [{"id": "chat-3", "deployment": "chat", "revision": "v2",
+        [local] = file_sd_groups({"replicas": [{"id": "chat-3", "deployment": "chat", "revision": revision,
                                                 "status": "READY", "endpoint": "http://127.0.0.1:9"}]}, None)  # fmt: skip
         assert {k: v for k, v in targets["engine"].items() if k != "instance" and k != "endpoint"} == local["labels"]
         assert targets["router"] == {"job": JOB_ROUTER, "instance": "127.0.0.1:10"}   # no `endpoint` target label
