@@ -22,9 +22,10 @@ import os
 import queue
 import ssl
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Protocol
+from typing import BinaryIO, Callable, Iterator, Protocol
 from urllib.parse import urljoin, urlsplit
 
 import tenacity
@@ -192,34 +193,56 @@ def _raise_for_status(status: int, url: str, detail: str = "") -> None:
 
 
 class _Hasher:
-    """sha256 (and the git blob id when the source lists one) of a byte stream, computed on a
-    thread of its own so that hashing overlaps receiving (large hashlib updates release the
-    GIL). Takes ``bytes`` (``update``) or a pooled buffer (``update_buffer``: handed back to the
-    pool once hashed; at most ``POOL`` buffers exist); ``hexdigests`` waits for the rest."""
+    """sha256 (and the git blob id when the source lists one) of a byte stream.
+
+    Hashing runs on a thread of its own, overlapped with receiving (large hashlib updates
+    release the GIL), unless ``inline()`` says that this process is already fetching at least
+    as many files as it has CPUs: then each fetching thread hashes what it received itself,
+    as no core is left for a hashing thread and handing buffers to one only costs wake-ups.
+    The choice is made per buffer, and a buffer is hashed inline only when the hashing thread
+    has nothing pending, so the bytes are hashed in order. Takes ``bytes`` (``update``) or a
+    pooled buffer (``update_buffer``: handed back to the pool once hashed; at most ``POOL``
+    buffers exist); ``hexdigests`` waits for the rest."""
 
     POOL = 8
 
-    def __init__(self, rf: RemoteFile) -> None:
+    def __init__(self, rf: RemoteFile, inline: Callable[[], bool] = lambda: False) -> None:
         self.sha256 = hashlib.sha256()
         self.git = _git_hasher(rf)
+        self.inline = inline
         self.q: queue.Queue[bytes | tuple[bytearray, int] | None] = queue.Queue(2 * self.POOL)
         self.free: queue.Queue[bytearray] = queue.Queue()
         self.buffers = 0
+        self.pending = 0   # items queued and not yet hashed; only the hashing thread lowers it
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="fleet-cache-sha256", daemon=True)
         self.thread.start()
+
+    def _hash(self, data: bytes | memoryview) -> None:
+        self.sha256.update(data)
+        if self.git is not None:
+            self.git.update(data)
 
     def _run(self) -> None:
         while (item := self.q.get()) is not None:
             if isinstance(item, tuple):
                 buf, n = item
-                data = memoryview(buf)[:n]
-            else:
-                buf, data = None, item
-            self.sha256.update(data)
-            if self.git is not None:
-                self.git.update(data)
-            if buf is not None:
+                self._hash(memoryview(buf)[:n])
                 self.free.put(buf)
+            else:
+                self._hash(item)
+            with self.lock:
+                self.pending -= 1
+
+    def _enqueue(self, item: bytes | tuple[bytearray, int]) -> bool:
+        """Queue ``item`` for the hashing thread, or return False when the caller should hash
+        it now (inline wanted and nothing queued before it)."""
+        with self.lock:
+            if self.pending == 0 and self.inline():
+                return False
+            self.pending += 1
+        self.q.put(item)
+        return True
 
     def buffer(self) -> bytearray:
         """A free buffer of ``CHUNK_BYTES`` (waits for one when ``POOL`` are in flight)."""
@@ -235,16 +258,51 @@ class _Hasher:
         self.free.put(buf)
 
     def update(self, chunk: bytes) -> None:
-        self.q.put(chunk)
+        if not self._enqueue(chunk):
+            self._hash(chunk)
 
     def update_buffer(self, buf: bytearray, n: int) -> None:
-        self.q.put((buf, n))
+        if not self._enqueue((buf, n)):
+            self._hash(memoryview(buf)[:n])
+            self.free.put(buf)
 
     def hexdigests(self) -> tuple[str, str | None]:
         """Stop the thread; returns (sha256, git blob id or None)."""
         self.q.put(None)
         self.thread.join()
         return self.sha256.hexdigest(), (self.git.hexdigest() if self.git is not None else None)
+
+
+def hash_inline(fetching: int, cpus: int) -> bool:
+    """Whether a fetching thread should hash what it receives itself rather than hand it to a
+    hashing thread: when this process fetches at least as many files at once as it may use CPUs
+    (``fetching`` counts the file being fetched), a hashing thread would find no free core."""
+    return fetching >= max(1, cpus)
+
+
+class _InFlight:
+    """How many files this process is fetching now (`fetch_file` calls inside a transfer)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.lock = threading.Lock()
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    @contextmanager
+    def one(self) -> Iterator[None]:
+        with self.lock:
+            self.n += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.n -= 1
+
+    def hash_inline(self) -> bool:
+        return hash_inline(self.n, self.cpus)
+
+
+_IN_FLIGHT = _InFlight()
 
 
 class _HashingWriter:
@@ -256,7 +314,7 @@ class _HashingWriter:
         self.f = f
         self.rf = rf
         self.on_bytes = on_bytes
-        self.hasher = _Hasher(rf)
+        self.hasher = _Hasher(rf, _IN_FLIGHT.hash_inline)
         self.written = 0
 
     def _absorb(self, limit: int | None) -> None:
@@ -311,7 +369,7 @@ class _HashingWriter:
         dropped = self.written - keep
         self.f.truncate(keep)
         self.hasher.hexdigests()
-        self.hasher, self.written = _Hasher(self.rf), 0
+        self.hasher, self.written = _Hasher(self.rf, _IN_FLIGHT.hash_inline), 0
         self._absorb(keep)
         self.f.seek(keep)
         if self.on_bytes is not None and dropped > 0:
@@ -381,7 +439,8 @@ def _fetch_once(rf: RemoteFile, part: Path, transfer: Transfer, headers: dict[st
             writer.on_bytes = on_bytes
             f.seek(have)
             if rf.size is None or have < rf.size:
-                transfer.fetch(rf.url, writer, have, headers, rf.size)
+                with _IN_FLIGHT.one():
+                    transfer.fetch(rf.url, writer, have, headers, rf.size)
             writer.flush()
         finally:
             digest, git = writer.finish()   # stops the hashing thread, also when the transfer failed
