@@ -198,6 +198,30 @@ def _raise_for_status(status: int, url: str, detail: str = "") -> None:
     raise FetchRefused(msg)
 
 
+class _BufferPool:
+    """``CHUNK_BYTES`` buffers kept across files (at most ``keep`` idle), so that each file does
+    not fault in fresh pages for its buffers."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.idle: list[bytearray] = []
+        self.lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self.lock:
+            if self.idle:
+                return self.idle.pop()
+        return bytearray(CHUNK_BYTES)
+
+    def give(self, buf: bytearray) -> None:
+        with self.lock:
+            if len(self.idle) < self.keep:
+                self.idle.append(buf)
+
+
+_BUFFERS = _BufferPool(keep=16)
+
+
 class _Hasher:
     """sha256 (and the git blob id when the source lists one) of a byte stream.
 
@@ -257,7 +281,7 @@ class _Hasher:
         except queue.Empty:
             if self.buffers < self.POOL:
                 self.buffers += 1
-                return bytearray(CHUNK_BYTES)
+                return _BUFFERS.take()
             return self.free.get()
 
     def give_back(self, buf: bytearray) -> None:
@@ -273,9 +297,15 @@ class _Hasher:
             self.free.put(buf)
 
     def hexdigests(self) -> tuple[str, str | None]:
-        """Stop the thread; returns (sha256, git blob id or None)."""
+        """Stop the thread (its buffers go back to the process's pool); returns (sha256, git
+        blob id or None)."""
         self.q.put(None)
         self.thread.join()
+        while True:
+            try:
+                _BUFFERS.give(self.free.get_nowait())
+            except queue.Empty:
+                break
         return self.sha256.hexdigest(), (self.git.hexdigest() if self.git is not None else None)
 
 
