@@ -1,7 +1,7 @@
 """Weight-cache fill from a local HTTP server, against curl fetching the same files in the same
 run; what verification costs; and 8 processes asking for one model at once.
 
-    PYTHONPATH=. python loadtests/bench_cache_fill.py [--size-mib 512] [--shards 4] [--repeats 3]
+    PYTHONPATH=. python loadtests/bench_cache_fill.py [--size-mib 512] [--shards 4] [--repeats 3] [--hub]
 
 Serves a generated model (``--shards`` safetensors-sized files of random bytes plus small JSON
 files, a fleet-manifest.json with sha256) from tests/hub_server.py (``sendfile``, HTTP/1.1
@@ -24,6 +24,8 @@ verification costs: sha256 alone (what hashing costs on this CPU), ``verify`` (a
 the cached model) and ``lookup`` (the stat check every use makes). Last, 8 processes call
 ``ensure`` on one empty cache at the same moment and the server counts the GETs of each file (the
 goal: 1). Both clients write to the same file system (``--dir``, default a temp directory).
+With ``--hub``, the same model is then served as the hub repository org/bench and filled from
+``hf://org/bench`` (huggingface_hub's download code) against curl -L of the same resolve URLs.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ class ServerProcess:
     """tests/hub_server.py in a process of its own (in this one it would share the GIL with
     Fleet's client, and not with curl)."""
 
-    def __init__(self, static_root: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.hub_server", str(static_root)], cwd=REPO,
+    def __init__(self, *server_args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.hub_server", *server_args], cwd=REPO,
                                      stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         self.url = self.proc.stdout.readline().strip()
@@ -90,9 +92,9 @@ def make_model(d: Path, size_mib: int, shards: int) -> int:
     return sum(p.stat().st_size for p in d.iterdir() if p.name != "fleet-manifest.json")
 
 
-def run_curl(urls: list[str], out: Path, parallel: int) -> float:
+def run_curl(urls: list[str], out: Path, parallel: int, follow: bool = False) -> float:
     out.mkdir(parents=True)
-    cmd = ["curl", "-s", "-f", "--http1.1"]
+    cmd = ["curl", "-s", "-f", "--http1.1"] + (["-L"] if follow else [])
     if parallel > 1:
         cmd += ["--parallel", "--parallel-max", str(parallel)]
     for i, u in enumerate(urls):
@@ -160,6 +162,46 @@ def run_transport_only(urls: list[str], out: Path) -> float:
     return time.perf_counter() - t
 
 
+def run_hub(files: list[str], model_dir: Path, out: Path, repeats: int, settle_s: float) -> None:
+    """``hf://`` sources: tests/hub_server.py serving ``model_dir`` as the hub repository
+    org/bench (from memory, not sendfile), curl -L fetching each file's resolve URL against Fleet's
+    ``ensure("hf://org/bench")`` (huggingface_hub's ``http_get``), one file at a time."""
+    times: dict[str, list[float]] = {"curl x1 hf": [], "fleet x1 hf": []}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
+    total = sum((model_dir / n).stat().st_size for n in files)
+    with ServerProcess("--repo", f"org/bench={model_dir}") as server:
+        before_env = os.environ.get("HF_ENDPOINT")
+        os.environ["HF_ENDPOINT"] = server.url
+        try:
+            for r in range(repeats):
+                for name in (list(times) if r % 2 == 0 else list(times)[::-1]):
+                    dest = out / f"hub-{r}-{name.split()[0]}"
+                    os.sync()
+                    time.sleep(settle_s)
+                    who = resource.RUSAGE_CHILDREN if name.startswith("curl") else resource.RUSAGE_SELF
+                    before = _cpu_s(who)
+                    if name.startswith("curl"):
+                        urls = [f"{server.url}/org/bench/resolve/main/{n}" for n in files]
+                        t = run_curl(urls, dest, 1, follow=True)
+                    else:
+                        t = run_fleet("hf://org/bench", dest, 1)
+                    after = _cpu_s(who)
+                    times[name].append(t)
+                    cpu[name].append(sum(after) - sum(before))
+                    shutil.rmtree(dest)
+        finally:
+            if before_env is None:
+                os.environ.pop("HF_ENDPOINT", None)
+            else:
+                os.environ["HF_ENDPOINT"] = before_env
+    print(f"\nhf:// source (median of {repeats}; the stand-in hub sends from memory):")
+    for k in times:
+        print(f"  {k:18s} {total / statistics.median(times[k]) / 1e6:6.0f} MB/s  CPU "
+              f"{statistics.median(cpu[k]) / total * 1e9:.2f} s/GB  (runs "
+              + ", ".join(f"{t:.2f}" for t in times[k]) + " s)")
+    print(f"  fleet/curl x1 hf: {statistics.median(times['curl x1 hf']) / statistics.median(times['fleet x1 hf']):.2f}x")
+
+
 def _cpu_s(who: int) -> tuple[float, float]:
     r = resource.getrusage(who)
     return r.ru_utime, r.ru_stime
@@ -179,6 +221,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--settle-s", type=float, default=1.0,
                     help="Pause after each sync, before each run (the same for every client).")
+    ap.add_argument("--hub", action="store_true",
+                    help="Also fill from an hf:// source (the stand-in hub) against curl of the same URLs.")
     ap.add_argument("--dir", type=Path, default=None, help="Work directory (default: a temp directory).")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="fleet-bench-cache-", dir=args.dir))
@@ -188,7 +232,7 @@ def main() -> None:
         files = sorted(p.name for p in (static / "model").iterdir() if p.name != "fleet-manifest.json")
         print(f"model: {len(files)} files, {total / 1e6:.0f} MB; machine: {os.cpu_count()} CPU(s), "
               f"load average {os.getloadavg()[0]:.2f} at the start")
-        with ServerProcess(static) as server:
+        with ServerProcess(str(static)) as server:
             source = f"{server.url}/static/model/"
             urls = [f"{server.url}/static/model/{n}" for n in files]
             clients = ("curl x1", "fleet x1", "fleet x1 no-sha256", "curl x4", "fleet x4")
@@ -265,6 +309,8 @@ def main() -> None:
                   f"the server saw {len(gets)} GETs of model files for {len(files)} files, "
                   f"{sorted(set(per_file.values()))} per file "
                   f"({'1 download' if set(per_file.values()) == {1} else 'MORE THAN ONE DOWNLOAD'})")
+        if args.hub:
+            run_hub(files, static / "model", work, args.repeats, args.settle_s)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
