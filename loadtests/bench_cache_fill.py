@@ -221,6 +221,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--settle-s", type=float, default=1.0,
                     help="Pause after each sync, before each run (the same for every client).")
+    ap.add_argument("--verbose", action="store_true", help="Print every run as it ends.")
     ap.add_argument("--hub", action="store_true",
                     help="Also fill from an hf:// source (the stand-in hub) against curl of the same URLs.")
     ap.add_argument("--dir", type=Path, default=None, help="Work directory (default: a temp directory).")
@@ -256,6 +257,9 @@ def main() -> None:
                     times[name].append(t)
                     cpu[name].append((after[0] - before[0], after[1] - before[1]))
                     shutil.rmtree(out)
+                    if args.verbose:
+                        print(f"  repeat {r} {name:18s} {t:.2f} s, CPU {cpu[name][-1][0]:.2f} user + "
+                              f"{cpu[name][-1][1]:.2f} system s, load average {os.getloadavg()[0]:.2f}", flush=True)
             med = {k: statistics.median(v) for k, v in times.items()}
             print(f"\nfill throughput (median of {args.repeats}; MB = 1e6 bytes; CPU = user + system "
                   f"seconds per GB; load average {os.getloadavg()[0]:.2f} at the end):")
