@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -178,3 +179,41 @@ def test_a_file_s_buffers_go_back_to_the_pool(tmp_path: Path, monkeypatch):
     assert taken and taken[0] in kept                          # the second file reused the first's
     assert {id(b) for b in pool.idle} == kept | set(taken)     # and gave back all it took
     assert os.path.getsize(tmp_path / "b.part") == len(data)
+
+
+class RecordingWriteback:
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+
+    def start(self, fd: int, offset: int, nbytes: int) -> None:
+        self.ranges.append((offset, nbytes))
+
+
+def test_writeback_is_started_every_writeback_bytes_over_contiguous_ranges(tmp_path: Path, monkeypatch):
+    wb = RecordingWriteback()
+    monkeypatch.setattr(transfer, "_WRITEBACK", wb)
+    monkeypatch.setattr(transfer, "WRITEBACK_BYTES", 2 * CHUNK_BYTES)
+    data = _data(7 * CHUNK_BYTES + 5, seed=9)
+    part = tmp_path / "m.part"
+    part.write_bytes(data[:CHUNK_BYTES])          # resumed: the first MiB is already on disk
+    fetch_file(_rf(data), part, BytesTransfer(data, read_bytes=CHUNK_BYTES), retry=FAST)
+    assert wb.ranges[0][0] == CHUNK_BYTES       # starts where this attempt started writing
+    for (off, n), (next_off, _) in zip(wb.ranges, wb.ranges[1:]):
+        assert next_off == off + n and n >= 2 * CHUNK_BYTES
+    assert wb.ranges[-1][0] + wb.ranges[-1][1] > len(data) - 2 * CHUNK_BYTES
+    assert part.read_bytes() == data
+
+
+def test_writeback_of_a_real_file_range_returns_without_error(tmp_path: Path):
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 100_000)
+    wb = transfer._Writeback()
+    if sys.platform.startswith("linux"):
+        assert wb._call is not None                  # glibc and musl both have sync_file_range
+    fd = os.open(p, os.O_RDWR)
+    try:
+        wb.start(fd, 0, 100_000)   # sync_file_range where libc has it, else nothing
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"x" * 100_000
