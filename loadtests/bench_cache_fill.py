@@ -47,7 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.agent.cache import WeightCache  # noqa: E402
 from fleet.agent.sources import write_manifest  # noqa: E402
-from fleet.agent.transfer import CHUNK_BYTES, WRITE_BYTES, HttpTransfer  # noqa: E402
+from fleet.agent.transfer import (  # noqa: E402
+    CHUNK_BYTES, WRITE_BYTES, WRITEBACK_BYTES, HttpTransfer, start_writeback,
+)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -116,17 +118,22 @@ def run_fleet(source: str, root: Path, parallel: int) -> float:
 
 class _PlainWriter:
     """The file object Fleet's transport writes to, without the hashing: ``fill`` reads into one
-    ``CHUNK_BYTES`` buffer and writes it in ``WRITE_BYTES`` pieces
-    (`fleet.agent.transfer._HashingWriter` less sha256)."""
+    ``CHUNK_BYTES`` buffer and writes it in ``WRITE_BYTES`` pieces, starting writeback every
+    ``WRITEBACK_BYTES`` (`fleet.agent.transfer._HashingWriter` less sha256)."""
 
     def __init__(self, f) -> None:
         self.f = f
         self.buf = bytearray(CHUNK_BYTES)
+        self.clean_to = 0
 
     def fill(self, readinto) -> int:
         n = readinto(memoryview(self.buf))
         for off in range(0, n, WRITE_BYTES):
             self.f.write(memoryview(self.buf)[off:min(n, off + WRITE_BYTES)])
+        if (end := self.f.tell()) - self.clean_to >= WRITEBACK_BYTES:
+            self.f.flush()
+            start_writeback(self.f.fileno(), self.clean_to, end - self.clean_to)
+            self.clean_to = end
         return n
 
     def write(self, chunk: bytes) -> int:

@@ -371,6 +371,12 @@ class _Writeback:
 _WRITEBACK = _Writeback()
 
 
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``nbytes`` of ``fd`` from ``offset`` back to disk, without waiting
+    (`_Writeback`). Used by `_HashingWriter` and loadtests/bench_cache_fill.py."""
+    _WRITEBACK.start(fd, offset, nbytes)
+
+
 class _HashingWriter:
     """The file object handed to a transport: writes at once (what was received is on disk, for
     a later resume), hashes through a `_Hasher`, counts bytes for progress, and re-hashes from
