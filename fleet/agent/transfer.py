@@ -34,12 +34,14 @@ import tenacity
 from fleet.agent.sources import RemoteFile
 
 CHUNK_BYTES = 1 << 20
-WRITE_BYTES = 256 << 10
-"""The most bytes one ``write`` hands the page cache. Larger writes get larger page-cache folios
-from the kernel, which cost several times the system CPU per byte on the development VM
-(Linux 6.18, ext4: ``dd bs=1M`` 1.0 to 1.35 s per GB against 0.2 s for ``bs=256K``;
-loadtests/bench_cache_fill.py, README "Cache figures"); receiving and hashing keep
-``CHUNK_BYTES`` pieces."""
+WRITE_BYTES = 32 << 10
+"""The most bytes one ``write`` hands the page cache. The kernel backs a write with page-cache
+folios about its size, and folios above 32 KiB (order 3, the largest its per-CPU free lists
+keep) come from the buddy allocator, which on the development VM (Linux 6.18, ext4) often hands
+out memory the host has taken back: 1 MiB writes cost 1.0 to 2.5 system CPU-s per GB there, 256
+KiB writes 0.4 normally and 1.3 to 1.9 after another program's small writes freed its pages,
+32 KiB writes 0.7 in both cases, as curl's 16 KiB ones (loadtests/bench_cache_fill.py, README
+"Cache figures"). Receiving and hashing keep ``CHUNK_BYTES`` pieces."""
 WRITEBACK_BYTES = 32 << 20
 """Every this many bytes written, the kernel is told to start writing them to disk (without
 waiting): the fsync before the rename then finds little left to write."""
