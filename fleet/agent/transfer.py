@@ -11,6 +11,11 @@ Why not ``hf_hub_download`` itself: in huggingface_hub 2.x it downloads into a p
 temporary file that it deletes on failure (``_download_to_tmp_and_move``), so a download cut by
 a crash or a restart starts again from byte 0. Fleet keeps its part file across processes and
 hands its length to ``http_get(resume_size=...)``, which sends the Range request.
+
+The byte path (what keeps a verified fill at curl's speed or better, loadtests/bench_cache_fill.py):
+``readinto`` pooled ``CHUNK_BYTES`` buffers; page-cache writes of ``WRITE_BYTES``; the kernel's
+writeback started every ``WRITEBACK_BYTES`` (the fsync before the rename then has little left);
+sha256 on a thread of its own while a core is free for it, else inline (`hash_inline`).
 """
 
 from __future__ import annotations
