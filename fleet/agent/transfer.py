@@ -94,9 +94,9 @@ class HttpTransfer:
     """GET with the standard library's ``http.client``, ``readinto`` pooled ``CHUNK_BYTES``
     buffers written in ``WRITE_BYTES`` pieces (`_HashingWriter.fill`): about half of curl's CPU
     per byte, where httpx's 64 KiB event loop costs twice curl's (loadtests/bench_cache_fill.py).
-    Follows up to ``MAX_REDIRECTS`` redirects (dropping ``Authorization`` when the host changes); keeps one connection per host
-    per thread. ``HTTP(S)_PROXY`` is not honoured on this path (hub sources go through
-    huggingface_hub, which does)."""
+    Follows up to ``MAX_REDIRECTS`` redirects (dropping ``Authorization`` when the host
+    changes); keeps one connection per host per thread. ``HTTP(S)_PROXY`` is not honoured on
+    this path (hub sources go through huggingface_hub, which does)."""
 
     MAX_REDIRECTS = 5
 
