@@ -42,8 +42,9 @@ CHUNK_BYTES = 1 << 20
 WRITE_BYTES = 32 << 10
 """The most bytes one ``write`` hands the page cache. The kernel backs a write with page-cache
 folios about its size, and folios above 32 KiB (order 3, the largest its per-CPU free lists
-keep) come from the buddy allocator, which on the development VM (Linux 6.18, ext4) often hands
-out memory the host has taken back: 1 MiB writes cost 1.0 to 2.5 system CPU-s per GB there, 256
+keep) come from the buddy allocator, and on the development VM (Linux 6.18, ext4) they cost
+several times the system CPU per byte (most when the memory has been free a second or more;
+read as the host taking free guest memory back, not verified): 1 MiB writes cost 1.0 to 2.5 system CPU-s per GB there, 256
 KiB writes 0.4 normally and 1.3 to 1.9 after another program's small writes freed its pages,
 32 KiB writes 0.7 in both cases, as curl's 16 KiB ones (loadtests/bench_cache_fill.py, README
 "Cache figures"). Receiving and hashing keep ``CHUNK_BYTES`` pieces."""
