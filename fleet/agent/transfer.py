@@ -11,10 +11,16 @@ Why not ``hf_hub_download`` itself: in huggingface_hub 2.x it downloads into a p
 temporary file that it deletes on failure (``_download_to_tmp_and_move``), so a download cut by
 a crash or a restart starts again from byte 0. Fleet keeps its part file across processes and
 hands its length to ``http_get(resume_size=...)``, which sends the Range request.
+
+The byte path (what keeps a verified fill at curl's speed or better, loadtests/bench_cache_fill.py):
+``readinto`` pooled ``CHUNK_BYTES`` buffers; page-cache writes of ``WRITE_BYTES``; the kernel's
+writeback started every ``WRITEBACK_BYTES`` (the fsync before the rename then has little left);
+sha256 on a thread of its own while a core is free for it, else inline (`hash_inline`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import http.client
 import logging
@@ -22,9 +28,10 @@ import os
 import queue
 import ssl
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Protocol
+from typing import BinaryIO, Callable, Iterator, Protocol
 from urllib.parse import urljoin, urlsplit
 
 import tenacity
@@ -32,6 +39,18 @@ import tenacity
 from fleet.agent.sources import RemoteFile
 
 CHUNK_BYTES = 1 << 20
+WRITE_BYTES = 32 << 10
+"""The most bytes one ``write`` hands the page cache. The kernel backs a write with page-cache
+folios about its size, and folios above 32 KiB (order 3, the largest its per-CPU free lists
+keep) come from the buddy allocator, and on the development VM (Linux 6.18, ext4) they cost
+several times the system CPU per byte (most when the memory has been free a second or more;
+read as the host taking free guest memory back, not verified): 1 MiB writes cost 1.0 to 2.5 system CPU-s per GB there, 256
+KiB writes 0.4 normally and 1.3 to 1.9 after another program's small writes freed its pages,
+32 KiB writes 0.7 in both cases, as curl's 16 KiB ones (loadtests/bench_cache_fill.py, README
+"Cache figures"). Receiving and hashing keep ``CHUNK_BYTES`` pieces."""
+WRITEBACK_BYTES = 32 << 20
+"""Every this many bytes written, the kernel is told to start writing them to disk (without
+waiting): the fsync before the rename then finds little left to write."""
 log = logging.getLogger("fleet.agent.transfer")
 OnBytes = Callable[[int], None]
 
@@ -74,11 +93,11 @@ class Transfer(Protocol):
 
 class HttpTransfer:
     """GET with the standard library's ``http.client``, ``readinto`` pooled ``CHUNK_BYTES``
-    buffers (`_HashingWriter.fill`): about curl's CPU per byte, where httpx's 64 KiB event loop
-    costs twice as much (loadtests/bench_cache_fill.py). Follows up to ``MAX_REDIRECTS``
-    redirects (dropping ``Authorization`` when the host changes); keeps one connection per host
-    per thread. ``HTTP(S)_PROXY`` is not honoured on this path (hub sources go through
-    huggingface_hub, which does)."""
+    buffers written in ``WRITE_BYTES`` pieces (`_HashingWriter.fill`): about half of curl's CPU
+    per byte, where httpx's 64 KiB event loop costs twice curl's (loadtests/bench_cache_fill.py).
+    Follows up to ``MAX_REDIRECTS`` redirects (dropping ``Authorization`` when the host
+    changes); keeps one connection per host per thread. ``HTTP(S)_PROXY`` is not honoured on
+    this path (hub sources go through huggingface_hub, which does)."""
 
     MAX_REDIRECTS = 5
 
@@ -191,35 +210,81 @@ def _raise_for_status(status: int, url: str, detail: str = "") -> None:
     raise FetchRefused(msg)
 
 
+class _BufferPool:
+    """``CHUNK_BYTES`` buffers kept across files (at most ``keep`` idle), so that each file does
+    not fault in fresh pages for its buffers."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.idle: list[bytearray] = []
+        self.lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self.lock:
+            if self.idle:
+                return self.idle.pop()
+        return bytearray(CHUNK_BYTES)
+
+    def give(self, buf: bytearray) -> None:
+        with self.lock:
+            if len(self.idle) < self.keep:
+                self.idle.append(buf)
+
+
+_BUFFERS = _BufferPool(keep=16)
+
+
 class _Hasher:
-    """sha256 (and the git blob id when the source lists one) of a byte stream, computed on a
-    thread of its own so that hashing overlaps receiving (large hashlib updates release the
-    GIL). Takes ``bytes`` (``update``) or a pooled buffer (``update_buffer``: handed back to the
-    pool once hashed; at most ``POOL`` buffers exist); ``hexdigests`` waits for the rest."""
+    """sha256 (and the git blob id when the source lists one) of a byte stream.
+
+    Hashing runs on a thread of its own, overlapped with receiving (large hashlib updates
+    release the GIL), unless ``inline()`` says that this process is already fetching at least
+    as many files as it has CPUs: then each fetching thread hashes what it received itself,
+    as no core is left for a hashing thread and handing buffers to one only costs wake-ups.
+    The choice is made per buffer, and a buffer is hashed inline only when the hashing thread
+    has nothing pending, so the bytes are hashed in order. Takes ``bytes`` (``update``) or a
+    pooled buffer (``update_buffer``: handed back to the pool once hashed; at most ``POOL``
+    buffers exist); ``hexdigests`` waits for the rest."""
 
     POOL = 8
 
-    def __init__(self, rf: RemoteFile) -> None:
+    def __init__(self, rf: RemoteFile, inline: Callable[[], bool] = lambda: False) -> None:
         self.sha256 = hashlib.sha256()
         self.git = _git_hasher(rf)
+        self.inline = inline
         self.q: queue.Queue[bytes | tuple[bytearray, int] | None] = queue.Queue(2 * self.POOL)
         self.free: queue.Queue[bytearray] = queue.Queue()
         self.buffers = 0
+        self.pending = 0   # items queued and not yet hashed; only the hashing thread lowers it
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="fleet-cache-sha256", daemon=True)
         self.thread.start()
+
+    def _hash(self, data: bytes | memoryview) -> None:
+        self.sha256.update(data)
+        if self.git is not None:
+            self.git.update(data)
 
     def _run(self) -> None:
         while (item := self.q.get()) is not None:
             if isinstance(item, tuple):
                 buf, n = item
-                data = memoryview(buf)[:n]
-            else:
-                buf, data = None, item
-            self.sha256.update(data)
-            if self.git is not None:
-                self.git.update(data)
-            if buf is not None:
+                self._hash(memoryview(buf)[:n])
                 self.free.put(buf)
+            else:
+                self._hash(item)
+            with self.lock:
+                self.pending -= 1
+
+    def _enqueue(self, item: bytes | tuple[bytearray, int]) -> bool:
+        """Queue ``item`` for the hashing thread, or return False when the caller should hash
+        it now (inline wanted and nothing queued before it)."""
+        with self.lock:
+            if self.pending == 0 and self.inline():
+                return False
+            self.pending += 1
+        self.q.put(item)
+        return True
 
     def buffer(self) -> bytearray:
         """A free buffer of ``CHUNK_BYTES`` (waits for one when ``POOL`` are in flight)."""
@@ -228,23 +293,96 @@ class _Hasher:
         except queue.Empty:
             if self.buffers < self.POOL:
                 self.buffers += 1
-                return bytearray(CHUNK_BYTES)
+                return _BUFFERS.take()
             return self.free.get()
 
     def give_back(self, buf: bytearray) -> None:
         self.free.put(buf)
 
     def update(self, chunk: bytes) -> None:
-        self.q.put(chunk)
+        if not self._enqueue(chunk):
+            self._hash(chunk)
 
     def update_buffer(self, buf: bytearray, n: int) -> None:
-        self.q.put((buf, n))
+        if not self._enqueue((buf, n)):
+            self._hash(memoryview(buf)[:n])
+            self.free.put(buf)
 
     def hexdigests(self) -> tuple[str, str | None]:
-        """Stop the thread; returns (sha256, git blob id or None)."""
+        """Stop the thread (its buffers go back to the process's pool); returns (sha256, git
+        blob id or None)."""
         self.q.put(None)
         self.thread.join()
+        while True:
+            try:
+                _BUFFERS.give(self.free.get_nowait())
+            except queue.Empty:
+                break
         return self.sha256.hexdigest(), (self.git.hexdigest() if self.git is not None else None)
+
+
+def hash_inline(fetching: int, cpus: int) -> bool:
+    """Whether a fetching thread should hash what it receives itself rather than hand it to a
+    hashing thread: when this process fetches at least as many files at once as it may use CPUs
+    (``fetching`` counts the file being fetched), a hashing thread would find no free core."""
+    return fetching >= max(1, cpus)
+
+
+class _InFlight:
+    """How many files this process is fetching now (`fetch_file` calls inside a transfer)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.lock = threading.Lock()
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    @contextmanager
+    def one(self) -> Iterator[None]:
+        with self.lock:
+            self.n += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.n -= 1
+
+    def hash_inline(self) -> bool:
+        return hash_inline(self.n, self.cpus)
+
+
+_IN_FLIGHT = _InFlight()
+
+
+class _Writeback:
+    """Starts the kernel writing a file range back to disk without waiting for it: Linux's
+    ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)`` through libc (the standard
+    library has no binding). A no-op where libc lacks it; errors are ignored (an optimisation:
+    durability comes from the fsync before the rename, fleet/agent/cache.py)."""
+
+    SYNC_FILE_RANGE_WRITE = 2
+
+    def __init__(self) -> None:
+        self._call = None
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        except (OSError, AttributeError):
+            return
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        self._call = fn
+
+    def start(self, fd: int, offset: int, nbytes: int) -> None:
+        if self._call is not None and nbytes > 0:
+            self._call(fd, offset, nbytes, self.SYNC_FILE_RANGE_WRITE)
+
+
+_WRITEBACK = _Writeback()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``nbytes`` of ``fd`` from ``offset`` back to disk, without waiting
+    (`_Writeback`). Used by `_HashingWriter` and loadtests/bench_cache_fill.py."""
+    _WRITEBACK.start(fd, offset, nbytes)
 
 
 class _HashingWriter:
@@ -256,8 +394,9 @@ class _HashingWriter:
         self.f = f
         self.rf = rf
         self.on_bytes = on_bytes
-        self.hasher = _Hasher(rf)
+        self.hasher = _Hasher(rf, _IN_FLIGHT.hash_inline)
         self.written = 0
+        self.clean_to = 0   # bytes before this offset have been handed to the kernel's writeback
 
     def _absorb(self, limit: int | None) -> None:
         self.f.seek(0)
@@ -271,9 +410,18 @@ class _HashingWriter:
         self._absorb(None)
         return self.written
 
+    def _write(self, data: memoryview) -> None:
+        for off in range(0, len(data), WRITE_BYTES):
+            self.f.write(data[off:off + WRITE_BYTES])
+        end = self.f.tell()
+        if end - self.clean_to >= WRITEBACK_BYTES:
+            self.f.flush()
+            _WRITEBACK.start(self.f.fileno(), self.clean_to, end - self.clean_to)
+            self.clean_to = end
+
     def write(self, chunk: bytes) -> int:
         chunk = bytes(chunk)
-        self.f.write(chunk)
+        self._write(memoryview(chunk))
         self.hasher.update(chunk)
         self._count(len(chunk))
         return len(chunk)
@@ -290,7 +438,7 @@ class _HashingWriter:
         if not n:
             self.hasher.give_back(buf)
             return 0
-        self.f.write(memoryview(buf)[:n])
+        self._write(memoryview(buf)[:n])
         self.hasher.update_buffer(buf, n)
         self._count(n)
         return n
@@ -304,16 +452,19 @@ class _HashingWriter:
         return self.f.tell()
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        return self.f.seek(pos, whence)
+        at = self.f.seek(pos, whence)
+        self.clean_to = min(self.clean_to, at)
+        return at
 
     def truncate(self, size: int | None = None) -> int:
         keep = self.f.tell() if size is None else size
         dropped = self.written - keep
         self.f.truncate(keep)
         self.hasher.hexdigests()
-        self.hasher, self.written = _Hasher(self.rf), 0
+        self.hasher, self.written = _Hasher(self.rf, _IN_FLIGHT.hash_inline), 0
         self._absorb(keep)
         self.f.seek(keep)
+        self.clean_to = min(self.clean_to, keep)
         if self.on_bytes is not None and dropped > 0:
             self.on_bytes(-dropped)
         return keep
@@ -380,8 +531,10 @@ def _fetch_once(rf: RemoteFile, part: Path, transfer: Transfer, headers: dict[st
                 on_bytes(have)
             writer.on_bytes = on_bytes
             f.seek(have)
+            writer.clean_to = have
             if rf.size is None or have < rf.size:
-                transfer.fetch(rf.url, writer, have, headers, rf.size)
+                with _IN_FLIGHT.one():
+                    transfer.fetch(rf.url, writer, have, headers, rf.size)
             writer.flush()
         finally:
             digest, git = writer.finish()   # stops the hashing thread, also when the transfer failed
