@@ -138,6 +138,7 @@ class KubernetesBackend:
                                    stop=tenacity.stop_after_attempt(self.settings.pre_pull_attempts))  # fmt: skip
             self.prepuller = PrePuller(kube, namespace, fleet_id, self.settings, policy)
         self._images: dict[str, frozenset[str]] = {}   # node -> image names its status lists (last seen)
+        self._images_at: dict[str, tuple[str | None, frozenset[str]]] = {}   # node -> (resourceVersion, images)
         self._awaiting: dict[str, tuple[str, str, list[dict]]] = {}   # replica id -> (deployment, image, pods)
         self._pre_pull: dict[str, tuple[str, dict[str, str], int]] = {}   # deployment -> (image, selector, limit)
 
@@ -147,7 +148,7 @@ class KubernetesBackend:
         nodes = []
         self.unusable_nodes = {}
         objs = await self.nodes.items()
-        self._images = {n["metadata"]["name"]: node_images(n) for n in objs}
+        self._refresh_images(objs)
         for obj in sorted(objs, key=lambda n: n["metadata"]["name"]):
             why = node_usable(obj, self.settings)
             if why:
@@ -164,6 +165,24 @@ class KubernetesBackend:
         if len(self._node_cache) > 2 * len(nodes) + 16:
             self._node_cache = {k: v for k, v in self._node_cache.items() if (k[0], None) in current}
         return Inventory(tuple(nodes))
+
+    def _refresh_images(self, objs: list[dict]) -> None:
+        """``self._images``: node -> the image names its status lists, parsed once per node
+        version (`inventory` and `observe` both read the nodes every tick; 50 images on each of
+        10,000 nodes take ~0.3 s to parse)."""
+        images = {}
+        for obj in objs:
+            meta = obj["metadata"]
+            version = meta.get("resourceVersion")
+            seen = self._images_at.get(meta["name"])
+            if seen is not None and version is not None and seen[0] == version:
+                images[meta["name"]] = seen[1]
+            else:
+                images[meta["name"]] = node_images(obj)
+                self._images_at[meta["name"]] = (version, images[meta["name"]])
+        if len(self._images_at) > len(images):
+            self._images_at = {k: v for k, v in self._images_at.items() if k in images}
+        self._images = images
 
     async def ensure(self, want: ReplicaWant) -> None:
         rid = want.replica_id
@@ -227,7 +246,7 @@ class KubernetesBackend:
         facts: dict[str, ReplicaFacts] = {}
         node_objs = await self.nodes.items()
         nodes = {n["metadata"]["name"] for n in node_objs}
-        self._images = {n["metadata"]["name"]: node_images(n) for n in node_objs}
+        self._refresh_images(node_objs)
         groups: dict[str, list[dict]] = {}
         pull_pods = []
         for pod in await self.pods.items():

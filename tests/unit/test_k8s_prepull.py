@@ -586,3 +586,29 @@ def test_a_success_resets_the_failure_count_and_an_adopted_pod_times_out_from_ad
     assert fresh.step(wanted, images, {key: _pod()}).delete == []
     clock.advance(1)
     assert fresh.step(wanted, images, {key: _pod()}).delete == ["p"]
+
+
+async def test_node_images_are_parsed_once_per_node_version(monkeypatch):
+    """`inventory` and `observe` both read the nodes every tick: a node's image list is parsed
+    again only when its resourceVersion changed, and a pulled image is then seen."""
+    import fleet.k8s.backend as backend_module
+
+    parsed = Counter()
+
+    def counting(obj):
+        parsed[obj["metadata"]["name"]] += 1
+        return node_images(obj)
+
+    monkeypatch.setattr(backend_module, "node_images", counting)
+    kube = FakeKube()
+    kube.store.create(NODES, None, node("cpu-a"))
+    backend = KubernetesBackend(kube, NS, "fleet-1", settings=EnginePodSettings(default_image=IMAGE))
+    for _ in range(3):
+        await backend.inventory()
+        await backend.observe()
+    assert parsed["cpu-a"] == 1 and backend._images["cpu-a"] == frozenset()
+    obj = kube.store.get(NODES, None, "cpu-a")
+    obj["status"]["images"] = [{"names": [IMAGE], "sizeBytes": 1}]
+    kube.store.replace(NODES, None, "cpu-a", obj)                  # a new resourceVersion
+    await backend.observe()
+    assert parsed["cpu-a"] == 2 and IMAGE in backend._images["cpu-a"]
