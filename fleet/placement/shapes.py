@@ -149,8 +149,9 @@ class PlacementRequest:
     image and the weights (the controller passes nodes that run a replica of this very spec); a
     node whose ``cached`` set (what its node agent or backend reports:
     `fleet.agent.cache.WeightCache.cached_sources`, the images in ``Node.status.images``) holds both
-    ``image`` and ``model_source`` is warm too (sources compared in their canonical form,
-    `canonical_source`: ``hf://org/name`` is ``hf://org/name@main``). With
+    ``image`` and ``model_source`` is warm too (the source as written or in its canonical form,
+    `canonical_source`, which is how caches report it: ``hf://org/name`` is
+    ``hf://org/name@main``). With
     ``all_or_nothing`` nothing is placed unless all ``count`` replicas fit.
     """
 
@@ -181,10 +182,10 @@ class PlacementRequest:
         if node.name in self.warm_nodes:
             return WARM
         image = self.image is None or self.image in node.cached
-        weights = False
-        if self.model_source is not None and node.cached:
-            source = canonical_source(self.model_source)
-            weights = any(canonical_source(c) == source for c in node.cached)
+        # Nodes report sources canonical (the cache, the agent's annotation) or as a spec writes
+        # them (an inventory file): two set lookups, not a scan of every image a node lists.
+        weights = self.model_source is not None and (
+            self.model_source in node.cached or canonical_source(self.model_source) in node.cached)
         return 2 * weights + image
 
     def is_warm(self, node: NodeInventory) -> bool:
