@@ -492,8 +492,7 @@ class Controller(RolloutSteps, RestartSteps):
                                           Counter(d for a in holding.values() for d in a.devices))
         if not plan.placements:
             return False
-        return all(request.is_warm(self.inventory.node(m.node)) or m.node in request.warm_nodes
-                   for m in plan.placements[0].members)
+        return all(request.is_warm(self.inventory.node(m.node)) for m in plan.placements[0].members)
 
     async def _place_and_launch(self) -> None:
         holding = self._holding()
