@@ -51,8 +51,8 @@ A floor learned as a lower bound never lets a steady load leave an over-provisio
 load per replica seen is the most ever confirmed, so the floor is today's count). With every
 signal far below target (under half of `scaleDownBelowFraction`), the policy probes: one
 replica fewer, unless the arrival rate *and* the load each remaining replica would take both
-reach `PROBE_MARGIN` of those per replica at an *overload* (a signal above target) in the last
-30 minutes. A failed probe is that overload: the policy scales back up, and the rate it
+reach `PROBE_MARGIN` of those per replica at an *overload* (a signal above target; the peak
+rate and load behind it, as a windowed latency lags the load) in the last 30 minutes. A failed probe is that overload: the policy scales back up, and the rate it
 failed at bars the same probe from then on. The probe is latency-driven exploration, the upper
 bound its memory.
 """
@@ -301,7 +301,10 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         # (seen at, load per READY replica, arrival rate per READY replica)
         self._pending_capacity: deque[tuple[float, float, float]] = deque()
         self._capacity: deque[tuple[float, float, float]] = deque()
-        # (seen at, arrival rate, load) per READY replica behind the signals, whenever a target broke
+        # (seen at, arrival rate, load) per READY replica, every decision: what an overload's
+        # signal window was produced by (kept `window_seconds` + `trend_window_seconds`)
+        self._demand: deque[tuple[float, float, float]] = deque()
+        # (seen at, arrival rate, load) per READY replica at the peak behind a broken target
         self._overloads: deque[tuple[float, float, float]] = deque()
 
     # ----- signals ------------------------------------------------------------------------
@@ -378,17 +381,34 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         while self._capacity and self._capacity[0][0] < now_s - CAPACITY_MEMORY_S:
             self._capacity.popleft()
 
-    def _learn_overload(self, now_s: float, pressure: float | None, rate: float, load: float,
-                        behind: float) -> None:  # fmt: skip
-        """Remember the arrival rate and the load per replica at which a target broke, for
-        `CAPACITY_MEMORY_S`."""
-        if pressure is not None and pressure > 1.0 and rate > 0 and behind > 0:
-            self._overloads.append((now_s, rate / behind, load / behind))
+    def _learn_overload(self, now_s: float, pressure: float | None, latency_s: float | None, rate: float,
+                        load: float, ready: int) -> None:  # fmt: skip
+        """Remember the arrival rate and the load per READY replica at which a target broke, for
+        `CAPACITY_MEMORY_S`: the peak of each over the requests the broken signal describes,
+        those that arrived within the signal window plus the signal's own latency ago
+        (``latency_s``: the queue time or p99 TTFT measured; capped at `trend_window_seconds`).
+
+        Not the rate of this tick: a windowed latency lags the load that caused it, so right
+        after a burst ends the signal still breaks while the arrival rate has already fallen,
+        and an overload remembered at that low rate would bar every probe for 30 minutes (seen
+        in `tests/e2e/test_autoscale_sim.py`: one client left, "overloaded" at 0.2 req/s)."""
+        spec, demand = self.spec, self._demand
+        if ready > 0:
+            demand.append((now_s, rate / ready, load / ready))
+        while demand and demand[0][0] < now_s - spec.window_seconds - spec.trend_window_seconds:
+            demand.popleft()
+        if pressure is not None and pressure > 1.0 and demand:
+            since_s = now_s - spec.window_seconds - min(latency_s or 0.0, spec.trend_window_seconds)
+            behind = [(rate_each, load_each) for t, rate_each, load_each in demand if t >= since_s]
+            peak_rate, peak_load = max(r for r, _ in behind), max(x for _, x in behind)
+            if peak_rate > 0:
+                self._overloads.append((now_s, peak_rate, peak_load))
         while self._overloads and self._overloads[0][0] < now_s - CAPACITY_MEMORY_S:
             self._overloads.popleft()
 
     def per_replica_overload_rate(self) -> float | None:
-        """Lowest arrival rate per READY replica seen with a target broken (requests/s), or None."""
+        """Lowest arrival rate per READY replica remembered for an overload (requests/s; the peak
+        behind a broken target, `_learn_overload`), or None."""
         return min((r for _, r, _ in self._overloads), default=None)
 
     def _may_probe(self, pressure: float | None, rate: float, load: float, current: int) -> bool:
@@ -447,7 +467,8 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         horizon_s = min(ctx.startup.lead_time_s, spec.trend_window_seconds)
         projection = self._projection(now_s, horizon_s, ctx.ready)
         behind = self._replicas_behind_signals(now_s, ctx.ready)
-        self._learn_overload(now_s, pressure, s.arrival_rate_per_s, load, behind)
+        latency_s = {"queue_time": s.queue_time_s, "ttft_p99": s.ttft_p99_s}.get(signal) if signal else None
+        self._learn_overload(now_s, pressure, latency_s, s.arrival_rate_per_s, load, ctx.ready)
         current = ctx.desired
         inputs: dict[str, float | int | None] = {
             "queue_time_s": s.queue_time_s, "ttft_p99_s": s.ttft_p99_s, "pressure": pressure,

@@ -97,7 +97,10 @@ class FleetUp:
         except psutil.NoSuchProcess:
             pass
 
-    def wait_for(self, what: str, predicate: Callable[[], bool], timeout_s: float) -> None:
+    def wait_for(self, what: str, predicate: Callable[[], bool], timeout_s: float,
+                 explain: Callable[[], object] | None = None) -> None:
+        """Poll ``predicate`` until it holds or ``timeout_s`` passes; on a timeout the failure
+        names ``what``, the replicas, what ``explain()`` returns (when given) and the output."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.track_descendants()
@@ -106,8 +109,9 @@ class FleetUp:
             if self.proc.poll() is not None:
                 pytest.fail(f"`fleet up` exited with {self.proc.returncode} while waiting for {what}:\n{self.output()}")
             time.sleep(0.5)
+        context = f"\n{explain()}" if explain is not None else ""
         pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; replicas: "
-                    f"{ {k: v['status'] for k, v in self.replicas().items()} }\n{self.output()}")
+                    f"{ {k: v['status'] for k, v in self.replicas().items()} }{context}\n{self.output()}")
 
     def status_of(self, replica_id: str) -> str | None:
         return self.replicas().get(replica_id, {}).get("status")

@@ -137,7 +137,8 @@ def test_a_burst_scales_up_and_the_quiet_after_it_scales_back_down(sim_fleet_up,
         # The burst ends; one client stays, so draining replicas have requests in flight.
         clients.remove(BURST_CLIENTS - 1)
         fleet.wait_for("a scale-down back to one replica",
-                       lambda: desired() == 1 and len(ready()) == 1, SCALE_TIMEOUT_S)
+                       lambda: desired() == 1 and len(ready()) == 1, SCALE_TIMEOUT_S,
+                       explain=lambda: fleet.state()["deployments"]["burst"].get("last_scaling"))
         down = fleet.state()["deployments"]["burst"]
         assert down["desired_reason"] == "autoscaler: underloaded", down
         fleet.wait_for("the surplus replicas stopped", lambda: all(

@@ -269,3 +269,25 @@ def test_a_fast_closed_loop_client_is_no_overload() -> None:
     desired, decisions = run(p, 60.0, 2, lambda t, n: signals(t, queue=0.0, in_flight=1, rate=1.9, e2e=0.5),
                              start_s=3.0)  # fmt: skip
     assert desired == 1, decisions[-1].detail
+
+
+def test_a_signal_lagging_behind_a_burst_that_ended_is_no_overload_at_the_rate_after_it() -> None:
+    # The shape of tests/e2e/test_autoscale_sim.py, numbers from its decisions. One client (0.5
+    # requests/s) on one replica for a while: 0.5 requests/s per replica is confirmed sustainable.
+    p = fleet(min_=1, max_=3, initial=1, window_seconds=4, interval_seconds=1, scale_down_stabilization_seconds=6)
+    desired, _ = run(p, 10.0, 1, lambda t, n: signals(t, queue=0.0, in_flight=1, rate=0.5, e2e=0.5))
+    assert desired == 1 and p.per_replica_rate_capacity() == pytest.approx(0.5)
+    # The burst overloads one replica, then three; it ends, and for one decision the windowed
+    # queue time still shows it (1.05x) while the arrival rate has fallen to the one client's.
+    desired, _ = run(p, 3.0, 1, lambda t, n: signals(t, queue=1.5 * TQ, in_flight=2, queued=7, rate=3.5), start_s=10.0)
+    assert desired == 3
+    desired, _ = run(p, 5.0, 3, lambda t, n: signals(t, queue=1.3 * TQ, in_flight=6, queued=1, rate=6.2), start_s=13.0)
+    p.decide(ctx(18.0, 3, signals(18.0, queue=1.05 * TQ, in_flight=1, rate=0.64, e2e=0.5)))
+    # What broke the target was the burst behind the window, not 0.2 requests/s per replica.
+    assert p.per_replica_overload_rate() >= 2.0
+    # The one client stays, a little faster than the rate confirmed (the floor says 2): the
+    # probe is not barred by the lag, and the deployment comes back to one replica.
+    desired, decisions = run(p, 60.0, 3, lambda t, n: signals(t, queue=0.0, in_flight=1, rate=0.8, e2e=0.5),
+                             start_s=19.0)  # fmt: skip
+    assert desired == 1, decisions[-1].detail
+    assert any("probing 1" in d.detail for d in decisions), [d.detail for d in decisions]
