@@ -1,7 +1,7 @@
 """A local HTTP server speaking the part of the Hugging Face Hub's HTTP API that model downloads
 use, plus plain static files (for http(s) manifest sources), with fault injection.
 
-Used by the weight-cache tests (tests/unit/test_agent_cache.py, test_agent_hub.py) and by
+Used by the weight-cache tests (tests/unit/test_agent_cache.py, test_agent_proxy.py) and by
 loadtests/bench_cache_fill.py; the real `huggingface_hub` client code runs against it (set
 ``HF_ENDPOINT`` to ``server.url``). No hub is reachable from CI, so this is the hub there.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import ssl
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -70,10 +71,12 @@ class ServerLog:
 
 
 class HubServer:
-    """Start with ``with HubServer(...) as hub:``; ``hub.url`` is ``http://127.0.0.1:<port>``."""
+    """Start with ``with HubServer(...) as hub:``; ``hub.url`` is ``http://127.0.0.1:<port>``
+    (``https://`` with ``tls``)."""
 
     def __init__(self, repos: dict[str, HubRepo] | None = None, static_root: Path | None = None,
-                 token: str | None = None, port: int = 0) -> None:
+                 token: str | None = None, port: int = 0, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: a server-side context; the server then speaks https (``url`` says so)."""
         self.repos = dict(repos or {})
         self.static_root = static_root
         self.token = token
@@ -88,11 +91,15 @@ class HubServer:
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
         self._httpd.daemon_threads = True
+        self.scheme = "http"
+        if tls is not None:
+            self._httpd.socket = tls.wrap_socket(self._httpd.socket, server_side=True)
+            self.scheme = "https"
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self._httpd.server_address[1]}"
 
     def __enter__(self) -> HubServer:
         self._thread.start()

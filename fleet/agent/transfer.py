@@ -20,6 +20,7 @@ sha256 on a thread of its own while a core is free for it, else inline (`hash_in
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import hashlib
 import http.client
@@ -28,11 +29,12 @@ import os
 import queue
 import ssl
 import threading
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Protocol
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import unquote, urljoin, urlsplit
 
 import tenacity
 
@@ -96,8 +98,14 @@ class HttpTransfer:
     buffers written in ``WRITE_BYTES`` pieces (`_HashingWriter.fill`): about half of curl's CPU
     per byte, where httpx's 64 KiB event loop costs twice curl's (loadtests/bench_cache_fill.py).
     Follows up to ``MAX_REDIRECTS`` redirects (dropping ``Authorization`` when the host
-    changes); keeps one connection per host per thread. ``HTTP(S)_PROXY`` is not honoured on
-    this path (hub sources go through huggingface_hub, which does)."""
+    changes); keeps one connection per host per thread.
+
+    Proxies as curl, httpx (the manifests) and huggingface_hub (hub sources) take them:
+    ``http_proxy`` / ``https_proxy`` / ``no_proxy`` (either case), read by the standard
+    library's ``urllib.request.getproxies`` and ``proxy_bypass`` when a connection is opened.
+    An http URL goes to the proxy in absolute form; an https URL through a ``CONNECT`` tunnel,
+    TLS end to end with the origin. User and password in the proxy's URL become a basic
+    ``Proxy-Authorization``."""
 
     MAX_REDIRECTS = 5
 
@@ -105,21 +113,19 @@ class HttpTransfer:
         self.timeout_s = timeout_s
         self._local = threading.local()
 
-    def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+    def _conn(self, scheme: str, netloc: str) -> tuple[http.client.HTTPConnection, bool]:
+        """The kept connection for ``(scheme, netloc)`` (opened now if none), and whether it is
+        a plain-http proxy's (requests then name the whole URL)."""
         conns = self._local.__dict__.setdefault("conns", {})
         key = (scheme, netloc)
         if key not in conns:
-            if scheme == "https":
-                conns[key] = http.client.HTTPSConnection(netloc, timeout=self.timeout_s,
-                                                         context=ssl.create_default_context())
-            else:
-                conns[key] = http.client.HTTPConnection(netloc, timeout=self.timeout_s)
+            conns[key] = _open_connection(scheme, netloc, self.timeout_s)
         return conns[key]
 
     def _drop(self, scheme: str, netloc: str) -> None:
-        conn = self._local.__dict__.setdefault("conns", {}).pop((scheme, netloc), None)
-        if conn is not None:
-            conn.close()
+        kept = self._local.__dict__.setdefault("conns", {}).pop((scheme, netloc), None)
+        if kept is not None:
+            kept[0].close()
 
     def fetch(self, url: str, out: _HashingWriter, resume_size: int, headers: dict[str, str],
               expected_size: int | None) -> None:
@@ -138,8 +144,8 @@ class HttpTransfer:
             reused = (parts.scheme, parts.netloc) in self._local.__dict__.get("conns", {})
             got = 0
             try:
-                conn = self._conn(parts.scheme, parts.netloc)
-                conn.request("GET", target, headers=req_headers)
+                conn, via_proxy = self._conn(parts.scheme, parts.netloc)
+                conn.request("GET", url if via_proxy else target, headers=req_headers)
                 resp = conn.getresponse()
                 location = resp.getheader("Location")
                 if resp.status in (301, 302, 303, 307, 308) and location:
@@ -173,6 +179,44 @@ class HttpTransfer:
                     continue
                 raise TransferError(f"{url}: {type(err).__name__}: {err}") from None
         raise FetchRefused(f"{url}: more than {self.MAX_REDIRECTS} redirects")
+
+
+def _open_connection(scheme: str, netloc: str, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+    """A connection to ``scheme://netloc``, through the environment's proxy for ``scheme`` unless
+    ``no_proxy`` bypasses the host (`HttpTransfer`); and whether requests on it name the whole
+    URL (plain http through a proxy). Raises FetchRefused for a proxy URL that is not http."""
+    origin = urlsplit(f"//{netloc}")
+    proxy = urllib.request.getproxies().get(scheme)
+    if proxy and urllib.request.proxy_bypass(origin.hostname or netloc):
+        proxy = None
+    context = ssl.create_default_context() if scheme == "https" else None
+    if not proxy:
+        if context is not None:
+            return http.client.HTTPSConnection(netloc, timeout=timeout_s, context=context), False
+        return http.client.HTTPConnection(netloc, timeout=timeout_s), False
+    p = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    if p.scheme != "http" or not p.hostname:
+        raise FetchRefused(f"{scheme}_proxy={proxy!r}: only an http:// proxy is supported")
+    proxy_headers = {}
+    if p.username is not None:
+        credentials = f"{unquote(p.username)}:{unquote(p.password or '')}".encode()
+        proxy_headers["Proxy-Authorization"] = "Basic " + base64.b64encode(credentials).decode()
+    if context is None:
+        return _ProxiedHTTPConnection(p.hostname, p.port or 80, proxy_headers, timeout=timeout_s), True
+    conn = http.client.HTTPSConnection(p.hostname, p.port or 80, timeout=timeout_s, context=context)
+    conn.set_tunnel(origin.hostname or netloc, origin.port or 443, headers=proxy_headers)
+    return conn, False
+
+
+class _ProxiedHTTPConnection(http.client.HTTPConnection):
+    """A plain-http connection to a proxy that adds the proxy's credentials to every request."""
+
+    def __init__(self, host: str, port: int, proxy_headers: dict[str, str], **kw) -> None:
+        super().__init__(host, port, **kw)
+        self._proxy_headers = proxy_headers
+
+    def request(self, method, url, body=None, headers=None, **kw):  # type: ignore[override]
+        super().request(method, url, body, {**(headers or {}), **self._proxy_headers}, **kw)
 
 
 class HubTransfer:
