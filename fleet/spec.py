@@ -119,6 +119,15 @@ class EngineSpec(SpecModel):
     image: str | None = Field(
         None, description="Container image (Kubernetes backend). The local backend runs the installed engine."
     )
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = Field(
+        "IfNotPresent",
+        description="The engine pods' imagePullPolicy (Kubernetes backend). `IfNotPresent` (default): the "
+        "image Fleet pre-pulled onto the node is the one every replica of a revision runs, and a replacement "
+        "starts while the registry is down (Kubernetes' own default for `:latest` or no tag is `Always`, which "
+        "asks the registry at every pod start and can give replicas of one revision different contents: pin "
+        "a digest to change what runs). `Always`: asked at every start (pre-pull still fetches the layers). "
+        "`Never`: the image must already be on the node; nothing is pulled.",
+    )  # fmt: skip
     args: list[str] = Field(default_factory=list, description="Extra engine command-line arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the engine.")
     startup_timeout_seconds: float = Field(
@@ -329,7 +338,8 @@ class LoadedDeployment:
     @functools.cached_property
     def serving_hash(self) -> str:
         """What a replica of this deployment serves, as 16 hex digits of sha256: the model (name,
-        source with relative paths resolved, revision), the engine (kind, image, args, env) and
+        source with relative paths resolved, revision), the engine (kind, image, args, env; not
+        its start-up timeout or image pull policy) and
         the replica shape. Replicas with equal hashes are interchangeable; a restarted controller
         adopts a running replica only when its hash is today's (else it is drained and replaced).
         Computed once per loaded document (the controller reads it several times a tick)."""
@@ -337,7 +347,8 @@ class LoadedDeployment:
         local = spec.model.local_path(self.base_dir)
         what = {
             "model": {**spec.model.model_dump(mode="json"), "resolved": str(local) if local else None},
-            "engine": spec.engine.model_dump(mode="json", exclude={"startup_timeout_seconds"}),
+            # How long a start may take and how the kubelet finds the image change nothing served.
+            "engine": spec.engine.model_dump(mode="json", exclude={"startup_timeout_seconds", "image_pull_policy"}),
             "resources": spec.resources.model_dump(mode="json"),
         }
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

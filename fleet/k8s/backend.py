@@ -19,7 +19,8 @@ what the pull is doing), while ``observe`` advances the pre-pull pods each tick;
 created once the image is there. A failed pull is an Event on the InferenceDeployment naming
 the node, the image and the reason, and backs off; when the policy gives up, the waiting
 replica exits with that reason (the controller replaces it). ``set_pre_pull`` adds the
-selector-wide pulls of ``spec.prePull``. A replica's pod on a node that lists its image
+selector-wide pulls of ``spec.prePull``. With ``spec.engine.imagePullPolicy: Never`` nothing is
+pre-pulled (the node must hold the image; the kubelet says ErrImageNeverPull). A replica's pod on a node that lists its image
 reports ``image_present`` from that fact.
 
 Objects come from informers when the operator gives them (`fleet.k8s.informer`: list + watch),
@@ -194,7 +195,8 @@ class KubernetesBackend:
         self._created[rid] = ReplicaFacts(rid, want.deployment.name, want.spec_hash, want.placement.nodes[0],
                                           detail={"pod": rid, "phase": "Pending"})  # fmt: skip
         image = pods[0]["spec"]["containers"][0]["image"]
-        if self.prepuller is not None and not self._image_on(image, [p["spec"]["nodeName"] for p in pods]):
+        pulls = want.deployment.spec.engine.image_pull_policy != "Never"   # Never: the node must hold it
+        if self.prepuller is not None and pulls and not self._image_on(image, [p["spec"]["nodeName"] for p in pods]):
             self._awaiting[rid] = (want.deployment.name, image, pods)   # observe() pre-pulls, then creates
             return
         self._launch(rid, pods)
@@ -336,7 +338,7 @@ class KubernetesBackend:
         for dep in deployments:
             pull = getattr(dep.spec, "pre_pull", None)
             image = dep.spec.engine.image or self.settings.default_image
-            if pull is not None and image:
+            if pull is not None and image and dep.spec.engine.image_pull_policy != "Never":
                 targets[dep.name] = (image, dict(pull.node_selector), pull.max_parallel)
         self._pre_pull = targets
 

@@ -191,6 +191,7 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
         "command": command,
         "env": env_list,
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],

@@ -73,8 +73,19 @@ def _runtime_name(image: str) -> str:
     return max(image_aliases(image), key=lambda n: (n.count("/"), len(n)))
 
 
+def _default_pull_policy(image: str) -> str:
+    """The API server's default imagePullPolicy: Always for ``:latest`` or no tag, else IfNotPresent."""
+    name = image.split("@", 1)[0]
+    tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else None
+    return "Always" if "@" not in image and tag in (None, "latest") else "IfNotPresent"
+
+
 class ImagePuller:
     """The kubelet's image pulls on the stand-in nodes (see the module docstring). A STAND-IN.
+
+    A container's ``imagePullPolicy`` (else the API server's default) is honoured: ``Always``
+    pulls once per pod even when the node lists the image; ``Never`` fails with
+    ErrImageNeverPull when it does not.
 
     ``steps``: ``sync`` calls an image takes to pull (1: the first call pulls it);
     ``unpullable``: images that fail with ErrImagePull; ``pulls``: completed pulls by
@@ -87,6 +98,7 @@ class ImagePuller:
         self.progress: dict[tuple[str, str], int] = {}
         self.pulls: dict[tuple[str, str], int] = {}
         self.failures: dict[tuple[str, str], int] = {}
+        self.pulled_for: dict[str, set[tuple[str, str]]] = {}   # pod -> what it pulled (Always: once per pod)
 
     def sync(self, store: ObjectStore, ns: str, name: str) -> str:
         """One kubelet pass over pod ``name``: "pulled" (every image is on the node; a pre-pull
@@ -103,9 +115,14 @@ class ImagePuller:
             for entry in (node.get("status") or {}).get("images") or []:
                 for n in entry.get("names") or []:
                     listed |= image_aliases(n)
-            if image_aliases(image) & listed:
-                continue
             key = (node_name, image)
+            policy = c.get("imagePullPolicy") or _default_pull_policy(image)
+            if image_aliases(image) & listed and (policy != "Always" or key in self.pulled_for.get(name, ())):
+                continue
+            if policy == "Never":
+                self._waiting(store, ns, name, pod, c["name"], image, "ErrImageNeverPull",
+                              f'Container image "{image}" is not present with pull policy of Never')
+                return "failed"
             if image in self.unpullable:
                 self.failures[key] = self.failures.get(key, 0) + 1
                 reason = "ErrImagePull" if self.failures[key] == 1 else "ImagePullBackOff"
@@ -120,6 +137,7 @@ class ImagePuller:
                 return "pulling"
             del self.progress[key]
             self.pulls[key] = self.pulls.get(key, 0) + 1
+            self.pulled_for.setdefault(name, set()).add(key)
             images = list((node.get("status") or {}).get("images") or [])
             digest = "sha256:" + hashlib.sha256(image.encode()).hexdigest()
             repo = _runtime_name(image).rsplit(":", 1)[0] if "@" not in image else image.split("@")[0]

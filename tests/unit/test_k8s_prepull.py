@@ -612,3 +612,67 @@ async def test_node_images_are_parsed_once_per_node_version(monkeypatch):
     kube.store.replace(NODES, None, "cpu-a", obj)                  # a new resourceVersion
     await backend.observe()
     assert parsed["cpu-a"] == 2 and IMAGE in backend._images["cpu-a"]
+
+
+# ----- the engine pods' pull policy ------------------------------------------------------------
+
+async def test_engine_pods_run_the_pre_pulled_image_if_not_present_by_default():
+    # `:latest` would default to Always at the API server: asked of the registry at every start.
+    latest = "registry.example.com/fleet/engine:latest"
+    env = Env(_dep(engine={"kind": "sim", "image": latest}), nodes=[node("cpu-a", cpu=4)])
+    await env.c.start(None)
+    await env.tick()
+    env.kubelet()                      # the pre-pull
+    await env.tick()
+    pod = env.engine_pods()["chat-0"]
+    assert pod["spec"]["containers"][0]["imagePullPolicy"] == "IfNotPresent"
+    kubernetes_validate.validate(pod, "1.30", strict=True)
+    env.kubelet()
+    await env.tick(n=3)
+    assert env.status() == {"chat-0": S.READY}
+    assert env.puller.pulls == {("cpu-a", latest): 1}             # the engine pod pulled nothing more
+
+
+async def test_always_pulls_at_every_pod_start_after_the_pre_pull_landed_the_image():
+    env = Env(_dep(engine={"kind": "sim", "image": IMAGE, "imagePullPolicy": "Always"}), nodes=[node("cpu-a", cpu=4)])
+    await env.c.start(None)
+    await env.tick()
+    assert len(env.pull_pods()) == 1
+    env.kubelet()
+    await env.tick()
+    assert env.engine_pods()["chat-0"]["spec"]["containers"][0]["imagePullPolicy"] == "Always"
+    env.kubelet()
+    await env.tick(n=3)
+    assert env.status() == {"chat-0": S.READY}
+    assert env.puller.pulls == {("cpu-a", IMAGE): 2}              # the pre-pull, then the pod's own
+
+
+async def test_never_pre_pulls_nothing_and_a_node_without_the_image_fails_the_replica_saying_so():
+    env = Env(_dep(engine={"kind": "sim", "image": IMAGE, "imagePullPolicy": "Never"}),
+              nodes=[node("cpu-a", cpu=4)])  # fmt: skip
+    await env.c.start(None)
+    await env.tick()
+    assert env.created_pods() == ["chat-0"] and env.pull_pods() == {}
+    env.kubelet()
+    await env.tick()
+    replica = env.c.replicas["chat-0"]
+    assert replica.status is S.FAILED_START and replica.failure is not None, replica
+    assert "ErrImageNeverPull" in replica.failure.reason and env.puller.pulls == {}
+
+
+async def test_never_on_a_node_that_holds_the_image_starts_at_once():
+    env = Env(_dep(engine={"kind": "sim", "image": IMAGE, "imagePullPolicy": "Never"}),
+              nodes=[node("cpu-a", cpu=4, images=[IMAGE])])  # fmt: skip
+    await env.c.start(None)
+    await env.tick()
+    env.kubelet()
+    await env.tick(n=3)
+    assert env.status() == {"chat-0": S.READY} and env.puller.pulls == {}
+
+
+def test_the_pull_policy_is_outside_the_serving_hash_and_a_bad_one_names_the_field():
+    base = _dep(engine={"kind": "sim", "image": IMAGE})
+    for policy in ("Always", "Never", "IfNotPresent"):
+        assert _dep(engine={"kind": "sim", "image": IMAGE, "imagePullPolicy": policy}).serving_hash == base.serving_hash
+    with pytest.raises(Exception, match=r"engine\.imagePullPolicy"):
+        _dep(engine={"kind": "sim", "image": IMAGE, "imagePullPolicy": "Sometimes"})
