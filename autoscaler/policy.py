@@ -52,9 +52,9 @@ load per replica seen is the most ever confirmed, so the floor is today's count)
 signal far below target (under half of `scaleDownBelowFraction`), the policy probes: one
 replica fewer, unless the arrival rate *and* the load each remaining replica would take both
 reach `PROBE_MARGIN` of those per replica at an *overload* (a signal above target; the peak
-rate and load behind it, as a windowed latency lags the load) in the last 30 minutes. A failed probe is that overload: the policy scales back up, and the rate it
-failed at bars the same probe from then on. The probe is latency-driven exploration, the upper
-bound its memory.
+rate and load behind it, as a windowed latency lags the load) in the last 30 minutes. A failed
+probe is that overload: the policy scales back up, and the rate it failed at bars the same
+probe from then on. The probe is latency-driven exploration, the upper bound its memory.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ created once the image is there. A failed pull is an Event on the InferenceDeplo
 the node, the image and the reason, and backs off; when the policy gives up, the waiting
 replica exits with that reason (the controller replaces it). ``set_pre_pull`` adds the
 selector-wide pulls of ``spec.prePull``. With ``spec.engine.imagePullPolicy: Never`` nothing is
-pre-pulled (the node must hold the image; the kubelet says ErrImageNeverPull). A replica's pod on a node that lists its image
-reports ``image_present`` from that fact.
+pre-pulled (the node must hold the image; the kubelet says ErrImageNeverPull). A replica's pod
+on a node that lists its image reports ``image_present`` from that fact.
 
 Objects come from informers when the operator gives them (`fleet.k8s.informer`: list + watch),
 else from a list per call. Every call goes through `fleet.k8s.client.Kube`.
