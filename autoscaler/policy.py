@@ -399,8 +399,8 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             demand.popleft()
         if pressure is not None and pressure > 1.0 and demand:
             since_s = now_s - spec.window_seconds - min(latency_s or 0.0, spec.trend_window_seconds)
-            behind = [(rate_each, load_each) for t, rate_each, load_each in demand if t >= since_s]
-            peak_rate, peak_load = max(r for r, _ in behind), max(x for _, x in behind)
+            seen = [(rate_each, load_each) for t, rate_each, load_each in demand if t >= since_s]
+            peak_rate, peak_load = max(r for r, _ in seen), max(x for _, x in seen)
             if peak_rate > 0:
                 self._overloads.append((now_s, peak_rate, peak_load))
         while self._overloads and self._overloads[0][0] < now_s - CAPACITY_MEMORY_S:

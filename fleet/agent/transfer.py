@@ -177,6 +177,9 @@ class HttpTransfer:
                 if reused and got == 0 and redials == 0:   # a kept-alive connection the server had closed
                     redials += 1
                     continue
+                refused = _refused_tunnel(err)
+                if refused is not None:
+                    _raise_for_status(refused, url, f"the proxy refused the CONNECT tunnel: {err}")
                 raise TransferError(f"{url}: {type(err).__name__}: {err}") from None
         raise FetchRefused(f"{url}: more than {self.MAX_REDIRECTS} redirects")
 
@@ -206,6 +209,17 @@ def _open_connection(scheme: str, netloc: str, timeout_s: float) -> tuple[http.c
     conn = http.client.HTTPSConnection(p.hostname, p.port or 80, timeout=timeout_s, context=context)
     conn.set_tunnel(origin.hostname or netloc, origin.port or 443, headers=proxy_headers)
     return conn, False
+
+
+def _refused_tunnel(err: BaseException) -> int | None:
+    """The status a proxy answered a ``CONNECT`` with, when that is why ``err`` was raised, else
+    None. http.client reports it only in the message of an OSError: ``Tunnel connection failed:
+    407 Proxy Authentication Required``."""
+    prefix = "Tunnel connection failed: "
+    text = str(err)
+    if type(err) is OSError and text.startswith(prefix) and text[len(prefix):len(prefix) + 3].isdigit():
+        return int(text[len(prefix):len(prefix) + 3])
+    return None
 
 
 class _ProxiedHTTPConnection(http.client.HTTPConnection):

@@ -47,16 +47,18 @@ def _static(tmp_path):
     return root
 
 
-def test_an_http_source_goes_through_http_proxy_in_absolute_form(tmp_path, monkeypatch):
-    with HubServer(static_root=_static(tmp_path)) as hub, ForwardProxy() as proxy:
+def test_an_http_source_goes_through_http_proxy_in_absolute_form_with_its_credentials(tmp_path, monkeypatch):
+    auth = "Basic " + base64.b64encode(b"fleet:p@ss").decode()
+    with HubServer(static_root=_static(tmp_path)) as hub, ForwardProxy(require_auth=auth) as proxy:
         source = _serve(hub)
-        monkeypatch.setenv("http_proxy", proxy.url)
+        monkeypatch.setenv("http_proxy", proxy.url.replace("http://", "http://fleet:p%40ss@"))
         path = _cache(tmp_path).ensure(source)
     assert (path / "model.safetensors").read_bytes() == FILES["model.safetensors"]
-    targets = [target for method, target, _ in proxy.log if method == "GET"]
+    targets = [target for method, target, got in proxy.log if method == "GET" and got == auth]
     assert f"{source}fleet-manifest.json" in targets                    # httpx, the manifest
     assert f"{source}model.safetensors" in targets                      # HttpTransfer, the file
     assert f"{source}config.json" in targets
+    assert all(got == auth for _, _, got in proxy.log)
 
 
 def test_an_https_source_tunnels_through_the_proxy_with_its_credentials(tmp_path, monkeypatch):
@@ -93,12 +95,16 @@ def test_no_proxy_bypasses_the_proxy(tmp_path, monkeypatch):
     assert hub.log.file_gets("m/model.safetensors")
 
 
-def test_a_proxy_that_refuses_the_credentials_fails_naming_the_url(tmp_path, monkeypatch):
-    with HubServer(static_root=_static(tmp_path)) as hub, ForwardProxy(require_auth="Basic x") as proxy:
-        source = _serve(hub)
-        monkeypatch.setenv("http_proxy", proxy.url)
-        with pytest.raises(Exception, match="407"):
-            _cache(tmp_path).ensure(source)
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_proxy_that_refuses_the_credentials_is_no_retry_and_names_the_url(scheme, monkeypatch):
+    # http: the proxy answers the GET with 407; https: it refuses the CONNECT with 407, before any
+    # TLS. Neither is a transient failure (TransferError would be retried with backoff).
+    url = f"{scheme}://models.fleet-test.invalid/m/model.safetensors"
+    with ForwardProxy(require_auth="Basic right") as proxy:
+        monkeypatch.setenv(f"{scheme}_proxy", proxy.url.replace("http://", "http://fleet:wrong@"))
+        with pytest.raises(FetchRefused, match=rf"^{url}: HTTP 407"):
+            HttpTransfer().fetch(url, None, 0, {}, None)  # type: ignore[arg-type]
+    assert [method for method, _, _ in proxy.log] == ["GET" if scheme == "http" else "CONNECT"]
 
 
 def test_a_proxy_url_that_is_not_http_is_refused_clearly(monkeypatch):

@@ -28,7 +28,7 @@ from fleet.k8s.prepull import (PodPull, Pull, PrePullPolicy, is_pull_pod, pod_pu
                                pull_pod_name)  # fmt: skip
 from fleet.lifecycle import ReplicaStatus as S
 from fleet.placement import PlacementRequest, get_strategy
-from fleet.spec import LoadedDeployment, parse_document
+from fleet.spec import LoadedDeployment, SpecError, parse_document
 from tests.fakes import FakeClock, FakePoolSink
 from tests.k8s.fake import FakeKube, forbid_raw_client
 from tests.k8s.kubelet import ImagePuller, run_pod
@@ -674,5 +674,5 @@ def test_the_pull_policy_is_outside_the_serving_hash_and_a_bad_one_names_the_fie
     base = _dep(engine={"kind": "sim", "image": IMAGE})
     for policy in ("Always", "Never", "IfNotPresent"):
         assert _dep(engine={"kind": "sim", "image": IMAGE, "imagePullPolicy": policy}).serving_hash == base.serving_hash
-    with pytest.raises(Exception, match=r"engine\.imagePullPolicy"):
+    with pytest.raises(SpecError, match=r"engine\.imagePullPolicy: Input should be 'IfNotPresent', 'Always' or 'Never'"):
         _dep(engine={"kind": "sim", "image": IMAGE, "imagePullPolicy": "Sometimes"})
