@@ -8,9 +8,9 @@ router stats and engine scrapes), `startup` (observed time-to-ready, warm and co
 and Fleet's own policy), `baselines` (`keda-queue`, `kpa`, `fixed`), `metrics` (Prometheus
 export of decisions).
 
-Callers: `fleet.autoscaling` (the loop of `fleet up`: scrapes, decides, calls
+Callers: `fleet.controller.autoscaling` (the loop of `fleet up`: scrapes, decides, calls
 `Controller.set_desired`) and the trace simulator, which runs the same policy objects in
-virtual time. Imports `router.stats` (pure) and `fleet.specbase`; never the reverse.
+virtual time. Imports `router.stats` (pure) and `router.specbase`; never the reverse.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Read an engine's Prometheus `/metrics` text: the few vLLM series the autoscaler uses.
 
-Owns `EngineSample` and `parse_engine_metrics`. Called by `fleet.autoscaling` on each scrape
+Owns `EngineSample` and `parse_engine_metrics`. Called by `fleet.controller.autoscaling` on each scrape
 of a READY replica (the text comes from `warmup.client.EngineClient.metrics`); the trace
 simulator builds `EngineSample`s directly. Parsing uses prometheus-client's own text parser
 (`prometheus_client.parser.text_string_to_metric_families`) on the lines of the wanted

@@ -1,6 +1,6 @@
 """Prometheus export of scaling decisions and the signals behind them, on a registry of its own.
 
-Owns `AutoscalerMetrics`. `fleet.autoscaling` records every decision into it; `fleet up`
+Owns `AutoscalerMetrics`. `fleet.controller.autoscaling` records every decision into it; `fleet up`
 serves its registry at `http://HOST:METRICS_PORT/metrics`. The trace simulator may record into
 one as well (it never needs to serve it).
 

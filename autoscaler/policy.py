@@ -6,7 +6,7 @@ reason), `ReplicaBounds`, `ScalingPolicy` (base class; subclasses register by na
 `Stabilizer`, `limit_rate` and `FleetPolicy` (`fleet`). The baselines (`keda-queue`, `kpa`,
 `fixed`) live in `autoscaler.baselines` and register when this module is imported.
 
-How a caller drives a policy, in real or virtual time (`fleet.autoscaling`, the trace
+How a caller drives a policy, in real or virtual time (`fleet.controller.autoscaling`, the trace
 simulator): one instance per deployment, ``make_policy(spec, bounds)``; every
 ``policy.interval_s`` seconds build a `ScalingContext` (clock time, current target, READY and
 starting replicas, `autoscaler.signals.Signals`, `autoscaler.startup.StartupEstimate`) and call

@@ -3,7 +3,7 @@
 Owns `Signals` (the snapshot a policy reads) and `DeploymentSignals`, which keeps the engine
 scrapes of one deployment's replicas and combines them with the router's windowed statistics
 (`router.stats.ModelStats.snapshot`, fetched over `GET /admin/v1/stats`) into `Signals`.
-Called by `fleet.autoscaling` each autoscaler interval, and by the trace simulator with
+Called by `fleet.controller.autoscaling` each autoscaler interval, and by the trace simulator with
 simulated scrapes and a `ModelStats` it records into in virtual time.
 
 Definitions (seconds unless named otherwise):

@@ -2,7 +2,7 @@
 
 Owns `AutoscalingSpec` and the blocks of the baseline policies (`KpaSpec`, `KedaQueueSpec`).
 Included by `fleet.spec.DeploymentSpec`; read by the policies (`autoscaler.policy`,
-`autoscaler.baselines`) and by `fleet.autoscaling`. The replica bounds are not repeated here:
+`autoscaler.baselines`) and by `fleet.controller.autoscaling`. The replica bounds are not repeated here:
 every policy scales within `spec.replicas.min..max` and starts from `spec.replicas.initial`.
 
 Top-level fields configure Fleet's policy (`fleet`); the stabilisation windows and scale rates
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from fleet.specbase import FieldError, SpecModel
+from router.specbase import FieldError, SpecModel
 
 
 class KpaSpec(SpecModel):

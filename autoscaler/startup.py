@@ -3,7 +3,7 @@
 Owns `StartupEstimate` (what a policy reads: warm and cold start-up seconds and which one the
 next replica will need) and `StartupTracker` (observations per kind, median of the newest
 few; the spec's initial estimates until the first observation). Called by
-`fleet.autoscaling`, which observes each replica once it is READY (placement until warm-up
+`fleet.controller.autoscaling`, which observes each replica once it is READY (placement until warm-up
 passed), and by the trace simulator with its modelled start-up times.
 
 Warm vs cold: a warm start finds the engine image and the weights already on the node, a cold

@@ -25,8 +25,8 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from autoscaler.spec import AutoscalingSpec
-from fleet.agent.sources import SourceError, parse_source
-from fleet.specbase import FieldError, SpecModel
+from fleet.sources import SourceError, parse_source
+from router.specbase import FieldError, SpecModel
 from fleet.rollout.spec import RolloutSpec
 from warmup.plan import WarmupPlan
 
@@ -38,7 +38,7 @@ KIND = "InferenceDeployment"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 # NVIDIA MIG profile names, e.g. 1g.10gb, 3g.40gb, 1g.20gb+me (MIG user guide, "Supported profiles").
 _MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb(\+me)?$")
-# sim:// names an engine-simulator profile (engine.kind: sim only; see fleet.sim.profiles).
+# sim:// names an engine-simulator profile (engine.kind: sim only; see fleet.enginesim.profiles).
 _SOURCE_SCHEMES = ("file://", "hf://", "s3://", "http://", "https://", "sim://")
 # Engine flags Fleet sets itself from the spec and placement; a user value would conflict.
 _RESERVED_ENGINE_ARGS = {
@@ -139,7 +139,7 @@ class EngineSpec(SpecModel):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, v: str) -> str:
-        from fleet.engines import engine_kinds
+        from fleet.engines.kinds import engine_kinds
 
         if v not in engine_kinds():
             raise ValueError(f"unknown engine kind {v!r}; known: {', '.join(engine_kinds())}")

@@ -4,7 +4,7 @@ run; what verification costs; and 8 processes asking for one model at once.
     PYTHONPATH=. python loadtests/bench_cache_fill.py [--size-mib 512] [--shards 4] [--repeats 3] [--hub]
 
 Serves a generated model (``--shards`` safetensors-sized files of random bytes plus small JSON
-files, a fleet-manifest.json with sha256) from tests/hub_server.py (``sendfile``, HTTP/1.1
+files, a fleet-manifest.json with sha256) from fleet/testing/hub_server.py (``sendfile``, HTTP/1.1
 keep-alive) in a process of its own on 127.0.0.1. Then, ``--repeats`` times, each client once,
 in alternating order (reversed every other repeat, so that neither client always runs after the
 other); before every run the previous outputs are deleted, ``sync`` is called and the machine is
@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.agent.cache import WeightCache  # noqa: E402
-from fleet.agent.sources import write_manifest  # noqa: E402
+from fleet.sources import write_manifest  # noqa: E402
 from fleet.agent.transfer import (  # noqa: E402
     CHUNK_BYTES, WRITE_BYTES, WRITEBACK_BYTES, HttpTransfer, start_writeback,
 )
@@ -54,11 +54,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    """tests/hub_server.py in a process of its own (in this one it would share the GIL with
+    """fleet/testing/hub_server.py in a process of its own (in this one it would share the GIL with
     Fleet's client, and not with curl)."""
 
     def __init__(self, *server_args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.hub_server", *server_args], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleet.testing.hub_server", *server_args], cwd=REPO,
                                      stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         self.url = self.proc.stdout.readline().strip()
@@ -170,7 +170,7 @@ def run_transport_only(urls: list[str], out: Path) -> float:
 
 
 def run_hub(files: list[str], model_dir: Path, out: Path, repeats: int, settle_s: float) -> None:
-    """``hf://`` sources: tests/hub_server.py serving ``model_dir`` as the hub repository
+    """``hf://`` sources: fleet/testing/hub_server.py serving ``model_dir`` as the hub repository
     org/bench (from memory, not sendfile), curl -L fetching each file's resolve URL against Fleet's
     ``ensure("hf://org/bench")`` (huggingface_hub's ``http_get``), one file at a time."""
     times: dict[str, list[float]] = {"curl x1 hf": [], "fleet x1 hf": []}

@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args()
 
-    from fleet.tinymodel import make_tiny_model
+    from fleet.engines.tinymodel import make_tiny_model
 
     make_tiny_model(REPO / "examples" / "models" / "tiny-llama")
     state_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-"))

@@ -1,4 +1,4 @@
-"""The operator at scale, against the API-server STAND-IN (tests/k8s/apiserver.py): how long from
+"""The operator at scale, against the API-server STAND-IN (fleet/testing/k8s/apiserver.py): how long from
 InferenceDeployments applied to their pods created, for 1, 100 and 1,000 deployments of 10
 replicas (10 to 10,000 pods), how long one change takes to reach its pod with all of them
 running, the operator's memory, and watch events handled per second (during the run, and for a
@@ -34,8 +34,8 @@ import httpx
 
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, KubeClient
 from fleet.k8s.routerpod import serve_router_pod
-from tests.k8s.apiserver import APIServerStandIn
-from tests.k8s.nodes import node
+from fleet.testing.k8s.apiserver import APIServerStandIn
+from fleet.testing.k8s.nodes import node
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "fleet"

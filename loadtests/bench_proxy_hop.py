@@ -318,7 +318,7 @@ def main() -> None:
                         help="policy of the vllm-router target (default power_of_two)")
     parser.add_argument("--backend", choices=("fixed", "sim"), default="fixed",
                         help="fixed: a fixed answer at once (default; the proxy is the only work); "
-                             "sim: two SIMULATED vLLM replicas (fleet.sim) with --sim-profile timing")
+                             "sim: two SIMULATED vLLM replicas (fleet.enginesim) with --sim-profile timing")
     parser.add_argument("--sim-profile", default="h100-llama-8b", help="simulator profile of --backend sim")
     parser.add_argument("--role", choices=("backend", "fastapi-httpx", "bare-asgi", "loadgen"), help=argparse.SUPPRESS)
     parser.add_argument("--backend-urls", help=argparse.SUPPRESS)

@@ -3,10 +3,10 @@ SIMULATED vLLM replicas, driven by the same open-loop replay of a trace.
 
 Traces: `code` and `conv` (the Azure traces, no shared prefixes), `mooncake` (Mooncake's
 FAST'25 trace: multi-turn prompts sharing 512-token blocks), or any trace file
-(`fleet.traces.load_trace`: Azure CSV, Fleet JSONL, Mooncake JSONL) with `--start-s` and
+(`fleet.tracesim.traces.load_trace`: Azure CSV, Fleet JSONL, Mooncake JSONL) with `--start-s` and
 `--window-s`.
 
-For each target, a fresh fleet of `--replicas` simulated replicas (`fleet.sim`, profile
+For each target, a fresh fleet of `--replicas` simulated replicas (`fleet.enginesim`, profile
 `--profile`, seeded, so every target meets identical engines) is started, the router under test
 is put in front of it, and a window of the trace is replayed through it open loop
 (`loadtests.replay`), time-compressed so the fleet runs at `--load` of its capacity. Targets:
@@ -47,10 +47,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from fleet.sim.model import Arrival, EngineModel, run_virtual
-from fleet.sim.profiles import Profile, get_profile
-from fleet.simulate.workload import clip as clip_workload
-from fleet.traces import Trace, load_trace
+from fleet.enginesim.model import Arrival, EngineModel, run_virtual
+from fleet.enginesim.profiles import Profile, get_profile
+from fleet.tracesim.workload import clip as clip_workload
+from fleet.tracesim.traces import Trace, load_trace
 from loadtests.procs import SimFleet, cpu_s, free_port, wait_http
 from loadtests.replay import HttpSender, PromptBuilder, replay, summarize_run
 from loadtests.stats import summarize

@@ -5,7 +5,7 @@ a warm one (weights cached), in `fleet up` on real vLLM.
 
 Generates the quickstart's tiny model (`fleet make-tiny-model`, ~7 MB), writes its
 fleet-manifest.json (`fleet cache manifest`, sha256 of every file) and serves it from
-tests/hub_server.py (in a process of its own) on 127.0.0.1. The deployment is
+fleet/testing/hub_server.py (in a process of its own) on 127.0.0.1. The deployment is
 examples/quickstart.yaml with one replica and ``spec.model.source`` the manifest's URL. Then,
 ``--repeats`` times: `fleet up --detach` with an empty weight cache (``FLEET_CACHE_DIR``: cold),
 `fleet down`, `fleet up --detach` again on that same cache (warm), `fleet down`. Each `fleet up`

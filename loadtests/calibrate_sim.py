@@ -2,7 +2,7 @@
 
 Starts real vLLM (CPU build) on the tiny generated Llama model, measures time to first token
 (TTFT) and time per output token (TPOT) over a grid of prompt lengths x batch sizes, stops it,
-then fits the simulator's per-step cost (`fleet.sim.cost.StepCost`, linear form) by
+then fits the simulator's per-step cost (`fleet.enginesim.cost.StepCost`, linear form) by
 least squares and prints the fit and its error, cell by cell, in-sample and on held-out cells.
 
 How a cell is measured: one `/v1/completions` request whose `prompt` is a batch of B prompts
@@ -17,7 +17,7 @@ cell is fitted.
 How it is fitted: with every request arriving at t = 0, the simulator's schedule does not
 depend on step durations, so each request's TTFT is a sum of step costs over a known list of
 steps, linear in the cost parameters. The script replays each cell through
-`fleet.sim.model.EngineModel` with the profile's scheduler config, sums each step's feature
+`fleet.enginesim.model.EngineModel` with the profile's scheduler config, sums each step's feature
 vector up to the first token (TTFT, plus one admission time) and over the decode
 (TPOT / (M - 1)), and solves non-negative least squares on relative error. Held-out cells
 and the prefix-cache cell (the same long prompt twice) are reported, not fitted.
@@ -51,9 +51,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fleet.sim.cost import StepCost  # noqa: E402
-from fleet.sim.model import Arrival, EngineModel, run_virtual  # noqa: E402
-from fleet.sim.profiles import get_profile  # noqa: E402
+from fleet.enginesim.cost import StepCost  # noqa: E402
+from fleet.enginesim.model import Arrival, EngineModel, run_virtual  # noqa: E402
+from fleet.enginesim.profiles import get_profile  # noqa: E402
 
 LOCK = "/tmp/fleet-heavy.lock"
 FIT_CELLS = [(p, b) for p in (8, 64, 256, 512, 960) for b in (1, 4, 16, 64)]

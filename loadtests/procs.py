@@ -57,7 +57,7 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float =
 
 
 class SimFleet:
-    """`replicas` SIMULATED vLLM replicas (`python -m fleet.sim`) spread over `processes` child
+    """`replicas` SIMULATED vLLM replicas (`python -m fleet.enginesim`) spread over `processes` child
     processes, each replica on its own loopback port. Use as a context manager; `urls` lists the
     replicas' base URLs, `pids` the processes (for CPU accounting)."""
 
@@ -78,7 +78,7 @@ class SimFleet:
         for k, n in enumerate(per):
             ports_file = self._tmp / f"ports-{k}.json"
             self._procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fleet.sim", "--model", f"sim://{self.profile}", "--served-model-name",
+                [sys.executable, "-m", "fleet.enginesim", "--model", f"sim://{self.profile}", "--served-model-name",
                  self.model, "--port", "0", "--replicas", str(n), "--seed", str(self.seed + k),
                  "--ports-file", str(ports_file), *self.extra_args],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fleet.traces import Trace, TraceError, TraceRequest, load_trace
+from fleet.tracesim.traces import Trace, TraceError, TraceRequest, load_trace
 from loadtests.stats import summarize
 
 

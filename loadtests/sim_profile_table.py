@@ -3,7 +3,7 @@
 Pure virtual time (no sockets, no sleeping; runs in well under a second): for each profile
 and cell, B requests of P distinct prompt tokens and M output tokens arrive together; prints
 the mean time to first token, mean time per output token, and the cross-check against the
-published measurement each GPU profile was built from (fleet/sim/profiles.py).
+published measurement each GPU profile was built from (fleet/enginesim/profiles.py).
 
 Usage: python loadtests/sim_profile_table.py [--output-tokens 64]
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fleet.sim.model import Arrival, EngineModel, run_virtual  # noqa: E402
-from fleet.sim.profiles import get_profile, profile_names  # noqa: E402
+from fleet.enginesim.model import Arrival, EngineModel, run_virtual  # noqa: E402
+from fleet.enginesim.profiles import get_profile, profile_names  # noqa: E402
 
 # Lambda Labs' vLLM benchmark prompt set (results/prompt_10/*.json): 10 ShareGPT prompts at once.
 LAMBDA_INPUT_LENS = [13, 25, 27, 10, 329, 29, 399, 328, 4, 205]

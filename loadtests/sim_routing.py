@@ -1,7 +1,7 @@
 """Routing policies compared in the trace simulator: virtual time, no HTTP, deterministic.
 
 Each row replays one trace window through a fixed fleet of `--replicas` simulated replicas
-(`fleet.simulate.engine.Simulation`, autoscaling `fixed`) with one routing policy: the very
+(`fleet.tracesim.engine.Simulation`, autoscaling `fixed`) with one routing policy: the very
 policy objects of `router.policies` that the router runs, fed `RouteRequest`s built by the
 router's own `route_request` from the token-id prompts the engine models get. Load is set as
 `loadtests/bench_routing.py` sets it: one replica's capacity on the window's request mix is
@@ -15,7 +15,7 @@ Reported per row: TTFT p50 / p99, share within `--ttft-slo-s`, the prefix-cache 
 (prompt tokens found in the engines' prefix caches / prompt tokens), and, for `kv-aware`, how
 well its prefix index predicted those hits: predicted cached tokens / actual ones, and the
 prediction error (sum over requests of |predicted - actual| cached tokens / prompt tokens).
-This is a SIMULATOR: engines are `fleet.sim` latency models.
+This is a SIMULATOR: engines are `fleet.enginesim` latency models.
 
 Usage:
     python -m loadtests.sim_routing --trace loadtests/traces/mooncake-fast25/synthetic_trace.jsonl \\
@@ -33,10 +33,10 @@ from pathlib import Path
 
 from autoscaler.policy import ReplicaBounds
 from autoscaler.spec import AutoscalingSpec
-from fleet.sim.profiles import get_profile
-from fleet.simulate.engine import SimConfig, Simulation
-from fleet.simulate.workload import Workload, replica_capacity_per_s
-from fleet.traces import load_trace
+from fleet.enginesim.profiles import get_profile
+from fleet.tracesim.engine import SimConfig, Simulation
+from fleet.tracesim.workload import Workload, replica_capacity_per_s
+from fleet.tracesim.traces import load_trace
 from router.policies import make_policy
 
 

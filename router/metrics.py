@@ -42,7 +42,7 @@ TPOT_BUCKETS_S: tuple[float, ...] = (
 )  # fmt: skip
 """Bucket upper bounds (s) of the time-per-output-token histogram: vLLM's
 `INTER_TOKEN_LATENCY_BUCKETS` (vllm/v1/metrics/buckets.py, vLLM 0.32; the buckets of
-`vllm:request_time_per_output_token_seconds`, as in fleet/sim/metrics.py)."""
+`vllm:request_time_per_output_token_seconds`, as in fleet/enginesim/metrics.py)."""
 
 E2E_BUCKETS_S: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.1,

@@ -44,7 +44,7 @@ the endpoint as unmeasured and tries it first, so a recovered endpoint is re-mea
 DEFAULT_CACHE_TOKENS_PER_ENDPOINT = 400_000
 """Prompt tokens `kv-aware` remembers per endpoint before it forgets the least recently routed:
 about the KV cache of one H100 serving an 8B model (27,000 blocks of 16 tokens = 432k tokens,
-fleet/sim/profiles.py), a little less because running requests hold blocks too."""
+fleet/enginesim/profiles.py), a little less because running requests hold blocks too."""
 
 DEFAULT_LOAD_BOUND = 1.5
 """`kv-aware`'s bound on an endpoint's share of the requests in flight, as a factor of the mean:

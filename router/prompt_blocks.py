@@ -3,7 +3,7 @@
 Owns `RouteRequest` (the request as routing policies see it), `route_request` (built from a
 parsed completion or chat body and the request headers, on the proxy's hot path) and the two
 block hashers, `token_id_block_hashes` and `text_block_hashes`. Called by `router.proxy` for
-every request and by the trace simulator (`fleet.simulate.engine`) with the same token-id
+every request and by the trace simulator (`fleet.tracesim.engine`) with the same token-id
 prompts it hands the engine models, so both feed `router.policies` the same way.
 
 **Blocks without a tokenizer.** vLLM caches KV in blocks of 16 tokens whose hash chains the

@@ -5,7 +5,7 @@ version and id, TTFT, TPOT, end-to-end, queue time, failed or not) kept in the m
 `router.pool.PoolShared` across pool replacements. `router.proxy`
 records one entry per request that reached an endpoint; `router.admin`
 (`GET /admin/v1/revisions/{model}`) returns the entries of a window, and the controller builds
-each revision's samples from them (`fleet.rollouts.side_samples`), leaving out a replica's first
+each revision's samples from them (`fleet.rollout.revisions.side_samples`), leaving out a replica's first
 seconds after READY. Nothing here does I/O or reads a clock.
 
 What each value measures (router clock, seconds):
@@ -51,7 +51,7 @@ class RequestLog:
     def rows(self, now_s: float, window_s: float) -> list[list]:
         """Requests that finished in ``[now_s - window_s, now_s]``, oldest first, as
         ``[version, endpoint, age_s, ttft_s, tpot_s, e2e_s, queue_time_s, failed]`` (age: seconds
-        before ``now_s``; the layout `fleet.rollouts.RequestSample.from_row` reads)."""
+        before ``now_s``; the layout `fleet.rollout.revisions.RequestSample.from_row` reads)."""
         since_s = now_s - window_s
         out = []
         n = self.capacity

@@ -1,7 +1,7 @@
 """Run the router under uvicorn (uvloop event loop, httptools HTTP parser).
 
 Owns `serve`, the process entry point used by `python -m router` (router/__main__.py) and
-by deployment scripts, `uvicorn_config` (the server settings `serve` and `router.testing` share)
+by deployment scripts, `uvicorn_config` (the server settings `serve` and `tests.support.router` share)
 and `RequestGuardProtocol`, uvicorn's httptools protocol with deadlines on receiving each request
 (head, then body) and a size limit on its head. uvloop + httptools and no access log are what
 the measured figures in README.md (the router sections) assume; the loop and parser are not
@@ -188,7 +188,7 @@ def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "warning"
 
 class ListeningServer(uvicorn.Server):
     """uvicorn server that calls `on_listening(host, port)` once its socket is bound
-    (port 0 resolves to the real port). Used by `serve` and by `router.testing`."""
+    (port 0 resolves to the real port). Used by `serve` and by `tests.support.router`."""
 
     def __init__(self, config: uvicorn.Config, on_listening: Callable[[str, int], None]) -> None:
         super().__init__(config)

@@ -2,7 +2,7 @@
 requests.
 
 Owns `EngineClient`, the one thin wrapper (httpx) through which the controller, the warm-up
-run and the autoscaler (`fleet.autoscaling`, scraping `/metrics`) talk to engines, so unit tests
+run and the autoscaler (`fleet.controller.autoscaling`, scraping `/metrics`) talk to engines, so unit tests
 can replace it with a fake. Not on the router's request path.
 """
 

@@ -4,7 +4,7 @@ One agent runs per node (inside `fleet up` on one machine; standalone as `fleet 
 shape a Kubernetes DaemonSet runs). It owns:
 
 - the weight cache (`fleet.agent.cache.WeightCache`): a content-addressed store of model files
-  fetched from the sources in `fleet.agent.sources` (local path / ``file://``, ``http(s)://``
+  fetched from the sources in `fleet.sources` (local path / ``file://``, ``http(s)://``
   manifests, ``hf://org/name@revision``) by `fleet.agent.transfer` (resumable, verified,
   retried with tenacity);
 - GPU health (`fleet.agent.health.GpuHealthChecker` over `fleet.agent.nvml_health`, Xid
@@ -12,6 +12,6 @@ shape a Kubernetes DaemonSet runs). It owns:
   (`fleet.agent.quarantine.QuarantinePolicy`);
 - the periodic runner with Prometheus metrics (`fleet.agent.runner.NodeAgent`).
 
-Callers: `fleet.cli_agent` (``fleet cache``, ``fleet node-agent``); the controller integrates
+Callers: `fleet.cli.agent` (``fleet cache``, ``fleet node-agent``); the controller integrates
 through the interfaces described in docs/node-agent.md. Nothing here imports the controller.
 """

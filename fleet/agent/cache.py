@@ -2,7 +2,7 @@
 
 Owns `WeightCache` (``ensure`` a model, ``lookup`` whether it is warm, ``pin`` / ``unpin`` the
 models running replicas use, ``entries`` / ``remove`` / ``verify`` for `fleet cache`, LRU
-eviction to a byte budget) and the store's layout on disk. Called by `fleet.cli_agent` and, once
+eviction to a byte budget) and the store's layout on disk. Called by `fleet.cli.agent` and, once
 integrated, by the controller's CACHING step (docs/node-agent.md, "Integration").
 
 Layout under ``root`` (every write is a temporary name renamed into place)::
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from fleet.agent.sources import (
+from fleet.sources import (
     HttpSource, HubSource, LocalSource, ModelPlan, RemoteFile, SourceError, parse_source,
 )
 from fleet.agent.transfer import (
@@ -227,7 +227,7 @@ class WeightCache:
         return self.root / "models" / key
 
     def cached_sources(self) -> frozenset[str]:
-        """The canonical sources (`fleet.agent.sources` ``canonical``: ``hf://org/name@revision``,
+        """The canonical sources (`fleet.sources` ``canonical``: ``hf://org/name@revision``,
         a manifest URL) whose entry is cached and passes the stat check: what this node reports as
         warm for placement (`fleet.placement.shapes.PlacementRequest.is_warm`). No network."""
         out = set()

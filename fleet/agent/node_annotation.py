@@ -10,7 +10,7 @@ of warmth, the container images, is the kubelet's own ``Node.status.images``;
 `fleet.inventory.gfd.node_from_k8s` merges both into `NodeInventory.cached`, which
 `fleet.placement.shapes.PlacementRequest.is_warm` reads.
 
-Used by `fleet node-agent --annotate-node` (fleet/cli_agent.py), which runs in the chart's
+Used by `fleet node-agent --annotate-node` (fleet/cli/agent.py), which runs in the chart's
 DaemonSet with its node's name from the downward API (``spec.nodeName`` as ``NODE_NAME``) and a
 service account allowed to get and patch nodes (charts/fleet/templates/agent-daemonset.yaml).
 Optional: without the flag the agent makes no API call.

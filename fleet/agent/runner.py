@@ -3,7 +3,7 @@
 Owns `NodeAgent` (one ``step``: check, decide, export; ``run``: steps every ``interval_s`` until
 stopped, each step surviving its own errors), `AgentMetrics` (the Prometheus series below),
 `serve` (``/metrics``, ``/status``, ``/healthz``) and `status_lines`.
-Called by `fleet node-agent` (fleet/cli_agent.py); `fleet up` and the controller integrate it
+Called by `fleet node-agent` (fleet/cli/agent.py); `fleet up` and the controller integrate it
 through ``step`` / ``status`` (docs/node-agent.md, "Integration"), and `fleet up` serves its
 ``/metrics`` with `serve` as the file_sd target ``job="fleet-node-agent"`` (fleet/observability/).
 

@@ -5,7 +5,7 @@ request, hash while writing, verify size / sha256 / git blob id, retry with tena
 transports behind one signature: `HttpTransfer` (http(s) manifests; the standard library's
 http.client) and `HubTransfer`
 (huggingface_hub's own ``file_download.http_get``, the code ``hf_hub_download`` streams with).
-Called by `fleet.agent.cache.WeightCache`; tests run it against tests/hub_server.py.
+Called by `fleet.agent.cache.WeightCache`; tests run it against fleet/testing/hub_server.py.
 
 Why not ``hf_hub_download`` itself: in huggingface_hub 2.x it downloads into a process-unique
 temporary file that it deletes on failure (``_download_to_tmp_and_move``), so a download cut by
@@ -38,7 +38,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 import tenacity
 
-from fleet.agent.sources import RemoteFile
+from fleet.sources import RemoteFile
 
 CHUNK_BYTES = 1 << 20
 WRITE_BYTES = 32 << 10

@@ -29,7 +29,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from fleet.inventory.mig import MigSlot, check_geometry, fit_geometry, mig_model_for
 from fleet.inventory.model import CLOCK_EVENT_BITS, Gpu, GpuHealth, Inventory, MigInstance, NodeInventory, clock_event_names
 from fleet.spec import format_errors
-from fleet.specbase import FieldError, SpecModel
+from router.specbase import FieldError, SpecModel
 
 API_VERSION = "fleet.inference.dev/v1alpha1"
 KIND = "Inventory"

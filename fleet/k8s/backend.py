@@ -1,5 +1,5 @@
 """The Kubernetes backend: the second implementation of the replica protocol
-(`fleet.backends.base.Backend`); a replica is a Pod.
+(`fleet.controller.backend.Backend`); a replica is a Pod.
 
 Owns the calls that make replicas run as pods and what it observes of them: `inventory` (Node
 objects and their GPU Feature Discovery labels through `fleet.inventory.gfd`, minus nodes that
@@ -39,7 +39,7 @@ from typing import Protocol
 
 import tenacity
 
-from fleet.backends.base import ReplicaFacts, ReplicaWant
+from fleet.controller.backend import ReplicaFacts, ReplicaWant
 from fleet.inventory import Inventory
 from fleet.inventory.gfd import LabelKeys, image_aliases, node_from_k8s, node_images
 from fleet.k8s.client import EVENTS, NODES, PODS, ApiError, Conflict, Kube
@@ -103,7 +103,7 @@ def _tolerates(toleration: dict, taint: dict) -> bool:
 
 
 class KubernetesBackend:
-    """Replicas as pods in ``namespace`` (`fleet.backends.base.Backend`)."""
+    """Replicas as pods in ``namespace`` (`fleet.controller.backend.Backend`)."""
 
     def __init__(self, kube: Kube, namespace: str, fleet_id: str, *, settings: EnginePodSettings | None = None,
                  owner_of: Callable[[str], dict | None] = lambda deployment: None,

@@ -17,10 +17,10 @@ resources included. Each blocking call runs in a worker thread (`asyncio.to_thre
 streams in a thread and hands its events to the event loop.
 
 Callers: the Kubernetes backend (`fleet.k8s.backend`), the operator (`fleet.k8s.operator`),
-leader election (`fleet.k8s.lease`). Unit tests use the in-repo fake (tests/k8s/fake.py), which
+leader election (`fleet.k8s.lease`). Unit tests use the in-repo fake (tests/support/fake_kube.py), which
 keeps resourceVersion, answers 409 on stale writes, filters by label selector and delivers watch
 events; the integration test runs `KubeClient` against an HTTP stand-in of the API server
-(tests/k8s/apiserver.py).
+(fleet/testing/k8s/apiserver.py).
 """
 
 from __future__ import annotations

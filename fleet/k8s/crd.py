@@ -120,7 +120,7 @@ def _registry_enums(spec: dict[str, Any]) -> None:
     """Names the pydantic validators check against registries become enums (strict on
     ``kubectl apply``); the MIG profile gets its pattern."""
     from autoscaler.policy import policy_names as autoscaling_policies
-    from fleet.engines import engine_kinds
+    from fleet.engines.kinds import engine_kinds
     from fleet.spec import _MIG_PROFILE
     from router.policies import policy_names as routing_policies
 

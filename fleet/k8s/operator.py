@@ -9,11 +9,11 @@ The loop, while this pod holds the Lease (`fleet.k8s.lease`), every ``tick_s`` o
 an informer reports a change: (1) the declared deployments are read from the resources, each
 validated by `fleet.spec.parse_document` (a refused one gets status InvalidSpec with the very
 messages `fleet validate` prints; nothing of it starts); when they differ from the running
-controller's, a new `fleet.controller.Controller` takes over from the old one's snapshot
+controller's, a new `fleet.controller.reconcile.Controller` takes over from the old one's snapshot
 (`Controller.start` is the crash-safe hand-over: running replicas adopted, replicas of a changed
 spec drained and replaced, deployments no longer declared drained and their pools deleted);
 after an operator restart the snapshot is rebuilt from the pods and statuses
-(`fleet.k8s.status.snapshot_from_cluster`); (2) `Controller.reconcile_once`, then the autoscaler (`fleet.autoscaling.AutoscalerLoop`, as in
+(`fleet.k8s.status.snapshot_from_cluster`); (2) `Controller.reconcile_once`, then the autoscaler (`fleet.controller.autoscaling.AutoscalerLoop`, as in
 `fleet up`, on router statistics merged over the router pods); (3) what happened is
 written back: pods that passed warm-up are annotated (so a later operator adopts them READY),
 Events per replica transition, each resource's status (only when it changed), and a deleted
@@ -37,15 +37,15 @@ from pathlib import Path
 
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Direction
-from fleet.autoscaling import AutoscalerLoop
-from fleet.controller import Controller, ControllerSettings, ReplicaEvent
+from fleet.controller.autoscaling import AutoscalerLoop
+from fleet.controller.reconcile import Controller, ControllerSettings, ReplicaEvent
 from fleet.k8s.backend import KubernetesBackend
 from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, NODES, PODS, ApiError, Kube
 from fleet.k8s.informer import Informer
 from fleet.k8s.lease import LeaderElector
 from fleet.k8s.pods import ANNOTATION_READY_AT, LABEL_DEPLOYMENT, EnginePodSettings
 from fleet.k8s.status import decision_event, deployment_status, event_object, invalid_status, snapshot_from_cluster
-from fleet.lifecycle import ReplicaStatus
+from fleet.controller.lifecycle import ReplicaStatus
 from fleet.observability.discovery import ControllerStateCollector
 from fleet.spec import API_VERSION, KIND, LoadedDeployment, SpecError, parse_document
 
@@ -136,7 +136,7 @@ class Operator:
         self.last_tick_s = 0.0
 
     def _on_decision(self, deployment: str, decision) -> None:
-        """A scaling decision (`fleet.autoscaling.AutoscalerLoop`): an Event when it changes the size."""
+        """A scaling decision (`fleet.controller.autoscaling.AutoscalerLoop`): an Event when it changes the size."""
         if decision.direction is not Direction.HOLD:
             self._decisions.append((deployment, decision))
 

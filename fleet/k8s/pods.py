@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.backends.base import LaunchError, ReplicaFacts, ReplicaWant, engine_model
-from fleet.engines import get_engine
+from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
+from fleet.engines.kinds import get_engine
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "fleet-operator"
@@ -48,7 +48,7 @@ ENGINE_CONTAINER = "engine"
 # this interpreter; a pod runs the image's own entry point).
 POD_ENTRY = {
     "vllm": lambda model: ["vllm", "serve", model],
-    "sim": lambda model: ["python", "-m", "fleet.sim", "--model", model],
+    "sim": lambda model: ["python", "-m", "fleet.enginesim", "--model", model],
 }
 _NOT_IN_PODS = ("CUDA_VISIBLE_DEVICES", "VLLM_CPU_OMP_THREADS_BIND")   # the device plugin / kubelet pin devices
 _IMAGE_PROBLEMS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
@@ -253,7 +253,7 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
 
 
 def pod_facts(pod: dict) -> ReplicaFacts:
-    """What a Pod object says about its replica (see `fleet.backends.base.ReplicaFacts`)."""
+    """What a Pod object says about its replica (see `fleet.controller.backend.ReplicaFacts`)."""
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
     status = pod.get("status") or {}

@@ -8,7 +8,7 @@ tenacity's wait and stop strategies) and `PrePuller` (the policy's decisions sen
 `fleet.k8s.client.Kube`: pods created and deleted). Called by the Kubernetes backend
 (`fleet.k8s.backend.KubernetesBackend.observe`, every controller tick); tests:
 tests/unit/test_k8s_prepull.py against the fake cluster and the stand-in kubelet that pulls
-(tests/k8s/kubelet.py).
+(fleet/testing/k8s/kubelet.py).
 
 Why short-lived pods and not the CRI socket (issue 13, "Image pre-pull"): a pod needs nothing
 but the API server the operator already talks to; it works with any container runtime

@@ -5,7 +5,7 @@ router's app (`router.app.create_app`) serves ``/v1`` and ``/admin/v1`` on one p
 cluster the public Service must never carry the admin API, so this process serves the same app
 twice, from one event loop and one pool table: on ``port`` with every ``/admin`` path answered
 404 (`PublicOnly`), and on ``admin_port`` in full (the operator pushes pools there; the chart's
-NetworkPolicy option admits only the operator to it). Called by `fleet.cli_k8s`.
+NetworkPolicy option admits only the operator to it). Called by `fleet.cli.k8s`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every router pod gets every pool update: the operator's `fleet.controller.PoolSink` over
+"""Every router pod gets every pool update: the operator's `fleet.controller.reconcile.PoolSink` over
 the router Deployment's pods.
 
 Owns `RouterFanout`: the admin API of each running router pod (found by label selector through
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from fleet.router_admin import RouterAdminClient, RouterAdminError
+from fleet.controller.router_admin import RouterAdminClient, RouterAdminError
 from router.spec import PoolSpec
 
 
@@ -73,7 +73,7 @@ class RouterFanout:
 
     async def stats(self, window_s: float) -> dict[str, dict]:
         """Windowed statistics per model over every router (`merge_router_stats`): the
-        autoscaler's router signals (`fleet.autoscaling.RouterStatsSource`)."""
+        autoscaler's router signals (`fleet.controller.autoscaling.RouterStatsSource`)."""
         return merge_router_stats(await self._all(lambda c: c.stats(window_s)))
 
     async def in_flight(self) -> dict[str, int]:

@@ -2,7 +2,7 @@
 InferenceDeployment status (observedGeneration, replicas by state, revisions, conditions Ready /
 Progressing / Degraded with reasons), core/v1 Events for replica transitions and decisions,
 and the reverse: the previous controller state rebuilt from pods and statuses after an operator
-restart (`snapshot_from_cluster`, read by `fleet.controller.Controller.start`).
+restart (`snapshot_from_cluster`, read by `fleet.controller.reconcile.Controller.start`).
 
 Pure functions over dicts and controller records; `fleet.k8s.operator` sends what they return.
 """
@@ -14,8 +14,8 @@ import json
 from collections import Counter
 from typing import Any
 
-from fleet.controller import STATE_FORMAT, Controller, ReplicaEvent
-from fleet.lifecycle import ReplicaStatus
+from fleet.controller.reconcile import STATE_FORMAT, Controller, ReplicaEvent
+from fleet.controller.lifecycle import ReplicaStatus
 from fleet.k8s.pods import (ANNOTATION_MODEL, ANNOTATION_PLACEMENT, ANNOTATION_READY_AT, LABEL_DEPLOYMENT,
                             LABEL_GANG_ROLE, LABEL_REPLICA, LABEL_REVISION, LABEL_SPEC_HASH, pod_facts)  # fmt: skip
 from fleet.placement import ReplicaPlacement

@@ -49,7 +49,7 @@ RATE = "$__rate_interval"
 ROUTER_EP = 'model=~"$model", endpoint=~"$replica", version=~"$version(@.*)?"'
 """Router per-endpoint series (router/metrics.py `ENDPOINT_LABELS`: requests, time to first
 token / byte, time per output token, end-to-end latency). The router's ``version`` is
-``<revision>@<serving hash>`` (`fleet.rollouts.revision_label`: two revisions may share a model
+``<revision>@<serving hash>`` (`fleet.rollout.revisions.revision_label`: two revisions may share a model
 revision), the variable's values are revisions (``fleet_replicas``, the engines' targets): the
 optional suffix makes a selected revision match its router series."""
 ROUTER_MODEL = 'model=~"$model"'
@@ -144,7 +144,7 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
                            for w in ("5m", "1h"))),
         ]),  # fmt: skip
         ("Replicas and autoscaling", [
-            PanelDef("Replicas by state", "Replicas per lifecycle state (fleet/lifecycle.py), per version.",
+            PanelDef("Replicas by state", "Replicas per lifecycle state (fleet/controller/lifecycle.py), per version.",
                      "short", (Query(f'sum by (version, state) (fleet_replicas{{{DEPLOYMENT}, version=~"$version"}}) '
                                      "> 0", "{{version}} {{state}}"),)),
             PanelDef("Router pool endpoints", "Endpoints in the router's pool: ready and draining (max over "

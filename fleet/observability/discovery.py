@@ -1,6 +1,6 @@
 """Prometheus service discovery for a local fleet, and the controller's replica-state metrics.
 
-Owns three things, all fed by the controller's JSON snapshot (`fleet.controller.Controller.snapshot`,
+Owns three things, all fed by the controller's JSON snapshot (`fleet.controller.reconcile.Controller.snapshot`,
 the same document `state.json` holds) and never by the controller object itself:
 
 - `file_sd_groups` - a pure function from a snapshot to Prometheus file_sd target groups
@@ -17,8 +17,8 @@ the same document `state.json` holds) and never by the controller object itself:
   the last snapshot it was given (scrapes run on another thread; they read the snapshot, never
   the live controller).
 
-`LocalObservability` bundles the writer and the collector; `fleet.up` builds one and calls
-`tick(snapshot)` after each controller tick. `fleet.cli_observability` (`fleet prometheus-config`)
+`LocalObservability` bundles the writer and the collector; `fleet.local.up` builds one and calls
+`tick(snapshot)` after each controller tick. `fleet.cli.observability` (`fleet prometheus-config`)
 reads the file path from `targets_path`.
 
 Why the router and controller targets carry no ``deployment`` label: one router serves every
@@ -41,7 +41,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from fleet.lifecycle import ReplicaStatus
+from fleet.controller.lifecycle import ReplicaStatus
 
 JOB_ROUTER = "fleet-router"
 JOB_ENGINE = "fleet-engine"
@@ -55,16 +55,16 @@ The Helm chart's ServiceMonitor and PodMonitors set the same values (charts/flee
 monitoring.yaml), so the shipped dashboard and rules read a cluster as they read `fleet up`."""
 
 SCRAPED_STATUSES = ("STARTING", "WARMING", "READY", "DRAINING")
-"""Replica statuses whose engine process runs and serves ``/metrics`` (`fleet.lifecycle`)."""
+"""Replica statuses whose engine process runs and serves ``/metrics`` (`fleet.controller.lifecycle`)."""
 
 REPLICA_STATUSES = tuple(s.value for s in ReplicaStatus)
-"""Every `fleet.lifecycle.ReplicaStatus` value: `fleet_replicas` exports each (0 included), so a
+"""Every `fleet.controller.lifecycle.ReplicaStatus` value: `fleet_replicas` exports each (0 included), so a
 state that empties shows 0 instead of vanishing."""
 
 log = logging.getLogger(__name__)
 
 TARGETS_FILE = "prometheus-targets.json"
-"""Name of the file_sd file in the state directory (`fleet.state.StateStore.root`)."""
+"""Name of the file_sd file in the state directory (`fleet.local.state.StateStore.root`)."""
 
 
 def targets_path(state_dir: Path) -> Path:
@@ -152,7 +152,7 @@ def controller_families(snapshot: Mapping[str, Any]) -> list[Metric]:
     `fleet_deployment_info{deployment,model}` - 1, to map the router's ``model`` to a deployment.
     """
     replicas = GaugeMetricFamily("fleet_replicas", "Replicas of a deployment version, by lifecycle state "
-                                 "(fleet/lifecycle.py).", labels=["deployment", "version", "state"])  # fmt: skip
+                                 "(fleet/controller/lifecycle.py).", labels=["deployment", "version", "state"])  # fmt: skip
     failures = CounterMetricFamily("fleet_replica_failures", "Replicas that failed (any FAILED_* state), "
                                    "counted once each.", labels=["deployment", "version"])  # fmt: skip
     desired = GaugeMetricFamily("fleet_deployment_desired_replicas", "Replicas the controller targets.",
@@ -195,7 +195,7 @@ class ControllerStateCollector:
         self._snapshot: Mapping[str, Any] = {}
 
     def update(self, snapshot: Mapping[str, Any]) -> None:
-        """Take a new snapshot (`fleet.controller.Controller.snapshot`)."""
+        """Take a new snapshot (`fleet.controller.reconcile.Controller.snapshot`)."""
         with self._lock:
             self._snapshot = snapshot
 

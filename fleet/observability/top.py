@@ -4,7 +4,7 @@ Owns the view: `TopRow` and `build_rows` (pure: state.json + router statistics -
 `render` (rows -> a rich Table), `RouterReader` (the one I/O seam: the router's
 ``GET /admin/v1/stats`` with the admin token from the state directory, and ``GET /metrics`` for
 the 5xx counters) and `run_top` (the refresh loop under `rich.live.Live`). Called by
-`fleet.cli_observability`.
+`fleet.cli.observability`.
 
 Columns: replicas by state (from state.json), request rate, TTFT p50 / p99 (the router's
 windowed nearest-rank quantiles, `router.stats`), TPOT p99 (streamed replies), queue time p99, errors/s (5xx from endpoints plus the
@@ -28,7 +28,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from fleet.state import StateStore
+from fleet.local.state import StateStore
 
 STATE_ORDER = ("READY", "WARMING", "STARTING", "PENDING", "PLACED", "PULLING", "CACHING", "DRAINING")
 
@@ -94,7 +94,7 @@ def build_rows(state: Mapping[str, Any], stats: Mapping[str, Mapping[str, Any]],
     with none gets one row under its spec's version, so it never vanishes).
 
     Args:
-        state: state.json (`fleet.controller.Controller.snapshot` plus `fleet up`'s extras).
+        state: state.json (`fleet.controller.reconcile.Controller.snapshot` plus `fleet up`'s extras).
         stats: ``GET /admin/v1/stats`` ``models`` (`router.stats.ModelStats.snapshot` per model).
         errors_per_s: 5xx/s per model (None where unknown, e.g. the first frame).
         now_unix: the wall clock now, to age the state's controller clock (``clock_s`` was

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fleet.agent.sources import SourceError, parse_source
+from fleet.sources import SourceError, parse_source
 from fleet.inventory.mig import MigSlot
 from fleet.inventory.model import NodeInventory
 from fleet.spec import InferenceDeployment
@@ -130,7 +130,7 @@ WARM = 3
 
 @functools.lru_cache(maxsize=4096)
 def canonical_source(source: str) -> str:
-    """``spec.model.source`` as caches report it (`fleet.agent.sources.Source.canonical`), or
+    """``spec.model.source`` as caches report it (`fleet.sources.Source.canonical`), or
     as written when it is no cacheable source (``sim://``, a relative path)."""
     if "://" not in source and not source.startswith("/"):
         return source

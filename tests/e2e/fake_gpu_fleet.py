@@ -1,7 +1,7 @@
 """`fleet` over a stand-in NVML with a faulty GPU: ``python -m tests.e2e.fake_gpu_fleet up ...``.
 
 For end-to-end tests on machines without an NVIDIA GPU (CI, the 2-core dev machine): installs
-tests/fake_nvml.py's `FakePynvml` as the ``pynvml`` module (before Fleet imports it), then runs
+tests/support/fake_nvml.py's `FakePynvml` as the ``pynvml`` module (before Fleet imports it), then runs
 the `fleet` command line in this process. The machine it shows: eight H100 80GB HBM3 on NVSwitch
 (`nvswitch_8gpu`, each device shaped like the real H100 reading in tests/data), GPU 7 with two
 volatile uncorrected ECC errors (a double-bit error) and one Xid 48 event queued once it is
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from tests.fake_nvml import FakePynvml, nvswitch_8gpu
+from tests.support.fake_nvml import FakePynvml, nvswitch_8gpu
 
 FAULTY_GPU = 7
 XID = 48   # double-bit ECC error (fleet/agent/xid.py)

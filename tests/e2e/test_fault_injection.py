@@ -21,8 +21,8 @@ import psutil
 import pytest
 import yaml
 
-from fleet.backends.local import FLEET_ID_ENV, REPLICA_ID_ENV
-from fleet.backends.procs import find_marked
+from fleet.local.backend import FLEET_ID_ENV, REPLICA_ID_ENV
+from fleet.local.procs import find_marked
 
 from tests.e2e.conftest import FleetUp
 from tests.e2e.load import OpenLoopLoad
@@ -79,7 +79,7 @@ def wait(what: str, predicate, timeout_s: float = 120.0) -> float:
 
 
 def all_ready(fleet: FleetUp, n: int) -> bool:
-    state = fleet.state()
+    state = fleet.local.state()
     return state.get("phase") == "running" and \
         sum(1 for r in state.get("replicas", []) if r["status"] == "READY") == n
 

@@ -7,7 +7,7 @@ current and its metrics endpoints), the engine SIMULATOR's processes and `vllm:`
 (Debian's `prometheus` package; `.ci/prometheus.sh` installs it) scraping every second with
 Fleet's rules loaded, `fleet prometheus-config`, `fleet top` in a real terminal (tmux).
 
-The GPUs are not real: `fleet up` runs over tests/fake_nvml.py's stand-in NVML
+The GPUs are not real: `fleet up` runs over tests/support/fake_nvml.py's stand-in NVML
 (tests/e2e/fake_gpu_fleet.py: eight H100s, GPU 7 with a double-bit ECC error and an Xid 48), so
 its node agent runs its real checks, quarantines GPU 7 and exports it, and the GPU health and
 quarantine panels are evaluated like every other (the deployment itself runs on CPU).
@@ -191,7 +191,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         load.start()
 
         def desired() -> int:
-            return fleet.state().get("deployments", {}).get(DEPLOYMENT, {}).get("desired", 0)
+            return fleet.local.state().get("deployments", {}).get(DEPLOYMENT, {}).get("desired", 0)
 
         fleet.wait_for("a scale-up decision", lambda: desired() > 1, TIMEOUT_S)
         fleet.wait_for("two READY replicas", lambda: sum(

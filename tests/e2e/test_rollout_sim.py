@@ -3,7 +3,7 @@ with `fleet apply`, canary replicas that start and warm before they get traffic,
 through, and a promotion for a good canary, a roll back within the analysis windows for a slowed
 one; under a steady streamed load, counting every request: none may fail, no stream may be cut.
 
-Real `fleet up`, router and `fleet.sim` engine processes (`engine.kind: sim`; no vLLM, no model).
+Real `fleet up`, router and `fleet.enginesim` engine processes (`engine.kind: sim`; no vLLM, no model).
 One replica per revision fits a 2-core machine (the canary is a surge replica). Each test prints
 its figures; the README records them ("Canary rollouts").
 """
@@ -52,7 +52,7 @@ def StreamedLoad(url: str, rate_per_s: float = 8.0, model: str = MODEL, max_toke
 
 
 def rollout(fleet) -> dict:
-    revs = fleet.state().get("deployments", {}).get("sim-rollout", {}).get("revisions") or {}
+    revs = fleet.local.state().get("deployments", {}).get("sim-rollout", {}).get("revisions") or {}
     return revs.get("rollout") or {}
 
 

@@ -1,6 +1,6 @@
 """`fleet up` with weights from a model hub: the replica is CACHING (bytes shown) while the node's
 weight cache fetches `hf://org/tiny` from a local server that speaks the Hugging Face Hub's HTTP
-API (tests/hub_server.py), then starts from the cache; a second deployment of the same weights
+API (fleet/testing/hub_server.py), then starts from the cache; a second deployment of the same weights
 starts without a download. Engines are the engine SIMULATOR (`engine.kind: sim`), which is given
 the cached directory as its model like vLLM would be."""
 
@@ -13,7 +13,7 @@ import httpx
 import yaml
 
 from tests.e2e.test_fault_injection import all_ready, stop_cleanly
-from tests.hub_server import HubRepo, HubServer
+from fleet.testing.hub_server import HubRepo, HubServer
 
 
 def deployment(tmp_path: Path, name: str, model: str) -> Path:

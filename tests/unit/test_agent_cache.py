@@ -1,4 +1,4 @@
-"""The weight cache against the local hub server (tests/hub_server.py): hub and http manifest
+"""The weight cache against the local hub server (fleet/testing/hub_server.py): hub and http manifest
 sources, verification, resume, one download for concurrent callers, space checks, LRU and pins."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from fleet.agent.cache import CacheError, InsufficientSpace, WeightCache
-from fleet.agent.sources import SourceError, write_manifest
+from fleet.sources import SourceError, write_manifest
 from fleet.agent.transfer import RetryPolicy
-from tests.fakes import FakeClock
-from tests.hub_server import HubRepo, HubServer
+from tests.support.fakes import FakeClock
+from fleet.testing.hub_server import HubRepo, HubServer
 
 FAST = RetryPolicy(attempts=3, initial_s=0.0, max_s=0.0)
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""GPU health checks over the stand-in NVML (tests/fake_nvml.py, built from the real H100
+"""GPU health checks over the stand-in NVML (tests/support/fake_nvml.py, built from the real H100
 readings) with injected faults: the checker's findings, Xid classification, NUMA cores."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from fleet.agent.health import GpuHealthChecker, Severity, classify, local_cores
 from fleet.agent.nvml_health import NvmlHealthReader, cores_from_mask
 from fleet.agent.xid import XidClass, classify_xid
 from fleet.inventory.nvml import node_from_nvml
-from tests.fake_nvml import FakePynvml, mig_h100, nvswitch_8gpu, real_h100_snapshot
-from tests.fakes import FakeClock
+from tests.support.fake_nvml import FakePynvml, mig_h100, nvswitch_8gpu, real_h100_snapshot
+from tests.support.fakes import FakeClock
 
 
 def _checker(snapshot: dict):

@@ -1,7 +1,7 @@
 """The weight cache's http(s) sources through a forward proxy taken from the environment
 (``http_proxy`` / ``https_proxy`` / ``no_proxy``), as curl and httpx take it: the manifest
 (httpx) and the files (fleet.agent.transfer.HttpTransfer) both go through it. The proxy is a
-stand-in (tests/forward_proxy.py); https runs against the local hub server with a certificate
+stand-in (tests/support/forward_proxy.py); https runs against the local hub server with a certificate
 from a test CA (trustme), TLS end to end through the proxy's CONNECT tunnel."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import trustme
 
 from fleet.agent.cache import WeightCache
-from fleet.agent.sources import write_manifest
+from fleet.sources import write_manifest
 from fleet.agent.transfer import FetchRefused, HttpTransfer, RetryPolicy
-from tests.forward_proxy import ForwardProxy
-from tests.hub_server import HubServer
+from tests.support.forward_proxy import ForwardProxy
+from fleet.testing.hub_server import HubServer
 
 FILES = {"config.json": b'{"architectures": ["LlamaForCausalLM"]}', "model.safetensors": bytes(range(256)) * 4000}
 

@@ -12,8 +12,8 @@ from fleet.agent.health import Finding, GpuHealthChecker, Severity
 from fleet.agent.nvml_health import NvmlHealthReader
 from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy, QuarantineState
 from fleet.agent.runner import NodeAgent, status_lines
-from tests.fake_nvml import FakePynvml, mig_h100, nvswitch_8gpu
-from tests.fakes import FakeClock
+from tests.support.fake_nvml import FakePynvml, mig_h100, nvswitch_8gpu
+from tests.support.fakes import FakeClock
 
 GPUS = {f"GPU-{i}": (f"GPU-{i}", 1.0) for i in range(8)}
 CFG = QuarantineConfig(hold_off_s=600, degraded_after_s=60, xid_evidence_s=3600, unknown_xid_repeats=3,
@@ -204,8 +204,8 @@ def test_node_agent_mig_instance_quarantined_alone():
 
 def test_node_agent_re_hashes_cached_models_in_turn(tmp_path):
     from fleet.agent.cache import WeightCache
-    from fleet.agent.sources import write_manifest
-    from tests.hub_server import HubServer
+    from fleet.sources import write_manifest
+    from fleet.testing.hub_server import HubServer
 
     clock = FakeClock()
     static = tmp_path / "static"

@@ -1,4 +1,4 @@
-"""Source strings and manifests (fleet/agent/sources.py), and the spec accepting the remote forms."""
+"""Source strings and manifests (fleet/sources.py), and the spec accepting the remote forms."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.agent.sources import (
+from fleet.sources import (
     HttpSource, HubSource, LocalSource, SourceError, parse_manifest, parse_source, write_manifest,
 )
 from fleet.agent.cache import WeightCache

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fleet.agent import transfer
-from fleet.agent.sources import RemoteFile
+from fleet.sources import RemoteFile
 from fleet.agent.transfer import (
     CHUNK_BYTES, WRITE_BYTES, RetryPolicy, VerificationError, _BufferPool, _Hasher, _HashingWriter,
     fetch_file, hash_inline,

@@ -1,7 +1,7 @@
 """The autoscaler loop of `fleet up` with the controller, on fake time with the fakes of
-tests/fakes.py: a burst raises the target and replicas launch; when the signals fall the target
+tests/support/fakes.py: a burst raises the target and replicas launch; when the signals fall the target
 comes down after the stabilisation window, and a replica with requests in flight drains before
-it stops (fleet.autoscaling, fleet.controller)."""
+it stops (fleet.controller.autoscaling, fleet.controller.reconcile)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Direction
-from fleet.autoscaling import AutoscalerLoop, startup_of
+from fleet.controller.autoscaling import AutoscalerLoop, startup_of
 from fleet.cli import app
-from fleet.lifecycle import Replica
-from fleet.lifecycle import ReplicaStatus as S
-from fleet.state import StateStore
+from fleet.controller.lifecycle import Replica
+from fleet.controller.lifecycle import ReplicaStatus as S
+from fleet.local.state import StateStore
 from tests.unit.test_controller import Harness, vllm_installed, write_deployment  # noqa: F401 - fixture
 
 DATA = Path(__file__).resolve().parents[1] / "data"

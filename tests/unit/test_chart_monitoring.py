@@ -28,7 +28,7 @@ from fleet.k8s.pods import ANNOTATION_REVISION, LABEL_DEPLOYMENT, LABEL_REPLICA,
 from fleet.observability.dashboard import render_dashboard
 from fleet.observability.discovery import JOB_CONTROLLER, JOB_ENGINE, JOB_NODE_AGENT, JOB_ROUTER, file_sd_groups
 from fleet.observability.rules import rules_document
-from tests.k8s.helm import REPO, helm_binary, render
+from tests.support.helm import REPO, helm_binary, render
 
 pytestmark = pytest.mark.skipif(helm_binary() is None, reason="helm not installed: run `bash .ci/helm.sh`")
 

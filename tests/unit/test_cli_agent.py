@@ -11,8 +11,8 @@ import typer
 from typer.testing import CliRunner
 
 from fleet.cli import app
-from fleet.cli_agent import parse_size
-from tests.hub_server import HubRepo, HubServer
+from fleet.cli.agent import parse_size
+from fleet.testing.hub_server import HubRepo, HubServer
 
 runner = CliRunner()
 FILES = {"config.json": b'{"a": 1}', "model.safetensors": os.urandom(300_000)}
@@ -100,7 +100,7 @@ def test_hub_server_serves_a_model_directory_for_hf_sources(tmp_path, monkeypatc
     (model / "sub").mkdir(parents=True)
     (model / "config.json").write_text('{"model_type": "llama"}')
     (model / "sub" / "weights.bin").write_bytes(os.urandom(5000))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.hub_server", "--repo", f"org/tiny={model}"], cwd=repo,
+    proc = subprocess.Popen([sys.executable, "-m", "fleet.testing.hub_server", "--repo", f"org/tiny={model}"], cwd=repo,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
     try:
         url = proc.stdout.readline().strip()

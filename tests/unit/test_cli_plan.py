@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from fleet.cli import app
 from fleet.inventory.file import parse_inventory
 from fleet.inventory.nvml import PynvmlReader
-from tests.fake_nvml import partial_nvlink_8gpu, real_h100_snapshot
+from tests.support.fake_nvml import partial_nvlink_8gpu, real_h100_snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 MIXED = str(ROOT / "examples" / "inventories" / "small-mixed.yaml")

@@ -1,4 +1,4 @@
-"""The control channel of a running `fleet up` (fleet.control): `fleet apply` and `fleet rollout`
+"""The control channel of a running `fleet up` (fleet.local.control): `fleet apply` and `fleet rollout`
 requests written to the state directory, handled by the controller, answered; invalid or unknown
 deployments change nothing; nobody listening is an error, and the request is withdrawn."""
 
@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from fleet.cli import app
-from fleet.control import ControlError, ControlServer, apply_request, control_dir, rollout_request, submit
+from fleet.local.control import ControlError, ControlServer, apply_request, control_dir, rollout_request, submit
 from fleet.spec import load_deployments
 from tests.unit.test_controller import vllm_installed  # noqa: F401 - the fixture below uses it
 from tests.unit.test_controller_rollout import Fleet, write

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleet.controller import Controller, ControllerSettings
-from fleet.engines import VllmEngine
+from fleet.controller.reconcile import Controller, ControllerSettings
+from fleet.engines.kinds import VllmEngine
 from fleet.inventory import Gpu, NodeInventory
-from fleet.lifecycle import ReplicaStatus as S
+from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.spec import load_deployments
-from tests.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
+from tests.support.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
 
 CPU_NODE = NodeInventory(name="n", cpu_cores=(0, 1))
 

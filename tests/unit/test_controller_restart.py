@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from fleet.controller import Controller, ControllerSettings
-from fleet.lifecycle import ReplicaStatus as S
+from fleet.controller.reconcile import Controller, ControllerSettings
+from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.spec import load_deployments
-from tests.fakes import ControllerCrash, FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
+from tests.support.fakes import ControllerCrash, FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
 from tests.unit.test_controller import CPU_NODE, write_deployment
 
 

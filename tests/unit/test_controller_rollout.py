@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleet.controller import Controller, ControllerSettings
+from fleet.controller.reconcile import Controller, ControllerSettings
 from fleet.inventory import NodeInventory
-from fleet.lifecycle import ReplicaStatus as S
-from fleet.rollouts import RequestSample
+from fleet.controller.lifecycle import ReplicaStatus as S
+from fleet.rollout.revisions import RequestSample
 from fleet.spec import load_deployments
 from fleet.rollout.machine import RolloutPhase
-from tests.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
+from tests.support.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
 from tests.unit.test_controller import vllm_installed  # noqa: F401 - the fixture below uses it
 
 NODE = NodeInventory(name="n", cpu_cores=tuple(range(16)))
@@ -359,7 +359,7 @@ async def test_a_canary_that_cannot_start_is_rolled_back(tmp_path):
 async def test_rollout_metrics_show_weights_phase_verdicts_and_the_last_checks(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from fleet.rollout_metrics import RolloutCollector
+    from fleet.rollout.metrics import RolloutCollector
 
     f = Fleet(tmp_path, write(tmp_path))
     await f.up()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from fleet.cli import _pid_alive, app
+from fleet.cli import app
+from fleet.cli.local import _pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()

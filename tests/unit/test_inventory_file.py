@@ -13,7 +13,7 @@ from fleet.inventory.file import InventoryError, inventory_document, load_invent
 from fleet.inventory.mig import MigSlot, check_geometry, mig_model_for
 from fleet.inventory.nvml import node_from_nvml
 from fleet.inventory.model import Inventory
-from tests.fake_nvml import mig_h100, nvswitch_8gpu, real_h100_snapshot
+from tests.support.fake_nvml import mig_h100, nvswitch_8gpu, real_h100_snapshot
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "inventories"
 

@@ -11,7 +11,7 @@ import pytest
 from fleet.inventory.mig import MIG_MODELS, mig_model_for
 from fleet.inventory.model import CLOCK_EVENT_BITS
 from fleet.inventory.nvml import PynvmlReader, discover_local, node_from_nvml
-from tests.fake_nvml import (
+from tests.support.fake_nvml import (
     FakeNvml,
     FakePynvml,
     device,

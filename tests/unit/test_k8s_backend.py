@@ -1,7 +1,7 @@
 """The Kubernetes backend (fleet/k8s/backend.py, fleet/k8s/pods.py): pods built from replicas
 (GPU and MIG requests, node binding, labels, owner references, probes), inventory from Node
 objects and GFD labels, and the real `Controller` running replicas as pods on the in-repo fake
-of the cluster wrapper (tests/k8s/fake.py): start, warm, pool, scale down with a drain, a deleted
+of the cluster wrapper (tests/support/fake_kube.py): start, warm, pool, scale down with a drain, a deleted
 or evicted pod replaced, pods adopted by a new controller. The raw client is made to fail."""
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from fleet.backends.base import LaunchError, ReplicaWant
-from fleet.controller import Controller, ControllerSettings
+from fleet.controller.backend import LaunchError, ReplicaWant
+from fleet.controller.reconcile import Controller, ControllerSettings
 from fleet.k8s.backend import KubernetesBackend, node_usable
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS
 from fleet.k8s.pods import (ANNOTATION_PLACEMENT, LABEL_DEPLOYMENT, LABEL_REPLICA, LABEL_SPEC_HASH,
                             EnginePodSettings, pod_facts, pod_manifest)  # fmt: skip
-from fleet.lifecycle import ReplicaStatus as S
+from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.placement import ReplicaPlacement
 from fleet.placement.shapes import Assignment
 from fleet.spec import LoadedDeployment, parse_document
-from tests.fakes import FakeClock, FakePoolSink
-from tests.k8s.fake import FakeKube, forbid_raw_client
-from tests.k8s.kubelet import evict_pod, finish_deletions, image_pull_backoff, run_pod, terminate_pod
-from tests.k8s.nodes import node
+from tests.support.fakes import FakeClock, FakePoolSink
+from tests.support.fake_kube import FakeKube, forbid_raw_client
+from fleet.testing.k8s.kubelet import evict_pod, finish_deletions, image_pull_backoff, run_pod, terminate_pod
+from fleet.testing.k8s.nodes import node
 
 NS = "fleet"
 
@@ -109,7 +109,7 @@ def test_cpu_sim_pod_and_settings_pass_through():
     spec = pod["spec"]
     c = spec["containers"][0]
     assert c["image"] == "fleet:1"
-    assert c["command"][:5] == ["python", "-m", "fleet.sim", "--model", "sim://h100-llama-8b"]
+    assert c["command"][:5] == ["python", "-m", "fleet.enginesim", "--model", "sim://h100-llama-8b"]
     assert c["resources"] == {"requests": {"cpu": "1"}}
     assert spec["runtimeClassName"] == "nvidia" and spec["terminationGracePeriodSeconds"] == 300
     assert spec["imagePullSecrets"] == [{"name": "reg"}]

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from fleet.k8s.crd import crd_document
-from tests.k8s.helm import CHART, REPO, helm, helm_binary, render, render_text
+from tests.support.helm import CHART, REPO, helm, helm_binary, render, render_text
 
 pytestmark = pytest.mark.skipif(helm_binary() is None, reason="helm not installed: run `bash .ci/helm.sh`")
 
@@ -29,7 +29,7 @@ VALUES = {
     "gpu-mig": [EXAMPLES / "values-gpu-mig.yaml"],
 }
 MONITORING_API = ("monitoring.coreos.com/v1",)
-GOLDEN = REPO / "tests" / "k8s" / "golden" / "chart-defaults.yaml"
+GOLDEN = REPO / "tests" / "data" / "golden" / "chart-defaults.yaml"
 _TOKEN = re.compile(r"(^  token: ).*$", re.M)
 
 
@@ -174,7 +174,7 @@ def test_golden_snapshot_of_the_defaults():
     assert GOLDEN.exists(), "no golden file: run with FLEET_UPDATE_GOLDEN=1 once and review it"
     assert text == GOLDEN.read_text(), (
         "the rendered defaults changed: review `helm template fleet charts/fleet -n fleet --kube-version 1.30.0` "
-        "and update tests/k8s/golden/chart-defaults.yaml with FLEET_UPDATE_GOLDEN=1"
+        "and update tests/data/golden/chart-defaults.yaml with FLEET_UPDATE_GOLDEN=1"
     )
 
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from fleet.cli import app
 from fleet.k8s.crd import CRD_NAME, crd_document, crd_yaml
 from fleet.spec import SpecError, load_deployments, parse_document
-from tests.k8s.schema import schema_errors, structural_problems
+from tests.support.schema import schema_errors, structural_problems
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_CRD = REPO / "charts" / "fleet" / "files" / "crd-inferencedeployments.yaml"

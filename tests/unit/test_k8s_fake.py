@@ -1,5 +1,5 @@
 """The in-repo fake of the cluster wrapper keeps the API server semantics Fleet relies on
-(tests/k8s/store.py): if it did not, the backend and operator tests above it would prove little."""
+(fleet/testing/k8s/store.py): if it did not, the backend and operator tests above it would prove little."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, PODS, Conflict, Gone, NotFound
-from tests.k8s.fake import FakeKube, forbid_raw_client
-from tests.k8s.store import ObjectStore, merge_patch, parse_selector, selector_matches
+from tests.support.fake_kube import FakeKube, forbid_raw_client
+from fleet.testing.k8s.store import ObjectStore, merge_patch, parse_selector, selector_matches
 
 NS = "ns"
 

@@ -8,8 +8,8 @@ import pytest
 
 from fleet.k8s.client import LEASES
 from fleet.k8s.lease import LeaderElector
-from tests.fakes import FakeClock
-from tests.k8s.fake import FakeKube, forbid_raw_client
+from tests.support.fakes import FakeClock
+from tests.support.fake_kube import FakeKube, forbid_raw_client
 
 
 @pytest.fixture(autouse=True)

@@ -11,14 +11,14 @@ import copy
 import pytest
 import yaml
 
-from fleet.controller import ControllerSettings
+from fleet.controller.reconcile import ControllerSettings
 from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, LEASES, NODES, PODS
 from fleet.k8s.operator import FINALIZER, Operator, OperatorSettings
 from fleet.k8s.pods import ANNOTATION_READY_AT
-from tests.fakes import FakePoolSink
-from tests.k8s.fake import FakeKube, forbid_raw_client
-from tests.k8s.kubelet import finish_deletions, run_pod
-from tests.k8s.nodes import node
+from tests.support.fakes import FakePoolSink
+from tests.support.fake_kube import FakeKube, forbid_raw_client
+from fleet.testing.k8s.kubelet import finish_deletions, run_pod
+from fleet.testing.k8s.nodes import node
 from tests.unit.test_k8s_backend import EndpointEngines
 
 NS = "fleet"
@@ -246,7 +246,7 @@ async def test_a_replicas_edit_made_while_no_operator_ran_takes_effect():
 async def test_the_autoscaler_scales_a_resource_and_says_so():
     """`spec.autoscaling` runs in the operator as in `fleet up`: router statistics (merged over
     router pods) and engine /metrics in, a new target out, an Event for the decision."""
-    from tests.fakes import FakeClock
+    from tests.support.fakes import FakeClock
     from tests.unit.test_autoscaler_wiring import AUTOSCALING, BUSY_METRICS, router_stats
 
     env = Env()
@@ -331,7 +331,7 @@ async def test_operator_metrics_export_the_controller_series_fleet_up_exports():
     import httpx
 
     from fleet.k8s.operator import _serve_health
-    from tests.k8s.kubelet import terminate_pod
+    from fleet.testing.k8s.kubelet import terminate_pod
 
     env = Env()
     op, standby = env.operator("op-a"), env.operator("op-b")

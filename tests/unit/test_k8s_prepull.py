@@ -3,7 +3,7 @@ fleet/k8s/backend.py, Node.status.images and the node agent's annotation in
 fleet/inventory/gfd.py and fleet/agent/node_annotation.py).
 
 The real `Controller` and `KubernetesBackend` run on the in-repo fake of the cluster wrapper
-(tests/k8s/fake.py); the STAND-IN kubelet's image manager (tests/k8s/kubelet.py `ImagePuller`)
+(tests/support/fake_kube.py); the STAND-IN kubelet's image manager (fleet/testing/k8s/kubelet.py `ImagePuller`)
 pulls images into ``Node.status.images`` or fails with ErrImagePull. Clocks are fake: backoff
 times are asserted, never waited for. The raw client is made to fail."""
 
@@ -18,7 +18,7 @@ import pytest
 import tenacity
 
 from fleet.agent.node_annotation import ANNOTATION, NodeAnnotator, annotation_value
-from fleet.controller import Controller, ControllerSettings
+from fleet.controller.reconcile import Controller, ControllerSettings
 from fleet.inventory import Inventory
 from fleet.inventory.gfd import image_aliases, node_from_k8s, node_images
 from fleet.k8s.backend import KubernetesBackend
@@ -26,13 +26,13 @@ from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, NODES, PODS
 from fleet.k8s.pods import EnginePodSettings
 from fleet.k8s.prepull import (PodPull, Pull, PrePullPolicy, is_pull_pod, pod_pull_state, pull_pod_manifest,
                                pull_pod_name)  # fmt: skip
-from fleet.lifecycle import ReplicaStatus as S
+from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.placement import PlacementRequest, get_strategy
 from fleet.spec import LoadedDeployment, SpecError, parse_document
-from tests.fakes import FakeClock, FakePoolSink
-from tests.k8s.fake import FakeKube, forbid_raw_client
-from tests.k8s.kubelet import ImagePuller, run_pod
-from tests.k8s.nodes import node
+from tests.support.fakes import FakeClock, FakePoolSink
+from tests.support.fake_kube import FakeKube, forbid_raw_client
+from fleet.testing.k8s.kubelet import ImagePuller, run_pod
+from fleet.testing.k8s.nodes import node
 
 NS = "fleet"
 IMAGE = "registry.example.com/fleet/engine:1"
@@ -384,7 +384,7 @@ def filled_cache(tmp_path, monkeypatch):
     """A real weight cache holding ``hf://org/llama-8b`` fetched from the local hub server."""
     from fleet.agent.cache import WeightCache
     from fleet.agent.transfer import RetryPolicy
-    from tests.hub_server import HubRepo, HubServer
+    from fleet.testing.hub_server import HubRepo, HubServer
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.delenv("HF_TOKEN", raising=False)

@@ -47,7 +47,7 @@ def test_router_pods_that_run_are_the_targets_and_a_new_one_is_noticed():
 
 
 async def test_no_router_means_a_failed_publish():
-    from fleet.router_admin import RouterAdminError
+    from fleet.controller.router_admin import RouterAdminError
     from router.spec import PoolSpec
 
     fan = RouterFanout(lambda: [], 9090, "t")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleet.backends.local import FLEET_ID_ENV, REPLICA_ID_ENV, LocalBackend
-from fleet.backends.procs import LocalProcesses, ProcessRecord, find_marked, start_ticks
-from fleet.backends.base import ReplicaWant
+from fleet.local.backend import FLEET_ID_ENV, REPLICA_ID_ENV, LocalBackend
+from fleet.local.procs import LocalProcesses, ProcessRecord, find_marked, start_ticks
+from fleet.controller.backend import ReplicaWant
 from fleet.inventory import NodeInventory
 from fleet.placement import get_strategy
 from fleet.placement.shapes import PlacementRequest
@@ -135,7 +135,7 @@ async def test_a_crash_between_record_and_start_is_resolved_by_the_marker(tmp_pa
 async def test_a_hub_source_is_cached_once_and_both_engines_start_from_the_cache(tmp_path, monkeypatch, spawned):
     from fleet.agent.cache import WeightCache
     from fleet.agent.transfer import RetryPolicy
-    from tests.hub_server import HubRepo, HubServer
+    from fleet.testing.hub_server import HubRepo, HubServer
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.delenv("HF_TOKEN", raising=False)

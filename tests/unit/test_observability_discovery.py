@@ -126,9 +126,9 @@ def test_replica_states_desired_bounds_and_model_are_exported() -> None:
 async def test_the_failure_counter_counts_trimmed_failures_and_survives_a_controller_restart(tmp_path: Path) -> None:
     """`fleet_replica_failures_total` is the controller's own counter: a failed replica trimmed
     from the snapshot's history still counts, and a restarted controller goes on from it."""
-    from fleet.controller import Controller, ControllerSettings
+    from fleet.controller.reconcile import Controller, ControllerSettings
     from fleet.spec import load_deployments
-    from tests.fakes import FakeEngineAPI, FakePoolSink
+    from tests.support.fakes import FakeEngineAPI, FakePoolSink
     from tests.unit.test_controller import Harness, write_deployment
 
     h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)], history_per_deployment=1, backoff_base_s=0.5)

@@ -6,7 +6,7 @@ from collections import Counter
 
 from fleet.inventory.model import NodeInventory
 from fleet.placement import PlacementRequest, ReplicaShape, get_strategy
-from tests.inventories import A100_80, H100, L40S, busy, cluster, node
+from tests.support.inventories import A100_80, H100, L40S, busy, cluster, node
 
 
 def place(inv, shape, count=1, in_use=None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from fleet.placement import PlacementRequest, ReplicaShape, get_strategy
-from tests.inventories import H100, busy, cluster, node
+from tests.support.inventories import H100, busy, cluster, node
 
 TP16 = ReplicaShape(gpu_product=H100, tensor_parallel_size=16)
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 from fleet.inventory.mig import check_geometry, mig_model_for
 from fleet.placement import PlacementRequest, ReplicaShape, get_strategy
-from tests.inventories import A100_80, H100, cluster, node
+from tests.support.inventories import A100_80, H100, cluster, node
 
 SHAPE = ReplicaShape(gpu_product=H100, mig_profile="3g.40gb")
 

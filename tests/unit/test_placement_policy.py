@@ -9,7 +9,7 @@ import pytest
 
 from fleet.inventory.model import GpuHealth
 from fleet.placement import PlacementRequest, ReplicaShape, get_strategy, strategy_names
-from tests.inventories import A100_80, H100, busy, cluster, node
+from tests.support.inventories import A100_80, H100, busy, cluster, node
 
 TP2 = ReplicaShape(gpu_product=H100, tensor_parallel_size=2)
 

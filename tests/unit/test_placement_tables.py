@@ -9,7 +9,7 @@ from collections import Counter
 from fleet.inventory.model import GpuHealth, product_key
 from fleet.placement import PlacementRequest, ReplicaShape, get_strategy
 from fleet.placement.slots import _TABLES, product_table
-from tests.inventories import H100, busy, cluster, node
+from tests.support.inventories import H100, busy, cluster, node
 
 PK = product_key(H100)
 TP2 = ReplicaShape(gpu_product=H100, tensor_parallel_size=2)

@@ -1,13 +1,13 @@
 """Warm vs cold from what nodes hold: a node whose `cached` set holds the engine image and the
 model source (in canonical form) is warm for placement, the controller says whether the next
 replica would start warm (`Controller.next_replica_warm`), and the autoscaler's start-up
-estimate follows it (fleet.placement.shapes, fleet.controller, fleet.autoscaling)."""
+estimate follows it (fleet.placement.shapes, fleet.controller.reconcile, fleet.controller.autoscaling)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fleet.autoscaling import AutoscalerLoop
+from fleet.controller.autoscaling import AutoscalerLoop
 from fleet.inventory import NodeInventory
 from fleet.placement.shapes import PlacementRequest, ReplicaShape, canonical_source
 from tests.unit.test_autoscaler_wiring import AUTOSCALING

@@ -11,11 +11,11 @@ from fleet.agent.health import GpuHealthChecker
 from fleet.agent.nvml_health import NvmlHealthReader
 from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
 from fleet.agent.runner import NodeAgent
-from fleet.backends.local import LocalBackend
+from fleet.local.backend import LocalBackend
 from fleet.inventory.nvml import node_from_nvml
-from fleet.lifecycle import ReplicaStatus as S
-from tests.fake_nvml import FakePynvml, nvswitch_8gpu
-from tests.fakes import FakeClock
+from fleet.controller.lifecycle import ReplicaStatus as S
+from tests.support.fake_nvml import FakePynvml, nvswitch_8gpu
+from tests.support.fakes import FakeClock
 from tests.unit.test_controller import Harness, vllm_installed, write_deployment  # noqa: F401 - the fixture
 
 
@@ -58,7 +58,7 @@ async def test_an_injected_gpu_fault_drains_the_replica_on_it_and_the_replacemen
 
 
 def test_a_gpu_replica_is_pinned_to_the_cpu_cores_local_to_its_gpus(tmp_path):
-    from fleet.backends.base import ReplicaWant
+    from fleet.controller.backend import ReplicaWant
     from fleet.placement import PlacementRequest, get_strategy
     from fleet.inventory import Inventory
     from fleet.spec import load_deployments

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from fleet.traces import Trace, TraceRequest
+from fleet.tracesim.traces import Trace, TraceRequest
 from loadtests.replay import HttpSender, Outcome, PromptBuilder, main, replay, summarize_run
-from router.testing import dead_endpoint
-from tests.fakes import FakeClock
+from tests.support.router import dead_endpoint
+from tests.support.fakes import FakeClock
 
 
 async def test_requests_go_out_at_trace_times_even_while_earlier_ones_hang() -> None:

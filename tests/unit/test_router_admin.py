@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from router.app import RouterApp, create_app
-from router.testing import FakeEngine, running_app
+from tests.support.router import FakeEngine, running_app
 
 pytestmark = pytest.mark.asyncio
 

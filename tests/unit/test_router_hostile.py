@@ -21,7 +21,7 @@ import pytest
 from router.app import MAX_ADMIN_BODY_BYTES, RouterApp, create_app
 from router.metrics import UNKNOWN_MODEL
 from router.proxy import MAX_REFLECTED_CHARS
-from router.testing import FakeEngine, running_app
+from tests.support.router import FakeEngine, running_app
 
 pytestmark = pytest.mark.asyncio
 

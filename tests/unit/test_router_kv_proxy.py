@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from router.testing import FakeEngine
+from tests.support.router import FakeEngine
 from tests.unit.test_router_proxy import WAIT_S, put_pool, router
 
 pytestmark = pytest.mark.asyncio

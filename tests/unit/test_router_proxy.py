@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from router.app import RouterApp, create_app
-from router.testing import FakeEngine, dead_endpoint, running_app
+from tests.support.router import FakeEngine, dead_endpoint, running_app
 
 pytestmark = pytest.mark.asyncio
 

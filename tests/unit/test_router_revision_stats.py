@@ -1,16 +1,16 @@
 """Per-revision request records (router.revision_stats) through the real proxy: TTFT and TPOT of
 streamed replies only, failures counted, the window, the admin endpoint and the controller's
-client (`fleet.router_admin.RouterAdminClient.revision_samples`)."""
+client (`fleet.controller.router_admin.RouterAdminClient.revision_samples`)."""
 
 from __future__ import annotations
 
 import aiohttp
 import pytest
 
-from fleet.router_admin import RouterAdminClient, RouterAdminError
+from fleet.controller.router_admin import RouterAdminClient, RouterAdminError
 from router.app import create_app
 from router.revision_stats import RequestLog
-from router.testing import FakeEngine, running_app
+from tests.support.router import FakeEngine, running_app
 
 TOKEN = "t"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

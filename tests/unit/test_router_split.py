@@ -19,7 +19,7 @@ from router.pool import EndpointState, Pool, PoolTable
 from router.spec import EndpointSpec, PoolSpec
 from router.prompt_blocks import route_request
 from router.split import RevisionSplit, sticky_key
-from router.testing import FakeEngine, running_app
+from tests.support.router import FakeEngine, running_app
 
 N = 10_000
 

@@ -20,13 +20,13 @@ import openai
 import pytest
 from aiohttp import web
 
-from fleet.sim.cost import StepCost
-from fleet.sim.model import EngineConfig
-from fleet.sim.profiles import Profile
-from fleet.sim.server import ReplicaSettings, SimReplica, bind_socket
+from fleet.enginesim.cost import StepCost
+from fleet.enginesim.model import EngineConfig
+from fleet.enginesim.profiles import Profile
+from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket
 from router.app import RouterApp, create_app
 from router.sse import MAX_PENDING_BYTES, SseRelay
-from router.testing import FakeEngine, running_app
+from tests.support.router import FakeEngine, running_app
 
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

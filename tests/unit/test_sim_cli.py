@@ -1,4 +1,4 @@
-"""The simulator's command lines as real processes: `fleet sim-engine` and `python -m fleet.sim`."""
+"""The simulator's command lines as real processes: `fleet sim-engine` and `python -m fleet.enginesim`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.sim.__main__ import options_from_args
+from fleet.enginesim.__main__ import options_from_args
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = [sys.executable, "-c", "from fleet.cli import app; app()"]
@@ -82,7 +82,7 @@ def test_fleet_sim_engine_serves_several_replicas_and_stops_on_sigterm(tmp_path)
     (["--profile", "nope"], 2, "unknown simulator profile 'nope'"),
 ])  # fmt: skip
 def test_python_m_fleet_sim_exit_codes(flags, code, fragment):
-    proc = subprocess.run([sys.executable, "-m", "fleet.sim", "--port", "0", *flags], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "fleet.enginesim", "--port", "0", *flags], cwd=REPO,
                           capture_output=True, text=True, timeout=30)  # fmt: skip
     assert proc.returncode == code
     assert fragment in proc.stdout + proc.stderr
@@ -90,7 +90,7 @@ def test_python_m_fleet_sim_exit_codes(flags, code, fragment):
 
 def test_a_one_replica_process_exits_1_when_it_crashes(tmp_path):
     ports_file = tmp_path / "ports.json"
-    proc = subprocess.Popen([sys.executable, "-m", "fleet.sim", "--port", "0", "--ports-file", str(ports_file),
+    proc = subprocess.Popen([sys.executable, "-m", "fleet.enginesim", "--port", "0", "--ports-file", str(ports_file),
                              "--crash-after-requests", "1"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:

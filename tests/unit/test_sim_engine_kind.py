@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleet.controller import Controller
-from fleet.engines import ModelUnavailable, SimEngine, get_engine
+from fleet.controller.reconcile import Controller
+from fleet.engines.kinds import ModelUnavailable, SimEngine, get_engine
 from fleet.inventory import Inventory, NodeInventory
-from fleet.lifecycle import ReplicaStatus as S
+from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.spec import SpecError, load_deployments, parse_document
-from fleet.up import PreflightError, preflight
-from tests.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
+from fleet.local.up import PreflightError, preflight
+from tests.support.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_NODE = NodeInventory(name="n", cpu_cores=(0, 1))
@@ -75,7 +75,7 @@ async def test_the_controller_launches_python_m_fleet_sim_with_vllms_flags(tmp_p
     await c.reconcile_once()
     assert Counter(r.status for r in c.replicas.values()) == {S.STARTING: 2}
     argv = backend.by_replica("sim-0").spec.argv
-    assert argv[1:3] == ["-m", "fleet.sim"]
+    assert argv[1:3] == ["-m", "fleet.enginesim"]
     assert argv[argv.index("--model") + 1] == "sim://h100-llama-8b"
     assert argv[argv.index("--served-model-name") + 1] == "m"
     assert argv[argv.index("--port") + 1] == str(backend.by_replica("sim-0").spec.port)

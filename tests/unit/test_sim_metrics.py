@@ -1,4 +1,4 @@
-"""fleet.sim.metrics against real vLLM 0.32's /metrics (tests/data/vllm-0.32-metrics.txt): the
+"""fleet.enginesim.metrics against real vLLM 0.32's /metrics (tests/data/vllm-0.32-metrics.txt): the
 simulator's series have vLLM's names, types, label names and bucket boundaries."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from fleet.sim.metrics import ReplicaMetrics
-from fleet.sim.model import FinishedRequest
+from fleet.enginesim.metrics import ReplicaMetrics
+from fleet.enginesim.model import FinishedRequest
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "vllm-0.32-metrics.txt"
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-# Families the simulator deliberately does not export (nothing to report; see fleet.sim.metrics),
+# Families the simulator deliberately does not export (nothing to report; see fleet.enginesim.metrics),
 # named as the text format writes them (counters with their _total).
 NOT_SIMULATED = {
     "vllm:estimated_flops_per_gpu_total", "vllm:estimated_read_bytes_per_gpu_total",

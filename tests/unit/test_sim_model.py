@@ -1,4 +1,4 @@
-"""fleet.sim.model: the engine simulator's scheduler, in virtual time (no clock, no sockets).
+"""fleet.enginesim.model: the engine simulator's scheduler, in virtual time (no clock, no sockets).
 
 Costs are chosen so virtual times are easy to read: a step costs 1 s plus 0.01 s per token
 unless a test says otherwise.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.sim.cost import StepCost, StepFeatures
-from fleet.sim.kvcache import BlockPool, block_hashes
-from fleet.sim.model import Arrival, EngineConfig, EngineModel, run_virtual
+from fleet.enginesim.cost import StepCost, StepFeatures
+from fleet.enginesim.kvcache import BlockPool, block_hashes
+from fleet.enginesim.model import Arrival, EngineConfig, EngineModel, run_virtual
 
 UNIT = StepCost(fixed_s=1.0, per_token_s=0.01)
 

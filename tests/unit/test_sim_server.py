@@ -1,4 +1,4 @@
-"""fleet.sim.server: the simulator's HTTP surface over real loopback sockets, in-process.
+"""fleet.enginesim.server: the simulator's HTTP surface over real loopback sockets, in-process.
 
 Step costs are a few milliseconds so tests run fast; time assertions are lower bounds the
 model guarantees (a step's tokens are never delivered before the step ends), never upper ones.
@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from fleet.sim.cost import StepCost
-from fleet.sim.faults import FaultPlan
-from fleet.sim.model import EngineConfig
-from fleet.sim.profiles import Profile
-from fleet.sim.server import ReplicaSettings, SimReplica, bind_socket
+from fleet.enginesim.cost import StepCost
+from fleet.enginesim.faults import FaultPlan
+from fleet.enginesim.model import EngineConfig
+from fleet.enginesim.profiles import Profile
+from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket
 
 pytestmark = pytest.mark.asyncio
 

@@ -1,10 +1,10 @@
-"""fleet.sim.tokens: exact, deterministic token counts and filler output."""
+"""fleet.enginesim.tokens: exact, deterministic token counts and filler output."""
 
 from __future__ import annotations
 
 import pytest
 
-from fleet.sim import tokens
+from fleet.enginesim import tokens
 
 
 def test_repeated_words_give_exact_lengths():

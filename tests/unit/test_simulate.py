@@ -1,6 +1,6 @@
 """The trace simulator on small synthetic traces: determinism, scale-up on a burst and back down,
 warm and cold start-up times, drain semantics, the fixed baseline, the router's admission, and
-the summary metrics on a hand-checked case (fleet.simulate)."""
+the summary metrics on a hand-checked case (fleet.tracesim)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ import pytest
 
 from autoscaler.policy import ReplicaBounds, ScalingDecision
 from autoscaler.spec import AutoscalingSpec
-from fleet.sim.cost import StepCost
-from fleet.sim.model import EngineConfig
-from fleet.sim.profiles import Profile
-from fleet.simulate.compare import COMPARE, contender, run_comparison
-from fleet.simulate.engine import SimConfig, Simulation
-from fleet.simulate.replica import NodePool, Phase
-from fleet.simulate.results import RequestLog, SimResult, TickRecord
-from fleet.simulate.workload import (
+from fleet.enginesim.cost import StepCost
+from fleet.enginesim.model import EngineConfig
+from fleet.enginesim.profiles import Profile
+from fleet.tracesim.compare import COMPARE, contender, run_comparison
+from fleet.tracesim.engine import SimConfig, Simulation
+from fleet.tracesim.replica import NodePool, Phase
+from fleet.tracesim.results import RequestLog, SimResult, TickRecord
+from fleet.tracesim.workload import (
     FleetSizing,
     Workload,
     replica_capacity_per_s,
     scale_rate,
 )
-from fleet.traces import Trace, TraceRequest
+from fleet.tracesim.traces import Trace, TraceRequest
 
 # A small, slow replica: every step costs 50 ms, at most 4 requests in a batch. A request of
 # 64 prompt tokens and 8 output tokens takes 8 steps; one replica completes ~10 requests/s.

@@ -1,6 +1,6 @@
 """`fleet simulate` end to end on a small trace file: the table, --json, --plot, and clear errors for
 a bad trace path, a malformed trace, a deployment without a simulator profile and an unknown
-contender (fleet.cli, fleet.simulate)."""
+contender (fleet.cli, fleet.tracesim)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fleet.cli import app
-from fleet.traces import Trace, TraceRequest, write_jsonl
+from fleet.tracesim.traces import Trace, TraceRequest, write_jsonl
 
 runner = CliRunner()
 

@@ -1,4 +1,4 @@
-"""Canary rollouts in the trace simulator (fleet.simulate.rollout) on a short synthetic workload:
+"""Canary rollouts in the trace simulator (fleet.tracesim.rollout) on a short synthetic workload:
 the real split, state machine and judges decide; a good canary is promoted, slow and failing
 ones are rolled back by Fleet's analysis, a canary without traffic is never promoted by it, and
 the baselines show the failure modes they are known for."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.sim.profiles import get_profile
-from fleet.simulate.rollout import CanaryVariant, RolloutSimConfig, RolloutSimulation, abs_p99_threshold
-from fleet.simulate.workload import Workload
-from fleet.traces import Trace, TraceRequest
+from fleet.enginesim.profiles import get_profile
+from fleet.tracesim.rollout import CanaryVariant, RolloutSimConfig, RolloutSimulation, abs_p99_threshold
+from fleet.tracesim.workload import Workload
+from fleet.tracesim.traces import Trace, TraceRequest
 from fleet.rollout.spec import AnalysisSpec, RolloutSpec, RolloutStep, StepAnalysis
 
 PROFILE = get_profile("h100-llama-8b")

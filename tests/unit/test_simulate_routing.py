@@ -1,6 +1,6 @@
 """Routing policies inside the trace simulator: the same policy objects as the router, fed the
 same `RouteRequest`s, with one or several routers; prefix-cache hits and the load the
-endpoints' states carry (fleet.simulate.engine with router.policies)."""
+endpoints' states carry (fleet.tracesim.engine with router.policies)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 
 from autoscaler.policy import ReplicaBounds
 from autoscaler.spec import AutoscalingSpec
-from fleet.sim.cost import StepCost
-from fleet.sim.model import EngineConfig
-from fleet.sim.profiles import Profile
-from fleet.simulate.engine import SimConfig, Simulation
-from fleet.simulate.workload import Workload
-from fleet.traces import Trace, TraceRequest
+from fleet.enginesim.cost import StepCost
+from fleet.enginesim.model import EngineConfig
+from fleet.enginesim.profiles import Profile
+from fleet.tracesim.engine import SimConfig, Simulation
+from fleet.tracesim.workload import Workload
+from fleet.tracesim.traces import Trace, TraceRequest
 
 # Prefill-bound replicas: 20 us per token (a 2,048-token prompt costs 41 ms), 8 ms per step.
 PREFILL = Profile(

@@ -1,4 +1,4 @@
-"""fleet.tinymodel: an offline, deterministic tiny Llama model directory that vLLM can serve."""
+"""fleet.engines.tinymodel: an offline, deterministic tiny Llama model directory that vLLM can serve."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.tinymodel import MARKER_FILE, make_tiny_model
+from fleet.engines.tinymodel import MARKER_FILE, make_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -138,7 +138,7 @@ def _run_python(*args: str) -> subprocess.CompletedProcess:
 
 def test_import_is_cheap():
     code = (
-        "import sys, fleet.tinymodel; "
+        "import sys, fleet.engines.tinymodel; "
         "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))"
     )
     out = _run_python("-c", code)
@@ -146,6 +146,6 @@ def test_import_is_cheap():
 
 
 def test_cli_prints_path(model_dir):
-    out = _run_python("-m", "fleet.tinymodel", str(model_dir))
+    out = _run_python("-m", "fleet.engines.tinymodel", str(model_dir))
     assert out.stdout == f"{model_dir}\n"
     assert out.stderr == ""

@@ -1,5 +1,5 @@
 """Trace loading: the shipped Azure traces, Fleet's JSONL form, and errors that name file, line
-and field (fleet.traces)."""
+and field (fleet.tracesim.traces)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.traces import Trace, TraceError, TraceRequest, load_trace, mooncake_to_fleet, write_jsonl
+from fleet.tracesim.traces import Trace, TraceError, TraceRequest, load_trace, mooncake_to_fleet, write_jsonl
 
 AZURE = Path(__file__).resolve().parents[2] / "loadtests" / "traces" / "azure-llm-2023"
 

@@ -1,0 +1,5 @@
+"""``python -m fleet``: the `fleet` command line (`fleet.cli`)."""
+
+from fleet.cli import app
+
+app()

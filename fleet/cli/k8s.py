@@ -1,0 +1,109 @@
+"""`fleet crd` and `fleet operator`: Fleet on Kubernetes, from the command line.
+
+Owns the two commands' arguments and help; the work is done by `fleet.k8s.crd` (the CRD from
+the pydantic spec) and `fleet.k8s.operator` (the operator loop). Registered on the `fleet` app by
+`fleet.cli`. The `kubernetes` client is imported only by `fleet operator`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer()
+
+
+@app.command("crd")
+def crd() -> None:
+    """Print the InferenceDeployment CustomResourceDefinition, generated from Fleet's spec.
+
+    The same YAML file `fleet up` reads is what `kubectl apply` takes once this CRD is
+    installed: `fleet crd | kubectl apply --server-side -f -`. The Helm chart ships the same
+    text (charts/fleet/files/crd-inferencedeployments.yaml) and upgrades it with the release.
+    """
+    from fleet.k8s.crd import crd_yaml
+
+    typer.echo(crd_yaml(), nl=False)
+
+
+@app.command("operator")
+def operator(
+    namespace: Annotated[Optional[str], typer.Option(
+        envvar="FLEET_NAMESPACE", help="Namespace to watch and run replicas in (default: the pod's own, "
+        "else the kubeconfig context's).")] = None,
+    router_admin_url: Annotated[str, typer.Option(
+        envvar="FLEET_ROUTER_ADMIN_URL", help="Router admin API base URL, e.g. http://fleet-router-admin:9090; "
+        "every router pod behind it gets every pool (see --router-selector).")] = "",
+    router_selector: Annotated[str, typer.Option(
+        envvar="FLEET_ROUTER_SELECTOR", help="Label selector of the router pods: each one is sent every pool "
+        "update. `none`: only --router-admin-url.")] = "app.kubernetes.io/component=router",
+    router_admin_port: Annotated[int, typer.Option(envvar="FLEET_ROUTER_ADMIN_PORT",
+                                                   help="Admin port of each router pod.")] = 9090,
+    identity: Annotated[Optional[str], typer.Option(
+        envvar="POD_NAME", help="Leader-election identity (default: the pod name, else the host name).")] = None,
+    lease_name: Annotated[str, typer.Option(envvar="FLEET_LEASE_NAME", help="coordination.k8s.io Lease name.")]
+    = "fleet-operator",
+    resync_s: Annotated[float, typer.Option(help="Seconds between full relists (level-triggered resync).")] = 300.0,
+    tick_s: Annotated[float, typer.Option(help="Seconds between reconcile ticks.")] = 1.0,
+    engine_image: Annotated[str, typer.Option(
+        envvar="FLEET_ENGINE_IMAGE", help="Image of replicas whose spec.engine.image is unset "
+        "(Fleet's own image for engine.kind: sim).")] = "",
+    metrics_port: Annotated[int, typer.Option(envvar="FLEET_METRICS_PORT",
+                                              help="Port of the operator's /metrics and /healthz (0: off).")] = 8081,
+    engine_pod_json: Annotated[str, typer.Option(
+        envvar="FLEET_ENGINE_POD_JSON", help="Pod settings of every replica as JSON (the chart's engine: values: "
+        "runtimeClassName, tolerations, shmSize, extraEnv, migStrategy, ...).")] = "",
+    lease_duration_s: Annotated[float, typer.Option(help="Seconds a Lease holder that stopped renewing keeps it.")]
+    = 15.0,
+) -> None:
+    """Run the Fleet operator: watch InferenceDeployment resources and run each one's replicas
+    as pods, through the same controller `fleet up` uses.
+
+    One pod acts at a time (leader election through a coordination.k8s.io Lease); others wait.
+    Reads the in-cluster service account, else the kubeconfig. See docs/kubernetes.md.
+    """
+    import asyncio
+
+    from fleet.k8s.operator import OperatorSettings, run_operator
+
+    settings = OperatorSettings(
+        namespace=namespace, router_admin_url=router_admin_url, router_selector=router_selector,
+        router_admin_port=router_admin_port, identity=identity, lease_name=lease_name, resync_s=resync_s,
+        tick_s=tick_s, engine_image=engine_image, metrics_port=metrics_port, engine_pod_json=engine_pod_json,
+        lease_duration_s=lease_duration_s,
+    )  # fmt: skip
+    try:
+        from fleet.k8s.pods import EnginePodSettings
+
+        EnginePodSettings.from_json(engine_pod_json)
+    except ValueError as err:
+        typer.echo(f"--engine-pod-json: {err}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(asyncio.run(run_operator(settings)))
+
+
+@app.command("router-pod")
+def router_pod(
+    port: Annotated[int, typer.Option(help="Port of the OpenAI API (the public Service's target).")] = 8080,
+    admin_port: Annotated[int, typer.Option(help="Port of the admin API (the operator's pool updates).")] = 9090,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+) -> None:
+    """Run the router as the chart's router pods do: the OpenAI API on --port, the admin API on
+    --admin-port only (404 under /admin on --port). The admin token is read from
+    $FLEET_ROUTER_ADMIN_TOKEN."""
+    import asyncio
+    import os
+
+    from fleet.k8s.routerpod import serve_router_pod
+
+    token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN", "")
+    if not token:
+        typer.echo("FLEET_ROUTER_ADMIN_TOKEN is not set: the admin API needs a token.", err=True)
+        raise typer.Exit(2)
+    try:
+        asyncio.run(serve_router_pod(host, port, admin_port, token))
+    except ValueError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
+

@@ -1,0 +1,360 @@
+"""`fleet validate`, `up`, `status`, `down`, `logs` and `router`: the local fleet's commands.
+
+Owns their arguments, help texts and the rendering of results; the work is done by `fleet.spec`,
+`fleet.local.up` (run and stop the fleet), `fleet.local.state` (what `fleet up` recorded) and
+`router.server`. Registered on the `fleet` app by `fleet.cli`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from fleet.cli.common import Files, StateDir, console, err_console, load_or_exit, read_json
+from fleet.cli.rollout import print_status_revisions
+from fleet.local.state import AlreadyRunning, StateStore, default_state_dir
+
+app = typer.Typer()
+
+
+@app.command()
+def validate(files: Files) -> None:
+    """Check deployment files without starting anything.
+
+    Every problem is reported with its file, document index, field path and reason, e.g.
+    `quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)`.
+    Exit code 0 when all documents are valid, 2 otherwise.
+    """
+    loaded = load_or_exit(files)
+    for ld in loaded:
+        d = ld.deployment
+        r = d.spec.resources
+        shape = (
+            f"{r.cpu_cores} CPU core(s)" if r.accelerator == "cpu"
+            else f"MIG {r.mig_profile}" if r.mig_profile
+            else f"TP={r.tensor_parallel_size} x {r.gpu_product or 'any GPU'}"
+        )
+        a = d.spec.autoscaling
+        scaling = (
+            f", autoscaling {a.policy} (queue time {a.queue_time_target_seconds:g} s, "
+            f"p99 TTFT {a.ttft_p99_target_seconds:g} s)" if a else ""
+        )
+        console.print(
+            f"[green]ok[/] {ld.path}[{ld.index}] {d.name}: model {d.spec.model.name!r} "
+            f"({d.spec.engine.kind}), replicas {d.spec.replicas.min}..{d.spec.replicas.max}, {shape}, "
+            f"routing {d.spec.routing.policy}{scaling}",
+            highlight=False,
+        )
+
+
+@app.command()
+def up(
+    files: Files,
+    port: Annotated[int, typer.Option(help="Router port (OpenAI-compatible API).")] = 8080,
+    host: Annotated[str, typer.Option(help="Router address to listen on.")] = "127.0.0.1",
+    metrics_port: Annotated[Optional[int], typer.Option(
+        help="Port of fleet up's Prometheus metrics: replica states, autoscaler decisions "
+        "(default: --port + 1; 0: off).")] = None,
+    detach: Annotated[bool, typer.Option(
+        "--detach", "-d", help="Run in the background: return once every replica is READY "
+        "(or on the first failure); `fleet logs`, `fleet status` and `fleet down` reach it.")] = False,
+    state_dir: StateDir = None,
+) -> None:
+    """Run the deployments on this machine until Ctrl-C or `fleet down`.
+
+    Checks every deployment first (spec, engine installed, weights present, devices) and starts
+    nothing if one fails. Then starts the router, and for each replica: places it on GPUs (or CPU
+    cores), starts the engine, waits for /health, runs the warm-up requests, and only then adds it
+    to the router's pool. Failed replicas are replaced with exponential backoff. Deployments with
+    spec.autoscaling are scaled between spec.replicas.min and max; a scale-down drains a replica
+    before it stops. Ctrl-C drains: replicas leave the pool, in-flight requests finish, engines
+    stop.
+
+    Engines and the router do not die with this command: if it is killed, they keep serving, and
+    `fleet up` run again on the same state directory adopts them without restarting them.
+    """
+    loaded = load_or_exit(files)
+    store = StateStore(state_dir or default_state_dir())
+    if detach:
+        raise typer.Exit(_detach(files, store, port=port, host=host, metrics_port=metrics_port))
+    from fleet.local.up import PreflightError, run_up
+
+    if metrics_port is None:
+        metrics_port = port + 1
+    try:
+        code = asyncio.run(run_up(loaded, store=store, console=console, host=host, port=port,
+                                  metrics_port=metrics_port or None))  # fmt: skip
+    except PreflightError as err:
+        err_console.print("[bold red]Cannot start; nothing was started:[/]")
+        for line in err.problems:
+            err_console.print(f"  {line}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    except AlreadyRunning as err:
+        err_console.print(f"[red]{err}[/]", highlight=False)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+def _detach(files: list[Path], store: StateStore, *, port: int, host: str, metrics_port: int | None) -> int:
+    """Start `fleet up` in a new session with its output in ``logs/fleet-up.log``; relay that log
+    until every replica is READY, a replica fails, or the background process exits."""
+    log_path = store.log_dir / "fleet-up.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "fleet.cli", "up", *map(str, files), "--port", str(port), "--host", host,
+            "--state-dir", str(store.root)]  # fmt: skip
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "COLUMNS": "160"})  # fmt: skip
+    try:
+        return _relay_until_ready(log_path, offset, proc)
+    except KeyboardInterrupt:
+        console.print(f"\nStopped watching; the fleet keeps starting in the background (pid {proc.pid}): "
+                      "`fleet status`, `fleet logs -f`, `fleet down`.", highlight=False)  # fmt: skip
+        return 0
+
+
+def _relay_until_ready(log_path: Path, offset: int, proc: subprocess.Popen) -> int:
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        while True:
+            for raw in f.readlines():
+                line = raw.decode(errors="replace").rstrip("\n")
+                console.print(line, markup=False, highlight=False)
+                if "All " in line and "READY" in line:
+                    console.print(f"Fleet runs in the background (pid {proc.pid}); `fleet logs -f`, "
+                                  "`fleet status`, `fleet down`.", highlight=False)  # fmt: skip
+                    return 0
+                if "FAILED_" in line:
+                    console.print(f"A replica failed; the fleet keeps running in the background (pid {proc.pid}) "
+                                  "and replaces it: `fleet status`, `fleet logs -f`.", highlight=False)  # fmt: skip
+                    return 1
+            code = proc.poll()
+            if code is not None:
+                for raw in f.readlines():
+                    console.print(raw.decode(errors="replace").rstrip("\n"), markup=False, highlight=False)
+                return code or 1
+            time.sleep(0.2)
+
+
+def _pid_alive(pid: int | None) -> bool:
+    """True while process ``pid`` runs. A zombie (exited, not yet reaped by its parent) is gone."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # Linux: field 3 of /proc/PID/stat is the state; Z = zombie, X = dead
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def _orphans(store: StateStore) -> tuple[list[str], tuple[str, int] | None]:
+    """(replica ids whose engines still run, (router url, pid) if the router still runs), checked
+    by process identity: what a controller that died left serving."""
+    from fleet.local.backend import LocalBackend
+    from fleet.inventory import NodeInventory
+    from fleet.local.routerproc import router_record_alive
+
+    if not (store.root / "fleet-id").exists():
+        return [], None
+    backend = LocalBackend(store.root, store.fleet_id(), NodeInventory(name="local"))
+    facts = asyncio.run(backend.observe())
+    return sorted(rid for rid, f in facts.items() if f.running), router_record_alive(store.root)
+
+
+@app.command()
+def status(
+    state_dir: StateDir = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw state as JSON.")] = False,
+    log_lines: Annotated[int, typer.Option(help="Engine log lines shown for a failed replica.")] = 8,
+) -> None:
+    """Show the deployments and replicas of the local fleet.
+
+    For each replica: state, endpoint, devices, and for a failed one the reason and the engine's
+    last log lines. When the controller is gone but engines or the router still run, says so
+    (`fleet up` adopts them, `fleet down` stops them)."""
+    store = StateStore(state_dir or default_state_dir())
+    state = store.read()
+    if state is None:
+        err_console.print(f"No fleet state in {store.root}: `fleet up` has not run there.")
+        raise typer.Exit(1)
+    running = _pid_alive(state.get("pid")) and state.get("phase") != "stopped"
+    orphans, router_left = ([], None) if running else _orphans(store)
+    if as_json:
+        console.print_json(json.dumps({**state, "running": running, "orphaned_replicas": orphans,
+                                       "orphaned_router": router_left}))  # fmt: skip
+        return
+    age_s = time.time() - state.get("updated_at_unix", time.time())
+    phase = state.get("phase", "?") if running else "not running"
+    console.print(
+        f"Fleet [bold]{phase}[/] (pid {state.get('pid')}), router {state.get('router_url')}, "
+        f"state updated {age_s:.0f} s ago", highlight=False,
+    )
+    if orphans or router_left:
+        what = ([f"{len(orphans)} engine(s) ({', '.join(orphans)})"] if orphans else []) + (
+            [f"the router (pid {router_left[1]}, {router_left[0]})"] if router_left else [])
+        console.print(f"[bold yellow]The controller is not running, but {' and '.join(what)} still run.[/] "
+                      "`fleet up FILES` adopts them; `fleet down` stops them.", highlight=False)  # fmt: skip
+    console.print(f"Nodes: {'; '.join(state.get('inventory', [])) or '?'}", highlight=False)
+    agent_status = read_json(store.root / "node-agent.json")
+    if agent_status:
+        from fleet.agent.runner import status_lines
+
+        for line in status_lines(agent_status):
+            console.print(f"[yellow]{line}[/]", highlight=False)
+    deps = Table(title="Deployments", title_justify="left")
+    for col in ("deployment", "model", "ready/desired", "policy", "autoscaling", "last decision", "source"):
+        deps.add_column(col)
+    replicas = state.get("replicas", [])
+    for name, d in state.get("deployments", {}).items():
+        ready = sum(1 for r in replicas if r["deployment"] == name and r["status"] == "READY")
+        deps.add_row(name, d["model"], f"{ready}/{d['desired']}", d["policy"], *_scaling_columns(d), d["source"])
+    console.print(deps)
+    print_status_revisions(console, state)
+    table = Table(title="Replicas", title_justify="left")
+    for col in ("replica", "status", "endpoint", "devices", "pid", "age", "detail"):
+        table.add_column(col)
+    clock_now = state.get("clock_s", 0.0) + (age_s if running else 0.0)
+    for r in replicas:
+        st = r["status"]
+        style = "green" if st == "READY" else "red" if st.startswith("FAILED") else "yellow" if st == "DRAINING" else ""
+        detail = (r.get("failure") or {}).get("reason") or r.get("waiting_reason") or ""
+        if st == "DRAINING" and r.get("drain_reason"):
+            detail = r["drain_reason"]
+        elif st == "CACHING":
+            detail = (r.get("detail") or {}).get("cache", "")
+        if r.get("adopted_at_s") is not None and not st.startswith("FAILED"):
+            detail = detail or "adopted"
+        table.add_row(
+            r["id"], f"[{style}]{st}[/]" if style else st, r.get("endpoint") or "-", r.get("assignment") or "-",
+            (r.get("detail") or {}).get("pid", "-"), f"{clock_now - r['created_at_s']:.0f} s", detail,
+        )
+    console.print(table)
+    for r in replicas:
+        failure = r.get("failure")
+        if failure and failure.get("log_tail") and log_lines > 0:
+            console.print(f"[red]{r['id']}[/] {failure['status']}: {failure['reason']}", highlight=False)
+            console.print(f"  last engine log lines ({(r.get('detail') or {}).get('log')}):", style="dim",
+                          highlight=False)  # fmt: skip
+            for line in failure["log_tail"][-log_lines:]:
+                console.print(f"  | {line}", markup=False, highlight=False, style="dim")
+
+
+def _scaling_columns(d: dict) -> tuple[str, str]:
+    """(autoscaling, last decision) cells of one deployment in `fleet status`."""
+    policy = d.get("autoscaling")
+    if not policy:
+        return "off", "-"
+    bounds = f"{policy} ({d.get('min')}..{d.get('max')})"
+    last = d.get("last_scaling")
+    if not last:
+        return bounds, "none yet"
+    return bounds, f"{last['direction']} {last['previous']}->{last['desired']}: {last['reason']} ({last['detail']})"
+
+
+@app.command()
+def down(
+    state_dir: StateDir = None,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Seconds to wait for the drain to finish.")] = 300.0,
+) -> None:
+    """Stop the local fleet and wait until everything is gone.
+
+    Drains every replica, stops the engines, then the router (same as Ctrl-C on `fleet up`). If
+    the controller is gone (killed, crashed) but engines or the router still run, stops those in
+    the same order."""
+    from fleet.local.up import run_down
+
+    store = StateStore(state_dir or default_state_dir())
+    state = store.read() or {}
+    pid = state.get("pid")
+    if not _pid_alive(pid) or state.get("phase") == "stopped":
+        try:
+            code = asyncio.run(run_down(store, console))
+        except AlreadyRunning as err:
+            err_console.print(f"[red]{err}[/]", highlight=False)
+            raise typer.Exit(2) from None
+        console.print("Fleet stopped." if code == 0 else f"No running fleet in {store.root}.")
+        return
+    os.kill(pid, signal.SIGTERM)
+    console.print(f"Sent SIGTERM to fleet up (pid {pid}); draining...")
+    deadline = time.monotonic() + timeout_s
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if _pid_alive(pid):
+        err_console.print(f"[red]fleet up (pid {pid}) still running after {timeout_s:g} s[/]")
+        raise typer.Exit(1)
+    console.print("Fleet stopped.")
+
+
+@app.command()
+def logs(
+    name: Annotated[str, typer.Argument(help="`controller` (the output of `fleet up`), `router`, or a replica id.")]
+    = "controller",
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until Ctrl-C.")] = False,
+    lines: Annotated[int, typer.Option("--lines", "-n", help="Lines of the end of the log to print first.")] = 50,
+    state_dir: StateDir = None,
+) -> None:
+    """Print the log of the controller, the router or one replica's engine.
+
+    The controller's log is the output of `fleet up --detach`; `fleet status` lists replica ids."""
+    from fleet.local.procs import read_log_tail
+
+    store = StateStore(state_dir or default_state_dir())
+    file = {"controller": "fleet-up.log", "router": "router.log"}.get(name, f"{name}.log")
+    path = store.log_dir / file
+    if not path.exists():
+        known = sorted(p.stem for p in store.log_dir.glob("*.log")) if store.log_dir.exists() else []
+        err_console.print(f"No log {path}. Logs in {store.log_dir}: {', '.join(known) or 'none'} "
+                          "(`fleet-up` is `controller`).", highlight=False)  # fmt: skip
+        raise typer.Exit(1)
+    for line in read_log_tail(path, lines):
+        console.print(line, markup=False, highlight=False)
+    if not follow:
+        return
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        try:
+            while True:
+                chunk = f.readline()
+                if chunk:
+                    console.print(chunk.decode(errors="replace").rstrip("\n"), markup=False, highlight=False)
+                else:
+                    time.sleep(0.25)
+        except KeyboardInterrupt:
+            return
+
+
+@app.command()
+def router(
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8080,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+) -> None:
+    """Run the router alone (the controller publishes pools to it through the admin API).
+
+    The admin token is read from $FLEET_ROUTER_ADMIN_TOKEN.
+    """
+    from router.server import serve
+
+    token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN")
+    if not token:
+        err_console.print("FLEET_ROUTER_ADMIN_TOKEN is not set: the admin API needs a token.")
+        raise typer.Exit(2)
+    serve(host, port, token)

@@ -1,0 +1,211 @@
+"""`fleet plan` and `fleet inventory`: where replicas would run, and what the nodes offer.
+
+Owns the two commands' arguments, help and output (tables, JSON, YAML); the work is done by
+`fleet.placement` (strategies, explanations, MIG advice) and `fleet.inventory` (the inventory
+file, NVML discovery). Registered on the `fleet` app by `fleet.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fleet.cli.common import Files, console, err_console, fail_with, load_or_exit
+
+app = typer.Typer()
+
+
+def _load_inventory(path: Path):
+    from fleet.inventory.file import InventoryError, load_inventory
+
+    try:
+        return load_inventory(path)
+    except InventoryError as err:
+        raise fail_with("Invalid inventory", err.problems) from None
+
+
+@app.command()
+def plan(
+    files: Files,
+    inventory: Annotated[Path, typer.Option(
+        "--inventory", "-i", help="Inventory YAML (kind: Inventory): the nodes to place on. See examples/inventories/.")],
+    replicas: Annotated[Optional[int], typer.Option(
+        min=0, help="Replicas to place per deployment. Default: spec.replicas.initial (or min).")] = None,
+    strategy: Annotated[str, typer.Option(help="Placement strategy: fleet (default) or first-fit.")] = "fleet",
+    all_or_nothing: Annotated[bool, typer.Option(
+        "--all-or-nothing", help="Place none of a deployment's replicas unless all fit.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plans as JSON.")] = False,
+) -> None:
+    """Show where each deployment's replicas would run on a declared cluster, and why not.
+
+    Deployments are placed one after another on the same inventory: devices the inventory marks
+    inUse, and those taken by earlier deployments, are not free. Each deployment's replicas are
+    placed in one decision (one GPU product for all of them). For each replica: the node (several
+    for a gang), the NVLink domain or MIG parent GPU, the devices as CUDA_VISIBLE_DEVICES gets
+    them (GPU or MIG UUIDs), and whether the node is warm (engine image and weights in its
+    cache list). When replicas do not fit: the reasons grouped by node class, and for MIG
+    profiles, repartition advice with the nvidia-smi commands. Nothing is started.
+
+    Exit code 0 when every replica fits, 1 when some do not, 2 on invalid input.
+    """
+    from fleet.placement import PlacementRequest, get_strategy
+
+    loaded = load_or_exit(files)
+    inv = _load_inventory(inventory)
+    try:
+        placer = get_strategy(strategy)
+    except KeyError as err:
+        err_console.print(str(err.args[0]))
+        raise typer.Exit(2) from None
+    held = Counter(inv.in_use)
+    plans = []
+    for ld in loaded:
+        dep = ld.deployment
+        count = dep.spec.replicas.desired_at_start if replicas is None else replicas
+        request = PlacementRequest.for_deployment(dep, count, all_or_nothing=all_or_nothing)
+        result = placer.place_replicas(request, inv.inventory, held)
+        for p in result.placements:
+            held.update(p.devices)
+        plans.append((ld, result))
+    if as_json:
+        console.print_json(json.dumps([_plan_json(ld, p, inv.inventory) for ld, p in plans]))
+    else:
+        for ld, p in plans:
+            _print_plan(ld, p, inv.inventory)
+    raise typer.Exit(0 if all(p.complete for _, p in plans) else 1)
+
+
+def _plan_json(ld, p, inv) -> dict:
+    return {
+        "deployment": ld.deployment.name,
+        "requested": p.request.count,
+        "placed": len(p.placements),
+        "product": p.product,
+        "gang": None if p.gang is None else {"nodes": p.gang.nodes, "gpusPerNode": p.gang.per_node},
+        "replicas": [
+            {"members": [{"node": m.node, "domain": m.domain, "devices": list(m.devices), "env": m.env,
+                          "warm": p.request.is_warm(inv.node(m.node))} for m in r.members]}
+            for r in p.placements
+        ],
+        "explanation": p.explain(),
+        "reasons": [{"reason": c.reason, "nodes": list(c.nodes)} for c in p.reasons],
+        "migAdvice": [{"node": a.node, "gpu": a.gpu_index, "plan": a.describe(), "commands": a.commands()}
+                      for a in p.advice],
+    }
+
+
+def _print_plan(ld, p, inv) -> None:
+    dep = ld.deployment
+    shape = p.request.shape.describe(p.product, p.gang)
+    status = "[green]all placed[/]" if p.complete else f"[red]{len(p.placements)} of {p.request.count} placed[/]"
+    console.print(f"[bold]{dep.name}[/] ({ld.path}): {p.request.count} replica(s) of {shape}; "
+                  f"strategy {p.strategy}: {status}", highlight=False, soft_wrap=True)
+    for i, r in enumerate(p.placements):
+        for j, m in enumerate(r.members):
+            warm = "warm" if p.request.is_warm(inv.node(m.node)) else "cold"
+            lead = f"  replica {i}:" if j == 0 else "   " + " " * len(f"replica {i}:")
+            console.print(f"{lead} {m.node} {m.domain} {m.label} ({warm}) "
+                          f"CUDA_VISIBLE_DEVICES={m.env.get('CUDA_VISIBLE_DEVICES', '')}",
+                          highlight=False, markup=False, soft_wrap=True)
+    if not p.complete:
+        head = p.explain().split(": ", 1)[0]
+        console.print(f"  [red]{head}[/]", highlight=False, soft_wrap=True)
+        if p.note:
+            console.print(f"    {p.note}", highlight=False, markup=False, soft_wrap=True)
+        for c in p.reasons:
+            console.print(f"    {c.describe(examples=5)}", highlight=False, markup=False, soft_wrap=True)
+    for a in p.advice:
+        console.print(f"  MIG repartition advice: {a.describe()}", highlight=False, markup=False, soft_wrap=True)
+        for cmd in a.commands():
+            console.print(f"    $ {cmd}", style="dim", highlight=False, markup=False, soft_wrap=True)
+    console.print()
+
+
+@app.command("inventory")
+def inventory_cmd(
+    file: Annotated[Optional[Path], typer.Argument(help="Inventory YAML to validate and summarize.")] = None,
+    discover: Annotated[bool, typer.Option(
+        "--discover", help="Read this machine's GPUs through NVML and print them as an inventory document.")] = False,
+    raw: Annotated[bool, typer.Option(
+        "--raw", help="With --discover: print NVML's readings as JSON instead (the format of tests/data/).")] = False,
+    node_name: Annotated[Optional[str], typer.Option(
+        "--node-name", help="Node name for --discover. Default: this host's name.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of YAML or a table.")] = False,
+) -> None:
+    """Validate and summarize an inventory file, or discover this machine's GPUs.
+
+    `fleet inventory FILE` checks the file (errors name the node and field, e.g.
+    `inventory.yaml nodes[3] (gpu-node-3).gpus[2].product: required ...`) and prints one row per
+    node: failure domains, GPUs, NVLink domains, MIG instances, unhealthy GPUs.
+
+    `fleet inventory --discover` reads NVML (nvidia-ml-py) here: GPUs, memory, UUIDs, MIG mode
+    and instances, NVLink domains, PCIe link, health (uncorrected ECC, row remapping, clock event
+    reasons, temperature); it prints an inventory document that `fleet plan --inventory` accepts.
+    Without an NVIDIA driver it says so and lists no GPU. Exit code 2 on an invalid file.
+    """
+    import yaml
+
+    from fleet.inventory.file import inventory_document
+
+    if discover == (file is not None):
+        err_console.print("Give either an inventory FILE or --discover.")
+        raise typer.Exit(2)
+    if discover:
+        from fleet.inventory.model import Inventory
+        from fleet.inventory.nvml import PynvmlReader, node_from_nvml
+
+        try:
+            snap = PynvmlReader().snapshot()
+        except RuntimeError as err:
+            err_console.print(f"{err}; no GPU listed.", highlight=False)
+            snap = {"devices": []}
+        if raw:
+            console.print_json(json.dumps(snap))
+            return
+        name = node_name or _dns_name(socket.gethostname())
+        node = node_from_nvml(snap, name, cpu_cores=tuple(sorted(os.sched_getaffinity(0))))
+        doc = inventory_document(Inventory((node,)), name=name)
+        if as_json:
+            console.print_json(json.dumps(doc))
+        else:
+            print(yaml.safe_dump(doc, sort_keys=False), end="")
+        return
+    loaded = _load_inventory(file)
+    if as_json:
+        console.print_json(json.dumps(inventory_document(loaded.inventory, loaded.name, loaded.in_use)))
+        return
+    console.print(f"{file}: {len(loaded.inventory.nodes)} node(s), {loaded.inventory.gpu_count()} GPU(s): valid",
+                  highlight=False, soft_wrap=True)
+    for n in loaded.inventory.nodes:
+        products = Counter(g.product for g in n.gpus)
+        domains = [d for d in n.domains if len(d) > 1]
+        migs = Counter(m.profile for g in n.gpus for m in g.mig_instances)
+        sick = [f"GPU{g.index} ({', '.join(g.health.problems())})" for g in n.gpus if not g.health.healthy]
+        taken = sum(1 for g in n.gpus for d in (g.uuid, *(m.uuid for m in g.mig_instances)) if loaded.in_use[d])
+        where = "/".join(x for x in (n.zone, n.rack, n.network_block, n.nvlink_fabric) if x)
+        parts = [
+            f"  {n.name}" + (f" [{where}]" if where else "") + ":",
+            ", ".join(f"{c}x {p}" for p, c in products.items()) or "no GPU",
+            "NVLink " + (" ".join("{" + ",".join(str(g.index) for g in d) + "}" for d in domains) or "none")
+            + ("" if n.topology_known else " (topology not reported)"),
+        ]
+        if migs:
+            parts.append("MIG " + ", ".join(f"{c}x {p}" for p, c in sorted(migs.items())))
+        if sick:
+            parts.append("unhealthy: " + "; ".join(sick))
+        if taken:
+            parts.append(f"{taken} device(s) in use")
+        console.print("; ".join([parts[0] + " " + parts[1], *parts[2:]]), highlight=False, markup=False, soft_wrap=True)
+
+
+def _dns_name(host: str) -> str:
+    """A host name as a DNS-1123 node name (lower case, other characters become '-')."""
+    name = re.sub(r"[^a-z0-9.-]+", "-", host.lower()).strip("-.")
+    return name or "local"

@@ -1,0 +1,203 @@
+"""The autoscaler loop of `fleet up`: gather signals, ask each deployment's policy, set targets.
+
+Owns `AutoscalerLoop`. Every tick it finds the deployments whose policy is due (each policy
+has its own `interval_s`), reads the router's windowed statistics once (`RouterStatsSource`:
+`GET /admin/v1/stats` through `fleet.controller.router_admin.RouterAdminClient`), scrapes `/metrics` of
+those deployments' READY replicas (`warmup.client.EngineAPI.metrics`), records the start-up
+time of replicas that became READY, builds a `autoscaler.policy.ScalingContext` and calls the
+policy. A new target goes to `fleet.controller.reconcile.Controller.set_desired` (persisted, then the
+reconcile step adds replicas or drains the surplus: this loop never adds or removes one);
+every decision is kept for `fleet status`, exported (`autoscaler.metrics`), logged, and handed
+to ``on_decision`` (the progress line of `fleet up`).
+
+Side effects go through the injected router, engine API and clock, so tests drive the loop
+on fake time with the fakes of tests/support/fakes.py. Each part of a step has its own error handling:
+an unreachable router or engine leaves that signal unmeasured (None) for this decision.
+Called by `fleet.local.up`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from autoscaler.engine_metrics import EngineMetricsError, parse_engine_metrics
+from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.policy import Direction, ReplicaBounds, ScalingContext, ScalingDecision, ScalingPolicy, make_policy
+from autoscaler.signals import DeploymentSignals
+from autoscaler.startup import StartupTracker
+from fleet.controller.reconcile import Controller
+from fleet.controller.lifecycle import Replica, ReplicaStatus
+from warmup.client import EngineAPI, EngineRequestError
+
+log = logging.getLogger("fleet.autoscaling")
+
+COLD_START_THRESHOLD_S = 1.0
+"""A replica whose image or weights took longer than this to be present after placement
+started cold (the node had to pull or copy them); otherwise warm."""
+
+
+class RouterStatsSource(Protocol):
+    async def stats(self, window_s: float) -> dict[str, dict]:
+        """Model name -> `router.stats.ModelStats.snapshot` over the last ``window_s``."""
+        ...
+
+
+@dataclass
+class _Scaled:
+    """One autoscaled deployment: its policy, signal history and start-up observations."""
+
+    name: str
+    model: str
+    policy: ScalingPolicy
+    signals: DeploymentSignals
+    startup: StartupTracker
+    next_due_s: float = 0.0
+
+
+def startup_of(r: Replica) -> tuple[bool, float] | None:
+    """(warm, seconds from placement to READY) of a replica that became READY, else None."""
+    if r.warmup_passed_at_s is None or r.placed_at_s is None:
+        return None
+    present_s = max(r.image_ready_at_s or r.placed_at_s, r.weights_ready_at_s or r.placed_at_s)
+    warm = present_s - r.placed_at_s <= COLD_START_THRESHOLD_S
+    return warm, r.warmup_passed_at_s - r.placed_at_s
+
+
+class AutoscalerLoop:
+    """Decides the target replica count of every deployment that has `spec.autoscaling`.
+
+    ``router``: source of windowed router statistics; ``engine_api``: scrapes engine
+    `/metrics`; ``clock``: the controller's clock (seconds); ``metrics``: where decisions are
+    exported (optional); ``on_decision(deployment, decision)``: called for every decision;
+    ``scrape_timeout_s``: per-replica `/metrics` timeout.
+    """
+
+    def __init__(
+        self,
+        controller: Controller,
+        *,
+        router: RouterStatsSource,
+        engine_api: EngineAPI,
+        clock: Callable[[], float],
+        metrics: AutoscalerMetrics | None = None,
+        on_decision: Callable[[str, ScalingDecision], None] | None = None,
+        scrape_timeout_s: float = 2.0,
+    ) -> None:
+        self.controller = controller
+        self.router = router
+        self.engine_api = engine_api
+        self.clock = clock
+        self.metrics = metrics
+        self.on_decision = on_decision or (lambda name, d: None)
+        self.scrape_timeout_s = scrape_timeout_s
+        self.scaled: dict[str, _Scaled] = {}
+        for name, ds in controller.deployments.items():
+            spec = ds.loaded.deployment.spec
+            if spec.autoscaling is None:
+                continue
+            bounds = ReplicaBounds(spec.replicas.min, spec.replicas.max, spec.replicas.desired_at_start)
+            a = spec.autoscaling
+            self.scaled[name] = _Scaled(
+                name, spec.model.name, make_policy(a, bounds), DeploymentSignals(a.window_seconds),
+                StartupTracker(a.warm_startup_seconds, a.cold_startup_seconds),
+            )  # fmt: skip
+
+    @property
+    def slow_step_s(self) -> float:
+        """A step slower than this (the shortest policy interval) delays decisions: warned."""
+        return min([d.policy.interval_s for d in self.scaled.values()] or [5.0])
+
+    @property
+    def interval_s(self) -> float:
+        """How often `run` should tick: the shortest policy interval (1 s at most)."""
+        return min([1.0, *(d.policy.interval_s for d in self.scaled.values())])
+
+    async def step(self) -> list[tuple[str, ScalingDecision]]:
+        """Decide for every deployment whose policy is due; return the decisions made."""
+        now_s = self.clock()
+        due = [d for d in self.scaled.values() if now_s >= d.next_due_s]
+        if not due:
+            return []
+        router_stats = await self._router_stats({d.signals.window_s for d in due})
+        decisions = []
+        for d in due:
+            try:
+                decision = await self._decide(d, router_stats.get(d.signals.window_s))
+            except Exception:  # noqa: BLE001 - one deployment's failure never stops the others
+                log.exception("autoscaling %s failed", d.name)
+                continue
+            decisions.append((d.name, decision))
+        return decisions
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """`step` every `interval_s` until ``stop`` is set."""
+        while not stop.is_set():
+            started_s = self.clock()
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - the loop survives its parts
+                log.exception("autoscaler step failed")
+            took_s = self.clock() - started_s
+            if took_s > self.slow_step_s:
+                log.warning("autoscaler step took %.1f s (decisions are due every %.0f s)", took_s, self.slow_step_s)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _router_stats(self, windows: set[float]) -> dict[float, dict[str, dict] | None]:
+        out: dict[float, dict[str, dict] | None] = {}
+        for window_s in sorted(windows):
+            try:
+                out[window_s] = await self.router.stats(window_s)
+            except Exception as err:  # noqa: BLE001 - router unreachable: router signals unmeasured
+                log.warning("cannot read router stats: %s", err)
+                out[window_s] = None
+        return out
+
+    async def _scrape(self, d: _Scaled, ready: list[Replica], now_s: float) -> None:
+        async def one(r: Replica) -> None:
+            assert r.endpoint is not None
+            try:
+                text = await self.engine_api.metrics(r.endpoint, self.scrape_timeout_s)
+                d.signals.observe_engine(r.id, now_s, parse_engine_metrics(text, d.model))
+            except (EngineRequestError, EngineMetricsError) as err:
+                d.signals.scrape_failed(r.id)
+                log.debug("scrape of %s failed: %s", r.id, err)
+
+        await asyncio.gather(*(one(r) for r in ready))
+        d.signals.forget_others({r.id for r in ready})
+
+    async def _decide(self, d: _Scaled, router_stats: dict[str, dict] | None) -> ScalingDecision:
+        controller = self.controller
+        replicas = [r for r in controller.replicas.values() if r.deployment == d.name]
+        ready = [r for r in replicas if r.status is ReplicaStatus.READY and r.endpoint]
+        starting = [r for r in replicas if r.status.counts_toward_desired() and r.status is not ReplicaStatus.READY]
+        for r in ready:
+            observed = startup_of(r)
+            if observed is not None:
+                d.startup.observe(r.id, *observed)
+        now_s = self.clock()
+        await self._scrape(d, ready, now_s)
+        signals = d.signals.signals(now_s, (router_stats or {}).get(d.model))
+        # Warm or cold: where placement would put one more replica now, and what that node holds.
+        ctx = ScalingContext(now_s, controller.deployments[d.name].desired, len(ready), len(starting), signals,
+                             d.startup.estimate(next_warm=controller.next_replica_warm(d.name)))  # fmt: skip
+        decision = d.policy.decide(ctx)
+        d.next_due_s = now_s + d.policy.interval_s
+        if decision.desired != ctx.desired:
+            controller.set_desired(d.name, decision.desired, reason=f"autoscaler: {decision.reason}")
+            controller.wake()
+        controller.note_scaling_decision(d.name, {**decision.to_dict(), "policy": d.policy.name,
+                                                  "signals": signals.to_dict()})  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.record(d.name, ctx, decision)
+        level = logging.DEBUG if decision.direction is Direction.HOLD else logging.INFO
+        log.log(level, "%s: %s %d -> %d (%s): %s", d.name, decision.direction.value, decision.previous,
+                decision.desired, decision.reason, decision.detail)  # fmt: skip
+        self.on_decision(d.name, decision)
+        return decision

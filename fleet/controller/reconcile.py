@@ -1,0 +1,749 @@
+"""The controller: one reconcile loop converging the desired replicas of each deployment to
+the observed ones, and picking up where a previous controller left off.
+
+Owns target state (desired replicas per deployment), the replica records
+(`fleet.controller.lifecycle.Replica`: facts, status derived), the reconcile step that is the only place
+replicas are created, placed, asked to run, warmed, admitted to the router, drained, stopped and
+replaced, and `start`, which reads the previous controller's state back and adopts what still runs.
+
+Every side effect goes through an injected wrapper: `Backend` (runs replicas: local processes,
+later pods; `fleet.controller.backend`), `EngineAPI` (engine HTTP), `PoolSink` (router admin API),
+`StateSink` (the state file). Time comes from an injected clock (tests run it on fake time). The
+clock must be the same across controller restarts on one machine (`time.monotonic` is: Linux's
+CLOCK_MONOTONIC counts from boot), since recorded facts are in its seconds.
+
+Revisions: each deployment serves a stable revision and, during a canary rollout, a canary
+(`fleet.rollout.revisions.Revisions`, persisted with the targets); replicas are wanted per revision and
+`fleet.controller.rollouts.RolloutSteps` (mixed in) takes new specs (`apply`) and drives rollouts.
+
+Persistence: the whole state (target and replica records) is written atomically before each
+batch of side effects (after new targets and replicas are decided, before the backend is asked
+to run or stop replicas) and at the end of every tick. Called by `fleet up` and `fleet down`
+(fleet.local.up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fleet.controller.backend import Backend, LaunchError, ReplicaFacts, ReplicaWant
+from fleet.controller.restart import STATE_FORMAT, RestartSteps
+from fleet.controller.rollouts import RolloutSteps
+from fleet.inventory import Inventory
+from fleet.controller.lifecycle import Replica, ReplicaStatus
+from fleet.placement import PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
+from fleet.rollout.revisions import AnalysisSource, Revisions, endpoint_weights, revision_label
+from fleet.spec import LoadedDeployment
+from router.spec import EndpointSpec, PoolSpec
+from warmup.client import EngineAPI
+from warmup.run import WarmupResult, readiness_gate, run_warmup
+
+log = logging.getLogger("fleet.controller")
+
+
+
+class PoolSink(Protocol):
+    """Where the controller publishes each model's pool: the router's admin API. The pool document
+    is `router.spec.PoolSpec`, the one definition the router parses."""
+
+    async def put_pool(self, model: str, pool: PoolSpec) -> None:
+        """Replace the pool of ``model``. Raises on failure (retried next tick)."""
+        ...
+
+    async def delete_pool(self, model: str) -> None:
+        """Remove the pool of ``model`` (absent is fine). Raises on failure."""
+        ...
+
+    async def in_flight(self) -> dict[str, int]:
+        """Endpoint id -> requests in flight at the router, over all pools."""
+        ...
+
+
+class StateSink(Protocol):
+    def save(self, snapshot: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReplicaEvent:
+    replica_id: str
+    deployment: str
+    old: ReplicaStatus | None
+    new: ReplicaStatus
+    detail: str
+    at_s: float
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    health_timeout_s: float = 2.0
+    ready_health_interval_s: float = 5.0        # how often READY replicas are probed
+    unhealthy_threshold: int = 3                # consecutive failed probes before FAILED_UNHEALTHY
+    stop_grace_s: float = 30.0                  # stop -> kill
+    drain_timeout_s: float = 120.0              # longest wait for in-flight requests to finish
+    backoff_base_s: float = 10.0                # replacement after the n-th failure in a row:
+    backoff_max_s: float = 300.0                #   min(base * 2**(n-1), max) seconds
+    history_per_deployment: int = 10            # terminal replicas kept for `fleet status`
+    log_tail_lines: int = 20
+
+
+@dataclass
+class _DeploymentState:
+    loaded: LoadedDeployment
+    desired: int
+    next_index: int = 0
+    failures_in_row: int = 0
+    next_create_at_s: float = 0.0
+    last_pool: PoolSpec | None = None
+    desired_reason: str = "spec.replicas"        # why `desired` has its value (who set it last)
+    desired_at_s: float | None = None
+    last_scaling: dict | None = None             # the autoscaler's last decision (`fleet status`)
+    revisions: Revisions | None = None           # what it serves: stable, canary, rollout (fleet.rollout.revisions)
+    failures_total: dict[str, int] = field(default_factory=dict)   # replicas failed, by revision (a counter)
+
+    def __post_init__(self) -> None:
+        if self.revisions is None:
+            self.revisions = Revisions.of(self.loaded)
+
+    @property
+    def revs(self) -> Revisions:
+        assert self.revisions is not None
+        return self.revisions
+
+    @property
+    def model(self) -> str:
+        return self.loaded.deployment.spec.model.name
+
+
+class Controller(RolloutSteps, RestartSteps):
+    """Converges desired to observed replicas, one idempotent `reconcile_once` per tick.
+
+    A deployment serves revisions (`fleet.rollout.revisions.Revisions`): the stable one and, during a
+    canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`) and the
+    rollout is driven by `RolloutSteps` (fleet.controller.rollouts); taking over from a previous
+    controller (`start`) is `RestartSteps` (fleet.controller.restart)."""
+
+    def __init__(
+        self,
+        deployments: list[LoadedDeployment],
+        *,
+        backend: Backend,
+        engine_api: EngineAPI,
+        pool_sink: PoolSink,
+        clock: Callable[[], float],
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+        state_sink: StateSink | None = None,
+        placer: PlacementStrategy | None = None,
+        settings: ControllerSettings | None = None,
+        on_event: Callable[[ReplicaEvent], None] | None = None,
+        analysis_source: AnalysisSource | None = None,
+        on_rollout_event: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.analysis_source = analysis_source
+        self.on_rollout_event = on_rollout_event or (lambda deployment, line: None)
+        self.engine_api = engine_api
+        self.pool_sink = pool_sink
+        self.inventory = Inventory(())
+        self.clock = clock
+        self._sleep = sleep or asyncio.sleep   # waits between shutdown ticks; fake time in tests
+        self.state_sink = state_sink
+        self.placer = placer or get_strategy()
+        self.settings = settings or ControllerSettings()
+        self.on_event = on_event or (lambda e: None)
+        self.deployments: dict[str, _DeploymentState] = {
+            ld.deployment.name: _DeploymentState(ld, ld.deployment.spec.replicas.desired_at_start)
+            for ld in deployments
+        }
+        self.replicas: dict[str, Replica] = {}
+        self.stopping = False                       # shutdown asked: every replica drains and stops
+        self._retired: dict[str, str] = {}          # deployment no longer declared -> its model (pool to drain, delete)
+        self._retired_pools: dict[str, PoolSpec] = {}
+        self._warmups: dict[str, asyncio.Task[WarmupResult]] = {}
+        self._wake = asyncio.Event()
+        self._last_status: dict[str, ReplicaStatus] = {}
+        self._waiting: dict[str, str] = {}          # replica id -> why it is still PENDING
+        self._last_probe_s: dict[str, float] = {}
+        self._facts: dict[str, ReplicaFacts] = {}
+        self.tick_count = 0
+
+    # ----- target state -------------------------------------------------------------------
+
+    def set_desired(self, deployment: str, replicas: int, reason: str = "set") -> None:
+        """New target replica count (clamped to the spec's min..max) and why; persisted at once.
+        The reconcile step then adds replicas or drains the surplus."""
+        ds = self.deployments[deployment]
+        bounds = ds.loaded.deployment.spec.replicas
+        desired = max(bounds.min, min(bounds.max, replicas))
+        if desired != ds.desired:
+            ds.desired_reason, ds.desired_at_s = reason, self.clock()
+        ds.desired = desired
+        self._save()
+
+    def note_scaling_decision(self, deployment: str, decision: dict) -> None:
+        """Keep the autoscaler's latest decision (JSON-ready) for the state file and `fleet status`."""
+        self.deployments[deployment].last_scaling = decision
+
+    def stop_all(self) -> None:
+        """Shutdown: every replica drains and stops. The targets are kept (a controller started
+        after a crash during shutdown serves them again); persisted at once."""
+        self.stopping = True
+        self._save()
+
+    def abandon(self) -> None:
+        """This controller is being dropped (the operator lost its Lease): cancel its warm-up
+        tasks; replicas and records are left as they are for the next controller to adopt."""
+        for rid in list(self._warmups):
+            self._cancel_warmup(rid)
+
+    def waiting_reason(self, replica_id: str) -> str | None:
+        """Why a PENDING replica is not placed yet (`fleet.placement` explanation), or None."""
+        return self._waiting.get(replica_id)
+
+    def retiring(self, deployment: str) -> bool:
+        """Whether ``deployment`` is no longer declared and its pool is still being drained."""
+        return deployment in self._retired
+
+    async def kill_all(self) -> None:
+        """Force every running replica's engine to exit now (a second Ctrl-C)."""
+        for r in self.replicas.values():
+            if r.engine_alive:
+                await self.backend.kill(r.id)
+
+    def forget_published_pools(self) -> None:
+        """The router lost its pools (it was restarted): publish every pool again next tick."""
+        for ds in self.deployments.values():
+            ds.last_pool = None
+
+    # ----- the loop -----------------------------------------------------------------------
+
+    async def reconcile_once(self) -> None:
+        """One tick. Each step has its own error handling so one failing part never stops the rest."""
+        self.tick_count += 1
+        for step in (
+            self._observe,
+            self._probe_health,
+            self._collect_warmups,
+            self._rollouts,
+            self._scale,
+            self._place_and_launch,
+            self._drain_and_stop,
+            self._publish_pools,
+        ):
+            started_s = self.clock()
+            try:
+                await step()
+            except Exception:  # noqa: BLE001 - a step's failure is logged; the loop goes on
+                log.exception("reconcile step %s failed", step.__name__)
+            took_s = self.clock() - started_s
+            if took_s > 1.0:
+                log.warning("reconcile step %s took %.1f s", step.__name__, took_s)
+        self._emit_transitions()
+        self._trim_history()
+        self._save()
+
+    async def run(
+        self, stop: asyncio.Event, interval_s: float = 1.0, after_tick: Callable[[], None] | None = None
+    ) -> None:
+        """Reconcile every ``interval_s`` seconds until ``stop`` is set, and at once when
+        something the loop waits for has happened (a warm-up finished, `wake()`).
+
+        ``after_tick`` runs after each tick (progress output).
+        """
+        while not stop.is_set():
+            await self.reconcile_once()
+            if after_tick is not None:
+                after_tick()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+
+    def wake(self) -> None:
+        """Run the next tick now instead of at the end of the interval."""
+        self._wake.set()
+
+    async def shutdown(self, timeout_s: float | None = None, interval_s: float = 0.5) -> None:
+        """Drain and stop every replica, then return when no replica's engine is left.
+
+        Replicas leave the pool first, in-flight requests finish (up to the drain timeout),
+        engines are asked to stop, then killed after the stop grace period.
+        """
+        self.stop_all()
+        limit_s = timeout_s or (self.settings.drain_timeout_s + self.settings.stop_grace_s + 10.0)
+        deadline_s = self.clock() + limit_s
+        while any(r.engine_alive for r in self.replicas.values()) and self.clock() < deadline_s:
+            await self.reconcile_once()
+            await self._sleep(interval_s)
+        await self.kill_all()
+        for task in self._warmups.values():
+            task.cancel()
+        await self.reconcile_once()
+
+    # ----- steps --------------------------------------------------------------------------
+
+    async def _observe(self) -> None:
+        now = self.clock()
+        self.inventory = await self.backend.inventory()
+        self._facts = facts = await self.backend.observe()
+        for r in self.replicas.values():
+            f = facts.get(r.id)
+            if not r.engine_alive:
+                if f is not None and f.exited and r.exited_at_s is not None:
+                    await self.backend.forget(r.id)
+                continue
+            if f is None:
+                f = ReplicaFacts(r.id, r.deployment, r.spec_hash, r.node or "", exited=True,
+                                 exit_reason="the backend has no record of it")  # fmt: skip
+            r.node, r.endpoint, r.detail = f.node, f.endpoint, dict(f.detail)
+            if f.image_present and r.image_ready_at_s is None:
+                r.image_ready_at_s = now
+            if f.weights_present and r.weights_ready_at_s is None:
+                r.weights_ready_at_s = now
+            if not f.exited:
+                continue
+            r.exited_at_s, r.exit_code = now, f.exit_code
+            self._cancel_warmup(r.id)
+            if r.stop_requested_at_s is not None:
+                continue
+            tail = await self.backend.log_tail(r.id, self.settings.log_tail_lines)
+            why = f.exit_reason or "engine exited"
+            if r.healthy_at_s is None:
+                self._fail(r, ReplicaStatus.FAILED_START, f"{why} before /health passed", tail)
+            else:
+                self._fail(r, ReplicaStatus.FAILED_CRASHED, why, tail)
+        for rid, f in facts.items():  # owned, unknown (a record lost or trimmed): stop it, or forget it once gone
+            if rid not in self.replicas:
+                if f.running:
+                    await self.backend.stop(rid)
+                elif f.exited:
+                    await self.backend.forget(rid)
+
+    async def _probe_health(self) -> None:
+        now = self.clock()
+        probes: list[Replica] = []
+        for r in self.replicas.values():
+            if not r.engine_alive or r.failure or r.stop_requested_at_s is not None or r.endpoint is None:
+                continue
+            status = r.status
+            if status is ReplicaStatus.STARTING:
+                timeout_s = self._dep(r).spec.engine.startup_timeout_seconds
+                since_s = max(r.launched_at_s, r.weights_ready_at_s or r.launched_at_s)
+                if now - since_s > timeout_s:
+                    self._fail(r, ReplicaStatus.FAILED_START, f"/health did not pass within {timeout_s:g} s of start")
+                    continue
+                probes.append(r)
+            elif status is ReplicaStatus.READY:
+                if now - self._last_probe_s.get(r.id, float("-inf")) >= self.settings.ready_health_interval_s:
+                    probes.append(r)
+        if not probes:
+            return
+        results = await asyncio.gather(
+            *(self.engine_api.health(r.endpoint, self.settings.health_timeout_s) for r in probes)
+        )
+        now = self.clock()
+        for r, ok in zip(probes, results):
+            self._last_probe_s[r.id] = now
+            if r.status is ReplicaStatus.STARTING:
+                if ok:
+                    r.healthy_at_s = now
+                    self._start_warmup(r)
+            elif ok:
+                r.consecutive_health_failures = 0
+            else:
+                r.consecutive_health_failures += 1
+                if r.consecutive_health_failures >= self.settings.unhealthy_threshold:
+                    self._fail(r, ReplicaStatus.FAILED_UNHEALTHY,
+                               f"/health failed {r.consecutive_health_failures} times in a row")
+
+    def _start_warmup(self, r: Replica) -> None:
+        dep = self._dep(r)
+        r.warmup_started_at_s = self.clock()
+        task = asyncio.get_running_loop().create_task(
+            run_warmup(self.engine_api, r.endpoint, dep.spec.model.name, dep.spec.warmup, self.clock),
+            name=f"warmup-{r.id}",
+        )
+        task.add_done_callback(lambda _: self.wake())  # a passed replica joins the pool without waiting a tick
+        self._warmups[r.id] = task
+
+    async def _collect_warmups(self) -> None:
+        now = self.clock()
+        for rid, task in list(self._warmups.items()):
+            if not task.done():
+                continue
+            del self._warmups[rid]
+            r = self.replicas[rid]
+            if task.cancelled() or r.status is not ReplicaStatus.WARMING:
+                continue
+            exc = task.exception()
+            result = task.result() if exc is None else WarmupResult(False, 0, reason=f"warm-up crashed: {exc!r}")
+            if readiness_gate(r.healthy_at_s is not None, result):
+                r.warmup_passed_at_s = now
+                self.deployments[r.deployment].failures_in_row = 0
+            else:
+                self._fail(r, ReplicaStatus.FAILED_WARMUP, result.reason or "warm-up failed")
+
+    async def _scale(self) -> None:
+        now = self.clock()
+        changed = self._drain_unhealthy(now)
+        for r in self.replicas.values():  # stopping, or deployments no longer declared: everything goes
+            if (self.stopping or r.deployment not in self.deployments) and r.status.counts_toward_desired():
+                r.drain_requested_at_s, changed = now, True
+        order = list(ReplicaStatus)
+        created = {rid: i for i, rid in enumerate(self.replicas)}  # insertion = creation order
+        for name, ds in self.deployments.items():
+            if self.stopping:
+                break
+            active = [r for r in self.replicas.values() if r.deployment == name and r.status.counts_toward_desired()]
+            targets = ds.revs.targets(ds.desired)
+            for h, want in targets.items():
+                mine = [r for r in active if r.spec_hash == h]
+                if len(mine) < want and now >= ds.next_create_at_s:
+                    for _ in range(want - len(mine)):
+                        self._create_replica(ds, h, now)
+                    changed = True
+                elif len(mine) > want:
+                    # Remove the least advanced first (PENDING before STARTING before READY), newest first.
+                    victims = sorted(mine, key=lambda r: (order.index(r.status), -created[r.id]))
+                    for r in victims[: len(mine) - want]:
+                        r.drain_requested_at_s = now
+                    changed = True
+            # Older revisions serve until the current ones have the READY replicas to replace them
+            # (a rolled-back one goes at once); the least advanced go first.
+            older = [r for r in active if r.spec_hash not in targets]
+            current = [r for r in active if r.spec_hash in targets]
+            if ds.loaded.deployment.spec.rollout.surge:
+                current = [r for r in current if r.status is ReplicaStatus.READY]
+            keep = max(0, ds.desired - len(current))   # without surge, older replicas make room at once
+            by_value = sorted(older, key=lambda r: (r.spec_hash in ds.revs.rolled_back, -order.index(r.status),
+                                                    created[r.id]))  # fmt: skip
+            for i, r in enumerate(by_value):
+                if i >= keep or r.spec_hash in ds.revs.rolled_back:
+                    r.drain_requested_at_s = now
+                    changed = True
+        if changed:
+            self._save()  # decided: persisted before anything acts on it
+
+    def _drain_unhealthy(self, now: float) -> bool:
+        """Replicas holding a GPU (or a MIG instance of a GPU) that the inventory reports unhealthy
+        (quarantined by the node agent, ECC errors, ...) drain; `_scale` replaces them, and
+        placement keeps the replacement off that GPU. True when one was drained."""
+        sick: dict[str, str] = {}
+        for node in self.inventory.nodes:
+            sick.update({uuid: f"{uuid} on {node.name} quarantined: {why}" for uuid, why in node.quarantined.items()})
+            for gpu in node.gpus:
+                problems = gpu.health.problems()
+                if problems:
+                    why = f"GPU {gpu.uuid} on {node.name} unhealthy: {', '.join(problems)}"
+                    sick[gpu.uuid] = why
+                    sick.update({m.uuid: why for m in gpu.mig_instances})
+        if not sick:
+            return False
+        drained = False
+        for r in self.replicas.values():
+            if r.placement is None or not r.status.counts_toward_desired():
+                continue
+            hit = next((sick[d] for d in ReplicaPlacement.from_dict(r.placement).devices if d in sick), None)
+            if hit is not None:
+                r.drain_requested_at_s, r.drain_reason, drained = now, hit, True
+                log.warning("replica %s drains: %s", r.id, hit)
+        return drained
+
+    def _create_replica(self, ds: _DeploymentState, spec_hash: str, now: float) -> None:
+        ld = ds.revs.specs[spec_hash]
+        dep = ld.deployment
+        rid = f"{dep.name}-{ds.next_index}"
+        ds.next_index += 1
+        self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision, created_at_s=now,
+                                     spec_hash=spec_hash)  # fmt: skip
+
+    def _holding(self) -> dict[str, ReplicaPlacement]:
+        """Replica id -> placement of every replica that holds its devices now."""
+        return {rid: ReplicaPlacement.from_dict(r.placement) for rid, r in self.replicas.items()
+                if r.placement is not None and (r.engine_alive or r.status is ReplicaStatus.PLACED)}
+
+    def _placement_request(self, ld: LoadedDeployment, count: int,
+                           holding: dict[str, ReplicaPlacement]) -> PlacementRequest:
+        """``count`` more replicas of ``ld``: its live replicas fix product and gang width; warm
+        nodes are where a replica of this very spec has its weights (so image and weights are
+        there), beside what the nodes report as ``cached``."""
+        mine = [rid for rid in holding if self.replicas[rid].spec_hash == ld.serving_hash]
+        warm = {self.replicas[rid].node for rid in mine if self.replicas[rid].weights_ready_at_s}
+        return PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
+                                               warm_nodes=warm - {None})
+
+    def next_replica_warm(self, deployment: str) -> bool:
+        """Whether one more replica of ``deployment``'s serving spec, placed now, would start warm:
+        every node of its placement holds the image and the weights
+        (`fleet.placement.shapes.PlacementRequest.is_warm`). False when it does not fit now (it
+        waits for capacity: no warm start to count on). Read by the autoscaler for its start-up
+        estimate (`autoscaler.startup.StartupEstimate.next_warm`). Pure over the last observed
+        inventory."""
+        ds = self.deployments[deployment]
+        ld = ds.revs.specs[ds.revs.stable]
+        holding = self._holding()
+        request = self._placement_request(ld, 1, holding)
+        plan = self.placer.place_replicas(request, self.inventory,
+                                          Counter(d for a in holding.values() for d in a.devices))
+        if not plan.placements:
+            return False
+        return all(request.is_warm(self.inventory.node(m.node)) for m in plan.placements[0].members)
+
+    async def _place_and_launch(self) -> None:
+        holding = self._holding()
+        in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
+        pending: dict[tuple[str, str], list[Replica]] = {}
+        for r in sorted(self.replicas.values(), key=lambda r: r.created_at_s):
+            if r.status is ReplicaStatus.PENDING and r.drain_requested_at_s is None:
+                pending.setdefault((r.deployment, r.spec_hash), []).append(r)
+        now = self.clock()
+        to_launch: list[tuple[Replica, ReplicaPlacement]] = []
+        for (name, spec_hash), waiting in pending.items():
+            ld = self.deployments[name].revs.specs[spec_hash]
+            request = self._placement_request(ld, len(waiting), holding)   # the whole scale-up: one decision
+            plan = self.placer.place_replicas(request, self.inventory, in_use)
+            # Devices a draining replica of this deployment still holds free up soon: a new replica
+            # waits for them rather than share a device now (two CPU engines on one core starve
+            # each other; a canary in place of a stable replica must not start on a shared one).
+            freeing = [d for d in self.replicas.values() if d.deployment == name and d.engine_alive
+                       and d.status is ReplicaStatus.DRAINING and d.placement is not None]  # fmt: skip
+            for r, placement in zip(waiting, plan.placements):
+                if freeing and not placement.exclusive:
+                    self._waiting[r.id] = (f"waiting for the devices of draining replica(s) "
+                                           f"{', '.join(d.id for d in freeing)} rather than share {placement.label}")
+                    continue
+                self._waiting.pop(r.id, None)
+                in_use.update(placement.devices)
+                r.placed_at_s, r.assignment, r.placement = now, placement.label, placement.to_dict()
+                to_launch.append((r, placement))
+            for r in waiting[len(plan.placements):]:
+                self._waiting[r.id] = plan.explain()
+        placed_now = {r.id for r, _ in to_launch}
+        for r in self.replicas.values():  # placed before a crash, never started: start now
+            if r.status is ReplicaStatus.PLACED and r.placement is not None and r.drain_requested_at_s is None \
+                    and r.id not in placed_now:
+                to_launch.append((r, ReplicaPlacement.from_dict(r.placement)))
+        if not to_launch:
+            return
+        for r, _ in to_launch:
+            r.launched_at_s = now
+        self._save()  # persisted before the backend acts: a crash now leaves records to adopt
+        for r, placement in to_launch:
+            ld = self.deployments[r.deployment].revs.specs[r.spec_hash]
+            want = ReplicaWant(r.id, ld.deployment, placement, ld.serving_hash, ld.base_dir)
+            try:
+                await self.backend.ensure(want)
+            except LaunchError as err:
+                r.exited_at_s = now
+                self._fail(r, ReplicaStatus.FAILED_START, str(err), [])
+            except Exception as err:  # noqa: BLE001 - a backend bug fails this replica, not the step
+                log.exception("backend could not start replica %s", r.id)
+                r.exited_at_s = now
+                self._fail(r, ReplicaStatus.FAILED_START, f"backend error: {err!r}", [])
+        await self._observe()  # endpoints, image and weights of what just started, in this same tick
+
+    async def _drain_and_stop(self) -> None:
+        now = self.clock()
+        draining = [r for r in self.replicas.values() if r.status is ReplicaStatus.DRAINING and r.engine_alive]
+        in_flight: dict[str, int] = {}
+        if any(r.warmup_passed_at_s is not None and r.stop_requested_at_s is None for r in draining):
+            try:
+                in_flight = await self.pool_sink.in_flight()
+            except Exception as err:  # noqa: BLE001 - router unreachable: wait for the drain timeout
+                log.warning("cannot read in-flight requests from the router: %s", err)
+                in_flight = {r.id: 1 for r in draining}
+        stops: list[Replica] = []
+        kills: list[Replica] = []
+        for r in self.replicas.values():
+            if not r.engine_alive:
+                continue
+            if r.stop_requested_at_s is None:
+                if r.failure is not None:
+                    stops.append(r)
+                elif r.status is ReplicaStatus.DRAINING:
+                    was_serving = r.warmup_passed_at_s is not None
+                    drained = not was_serving or in_flight.get(r.id, 0) == 0
+                    if drained or now - r.drain_requested_at_s >= self.settings.drain_timeout_s:
+                        stops.append(r)
+            elif r.kill_sent_at_s is None and now - r.stop_requested_at_s >= self.settings.stop_grace_s:
+                kills.append(r)
+        for r in stops:
+            r.stop_requested_at_s = now
+            self._cancel_warmup(r.id)
+        for r in kills:
+            r.kill_sent_at_s = now
+        if stops or kills:
+            self._save()
+        for r in stops:
+            await self.backend.stop(r.id)
+        for r in kills:
+            await self.backend.kill(r.id)
+        # Replicas that never started and are asked to go are done at once.
+        for r in self.replicas.values():
+            if r.status is ReplicaStatus.DRAINING and r.launched_at_s is None:
+                r.exited_at_s = now
+
+    async def _publish_pools(self) -> None:
+        for name, model in list(self._retired.items()):  # drained through the router, then deleted
+            endpoints = self._pool_endpoints(name)
+            if not endpoints:
+                await self.pool_sink.delete_pool(model)
+                del self._retired[name]
+                self._retired_pools.pop(model, None)
+            elif self._retired_pools.get(model) != (pool := PoolSpec(endpoints=endpoints)):
+                await self.pool_sink.put_pool(model, pool)
+                self._retired_pools[model] = pool
+        for name, ds in self.deployments.items():
+            routing = ds.loaded.deployment.spec.routing
+            endpoints = self._pool_endpoints(name)
+            stickiness = ds.loaded.deployment.spec.rollout.stickiness
+            sticky_key = None if stickiness is None else (
+                f"header:{stickiness.header}" if stickiness.header else "body:user")
+            pool = PoolSpec(
+                policy=routing.policy, endpoints=endpoints,
+                max_concurrency_per_endpoint=routing.max_concurrency_per_endpoint,
+                max_queue_length=routing.max_queue_length, queue_timeout_s=routing.queue_timeout_seconds,
+                sticky_key=sticky_key,
+            )  # fmt: skip
+            if pool == ds.last_pool:
+                continue
+            await self.pool_sink.put_pool(ds.model, pool)
+            ds.last_pool = pool
+
+    def _pool_endpoints(self, deployment: str) -> list[EndpointSpec]:
+        """The router's view of a deployment: replicas that passed warm-up and still run; DRAINING
+        ones marked draining (no new requests, in-flight ones finish). Each endpoint's version is
+        its revision's label and its weight its revision's share (`fleet.rollout.revisions.endpoint_weights`)."""
+        members = [
+            r for r in sorted(self.replicas.values(), key=lambda r: r.id)
+            if r.deployment == deployment and r.warmup_passed_at_s is not None and r.endpoint is not None
+            and r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING) and r.engine_alive
+            and r.stop_requested_at_s is None
+        ]
+        revs = self.deployments[deployment].revs if deployment in self.deployments else None
+        ready = Counter(r.spec_hash for r in members if r.status is ReplicaStatus.READY)
+        weights = endpoint_weights(revs, ready) if revs is not None else {}
+        return [
+            EndpointSpec(id=r.id, url=r.endpoint, version=self._version(r), weight=weights.get(r.spec_hash, 1.0),
+                         draining=r.status is ReplicaStatus.DRAINING)  # fmt: skip
+            for r in members
+        ]
+
+    def _version(self, r: Replica) -> str:
+        ds = self.deployments.get(r.deployment)
+        ld = ds.revs.specs.get(r.spec_hash) if ds is not None else None
+        return revision_label(ld) if ld is not None else f"{r.revision}@{r.spec_hash[:8]}"
+
+    # ----- helpers ------------------------------------------------------------------------
+
+    def _dep(self, r: Replica):
+        ds = self.deployments[r.deployment]
+        return ds.revs.specs.get(r.spec_hash, ds.loaded).deployment
+
+    def _fail(self, r: Replica, status: ReplicaStatus, reason: str, log_tail: list[str] | None = None) -> None:
+        if r.failure is not None:
+            return
+        now = self.clock()
+        r.fail(status, reason, now, log_tail or [])
+        self._cancel_warmup(r.id)
+        ds = self.deployments.get(r.deployment)
+        if ds is None:
+            return
+        ds.failures_in_row += 1
+        ds.failures_total[r.revision] = ds.failures_total.get(r.revision, 0) + 1
+        delay_s = min(self.settings.backoff_base_s * 2 ** (ds.failures_in_row - 1), self.settings.backoff_max_s)
+        ds.next_create_at_s = now + delay_s
+        log.warning("replica %s %s: %s (replacement in %.0f s)", r.id, status.value, reason, delay_s)
+
+    def _cancel_warmup(self, rid: str) -> None:
+        task = self._warmups.pop(rid, None)
+        if task is not None:
+            task.cancel()
+
+    def _emit_transitions(self) -> None:
+        now = self.clock()
+        for r in self.replicas.values():
+            new = r.status
+            old = self._last_status.get(r.id)
+            if new is old:
+                continue
+            self._last_status[r.id] = new
+            self.on_event(ReplicaEvent(r.id, r.deployment, old, new, self._detail(r, new), now))
+
+    def _detail(self, r: Replica, status: ReplicaStatus) -> str:
+        if status.failed() and r.failure:
+            return r.failure.reason
+        if status is ReplicaStatus.PENDING:
+            return self._waiting.get(r.id, "")
+        adopted = " (adopted: kept running)" if r.adopted_at_s is not None else ""
+        if status in (ReplicaStatus.PULLING, ReplicaStatus.CACHING):
+            return r.detail.get("cache", "")
+        if status is ReplicaStatus.STARTING:
+            where = ", ".join(f"{k} {v}" for k, v in r.detail.items() if k in ("port", "pid", "pod"))
+            return f"{r.assignment}{', ' + where if where else ''}{adopted}"
+        if status is ReplicaStatus.READY:
+            ttr = r.time_to_ready_s()
+            if r.adopted_at_s is not None:
+                return f"{r.endpoint}{adopted}"
+            return f"{r.endpoint} ({ttr:.1f} s to ready)" if ttr is not None else r.endpoint or ""
+        if status is ReplicaStatus.DRAINING and r.drain_reason:
+            return r.drain_reason
+        if status is ReplicaStatus.TERMINATED and r.exit_code is not None:
+            return f"exit code {r.exit_code}"
+        return adopted.strip()
+
+    def _trim_history(self) -> None:
+        for name in {r.deployment for r in self.replicas.values()}:
+            done = [r for r in self.replicas.values() if r.deployment == name and r.status.terminal()]
+            for r in sorted(done, key=lambda r: r.created_at_s)[: max(0, len(done) - self.settings.history_per_deployment)]:
+                if r.engine_alive:
+                    continue
+                for table in (self.replicas, self._last_status, self._waiting):
+                    table.pop(r.id, None)
+
+    def snapshot(self) -> dict:
+        """JSON-ready state: targets and replica records (the state file; `fleet status`; read
+        back by `start`)."""
+        return {
+            "format": STATE_FORMAT,
+            "clock_s": self.clock(),
+            "stopping": self.stopping,
+            "inventory": [n.describe() for n in self.inventory.nodes],
+            "deployments": {
+                name: {
+                    "desired": ds.desired,
+                    "desired_reason": ds.desired_reason,
+                    "desired_at_s": ds.desired_at_s,
+                    "next_index": ds.next_index,
+                    "serving_hash": ds.loaded.serving_hash,
+                    "autoscaling": (ds.loaded.deployment.spec.autoscaling.policy
+                                    if ds.loaded.deployment.spec.autoscaling else None),
+                    "last_scaling": ds.last_scaling,
+                    "min": ds.loaded.deployment.spec.replicas.min,
+                    "max": ds.loaded.deployment.spec.replicas.max,
+                    "model": ds.model,
+                    "policy": ds.loaded.deployment.spec.routing.policy,
+                    "source": str(ds.loaded.path),
+                    "failures_in_row": ds.failures_in_row,
+                    "failures_total": dict(ds.failures_total),
+                    "revisions": ds.revs.to_dict(),
+                }
+                for name, ds in self.deployments.items()
+            },
+            "replicas": [
+                {**r.to_dict(), "waiting_reason": self._waiting.get(r.id)}
+                for r in sorted(self.replicas.values(), key=lambda r: (r.deployment, r.created_at_s))
+            ],
+        }
+
+    def _save(self) -> None:
+        if self.state_sink is not None:
+            try:
+                self.state_sink.save(self.snapshot())
+            except OSError as err:
+                log.warning("cannot write state: %s", err)

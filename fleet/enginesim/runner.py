@@ -1,0 +1,119 @@
+"""Starting a process of SIMULATED engine replicas: options, ports, start-up lines, exit code.
+
+Owns `SimEngineOptions` (everything `fleet sim-engine` and ``python -m fleet.enginesim`` accept),
+`resolve_profile` (``--profile`` or a ``sim://NAME`` model source), and `run` (bind every port,
+print one line per replica, write the ports file, serve until a signal). Called by `fleet.cli`
+and `fleet.enginesim.__main__`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fleet.enginesim.faults import FaultPlan
+from fleet.enginesim.profiles import DEFAULT_PROFILE, Profile, get_profile
+from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket, serve_replicas, write_ports_file
+
+SIM_SCHEME = "sim://"
+
+
+class OptionsError(ValueError):
+    """Options that cannot run; the message says which and why."""
+
+
+def profile_from_source(source: str) -> str | None:
+    """``NAME`` of a ``sim://NAME`` model source, else None."""
+    if source.startswith(SIM_SCHEME):
+        return source[len(SIM_SCHEME):].strip("/") or None
+    return None
+
+
+def resolve_profile(profile: str | None, model_source: str) -> Profile:
+    """The profile named by ``profile``, else by a ``sim://NAME`` source, else the default.
+
+    Raises:
+        OptionsError: an unknown profile name (listing the known ones).
+    """
+    name = profile or profile_from_source(model_source) or DEFAULT_PROFILE
+    try:
+        return get_profile(name)
+    except KeyError as err:
+        raise OptionsError(err.args[0]) from None
+
+
+@dataclass(frozen=True)
+class SimEngineOptions:
+    replicas: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 0                 # 0: free ports chosen by the kernel; else base_port + i
+    profile: str | None = None
+    model_source: str = ""
+    served_model_name: str | None = None
+    seed: int = 0
+    startup_delay_s: float = 0.0
+    faults: FaultPlan = field(default_factory=FaultPlan)
+    mean_output_tokens: float | None = None
+    config_overrides: dict[str, object] = field(default_factory=dict)
+    ports_file: str | None = None
+
+    def replica_settings(self) -> list[ReplicaSettings]:
+        """Settings of each replica. Raises OptionsError."""
+        if self.replicas < 1:
+            raise OptionsError(f"--replicas must be >= 1, got {self.replicas}")
+        profile = resolve_profile(self.profile, self.model_source)
+        try:
+            profile = profile.with_overrides(**self.config_overrides)
+        except ValueError as err:
+            raise OptionsError(str(err)) from None
+        name = self.served_model_name or (
+            self.model_source if self.model_source and not self.model_source.startswith(SIM_SCHEME) else profile.model
+        )
+        one = ReplicaSettings(profile=profile, served_model_name=name, model_source=self.model_source,
+                              seed=self.seed, startup_delay_s=self.startup_delay_s, faults=self.faults,
+                              mean_output_tokens=self.mean_output_tokens)  # fmt: skip
+        return [one] * self.replicas
+
+
+def run(options: SimEngineOptions, out: Callable[[str], None] = print) -> int:
+    """Bind, announce and serve ``options.replicas`` simulated replicas; return the exit code.
+
+    Exit codes: 0 after SIGINT/SIGTERM, 1 when every replica died of a fault switch, 2 for bad
+    options or a port that cannot be bound.
+    """
+    try:
+        settings = options.replica_settings()
+    except OptionsError as err:
+        out(f"fleet sim-engine: {err}")
+        return 2
+    sockets = []
+    try:
+        for i in range(options.replicas):
+            port = options.base_port + i if options.base_port else 0
+            sockets.append(bind_socket(options.host, port))
+    except OSError as err:
+        for s in sockets:
+            s.close()
+        out(f"fleet sim-engine: cannot bind {options.host}:{port}: {err.strerror or err}")
+        return 2
+    s0 = settings[0]
+    p = s0.profile
+    out(f"Fleet engine SIMULATOR (not vLLM): {options.replicas} replica(s) of {s0.served_model_name!r}, "
+        f"profile {p.name} ({p.model} on {p.hardware}), seed {s0.seed}")  # fmt: skip
+    fault = s0.faults.describe()
+    if fault or s0.startup_delay_s:
+        out(f"  start-up delay {s0.startup_delay_s:g} s" + (f"; faults: {fault}" if fault else ""))
+    for i, sock in enumerate(sockets):
+        out(f"replica {i} http://{options.host}:{sock.getsockname()[1]}  (simulator)")
+    if options.ports_file:
+        write_ports_file(options.ports_file, options.host, [sock.getsockname()[1] for sock in sockets])
+    sys.stdout.flush()
+
+    def on_ready(replicas: list[SimReplica]) -> None:
+        live = sum(1 for r in replicas if r.state == "ready")
+        out(f"{live}/{len(replicas)} simulated replica(s) listening")
+        sys.stdout.flush()
+
+    return asyncio.run(serve_replicas(settings, sockets, host=options.host, on_ready=on_ready))

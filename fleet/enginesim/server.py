@@ -1,0 +1,589 @@
+"""The HTTP shell of the engine SIMULATOR: many simulated vLLM replicas in one asyncio process.
+
+Owns `SimReplica` (one replica: an aiohttp application on its own port, a task that advances
+its `EngineModel` on real time, request handlers) and `serve_replicas` (bind every port, start
+every replica, run until SIGINT/SIGTERM or until every replica has died of a fault). Called by
+the `fleet sim-engine` command and by ``python -m fleet.enginesim`` (`engine.kind: sim`); tests run
+`SimReplica` in-process.
+
+The surface is vLLM's OpenAI server (0.32): ``POST /v1/completions`` and
+``/v1/chat/completions`` (JSON, or SSE with ``stream``; ``stream_options.include_usage``;
+``max_tokens``, ``min_tokens``, ``ignore_eos``, ``seed``; errors as vLLM's JSON), ``GET
+/v1/models``, ``/health``, ``/version`` and ``/metrics``. Simulator-only: ``GET /sim/state`` and
+``POST /sim/faults`` (``{"slowdown": 3.0}`` or ``{"crash": true}``).
+
+The shell does no timing arithmetic of its own: each step is ``model.step(now)``, a sleep until
+the step's end, then the delivery of the tokens the step emitted, so what clients see is what
+the model computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from aiohttp import web
+
+from fleet.enginesim import tokens
+from fleet.enginesim.faults import FaultPlan
+from fleet.enginesim.metrics import ReplicaMetrics
+from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
+from fleet.enginesim.profiles import Profile
+
+log = logging.getLogger("fleet.enginesim")
+
+SIMULATOR_NOTE = "Fleet engine SIMULATOR: no model runs here; latencies come from a model of vLLM's scheduler"
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """How one simulated replica behaves.
+
+    Attributes:
+        profile: hardware/model profile (config and step cost).
+        served_model_name: the name clients send as ``model``.
+        model_source: what ``/v1/models`` reports as ``root`` (the ``--model`` argument).
+        seed: output text and EOS positions are functions of (seed, prompt).
+        startup_delay_s: seconds before the replica listens (weight loading stand-in).
+        faults: fault switches.
+        mean_output_tokens: when set, requests without ``ignore_eos`` stop early at an EOS
+            drawn with this mean (finish_reason "stop"); unset, they run to ``max_tokens``
+            (as the random-weight tiny model does on real vLLM).
+    """
+
+    profile: Profile
+    served_model_name: str
+    model_source: str = ""
+    seed: int = 0
+    startup_delay_s: float = 0.0
+    faults: FaultPlan = field(default_factory=FaultPlan)
+    mean_output_tokens: float | None = None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> web.Response:
+        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
+        return web.json_response(
+            {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}},
+            status=self.status,
+        )
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request being served: what the handler waits on."""
+
+    request_id: str
+    api_id: str                       # what clients see, random like vLLM's
+    output_ids: list[int]
+    max_tokens: int
+    arrival_s: float
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_token_s: float = 0.0
+
+
+class SimReplica:
+    """One simulated replica. ``await start(sock)`` serves on a bound socket; ``await close()``.
+
+    Args:
+        settings: behaviour.
+        index: the replica's number in its process (used in request ids).
+        clock: monotonic seconds (the model's time); ``loop.time`` by default.
+        on_dead: called once if the replica dies of a fault (fail at start, crash).
+    """
+
+    def __init__(self, settings: ReplicaSettings, index: int = 0, clock: Callable[[], float] | None = None,
+                 on_dead: Callable[[SimReplica, str], None] | None = None) -> None:  # fmt: skip
+        self.settings = settings
+        self.index = index
+        self.profile = settings.profile
+        self.model = EngineModel(settings.profile.config, settings.profile.cost, settings.faults.slowdown)
+        self.metrics = ReplicaMetrics(settings.served_model_name, settings.profile.config.max_model_len,
+                                      settings.profile.name)  # fmt: skip
+        self._clock = clock
+        self._on_dead = on_dead
+        self._live: dict[str, _Live] = {}
+        self._wake = asyncio.Event()
+        self._driver: asyncio.Task | None = None
+        self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task] = set()
+        self._counter = 0
+        self.answered = 0
+        self.port = 0
+        self.state = "starting"    # starting | ready | failed | crashed | closed
+        self.dead_reason = ""
+
+    # ----- lifecycle --------------------------------------------------------------------
+
+    def now_s(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
+    async def start(self, sock: socket.socket) -> None:
+        """Wait the start-up delay, then listen on ``sock`` (bound, not yet listening).
+
+        Until then a client's connect is refused, as with a vLLM still loading weights.
+        """
+        self.port = sock.getsockname()[1]
+        if self.settings.startup_delay_s > 0:
+            await asyncio.sleep(self.settings.startup_delay_s)
+        if self.settings.faults.fail_at_start:
+            sock.close()
+            self._die("failed", "fault switch: fail at start (engine core initialization failed)")
+            return
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/sim/state", self._state)
+        app.router.add_post("/sim/faults", self._faults)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=1.0)  # fmt: skip
+        await self._runner.setup()
+        # Our own asyncio server over the runner's protocol factory, so a crash can stop
+        # listening and cut connections at once.
+        self._server = await asyncio.get_running_loop().create_server(self._runner.server, sock=sock)
+        self._driver = asyncio.create_task(self._drive(), name=f"sim-replica-{self.index}")
+        self.state = "ready"
+
+    async def close(self) -> None:
+        """Stop serving (in-flight streams are cut)."""
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+            self._driver = None
+        for task in list(self._handlers):
+            task.cancel()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.state in ("starting", "ready"):
+            self.state = "closed"
+
+    def crash(self, reason: str) -> None:
+        """Die now: stop listening, cut every connection (a fault, not a shutdown)."""
+        if self.state != "ready":
+            return
+        if self._server is not None:
+            self._server.close()                  # stop listening now: connects are refused
+            self._server = None
+        if self._runner is not None and self._runner.server is not None:
+            for conn in list(self._runner.server.connections):
+                if conn.transport is not None:
+                    conn.transport.abort()        # cut every open connection, no goodbye
+        self._die("crashed", reason)
+        asyncio.get_running_loop().create_task(self.close())
+
+    def _die(self, state: str, reason: str) -> None:
+        self.state, self.dead_reason = state, reason
+        log.error("replica %d (port %d) %s: %s", self.index, self.port, state, reason)
+        if self._on_dead is not None:
+            self._on_dead(self, reason)
+
+    # ----- the engine loop ------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        last_end_s = self.now_s()
+        while True:
+            if not self.model.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            start_s = max(self.now_s(), last_end_s)
+            try:
+                result = self.model.step(start_s)
+            except Exception as err:  # noqa: BLE001 - a model bug fails its requests, not the replica
+                log.exception("replica %d: engine step failed", self.index)
+                self._fail_all(f"simulated engine step failed: {type(err).__name__}: {err}")
+                continue
+            last_end_s = result.end_s
+            if not result.scheduled and not result.preempted:
+                # Only requests still in admission: sleep until the first reaches the scheduler
+                # (or a new request wakes us).
+                ready_s = self.model.next_ready_s()
+                self._wake.clear()
+                timeout_s = max(0.0, ready_s - self.now_s()) if ready_s is not None else None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout_s)
+                continue
+            delay_s = result.end_s - self.now_s()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            else:
+                await asyncio.sleep(0)  # let handlers run between back-to-back steps
+            self._deliver(result)
+
+    def _fail_all(self, message: str) -> None:
+        """Abort every request in the engine; their handlers answer 500 (or end the stream)."""
+        now_s = self.now_s()
+        for rid, live in list(self._live.items()):
+            self._live.pop(rid, None)
+            fr = self.model.abort(rid, now_s)
+            if fr is not None:
+                self.metrics.finished(replace(fr, finish_reason="error"), live.max_tokens)
+            live.events.put_nowait(("error", message))
+        self.metrics.gauges(self.model.stats())
+
+    def _deliver(self, result: StepResult) -> None:
+        end_s = result.end_s
+        itls = []
+        for rid, idx in result.emitted.items():
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            if idx == 0:
+                self.metrics.first_token(end_s - live.arrival_s)
+            else:
+                itls.append(end_s - live.last_token_s)
+            live.last_token_s = end_s
+            live.events.put_nowait(("token", idx))
+        for fr in result.finished:
+            live = self._live.pop(fr.request_id, None)
+            self.metrics.finished(fr, live.max_tokens if live else fr.num_output_tokens)
+            if live is not None:
+                live.events.put_nowait(("done", fr))
+        self.metrics.step(result, self.model.stats(), itls)
+
+    # ----- requests -------------------------------------------------------------------
+
+    def _admit(self, prompt_ids: list[int], body: dict[str, Any], default_max_tokens: int | None) -> _Live:
+        cfg = self.profile.config
+        if not prompt_ids:
+            raise ApiError(400, "The prompt is empty; send at least one token.", "prompt")
+        if len(prompt_ids) >= cfg.max_model_len:
+            raise ApiError(400, (
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, your request has "
+                f"{len(prompt_ids)} input tokens. Please reduce the length of the input messages."), "input_tokens")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+        if max_tokens is None:
+            max_tokens = cfg.max_model_len - len(prompt_ids)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+        if max_tokens > cfg.max_model_len:
+            raise ApiError(400, (
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={cfg.max_model_len}. "
+                f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})"), "max_tokens")
+        if len(prompt_ids) + max_tokens > cfg.max_model_len:
+            raise ApiError(400, (
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                f"context length is {cfg.max_model_len} tokens and your request has {len(prompt_ids)} input "
+                f"tokens ({max_tokens} > {cfg.max_model_len} - {len(prompt_ids)})."), "max_tokens")
+        n = body.get("n", 1)
+        if n != 1:
+            raise ApiError(400, "the simulator supports n=1 only", "n")
+        min_tokens = body.get("min_tokens", 0) or 0
+        if not isinstance(min_tokens, int) or min_tokens < 0 or min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens must be an integer in 0..max_tokens, got {min_tokens!r}", "min_tokens")
+        seed = body.get("seed")
+        seed = self.settings.seed if not isinstance(seed, int) else seed
+        out_len, reason = max_tokens, "length"
+        mean = self.settings.mean_output_tokens
+        if mean is not None and not body.get("ignore_eos", False):
+            eos = max(min_tokens, tokens.eos_length(seed, prompt_ids, mean), 1)
+            if eos < max_tokens:
+                out_len, reason = eos, "stop"
+        output_ids = tokens.filler_token_ids(seed, prompt_ids, out_len)
+        self._counter += 1
+        rid = f"{self.index}-{self._counter:08x}"
+        now_s = self.now_s()
+        try:
+            self.model.add_request(rid, prompt_ids, out_len, now_s, output_token_ids=output_ids,
+                                   finish_reason=reason)  # fmt: skip
+        except ValueError as err:
+            raise ApiError(400, str(err)) from None
+        live = _Live(rid, uuid.uuid4().hex[:16], output_ids, max_tokens, now_s)
+        self._live[rid] = live
+        self.metrics.request_received(max_tokens, 1)
+        self.metrics.gauges(self.model.stats())
+        self._wake.set()
+        return live
+
+    async def _read_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.settings.served_model_name:
+            raise ApiError(404, (f"The model `{model}` does not exist. Valid aliases: "
+                                 f"{self.settings.served_model_name}."), "model")  # fmt: skip
+        return body
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        live: _Live | None = None
+        try:
+            try:
+                body = await self._read_body(request)
+                if chat:
+                    prompt_ids = tokens.encode_chat(body.get("messages"))
+                else:
+                    if "prompt" not in body:
+                        raise ApiError(400, "prompt: required field is missing", "prompt")
+                    prompt_ids = tokens.encode_prompt(body["prompt"])
+                live = self._admit(prompt_ids, body, None if chat else 16)
+            except tokens.PromptError as err:
+                return ApiError(400, str(err)).response()
+            except UnicodeEncodeError as err:  # a lone surrogate ("\udc80"): vLLM's tokenizer refuses it with 400 too
+                return ApiError(400, f"the prompt is not valid Unicode text: {err.reason} at position {err.start}",
+                                "messages" if chat else "prompt").response()
+            except ApiError as err:
+                return err.response()
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                response = await self._stream(request, live, len(prompt_ids), chat, include_usage)
+            else:
+                response = await self._whole(live, len(prompt_ids), chat)
+                await response.prepare(request)
+                await response.write_eof()
+            self._answered()
+            return response
+        finally:
+            if live is not None and live.request_id in self._live:
+                self._live.pop(live.request_id, None)
+                fr = self.model.abort(live.request_id, self.now_s())
+                if fr is not None:
+                    self.metrics.finished(fr, live.max_tokens)
+                    self.metrics.gauges(self.model.stats())
+            if task is not None:
+                self._handlers.discard(task)
+
+    def _answered(self) -> None:
+        self.answered += 1
+        limit = self.settings.faults.crash_after_requests
+        if limit is not None and self.answered >= limit:
+            # A moment after the answer is written, so the N-th response reaches its client.
+            asyncio.get_running_loop().call_later(0.01, self.crash, f"fault switch: crash after {limit} request(s)")
+
+    def _head(self, live: _Live, chat: bool) -> dict[str, Any]:
+        return {
+            "id": ("chatcmpl-" if chat else "cmpl-") + live.api_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.settings.served_model_name,
+        }
+
+    def _fingerprint(self) -> str:
+        return f"fleet-sim-{self.profile.name}"
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                "completion_tokens": completion_tokens}  # fmt: skip
+
+    async def _whole(self, live: _Live, prompt_tokens: int, chat: bool) -> web.Response:
+        while True:
+            kind, payload = await live.events.get()
+            if kind == "error":
+                return ApiError(500, payload).response()
+            if kind == "done":
+                fr: FinishedRequest = payload
+                break
+        text = "".join(tokens.token_text(t) for t in live.output_ids[:fr.num_output_tokens])
+        doc = self._head(live, chat)
+        if chat:
+            doc["object"] = "chat.completion"
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": fr.finish_reason, "stop_reason": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr.finish_reason,
+                      "stop_reason": None}
+        doc.update(choices=[choice], system_fingerprint=self._fingerprint(),
+                   usage=self._usage(prompt_tokens, fr.num_output_tokens))
+        return web.json_response(doc)
+
+    async def _stream(self, request: web.Request, live: _Live, prompt_tokens: int, chat: bool,
+                      include_usage: bool) -> web.StreamResponse:  # fmt: skip
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        head = self._head(live, chat)
+
+        async def send(doc: dict[str, Any]) -> None:
+            await resp.write(b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n")
+
+        if chat:
+            await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]})  # fmt: skip
+        emitted = 0
+        while True:
+            kind, payload = await live.events.get()
+            if kind == "token":
+                # The last token is sent with the finish reason, as vLLM does.
+                if payload + 1 >= len(live.output_ids):
+                    continue
+                emitted = payload + 1
+                text = tokens.token_text(live.output_ids[payload])
+                await send(self._chunk(head, chat, text, None))
+                continue
+            if kind == "error":
+                await send({"error": {"message": payload, "type": "InternalServerError", "param": None, "code": 500}})
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            fr: FinishedRequest = payload
+            break
+        if fr.num_output_tokens > emitted:
+            text = "".join(tokens.token_text(t) for t in live.output_ids[emitted:fr.num_output_tokens])
+            await send(self._chunk(head, chat, text, fr.finish_reason))
+        else:
+            await send(self._chunk(head, chat, "", fr.finish_reason))
+        if include_usage:
+            await send({**head, "choices": [], "usage": self._usage(prompt_tokens, fr.num_output_tokens),
+                        "system_fingerprint": self._fingerprint()})  # fmt: skip
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _chunk(head: dict[str, Any], chat: bool, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        return {**head, "choices": [choice]}
+
+    # ----- other routes -----------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        s = self.settings
+        return web.json_response({"object": "list", "data": [{
+            "id": s.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "fleet-sim",
+            "root": s.model_source or f"sim://{self.profile.name}", "parent": None,
+            "max_model_len": self.profile.config.max_model_len, "permission": [],
+            "simulator": {"note": SIMULATOR_NOTE, "profile": self.profile.name, "stands_for": self.profile.model,
+                          "hardware": self.profile.hardware},
+        }]})  # fmt: skip
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "fleet-sim", "simulator": SIMULATOR_NOTE})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})  # fmt: skip
+
+    async def _state(self, request: web.Request) -> web.Response:
+        st = self.model.stats()
+        return web.json_response({
+            "simulator": SIMULATOR_NOTE, "profile": self.profile.name, "state": self.state,
+            "answered": self.answered, "slowdown": self.model.slowdown, "running": st.num_running,
+            "waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage, "steps": st.steps,
+            "prefix_cache_hits": st.prefix_cache_hits, "prefix_cache_queries": st.prefix_cache_queries,
+            "preemptions": st.num_preemptions,
+        })  # fmt: skip
+
+    async def _faults(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return ApiError(400, "request body is not valid JSON").response()
+        slowdown = body.get("slowdown")
+        if slowdown is not None:
+            if not isinstance(slowdown, (int, float)) or slowdown <= 0:
+                return ApiError(400, "slowdown must be a number > 0", "slowdown").response()
+            self.model.slowdown = float(slowdown)
+        if body.get("crash"):
+            asyncio.get_running_loop().call_soon(self.crash, "fault switch: crash requested via POST /sim/faults")
+        return web.json_response({"slowdown": self.model.slowdown, "crash": bool(body.get("crash"))})
+
+
+# ----- many replicas in one process ------------------------------------------------------
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0 = a free port), not listening yet. Raises OSError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_replicas(
+    settings: list[ReplicaSettings],
+    sockets: list[socket.socket],
+    *,
+    host: str,
+    on_ready: Callable[[list[SimReplica]], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Serve one replica per (settings, bound socket) until SIGINT/SIGTERM (or ``stop``).
+
+    Returns the process exit code: 0 after a signal, 1 when every replica died of a fault.
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    dead: set[int] = set()
+
+    def on_dead(replica: SimReplica, reason: str) -> None:
+        dead.add(replica.index)
+        print(f"replica {replica.index} http://{host}:{replica.port} {replica.state}: {reason}", flush=True)
+        if len(dead) == len(replicas):
+            stop.set()
+
+    replicas = [SimReplica(s, index=i, on_dead=on_dead) for i, s in enumerate(settings)]
+    starts = [asyncio.create_task(r.start(sock)) for r, sock in zip(replicas, sockets)]
+    try:
+        await asyncio.gather(*starts)
+        if on_ready is not None:
+            on_ready(replicas)
+        await stop.wait()
+    finally:
+        for t in starts:
+            t.cancel()
+        await asyncio.gather(*(r.close() for r in replicas), return_exceptions=True)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+    return 1 if replicas and len(dead) == len(replicas) else 0
+
+
+def write_ports_file(path: str, host: str, ports: list[int]) -> None:
+    """Write ``{"ports": [...], "urls": [...], "pid": ...}`` atomically (for scripts and tests)."""
+    doc = {"pid": os.getpid(), "simulator": True, "ports": ports,
+           "urls": [f"http://{host}:{port}" for port in ports]}  # fmt: skip
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)

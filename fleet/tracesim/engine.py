@@ -1,0 +1,542 @@
+"""The trace simulator's discrete-event loop: a trace through the real router policy and the real
+autoscaler policy, over simulated engines, in virtual time.
+
+Owns `SimConfig` (what is simulated: profile, autoscaling spec and bounds, routing, start-up
+model, SLO) and `Simulation` (the event loop). Called by `fleet.tracesim.compare` and
+`fleet simulate`; reads `fleet.tracesim.workload` for the requests and fills
+`fleet.tracesim.results`. No I/O, no clock, no sleeping: every time is a virtual second, and the
+same config and workload give the same result. This is a SIMULATOR: the engines are
+`fleet.enginesim` latency models, not vLLM.
+
+What runs for real (the live objects, fed in virtual time):
+
+- routing: `router.pool.Pool.pick` with the policy object of `router.policies.make_policy`,
+  for a `router.prompt_blocks.RouteRequest` built by `route_request` from the very token-id
+  prompt the engine model gets (as the proxy builds it from the body), over
+  `router.pool.EndpointState`s whose load (`start`, `first_byte` at the first token,
+  `finish`) and first-byte EWMA (`EndpointState.record_first_byte`) are updated where `router.proxy`
+  updates them; draining endpoints stay in the pool marked draining, as the controller
+  publishes them. With ``routers`` > 1, that many independent routers (each its own policy
+  object and its own endpoint states, seeing only its own requests) take the requests in
+  turn, as routers behind a load balancer do. ``shared_view`` also tells every router of every
+  placement (`RoutingPolicy.learn`), which is what each would learn from the engines' KV cache
+  events: the upper bound of what an exact, shared view gives;
+- router statistics: one `router.stats.ModelStats` recorded at the proxy's points (arrival;
+  queue time at dispatch or at a queue timeout; client-side TTFT and end-to-end latency
+  stamped at completion; rejections);
+- autoscaling: the deployment's `autoscaler.policy` object, asked every ``policy.interval_s``
+  with `autoscaler.signals.DeploymentSignals` over simulated scrapes of every READY replica
+  (`SimReplica.sample`: gauges and the cumulative `vllm:request_queue_time_seconds`
+  histogram) and the router snapshot, and an `autoscaler.startup.StartupTracker` fed with the
+  start-ups it observed (never told the modelled times);
+- engines: one `fleet.enginesim.model.EngineModel` per replica, stepped as `run_virtual` steps it.
+
+What is modelled (docs/autoscaling.md, "The trace simulator"):
+
+- Start-up: a replica asked for at t becomes READY at t + the warm or the cold start-up time
+  (`fleet.tracesim.replica.NodePool`). The initial replicas are READY at 0 s.
+- Scale-down, as `fleet.controller.reconcile` does it: the least advanced replicas go first (STARTING
+  before READY), newest first; a STARTING one stops at once, a READY one drains (no new
+  requests, its in-flight requests finish, then it stops; after ``drain_timeout_s`` the rest
+  are aborted and count as failed).
+- Admission, as `router.proxy` does it: without ``max_concurrency_per_endpoint`` a request
+  goes to the endpoint the policy picks, or gets a 503 when no replica is READY. With it,
+  first come first served: a request waits in the router while every READY replica is full (a
+  freed slot or a joining replica takes the head of the queue), at most ``max_queue_length``
+  waiting (more get a 503 at once), for at most ``queue_timeout_s`` (then a 503); with no
+  READY replica at all, a 503. Clients do not retry: a 503 is a failed request.
+- Not modelled: engine crashes, connection failures and the router's retries, the network,
+  the router's own CPU time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autoscaler.policy import ReplicaBounds, ScalingContext, ScalingPolicy, make_policy
+from autoscaler.signals import DeploymentSignals
+from autoscaler.spec import AutoscalingSpec
+from autoscaler.startup import StartupTracker
+from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
+from fleet.enginesim.profiles import Profile
+from fleet.tracesim.replica import NodePool, Phase, SimReplica
+from fleet.tracesim.results import RequestLog, SimResult, TickRecord
+from fleet.tracesim.workload import Workload, prompt_ids
+from router.policies import make_policy as make_routing_policy
+from router.pool import Pool, PoolShared
+from router.prompt_blocks import RouteRequest, route_request
+from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S
+from router.stats import ModelStats
+
+DEFAULT_WARM_STARTUP_S = 60.0
+"""Modelled placement-to-READY on a warm node (image and weights on the node), seconds: 52 s
+measured for one 8B pod with node-local weights (docs/anchors.md), plus warm-up."""
+
+DEFAULT_COLD_STARTUP_S = 600.0
+"""Modelled placement-to-READY on a cold node, seconds: image pull (~30 GB vLLM images take
+minutes) and weights copied first; "a 4-GPU model load can take about 10 minutes" (same
+notes). The same figure as `spec.autoscaling.coldStartupSeconds`' default."""
+
+DRAIN_TIMEOUT_S = 120.0
+"""A draining replica's requests still running after this many seconds are aborted
+(`fleet.controller.reconcile.ControllerSettings.drain_timeout_s`' default)."""
+
+DEFAULT_TTFT_SLO_S = 2.0
+"""The TTFT SLO the share is measured against, seconds: MLPerf Inference's server-scenario
+limit for Llama 3.1 8B (and Llama 2 70B), `llama3_1-8b.Server.ttft_latency = 2000` at the 99th
+percentile in mlcommons/inference loadgen/mlperf.conf. The interactive scenario's is 0.5 s."""
+
+# Event kinds, in the order they run when they fall on the same virtual instant.
+_STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK = range(6)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated deployment.
+
+    ``profile``: the simulated replica (`fleet.enginesim.profiles`); ``autoscaling``: the policy
+    and its parameters (`autoscaler.spec.AutoscalingSpec`); ``bounds``: spec.replicas;
+    ``routing_policy``, ``max_concurrency_per_endpoint``, ``max_queue_length``,
+    ``queue_timeout_s``: spec.routing; ``warm_startup_s`` / ``cold_startup_s``: modelled
+    start-up times in seconds (the policy's own estimates start from the spec's
+    ``warmStartupSeconds`` / ``coldStartupSeconds`` and follow what it observes);
+    ``warm_nodes``: node slots that hold image and weights at the start (default
+    ``bounds.max``: every replica the policy may ask for starts warm); ``slowdown``: factor on
+    every engine step; ``ttft_slo_s``: the SLO the share is measured against (seconds);
+    ``drain_timeout_s``: see `DRAIN_TIMEOUT_S`; ``seed``: token ids; ``name``: the row's label.
+
+    Raises ValueError for start-up times outside ``0 <= warm <= cold``, a negative
+    ``warm_nodes``, or a non-positive ``ttft_slo_s``, ``slowdown`` or ``drain_timeout_s``.
+    """
+
+    profile: Profile
+    autoscaling: AutoscalingSpec
+    bounds: ReplicaBounds
+    routing_policy: str = "kv-aware"
+    max_concurrency_per_endpoint: int | None = None
+    max_queue_length: int = DEFAULT_MAX_QUEUE_LENGTH
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    warm_startup_s: float = DEFAULT_WARM_STARTUP_S
+    cold_startup_s: float = DEFAULT_COLD_STARTUP_S
+    warm_nodes: int | None = None
+    slowdown: float = 1.0
+    ttft_slo_s: float = DEFAULT_TTFT_SLO_S
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    seed: int = 0
+    name: str = ""
+    model: str = "sim-model"
+    routers: int = 1
+    shared_view: bool = False
+
+    def __post_init__(self) -> None:
+        if self.routers < 1:
+            raise ValueError(f"routers must be >= 1, got {self.routers}")
+        if self.routers > 1 and self.max_concurrency_per_endpoint is not None:
+            raise ValueError("routers > 1 is simulated without max_concurrency_per_endpoint (no shared admission queue)")
+        if not 0 <= self.warm_startup_s <= self.cold_startup_s:
+            raise ValueError(f"need 0 <= warm start-up <= cold start-up, got {self.warm_startup_s} s and "
+                             f"{self.cold_startup_s} s")  # fmt: skip
+        if self.warm_nodes is not None and self.warm_nodes < 0:
+            raise ValueError(f"warm_nodes must be >= 0, got {self.warm_nodes}")
+        if self.ttft_slo_s <= 0 or self.slowdown <= 0 or self.drain_timeout_s <= 0:
+            raise ValueError("ttft_slo_s, slowdown and drain_timeout_s must be > 0")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.autoscaling.policy
+
+    def params(self) -> dict[str, Any]:
+        """JSON-ready description of this configuration (for the results file)."""
+        return {
+            "profile": self.profile.name, "policy": self.autoscaling.policy,
+            "autoscaling": self.autoscaling.to_document() if self.autoscaling.policy != "fixed" else None,
+            "replicas": {"min": self.bounds.min, "max": self.bounds.max, "initial": self.bounds.initial},
+            "routing": {"policy": self.routing_policy, "routers": self.routers, "shared_view": self.shared_view,
+                        "max_concurrency_per_endpoint": self.max_concurrency_per_endpoint,
+                        "max_queue_length": self.max_queue_length, "queue_timeout_s": self.queue_timeout_s},
+            "startup": {"warm_s": self.warm_startup_s, "cold_s": self.cold_startup_s,
+                        "warm_nodes": self.bounds.max if self.warm_nodes is None else self.warm_nodes},
+            "slowdown": self.slowdown, "ttft_slo_s": self.ttft_slo_s, "drain_timeout_s": self.drain_timeout_s,
+            "seed": self.seed,
+        }  # fmt: skip
+
+
+class Simulation:
+    """Replays ``workload`` through one deployment described by ``config``; `run()` once.
+
+    ``progress(now_s, done, total)`` is called about every ``progress_every_s`` virtual
+    seconds (virtual seconds now, requests finished, requests in all), for progress bars.
+    """
+
+    def __init__(self, config: SimConfig, workload: Workload, *,
+                 progress: Callable[[float, int, int], None] | None = None,
+                 progress_every_s: float = 60.0) -> None:  # fmt: skip
+        self.config = config
+        self.workload = workload
+        self.progress = progress
+        self.progress_every_s = progress_every_s
+        spec = config.autoscaling
+        self.policy: ScalingPolicy = make_policy(spec, config.bounds)
+        self.signals = DeploymentSignals(spec.window_seconds)
+        self.startup = StartupTracker(spec.warm_startup_seconds, spec.cold_startup_seconds)
+        self.stats = ModelStats(0.0)
+        self.shared = PoolShared(self.stats)
+        self.routings = [make_routing_policy(config.routing_policy) for _ in range(config.routers)]
+        self.routing = self.routings[0]
+        self._routes: dict[int, RouteRequest] = {}      # request -> what its router saw (until it ends)
+        self._prompts: dict[int, list[int]] = {}        # request -> token ids, until dispatched
+        self._router_of = bytearray(len(workload.requests))
+        self._prefilling = bytearray(len(workload.requests))   # 1 until the first token
+        self.nodes = NodePool(config.bounds.max if config.warm_nodes is None else config.warm_nodes)
+        self.replicas: list[SimReplica] = []
+        self.desired = config.bounds.initial
+        self.log = RequestLog([r.arrival_s for r in workload.requests])
+        self.ticks: list[TickRecord] = []
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._queue: deque[int] = deque()   # request indexes waiting in the router (lazy deletion)
+        self._queued = 0
+        self._waiting = bytearray(len(self.log))   # 1 while request i is in the router queue
+        self._done = 0
+        self._steps = 0
+        self._by_endpoint: dict[str, SimReplica] = {}
+        self._startups: list[tuple[str, bool, float]] = []
+        self._ran = False
+        self.pools = self._make_pools()
+        self.pool = self.pools[0]
+
+    # ----- events -----------------------------------------------------------------------
+
+    def _push(self, at_s: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at_s, kind, self._seq, payload))
+
+    def run(self) -> SimResult:
+        """Replay the whole workload; return the result.
+
+        Raises RuntimeError on a second call, or if an engine model stops making progress."""
+        if self._ran:
+            raise RuntimeError("a Simulation runs once")
+        self._ran = True
+        for _ in range(self.config.bounds.initial):
+            self._add_replica(0.0, ready_now=True)
+        self._rebuild_pool()
+        self._push(0.0, _TICK, None)
+        reqs = self.workload.requests
+        n = len(reqs)
+        heap = self._heap
+        i = 0
+        now_s = 0.0
+        next_progress_s = self.progress_every_s
+        while self._done < n:
+            next_arrival_s = reqs[i].arrival_s if i < n else math.inf
+            if heap and heap[0][0] <= next_arrival_s:
+                now_s, kind, _, payload = heapq.heappop(heap)
+                if kind == _STEP_END:
+                    self._on_step_end(payload, now_s)  # type: ignore[arg-type]
+                elif kind == _WAKE:
+                    self._on_wake(payload, now_s)  # type: ignore[arg-type]
+                elif kind == _TICK:
+                    self._on_tick(now_s)
+                elif kind == _READY:
+                    self._on_ready(payload, now_s)  # type: ignore[arg-type]
+                elif kind == _DRAIN_TIMEOUT:
+                    self._on_drain_timeout(payload, now_s)  # type: ignore[arg-type]
+                else:
+                    self._on_queue_timeout(payload, now_s)  # type: ignore[arg-type]
+            else:
+                now_s = next_arrival_s
+                self._on_arrival(i, now_s)
+                i += 1
+            if self.progress is not None and now_s >= next_progress_s:
+                self.progress(now_s, self._done, n)
+                next_progress_s = now_s + self.progress_every_s
+        if self.progress is not None:
+            self.progress(now_s, self._done, n)
+        horizon_s = self.workload.duration_s
+        return SimResult(
+            name=self.config.label, policy=self.config.autoscaling.policy, ttft_slo_s=self.config.ttft_slo_s,
+            requests=self.log, ticks=self.ticks, horizon_s=horizon_s, end_s=now_s,
+            replica_cost_s=sum(r.cost_s(horizon_s) for r in self.replicas), startups=self._startups,
+            params=self.config.params(), steps=self._steps,
+        )  # fmt: skip
+
+    # ----- requests (router.proxy's admission) ------------------------------------------
+
+    def _on_arrival(self, i: int, now_s: float) -> None:
+        stats = self.stats
+        stats.arrivals.add(now_s)
+        k = i % len(self.pools)
+        self._router_of[i] = k
+        pool = self.pools[k]
+        r = self.workload.requests[i]
+        ids = prompt_ids(i, r, self.config.seed)
+        self._prompts[i] = ids
+        route = self._routes[i] = route_request({"prompt": ids, "max_tokens": r.output_tokens}, r.session_id)
+        limited = pool.limit is not None
+        endpoint = None if limited and self._queued else pool.pick(route, now_s)   # FCFS: nobody overtakes a waiter
+        if endpoint is not None:
+            stats.queue_time.add(now_s, 0.0)
+            self._dispatch(i, self._by_endpoint[endpoint.id], now_s)
+        elif not limited or not pool.ready or self._queued >= pool.max_queue_length:
+            self._reject(i, now_s)   # no READY replica, or the admission queue is full: 503
+        else:
+            self._queue.append(i)
+            self._waiting[i] = 1
+            self._queued += 1
+            self._push(now_s + pool.queue_timeout_s, _QUEUE_TIMEOUT, i)
+
+    def _admit_waiting(self, now_s: float) -> None:
+        """Dispatch queued requests, oldest first, while an endpoint has a free slot."""
+        queue, pool = self._queue, self.pool
+        while self._queued:
+            while not self._waiting[queue[0]]:
+                queue.popleft()  # timed out already
+            endpoint = pool.pick(self._routes[queue[0]], now_s)
+            if endpoint is None:
+                return
+            i = queue.popleft()
+            self._waiting[i] = 0
+            self._queued -= 1
+            self.stats.queue_time.add(now_s, now_s - self.log.arrival_s[i])
+            self._dispatch(i, self._by_endpoint[endpoint.id], now_s)
+
+    def _on_queue_timeout(self, i: int, now_s: float) -> None:
+        if not self._waiting[i]:
+            return
+        self._waiting[i] = 0
+        self._queued -= 1
+        self.stats.queue_time.add(now_s, now_s - self.log.arrival_s[i])   # as the proxy: the wait counts
+        self._reject(i, now_s)
+
+    def _reject(self, i: int, now_s: float) -> None:
+        """The router answers 503 (counted in `ModelStats.rejected`); the request failed."""
+        self.stats.rejected.add(now_s)
+        self._fail(i, now_s)
+
+    def _fail(self, i: int, now_s: float) -> None:
+        self._routes.pop(i, None)
+        self._prompts.pop(i, None)
+        self.log.failed[i] = True
+        self.log.end_s[i] = now_s
+        self._done += 1
+
+    def _dispatch(self, i: int, replica: SimReplica, now_s: float) -> None:
+        route = self._routes[i]
+        k = self._router_of[i]
+        replica.endpoints[k].start(route.prefill_tokens)
+        if self.config.shared_view:
+            for other, routing in enumerate(self.routings):
+                if other != k:
+                    routing.learn(replica.id, route.block_hashes)
+        self._prefilling[i] = 1
+        log = self.log
+        log.dispatch_s[i] = now_s
+        log.replica[i] = replica.index
+        log.prompt_tokens[i] = route.prompt_tokens
+        log.predicted_cached_tokens[i] = route.cached_tokens
+        r = self.workload.requests[i]
+        rid = str(i)
+        replica.in_flight_ids.add(rid)
+        replica.engine.add_request(rid, self._prompts.pop(i), r.output_tokens, now_s)
+        if not replica.busy:
+            self._step(replica, now_s)
+
+    def _first_token(self, replica: SimReplica, i: int) -> None:
+        """Request ``i`` emitted its first token: its prefill charge leaves the endpoint's load
+        (where the proxy calls `EndpointState.first_byte`)."""
+        if self._prefilling[i]:
+            self._prefilling[i] = 0
+            replica.endpoints[self._router_of[i]].first_byte(self._routes[i].prefill_tokens)
+
+    def _release(self, replica: SimReplica, i: int) -> None:
+        """Request ``i`` left ``replica``: its router's endpoint state forgets it."""
+        route = self._routes.pop(i)
+        replica.endpoints[self._router_of[i]].finish(route.prefill_tokens, not self._prefilling[i])
+        self._prefilling[i] = 0
+
+    def _finish(self, replica: SimReplica, fr: FinishedRequest, now_s: float) -> None:
+        i = int(fr.request_id)
+        log = self.log
+        endpoint = replica.endpoints[self._router_of[i]]
+        self._release(replica, i)
+        log.cached_tokens[i] = fr.num_cached_prompt_tokens
+        replica.in_flight_ids.discard(fr.request_id)
+        replica.observe_finished(fr)
+        if fr.finish_reason == "abort" or fr.first_token_s is None:
+            self._fail(i, now_s)  # cut off at the drain timeout: the proxy records no latency sample
+            return
+        log.end_s[i] = now_s
+        log.first_token_s[i] = fr.first_token_s
+        self._done += 1
+        arrival_s = log.arrival_s[i]
+        self.stats.e2e.add(now_s, now_s - arrival_s)
+        endpoint.record_first_byte(fr.first_token_s - log.dispatch_s[i], now_s)
+        self.stats.ttft.add(now_s, fr.first_token_s - arrival_s)
+
+    # ----- engines ----------------------------------------------------------------------
+
+    def _step(self, replica: SimReplica, now_s: float) -> None:
+        """Start the replica's next engine step at ``now_s`` if it has work (as `run_virtual`)."""
+        engine = replica.engine
+        if not engine.has_work():
+            return
+        result = engine.step(now_s)
+        if not result.scheduled and not result.preempted:
+            ready_s = engine.retry_at_s(now_s)
+            if replica.wake_at_s is None or ready_s < replica.wake_at_s:
+                replica.wake_at_s = ready_s
+                self._push(ready_s, _WAKE, replica)
+            return
+        self._steps += 1
+        replica.busy = True
+        self._push(result.end_s, _STEP_END, (replica, result))
+
+    def _on_wake(self, replica: SimReplica, now_s: float) -> None:
+        if replica.wake_at_s != now_s:
+            return  # superseded by an earlier wake-up
+        replica.wake_at_s = None
+        if not replica.busy and replica.phase is not Phase.TERMINATED:
+            self._step(replica, now_s)
+
+    def _on_step_end(self, payload: tuple[SimReplica, StepResult], now_s: float) -> None:
+        replica, result = payload
+        replica.busy = False
+        if replica.phase is Phase.TERMINATED:
+            return  # stopped at its drain timeout while this step ran; its requests were aborted then
+        for rid, token in result.emitted.items():
+            if token == 0:
+                self._first_token(replica, int(rid))
+        if result.finished:
+            for fr in result.finished:
+                self._finish(replica, fr, now_s)
+            if replica.phase is Phase.DRAINING and not replica.in_flight_ids:
+                self._stop(replica, now_s)
+                return
+            if self._queued:
+                self._admit_waiting(now_s)
+        if not replica.busy:
+            self._step(replica, now_s)
+
+    # ----- replicas (fleet.controller.reconcile's lifecycle) ---------------------------------------
+
+    def _add_replica(self, now_s: float, ready_now: bool = False) -> SimReplica:
+        cfg = self.config
+        slot, warm = self.nodes.take()
+        index = len(self.replicas)
+        startup_s = 0.0 if ready_now else (cfg.warm_startup_s if warm else cfg.cold_startup_s)
+        engine = EngineModel(cfg.profile.config, cfg.profile.cost, slowdown=cfg.slowdown)
+        replica = SimReplica(f"{cfg.model}-{index}", index, engine, now_s, now_s + startup_s, warm, slot, cfg.routers)
+        self.replicas.append(replica)
+        self._by_endpoint[replica.id] = replica
+        if ready_now:
+            replica.phase = Phase.READY
+            self.nodes.became_ready(slot)
+        else:
+            self._push(replica.ready_at_s, _READY, replica)
+        return replica
+
+    def _on_ready(self, replica: SimReplica, now_s: float) -> None:
+        if replica.phase is not Phase.STARTING:
+            return  # stopped while starting
+        replica.phase = Phase.READY
+        self.nodes.became_ready(replica.node)
+        self.startup.observe(replica.id, replica.warm, now_s - replica.created_s)
+        self._startups.append((replica.id, replica.warm, now_s - replica.created_s))
+        self._rebuild_pool()
+        if self._queued:
+            self._admit_waiting(now_s)
+
+    def _drain(self, replica: SimReplica, now_s: float) -> None:
+        if replica.phase is Phase.STARTING:
+            self._stop(replica, now_s)
+            return
+        replica.phase = Phase.DRAINING
+        replica.drain_s = now_s
+        if not replica.in_flight_ids:
+            self._stop(replica, now_s)
+            return
+        self._push(now_s + self.config.drain_timeout_s, _DRAIN_TIMEOUT, replica)
+
+    def _on_drain_timeout(self, replica: SimReplica, now_s: float) -> None:
+        if replica.phase is not Phase.DRAINING:
+            return
+        for rid in sorted(replica.in_flight_ids, key=int):
+            fr = replica.engine.abort(rid, now_s)
+            if fr is not None:
+                self._finish(replica, fr, now_s)
+        # Requests whose last step is still running left the engine already: they are cut off too.
+        for rid in sorted(replica.in_flight_ids, key=int):
+            self._release(replica, int(rid))
+            self._fail(int(rid), now_s)
+        replica.in_flight_ids.clear()
+        self._stop(replica, now_s)
+
+    def _stop(self, replica: SimReplica, now_s: float) -> None:
+        replica.phase = Phase.TERMINATED
+        replica.stopped_s = now_s
+        self.nodes.release(replica.node)
+        self._rebuild_pool()
+
+    def _make_pools(self) -> list[Pool]:
+        """One pool per router, over that router's endpoint states of the READY and DRAINING
+        replicas, in creation order (as the controller lists them, by id)."""
+        cfg = self.config
+        pools = []
+        for k, routing in enumerate(self.routings):
+            endpoints = []
+            for r in self.replicas:
+                if r.phase in (Phase.READY, Phase.DRAINING):
+                    r.endpoints[k].draining = r.phase is Phase.DRAINING
+                    endpoints.append(r.endpoints[k])
+            pools.append(Pool(cfg.model, routing, endpoints, 0.0, self.shared, limit=cfg.max_concurrency_per_endpoint,
+                              max_queue_length=cfg.max_queue_length, queue_timeout_s=cfg.queue_timeout_s))  # fmt: skip
+        return pools
+
+    def _rebuild_pool(self) -> None:
+        """Replace the pools (as the controller's PUT does) from the READY and DRAINING replicas."""
+        self.pools = self._make_pools()
+        self.pool = self.pools[0]
+
+    # ----- the autoscaler (fleet.controller.autoscaling's step) -------------------------------------
+
+    def _on_tick(self, now_s: float) -> None:
+        ready = [r for r in self.replicas if r.phase is Phase.READY]
+        starting = sum(1 for r in self.replicas if r.phase is Phase.STARTING)
+        for r in ready:
+            self.signals.observe_engine(r.id, now_s, r.sample())
+        self.signals.forget_others({r.id for r in ready})
+        snapshot = self.stats.snapshot(now_s, self.signals.window_s, in_flight=sum(p.in_flight() for p in self.pools),
+                                       queued=self._queued)  # fmt: skip
+        ctx = ScalingContext(now_s, self.desired, len(ready), starting, self.signals.signals(now_s, snapshot),
+                             self.startup.estimate(next_warm=self.nodes.next_is_warm()))  # fmt: skip
+        decision = self.policy.decide(ctx)
+        if decision.desired != self.desired:
+            self.desired = decision.desired
+            self._reconcile(now_s)
+        counts = {phase: 0 for phase in Phase}
+        for r in self.replicas:
+            counts[r.phase] += 1
+        self.ticks.append(TickRecord(now_s, self.desired, counts[Phase.READY], counts[Phase.STARTING],
+                                     counts[Phase.DRAINING], decision))  # fmt: skip
+        if self._done < len(self.log):
+            self._push(now_s + self.policy.interval_s, _TICK, None)
+
+    def _reconcile(self, now_s: float) -> None:
+        """`fleet.controller.reconcile`'s scale step: add replicas, or drain the least advanced first
+        (STARTING before READY), newest first."""
+        active = [r for r in self.replicas if r.phase in (Phase.STARTING, Phase.READY)]
+        if len(active) < self.desired:
+            for _ in range(self.desired - len(active)):
+                self._add_replica(now_s)
+        elif len(active) > self.desired:
+            order = (Phase.STARTING, Phase.READY)
+            victims = sorted(active, key=lambda r: (order.index(r.phase), -r.index))
+            for r in victims[: len(active) - self.desired]:
+                self._drain(r, now_s)
+            self._rebuild_pool()

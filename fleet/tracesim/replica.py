@@ -1,0 +1,149 @@
+"""Simulated replicas of the trace simulator: lifecycle, engine, router endpoint, scrapes, nodes.
+
+Owns `Phase` (STARTING, READY, DRAINING, TERMINATED), `SimReplica` (one replica: its
+`fleet.enginesim.model.EngineModel`, its `router.pool.EndpointState` as the router sees it, the ids
+of the requests dispatched to it, the engine's cumulative `vllm:request_queue_time_seconds`
+histogram, and when it was placed, became READY and stopped) and `NodePool` (where replicas
+start, and whether warm). Used only by `fleet.tracesim.engine`, which drives every
+transition; nothing here schedules events.
+
+Start-up model (docs/autoscaling.md, "The trace simulator"): a replica asked for at t is
+placed at t on a free node slot and becomes READY at t + the warm or the cold start-up time;
+warm when the node already holds the engine image and the weights. ``NodePool(warm)``: node
+slots of one replica each, the first ``warm`` of them warm; a replica takes the free warm slot
+with the lowest index when there is one, else a cold slot (a new one when all are in use: the
+cluster has room, its extra nodes just lack the image and weights). A cold slot turns warm once
+a replica on it became READY (image and weights stay on the node; node eviction and cluster
+scale-down are not modelled).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+
+from autoscaler.engine_metrics import EngineSample
+from autoscaler.histograms import CumulativeHistogram
+from fleet.enginesim.metrics import REQUEST_LATENCY_BUCKETS
+from fleet.enginesim.model import EngineModel, FinishedRequest
+from router.pool import EndpointState
+
+QUEUE_TIME_BOUNDS: tuple[float, ...] = (*REQUEST_LATENCY_BUCKETS, float("inf"))
+"""Bucket bounds (seconds) of `vllm:request_queue_time_seconds` (vLLM 0.32,
+vllm/v1/metrics/buckets.py, as `fleet.enginesim.metrics` exports them)."""
+
+
+class Phase(enum.Enum):
+    STARTING = "STARTING"      # placed, engine loading (counts toward the target)
+    READY = "READY"            # in the router's pool
+    DRAINING = "DRAINING"      # in the pool marked draining (no new requests), in-flight ones finishing
+    TERMINATED = "TERMINATED"  # stopped; no longer costs replica time
+
+
+class SimReplica:
+    """One simulated replica. ``created_s``: placed (its cost starts); ``ready_at_s``: when
+    it becomes (or became) READY; ``drain_s``: drain asked; ``stopped_s``: TERMINATED (cost
+    ends); ``warm``: started on a warm node; ``node``: its slot in the `NodePool`.
+
+    The engine is stepped by the simulator: ``busy`` while a step runs, ``wake_at_s`` when a
+    wake-up for requests still in the engine's admission is scheduled. ``in_flight_ids``: the
+    requests dispatched here and not finished (what a drain timeout aborts). The queue-time
+    histogram is observed when a request finishes, as vLLM (and the HTTP simulator,
+    `fleet.enginesim.metrics`) observe it.
+    """
+
+    __slots__ = ("_qt_count", "_qt_counts", "_qt_sum", "busy", "created_s", "drain_s", "endpoint", "endpoints",
+                 "engine", "id",
+                 "in_flight_ids", "index", "node", "phase", "ready_at_s", "stopped_s", "wake_at_s", "warm")  # fmt: skip
+
+    def __init__(self, replica_id: str, index: int, engine: EngineModel, created_s: float, ready_at_s: float,
+                 warm: bool, node: int, routers: int = 1) -> None:  # fmt: skip
+        self.id = replica_id
+        self.index = index
+        self.engine = engine
+        # One endpoint state per router in front of the pool: each router sees only its own
+        # requests in flight, as independent router processes do.
+        self.endpoints = [EndpointState(replica_id, f"sim://{replica_id}") for _ in range(routers)]
+        self.endpoint = self.endpoints[0]
+        self.phase = Phase.STARTING
+        self.created_s = created_s
+        self.ready_at_s = ready_at_s
+        self.drain_s: float | None = None
+        self.stopped_s: float | None = None
+        self.warm = warm
+        self.node = node
+        self.busy = False
+        self.wake_at_s: float | None = None
+        self.in_flight_ids: set[str] = set()
+        self._qt_counts = [0] * len(QUEUE_TIME_BOUNDS)
+        self._qt_sum = 0.0
+        self._qt_count = 0
+
+    @property
+    def startup_s(self) -> float:
+        """Modelled seconds from placement to READY."""
+        return self.ready_at_s - self.created_s
+
+    def observe_finished(self, fr: FinishedRequest) -> None:
+        """Count ``fr``'s engine queue time (seconds) in the cumulative histogram."""
+        q = fr.queue_s
+        self._qt_counts[bisect.bisect_left(QUEUE_TIME_BOUNDS, q)] += 1
+        self._qt_sum += q
+        self._qt_count += 1
+
+    def sample(self) -> EngineSample:
+        """A scrape of this replica's `/metrics`: the gauges now and the queue-time histogram
+        (cumulative since start), as `autoscaler.engine_metrics.parse_engine_metrics` returns."""
+        cumulative, total = [], 0
+        for c in self._qt_counts:
+            total += c
+            cumulative.append(float(total))
+        engine = self.engine
+        return EngineSample(
+            waiting=float(engine.num_waiting), running=float(engine.num_running),
+            kv_cache_usage=engine.pool.usage(),
+            queue_time=CumulativeHistogram(QUEUE_TIME_BOUNDS, tuple(cumulative), self._qt_sum, float(self._qt_count)),
+        )  # fmt: skip
+
+    def cost_s(self, until_s: float) -> float:
+        """Replica-seconds this replica cost within ``[0, until_s]``: from placement until it
+        stopped (or ``until_s``)."""
+        end_s = until_s if self.stopped_s is None else min(self.stopped_s, until_s)
+        return max(0.0, end_s - self.created_s)
+
+    def __repr__(self) -> str:
+        return f"SimReplica({self.id}, {self.phase.value}, in_flight={self.endpoint.in_flight})"
+
+
+class NodePool:
+    """Node slots of one replica each; the first ``warm`` start warm (module docstring).
+
+    Raises ValueError for ``warm < 0``."""
+
+    def __init__(self, warm: int) -> None:
+        if warm < 0:
+            raise ValueError(f"warm node slots must be >= 0, got {warm}")
+        self.warm = [True] * warm
+        self.used = [False] * warm
+
+    def next_is_warm(self) -> bool:
+        """Whether a replica asked for now would start warm."""
+        return any(w and not u for w, u in zip(self.warm, self.used))
+
+    def take(self) -> tuple[int, bool]:
+        """(slot, warm) for a new replica: a free warm slot first, else a free or new cold one."""
+        free = [i for i, u in enumerate(self.used) if not u]
+        slot = next((i for i in free if self.warm[i]), free[0] if free else None)
+        if slot is None:
+            slot = len(self.used)
+            self.warm.append(False)
+            self.used.append(False)
+        self.used[slot] = True
+        return slot, self.warm[slot]
+
+    def became_ready(self, slot: int) -> None:
+        """A replica on ``slot`` became READY: the node now holds image and weights."""
+        self.warm[slot] = True
+
+    def release(self, slot: int) -> None:
+        self.used[slot] = False
