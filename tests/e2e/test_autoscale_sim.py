@@ -101,7 +101,7 @@ def test_a_burst_scales_up_and_the_quiet_after_it_scales_back_down(sim_fleet_up,
             return sorted(k for k, v in fleet.replicas().items() if v["status"] == "READY")
 
         def desired() -> int:
-            return fleet.local.state().get("deployments", {}).get("burst", {}).get("desired", 0)
+            return fleet.state().get("deployments", {}).get("burst", {}).get("desired", 0)
 
         fleet.wait_for("the first replica READY", lambda: len(ready()) == 1, SCALE_TIMEOUT_S)
         first = ready()[0]
@@ -113,12 +113,12 @@ def test_a_burst_scales_up_and_the_quiet_after_it_scales_back_down(sim_fleet_up,
         # 2 -> 1 was barred ("load 1.0 needs 2 replica(s)", no probe: autoscaler/policy.py).
         clients.add(1, think_s=1.0)
         time.sleep(6)
-        assert desired() == 1, fleet.local.state()["deployments"]["burst"]
+        assert desired() == 1, fleet.state()["deployments"]["burst"]
 
         # The burst: ten clients on 2 slots; the rest wait in the router's admission queue.
         clients.add(BURST_CLIENTS - 1)
         fleet.wait_for("a scale-up decision", lambda: desired() > 1, SCALE_TIMEOUT_S)
-        up = fleet.local.state()["deployments"]["burst"]
+        up = fleet.state()["deployments"]["burst"]
         assert up["desired_reason"] in ("autoscaler: queue_time_above_target", "autoscaler: queue_time_projected",
                                         "autoscaler: ttft_p99_above_target", "autoscaler: ttft_p99_projected"), up
         fleet.wait_for("the added replicas READY", lambda: len(ready()) >= 2, SCALE_TIMEOUT_S)
@@ -138,8 +138,8 @@ def test_a_burst_scales_up_and_the_quiet_after_it_scales_back_down(sim_fleet_up,
         clients.remove(BURST_CLIENTS - 1)
         fleet.wait_for("a scale-down back to one replica",
                        lambda: desired() == 1 and len(ready()) == 1, SCALE_TIMEOUT_S,
-                       explain=lambda: fleet.local.state()["deployments"]["burst"].get("last_scaling"))
-        down = fleet.local.state()["deployments"]["burst"]
+                       explain=lambda: fleet.state()["deployments"]["burst"].get("last_scaling"))
+        down = fleet.state()["deployments"]["burst"]
         assert down["desired_reason"] == "autoscaler: underloaded", down
         fleet.wait_for("the surplus replicas stopped", lambda: all(
             v["status"] == "TERMINATED" for k, v in fleet.replicas().items() if k not in ready()), SCALE_TIMEOUT_S)

@@ -79,7 +79,7 @@ def wait(what: str, predicate, timeout_s: float = 120.0) -> float:
 
 
 def all_ready(fleet: FleetUp, n: int) -> bool:
-    state = fleet.local.state()
+    state = fleet.state()
     return state.get("phase") == "running" and \
         sum(1 for r in state.get("replicas", []) if r["status"] == "READY") == n
 

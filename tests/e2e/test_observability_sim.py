@@ -191,7 +191,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         load.start()
 
         def desired() -> int:
-            return fleet.local.state().get("deployments", {}).get(DEPLOYMENT, {}).get("desired", 0)
+            return fleet.state().get("deployments", {}).get(DEPLOYMENT, {}).get("desired", 0)
 
         fleet.wait_for("a scale-up decision", lambda: desired() > 1, TIMEOUT_S)
         fleet.wait_for("two READY replicas", lambda: sum(

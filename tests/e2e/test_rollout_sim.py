@@ -52,7 +52,7 @@ def StreamedLoad(url: str, rate_per_s: float = 8.0, model: str = MODEL, max_toke
 
 
 def rollout(fleet) -> dict:
-    revs = fleet.local.state().get("deployments", {}).get("sim-rollout", {}).get("revisions") or {}
+    revs = fleet.state().get("deployments", {}).get("sim-rollout", {}).get("revisions") or {}
     return revs.get("rollout") or {}
 
 

@@ -51,7 +51,7 @@ def test_a_new_revision_is_canaried_and_promoted_on_real_vllm_with_every_request
     fleet.wait_for("both replicas READY", lambda: all(fleet.status_of(i) == "READY" for i in ids), READY_TIMEOUT_S)
 
     def rollout() -> dict:
-        revs = fleet.local.state().get("deployments", {}).get("tiny-rollout", {}).get("revisions") or {}
+        revs = fleet.state().get("deployments", {}).get("tiny-rollout", {}).get("revisions") or {}
         return revs.get("rollout") or {}
 
     with StreamedLoad(fleet.router_url, rate_per_s=2.0, model="tiny-llama", max_tokens=8) as load:
