@@ -10,7 +10,13 @@ export of decisions).
 
 Callers: `fleet.controller.autoscaling` (the loop of `fleet up`: scrapes, decides, calls
 `Controller.set_desired`) and the trace simulator, which runs the same policy objects in
-virtual time. Imports `router.stats` (pure) and `router.specbase`; never the reverse.
+virtual time. Imports only `router` (`router.registry`, `router.specbase`) and itself; nothing of
+`fleet` (docs/architecture.md).
+
+Importing the package imports the built-in policies (`policy`, `baselines`), so that the registry
+of policy names (`autoscaler.spec.SCALING_POLICIES`) is complete whenever a spec is checked.
 """
 
 from __future__ import annotations
+
+from autoscaler import baselines, policy  # noqa: F401 - the built-in scaling policies register on import

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
 
 from autoscaler.policy import (
     ReplicaBounds,
@@ -35,9 +34,7 @@ from autoscaler.policy import (
     Stabilizer,
     limit_rate,
 )
-
-if TYPE_CHECKING:
-    from autoscaler.spec import AutoscalingSpec
+from autoscaler.spec import AutoscalingSpec
 
 
 class FixedPolicy(ScalingPolicy, name="fixed"):

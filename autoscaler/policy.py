@@ -2,9 +2,10 @@
 shared mechanics (HPA-style stabilisation, rate limits, bounds) and Fleet's own policy.
 
 Owns `ScalingContext` (what a policy is told), `ScalingDecision` (what it answers, with its
-reason), `ReplicaBounds`, `ScalingPolicy` (base class; subclasses register by name),
-`Stabilizer`, `limit_rate` and `FleetPolicy` (`fleet`). The baselines (`keda-queue`, `kpa`,
-`fixed`) live in `autoscaler.baselines` and register when this module is imported.
+reason), `ReplicaBounds`, `ScalingPolicy` (base class; subclasses register by name into
+`autoscaler.spec.SCALING_POLICIES`), `Stabilizer`, `limit_rate` and `FleetPolicy` (`fleet`). The
+baselines (`keda-queue`, `kpa`, `fixed`) live in `autoscaler.baselines`; the package imports both
+modules (autoscaler/__init__.py), so every policy is registered once `autoscaler` is imported.
 
 How a caller drives a policy, in real or virtual time (`fleet.controller.autoscaling`, the trace
 simulator): one instance per deployment, ``make_policy(spec, bounds)``; every
@@ -64,15 +65,13 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from autoscaler.signals import Signals
+from autoscaler.spec import SCALING_POLICIES, AutoscalingSpec
 from autoscaler.startup import StartupEstimate
+from router.registry import Registered
 
-if TYPE_CHECKING:
-    from autoscaler.spec import AutoscalingSpec
-
-_REGISTRY: dict[str, type[ScalingPolicy]] = {}
 
 MIN_TTFT_SAMPLES = 10
 """Completed requests a window needs before its p99 TTFT counts as a signal: the p99 of fewer
@@ -160,7 +159,7 @@ class ScalingDecision:
                 "inputs": dict(self.inputs)}  # fmt: skip
 
 
-class ScalingPolicy:
+class ScalingPolicy(Registered, registry=SCALING_POLICIES):
     """Base class of scaling policies; subclasses register with ``name=...``.
 
     Every policy is built the same way, ``cls(spec, bounds)``, and answers `decide(ctx)`.
@@ -168,17 +167,7 @@ class ScalingPolicy:
     policy's ``default_interval_s``); ``last`` is the previous decision.
     """
 
-    name: ClassVar[str] = ""
     default_interval_s: ClassVar[float] = 5.0
-
-    def __init_subclass__(cls, *, name: str | None = None, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        if name is None:
-            return
-        if name in _REGISTRY:
-            raise ValueError(f"scaling policy {name!r} is already registered by {_REGISTRY[name]!r}")
-        cls.name = name
-        _REGISTRY[name] = cls
 
     def __init__(self, spec: AutoscalingSpec, bounds: ReplicaBounds) -> None:
         self.spec = spec
@@ -209,16 +198,12 @@ class ScalingPolicy:
 
 def policy_names() -> list[str]:
     """Names of the registered scaling policies, sorted."""
-    return sorted(_REGISTRY)
+    return SCALING_POLICIES.names()
 
 
 def make_policy(spec: AutoscalingSpec, bounds: ReplicaBounds) -> ScalingPolicy:
     """A fresh instance of ``spec.policy``. Raises KeyError (listing the known names)."""
-    try:
-        cls = _REGISTRY[spec.policy]
-    except KeyError:
-        raise KeyError(f"unknown scaling policy {spec.policy!r}; known: {', '.join(policy_names())}") from None
-    return cls(spec, bounds)
+    return SCALING_POLICIES.get(spec.policy)(spec, bounds)
 
 
 class Stabilizer:
@@ -535,7 +520,3 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         if desired != stabilized:
             detail = f"{detail}; rate-limited to {desired}"
         return self._decision(ctx, desired, reason, detail, **inputs)
-
-
-# Importing this module registers the baselines too (they subclass ScalingPolicy above).
-from autoscaler import baselines as _baselines  # noqa: E402, F401

@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
+from router.registry import Registry
 from router.specbase import FieldError, SpecModel
+
+SCALING_POLICIES: Registry = Registry("autoscaling policy")
+"""The scaling policies by name (`router.registry`): `spec.autoscaling.policy` must be one. The
+policies register themselves (`autoscaler.policy`, `autoscaler.baselines`); the package imports
+them both (autoscaler/__init__.py), so the registry is complete before any spec is parsed."""
 
 
 class KpaSpec(SpecModel):
@@ -134,11 +140,7 @@ class AutoscalingSpec(SpecModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        from autoscaler.policy import policy_names
-
-        if v not in policy_names():
-            raise ValueError(f"unknown autoscaling policy {v!r}; known: {', '.join(policy_names())}")
-        return v
+        return SCALING_POLICIES.check(v)
 
     @model_validator(mode="after")
     def _consistent(self) -> AutoscalingSpec:

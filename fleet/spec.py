@@ -25,9 +25,11 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from autoscaler.spec import AutoscalingSpec
-from fleet.sources import SourceError, parse_source
-from router.specbase import FieldError, SpecModel
+from fleet.engines.kinds import ENGINE_KINDS, EngineLaunch
 from fleet.rollout.spec import RolloutSpec
+from fleet.sources import SourceError, parse_source
+from router.policies import ROUTING_POLICIES
+from router.specbase import FieldError, SpecModel
 from warmup.plan import WarmupPlan
 
 API_VERSION = "fleet.inference.dev/v1alpha1"
@@ -139,11 +141,7 @@ class EngineSpec(SpecModel):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, v: str) -> str:
-        from fleet.engines.kinds import engine_kinds
-
-        if v not in engine_kinds():
-            raise ValueError(f"unknown engine kind {v!r}; known: {', '.join(engine_kinds())}")
-        return v
+        return ENGINE_KINDS.check(v)
 
     @model_validator(mode="after")
     def _reserved(self) -> EngineSpec:
@@ -230,11 +228,7 @@ class RoutingSpec(SpecModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        from router.policies import policy_names
-
-        if v not in policy_names():
-            raise ValueError(f"unknown routing policy {v!r}; known: {', '.join(policy_names())}")
-        return v
+        return ROUTING_POLICIES.check(v)
 
 
 # Kubernetes label syntax (kubernetes.io/docs/concepts/overview/working-with-objects/labels):
@@ -321,6 +315,15 @@ class InferenceDeployment(SpecModel):
     @property
     def name(self) -> str:
         return self.metadata.name
+
+    def engine_launch(self, base_dir: Path) -> EngineLaunch:
+        """What the engine kind (`fleet.engines.kinds`) reads to start a replica: model name and
+        source (resolved against ``base_dir``, the YAML file's directory), TP size, engine args."""
+        spec = self.spec
+        return EngineLaunch(served_model_name=spec.model.name, source=spec.model.source,
+                            local_path=spec.model.local_path(base_dir),
+                            tensor_parallel_size=spec.resources.tensor_parallel_size,
+                            args=tuple(spec.engine.args))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import random
 import time
 
 from router.policies import KvAware
-from router.pool import EndpointState
+from router.endpoint import EndpointState
 from router.prompt_blocks import route_request
 
 

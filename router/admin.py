@@ -40,7 +40,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import to_json
 
-from router.pool import EndpointState, PoolTable
+from router.endpoint import EndpointState
+from router.pool import PoolTable
 from router.spec import MAX_ENDPOINTS_PER_POOL, EndpointSpec, PoolSpec
 from router.stats import DEFAULT_RATE_RETENTION_S, DEFAULT_WINDOW_S
 

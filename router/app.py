@@ -30,7 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import ADMIN_PREFIX, admin_router, validation_message
 from router.metrics import RouterMetrics
-from router.pool import DEFAULT_FAILURE_COOLDOWN_S, PoolTable
+from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
+from router.pool import PoolTable
 from router.proxy import (
     CLOSE,
     DEFAULT_CONNECT_TIMEOUT_S,

@@ -65,7 +65,7 @@ stream, or a 502 if nothing had been sent to it yet)."""
 
 
 class LiveEndpoint(Protocol):
-    """What the scrape-time gauges read from an endpoint (`router.pool.EndpointState`)."""
+    """What the scrape-time gauges read from an endpoint (`router.endpoint.EndpointState`)."""
 
     id: str
     in_flight: int

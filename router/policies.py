@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 from router.prefix_index import PrefixIndex
 from router.prompt_blocks import ROUTER_BLOCK_TOKENS
+from router.registry import Registered, Registry
 
 if TYPE_CHECKING:
-    from router.pool import EndpointState
+    from router.endpoint import EndpointState
     from router.prompt_blocks import RouteRequest
 
 DEFAULT_POLICY = "kv-aware"
@@ -69,29 +70,20 @@ one router 0 does as well (p99 TTFT 2.69 s against 2.72 s on the Mooncake trace 
 simulator); with two routers it keeps more conversations where they were (prefix-cache hits
 20.9% against 17.5%) at about the same p99 (docs/routing.md)."""
 
-_REGISTRY: dict[str, type[RoutingPolicy]] = {}
+ROUTING_POLICIES: Registry[RoutingPolicy] = Registry("routing policy")
+"""The routing policies by name (`router.registry`): a pool's `policy` must be one of them."""
 
 
-class RoutingPolicy:
-    """Base class of routing policies; subclasses register with `name=...`.
+class RoutingPolicy(Registered, registry=ROUTING_POLICIES):
+    """Base class of routing policies; subclasses register with `name=...` (`router.registry`).
 
     Subclasses implement `choose`. Instances hold tie-break rotation state, so each pool
     owns its own instance (see `make_policy`).
     """
 
-    name: ClassVar[str] = ""
     uses_prompt_blocks: ClassVar[bool] = False
     """Whether `choose` reads `RouteRequest.block_hashes`; when no policy of a pool does, the
     proxy does not hash prompts (the hashing is the dearest part of building a request's view)."""
-
-    def __init_subclass__(cls, *, name: str | None = None, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        if name is None:
-            return  # an abstract intermediate class
-        if name in _REGISTRY:
-            raise ValueError(f"routing policy {name!r} is already registered by {_REGISTRY[name]!r}")
-        cls.name = name
-        _REGISTRY[name] = cls
 
     def __init__(self) -> None:
         self._turn = 0
@@ -129,7 +121,7 @@ class RoutingPolicy:
 
 def policy_names() -> list[str]:
     """Names of all registered routing policies, sorted."""
-    return sorted(_REGISTRY)
+    return ROUTING_POLICIES.names()
 
 
 def make_policy(name: str) -> RoutingPolicy:
@@ -137,11 +129,7 @@ def make_policy(name: str) -> RoutingPolicy:
 
     Raises `KeyError` (whose message lists the known names) for an unknown name.
     """
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown routing policy {name!r}; known policies: {', '.join(policy_names())}") from None
-    return cls()
+    return ROUTING_POLICIES.get(name)()
 
 
 def _fewest_in_flight(candidates: Sequence[EndpointState]) -> list[EndpointState]:

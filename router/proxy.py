@@ -37,7 +37,8 @@ from typing import Any
 import aiohttp
 
 from router.metrics import EndpointMetrics, RouterMetrics
-from router.pool import DEFAULT_FAILURE_COOLDOWN_S, EndpointState, Pool, PoolShared, PoolTable
+from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S, EndpointState
+from router.pool import Pool, PoolShared, PoolTable
 from router.prompt_blocks import SESSION_HEADER, RouteRequest, route_request
 from router.split import sticky_key
 from router.sse import SseRelay
@@ -250,7 +251,7 @@ class Proxy:
     lazily otherwise) and `close()` closes it. Timeouts: `connect_timeout_s` to open an
     upstream connection; `read_timeout_s` (None: unlimited, as generations can take
     minutes) between two reads from the endpoint. `failure_cooldown_s`: how long an
-    endpoint whose connection failed is skipped (see `router.pool.DEFAULT_FAILURE_COOLDOWN_S`).
+    endpoint whose connection failed is skipped (see `router.endpoint.DEFAULT_FAILURE_COOLDOWN_S`).
     `max_body_bytes`: the largest request body (413 beyond it).
     """
 

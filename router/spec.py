@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from router.policies import DEFAULT_POLICY, policy_names
+from router.policies import DEFAULT_POLICY, ROUTING_POLICIES, policy_names
 from router.split import STICKY_KEY_PATTERN
 
 DEFAULT_MAX_QUEUE_LENGTH = 1000
@@ -102,10 +102,7 @@ class PoolSpec(BaseModel):
     @field_validator("policy")
     @classmethod
     def _check_policy(cls, policy: str) -> str:
-        known = policy_names()
-        if policy not in known:
-            raise ValueError(f"unknown routing policy {policy!r}; known policies: {', '.join(known)}")
-        return policy
+        return ROUTING_POLICIES.check(policy)
 
     @model_validator(mode="after")
     def _check_unique_ids(self) -> PoolSpec:

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from router.pool import EndpointState
+    from router.endpoint import EndpointState
 
 _HASH_SCALE = float(2**64)
 

@@ -85,7 +85,7 @@ def engine_model(want: ReplicaWant) -> str:
 
     dep = want.deployment
     try:
-        return get_engine(dep.spec.engine.kind).model_argument(dep, want.base_dir)
+        return get_engine(dep.spec.engine.kind).model_argument(dep.engine_launch(want.base_dir))
     except ModelUnavailable as err:
         raise LaunchError(f"weights not present: spec.model.source {dep.spec.model.source!r}: {err}") from None
 

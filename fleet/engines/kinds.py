@@ -1,56 +1,69 @@
 """Engine kinds: how to start an engine replica for a deployment.
 
-Owns the registry of engine kinds (`spec.engine.kind`) and, for each, where its model comes
-from (`model_argument`), whether it can run here (`preflight`) and the command line of one
-replica (`command`). Called by the spec (to reject unknown kinds), by `fleet up`'s preflight
-and by the controller (to build a `fleet.controller.backend.LaunchSpec`). Kinds register by name
-through ``__init_subclass__(name=...)``: `vllm` (the real engine) and `sim` (the engine
-SIMULATOR, `fleet.enginesim`, for tests and fleets without GPUs).
+Owns the registry of engine kinds (`spec.engine.kind`, `ENGINE_KINDS`), `EngineLaunch` (what a
+kind needs of a deployment: built by `fleet.spec.InferenceDeployment.engine_launch`) and, for each
+kind, where its model comes from (`model_argument`), whether it can run here (`preflight`) and
+the command line of one replica (`command`). Called by the spec (to reject unknown kinds), by
+`fleet up`'s preflight and by the backends (`fleet.local.backend`, `fleet.k8s.pods`). Kinds
+register by name (`router.registry`): `vllm` (the real engine) and `sim` (the engine SIMULATOR,
+`fleet.enginesim`, for tests and fleets without GPUs). Imports nothing of `fleet` but the engine
+simulator's option parsing, so the spec can name the kinds without a cycle.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
 
-if TYPE_CHECKING:
-    from fleet.spec import InferenceDeployment
+from router.registry import Registered, Registry
 
-_ENGINE_KINDS: dict[str, type[EngineKind]] = {}
+ENGINE_KINDS: Registry[EngineKind] = Registry("engine kind")
+"""The engine kinds by name (`router.registry`): `spec.engine.kind` must be one."""
 
 
 class ModelUnavailable(Exception):
     """The deployment's model cannot be served by this engine here; the message says why."""
 
 
-class EngineKind:
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What an engine kind reads of a deployment to start one replica.
+
+    ``served_model_name``: `spec.model.name` (the name clients ask for); ``source``:
+    `spec.model.source` as written; ``local_path``: that source as a directory on this machine
+    (relative paths resolved against the YAML file's directory), None for a remote source;
+    ``tensor_parallel_size``: GPUs per replica; ``args``: `spec.engine.args`, appended last.
+    """
+
+    served_model_name: str
+    source: str
+    local_path: Path | None
+    tensor_parallel_size: int
+    args: tuple[str, ...] = ()
+
+
+class EngineKind(Registered, registry=ENGINE_KINDS):
     """One way of running an engine replica. Subclasses register with ``name=``."""
-
-    name: ClassVar[str]
-
-    def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.name = name
-        _ENGINE_KINDS[name] = cls
 
     def preflight(self) -> str | None:
         """Why this engine cannot run on this machine, or None when it can."""
         raise NotImplementedError
 
-    def model_argument(self, dep: InferenceDeployment, base_dir: Path) -> str:
-        """The ``--model`` argument of a replica of ``dep`` (YAML file in ``base_dir``).
+    def model_argument(self, launch: EngineLaunch) -> str:
+        """The ``--model`` argument of a replica of ``launch``.
 
         Default: a local weights directory, which must exist.
 
         Raises:
             ModelUnavailable: remote source, or no such directory.
         """
-        path = dep.spec.model.local_path(base_dir)
+        path = launch.local_path
         if path is None:
             raise ModelUnavailable(
-                f"{dep.spec.model.source!r} is remote; the local backend serves weights from a local directory "
+                f"{launch.source!r} is remote; the local backend serves weights from a local directory "
                 "(remote sources need the node agent's weight cache)"
             )
         if not path.is_dir():
@@ -61,31 +74,27 @@ class EngineKind:
         """The start of the argv: the program and the model (`model_argument`)."""
         raise NotImplementedError
 
-    def command(self, dep: InferenceDeployment, model: str, host: str, port: int) -> list[str]:
-        """argv of one replica serving ``dep`` from ``model`` (`model_argument`) on ``host:port``:
+    def command(self, launch: EngineLaunch, model: str, host: str, port: int) -> list[str]:
+        """argv of one replica serving ``launch`` from ``model`` (`model_argument`) on ``host:port``:
         `entry`, vLLM's server flags, then ``spec.engine.args``."""
-        spec = dep.spec
         return [
             *self.entry(model),
-            "--served-model-name", spec.model.name,
+            "--served-model-name", launch.served_model_name,
             "--host", host,
             "--port", str(port),
-            "--tensor-parallel-size", str(spec.resources.tensor_parallel_size),
-            *spec.engine.args,
+            "--tensor-parallel-size", str(launch.tensor_parallel_size),
+            *launch.args,
         ]
 
 
 def engine_kinds() -> list[str]:
     """Registered engine kind names, sorted."""
-    return sorted(_ENGINE_KINDS)
+    return ENGINE_KINDS.names()
 
 
 def get_engine(kind: str) -> EngineKind:
     """The engine of ``kind``. Raises KeyError listing the known kinds."""
-    try:
-        return _ENGINE_KINDS[kind]()
-    except KeyError:
-        raise KeyError(f"unknown engine kind {kind!r}; known: {', '.join(engine_kinds())}") from None
+    return ENGINE_KINDS.get(kind)()
 
 
 class VllmEngine(EngineKind, name="vllm"):
@@ -125,22 +134,22 @@ class SimEngine(EngineKind, name="sim"):
     def preflight(self) -> str | None:
         return None  # pure Python, installed with Fleet
 
-    def model_argument(self, dep: InferenceDeployment, base_dir: Path) -> str:
+    def model_argument(self, launch: EngineLaunch) -> str:
         from fleet.enginesim.runner import OptionsError, SIM_SCHEME, resolve_profile
 
-        args = dep.spec.engine.args
+        args: Sequence[str] = launch.args
         profile = None
         for i, arg in enumerate(args):
             if arg == "--profile" and i + 1 < len(args):
                 profile = args[i + 1]
             elif arg.startswith("--profile="):
                 profile = arg.split("=", 1)[1]
-        source = dep.spec.model.source
+        source = launch.source
         try:
             resolve_profile(profile, source)
         except OptionsError as err:
             raise ModelUnavailable(str(err)) from None
         if source.startswith(SIM_SCHEME):
             return source
-        path = dep.spec.model.local_path(base_dir)
+        path = launch.local_path
         return str(path) if path is not None else source

@@ -175,7 +175,7 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
                           "default engine image (FLEET_ENGINE_IMAGE)")  # fmt: skip
     model, volume = model_argument(want)
     engine = get_engine(spec.engine.kind)
-    argv = engine.command(dep, model, "0.0.0.0", ENGINE_PORT)
+    argv = engine.command(dep.engine_launch(want.base_dir), model, "0.0.0.0", ENGINE_PORT)
     flags = argv[len(engine.entry(model)):]
     command = [*POD_ENTRY[spec.engine.kind](model), *flags]
     env = {**spec.engine.env, **{k: v for k, v in want.placement.env.items() if k not in _NOT_IN_PODS}}

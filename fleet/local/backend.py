@@ -173,7 +173,8 @@ class LocalBackend:
             **dep.spec.engine.env, **want.placement.env,
             FLEET_ID_ENV: self.fleet_id, REPLICA_ID_ENV: rid, DEPLOYMENT_ENV: dep.name, SPEC_HASH_ENV: want.spec_hash,
         }  # fmt: skip
-        argv = get_engine(dep.spec.engine.kind).command(dep, model, self.host, record.port)
+        argv = get_engine(dep.spec.engine.kind).command(dep.engine_launch(want.base_dir), model, self.host,
+                                                        record.port)  # fmt: skip
         cores = self.numa_cores(want)
         if cores and shutil.which("taskset"):   # the engine on the CPU cores local to its GPUs (NUMA)
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]

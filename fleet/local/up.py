@@ -110,7 +110,7 @@ def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[
                 problems.append(f"{where} spec.model.source: {err}")
         else:
             try:
-                engine.model_argument(dep, ld.base_dir)
+                engine.model_argument(dep.engine_launch(ld.base_dir))
             except ModelUnavailable as err:
                 problems.append(f"{where} spec.model.source: {err}")
         unfit = placer.fits_at_all(ReplicaShape.of(dep), inventory)

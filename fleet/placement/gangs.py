@@ -18,14 +18,22 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fleet.inventory.model import Inventory, NodeInventory, product_key
+from fleet.placement.context import Context
 from fleet.placement.shapes import GangShape, PlacementRequest, ReplicaPlacement, ReplicaShape
 from fleet.placement.slots import Slot, assign, gpu_slots, product_table
 
-if TYPE_CHECKING:
-    from fleet.placement.strategies import Context, PlacementStrategy
+
+class GangRanking(Protocol):
+    """What the gang loop asks of a placement strategy (`fleet.placement.strategies.PlacementStrategy`
+    implements it): how to rank one node's candidate slot for a member needing ``need`` GPUs, and
+    how to rank a block's chosen members (lower is better)."""
+
+    def gang_member_key(self, slot: Slot, ctx: Context, need: int) -> tuple: ...
+
+    def gang_rank(self, block: Hashable, members: list[Slot], ctx: Context, need: int) -> tuple: ...
 
 
 def blocks_of(node: NodeInventory) -> list[Hashable]:
@@ -76,7 +84,7 @@ def gang_capacity(inventory: Inventory, held: Counter[str], pk: str, gang: GangS
     return sum(n // gang.nodes for n in members.values())
 
 
-def place_gangs(strategy: PlacementStrategy, request: PlacementRequest, inventory: Inventory,
+def place_gangs(strategy: GangRanking, request: PlacementRequest, inventory: Inventory,
                 held: Counter[str], product: str, gang: GangShape, ctx: Context) -> list[ReplicaPlacement]:
     """Place up to ``request.count`` gangs; each whole or not at all. Updates ``held``."""
     need = gang.per_node

@@ -30,6 +30,7 @@ from typing import ClassVar
 
 from fleet.inventory.model import Inventory, NodeInventory, product_key
 from fleet.placement import cpu, explain, gangs, mig_advice
+from fleet.placement.context import Context
 from fleet.placement.shapes import (
     PlacementPlan,
     PlacementRequest,
@@ -39,50 +40,16 @@ from fleet.placement.shapes import (
     Unplaceable,
 )
 from fleet.placement.slots import Slot, SlotIndex, assign, gpu_slots, mig_slots
+from router.registry import Registered, Registry
 
 DEFAULT_STRATEGY = "fleet"
 
-_REGISTRY: dict[str, type[PlacementStrategy]] = {}
+PLACEMENT_STRATEGIES: Registry[PlacementStrategy] = Registry("placement strategy")
+"""The placement strategies by name (`router.registry`)."""
 
 
-@dataclass
-class Context:
-    """What a strategy's hooks may read while one request is placed. Spread counts start from
-    the version's existing replicas and grow with every replica the batch places."""
-
-    request: PlacementRequest
-    warm: dict[str, int]              # node -> PlacementRequest.warmth (WARM: image and weights)
-    node_free: Counter[str] = field(default_factory=Counter)     # free units of the kind, per node
-    node_count: Counter[str] = field(default_factory=Counter)    # replicas of the deployment, per node
-    zone_count: Counter[str | None] = field(default_factory=Counter)
-    rack_count: Counter[tuple] = field(default_factory=Counter)
-    block_count: Counter[Hashable] = field(default_factory=Counter)
-    replicas: int = 0                                             # of the version, existing and placed
-
-    def record(self, node: NodeInventory, block: Hashable = None, first: bool = True) -> None:
-        """One more replica of the deployment on ``node``. A gang records each member, with
-        ``first`` (and its ``block``) only on the first."""
-        self.node_count[node.name] += 1
-        self.zone_count[node.zone] += 1
-        self.rack_count[(node.zone, node.rack)] += 1
-        if block is not None:
-            self.block_count[block] += 1
-        self.replicas += first
-
-
-class PlacementStrategy:
-    """Base class of placement strategies; subclasses register with ``name=...``."""
-
-    name: ClassVar[str] = ""
-
-    def __init_subclass__(cls, *, name: str | None = None, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        if name is None:
-            return
-        if name in _REGISTRY:
-            raise ValueError(f"placement strategy {name!r} is already registered by {_REGISTRY[name]!r}")
-        cls.name = name
-        _REGISTRY[name] = cls
+class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
+    """Base class of placement strategies; subclasses register with ``name=...`` (`router.registry`)."""
 
     # ----- hooks: how candidates are ranked (pure) ----------------------------------------------
 
@@ -441,12 +408,9 @@ class FirstFitStrategy(PlacementStrategy, name="first-fit"):
 
 def strategy_names() -> list[str]:
     """Names of the registered placement strategies, sorted."""
-    return sorted(_REGISTRY)
+    return PLACEMENT_STRATEGIES.names()
 
 
 def get_strategy(name: str = DEFAULT_STRATEGY) -> PlacementStrategy:
     """A new strategy instance. Raises KeyError listing the known names."""
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise KeyError(f"unknown placement strategy {name!r}; known: {', '.join(strategy_names())}") from None
+    return PLACEMENT_STRATEGIES.get(name)()

@@ -21,25 +21,18 @@ Pure: no I/O, no clock. Called by `fleet.tracesim.rollout`.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from fleet.rollout.analysis import AnalysisRun, CheckResult, SideSamples, Verdict, analyse
 from fleet.rollout.spec import AnalysisSpec
+from router.registry import Registered, Registry
 from router.stats import nearest_rank
 
-_REGISTRY: dict[str, type[Judge]] = {}
+JUDGES: Registry[Judge] = Registry("judge")
+"""The judges by name (`router.registry`)."""
 
 
-class Judge:
-    """Judges one window: ``judge(canary, stable, from_s, to_s) -> AnalysisRun``."""
-
-    name: ClassVar[str] = ""
-
-    def __init_subclass__(cls, *, name: str | None = None, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        if name is not None:
-            cls.name = name
-            _REGISTRY[name] = cls
+class Judge(Registered, registry=JUDGES):
+    """Judges one window: ``judge(canary, stable, from_s, to_s) -> AnalysisRun``. Subclasses
+    register with ``name=...`` (`router.registry`)."""
 
     def __init__(self, spec: AnalysisSpec, threshold_s: float | None = None) -> None:
         self.spec = spec
@@ -51,15 +44,13 @@ class Judge:
 
 
 def judge_names() -> list[str]:
-    return sorted(_REGISTRY)
+    """Names of the registered judges, sorted."""
+    return JUDGES.names()
 
 
 def make_judge(name: str, spec: AnalysisSpec, threshold_s: float | None = None) -> Judge:
     """A judge by name. Raises KeyError listing the known names."""
-    try:
-        return _REGISTRY[name](spec, threshold_s)
-    except KeyError:
-        raise KeyError(f"unknown judge {name!r}; known: {', '.join(judge_names())}") from None
+    return JUDGES.get(name)(spec, threshold_s)
 
 
 def _run(from_s: float, to_s: float, check: CheckResult) -> AnalysisRun:

@@ -13,7 +13,7 @@ What runs for real (the live objects, fed in virtual time):
 - routing: `router.pool.Pool.pick` with the policy object of `router.policies.make_policy`,
   for a `router.prompt_blocks.RouteRequest` built by `route_request` from the very token-id
   prompt the engine model gets (as the proxy builds it from the body), over
-  `router.pool.EndpointState`s whose load (`start`, `first_byte` at the first token,
+  `router.endpoint.EndpointState`s whose load (`start`, `first_byte` at the first token,
   `finish`) and first-byte EWMA (`EndpointState.record_first_byte`) are updated where `router.proxy`
   updates them; draining endpoints stay in the pool marked draining, as the controller
   publishes them. With ``routers`` > 1, that many independent routers (each its own policy

@@ -1,7 +1,7 @@
 """Simulated replicas of the trace simulator: lifecycle, engine, router endpoint, scrapes, nodes.
 
 Owns `Phase` (STARTING, READY, DRAINING, TERMINATED), `SimReplica` (one replica: its
-`fleet.enginesim.model.EngineModel`, its `router.pool.EndpointState` as the router sees it, the ids
+`fleet.enginesim.model.EngineModel`, its `router.endpoint.EndpointState` as the router sees it, the ids
 of the requests dispatched to it, the engine's cumulative `vllm:request_queue_time_seconds`
 histogram, and when it was placed, became READY and stopped) and `NodePool` (where replicas
 start, and whether warm). Used only by `fleet.tracesim.engine`, which drives every
@@ -26,7 +26,7 @@ from autoscaler.engine_metrics import EngineSample
 from autoscaler.histograms import CumulativeHistogram
 from fleet.enginesim.metrics import REQUEST_LATENCY_BUCKETS
 from fleet.enginesim.model import EngineModel, FinishedRequest
-from router.pool import EndpointState
+from router.endpoint import EndpointState
 
 QUEUE_TIME_BOUNDS: tuple[float, ...] = (*REQUEST_LATENCY_BUCKETS, float("inf"))
 """Bucket bounds (seconds) of `vllm:request_queue_time_seconds` (vLLM 0.32,

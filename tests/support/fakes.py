@@ -91,7 +91,7 @@ class FakeBackend:
         model = engine_model(want)
         self.next_pid += 1
         self.next_port += 1
-        launch = FakeLaunch(want.replica_id, engine.command(dep, model, "127.0.0.1", self.next_port),
+        launch = FakeLaunch(want.replica_id, engine.command(dep.engine_launch(want.base_dir), model, "127.0.0.1", self.next_port),
                             {**dep.spec.engine.env, **want.placement.env}, self.next_port)  # fmt: skip
         self.procs[self.next_pid] = FakeProcess(launch, want, log=[f"starting {want.replica_id}"])
 

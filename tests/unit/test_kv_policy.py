@@ -7,7 +7,8 @@ import pytest
 
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_DECODE_TOKEN_WEIGHT, KvAware, make_policy
-from router.pool import EndpointState, PoolTable
+from router.endpoint import EndpointState
+from router.pool import PoolTable
 from router.prompt_blocks import ROUTER_BLOCK_TOKENS, RouteRequest, route_request
 from router.spec import PoolSpec
 

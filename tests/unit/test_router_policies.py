@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_AFTER_S, RoutingPolicy, make_policy, policy_names
-from router.pool import EndpointState
+from router.endpoint import EndpointState
 from router.prompt_blocks import RouteRequest
 
 

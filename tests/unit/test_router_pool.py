@@ -7,7 +7,8 @@ from pydantic import ValidationError
 
 from router.metrics import RouterMetrics
 from router.prompt_blocks import RouteRequest
-from router.pool import EWMA_ALPHA, FAILURE_PENALTY_S, EndpointState, PoolTable
+from router.endpoint import EWMA_ALPHA, FAILURE_PENALTY_S, EndpointState
+from router.pool import PoolTable
 from router.spec import PoolSpec
 
 REQ = RouteRequest()
@@ -32,7 +33,7 @@ def test_spec_defaults_and_url_normalisation() -> None:
 @pytest.mark.parametrize(
     ("doc", "needle"),
     [
-        ({"policy": "fastest"}, "known policies: kv-aware, latency-aware, least-outstanding, round-robin"),
+        ({"policy": "fastest"}, "known: kv-aware, latency-aware, least-outstanding, round-robin"),
         ({"endpoints": [{"id": "a", "url": "ftp://h:1"}]}, "url"),
         ({"endpoints": [{"id": "a", "url": "http://h:1/v1"}]}, "no path"),
         ({"endpoints": [{"id": "a", "url": "http://h:1"}, {"id": "a", "url": "http://h:2"}]}, "duplicate endpoint id"),

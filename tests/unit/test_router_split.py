@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 from router.app import create_app
 from router.metrics import RouterMetrics
 from router.policies import make_policy, policy_names
-from router.pool import EndpointState, Pool, PoolTable
+from router.endpoint import EndpointState
+from router.pool import Pool, PoolTable
 from router.spec import EndpointSpec, PoolSpec
 from router.prompt_blocks import route_request
 from router.split import RevisionSplit, sticky_key

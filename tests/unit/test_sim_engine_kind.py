@@ -48,12 +48,12 @@ def test_a_sim_source_needs_the_sim_engine():
 
 def test_model_argument_takes_profiles_and_paths_that_need_not_exist(tmp_path):
     sim = SimEngine()
-    assert sim.model_argument(parse_document(doc()), tmp_path) == "sim://h100-llama-8b"
-    assert sim.model_argument(parse_document(doc(source="./nowhere")), tmp_path) == str(tmp_path / "nowhere")
+    assert sim.model_argument(parse_document(doc()).engine_launch(tmp_path)) == "sim://h100-llama-8b"
+    assert sim.model_argument(parse_document(doc(source="./nowhere")).engine_launch(tmp_path)) == str(tmp_path / "nowhere")
     with pytest.raises(ModelUnavailable, match="unknown simulator profile 'nope'; known: cpu-tiny-llama"):
-        sim.model_argument(parse_document(doc(source="sim://nope")), tmp_path)
+        sim.model_argument(parse_document(doc(source="sim://nope")).engine_launch(tmp_path))
     with pytest.raises(ModelUnavailable, match="'bogus'"):
-        sim.model_argument(parse_document(doc(source="./x", args=["--profile", "bogus"])), tmp_path)
+        sim.model_argument(parse_document(doc(source="./x", args=["--profile", "bogus"])).engine_launch(tmp_path))
 
 
 def test_preflight_accepts_a_sim_fleet_with_no_weights_and_still_checks_vllm(tmp_path):
