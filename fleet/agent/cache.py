@@ -59,6 +59,14 @@ Progress = Callable[[int, int], None]
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
+def default_cache_root() -> Path:
+    """``$FLEET_CACHE_DIR``, else ``$XDG_CACHE_HOME/fleet/weights``, else ``~/.cache/fleet/weights``."""
+    if os.environ.get("FLEET_CACHE_DIR"):
+        return Path(os.environ["FLEET_CACHE_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "fleet" / "weights"
+
+
 class CacheError(RuntimeError):
     """A model that cannot be cached; the message names the model (and the path or size)."""
 

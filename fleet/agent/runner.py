@@ -84,7 +84,7 @@ class NodeAgent:
     ``verify_every_s``: re-hash one cached model (the one verified longest ago) at most this
     often, so silent corruption is found before a replica loads it (None: never). ``on_step``:
     called with the status after each step (the Kubernetes node annotation,
-    `fleet.agent.node_annotation.NodeAnnotator.publish_cache`)."""
+    `fleet.k8s.node_annotation.NodeAnnotator.publish_cache`)."""
 
     def __init__(self, node: str, checker: GpuHealthChecker | None, policy: QuarantinePolicy,
                  clock: Callable[[], float], cache: WeightCache | None = None,

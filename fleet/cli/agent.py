@@ -49,14 +49,6 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
-def default_cache_root() -> Path:
-    """``$FLEET_CACHE_DIR``, else ``$XDG_CACHE_HOME/fleet/weights``, else ``~/.cache/fleet/weights``."""
-    if os.environ.get("FLEET_CACHE_DIR"):
-        return Path(os.environ["FLEET_CACHE_DIR"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "fleet" / "weights"
-
-
 Root = Annotated[Optional[Path], typer.Option(
     "--root", help="Cache directory. Default: $FLEET_CACHE_DIR, $XDG_CACHE_HOME/fleet/weights or ~/.cache/fleet/weights.")]
 Budget = Annotated[Optional[str], typer.Option(
@@ -65,7 +57,7 @@ Budget = Annotated[Optional[str], typer.Option(
 
 
 def _cache(root: Optional[Path], budget: Optional[str] = None):
-    from fleet.agent.cache import WeightCache
+    from fleet.agent.cache import WeightCache, default_cache_root
 
     return WeightCache(root or default_cache_root(), budget_bytes=parse_size(budget) if budget else None)
 
@@ -244,7 +236,7 @@ def node_agent(
     on_step = None
     cache = _cache(root, budget)
     if annotate_node:
-        from fleet.agent.node_annotation import NodeAnnotator
+        from fleet.k8s.node_annotation import NodeAnnotator
         from fleet.k8s.client import KubeClient
 
         try:

@@ -97,8 +97,13 @@ def top(
     """Live view of the local fleet: per deployment and version, request rate, TTFT p50/p99,
     TPOT p99, queue time, errors, replicas by state, last scaling decision and rollout step.
     Reads state.json and the router's /admin/v1/stats. Ctrl-C to leave."""
+    from fleet.local.state import StateStore
     from fleet.observability.top import run_top
 
-    raise typer.Exit(run_top(state_dir or default_state_dir(), interval_s=interval_s, window_s=window_s,
+    store = StateStore(state_dir or default_state_dir())
+    try:
+        token = store.token_path.read_text().strip()
+    except OSError:
+        token = ""
+    raise typer.Exit(run_top(store.read, token, where=str(store.root), interval_s=interval_s, window_s=window_s,
                              once=once, console=_out))  # fmt: skip
-

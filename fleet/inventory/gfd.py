@@ -24,7 +24,7 @@ Warmth (`NodeInventory.cached`, what `fleet.placement.shapes.PlacementRequest.is
 the container images of ``Node.status.images`` (the kubelet's list: ``names`` per image, at
 most 50 images, largest first), each under every spelling `image_aliases` gives, plus the model
 sources in Fleet's node-agent annotation (`LabelKeys.cached`, written by
-`fleet.agent.node_annotation`). Owns `image_aliases` and `node_images` (also used by the
+`fleet.k8s.node_annotation`). Owns `image_aliases` and `node_images` (also used by the
 image pre-pull, `fleet.k8s.prepull`).
 """
 

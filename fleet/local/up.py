@@ -36,8 +36,7 @@ from rich.console import Console
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Direction, ScalingDecision
 from fleet.controller.autoscaling import AutoscalerLoop
-from fleet.cli.agent import default_cache_root
-from fleet.agent.cache import WeightCache
+from fleet.agent.cache import WeightCache, default_cache_root
 from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
 from fleet.agent.runner import NodeAgent, local_health_checker, serve as serve_agent
 from fleet.sources import SourceError, parse_source

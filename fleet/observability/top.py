@@ -4,7 +4,8 @@ Owns the view: `TopRow` and `build_rows` (pure: state.json + router statistics -
 `render` (rows -> a rich Table), `RouterReader` (the one I/O seam: the router's
 ``GET /admin/v1/stats`` with the admin token from the state directory, and ``GET /metrics`` for
 the 5xx counters) and `run_top` (the refresh loop under `rich.live.Live`). Called by
-`fleet.cli.observability`.
+`fleet.cli.observability`, which hands it the local fleet's state (`fleet.local.state.StateStore`:
+``read`` and the admin token), so this module knows nothing of the state directory's layout.
 
 Columns: replicas by state (from state.json), request rate, TTFT p50 / p99 (the router's
 windowed nearest-rank quantiles, `router.stats`), TPOT p99 (streamed replies), queue time p99, errors/s (5xx from endpoints plus the
@@ -27,8 +28,6 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
-
-from fleet.local.state import StateStore
 
 STATE_ORDER = ("READY", "WARMING", "STARTING", "PENDING", "PLACED", "PULLING", "CACHING", "DRAINING")
 
@@ -214,24 +213,23 @@ class ErrorRates:
             m: 0.0 for m in last[1] if m not in totals}
 
 
-def run_top(state_dir: Path, *, interval_s: float, window_s: float, once: bool, console: Console,
-            clock: Callable[[], float] = time.monotonic, reader_factory=RouterReader) -> int:  # fmt: skip
+def run_top(read_state: Callable[[], dict | None], token: str, *, where: str, interval_s: float, window_s: float,
+            once: bool, console: Console, clock: Callable[[], float] = time.monotonic,
+            reader_factory: Callable[[str, str], RouterReader] | None = None) -> int:  # fmt: skip
     """Refresh the view every ``interval_s`` until Ctrl-C (or once); the exit code.
-    1 when there is no state in ``state_dir``."""
-    store = StateStore(state_dir)
-    state = store.read()
+
+    ``read_state()`` is the fleet's state (``state.json`` of `fleet up`; None when there is none),
+    ``token`` the router's admin token, ``where`` names the state's place in messages. Returns 1
+    when there is no state."""
+    state = read_state()
     if state is None:
-        console.print(f"No fleet state in {store.root}: `fleet up` has not run there.")
+        console.print(f"No fleet state in {where}: `fleet up` has not run there.")
         return 1
-    try:
-        token = store.token_path.read_text().strip()
-    except OSError:
-        token = ""
-    reader = reader_factory(state.get("router_url", "http://127.0.0.1:8080"), token)
+    reader = (reader_factory or RouterReader)(state.get("router_url", "http://127.0.0.1:8080"), token)
     rates = ErrorRates()
 
     def frame() -> Group:
-        current = store.read() or {}
+        current = read_state() or {}
         problem = ""
         stats: dict = {}
         errors: dict = {}

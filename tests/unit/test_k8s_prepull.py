@@ -1,6 +1,6 @@
 """Image pre-pull and node warmth on Kubernetes (fleet/k8s/prepull.py, the pre-pull in
 fleet/k8s/backend.py, Node.status.images and the node agent's annotation in
-fleet/inventory/gfd.py and fleet/agent/node_annotation.py).
+fleet/inventory/gfd.py and fleet/k8s/node_annotation.py).
 
 The real `Controller` and `KubernetesBackend` run on the in-repo fake of the cluster wrapper
 (tests/support/fake_kube.py); the STAND-IN kubelet's image manager (fleet/testing/k8s/kubelet.py `ImagePuller`)
@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import tenacity
 
-from fleet.agent.node_annotation import ANNOTATION, NodeAnnotator, annotation_value
+from fleet.k8s.node_annotation import ANNOTATION, NodeAnnotator, annotation_value
 from fleet.controller.reconcile import Controller, ControllerSettings
 from fleet.inventory import Inventory
 from fleet.inventory.gfd import image_aliases, node_from_k8s, node_images

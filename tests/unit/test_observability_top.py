@@ -96,15 +96,31 @@ class FakeReader:
         self.closed = True
 
 
-def test_run_top_once_reads_the_state_directory_and_the_router(tmp_path: Path) -> None:
-    (tmp_path / "state.json").write_text(json.dumps({**STATE, "updated_at_unix": time.time()}))
-    (tmp_path / "admin-token").write_text("secret\n")
+def test_run_top_once_reads_the_state_and_the_router() -> None:
+    state = {**STATE, "updated_at_unix": time.time()}
     console = Console(record=True, width=220)
-    assert run_top(tmp_path, interval_s=1, window_s=30, once=True, console=console, reader_factory=FakeReader) == 0
+    assert run_top(lambda: state, "secret", where="here", interval_s=1, window_s=30, once=True, console=console,
+                   reader_factory=FakeReader) == 0  # fmt: skip
     assert FakeReader.last.url == "http://127.0.0.1:8080" and FakeReader.last.token == "secret"
     assert FakeReader.last.closed
     text = console.export_text()
     assert "chat" in text and "12.5" in text and "120 ms" in text
     empty = Console(record=True)
-    assert run_top(tmp_path / "none", interval_s=1, window_s=30, once=True, console=empty) == 1
-    assert "No fleet state" in empty.export_text()
+    assert run_top(lambda: None, "", where="/nowhere", interval_s=1, window_s=30, once=True, console=empty) == 1
+    assert "No fleet state in /nowhere" in empty.export_text()
+
+
+def test_fleet_top_reads_the_state_directory_and_its_admin_token(tmp_path: Path, monkeypatch) -> None:
+    """`fleet top --once` hands run_top the state directory's state.json and admin token."""
+    from typer.testing import CliRunner
+
+    from fleet.cli import app
+
+    (tmp_path / "state.json").write_text(json.dumps({**STATE, "updated_at_unix": time.time()}))
+    (tmp_path / "admin-token").write_text("secret\n")
+    monkeypatch.setattr("fleet.observability.top.RouterReader", FakeReader)
+    result = CliRunner().invoke(app, ["top", "--once", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert FakeReader.last.url == "http://127.0.0.1:8080" and FakeReader.last.token == "secret"
+    missing = CliRunner().invoke(app, ["top", "--once", "--state-dir", str(tmp_path / "none")])
+    assert missing.exit_code == 1 and "No fleet state" in missing.output
