@@ -1,10 +1,11 @@
 """The controller: one reconcile loop converging the desired replicas of each deployment to
 the observed ones, and picking up where a previous controller left off.
 
-Owns target state (desired replicas per deployment), the replica records
-(`fleet.controller.lifecycle.Replica`: facts, status derived), the reconcile step that is the only place
-replicas are created, placed, asked to run, warmed, admitted to the router, drained, stopped and
-replaced, and `start`, which reads the previous controller's state back and adopts what still runs.
+Owns `Controller`: the reconcile step that is the only place replicas are created, placed,
+asked to run, warmed, admitted to the router, drained, stopped and replaced, over the records it
+keeps (`fleet.controller.targets.FleetRecords`: per deployment the persisted target and the
+bookkeeping around it, the replica records of `fleet.controller.lifecycle`), and `start`, which
+hands the previous controller's state to `fleet.controller.restart.Adoption`.
 
 Every side effect goes through an injected wrapper: `Backend` (runs replicas: local processes,
 later pods; `fleet.controller.backend`), `EngineAPI` (engine HTTP), `PoolSink` (router admin API),
@@ -13,8 +14,10 @@ clock must be the same across controller restarts on one machine (`time.monotoni
 CLOCK_MONOTONIC counts from boot), since recorded facts are in its seconds.
 
 Revisions: each deployment serves a stable revision and, during a canary rollout, a canary
-(`fleet.rollout.revisions.Revisions`, persisted with the targets); replicas are wanted per revision and
-`fleet.controller.rollouts.RolloutSteps` (mixed in) takes new specs (`apply`) and drives rollouts.
+(`fleet.rollout.revisions.Revisions`, persisted with the targets); replicas are wanted per
+revision (`fleet.controller.scale.scale_step` decides each revision's step), and the rollout
+driver (`fleet.controller.rollouts.RolloutDriver`, a collaborator) takes new specs (`apply`) and
+drives rollouts.
 
 Persistence: the whole state (target and replica records) is written atomically before each
 batch of side effects (after new targets and replicas are decided, before the backend is asked
@@ -28,16 +31,18 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from fleet.controller.backend import Backend, LaunchError, ReplicaFacts, ReplicaWant
-from fleet.controller.restart import STATE_FORMAT, RestartSteps
-from fleet.controller.rollouts import RolloutSteps
-from fleet.inventory import Inventory
 from fleet.controller.lifecycle import Replica, ReplicaStatus
+from fleet.controller.restart import Adoption
+from fleet.controller.rollouts import RolloutDriver
+from fleet.controller.scale import scale_step
+from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
+from fleet.inventory import Inventory
 from fleet.placement import PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
-from fleet.rollout.revisions import AnalysisSource, Revisions, endpoint_weights, revision_label
+from fleet.rollout.revisions import AnalysisSource, endpoint_weights, revision_label
 from fleet.spec import LoadedDeployment
 from router.spec import EndpointSpec, PoolSpec
 from warmup.client import EngineAPI
@@ -91,41 +96,14 @@ class ControllerSettings:
     log_tail_lines: int = 20
 
 
-@dataclass
-class _DeploymentState:
-    loaded: LoadedDeployment
-    desired: int
-    next_index: int = 0
-    failures_in_row: int = 0
-    next_create_at_s: float = 0.0
-    last_pool: PoolSpec | None = None
-    desired_reason: str = "spec.replicas"        # why `desired` has its value (who set it last)
-    desired_at_s: float | None = None
-    last_scaling: dict | None = None             # the autoscaler's last decision (`fleet status`)
-    revisions: Revisions | None = None           # what it serves: stable, canary, rollout (fleet.rollout.revisions)
-    failures_total: dict[str, int] = field(default_factory=dict)   # replicas failed, by revision (a counter)
-
-    def __post_init__(self) -> None:
-        if self.revisions is None:
-            self.revisions = Revisions.of(self.loaded)
-
-    @property
-    def revs(self) -> Revisions:
-        assert self.revisions is not None
-        return self.revisions
-
-    @property
-    def model(self) -> str:
-        return self.loaded.deployment.spec.model.name
-
-
-class Controller(RolloutSteps, RestartSteps):
+class Controller:
     """Converges desired to observed replicas, one idempotent `reconcile_once` per tick.
 
     A deployment serves revisions (`fleet.rollout.revisions.Revisions`): the stable one and, during a
-    canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`) and the
-    rollout is driven by `RolloutSteps` (fleet.controller.rollouts); taking over from a previous
-    controller (`start`) is `RestartSteps` (fleet.controller.restart)."""
+    canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`). Two
+    collaborators work on the same records: the rollout driver (``self.rollouts``,
+    `fleet.controller.rollouts.RolloutDriver`) and, once at `start`, the take-over from a previous
+    controller (`fleet.controller.restart.Adoption`)."""
 
     def __init__(
         self,
@@ -144,8 +122,6 @@ class Controller(RolloutSteps, RestartSteps):
         on_rollout_event: Callable[[str, str], None] | None = None,
     ) -> None:
         self.backend = backend
-        self.analysis_source = analysis_source
-        self.on_rollout_event = on_rollout_event or (lambda deployment, line: None)
         self.engine_api = engine_api
         self.pool_sink = pool_sink
         self.inventory = Inventory(())
@@ -155,14 +131,10 @@ class Controller(RolloutSteps, RestartSteps):
         self.placer = placer or get_strategy()
         self.settings = settings or ControllerSettings()
         self.on_event = on_event or (lambda e: None)
-        self.deployments: dict[str, _DeploymentState] = {
-            ld.deployment.name: _DeploymentState(ld, ld.deployment.spec.replicas.desired_at_start)
-            for ld in deployments
-        }
-        self.replicas: dict[str, Replica] = {}
-        self.stopping = False                       # shutdown asked: every replica drains and stops
-        self._retired: dict[str, str] = {}          # deployment no longer declared -> its model (pool to drain, delete)
-        self._retired_pools: dict[str, PoolSpec] = {}
+        self.records = FleetRecords.of(deployments)
+        self.rollouts = RolloutDriver(self.records, clock, analysis_source,
+                                      on_rollout_event or (lambda deployment, line: None))  # fmt: skip
+        self._retired_pools: dict[str, PoolSpec] = {}   # pools of retired deployments as last published
         self._warmups: dict[str, asyncio.Task[WarmupResult]] = {}
         self._wake = asyncio.Event()
         self._last_status: dict[str, ReplicaStatus] = {}
@@ -171,17 +143,30 @@ class Controller(RolloutSteps, RestartSteps):
         self._facts: dict[str, ReplicaFacts] = {}
         self.tick_count = 0
 
+    # ----- what the controller keeps ---------------------------------------------------------
+
+    @property
+    def deployments(self) -> dict[str, DeploymentRecord]:
+        """Declared deployments by name: target and bookkeeping (`fleet.controller.targets`)."""
+        return self.records.deployments
+
+    @property
+    def replicas(self) -> dict[str, Replica]:
+        """Replica records by id, in creation order."""
+        return self.records.replicas
+
+    @property
+    def stopping(self) -> bool:
+        """Shutdown asked: every replica drains and stops."""
+        return self.records.stopping
+
     # ----- target state -------------------------------------------------------------------
 
     def set_desired(self, deployment: str, replicas: int, reason: str = "set") -> None:
         """New target replica count (clamped to the spec's min..max) and why; persisted at once.
         The reconcile step then adds replicas or drains the surplus."""
         ds = self.deployments[deployment]
-        bounds = ds.loaded.deployment.spec.replicas
-        desired = max(bounds.min, min(bounds.max, replicas))
-        if desired != ds.desired:
-            ds.desired_reason, ds.desired_at_s = reason, self.clock()
-        ds.desired = desired
+        ds.target.set(ds.clamp(replicas), reason, self.clock())
         self._save()
 
     def note_scaling_decision(self, deployment: str, decision: dict) -> None:
@@ -191,7 +176,7 @@ class Controller(RolloutSteps, RestartSteps):
     def stop_all(self) -> None:
         """Shutdown: every replica drains and stops. The targets are kept (a controller started
         after a crash during shutdown serves them again); persisted at once."""
-        self.stopping = True
+        self.records.stopping = True
         self._save()
 
     def abandon(self) -> None:
@@ -206,7 +191,7 @@ class Controller(RolloutSteps, RestartSteps):
 
     def retiring(self, deployment: str) -> bool:
         """Whether ``deployment`` is no longer declared and its pool is still being drained."""
-        return deployment in self._retired
+        return deployment in self.records.retired
 
     async def kill_all(self) -> None:
         """Force every running replica's engine to exit now (a second Ctrl-C)."""
@@ -219,6 +204,40 @@ class Controller(RolloutSteps, RestartSteps):
         for ds in self.deployments.values():
             ds.last_pool = None
 
+    # ----- start, specs and rollouts ----------------------------------------------------------
+
+    async def start(self, previous: dict | None) -> None:
+        """Take over from the controller that wrote ``previous`` (a `snapshot`; None: fresh
+        start): `fleet.controller.restart.Adoption.take_over` says what is restored, adopted,
+        drained or stopped. Persisted before the first tick."""
+        now = self.clock()
+        self.inventory = await self.backend.inventory()
+        self._facts = await self.backend.observe()
+        await Adoption(self.records, self.backend, self._facts).take_over(previous, now, self.rollouts.declare)
+        self._save()
+
+    def apply(self, loaded: list[LoadedDeployment]) -> list[str]:
+        """New specs of deployments this controller runs (`RolloutDriver.apply`: a new revision
+        starts a rollout or a replacement; other changes apply in place); persisted at once.
+        Raises `fleet.controller.rollouts.UnknownDeployment` (nothing applied)."""
+        lines = self.rollouts.apply(loaded)
+        self._save()
+        self.wake()
+        return lines
+
+    def rollout_command(self, deployment: str, command: str) -> dict:
+        """`fleet rollout COMMAND DEPLOYMENT` (`RolloutDriver.command`); a change is persisted at
+        once. Raises UnknownDeployment, or ValueError for an unknown command."""
+        result, changed = self.rollouts.command(deployment, command)
+        if changed:
+            self._save()
+            self.wake()
+        return result
+
+    def rollout_status(self, deployment: str) -> dict:
+        """JSON-ready revisions, weights, rollout and recent events of ``deployment``."""
+        return self.rollouts.status(deployment)
+
     # ----- the loop -----------------------------------------------------------------------
 
     async def reconcile_once(self) -> None:
@@ -228,7 +247,7 @@ class Controller(RolloutSteps, RestartSteps):
             self._observe,
             self._probe_health,
             self._collect_warmups,
-            self._rollouts,
+            self._step_rollouts,
             self._scale,
             self._place_and_launch,
             self._drain_and_stop,
@@ -388,6 +407,10 @@ class Controller(RolloutSteps, RestartSteps):
             else:
                 self._fail(r, ReplicaStatus.FAILED_WARMUP, result.reason or "warm-up failed")
 
+    async def _step_rollouts(self) -> None:
+        if await self.rollouts.step():
+            self._save()   # decided: persisted before the scale step acts on the new weights
+
     async def _scale(self) -> None:
         now = self.clock()
         changed = self._drain_unhealthy(now)
@@ -402,16 +425,13 @@ class Controller(RolloutSteps, RestartSteps):
             active = [r for r in self.replicas.values() if r.deployment == name and r.status.counts_toward_desired()]
             targets = ds.revs.targets(ds.desired)
             for h, want in targets.items():
-                mine = [r for r in active if r.spec_hash == h]
-                if len(mine) < want and now >= ds.next_create_at_s:
-                    for _ in range(want - len(mine)):
+                step = scale_step([r for r in active if r.spec_hash == h], want, lambda r: created[r.id])
+                if step.create and now >= ds.next_create_at_s:
+                    for _ in range(step.create):
                         self._create_replica(ds, h, now)
                     changed = True
-                elif len(mine) > want:
-                    # Remove the least advanced first (PENDING before STARTING before READY), newest first.
-                    victims = sorted(mine, key=lambda r: (order.index(r.status), -created[r.id]))
-                    for r in victims[: len(mine) - want]:
-                        r.drain_requested_at_s = now
+                for r in step.drain:   # the least advanced first, the newest first among equals
+                    r.drain_requested_at_s = now
                     changed = True
             # Older revisions serve until the current ones have the READY replicas to replace them
             # (a rolled-back one goes at once); the least advanced go first.
@@ -454,7 +474,7 @@ class Controller(RolloutSteps, RestartSteps):
                 log.warning("replica %s drains: %s", r.id, hit)
         return drained
 
-    def _create_replica(self, ds: _DeploymentState, spec_hash: str, now: float) -> None:
+    def _create_replica(self, ds: DeploymentRecord, spec_hash: str, now: float) -> None:
         ld = ds.revs.specs[spec_hash]
         dep = ld.deployment
         rid = f"{dep.name}-{ds.next_index}"
@@ -589,11 +609,11 @@ class Controller(RolloutSteps, RestartSteps):
                 r.exited_at_s = now
 
     async def _publish_pools(self) -> None:
-        for name, model in list(self._retired.items()):  # drained through the router, then deleted
+        for name, model in list(self.records.retired.items()):  # drained through the router, then deleted
             endpoints = self._pool_endpoints(name)
             if not endpoints:
                 await self.pool_sink.delete_pool(model)
-                del self._retired[name]
+                del self.records.retired[name]
                 self._retired_pools.pop(model, None)
             elif self._retired_pools.get(model) != (pool := PoolSpec(endpoints=endpoints)):
                 await self.pool_sink.put_pool(model, pool)
@@ -714,27 +734,7 @@ class Controller(RolloutSteps, RestartSteps):
             "clock_s": self.clock(),
             "stopping": self.stopping,
             "inventory": [n.describe() for n in self.inventory.nodes],
-            "deployments": {
-                name: {
-                    "desired": ds.desired,
-                    "desired_reason": ds.desired_reason,
-                    "desired_at_s": ds.desired_at_s,
-                    "next_index": ds.next_index,
-                    "serving_hash": ds.loaded.serving_hash,
-                    "autoscaling": (ds.loaded.deployment.spec.autoscaling.policy
-                                    if ds.loaded.deployment.spec.autoscaling else None),
-                    "last_scaling": ds.last_scaling,
-                    "min": ds.loaded.deployment.spec.replicas.min,
-                    "max": ds.loaded.deployment.spec.replicas.max,
-                    "model": ds.model,
-                    "policy": ds.loaded.deployment.spec.routing.policy,
-                    "source": str(ds.loaded.path),
-                    "failures_in_row": ds.failures_in_row,
-                    "failures_total": dict(ds.failures_total),
-                    "revisions": ds.revs.to_dict(),
-                }
-                for name, ds in self.deployments.items()
-            },
+            "deployments": {name: ds.to_dict() for name, ds in self.deployments.items()},
             "replicas": [
                 {**r.to_dict(), "waiting_reason": self._waiting.get(r.id)}
                 for r in sorted(self.replicas.values(), key=lambda r: (r.deployment, r.created_at_s))
