@@ -43,6 +43,58 @@ class PoolShared:
         self.split = SplitState()
         self.requests = RequestLog()
 
+    # ----- recording one request: the proxy (router.proxy) and the trace simulators
+    # (fleet.tracesim.engine, fleet.tracesim.rollout) call these at the same points, so the
+    # statistics the autoscaler and the canary analysis read are recorded by one piece of code.
+    # Times are clock seconds (the router's injected clock, or virtual seconds).
+
+    def arrived(self, now_s: float) -> None:
+        """A request for the model arrived (the arrival rate)."""
+        self.stats.arrivals.add(now_s)
+
+    def dispatched(self, arrival_s: float, now_s: float) -> None:
+        """The request that arrived at ``arrival_s`` leaves the admission queue for an endpoint
+        now: its queue time ``now_s - arrival_s`` (0 when it never waited) is a sample."""
+        waited_s = now_s - arrival_s
+        self.stats.queue_time.add(now_s, waited_s)
+        if self.queue_time is not None:
+            self.queue_time.observe(waited_s)
+
+    def gave_up(self, arrival_s: float, now_s: float) -> None:
+        """The request stopped waiting for a slot (timed out, its pool gone): the wait so far is a
+        queue-time sample (a lower bound of the real one), or overload would hide its longest
+        waits from the signal. The rejection is `rejected`'s."""
+        self.dispatched(arrival_s, now_s)
+
+    def rejected(self, now_s: float) -> None:
+        """The router answered the request itself with an error (503, 502, ...)."""
+        self.stats.rejected.add(now_s)
+
+    def completed(self, endpoint: EndpointState, *, arrival_s: float, dispatch_s: float, first_byte_s: float,
+                  end_s: float, succeeded: bool, tpot_s: float | None = None) -> None:  # fmt: skip
+        """The endpoint answered the request (dispatched at ``dispatch_s``) in full at ``end_s``:
+        its end-to-end latency from arrival is a sample. A success (``succeeded``: status < 400;
+        errors are not latency samples) also gives the endpoint's time-to-first-byte sample
+        (`EndpointState.record_first_byte`, from dispatch), the model's TTFT sample (first byte,
+        from arrival) and, for a streamed reply, its TPOT (``tpot_s``). The per-revision row is
+        `finished`'s."""
+        stats = self.stats
+        stats.e2e.add(end_s, end_s - arrival_s)
+        if succeeded:
+            endpoint.record_first_byte(first_byte_s - dispatch_s, end_s)
+            stats.ttft.add(end_s, first_byte_s - arrival_s)
+            if tpot_s is not None:
+                stats.tpot.add(end_s, tpot_s)
+
+    def finished(self, endpoint: EndpointState, *, arrival_s: float, dispatch_s: float, end_s: float,
+                 first_token_s: float | None, tpot_s: float | None, e2e_s: float | None, failed: bool) -> None:  # fmt: skip
+        """The per-revision row of a request that left the endpoint (answered or not): what canary
+        analysis compares (`router.revision_stats.RequestLog`). TTFT from arrival to the first
+        token (None when there was none), queue time from arrival to dispatch."""
+        self.requests.record(end_s, endpoint.version, endpoint.id,
+                             ttft_s=first_token_s - arrival_s if first_token_s is not None else None, tpot_s=tpot_s,
+                             e2e_s=e2e_s, queue_time_s=dispatch_s - arrival_s, failed=failed)  # fmt: skip
+
 
 class Pool:
     """The endpoints serving one model and the policy instance that chooses among them.

@@ -42,7 +42,6 @@ from router.pool import Pool, PoolShared, PoolTable
 from router.prompt_blocks import SESSION_HEADER, RouteRequest, route_request
 from router.split import sticky_key
 from router.sse import SseRelay
-from router.stats import ModelStats
 
 log = logging.getLogger(__name__)
 
@@ -333,8 +332,7 @@ class Proxy:
                 session = v.decode("latin-1")
         request = route_request(doc, session, hash_blocks=pool.policy.uses_prompt_blocks)
         shared = pool.shared
-        stats = shared.stats
-        stats.arrivals.add(arrival_s)
+        shared.arrived(arrival_s)
         limited = pool.limit is not None
         # With an admission limit, first come first served: nobody overtakes a waiting request.
         key = sticky_key(pool.sticky_key, scope["headers"], doc)   # keeps a user on one revision (router.split)
@@ -342,12 +340,10 @@ class Proxy:
         if endpoint is None and (not limited or not pool.ready):
             await self._reject(send, 503, model, error_body(
                 f"model {model!r} has no ready endpoint; retry later", type_="server_error",
-                code="no_ready_endpoint"), self._retry_after, stats)  # fmt: skip
+                code="no_ready_endpoint"), self._retry_after, shared)  # fmt: skip
             return
         if endpoint is not None:
-            stats.queue_time.add(arrival_s, 0.0)
-            if shared.queue_time is not None:
-                shared.queue_time.observe(0.0)
+            shared.dispatched(arrival_s, arrival_s)
 
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                    if k not in _DROP_REQUEST_HEADERS]  # fmt: skip
@@ -382,7 +378,7 @@ class Proxy:
             watch.finishing = True
             await self._reject(send, 502, model, error_body(
                 f"no endpoint of model {model!r} could be reached ({len(tried)} attempt(s))",
-                type_="server_error", code="upstream_unavailable"), stats=stats)  # fmt: skip
+                type_="server_error", code="upstream_unavailable"), shared=shared)  # fmt: skip
         except asyncio.CancelledError:
             if watch.gone:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # we cancelled ourselves
@@ -397,12 +393,12 @@ class Proxy:
         has a free slot; return that pool and endpoint, or answer 503 (queue full, timed out,
         pool gone) and return None. Records the queue time at dispatch."""
         shared = pool.shared
-        queue, stats = shared.queue, shared.stats
+        queue = shared.queue
         if len(queue) >= pool.max_queue_length:
             watch.finishing = True
             await self._reject(send, 503, model, error_body(
                 f"model {model!r}: all endpoints are busy and {len(queue)} requests are queued; retry later",
-                type_="server_error", code="queue_full"), self._retry_after, stats)  # fmt: skip
+                type_="server_error", code="queue_full"), self._retry_after, shared)  # fmt: skip
             return None
         deadline_s = arrival_s + pool.queue_timeout_s
         front = False
@@ -413,21 +409,14 @@ class Proxy:
             now_s = self._clock()
             endpoint = current.pick(request, now_s, key=key)
             if endpoint is not None:
-                stats.queue_time.add(now_s, now_s - arrival_s)
-                if shared.queue_time is not None:
-                    shared.queue_time.observe(now_s - arrival_s)
+                shared.dispatched(arrival_s, now_s)
                 return current, endpoint
             front = True  # the slot went to a retry: wait again, first in line
-        # Gave up: the wait so far counts as a queue-time sample (a lower bound of the real
-        # one), or overload would hide its longest waits from the signal.
-        waited_s = self._clock() - arrival_s
-        stats.queue_time.add(arrival_s + waited_s, waited_s)
-        if shared.queue_time is not None:
-            shared.queue_time.observe(waited_s)
+        shared.gave_up(arrival_s, self._clock())   # the wait so far is a queue-time sample
         watch.finishing = True
         await self._reject(send, 503, model, error_body(
             f"model {model!r}: no endpoint slot freed within {pool.queue_timeout_s:g} s; retry later",
-            type_="server_error", code="queue_timeout"), self._retry_after, stats)  # fmt: skip
+            type_="server_error", code="queue_timeout"), self._retry_after, shared)  # fmt: skip
         return None
 
     def _count_rejection(self, model: str, status: int) -> None:
@@ -435,10 +424,10 @@ class Proxy:
 
     async def _reject(self, send: Send, status: int, model: str, body: bytes,
                       extra_headers: list[tuple[bytes, bytes]] | None = None,
-                      stats: ModelStats | None = None) -> None:  # fmt: skip
+                      shared: PoolShared | None = None) -> None:  # fmt: skip
         self._count_rejection(model, status)
-        if stats is not None:
-            stats.rejected.add(self._clock())
+        if shared is not None:
+            shared.rejected(self._clock())
         await send_json(send, status, body, extra_headers)
 
     async def _attempt(self, endpoint: EndpointState, prefill_tokens: int, target: str, body: bytes,
@@ -483,8 +472,8 @@ class Proxy:
                 timed_out = isinstance(exc, asyncio.TimeoutError)
                 endpoint.record_failure(clock())
                 m.error("timeout" if timed_out else "interrupted").inc()
-                shared.requests.record(clock(), endpoint.version, endpoint.id, ttft_s=None, tpot_s=None, e2e_s=None,
-                                       queue_time_s=start_s - arrival_s, failed=True)  # fmt: skip
+                shared.finished(endpoint, arrival_s=arrival_s, dispatch_s=start_s, end_s=clock(), first_token_s=None,
+                                tpot_s=None, e2e_s=None, failed=True)  # fmt: skip
                 log.warning("endpoint %s (%s): request failed: %r", endpoint.id, endpoint.url, exc)
                 watch.finishing = True
                 status = 504 if timed_out else 502
@@ -524,24 +513,18 @@ class Proxy:
                 if completed:
                     assert first_byte_s is not None
                     m.e2e.observe(end_s - start_s)
-                    stats = shared.stats
-                    stats.e2e.add(end_s, end_s - arrival_s)
                     if status < 400:  # errors are not latency samples (5xx got a penalty above)
-                        first_byte_latency_s = first_byte_s - start_s
-                        m.first_byte.observe(first_byte_latency_s)
-                        endpoint.record_first_byte(first_byte_latency_s, end_s)
-                        stats.ttft.add(end_s, first_byte_s - arrival_s)
+                        m.first_byte.observe(first_byte_s - start_s)
                         if first_token_s is not None:
                             m.ttft.observe(first_token_s - start_s)
                             if tpot is not None:
                                 m.tpot.observe(tpot)
-                                stats.tpot.add(end_s, tpot)
+                    shared.completed(endpoint, arrival_s=arrival_s, dispatch_s=start_s, first_byte_s=first_byte_s,
+                                     end_s=end_s, succeeded=status < 400, tpot_s=tpot)  # fmt: skip
                 # Per revision, for canary analysis (router.revision_stats).
-                shared.requests.record(
-                    end_s, endpoint.version, endpoint.id,
-                    ttft_s=first_token_s - arrival_s if first_token_s is not None else None, tpot_s=tpot,
-                    e2e_s=end_s - arrival_s if completed else None, queue_time_s=start_s - arrival_s, failed=not ok,
-                )  # fmt: skip
+                shared.finished(endpoint, arrival_s=arrival_s, dispatch_s=start_s, end_s=end_s,
+                                first_token_s=first_token_s, tpot_s=tpot,
+                                e2e_s=end_s - arrival_s if completed else None, failed=not ok)  # fmt: skip
             finally:
                 if completed:
                     resp.release()

@@ -21,9 +21,10 @@ What runs for real (the live objects, fed in virtual time):
   turn, as routers behind a load balancer do. ``shared_view`` also tells every router of every
   placement (`RoutingPolicy.learn`), which is what each would learn from the engines' KV cache
   events: the upper bound of what an exact, shared view gives;
-- router statistics: one `router.stats.ModelStats` recorded at the proxy's points (arrival;
-  queue time at dispatch or at a queue timeout; client-side TTFT and end-to-end latency
-  stamped at completion; rejections);
+- router statistics: one `router.stats.ModelStats` recorded by the proxy's own recording code
+  (`router.pool.PoolShared`: `arrived`, `dispatched`, `gave_up`, `rejected`, `completed`) at
+  the proxy's points (arrival; queue time at dispatch or at a queue timeout; client-side TTFT
+  and end-to-end latency stamped at completion; rejections);
 - autoscaling: the deployment's `autoscaler.policy` object, asked every ``policy.interval_s``
   with `autoscaler.signals.DeploymentSignals` over simulated scrapes of every READY replica
   (`SimReplica.sample`: gauges and the cumulative `vllm:request_queue_time_seconds`
@@ -35,8 +36,8 @@ What is modelled (docs/autoscaling.md, "The trace simulator"):
 
 - Start-up: a replica asked for at t becomes READY at t + the warm or the cold start-up time
   (`fleet.tracesim.replica.NodePool`). The initial replicas are READY at 0 s.
-- Scale-down, as `fleet.controller.reconcile` does it: the least advanced replicas go first (STARTING
-  before READY), newest first; a STARTING one stops at once, a READY one drains (no new
+- Scale-down, as `fleet.controller.reconcile` does it (the same `fleet.controller.scale.scale_step`):
+  the least advanced replicas go first (STARTING before READY), newest first; a STARTING one stops at once, a READY one drains (no new
   requests, its in-flight requests finish, then it stops; after ``drain_timeout_s`` the rest
   are aborted and count as failed).
 - Admission, as `router.proxy` does it: without ``max_concurrency_per_endpoint`` a request
@@ -64,7 +65,9 @@ from autoscaler.spec import AutoscalingSpec
 from autoscaler.startup import StartupTracker
 from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from fleet.enginesim.profiles import Profile
-from fleet.tracesim.replica import NodePool, Phase, SimReplica
+from fleet.controller.lifecycle import ReplicaStatus
+from fleet.controller.scale import scale_step
+from fleet.tracesim.replica import NodePool, SimReplica
 from fleet.tracesim.results import RequestLog, SimResult, TickRecord
 from fleet.tracesim.workload import Workload, prompt_ids
 from router.policies import make_policy as make_routing_policy
@@ -269,8 +272,7 @@ class Simulation:
     # ----- requests (router.proxy's admission) ------------------------------------------
 
     def _on_arrival(self, i: int, now_s: float) -> None:
-        stats = self.stats
-        stats.arrivals.add(now_s)
+        self.shared.arrived(now_s)
         k = i % len(self.pools)
         self._router_of[i] = k
         pool = self.pools[k]
@@ -281,7 +283,7 @@ class Simulation:
         limited = pool.limit is not None
         endpoint = None if limited and self._queued else pool.pick(route, now_s)   # FCFS: nobody overtakes a waiter
         if endpoint is not None:
-            stats.queue_time.add(now_s, 0.0)
+            self.shared.dispatched(now_s, now_s)
             self._dispatch(i, self._by_endpoint[endpoint.id], now_s)
         elif not limited or not pool.ready or self._queued >= pool.max_queue_length:
             self._reject(i, now_s)   # no READY replica, or the admission queue is full: 503
@@ -303,7 +305,7 @@ class Simulation:
             i = queue.popleft()
             self._waiting[i] = 0
             self._queued -= 1
-            self.stats.queue_time.add(now_s, now_s - self.log.arrival_s[i])
+            self.shared.dispatched(self.log.arrival_s[i], now_s)
             self._dispatch(i, self._by_endpoint[endpoint.id], now_s)
 
     def _on_queue_timeout(self, i: int, now_s: float) -> None:
@@ -311,12 +313,12 @@ class Simulation:
             return
         self._waiting[i] = 0
         self._queued -= 1
-        self.stats.queue_time.add(now_s, now_s - self.log.arrival_s[i])   # as the proxy: the wait counts
+        self.shared.gave_up(self.log.arrival_s[i], now_s)   # as the proxy: the wait counts
         self._reject(i, now_s)
 
     def _reject(self, i: int, now_s: float) -> None:
         """The router answers 503 (counted in `ModelStats.rejected`); the request failed."""
-        self.stats.rejected.add(now_s)
+        self.shared.rejected(now_s)
         self._fail(i, now_s)
 
     def _fail(self, i: int, now_s: float) -> None:
@@ -374,10 +376,8 @@ class Simulation:
         log.end_s[i] = now_s
         log.first_token_s[i] = fr.first_token_s
         self._done += 1
-        arrival_s = log.arrival_s[i]
-        self.stats.e2e.add(now_s, now_s - arrival_s)
-        endpoint.record_first_byte(fr.first_token_s - log.dispatch_s[i], now_s)
-        self.stats.ttft.add(now_s, fr.first_token_s - arrival_s)
+        self.shared.completed(endpoint, arrival_s=log.arrival_s[i], dispatch_s=log.dispatch_s[i],
+                              first_byte_s=fr.first_token_s, end_s=now_s, succeeded=True)  # fmt: skip
 
     # ----- engines ----------------------------------------------------------------------
 
@@ -401,13 +401,13 @@ class Simulation:
         if replica.wake_at_s != now_s:
             return  # superseded by an earlier wake-up
         replica.wake_at_s = None
-        if not replica.busy and replica.phase is not Phase.TERMINATED:
+        if not replica.busy and replica.status is not ReplicaStatus.TERMINATED:
             self._step(replica, now_s)
 
     def _on_step_end(self, payload: tuple[SimReplica, StepResult], now_s: float) -> None:
         replica, result = payload
         replica.busy = False
-        if replica.phase is Phase.TERMINATED:
+        if replica.status is ReplicaStatus.TERMINATED:
             return  # stopped at its drain timeout while this step ran; its requests were aborted then
         for rid, token in result.emitted.items():
             if token == 0:
@@ -415,7 +415,7 @@ class Simulation:
         if result.finished:
             for fr in result.finished:
                 self._finish(replica, fr, now_s)
-            if replica.phase is Phase.DRAINING and not replica.in_flight_ids:
+            if replica.status is ReplicaStatus.DRAINING and not replica.in_flight_ids:
                 self._stop(replica, now_s)
                 return
             if self._queued:
@@ -435,16 +435,16 @@ class Simulation:
         self.replicas.append(replica)
         self._by_endpoint[replica.id] = replica
         if ready_now:
-            replica.phase = Phase.READY
+            replica.status = ReplicaStatus.READY
             self.nodes.became_ready(slot)
         else:
             self._push(replica.ready_at_s, _READY, replica)
         return replica
 
     def _on_ready(self, replica: SimReplica, now_s: float) -> None:
-        if replica.phase is not Phase.STARTING:
+        if replica.status is not ReplicaStatus.STARTING:
             return  # stopped while starting
-        replica.phase = Phase.READY
+        replica.status = ReplicaStatus.READY
         self.nodes.became_ready(replica.node)
         self.startup.observe(replica.id, replica.warm, now_s - replica.created_s)
         self._startups.append((replica.id, replica.warm, now_s - replica.created_s))
@@ -453,10 +453,10 @@ class Simulation:
             self._admit_waiting(now_s)
 
     def _drain(self, replica: SimReplica, now_s: float) -> None:
-        if replica.phase is Phase.STARTING:
+        if replica.status is ReplicaStatus.STARTING:
             self._stop(replica, now_s)
             return
-        replica.phase = Phase.DRAINING
+        replica.status = ReplicaStatus.DRAINING
         replica.drain_s = now_s
         if not replica.in_flight_ids:
             self._stop(replica, now_s)
@@ -464,7 +464,7 @@ class Simulation:
         self._push(now_s + self.config.drain_timeout_s, _DRAIN_TIMEOUT, replica)
 
     def _on_drain_timeout(self, replica: SimReplica, now_s: float) -> None:
-        if replica.phase is not Phase.DRAINING:
+        if replica.status is not ReplicaStatus.DRAINING:
             return
         for rid in sorted(replica.in_flight_ids, key=int):
             fr = replica.engine.abort(rid, now_s)
@@ -478,7 +478,7 @@ class Simulation:
         self._stop(replica, now_s)
 
     def _stop(self, replica: SimReplica, now_s: float) -> None:
-        replica.phase = Phase.TERMINATED
+        replica.status = ReplicaStatus.TERMINATED
         replica.stopped_s = now_s
         self.nodes.release(replica.node)
         self._rebuild_pool()
@@ -491,8 +491,8 @@ class Simulation:
         for k, routing in enumerate(self.routings):
             endpoints = []
             for r in self.replicas:
-                if r.phase in (Phase.READY, Phase.DRAINING):
-                    r.endpoints[k].draining = r.phase is Phase.DRAINING
+                if r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING):
+                    r.endpoints[k].draining = r.status is ReplicaStatus.DRAINING
                     endpoints.append(r.endpoints[k])
             pools.append(Pool(cfg.model, routing, endpoints, 0.0, self.shared, limit=cfg.max_concurrency_per_endpoint,
                               max_queue_length=cfg.max_queue_length, queue_timeout_s=cfg.queue_timeout_s))  # fmt: skip
@@ -506,8 +506,8 @@ class Simulation:
     # ----- the autoscaler (fleet.controller.autoscaling's step) -------------------------------------
 
     def _on_tick(self, now_s: float) -> None:
-        ready = [r for r in self.replicas if r.phase is Phase.READY]
-        starting = sum(1 for r in self.replicas if r.phase is Phase.STARTING)
+        ready = [r for r in self.replicas if r.status is ReplicaStatus.READY]
+        starting = sum(1 for r in self.replicas if r.status is ReplicaStatus.STARTING)
         for r in ready:
             self.signals.observe_engine(r.id, now_s, r.sample())
         self.signals.forget_others({r.id for r in ready})
@@ -519,24 +519,22 @@ class Simulation:
         if decision.desired != self.desired:
             self.desired = decision.desired
             self._reconcile(now_s)
-        counts = {phase: 0 for phase in Phase}
+        counts = {status: 0 for status in ReplicaStatus}
         for r in self.replicas:
-            counts[r.phase] += 1
-        self.ticks.append(TickRecord(now_s, self.desired, counts[Phase.READY], counts[Phase.STARTING],
-                                     counts[Phase.DRAINING], decision))  # fmt: skip
+            counts[r.status] += 1
+        self.ticks.append(TickRecord(now_s, self.desired, counts[ReplicaStatus.READY], counts[ReplicaStatus.STARTING],
+                                     counts[ReplicaStatus.DRAINING], decision))  # fmt: skip
         if self._done < len(self.log):
             self._push(now_s + self.policy.interval_s, _TICK, None)
 
     def _reconcile(self, now_s: float) -> None:
-        """`fleet.controller.reconcile`'s scale step: add replicas, or drain the least advanced first
-        (STARTING before READY), newest first."""
-        active = [r for r in self.replicas if r.phase in (Phase.STARTING, Phase.READY)]
-        if len(active) < self.desired:
-            for _ in range(self.desired - len(active)):
-                self._add_replica(now_s)
-        elif len(active) > self.desired:
-            order = (Phase.STARTING, Phase.READY)
-            victims = sorted(active, key=lambda r: (order.index(r.phase), -r.index))
-            for r in victims[: len(active) - self.desired]:
-                self._drain(r, now_s)
+        """The controller's scale step (`fleet.controller.scale.scale_step`, the same function):
+        add replicas, or drain the least advanced first (STARTING before READY), newest first."""
+        active = [r for r in self.replicas if r.status.counts_toward_desired()]
+        step = scale_step(active, self.desired, lambda r: r.index)
+        for _ in range(step.create):
+            self._add_replica(now_s)
+        for r in step.drain:
+            self._drain(r, now_s)
+        if step.drain:
             self._rebuild_pool()

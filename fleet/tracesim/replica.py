@@ -1,6 +1,8 @@
 """Simulated replicas of the trace simulator: lifecycle, engine, router endpoint, scrapes, nodes.
 
-Owns `Phase` (STARTING, READY, DRAINING, TERMINATED), `SimReplica` (one replica: its
+Owns `SimReplica` (one replica, in the controller's lifecycle states
+(`fleet.controller.lifecycle.ReplicaStatus`: STARTING, READY, DRAINING, TERMINATED; the states
+before STARTING pass in no time here): its
 `fleet.enginesim.model.EngineModel`, its `router.endpoint.EndpointState` as the router sees it, the ids
 of the requests dispatched to it, the engine's cumulative `vllm:request_queue_time_seconds`
 histogram, and when it was placed, became READY and stopped) and `NodePool` (where replicas
@@ -20,10 +22,10 @@ scale-down are not modelled).
 from __future__ import annotations
 
 import bisect
-import enum
 
 from autoscaler.engine_metrics import EngineSample
 from autoscaler.histograms import CumulativeHistogram
+from fleet.controller.lifecycle import ReplicaStatus
 from fleet.enginesim.metrics import REQUEST_LATENCY_BUCKETS
 from fleet.enginesim.model import EngineModel, FinishedRequest
 from router.endpoint import EndpointState
@@ -31,13 +33,6 @@ from router.endpoint import EndpointState
 QUEUE_TIME_BOUNDS: tuple[float, ...] = (*REQUEST_LATENCY_BUCKETS, float("inf"))
 """Bucket bounds (seconds) of `vllm:request_queue_time_seconds` (vLLM 0.32,
 vllm/v1/metrics/buckets.py, as `fleet.enginesim.metrics` exports them)."""
-
-
-class Phase(enum.Enum):
-    STARTING = "STARTING"      # placed, engine loading (counts toward the target)
-    READY = "READY"            # in the router's pool
-    DRAINING = "DRAINING"      # in the pool marked draining (no new requests), in-flight ones finishing
-    TERMINATED = "TERMINATED"  # stopped; no longer costs replica time
 
 
 class SimReplica:
@@ -54,7 +49,7 @@ class SimReplica:
 
     __slots__ = ("_qt_count", "_qt_counts", "_qt_sum", "busy", "created_s", "drain_s", "endpoint", "endpoints",
                  "engine", "id",
-                 "in_flight_ids", "index", "node", "phase", "ready_at_s", "stopped_s", "wake_at_s", "warm")  # fmt: skip
+                 "in_flight_ids", "index", "node", "ready_at_s", "status", "stopped_s", "wake_at_s", "warm")  # fmt: skip
 
     def __init__(self, replica_id: str, index: int, engine: EngineModel, created_s: float, ready_at_s: float,
                  warm: bool, node: int, routers: int = 1) -> None:  # fmt: skip
@@ -65,7 +60,7 @@ class SimReplica:
         # requests in flight, as independent router processes do.
         self.endpoints = [EndpointState(replica_id, f"sim://{replica_id}") for _ in range(routers)]
         self.endpoint = self.endpoints[0]
-        self.phase = Phase.STARTING
+        self.status = ReplicaStatus.STARTING
         self.created_s = created_s
         self.ready_at_s = ready_at_s
         self.drain_s: float | None = None
@@ -112,7 +107,7 @@ class SimReplica:
         return max(0.0, end_s - self.created_s)
 
     def __repr__(self) -> str:
-        return f"SimReplica({self.id}, {self.phase.value}, in_flight={self.endpoint.in_flight})"
+        return f"SimReplica({self.id}, {self.status.value}, in_flight={self.endpoint.in_flight})"
 
 
 class NodePool:

@@ -36,7 +36,9 @@ from fleet.rollout.revisions import RequestSample, Revisions, endpoint_weights, 
 from fleet.enginesim.cost import StepCost, StepFeatures
 from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from fleet.enginesim.profiles import Profile
-from fleet.tracesim.replica import Phase, SimReplica
+from fleet.controller.lifecycle import ReplicaStatus
+from fleet.controller.scale import scale_step
+from fleet.tracesim.replica import SimReplica
 from fleet.tracesim.workload import Workload, prompt_ids
 from router.prompt_blocks import route_request
 from fleet.rollout.analysis import SideSamples
@@ -190,7 +192,7 @@ class RolloutSimulation:
                 elif kind == _WAKE:
                     self._on_wake(payload, now_s)  # type: ignore[arg-type]
                 elif kind == _READY:
-                    payload.phase = Phase.READY  # type: ignore[union-attr]
+                    payload.status = ReplicaStatus.READY  # type: ignore[union-attr]
                     self._make_pool()
                 else:
                     self._control(now_s)
@@ -222,7 +224,7 @@ class RolloutSimulation:
         ready_at_s = now_s if ready_now else now_s + cfg.canary_startup_s
         r = SimReplica(f"{version}-{index}", index, engine, now_s, ready_at_s, True, index)
         r.endpoint.version = version
-        r.phase = Phase.READY if ready_now else Phase.STARTING
+        r.status = ReplicaStatus.READY if ready_now else ReplicaStatus.STARTING
         self.replicas.append(r)
         self.version[r.id] = version
         if not ready_now:
@@ -230,11 +232,11 @@ class RolloutSimulation:
         return r
 
     def _make_pool(self) -> Pool:
-        members = [r for r in self.replicas if r.phase in (Phase.READY, Phase.DRAINING)
+        members = [r for r in self.replicas if r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING)
                    and not (self.cfg.variant.no_traffic and self.version[r.id] == "canary")]  # fmt: skip
         ready: dict[str, int] = {}
         for r in members:
-            r.endpoint.draining = r.phase is Phase.DRAINING
+            r.endpoint.draining = r.status is ReplicaStatus.DRAINING
             if not r.endpoint.draining:
                 ready[self.version[r.id]] = ready.get(self.version[r.id], 0) + 1
         weights = endpoint_weights(self.revs, ready)
@@ -261,8 +263,8 @@ class RolloutSimulation:
         if canary and share > 0 and random.Random(f"{self.cfg.seed}:{i}").random() < share:
             self.failed += 1
             self.canary_failed += 1
-            self.shared.requests.record(now_s, "canary", r.id, ttft_s=None, tpot_s=None, e2e_s=None,
-                                        queue_time_s=0.0, failed=True)  # fmt: skip
+            self.shared.finished(r.endpoint, arrival_s=now_s, dispatch_s=now_s, end_s=now_s, first_token_s=None,
+                                 tpot_s=None, e2e_s=None, failed=True)  # fmt: skip
             return
         endpoint.start(route.prefill_tokens)   # the load the routing policies read, as the proxy keeps it
         self._prefill[str(i)] = route.prefill_tokens
@@ -278,12 +280,14 @@ class RolloutSimulation:
         if not ok:
             self.failed += 1
             self.canary_failed += self.version[r.id] == "canary"
-        ttft = fr.ttft_s if ok else None
         tpot = fr.tpot_s if ok and fr.num_output_tokens > 1 else None
-        self.shared.requests.record(now_s, self.version[r.id], r.id, ttft_s=ttft, tpot_s=tpot,
-                                    e2e_s=fr.e2e_s if ok else None, queue_time_s=fr.queue_s, failed=not ok)  # fmt: skip
-        if r.phase is Phase.DRAINING and r.endpoint.in_flight == 0:
-            r.phase = Phase.TERMINATED
+        # Dispatched as it arrived (no admission queue here): the router's queue time is 0, as the
+        # proxy would record it; the engine's own queue shows in TTFT.
+        self.shared.finished(r.endpoint, arrival_s=fr.arrival_s, dispatch_s=fr.arrival_s, end_s=now_s,
+                             first_token_s=fr.first_token_s if ok else None, tpot_s=tpot,
+                             e2e_s=fr.e2e_s if ok else None, failed=not ok)  # fmt: skip
+        if r.status is ReplicaStatus.DRAINING and r.endpoint.in_flight == 0:
+            r.status = ReplicaStatus.TERMINATED
             self._make_pool()
 
     def _step(self, r: SimReplica, now_s: float) -> None:
@@ -323,7 +327,7 @@ class RolloutSimulation:
             self.state = self.machine.start("canary", "stable", now_s)
             self.revs.canary, self.revs.rollout = "canary", self.state
         st = self.state
-        canary_ready = sum(1 for r in self.replicas if self.version[r.id] == "canary" and r.phase is Phase.READY)
+        canary_ready = sum(1 for r in self.replicas if self.version[r.id] == "canary" and r.status is ReplicaStatus.READY)
         self.machine.advance(st, now_s, canary_ready=canary_ready, total=cfg.replicas)
         if self.machine.analysis_due(st, now_s):
             run = self._analyse(now_s)
@@ -334,12 +338,12 @@ class RolloutSimulation:
         stable_n, canary_n = replica_targets(cfg.replicas, st.weight, self.machine.sizing_weight(st),
                                              cfg.rollout.surge)  # fmt: skip
         for version, want in (("stable", stable_n), ("canary", canary_n)):
-            active = [r for r in self.replicas if self.version[r.id] == version
-                      and r.phase in (Phase.STARTING, Phase.READY)]  # fmt: skip
-            for _ in range(want - len(active)):
+            active = [r for r in self.replicas if self.version[r.id] == version and r.status.counts_toward_desired()]
+            step = scale_step(active, want, lambda r: r.index)   # the controller's scale step
+            for _ in range(step.create):
                 self._add(version, now_s)
-            for r in sorted(active, key=lambda r: -r.index)[: max(0, len(active) - want)]:
-                r.phase = Phase.DRAINING if r.endpoint.in_flight else Phase.TERMINATED
+            for r in step.drain:
+                r.status = ReplicaStatus.DRAINING if r.endpoint.in_flight else ReplicaStatus.TERMINATED
         self._make_pool()
         self._push(now_s + CONTROL_INTERVAL_S, _CONTROL, None)
 

@@ -16,7 +16,8 @@ from fleet.enginesim.model import EngineConfig
 from fleet.enginesim.profiles import Profile
 from fleet.tracesim.compare import COMPARE, contender, run_comparison
 from fleet.tracesim.engine import SimConfig, Simulation
-from fleet.tracesim.replica import NodePool, Phase
+from fleet.controller.lifecycle import ReplicaStatus
+from fleet.tracesim.replica import NodePool
 from fleet.tracesim.results import RequestLog, SimResult, TickRecord
 from fleet.tracesim.workload import (
     FleetSizing,
@@ -84,8 +85,8 @@ def test_a_burst_scales_up_and_the_replicas_come_back_down_after_it() -> None:
     assert max(t.ready for t in result.ticks) >= 3
     assert downs and min(t.at_s for t in downs) > 120.0, "no scale-down before the burst is over"
     assert result.ticks[-1].desired == 1 and result.ticks[-1].ready == 1
-    assert [r.phase for r in sim.replicas].count(Phase.READY) == 1
-    assert all(r.phase is Phase.TERMINATED for r in sim.replicas[1:]), "every added replica stopped again"
+    assert [r.status for r in sim.replicas].count(ReplicaStatus.READY) == 1
+    assert all(r.status is ReplicaStatus.TERMINATED for r in sim.replicas[1:]), "every added replica stopped again"
     s = result.summary()
     _, alone = simulate(config(AutoscalingSpec(policy="fixed")))
     assert s.failed == 0 and s.within_slo > alone.summary().within_slo + 0.1, "the added replicas served the burst"
