@@ -59,7 +59,11 @@ _RESERVED_ENGINE_ENV = {
 
 class Metadata(SpecModel):
     name: str = Field(..., max_length=63, description="Deployment name, a DNS-1123 label.")
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Free-form labels of the deployment; Fleet reads none of them (on Kubernetes: the resource's "
+        "own labels).",
+    )
 
     @field_validator("name")
     @classmethod
@@ -262,12 +266,30 @@ class PrePullSpec(SpecModel):
 
 
 class DeploymentSpec(SpecModel):
-    model: ModelSpec
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    replicas: ReplicasSpec = Field(default_factory=ReplicasSpec)
-    routing: RoutingSpec = Field(default_factory=RoutingSpec)
-    warmup: WarmupPlan = Field(default_factory=WarmupPlan)
+    model: ModelSpec = Field(
+        ..., description="What is served: the name clients ask for, where the weights are, and their revision."
+    )
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec,
+        description="The inference engine every replica runs (vLLM, or the engine simulator) and its arguments.",
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec,
+        description="The shape of one replica: whole GPUs (tensor parallel), one MIG instance, or CPU cores "
+        "(docs/placement.md).",
+    )
+    replicas: ReplicasSpec = Field(
+        default_factory=ReplicasSpec,
+        description="How many replicas: the bounds the autoscaler scales within, and the count at start.",
+    )
+    routing: RoutingSpec = Field(
+        default_factory=RoutingSpec,
+        description="How the router picks a replica for each request, and its admission queue (docs/router.md).",
+    )
+    warmup: WarmupPlan = Field(
+        default_factory=WarmupPlan,
+        description="Requests a replica must answer, after /health passes, before it joins the router's pool.",
+    )
     autoscaling: AutoscalingSpec | None = Field(
         None, description="Scale between spec.replicas.min and max on queue time and p99 TTFT. Unset: "
         "spec.replicas.initial replicas, fixed.",
@@ -307,10 +329,15 @@ class DeploymentSpec(SpecModel):
 class InferenceDeployment(SpecModel):
     """One deployment: a model served by homogeneous replicas behind the router."""
 
-    api_version: Literal["fleet.inference.dev/v1alpha1"] = Field(..., alias="apiVersion")
-    kind: Literal["InferenceDeployment"]
-    metadata: Metadata
-    spec: DeploymentSpec
+    api_version: Literal["fleet.inference.dev/v1alpha1"] = Field(
+        ..., alias="apiVersion", description="The document's API version: fleet.inference.dev/v1alpha1."
+    )
+    kind: Literal["InferenceDeployment"] = Field(..., description="The document's kind: InferenceDeployment.")
+    metadata: Metadata = Field(..., description="The deployment's name and labels (on Kubernetes: the resource's).")
+    spec: DeploymentSpec = Field(
+        ..., description="The deployment: model, engine, replica shape and count, routing, warm-up, autoscaling, "
+        "rollout."
+    )
 
     @property
     def name(self) -> str:

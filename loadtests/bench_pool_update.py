@@ -17,8 +17,8 @@ that takes longer than `--timeout-s` is reported as such and the run stops (the 
 killed).
 
 Before the data-plane hardening of the router, replacing or deleting a pool cost time
-quadratic in its endpoints (each leaving endpoint scanned every metric series); see the
-router section of README.md for the figures before and after.
+quadratic in its endpoints (each leaving endpoint scanned every metric series); see
+docs/benchmarks.md ("The router under hostile input and large pools") for the figures before and after.
 
 Usage: python -m loadtests.bench_pool_update [--sizes 1000,10000] [--timeout-s 120]
 """

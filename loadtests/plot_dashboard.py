@@ -1,6 +1,6 @@
 """Draw the main panels of Fleet's Grafana dashboard from a Prometheus, as one PNG (matplotlib).
 
-The figure in the README (docs/img/observability-dashboard.png) is drawn by this script from the
+The figure in docs/observability/README.md (docs/img/observability-dashboard.png) is drawn by this script from the
 Prometheus of the observability integration test (`fleet up` over simulated engines under load,
 tests/e2e/test_observability_sim.py), with the very queries the dashboard ships
 (`fleet.observability.dashboard`):

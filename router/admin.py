@@ -22,7 +22,7 @@ and endpoint (TTFT, TPOT, end-to-end, queue time, failed), what canary analysis 
 Pools of thousands of endpoints never hold the event loop long: documents are validated and
 listed in slices between yields (`YIELD_EVERY`), PUTs and DELETEs apply in arrival order under
 one lock, and garbage collection is paused while a pool is swapped (`_gc_paused`); the figures
-are in README.md ("The router under hostile input and large pools").
+are in docs/benchmarks.md ("The router under hostile input and large pools").
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 DEFAULT_POLICY = "kv-aware"
 """Name of the policy a pool gets when its spec names none: `kv-aware`, since it beat
-`latency-aware` and round-robin at p99 TTFT on every trace the routing benchmark ships (README,
-"Routing that knows the KV cache")."""
+`latency-aware` and round-robin at p99 TTFT on every trace the routing benchmark ships
+(docs/benchmarks.md, "Routing that knows the KV cache")."""
 
 DEFAULT_STALE_AFTER_S = 10.0
 """How old (seconds) an endpoint's last TTFT sample may be before `latency-aware` treats

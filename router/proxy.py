@@ -22,7 +22,7 @@ endpoint has answered. Upstream 4xx and 5xx are relayed as is. Every error the r
 itself is in OpenAI's format and counted in `fleet_router_rejected_requests_total`
 (`RouterMetrics.reject`); what it reflects of the request (the model name) is truncated.
 
-This is the hot path (figures: README.md, "The router against `vllm-router`"): raw ASGI, aiohttp
+This is the hot path (figures: docs/benchmarks.md, "The router against `vllm-router`"): raw ASGI, aiohttp
 client, pre-bound metric children, no per-request logging. Keep it that way.
 """
 

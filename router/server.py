@@ -4,7 +4,7 @@ Owns `serve`, the process entry point used by `python -m router` (router/__main_
 by deployment scripts, `uvicorn_config` (the server settings `serve` and `tests.support.router` share)
 and `RequestGuardProtocol`, uvicorn's httptools protocol with deadlines on receiving each request
 (head, then body) and a size limit on its head. uvloop + httptools and no access log are what
-the measured figures in README.md (the router sections) assume; the loop and parser are not
+the measured figures in docs/benchmarks.md (the router sections) assume; the loop and parser are not
 options.
 """
 

@@ -37,7 +37,10 @@ class WarmupPlan(SpecModel):
     """What a replica must pass, after ``/health``, before it joins the router's pool."""
 
     enabled: bool = Field(True, description="False admits a replica as soon as /health passes.")
-    requests: list[WarmupRequest] = Field(default_factory=_default_requests)
+    requests: list[WarmupRequest] = Field(
+        default_factory=_default_requests,
+        description="The warm-up requests, sent one after another; the first that fails fails the warm-up.",
+    )
     request_timeout_seconds: float = Field(
         120.0, gt=0, description="Timeout of each warm-up request, in seconds."
     )

@@ -48,8 +48,8 @@ keep) come from the buddy allocator, and on the development VM (Linux 6.18, ext4
 several times the system CPU per byte (most when the memory has been free a second or more;
 read as the host taking free guest memory back, not verified): 1 MiB writes cost 1.0 to 2.5 system CPU-s per GB there, 256
 KiB writes 0.4 normally and 1.3 to 1.9 after another program's small writes freed its pages,
-32 KiB writes 0.7 in both cases, as curl's 16 KiB ones (loadtests/bench_cache_fill.py, README
-"Cache figures"). Receiving and hashing keep ``CHUNK_BYTES`` pieces."""
+32 KiB writes 0.7 in both cases, as curl's 16 KiB ones (loadtests/bench_cache_fill.py,
+docs/benchmarks.md "The weight cache against curl"). Receiving and hashing keep ``CHUNK_BYTES`` pieces."""
 WRITEBACK_BYTES = 32 << 20
 """Every this many bytes written, the kernel is told to start writing them to disk (without
 waiting): the fsync before the rename then finds little left to write."""

@@ -4,7 +4,7 @@ Each module of this package owns a group of commands (their arguments, help text
 and exposes them on its own ``app = typer.Typer()``; this module merges them into the `fleet`
 app in the order `fleet --help` lists them. The work is done elsewhere: the commands call
 `fleet.local` (`fleet up` and friends), `fleet.placement`, `fleet.agent`, `fleet.tracesim`,
-`fleet.k8s` and `fleet.observability`.
+`fleet.k8s` and `fleet.observability`; `fleet explain` walks the spec models themselves.
 
 | module | commands |
 |---|---|
@@ -16,6 +16,7 @@ app in the order `fleet --help` lists them. The work is done elsewhere: the comm
 | `fleet.cli.simulate` | simulate |
 | `fleet.cli.observability` | prometheus-config, dashboard, rules, top |
 | `fleet.cli.k8s` | crd, operator, router-pod |
+| `fleet.cli.explain` | explain |
 
 Shared options, consoles and error output: `fleet.cli.common`.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import typer
 
-from fleet.cli import agent, engines, k8s, local, observability, placement, rollout, simulate
+from fleet.cli import agent, engines, explain, k8s, local, observability, placement, rollout, simulate
 
 app = typer.Typer(
     name="fleet",
@@ -34,5 +35,5 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",   # help paragraphs reflow to the terminal's width
 )
-for _group in (local, engines, placement, agent, simulate, rollout, observability, k8s):
+for _group in (local, engines, placement, agent, simulate, rollout, observability, k8s, explain):
     app.add_typer(_group.app)

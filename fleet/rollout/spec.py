@@ -18,7 +18,8 @@ p99 TTFT <= 1.2 x stable, p99 TPOT <= 1.1 x stable, error rate <= stable + 0.5 p
 points (the limits of the issue that asked for this, issue 12), and median TPOT <= 1.1 x stable
 (a slower decode shifts every request's TPOT; the median shows it with far fewer samples than
 the p99, which over a minute's requests is close to their maximum: the trace simulator's
-+30 % TPOT canary passed the p99 check alone, README "Canary rollouts"); one failed run is tolerated
++30 % TPOT canary passed the p99 check alone, docs/benchmarks.md "Canary rollouts in the trace
+simulator"); one failed run is tolerated
 (Argo Rollouts' `failureLimit` counts the same way: the rollout aborts when failures exceed it).
 """
 

@@ -4,8 +4,8 @@ steady open-loop load, counting every request.
 
 Real `fleet up` processes over replicas of the engine SIMULATOR (`engine.kind: sim`: vLLM's API
 with modelled latencies, no model; seconds to start), real router, real signals. Each test
-prints its figures (failed requests, seconds to adopt, seconds the router was down); the README
-records them ("Crash safety").
+prints its figures (failed requests, seconds to adopt, seconds the router was down);
+docs/benchmarks.md records them ("Crash safety: fault injection").
 """
 
 from __future__ import annotations

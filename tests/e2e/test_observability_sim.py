@@ -203,7 +203,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             (JOB_ENGINE, rid) for rid, r in fleet.replicas().items() if r["status"] == "READY"}, fleet=fleet)
         _wait("a 503 rejection by the admission queue", lambda: load.outcomes["503"] > 0, fleet=fleet)
         yield s
-        if os.environ.get("FLEET_DASHBOARD_PNG"):  # the README's figure: more minutes of the same load
+        if os.environ.get("FLEET_DASHBOARD_PNG"):  # docs/observability/README.md's figure: more minutes of load
             from loadtests.plot_dashboard import plot_dashboard
 
             time.sleep(float(os.environ.get("FLEET_DASHBOARD_SECONDS", "150")))

@@ -5,7 +5,7 @@ one; under a steady streamed load, counting every request: none may fail, no str
 
 Real `fleet up`, router and `fleet.enginesim` engine processes (`engine.kind: sim`; no vLLM, no model).
 One replica per revision fits a 2-core machine (the canary is a surge replica). Each test prints
-its figures; the README records them ("Canary rollouts").
+its figures; docs/benchmarks.md records them ("Canary rollouts in the trace simulator").
 """
 
 from __future__ import annotations

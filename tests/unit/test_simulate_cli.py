@@ -125,8 +125,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_readme_code_figures_are_reproduced() -> None:
-    """The README's autoscaling table for the Azure `code` trace comes from
-    loadtests/results/autoscaling-code.json; a fresh run of Fleet's row must give the same
+    """The autoscaling tables for the Azure `code` trace (docs/autoscaling.md, docs/benchmarks.md) come
+    from loadtests/results/autoscaling-code.json; a fresh run of Fleet's row must give the same
     figures (a policy change that moves them must regenerate the table)."""
     recorded = json.loads((ROOT / "loadtests/results/autoscaling-code.json").read_text())
     want = next(r["summary"] for r in recorded["results"] if r["name"] == "fleet")
