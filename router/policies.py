@@ -23,15 +23,13 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from router.prefix_index import PrefixIndex
-from router.prompt_blocks import ROUTER_BLOCK_TOKENS
+from router.endpoint import EndpointState
+from router.prompt_blocks import ROUTER_BLOCK_TOKENS, RouteRequest
 from router.registry import Registered, Registry
 
-if TYPE_CHECKING:
-    from router.endpoint import EndpointState
-    from router.prompt_blocks import RouteRequest
 
 DEFAULT_POLICY = "kv-aware"
 """Name of the policy a pool gets when its spec names none: `kv-aware`, since it beat

@@ -18,8 +18,8 @@ from collections.abc import Callable, Collection, Sequence
 from prometheus_client import Histogram
 
 from router.admission import AdmissionQueue
-from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S, EndpointState
-from router.metrics import EndpointMetrics, RouterMetrics
+from router.endpoint import EndpointState
+from router.metrics import RouterMetrics
 from router.policies import RoutingPolicy, make_policy
 from router.prompt_blocks import RouteRequest
 from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S, PoolSpec

@@ -33,10 +33,8 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from router.endpoint import EndpointState
+from router.endpoint import EndpointState
 
 _HASH_SCALE = float(2**64)
 

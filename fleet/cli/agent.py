@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import signal
 import socket
-import sys
 import threading
 import time
 from pathlib import Path

@@ -25,10 +25,9 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 from typing import ClassVar
 
-from fleet.inventory.model import Inventory, NodeInventory, product_key
+from fleet.inventory.model import Inventory, product_key
 from fleet.placement import cpu, explain, gangs, mig_advice
 from fleet.placement.context import Context
 from fleet.placement.shapes import (

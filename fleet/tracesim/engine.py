@@ -382,20 +382,13 @@ class Simulation:
     # ----- engines ----------------------------------------------------------------------
 
     def _step(self, replica: SimReplica, now_s: float) -> None:
-        """Start the replica's next engine step at ``now_s`` if it has work (as `run_virtual`)."""
-        engine = replica.engine
-        if not engine.has_work():
-            return
-        result = engine.step(now_s)
-        if not result.scheduled and not result.preempted:
-            ready_s = engine.retry_at_s(now_s)
-            if replica.wake_at_s is None or ready_s < replica.wake_at_s:
-                replica.wake_at_s = ready_s
-                self._push(ready_s, _WAKE, replica)
-            return
-        self._steps += 1
-        replica.busy = True
-        self._push(result.end_s, _STEP_END, (replica, result))
+        """Start the replica's next engine step at ``now_s`` if it has work (`SimReplica.step`)."""
+        result = replica.step(now_s)
+        if isinstance(result, StepResult):
+            self._steps += 1
+            self._push(result.end_s, _STEP_END, (replica, result))
+        elif result is not None:
+            self._push(result, _WAKE, replica)
 
     def _on_wake(self, replica: SimReplica, now_s: float) -> None:
         if replica.wake_at_s != now_s:

@@ -27,7 +27,7 @@ from autoscaler.engine_metrics import EngineSample
 from autoscaler.histograms import CumulativeHistogram
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.enginesim.metrics import REQUEST_LATENCY_BUCKETS
-from fleet.enginesim.model import EngineModel, FinishedRequest
+from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from router.endpoint import EndpointState
 
 QUEUE_TIME_BOUNDS: tuple[float, ...] = (*REQUEST_LATENCY_BUCKETS, float("inf"))
@@ -73,6 +73,25 @@ class SimReplica:
         self._qt_counts = [0] * len(QUEUE_TIME_BOUNDS)
         self._qt_sum = 0.0
         self._qt_count = 0
+
+    def step(self, now_s: float) -> StepResult | float | None:
+        """Start the engine's next step at ``now_s`` if it has work (as `run_virtual` steps it).
+
+        Returns the `StepResult` of a step that now runs (``busy`` until its ``end_s``); or the
+        time a wake-up is newly due (nothing could be scheduled before it: ``wake_at_s`` is set;
+        the caller schedules the wake-up); or None (no work, or an earlier wake-up is due)."""
+        engine = self.engine
+        if not engine.has_work():
+            return None
+        result = engine.step(now_s)
+        if not result.scheduled and not result.preempted:
+            ready_s = engine.retry_at_s(now_s)
+            if self.wake_at_s is None or ready_s < self.wake_at_s:
+                self.wake_at_s = ready_s
+                return ready_s
+            return None
+        self.busy = True
+        return result
 
     @property
     def startup_s(self) -> float:

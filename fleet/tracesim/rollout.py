@@ -291,18 +291,11 @@ class RolloutSimulation:
             self._make_pool()
 
     def _step(self, r: SimReplica, now_s: float) -> None:
-        engine = r.engine
-        if not engine.has_work():
-            return
-        result = engine.step(now_s)
-        if not result.scheduled and not result.preempted:
-            ready_s = engine.retry_at_s(now_s)
-            if r.wake_at_s is None or ready_s < r.wake_at_s:
-                r.wake_at_s = ready_s
-                self._push(ready_s, _WAKE, r)
-            return
-        r.busy = True
-        self._push(result.end_s, _STEP_END, (r, result))
+        result = r.step(now_s)   # as the autoscaling simulator steps it (`SimReplica.step`)
+        if isinstance(result, StepResult):
+            self._push(result.end_s, _STEP_END, (r, result))
+        elif result is not None:
+            self._push(result, _WAKE, r)
 
     def _on_wake(self, r: SimReplica, now_s: float) -> None:
         if r.wake_at_s != now_s:

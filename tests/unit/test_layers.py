@@ -17,7 +17,6 @@ The rules are written down in docs/architecture.md; change both together.
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
