@@ -1,0 +1,351 @@
+"""Observability end to end: `fleet up` over simulated engines under load, a real Prometheus
+scraping it through Fleet's service discovery, every dashboard query and every alert rule
+evaluated against that Prometheus, and `fleet top` driven in tmux.
+
+Real here: `fleet up` (controller, router, autoscaler, node agent, the file_sd file it keeps
+current and its metrics endpoints), the engine SIMULATOR's processes and `vllm:` metrics, Prometheus itself
+(Debian's `prometheus` package; `.ci/prometheus.sh` installs it) scraping every second with
+Fleet's rules loaded, `fleet prometheus-config`, `fleet top` in a real terminal (tmux).
+
+The GPUs are not real: `fleet up` runs over tests/support/fake_nvml.py's stand-in NVML
+(tests/e2e/fake_gpu_fleet.py: eight H100s, GPU 7 with a double-bit ECC error and an Xid 48), so
+its node agent runs its real checks, quarantines GPU 7 and exports it, and the GPU health and
+quarantine panels are evaluated like every other (the deployment itself runs on CPU).
+
+The load: closed-loop clients, half of them streaming, on a deployment with two slots per
+replica and an admission queue of three, so the router queues, rejects some requests with 503,
+and the autoscaler adds a replica. Waits are on conditions with deadlines, never on time.
+Set FLEET_DASHBOARD_PNG=path to also draw the dashboard's main panels
+(loadtests/plot_dashboard.py) from this Prometheus at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from fleet.observability.dashboard import build_dashboard, panel_queries
+from fleet.observability.discovery import JOB_CONTROLLER, JOB_ENGINE, JOB_NODE_AGENT, JOB_ROUTER, targets_path
+from fleet.observability.promql import grafana_to_promql
+from fleet.observability.rules import alerts, recording_rules, render_rules
+from tests.support.fleet_up import REPO, FleetUp, free_port
+from tests.support.fake_gpu_fleet import FAULTY_GPU, XID
+
+MODEL = "llama-8b-sim"
+DEPLOYMENT = "chat"
+CLIENTS = 10
+TIMEOUT_S = 240.0
+RATE_INTERVAL = "20s"      # what Grafana's $__rate_interval is at a 1 s scrape interval and a short range
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None or shutil.which("promtool") is None,
+    reason="Prometheus is not installed (Debian: apt-get install prometheus; .ci/prometheus.sh does it in CI)",
+)
+
+
+def deployment(tmp: Path) -> Path:
+    doc = {
+        "apiVersion": "fleet.inference.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": DEPLOYMENT},
+        "spec": {
+            "model": {"name": MODEL, "source": "sim://h100-llama-8b", "revision": "v1"},
+            "engine": {"kind": "sim", "args": ["--seed", "5", "--startup-delay-s", "0.5"],
+                       "startupTimeoutSeconds": 120},
+            "resources": {"accelerator": "cpu", "cpuCores": 1},
+            "replicas": {"min": 1, "max": 2},
+            "routing": {"policy": "latency-aware", "maxConcurrencyPerEndpoint": 2, "maxQueueLength": 3,
+                        "queueTimeoutSeconds": 60},
+            "warmup": {"requests": [{"kind": "completion", "prompt": "warm", "maxTokens": 4}]},
+            "autoscaling": {"policy": "fleet", "queueTimeTargetSeconds": 0.3, "ttftP99TargetSeconds": 5.0,
+                            "windowSeconds": 4, "intervalSeconds": 1, "scaleDownStabilizationSeconds": 600,
+                            "warmStartupSeconds": 2},
+        },
+    }  # fmt: skip
+    path = tmp / "chat.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+class Load:
+    """Closed-loop clients; every other one streams. A 503 is counted and retried after 1 s."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.outcomes: Counter[str] = Counter()
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, args=(i % 2 == 0,), daemon=True) for i in range(CLIENTS)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+    def _loop(self, stream: bool) -> None:
+        body = {"model": MODEL, "prompt": "tell me a story " * 8, "max_tokens": 48, "ignore_eos": True,
+                "stream": stream}  # fmt: skip
+        with httpx.Client(timeout=120) as client:
+            while not self.stop.is_set():
+                try:
+                    with client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                        for _ in r.iter_bytes():
+                            pass
+                        outcome = str(r.status_code)
+                except httpx.HTTPError as err:
+                    outcome = type(err).__name__
+                with self._lock:
+                    self.outcomes[outcome] += 1
+                if outcome != "200":
+                    self.stop.wait(1.0)
+
+
+@dataclass
+class Stack:
+    fleet: FleetUp
+    prom_url: str
+    load: Load
+    started_unix: float
+    tmp: Path
+
+    def query_range(self, expr: str) -> list[dict]:
+        r = httpx.get(f"{self.prom_url}/api/v1/query_range", timeout=30, params={
+            "query": expr, "start": self.started_unix, "end": time.time(), "step": "2s"})
+        body = r.json()
+        if body.get("status") != "success":
+            raise AssertionError(f"{expr!r}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]["result"]
+
+    def has_data(self, expr: str) -> bool:
+        """True when some series of ``expr`` has a finite value at some step since the start."""
+        return any(math.isfinite(float(v)) for s in self.query_range(expr) for _, v in s["values"])
+
+
+def _wait(what: str, predicate, timeout_s: float = TIMEOUT_S, fleet: FleetUp | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if fleet is not None and fleet.proc.poll() is not None:
+            pytest.fail(f"`fleet up` exited while waiting for {what}:\n{fleet.output()}")
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}" + (f"\n{fleet.output()}" if fleet else ""))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("observability")
+    fleet = FleetUp([deployment(tmp)], tmp / "state", cli_module="tests.support.fake_gpu_fleet")
+    prom = None
+    load = Load(fleet.router_url)
+    try:
+        fleet.wait_for("the first replica READY", lambda: any(
+            r["status"] == "READY" for r in fleet.replicas().values()), TIMEOUT_S)
+        sd_file = targets_path(fleet.state_dir)
+        _wait("the file_sd file", sd_file.exists, fleet=fleet)
+
+        rules = tmp / "fleet-rules.yaml"
+        rules.write_text(render_rules(interval="1s"))
+        config = fleet.cli("prometheus-config", "--scrape-interval", "1s", "--rules", str(rules))
+        assert config.returncode == 0, config.stderr
+        (tmp / "prometheus.yml").write_text(config.stdout)
+        port = free_port()
+        prom_log = open(tmp / "prometheus.log", "wb")
+        prom = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
+            stdout=prom_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        prom_url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{prom_url}/-/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait("Prometheus ready", ready)
+        s = Stack(fleet, prom_url, load, time.time(), tmp)
+        # A Prometheus that runs all along has seen the fleet before the burst: wait for a first
+        # scrape of the autoscaler's desired replicas (the scaling annotation reads its changes).
+        _wait("a first scrape of fleet up's metrics", lambda: s.has_data("fleet_autoscaler_desired_replicas"),
+              fleet=fleet)  # fmt: skip
+        load.start()
+
+        def desired() -> int:
+            return fleet.state().get("deployments", {}).get(DEPLOYMENT, {}).get("desired", 0)
+
+        fleet.wait_for("a scale-up decision", lambda: desired() > 1, TIMEOUT_S)
+        fleet.wait_for("two READY replicas", lambda: sum(
+            r["status"] == "READY" for r in fleet.replicas().values()) >= 2, TIMEOUT_S)
+        _wait("Prometheus scraping router, controller, node agent and two engines", lambda: {
+            (x["labels"]["job"], x["labels"].get("replica", "")) for x in httpx.get(
+                f"{prom_url}/api/v1/targets", timeout=5).json()["data"]["activeTargets"] if x["health"] == "up"
+        } >= {(JOB_ROUTER, ""), (JOB_CONTROLLER, ""), (JOB_NODE_AGENT, "")} | {
+            (JOB_ENGINE, rid) for rid, r in fleet.replicas().items() if r["status"] == "READY"}, fleet=fleet)
+        _wait("a 503 rejection by the admission queue", lambda: load.outcomes["503"] > 0, fleet=fleet)
+        yield s
+        if os.environ.get("FLEET_DASHBOARD_PNG"):  # the README's figure: more minutes of the same load
+            from loadtests.plot_dashboard import plot_dashboard
+
+            time.sleep(float(os.environ.get("FLEET_DASHBOARD_SECONDS", "150")))
+            load.close()
+            time.sleep(30)  # the quiet after the burst
+            plot_dashboard(prom_url, s.started_unix - 20, time.time(), Path(os.environ["FLEET_DASHBOARD_PNG"]))
+    finally:
+        load.close()
+        if prom is not None:
+            prom.terminate()
+            prom.wait(timeout=60)
+        if fleet.proc.poll() is None:
+            assert fleet.interrupt() == 0
+            assert yaml.safe_load(targets_path(fleet.state_dir).read_text()) == []  # nothing left to scrape
+        if fleet.proc.poll() is None or fleet.leftover_pids():
+            fleet.kill_everything()
+
+
+def _missing(stack: Stack, queries: list[tuple[str, str]], deadline_s: float) -> list[tuple[str, str]]:
+    """Queries still without data at the deadline (each is retried until it has some)."""
+    pending = list(queries)
+    deadline = time.monotonic() + deadline_s
+    while pending and time.monotonic() < deadline:
+        pending = [(name, q) for name, q in pending if not stack.has_data(q)]
+        if pending:
+            time.sleep(1.0)
+    return pending
+
+
+def test_the_targets_carry_deployment_version_and_replica_labels(stack: Stack) -> None:
+    groups = yaml.safe_load(targets_path(stack.fleet.state_dir).read_text())
+    engines = [g for g in groups if g["labels"]["job"] == JOB_ENGINE]
+    ready = {rid for rid, r in stack.fleet.replicas().items() if r["status"] == "READY"}
+    assert {g["labels"]["replica"] for g in engines} >= ready
+    assert all(g["labels"]["deployment"] == DEPLOYMENT and g["labels"]["version"] == "v1" for g in engines)
+    # Prometheus attached them to the engines' own series.
+    query = f'vllm:num_requests_running{{job="{JOB_ENGINE}", deployment="{DEPLOYMENT}"}}'
+
+    def replicas_seen() -> set[str]:
+        return {s["metric"]["replica"] for s in stack.query_range(query)}
+
+    _wait("the engines' series in Prometheus with their replica label", lambda: replicas_seen() >= ready)
+    assert {s["metric"]["version"] for s in stack.query_range(query)} == {"v1"}
+    # The router names an endpoint by its replica id: the dashboard's `replica` variable filters both.
+    endpoints = {s["metric"]["endpoint"] for s in stack.query_range(f'fleet_router_requests_total{{job="{JOB_ROUTER}"}}')}
+    assert endpoints and endpoints <= set(stack.fleet.replicas()), endpoints
+
+
+def test_every_dashboard_panel_query_returns_data(stack: Stack) -> None:
+    queries = [(title, grafana_to_promql(expr, rate_interval=RATE_INTERVAL))
+               for title, expr in panel_queries(build_dashboard())]  # fmt: skip
+    missing = _missing(stack, queries, deadline_s=90)
+    assert not missing, "panels without data:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
+
+
+def test_the_node_agent_quarantines_the_faulty_gpu_and_prometheus_sees_it(stack: Stack) -> None:
+    """`fleet up`'s node agent is a target of its own (job fleet-node-agent) and its series say
+    what the stand-in NVML's GPU 7 did: a failing ECC check, a quarantine, an Xid 48."""
+    gpu = f"GPU-{FAULTY_GPU:08d}-0000-0000-0000-000000000000"
+
+    def latest(expr: str) -> dict[tuple, float]:
+        return {tuple(sorted(s["metric"].items())): float(s["values"][-1][1]) for s in stack.query_range(expr)}
+
+    _wait("the quarantine in Prometheus", lambda: latest(f'fleet_gpu_quarantined{{gpu="{gpu}"}}') != {})
+    [(labels, value)] = latest(f'fleet_gpu_quarantined{{gpu="{gpu}"}}').items()
+    assert value == 1 and dict(labels)["job"] == JOB_NODE_AGENT and dict(labels)["node"] == "local"
+    assert sum(latest("fleet_gpu_quarantined").values()) == 1   # the seven healthy GPUs export 0
+    assert {dict(k)["check"] for k in latest(f'fleet_gpu_health_findings{{gpu="{gpu}"}}')} >= {"ecc_uncorrected"}
+    assert list(latest('fleet_gpu_quarantine_decisions_total{action="quarantine"}').values()) == [1]
+    assert list(latest(f'fleet_gpu_xid_events_total{{xid="{XID}"}}').values()) == [1]
+    assert f"{gpu} QUARANTINE" in stack.fleet.output()
+
+
+def test_every_panel_returns_data_with_one_value_of_each_variable_selected(stack: Stack) -> None:
+    """Not only "All": a selected version, endpoint, deployment, model and node filter every panel
+    to data (the router's `version` is `<revision>@<hash>`, the variable's values revisions)."""
+    ready = sorted(rid for rid, r in stack.fleet.replicas().items() if r["status"] == "READY")
+    selected = {"deployment": DEPLOYMENT, "model": MODEL, "version": "v1", "replica": ready[0], "node": "local"}
+    queries = [(title, grafana_to_promql(expr, selected, rate_interval=RATE_INTERVAL))
+               for title, expr in panel_queries(build_dashboard())]  # fmt: skip
+    missing = _missing(stack, queries, deadline_s=60)
+    assert not missing, f"panels without data for {selected}:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
+
+
+def test_every_template_variable_has_values(stack: Stack) -> None:
+    variables = [v for v in build_dashboard()["templating"]["list"] if v["type"] == "query"]
+    assert [v["name"] for v in variables] == ["deployment", "model", "version", "replica", "node"]
+    expected = {"deployment": {DEPLOYMENT}, "model": {MODEL}, "version": {"v1"}, "node": {"local"}}
+    for v in variables:  # Grafana's label_values(SELECTOR, LABEL), asked the way Grafana asks it
+        match = re.fullmatch(r"label_values\((.*), (\w+)\)", v["query"])
+        assert match, v["query"]
+        selector, label = grafana_to_promql(match.group(1)), match.group(2)
+        values = httpx.get(f"{stack.prom_url}/api/v1/label/{label}/values", timeout=10,
+                           params={"match[]": selector}).json()["data"]  # fmt: skip
+        assert values, (v["name"], selector)
+        assert set(values) >= expected.get(v["name"], set()), (v["name"], values)
+
+
+def test_every_alert_rule_evaluates_and_its_signals_return_data(stack: Stack) -> None:
+    for a in alerts():
+        stack.query_range(a.expr)  # parses and evaluates (data only when it fires)
+    signals = [(f"alert {a.name}", q) for a in alerts() for q in a.data_exprs]
+    signals += [(f"record {r.record}", r.record) for r in recording_rules()]
+    missing = _missing(stack, signals, deadline_s=90)
+    assert not missing, "rules without data:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
+    # Prometheus loaded the very rules and evaluates them without error.
+    groups = httpx.get(f"{stack.prom_url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    health = {r.get("name"): (r["health"], r.get("lastError", "")) for g in groups for r in g["rules"]}
+    assert len(health) == len(alerts()) + len(recording_rules())
+    assert all(h == "ok" for h, _ in health.values()), health
+
+
+def test_fleet_top_shows_the_deployment_live_in_a_terminal(stack: Stack) -> None:
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (.ci/prometheus.sh installs it)")
+    session = f"fleet-top-{os.getpid()}"
+    cmd = (f"cd {REPO} && env COLUMNS=230 TERM=xterm-256color {sys.executable} -m fleet.cli top --state-dir {stack.fleet.state_dir} --interval-s 1; "
+           "echo TOP-EXITED-$?; sleep 60")  # fmt: skip
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "230", "-y", "20", cmd], check=True)
+    try:
+        def screen() -> str:
+            return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                                  text=True).stdout  # fmt: skip
+
+        def row_line() -> str:
+            return next((ln for ln in screen().splitlines() if ln.strip("│ ").startswith(DEPLOYMENT)), "")
+
+        def live_row() -> bool:
+            line = row_line()
+            # READY replicas of v1, and TTFT p50 / p99, TPOT p99 and queue p99 all measured
+            return "READY" in line and "v1" in line.split() and len(re.findall(r"\d+ ms|\d\.\d\d s", line)) == 4
+
+        try:
+            _wait("fleet top's row for the deployment with READY replicas and latencies", live_row, timeout_s=60)
+        except BaseException:
+            print("fleet top's screen:\n" + screen())
+            raise
+        text = screen()
+        assert "TTFT p99" in text and "last scaling" in text, text
+        line = row_line()
+        assert re.search(r"up 1->2|=2 \d+ s ago: (queue_time|ttft_p99)", line), line  # the autoscaler's scale-up
+        subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)
+        _wait("fleet top exiting on Ctrl-C", lambda: "TOP-EXITED-0" in screen(), timeout_s=30)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
