@@ -21,9 +21,6 @@ import psutil
 import pytest
 import yaml
 
-from fleet.local.backend import FLEET_ID_ENV, REPLICA_ID_ENV
-from fleet.local.procs import find_marked
-
 from tests.support.fleet_up import FleetUp, all_ready, engines, router_pid, stop_cleanly
 from tests.support.waits import wait_until
 from tests.support.load import OpenLoopLoad

@@ -8,7 +8,7 @@ current and its metrics endpoints), the engine SIMULATOR's processes and `vllm:`
 Fleet's rules loaded, `fleet prometheus-config`, `fleet top` in a real terminal (tmux).
 
 The GPUs are not real: `fleet up` runs over tests/support/fake_nvml.py's stand-in NVML
-(tests/e2e/fake_gpu_fleet.py: eight H100s, GPU 7 with a double-bit ECC error and an Xid 48), so
+(tests/support/fake_gpu_fleet.py: eight H100s, GPU 7 with a double-bit ECC error and an Xid 48), so
 its node agent runs its real checks, quarantines GPU 7 and exports it, and the GPU health and
 quarantine panels are evaluated like every other (the deployment itself runs on CPU).
 
