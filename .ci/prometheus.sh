@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install Prometheus (prometheus + promtool) and tmux from the distribution's packages, for the
-# observability tests (tests/e2e/test_observability_sim.py, tests/unit/test_observability_*.py).
+# observability tests (tests/integration/test_observability_*.py,
+# tests/integration/test_chart_monitoring.py).
 # Sourced by tests/run.sh. Idempotent and free when they are already there: installs only what
 # is missing. Debian's prometheus package also enables a systemd service; the tests never use
 # it (they start their own Prometheus on a free port with a temporary data directory).

@@ -376,7 +376,7 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
         Not the rate of this tick: a windowed latency lags the load that caused it, so right
         after a burst ends the signal still breaks while the arrival rate has already fallen,
         and an overload remembered at that low rate would bar every probe for 30 minutes (seen
-        in `tests/e2e/test_autoscale_sim.py`: one client left, "overloaded" at 0.2 req/s)."""
+        in `tests/integration/test_autoscale_sim.py`: one client left, "overloaded" at 0.2 req/s)."""
         spec, demand = self.spec, self._demand
         if ready > 0:
             demand.append((now_s, rate / ready, load / ready))

@@ -41,7 +41,7 @@ def _report(name: str, value_ms: float) -> None:
 
 class RouterUser(HttpUser):
     # requests-based, not FastHttpUser: geventhttpclient's read(n) waits for n bytes, which
-    # would hold back the first SSE event and inflate TTFT (tests/unit/test_locustfile.py).
+    # would hold back the first SSE event and inflate TTFT (tests/integration/test_locustfile.py).
     wait_time = between(0.5 * WAIT_S, 1.5 * WAIT_S)
 
     @task(1)

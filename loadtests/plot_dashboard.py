@@ -2,11 +2,11 @@
 
 The figure in docs/observability/README.md (docs/img/observability-dashboard.png) is drawn by this script from the
 Prometheus of the observability integration test (`fleet up` over simulated engines under load,
-tests/e2e/test_observability_sim.py), with the very queries the dashboard ships
+tests/integration/test_observability_sim.py), with the very queries the dashboard ships
 (`fleet.observability.dashboard`):
 
     FLEET_DASHBOARD_PNG=docs/img/observability-dashboard.png \\
-        python -m pytest -p no:cacheprovider tests/e2e/test_observability_sim.py
+        python -m pytest -p no:cacheprovider tests/integration/test_observability_sim.py
 
 or against any Prometheus that scrapes a fleet:
 

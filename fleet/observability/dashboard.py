@@ -4,7 +4,7 @@ Owns the panel definitions (`ROWS`: title, description, unit, PromQL per series)
 rendering to Grafana dashboard JSON with grafana-foundation-sdk (`build_dashboard`,
 `render_dashboard`; `fleet dashboard` prints it, docs/observability/fleet-dashboard.json ships
 it). `panel_queries` lists every query of a rendered dashboard: the integration test
-(tests/e2e/test_observability_sim.py) evaluates each against a real Prometheus and the lint
+(tests/integration/test_observability_sim.py) evaluates each against a real Prometheus and the lint
 (`fleet.observability.promql`) checks each for rate() and ``le``.
 
 Why grafana-foundation-sdk and not grafanalib: it is Grafana Labs' own, generated from the

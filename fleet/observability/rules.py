@@ -4,7 +4,7 @@ Owns the rule definitions (`recording_rules`, `alerts`) and their rendering (`ru
 a Prometheus rules file; `fleet rules` prints it, docs/observability/fleet-rules.yaml ships it).
 Checked by `promtool check rules` and unit-tested by `promtool test rules`
 (tests/data/observability/fleet-rules.test.yaml); the integration test
-(tests/e2e/test_observability_sim.py) evaluates every rule against a real Prometheus.
+(tests/integration/test_observability_sim.py) evaluates every rule against a real Prometheus.
 
 SLOs (`SLO`): time to first token of streamed replies at the router
 (``fleet_router_time_to_first_token_seconds``: dispatch to the first SSE event carrying text)

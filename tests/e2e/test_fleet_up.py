@@ -6,13 +6,13 @@ reason and log lines while the other deployment keeps serving."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import yaml
 from openai import OpenAI
 
-from tests.e2e.conftest import READY_TIMEOUT_S, REPO
+from tests.support.fleet_up import READY_TIMEOUT_S, REPO
+from tests.support.waits import wait_until
 
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 
@@ -133,5 +133,5 @@ def test_replica_that_cannot_start_fails_with_reason_while_the_other_keeps_servi
     down = fleet.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
     fleet.proc.wait(timeout=60)
-    time.sleep(0.5)
+    wait_until(lambda: not fleet.leftover_pids(), 60, 0.1, "the processes `fleet up` started to be gone")
     assert fleet.leftover_pids() == []

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.e2e.conftest import READY_TIMEOUT_S
-from tests.e2e.test_rollout_sim import StreamedLoad
+from tests.support.fleet_up import READY_TIMEOUT_S
+from tests.support.load import StreamedLoad
 
 
 def write(tmp_path: Path, tiny_model: Path, revision: str) -> Path:
@@ -54,8 +54,8 @@ def test_a_new_revision_is_canaried_and_promoted_on_real_vllm_with_every_request
         revs = fleet.state().get("deployments", {}).get("tiny-rollout", {}).get("revisions") or {}
         return revs.get("rollout") or {}
 
-    with StreamedLoad(fleet.router_url, rate_per_s=2.0, model="tiny-llama", max_tokens=8) as load:
-        time.sleep(3)
+    with StreamedLoad(fleet.router_url, "tiny-llama", rate_per_s=2.0, max_tokens=8) as load:
+        load.wait_for_more(6, "streamed load on v1 before the apply")
         applied = fleet.cli("apply", str(write(tmp_path, tiny_model, "v2")))
         assert applied.returncode == 0 and "canary rollout of v2@" in applied.stdout, applied.stdout + applied.stderr
         started = time.monotonic()
@@ -65,7 +65,7 @@ def test_a_new_revision_is_canaried_and_promoted_on_real_vllm_with_every_request
         fleet.wait_for("two v2 replicas READY", lambda: [r["status"] for r in fleet.replicas().values()
                                                          if r["revision"] == "v2"].count("READY") == 2,
                        READY_TIMEOUT_S)  # fmt: skip
-        time.sleep(2)
+        load.wait_for_more(4, "streamed load on the promoted v2")
     assert load.failed == [], load.failed[:10]
     assert "ROLLOUT promoted: every step passed" in fleet.output()
     print(f"\nFIGURE real vLLM canary promoted: {len(load.results)} streamed requests at {load.rate_per_s:g}/s "

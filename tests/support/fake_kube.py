@@ -4,7 +4,7 @@ bookmarks, graceful pod deletion, owner-reference cascade). A TEST FAKE, not a c
 
 `FakeKube.calls` counts calls by method (tests assert how chatty the backend is).
 `forbid_raw_client` makes the official client's HTTP layer raise, so a test that reaches it
-by mistake fails."""
+by mistake fails; the unit tier's guards (tests/support/guards.py) do the same for every unit test."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """In-repo fakes of the wrappers around side effects: replica backend, engine HTTP, router
 admin API, clock. Unit tests of the controller use these; nothing here starts a process or
-opens a socket (tests/unit/test_controller.py makes a real process start fail)."""
+opens a socket (the unit tier's guards, tests/support/guards.py, make either fail)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 Owns `running_app` (serve any ASGI app with uvicorn on a free loopback port inside the
 current event loop) and `FakeEngine` (an aiohttp.web server that answers
 `/v1/completions` and `/v1/chat/completions` like a vLLM OpenAI server, streamed or not).
-Called by tests/unit/test_router_*.py and usable by end-to-end tests of the fleet.
+Called by tests/unit/test_router_*.py and usable by integration tests of the fleet. Their
+servers bind loopback ports in this process, which the unit tier's socket guard allows
+(tests/support/guards.py).
 Not imported by the router itself.
 """
 

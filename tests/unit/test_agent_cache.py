@@ -1,12 +1,10 @@
-"""The weight cache against the local hub server (fleet/testing/hub_server.py): hub and http manifest
-sources, verification, resume, one download for concurrent callers, space checks, LRU and pins."""
+"""The weight cache against the local hub server (fleet/testing/hub_server.py, in a thread): hub and
+http manifest sources, verification, resume, one download for concurrent callers (threads), space
+checks, LRU and pins. Downloads in other processes: tests/integration/test_agent_cache.py."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,53 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from fleet.agent.cache import CacheError, InsufficientSpace, WeightCache
-from fleet.sources import SourceError, write_manifest
+from fleet.agent.cache import CacheError, InsufficientSpace
+from fleet.sources import SourceError
 from fleet.agent.transfer import RetryPolicy
 from tests.support.fakes import FakeClock
 from fleet.testing.hub_server import HubRepo, HubServer
-
-FAST = RetryPolicy(attempts=3, initial_s=0.0, max_s=0.0)
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _files(seed: int = 0, big: int = 2_000_000) -> dict[str, bytes]:
-    rnd = hashlib.sha256(str(seed).encode()).digest()
-    return {
-        "config.json": b'{"architectures": ["LlamaForCausalLM"], "seed": %d}' % seed,
-        "model.safetensors": (rnd * (big // 32 + 1))[:big],
-        "tokenizer/tokenizer.json": b"t" * 3000 + bytes([seed]),
-    }
-
-
-@pytest.fixture()
-def hub(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))   # no token file from the machine
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    static = tmp_path / "static"
-    static.mkdir()
-    with HubServer({"org/tiny": HubRepo(_files(0))}, static_root=static, token="s3cret") as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        yield server
-
-
-def _cache(tmp_path: Path, **kw) -> WeightCache:
-    kw.setdefault("retry", FAST)
-    kw.setdefault("reserve_bytes", 0)
-    return WeightCache(tmp_path / "cache", **kw)
-
-
-def _file_gets(hub: HubServer) -> list[str]:
-    return [p for m, p, _ in hub.log.requests if m == "GET" and "/resolve/" in p]
-
-
-def _manifest_source(hub: HubServer, name: str, files: dict[str, bytes], sha: bool = True) -> str:
-    d = hub.static_root / name
-    for rel, data in files.items():
-        (d / rel).parent.mkdir(parents=True, exist_ok=True)
-        (d / rel).write_bytes(data)
-    write_manifest(d, with_sha256=sha)
-    return f"{hub.url}/static/{name}/"
+from tests.support.weights import file_gets as _file_gets, make_cache as _cache
+from tests.support.weights import manifest_source as _manifest_source, model_files as _files
 
 
 def test_hub_model_cached_once_and_served_from_the_cache(hub, tmp_path):
@@ -129,75 +87,6 @@ def test_interrupted_download_resumes_with_a_range_request(hub, tmp_path):
     ranges = hub.log.file_gets("m6/model.safetensors")
     assert ranges == [None, "bytes=700000-"]
     assert hub.log.body_bytes < sum(map(len, files.values())) + 10_000   # nothing fetched twice
-
-
-def _kill_mid_download(root: Path, source: str, part_bytes: int) -> int:
-    """Run ``ensure(source)`` in another process and SIGKILL it once a part file holds
-    ``part_bytes`` (the server holds the file a little further); returns the part's length."""
-    code = ("import sys; from pathlib import Path; from fleet.agent.cache import WeightCache; "
-            "WeightCache(Path(sys.argv[1]), reserve_bytes=0, parallel_files=1).ensure(sys.argv[2])")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(root), source], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        deadline = time.monotonic() + 60
-        parts = []
-        while time.monotonic() < deadline:
-            parts = [p for p in (root / "partial").rglob("*.part") if p.stat().st_size >= part_bytes]
-            if parts:
-                break
-            assert proc.poll() is None, "the downloading process exited early"
-            time.sleep(0.05)
-        assert parts, "the download never reached the hold point"
-    finally:
-        proc.kill()
-        proc.wait(30)
-    return parts[0].stat().st_size
-
-
-def test_download_killed_mid_file_resumes_in_the_next_process(hub, tmp_path):
-    files = _files(3)
-    source = _manifest_source(hub, "m3", files)
-    hub.hold_after["m3/model.safetensors"] = 1_500_000
-    kept = _kill_mid_download(tmp_path / "cache", source, 1 << 20)   # the transport writes 1 MiB reads
-    hub.release.set()
-    path = _cache(tmp_path).ensure(source)
-    assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
-    assert hub.log.file_gets("m3/model.safetensors")[-1] == f"bytes={kept}-"
-
-
-def test_hub_download_killed_mid_file_resumes_through_huggingface_hub(hub, tmp_path):
-    from huggingface_hub import constants
-
-    piece = constants.DOWNLOAD_CHUNK_SIZE           # http_get writes in pieces of this size
-    files = _files(7, big=piece + 300_000)
-    hub.repos["org/big"] = HubRepo(files)
-    hub.hold_after["model.safetensors"] = piece + 100_000
-    kept = _kill_mid_download(tmp_path / "cache", "hf://org/big", piece)
-    hub.release.set()
-    path = _cache(tmp_path).ensure("hf://org/big")
-    assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
-    assert kept == piece and hub.log.file_gets("model.safetensors")[-1] == f"bytes={piece}-"
-
-
-def test_two_processes_asking_at_once_cause_one_download(hub, tmp_path):
-    hub.hold_after["model.safetensors"] = 100_000
-    code = ("import sys; from pathlib import Path; from fleet.agent.cache import WeightCache; "
-            "print(WeightCache(Path(sys.argv[1]), reserve_bytes=0).ensure(sys.argv[2]))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cache"), "hf://org/tiny"], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-             for _ in range(2)]
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not hub.log.file_gets("model.safetensors"):
-            time.sleep(0.02)
-        hub.release.set()
-        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1]
-    assert len(hub.log.file_gets("model.safetensors")) == 1 and len(_file_gets(hub)) == 3
 
 
 def test_redirects_are_followed_and_a_server_ignoring_range_is_handled(hub, tmp_path):
@@ -388,20 +277,6 @@ def test_a_crash_mid_commit_leaves_nothing_usable_and_the_next_ensure_repairs_it
     assert cache.lookup("hf://org/tiny") is None
     assert cache.ensure("hf://org/tiny") == path and (path / "config.json").read_bytes() == _files(0)["config.json"]
     assert not list(models.glob(".*.tmp"))
-
-
-def test_an_abandoned_download_is_the_first_space_given_back(hub, tmp_path):
-    files = _files(30, big=1_500_000)
-    source = _manifest_source(hub, "ab", files)
-    hub.hold_after["ab/model.safetensors"] = 1_200_000
-    kept = _kill_mid_download(tmp_path / "cache", source, 1 << 20)   # leaves 1 MiB of part file
-    hub.release.set()
-    other = _manifest_source(hub, "ot", _files(31, big=1_500_000))
-    cache = _cache(tmp_path, budget_bytes=2_000_000)          # room for one model, not one and a part
-    assert kept >= 1 << 20
-    path = cache.ensure(other)
-    assert (path / "model.safetensors").is_file()
-    assert not list((tmp_path / "cache" / "partial").rglob("*.part"))
 
 
 def test_local_sources_are_served_in_place(tmp_path):

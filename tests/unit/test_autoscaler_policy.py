@@ -272,7 +272,7 @@ def test_a_fast_closed_loop_client_is_no_overload() -> None:
 
 
 def test_a_signal_lagging_behind_a_burst_that_ended_is_no_overload_at_the_rate_after_it() -> None:
-    # The shape of tests/e2e/test_autoscale_sim.py, numbers from its decisions. One client (0.5
+    # The shape of tests/integration/test_autoscale_sim.py, numbers from its decisions. One client (0.5
     # requests/s) on one replica for a while: 0.5 requests/s per replica is confirmed sustainable.
     p = fleet(min_=1, max_=3, initial=1, window_seconds=4, interval_seconds=1, scale_down_stabilization_seconds=6)
     desired, _ = run(p, 10.0, 1, lambda t, n: signals(t, queue=0.0, in_flight=1, rate=0.5, e2e=0.5))

@@ -17,7 +17,7 @@ from fleet.cli import app
 from fleet.controller.lifecycle import Replica
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.local.state import StateStore
-from tests.unit.test_controller import Harness, vllm_installed, write_deployment  # noqa: F401 - fixture
+from tests.support.controller import Harness, write_deployment
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 BUSY_METRICS = (DATA / "vllm-0.32-metrics-busy.txt").read_text().replace('model_name="tiny-llama"',
@@ -175,5 +175,5 @@ async def test_fleet_status_shows_the_target_and_the_last_decision(tmp_path: Pat
 
 
 @pytest.fixture(autouse=True)
-def _vllm(vllm_installed):  # noqa: F811 - the controller tests' fixture: vLLM counts as installed
+def _vllm(vllm_installed):  # vLLM counts as installed (tests/conftest.py)
     yield

@@ -13,12 +13,11 @@ from typer.testing import CliRunner
 from fleet.cli import app
 from fleet.local.control import ControlError, ControlServer, apply_request, control_dir, rollout_request, submit
 from fleet.spec import load_deployments
-from tests.unit.test_controller import vllm_installed  # noqa: F401 - the fixture below uses it
 from tests.unit.test_controller_rollout import Fleet, write
 
 
 @pytest.fixture(autouse=True)
-def _vllm(vllm_installed):  # noqa: F811
+def _vllm(vllm_installed):  # vLLM counts as installed (tests/conftest.py)
     yield
 
 

@@ -4,88 +4,18 @@ with a fake backend, fake engines and a fake router admin API."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-from pathlib import Path
 
 import pytest
-import yaml
 
-from fleet.controller.reconcile import Controller, ControllerSettings
-from fleet.engines.kinds import VllmEngine
 from fleet.inventory import Gpu, NodeInventory
 from fleet.controller.lifecycle import ReplicaStatus as S
-from fleet.spec import load_deployments
-from tests.support.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
-
-CPU_NODE = NodeInventory(name="n", cpu_cores=(0, 1))
-
-
-def write_deployment(tmp_path: Path, name="chat", replicas=2, **spec_extra) -> Path:
-    (tmp_path / "models" / "m").mkdir(parents=True, exist_ok=True)
-    spec = {
-        "model": {"name": f"{name}-model", "source": "./models/m"},
-        "resources": {"accelerator": "cpu"},
-        "replicas": {"min": 0, "max": 8, "initial": replicas},
-        **spec_extra,
-    }
-    doc = {"apiVersion": "fleet.inference.dev/v1alpha1", "kind": "InferenceDeployment",
-           "metadata": {"name": name}, "spec": spec}
-    f = tmp_path / f"{name}.yaml"
-    f.write_text(yaml.safe_dump(doc))
-    return f
-
-
-class Harness:
-    def __init__(self, tmp_path: Path, files: list[Path], node=CPU_NODE, **settings):
-        self.clock = FakeClock()
-        self.backend = FakeBackend(node)
-        self.engines = FakeEngineAPI()
-        self.pools = FakePoolSink()
-        self.events = []
-        self.c = Controller(
-            load_deployments(files), backend=self.backend, engine_api=self.engines, pool_sink=self.pools,
-            clock=self.clock, sleep=self.clock.sleep, settings=ControllerSettings(**settings),
-            on_event=self.events.append,
-        )
-
-    async def tick(self, seconds: float = 1.0, n: int = 1) -> None:
-        for _ in range(n):
-            self.clock.advance(seconds)
-            await self.c.reconcile_once()
-            for _ in range(5):  # let warm-up tasks run
-                await asyncio.sleep(0)
-
-    def status(self) -> dict[str, S]:
-        return {rid: r.status for rid, r in self.c.replicas.items()}
-
-    def make_healthy(self, *rids: str) -> None:
-        for rid in rids:
-            self.engines.healthy.add(self.port(rid))
-
-    def port(self, rid: str) -> int:
-        return self.backend.by_replica(rid).spec.port
-
-    def pool_ids(self, model="chat-model") -> list[str]:
-        return [e.id for e in self.pools.pools.get(model, []) if not e.draining]
-
-    async def all_ready(self, *rids: str) -> None:
-        await self.tick()
-        self.make_healthy(*rids)
-        await self.tick(n=2)
-        assert all(self.c.replicas[r].status is S.READY for r in rids), self.status()
+from tests.support.controller import Harness, write_deployment
+from tests.support.waits import async_wait_until
 
 
 @pytest.fixture(autouse=True)
-def vllm_installed(monkeypatch):
-    monkeypatch.setattr(VllmEngine, "preflight", lambda self: None)
-
-
-@pytest.fixture(autouse=True)
-def no_real_processes(monkeypatch):
-    """The controller reaches processes only through the backend: a real start here is a bug."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a unit test of the controller tried to start a real process")
-    monkeypatch.setattr(subprocess, "Popen", refuse)
+def _vllm(vllm_installed):  # vLLM counts as installed (tests/conftest.py)
+    yield
 
 
 async def test_replicas_go_through_the_lifecycle_and_join_the_pool_only_when_warm(tmp_path):
@@ -185,12 +115,12 @@ async def test_ready_replica_that_stops_answering_health_is_failed_and_replaced(
     h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)], ready_health_interval_s=5, unhealthy_threshold=3)
     await h.all_ready("chat-0")
     h.engines.healthy.clear()
-    await h.tick(5, n=2)
+    await h.tick(n=2, seconds=5)
     assert h.status()["chat-0"] is S.READY
-    await h.tick(5)
+    await h.tick(seconds=5)
     assert h.status()["chat-0"] is S.FAILED_UNHEALTHY
     assert h.pool_ids() == []
-    await h.tick(10)
+    await h.tick(seconds=10)
     assert h.status()["chat-1"] is S.STARTING
 
 
@@ -304,10 +234,7 @@ async def test_a_finished_warmup_wakes_the_loop_instead_of_waiting_for_the_next_
     loop_task = asyncio.create_task(h.c.run(stop, interval_s=3600))   # no timed tick within the test
     await asyncio.sleep(0)
     h.engines.gate.set()
-    async def ready() -> None:
-        while h.status()["chat-0"] is not S.READY:
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(ready(), timeout=30)
+    await async_wait_until(lambda: h.status()["chat-0"] is S.READY, 30, 0.01, "chat-0 READY after its warm-up")
     assert h.pool_ids() == ["chat-0"]
     stop.set()
     h.c.wake()

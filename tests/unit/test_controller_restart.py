@@ -15,7 +15,7 @@ from fleet.controller.reconcile import Controller, ControllerSettings
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.spec import load_deployments
 from tests.support.fakes import ControllerCrash, FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
-from tests.unit.test_controller import CPU_NODE, write_deployment
+from tests.support.controller import CPU_NODE, ControllerHarness, write_deployment
 
 
 class RecordingSink:
@@ -30,7 +30,7 @@ class RecordingSink:
         self.writes += 1
 
 
-class Machine:
+class Machine(ControllerHarness):
     """One machine's processes (the fake backend), engines and router outlive any controller."""
 
     def __init__(self, tmp_path: Path, files: list[Path]) -> None:
@@ -55,13 +55,6 @@ class Machine:
         await self.c.start(self.sink.last)
         return self.c
 
-    async def tick(self, n: int = 1) -> None:
-        for _ in range(n):
-            self.clock.advance(1.0)
-            await self.c.reconcile_once()
-            for _ in range(5):
-                await asyncio.sleep(0)
-
     def healthy_all(self) -> None:
         for p in self.backend.procs.values():
             self.engines.healthy.add(p.spec.port)
@@ -80,11 +73,8 @@ class Machine:
 
 
 @pytest.fixture(autouse=True)
-def _vllm(vllm_installed):  # noqa: F811 - vLLM counts as installed
+def _vllm(vllm_installed):  # vLLM counts as installed (tests/conftest.py)
     yield
-
-
-from tests.unit.test_controller import vllm_installed  # noqa: E402,F401 - the fixture above uses it
 
 
 async def test_ready_replicas_are_adopted_as_they_run_and_stay_in_the_pool(tmp_path):

@@ -7,7 +7,6 @@ carries on, and `fleet rollout` commands act."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import random
 from pathlib import Path
@@ -21,8 +20,8 @@ from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.rollout.revisions import RequestSample
 from fleet.spec import load_deployments
 from fleet.rollout.machine import RolloutPhase
+from tests.support.controller import ControllerHarness
 from tests.support.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
-from tests.unit.test_controller import vllm_installed  # noqa: F401 - the fixture below uses it
 
 NODE = NodeInventory(name="n", cpu_cores=tuple(range(16)))
 MODEL = "chat-model"
@@ -36,7 +35,7 @@ CANARY = {
 
 
 @pytest.fixture(autouse=True)
-def _vllm(vllm_installed):  # noqa: F811
+def _vllm(vllm_installed):  # vLLM counts as installed (tests/conftest.py)
     yield
 
 
@@ -85,7 +84,7 @@ class FakeRouterSamples:
         return out
 
 
-class Fleet:
+class Fleet(ControllerHarness):
     def __init__(self, tmp_path: Path, file: Path) -> None:
         self.tmp_path, self.file = tmp_path, file
         self.clock = FakeClock()
@@ -110,16 +109,11 @@ class Fleet:
                           settings=ControllerSettings(drain_timeout_s=30), analysis_source=self.router,
                           on_rollout_event=lambda d, line: self.lines.append(line))  # fmt: skip
 
-    async def tick(self, n: int = 1, seconds: float = 1.0) -> None:
-        for _ in range(n):
-            self.clock.advance(seconds)
-            await self.c.reconcile_once()
-            for _ in range(5):
-                await asyncio.sleep(0)
-            for p in self.backend.procs.values():
-                if "--bogus-flag" not in p.spec.argv:           # an engine that cannot start never answers
-                    self.engines.healthy.add(p.spec.port)
-            self.min_ready = min(self.min_ready, len(self.serving()))
+    async def after_tick(self) -> None:
+        for p in self.backend.procs.values():
+            if "--bogus-flag" not in p.spec.argv:               # an engine that cannot start never answers
+                self.engines.healthy.add(p.spec.port)
+        self.min_ready = min(self.min_ready, len(self.serving()))
 
     def serving(self) -> list:
         return [e for e in self.pools.pools.get(MODEL, []) if not e.draining]

@@ -1,30 +1,16 @@
-"""The `fleet` command line: help texts, `validate` exit codes and messages, and the liveness
-check `status`/`down` use (fleet.cli)."""
+"""The `fleet` command line: help texts and `validate` exit codes and messages (fleet.cli). The
+liveness check `status`/`down` use, on a real child process, is in tests/integration/test_fleet_cli.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
 from pathlib import Path
 
 from typer.testing import CliRunner
 
 from fleet.cli import app
-from fleet.cli.local import _pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
-
-
-def test_pid_alive_treats_a_zombie_as_gone() -> None:
-    proc = subprocess.Popen(["true"])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _pid_alive(proc.pid):
-        time.sleep(0.05)  # `true` exits at once and stays a zombie until wait()
-    assert not _pid_alive(proc.pid)
-    assert proc.poll() == 0   # it really was a zombie we had not reaped
-    assert _pid_alive(os.getpid())
 
 
 def test_validate_accepts_the_examples() -> None:

@@ -22,17 +22,13 @@ from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.placement import ReplicaPlacement
 from fleet.placement.shapes import Assignment
 from fleet.spec import LoadedDeployment, parse_document
+from tests.support.controller import ControllerHarness
 from tests.support.fakes import FakeClock, FakePoolSink
-from tests.support.fake_kube import FakeKube, forbid_raw_client
+from tests.support.fake_kube import FakeKube
 from fleet.testing.k8s.kubelet import evict_pod, finish_deletions, image_pull_backoff, run_pod, terminate_pod
 from fleet.testing.k8s.nodes import node
 
 NS = "fleet"
-
-
-@pytest.fixture(autouse=True)
-def _no_raw_client(monkeypatch):
-    forbid_raw_client(monkeypatch)
 
 
 def _dep(name="chat", **spec_over) -> LoadedDeployment:
@@ -206,7 +202,7 @@ class EndpointEngines:
         return self.metrics_text
 
 
-class Cluster:
+class Cluster(ControllerHarness):
     def __init__(self, *deps: LoadedDeployment, kube: FakeKube | None = None, nodes=None) -> None:
         self.kube = kube or FakeKube()
         self.store = self.kube.store
@@ -231,13 +227,6 @@ class Cluster:
                             clock=self.clock, sleep=self.clock.sleep,
                             settings=ControllerSettings(stop_grace_s=30, backoff_base_s=5))
         self.next_ip = 10
-
-    async def tick(self, n: int = 1, seconds: float = 1.0) -> None:
-        for _ in range(n):
-            self.clock.advance(seconds)
-            await self.c.reconcile_once()
-            for _ in range(5):
-                await asyncio.sleep(0)
 
     def pods(self) -> dict[str, dict]:
         return {p["metadata"]["name"]: p for p in self.store.list(PODS, NS, None)[0]}

@@ -9,12 +9,7 @@ import pytest
 from fleet.k8s.client import LEASES
 from fleet.k8s.lease import LeaderElector
 from tests.support.fakes import FakeClock
-from tests.support.fake_kube import FakeKube, forbid_raw_client
-
-
-@pytest.fixture(autouse=True)
-def _no_raw_client(monkeypatch):
-    forbid_raw_client(monkeypatch)
+from tests.support.fake_kube import FakeKube
 
 
 def _pair():

@@ -15,8 +15,9 @@ from fleet.controller.reconcile import ControllerSettings
 from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, LEASES, NODES, PODS
 from fleet.k8s.operator import FINALIZER, Operator, OperatorSettings
 from fleet.k8s.pods import ANNOTATION_READY_AT
+from tests.support.controller import ControllerHarness
 from tests.support.fakes import FakePoolSink
-from tests.support.fake_kube import FakeKube, forbid_raw_client
+from tests.support.fake_kube import FakeKube
 from fleet.testing.k8s.kubelet import finish_deletions, run_pod
 from fleet.testing.k8s.nodes import node
 from tests.unit.test_k8s_backend import EndpointEngines
@@ -31,12 +32,11 @@ CR = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _no_raw_client(monkeypatch):
-    forbid_raw_client(monkeypatch)
+class Env(ControllerHarness):
+    """The operators on the fake cluster; `tick(op, n)` is one pass of ``op``: the Lease, then its tick."""
 
+    settle_rounds = 20   # informers, watches and warm-ups
 
-class Env:
     def __init__(self, kube: FakeKube | None = None) -> None:
         self.kube = kube or FakeKube()
         self.store = self.kube.store
@@ -60,17 +60,16 @@ class Env:
         for i in op.informers():
             await asyncio.wait_for(i.synced.wait(), 5)
 
-    async def settle(self) -> None:
-        for _ in range(20):
-            await asyncio.sleep(0)
+    async def reconcile(self) -> None:
+        op = self._ticking
+        await self.settle()
+        await op.elector.try_acquire_or_renew()
+        if op.elector.is_leader:
+            await op.tick()
 
-    async def tick(self, op: Operator, n: int = 1) -> None:
-        for _ in range(n):
-            await self.settle()
-            await op.elector.try_acquire_or_renew()
-            if op.elector.is_leader:
-                await op.tick()
-            await self.settle()
+    async def tick(self, op: Operator, n: int = 1) -> None:   # type: ignore[override] - no clock: real time
+        self._ticking = op
+        await super().tick(n, seconds=0.0)
 
     def kubelet(self) -> None:
         for pod in self.store.list(PODS, NS, None)[0]:

@@ -29,19 +29,15 @@ from fleet.k8s.prepull import (PodPull, Pull, PrePullPolicy, is_pull_pod, pod_pu
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.placement import PlacementRequest, get_strategy
 from fleet.spec import LoadedDeployment, SpecError, parse_document
+from tests.support.controller import ControllerHarness
 from tests.support.fakes import FakeClock, FakePoolSink
-from tests.support.fake_kube import FakeKube, forbid_raw_client
+from tests.support.fake_kube import FakeKube
 from fleet.testing.k8s.kubelet import ImagePuller, run_pod
 from fleet.testing.k8s.nodes import node
 
 NS = "fleet"
 IMAGE = "registry.example.com/fleet/engine:1"
 SOURCE = "hf://org/llama-8b"
-
-
-@pytest.fixture(autouse=True)
-def _no_raw_client(monkeypatch):
-    forbid_raw_client(monkeypatch)
 
 
 def _dep(name="chat", **spec_over) -> LoadedDeployment:
@@ -70,7 +66,7 @@ class Engines:
         raise EngineRequestError("GET /metrics: ConnectError")
 
 
-class Env:
+class Env(ControllerHarness):
     """The controller and the Kubernetes backend on the fake cluster, with the stand-in kubelet's pulls."""
 
     def __init__(self, *deps: LoadedDeployment, nodes: list[dict], settings: EnginePodSettings | None = None,
@@ -91,13 +87,9 @@ class Env:
         self.puller = puller or ImagePuller()
         self.next_ip = 10
 
-    async def tick(self, n: int = 1, seconds: float = 1.0) -> None:
-        for _ in range(n):
-            self.clock.advance(seconds)
-            await self.c.reconcile_once()
-            await self.backend.drain_creates()
-            for _ in range(5):   # the warm-up tasks
-                await asyncio.sleep(0)
+    async def reconcile(self) -> None:
+        await self.c.reconcile_once()
+        await self.backend.drain_creates()     # then the warm-up tasks run (`settle`)
 
     def kubelet(self) -> None:
         """One kubelet pass: pending pods pull their images; engine pods whose images are there run."""

@@ -1,15 +1,13 @@
 """Prometheus service discovery from the controller snapshot, the atomic file_sd writer, the
 controller's replica-state metrics (fleet/observability/discovery.py) and the scrape config
-(fleet/observability/scrape.py)."""
+(fleet/observability/scrape.py). promtool checking that config is in
+tests/integration/test_observability_discovery.py."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -129,7 +127,7 @@ async def test_the_failure_counter_counts_trimmed_failures_and_survives_a_contro
     from fleet.controller.reconcile import Controller, ControllerSettings
     from fleet.spec import load_deployments
     from tests.support.fakes import FakeEngineAPI, FakePoolSink
-    from tests.unit.test_controller import Harness, write_deployment
+    from tests.support.controller import Harness, write_deployment
 
     h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1)], history_per_deployment=1, backoff_base_s=0.5)
     h.backend.fail_launch = "engine image not present: test"
@@ -169,13 +167,3 @@ def test_the_scrape_config_reads_the_targets_file_and_loads_the_rules(tmp_path: 
     assert doc["global"] == {"scrape_interval": "1s", "evaluation_interval": "1s"}
     assert doc["scrape_configs"][0]["file_sd_configs"][0]["files"] == [str(tmp_path / "t.json")]
     assert doc["rule_files"] == [str(tmp_path / "r.yaml")]
-
-
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool is not installed (Debian package prometheus; .ci/prometheus.sh installs it)")
-def test_promtool_accepts_the_scrape_config(tmp_path: Path) -> None:
-    (tmp_path / "t.json").write_text(json.dumps(file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080")))
-    config = tmp_path / "prometheus.yml"
-    config.write_text(prometheus_config(tmp_path / "t.json"))
-    result = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr

@@ -7,11 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fleet.controller.autoscaling import AutoscalerLoop
 from fleet.inventory import NodeInventory
 from fleet.placement.shapes import PlacementRequest, ReplicaShape, canonical_source
 from tests.unit.test_autoscaler_wiring import AUTOSCALING
-from tests.unit.test_controller import Harness, vllm_installed, write_deployment  # noqa: F401 - fixture
+from tests.support.controller import Harness, write_deployment
+
+
+
+@pytest.fixture(autouse=True)
+def _vllm(vllm_installed):  # vLLM counts as installed (tests/conftest.py)
+    yield
+
 
 HUB = "hf://org/chat"             # the spec names no revision: the cache reports it at @main
 HUB_HELD = "hf://org/chat@main"

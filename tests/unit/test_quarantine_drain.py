@@ -16,11 +16,11 @@ from fleet.inventory.nvml import node_from_nvml
 from fleet.controller.lifecycle import ReplicaStatus as S
 from tests.support.fake_nvml import FakePynvml, nvswitch_8gpu
 from tests.support.fakes import FakeClock
-from tests.unit.test_controller import Harness, vllm_installed, write_deployment  # noqa: F401 - the fixture
+from tests.support.controller import Harness, write_deployment
 
 
 @pytest.fixture(autouse=True)
-def _vllm(vllm_installed):  # noqa: F811
+def _vllm(vllm_installed):  # vLLM counts as installed (tests/conftest.py)
     yield
 
 

@@ -1,11 +1,11 @@
 """The trace simulator on small synthetic traces: determinism, scale-up on a burst and back down,
 warm and cold start-up times, drain semantics, the fixed baseline, the router's admission, and
-the summary metrics on a hand-checked case (fleet.tracesim)."""
+the summary metrics on a hand-checked case (fleet.tracesim). Parallel runs in worker processes:
+tests/integration/test_simulate.py."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 
@@ -14,7 +14,7 @@ from autoscaler.spec import AutoscalingSpec
 from fleet.enginesim.cost import StepCost
 from fleet.enginesim.model import EngineConfig
 from fleet.enginesim.profiles import Profile
-from fleet.tracesim.compare import COMPARE, contender, run_comparison
+from fleet.tracesim.compare import COMPARE, contender
 from fleet.tracesim.engine import SimConfig, Simulation
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.tracesim.replica import NodePool
@@ -248,16 +248,6 @@ def test_contenders_share_everything_but_the_policy() -> None:
     assert contender(base, "fixed-3").bounds == ReplicaBounds(3, 3, 3)
     with pytest.raises(ValueError, match="unknown contender 'hpa'"):
         contender(base, "hpa")
-
-
-def test_parallel_runs_give_the_serial_results() -> None:
-    workload = Workload.from_trace(trace_of((20, 2.0), (20, 25.0), (60, 2.0)), TINY)
-    configs = [replace(config(fleet_spec()), name="fleet"), contender(config(fleet_spec()), "kpa")]
-    seen: list[tuple[int, int]] = []
-    serial = run_comparison(configs, workload, jobs=1)
-    parallel = run_comparison(configs, workload, jobs=2, progress=lambda i, now_s, done, total: seen.append((i, done)))
-    assert [r.summary() for r in serial] == [r.summary() for r in parallel]
-    assert {i for i, _ in seen} == {0, 1} and (0, len(workload.requests)) in seen
 
 
 def test_capacity_and_sizing_of_the_tiny_replica() -> None:

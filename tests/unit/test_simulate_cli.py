@@ -1,6 +1,7 @@
 """`fleet simulate` end to end on a small trace file: the table, --json, --plot, and clear errors for
 a bad trace path, a malformed trace, a deployment without a simulator profile and an unknown
-contender (fleet.cli, fleet.tracesim)."""
+contender (fleet.cli, fleet.tracesim). The contenders run in worker processes:
+tests/integration/test_simulate_cli.py."""
 
 from __future__ import annotations
 
@@ -64,19 +65,6 @@ def test_compare_prints_one_row_per_contender_and_writes_json_and_png(files: tup
     assert doc["workload"]["trace"] == "small" and doc["sizing"]["peak"] >= 1
     png = out_png.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-
-
-def test_policies_pick_the_contenders_and_the_router_limit_can_be_overridden(files: tuple[Path, Path],
-                                                                            tmp_path: Path) -> None:  # fmt: skip
-    trace, dep = files
-    out_json = tmp_path / "out.json"
-    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fixed-2,kpa",
-                                 "--max-concurrency-per-endpoint", "4", "--json", str(out_json)])  # fmt: skip
-    assert result.exit_code == 0, result.output
-    assert "│ fixed-2" in result.output and "│ kpa" in result.output and "│ fleet" not in result.output
-    assert "4 per replica, then the router queue" in result.output
-    doc = json.loads(out_json.read_text())
-    assert {r["params"]["routing"]["max_concurrency_per_endpoint"] for r in doc["results"]} == {4}
 
 
 def test_a_missing_trace_file_is_named(files: tuple[Path, Path], tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.e2e.load import OpenLoopLoad
+from tests.support.load import StreamedLoad
 
 MODEL = "llama-8b-rollout"
 
@@ -46,11 +46,6 @@ def write(tmp_path: Path, revision: str = "v1", slowdown: float | None = None) -
     return f
 
 
-def StreamedLoad(url: str, rate_per_s: float = 8.0, model: str = MODEL, max_tokens: int = 24) -> OpenLoopLoad:
-    """Open-loop streamed completions; a reply counts as whole when its stream ends with `data: [DONE]`."""
-    return OpenLoopLoad(url, model, rate_per_s=rate_per_s, max_tokens=max_tokens, stream=True, prompt="hello " * 20)
-
-
 def rollout(fleet) -> dict:
     revs = fleet.state().get("deployments", {}).get("sim-rollout", {}).get("revisions") or {}
     return revs.get("rollout") or {}
@@ -67,8 +62,8 @@ def test_a_good_canary_is_promoted_with_every_request_answered(sim_fleet_up, tmp
     f = write(tmp_path)
     fleet = sim_fleet_up([f])
     fleet.wait_for("1 replica READY", lambda: replicas_by_revision(fleet) == {"v1": ["READY"]}, timeout_s=120)
-    with StreamedLoad(fleet.router_url) as load:
-        time.sleep(3)
+    with StreamedLoad(fleet.router_url, MODEL) as load:
+        load.wait_for_more(24, "streamed load on v1 before the apply")
         applied = fleet.cli("apply", str(write(tmp_path, revision="v2")))
         assert applied.returncode == 0 and "canary rollout of v2@" in applied.stdout, applied.stdout + applied.stderr
         started = time.monotonic()
@@ -77,7 +72,7 @@ def test_a_good_canary_is_promoted_with_every_request_answered(sim_fleet_up, tmp
         took_s = time.monotonic() - started
         fleet.wait_for("v1 gone", lambda: replicas_by_revision(fleet).get("v2") == ["READY"]
                        and "READY" not in replicas_by_revision(fleet).get("v1", []), timeout_s=60)
-        time.sleep(2)
+        load.wait_for_more(16, "streamed load on the promoted v2")
     status = fleet.cli("rollout", "status", "sim-rollout")
     assert status.returncode == 0 and "stable  v2@" in status.stdout, status.stdout
     assert [r["verdict"] for r in rollout(fleet)["runs"]].count("pass") == 2
@@ -91,8 +86,8 @@ def test_a_slowed_canary_is_rolled_back_with_no_failed_request_and_no_cut_stream
     f = write(tmp_path)
     fleet = sim_fleet_up([f])
     fleet.wait_for("1 replica READY", lambda: replicas_by_revision(fleet) == {"v1": ["READY"]}, timeout_s=120)
-    with StreamedLoad(fleet.router_url) as load:
-        time.sleep(3)
+    with StreamedLoad(fleet.router_url, MODEL) as load:
+        load.wait_for_more(24, "streamed load on v1 before the apply")
         applied = fleet.cli("apply", str(write(tmp_path, slowdown=3.0)))
         assert applied.returncode == 0, applied.stdout + applied.stderr
         started = time.monotonic()
@@ -100,7 +95,7 @@ def test_a_slowed_canary_is_rolled_back_with_no_failed_request_and_no_cut_stream
         took_s = time.monotonic() - started
         fleet.wait_for("the canary stopped", lambda: sorted(sum(replicas_by_revision(fleet).values(), []))
                        == ["READY", "TERMINATED"], timeout_s=60)
-        time.sleep(2)
+        load.wait_for_more(16, "streamed load on v1 after the roll back")
     ro = rollout(fleet)
     assert ro["weight"] == 0 and "failed analysis runs" in ro["reason"]
     assert len(ro["runs"]) <= 4                       # within the analysis windows: two failures decide

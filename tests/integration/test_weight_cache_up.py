@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.e2e.test_fault_injection import all_ready, stop_cleanly
+from tests.support.fleet_up import all_ready, stop_cleanly
 from fleet.testing.hub_server import HubRepo, HubServer
 
 

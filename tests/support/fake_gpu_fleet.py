@@ -1,4 +1,4 @@
-"""`fleet` over a stand-in NVML with a faulty GPU: ``python -m tests.e2e.fake_gpu_fleet up ...``.
+"""`fleet` over a stand-in NVML with a faulty GPU: ``python -m tests.support.fake_gpu_fleet up ...``.
 
 For end-to-end tests on machines without an NVIDIA GPU (CI, the 2-core dev machine): installs
 tests/support/fake_nvml.py's `FakePynvml` as the ``pynvml`` module (before Fleet imports it), then runs

@@ -4,8 +4,8 @@ steady open-loop load, counting every request.
 
 Real `fleet up` processes over replicas of the engine SIMULATOR (`engine.kind: sim`: vLLM's API
 with modelled latencies, no model; seconds to start), real router, real signals. Each test
-prints its figures (failed requests, seconds to adopt, seconds the router was down);
-docs/benchmarks.md records them ("Crash safety: fault injection").
+prints its figures (failed requests, seconds to adopt, seconds the router was down); the README
+records them ("Crash safety").
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ import psutil
 import pytest
 import yaml
 
-from fleet.local.backend import FLEET_ID_ENV, REPLICA_ID_ENV
-from fleet.local.procs import find_marked
-
-from tests.e2e.conftest import FleetUp
-from tests.e2e.load import OpenLoopLoad
+from tests.support.fleet_up import FleetUp, all_ready, engines, router_pid, stop_cleanly
+from tests.support.waits import wait_until
+from tests.support.load import OpenLoopLoad
 
 MODEL = "llama-8b-sim"
 
@@ -49,20 +47,6 @@ def write_fleet(tmp_path: Path, replicas: int = 3, startup_delay_s: float = 0.5,
     return f
 
 
-def engines(state_dir: Path) -> dict[str, int]:
-    """Replica id -> pid of every live engine process marked with this fleet's id."""
-    fid = (state_dir / "fleet-id").read_text().strip()
-    return {env[REPLICA_ID_ENV]: pid for pid, env in find_marked(FLEET_ID_ENV, fid).items()}
-
-
-def router_pid(state_dir: Path) -> int | None:
-    try:
-        pid = json.loads((state_dir / "router.json").read_text())["process"]["pid"]
-    except (OSError, ValueError, KeyError):
-        return None
-    return pid if psutil.pid_exists(pid) else None
-
-
 def Load(url: str) -> OpenLoopLoad:
     """Short non-streamed completions at 20/s."""
     return OpenLoopLoad(url, MODEL)
@@ -78,21 +62,10 @@ def wait(what: str, predicate, timeout_s: float = 120.0) -> float:
     pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
-def all_ready(fleet: FleetUp, n: int) -> bool:
-    state = fleet.state()
-    return state.get("phase") == "running" and \
-        sum(1 for r in state.get("replicas", []) if r["status"] == "READY") == n
-
-
 def kill9(fleet: FleetUp) -> None:
     fleet.track_descendants()
     os.kill(fleet.proc.pid, signal.SIGKILL)
     fleet.proc.wait(timeout=30)
-
-
-def stop_cleanly(fleet: FleetUp, state_dir: Path) -> None:
-    assert fleet.interrupt() == 0, fleet.output()
-    assert engines(state_dir) == {} and router_pid(state_dir) is None
 
 
 def test_kill_9_of_the_controller_while_serving_fails_no_request_and_a_restart_adopts_everything(sim_fleet_up, tmp_path):
@@ -103,15 +76,15 @@ def test_kill_9_of_the_controller_while_serving_fails_no_request_and_a_restart_a
     before = engines(state_dir)
     router_before = router_pid(state_dir)
     with Load(first.router_url) as load:
-        time.sleep(2)
+        load.wait_for_more(40, "load on the fleet before the kill")
         kill9(first)
-        time.sleep(3)                                   # no controller at all: the data plane serves on
+        load.wait_for_more(60, "load with no controller at all: the data plane serves on")
         assert engines(state_dir) == before and router_pid(state_dir) == router_before
         status = first.cli("status")
         assert "The controller is not running, but 3 engine(s)" in status.stdout, status.stdout
         second = sim_fleet_up([f], port=first.port)
         adopt_s = wait("the new controller to adopt", lambda: all_ready(second, 3) and "Adopted 3" in second.output())
-        time.sleep(2)
+        load.wait_for_more(40, "load after the adoption")
     assert load.failed == [], load.failed[:10]
     assert engines(state_dir) == before                  # same processes: nothing was restarted
     assert router_pid(state_dir) == router_before
@@ -145,13 +118,14 @@ def test_kill_9_of_the_router_fails_requests_only_while_it_is_down(sim_fleet_up,
     state_dir = fleet.state_dir
     fleet.wait_for("3 replicas READY", lambda: all_ready(fleet, 3), timeout_s=120)
     with Load(fleet.router_url) as load:
-        time.sleep(2)
+        load.wait_for_more(40, "load on the fleet before the kill")
         old = router_pid(state_dir)
         killed_at = time.monotonic()
         os.kill(old, signal.SIGKILL)
         back_s = wait("the router to be back", lambda: (router_pid(state_dir) or old) != old
                       and "pools published again" in fleet.output(), timeout_s=60)  # fmt: skip
-        time.sleep(3)
+        wait_until(lambda: len([r for r in load.results if r[0] > killed_at + back_s + 1.0]) >= 40, 120, 0.05,
+                   "40 requests sent a second after the router was back answered")
     after = [r for r in load.results if r[0] > killed_at + back_s + 1.0]
     assert after and all(outcome == "ok" for _, outcome in after)
     failed_window_s = (max(t for t, _ in load.failed) - min(t for t, _ in load.failed)) if load.failed else 0.0
@@ -244,7 +218,7 @@ def test_up_detach_returns_once_ready_and_logs_status_down_reach_the_background_
     import subprocess
     import sys
 
-    from tests.e2e.conftest import REPO, free_port
+    from tests.support.fleet_up import REPO, free_port
 
     f = write_fleet(tmp_path, replicas=2)
     state = tmp_path / "state"
@@ -282,11 +256,11 @@ def test_kill_9_of_a_replica_fails_no_request_that_had_not_started_streaming(sim
     fleet.wait_for("3 replicas READY", lambda: all_ready(fleet, 3), timeout_s=120)
     victim = engines(state_dir)["sim-chat-1"]
     with Load(fleet.router_url) as load:
-        time.sleep(2)
+        load.wait_for_more(40, "load on the fleet before the kill")
         os.killpg(victim, signal.SIGKILL)
         fleet.wait_for("the replica replaced", lambda: fleet.status_of("sim-chat-1") == "FAILED_CRASHED"
                        and all_ready(fleet, 3), timeout_s=120)  # fmt: skip
-        time.sleep(2)
+        load.wait_for_more(40, "load on the replaced replica's fleet")
     print(f"\nFIGURE kill -9 replica: {len(load.results)} requests, {len(load.failed)} failed")
     assert load.failed == [], load.failed[:10]
     assert "sim-chat-3" in engines(state_dir)

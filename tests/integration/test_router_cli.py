@@ -52,7 +52,7 @@ def test_idle_client_connection_outlives_uvicorns_default_keepalive() -> None:
         conn.request("GET", "/health")
         assert conn.getresponse().read() == b'{"status":"ok"}'
         sock = conn.sock
-        time.sleep(6.0)
+        time.sleep(6.0)                           # the idle time is the case under test, not a wait
         conn.request("GET", "/health")            # http.client reconnects silently if closed...
         assert conn.getresponse().status == 200
         assert conn.sock is sock                  # ...so check it reused the very same socket

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from fleet.placement import get_strategy
 from fleet.placement.shapes import PlacementRequest
 from fleet.inventory import Inventory
 from fleet.spec import load_deployments
+from tests.support.waits import wait_until
 
 NODE = NodeInventory(name="local", cpu_cores=(0, 1))
 
@@ -36,15 +36,6 @@ def spawned():
             os.killpg(r.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def wait_until(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met within the deadline")
 
 
 def test_a_process_is_ours_only_while_pid_and_start_time_match(spawned):
@@ -128,8 +119,6 @@ async def test_a_crash_between_record_and_start_is_resolved_by_the_marker(tmp_pa
     await backend.stop("chat-9")
     await asyncio.get_running_loop().run_in_executor(None, wait_until, lambda: start_ticks(lost.pid) is None)
     assert (await backend.observe())["chat-9"].exited
-
-
 
 
 async def test_a_hub_source_is_cached_once_and_both_engines_start_from_the_cache(tmp_path, monkeypatch, spawned):

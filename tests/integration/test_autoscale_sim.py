@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.e2e.conftest import FleetUp
+from tests.support.fleet_up import FleetUp
 
 MODEL = "llama-8b-sim"
 PER_ENDPOINT = 2          # router admission limit per replica: the rest wait in the router
@@ -112,7 +112,7 @@ def test_a_burst_scales_up_and_the_quiet_after_it_scales_back_down(sim_fleet_up,
         # policy's probe margin (80% of that rate), and on a fast machine the probe that scales
         # 2 -> 1 was barred ("load 1.0 needs 2 replica(s)", no probe: autoscaler/policy.py).
         clients.add(1, think_s=1.0)
-        time.sleep(6)
+        time.sleep(6)   # an observation window, not a wait: nothing may scale while this one client runs
         assert desired() == 1, fleet.state()["deployments"]["burst"]
 
         # The burst: ten clients on 2 slots; the rest wait in the router's admission queue.

@@ -1,6 +1,7 @@
-"""Open-loop load for the end-to-end tests: one completion every 1/rate s through a router,
-whatever the earlier ones are doing, each outcome recorded with the time it was sent. Used by
-the fault-injection and rollout tests to count every request."""
+"""Open-loop load for the integration and end-to-end tests: one completion every 1/rate s through
+a router, whatever the earlier ones are doing, each outcome recorded with the time it was sent.
+Used by the fault-injection and rollout tests to count every request. `StreamedLoad`: the
+rollout tests' streamed variant."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from tests.support.waits import wait_until
 
 
 @dataclass
@@ -68,3 +71,15 @@ class OpenLoopLoad:
     @property
     def failed(self) -> list[tuple[float, str]]:
         return [r for r in self.results if r[1] != "ok"]
+
+    def wait_for_more(self, n: int, what: str, timeout_s: float = 120.0) -> None:
+        """Wait until ``n`` more requests than now have an outcome (of any kind): the load ran
+        through ``what``, however slow the machine; fails naming ``what`` after ``timeout_s``."""
+        target = len(self.results) + n
+        wait_until(lambda: len(self.results) >= target, timeout_s, 0.05,
+                   f"{n} more requests answered ({what}); {len(self.results)} before")
+
+
+def StreamedLoad(url: str, model: str, rate_per_s: float = 8.0, max_tokens: int = 24) -> OpenLoopLoad:
+    """Open-loop streamed completions; a reply counts as whole when its stream ends with `data: [DONE]`."""
+    return OpenLoopLoad(url, model, rate_per_s=rate_per_s, max_tokens=max_tokens, stream=True, prompt="hello " * 20)

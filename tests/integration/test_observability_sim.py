@@ -8,7 +8,7 @@ current and its metrics endpoints), the engine SIMULATOR's processes and `vllm:`
 Fleet's rules loaded, `fleet prometheus-config`, `fleet top` in a real terminal (tmux).
 
 The GPUs are not real: `fleet up` runs over tests/support/fake_nvml.py's stand-in NVML
-(tests/e2e/fake_gpu_fleet.py: eight H100s, GPU 7 with a double-bit ECC error and an Xid 48), so
+(tests/support/fake_gpu_fleet.py: eight H100s, GPU 7 with a double-bit ECC error and an Xid 48), so
 its node agent runs its real checks, quarantines GPU 7 and exports it, and the GPU health and
 quarantine panels are evaluated like every other (the deployment itself runs on CPU).
 
@@ -42,8 +42,8 @@ from fleet.observability.dashboard import build_dashboard, panel_queries
 from fleet.observability.discovery import JOB_CONTROLLER, JOB_ENGINE, JOB_NODE_AGENT, JOB_ROUTER, targets_path
 from fleet.observability.promql import grafana_to_promql
 from fleet.observability.rules import alerts, recording_rules, render_rules
-from tests.e2e.conftest import REPO, FleetUp, free_port
-from tests.e2e.fake_gpu_fleet import FAULTY_GPU, XID
+from tests.support.fleet_up import REPO, FleetUp, free_port
+from tests.support.fake_gpu_fleet import FAULTY_GPU, XID
 
 MODEL = "llama-8b-sim"
 DEPLOYMENT = "chat"
@@ -153,7 +153,7 @@ def _wait(what: str, predicate, timeout_s: float = TIMEOUT_S, fleet: FleetUp | N
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("observability")
-    fleet = FleetUp([deployment(tmp)], tmp / "state", cli_module="tests.e2e.fake_gpu_fleet")
+    fleet = FleetUp([deployment(tmp)], tmp / "state", cli_module="tests.support.fake_gpu_fleet")
     prom = None
     load = Load(fleet.router_url)
     try:
