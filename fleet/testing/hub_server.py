@@ -95,7 +95,8 @@ class HubServer:
         if tls is not None:
             self._httpd.socket = tls.wrap_socket(self._httpd.socket, server_side=True)
             self.scheme = "https"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02},
+                                        name="hub-server", daemon=True)  # shutdown() waits one poll
 
     @property
     def url(self) -> str:

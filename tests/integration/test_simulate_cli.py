@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from fleet.cli import app
 from fleet.tracesim.traces import Trace, TraceRequest, write_jsonl
+from tests.unit.test_simulate_cli import ROOT  # the unit file's helpers
 
 runner = CliRunner()
 
@@ -53,3 +54,44 @@ def test_policies_pick_the_contenders_and_the_router_limit_can_be_overridden(fil
     assert {r["params"]["routing"]["max_concurrency_per_endpoint"] for r in doc["results"]} == {4}
 
 
+def test_compare_prints_one_row_per_contender_and_writes_json_and_png(files: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:  # fmt: skip
+    trace, dep = files
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--compare", "--policies", "fixed-3",
+                                 "--jobs", "1", "--warm-startup-s", "5", "--json", str(out_json),
+                                 "--plot", str(out_png)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "Fleet trace SIMULATOR" in out and "1200 requests" in out
+    assert "within 2 s TTFT" in out and "replica-hours" in out and "scaling actions" in out
+    for row in ("fleet", "fixed-peak (", "fixed-mean (", "keda-queue", "kpa", "fixed-3"):
+        assert f"│ {row}" in out, row
+    doc = json.loads(out_json.read_text())
+    names = [r["name"] for r in doc["results"]]
+    assert names[0] == "fleet" and names[-1] == "fixed-3" and len(names) == 6
+    fleet = doc["results"][0]
+    assert fleet["summary"]["requests"] == 1200 and fleet["summary"]["failed"] == 0
+    assert len(fleet["timeline"]["t_s"]) == 2 and fleet["timeline"]["arrivals_per_s"][0] > 0  # 60 s bins
+    assert fleet["params"]["startup"]["warm_s"] == 5.0 and fleet["params"]["profile"] == "cpu-tiny-llama"
+    assert doc["workload"]["trace"] == "small" and doc["sizing"]["peak"] >= 1
+    png = out_png.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_the_readme_code_figures_are_reproduced() -> None:
+    """The autoscaling tables for the Azure `code` trace (docs/autoscaling.md, docs/benchmarks.md) come
+    from loadtests/results/autoscaling-code.json; a fresh run of Fleet's row must give the same
+    figures (a policy change that moves them must regenerate the table)."""
+    recorded = json.loads((ROOT / "loadtests/results/autoscaling-code.json").read_text())
+    want = next(r["summary"] for r in recorded["results"] if r["name"] == "fleet")
+    result = runner.invoke(app, ["simulate", str(ROOT / "loadtests/traces/azure-llm-2023/code.csv"),
+                                 "-d", str(ROOT / "examples/simulate-h100.yaml"), "--policies", "fleet",
+                                 "--jobs", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("│ fleet"))
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert cells[1] == f"{want['within_slo'] * 100:.1f}%"
+    assert cells[2] == f"{want['ttft_p99_s']:.2f} s"
+    assert cells[4] == f"{want['replica_hours']:.2f}"
+    assert cells[5:] == [str(want["max_replicas"]), str(want["scaling_actions"]), str(want["failed"])]

@@ -31,7 +31,8 @@ class ForwardProxy:
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="forward-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02},
+                                        name="forward-proxy", daemon=True)  # shutdown() waits one poll
 
     @property
     def url(self) -> str:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,16 +17,6 @@ DOCS = sorted([README, *(REPO / "docs").rglob("*.md")])
 WRITTEN_ELSEWHERE = {REPO / "docs" / "architecture.md"}
 """Docs the README links to that another branch writes; a link to one is accepted while the file is
 absent here (once it exists, its anchors are checked like any other)."""
-
-
-def test_ci_finds_the_test_command_in_the_readme():
-    """`.ci/run` runs the line after `<!-- test-command -->` (skipping the fence): the same awk program here."""
-    if shutil.which("awk") is None:
-        pytest.skip("no awk")
-    program = re.search(r"awk '([^']+)' README\.md", (REPO / ".ci" / "run").read_text())
-    assert program, ".ci/run no longer reads README.md with awk: update this test with it"
-    found = subprocess.run(["awk", program.group(1), str(README)], capture_output=True, text=True, check=True)
-    assert found.stdout.strip() == "./tests/run.sh"
 
 
 def test_the_readme_is_a_short_front_page_with_contents():

@@ -48,23 +48,6 @@ def test_series_appear_at_first_use_and_leave_with_the_endpoint() -> None:
     assert endpoint_samples(metrics, "m") == []
 
 
-def test_replacing_a_large_bound_pool_removes_exactly_its_series() -> None:
-    metrics = RouterMetrics()
-    table = PoolTable(metrics, time.time)
-    other = table.put("other", spec(2))
-    for pool in (table.put("m", spec(2000)), other):
-        for endpoint in pool.endpoints:
-            assert endpoint.metrics is not None
-            endpoint.metrics.bind()
-            endpoint.metrics.requests(200).inc()
-    assert len(endpoint_samples(metrics, "m")) > 2000
-    kept = endpoint_samples(metrics, "other")
-    table.put("m", spec(2000, prefix="r"))
-    assert endpoint_samples(metrics, "m") == []
-    assert endpoint_samples(metrics, "other") == kept
-    assert table.delete("other") and endpoint_samples(metrics, "other") == []
-
-
 def test_a_version_change_forgets_the_old_versions_series() -> None:
     metrics = RouterMetrics()
     table = PoolTable(metrics, time.time)
