@@ -1,6 +1,5 @@
-"""The README and docs/ hold together: `.ci/run` finds the test command in README.md, the README
-stays a short front page, every relative link and anchor in README.md and docs/ resolves, and the
-autoscaling tables in docs/ are the recorded runs (loadtests/results/autoscaling-*.json)."""
+"""`.ci/run` finds the test command in README.md, by running the awk program it runs (a process:
+the rest of the README and docs checks are in tests/unit/test_docs.py)."""
 
 from __future__ import annotations
 

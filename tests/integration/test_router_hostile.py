@@ -1,15 +1,11 @@
-"""The router under hostile input: every case answered with a 4xx in bounded time, in OpenAI's
-error format, counted in the rejection metrics under a bounded label, while good requests keep
-being served (router.app, router.admin, router.proxy, router.server, router.spec).
-
-Real loopback sockets, in-process router; raw sockets where a client must misbehave at the HTTP
-level. Waits are on conditions with a deadline (`WAIT_S`), never on sleeps.
-"""
+"""The router's deadlines in real time: hostile requests get a 4xx within the body and head
+timeouts while good ones are served, and the deadlines bound receiving a request, not idle or
+answering time (router.server, router.app). In-process router on loopback; the rest of the hostile
+cases, and the helpers used here, are in tests/unit/test_router_hostile.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from urllib.parse import urlsplit
 
@@ -26,9 +22,6 @@ TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 WAIT_S = 10.0  # upper bound for any single wait; a pass never comes near it
 SHORT_S = 0.5  # the body / head timeouts the router under test runs with (unless a test sets them)
-
-
-@contextlib.asynccontextmanager
 
 
 async def test_hostile_requests_get_4xx_in_bounded_time_while_good_ones_are_served() -> None:
