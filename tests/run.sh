@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every test, in three tiers (tests/conftest.py), cheapest first:
 #   tests/unit         in-process only: no process, no socket but the test's own loopback fixtures,
-#                      no real Kubernetes client (guarded: tests/support/guards.py); seconds
-#   tests/integration  real processes on loopback: `fleet up`, the router and the engine SIMULATOR,
-#                      the API-server and hub stand-ins, Prometheus/promtool, helm; minutes
+#                      no real Kubernetes client (guarded: tests/support/guards.py); ~45 s on 2 cores
+#   tests/integration  real processes on loopback (`fleet up`, the router and the engine SIMULATOR,
+#                      the API-server and hub stand-ins, Prometheus/promtool, helm), whole trace-
+#                      simulator runs and real-time deadlines; minutes
 #   tests/e2e          `fleet up` on real vLLM (CPU build)
 # Installs what it needs into .venv first (see .ci/venv.sh). Extra arguments go to pytest instead
 # of the three tiers: `./tests/run.sh tests/unit`, `./tests/run.sh -m "not e2e"`.
