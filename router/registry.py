@@ -51,17 +51,17 @@ class Registry(Generic[T]):
         try:
             return self._classes[name]
         except KeyError:
-            raise KeyError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}") from None
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._classes
+            raise KeyError(self._unknown(name)) from None
 
     def check(self, name: str) -> str:
-        """``name`` if registered; else ValueError with the KeyError's message (for pydantic
-        field validators, which turn a ValueError into a field error)."""
+        """``name`` if registered; else ValueError with `get`'s message (for pydantic field
+        validators, which turn a ValueError into an error naming the field)."""
         if name not in self._classes:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+            raise ValueError(self._unknown(name))
         return name
+
+    def _unknown(self, name: str) -> str:
+        return f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}"
 
 
 class Registered:

@@ -7,23 +7,9 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-from typer.testing import CliRunner
 
 from fleet.cli import app
-from fleet.testing.hub_server import HubRepo, HubServer
-
-runner = CliRunner()
-FILES = {"config.json": b'{"a": 1}', "model.safetensors": os.urandom(300_000)}
-
-
-@pytest.fixture()
-def hub(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    with HubServer({"org/tiny": HubRepo(FILES)}) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        yield server
+from tests.unit.test_cli_agent import runner  # the subject's helpers live in its unit file
 
 
 def test_hub_server_serves_a_model_directory_for_hf_sources(tmp_path, monkeypatch):

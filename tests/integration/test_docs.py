@@ -6,15 +6,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from tests.unit.test_docs import README, REPO  # the subject's helpers live in its unit file
 
-REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
-DOCS = sorted([README, *(REPO / "docs").rglob("*.md")])
 
-WRITTEN_ELSEWHERE = {REPO / "docs" / "architecture.md"}
 """Docs the README links to that another branch writes; a link to one is accepted while the file is
 absent here (once it exists, its anchors are checked like any other)."""
 

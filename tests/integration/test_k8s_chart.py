@@ -17,16 +17,10 @@ import pytest
 
 from fleet.k8s.crd import crd_document
 from tests.support.helm import CHART, REPO, helm, helm_binary, render, render_text
+from tests.unit.test_k8s_chart import VALUES  # the subject's helpers live in its unit file
 
 pytestmark = pytest.mark.skipif(helm_binary() is None, reason="helm not installed: run `bash .ci/helm.sh`")
 
-EXAMPLES = REPO / "examples" / "kubernetes"
-VALUES = {
-    "defaults": [],
-    "ha": [EXAMPLES / "values-ha.yaml"],
-    "monitoring": [EXAMPLES / "values-monitoring.yaml"],
-    "gpu-mig": [EXAMPLES / "values-gpu-mig.yaml"],
-}
 MONITORING_API = ("monitoring.coreos.com/v1",)
 GOLDEN = REPO / "tests" / "data" / "golden" / "chart-defaults.yaml"
 _TOKEN = re.compile(r"(^  token: ).*$", re.M)

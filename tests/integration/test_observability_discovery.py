@@ -14,29 +14,7 @@ from fleet.observability.discovery import (
     file_sd_groups,
 )
 from fleet.observability.scrape import prometheus_config
-
-
-def replica(rid: str, status: str, port: int | None, deployment: str = "chat", revision: str = "v1") -> dict:
-    return {"id": rid, "deployment": deployment, "revision": revision, "status": status,
-            "endpoint": f"http://127.0.0.1:{port}" if port else None}  # fmt: skip
-
-
-SNAPSHOT = {
-    "deployments": {
-        "chat": {"desired": 3, "min": 1, "max": 4, "model": "llama", "failures_in_row": 1, "failures_total": {"v1": 1}},
-        "embed": {"desired": 1, "min": 1, "max": 1, "model": "e5", "failures_in_row": 0},
-    },
-    "replicas": [
-        replica("chat-2", "READY", 9002, revision="v2"),
-        replica("chat-0", "READY", 9000),
-        replica("chat-1", "DRAINING", 9001),
-        replica("chat-3", "STARTING", 9003, revision="v2"),
-        replica("chat-4", "FAILED_START", 9004),
-        replica("chat-5", "TERMINATED", 9005),
-        replica("chat-6", "PENDING", None),
-        replica("embed-0", "WARMING", 9100, deployment="embed"),
-    ],
-}
+from tests.unit.test_observability_discovery import SNAPSHOT  # the subject's helpers live in its unit file
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None,

@@ -12,10 +12,8 @@ import pytest
 import yaml
 
 from fleet.observability.rules import alerts, kubernetes_alerts, recording_rules
+from tests.unit.test_observability_queries import CHART_RULES, DOCS, REPO  # the subject's helpers live in its unit file
 
-REPO = Path(__file__).resolve().parents[2]
-DOCS = REPO / "docs" / "observability"
-CHART_RULES = REPO / "charts" / "fleet" / "files" / "fleet-rules.yaml"
 needs_promtool = pytest.mark.skipif(
     shutil.which("promtool") is None,
     reason="promtool is not installed (Debian package prometheus; .ci/prometheus.sh installs it)",

@@ -9,19 +9,11 @@ import asyncio
 import json
 from urllib.parse import urlsplit
 
-import pytest
 
 from router.metrics import UNKNOWN_MODEL
 from router.proxy import MAX_REFLECTED_CHARS
 from tests.support.router import FakeEngine
-from tests.unit.test_router_hostile import error_of, good_traffic, put_pool, raw_exchange, rejected, router, status_of  # the unit file's helpers
-
-pytestmark = pytest.mark.asyncio
-
-TOKEN = "test-admin-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-WAIT_S = 10.0  # upper bound for any single wait; a pass never comes near it
-SHORT_S = 0.5  # the body / head timeouts the router under test runs with (unless a test sets them)
+from tests.unit.test_router_hostile import AUTH, SHORT_S, WAIT_S, error_of, good_traffic, put_pool, raw_exchange, rejected, router, status_of  # the subject's helpers live in its unit file
 
 
 async def test_hostile_requests_get_4xx_in_bounded_time_while_good_ones_are_served() -> None:

@@ -5,53 +5,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autoscaler.policy import ReplicaBounds
 from autoscaler.spec import AutoscalingSpec
-from fleet.enginesim.cost import StepCost
-from fleet.enginesim.model import EngineConfig
-from fleet.enginesim.profiles import Profile
 from fleet.tracesim.compare import contender, run_comparison
-from fleet.tracesim.engine import SimConfig
 from fleet.tracesim.workload import (
     Workload,
 )
-from fleet.tracesim.traces import Trace, TraceRequest
 import pytest
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.tracesim.replica import NodePool
-from tests.unit.test_simulate import simulate  # the unit file's helpers
+from tests.unit.test_simulate import TINY, config, fleet_spec, simulate, trace_of  # the subject's helpers live in its unit file
 
 # A small, slow replica: every step costs 50 ms, at most 4 requests in a batch. A request of
 # 64 prompt tokens and 8 output tokens takes 8 steps; one replica completes ~10 requests/s.
-TINY = Profile(
-    name="test-tiny", model="tiny", hardware="none (unit tests)",
-    config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, block_size=16, num_gpu_blocks=512,
-                        max_model_len=4096),
-    cost=StepCost(fixed_s=0.05), typical_startup_s=0.0, notes="test profile",
-)  # fmt: skip
-
-
-def trace_of(*phases: tuple[float, float], prompt: int = 64, output: int = 8) -> Trace:
-    """Evenly spaced arrivals: ``(seconds, requests per second)`` per phase, one after another."""
-    out, t0 = [], 0.0
-    for seconds, rate in phases:
-        n = round(seconds * rate)
-        out += [TraceRequest(t0 + i / rate, prompt, output) for i in range(n)]
-        t0 += seconds
-    return Trace("synthetic", tuple(out))
-
-
-def fleet_spec(**kw: object) -> AutoscalingSpec:
-    """Fleet's policy on short windows, so a test hour is a few simulated minutes."""
-    return AutoscalingSpec(**{"window_seconds": 10, "interval_seconds": 2, "scale_down_stabilization_seconds": 60,
-                              "trend_window_seconds": 20, "warm_startup_seconds": 10, **kw})  # type: ignore[arg-type]
-
-
-ONE_TO_SIX = ReplicaBounds(1, 6, 1)
-
-
-def config(spec: AutoscalingSpec, bounds: ReplicaBounds = ONE_TO_SIX, **kw: object) -> SimConfig:
-    return SimConfig(TINY, spec, bounds, **{"warm_startup_s": 10.0, "cold_startup_s": 40.0, **kw})  # type: ignore[arg-type]
 
 
 def test_parallel_runs_give_the_serial_results() -> None:

@@ -1,22 +1,13 @@
-"""Canary rollouts in the trace simulator (fleet.tracesim.rollout) on a short synthetic workload:
-the real split, state machine and judges decide; a good canary is promoted, slow and failing
-ones are rolled back by Fleet's analysis, a canary without traffic is never promoted by it, and
-the baselines show the failure modes they are known for."""
+"""Canary rollouts in the trace simulator, the long runs: slow and failing canaries are rolled
+back by Fleet's analysis, a canary without traffic is never promoted by it, and `fleet
+simulate-rollout` prints its table (the short cases: tests/unit/test_simulate_rollout.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from fleet.enginesim.profiles import get_profile
 from fleet.tracesim.rollout import CanaryVariant
-from fleet.rollout.spec import AnalysisSpec, RolloutSpec, RolloutStep, StepAnalysis
-from tests.unit.test_simulate_rollout import WL, run  # the unit file's helpers
-
-PROFILE = get_profile("h100-llama-8b")
-SPEC = RolloutSpec(strategy="canary", steps=[
-    RolloutStep(weight=25), RolloutStep(analysis=StepAnalysis()), RolloutStep(weight=50),
-    RolloutStep(analysis=StepAnalysis())],
-    analysis=AnalysisSpec(interval_seconds=30, min_samples_per_side=30, exclude_after_ready_seconds=5))
+from tests.unit.test_simulate_rollout import WL, run  # the subject's helpers live in its unit file
 
 
 @pytest.mark.parametrize("variant", [
