@@ -1,14 +1,21 @@
 """`fleet simulate` with several contenders, which it runs in worker processes: the policies pick
-the contenders and the router limit can be overridden (tests/unit/test_simulate_cli.py: the rest)."""
+the contenders and the router limit can be overridden and the figures of docs/benchmarks.md are
+reproduced (tests/unit/test_simulate_cli.py: the rest)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 
 from fleet.cli import app
-from tests.unit.test_simulate_cli import ROOT, files, runner  # noqa: F401 - the subject's helpers and its `files` fixture live in its unit file
+from tests.unit.test_simulate_cli import ROOT, runner, write_files  # the subject's helpers live in its unit file
+
+
+@pytest.fixture()
+def files(tmp_path: Path) -> tuple[Path, Path]:
+    return write_files(tmp_path)
 
 
 def test_policies_pick_the_contenders_and_the_router_limit_can_be_overridden(files: tuple[Path, Path],

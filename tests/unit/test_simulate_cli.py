@@ -28,9 +28,8 @@ spec:
 """
 
 
-@pytest.fixture()
-def files(tmp_path: Path) -> tuple[Path, Path]:
-    """A two-minute trace with a 20 s burst, and the deployment above."""
+def write_files(tmp_path: Path) -> tuple[Path, Path]:
+    """A two-minute trace with a 20 s burst, and the deployment above, written in ``tmp_path``."""
     reqs = [TraceRequest(i * 0.5, 200, 16) for i in range(80)]                      # 2 req/s for 40 s
     reqs += [TraceRequest(40 + i * 0.02, 200, 16) for i in range(1000)]             # 50 req/s for 20 s
     reqs += [TraceRequest(60 + i * 0.5, 200, 16) for i in range(120)]               # 2 req/s for 60 s
@@ -39,6 +38,11 @@ def files(tmp_path: Path) -> tuple[Path, Path]:
     dep = tmp_path / "dep.yaml"
     dep.write_text(DEPLOYMENT)
     return trace, dep
+
+
+@pytest.fixture()
+def files(tmp_path: Path) -> tuple[Path, Path]:
+    return write_files(tmp_path)
 
 
 def test_a_missing_trace_file_is_named(files: tuple[Path, Path], tmp_path: Path) -> None:
