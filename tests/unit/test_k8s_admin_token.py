@@ -65,10 +65,21 @@ async def test_a_lost_create_race_reads_the_winners_token():
     assert base64.b64decode(kube.store.get(SECRETS, NS, NAME)["data"]["token"]).decode() == "rival-token"
 
 
+class SlowAnswers(FakeKube):
+    """Each answer reaches its caller after the other tasks had a turn (as over a network)."""
+
+    async def get(self, res, namespace, name):
+        try:
+            return await super().get(res, namespace, name)
+        finally:
+            await asyncio.sleep(0)
+
+
 async def test_two_operators_starting_together_agree():
-    kube = FakeKube()
+    kube = SlowAnswers()
     tokens = await asyncio.gather(*(ensure_admin_token(kube, NS, NAME) for _ in range(2)))
-    assert tokens[0] == tokens[1] and kube.calls["create"] <= 2
+    assert tokens[0] == tokens[1]
+    assert kube.calls["create"] == 2 and kube.calls["get"] == 3   # both saw NotFound; the loser read the winner's
 
 
 async def test_an_existing_secret_is_read_and_never_written():
