@@ -2,7 +2,8 @@
 `kubernetes` client and the real `fleet operator` process, against the HTTP STAND-IN for the API
 server (fleet/testing/k8s/apiserver.py; not a cluster). The operator started as the chart starts
 it (FLEET_ROUTER_ADMIN_SECRET, no token in its environment) makes the Secret once; a restarted
-one reads the same token; with a user's Secret (create false) that is missing it exits 2 naming it."""
+one reads the same token; with a user's Secret (create false) that is missing it exits 2 naming it.
+The chart's own Role, enforced by the stand-in's RBAC, admits exactly what the operator asks."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from pathlib import Path
 import pytest
 
 from fleet.k8s.admin_token import AdminTokenError, ensure_admin_token
-from fleet.k8s.client import SECRETS, Conflict, KubeClient
+from fleet.k8s.client import SECRETS, ApiError, Conflict, KubeClient
 from fleet.testing.k8s.apiserver import APIServerStandIn
+from fleet.testing.k8s.rbac import Authorizer
+from fleet.testing.k8s.resources import by_kind
+from tests.support.helm import helm_binary, render
 from tests.support.waits import async_wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,4 +105,36 @@ async def test_the_operator_makes_the_secret_once_and_a_restart_reads_it(tmp_pat
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+        await api.stop()
+
+
+@pytest.mark.skipif(helm_binary() is None, reason="helm not installed: run `bash .ci/helm.sh`")
+@pytest.mark.parametrize("existing", ["", "my-admin"])
+async def test_the_charts_role_admits_what_the_operator_asks_and_no_other_secret(existing):
+    extra = ("--set", f"router.adminToken.existingSecret={existing}") if existing else ()
+    api = APIServerStandIn()
+    api.authorizer = Authorizer(api.store)
+    for obj in render(extra=extra):
+        if obj["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
+            api.store.create(by_kind(obj["apiVersion"], obj["kind"]), obj["metadata"].get("namespace"), obj)
+    name = existing or NAME
+    if existing:   # the user's Secret, made before the release
+        api.store.create(SECRETS, NS, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+                                       "data": {"token": base64.b64encode(b"users-token").decode()}})  # fmt: skip
+    api.store.create(SECRETS, NS, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "someone-elses"},
+                                   "data": {"token": base64.b64encode(b"x").decode()}})  # fmt: skip
+    await api.start()
+    kube = KubeClient.for_host(api.url, api.authorizer.service_account_token(NS, "fleet-operator"))
+    try:
+        token = await ensure_admin_token(kube, NS, name, create=not existing)
+        assert token == ("users-token" if existing else base64.b64decode(
+            api.store.get(SECRETS, NS, NAME)["data"]["token"]).decode())  # fmt: skip
+        assert api.authorizer.denied == []
+        for call in (kube.get(SECRETS, NS, "someone-elses"), kube.list(SECRETS, NS)):
+            with pytest.raises(ApiError) as err:
+                await call
+            assert err.value.status == 403
+        assert len(api.authorizer.denied) == 2
+    finally:
+        kube.close()
         await api.stop()
