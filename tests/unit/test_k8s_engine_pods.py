@@ -210,3 +210,17 @@ def test_facts_wait_for_the_weights_init_container_and_report_its_failure():
         "exitCode": 1, "reason": "Error", "message": "hf://org/tiny@v2: revision 'v2' not found"}}}]}
     f = pod_facts(pod)
     assert f.exited and f.exit_code == 1 and "weights init container" in f.exit_reason and "not found" in f.exit_reason
+
+
+def test_published_sources_are_redacted_and_placement_still_finds_them_warm():
+    from fleet.inventory.model import NodeInventory
+    from fleet.placement.shapes import PlacementRequest, ReplicaShape
+    from fleet.sources import redact_source
+
+    signed = "https://u:p@h.example/m/fleet-manifest.json?X-Amz-Signature=abc#f"
+    assert redact_source(signed) == "https://h.example/m/fleet-manifest.json"
+    assert redact_source("hf://gpt2@main") == "hf://gpt2@main" and redact_source("/models/x") == "/models/x"
+    assert redact_source("s3://key:secret@bucket/path?x=1") == "s3://bucket/path"
+    ld = _gpu(signed)
+    request = PlacementRequest(ReplicaShape.of(ld.deployment), model_source=signed, image=None)
+    assert request.warmth(NodeInventory("a", cached=frozenset({redact_source(signed)}))) == 3
