@@ -287,3 +287,17 @@ def write_manifest(model_dir: Path, with_sha256: bool = True) -> Path:
     out = model_dir / MANIFEST_NAME
     out.write_text(json.dumps({"fleetManifest": 1, "files": files}, indent=1) + "\n")
     return out
+
+
+def redact_source(source: str) -> str:
+    """``source`` without credentials, as it may be published (a Node annotation, a log): URL
+    userinfo, query and fragment removed (``https://u:p@h/x?X-Amz-Signature=..`` ->
+    ``https://h/x``); ``hf://`` sources and paths are returned as they are (they carry none;
+    ``hf://org/name@rev``'s ``@`` is a revision). Pure."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if "://" not in source or source.startswith(("hf://", "file://")):
+        return source
+    parts = urlsplit(source)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))

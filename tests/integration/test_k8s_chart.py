@@ -270,3 +270,30 @@ def test_values_schema_refuses_bad_pre_pull_settings():
     proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), "--set", "engine.prePull.attempts=0"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode != 0 and "attempts" in proc.stderr, proc.stderr
+
+
+def test_engine_pods_get_the_node_cache_fleets_image_and_resource_sizing():
+    """FLEET_ENGINE_POD_JSON as rendered reads back as the operator's settings: the weight cache
+    is the agent's hostCachePath (none without the agent), the init container runs Fleet's image."""
+    import json
+
+    from fleet.k8s.pods import EnginePodSettings
+
+    def settings(*extra):
+        op = next(d for d in _by_kind(render(extra=extra))["Deployment"] if d["metadata"]["name"] == "fleet-operator")
+        env = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+        return EnginePodSettings.from_json(env["FLEET_ENGINE_POD_JSON"])
+
+    on = settings("--set", "agent.enabled=true", "--set", "engine.resources.guaranteed=true")
+    assert on.weight_cache_path == "/var/lib/fleet/cache" and on.fleet_image.endswith("/fleet:0.1.0")
+    assert on.resources.guaranteed and on.resources.cpu_per_gpu == 2
+    assert settings().weight_cache_path == ""
+    assert json.loads(json.dumps(settings("--set", "engine.resources.swapSpaceGiB=8").resources.swap_space_gib)) == 8
+
+
+def test_values_schema_refuses_bad_engine_resources():
+    for bad, field in ((("--set", "engine.resources.cpuPerGPU=1"), "cpuPerGPU"),
+                       (("--set", "engine.resources.baseMemoryGiB=-1"), "baseMemoryGiB")):  # fmt: skip
+        proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), *bad], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert proc.returncode != 0 and field in proc.stderr, proc.stderr
