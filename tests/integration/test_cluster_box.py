@@ -1,0 +1,356 @@
+"""Integration: the user's journey on the cluster in a box (fleet/testing/k8s/box.py), from
+`helm install` of the chart AS RENDERED to uninstall with nothing left.
+
+The box is a STAND-IN for a cluster (docs/kubernetes.md, "The cluster in a box"): an API server
+stand-in enforcing the chart's RBAC per service account, a kubelet running every pod's
+containers as local processes from the rendered spec (own mount namespace, the securityContext's
+user, hostPath / emptyDir / Secret volumes, env from the downward API and Secrets, probes,
+restart policy), a device plugin per GPU node and a fake NVML per node. Nodes: 8xH100 SXM
+(NVSwitch), 4xH100 NVL in two NVLink pairs joined by PCIe, an H100 cut into two 3g.40gb MIG
+instances, and a CPU node. Engines are the simulator; weights come from the local hub stand-in.
+
+Journey: install -> agents up on every GPU node, node facts published -> apply a TP=2
+``hf://...@rev`` deployment on the NVL node, a MIG one, and a TP=1 one on the SXM node -> TP=2
+replicas each on one NVLink pair (never across PCIe), MIG on a 3g.40gb slice -> weights fetched
+once per node, engines started from the node cache -> two router pods serve OpenAI traffic -> an
+Xid 79 on a GPU of the SXM node: quarantined, its replica drained and replaced on another GPU,
+no request failed before streaming -> a canary rollout promotes -> kill -9 of the operator, an
+agent and a router pod -> delete, nothing left. Any request outside a Role's rights fails it.
+
+Needs root (mount namespaces, running containers as their user) and Linux; skips otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, NotFound
+
+pytestmark = [pytest.mark.timeout(900)]
+NS = "fleet"
+IMAGE = "ghcr.io/inference-fleet/fleet:0.1.0"
+
+
+def _can_run_containers() -> str | None:
+    if os.geteuid() != 0:
+        return "the cluster in a box runs containers as their user in mount namespaces: needs root"
+    import ctypes
+
+    pid = os.fork()
+    if pid == 0:   # probe unshare(CLONE_NEWNS) in a child, so this process keeps its namespace
+        os._exit(0 if ctypes.CDLL("libc.so.6", use_errno=True).unshare(0x00020000) == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    return None if os.waitstatus_to_exitcode(status) == 0 else "unshare(CLONE_NEWNS) is not permitted here"
+
+
+def _cr(name: str, model: str, source: str, resources: dict, replicas: int, revision: str = "v1",
+        rollout: dict | None = None) -> dict:  # fmt: skip
+    spec = {"model": {"name": model, "source": source, "revision": revision},
+            "engine": {"kind": "sim", "args": ["--seed", "1"], "startupTimeoutSeconds": 120},
+            "resources": resources, "replicas": {"min": replicas, "max": replicas},
+            "warmup": {"requests": [{"kind": "completion", "prompt": "Hello", "maxTokens": 2}]}}  # fmt: skip
+    if rollout:
+        spec["rollout"] = rollout
+    return {"apiVersion": "fleet.inference.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
+            "spec": spec}
+
+
+class Load:
+    """Completions sent to every router pod in turn, all the time; failures before the first byte
+    of the answer are kept (``failed_before_streaming``)."""
+
+    def __init__(self, routers, model: str) -> None:
+        self.routers = routers
+        self.model = model
+        self.ok = 0
+        self.failed_before_streaming: list[str] = []
+        self._stop = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        async with aiohttp.ClientSession() as http:
+            i = 0
+            while not self._stop.is_set():
+                urls = self.routers()
+                if not urls:
+                    await asyncio.sleep(0.2)
+                    continue
+                url = urls[i % len(urls)]
+                i += 1
+                try:
+                    async with http.post(f"{url}/v1/completions", json={"model": self.model, "prompt": "hi there",
+                                                                        "max_tokens": 4},
+                                         timeout=aiohttp.ClientTimeout(total=30)) as r:  # fmt: skip
+                        body = await r.read()
+                        if r.status == 200:
+                            self.ok += 1
+                        else:
+                            self.failed_before_streaming.append(f"{url}: {r.status} {body[:200]!r}")
+                except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                    self.failed_before_streaming.append(f"{url}: {type(err).__name__}: {err}")
+                await asyncio.sleep(0.05)
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self.task:
+            await self.task
+
+
+async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
+    why_not = _can_run_containers()
+    if why_not:
+        pytest.skip(why_not)
+    from fleet.testing.hub_server import HubRepo, HubServer
+    from fleet.testing.k8s.box import ClusterInABox
+
+    weights = {"config.json": b'{"model_type": "llama"}', "model.safetensors": os.urandom(4096)}
+    repos = {"org/chat": HubRepo(dict(weights)), "org/small": HubRepo({**weights, "extra.txt": b"small"}),
+             "org/sxm": HubRepo({**weights, "sxm.txt": b"v1"})}
+    hub = HubServer(repos)
+    hub.__enter__()
+    rev = repos["org/chat"].commit
+    box = ClusterInABox(tmp_path / "box", image=IMAGE)
+    await box.start()
+    kube = box.kube
+    assert kube is not None
+    steps: list[tuple[str, float]] = []
+    started = time.monotonic()
+    load: Load | None = None
+
+    def mark(what: str) -> None:
+        steps.append((what, time.monotonic() - started))
+        print(f"[{time.monotonic() - started:6.1f} s] {what}", flush=True)
+
+    def pods(selector: str | None = None) -> list[dict]:
+        return box.store.list(PODS, NS, selector)[0]
+
+    def phase(p: dict) -> str:
+        return (p.get("status") or {}).get("phase", "Pending")
+
+    def ready(p: dict) -> bool:
+        return any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in (p.get("status") or {}).get("conditions") or [])  # fmt: skip
+
+    def why() -> str:
+        lines = [f"denied: {box.denied}"]
+        for p in pods():
+            cs = [(c["name"], list(c["state"])[0], c.get("restartCount")) for c in
+                  (p.get("status") or {}).get("containerStatuses") or []]  # fmt: skip
+            lines.append(f"{p['metadata']['name']} on {p['spec'].get('nodeName')}: {phase(p)} {cs}")
+        for d in sorted((box.work / "pods").glob("*")):
+            for f in d.glob("*.log"):
+                lines.append(f"--- {d.name}/{f.name}\n{f.read_text(errors='replace')[-2500:]}")
+        return "\n".join(lines)
+
+    async def until(cond, timeout_s: float, what: str):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = cond()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{why()}")
+            await asyncio.sleep(0.25)
+
+    def router_urls() -> list[str]:
+        return [f"http://{p['status']['podIP']}:8080" for p in pods("app.kubernetes.io/component=router")
+                if ready(p) and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+
+    async def served(model: str, n_routers: int = 2) -> bool:
+        urls = router_urls()
+        if len(urls) < n_routers:
+            return False
+        async with aiohttp.ClientSession() as http:
+            for url in urls:
+                try:
+                    async with http.post(f"{url}/v1/completions", json={"model": model, "prompt": "hello",
+                                                                        "max_tokens": 2}) as r:  # fmt: skip
+                        if r.status != 200:
+                            return False
+                except aiohttp.ClientError:
+                    return False
+        return True
+
+    def engine_pods(deployment: str) -> list[dict]:
+        return [p for p in pods(f"fleet.inference.dev/deployment={deployment}")
+                if not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+
+    def devices_of(p: dict) -> list[str]:
+        plugin = box.nodes[p["spec"]["nodeName"]].plugin
+        assert plugin is not None
+        return [i for (uid, _c), (_res, ids) in plugin.allocations.items() if uid == p["metadata"]["uid"] for i in ids]
+
+    try:
+        # ---- helm install (rendered), agents up, node facts published --------------------------
+        box.preload_image(IMAGE)
+        box.helm_install({
+            "agent": {"enabled": True, "nodeSelector": {"nvidia.com/gpu.present": "true"}},
+            "operator": {"tickSeconds": 0.5},
+            "engine": {"defaultImage": IMAGE, "extraEnv": [{"name": "HF_ENDPOINT", "value": hub.url}],
+                       "prePull": {"enabled": False}, "shmSize": ""},
+        })  # fmt: skip
+        mark("helm install")
+
+        def facts_published() -> bool:
+            nodes = {n["metadata"]["name"]: n for n in box.store.list(NODES, None, None)[0]}
+            labels = {n: (o["metadata"].get("labels") or {}).get("fleet.inference.dev/nvlink-domains")
+                      for n, o in nodes.items()}  # fmt: skip
+            return labels == {"cpu-1": None, "sxm-8": "0-7", "nvl-4": "0-1;2-3", "mig-1": "none"}
+
+        await until(lambda: len([p for p in pods("app.kubernetes.io/component=agent") if ready(p)]) == 3, 120,
+                    "a ready node agent on each of the 3 GPU nodes")
+        await until(facts_published, 60, "NVLink domains published on every GPU node by its agent")
+        await until(lambda: len(router_urls()) == 2, 120, "2 ready router pods")
+        mark("agents up, node facts published, routers ready")
+
+        # ---- deployments: TP=2 on NVLink pairs, MIG, TP=1 on SXM ---------------------------------
+        canary = {"strategy": "canary", "steps": [{"weight": 50}, {"analysis": {"passes": 1}}],
+                  "analysis": {"intervalSeconds": 3, "minSamplesPerSide": 3, "excludeAfterReadySeconds": 0,
+                               "metrics": [{"metric": "errorRate", "maxIncreaseOverStable": 0.5}]}}  # fmt: skip
+        await kube.create(INFERENCE_DEPLOYMENTS, NS, _cr("chat-nvl", "chat-nvl", f"hf://org/chat@{rev}", {
+            "tensorParallelSize": 2, "gpuProduct": "NVIDIA H100 NVL"}, 2))
+        await kube.create(INFERENCE_DEPLOYMENTS, NS, _cr("small-mig", "small-mig", "hf://org/small",
+                                                         {"migProfile": "3g.40gb"}, 1))  # fmt: skip
+        await kube.create(INFERENCE_DEPLOYMENTS, NS, _cr("chat-sxm", "chat-sxm", "hf://org/sxm", {
+            "gpuProduct": "NVIDIA H100 80GB HBM3"}, 2, rollout=canary))
+        for model in ("chat-nvl", "small-mig", "chat-sxm"):
+            await until(lambda m=model: served(m), 300, f"{model} served through both router pods")
+        mark("3 deployments served through 2 router pods")
+
+        nvl = engine_pods("chat-nvl")
+        assert {p["spec"]["nodeName"] for p in nvl} == {"nvl-4"}
+        pairs = sorted(sorted(devices_of(p)) for p in nvl)
+        plugin = box.nodes["nvl-4"].plugin
+        assert pairs == sorted(sorted(d) for d in plugin.domains), f"TP=2 replicas not one per NVLink pair: {pairs}"
+        for p in nvl:   # the operator's placement agrees with the pair the device plugin gave
+            placed = json.loads(p["metadata"]["annotations"]["fleet.inference.dev/placement"])
+            assert len(placed["members"][0]["devices"]) == 2
+        (mig,) = engine_pods("small-mig")
+        assert mig["spec"]["nodeName"] == "mig-1"
+        assert devices_of(mig)[0] in box.nodes["mig-1"].plugin.mig["3g.40gb"]
+        assert {p["spec"]["nodeName"] for p in engine_pods("chat-sxm")} == {"sxm-8"}
+
+        # weights: once per node, and the engines run from the node cache
+        for f in weights:
+            gets = hub.log.file_gets(f"org/chat/resolve/{rev}/{f}")
+            assert len(gets) == 1, f"{f} of org/chat fetched {len(gets)} times for 2 pods on one node"
+        for p in nvl:
+            spec = p["spec"]
+            assert [c["name"] for c in spec.get("initContainers") or []] == ["weights"]
+            cmd = spec["containers"][0]["command"]
+            assert cmd[cmd.index("--model") + 1] == "/fleet/model/current"
+            cpu_mem = spec["containers"][0]["resources"]["requests"]
+            assert "cpu" in cpu_mem and "memory" in cpu_mem, "engine pods must not be BestEffort"
+        mark("placement, weights once per node, resources checked")
+
+        # ---- Xid 79 on a GPU of a serving replica: quarantined, drained, replaced --------------
+        load = Load(router_urls, "chat-sxm")
+        load.start()
+        await until(lambda: load.ok >= 10, 60, "traffic flowing to chat-sxm")
+        victim = sorted(engine_pods("chat-sxm"), key=lambda p: p["metadata"]["name"])[0]
+        (bad_uuid,) = devices_of(victim)
+        bad_index = next(d["index"] for d in json.loads(box.nodes["sxm-8"].nvml_state.read_text())["devices"]
+                         if d["uuid"] == bad_uuid)  # fmt: skip
+        box.inject_xid("sxm-8", bad_index, 79)
+
+        def quarantined() -> bool:
+            node = box.store.get(NODES, None, "sxm-8")
+            value = (node["metadata"].get("annotations") or {}).get("fleet.inference.dev/gpu-health")
+            return bool(value) and any(q["index"] == bad_index for q in json.loads(value)["quarantined"])
+
+        await until(quarantined, 60, f"GPU {bad_index} of sxm-8 quarantined in the node's gpu-health annotation")
+        await until(lambda: victim["metadata"]["name"] not in {p["metadata"]["name"] for p in pods()}, 180,
+                    f"replica {victim['metadata']['name']} on the quarantined GPU drained")
+
+        def replaced() -> bool:
+            live = [p for p in engine_pods("chat-sxm") if ready(p)]
+            return len(live) == 2 and all(bad_uuid not in devices_of(p) for p in live)
+
+        await until(replaced, 180, "chat-sxm back to 2 ready replicas, none on the quarantined GPU")
+        mark(f"Xid 79 on sxm-8 GPU {bad_index}: quarantined, drained, replaced")
+
+        # ---- a canary rollout promotes ------------------------------------------------------------
+        sxm_rev = repos["org/sxm"].commit
+        await kube.patch(INFERENCE_DEPLOYMENTS, NS, "chat-sxm", {"spec": {"model": {
+            "source": f"hf://org/sxm@{sxm_rev}", "revision": "v2"}}})
+
+        def promoted() -> bool:
+            live = engine_pods("chat-sxm")
+            return len(live) == 2 and all(p["metadata"]["labels"].get("fleet.inference.dev/revision") == "v2"
+                                          and ready(p) for p in live)  # fmt: skip
+
+        await until(promoted, 300, "the canary of chat-sxm v2 promoted (2 ready v2 replicas, no v1)")
+        mark("canary v2 promoted")
+
+        # ---- kill -9: the operator, an agent, a router pod ---------------------------------------
+        async def kill9(selector: str, container: str, node: str | None = None) -> dict:
+            (p,) = [p for p in pods(selector) if node is None or p["spec"]["nodeName"] == node][:1]
+            pid = box.kubelet.processes(NS, p["metadata"]["name"])[container]
+            os.killpg(pid, signal.SIGKILL)
+            return p
+
+        def restarted(p: dict, container: str) -> bool:
+            now = next((q for q in pods() if q["metadata"]["uid"] == p["metadata"]["uid"]), None)
+            return now is not None and ready(now) and any(
+                c["name"] == container and c.get("restartCount", 0) >= 1 for c in now["status"]["containerStatuses"])
+
+        before = {p["metadata"]["uid"] for p in pods("app.kubernetes.io/managed-by=fleet-operator")}
+        op = await kill9("app.kubernetes.io/component=operator", "operator")
+        await until(lambda: restarted(op, "operator"), 120, "the operator restarted after kill -9")
+        agent = await kill9("app.kubernetes.io/component=agent", "agent", node="sxm-8")
+        await until(lambda: restarted(agent, "agent"), 120, "the sxm-8 agent restarted after kill -9")
+        assert quarantined(), "the quarantine did not survive the agent's restart"
+        router = await kill9("app.kubernetes.io/component=router", "router")
+        await until(lambda: restarted(router, "router"), 120, "a router pod restarted after kill -9")
+        await until(lambda: served("chat-sxm"), 120, "chat-sxm served through both routers after the kills")
+        await until(lambda: served("chat-nvl"), 60, "chat-nvl served through both routers after the kills")
+        after = {p["metadata"]["uid"] for p in pods("app.kubernetes.io/managed-by=fleet-operator")}
+        assert after == before, "the restarted operator replaced engine pods instead of adopting them"
+        mark("kill -9 of operator, agent and router: adopted, served")
+        await load.stop()
+        assert not load.failed_before_streaming, load.failed_before_streaming[:10]
+        assert load.ok > 50
+
+        # ---- delete: nothing left ----------------------------------------------------------------
+        for name in ("chat-nvl", "small-mig", "chat-sxm"):
+            await kube.delete(INFERENCE_DEPLOYMENTS, NS, name)
+
+        async def deployments_gone() -> bool:
+            for name in ("chat-nvl", "small-mig", "chat-sxm"):
+                try:
+                    await kube.get(INFERENCE_DEPLOYMENTS, NS, name)
+                    return False
+                except NotFound:
+                    pass
+            return not pods("app.kubernetes.io/managed-by=fleet-operator")
+
+        await until(deployments_gone, 180, "the deployments and their engine pods gone")
+        box.helm_uninstall()
+        await until(lambda: not pods(), 120, "every pod gone after uninstall")
+        left = [k for k in box.store.objects if k[0] not in ("nodes", "events", "customresourcedefinitions",
+                                                            "leases")]  # fmt: skip
+        assert not left, f"left after uninstall: {left}"
+        mark("deleted and uninstalled: nothing left")
+        assert not box.denied, f"requests outside a Role's rights: {box.denied}"
+    finally:
+        if load is not None and load.task is not None and not load.task.done():
+            await load.stop()
+        await box.stop()
+        hub.__exit__(None, None, None)
+        print("\n".join(f"{what}: {at:.1f} s" for what, at in steps))
+
+
+
