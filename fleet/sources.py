@@ -287,3 +287,20 @@ def write_manifest(model_dir: Path, with_sha256: bool = True) -> Path:
     out = model_dir / MANIFEST_NAME
     out.write_text(json.dumps({"fleetManifest": 1, "files": files}, indent=1) + "\n")
     return out
+
+
+def redact_source(source: str) -> str:
+    """``source`` without the credentials a URL may carry, for anything published (the node's
+    ``fleet.inference.dev/cached`` annotation, the agent's ``/status``): the userinfo
+    (``user:password@``), the query (presigned ``X-Amz-Signature=...``, ``token=...``) and the
+    fragment are removed; scheme, host and path stay, so ``hf://org/name@rev`` and
+    ``s3://bucket/key`` are unchanged. A string without ``://`` (a path) is returned as is. Pure.
+
+    ``https://u:p@h/x?X-Amz-Signature=..`` -> ``https://h/x``.
+    """
+    if "://" not in source:
+        return source
+    scheme, _, rest = source.partition("://")
+    rest = rest.split("#", 1)[0].split("?", 1)[0]
+    host, slash, path = rest.partition("/")
+    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"

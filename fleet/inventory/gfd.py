@@ -88,6 +88,23 @@ def parse_nvlink_domains(value: str) -> tuple[tuple[int, ...], ...]:
     return tuple(domains)
 
 
+def format_nvlink_domains(domains: Iterable[Iterable[int]]) -> str:
+    """The label value `parse_nvlink_domains` reads back: ``((0..7),)`` -> ``"0-7"``,
+    ``((0, 1), (2, 3))`` -> ``"0-1;2-3"``, ``((0, 2),)`` -> ``"0,2"``, no domain -> ``"none"``
+    (the topology is known: no GPU shares NVLink). Domains sorted by their first GPU, runs of
+    consecutive indices written as ranges. Pure."""
+    parts = []
+    for domain in sorted(tuple(sorted(set(d))) for d in domains if d):
+        runs: list[list[int]] = []
+        for i in domain:
+            if runs and i == runs[-1][-1] + 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        parts.append(",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs))
+    return ";".join(parts) or "none"
+
+
 @functools.lru_cache(maxsize=4096)
 def image_aliases(ref: str) -> frozenset[str]:
     """Every spelling of one image reference that means the same image, after Docker's
