@@ -17,14 +17,14 @@ docs/gpu-feature-discovery/README.md, "Generated Labels"):
 GFD reports neither GPU UUIDs nor NVLink topology nor per-GPU health. GPUs get stable
 synthetic ids (``<node>/gpu<i>``; the Kubernetes backend asks for counts, not UUIDs); NVLink
 domains come from Fleet's node label (`LabelKeys.nvlink_domains`, e.g. ``0-7`` or ``0-3;4-7``;
-set by whoever labels the nodes, the node agent does not write it), and are unknown without it;
+written by the node agent from NVML, `fleet.k8s.node_facts`), and are unknown without it;
 GPUs the NVIDIA device plugin withholds from ``status.allocatable`` are marked unhealthy.
 
 Warmth (`NodeInventory.cached`, what `fleet.placement.shapes.PlacementRequest.is_warm` reads):
 the container images of ``Node.status.images`` (the kubelet's list: ``names`` per image, at
 most 50 images, largest first), each under every spelling `image_aliases` gives, plus the model
 sources in Fleet's node-agent annotation (`LabelKeys.cached`, written by
-`fleet.k8s.node_annotation`). Owns `image_aliases` and `node_images` (also used by the
+`fleet.k8s.node_facts`). Owns `image_aliases` and `node_images` (also used by the
 image pre-pull, `fleet.k8s.prepull`).
 """
 
