@@ -290,17 +290,14 @@ def write_manifest(model_dir: Path, with_sha256: bool = True) -> Path:
 
 
 def redact_source(source: str) -> str:
-    """``source`` without the credentials a URL may carry, for anything published (the node's
-    ``fleet.inference.dev/cached`` annotation, the agent's ``/status``): the userinfo
-    (``user:password@``), the query (presigned ``X-Amz-Signature=...``, ``token=...``) and the
-    fragment are removed; scheme, host and path stay, so ``hf://org/name@rev`` and
-    ``s3://bucket/key`` are unchanged. A string without ``://`` (a path) is returned as is. Pure.
+    """``source`` without credentials, as it may be published (a Node annotation, a log): URL
+    userinfo, query and fragment removed (``https://u:p@h/x?X-Amz-Signature=..`` ->
+    ``https://h/x``); ``hf://`` sources and paths are returned as they are (they carry none;
+    ``hf://org/name@rev``'s ``@`` is a revision). Pure."""
+    from urllib.parse import urlsplit, urlunsplit
 
-    ``https://u:p@h/x?X-Amz-Signature=..`` -> ``https://h/x``.
-    """
-    if "://" not in source:
+    if "://" not in source or source.startswith(("hf://", "file://")):
         return source
-    scheme, _, rest = source.partition("://")
-    rest = rest.split("#", 1)[0].split("?", 1)[0]
-    host, slash, path = rest.partition("/")
-    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
+    parts = urlsplit(source)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))

@@ -202,7 +202,7 @@ class NvmlHealthReader:
         for j in range(nv.nvmlDeviceGetMaxMigDeviceCount(h)):
             try:
                 m = nv.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
-                out.append({"uuid": self._read(nv.nvmlDeviceGetUUID, m),
+                out.append({"uuid": self._read(nv.nvmlDeviceGetUUID, m), "name": self._read(nv.nvmlDeviceGetName, m),
                             "gpu_instance_id": nv.nvmlDeviceGetGpuInstanceId(m)})
             except nv.NVMLError:
                 continue

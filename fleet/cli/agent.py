@@ -92,11 +92,16 @@ def cache_pull(
     source: Annotated[str, typer.Argument(help="hf://org/name[@revision], http(s)://.../fleet-manifest.json, or a path.")],
     revision: Annotated[Optional[str], typer.Option(help="Hub revision when the source names none.")] = None,
     root: Root = None, budget: Budget = None,
+    link: Annotated[Optional[Path], typer.Option(
+        "--link", help="Also make this path a symlink to the cached directory (replaced if it exists).")] = None,
+    holder: Annotated[Optional[str], typer.Option(
+        "--holder", help="Pin the model for this holder (e.g. a pod's uid): never evicted while pinned.")] = None,
 ) -> None:
     """Cache a model now (one download even if replicas ask at the same time), with a progress bar.
 
     Prints the directory an engine is given. Exit code 1 when it cannot be cached (the error names
-    the model, the size and the path), 2 for a bad source string.
+    the model, the size and the path), 2 for a bad source string. An engine pod's init container
+    runs it with ``--link`` (its model path) and ``--holder`` (its pod uid): fleet/k8s/pods.py.
     """
     from fleet.agent.cache import CacheError
     from fleet.sources import SourceError
@@ -111,7 +116,7 @@ def cache_pull(
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total or None)
         try:
-            path = cache.ensure(source, revision=revision, progress=progress)
+            path = cache.ensure(source, revision=revision, progress=progress, pin_as=holder)
         except SourceError as err:
             err_console.print(f"[red]{err}[/]", highlight=False)
             raise typer.Exit(2) from None
@@ -119,6 +124,13 @@ def cache_pull(
             err_console.print(f"[red]{err}[/]", highlight=False)
             raise typer.Exit(1) from None
     err_console.print(f"cached in {time.monotonic() - started:.1f} s", highlight=False)
+    if link is not None:
+        import os
+
+        tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        os.symlink(path.absolute(), tmp)
+        os.replace(tmp, link)   # atomic: a reader sees the old link or the new one
     print(path)
 
 

@@ -61,7 +61,9 @@ def operator(
     as pods, through the same controller `fleet up` uses.
 
     One pod acts at a time (leader election through a coordination.k8s.io Lease); others wait.
-    Reads the in-cluster service account, else the kubeconfig. See docs/kubernetes.md.
+    Reads the in-cluster service account, else the kubeconfig. The router admin token:
+    $FLEET_ROUTER_ADMIN_TOKEN, else the Secret $FLEET_ROUTER_ADMIN_SECRET names (made when
+    missing: fleet/k8s/admin_token.py). See docs/kubernetes.md.
     """
     import asyncio
 

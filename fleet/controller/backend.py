@@ -56,7 +56,10 @@ class ReplicaFacts:
     (None for a process this controller did not start, or a pod deleted under it) and
     ``exit_reason`` in words. ``problem``: why the backend cannot make the replica run at all
     (engine not installed, weights missing); the replica fails with it. ``detail``: backend
-    specifics for people (pid, port, log path, pod name), shown by `fleet status`.
+    specifics for people (pid, port, log path, pod name), shown by `fleet status`. ``sick``:
+    why the backend saw the replica hold a device its node reports unhealthy (the Kubernetes
+    backend reads which pod the device plugin gave a quarantined GPU); the controller drains and
+    replaces it, as it does a replica whose placement names an unhealthy device.
     """
 
     replica_id: str
@@ -72,6 +75,7 @@ class ReplicaFacts:
     exit_reason: str | None = None
     problem: str | None = None
     detail: dict[str, str] = field(default_factory=dict)
+    sick: str | None = None
 
 
 class LaunchError(Exception):

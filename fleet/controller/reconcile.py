@@ -451,8 +451,16 @@ class Controller:
 
     def _drain_unhealthy(self, now: float) -> bool:
         """Replicas holding a GPU (or a MIG instance of a GPU) that the inventory reports unhealthy
-        (quarantined by the node agent, ECC errors, ...) drain; `_scale` replaces them, and
-        placement keeps the replacement off that GPU. True when one was drained."""
+        (quarantined by the node agent, ECC errors, ...), or that the backend reports ``sick``
+        (`ReplicaFacts.sick`: on Kubernetes the device plugin, not placement, picks the GPU), drain;
+        `_scale` replaces them, and placement keeps the replacement off that GPU. True when one
+        was drained."""
+        drained = False
+        for r in self.replicas.values():
+            f = self._facts.get(r.id)
+            if f is not None and f.sick and r.status.counts_toward_desired():
+                r.drain_requested_at_s, r.drain_reason, drained = now, f.sick, True
+                log.warning("replica %s drains: %s", r.id, f.sick)
         sick: dict[str, str] = {}
         for node in self.inventory.nodes:
             sick.update({uuid: f"{uuid} on {node.name} quarantined: {why}" for uuid, why in node.quarantined.items()})
@@ -463,8 +471,7 @@ class Controller:
                     sick[gpu.uuid] = why
                     sick.update({m.uuid: why for m in gpu.mig_instances})
         if not sick:
-            return False
-        drained = False
+            return drained
         for r in self.replicas.values():
             if r.placement is None or not r.status.counts_toward_desired():
                 continue

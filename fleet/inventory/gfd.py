@@ -17,8 +17,19 @@ docs/gpu-feature-discovery/README.md, "Generated Labels"):
 GFD reports neither GPU UUIDs nor NVLink topology nor per-GPU health. GPUs get stable
 synthetic ids (``<node>/gpu<i>``; the Kubernetes backend asks for counts, not UUIDs); NVLink
 domains come from Fleet's node label (`LabelKeys.nvlink_domains`, e.g. ``0-7`` or ``0-3;4-7``;
-written by the node agent from NVML, `fleet.k8s.node_facts`), and are unknown without it;
-GPUs the NVIDIA device plugin withholds from ``status.allocatable`` are marked unhealthy.
+the node agent writes it from NVML), and are unknown without it; GPUs the NVIDIA device plugin
+withholds from ``status.allocatable`` are marked unhealthy.
+
+Quarantine (`quarantine_marks`): the node agent's annotation ``fleet.inference.dev/gpu-health``
+(`fleet.inventory.gpu_health`) lists the GPUs and MIG instances it quarantines, by NVML index.
+Each is marked on one synthetic id through `NodeInventory.with_quarantine`, so placement keeps
+off it and `Controller._drain_unhealthy` drains the replica placed there. Which synthetic id:
+the device plugin, not Fleet, picks the GPUs a pod gets, so a replica placed on ``gpu0`` may
+hold physical GPU 5. When the annotation says which pod holds the device and ``held`` says
+which synthetic devices that pod was placed on, the mark goes on one of those (the drain hits
+the replica that really holds it); otherwise on ``<node>/gpu<index>`` when no replica holds it
+(its NVLink domain stays right), else on a GPU no replica holds. A GPU the device plugin
+withholds and the agent quarantines is counted once.
 
 Warmth (`NodeInventory.cached`, what `fleet.placement.shapes.PlacementRequest.is_warm` reads):
 the container images of ``Node.status.images`` (the kubelet's list: ``names`` per image, at
@@ -33,10 +44,11 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.inventory.gpu_health import ANNOTATION as GPU_HEALTH, GpuHealthFacts, parse_gpu_health
 from fleet.inventory.mig import MigSlot, fit_geometry, max_instances, mig_model_for
 from fleet.inventory.model import Gpu, GpuHealth, Inventory, MigInstance, NodeInventory
 
@@ -160,10 +172,13 @@ def _int(value: Any, default: int = 0) -> int:
         return default
 
 
-def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys()) -> NodeInventory:
-    """One Kubernetes node object -> `NodeInventory`. Pure.
+def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys(),
+                  held: Mapping[str, Sequence[str]] | None = None) -> NodeInventory:  # fmt: skip
+    """One Kubernetes node object -> `NodeInventory`, with the node agent's quarantine applied
+    (`quarantine_marks`; ``held``: pod uid -> the synthetic device ids its replica was placed on,
+    for the pods on this node). Pure.
 
-    Raises ValueError naming the node and label when a Fleet label is malformed.
+    Raises ValueError naming the node and the label or annotation when one of Fleet's is malformed.
     """
     meta = node.get("metadata", {})
     name = meta.get("name", "?")
@@ -178,6 +193,10 @@ def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys()) -> Nod
     count = _int(labels.get(GFD_COUNT))
     memory = _int(labels.get(GFD_MEMORY))
     gpus: list[Gpu] = []
+    try:
+        health = parse_gpu_health(annotations.get(GPU_HEALTH))
+    except ValueError as err:
+        raise ValueError(f"node {name}: {err}") from None
 
     def gpu(i: int, product: str, memory: int, healthy: bool = True, mig: tuple[MigInstance, ...] | None = None) -> Gpu:
         uuid = f"{name}/gpu{i}"
@@ -207,6 +226,9 @@ def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys()) -> Nod
         mig_gpus = _pack_mig(name, product, memory, mig_counts)
         whole = count - len(mig_gpus)   # gpu.count counts physical GPUs, MIG-enabled ones too
         healthy_whole = _int(allocatable.get("nvidia.com/gpu"), whole) if "nvidia.com/gpu" in allocatable else whole
+        # A GPU the agent quarantines is likely the one the device plugin withholds: count it once.
+        quarantined_whole = len({q.index for q in health.quarantined if q.mig is None and 0 <= q.index < whole})
+        healthy_whole = min(whole, healthy_whole + min(quarantined_whole, max(0, whole - healthy_whole)))
         for i in range(max(whole, 0)):
             gpus.append(gpu(i, product, memory, healthy=i < healthy_whole))
         for j, slots in enumerate(mig_gpus):
@@ -222,7 +244,7 @@ def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys()) -> Nod
             raise ValueError(f"node {name} label {keys.nvlink_domains}: {err}") from None
     cached = frozenset(x.strip() for x in annotations.get(keys.cached, "").split(",") if x.strip())
     cached |= {n for n in node_images(node) if not n.startswith("library/")}   # the spellings people write
-    return NodeInventory(
+    base = NodeInventory(
         name=name,
         gpus=tuple(gpus),
         cpu_cores=tuple(range(_int(capacity.get("cpu")))),
@@ -234,6 +256,40 @@ def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys()) -> Nod
         nvlink_fabric=labels.get(GFD_CLIQUE),
         cached=cached,
     )
+    marks = quarantine_marks(base, health, held or {})
+    return base.with_quarantine(marks) if marks else base
+
+
+def quarantine_marks(node: NodeInventory, health: GpuHealthFacts,
+                     held: Mapping[str, Sequence[str]]) -> dict[str, str]:  # fmt: skip
+    """Synthetic GPU / MIG instance id -> why, one per device ``health`` quarantines (see the
+    module docstring for which id carries it). ``held``: pod uid -> synthetic device ids its
+    replica was placed on. A device with no counterpart in ``node`` (more quarantined than the
+    labels list) is left out. Pure."""
+    marks: dict[str, str] = {}
+    taken = {d for devices in held.values() for d in devices}
+    parent = {m.uuid: g.uuid for g in node.gpus for m in g.mig_instances}
+    by_index = {g.index: g for g in node.gpus}
+    domain_of = {g.index: i for i, dom in enumerate(node.domains) for g in dom}
+    for q in health.quarantined:
+        why = f"node agent: {q.describe()}"
+        holder = [d for uid in q.pods for d in held.get(uid, ())]
+        if q.mig is not None:
+            fits = [m for g in node.gpus for m in g.mig_instances if q.profile in (None, m.profile)]
+            on_gpu = [m.uuid for m in fits if by_index.get(q.index) is not None and parent[m.uuid] == by_index[q.index].uuid]
+            order = ([d for d in holder if d in parent] + [u for u in on_gpu if u not in taken]
+                     + [m.uuid for m in fits if m.uuid not in taken] + [m.uuid for m in fits])  # fmt: skip
+        else:
+            own = [parent.get(d, d) for d in holder]
+            same = by_index[q.index].uuid if q.index in by_index else None
+            near = sorted((g for g in node.gpus if g.uuid not in taken),
+                          key=lambda g: (domain_of.get(g.index) != domain_of.get(q.index), g.index))
+            order = (sorted(own, key=lambda u: u != same) + ([same] if same and same not in taken else [])
+                     + [g.uuid for g in near] + ([same] if same else []))  # fmt: skip
+        choice = next((u for u in order if u not in marks), None)
+        if choice is not None:
+            marks[choice] = why
+    return marks
 
 
 def _pack_mig(node: str, product: str, memory: int, counts: dict[str, int]) -> list[list[MigSlot]]:

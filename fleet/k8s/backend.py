@@ -23,6 +23,17 @@ selector-wide pulls of ``spec.prePull``. With ``spec.engine.imagePullPolicy: Nev
 pre-pulled (the node must hold the image; the kubelet says ErrImageNeverPull). A replica's pod
 on a node that lists its image reports ``image_present`` from that fact.
 
+GPU health (`fleet.inventory.gpu_health`, the node agent's annotation
+``fleet.inference.dev/gpu-health``): ``inventory`` marks quarantined GPUs and MIG instances
+(`fleet.inventory.gfd.quarantine_marks`, told which synthetic devices each of this fleet's pods
+was placed on, so the mark lands on the replica that really holds the device); ``observe``
+reports a replica whose pod the device plugin gave a quarantined device (the annotation's
+``pods``, or ``allocations``) as ``sick`` (the controller drains and replaces it), and a
+tensor-parallel pod whose GPUs span more than one NVLink domain (``allocations`` against the
+node's ``fleet.inference.dev/nvlink-domains`` label) gets a Warning Event ``NVLinkSpan`` and a
+``detail.nvlink`` line: the device plugin's choice, which Fleet cannot steer through
+``nvidia.com/gpu`` counts (docs/kubernetes.md, "GPU health and NVLink on a cluster").
+
 Objects come from informers when the operator gives them (`fleet.k8s.informer`: list + watch),
 else from a list per call. Every call goes through `fleet.k8s.client.Kube`.
 Created by the operator (`fleet.k8s.operator`) per namespace.
@@ -31,6 +42,7 @@ Created by the operator (`fleet.k8s.operator`) per namespace.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -41,11 +53,12 @@ import tenacity
 
 from fleet.controller.backend import ReplicaFacts, ReplicaWant
 from fleet.inventory import Inventory
-from fleet.inventory.gfd import LabelKeys, image_aliases, node_from_k8s, node_images
+from fleet.inventory.gfd import LabelKeys, image_aliases, node_from_k8s, node_images, parse_nvlink_domains
+from fleet.inventory.gpu_health import ANNOTATION as GPU_HEALTH, GpuHealthFacts, QuarantinedGpu, parse_gpu_health
 from fleet.k8s.client import EVENTS, NODES, PODS, ApiError, Conflict, Kube
 from fleet.k8s.prepull import Pull, PrePuller, PrePullPolicy, is_pull_pod
-from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, LABEL_REPLICA, MANAGED_BY, EnginePodSettings, \
-    group_facts, label_value, pod_group  # fmt: skip
+from fleet.k8s.pods import ANNOTATION_PLACEMENT, LABEL_DEPLOYMENT, LABEL_FLEET, LABEL_MANAGED_BY, LABEL_REPLICA, \
+    MANAGED_BY, EnginePodSettings, group_facts, label_value, pod_group  # fmt: skip
 
 log = logging.getLogger("fleet.k8s.backend")
 
@@ -102,6 +115,29 @@ def _tolerates(toleration: dict, taint: dict) -> bool:
     return toleration.get("key") == taint.get("key") and toleration.get("value", "") == taint.get("value", "")
 
 
+def _annotation(obj: dict, key: str) -> str:
+    return (obj["metadata"].get("annotations") or {}).get(key) or ""
+
+
+def _nvlink_span(node: dict, pod: dict, gpus: tuple[int, ...] | None, keys: LabelKeys) -> str | None:
+    """Why ``pod``'s GPUs (NVML indexes the device plugin gave it, from the agent's
+    ``allocations``) are not one NVLink domain of ``node`` (its NVLink domains label), or None:
+    fewer than two GPUs, unknown allocation or topology, or one domain."""
+    label = (node["metadata"].get("labels") or {}).get(keys.nvlink_domains)
+    if not gpus or len(gpus) < 2 or label is None:
+        return None
+    try:
+        domains = parse_nvlink_domains(label)
+    except ValueError:
+        return None
+    domain_of = {i: n for n, dom in enumerate(domains) for i in dom}
+    spanned = {domain_of.get(i, f"alone-{i}") for i in gpus}
+    if len(spanned) < 2:
+        return None
+    return (f"the device plugin gave GPUs {','.join(map(str, sorted(gpus)))}, which span {len(spanned)} NVLink "
+            f"domains ({keys.nvlink_domains}={label}): tensor-parallel traffic crosses PCIe")
+
+
 class KubernetesBackend:
     """Replicas as pods in ``namespace`` (`fleet.controller.backend.Backend`)."""
 
@@ -142,6 +178,9 @@ class KubernetesBackend:
         self._images_at: dict[str, tuple[str | None, frozenset[str]]] = {}   # node -> (resourceVersion, images)
         self._awaiting: dict[str, tuple[str, str, list[dict]]] = {}   # replica id -> (deployment, image, pods)
         self._pre_pull: dict[str, tuple[str, dict[str, str], int]] = {}   # deployment -> (image, selector, limit)
+        # node -> (resourceVersion, its agent's GPU health, pod uid -> the quarantined device it holds)
+        self._health: dict[str, tuple[str | None, GpuHealthFacts, dict[str, QuarantinedGpu]]] = {}
+        self._nvlink_warned: set[str] = set()   # pod uids whose NVLink span was reported
 
     # ----- Backend ----------------------------------------------------------------------------
 
@@ -150,6 +189,8 @@ class KubernetesBackend:
         self.unusable_nodes = {}
         objs = await self.nodes.items()
         self._refresh_images(objs)
+        quarantining = {o["metadata"]["name"] for o in objs if '"index"' in _annotation(o, GPU_HEALTH)}
+        held = await self._held_devices(quarantining) if quarantining else {}
         for obj in sorted(objs, key=lambda n: n["metadata"]["name"]):
             why = node_usable(obj, self.settings)
             if why:
@@ -157,6 +198,9 @@ class KubernetesBackend:
                 continue
             key = (obj["metadata"]["name"], obj["metadata"].get("resourceVersion"))
             try:
+                if key[0] in quarantining:   # where the marks go depends on the pods too: built each time
+                    nodes.append(node_from_k8s(obj, self.label_keys, held.get(key[0], {})))
+                    continue
                 if key not in self._node_cache:   # a node changes rarely; its inventory is built once per version
                     self._node_cache[key] = node_from_k8s(obj, self.label_keys)
                 nodes.append(self._node_cache[key])
@@ -166,6 +210,60 @@ class KubernetesBackend:
         if len(self._node_cache) > 2 * len(nodes) + 16:
             self._node_cache = {k: v for k, v in self._node_cache.items() if (k[0], None) in current}
         return Inventory(tuple(nodes))
+
+    async def _held_devices(self, nodes: set[str]) -> dict[str, dict[str, tuple[str, ...]]]:
+        """Node -> pod uid -> the synthetic device ids (its placement annotation) of this fleet's
+        pods on ``nodes``: where `fleet.inventory.gfd.quarantine_marks` puts a quarantine."""
+        out: dict[str, dict[str, tuple[str, ...]]] = {}
+        for pod in await self.pods.items():
+            meta = pod["metadata"]
+            node = (pod.get("spec") or {}).get("nodeName")
+            if node not in nodes or is_pull_pod(pod) or not meta.get("uid"):
+                continue
+            try:
+                members = json.loads((meta.get("annotations") or {}).get(ANNOTATION_PLACEMENT, "{}")).get("members", [])
+            except (ValueError, AttributeError):
+                continue
+            devices = tuple(d for m in members if m.get("node") == node for d in m.get("devices", ()))
+            out.setdefault(node, {})[meta["uid"]] = devices
+        return out
+
+    def _node_health(self, obj: dict) -> tuple[GpuHealthFacts, dict[str, QuarantinedGpu]]:
+        """The node agent's GPU health on ``obj`` and its sick pods, parsed once per node version;
+        a malformed annotation counts as none (`inventory` reports the node unusable for it)."""
+        meta = obj["metadata"]
+        version = meta.get("resourceVersion")
+        seen = self._health.get(meta["name"])
+        if seen is None or version is None or seen[0] != version:
+            try:
+                facts = parse_gpu_health(_annotation(obj, GPU_HEALTH))
+            except ValueError:
+                facts = GpuHealthFacts()
+            seen = self._health[meta["name"]] = (version, facts, facts.sick_pods())
+        return seen[1], seen[2]
+
+    async def _gpu_facts(self, rid: str, f: ReplicaFacts, pods: list[dict], nodes: dict[str, dict]) -> ReplicaFacts:
+        """``f`` with ``sick`` when a pod of the replica holds a quarantined device, and the
+        NVLink span of a tensor-parallel pod checked (a Warning Event once per pod)."""
+        for pod in pods:
+            meta, spec = pod["metadata"], pod.get("spec") or {}
+            obj = nodes.get(spec.get("nodeName") or "")
+            uid = meta.get("uid")
+            if obj is None or not uid:
+                continue
+            health, sick = self._node_health(obj)
+            if uid in sick and not f.sick:
+                f = replace(f, sick=f"pod {meta['name']} on node {obj['metadata']['name']} holds a device the node "
+                                    f"agent quarantines: {sick[uid].describe()}")  # fmt: skip
+            span = _nvlink_span(obj, pod, health.allocations.get(uid), self.label_keys)
+            if span:
+                f = replace(f, detail={**f.detail, "nvlink": span})
+                if uid not in self._nvlink_warned:
+                    self._nvlink_warned.add(uid)
+                    deployment = (meta.get("labels") or {}).get(LABEL_DEPLOYMENT, f.deployment)
+                    await self._event(deployment, "NVLinkSpan", f"replica {rid}: pod {meta['name']} on node "
+                                      f"{obj['metadata']['name']}: {span}")  # fmt: skip
+        return f
 
     def _refresh_images(self, objs: list[dict]) -> None:
         """``self._images``: node -> the image names its status lists, parsed once per node
@@ -247,7 +345,9 @@ class KubernetesBackend:
     async def observe(self) -> dict[str, ReplicaFacts]:
         facts: dict[str, ReplicaFacts] = {}
         node_objs = await self.nodes.items()
-        nodes = {n["metadata"]["name"] for n in node_objs}
+        by_name = {n["metadata"]["name"]: n for n in node_objs}
+        nodes = set(by_name)
+        self._health = {k: v for k, v in self._health.items() if k in nodes}
         self._refresh_images(node_objs)
         groups: dict[str, list[dict]] = {}
         pull_pods = []
@@ -265,6 +365,8 @@ class KubernetesBackend:
                 f = replace(f, image_present=True)   # the node lists it: the kubelet will not pull
             if f.exited and rid in self._created and "missing" in (f.exit_reason or ""):
                 continue   # a gang whose members are still being created (or not yet seen): pending
+            if not f.exited:
+                f = await self._gpu_facts(rid, f, pods, by_name)
             lost = sorted({(p.get("spec") or {}).get("nodeName") for p in pods} - nodes - {None, ""})
             if lost and not f.exited:   # a node object is gone: the node is lost
                 f = replace(f, running=False, exited=True, endpoint=None,

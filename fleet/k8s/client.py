@@ -1,7 +1,7 @@
 """The one thin wrapper every cluster call of Fleet goes through.
 
 Owns `Resource` (a kind's API group, version and plural: the paths), the resources Fleet uses
-(`PODS`, `NODES`, `EVENTS`, `LEASES`, `INFERENCE_DEPLOYMENTS`, `CRDS`),
+(`PODS`, `NODES`, `EVENTS`, `LEASES`, `SECRETS`, `INFERENCE_DEPLOYMENTS`, `CRDS`),
 `WatchEvent`, the errors (`ApiError`, `Conflict`, `NotFound`, `Gone`), the `Kube` protocol
 (list, watch, get, create, replace, patch, patch_status, delete, read_log: objects are plain
 dicts as the API serves them) and `KubeClient`, its implementation on the official `kubernetes`
@@ -68,6 +68,7 @@ PODS = Resource("", "v1", "pods", "Pod")
 NODES = Resource("", "v1", "nodes", "Node", namespaced=False)
 EVENTS = Resource("", "v1", "events", "Event")
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease")
+SECRETS = Resource("", "v1", "secrets", "Secret")   # the router admin token (fleet/k8s/admin_token.py)
 INFERENCE_DEPLOYMENTS = Resource(GROUP, VERSION, PLURAL, KIND)
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                 namespaced=False)  # fmt: skip

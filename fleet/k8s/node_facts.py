@@ -12,13 +12,14 @@ Owns the keys, their values and the one merge patch that writes them:
   operator compares ``redact_source(canonical_source(spec.model.source))`` against it
   (`fleet.placement.shapes.canonical_source`); the kubelet's ``Node.status.images`` is the other
   half of warmth. `fleet.inventory.gfd.node_from_k8s` reads both;
-- annotation ``fleet.inference.dev/gpu-health``: JSON, `GpuHealthFacts`:
-  ``{"quarantined": [{"index": 3, "uuid": "GPU-...", "mig": null | "MIG-...", "reason": "...",
-  "sinceS": 1764000000.0, "pods": ["<pod uid>"]}], "allocations": {"<pod uid>": [0, 1]},
-  "healthChecks": true}``. ``index`` is the NVML GPU index (of the parent GPU for a MIG
-  instance); ``pods`` and ``allocations`` come from the kubelet's device-manager checkpoint
-  (`fleet.agent.device_checkpoint`); ``healthChecks`` is false when the agent has no NVML.
-  `parse_gpu_health` reads it back (operator side).
+- annotation ``fleet.inference.dev/gpu-health``: JSON, `fleet.inventory.gpu_health.GpuHealthFacts`
+  (its key, records, `parse_gpu_health` for the operator and `gpu_health_value` live there and are
+  re-exported here): ``{"quarantined": [{"index": 3, "uuid": "GPU-...", "mig": null | "MIG-...",
+  "profile": "3g.40gb" (MIG only), "reason": "...", "sinceS": 1764000000.0, "pods": ["<pod uid>"]}],
+  "allocations": {"<pod uid>": [0, 1]}, "healthChecks": true}``. ``index`` is the NVML GPU index
+  (of the parent GPU for a MIG instance); ``pods`` and ``allocations`` come from the kubelet's
+  device-manager checkpoint (`fleet.agent.device_checkpoint`); ``healthChecks`` is false when the
+  agent has no NVML.
 
 Agent side: `node_facts` (pure: the agent's status, its last NVML reading, the checkpoint's
 allocations -> `NodeFacts`), `node_facts_patch` (pure: what changed since the last publish, as one
@@ -32,13 +33,15 @@ else (charts/fleet/templates/agent-daemonset.yaml).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fleet.inventory.gfd import LabelKeys, format_nvlink_domains
+from fleet.inventory.gpu_health import ANNOTATION as GPU_HEALTH_ANNOTATION
+from fleet.inventory.gpu_health import GpuHealthFacts, QuarantinedGpu, gpu_health_value, parse_gpu_health
 from fleet.k8s.client import NODES, Kube
 from fleet.sources import redact_source
 
@@ -46,7 +49,9 @@ log = logging.getLogger("fleet.node_agent")
 
 NVLINK_DOMAINS_LABEL = LabelKeys().nvlink_domains
 CACHED_ANNOTATION = LabelKeys().cached
-GPU_HEALTH_ANNOTATION = "fleet.inference.dev/gpu-health"
+__all__ = ["CACHED_ANNOTATION", "GPU_HEALTH_ANNOTATION", "NVLINK_DOMAINS_LABEL", "GpuHealthFacts", "NodeFacts",
+           "NodeFactsPublisher", "QuarantinedGpu", "cached_value", "node_facts", "node_facts_patch", "parse_gpu_health"]
+_MIG_PROFILE = re.compile(r"\b([1-7]g\.[0-9]+gb(?:\+me)?)\b")
 MAX_VALUE_CHARS = 64 * 1024
 """The cached annotation's longest value (the API server caps all annotations of an object at 256 KiB)."""
 
@@ -69,66 +74,6 @@ def cached_value(sources: Iterable[str]) -> str:
 
 
 @dataclass(frozen=True)
-class QuarantinedGpu:
-    """A quarantined GPU or MIG instance. ``index``: NVML index of the GPU (the parent of a MIG
-    instance); ``uuid``: the GPU's; ``mig``: the MIG instance's UUID, None for a whole GPU;
-    ``since_s``: wall-clock seconds; ``pods``: UIDs of the pods holding it."""
-
-    index: int
-    uuid: str
-    mig: str | None
-    reason: str
-    since_s: float
-    pods: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class GpuHealthFacts:
-    """The value of the gpu-health annotation. ``allocations``: ``{pod uid: GPU indices}``."""
-
-    quarantined: tuple[QuarantinedGpu, ...] = ()
-    allocations: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    health_checks: bool = True
-
-    def value(self) -> str:
-        """The annotation's JSON (compact, keys sorted: equal facts give equal strings). Pure."""
-        return json.dumps({
-            "quarantined": [{"index": q.index, "uuid": q.uuid, "mig": q.mig, "reason": q.reason,
-                             "sinceS": q.since_s, "pods": list(q.pods)} for q in self.quarantined],
-            "allocations": {uid: list(ix) for uid, ix in sorted(self.allocations.items())},
-            "healthChecks": self.health_checks,
-        }, sort_keys=True, separators=(",", ":"))
-
-
-def parse_gpu_health(value: str) -> GpuHealthFacts:
-    """The facts in a gpu-health annotation value. Raises ValueError naming the annotation and
-    what is wrong (bad JSON, a missing or mistyped field). Pure."""
-    where = f"annotation {GPU_HEALTH_ANNOTATION}"
-    try:
-        doc = json.loads(value)
-    except ValueError as err:
-        raise ValueError(f"{where}: not JSON: {err}") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{where}: expected a JSON object")
-    try:
-        quarantined = tuple(
-            QuarantinedGpu(index=_int(q["index"]), uuid=str(q["uuid"]),
-                           mig=None if q.get("mig") is None else str(q["mig"]), reason=str(q.get("reason", "")),
-                           since_s=float(q.get("sinceS") or 0.0), pods=tuple(str(p) for p in q.get("pods") or ()))
-            for q in doc.get("quarantined") or [])
-        allocations = {str(uid): tuple(_int(i) for i in ix) for uid, ix in (doc.get("allocations") or {}).items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise ValueError(f"{where}: bad entry: {type(err).__name__}: {err}") from None
-    return GpuHealthFacts(quarantined, allocations, bool(doc.get("healthChecks", True)))
-
-
-def _int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"expected an integer GPU index, got {v!r}")
-    return v
-
-
-@dataclass(frozen=True)
 class NodeFacts:
     """What the agent publishes. ``nvlink_domains``: the label's value, None when unknown (NVML
     unavailable: the label is left as it is); ``cached``: the cached annotation's value ("": the
@@ -145,10 +90,12 @@ def node_facts(status: Mapping[str, Any], devices: Iterable[Mapping[str, Any]],
     """The facts of one agent step. ``status``: `fleet.agent.runner.NodeAgent.status` (its
     ``quarantined`` and ``health_checks``); ``devices``: the last NVML reading's devices
     (`fleet.agent.nvml_health.NvmlHealthReader.read`: ``index``, ``uuid``, ``mig_instances``);
-    ``allocations``: ``{pod uid: device ids}`` (`fleet.agent.device_checkpoint`); device ids not
+    ``allocations``: ``{pod uid: device ids}`` (`fleet.agent.device_checkpoint`); a MIG
+    instance's ``name`` gives its ``profile`` when it has one; device ids not
     on this node's NVML are left out. ``nvlink_domains``: None when NVML is unavailable. A
     quarantine of the whole node (NVML failed) names no GPU and is not listed. Pure."""
     gpu_of: dict[str, tuple[int, str, str | None]] = {}   # device id -> (index, GPU uuid, MIG uuid)
+    profiles: dict[str, str] = {}
     for d in devices:
         if not isinstance(d.get("uuid"), str):
             continue
@@ -156,6 +103,9 @@ def node_facts(status: Mapping[str, Any], devices: Iterable[Mapping[str, Any]],
         for m in d.get("mig_instances") or []:
             if isinstance(m.get("uuid"), str):
                 gpu_of[m["uuid"]] = (int(d["index"]), d["uuid"], m["uuid"])
+                found = _MIG_PROFILE.search(str(m.get("name") or ""))
+                if found:
+                    profiles[m["uuid"]] = found.group(1)
     held: dict[str, set[str]] = {}       # device id -> pods given that very device
     on_gpu: dict[str, set[str]] = {}     # GPU uuid -> pods given one of its MIG instances
     by_pod: dict[str, set[int]] = {}
@@ -175,8 +125,9 @@ def node_facts(status: Mapping[str, Any], devices: Iterable[Mapping[str, Any]],
         index, gpu, mig = gpu_of[q["gpu"]]
         # A whole GPU: its pods and those on its instances; an instance: its pods (and the GPU's).
         pods = held.get(q["gpu"], set()) | (held.get(gpu, set()) if mig is not None else on_gpu.get(gpu, set()))
-        quarantined.append(QuarantinedGpu(index, gpu, mig, str(q.get("reason", "")), float(q.get("since_s") or 0.0),
-                                          tuple(sorted(pods))))
+        quarantined.append(QuarantinedGpu(index=index, uuid=gpu, mig=mig, reason=str(q.get("reason", "")),
+                                          since_s=float(q.get("since_s") or 0.0), pods=tuple(sorted(pods)),
+                                          profile=profiles.get(mig) if mig else None))
     health = GpuHealthFacts(tuple(sorted(quarantined, key=lambda q: (q.index, q.mig or ""))),
                             {uid: tuple(sorted(ix)) for uid, ix in sorted(by_pod.items())},
                             bool(status.get("health_checks", True)))
@@ -194,8 +145,8 @@ def node_facts_patch(facts: NodeFacts, last: NodeFacts | None = None) -> dict | 
     if last is None or facts.cached != last.cached:
         annotations[CACHED_ANNOTATION] = facts.cached or None
     if facts.gpu_health is not None:
-        value = facts.gpu_health.value()
-        if last is None or last.gpu_health is None or value != last.gpu_health.value():
+        value = gpu_health_value(facts.gpu_health)
+        if last is None or last.gpu_health is None or value != gpu_health_value(last.gpu_health):
             annotations[GPU_HEALTH_ANNOTATION] = value
     metadata = {k: v for k, v in (("labels", labels), ("annotations", annotations)) if v}
     return {"metadata": metadata} if metadata else None

@@ -435,7 +435,9 @@ async def _serve_health(operator: Operator, port: int):
 
 async def run_operator(settings: OperatorSettings) -> int:
     """`fleet operator` until SIGINT/SIGTERM; returns the exit code (2: no cluster configuration
-    or no admin token)."""
+    or no admin token; 1: the API refused reading or making the token's Secret). The router admin
+    token: `fleet.k8s.admin_token.AdminTokenSource` from the environment."""
+    from fleet.k8s.admin_token import AdminTokenError, AdminTokenSource
     from fleet.k8s.client import KubeClient
     from fleet.k8s.routers import RouterFanout
     from warmup.client import EngineClient
@@ -443,9 +445,10 @@ async def run_operator(settings: OperatorSettings) -> int:
     logging.basicConfig(level=os.environ.get("FLEET_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per engine probe is noise
-    token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN", "")
-    if not token:
-        log.error("FLEET_ROUTER_ADMIN_TOKEN is not set: the router admin API needs a token")
+    try:
+        token_source = AdminTokenSource.from_env(os.environ)
+    except AdminTokenError as err:
+        log.error("%s", err)
         return 2
     try:
         kube = KubeClient.load()
@@ -453,6 +456,12 @@ async def run_operator(settings: OperatorSettings) -> int:
         log.error("no cluster configuration (in-cluster service account or kubeconfig): %s", err)
         return 2
     namespace = settings.namespace or _own_namespace() or "default"
+    try:
+        token = await token_source.resolve(kube, namespace)
+    except (AdminTokenError, ApiError) as err:
+        log.error("router admin token: %s", err)
+        kube.close()
+        return 2 if isinstance(err, AdminTokenError) else 1
     identity = settings.identity or socket.gethostname()
     selector = settings.router_selector if settings.router_selector not in ("", "none") else None
     router_pods = Informer(kube, PODS, namespace, selector, name="router-pods") if selector else None

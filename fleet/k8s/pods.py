@@ -2,8 +2,10 @@
 and from a Pod object back to `ReplicaFacts`.
 
 Owns `EnginePodSettings` (cluster-wide pod settings from the chart's ``engine:`` values:
-runtime class, tolerations, /dev/shm, extra env, MIG strategy), `pod_manifest` and `pod_facts`,
-and the label and annotation keys Fleet puts on pods. No API calls: `fleet.k8s.backend` sends
+runtime class, tolerations, /dev/shm, extra env, MIG strategy, the node weight cache, the
+resource sizing `EngineResources`), `model_argument` (where a pod's weights come from),
+`engine_resources` (CPU and memory requests sized from the replica), `pod_manifest`,
+`pod_group` and `pod_facts`, and the label and annotation keys Fleet puts on pods. No API calls: `fleet.k8s.backend` sends
 what this builds. Pure functions; tests/unit/test_k8s_backend.py calls them with literals.
 
 A replica is one Pod: ``restartPolicy: Never`` (replacing a failed replica is the controller's
@@ -14,11 +16,23 @@ against its device plugins, node selector and taints), GPUs requested as
 ``mixed`` strategy; ``single``: ``nvidia.com/gpu: 1``), ``/health`` as readiness, liveness and
 startup probe (the startup probe allows ``spec.engine.startupTimeoutSeconds``). Which GPU of the
 node the pod gets is the device plugin's choice: placement decides the node and how many.
+
+Weights from the node's cache (``weightCache.hostPath`` set, the chart's default with the node
+agent): for an ``hf://``, ``http(s)://`` (or, once the cache reads it, ``s3://``) source the pod
+has an init container ``weights`` (Fleet's image, UID 10001) that runs ``fleet cache pull SOURCE
+--root HOSTPATH --link /fleet/model/current --holder $(POD_UID)``: one download per node (the
+cache's per-model file lock makes pods on one node wait for one fetch), the entry pinned for the
+pod, and a symlink to its directory in the pod's emptyDir ``model``. The engine mounts the cache
+read-only at the same path (the entry's files are relative symlinks into ``../../blobs``, so
+only the whole cache root keeps them valid) and serves ``/fleet/model/current`` under
+``--served-model-name spec.model.name``. Without a cache an ``hf://org/name@rev`` source is
+``org/name --revision rev`` (vLLM downloads it itself).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +57,11 @@ ANNOTATION_READY_AT = "fleet.inference.dev/ready-at"    # Unix seconds its warm-
 ANNOTATION_REVISION = "fleet.inference.dev/revision"    # spec.model.revision as written (the label is sanitised)
 ENGINE_PORT = 8000
 ENGINE_CONTAINER = "engine"
+WEIGHTS_CONTAINER = "weights"              # init container filling the node cache (weightCache set)
+MODEL_DIR = "/fleet/model"                 # emptyDir of the pod: the link to the cache entry
+MODEL_LINK = f"{MODEL_DIR}/current"        # what the engine is given as its model
+FLEET_UID = 10001                          # the user of Fleet's image (charts/fleet/Dockerfile)
+_CACHED_SCHEMES = ("hf://", "s3://", "http://", "https://")
 
 # How each engine kind starts inside its image (the local backend runs `EngineKind.entry` with
 # this interpreter; a pod runs the image's own entry point).
@@ -59,6 +78,75 @@ _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]")
 def label_value(text: str) -> str:
     """A string as a label value (<= 63 characters of [A-Za-z0-9_.-], alphanumeric at both ends)."""
     return _LABEL_VALUE.sub("-", text)[:63].strip("-_.") or "none"
+
+
+@dataclass(frozen=True)
+class EngineResources:
+    """How engine pods' CPU and memory requests are sized (the chart's ``engine.resources``;
+    docs/kubernetes.md, "Engine pod resources"). `engine_resources` applies it.
+
+    GPU replica of G devices (TP GPUs, or 1 for a MIG slice) of D GiB each:
+    ``cpu = base_cpu + cpu_per_gpu x G``;
+    ``memory = base_memory_gib + G x (swap + memory_per_gpu_gib + min(load_buffer_gib, 0.9 x D))``.
+    Sources: ``swap`` is vLLM's CPU swap space per GPU (``--swap-space``, default 4 GiB,
+    vllm/engine/arg_utils.py; read from ``spec.engine.args`` when given); each GPU's worker
+    process (PyTorch, the CUDA runtime's host side, NCCL) takes ~2 GiB; weights are read through
+    host memory (safetensors mmapped through the page cache, charged to the pod's cgroup) a shard
+    at a time: Hugging Face's ``save_pretrained`` cuts shards at 5 GB (``max_shard_size``), and a
+    device holds at most 0.9 x D of them (vLLM ``--gpu-memory-utilization`` 0.9); ``base`` is the
+    API server process (tokenizer, detokenizer). CPU cores: ``cpu_per_gpu`` covers the busy
+    worker loop and tokenization per GPU; GPU nodes carry 24-28 cores per GPU (p5.48xlarge
+    192/8, DGX H100 224/8). CPU replica (vLLM CPU build): ``cpu = spec.resources.cpuCores``,
+    ``memory = base_memory_gib + KV cache (VLLM_CPU_KVCACHE_SPACE in spec.engine.env, else
+    cpu_kv_cache_gib) + cpu_model_gib`` (a tiny-model CPU replica is 2.9 GiB resident,
+    docs/vllm-on-cpu.md). The simulator (``engine.kind: sim``) loads no weights:
+    ``simulator_cpu`` / ``simulator_memory`` (``cpuCores`` for a CPU replica).
+
+    Requests only (QoS Burstable) unless ``guaranteed``: then every container's limits equal its
+    requests (QoS Guaranteed). ``weights_cpu`` / ``weights_memory``: the ``weights`` init container.
+    """
+
+    base_cpu: float = 2.0
+    cpu_per_gpu: float = 2.0
+    base_memory_gib: float = 4.0
+    memory_per_gpu_gib: float = 2.0
+    swap_space_gib: float = 4.0
+    load_buffer_gib: float = 5.0
+    cpu_kv_cache_gib: float = 4.0
+    cpu_model_gib: float = 4.0
+    guaranteed: bool = False
+    weights_cpu: str = "1"
+    weights_memory: str = "1Gi"
+    simulator_cpu: str = "250m"
+    simulator_memory: str = "256Mi"
+
+    _NUMBERS = {"baseCpu": "base_cpu", "cpuPerGpu": "cpu_per_gpu", "baseMemoryGiB": "base_memory_gib",
+                "memoryPerGpuGiB": "memory_per_gpu_gib", "swapSpaceGiB": "swap_space_gib",
+                "loadBufferGiB": "load_buffer_gib", "cpuKvCacheGiB": "cpu_kv_cache_gib",
+                "cpuModelGiB": "cpu_model_gib"}  # fmt: skip
+    _QUANTITIES = {"weightsCpu": "weights_cpu", "weightsMemory": "weights_memory",
+                   "simulatorCpu": "simulator_cpu", "simulatorMemory": "simulator_memory"}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: Any) -> EngineResources:
+        """The chart's ``engine.resources`` (camelCase). Raises ValueError naming the key."""
+        if not isinstance(d, dict):
+            raise ValueError("FLEET_ENGINE_POD_JSON resources: must be an object")
+        out: dict[str, Any] = {}
+        for key, value in d.items():
+            if key in cls._NUMBERS:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise ValueError(f"FLEET_ENGINE_POD_JSON resources.{key}: {value!r} is not a number >= 0")
+                out[cls._NUMBERS[key]] = float(value)
+            elif key in cls._QUANTITIES:
+                if not isinstance(value, (str, int, float)) or isinstance(value, bool) or not str(value).strip():
+                    raise ValueError(f"FLEET_ENGINE_POD_JSON resources.{key}: {value!r} is not a quantity")
+                out[cls._QUANTITIES[key]] = str(value)
+            elif key == "guaranteed":
+                out["guaranteed"] = bool(value)
+            else:
+                raise ValueError(f"FLEET_ENGINE_POD_JSON resources.{key}: unknown key")
+        return cls(**out)
 
 
 @dataclass(frozen=True)
@@ -89,6 +177,11 @@ class EnginePodSettings:
     pre_pull_backoff_s: float = 10.0
     pre_pull_max_backoff_s: float = 600.0
     pre_pull_attempts: int = 3
+    # The node weight cache (``weightCache.hostPath``: the node agent's cache directory on every
+    # node; "" for none) and Fleet's image, which the ``weights`` init container runs.
+    weight_cache_path: str = ""
+    fleet_image: str = ""
+    resources: EngineResources = field(default_factory=EngineResources)
 
     @classmethod
     def from_json(cls, text: str, default_image: str = "") -> EnginePodSettings:
@@ -110,7 +203,16 @@ class EnginePodSettings:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
                 raise ValueError(f"FLEET_ENGINE_POD_JSON prePull.{key}: {value!r} is not a number >= {low:g}")
             numbers[key] = value
+        cache = d.get("weightCache") or {}
+        if not isinstance(cache, dict):
+            raise ValueError("FLEET_ENGINE_POD_JSON weightCache: must be an object")
+        host_path = str(cache.get("hostPath") or "")
+        if host_path and not host_path.startswith("/"):
+            raise ValueError(f"FLEET_ENGINE_POD_JSON weightCache.hostPath: {host_path!r} is not an absolute path")
         return cls(
+            weight_cache_path=host_path.rstrip("/") or ("/" if host_path else ""),
+            fleet_image=str(d.get("fleetImage") or ""),
+            resources=EngineResources.from_dict(d.get("resources") or {}),
             pre_pull=bool(pull.get("enabled", True)), pre_pull_timeout_s=float(numbers["timeoutSeconds"]),
             pre_pull_backoff_s=float(numbers["initialBackoffSeconds"]),
             pre_pull_max_backoff_s=float(numbers["maxBackoffSeconds"]), pre_pull_attempts=int(numbers["attempts"]),
@@ -126,27 +228,158 @@ class EnginePodSettings:
         )  # fmt: skip
 
 
-def model_argument(want: ReplicaWant) -> tuple[str, dict | None]:
-    """The engine's model argument in a pod, and the hostPath volume that brings it (or None).
+@dataclass(frozen=True)
+class ModelFiles:
+    """How a pod reaches its weights: the engine's model argument (``model``), flags that go
+    with it (``--revision``), the pod's volumes, the engine container's mounts and the init
+    containers that fill them."""
 
-    ``hf://ORG/NAME`` -> ``ORG/NAME`` (vLLM downloads it); an absolute path or ``file://`` ->
-    that path on the node, mounted read-only; ``sim://`` -> the simulator profile. Raises
-    LaunchError naming spec.model.source for relative paths (relative to what, in a pod?) and
-    s3:// or http(s):// (they need the node agent's weight cache)."""
+    model: str
+    extra_args: tuple[str, ...] = ()
+    volumes: tuple[dict, ...] = ()
+    mounts: tuple[dict, ...] = ()
+    init_containers: tuple[dict, ...] = ()
+
+
+def model_argument(want: ReplicaWant, settings: EnginePodSettings = EnginePodSettings()) -> ModelFiles:
+    """Where the replica's weights come from in a pod (see the module docstring).
+
+    ``sim://`` -> the simulator profile; an absolute path or ``file://`` -> that path on the
+    node, mounted read-only; ``hf://``, ``http(s)://``, ``s3://`` with a weight cache -> the
+    ``weights`` init container and ``/fleet/model/current``; ``hf://org/name@rev`` without one ->
+    ``org/name`` and ``--revision rev`` (vLLM downloads it; the simulator gets the source as
+    written). Raises LaunchError naming spec.model.source for relative paths (relative to what,
+    in a pod?), a remote source the cache cannot read, http(s):// or s3:// without a cache, and
+    a cache without Fleet's image (``fleetImage``)."""
+    from fleet.sources import SourceError, parse_source
+
     dep = want.deployment
     source = dep.spec.model.source
-    if dep.spec.engine.kind == "sim":
-        return engine_model(want), None
+    sim = dep.spec.engine.kind == "sim"
+    if source.startswith(_CACHED_SCHEMES) and settings.weight_cache_path:
+        try:
+            parse_source(source)
+        except SourceError as err:
+            raise LaunchError(f"weights not present: spec.model.source {source!r}: the node weight cache cannot "
+                              f"read it: {err}") from None  # fmt: skip
+        if not settings.fleet_image:
+            raise LaunchError("weights not present: the operator has no Fleet image for the weights init container "
+                              "(FLEET_ENGINE_POD_JSON fleetImage)")  # fmt: skip
+        return ModelFiles(MODEL_LINK, (), *_cache_volumes(want, settings))
+    if sim:
+        return ModelFiles(engine_model(want))
     if source.startswith("hf://"):
-        return source[len("hf://"):], None
+        repo, _, revision = source[len("hf://"):].partition("@")
+        return ModelFiles(repo, ("--revision", revision) if revision else ())
     if source.startswith(("s3://", "http://", "https://")):
-        raise LaunchError(f"weights not present: spec.model.source {source!r} needs the node agent's weight cache "
-                          "on Kubernetes; use hf:// or a path on the nodes")  # fmt: skip
+        raise LaunchError(f"weights not present: spec.model.source {source!r} needs the node weight cache on "
+                          "Kubernetes (the chart's agent.enabled sets weightCache.hostPath); use hf:// or a path "
+                          "on the nodes")  # fmt: skip
     path = source[len("file://"):] if source.startswith("file://") else source
     if not path.startswith("/"):
         raise LaunchError(f"spec.model.source {source!r}: a relative path means nothing in a pod; "
                           "use an absolute path on the nodes, file:// or hf://")  # fmt: skip
-    return path, {"name": "weights", "hostPath": {"path": path, "type": "Directory"}}
+    return ModelFiles(path, (), ({"name": "weights", "hostPath": {"path": path, "type": "Directory"}},),
+                      ({"name": "weights", "mountPath": path, "readOnly": True},))
+
+
+def _cache_volumes(want: ReplicaWant, settings: EnginePodSettings) -> tuple[tuple, tuple, tuple]:
+    """(volumes, engine mounts, init containers) of a pod whose weights come from the node cache."""
+    spec = want.deployment.spec
+    root = settings.weight_cache_path
+    volumes = ({"name": "weight-cache", "hostPath": {"path": root, "type": "Directory"}},
+               {"name": "model", "emptyDir": {"sizeLimit": "1Mi"}})  # fmt: skip
+    mounts = ({"name": "weight-cache", "mountPath": root, "readOnly": True},
+              {"name": "model", "mountPath": MODEL_DIR, "readOnly": True})  # fmt: skip
+    env = [{"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+           {"name": "HF_HOME", "value": f"{MODEL_DIR}/.hf"},   # huggingface_hub's files: a writable place
+           *({"name": k, "value": v} for k, v in sorted(spec.engine.env.items())), *settings.extra_env]  # fmt: skip
+    resources = {"requests": {"cpu": settings.resources.weights_cpu, "memory": settings.resources.weights_memory}}
+    if settings.resources.guaranteed:
+        resources["limits"] = dict(resources["requests"])
+    init = {
+        "name": WEIGHTS_CONTAINER,
+        "image": settings.fleet_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["fleet", "cache", "pull", spec.model.source, "--root", root, "--link", MODEL_LINK,
+                    "--holder", "$(POD_UID)"],
+        "env": env,
+        "resources": resources,
+        "terminationMessagePolicy": "FallbackToLogsOnError",   # the pull's error becomes the pod's reason
+        "volumeMounts": [{"name": "weight-cache", "mountPath": root}, {"name": "model", "mountPath": MODEL_DIR}],
+        "securityContext": {"runAsUser": FLEET_UID, "runAsGroup": FLEET_UID, "runAsNonRoot": True,
+                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }  # fmt: skip
+    return volumes, mounts, (init,)
+
+
+def engine_resources(want: ReplicaWant, settings: EnginePodSettings, gpus: int | None = None) -> dict[str, dict]:
+    """The engine container's ``resources``: GPUs or a MIG instance (`gpu_resources`) plus CPU
+    and memory requests sized by `EngineResources` (limits equal to requests when
+    ``guaranteed``). ``gpus``: whole GPUs of this pod when it is one member of a gang (default:
+    the replica's). Pure."""
+    spec = want.deployment.spec
+    r = settings.resources
+    extended = gpu_resources(want, settings)
+    if gpus is not None and extended:
+        extended = {"nvidia.com/gpu": str(gpus)}
+    if spec.engine.kind == "sim":
+        cpu: str = str(spec.resources.cpu_cores) if spec.resources.accelerator == "cpu" else r.simulator_cpu
+        memory = r.simulator_memory
+    elif spec.resources.accelerator == "cpu":
+        kv = _number(spec.engine.env.get("VLLM_CPU_KVCACHE_SPACE"), r.cpu_kv_cache_gib)
+        cpu, memory = str(spec.resources.cpu_cores), _gib(r.base_memory_gib + (kv or r.cpu_kv_cache_gib)
+                                                          + r.cpu_model_gib)  # fmt: skip
+    else:
+        n = gpus if gpus is not None else 1 if spec.resources.mig_profile else spec.resources.tensor_parallel_size
+        device = device_memory_gib(spec.resources.mig_profile, want.placement.product)
+        load = min(r.load_buffer_gib, 0.9 * device) if device else r.load_buffer_gib
+        swap = _flag_value(spec.engine.args, "--swap-space", r.swap_space_gib)
+        cpu = _cores(r.base_cpu + r.cpu_per_gpu * n)
+        memory = _gib(r.base_memory_gib + n * (swap + r.memory_per_gpu_gib + load))
+    requests = {**extended, "cpu": cpu, "memory": memory}
+    limits = dict(requests) if r.guaranteed else dict(extended)
+    return {"requests": requests, **({"limits": limits} if limits else {})}
+
+
+def device_memory_gib(mig_profile: str | None, product: str | None) -> float | None:
+    """GiB of one device: a MIG profile's (``3g.40gb`` -> 40), else the number before ``GB`` in
+    the GPU product (``NVIDIA-H100-80GB-HBM3`` -> 80), else None."""
+    for text, pattern in ((mig_profile, r"\.(\d+)gb"), (product, r"(\d+)\s*GB")):
+        m = re.search(pattern, text or "", re.IGNORECASE)
+        if m:
+            return float(m.group(1))
+    return None
+
+
+def _number(text: str | None, default: float) -> float:
+    try:
+        return float(text) if text is not None else default
+    except ValueError:
+        return default
+
+
+def _flag_value(args: list[str], flag: str, default: float) -> float:
+    """The number after ``flag`` (``--flag N`` or ``--flag=N``) in ``args``, else ``default``."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return _number(args[i + 1], default)
+        if arg.startswith(flag + "="):
+            return _number(arg.split("=", 1)[1], default)
+    return default
+
+
+def _gib(gib: float) -> str:
+    """A memory quantity: whole GiB as ``26Gi``, else MiB rounded up."""
+    mib = math.ceil(gib * 1024)
+    return f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib}Mi"
+
+
+def _cores(cores: float) -> str:
+    """A CPU quantity: ``6`` or ``2500m``."""
+    milli = math.ceil(cores * 1000)
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
 
 
 def gpu_resources(want: ReplicaWant, settings: EnginePodSettings) -> dict[str, str]:
@@ -173,19 +406,16 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
     if not image:
         raise LaunchError("engine image not present: spec.engine.image is unset and the operator has no "
                           "default engine image (FLEET_ENGINE_IMAGE)")  # fmt: skip
-    model, volume = model_argument(want)
+    files = model_argument(want, settings)
+    model = files.model
     engine = get_engine(spec.engine.kind)
     argv = engine.command(dep.engine_launch(want.base_dir), model, "0.0.0.0", ENGINE_PORT)
     flags = argv[len(engine.entry(model)):]
-    command = [*POD_ENTRY[spec.engine.kind](model), *flags]
+    command = [*POD_ENTRY[spec.engine.kind](model), *files.extra_args, *flags]
     env = {**spec.engine.env, **{k: v for k, v in want.placement.env.items() if k not in _NOT_IN_PODS}}
     env_list = [{"name": k, "value": v} for k, v in sorted(env.items())]
     env_list += [{"name": "FLEET_REPLICA_ID", "value": want.replica_id},
                  {"name": "FLEET_DEPLOYMENT", "value": dep.name}, *settings.extra_env]  # fmt: skip
-    limits = gpu_resources(want, settings)
-    requests: dict[str, str] = dict(limits)
-    if spec.resources.accelerator == "cpu":
-        requests["cpu"] = str(spec.resources.cpu_cores)
     startup_s = spec.engine.startup_timeout_seconds
     probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 2}
     container: dict[str, Any] = {
@@ -195,7 +425,7 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
         "command": command,
         "env": env_list,
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "resources": {"requests": requests, **({"limits": limits} if limits else {})},
+        "resources": engine_resources(want, settings),
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": max(1, int(startup_s // 5) + 1)},
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
@@ -205,9 +435,8 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
     if settings.shm_size:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}})
         container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
-    if volume is not None:
-        volumes.append(volume)
-        container["volumeMounts"].append({"name": "weights", "mountPath": model, "readOnly": True})
+    volumes.extend(files.volumes)
+    container["volumeMounts"].extend(files.mounts)
     if not container["volumeMounts"]:
         del container["volumeMounts"]
     labels = {
@@ -240,6 +469,8 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
         "automountServiceAccountToken": False,
         "containers": [container],
     }
+    if files.init_containers:
+        pod_spec["initContainers"] = list(files.init_containers)
     if volumes:
         pod_spec["volumes"] = volumes
     for key, value in (("runtimeClassName", settings.runtime_class_name),
@@ -278,6 +509,18 @@ def pod_facts(pod: dict) -> ReplicaFacts:
         reason = f"pod {phase.lower()}: {why}" + (f": {message}" if message else "")
         if code is not None:
             reason += f" (exit code {code})"
+    weights_present = image_present
+    inits = [c for c in status.get("initContainerStatuses") or [] if c.get("name") == WEIGHTS_CONTAINER]
+    if inits or any(c.get("name") == WEIGHTS_CONTAINER for c in (pod.get("spec") or {}).get("initContainers") or []):
+        init_state = (inits[0].get("state") or {}) if inits else {}
+        done = init_state.get("terminated") or {}
+        weights_present = done.get("exitCode") == 0 or "running" in state or "terminated" in state
+        if "running" in init_state:
+            detail["cache"] = "fetching the weights into the node cache (init container weights)"
+        if done and done.get("exitCode") not in (None, 0):
+            why = f"the weights init container exited {done.get('exitCode')}: {done.get('reason') or 'Error'}"
+            message = (done.get("message") or "").strip()
+            exited, code, reason = True, done.get("exitCode"), why + (f": {message}" if message else "")
     waiting = state.get("waiting") or {}
     if waiting.get("reason") in _IMAGE_PROBLEMS:
         problem = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
@@ -287,7 +530,7 @@ def pod_facts(pod: dict) -> ReplicaFacts:
         replica_id=labels.get(LABEL_REPLICA, meta["name"]), deployment=labels.get(LABEL_DEPLOYMENT, "?"),
         spec_hash=labels.get(LABEL_SPEC_HASH, ""), node=node,
         endpoint=f"http://{ip}:{ENGINE_PORT}" if ip and (running or exited) else None,
-        image_present=image_present, weights_present=image_present, running=running and not exited,
+        image_present=image_present, weights_present=weights_present, running=running and not exited,
         exited=exited, exit_code=code, exit_reason=reason, problem=problem, detail=detail,
     )  # fmt: skip
 
@@ -332,7 +575,7 @@ def pod_group(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
     c["command"] = ["bash", "-c", f"ray start --head --port={RAY_PORT} && python3 -c \"$FLEET_RAY_WAIT\" && exec "
                     + " ".join(_sh(a) for a in serve)]  # fmt: skip
     c["env"].append({"name": "FLEET_RAY_WAIT", "value": wait})
-    c["resources"] = {"requests": {"nvidia.com/gpu": str(per_node)}, "limits": {"nvidia.com/gpu": str(per_node)}}
+    c["resources"] = engine_resources(want, settings, gpus=per_node)
     c["ports"].append({"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"})
     leader["spec"]["hostname"] = want.replica_id
     leader["spec"]["subdomain"] = settings.gang_service
@@ -347,8 +590,7 @@ def pod_group(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
         wc = worker["spec"]["containers"][0]
         wc["command"] = ["bash", "-c", f"until ray start --address={leader_dns}:{RAY_PORT} --block; do sleep 5; done"]
         wc["env"] = [e for e in wc["env"] if e["name"] != "FLEET_RAY_WAIT"]
-        wc["resources"] = {"requests": {"nvidia.com/gpu": str(len(member.devices))},
-                           "limits": {"nvidia.com/gpu": str(len(member.devices))}}  # fmt: skip
+        wc["resources"] = engine_resources(want, settings, gpus=len(member.devices))
         wc["ports"] = [{"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"}]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             wc.pop(probe, None)

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fleet.sources import SourceError, parse_source
+from fleet.sources import SourceError, parse_source, redact_source
 from fleet.inventory.mig import MigSlot
 from fleet.inventory.model import NodeInventory
 from fleet.spec import InferenceDeployment
@@ -185,7 +185,8 @@ class PlacementRequest:
         # Nodes report sources canonical (the cache, the agent's annotation) or as a spec writes
         # them (an inventory file): two set lookups, not a scan of every image a node lists.
         weights = self.model_source is not None and (
-            self.model_source in node.cached or canonical_source(self.model_source) in node.cached)
+            self.model_source in node.cached or canonical_source(self.model_source) in node.cached
+            or redact_source(canonical_source(self.model_source)) in node.cached)   # an agent publishes it redacted
         return 2 * weights + image
 
     def is_warm(self, node: NodeInventory) -> bool:

@@ -1,7 +1,8 @@
 """The Helm chart (charts/fleet) without a cluster: `helm lint --strict`, `helm template` under
 four values files validated with kubernetes-validate (strict) for Kubernetes 1.30 and 1.37, the
 values schema refusing bad values, least-privilege RBAC, the Prometheus objects gated on their
-API, and a golden snapshot of the rendered defaults.
+API, the same manifests on every render (GitOps: no random admin token), and a golden snapshot
+of the rendered defaults.
 
 Helm comes from `.ci/helm.sh` (tests/run.sh runs it); without it these tests are skipped. Reading the
 example values files without Helm: tests/unit/test_k8s_chart.py."""
@@ -9,7 +10,6 @@ example values files without Helm: tests/unit/test_k8s_chart.py."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 
 import kubernetes_validate
@@ -23,7 +23,6 @@ pytestmark = pytest.mark.skipif(helm_binary() is None, reason="helm not installe
 
 MONITORING_API = ("monitoring.coreos.com/v1",)
 GOLDEN = REPO / "tests" / "data" / "golden" / "chart-defaults.yaml"
-_TOKEN = re.compile(r"(^  token: ).*$", re.M)
 
 
 def _by_kind(objs: list[dict]) -> dict[str, list[dict]]:
@@ -67,7 +66,7 @@ def test_defaults_render_the_expected_objects():
     kinds = _by_kind(render())
     assert {k: len(v) for k, v in kinds.items()} == {
         "CustomResourceDefinition": 1, "ServiceAccount": 1, "Role": 1, "RoleBinding": 1, "ClusterRole": 1,
-        "ClusterRoleBinding": 1, "Secret": 1, "Deployment": 2, "Service": 3, "PodDisruptionBudget": 1,
+        "ClusterRoleBinding": 1, "Deployment": 2, "Service": 3, "PodDisruptionBudget": 1,
     }
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     assert router["spec"]["replicas"] == 2
@@ -91,9 +90,10 @@ def test_admin_api_never_on_the_public_service():
     assert admin_rule["from"] == [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
         "app.kubernetes.io/component": "operator"}}}]
-    # the admin token comes from the Secret, in the router and the operator alike
+    # the admin token comes from the Secret: the router's through secretKeyRef, the operator's
+    # through the API (test_the_operator_owns_the_admin_token_secret)
     env = {e["name"]: e for e in container["env"]}
-    assert env["FLEET_ROUTER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "fleet-router-admin"
+    assert env["FLEET_ROUTER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "fleet-router-admin", "key": "token"}
 
 
 def test_rbac_is_least_privilege():
@@ -104,7 +104,12 @@ def test_rbac_is_least_privilege():
     assert role["metadata"]["namespace"] == "fleet"
     resources = {r for rule in role["rules"] for r in rule["resources"]}
     assert resources == {"inferencedeployments", "inferencedeployments/status", "inferencedeployments/finalizers",
-                         "pods", "pods/log", "events", "leases"}
+                         "pods", "pods/log", "events", "leases", "secrets"}
+    # Secrets: get only the admin token's (by name), create (RBAC cannot name what is created);
+    # never list, watch, update or delete any
+    assert [r for r in role["rules"] if r["resources"] == ["secrets"]] == [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["fleet-router-admin"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         if rule["resources"] == ["inferencedeployments"]:
@@ -146,6 +151,8 @@ def test_global_registry_extra_objects_and_engine_pod_settings():
     (["--set", "engine.migStrategy=half"], "migStrategy"),
     (["--set", "operator.replicaz=2"], "replicaz"),
     (["--set", "router.port=0"], "port"),
+    (["--set", "router.adminToken.existingSecret=Not_A_Name"], "existingSecret"),
+    (["--set", "router.adminToken.existingSecretKey=a/b"], "existingSecretKey"),
 ])
 
 
@@ -162,8 +169,47 @@ def test_values_schema_passes_through_kubernetes_fields():
     assert objs
 
 
+@pytest.mark.parametrize("name", list(VALUES))
+def test_every_render_gives_the_same_manifests(name):
+    """GitOps (Argo CD, Flux) renders with `helm template` on every sync: nothing random, nothing
+    read from a cluster (the admin token Secret is the operator's: fleet/k8s/admin_token.py)."""
+    first = render_text(VALUES[name])
+    assert render_text(VALUES[name]) == first
+    assert "kind: Secret" not in first
+
+
+def test_the_operator_owns_the_admin_token_secret():
+    kinds = _by_kind(render())
+    op = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-operator")
+    env = {e["name"]: e for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "FLEET_ROUTER_ADMIN_TOKEN" not in env   # the explicit override stays unset: the Secret is read
+    assert {k: env[k]["value"] for k in env if k.startswith("FLEET_ROUTER_ADMIN_SECRET")} == {
+        "FLEET_ROUTER_ADMIN_SECRET": "fleet-router-admin", "FLEET_ROUTER_ADMIN_SECRET_KEY": "token",
+        "FLEET_ROUTER_ADMIN_SECRET_CREATE": "true"}
+
+
+def test_an_existing_secret_is_read_never_made():
+    extra = ("--set", "router.adminToken.existingSecret=my-admin", "--set", "router.adminToken.existingSecretKey=admin")
+    args = ["lint", "--strict", str(CHART), *extra]
+    assert "0 chart(s) failed" in helm(*args).stdout
+    objs = render(extra=extra)
+    for obj in objs:
+        for kube in ("1.30.0", "1.37.0"):
+            kubernetes_validate.validate(obj, kube, strict=True)
+    kinds = _by_kind(objs)
+    assert "Secret" not in kinds
+    deps = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0] for d in kinds["Deployment"]}
+    router_env = {e["name"]: e for e in deps["fleet-router"]["env"]}
+    assert router_env["FLEET_ROUTER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "my-admin", "key": "admin"}
+    op_env = {e["name"]: e.get("value") for e in deps["fleet-operator"]["env"]}
+    assert (op_env["FLEET_ROUTER_ADMIN_SECRET"], op_env["FLEET_ROUTER_ADMIN_SECRET_KEY"],
+            op_env["FLEET_ROUTER_ADMIN_SECRET_CREATE"]) == ("my-admin", "admin", "false")  # fmt: skip
+    secret_rules = [r for r in kinds["Role"][0]["rules"] if r["resources"] == ["secrets"]]
+    assert secret_rules == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["my-admin"], "verbs": ["get"]}]
+
+
 def test_golden_snapshot_of_the_defaults():
-    text = _TOKEN.sub(r"\1<random, kept across upgrades>", render_text())
+    text = render_text()
     if os.environ.get("FLEET_UPDATE_GOLDEN") == "1":
         GOLDEN.write_text(text)
     assert GOLDEN.exists(), "no golden file: run with FLEET_UPDATE_GOLDEN=1 once and review it"
@@ -248,3 +294,30 @@ def test_values_schema_refuses_bad_pre_pull_settings():
     proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), "--set", "engine.prePull.attempts=0"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode != 0 and "attempts" in proc.stderr, proc.stderr
+
+
+def test_engine_pods_get_the_node_cache_fleets_image_and_resource_sizing():
+    """FLEET_ENGINE_POD_JSON as rendered reads back as the operator's settings: the weight cache
+    is the agent's hostCachePath (none without the agent), the init container runs Fleet's image."""
+    import json
+
+    from fleet.k8s.pods import EnginePodSettings
+
+    def settings(*extra):
+        op = next(d for d in _by_kind(render(extra=extra))["Deployment"] if d["metadata"]["name"] == "fleet-operator")
+        env = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+        return EnginePodSettings.from_json(env["FLEET_ENGINE_POD_JSON"])
+
+    on = settings("--set", "agent.enabled=true", "--set", "engine.resources.guaranteed=true")
+    assert on.weight_cache_path == "/var/lib/fleet/cache" and on.fleet_image.endswith("/fleet:0.1.0")
+    assert on.resources.guaranteed and on.resources.cpu_per_gpu == 2
+    assert settings().weight_cache_path == ""
+    assert json.loads(json.dumps(settings("--set", "engine.resources.swapSpaceGiB=8").resources.swap_space_gib)) == 8
+
+
+def test_values_schema_refuses_bad_engine_resources():
+    for bad, field in ((("--set", "engine.resources.cpuPerGPU=1"), "cpuPerGPU"),
+                       (("--set", "engine.resources.baseMemoryGiB=-1"), "baseMemoryGiB")):  # fmt: skip
+        proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), *bad], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert proc.returncode != 0 and field in proc.stderr, proc.stderr

@@ -106,7 +106,7 @@ def test_cpu_sim_pod_and_settings_pass_through():
     c = spec["containers"][0]
     assert c["image"] == "fleet:1"
     assert c["command"][:5] == ["python", "-m", "fleet.enginesim", "--model", "sim://h100-llama-8b"]
-    assert c["resources"] == {"requests": {"cpu": "1"}}
+    assert c["resources"] == {"requests": {"cpu": "1", "memory": "256Mi"}}   # the simulator loads no weights
     assert spec["runtimeClassName"] == "nvidia" and spec["terminationGracePeriodSeconds"] == 300
     assert spec["imagePullSecrets"] == [{"name": "reg"}]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}} in c["env"]

@@ -121,3 +121,20 @@ def test_raw_client_is_refused(monkeypatch):
     client = KubeClient.for_host("http://127.0.0.1:1")
     with pytest.raises(AssertionError, match="raw kubernetes client"):
         asyncio.run(client.list(PODS, NS))
+
+
+def test_the_stand_in_serves_the_core_kinds_a_chart_holds():
+    """Secrets (the router admin token), ConfigMaps and ServiceAccounts: namespaced core v1, as
+    the API server serves them (the HTTP stand-in routes by these: fleet/testing/k8s/apiserver.py)."""
+    from fleet.k8s.client import SECRETS
+    from fleet.testing.k8s.apiserver import _BY_PATH
+    from fleet.testing.k8s.resources import CONFIGMAPS, SERVICE_ACCOUNTS
+
+    store = ObjectStore()
+    for res, kind in ((SECRETS, "Secret"), (CONFIGMAPS, "ConfigMap"), (SERVICE_ACCOUNTS, "ServiceAccount")):
+        assert _BY_PATH[("", "v1", res.plural)] is res and res.kind == kind and res.namespaced
+        assert res.path(NS, "x") == f"/api/v1/namespaces/{NS}/{res.plural}/x"
+        store.create(res, NS, {"metadata": {"name": "x"}})
+        assert store.get(res, NS, "x")["metadata"]["namespace"] == NS
+        with pytest.raises(NotFound):
+            store.get(res, "other", "x")

@@ -15,6 +15,7 @@ from fleet.agent.device_checkpoint import (
 from fleet.inventory.gfd import format_nvlink_domains, node_from_k8s, parse_nvlink_domains
 from fleet.inventory.nvml import node_from_nvml
 from fleet.k8s.client import NODES
+from fleet.inventory.gpu_health import gpu_health_value
 from fleet.k8s.node_facts import (
     CACHED_ANNOTATION, GPU_HEALTH_ANNOTATION, NVLINK_DOMAINS_LABEL, GpuHealthFacts, NodeFacts, NodeFactsPublisher,
     QuarantinedGpu, cached_value, node_facts, node_facts_patch, parse_gpu_health,
@@ -109,19 +110,21 @@ def test_node_facts_name_the_quarantined_gpu_and_the_pods_holding_it():
     assert facts.nvlink_domains == "0-7"
     assert facts.cached == "hf://org/m@main,https://h/m/"
     assert facts.gpu_health == GpuHealthFacts(
-        quarantined=(QuarantinedGpu(3, uuid, None, "xid: Xid 79: GPU has fallen off the bus (gpu_lost)",
-                                    1_764_000_000.0, ("pod-a",)),),
+        quarantined=(QuarantinedGpu(index=3, uuid=uuid, mig=None, reason="xid: Xid 79: GPU has fallen off the bus "
+                                    "(gpu_lost)", since_s=1_764_000_000.0, pods=("pod-a",)),),
         allocations={"pod-a": (2, 3), "pod-b": (0,), "pod-d": (1,)}, health_checks=True)
 
 
 def test_a_quarantined_mig_instance_names_its_gpu_index_and_its_pods():
     snap = mig_h100([[("3g.40gb", 0), ("3g.40gb", 4)], [("3g.40gb", 0), ("3g.40gb", 4)]])
-    devices = [{**d, "mig_instances": [{"uuid": m["uuid"], "gpu_instance_id": m["gi_id"]} for m in d["mig_instances"]]}
+    devices = [{**d, "mig_instances": [{"uuid": m["uuid"], "name": m["name"], "gpu_instance_id": m["gi_id"]}
+                                       for m in d["mig_instances"]]}
                for d in snap["devices"]]   # as NvmlHealthReader.read gives them
     facts = node_facts(_status(("MIG-1-1", "xid: Xid 94")), devices,
                        {"pod-m": ("MIG-1-1",), "pod-n": ("MIG-1-0",), "pod-o": ("MIG-0-0",)}, [], ())
     [q] = facts.gpu_health.quarantined
     assert (q.index, q.uuid, q.mig, q.pods) == (1, snap["devices"][1]["uuid"], "MIG-1-1", ("pod-m",))
+    assert q.profile == "3g.40gb"
     assert facts.gpu_health.allocations == {"pod-m": (1,), "pod-n": (1,), "pod-o": (0,)}
     assert facts.nvlink_domains == "none"
     # the whole GPU quarantined: every pod on one of its instances holds it
@@ -131,13 +134,13 @@ def test_a_quarantined_mig_instance_names_its_gpu_index_and_its_pods():
 
 
 def test_the_gpu_health_annotation_round_trips_in_the_contract_shape():
-    facts = GpuHealthFacts((QuarantinedGpu(3, "GPU-3", None, "xid: Xid 79", 1_764_000_000.0, ("uid-1",)),),
-                           {"uid-1": (2, 3)}, True)
-    doc = json.loads(facts.value())
+    facts = GpuHealthFacts((QuarantinedGpu(index=3, uuid="GPU-3", mig=None, reason="xid: Xid 79",
+                                           since_s=1_764_000_000.0, pods=("uid-1",)),), {"uid-1": (2, 3)}, True)
+    doc = json.loads(gpu_health_value(facts))
     assert doc == {"quarantined": [{"index": 3, "uuid": "GPU-3", "mig": None, "reason": "xid: Xid 79",
                                     "sinceS": 1_764_000_000.0, "pods": ["uid-1"]}],
                    "allocations": {"uid-1": [2, 3]}, "healthChecks": True}
-    assert parse_gpu_health(facts.value()) == facts
+    assert parse_gpu_health(gpu_health_value(facts)) == facts
 
 
 @pytest.mark.parametrize("value", ["{", "[]", '{"quarantined": [{"uuid": "GPU-1"}]}',
@@ -152,7 +155,7 @@ def test_the_patch_writes_only_what_changed_and_leaves_unknown_facts_alone():
     first = NodeFacts("0-7", "hf://org/m@main", health)
     assert node_facts_patch(first) == {"metadata": {
         "labels": {NVLINK_DOMAINS_LABEL: "0-7"},
-        "annotations": {CACHED_ANNOTATION: "hf://org/m@main", GPU_HEALTH_ANNOTATION: health.value()}}}
+        "annotations": {CACHED_ANNOTATION: "hf://org/m@main", GPU_HEALTH_ANNOTATION: gpu_health_value(health)}}}
     assert node_facts_patch(first, first) is None
     assert node_facts_patch(NodeFacts("0-7", "", health), first) == {
         "metadata": {"annotations": {CACHED_ANNOTATION: None}}}       # nothing cached: removed

@@ -33,6 +33,7 @@ from aiohttp import web
 from fleet.k8s.client import PODS, ApiError, Gone, Resource
 from fleet.k8s.prepull import is_pull_pod
 from fleet.testing.k8s.kubelet import ImagePuller, run_pod, terminate_pod
+from fleet.testing.k8s.rbac import Authorizer, RequestAttributes
 from fleet.testing.k8s.store import _RESOURCES, ObjectStore
 
 _BY_PATH = {(r.group, r.version, r.plural): r for r in _RESOURCES}
@@ -44,10 +45,17 @@ def _status_body(err: ApiError) -> dict:
 
 
 class APIServerStandIn:
-    """HTTP on ``127.0.0.1:<port>``; ``store`` is the cluster state (tests read it directly)."""
+    """HTTP on ``127.0.0.1:<port>``; ``store`` is the cluster state (tests read it directly).
 
-    def __init__(self, store: ObjectStore | None = None, bookmark_every_s: float = 1.0) -> None:
+    With ``authorizer`` (`fleet.testing.k8s.rbac.Authorizer`) every request needs a bearer token
+    it knows (else 401) and RBAC's permission (else 403 Forbidden, recorded in
+    ``authorizer.denied``); without one, anything goes (the older tests' mode)."""
+
+    def __init__(self, store: ObjectStore | None = None, bookmark_every_s: float = 1.0,
+                 authorizer: Authorizer | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
         self.store = store or ObjectStore()
+        self.authorizer = authorizer
+        self.host = host
         self.bookmark_every_s = bookmark_every_s
         self.requests = 0
         self.port = 0
@@ -64,12 +72,14 @@ class APIServerStandIn:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{getattr(self, 'scheme', 'http')}://{self.host}:{self.port}"
 
-    async def start(self) -> None:
+    async def start(self, ssl_context=None) -> None:
+        """Listen on a free port; with ``ssl_context`` (an `ssl.SSLContext`) over HTTPS."""
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, self.host, 0, ssl_context=ssl_context)
+        self.scheme = "https" if ssl_context is not None else "http"
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 
@@ -94,6 +104,14 @@ class APIServerStandIn:
         res = _BY_PATH.get((m.get("group", ""), m["version"], m["plural"]))
         if res is None:
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({request.path})")
+        if self.authorizer is not None:
+            user = self.authorizer.user(request.headers.get("Authorization"))
+            if user is None:
+                raise ApiError(401, "Unauthorized", "Unauthorized")
+            attrs = RequestAttributes.from_http(request.method, res.group, res.plural, m.get("sub"), m.get("ns"),
+                                                m.get("name"), request.query.get("watch") in ("true", "1"))
+            if not self.authorizer.allowed(user, attrs):
+                raise ApiError(403, "Forbidden", attrs.describe(user))
         return res, m.get("ns")
 
     async def _collection(self, request: web.Request) -> web.StreamResponse:

@@ -298,10 +298,10 @@ class ObjectStore:
             self.watchers.remove(w)
 
 
-def _all_resources() -> list[Resource]:
-    from fleet.k8s import client
+def _all_resources() -> tuple[Resource, ...]:
+    from fleet.testing.k8s.resources import BOX_RESOURCES
 
-    return [v for v in vars(client).values() if isinstance(v, Resource)]
+    return BOX_RESOURCES
 
 
 _RESOURCES = _all_resources()

@@ -1,0 +1,112 @@
+"""The NVIDIA device plugin of one box node. A TEST STAND-IN for NVIDIA/k8s-device-plugin and
+the kubelet's device manager.
+
+`DevicePlugin` advertises the node's devices from its fake NVML state file (the JSON the node's
+`pynvml` stand-in reads, fleet/testing/nvml_driver): whole GPUs as ``nvidia.com/gpu`` and MIG
+devices as ``nvidia.com/mig-<profile>`` (the plugin's ``mixed`` strategy), by UUID (the plugin's
+DEVICE_ID_STRATEGY=uuid). `allocate` picks devices as the plugin's preferred allocation does for
+whole GPUs (go-gpuallocator's best-effort policy: a set inside one NVLink domain when one has
+room, the fullest such domain first), never an unhealthy or allocated device, and records the
+allocation in the kubelet's device-manager checkpoint
+(``<node root>/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint``, the kubelet's v2
+JSON format), which Fleet's node agent reads.
+
+Health, as the real plugin: an Xid in the state file's ``xid_events`` other than the ones it
+ignores (13, 31, 43, 45, 68, 109: application errors) marks the GPU (and its MIG devices)
+unhealthy; `allocatable` then leaves it out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from fleet.inventory.nvml import node_from_nvml
+
+IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
+
+
+class DevicePlugin:
+    def __init__(self, node: str, state_path: Path, node_root: Path) -> None:
+        self.node = node
+        self.state_path = state_path
+        self.checkpoint = node_root / CHECKPOINT
+        snapshot = json.loads(state_path.read_text())
+        inv = node_from_nvml(snapshot, node)
+        by_index = {d["index"]: d["uuid"] for d in snapshot["devices"]}
+        self.gpus: list[str] = []                      # whole-GPU uuids, by index
+        self.mig: dict[str, list[str]] = {}            # profile -> MIG uuids
+        self.parent: dict[str, str] = {}               # MIG uuid -> GPU uuid
+        for g in inv.gpus:
+            uuid = by_index[g.index]
+            if g.mig_enabled:
+                for m in g.mig_instances:
+                    self.mig.setdefault(m.profile, []).append(m.uuid)
+                    self.parent[m.uuid] = uuid
+            else:
+                self.gpus.append(uuid)
+        self.domains: list[list[str]] = [[by_index[i] for i in d] for d in (inv.nvlink_domains or ())]
+        self.allocations: dict[tuple[str, str], tuple[str, list[str]]] = {}   # (pod uid, container) -> (res, ids)
+        self.unhealthy: set[str] = set()
+        self._write_checkpoint()
+
+    def resources(self) -> dict[str, list[str]]:
+        out = {"nvidia.com/gpu": list(self.gpus)} if self.gpus else {}
+        out.update({f"nvidia.com/mig-{p}": list(ids) for p, ids in self.mig.items()})
+        return out
+
+    def refresh_health(self) -> bool:
+        """Read the state file's Xids; True when a device became unhealthy."""
+        try:
+            events = json.loads(self.state_path.read_text()).get("xid_events") or []
+        except (OSError, ValueError):
+            return False
+        before = set(self.unhealthy)
+        for e in events:
+            if int(e.get("xid", 0)) in IGNORED_XIDS:
+                continue
+            uuid = e.get("uuid", "")
+            self.unhealthy.add(uuid)
+            self.unhealthy |= {m for m, parent in self.parent.items() if parent == uuid}
+        return self.unhealthy != before
+
+    def allocatable(self) -> dict[str, str]:
+        self.refresh_health()
+        return {res: str(sum(1 for i in ids if i not in self.unhealthy)) for res, ids in self.resources().items()}
+
+    def _used(self) -> set[str]:
+        return {i for _res, ids in self.allocations.values() for i in ids}
+
+    def allocate(self, pod_uid: str, container: str, resource: str, count: int) -> list[str] | None:
+        """``count`` devices of ``resource`` for the container, or None when too few are free."""
+        self.refresh_health()
+        ids = self.resources().get(resource, [])
+        free = [i for i in ids if i not in self._used() and i not in self.unhealthy]
+        if len(free) < count:
+            return None
+        chosen = free[:count]
+        if resource == "nvidia.com/gpu" and count > 1:
+            fits = [[i for i in d if i in free] for d in self.domains]
+            fits = [f for f in fits if len(f) >= count]
+            if fits:
+                chosen = min(fits, key=len)[:count]
+        self.allocations[(pod_uid, container)] = (resource, chosen)
+        self._write_checkpoint()
+        return chosen
+
+    def release(self, pod_uid: str) -> None:
+        for key in [k for k in self.allocations if k[0] == pod_uid]:
+            del self.allocations[key]
+        self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
+        entries = [{"PodUID": uid, "ContainerName": c, "ResourceName": res, "DeviceIDs": {"-1": ids},
+                    "AllocResp": ""} for (uid, c), (res, ids) in sorted(self.allocations.items())]  # fmt: skip
+        doc = {"Data": {"PodDeviceEntries": entries, "RegisteredDevices": self.resources()}, "Checksum": 0}
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, self.checkpoint)

@@ -1,0 +1,675 @@
+"""A kubelet for the cluster in a box: runs each pod bound to its nodes from the pod spec AS
+RENDERED, its containers as local processes. A TEST STAND-IN (no container runtime, no pod
+network: docs/kubernetes.md, "The cluster in a box").
+
+What it honours, as a kubelet does:
+- images: pulled first (`fleet.testing.k8s.kubelet.ImagePuller`); every image runs the
+  repository's code (Fleet's image): ``fleet`` (its ENTRYPOINT) and ``python`` map to this
+  interpreter; ``sh``/``bash`` and coreutils are the machine's;
+- ``command``/``args`` with ``$(VAR)`` expansion; ``env`` values, ``fieldRef`` (metadata.name,
+  namespace, uid, labels/annotations, spec.nodeName, spec.serviceAccountName, status.podIP,
+  status.hostIP), ``secretKeyRef`` / ``configMapKeyRef`` (a missing one: the container waits in
+  CreateContainerConfigError and is retried), ``envFrom``;
+- volumes, each bind-mounted at its ``mountPath`` in the container's own mount namespace
+  (`fleet.testing.k8s.container`): hostPath (a per-node directory standing for the node's root;
+  ``DirectoryOrCreate`` creates it root-owned 0755 as the kubelet does, ``Directory`` must exist),
+  emptyDir, Secret, ConfigMap, and the service-account token (``token``, ``ca.crt``,
+  ``namespace`` at /var/run/secrets/kubernetes.io/serviceaccount) unless
+  ``automountServiceAccountToken`` is false;
+- ``securityContext``: runAsUser / runAsGroup / fsGroup (volumes the kubelet makes get the group),
+  readOnlyRootFilesystem; the process runs as that user;
+- init containers in order, each to success; then the containers; ``restartPolicy`` (Always,
+  OnFailure, Never) with a back-off; startup, readiness and liveness probes (httpGet) at the
+  pod's address, their periods scaled by ``probe_scale``; the Ready condition;
+- resources: requests and limits are recorded per node (``requested``); extended resources
+  ``nvidia.com/gpu`` and ``nvidia.com/mig-*`` are allocated by the node's device plugin
+  (`fleet.testing.k8s.deviceplugin.DevicePlugin`), which sets NVIDIA_VISIBLE_DEVICES; a container
+  with devices, or a pod of runtime class ``nvidia``, also gets the node's fake NVML (the NVIDIA
+  container runtime's part: `fleet/testing/nvml_driver` on PYTHONPATH, FLEET_FAKE_NVML);
+- deletion: SIGTERM, SIGKILL after the grace period, devices released, the pod removed.
+
+Deviations, because there is no pod network: each pod gets its own loopback address
+(127.0.x.y) and an argument ``0.0.0.0`` (alone or after ``=``) is replaced by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from fleet.k8s.client import NODES, PODS, ApiError
+from fleet.testing.k8s.deviceplugin import DevicePlugin
+from fleet.testing.k8s.kubelet import ImagePuller
+from fleet.testing.k8s.resources import CONFIGMAPS, SECRETS, SERVICE_ACCOUNTS
+from fleet.testing.k8s.store import ObjectStore, now_iso
+
+log = logging.getLogger("fleet.testing.kubelet")
+REPO = Path(__file__).resolve().parents[3]
+NVML_DRIVER = REPO / "fleet" / "testing" / "nvml_driver"
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+class ConfigError(Exception):
+    """A container cannot be configured yet (CreateContainerConfigError): a missing Secret key."""
+
+
+@dataclass
+class BoxNode:
+    """One node of the box: its name, its root directory (hostPath volumes live under it), its
+    fake NVML state file (None: no GPUs) and its device plugin."""
+
+    name: str
+    root: Path
+    nvml_state: Path | None = None
+    plugin: DevicePlugin | None = None
+    requested: dict[str, dict[str, str]] = field(default_factory=dict)   # pod -> resource requests
+
+    def host_path(self, path: str) -> Path:
+        return self.root / path.lstrip("/")
+
+
+@dataclass
+class _Container:
+    name: str
+    spec: dict
+    proc: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    ready: bool = False
+    started: bool = False
+    last_exit: int | None = None
+    waiting: str | None = None
+    log_path: Path | None = None
+    live_failures: int = 0
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion: a defined variable is replaced, ``$$(`` escapes."""
+    return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), text.replace("$$(", "\0")).replace("\0", "$(")
+
+
+class PodRunner:
+    """One pod on one node: from Pending to gone (see the module docstring)."""
+
+    def __init__(self, kubelet: BoxKubelet, node: BoxNode, pod: dict, ip: str) -> None:
+        self.kubelet = kubelet
+        self.node = node
+        self.pod = pod
+        self.ip = ip
+        meta = pod["metadata"]
+        self.ns, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
+        self.dir = kubelet.work / "pods" / f"{self.ns}_{self.name}_{self.uid[:8]}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.containers = [_Container(c["name"], c) for c in pod["spec"]["containers"]]
+        self.init_done: list[dict] = []
+        self.deleting = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.devices: dict[str, list[str]] = {}
+        self.phase = "Pending"
+
+    # ----- status -------------------------------------------------------------------------------
+
+    def _status(self, patch: dict) -> None:
+        try:
+            self.kubelet.store.patch_status(PODS, self.ns, self.name, {"status": patch})
+        except ApiError:
+            pass
+
+    def _container_statuses(self) -> list[dict]:
+        out = []
+        for c in self.containers:
+            if c.proc is not None and c.proc.returncode is None:
+                state = {"running": {"startedAt": now_iso()}}
+            elif c.last_exit is not None:
+                state = {"terminated": {"exitCode": c.last_exit, "reason": "Completed" if c.last_exit == 0 else "Error"}}
+            else:
+                state = {"waiting": {"reason": c.waiting or "ContainerCreating"}}
+            out.append({"name": c.name, "ready": c.ready, "started": c.started, "restartCount": c.restarts,
+                        "image": c.spec["image"], "imageID": "sha256:" + c.spec["image"].encode().hex()[:32],
+                        "state": state})  # fmt: skip
+        return out
+
+    def _report(self) -> None:
+        ready = all(c.ready for c in self.containers)
+        self._status({"phase": self.phase, "podIP": self.ip, "hostIP": "127.0.0.1",
+                      "conditions": [{"type": "Ready", "status": "True" if ready else "False"},
+                                     {"type": "Initialized", "status": "True" if len(self.init_done) ==
+                                      len(self.pod["spec"].get("initContainers") or []) else "False"}],
+                      "containerStatuses": self._container_statuses(),
+                      "initContainerStatuses": self.init_done})  # fmt: skip
+
+    # ----- the pod's life -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            await self._kill_all(0)
+            raise
+        except Exception:
+            log.exception("pod %s/%s", self.ns, self.name)
+            raise
+        finally:
+            if self.node.plugin is not None:
+                self.node.plugin.release(self.uid)
+            self.node.requested.pop(self.name, None)
+
+    async def _run(self) -> None:
+        while True:   # images first
+            if self.deleting.is_set():
+                return await self._finish()
+            try:
+                pulled = self.kubelet.puller.sync(self.kubelet.store, self.ns, self.name)
+            except ApiError:
+                return
+            if pulled == "pulled":
+                break
+            await self._wait(0.2)
+        self.node.requested[self.name] = {k: v for c in self.pod["spec"]["containers"]
+                                          for k, v in ((c.get("resources") or {}).get("requests") or {}).items()}
+        spec = self.pod["spec"]
+        policy = spec.get("restartPolicy", "Always")
+        for ic in spec.get("initContainers") or []:
+            c = _Container(ic["name"], ic)
+            backoff = 0.5
+            while True:
+                if self.deleting.is_set():
+                    return await self._finish()
+                code = await self._run_to_end(c)
+                if code == 0:
+                    break
+                if policy == "Never":
+                    self.phase = "Failed"
+                    self.init_done.append(self._terminated(c, code))
+                    self._report()
+                    return await self._until_deleted()
+                c.restarts += 1
+                await self._wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            self.init_done.append(self._terminated(c, 0))
+        self.phase = "Running"
+        for c in self.containers:
+            await self._start(c)
+        self._report()
+        probes = [asyncio.create_task(self._probe(c)) for c in self.containers]
+        try:
+            await self._supervise(policy)
+        finally:
+            for p in probes:
+                p.cancel()
+
+    @staticmethod
+    def _terminated(c: _Container, code: int) -> dict:
+        return {"name": c.name, "ready": code == 0, "restartCount": c.restarts, "image": c.spec["image"],
+                "imageID": "sha256:0", "state": {"terminated": {"exitCode": code,
+                                                               "reason": "Completed" if code == 0 else "Error"}}}
+
+    async def _wait(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.deleting.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _until_deleted(self) -> None:
+        await self.deleting.wait()
+        await self._finish()
+
+    async def _supervise(self, policy: str) -> None:
+        backoff: dict[str, float] = {}
+        while True:
+            if self.deleting.is_set():
+                await self._kill_all(self._grace())
+                return await self._finish()
+            changed = False
+            for c in self.containers:
+                if c.proc is not None and c.proc.returncode is not None and c.last_exit is None:
+                    code = c.proc.returncode
+                    c.last_exit = code if code >= 0 else 128 - code
+                    c.ready = False
+                    changed = True
+                    restart = policy == "Always" or (policy == "OnFailure" and c.last_exit != 0)
+                    if restart:
+                        wait = backoff.get(c.name, 0.5)
+                        backoff[c.name] = min(wait * 2, 5.0)
+                        asyncio.create_task(self._restart_later(c, wait))
+            if changed:
+                exited = [c.last_exit for c in self.containers if c.proc is not None and c.proc.returncode is not None]
+                if len(exited) == len(self.containers) and (policy == "Never" or (policy == "OnFailure" and
+                                                                                  not any(exited))):
+                    self.phase = "Succeeded" if not any(exited) else "Failed"
+                self._report()
+                if self.phase in ("Succeeded", "Failed"):
+                    return await self._until_deleted()
+            await self._wait(0.1)
+
+    async def _restart_later(self, c: _Container, wait_s: float) -> None:
+        await self._wait(wait_s)
+        if self.deleting.is_set():
+            return
+        c.restarts += 1
+        c.last_exit = None
+        await self._start(c)
+        self._report()
+
+    def _grace(self) -> float:
+        meta = self.kubelet.store.objects.get((PODS.plural, self.ns, self.name), {}).get("metadata", {})
+        return float(meta.get("deletionGracePeriodSeconds", self.pod["spec"].get("terminationGracePeriodSeconds", 30)))
+
+    async def _kill_all(self, grace_s: float) -> None:
+        live = [c.proc for c in self.containers if c.proc is not None and c.proc.returncode is None]
+        for p in live:
+            try:
+                os.killpg(p.pid, signal.SIGKILL if grace_s == 0 else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            try:
+                await asyncio.wait_for(p.wait(), max(0.01, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                await p.wait()
+
+    async def _finish(self) -> None:
+        await self._kill_all(0)
+        logs = "".join(c.log_path.read_text(errors="replace") for c in self.containers if c.log_path)
+        self.kubelet.store.logs[(self.ns, self.name)] = logs
+        self.kubelet.store.finish_delete(PODS, self.ns, self.name)
+
+    # ----- one container ------------------------------------------------------------------------
+
+    async def _run_to_end(self, c: _Container) -> int:
+        await self._start(c)
+        if c.proc is None:   # deleted while it could not be configured
+            return 1
+        code = await c.proc.wait()
+        return code if code >= 0 else 128 - code
+
+    async def _start(self, c: _Container) -> None:
+        while True:
+            try:
+                spec = self._container_spec(c)
+                break
+            except ConfigError as err:
+                c.waiting = "CreateContainerConfigError"
+                self._status({"containerStatuses": [{"name": c.name, "ready": False, "restartCount": c.restarts,
+                                                     "image": c.spec["image"], "imageID": "",
+                                                     "state": {"waiting": {"reason": "CreateContainerConfigError",
+                                                                           "message": str(err)}}}]})  # fmt: skip
+                await self._wait(0.5)
+                if self.deleting.is_set():
+                    return
+        spec_path = self.dir / f"{c.name}.json"
+        spec_path.write_text(json.dumps(spec))
+        c.log_path = self.dir / f"{c.name}.log"
+        out = open(c.log_path, "ab")
+        c.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fleet.testing.k8s.container", str(spec_path), stdout=out,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True, env={"PATH": os.environ["PATH"],
+                                                                          "PYTHONPATH": str(REPO)})  # fmt: skip
+        out.close()
+        c.waiting = None
+        c.ready = False
+        c.started = False
+        self.kubelet.started += 1
+
+    def _field(self, path: str) -> str:
+        meta, spec = self.pod["metadata"], self.pod["spec"]
+        simple = {"metadata.name": meta["name"], "metadata.namespace": self.ns, "metadata.uid": self.uid,
+                  "spec.nodeName": spec.get("nodeName", ""), "spec.serviceAccountName":
+                  spec.get("serviceAccountName", "default"), "status.podIP": self.ip, "status.hostIP": "127.0.0.1"}
+        if path in simple:
+            return simple[path]
+        m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
+        if m:
+            return (meta.get(m.group(1)) or {}).get(m.group(2), "")
+        raise ConfigError(f"fieldRef {path}: not supported")
+
+    def _key_ref(self, res, ref: dict) -> str | None:
+        try:
+            obj = self.kubelet.store.get(res, self.ns, ref["name"])
+        except ApiError:
+            if ref.get("optional"):
+                return None
+            raise ConfigError(f'{res.kind.lower()} "{ref["name"]}" not found') from None
+        if res is SECRETS:
+            data = {k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}
+            data.update(obj.get("stringData") or {})
+        else:
+            data = dict(obj.get("data") or {})
+        if ref["key"] not in data:
+            if ref.get("optional"):
+                return None
+            raise ConfigError(f'couldn\'t find key {ref["key"]} in {res.kind} {self.ns}/{ref["name"]}')
+        return data[ref["key"]]
+
+    def _env(self, c: dict) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for src in c.get("envFrom") or []:
+            for res, key in ((SECRETS, "secretRef"), (CONFIGMAPS, "configMapRef")):
+                if key in src:
+                    obj = self.kubelet.store.get(res, self.ns, src[key]["name"])
+                    data = obj.get("data") or {}
+                    env.update({src.get("prefix", "") + k: base64.b64decode(v).decode() if res is SECRETS else v
+                                for k, v in data.items()})  # fmt: skip
+        for e in c.get("env") or []:
+            if "value" in e:
+                env[e["name"]] = expand(str(e["value"]), env)
+            elif "valueFrom" in e:
+                vf = e["valueFrom"]
+                if "fieldRef" in vf:
+                    env[e["name"]] = self._field(vf["fieldRef"]["fieldPath"])
+                elif "secretKeyRef" in vf:
+                    v = self._key_ref(SECRETS, vf["secretKeyRef"])
+                    if v is not None:
+                        env[e["name"]] = v
+                elif "configMapKeyRef" in vf:
+                    v = self._key_ref(CONFIGMAPS, vf["configMapKeyRef"])
+                    if v is not None:
+                        env[e["name"]] = v
+                elif "resourceFieldRef" in vf:
+                    env[e["name"]] = "0"
+            else:
+                env[e["name"]] = ""
+        return env
+
+    def _security(self, c: dict) -> tuple[int, int, list[int], bool]:
+        pod_sc = self.pod["spec"].get("securityContext") or {}
+        sc = c.get("securityContext") or {}
+        uid = sc.get("runAsUser", pod_sc.get("runAsUser", 0))
+        gid = sc.get("runAsGroup", pod_sc.get("runAsGroup", uid if uid else 0))
+        groups = [g for g in (pod_sc.get("fsGroup"), *(pod_sc.get("supplementalGroups") or [])) if g is not None]
+        if (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))) and uid == 0:
+            raise ConfigError("container has runAsNonRoot and image will run as root")
+        return int(uid), int(gid), [int(g) for g in groups], bool(sc.get("readOnlyRootFilesystem"))
+
+    def _volume_dirs(self) -> dict[str, Path]:
+        """Each volume of the pod as a directory (or file) on this machine; made once per pod."""
+        if getattr(self, "_volumes", None) is not None:
+            return self._volumes
+        spec = self.pod["spec"]
+        fs_group = (spec.get("securityContext") or {}).get("fsGroup")
+        out: dict[str, Path] = {}
+        for v in spec.get("volumes") or []:
+            name = v["name"]
+            if "hostPath" in v:
+                hp = v["hostPath"]
+                path = self.node.host_path(hp["path"])
+                kind = hp.get("type", "")
+                if kind == "DirectoryOrCreate" and not path.exists():
+                    path.mkdir(parents=True, mode=0o755)
+                    os.chmod(path, 0o755)
+                elif kind in ("Directory", "File", "Socket") and not path.exists():
+                    raise ConfigError(f"MountVolume.SetUp failed for volume {name!r}: hostPath type check failed: "
+                                      f"{hp['path']} is not a directory")
+                elif not path.exists():
+                    path.mkdir(parents=True)
+                out[name] = path
+            elif "emptyDir" in v:
+                path = self.dir / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+                os.chmod(path, 0o777)
+                out[name] = path
+            elif "secret" in v or "configMap" in v:
+                res, src = (SECRETS, v["secret"]) if "secret" in v else (CONFIGMAPS, v["configMap"])
+                ref_name = src.get("secretName") or src.get("name")
+                path = self.dir / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+                try:
+                    obj = self.kubelet.store.get(res, self.ns, ref_name)
+                except ApiError:
+                    if src.get("optional"):
+                        obj = {}
+                    else:
+                        raise ConfigError(f'{res.kind.lower()} "{ref_name}" not found') from None
+                mode = src.get("defaultMode", 0o644)
+                for k, val in (obj.get("data") or {}).items():
+                    f = path / k
+                    f.write_bytes(base64.b64decode(val) if res is SECRETS else val.encode())
+                    os.chmod(f, mode)
+                    if fs_group is not None:
+                        os.chown(f, 0, fs_group)
+                out[name] = path
+            elif "projected" in v or "downwardAPI" in v:
+                path = self.dir / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+                out[name] = path
+            if fs_group is not None and name in out and "hostPath" not in v:
+                os.chown(out[name], 0, fs_group)
+                os.chmod(out[name], os.stat(out[name]).st_mode | 0o2070)
+        self._volumes = out
+        return out
+
+    def _service_account_dir(self) -> Path | None:
+        spec = self.pod["spec"]
+        sa = spec.get("serviceAccountName") or "default"
+        if spec.get("automountServiceAccountToken") is False:
+            return None
+        try:
+            sa_obj = self.kubelet.store.get(SERVICE_ACCOUNTS, self.ns, sa)
+        except ApiError:
+            if sa != "default":
+                raise ConfigError(f'serviceaccount "{sa}" not found') from None
+            sa_obj = {}
+        if sa_obj.get("automountServiceAccountToken") is False and spec.get("automountServiceAccountToken") is None:
+            return None
+        path = self.dir / "serviceaccount"
+        if not path.exists():
+            path.mkdir(parents=True)
+            (path / "token").write_text(self.kubelet.token_for(self.ns, sa))
+            (path / "ca.crt").write_bytes(self.kubelet.ca_pem)
+            (path / "namespace").write_text(self.ns)
+            for f in path.iterdir():
+                os.chmod(f, 0o644)
+        return path
+
+    def _argv(self, c: dict, env: dict[str, str]) -> list[str]:
+        command = list(c.get("command") or ["fleet"])   # Fleet's image: ENTRYPOINT ["fleet"]
+        args = list(c.get("args") or ([] if c.get("command") else ["--help"]))
+        argv = [expand(a, env) for a in command + args]
+        if argv[0] == "fleet":
+            argv = [sys.executable, "-m", "fleet", *argv[1:]]
+        elif argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        elif argv[0] == "vllm":
+            raise ConfigError("the cluster in a box runs Fleet's image only (engine.kind: sim); vllm is not in it")
+        return [self.ip if a == "0.0.0.0" else re.sub(r"=0\.0\.0\.0$", "=" + self.ip, a) for a in argv]
+
+    def _container_spec(self, c: _Container) -> dict:
+        spec = c.spec
+        uid, gid, groups, ro_root = self._security(spec)
+        env = self._env(spec)
+        volumes = self._volume_dirs()
+        mounts = []
+        for m in spec.get("volumeMounts") or []:
+            if m["name"] not in volumes:
+                raise ConfigError(f"volume {m['name']!r} not found")
+            source = volumes[m["name"]] / m["subPath"] if m.get("subPath") else volumes[m["name"]]
+            mounts.append({"source": str(source), "target": m["mountPath"], "readOnly": bool(m.get("readOnly"))})
+        sa = self._service_account_dir()
+        if sa is not None:
+            mounts.append({"source": str(sa), "target": SA_DIR, "readOnly": True})
+        base_env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOSTNAME": self.name,
+                    "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
+                    "HOME": "/nonexistent", "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+                    "KUBERNETES_SERVICE_PORT": str(self.kubelet.api_port)}  # fmt: skip
+        resources = spec.get("resources") or {}
+        wanted = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+        gpu = {k: int(v) for k, v in wanted.items() if k.startswith("nvidia.com/")}
+        if gpu and self.node.plugin is not None:
+            ids = self.devices.get(c.name)
+            if ids is None:
+                ids = []
+                for res, n in sorted(gpu.items()):
+                    got = self.node.plugin.allocate(self.uid, c.name, res, n)
+                    if got is None:
+                        raise ConfigError(f"UnexpectedAdmissionError: allocate failed due to requested number of "
+                                          f"devices unavailable for {res}. Requested: {n}")
+                    ids += got
+                self.devices[c.name] = ids
+            env["NVIDIA_VISIBLE_DEVICES"] = ",".join(ids)
+        elif gpu:
+            raise ConfigError(f"node {self.node.name} has no {', '.join(gpu)}")
+        gpu_runtime = bool(gpu) or self.pod["spec"].get("runtimeClassName") == "nvidia"
+        if gpu_runtime and self.node.nvml_state is not None:
+            base_env["PYTHONPATH"] = f"{NVML_DRIVER}:{REPO}"
+            base_env["FLEET_FAKE_NVML"] = "/run/fleet-fake-nvml/state.json"
+            mounts.append({"source": str(self.node.nvml_state.parent), "target": "/run/fleet-fake-nvml",
+                           "readOnly": True})
+        full_env = {**base_env, **env}
+        image = sorted({sys.base_prefix, sys.prefix, str(REPO)})
+        return {"argv": self._argv(spec, full_env), "env": full_env, "mounts": mounts, "uid": uid, "gid": gid,
+                "imagePaths": image,
+                "groups": groups, "readOnlyRoot": ro_root, "cwd": spec.get("workingDir") or "/"}  # fmt: skip
+
+    # ----- probes -------------------------------------------------------------------------------
+
+    def _port(self, c: dict, port: Any) -> int:
+        if isinstance(port, int) or str(port).isdigit():
+            return int(port)
+        for p in c.get("ports") or []:
+            if p.get("name") == port:
+                return int(p["containerPort"])
+        raise ValueError(f"container {c['name']}: no port named {port!r}")
+
+    async def _check(self, http: aiohttp.ClientSession, c: dict, probe: dict) -> bool:
+        get = probe.get("httpGet")
+        if get is None:
+            return True
+        url = f"http://{self.ip}:{self._port(c, get['port'])}{get.get('path', '/')}"
+        try:
+            async with http.get(url, timeout=aiohttp.ClientTimeout(total=probe.get("timeoutSeconds", 1) + 1)) as r:
+                return 200 <= r.status < 400
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def _probe(self, c: _Container) -> None:
+        spec, scale = c.spec, self.kubelet.probe_scale
+        async with aiohttp.ClientSession() as http:
+            while True:
+                proc = c.proc
+                if proc is None or proc.returncode is not None:
+                    c.started = c.ready = False
+                    await asyncio.sleep(0.1)
+                    continue
+                startup = spec.get("startupProbe")
+                if not c.started:
+                    if startup and not await self._check(http, spec, startup):
+                        await asyncio.sleep(startup.get("periodSeconds", 10) * scale)
+                        continue
+                    c.started = True
+                    self._report()
+                readiness = spec.get("readinessProbe")
+                ready = await self._check(http, spec, readiness) if readiness else True
+                if ready != c.ready and proc.returncode is None:
+                    c.ready = ready
+                    self._report()
+                liveness = spec.get("livenessProbe")
+                if liveness and not await self._check(http, spec, liveness):
+                    c.live_failures += 1
+                    if c.live_failures >= liveness.get("failureThreshold", 3) and proc.returncode is None:
+                        log.warning("pod %s container %s: liveness failed; killed", self.name, c.name)
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        c.live_failures = 0
+                else:
+                    c.live_failures = 0
+                period = min((readiness or {}).get("periodSeconds", 10), (liveness or {}).get("periodSeconds", 10))
+                await asyncio.sleep(period * scale)
+
+
+class BoxKubelet:
+    """The kubelet of every node of the box (see the module docstring): watches pods, runs those
+    bound to its nodes. ``token_for(ns, sa)``: the service-account token a pod gets;
+    ``ca_pem``: the API server's CA; ``api_port``: where KUBERNETES_SERVICE_PORT points."""
+
+    def __init__(self, store: ObjectStore, nodes: dict[str, BoxNode], work: Path, *, token_for, ca_pem: bytes,
+                 api_port: int, puller: ImagePuller | None = None, probe_scale: float = 0.2) -> None:  # fmt: skip
+        self.store = store
+        self.nodes = nodes
+        self.work = work
+        self.token_for = token_for
+        self.ca_pem = ca_pem
+        self.api_port = api_port
+        self.puller = puller or ImagePuller()
+        self.probe_scale = probe_scale
+        self.runners: dict[str, PodRunner] = {}   # pod uid -> runner
+        self.started = 0
+        self._ip = 0
+        self._task: asyncio.Task | None = None
+
+    def _next_ip(self) -> str:
+        self._ip += 1
+        return f"127.0.{1 + self._ip // 250}.{2 + self._ip % 250}"
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for r in list(self.runners.values()):
+            if r.task is not None:
+                r.task.cancel()
+        await asyncio.gather(*(r.task for r in self.runners.values() if r.task), return_exceptions=True)
+
+    def runner(self, ns: str, name: str) -> PodRunner | None:
+        return next((r for r in self.runners.values() if r.ns == ns and r.name == name and not r.deleting.is_set()),
+                    None)
+
+    def processes(self, ns: str, name: str) -> dict[str, int]:
+        """Container name -> PID of the pod's live containers (for kill -9 in tests)."""
+        r = self.runner(ns, name)
+        return {c.name: c.proc.pid for c in (r.containers if r else []) if c.proc and c.proc.returncode is None}
+
+    async def _watch(self) -> None:
+        w = self.store.subscribe(PODS, None, "0", None)
+        try:
+            while True:
+                type_, pod = await w.queue.get()
+                self._sync(type_, pod)
+        finally:
+            self.store.unsubscribe(w)
+
+    def _sync(self, type_: str, pod: dict) -> None:
+        meta = pod["metadata"]
+        node = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
+        if node is None:
+            return
+        r = self.runners.get(meta["uid"])
+        if type_ == "DELETED":
+            if r is not None and r.task is not None and not r.task.done():
+                r.deleting.set()
+            return
+        if r is None:
+            if meta.get("deletionTimestamp"):
+                self.store.finish_delete(PODS, meta["namespace"], meta["name"])
+                return
+            r = PodRunner(self, node, pod, self._next_ip())
+            self.runners[meta["uid"]] = r
+            r.task = asyncio.get_running_loop().create_task(r.run(), name=f"pod-{meta['name']}")
+        elif meta.get("deletionTimestamp"):
+            r.deleting.set()
+
+
+def node_object(store: ObjectStore, name: str) -> dict:
+    return store.get(NODES, None, name)
+
+
+def clean(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
