@@ -494,6 +494,7 @@ def _write_atomically(path: Path, doc: dict) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=1))
+    os.chmod(tmp, 0o644)   # readable by a box process running as another user
     os.replace(tmp, path)
 
 
