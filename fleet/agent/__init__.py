@@ -10,7 +10,10 @@ shape a Kubernetes DaemonSet runs). It owns:
 - GPU health (`fleet.agent.health.GpuHealthChecker` over `fleet.agent.nvml_health`, Xid
   classification in `fleet.agent.xid`) and the pure quarantine decision
   (`fleet.agent.quarantine.QuarantinePolicy`);
-- the periodic runner with Prometheus metrics (`fleet.agent.runner.NodeAgent`).
+- the periodic runner with Prometheus metrics and the quarantine state file
+  (`fleet.agent.runner.NodeAgent`);
+- which pod holds which GPU, from the kubelet's device-manager checkpoint
+  (`fleet.agent.device_checkpoint`), for the node facts `fleet.k8s.node_facts` publishes.
 
 Callers: `fleet.cli.agent` (``fleet cache``, ``fleet node-agent``); the controller integrates
 through the interfaces described in docs/node-agent.md. Nothing here imports the controller.

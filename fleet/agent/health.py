@@ -20,6 +20,11 @@ Checks, per GPU (target: the GPU's UUID) unless said otherwise:
 | ``xid`` | by class (`fleet.agent.xid`) | an Xid event; target: the MIG instance NVML attributes it to, else the GPU |
 | ``nvml`` | fault, node-wide | NVML itself failed (target ``node``) |
 
+A finding is *certain* (`Finding.certain`) when it is evidence of a hardware fault of that GPU:
+``gpu_lost``, ``ecc_uncorrected``, the row-remap and retired-page checks, and the Xids
+`fleet.agent.xid.XidInfo.certain` marks (48, 63, 64, 79, 94, 95, 140). A certain fault is never
+withheld by the quarantine cap (`fleet.agent.quarantine`).
+
 Sources: NVML API reference (nvmlDeviceGetTotalEccErrors, nvmlDeviceGetRemappedRows,
 nvmlDeviceGetCurrentClocksEventReasons, nvmlDeviceGetNvLinkErrorCounter, nvmlDeviceGetP2PStatus,
 nvmlEventSetWait_v2), NVIDIA's Xid catalogue (fleet/agent/xid.py).
@@ -73,10 +78,13 @@ class Finding:
     observed_s: float
     event: bool = False
     xid: int | None = None
+    certain: bool = False
+    """A hardware fault of this GPU (see the module docstring): the quarantine cap never withholds it."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"target": self.target, "gpu": self.gpu, "check": self.check, "severity": self.severity.value,
-                "detail": self.detail, "observed_s": self.observed_s, "event": self.event, "xid": self.xid}
+                "detail": self.detail, "observed_s": self.observed_s, "event": self.event, "xid": self.xid,
+                "certain": self.certain}
 
 
 @dataclass(frozen=True)
@@ -101,22 +109,24 @@ def classify(reading: Reading, events: list[Reading], previous: Reading | None, 
         uuid = d.get("uuid") if isinstance(d.get("uuid"), str) else f"gpu-index-{d['index']}"
         uuids[d["index"]] = uuid
 
-        def add(check: str, severity: Severity, detail: str, target: str = uuid) -> None:
-            out.append(Finding(target, uuid, check, severity, detail, now_s))
+        def add(check: str, severity: Severity, detail: str, target: str = uuid, certain: bool = False) -> None:
+            out.append(Finding(target, uuid, check, severity, detail, now_s, certain=certain))
 
         if d.get("lost"):
-            add("gpu_lost", Severity.FAULT, f"GPU {d['index']} is lost: {d.get('error', 'GPU is lost')}")
+            add("gpu_lost", Severity.FAULT, f"GPU {d['index']} is lost: {d.get('error', 'GPU is lost')}", certain=True)
             continue
         ecc = _int(d.get("ecc_volatile_uncorrected"))
         if ecc:
-            add("ecc_uncorrected", Severity.FAULT, f"{ecc} uncorrected (double-bit) ECC error(s) since the last reset")
+            add("ecc_uncorrected", Severity.FAULT, f"{ecc} uncorrected (double-bit) ECC error(s) since the last reset",
+                certain=True)
         rows = d.get("remapped_rows") if isinstance(d.get("remapped_rows"), dict) else {}
         if rows.get("failure"):
-            add("row_remap_failure", Severity.FAULT, "row remapping failed: the memory cannot be repaired")
+            add("row_remap_failure", Severity.FAULT, "row remapping failed: the memory cannot be repaired", certain=True)
         elif rows.get("pending"):
-            add("row_remap_pending", Severity.FAULT, "a row remapping is pending: the GPU needs a reset")
+            add("row_remap_pending", Severity.FAULT, "a row remapping is pending: the GPU needs a reset", certain=True)
         if _int(d.get("retired_pages_pending")) == _FEATURE_ENABLED:
-            add("retired_pages_pending", Severity.FAULT, "a retired page is pending: the GPU needs a reset")
+            add("retired_pages_pending", Severity.FAULT, "a retired page is pending: the GPU needs a reset",
+                certain=True)
         reasons = _int(d.get("clocks_event_reasons")) or 0
         pcie = d.get("pcie") or {}
         width, width_max = _int(pcie.get("width_current")), _int(pcie.get("width_max"))
@@ -154,7 +164,7 @@ def classify(reading: Reading, events: list[Reading], previous: Reading | None, 
             XidClass.UNKNOWN: Severity.SUSPECT,
         }[info.cls]
         out.append(Finding(target, gpu, "xid", severity, f"Xid {info.xid}: {info.name} ({info.cls.value})",
-                           ev.get("observed_s", now_s), event=True, xid=info.xid))
+                           ev.get("observed_s", now_s), event=True, xid=info.xid, certain=info.certain))
     return out
 
 

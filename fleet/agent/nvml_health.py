@@ -7,7 +7,7 @@ generation and width against their maximum, clock event reasons, NVLink error co
 status inside NVLink domains, CPU affinity, MIG instances; a GPU that answers
 ``NVML_ERROR_GPU_IS_LOST`` is ``{"lost": true}``) and ``xid_events()`` (the Xid events queued
 since the last call, drained with a zero timeout). Pure interpretation lives in
-`fleet.agent.health`. Tests inject tests/support/fake_nvml.py's `FakePynvml` as ``pynvml``.
+`fleet.agent.health`. Tests inject fleet/testing/fake_nvml.py's `FakePynvml` as ``pynvml``.
 
 A reading NVML answered with an error is ``{"error": "<NVML error>"}`` (NotSupported on a GPU
 without that feature), as in `fleet.inventory.nvml`.
@@ -202,7 +202,7 @@ class NvmlHealthReader:
         for j in range(nv.nvmlDeviceGetMaxMigDeviceCount(h)):
             try:
                 m = nv.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
-                out.append({"uuid": self._read(nv.nvmlDeviceGetUUID, m),
+                out.append({"uuid": self._read(nv.nvmlDeviceGetUUID, m), "name": self._read(nv.nvmlDeviceGetName, m),
                             "gpu_instance_id": nv.nvmlDeviceGetGpuInstanceId(m)})
             except nv.NVMLError:
                 continue

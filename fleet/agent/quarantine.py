@@ -1,7 +1,9 @@
 """The quarantine policy: which GPUs and MIG instances to keep away from serving, and when to
 give them back. Pure: state in, state and decisions out, time from the injected clock.
 
-Owns `QuarantineConfig`, `QuarantineState`, `Decision` and `QuarantinePolicy.decide`. Called by
+Owns `QuarantineConfig`, `QuarantineState` (and its JSON form: `QuarantineState.to_json`,
+`QuarantineState.from_json`; the runner keeps it in a file so a restart forgets nothing),
+`Decision` and `QuarantinePolicy.decide`. Called by
 `fleet.agent.runner.NodeAgent` every check (and, once integrated, by the controller over the
 findings of every node, so the cap is fleet-wide). Acting on a decision (placement skipping the
 target, draining the replicas on it) is the caller's.
@@ -17,13 +19,18 @@ Rules (docs/node-agent.md, "Quarantine"):
 - at most ``max_quarantined_share`` of the fleet's GPUs (MIG instances weigh their share of a
   GPU) are quarantined at once; beyond it the decision is ``withheld``: an alert, no quarantine
   (one noisy Xid flagging dozens of nodes is the failure this prevents). Faults take free places
-  before degraded targets.
+  before degraded targets;
+- except a *certain* fault (`fleet.agent.health.Finding.certain`: the GPU lost, an uncorrected
+  ECC error, a row remap pending or failed, Xid 48/63/64/79/94/95/140): it quarantines whatever
+  the cap says, and counts against it. On a node of 1 to 3 GPUs the 25% cap is below one GPU, so
+  without this rule a GPU with a double-bit ECC error kept serving. A certain Xid stays certain
+  evidence for ``xid_evidence_s``, like any Xid fault.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable
 
 from fleet.agent.health import Finding, Severity
 
@@ -62,6 +69,12 @@ class TargetState:
     xid_fault_s: float | None = None
     suspect_s: tuple[float, ...] = ()
     withheld: bool = False
+    certain_xid_s: float | None = None
+    """When the last certain Xid fault happened (clock seconds)."""
+
+
+STATE_FORMAT = 1
+"""Version of `QuarantineState.to_json`'s document."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,39 @@ class QuarantineState:
     def quarantined(self) -> dict[str, str]:
         """``{target: reason}`` of the targets quarantined now."""
         return {t: s.reason for t, s in self.targets.items() if s.quarantined_since_s is not None}
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"format": 1, "targets": {target: {field: value}}}``: every `TargetState` field, times
+        in the policy's clock seconds (wall-clock seconds in the agent, so they mean the same
+        after a restart). Pure."""
+        return {"format": STATE_FORMAT,
+                "targets": {t: {**asdict(s), "suspect_s": list(s.suspect_s)} for t, s in sorted(self.targets.items())}}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> QuarantineState:
+        """The state `to_json` wrote. Unknown fields are ignored (a newer agent's file). Raises
+        ValueError naming what is wrong (not a state document, an unknown format, a bad field)."""
+        if not isinstance(doc, dict) or not isinstance(doc.get("targets"), dict):
+            raise ValueError("not a quarantine state: expected {\"format\": 1, \"targets\": {...}}")
+        if doc.get("format") != STATE_FORMAT:
+            raise ValueError(f"quarantine state format {doc.get('format')!r}; this agent reads {STATE_FORMAT}")
+        known = {f.name for f in fields(TargetState)}
+        targets = {}
+        for target, raw in doc["targets"].items():
+            if not isinstance(raw, dict):
+                raise ValueError(f"quarantine state of {target}: expected an object, got {type(raw).__name__}")
+            values = {k: v for k, v in raw.items() if k in known}
+            try:
+                values["suspect_s"] = tuple(float(t) for t in values.get("suspect_s", ()))
+                for name in ("quarantined_since_s", "degraded_since_s", "last_evidence_s", "xid_fault_s",
+                             "certain_xid_s"):
+                    if values.get(name) is not None:
+                        values[name] = float(values[name])
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"quarantine state of {target}: {err}") from None
+            targets[str(target)] = TargetState(**{**values, "reason": str(values.get("reason", "")),
+                                                  "withheld": bool(values.get("withheld", False))})
+        return cls(targets)
 
 
 @dataclass(frozen=True)
@@ -98,11 +144,12 @@ class QuarantinePolicy:
         for f in findings:
             by_target.setdefault(f.target, []).append(f)
         new: dict[str, TargetState] = {}
-        wants: list[tuple[int, str, str]] = []   # (rank, target, reason)
+        wants: list[tuple[int, str, str]] = []   # (rank, target, reason); rank 0: certain, past the cap
         for target in sorted(set(state.targets) | set(by_target)):
             st = state.targets.get(target, TargetState())
             fs = by_target.get(target, [])
             faults = [f for f in fs if f.severity is Severity.FAULT]
+            certain_now = [f for f in faults if f.certain]
             degraded = [f for f in fs if f.severity is Severity.DEGRADED]
             suspects = [f for f in fs if f.severity is Severity.SUSPECT]
             xid_fault_s = max([f.observed_s for f in faults if f.event], default=st.xid_fault_s)
@@ -110,18 +157,22 @@ class QuarantinePolicy:
                               if now - t <= cfg.suspect_window_s)
             degraded_since = (st.degraded_since_s if st.degraded_since_s is not None else now) if degraded else None
             xid_recent = xid_fault_s is not None and now - xid_fault_s <= cfg.xid_evidence_s
+            certain_xid_s = max([f.observed_s for f in certain_now if f.event], default=st.certain_xid_s)
+            certain = bool(certain_now) or (certain_xid_s is not None and now - certain_xid_s <= cfg.xid_evidence_s)
             suspect_hit = len(suspect_s) >= cfg.unknown_xid_repeats
             degraded_hit = degraded and now - degraded_since >= cfg.degraded_after_s
             evidence = bool(faults or xid_recent or degraded or suspect_hit)
             reason = _reason(faults, degraded if degraded_hit else [], suspects if suspect_hit else [],
                              st.reason)
             st = replace(st, degraded_since_s=degraded_since, xid_fault_s=xid_fault_s, suspect_s=suspect_s,
-                         last_evidence_s=now if evidence else st.last_evidence_s)
+                         certain_xid_s=certain_xid_s, last_evidence_s=now if evidence else st.last_evidence_s)
             if st.quarantined_since_s is None:
-                if faults or xid_recent:
+                if certain:
                     wants.append((0, target, reason))
-                elif degraded_hit or suspect_hit:
+                elif faults or xid_recent:
                     wants.append((1, target, reason))
+                elif degraded_hit or suspect_hit:
+                    wants.append((2, target, reason))
                 elif st.withheld:
                     st = replace(st, withheld=False)
             new[target] = st
@@ -137,10 +188,13 @@ class QuarantinePolicy:
                 new[target] = TargetState()
         used = sum(targets.get(t, (t, 1.0))[1] for t, s in new.items() if s.quarantined_since_s is not None)
         cap = cfg.max_quarantined_share * fleet_gpus
-        for _, target, reason in sorted(wants):
+        for rank, target, reason in sorted(wants):
             weight = targets.get(target, (target, 1.0))[1]
             st = new[target]
-            if used + weight <= cap + 1e-9:
+            if used + weight <= cap + 1e-9 or rank == 0:
+                if used + weight > cap + 1e-9:
+                    reason = (f"{reason}; quarantined past the cap ({cfg.max_quarantined_share:.0%} of "
+                              f"{fleet_gpus:g} GPU(s)): a certain hardware fault")
                 used += weight
                 new[target] = replace(st, quarantined_since_s=now, reason=reason, withheld=False)
                 decisions.append(Decision(target, "quarantine", reason, now))

@@ -2,7 +2,11 @@
 
 Owns `NodeAgent` (one ``step``: check, decide, export; ``run``: steps every ``interval_s`` until
 stopped, each step surviving its own errors), `AgentMetrics` (the Prometheus series below),
-`serve` (``/metrics``, ``/status``, ``/healthz``) and `status_lines`.
+`serve` (``/metrics``, ``/status``, ``/healthz``), `status_lines`, and the quarantine state file
+(`load_state`, `save_state`): ``NodeAgent`` loads it when it starts and rewrites it, atomically,
+after every step that changed the state, so a restarted agent (a crash, a DaemonSet rollout)
+keeps its quarantines and their evidence. Nothing it serves or writes carries a credential: cache
+sources go through `fleet.sources.redact_source`.
 Called by `fleet node-agent` (fleet/cli/agent.py); `fleet up` and the controller integrate it
 through ``step`` / ``status`` (docs/node-agent.md, "Integration"), and `fleet up` serves its
 ``/metrics`` with `serve` as the file_sd target ``job="fleet-node-agent"`` (fleet/observability/).
@@ -38,6 +42,7 @@ from fleet.agent.cache import WeightCache
 from fleet.agent.health import Finding, GpuHealthChecker
 from fleet.agent.quarantine import Decision, QuarantinePolicy, QuarantineState
 from fleet.agent.xid import classify_xid
+from fleet.sources import redact_source
 
 log = logging.getLogger("fleet.node_agent")
 SLOW_STEP_S = 5.0
@@ -83,16 +88,21 @@ class NodeAgent:
     `fleet status` / `fleet inventory`. ``on_decision``: called with every decision (events).
     ``verify_every_s``: re-hash one cached model (the one verified longest ago) at most this
     often, so silent corruption is found before a replica loads it (None: never). ``on_step``:
-    called with the status after each step (the Kubernetes node annotation,
-    `fleet.k8s.node_annotation.NodeAnnotator.publish_cache`)."""
+    called with the status after each step (the Kubernetes node facts,
+    `fleet.k8s.node_facts.NodeFactsPublisher`). ``state_path``: the quarantine state file
+    (`load_state` at construction, `save_state` after each step that changed it; None: in memory
+    only). A state file that cannot be read is logged, set aside as ``<name>.bad`` and the agent
+    starts with no quarantine (a broken file must not keep the node's health checks down)."""
 
     def __init__(self, node: str, checker: GpuHealthChecker | None, policy: QuarantinePolicy,
                  clock: Callable[[], float], cache: WeightCache | None = None,
                  registry: CollectorRegistry | None = None, status_path: Path | None = None,
                  fleet_gpus: float | None = None, on_decision: Callable[[Decision], None] | None = None,
                  verify_every_s: float | None = None,
-                 on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 state_path: Path | None = None) -> None:
         self.node = node
+        self.state_path = state_path
         self.on_step = on_step
         self.checker = checker
         self.policy = policy
@@ -105,7 +115,7 @@ class NodeAgent:
         self.verify_every_s = verify_every_s
         self._last_verify_s: float | None = None
         self._verified: dict[str, float] = {}
-        self.state = QuarantineState()
+        self.state = load_state(state_path) if state_path is not None else QuarantineState()
         self.findings: list[Finding] = []
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
         self.last_step_s: float | None = None
@@ -158,8 +168,16 @@ class NodeAgent:
         findings = self.checker.check()
         targets = self.checker.targets()
         gpus = sum(1 for t, (gpu, _) in targets.items() if t == gpu)
+        before = self.state
         self.state, decisions = self.policy.decide(self.state, findings, targets,
                                                    self.fleet_gpus if self.fleet_gpus is not None else gpus)
+        if self.state_path is not None and self.state != before:
+            try:
+                save_state(self.state_path, self.state)   # before acting on it (STYLE.md 2)
+            except OSError as err:
+                self.metrics.errors.labels(self.node).inc()
+                self.last_error = f"state: cannot write {self.state_path}: {err}"
+                log.error("node agent %s: cannot write the quarantine state %s: %s", self.node, self.state_path, err)
         self.findings = findings
         m, node = self.metrics, self.node
         m.findings.clear()
@@ -221,7 +239,7 @@ class NodeAgent:
             "events": list(self.events),
             "cpu_affinity": {g: list(c) for g, c in (self.checker.cpu_affinity() if self.checker else {}).items()},
             "cache": [
-                {"key": e.key, "source": e.source, "revision": e.revision, "size_bytes": e.size_bytes,
+                {"key": e.key, "source": redact_source(e.source), "revision": e.revision, "size_bytes": e.size_bytes,
                  "pinned_by": list(e.pinned_by), "last_used_s": e.last_used_s}
                 for e in (self.cache.entries() if self.cache else [])
             ],
@@ -290,11 +308,57 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _write_json(path: Path, doc: Any) -> None:
+def _write_json(path: Path, doc: Any, durable: bool = False) -> None:
+    """Write ``doc`` to ``path`` atomically (a temporary file renamed over it: a reader, or a
+    restart after ``kill -9``, sees the old file or the new one, never half of one). ``durable``:
+    fsync the file and its directory, so a node crash keeps it too."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    with open(tmp, "w") as f:
+        f.write(json.dumps(doc, indent=1, default=str))
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+    if durable:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_state(path: Path, state: QuarantineState) -> None:
+    """Write the quarantine state (`QuarantineState.to_json`) to ``path`` atomically and durably.
+    Raises OSError."""
+    _write_json(path, state.to_json(), durable=True)
+
+
+def load_state(path: Path) -> QuarantineState:
+    """The quarantine state in ``path``; none when the file does not exist. A file that cannot be
+    read or parsed is logged and renamed ``<name>.bad`` (kept for a person to look at), and the
+    state starts empty. Never raises."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return QuarantineState()
+    except OSError as err:
+        log.error("quarantine state %s unreadable (%s): starting with no quarantine", path, err)
+        return QuarantineState()
+    try:
+        state = QuarantineState.from_json(json.loads(text))
+    except ValueError as err:   # json.JSONDecodeError is a ValueError
+        bad = path.with_name(path.name + ".bad")
+        log.error("quarantine state %s is broken (%s): set aside as %s, starting with no quarantine", path, err, bad)
+        try:
+            os.replace(path, bad)
+        except OSError:
+            pass
+        return QuarantineState()
+    if state.quarantined():
+        log.warning("quarantine state %s: %d target(s) still quarantined: %s", path, len(state.quarantined()),
+                    ", ".join(sorted(state.quarantined())))
+    return state
 
 
 def local_health_checker(node_name: str, clock: Callable[[], float]) -> tuple[GpuHealthChecker | None, str | None]:

@@ -11,6 +11,15 @@ docs/anchors.md). Only Xids whose meaning is clear from those sources are listed
 not listed is ``UNKNOWN``: reported, and quarantining only when it repeats (see
 `fleet.agent.quarantine.QuarantineConfig.unknown_xid_repeats`), so one noisy Xid never takes GPUs
 away (the NVSentinel report of 77 nodes flagged for one job's Xid 45 burst).
+
+`XidInfo.certain`: the Xid is evidence of a fault of *this* GPU's hardware that NVIDIA answers
+with a GPU reset or node reboot (Immediate Action RESET_GPU / RESTART_BM in the catalogue): an
+uncorrectable memory error (48 double-bit ECC, 94 contained and 95 uncontained ECC, 140
+unrecovered ECC), a row remapping or page retirement that waits for a reset (63) or failed (64),
+the GPU fallen off the bus (79). A certain fault quarantines even when the quarantine cap is
+reached (`fleet.agent.quarantine`): the cap guards against noise, and these are not noise. Xids
+that need a reset but may come from firmware or software across many nodes at once (GSP 119/120,
+micro-controller 61/62, NVLink 74, whose fault may be the link's other end) stay under the cap.
 """
 
 from __future__ import annotations
@@ -32,10 +41,16 @@ class XidInfo:
     xid: int
     name: str
     cls: XidClass
+    certain: bool = False
+    """A hardware fault of this GPU (see the module docstring): quarantined past the cap."""
+
+
+CERTAIN_XIDS = frozenset({48, 63, 64, 79, 94, 95, 140})
+"""Xids that are certain hardware faults of the GPU they name (see the module docstring)."""
 
 
 def _table(*rows: tuple[int, str, XidClass]) -> dict[int, XidInfo]:
-    return {xid: XidInfo(xid, name, cls) for xid, name, cls in rows}
+    return {xid: XidInfo(xid, name, cls, xid in CERTAIN_XIDS) for xid, name, cls in rows}
 
 
 A, IG, F, L = XidClass.APPLICATION, XidClass.IGNORE, XidClass.GPU_FAULT, XidClass.GPU_LOST
@@ -49,7 +64,7 @@ XID_CATALOGUE: dict[int, XidInfo] = _table(
     (48, "Double bit ECC error", F),
     (61, "Internal micro-controller breakpoint/warning", F),
     (62, "Internal micro-controller halt", F),
-    (63, "ECC page retirement or row remapping recorded", IG),
+    (63, "ECC page retirement or row remapping recorded; a GPU reset activates it", F),
     (64, "ECC page retirement or row remapping recording failure", F),
     (68, "Video processor (NVDEC) exception", A),
     (69, "Graphics engine class error", A),

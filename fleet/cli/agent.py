@@ -24,6 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from fleet.agent.device_checkpoint import DEFAULT_CHECKPOINT
 from fleet.cli.common import console, err_console
 
 
@@ -198,19 +199,32 @@ def node_agent(
     interval_s: Annotated[float, typer.Option("--interval-s", min=0.1, help="Seconds between health checks.")] = 30.0,
     metrics_port: Annotated[int, typer.Option(
         "--metrics-port", help="Port of /metrics (Prometheus) and /status (JSON) (0: none).")] = 9402,
-    metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "0.0.0.0",
+    metrics_host: Annotated[str, typer.Option(
+        "--host", "--metrics-host",
+        help="Address /metrics and /status listen on (unauthenticated: the pod IP on Kubernetes, "
+        "--host=$(POD_IP)).")] = "127.0.0.1",
     node_name: Annotated[Optional[str], typer.Option(
         "--node-name", envvar="NODE_NAME", help="Node name. Default: $NODE_NAME, else this host's name.")] = None,
     annotate_node: Annotated[bool, typer.Option(
-        "--annotate-node", help="Kubernetes: write the cached model sources on this node's Node object "
-        "(annotation fleet.inference.dev/cached; in-cluster service account or kubeconfig).")] = False,
+        "--annotate-node", help="Kubernetes: publish this node's facts on its Node object: the NVLink domains "
+        "(label fleet.inference.dev/nvlink-domains), the cached model sources without credentials "
+        "(annotation fleet.inference.dev/cached) and the quarantined GPUs with the pods holding them "
+        "(annotation fleet.inference.dev/gpu-health); in-cluster service account or kubeconfig.")] = False,
+    device_checkpoint: Annotated[Path, typer.Option(
+        "--device-checkpoint", help="The kubelet's device-manager checkpoint: which pods hold which GPUs "
+        "(with --annotate-node; a missing file is no allocation).")] = DEFAULT_CHECKPOINT,
+    state_dir: Annotated[Optional[Path], typer.Option(
+        "--state-dir", help="Where the quarantine state is kept across restarts (quarantine.json). "
+        "Default: <cache root>/.agent.")] = None,
     status_file: Annotated[Optional[Path], typer.Option(
         "--status-file", help="Write the agent's status (JSON) here after each check.")] = None,
     hold_off_s: Annotated[float, typer.Option("--hold-off-s", help="Seconds without evidence before a quarantine lifts.")] = 600.0,
     degraded_after_s: Annotated[float, typer.Option(
         "--degraded-after-s", help="Seconds a degraded condition (PCIe, throttling, NVLink) must last to quarantine.")] = 60.0,
     max_quarantined_share: Annotated[float, typer.Option(
-        "--max-quarantined-share", min=0.0, max=1.0, help="Most of the GPUs quarantined at once; beyond: alert only.")] = 0.25,
+        "--max-quarantined-share", min=0.0, max=1.0,
+        help="Most of the GPUs quarantined at once; beyond: alert only. Certain hardware faults "
+        "(GPU lost, uncorrected ECC, Xid 48/63/64/79/94/95/140) are quarantined past it.")] = 0.25,
     fleet_gpus: Annotated[Optional[int], typer.Option(
         "--fleet-gpus", help="GPUs in the whole fleet (the cap's base). Default: this node's.")] = None,
     verify_every_s: Annotated[Optional[float], typer.Option(
@@ -223,9 +237,10 @@ def node_agent(
 
     GPU health checks every --interval-s (NVML: ECC, row remapping, PCIe
     link, throttling, NVLink errors, P2P, Xid events, lost GPUs), quarantine decisions with
-    hold-off and a cap, CPU cores local to each GPU, and the weight cache's contents, exported as
-    Prometheus metrics (fleet_gpu_quarantined{gpu}, ...) and a status file. Without an NVIDIA
-    driver the health checks are off and say so; the cache is still reported."""
+    hold-off and a cap (kept in --state-dir across restarts), CPU cores local to each GPU, and the
+    weight cache's contents, exported as Prometheus metrics (fleet_gpu_quarantined{gpu}, ...) and
+    a status file. Without an NVIDIA driver the health checks are off and say so; the cache is
+    still reported."""
     from prometheus_client import CollectorRegistry
 
     from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
@@ -239,26 +254,18 @@ def node_agent(
     except ValueError as err:
         err_console.print(f"[red]{err}[/]", highlight=False)
         raise typer.Exit(2) from None
+    cache = _cache(root, budget)
+    publish = _node_facts_publisher(name, device_checkpoint) if annotate_node else None
     checker, why = local_health_checker(name, time.time)
     if checker is None:
         err_console.print(f"{why}: GPU health checks are off on this node.", highlight=False)
-    registry = CollectorRegistry()
     on_step = None
-    cache = _cache(root, budget)
-    if annotate_node:
-        from fleet.k8s.node_annotation import NodeAnnotator
-        from fleet.k8s.client import KubeClient
-
-        try:
-            annotator = NodeAnnotator(KubeClient.load(), name)
-            on_step = lambda _status: annotator.publish_cache(cache)  # noqa: E731
-        except Exception as err:  # noqa: BLE001 - kubernetes.config.ConfigException and file errors
-            err_console.print(f"[red]--annotate-node: no cluster configuration (in-cluster service account or "
-                              f"kubeconfig): {err}[/]", highlight=False)
-            raise typer.Exit(2) from None
+    if publish is not None:
+        on_step = lambda status: publish(status, checker, cache)  # noqa: E731
     agent = NodeAgent(name, checker, QuarantinePolicy(config, time.time), time.time, cache=cache,
-                      registry=registry, status_path=status_file, fleet_gpus=fleet_gpus,
-                      verify_every_s=verify_every_s, on_step=on_step)
+                      registry=CollectorRegistry(), status_path=status_file, fleet_gpus=fleet_gpus,
+                      verify_every_s=verify_every_s, on_step=on_step,
+                      state_path=(state_dir or cache.root / ".agent") / "quarantine.json")
     if once:
         from fleet.agent.runner import status_lines
 
@@ -283,6 +290,30 @@ def node_agent(
     finally:
         if checker is not None:
             checker.reader.close()
+
+
+def _node_facts_publisher(node: str, device_checkpoint: Path):
+    """The ``on_step`` work of --annotate-node: ``publish(status, checker, cache)`` writes this
+    node's facts (`fleet.k8s.node_facts`) when they changed. Exits 2 without a cluster
+    configuration."""
+    from fleet.agent.device_checkpoint import CheckpointReader
+    from fleet.k8s.client import KubeClient
+    from fleet.k8s.node_facts import NodeFactsPublisher, node_facts
+
+    try:
+        publisher = NodeFactsPublisher(KubeClient.load(), node)
+    except Exception as err:  # noqa: BLE001 - kubernetes.config.ConfigException and file errors
+        err_console.print(f"[red]--annotate-node: no cluster configuration (in-cluster service account or "
+                          f"kubeconfig): {err}[/]", highlight=False)
+        raise typer.Exit(2) from None
+    allocations = CheckpointReader(device_checkpoint)
+
+    def publish(status: dict, checker, cache) -> None:
+        reading = (checker.last_reading if checker is not None else None) or {}
+        domains = checker.reader.nvlink_domains if checker is not None else None
+        publisher.publish_sync(node_facts(status, reading.get("devices", []), allocations.read(),
+                                          cache.cached_sources(), domains))
+    return publish
 
 
 app.add_typer(cache_app)

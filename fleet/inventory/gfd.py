@@ -35,7 +35,7 @@ Warmth (`NodeInventory.cached`, what `fleet.placement.shapes.PlacementRequest.is
 the container images of ``Node.status.images`` (the kubelet's list: ``names`` per image, at
 most 50 images, largest first), each under every spelling `image_aliases` gives, plus the model
 sources in Fleet's node-agent annotation (`LabelKeys.cached`, written by
-`fleet.k8s.node_annotation`). Owns `image_aliases` and `node_images` (also used by the
+`fleet.k8s.node_facts`). Owns `image_aliases` and `node_images` (also used by the
 image pre-pull, `fleet.k8s.prepull`).
 """
 
@@ -98,6 +98,23 @@ def parse_nvlink_domains(value: str) -> tuple[tuple[int, ...], ...]:
                 raise ValueError(f"bad NVLink domain list {value!r}: expected e.g. '0-7' or '0-3;4-7'")
         domains.append(tuple(sorted(set(members))))
     return tuple(domains)
+
+
+def format_nvlink_domains(domains: Iterable[Iterable[int]]) -> str:
+    """The label value `parse_nvlink_domains` reads back: ``((0..7),)`` -> ``"0-7"``,
+    ``((0, 1), (2, 3))`` -> ``"0-1;2-3"``, ``((0, 2),)`` -> ``"0,2"``, no domain -> ``"none"``
+    (the topology is known: no GPU shares NVLink). Domains sorted by their first GPU, runs of
+    consecutive indices written as ranges. Pure."""
+    parts = []
+    for domain in sorted(tuple(sorted(set(d))) for d in domains if d):
+        runs: list[list[int]] = []
+        for i in domain:
+            if runs and i == runs[-1][-1] + 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        parts.append(",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs))
+    return ";".join(parts) or "none"
 
 
 @functools.lru_cache(maxsize=4096)

@@ -16,7 +16,7 @@ The rules, from the NVIDIA Multi-Instance GPU User Guide ("Supported MIG Profile
 - At most one instance may hold the media extensions (``+me`` profiles).
 
 The H100 80GB table matches the real profile list read from an H100 80GB HBM3 with NVML
-(tests/data/h100-80gb-hbm3.json: names, slice counts, instance counts, memory).
+(fleet/testing/data/h100-80gb-hbm3.json: names, slice counts, instance counts, memory).
 """
 
 from __future__ import annotations

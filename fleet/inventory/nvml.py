@@ -8,7 +8,7 @@ clock event reasons, temperature). Called by `fleet up` (through `discover_local
 `fleet inventory --discover`.
 
 The reader returns an *NVML snapshot*: plain JSON-ready dicts in the format of the readings in
-tests/data/h100-80gb-hbm3.json (one real H100), extended with ``nvlinks``, ``mig_instances`` and
+fleet/testing/data/h100-80gb-hbm3.json (one real H100), extended with ``nvlinks``, ``mig_instances`` and
 ``fabric``. A reading NVML answered with an error is ``{"error": "<NVML error>"}``. Unit tests
 fake the reader with such snapshots (tests/support/fake_nvml.py).
 """

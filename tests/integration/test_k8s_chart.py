@@ -246,8 +246,29 @@ def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings
     ds = kinds["DaemonSet"][0]["spec"]["template"]["spec"]
     container = ds["containers"][0]
     assert container["args"][0] == "node-agent"
-    assert {"--root=/var/lib/fleet/cache", "--annotate-node", "--node-name=$(NODE_NAME)"} <= set(container["args"])
-    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]} == {"NODE_NAME": "spec.nodeName"}
+    assert {"--root=/var/lib/fleet/cache", "--annotate-node", "--node-name=$(NODE_NAME)", "--host=$(POD_IP)",
+            "--state-dir=/var/lib/fleet/cache/.agent",
+            "--device-checkpoint=/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"} <= set(container["args"])
+    env = {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP", "NVIDIA_VISIBLE_DEVICES": "all",
+                   "NVIDIA_DRIVER_CAPABILITIES": "utility"}
+    # It can start: the image's user, a read-only root, the hostPath handed over by `prepare`.
+    assert container["securityContext"] == {
+        "runAsUser": 10001, "runAsGroup": 10001, "runAsNonRoot": True, "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    [prepare] = ds["initContainers"]
+    assert prepare["name"] == "prepare" and prepare["image"] == container["image"]
+    assert prepare["command"] == ["sh", "-c", "mkdir -p /var/lib/fleet/cache /var/lib/fleet/cache/.agent && "
+                                  "chown 10001:10001 /var/lib/fleet/cache /var/lib/fleet/cache/.agent"]
+    assert prepare["securityContext"]["runAsUser"] == 0
+    assert prepare["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert ds["runtimeClassName"] == "nvidia"
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["device-plugins"] == {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins",
+                                        "readOnly": True}
+    volumes = {v["name"]: v for v in ds["volumes"]}
+    assert volumes["device-plugins"]["hostPath"]["path"] == "/var/lib/kubelet/device-plugins"
+    assert "emptyDir" in volumes[mounts["tmp"]["name"]]   # the only writable place beside the cache
     assert ds["serviceAccountName"] == "fleet-agent" and ds["automountServiceAccountToken"] is True
     agent_role = next(r for r in kinds["ClusterRole"] if r["metadata"]["name"].endswith("-agent"))
     assert agent_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
@@ -264,6 +285,9 @@ def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings
     assert kinds["DaemonSet"][0]["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert "--annotate-node" not in kinds["DaemonSet"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert len(kinds["ClusterRole"]) == 1
+    # no runtime class where the NVIDIA runtime is the node's default
+    kinds = _by_kind(render(extra=("--set", "agent.enabled=true", "--set", "agent.runtimeClassName=")))
+    assert "runtimeClassName" not in kinds["DaemonSet"][0]["spec"]["template"]["spec"]
 
 
 def test_values_schema_refuses_bad_pre_pull_settings():

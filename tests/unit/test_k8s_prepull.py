@@ -1,6 +1,6 @@
 """Image pre-pull and node warmth on Kubernetes (fleet/k8s/prepull.py, the pre-pull in
 fleet/k8s/backend.py, Node.status.images and the node agent's annotation in
-fleet/inventory/gfd.py and fleet/k8s/node_annotation.py).
+fleet/inventory/gfd.py and fleet/k8s/node_facts.py).
 
 The real `Controller` and `KubernetesBackend` run on the in-repo fake of the cluster wrapper
 (tests/support/fake_kube.py); the STAND-IN kubelet's image manager (fleet/testing/k8s/kubelet.py `ImagePuller`)
@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import tenacity
 
-from fleet.k8s.node_annotation import ANNOTATION, NodeAnnotator, annotation_value
+from fleet.k8s.node_facts import CACHED_ANNOTATION as ANNOTATION, NodeFacts, NodeFactsPublisher, cached_value
 from fleet.controller.reconcile import Controller, ControllerSettings
 from fleet.inventory import Inventory
 from fleet.inventory.gfd import image_aliases, node_from_k8s, node_images
@@ -391,11 +391,15 @@ def filled_cache(tmp_path, monkeypatch):
         yield cache
 
 
+def _publish_cache(publisher: NodeFactsPublisher, cache) -> bool:
+    return publisher.publish_sync(NodeFacts(None, cached_value(cache.cached_sources()), None))
+
+
 def test_the_agent_annotation_round_trips_into_node_inventory(filled_cache):
     kube = FakeKube()
     kube.store.create(NODES, None, node("cpu-b", images=[IMAGE]))
-    annotator = NodeAnnotator(kube, "cpu-b")
-    annotator.publish_cache(filled_cache)   # the agent's thread: no running event loop
+    annotator = NodeFactsPublisher(kube, "cpu-b")
+    _publish_cache(annotator, filled_cache)   # the agent's thread: no running event loop
     obj = kube.store.get(NODES, None, "cpu-b")
     assert obj["metadata"]["annotations"][ANNOTATION] == f"{SOURCE}@main"   # the cache's canonical form
     inv = node_from_k8s(obj)
@@ -405,26 +409,26 @@ def test_the_agent_annotation_round_trips_into_node_inventory(filled_cache):
         assert PlacementRequest.for_deployment(dep, 1).is_warm(inv)
     other = _dep(model={"name": "m", "source": "hf://org/other"}, engine={"kind": "vllm", "image": IMAGE}).deployment
     assert not PlacementRequest.for_deployment(other, 1).is_warm(inv)
-    annotator.publish_cache(filled_cache)   # unchanged: no write
+    _publish_cache(annotator, filled_cache)   # unchanged: no write
     assert annotator.patches == 1 and kube.calls["patch"] == 1
     filled_cache.remove(filled_cache.entries()[0].key)   # evicted: the annotation goes
-    annotator.publish_cache(filled_cache)
+    _publish_cache(annotator, filled_cache)
     assert ANNOTATION not in (kube.store.get(NODES, None, "cpu-b")["metadata"].get("annotations") or {})
 
 
 def test_a_failed_annotation_is_logged_and_retried(filled_cache):
     kube = FakeKube()
     kube.store.create(NODES, None, node("cpu-b"))
-    annotator = NodeAnnotator(kube, "cpu-b")
+    annotator = NodeFactsPublisher(kube, "cpu-b")
     kube.fail_next["patch"] = RuntimeError("connection refused")
-    annotator.publish_cache(filled_cache)   # logged, not raised
+    assert not _publish_cache(annotator, filled_cache)   # logged, not raised
     assert ANNOTATION not in (kube.store.get(NODES, None, "cpu-b")["metadata"].get("annotations") or {})
-    annotator.publish_cache(filled_cache)   # retried at the next step
+    _publish_cache(annotator, filled_cache)   # retried at the next step
     assert kube.store.get(NODES, None, "cpu-b")["metadata"]["annotations"][ANNOTATION] == f"{SOURCE}@main"
 
 
 def test_the_annotation_value():
-    assert annotation_value(["b", "a", "a", "https://h/a,b.json"]) == "a,b"   # a source with a comma cannot be listed
+    assert cached_value(["b", "a", "a", "https://h/a,b.json"]) == "a,b"   # a source with a comma cannot be listed
 
 
 def test_the_node_agent_calls_on_step_with_its_status(tmp_path):

@@ -1,0 +1,97 @@
+"""`fleet node-agent --annotate-node` as a real process on a node of the cluster in a box: NVML is
+the per-node fake driver (fleet/testing/nvml_driver first on PYTHONPATH, `$FLEET_FAKE_NVML` naming
+the node's state file), the API server is the stand-in (fleet/testing/k8s/apiserver.py). The
+agent publishes its node facts; an Xid 79 written into the state file quarantines the GPU on a
+2-GPU node (the cap does not withhold a certain fault) and the gpu-health annotation lists it with
+the pod holding it; after ``kill -9`` and a restart the quarantine is still there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fleet.k8s.client import NODES
+from fleet.k8s.node_facts import GPU_HEALTH_ANNOTATION, NVLINK_DOMAINS_LABEL, parse_gpu_health
+from fleet.testing.fake_nvml import pcie_4gpu
+from fleet.testing.k8s.apiserver import APIServerStandIn
+from fleet.testing.k8s.nodes import node
+from fleet.testing.nvml_driver import DRIVER_DIR, inject_xid, write_state
+from tests.support.waits import async_wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = "gpu-small"
+
+
+def _checkpoint(path: Path, pod_uid: str, uuid: str) -> Path:
+    path.write_text(json.dumps({"Data": {"PodDeviceEntries": [
+        {"PodUID": pod_uid, "ContainerName": "engine", "ResourceName": "nvidia.com/gpu",
+         "DeviceIDs": {"-1": [uuid]}, "AllocResp": ""}], "RegisteredDevices": {}}, "Checksum": 0}))
+    return path
+
+
+async def test_the_agent_publishes_node_facts_and_keeps_an_xid_79_quarantine_across_kill_9(tmp_path):
+    snapshot = {**pcie_4gpu(), "devices": pcie_4gpu()["devices"][:2]}    # 2 GPUs, no NVLink: the cap is 0.5 GPU
+    state = write_state(tmp_path / "nvml-state.json", snapshot)
+    sick = snapshot["devices"][1]["uuid"]
+    checkpoint = _checkpoint(tmp_path / "kubelet_internal_checkpoint", "pod-uid-1", sick)
+    api = APIServerStandIn()
+    await api.start()
+    api.store.create(NODES, None, node(NODE, gpus=2))   # labelled "0-1" by hand: the agent corrects it
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {
+        "PYTHONPATH": f"{DRIVER_DIR}{os.pathsep}{REPO}", "FLEET_FAKE_NVML": str(state),
+        "NVIDIA_VISIBLE_DEVICES": "all", "KUBECONFIG": str(api.kubeconfig(tmp_path / "kubeconfig")),
+    }
+    cache = tmp_path / "cache"
+    args = [sys.executable, "-m", "fleet.cli", "node-agent", "--annotate-node", "--interval-s", "0.2",
+            "--metrics-port", "0", "--node-name", NODE, "--root", str(cache), "--device-checkpoint", str(checkpoint)]
+    procs: list[subprocess.Popen] = []
+
+    def start(n: int) -> subprocess.Popen:
+        log = open(tmp_path / f"agent-{n}.log", "w")
+        procs.append(subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+        return procs[-1]
+
+    def explain() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("agent-*.log")))
+
+    def node_obj() -> dict:
+        return api.store.get(NODES, None, NODE)
+
+    def health():
+        value = (node_obj()["metadata"].get("annotations") or {}).get(GPU_HEALTH_ANNOTATION)
+        return parse_gpu_health(value) if value else None
+
+    try:
+        agent = start(1)
+        facts = await async_wait_until(health, 60, message="the gpu-health annotation", explain=explain)
+        assert node_obj()["metadata"]["labels"][NVLINK_DOMAINS_LABEL] == "none"   # from NVML: no NVLink
+        assert facts.health_checks and facts.quarantined == () and facts.allocations == {"pod-uid-1": (1,)}
+        assert agent.poll() is None
+
+        inject_xid(state, sick, 79)
+        facts = await async_wait_until(lambda: (h := health()) and h.quarantined and h, 60,
+                                       message="GPU 1 quarantined in the annotation", explain=explain)
+        [q] = facts.quarantined
+        assert (q.index, q.uuid, q.mig, q.pods) == (1, sick, None, ("pod-uid-1",))
+        assert "Xid 79" in q.reason and "past the cap" in q.reason
+        saved = json.loads((cache / ".agent" / "quarantine.json").read_text())
+        assert saved["targets"][sick]["quarantined_since_s"] == q.since_s
+
+        agent.kill()                                                   # kill -9: no goodbye
+        agent.wait(30)
+        api.store.patch(NODES, None, NODE, {"metadata": {"annotations": {GPU_HEALTH_ANNOTATION: None}}})
+        agent = start(2)                                               # the Xid is not delivered again
+        facts = await async_wait_until(health, 60, message="the annotation written again after the restart",
+                                       explain=explain)
+        [again] = facts.quarantined
+        assert again == q and agent.poll() is None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+        await api.stop()
