@@ -17,7 +17,8 @@ arrival rate, rejections, in flight, queued, and queue time / TTFT / TPOT / end-
 per revision (`revisions`: requests, errors, TTFT and TPOT of streamed replies, end-to-end, queue
 time; `router.revision_stats.revision_summaries`);
 `GET /admin/v1/revisions/{model}?window_s=60` lists the model's finished requests by revision
-and endpoint (TTFT, TPOT, end-to-end, queue time, failed), what canary analysis compares.
+and endpoint (TTFT, TPOT, end-to-end, queue time, failed), what canary analysis compares;
+`POST /admin/v1/synced` says every pool has been published: the router's `GET /ready` turns 200.
 
 Pools of thousands of endpoints never hold the event loop long: documents are validated and
 listed in slices between yields (`YIELD_EVERY`), PUTs and DELETEs apply in arrival order under
@@ -150,6 +151,12 @@ def admin_router(pools: PoolTable, admin_token: str) -> APIRouter:
     router = APIRouter(prefix="/admin/v1", dependencies=[Depends(require_admin)], tags=["admin"])
 
     writing = asyncio.Lock()  # PUTs and DELETEs apply in the order they arrived
+
+    @router.post("/synced")
+    async def synced() -> dict[str, object]:
+        """The control plane has published every pool it holds: `GET /ready` answers 200 from now on."""
+        pools.synced = True
+        return {"synced": True}
 
     @router.get("/pools")
     async def list_pools() -> Response:

@@ -223,6 +223,16 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str) -> Fa
         """Liveness of the router process itself (not of any engine)."""
         return {"status": "ok"}
 
+    @api.get("/ready")
+    async def ready() -> Response:
+        """Readiness for traffic: 200 once the control plane has published every pool to this
+        router (`POST /admin/v1/synced`), 503 before. A restarted router pod knows no pool; as
+        Ready it would answer 404 for every model (the chart's readiness probe reads this)."""
+        if pools.synced:
+            return Response(content=b'{"status":"ready"}', media_type="application/json")
+        return Response(content=b'{"status":"waiting for the control plane to publish the pools"}', status_code=503,
+                        media_type="application/json")
+
     @api.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus exposition of the router's registry (format negotiated from Accept)."""

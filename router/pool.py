@@ -197,6 +197,7 @@ class PoolTable:
         self._wall_clock = wall_clock
         self._clock = clock
         self._pools: dict[str, Pool] = {}
+        self.synced = False   # the control plane published every pool at least once (GET /ready)
         metrics.watch_pools(self)
 
     def get(self, model: str) -> Pool | None:

@@ -204,6 +204,11 @@ class Controller:
         for ds in self.deployments.values():
             ds.last_pool = None
 
+    def pools_published(self) -> bool:
+        """Whether every deployment's pool has been written to the routers since the last
+        `forget_published_pools`."""
+        return all(ds.last_pool is not None for ds in self.deployments.values())
+
     # ----- start, specs and rollouts ----------------------------------------------------------
 
     async def start(self, previous: dict | None) -> None:

@@ -71,6 +71,13 @@ class RouterAdminClient:
             raise RouterAdminError(f"GET revisions {model}: HTTP {r.status_code}: {r.text[:300]}")
         return [RequestSample.from_row(row) for row in r.json()["rows"]]
 
+    async def mark_synced(self) -> None:
+        """`POST /admin/v1/synced`: every pool is published; the router's `/ready` turns 200.
+        Raises RouterAdminError."""
+        r = await self._request("POST", "/admin/v1/synced")
+        if r.status_code != 200:
+            raise RouterAdminError(f"POST synced: HTTP {r.status_code}: {r.text[:300]}")
+
     async def in_flight(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for pool in (await self.pools()).values():

@@ -196,8 +196,15 @@ class Operator:
         """One reconcile of everything (the caller holds the Lease)."""
         started = time.perf_counter()
         await self._sync_deployments()
+        fresh = self.pool_sink.new_routers() if hasattr(self.pool_sink, "new_routers") else []
+        if fresh and self.controller is not None:
+            self.controller.forget_published_pools()   # a new or restarted router knows no pool
         if self.controller is not None:
             await self.controller.reconcile_once()
+            if fresh and self.controller.pools_published():
+                await self.pool_sink.mark_synced(fresh)
+            elif fresh:
+                self.pool_sink.forget(fresh)   # not all published: named again next tick
             if self.autoscaler is not None:
                 try:
                     await self.autoscaler.step()   # each deployment's policy decides when it is due
@@ -253,7 +260,8 @@ class Operator:
             snapshot_from_cluster(crs, list(self.pods.objects.values()))  # fmt: skip
         self._drop_controller()
         controller = Controller(loaded, backend=self.backend, engine_api=self.engine_api, pool_sink=self.pool_sink,
-                                clock=self.clock, settings=self.controller_settings, on_event=self._events.append)
+                                clock=self.clock, settings=self.controller_settings, on_event=self._events.append,
+                                analysis_source=self.pool_sink if hasattr(self.pool_sink, "revision_samples") else None)
         await controller.start(previous)
         for ld in loaded:
             # Without autoscaling the resource's spec.replicas is the target, also when it was
@@ -478,9 +486,8 @@ async def run_operator(settings: OperatorSettings) -> int:
 
     async def republish_on_new_router() -> None:
         while not stop.is_set():
-            if fanout.new_routers() and operator.controller is not None:
-                operator.controller.forget_published_pools()
-                operator.wake.set()
+            if fanout.routers_changed():
+                operator.wake.set()   # the tick publishes every pool to it, then marks it synced
             try:
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
             except asyncio.TimeoutError:

@@ -5,17 +5,21 @@ Owns `RouterFanout`: the admin API of each running router pod (found by label se
 an informer; ``http://<podIP>:<admin port>``), written to concurrently. A write counts only when
 every router took it (else it raises, and the controller publishes again next tick, to all:
 pool writes are idempotent). In-flight counts are summed over routers (each holds its own
-requests), and windowed statistics merged for the autoscaler (`merge_router_stats`). `new_routers` tells the operator that a router appeared, so every pool is published
-again (`Controller.forget_published_pools`). Called by `fleet.k8s.operator`.
+requests), and windowed statistics merged for the autoscaler (`merge_router_stats`). `new_routers` tells the operator that a router appeared or its process restarted, so every pool
+is published again (`Controller.forget_published_pools`) and then the router is told so
+(`mark_synced`: its ``/ready``, the pod's readiness probe, turns 200). Called by `fleet.k8s.operator`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from fleet.controller.router_admin import RouterAdminClient, RouterAdminError
 from router.spec import PoolSpec
+
+log = logging.getLogger("fleet.k8s.routers")
 
 
 class RouterFanout:
@@ -30,23 +34,51 @@ class RouterFanout:
         self.static_urls = tuple(u for u in static_urls if u)
         self.timeout_s = timeout_s
         self._clients: dict[str, RouterAdminClient] = {}
-        self._known: set[str] = set()
+        self._known: dict[str, str] = {}   # admin URL -> instance key (`_instances`)
 
-    def urls(self) -> list[str]:
-        """Admin URLs of the routers now: running, with an IP, not being deleted."""
-        out = list(self.static_urls)
+    def _instances(self) -> dict[str, str]:
+        """Admin URL -> instance key of each router now (running, with an IP, not being deleted).
+        The key changes when the pod's router container restarts (its restartCount), since a
+        restarted router process knows no pool."""
+        out = {u: u for u in self.static_urls}
         for pod in self.pods():
             status = pod.get("status") or {}
             if status.get("phase") == "Running" and status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
-                out.append(f"http://{status['podIP']}:{self.admin_port}")
-        return sorted(set(out))
+                url = f"http://{status['podIP']}:{self.admin_port}"
+                restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
+                out[url] = f"{pod['metadata'].get('uid', url)}/{restarts}"
+        return out
 
-    def new_routers(self) -> bool:
-        """Whether a router appeared since the last call (its pools must all be published)."""
-        now = set(self.urls())
-        fresh = bool(now - self._known)
+    def urls(self) -> list[str]:
+        """Admin URLs of the routers now: running, with an IP, not being deleted."""
+        return sorted(self._instances())
+
+    def new_routers(self) -> list[str]:
+        """Admin URLs of routers that appeared or restarted since the last call: every pool must
+        be published to them, then `mark_synced`."""
+        now = self._instances()
+        fresh = sorted(u for u, key in now.items() if self._known.get(u) != key)
         self._known = now
         return fresh
+
+    def routers_changed(self) -> bool:
+        """Whether `new_routers` would name a router now (without consuming it)."""
+        return any(self._known.get(u) != key for u, key in self._instances().items())
+
+    def forget(self, urls: list[str]) -> None:
+        """Name these routers again at the next `new_routers` (their pools were not all written)."""
+        for url in urls:
+            self._known.pop(url, None)
+
+    async def mark_synced(self, urls: list[str]) -> None:
+        """Tell these routers every pool is published (their `/ready` turns 200). One that does
+        not answer is forgotten, so `new_routers` names it again at the next tick."""
+        for url in urls:
+            try:
+                await self._client(url).mark_synced()
+            except Exception as err:  # noqa: BLE001 - retried at the next tick
+                log.warning("router %s: cannot mark it synced: %s", url, err)
+                self._known.pop(url, None)
 
     def _client(self, url: str) -> RouterAdminClient:
         if url not in self._clients:
@@ -75,6 +107,13 @@ class RouterFanout:
         """Windowed statistics per model over every router (`merge_router_stats`): the
         autoscaler's router signals (`fleet.controller.autoscaling.RouterStatsSource`)."""
         return merge_router_stats(await self._all(lambda c: c.stats(window_s)))
+
+    async def revision_samples(self, model: str, window_s: float) -> list:
+        """Finished requests of ``model`` by revision over every router pod (each pod records the
+        requests it proxied): the controller's `fleet.rollout.revisions.AnalysisSource`, so a
+        canary is judged on all of its traffic. Raises RouterAdminError when a pod does not
+        answer (the analysis run is then an error, never a failure)."""
+        return [s for samples in await self._all(lambda c: c.revision_samples(model, window_s)) for s in samples]
 
     async def in_flight(self) -> dict[str, int]:
         total: dict[str, int] = {}

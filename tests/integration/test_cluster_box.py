@@ -64,13 +64,16 @@ def _cr(name: str, model: str, source: str, resources: dict, replicas: int, revi
 
 
 class Load:
-    """Completions sent to every router pod in turn, all the time; failures before the first byte
-    of the answer are kept (``failed_before_streaming``)."""
+    """Completions sent to every ready router pod in turn, all the time; failures before the first
+    byte of the answer are kept (``failed_before_streaming``). A refused connection (a router
+    process just killed: nothing reached Fleet) is retried on the next router, as a client behind
+    a Service would, and counted in ``refused``."""
 
     def __init__(self, routers, model: str) -> None:
         self.routers = routers
         self.model = model
         self.ok = 0
+        self.refused = 0
         self.failed_before_streaming: list[str] = []
         self._stop = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -94,6 +97,9 @@ class Load:
                             self.ok += 1
                         else:
                             self.failed_before_streaming.append(f"{url}: {r.status} {body[:200]!r}")
+                except aiohttp.ClientConnectorError:
+                    self.refused += 1
+                    continue
                 except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                     self.failed_before_streaming.append(f"{url}: {type(err).__name__}: {err}")
                 await asyncio.sleep(0.05)

@@ -40,10 +40,25 @@ def test_router_pods_that_run_are_the_targets_and_a_new_one_is_noticed():
     ]
     fan = RouterFanout(lambda: pods, 9090, "t")
     assert fan.urls() == ["http://10.0.0.1:9090"]
-    assert fan.new_routers() is True and fan.new_routers() is False
+    assert fan.routers_changed()
+    assert fan.new_routers() == ["http://10.0.0.1:9090"] and fan.new_routers() == []
+    assert not fan.routers_changed()
     pods[1]["status"] = {"phase": "Running", "podIP": "10.0.0.2"}
-    assert fan.new_routers() is True
+    assert fan.new_routers() == ["http://10.0.0.2:9090"]
     assert fan.urls() == ["http://10.0.0.1:9090", "http://10.0.0.2:9090"]
+
+
+def test_a_restarted_router_container_is_new_again_and_a_failed_sync_is_retried():
+    """kill -9 of a router process: same pod, same IP, restartCount + 1; it knows no pool."""
+    pod = {"metadata": {"name": "r1", "uid": "u1"}, "status": {"phase": "Running", "podIP": "10.0.0.1",
+                                                              "containerStatuses": [{"restartCount": 0}]}}
+    fan = RouterFanout(lambda: [pod], 9090, "t")
+    assert fan.new_routers() == ["http://10.0.0.1:9090"]
+    pod["status"]["containerStatuses"][0]["restartCount"] = 1
+    assert fan.routers_changed()
+    assert fan.new_routers() == ["http://10.0.0.1:9090"]
+    fan.forget(["http://10.0.0.1:9090"])   # its pools were not all written: named again
+    assert fan.new_routers() == ["http://10.0.0.1:9090"]
 
 
 async def test_no_router_means_a_failed_publish():

@@ -33,7 +33,6 @@ import ipaddress
 import json
 import os
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ import yaml
 
 from fleet.inventory.gfd import image_aliases
 from fleet.k8s.client import CRDS, NODES, ApiError, KubeClient
+from fleet.testing.fake_nvml import inject_xid, write_state
 from fleet.testing.k8s.apiserver import APIServerStandIn
 from fleet.testing.k8s.deviceplugin import DevicePlugin
 from fleet.testing.k8s.kubelet import ImagePuller
@@ -189,7 +189,7 @@ class ClusterInABox:
                 node.nvml_state = root / "run" / "nvidia" / "state.json"
                 node.nvml_state.parent.mkdir(parents=True, exist_ok=True)
                 os.chmod(node.nvml_state.parent, 0o755)
-                _write_state(node.nvml_state, copy.deepcopy(shape.snapshot))
+                write_state(node.nvml_state, copy.deepcopy(shape.snapshot))
                 node.plugin = DevicePlugin(shape.name, node.nvml_state, root)
             self.nodes[shape.name] = node
             self.store.create(NODES, None, _node_object(shape, node.plugin))
@@ -286,15 +286,5 @@ class ClusterInABox:
         state = self.nodes[node].nvml_state
         assert state is not None, f"{node} has no GPUs"
         uuid = next(d["uuid"] for d in json.loads(state.read_text())["devices"] if d["index"] == gpu_index)
-        doc = json.loads(state.read_text())
-        doc.setdefault("xid_events", []).append({"uuid": uuid, "xid": xid, "at_s": time.time()})
-        _write_state(state, doc)
+        inject_xid(state, uuid, xid)
         return uuid
-
-
-def _write_state(path: Path, doc: dict) -> None:
-    """Replace a node's fake NVML state at once (readers never see half a file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)

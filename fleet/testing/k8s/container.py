@@ -78,14 +78,24 @@ def enter(spec: dict) -> None:
     _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(libc, None, "/", MS_REC | MS_PRIVATE)
     _expose(libc, spec.get("imagePaths", []))
-    for m in spec.get("mounts", []):
-        source, target = m["source"], m["target"]
-        if os.path.isdir(source):
+    staged = []
+    for i, m in enumerate(spec.get("mounts", [])):   # first all sources, before a mount hides one (/tmp)
+        stage = f"/run/fleet-box-stage/{os.getpid()}/{i}"
+        if os.path.isdir(m["source"]):
+            os.makedirs(stage, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(stage), exist_ok=True)
+            open(stage, "a").close()
+        _mount(libc, m["source"], stage, MS_BIND | MS_REC)
+        staged.append((stage, m))
+    for stage, m in staged:
+        target = m["target"]
+        if os.path.isdir(stage):
             os.makedirs(target, exist_ok=True)   # mount points: empty directories on the machine
         elif not os.path.exists(target):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             open(target, "a").close()
-        _mount(libc, source, target, MS_BIND | MS_REC)
+        _mount(libc, stage, target, MS_BIND | MS_REC)
         if m.get("readOnly"):
             _mount(libc, None, target, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC)
     if spec.get("readOnlyRoot"):   # the root only: the volumes above keep their own modes
