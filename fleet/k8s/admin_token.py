@@ -21,22 +21,29 @@ Environment (set by charts/fleet/templates/operator-deployment.yaml):
 - ``FLEET_ROUTER_ADMIN_SECRET_CREATE``: ``true`` (default) when the operator owns the Secret and
   makes it when missing; ``false`` for a Secret the user provides (``router.adminToken.existingSecret``),
   which is only read: a missing one is an error naming it.
+- ``FLEET_SERVICE_ACCOUNT``: the operator's ServiceAccount; a Secret the operator makes is owned
+  by it, so `helm uninstall` (which deletes the ServiceAccount) leaves no Secret behind. A
+  reinstall right after an uninstall may meet the old Secret before the garbage collector
+  removes it; the new operator then reads a token that is about to go, and must be restarted.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from fleet.k8s.client import SECRETS, Conflict, Kube, NotFound
+from fleet.k8s.client import SECRETS, SERVICE_ACCOUNTS, ApiError, Conflict, Kube, NotFound
 
 TOKEN_ENV = "FLEET_ROUTER_ADMIN_TOKEN"
 SECRET_ENV = "FLEET_ROUTER_ADMIN_SECRET"
 SECRET_KEY_ENV = "FLEET_ROUTER_ADMIN_SECRET_KEY"
 SECRET_CREATE_ENV = "FLEET_ROUTER_ADMIN_SECRET_CREATE"
+SERVICE_ACCOUNT_ENV = "FLEET_SERVICE_ACCOUNT"   # the operator's own (downward API spec.serviceAccountName)
+log = logging.getLogger("fleet.k8s.admin_token")
 DEFAULT_KEY = "token"
 TOKEN_BYTES = 32
 """Random bytes in a new token (`secrets.token_urlsafe(32)`: 43 URL-safe characters, 256 bits)."""
@@ -59,6 +66,10 @@ class AdminTokenSource:
     secret: str = ""
     key: str = DEFAULT_KEY
     create: bool = True
+    owner_service_account: str = ""
+    """The operator's ServiceAccount (``FLEET_SERVICE_ACCOUNT``): a Secret the operator makes is
+    owned by it, so uninstalling the release (which deletes the ServiceAccount) deletes the
+    Secret too (Kubernetes' garbage collector)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AdminTokenSource:
@@ -69,7 +80,8 @@ class AdminTokenSource:
         if create not in ("true", "false"):
             raise AdminTokenError(f"{SECRET_CREATE_ENV} must be true or false, not {env[SECRET_CREATE_ENV]!r}")
         source = cls(token=env.get(TOKEN_ENV, ""), secret=env.get(SECRET_ENV, ""),
-                     key=env.get(SECRET_KEY_ENV, "") or DEFAULT_KEY, create=create == "true")  # fmt: skip
+                     key=env.get(SECRET_KEY_ENV, "") or DEFAULT_KEY, create=create == "true",
+                     owner_service_account=env.get(SERVICE_ACCOUNT_ENV, ""))  # fmt: skip
         if not source.token and not source.secret:
             raise AdminTokenError(f"neither {TOKEN_ENV} nor {SECRET_ENV} is set: the router admin API needs a token")
         return source
@@ -78,16 +90,27 @@ class AdminTokenSource:
         """The token: the explicit one, else `ensure_admin_token` of the Secret in ``namespace``."""
         if self.token:
             return self.token
-        return await ensure_admin_token(kube, namespace, self.secret, self.key, create=self.create)
+        owner = None
+        if self.create and self.owner_service_account:
+            try:
+                sa = await kube.get(SERVICE_ACCOUNTS, namespace, self.owner_service_account)
+                owner = {"apiVersion": "v1", "kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                         "uid": sa["metadata"]["uid"]}
+            except ApiError as err:   # the Secret is still made; it outlives an uninstall
+                log.warning("cannot read ServiceAccount %s to own the admin token Secret: %s",
+                            self.owner_service_account, err)
+        return await ensure_admin_token(kube, namespace, self.secret, self.key, create=self.create, owner=owner)
 
 
 async def ensure_admin_token(kube: Kube, namespace: str, name: str, key: str = DEFAULT_KEY, *, create: bool = True,
-                             new_token: Callable[[], str] = lambda: secrets.token_urlsafe(TOKEN_BYTES)) -> str:  # fmt: skip
+                             new_token: Callable[[], str] = lambda: secrets.token_urlsafe(TOKEN_BYTES),
+                             owner: dict | None = None) -> str:  # fmt: skip
     """The admin token in Secret ``namespace/name`` under ``key``. A missing Secret is created
     (``create``) with ``new_token()``; when another operator created it first (409 AlreadyExists)
     theirs is read. An existing Secret is never written. Raises `AdminTokenError` when the Secret
     is missing and not ours to create, or holds no usable token under ``key``; other API
-    refusals (403, 5xx) raise `fleet.k8s.client.ApiError`."""
+    refusals (403, 5xx) raise `fleet.k8s.client.ApiError`. ``owner``: an owner reference
+    (apiVersion, kind, name, uid) the created Secret gets."""
     try:
         secret = await kube.get(SECRETS, namespace, name)
     except NotFound:
@@ -99,6 +122,8 @@ async def ensure_admin_token(kube: Kube, namespace: str, name: str, key: str = D
         body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
                 "metadata": {"name": name, "namespace": namespace, "labels": dict(SECRET_LABELS)},
                 "data": {key: base64.b64encode(new_token().encode()).decode()}}  # fmt: skip
+        if owner is not None:
+            body["metadata"]["ownerReferences"] = [{**owner, "blockOwnerDeletion": False}]
         try:
             secret = await kube.create(SECRETS, namespace, body)
         except Conflict as err:

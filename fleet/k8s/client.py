@@ -69,6 +69,7 @@ NODES = Resource("", "v1", "nodes", "Node", namespaced=False)
 EVENTS = Resource("", "v1", "events", "Event")
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease")
 SECRETS = Resource("", "v1", "secrets", "Secret")   # the router admin token (fleet/k8s/admin_token.py)
+SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount")
 INFERENCE_DEPLOYMENTS = Resource(GROUP, VERSION, PLURAL, KIND)
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                 namespaced=False)  # fmt: skip

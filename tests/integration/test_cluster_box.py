@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -344,13 +343,17 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
             return not pods("app.kubernetes.io/managed-by=fleet-operator")
 
         await until(deployments_gone, 180, "the deployments and their engine pods gone")
+        assert not box.denied, f"requests outside a Role's rights: {box.denied}"
         box.helm_uninstall()
         await until(lambda: not pods(), 120, "every pod gone after uninstall")
         left = [k for k in box.store.objects if k[0] not in ("nodes", "events", "customresourcedefinitions",
                                                             "leases")]  # fmt: skip
         assert not left, f"left after uninstall: {left}"
         mark("deleted and uninstalled: nothing left")
-        assert not box.denied, f"requests outside a Role's rights: {box.denied}"
+        # helm uninstall deletes the Role while the operator pod is still stopping: its last act,
+        # giving the Lease up, may be refused (as on a real cluster); the Lease then just expires.
+        late = [d for d in box.denied if not d.startswith('leases "fleet-operator" is forbidden')]
+        assert not late, f"requests outside a Role's rights: {late}"
     finally:
         if load is not None and load.task is not None and not load.task.done():
             await load.stop()

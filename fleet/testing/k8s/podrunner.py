@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -50,7 +49,7 @@ from typing import Any
 
 import aiohttp
 
-from fleet.k8s.client import NODES, PODS, ApiError
+from fleet.k8s.client import PODS, ApiError
 from fleet.testing.k8s.deviceplugin import DevicePlugin
 from fleet.testing.k8s.kubelet import ImagePuller
 from fleet.testing.k8s.resources import CONFIGMAPS, SECRETS, SERVICE_ACCOUNTS
@@ -666,10 +665,3 @@ class BoxKubelet:
         elif meta.get("deletionTimestamp"):
             r.deleting.set()
 
-
-def node_object(store: ObjectStore, name: str) -> dict:
-    return store.get(NODES, None, name)
-
-
-def clean(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

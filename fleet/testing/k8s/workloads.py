@@ -19,9 +19,9 @@ import hashlib
 import json
 import uuid
 
-from fleet.k8s.client import NODES, PODS, ApiError
+from fleet.k8s.client import PODS, ApiError
 from fleet.testing.k8s.resources import DAEMONSETS, DEPLOYMENTS
-from fleet.testing.k8s.store import ObjectStore, selector_matches
+from fleet.testing.k8s.store import ObjectStore
 
 
 def _template_hash(template: dict) -> str:
@@ -151,9 +151,3 @@ def _gpu_node(node: dict) -> bool:
     alloc = (node.get("status") or {}).get("allocatable") or {}
     return any(k.startswith("nvidia.com/") for k in alloc)
 
-
-def node_selector_matches(selector: dict, labels: dict) -> bool:
-    return selector_matches([(k, "=", {v}) for k, v in selector.items()], labels)
-
-
-_ = NODES
