@@ -19,7 +19,8 @@ Where the binaries come from (no registry ships ``kube-apiserver``; docs/kuberne
 - etcd: ``etcd-server`` of the same Debian suite, unpacked the same way.
 Debian unstable changes daily, so any step may fail: `build` then raises `Unavailable` with the
 step and the tail of its output, and remembers that for `FAILURE_TTL_S` (a second run does not
-pay for the same failure; ``FLEET_APIEXT_RETRY=1`` retries at once).
+pay for the same failure; ``FLEET_APIEXT_RETRY=1`` retries at once). A build that runs out of
+time is not remembered: the next one goes on with what the Go build cache kept.
 
 The cache: ``$FLEET_APIEXT_CACHE``, else ``$XDG_CACHE_HOME/fleet/apiext``, else
 ``~/.cache/fleet/apiext``. After a build only ``bin/`` stays (about 110 MB).
@@ -59,6 +60,11 @@ FAILURE_TTL_S = 6 * 3600.0
 class Unavailable(Exception):
     """The real API server cannot be built or run here; ``str(err)`` says why, in one line
     (the step that failed and the tail of its output)."""
+
+
+class OutOfTime(Unavailable):
+    """The build's time budget ran out. Not remembered as a failure: the compiler's cache keeps
+    what was compiled, so the next build goes on from there."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ def build(cache: Path | None = None, timeout_s: float = BUILD_TIMEOUT_S) -> Bina
         _raise_recent_failure(cache)
         try:
             return _build(cache, deadline)
+        except OutOfTime:
+            raise
         except Unavailable as err:
             (cache / "unavailable.json").write_text(json.dumps({"reason": str(err), "at_s": time.time()}))
             raise
@@ -135,11 +143,11 @@ def _run(step: str, cmd: list[str], deadline: float, **kw) -> str:
     naming ``step`` on failure, time-out or a missing program."""
     left_s = deadline - time.monotonic()
     if left_s <= 0:
-        raise Unavailable(f"{step}: no time left of the build's budget")
+        raise OutOfTime(f"{step}: no time left of the build's budget")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left_s, stdin=subprocess.DEVNULL, **kw)
     except subprocess.TimeoutExpired:
-        raise Unavailable(f"{step}: timed out (the build's budget ran out after {step!r} began)") from None
+        raise OutOfTime(f"{step}: the build's time budget ran out during this step") from None
     except FileNotFoundError as err:
         raise Unavailable(f"{step}: {err.filename} not found") from None
     if proc.returncode != 0:
@@ -493,3 +501,31 @@ def _http_ok(url: str, ca_file: Path | None = None, token: str | None = None) ->
             return resp.status == 200
     except (OSError, ValueError):
         return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fleet.testing.k8s.apiext build [--timeout-s S]``: build (or find) the binaries
+    and print where they are, or why they cannot be had. Exit 0 either way: a missing layer is a
+    skip, not a failure (``--strict``: exit 1 then)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fleet.testing.k8s.apiext")
+    parser.add_argument("command", choices=["build"])
+    parser.add_argument("--timeout-s", type=float, default=BUILD_TIMEOUT_S)
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the binaries cannot be had")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    try:
+        binaries = build(timeout_s=args.timeout_s)
+    except Unavailable as err:
+        print(f"apiextensions-apiserver: unavailable ({time.monotonic() - started:.0f} s): {err}")
+        return 1 if args.strict else 0
+    info = binaries.info
+    print(f"apiextensions-apiserver {info.get('apiextensions')} and etcd {info.get('etcd')} in "
+          f"{binaries.apiserver.parent} (built in {info.get('build_s')} s {info.get('steps_s')}; "
+          f"found in {time.monotonic() - started:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
