@@ -26,6 +26,7 @@ events; the integration test runs `KubeClient` against an HTTP stand-in of the A
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -242,6 +243,10 @@ class KubeClient:
         query = _query(watch=True, allowWatchBookmarks=True, resourceVersion=resource_version,
                        labelSelector=label_selector, timeoutSeconds=int(timeout_s))  # fmt: skip
 
+        def hand(item: object) -> None:
+            with contextlib.suppress(RuntimeError):   # the consumer's loop closed before the watch ended
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
         def pump() -> None:
             try:
                 resp = self._send("GET", res.path(namespace), query=query, timeout_s=(10.0, timeout_s + 30.0))
@@ -252,12 +257,12 @@ class KubeClient:
                         if stop.is_set():
                             break
                         if line:
-                            loop.call_soon_threadsafe(queue.put_nowait, json.loads(line))
+                            hand(json.loads(line))
                 finally:
                     resp.response.release_conn()
-                loop.call_soon_threadsafe(queue.put_nowait, None)
+                hand(None)
             except BaseException as err:  # noqa: BLE001 - handed to the consumer
-                loop.call_soon_threadsafe(queue.put_nowait, err)
+                hand(err)
 
         thread = threading.Thread(target=pump, name=f"watch-{res.plural}", daemon=True)
         thread.start()

