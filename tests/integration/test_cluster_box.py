@@ -73,6 +73,8 @@ class Load:
         self.model = model
         self.ok = 0
         self.refused = 0
+        self.killed_router: str | None = None   # requests in flight there when it was killed are lost
+        self.lost_in_killed_router: list[str] = []
         self.failed_before_streaming: list[str] = []
         self._stop = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -100,7 +102,9 @@ class Load:
                     self.refused += 1
                     continue
                 except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-                    self.failed_before_streaming.append(f"{url}: {type(err).__name__}: {err}")
+                    lost = isinstance(err, aiohttp.ClientOSError) and url == self.killed_router
+                    (self.lost_in_killed_router if lost else self.failed_before_streaming).append(
+                        f"{url}: {type(err).__name__}: {err}")
                 await asyncio.sleep(0.05)
 
     def start(self) -> None:
@@ -301,10 +305,10 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
         mark("canary v2 promoted")
 
         # ---- kill -9: the operator, an agent, a router pod ---------------------------------------
-        async def kill9(selector: str, container: str, node: str | None = None) -> dict:
-            (p,) = [p for p in pods(selector) if node is None or p["spec"]["nodeName"] == node][:1]
-            pid = box.kubelet.processes(NS, p["metadata"]["name"])[container]
-            os.killpg(pid, signal.SIGKILL)
+        def kill9(selector: str, container: str, node: str | None = None) -> dict:
+            """kill -9 of one container's process (the first pod matching); returns the pod."""
+            p = [p for p in pods(selector) if node is None or p["spec"]["nodeName"] == node][0]
+            os.killpg(box.kubelet.processes(NS, p["metadata"]["name"])[container], signal.SIGKILL)
             return p
 
         def restarted(p: dict, container: str) -> bool:
@@ -313,12 +317,13 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
                 c["name"] == container and c.get("restartCount", 0) >= 1 for c in now["status"]["containerStatuses"])
 
         before = {p["metadata"]["uid"] for p in pods("app.kubernetes.io/managed-by=fleet-operator")}
-        op = await kill9("app.kubernetes.io/component=operator", "operator")
+        op = kill9("app.kubernetes.io/component=operator", "operator")
         await until(lambda: restarted(op, "operator"), 120, "the operator restarted after kill -9")
-        agent = await kill9("app.kubernetes.io/component=agent", "agent", node="sxm-8")
+        agent = kill9("app.kubernetes.io/component=agent", "agent", node="sxm-8")
         await until(lambda: restarted(agent, "agent"), 120, "the sxm-8 agent restarted after kill -9")
         assert quarantined(), "the quarantine did not survive the agent's restart"
-        router = await kill9("app.kubernetes.io/component=router", "router")
+        load.killed_router = f"http://{pods('app.kubernetes.io/component=router')[0]['status']['podIP']}:8080"
+        router = kill9("app.kubernetes.io/component=router", "router")
         await until(lambda: restarted(router, "router"), 120, "a router pod restarted after kill -9")
         await until(lambda: served("chat-sxm"), 120, "chat-sxm served through both routers after the kills")
         await until(lambda: served("chat-nvl"), 60, "chat-nvl served through both routers after the kills")
@@ -328,6 +333,10 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
         await load.stop()
         assert not load.failed_before_streaming, load.failed_before_streaming[:10]
         assert load.ok > 50
+        # kill -9 cannot drain: what was in flight inside the killed router process is lost (a
+        # reset connection; nothing else failed). Requests refused by it were retried elsewhere.
+        print(f"load: {load.ok} ok, {len(load.lost_in_killed_router)} lost in the killed router, "
+              f"{load.refused} refused connections retried", flush=True)
 
         # ---- delete: nothing left ----------------------------------------------------------------
         for name in ("chat-nvl", "small-mig", "chat-sxm"):

@@ -1,9 +1,9 @@
-"""A STAND-IN for the Kubernetes API server and kubelet, for the operator's integration test
-(tests/integration/test_operator_standin.py) and its benchmark (loadtests/bench_operator.py). It is not
-Kubernetes: no API server can be installed on these machines (docs/kubernetes.md). This is the
-only place one exists.
+"""A STAND-IN for the Kubernetes API server and a simple kubelet, for the operator's integration
+tests (tests/integration/test_operator_standin.py, the cluster in a box: fleet/testing/k8s/box.py)
+and its benchmark (loadtests/bench_operator.py). It is not Kubernetes: no kube-apiserver can be
+installed on these machines (docs/kubernetes.md).
 
-`APIServerStandIn` serves `ObjectStore` (fleet/testing/k8s/store.py) over HTTP with the paths and
+`APIServerStandIn` serves `ObjectStore` (fleet/testing/k8s/store.py) over HTTP (or HTTPS) with the paths and
 semantics the operator uses through the official client: list and watch (``?watch=true``:
 JSON lines, bookmarks, an ERROR event with code 410 for a too-old resourceVersion), get,
 create, PUT (409 on a stale resourceVersion), JSON merge patch, the status subresource, delete
