@@ -50,6 +50,10 @@ from warmup.run import WarmupResult, readiness_gate, run_warmup
 
 log = logging.getLogger("fleet.controller")
 
+YIELD_EVERY = 50
+"""Deployments placed (or replicas launched) between two yields to the event loop in one tick:
+a tick that places thousands of replicas never holds the loop for long stretches."""
+
 
 
 class PoolSink(Protocol):
@@ -422,7 +426,7 @@ class Controller:
         for name, ds in self.deployments.items():
             if self.stopping:
                 break
-            active = [r for r in self.replicas.values() if r.deployment == name and r.status.counts_toward_desired()]
+            active = [r for r in self.records.of_deployment(name) if r.status.counts_toward_desired()]
             targets = ds.revs.targets(ds.desired)
             for h, want in targets.items():
                 step = scale_step([r for r in active if r.spec_hash == h], want, lambda r: created[r.id])
@@ -515,22 +519,32 @@ class Controller:
         return all(request.is_warm(self.inventory.node(m.node)) for m in plan.placements[0].members)
 
     async def _place_and_launch(self) -> None:
+        pending: dict[tuple[str, str], list[Replica]] = {}
+        placed: list[Replica] = []
+        for r in self.replicas.values():
+            if r.drain_requested_at_s is None and r.status is ReplicaStatus.PENDING:
+                pending.setdefault((r.deployment, r.spec_hash), []).append(r)
+            elif r.status is ReplicaStatus.PLACED:
+                placed.append(r)
+        if not pending and not placed:
+            return   # the usual tick at scale: nothing waits, so no scan of what every replica holds
+        for waiting in pending.values():
+            waiting.sort(key=lambda r: r.created_at_s)
+        pending = dict(sorted(pending.items(), key=lambda kv: kv[1][0].created_at_s))   # oldest first, as before
         holding = self._holding()
         in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
-        pending: dict[tuple[str, str], list[Replica]] = {}
-        for r in sorted(self.replicas.values(), key=lambda r: r.created_at_s):
-            if r.status is ReplicaStatus.PENDING and r.drain_requested_at_s is None:
-                pending.setdefault((r.deployment, r.spec_hash), []).append(r)
         now = self.clock()
         to_launch: list[tuple[Replica, ReplicaPlacement]] = []
-        for (name, spec_hash), waiting in pending.items():
+        for i, ((name, spec_hash), waiting) in enumerate(pending.items()):
+            if i and i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)   # let the loop breathe (informers, /metrics) in a long placement
             ld = self.deployments[name].revs.specs[spec_hash]
             request = self._placement_request(ld, len(waiting), holding)   # the whole scale-up: one decision
             plan = self.placer.place_replicas(request, self.inventory, in_use)
             # Devices a draining replica of this deployment still holds free up soon: a new replica
             # waits for them rather than share a device now (two CPU engines on one core starve
             # each other; a canary in place of a stable replica must not start on a shared one).
-            freeing = [d for d in self.replicas.values() if d.deployment == name and d.engine_alive
+            freeing = [d for d in self.records.of_deployment(name) if d.engine_alive
                        and d.status is ReplicaStatus.DRAINING and d.placement is not None]  # fmt: skip
             for r, placement in zip(waiting, plan.placements):
                 if freeing and not placement.exclusive:
@@ -544,7 +558,7 @@ class Controller:
             for r in waiting[len(plan.placements):]:
                 self._waiting[r.id] = plan.explain()
         placed_now = {r.id for r, _ in to_launch}
-        for r in self.replicas.values():  # placed before a crash, never started: start now
+        for r in placed:  # placed before a crash, never started: start now
             if r.status is ReplicaStatus.PLACED and r.placement is not None and r.drain_requested_at_s is None \
                     and r.id not in placed_now:
                 to_launch.append((r, ReplicaPlacement.from_dict(r.placement)))
@@ -553,7 +567,9 @@ class Controller:
         for r, _ in to_launch:
             r.launched_at_s = now
         self._save()  # persisted before the backend acts: a crash now leaves records to adopt
-        for r, placement in to_launch:
+        for i, (r, placement) in enumerate(to_launch):
+            if i and i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
             ld = self.deployments[r.deployment].revs.specs[r.spec_hash]
             want = ReplicaWant(r.id, ld.deployment, placement, ld.serving_hash, ld.base_dir)
             try:
@@ -639,12 +655,12 @@ class Controller:
         """The router's view of a deployment: replicas that passed warm-up and still run; DRAINING
         ones marked draining (no new requests, in-flight ones finish). Each endpoint's version is
         its revision's label and its weight its revision's share (`fleet.rollout.revisions.endpoint_weights`)."""
-        members = [
-            r for r in sorted(self.replicas.values(), key=lambda r: r.id)
-            if r.deployment == deployment and r.warmup_passed_at_s is not None and r.endpoint is not None
+        members = sorted((
+            r for r in self.records.of_deployment(deployment)
+            if r.warmup_passed_at_s is not None and r.endpoint is not None
             and r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING) and r.engine_alive
             and r.stop_requested_at_s is None
-        ]
+        ), key=lambda r: r.id)
         revs = self.deployments[deployment].revs if deployment in self.deployments else None
         ready = Counter(r.spec_hash for r in members if r.status is ReplicaStatus.READY)
         weights = endpoint_weights(revs, ready) if revs is not None else {}
@@ -718,8 +734,8 @@ class Controller:
         return adopted.strip()
 
     def _trim_history(self) -> None:
-        for name in {r.deployment for r in self.replicas.values()}:
-            done = [r for r in self.replicas.values() if r.deployment == name and r.status.terminal()]
+        for name in self.replicas.deployment_names():
+            done = [r for r in self.records.of_deployment(name) if r.status.terminal()]
             for r in sorted(done, key=lambda r: r.created_at_s)[: max(0, len(done) - self.settings.history_per_deployment)]:
                 if r.engine_alive:
                     continue
