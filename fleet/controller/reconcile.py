@@ -229,6 +229,43 @@ class Controller:
         self.wake()
         return lines
 
+    def add_deployment(self, ld: LoadedDeployment) -> None:
+        """Run one more deployment, declared while this controller runs (the operator, when a
+        resource is created): ``spec.replicas.initial`` wanted, its one revision stable; replicas
+        are created by the next tick. Replica numbering continues after any records of the name.
+        Persisted at once. Raises ValueError when the name is run here already, or its previous
+        declaration is still being retired (`retiring`: take the hand-over of `start` instead)."""
+        name = ld.deployment.name
+        if name in self.deployments or name in self.records.retired:
+            raise ValueError(f"deployment {name!r} is {'run' if name in self.deployments else 'retiring'} here")
+        ds = DeploymentRecord.of(ld)
+        for r in self.records.of_deployment(name):
+            index = r.id.rsplit("-", 1)[-1]
+            if index.isdigit():
+                ds.next_index = max(ds.next_index, int(index) + 1)
+        self.records.deployments[name] = ds
+        # A retired deployment of the same model must not delete the pool this one now publishes.
+        for old, model in list(self.records.retired.items()):
+            if model == ds.model:
+                del self.records.retired[old]
+        self.rollouts.declare(ds, ld, self.clock())
+        self._save()
+        self.wake()
+
+    def remove_deployment(self, name: str) -> None:
+        """Stop running deployment ``name`` (no longer declared): its replicas drain through the
+        router and stop, then its pool is deleted (`retiring` says when that is done), as
+        `start` does for a deployment missing from today's specs. Persisted at once. Raises
+        KeyError for a deployment not run here."""
+        ds = self.records.deployments.pop(name)
+        self.records.retired[name] = ds.model
+        now = self.clock()
+        for r in self.records.of_deployment(name):
+            if r.status.counts_toward_desired():
+                r.drain_requested_at_s = now
+        self._save()
+        self.wake()
+
     def rollout_command(self, deployment: str, command: str) -> dict:
         """`fleet rollout COMMAND DEPLOYMENT` (`RolloutDriver.command`); a change is persisted at
         once. Raises UnknownDeployment, or ValueError for an unknown command."""
