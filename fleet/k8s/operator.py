@@ -77,7 +77,8 @@ class ClusterDeployment(LoadedDeployment):
 
 
 WRITE_CONCURRENCY = 16
-"""API writes (events, statuses, annotations) in flight at once after a tick."""
+"""API writes in flight at once: statuses at the end of a tick; Events and ready annotations
+beside the ticks (10,000 replicas created in one tick are 10,000 Events: no tick waits for them)."""
 
 STATUS_FULL_PASS_S = 30.0
 """Seconds between two ticks that recompute every resource's status (the others recompute only
@@ -159,6 +160,8 @@ class Operator:
         self._finalizing: dict[str, str] = {}          # name -> uid our finalizer was added to
         self._dirty: set[str] = set()                  # deployments whose status to recompute this tick
         self._full_status_at_s: float | None = None    # clock() of the last full status pass (None: due)
+        self._write_slots = asyncio.Semaphore(WRITE_CONCURRENCY)
+        self._sending: set[asyncio.Task] = set()       # Events and annotations sent beside the ticks
         self.ticks = 0
         self.last_tick_s = 0.0
         self.longest_tick_s = 0.0
@@ -422,10 +425,10 @@ class Operator:
             dirty.add(e.deployment)
             r = c.replicas.get(e.replica_id)
             if e.new is ReplicaStatus.READY and r is not None and r.warmup_passed_at_s is not None:
-                writes.append(self._annotate_ready(e.replica_id, r.warmup_passed_at_s))
+                self._send_later(self._annotate_ready(e.replica_id, r.warmup_passed_at_s))
             owner = self.crs.get(e.deployment, self.namespace)
             if owner is not None:
-                writes.append(self._event(event_object(e, owner, self.identity, now)))
+                self._send_later(self._event(event_object(e, owner, self.identity, now)))
         decisions = list(self._decisions)
         self._decisions.clear()
         for name, d in decisions:
@@ -433,7 +436,7 @@ class Operator:
             owner = self.crs.get(name, self.namespace)
             if owner is not None:
                 reason = "ScaleUp" if d.direction is Direction.UP else "ScaleDown"
-                writes.append(self._event(decision_event(owner, reason, f"{d.previous} -> {d.desired} replica(s): "
+                self._send_later(self._event(decision_event(owner, reason, f"{d.previous} -> {d.desired} replica(s): "
                                                          f"{d.reason}: {d.detail}", self.identity, now)))  # fmt: skip
         if self._full_status_at_s is None or now - self._full_status_at_s >= STATUS_FULL_PASS_S:
             dirty = set(c.deployments)      # every status, now and then (and after a start)
@@ -465,6 +468,22 @@ class Operator:
                 self._statuses.pop(name, None)
                 self._observed.pop(name, None)
                 self._finalizing.pop(name, None)
+
+    def _send_later(self, write) -> None:
+        """Send ``write`` (a coroutine that logs its own failure) beside the ticks, at most
+        ``WRITE_CONCURRENCY`` at once with the others."""
+        async def one() -> None:
+            async with self._write_slots:
+                await write
+
+        task = asyncio.get_running_loop().create_task(one())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def drain_writes(self) -> None:
+        """Wait for the Events and annotations in flight (tests, benchmarks)."""
+        while self._sending:
+            await asyncio.gather(*list(self._sending), return_exceptions=True)
 
     async def _annotate_ready(self, pod: str, ready_at_s: float) -> None:
         try:
