@@ -50,6 +50,9 @@ from warmup.run import WarmupResult, readiness_gate, run_warmup
 
 log = logging.getLogger("fleet.controller")
 
+PUBLISH_CONCURRENCY = 16
+"""Pool updates sent to the router at once (each its own admin API request)."""
+
 YIELD_EVERY = 50
 """Deployments placed (or replicas launched) between two yields to the event loop in one tick:
 a tick that places thousands of replicas never holds the loop for long stretches."""
@@ -671,6 +674,7 @@ class Controller:
             elif self._retired_pools.get(model) != (pool := PoolSpec(endpoints=endpoints)):
                 await self.pool_sink.put_pool(model, pool)
                 self._retired_pools[model] = pool
+        changed: list[tuple[DeploymentRecord, PoolSpec]] = []
         for name, ds in self.deployments.items():
             routing = ds.loaded.deployment.spec.routing
             endpoints = self._pool_endpoints(name)
@@ -683,10 +687,22 @@ class Controller:
                 max_queue_length=routing.max_queue_length, queue_timeout_s=routing.queue_timeout_seconds,
                 sticky_key=sticky_key,
             )  # fmt: skip
-            if pool == ds.last_pool:
-                continue
-            await self.pool_sink.put_pool(ds.model, pool)
+            if pool != ds.last_pool:
+                changed.append((ds, pool))
+        if not changed:
+            return
+        slots = asyncio.Semaphore(PUBLISH_CONCURRENCY)
+
+        async def put(ds: DeploymentRecord, pool: PoolSpec) -> None:
+            async with slots:
+                await self.pool_sink.put_pool(ds.model, pool)
             ds.last_pool = pool
+
+        # 1,000 new deployments are 1,000 pools: sent side by side, each one retried next tick if it failed.
+        results = await asyncio.gather(*(put(ds, pool) for ds, pool in changed), return_exceptions=True)
+        failed = [(ds.model, r) for (ds, _), r in zip(changed, results) if isinstance(r, BaseException)]
+        if failed:
+            log.warning("cannot publish %d pool(s) (retried next tick); first: %s: %r", len(failed), *failed[0])
 
     def _pool_endpoints(self, deployment: str) -> list[EndpointSpec]:
         """The router's view of a deployment: replicas that passed warm-up and still run; DRAINING
