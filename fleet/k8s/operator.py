@@ -195,8 +195,12 @@ class Operator:
             tasks.append(loop.create_task(self._keep_lease(stop), name="lease"))
         try:
             while not stop.is_set():
+                self.wake.clear()           # a change seen during the step wakes the next one
                 await self.step()
-                self.wake.clear()
+                # The loop's own time: a tick holds the loop between its awaits, and watch events
+                # arrive between ticks; without a gap, a burst wakes tick after tick and the
+                # informers fall behind (one event handled per tick).
+                await asyncio.sleep(min(1.0, max(0.05, self.last_tick_s / 2)))
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=self.settings.tick_s)
                 except asyncio.TimeoutError:
