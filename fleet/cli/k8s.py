@@ -7,6 +7,7 @@ the pydantic spec) and `fleet.k8s.operator` (the operator loop). Registered on t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
@@ -54,8 +55,14 @@ def operator(
     engine_pod_json: Annotated[str, typer.Option(
         envvar="FLEET_ENGINE_POD_JSON", help="Pod settings of every replica as JSON (the chart's engine: values: "
         "runtimeClassName, tolerations, shmSize, extraEnv, migStrategy, ...).")] = "",
-    lease_duration_s: Annotated[float, typer.Option(help="Seconds a Lease holder that stopped renewing keeps it.")]
-    = 15.0,
+    lease_duration_s: Annotated[float, typer.Option(help="Seconds a Lease holder that stopped renewing keeps it "
+                                                    "(a standby takes over after that).")] = 15.0,
+    renew_deadline_s: Annotated[Optional[float], typer.Option(
+        help="Seconds after its last renewal that the holder stops acting; below --lease-duration-s "
+        "(default: two thirds of it).")] = None,
+    retry_period_s: Annotated[Optional[float], typer.Option(
+        help="Seconds between two acquire-or-renew rounds; below --renew-deadline-s (default: 2, or half "
+        "the renew deadline when that is shorter).")] = None,
 ) -> None:
     """Run the Fleet operator: watch InferenceDeployment resources and run each one's replicas
     as pods, through the same controller `fleet up` uses.
@@ -73,8 +80,14 @@ def operator(
         namespace=namespace, router_admin_url=router_admin_url, router_selector=router_selector,
         router_admin_port=router_admin_port, identity=identity, lease_name=lease_name, resync_s=resync_s,
         tick_s=tick_s, engine_image=engine_image, metrics_port=metrics_port, engine_pod_json=engine_pod_json,
-        lease_duration_s=lease_duration_s,
     )  # fmt: skip
+    deadline_s = renew_deadline_s if renew_deadline_s is not None else lease_duration_s * 2 / 3
+    retry_period_s = retry_period_s if retry_period_s is not None else min(2.0, deadline_s / 2)
+    settings = replace(settings, renew_deadline_s=deadline_s, retry_period_s=retry_period_s)
+    if not 0 < retry_period_s < deadline_s < lease_duration_s:
+        typer.echo(f"lease timings: need 0 < --retry-period-s ({retry_period_s:g}) < --renew-deadline-s "
+                   f"({deadline_s:g}) < --lease-duration-s ({lease_duration_s:g})", err=True)
+        raise typer.Exit(2)
     try:
         from fleet.k8s.pods import EnginePodSettings
 

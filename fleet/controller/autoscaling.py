@@ -174,7 +174,7 @@ class AutoscalerLoop:
 
     async def _decide(self, d: _Scaled, router_stats: dict[str, dict] | None) -> ScalingDecision:
         controller = self.controller
-        replicas = [r for r in controller.replicas.values() if r.deployment == d.name]
+        replicas = controller.records.of_deployment(d.name)
         ready = [r for r in replicas if r.status is ReplicaStatus.READY and r.endpoint]
         starting = [r for r in replicas if r.status.counts_toward_desired() and r.status is not ReplicaStatus.READY]
         for r in ready:

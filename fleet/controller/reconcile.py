@@ -50,6 +50,13 @@ from warmup.run import WarmupResult, readiness_gate, run_warmup
 
 log = logging.getLogger("fleet.controller")
 
+PUBLISH_CONCURRENCY = 16
+"""Pool updates sent to the router at once (each its own admin API request)."""
+
+YIELD_EVERY = 50
+"""Deployments placed (or replicas launched) between two yields to the event loop in one tick:
+a tick that places thousands of replicas never holds the loop for long stretches."""
+
 
 
 class PoolSink(Protocol):
@@ -229,6 +236,43 @@ class Controller:
         self._save()
         self.wake()
         return lines
+
+    def add_deployment(self, ld: LoadedDeployment) -> None:
+        """Run one more deployment, declared while this controller runs (the operator, when a
+        resource is created): ``spec.replicas.initial`` wanted, its one revision stable; replicas
+        are created by the next tick. Replica numbering continues after any records of the name.
+        Persisted at once. Raises ValueError when the name is run here already, or its previous
+        declaration is still being retired (`retiring`: take the hand-over of `start` instead)."""
+        name = ld.deployment.name
+        if name in self.deployments or name in self.records.retired:
+            raise ValueError(f"deployment {name!r} is {'run' if name in self.deployments else 'retiring'} here")
+        ds = DeploymentRecord.of(ld)
+        for r in self.records.of_deployment(name):
+            index = r.id.rsplit("-", 1)[-1]
+            if index.isdigit():
+                ds.next_index = max(ds.next_index, int(index) + 1)
+        self.records.deployments[name] = ds
+        # A retired deployment of the same model must not delete the pool this one now publishes.
+        for old, model in list(self.records.retired.items()):
+            if model == ds.model:
+                del self.records.retired[old]
+        self.rollouts.declare(ds, ld, self.clock())
+        self._save()
+        self.wake()
+
+    def remove_deployment(self, name: str) -> None:
+        """Stop running deployment ``name`` (no longer declared): its replicas drain through the
+        router and stop, then its pool is deleted (`retiring` says when that is done), as
+        `start` does for a deployment missing from today's specs. Persisted at once. Raises
+        KeyError for a deployment not run here."""
+        ds = self.records.deployments.pop(name)
+        self.records.retired[name] = ds.model
+        now = self.clock()
+        for r in self.records.of_deployment(name):
+            if r.status.counts_toward_desired():
+                r.drain_requested_at_s = now
+        self._save()
+        self.wake()
 
     def rollout_command(self, deployment: str, command: str) -> dict:
         """`fleet rollout COMMAND DEPLOYMENT` (`RolloutDriver.command`); a change is persisted at
@@ -427,7 +471,7 @@ class Controller:
         for name, ds in self.deployments.items():
             if self.stopping:
                 break
-            active = [r for r in self.replicas.values() if r.deployment == name and r.status.counts_toward_desired()]
+            active = [r for r in self.records.of_deployment(name) if r.status.counts_toward_desired()]
             targets = ds.revs.targets(ds.desired)
             for h, want in targets.items():
                 step = scale_step([r for r in active if r.spec_hash == h], want, lambda r: created[r.id])
@@ -527,22 +571,32 @@ class Controller:
         return all(request.is_warm(self.inventory.node(m.node)) for m in plan.placements[0].members)
 
     async def _place_and_launch(self) -> None:
+        pending: dict[tuple[str, str], list[Replica]] = {}
+        placed: list[Replica] = []
+        for r in self.replicas.values():
+            if r.drain_requested_at_s is None and r.status is ReplicaStatus.PENDING:
+                pending.setdefault((r.deployment, r.spec_hash), []).append(r)
+            elif r.status is ReplicaStatus.PLACED:
+                placed.append(r)
+        if not pending and not placed:
+            return   # the usual tick at scale: nothing waits, so no scan of what every replica holds
+        for waiting in pending.values():
+            waiting.sort(key=lambda r: r.created_at_s)
+        pending = dict(sorted(pending.items(), key=lambda kv: kv[1][0].created_at_s))   # oldest first, as before
         holding = self._holding()
         in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
-        pending: dict[tuple[str, str], list[Replica]] = {}
-        for r in sorted(self.replicas.values(), key=lambda r: r.created_at_s):
-            if r.status is ReplicaStatus.PENDING and r.drain_requested_at_s is None:
-                pending.setdefault((r.deployment, r.spec_hash), []).append(r)
         now = self.clock()
         to_launch: list[tuple[Replica, ReplicaPlacement]] = []
-        for (name, spec_hash), waiting in pending.items():
+        for i, ((name, spec_hash), waiting) in enumerate(pending.items()):
+            if i and i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)   # let the loop breathe (informers, /metrics) in a long placement
             ld = self.deployments[name].revs.specs[spec_hash]
             request = self._placement_request(ld, len(waiting), holding)   # the whole scale-up: one decision
             plan = self.placer.place_replicas(request, self.inventory, in_use)
             # Devices a draining replica of this deployment still holds free up soon: a new replica
             # waits for them rather than share a device now (two CPU engines on one core starve
             # each other; a canary in place of a stable replica must not start on a shared one).
-            freeing = [d for d in self.replicas.values() if d.deployment == name and d.engine_alive
+            freeing = [d for d in self.records.of_deployment(name) if d.engine_alive
                        and d.status is ReplicaStatus.DRAINING and d.placement is not None]  # fmt: skip
             for r, placement in zip(waiting, plan.placements):
                 if freeing and not placement.exclusive:
@@ -556,7 +610,7 @@ class Controller:
             for r in waiting[len(plan.placements):]:
                 self._waiting[r.id] = plan.explain()
         placed_now = {r.id for r, _ in to_launch}
-        for r in self.replicas.values():  # placed before a crash, never started: start now
+        for r in placed:  # placed before a crash, never started: start now
             if r.status is ReplicaStatus.PLACED and r.placement is not None and r.drain_requested_at_s is None \
                     and r.id not in placed_now:
                 to_launch.append((r, ReplicaPlacement.from_dict(r.placement)))
@@ -565,7 +619,9 @@ class Controller:
         for r, _ in to_launch:
             r.launched_at_s = now
         self._save()  # persisted before the backend acts: a crash now leaves records to adopt
-        for r, placement in to_launch:
+        for i, (r, placement) in enumerate(to_launch):
+            if i and i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
             ld = self.deployments[r.deployment].revs.specs[r.spec_hash]
             want = ReplicaWant(r.id, ld.deployment, placement, ld.serving_hash, ld.base_dir)
             try:
@@ -630,6 +686,7 @@ class Controller:
             elif self._retired_pools.get(model) != (pool := PoolSpec(endpoints=endpoints)):
                 await self.pool_sink.put_pool(model, pool)
                 self._retired_pools[model] = pool
+        changed: list[tuple[DeploymentRecord, PoolSpec]] = []
         for name, ds in self.deployments.items():
             routing = ds.loaded.deployment.spec.routing
             endpoints = self._pool_endpoints(name)
@@ -642,21 +699,33 @@ class Controller:
                 max_queue_length=routing.max_queue_length, queue_timeout_s=routing.queue_timeout_seconds,
                 sticky_key=sticky_key,
             )  # fmt: skip
-            if pool == ds.last_pool:
-                continue
-            await self.pool_sink.put_pool(ds.model, pool)
+            if pool != ds.last_pool:
+                changed.append((ds, pool))
+        if not changed:
+            return
+        slots = asyncio.Semaphore(PUBLISH_CONCURRENCY)
+
+        async def put(ds: DeploymentRecord, pool: PoolSpec) -> None:
+            async with slots:
+                await self.pool_sink.put_pool(ds.model, pool)
             ds.last_pool = pool
+
+        # 1,000 new deployments are 1,000 pools: sent side by side, each one retried next tick if it failed.
+        results = await asyncio.gather(*(put(ds, pool) for ds, pool in changed), return_exceptions=True)
+        failed = [(ds.model, r) for (ds, _), r in zip(changed, results) if isinstance(r, BaseException)]
+        if failed:
+            log.warning("cannot publish %d pool(s) (retried next tick); first: %s: %r", len(failed), *failed[0])
 
     def _pool_endpoints(self, deployment: str) -> list[EndpointSpec]:
         """The router's view of a deployment: replicas that passed warm-up and still run; DRAINING
         ones marked draining (no new requests, in-flight ones finish). Each endpoint's version is
         its revision's label and its weight its revision's share (`fleet.rollout.revisions.endpoint_weights`)."""
-        members = [
-            r for r in sorted(self.replicas.values(), key=lambda r: r.id)
-            if r.deployment == deployment and r.warmup_passed_at_s is not None and r.endpoint is not None
+        members = sorted((
+            r for r in self.records.of_deployment(deployment)
+            if r.warmup_passed_at_s is not None and r.endpoint is not None
             and r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING) and r.engine_alive
             and r.stop_requested_at_s is None
-        ]
+        ), key=lambda r: r.id)
         revs = self.deployments[deployment].revs if deployment in self.deployments else None
         ready = Counter(r.spec_hash for r in members if r.status is ReplicaStatus.READY)
         weights = endpoint_weights(revs, ready) if revs is not None else {}
@@ -730,8 +799,8 @@ class Controller:
         return adopted.strip()
 
     def _trim_history(self) -> None:
-        for name in {r.deployment for r in self.replicas.values()}:
-            done = [r for r in self.replicas.values() if r.deployment == name and r.status.terminal()]
+        for name in self.replicas.deployment_names():
+            done = [r for r in self.records.of_deployment(name) if r.status.terminal()]
             for r in sorted(done, key=lambda r: r.created_at_s)[: max(0, len(done) - self.settings.history_per_deployment)]:
                 if r.engine_alive:
                     continue

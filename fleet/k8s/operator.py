@@ -5,21 +5,35 @@ Owns `Operator` (informers on InferenceDeployments, this fleet's pods, nodes and
 leader election; the loop; status, events, finalizers) and `run_operator` (the process: client,
 router fan-out, /healthz and /metrics, signals).
 
-The loop, while this pod holds the Lease (`fleet.k8s.lease`), every ``tick_s`` or at once when
-an informer reports a change: (1) the declared deployments are read from the resources, each
-validated by `fleet.spec.parse_document` (a refused one gets status InvalidSpec with the very
-messages `fleet validate` prints; nothing of it starts); when they differ from the running
-controller's, a new `fleet.controller.reconcile.Controller` takes over from the old one's snapshot
-(`Controller.start` is the crash-safe hand-over: running replicas adopted, replicas of a changed
-spec drained and replaced, deployments no longer declared drained and their pools deleted);
-after an operator restart the snapshot is rebuilt from the pods and statuses
-(`fleet.k8s.status.snapshot_from_cluster`); (2) `Controller.reconcile_once`, then the autoscaler (`fleet.controller.autoscaling.AutoscalerLoop`, as in
-`fleet up`, on router statistics merged over the router pods); (3) what happened is
-written back: pods that passed warm-up are annotated (so a later operator adopts them READY),
-Events per replica transition, each resource's status (only when it changed), and a deleted
-resource's finalizer is removed once its pods are gone (its replicas drain through the router
-first). Level-triggered: each tick derives everything from the informers' caches, which are
-relisted every ``resync_s``. The reconcile logic is the controller's; this module adds no policy.
+The Lease (`fleet.k8s.lease`) is renewed every ``retry_period_s`` on a thread of its own
+(`LeaseKeeper`), so no tick delays a renewal; the operator acts only while `LeaderElector.holds`
+(its last renewal is younger than the renew deadline, which is shorter than the lease), every
+write it or its backend sends goes through `FencedKube` / `FencedPoolSink` (refused once the
+deadline has passed, even in the middle of a tick), and the controller is dropped as soon as the
+loop sees the deadline pass: two operators never act at once.
+
+The loop, while this pod holds the Lease, every ``tick_s`` or at once when an informer reports a
+change: (1) the declared deployments are read from the resources, each validated by
+`fleet.spec.parse_document` once per generation (a refused one gets status InvalidSpec with the
+very messages `fleet validate` prints; nothing of it starts); the first time, a
+`fleet.controller.reconcile.Controller` starts from the snapshot rebuilt from the pods and
+statuses (`fleet.k8s.status.snapshot_from_cluster`; `Controller.start` is the crash-safe
+take-over: running replicas adopted, replicas of a changed spec drained and replaced); after
+that, only what changed is handed to the running controller: a new resource is added
+(`Controller.add_deployment`), an edited one updated (`Controller.apply`: a new revision rolls
+out, other changes apply in place), a deleted one removed (`Controller.remove_deployment`: its
+replicas drain through the router, then its pool goes). Two rare changes take the whole
+hand-over instead (`Controller.start` from the running controller's snapshot): an edit of
+``spec.model.name``, and a name declared again while its previous replicas still drain;
+(2) `Controller.reconcile_once`, then the autoscaler (`fleet.controller.autoscaling.AutoscalerLoop`,
+as in `fleet up`, on router statistics merged over the router pods); (3) what happened is written
+back: pods that passed warm-up are annotated (so a later operator adopts them READY), Events per
+replica transition, the status of each resource something happened to (a replica transition, a
+scaling decision, a spec change; every resource's status is recomputed every
+``STATUS_FULL_PASS_S``; a status is sent only when it changed), and a deleted resource's
+finalizer is removed once its pods are gone (its replicas drain through the router first).
+Level-triggered: each tick derives everything from the informers' caches, which are relisted
+every ``resync_s``. The reconcile logic is the controller's; this module adds no policy.
 """
 
 from __future__ import annotations
@@ -42,7 +56,7 @@ from fleet.controller.reconcile import Controller, ControllerSettings, ReplicaEv
 from fleet.k8s.backend import KubernetesBackend
 from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, NODES, PODS, ApiError, Kube
 from fleet.k8s.informer import Informer
-from fleet.k8s.lease import LeaderElector
+from fleet.k8s.lease import FencedKube, FencedPoolSink, LeaderElector, LeaseKeeper
 from fleet.k8s.pods import ANNOTATION_READY_AT, LABEL_DEPLOYMENT, EnginePodSettings
 from fleet.k8s.status import decision_event, deployment_status, event_object, invalid_status, snapshot_from_cluster
 from fleet.controller.lifecycle import ReplicaStatus
@@ -63,7 +77,13 @@ class ClusterDeployment(LoadedDeployment):
 
 
 WRITE_CONCURRENCY = 16
-"""API writes (events, statuses, annotations) in flight at once after a tick."""
+"""API writes in flight at once: statuses at the end of a tick; Events and ready annotations
+beside the ticks (10,000 replicas created in one tick are 10,000 Events: no tick waits for them)."""
+
+STATUS_FULL_PASS_S = 30.0
+"""Seconds between two ticks that recompute every resource's status (the others recompute only
+those of resources something happened to): a waiting replica's explanation may change without a
+replica transition."""
 
 
 async def _bounded(coros: list, limit: int) -> None:
@@ -85,6 +105,9 @@ class OperatorSettings:
     identity: str | None = None
     lease_name: str = "fleet-operator"
     lease_duration_s: float = 15.0
+    renew_deadline_s: float | None = None   # None: two thirds of the lease (client-go: 10 s of 15)
+    retry_period_s: float = 2.0             # between two acquire-or-renew rounds
+    lease_thread: bool = True               # False: rounds run on the event loop (tests on the in-memory fake)
     resync_s: float = 300.0
     tick_s: float = 1.0
     engine_image: str = ""
@@ -94,34 +117,36 @@ class OperatorSettings:
 
 
 class Operator:
-    """One operator process; acts only while it holds the Lease."""
+    """One operator process; acts only while it holds the Lease (`LeaderElector.holds`)."""
 
     def __init__(self, kube: Kube, settings: OperatorSettings, *, namespace: str, identity: str, engine_api,
                  pool_sink, router_pods: Informer | None = None, clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic,
                  controller_settings: ControllerSettings | None = None) -> None:  # fmt: skip
-        self.kube = kube
         self.settings = settings
         self.namespace = namespace
         self.identity = identity
         self.engine_api = engine_api
-        self.pool_sink = pool_sink
+        self.elector = LeaderElector(kube, namespace, settings.lease_name, identity, clock=monotonic, wall=clock,
+                                     lease_duration_s=settings.lease_duration_s,
+                                     renew_deadline_s=settings.renew_deadline_s)  # fmt: skip
+        self.kube = FencedKube(kube, self.elector.holds)            # every write: refused past the renew deadline
+        self.pool_sink = FencedPoolSink(pool_sink, self.elector.holds)
         self.clock = clock
+        self.monotonic = monotonic
         self.controller_settings = controller_settings
         self.wake = asyncio.Event()
         on_change = self._on_change
         fleet_id = settings.fleet_id or namespace
         pod_settings = EnginePodSettings.from_json(settings.engine_pod_json, default_image=settings.engine_image)
         self.crs = Informer(kube, INFERENCE_DEPLOYMENTS, namespace, resync_s=settings.resync_s, on_change=on_change)
-        self.backend = KubernetesBackend(kube, namespace, fleet_id, settings=pod_settings, clock=clock,
+        self.backend = KubernetesBackend(self.kube, namespace, fleet_id, settings=pod_settings, clock=clock,
                                          owner_of=lambda name: self.crs.get(name, namespace))  # fmt: skip
         self.pods = Informer(kube, PODS, namespace, self.backend.selector, resync_s=settings.resync_s,
                              on_change=on_change)  # fmt: skip
         self.nodes = Informer(kube, NODES, None, resync_s=settings.resync_s, on_change=on_change)
         self.router_pods = router_pods
         self.backend.pods, self.backend.nodes = self.pods, self.nodes
-        self.elector = LeaderElector(kube, namespace, settings.lease_name, identity, clock=monotonic, wall=clock,
-                                     lease_duration_s=settings.lease_duration_s)  # fmt: skip
         self.controller: Controller | None = None
         self._declared: dict[str, str] = {}            # name -> spec JSON the controller runs
         self._statuses: dict[str, dict] = {}           # name -> status last written
@@ -131,9 +156,16 @@ class Operator:
         self.autoscaler: AutoscalerLoop | None = None
         self.autoscaler_metrics = AutoscalerMetrics()
         self.controller_metrics = ControllerStateCollector()   # fleet_replicas etc., as `fleet up` exports them
-        self._parsed: dict[str, tuple] = {}            # name -> (generation key, deployment, spec JSON)
+        self._parsed: dict[str, tuple] = {}            # name -> (generation key, ClusterDeployment, spec JSON)
+        self._finalizing: dict[str, str] = {}          # name -> uid our finalizer was added to
+        self._dirty: set[str] = set()                  # deployments whose status to recompute this tick
+        self._full_status_at_s: float | None = None    # clock() of the last full status pass (None: due)
+        self._write_slots = asyncio.Semaphore(WRITE_CONCURRENCY)
+        self._sending: set[asyncio.Task] = set()       # Events and annotations sent beside the ticks
         self.ticks = 0
         self.last_tick_s = 0.0
+        self.longest_tick_s = 0.0
+        self.longest_loop_stall_s = 0.0               # the event loop's longest delay of a 0.1 s timer
 
     def _on_decision(self, deployment: str, decision) -> None:
         """A scaling decision (`fleet.controller.autoscaling.AutoscalerLoop`): an Event when it changes the size."""
@@ -151,22 +183,24 @@ class Operator:
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``: hold or wait for the Lease; while held, reconcile every tick. Pods
         outlive the operator: stopping it stops nothing but its own loop (and gives the Lease up)."""
-        tasks = [asyncio.get_running_loop().create_task(i.run(stop), name=f"informer-{i.name}")
-                 for i in self.informers()]  # fmt: skip
-        tasks.append(asyncio.get_running_loop().create_task(self._keep_lease(stop), name="lease"))
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(i.run(stop), name=f"informer-{i.name}") for i in self.informers()]
+        tasks.append(loop.create_task(self._watch_loop_stalls(stop), name="loop-stalls"))
+        keeper = None
+        if self.settings.lease_thread:
+            keeper = LeaseKeeper(self.elector, self.settings.retry_period_s,
+                                 on_change=lambda: loop.call_soon_threadsafe(self.wake.set))  # fmt: skip
+            keeper.start()
+        else:
+            tasks.append(loop.create_task(self._keep_lease(stop), name="lease"))
         try:
             while not stop.is_set():
-                holds = self.elector.holds()
-                if not holds and self.controller is not None:
-                    log.warning("%s does not hold the lease: no longer acting", self.identity)
-                    self._drop_controller()
-                if holds and all(i.synced.is_set() for i in self.informers()):
-                    await self.tick()
-                    if self.last_tick_s > self.settings.lease_duration_s:
-                        log.warning("a reconcile tick took %.1f s, longer than the lease (%.0f s): raise "
-                                    "--lease-duration-s, or a standby may act at the same time",
-                                    self.last_tick_s, self.settings.lease_duration_s)  # fmt: skip
-                self.wake.clear()
+                self.wake.clear()           # a change seen during the step wakes the next one
+                await self.step()
+                # The loop's own time: a tick holds the loop between its awaits, and watch events
+                # arrive between ticks; without a gap, a burst wakes tick after tick and the
+                # informers fall behind (one event handled per tick).
+                await asyncio.sleep(min(1.0, max(0.05, self.last_tick_s / 2)))
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=self.settings.tick_s)
                 except asyncio.TimeoutError:
@@ -177,12 +211,44 @@ class Operator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._drop_controller()
-            await self.elector.release()
+            if keeper is not None:
+                await asyncio.to_thread(keeper.stop)   # and gives the Lease up
+            else:
+                await self.elector.release()
+
+    async def step(self) -> None:
+        """One pass of the loop: act (one tick) while the Lease is held, and drop the controller
+        as soon as it may not be (the renew deadline passed, also during the tick)."""
+        if not self.elector.holds():
+            if self.controller is not None:
+                log.warning("%s: the lease's renew deadline passed: no longer acting", self.identity)
+                self._drop_controller()
+                self._statuses.clear()   # another operator may write them meanwhile: compare afresh
+            return
+        if not all(i.synced.is_set() for i in self.informers()):
+            return
+        await self.tick()
+        if self.last_tick_s > self.elector.renew_deadline_s:
+            log.warning("a reconcile tick took %.1f s, longer than the renew deadline (%.0f s)", self.last_tick_s,
+                        self.elector.renew_deadline_s)  # fmt: skip
+        if not self.elector.holds() and self.controller is not None:
+            log.warning("%s: the lease's renew deadline passed during a tick: no longer acting", self.identity)
+            self._drop_controller()
+            self._statuses.clear()
+
+    async def _watch_loop_stalls(self, stop: asyncio.Event, every_s: float = 0.1) -> None:
+        """Measure how long the event loop is held: the longest delay of a ``every_s`` timer
+        (``longest_loop_stall_s``, exported on /metrics)."""
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            started = loop.time()
+            await asyncio.sleep(every_s)
+            self.longest_loop_stall_s = max(self.longest_loop_stall_s, loop.time() - started - every_s)
 
     async def _keep_lease(self, stop: asyncio.Event) -> None:
-        """Acquire or renew the Lease every third of its duration, beside the ticks (a slow tick
-        does not delay a renewal unless it holds the event loop itself)."""
-        every_s = max(0.2, self.settings.lease_duration_s / 3)
+        """Acquire or renew the Lease every ``retry_period_s`` on the event loop (the operator's
+        tests on the in-memory fake; a process uses `LeaseKeeper`'s thread)."""
+        every_s = self.settings.retry_period_s
         while not stop.is_set():
             was = self.elector.is_leader
             if await self.elector.try_acquire_or_renew() and not was:
@@ -213,6 +279,7 @@ class Operator:
             await self._write_back()
         self.ticks += 1
         self.last_tick_s = time.perf_counter() - started
+        self.longest_tick_s = max(self.longest_tick_s, self.last_tick_s)
 
     def _drop_controller(self) -> None:
         self.autoscaler = None
@@ -220,12 +287,13 @@ class Operator:
             self.controller.abandon()
         self.controller = None
         self._declared = {}
+        self._full_status_at_s = None
 
     # ----- declared deployments -> controller -------------------------------------------------
 
     async def _sync_deployments(self) -> None:
         crs = sorted(self.crs.objects.values(), key=lambda o: o["metadata"]["name"])
-        loaded: list[LoadedDeployment] = []
+        loaded: dict[str, ClusterDeployment] = {}
         declared: dict[str, str] = {}
         models: dict[str, str] = {}
         now = self.clock()
@@ -236,8 +304,8 @@ class Operator:
                 continue     # being deleted: not declared any more, drained by the controller
             generation = int(meta.get("generation") or 1)
             try:
-                dep = self._parse(cr)
-                model = dep.spec.model.name
+                ld = self._parse(cr)
+                model = ld.deployment.spec.model.name
                 if model in models:
                     raise SpecError([f"spec.model.name: {model!r} is already served by InferenceDeployment "
                                      f"{models[model]!r}; one deployment per model name"])  # fmt: skip
@@ -245,53 +313,108 @@ class Operator:
                 await self._refuse(cr, generation, err.problems, now)
                 continue
             models[model] = name
-            if FINALIZER not in (meta.get("finalizers") or []):
+            if FINALIZER not in (meta.get("finalizers") or []) and self._finalizing.get(name) != meta.get("uid"):
+                self._finalizing[name] = meta.get("uid")   # sent once: the informer may not show it yet
                 await self._patch_cr(name, {"metadata": {"finalizers": [*(meta.get("finalizers") or []), FINALIZER]}})
-            loaded.append(ClusterDeployment(dep, Path(f"/kubernetes/{self.namespace}/{name}.yaml"), 0))
+            loaded[name] = ld
             declared[name] = self._parsed[name][2]
             if self._observed.get(name) != generation:
                 self._observed[name] = generation
+                self._dirty.add(name)   # observedGeneration
                 await self._event(decision_event(cr, "SpecAccepted", f"generation {generation} accepted: model "
-                                                 f"{model!r}, {dep.spec.engine.kind}", self.identity, now))  # fmt: skip
-        self.backend.set_pre_pull(ld.deployment for ld in loaded)   # spec.prePull: selector-wide image pre-pulls
+                                                 f"{model!r}, {ld.deployment.spec.engine.kind}", self.identity, now))  # fmt: skip
         if self.controller is not None and declared == self._declared:
+            return
+        self.backend.set_pre_pull(ld.deployment for ld in loaded.values())   # spec.prePull: selector-wide pre-pulls
+        if self.controller is not None and self._apply_changes(loaded, declared):
             return
         previous = self.controller.snapshot() if self.controller is not None else \
             snapshot_from_cluster(crs, list(self.pods.objects.values()))  # fmt: skip
         self._drop_controller()
-        controller = Controller(loaded, backend=self.backend, engine_api=self.engine_api, pool_sink=self.pool_sink,
-                                clock=self.clock, settings=self.controller_settings, on_event=self._events.append,
+        controller = Controller(list(loaded.values()), backend=self.backend, engine_api=self.engine_api,
+                                pool_sink=self.pool_sink, clock=self.clock, settings=self.controller_settings,
+                                on_event=self._events.append,
                                 analysis_source=self.pool_sink if hasattr(self.pool_sink, "revision_samples") else None)
         await controller.start(previous)
-        for ld in loaded:
-            # Without autoscaling the resource's spec.replicas is the target, also when it was
-            # edited while no operator ran (`fleet up` restores the recorded target instead).
-            spec = ld.deployment.spec
-            if spec.autoscaling is None and controller.deployments[ld.deployment.name].desired != \
-                    spec.replicas.desired_at_start:
-                controller.set_desired(ld.deployment.name, spec.replicas.desired_at_start, "spec.replicas")
+        for ld in loaded.values():
+            self._declared_replicas(controller, ld)
         self.controller, self._declared = controller, declared
         self.autoscaler = None
-        if any(ld.deployment.spec.autoscaling is not None for ld in loaded) and hasattr(self.pool_sink, "stats"):
-            self.autoscaler = AutoscalerLoop(controller, router=self.pool_sink, engine_api=self.engine_api,
-                                             clock=self.clock, metrics=self.autoscaler_metrics,
-                                             on_decision=self._on_decision)  # fmt: skip
+        self._new_autoscaler(set(loaded))
         adopted = sum(1 for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive)
         log.info("running %d deployment(s); %d running replica(s) adopted", len(loaded), adopted)
 
-    def _parse(self, cr: dict):
+    def _apply_changes(self, loaded: dict[str, ClusterDeployment], declared: dict[str, str]) -> bool:
+        """Hand the running controller what changed since the last tick: resources added, edited
+        and removed, one deployment each. False (nothing done) when a change needs the whole
+        hand-over: an edited ``spec.model.name``, or a name declared again while replicas of its
+        previous declaration still drain."""
+        c = self.controller
+        assert c is not None
+        added = [n for n in declared if n not in self._declared]
+        removed = [n for n in self._declared if n not in declared]
+        changed = [n for n in declared if n in self._declared and declared[n] != self._declared[n]]
+        if any(c.retiring(n) for n in added) or \
+                any(loaded[n].deployment.spec.model.name != c.deployments[n].model for n in changed):
+            return False
+        for name in removed:
+            c.remove_deployment(name)
+        for name in added:
+            c.add_deployment(loaded[name])
+        if changed:
+            for line in c.apply([loaded[n] for n in changed]):
+                log.info("%s", line)
+        for name in (*added, *changed):
+            self._declared_replicas(c, loaded[name])
+        touched = {*added, *changed, *removed}
+        self._dirty |= touched
+        self._declared = declared
+        if self.autoscaler is not None and any(n in self.autoscaler.scaled for n in touched) or \
+                any(loaded[n].deployment.spec.autoscaling is not None for n in (*added, *changed)):
+            self._new_autoscaler(touched)
+        log.info("deployments: %d added, %d updated, %d removed (%d running)", len(added), len(changed),
+                 len(removed), len(c.deployments))  # fmt: skip
+        return True
+
+    def _declared_replicas(self, controller: Controller, ld: ClusterDeployment) -> None:
+        """Without autoscaling the resource's spec.replicas is the target, also when it was edited
+        while no operator ran (`fleet up` restores the recorded target instead)."""
+        spec = ld.deployment.spec
+        if spec.autoscaling is None and controller.deployments[ld.deployment.name].desired != \
+                spec.replicas.desired_at_start:
+            controller.set_desired(ld.deployment.name, spec.replicas.desired_at_start, "spec.replicas")
+
+    def _new_autoscaler(self, touched: set[str]) -> None:
+        """An autoscaler over the running controller's deployments; the state (signal windows,
+        start-up estimates, next due time) of those not in ``touched`` carries over."""
+        c = self.controller
+        if c is None or not hasattr(self.pool_sink, "stats") or \
+                not any(ds.loaded.deployment.spec.autoscaling is not None for ds in c.deployments.values()):
+            self.autoscaler = None
+            return
+        old = self.autoscaler
+        self.autoscaler = AutoscalerLoop(c, router=self.pool_sink, engine_api=self.engine_api, clock=self.clock,
+                                         metrics=self.autoscaler_metrics, on_decision=self._on_decision)  # fmt: skip
+        if old is not None:
+            for name, kept in old.scaled.items():
+                if name in self.autoscaler.scaled and name not in touched:
+                    self.autoscaler.scaled[name] = kept
+
+    def _parse(self, cr: dict) -> ClusterDeployment:
         """`fleet.spec.parse_document` of a resource, cached by generation and labels (a tick
-        with 1,000 resources does not validate 1,000 documents again). Raises SpecError."""
+        with 1,000 resources does not validate 1,000 documents again, nor serialise their specs).
+        Raises SpecError."""
         meta = cr["metadata"]
-        key = (meta.get("generation"), json.dumps(meta.get("labels") or {}, sort_keys=True), meta.get("uid"))
+        key = (meta.get("generation"), tuple(sorted((meta.get("labels") or {}).items())), meta.get("uid"))
         cached = self._parsed.get(meta["name"])
         if cached is not None and cached[0] == key:
             return cached[1]
         doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": meta["name"], "labels": meta.get("labels")
                or {}}, "spec": cr.get("spec")}  # fmt: skip
         dep = parse_document(doc, "")
-        self._parsed[meta["name"]] = (key, dep, json.dumps(dep.spec.to_document(), sort_keys=True))
-        return dep
+        ld = ClusterDeployment(dep, Path(f"/kubernetes/{self.namespace}/{meta['name']}.yaml"), 0)
+        self._parsed[meta["name"]] = (key, ld, json.dumps(dep.spec.to_document(), sort_keys=True))
+        return ld
 
     async def _refuse(self, cr: dict, generation: int, problems: list[str], now: float) -> None:
         name = cr["metadata"]["name"]
@@ -309,45 +432,70 @@ class Operator:
         events = list(self._events)   # the controller appends to this very list (on_event)
         self._events.clear()
         writes = []
+        dirty, self._dirty = self._dirty, set()
         for e in events:
+            dirty.add(e.deployment)
             r = c.replicas.get(e.replica_id)
             if e.new is ReplicaStatus.READY and r is not None and r.warmup_passed_at_s is not None:
-                writes.append(self._annotate_ready(e.replica_id, r.warmup_passed_at_s))
+                self._send_later(self._annotate_ready(e.replica_id, r.warmup_passed_at_s))
             owner = self.crs.get(e.deployment, self.namespace)
             if owner is not None:
-                writes.append(self._event(event_object(e, owner, self.identity, now)))
-        by_deployment: dict[str, list] = {}
-        for r in c.replicas.values():
-            by_deployment.setdefault(r.deployment, []).append(r)
+                self._send_later(self._event(event_object(e, owner, self.identity, now)))
         decisions = list(self._decisions)
         self._decisions.clear()
         for name, d in decisions:
+            dirty.add(name)
             owner = self.crs.get(name, self.namespace)
             if owner is not None:
                 reason = "ScaleUp" if d.direction is Direction.UP else "ScaleDown"
-                writes.append(self._event(decision_event(owner, reason, f"{d.previous} -> {d.desired} replica(s): "
+                self._send_later(self._event(decision_event(owner, reason, f"{d.previous} -> {d.desired} replica(s): "
                                                          f"{d.reason}: {d.detail}", self.identity, now)))  # fmt: skip
-        for name in c.deployments:
+        if self._full_status_at_s is None or now - self._full_status_at_s >= STATUS_FULL_PASS_S:
+            dirty = set(c.deployments)      # every status, now and then (and after a start)
+            self._full_status_at_s = now
+        for name in sorted(dirty):
+            if name not in c.deployments:
+                continue
             cr = self.crs.get(name, self.namespace)
             if cr is None:
                 continue
             generation = int(cr["metadata"].get("generation") or 1)
             status = deployment_status(c, name, generation, self._statuses.get(name) or cr.get("status"), now,
-                                       by_deployment.get(name, []))  # fmt: skip
+                                       c.records.of_deployment(name))  # fmt: skip
             writes.append(self._write_status(name, status))
         await _bounded(writes, WRITE_CONCURRENCY)
+        deleting = [cr for cr in self.crs.objects.values() if cr["metadata"].get("deletionTimestamp")
+                    and FINALIZER in (cr["metadata"].get("finalizers") or [])]  # fmt: skip
+        if not deleting:
+            return
         live_by_deployment = {p["metadata"].get("labels", {}).get(LABEL_DEPLOYMENT) for p in self.pods.objects.values()}
-        for cr in list(self.crs.objects.values()):
+        for cr in deleting:
             meta = cr["metadata"]
-            if meta.get("deletionTimestamp") and FINALIZER in (meta.get("finalizers") or []):
-                name = meta["name"]
-                alive = any(r.engine_alive for r in by_deployment.get(name, []))
-                if not alive and name not in live_by_deployment and not c.retiring(name):
-                    rest = [f for f in meta["finalizers"] if f != FINALIZER]
-                    await self._patch_cr(name, {"metadata": {"finalizers": rest or None,
-                                                             "resourceVersion": meta["resourceVersion"]}})
-                    self._statuses.pop(name, None)
-                    self._observed.pop(name, None)
+            name = meta["name"]
+            alive = any(r.engine_alive for r in c.records.of_deployment(name))
+            if not alive and name not in live_by_deployment and not c.retiring(name):
+                rest = [f for f in meta["finalizers"] if f != FINALIZER]
+                await self._patch_cr(name, {"metadata": {"finalizers": rest or None,
+                                                         "resourceVersion": meta["resourceVersion"]}})
+                self._statuses.pop(name, None)
+                self._observed.pop(name, None)
+                self._finalizing.pop(name, None)
+
+    def _send_later(self, write) -> None:
+        """Send ``write`` (a coroutine that logs its own failure) beside the ticks, at most
+        ``WRITE_CONCURRENCY`` at once with the others."""
+        async def one() -> None:
+            async with self._write_slots:
+                await write
+
+        task = asyncio.get_running_loop().create_task(one())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def drain_writes(self) -> None:
+        """Wait for the Events and annotations in flight (tests, benchmarks)."""
+        while self._sending:
+            await asyncio.gather(*list(self._sending), return_exceptions=True)
 
     async def _annotate_ready(self, pod: str, ready_at_s: float) -> None:
         try:
@@ -412,22 +560,31 @@ async def _serve_health(operator: Operator, port: int):
     leader = Gauge("fleet_operator_leader", "1 while this operator holds the Lease.", registry=registry)
     ticks = Gauge("fleet_operator_reconcile_ticks", "Reconcile ticks run since start.", registry=registry)
     tick_s = Gauge("fleet_operator_last_reconcile_seconds", "Duration of the last reconcile tick.", registry=registry)
+    longest_tick = Gauge("fleet_operator_longest_reconcile_seconds", "Longest reconcile tick since start.",
+                         registry=registry)  # fmt: skip
+    stall = Gauge("fleet_operator_longest_event_loop_stall_seconds", "Longest time the operator's event loop was "
+                  "held (a 0.1 s timer's longest delay) since start.", registry=registry)  # fmt: skip
+    renew_gap = Gauge("fleet_operator_longest_lease_renewal_gap_seconds", "Longest time between two renewals of "
+                      "the Lease while held, since start (must stay below the renew deadline).", registry=registry)
     events = Gauge("fleet_operator_watch_events", "Watch events handled since start, by informer.", ["informer"],
                    registry=registry)  # fmt: skip
     controller_registry = CollectorRegistry()
     controller_registry.register(operator.controller_metrics)  # type: ignore[arg-type]  # duck-typed Collector
 
     async def healthz(request):
-        return web.json_response({"ok": True, "leader": operator.elector.is_leader, "identity": operator.identity})
+        return web.json_response({"ok": True, "leader": operator.elector.holds(), "identity": operator.identity})
 
     async def metrics(request):
-        leader.set(1 if operator.elector.is_leader else 0)
+        leader.set(1 if operator.elector.holds() else 0)
         ticks.set(operator.ticks)
         tick_s.set(operator.last_tick_s)
+        longest_tick.set(operator.longest_tick_s)
+        stall.set(operator.longest_loop_stall_s)
+        renew_gap.set(operator.elector.longest_renewal_gap_s)
         for i in operator.informers():
             events.labels(i.name).set(i.events_handled)
         body = generate_latest(registry)
-        if operator.controller is not None and operator.elector.is_leader:
+        if operator.controller is not None and operator.elector.holds():
             operator.controller_metrics.update(operator.controller.snapshot())   # on the loop: no tick runs now
             body += generate_latest(operator.autoscaler_metrics.registry) + generate_latest(controller_registry)
         return web.Response(body=body, content_type="text/plain")

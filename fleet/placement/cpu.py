@@ -23,9 +23,10 @@ def place_cpu(request: PlacementRequest, inventory: Inventory, held: Counter[str
     nodes = [n for n in inventory.nodes if len(n.cpu_cores) >= need]
     warm = {n.name: request.warmth(n) for n in nodes}
 
+    free = {n.name: sum(1 for c in n.cpu_cores if not held[f"cpu:{c}"]) for n in nodes}   # kept as we place
+
     def rank(n) -> tuple[bool, int, int]:
-        free = sum(1 for c in n.cpu_cores if not held[f"cpu:{c}"])
-        return free >= need, warm[n.name], free
+        return free[n.name] >= need, warm[n.name], free[n.name]
 
     placements = []
     for _ in range(request.count if nodes else 0):
@@ -44,5 +45,6 @@ def place_cpu(request: PlacementRequest, inventory: Inventory, held: Counter[str
             exclusive=exclusive,
         ),))
         held.update(placement.devices)
+        free[node.name] = sum(1 for c in node.cpu_cores if not held[f"cpu:{c}"])
         placements.append(placement)
     return placements

@@ -66,6 +66,7 @@ class Env(ControllerHarness):
         await op.elector.try_acquire_or_renew()
         if op.elector.is_leader:
             await op.tick()
+            await op.drain_writes()
 
     async def tick(self, op: Operator, n: int = 1) -> None:   # type: ignore[override] - no clock: real time
         self._ticking = op
@@ -377,4 +378,88 @@ async def test_operator_metrics_export_the_controller_series_fleet_up_exports():
     finally:
         for r in runners:
             await r.cleanup()
+        await env.close()
+
+
+async def test_spec_changes_go_to_the_running_controller_one_deployment_each():
+    """A resource added, edited or deleted is handed to the running controller (add, apply,
+    remove): no hand-over, so the other deployments' replicas are not touched (no warm-up again)."""
+    env = Env()
+    op = env.operator("op-a")
+    try:
+        await _serving(env, op)
+        controller = op.controller
+        posts = len(env.engines.posts)
+        docs = copy.deepcopy(CR)
+        docs["metadata"]["name"], docs["spec"]["model"]["name"] = "docs", "docs-model"
+        env.store.create(INFERENCE_DEPLOYMENTS, NS, docs)
+        await env.tick(op)
+        env.kubelet()
+        await env.tick(op, n=4)
+        assert op.controller is controller
+        assert sorted(env.pods()) == ["chat-0", "chat-1", "docs-0", "docs-1"]
+        assert env.cr("docs")["status"]["readyReplicas"] == 2
+        env.store.patch(INFERENCE_DEPLOYMENTS, NS, "chat", {"spec": {"replicas": {"initial": 3}}})
+        await env.tick(op)
+        env.kubelet()
+        await env.tick(op, n=4)
+        assert op.controller is controller
+        assert sorted(env.pods()) == ["chat-0", "chat-1", "chat-2", "docs-0", "docs-1"]
+        assert env.cr()["status"]["readyReplicas"] == 3
+        assert env.cr()["status"]["observedGeneration"] == env.cr()["metadata"]["generation"]
+        assert len(env.engines.posts) == posts + 3        # docs-0, docs-1, chat-2: nobody warmed again
+        env.store.delete(INFERENCE_DEPLOYMENTS, NS, "docs")
+        await env.tick(op, n=2)
+        finish_deletions(env.store, NS)
+        await env.tick(op, n=3)
+        assert op.controller is controller
+        assert sorted(env.pods()) == ["chat-0", "chat-1", "chat-2"]
+        assert "docs-model" in env.pools.deleted and "docs" not in controller.deployments
+        with pytest.raises(Exception, match="not found"):
+            env.cr("docs")
+        env.store.patch(INFERENCE_DEPLOYMENTS, NS, "chat", {"spec": {"model": {"name": "chat-2-model"}}})
+        await env.tick(op)
+        assert op.controller is not controller            # a new model name: the whole hand-over
+        assert op.controller.deployments["chat"].model == "chat-2-model"
+    finally:
+        await env.close()
+
+
+async def test_past_its_renew_deadline_an_operator_writes_nothing_and_drops_its_controller():
+    """Renewals stopped (say, the API server was unreachable): from the renew deadline on
+    (10 s of a 15 s lease) nothing the operator decides reaches the cluster or the routers, and
+    its next pass drops the controller; a standby could take over only at 15 s."""
+    from tests.support.fakes import FakeClock
+
+    env = Env()
+    clock = FakeClock(1000.0)
+    op = Operator(env.kube, OperatorSettings(engine_image="fleet:1", lease_thread=False), namespace=NS,
+                  identity="op-a", engine_api=env.engines, pool_sink=env.pools, monotonic=clock,
+                  controller_settings=ControllerSettings(backoff_base_s=0.01))  # fmt: skip
+    env.ops.append(op)
+    try:
+        env.store.create(INFERENCE_DEPLOYMENTS, NS, copy.deepcopy(CR))
+        await env.start_informers(op)
+        await op.elector.try_acquire_or_renew()
+        await op.step()
+        await op.backend.drain_creates()
+        assert op.controller is not None and sorted(env.pods()) == ["chat-0", "chat-1"]
+        clock.advance(9)
+        assert op.elector.holds()
+        clock.advance(2)
+        env.store.patch(INFERENCE_DEPLOYMENTS, NS, "chat", {"spec": {"replicas": {"initial": 4}}})
+        await env.settle()
+        writes = {m: env.kube.calls[m] for m in ("create", "replace", "patch", "patch_status", "delete")}
+        updates = env.pools.updates
+        await op.tick()                     # a tick that was already running when the deadline passed
+        await op.backend.drain_creates()
+        assert {m: env.kube.calls[m] for m in writes} == writes and env.pools.updates == updates
+        assert sorted(env.pods()) == ["chat-0", "chat-1"]
+        await op.step()
+        assert op.controller is None
+        await op.elector.try_acquire_or_renew()   # renewed again (nobody took over): it acts again
+        await op.step()
+        await op.backend.drain_creates()
+        assert op.controller is not None and len(env.pods()) == 4
+    finally:
         await env.close()
