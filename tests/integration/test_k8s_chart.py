@@ -104,12 +104,15 @@ def test_rbac_is_least_privilege():
     assert role["metadata"]["namespace"] == "fleet"
     resources = {r for rule in role["rules"] for r in rule["resources"]}
     assert resources == {"inferencedeployments", "inferencedeployments/status", "inferencedeployments/finalizers",
-                         "pods", "pods/log", "events", "leases", "secrets"}
+                         "pods", "pods/log", "events", "leases", "secrets", "serviceaccounts"}
     # Secrets: get only the admin token's (by name), create (RBAC cannot name what is created);
     # never list, watch, update or delete any
     assert [r for r in role["rules"] if r["resources"] == ["secrets"]] == [
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["fleet-router-admin"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
+    # its own ServiceAccount, read once to own the Secret it makes (uninstall then deletes it)
+    assert [r for r in role["rules"] if r["resources"] == ["serviceaccounts"]] == [
+        {"apiGroups": [""], "resources": ["serviceaccounts"], "resourceNames": ["fleet-operator"], "verbs": ["get"]}]
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         if rule["resources"] == ["inferencedeployments"]:

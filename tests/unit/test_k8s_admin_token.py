@@ -166,3 +166,28 @@ async def test_the_chart_environment_names_the_secret():
 def test_a_bad_environment_is_an_error(env, why):
     with pytest.raises(AdminTokenError, match=why):
         AdminTokenSource.from_env(env)
+
+
+async def test_the_secret_the_operator_makes_is_owned_by_its_service_account():
+    """Uninstalling the release deletes the ServiceAccount; the garbage collector then deletes the
+    Secret (the fake cascades owner references as the API server's collector does)."""
+    from fleet.k8s.client import SERVICE_ACCOUNTS
+
+    kube = FakeKube()
+    sa = kube.store.create(SERVICE_ACCOUNTS, NS, {"metadata": {"name": "fleet-operator"}})
+    source = AdminTokenSource(secret=NAME, owner_service_account="fleet-operator")
+    token = await source.resolve(kube, NS)
+    secret = kube.store.get(SECRETS, NS, NAME)
+    assert secret["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "ServiceAccount",
+                                                      "name": "fleet-operator", "uid": sa["metadata"]["uid"],
+                                                      "blockOwnerDeletion": False}]  # fmt: skip
+    assert base64.b64decode(secret["data"]["token"]).decode() == token
+    kube.store.delete(SERVICE_ACCOUNTS, NS, "fleet-operator")
+    assert (SECRETS.plural, NS, NAME) not in kube.store.objects
+
+
+async def test_an_unreadable_service_account_still_makes_an_unowned_secret():
+    kube = FakeKube()   # no ServiceAccount: NotFound
+    token = await AdminTokenSource(secret=NAME, owner_service_account="gone").resolve(kube, NS)
+    secret = kube.store.get(SECRETS, NS, NAME)
+    assert "ownerReferences" not in secret["metadata"] and token

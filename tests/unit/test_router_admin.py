@@ -179,3 +179,19 @@ async def test_delete_pool() -> None:
         async with client.get("/metrics") as resp:
             assert 'model="m"' not in await resp.text()
 
+
+
+async def test_ready_only_after_the_control_plane_says_every_pool_is_published() -> None:
+    """A (re)started router knows no pool: Ready then would answer 404 for every model
+    (docs/kubernetes.md, the chart's readiness probe reads /ready)."""
+    async with router() as (app, client):
+        async with client.get("/health") as resp:
+            assert resp.status == 200   # alive ...
+        async with client.get("/ready") as resp:
+            assert resp.status == 503   # ... not ready
+        async with client.post("/admin/v1/synced") as resp:
+            assert resp.status == 401   # only the control plane may say so
+        async with client.post("/admin/v1/synced", headers=AUTH) as resp:
+            assert resp.status == 200
+        async with client.get("/ready") as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "ready"
