@@ -299,6 +299,13 @@ class WeightCache:
         """Drop ``holder``'s pin (no error when there is none)."""
         (self.root / "pins" / key / _SAFE.sub("_", holder)).unlink(missing_ok=True)
 
+    def pinned_at(self, key: str, holder: str) -> float:
+        """When ``holder`` pinned ``key`` (the cache's clock, seconds); +inf when it has no pin."""
+        try:
+            return float((self.root / "pins" / key / _SAFE.sub("_", holder)).read_text())
+        except (OSError, ValueError):
+            return float("inf")
+
     def pinned_by(self, key: str) -> tuple[str, ...]:
         d = self.root / "pins" / key
         return tuple(sorted(p.name for p in d.iterdir())) if d.is_dir() else ()

@@ -294,8 +294,8 @@ def node_agent(
 
 def _node_facts_publisher(node: str, device_checkpoint: Path):
     """The ``on_step`` work of --annotate-node: ``publish(status, checker, cache)`` writes this
-    node's facts (`fleet.k8s.node_facts`) when they changed. Exits 2 without a cluster
-    configuration."""
+    node's facts (`fleet.k8s.node_facts`) when they changed, and releases the cache pins of
+    engine pods that left the node (`fleet.agent.pins`). Exits 2 without a cluster configuration."""
     from fleet.agent.device_checkpoint import CheckpointReader
     from fleet.k8s.client import KubeClient
     from fleet.k8s.node_facts import NodeFactsPublisher, node_facts
@@ -306,13 +306,19 @@ def _node_facts_publisher(node: str, device_checkpoint: Path):
         err_console.print(f"[red]--annotate-node: no cluster configuration (in-cluster service account or "
                           f"kubeconfig): {err}[/]", highlight=False)
         raise typer.Exit(2) from None
+    from fleet.agent.pins import DepartedPodPins
+
     allocations = CheckpointReader(device_checkpoint)
+    pins = DepartedPodPins(time.time)
 
     def publish(status: dict, checker, cache) -> None:
         reading = (checker.last_reading if checker is not None else None) or {}
         domains = checker.reader.nvlink_domains if checker is not None else None
-        publisher.publish_sync(node_facts(status, reading.get("devices", []), allocations.read(),
-                                          cache.cached_sources(), domains))
+        held = allocations.read()
+        publisher.publish_sync(node_facts(status, reading.get("devices", []), held, cache.cached_sources(), domains))
+        for key, uid in pins.step(cache, held if allocations.error is None else None):
+            err_console.print(f"weight cache {key}: released the pin of pod {uid} (gone from this node)",
+                              highlight=False)
     return publish
 
 

@@ -164,6 +164,7 @@ class KubernetesBackend:
         self._forgotten: set[str] = set()            # finished pods being deleted: no longer reported
         self._created: dict[str, ReplicaFacts] = {}  # created by this backend, not yet observed
         self._members: dict[str, list[str]] = {}     # replica id -> its pod names (a gang has several)
+        self._facts_cache: dict[str, tuple[tuple, ReplicaFacts]] = {}   # replica id -> (its pods' versions, facts)
         self._creating: set[asyncio.Task] = set()
         self._create_slots = asyncio.Semaphore(CREATE_CONCURRENCY)
         self.clock = clock
@@ -357,21 +358,34 @@ class KubernetesBackend:
                 continue
             rid = (pod["metadata"].get("labels") or {}).get(LABEL_REPLICA, pod["metadata"]["name"])
             groups.setdefault(rid, []).append(pod)
+        cache: dict[str, tuple[tuple, ReplicaFacts]] = {}
         for rid, pods in groups.items():
-            self._members[rid] = sorted({*self._members.get(rid, ()), *(p["metadata"]["name"] for p in pods)})
-            f = group_facts(pods)
-            image = ((pods[0].get("spec") or {}).get("containers") or [{}])[0].get("image", "")
-            if not f.image_present and image and image_aliases(image) & self._images.get(f.node, frozenset()):
-                f = replace(f, image_present=True)   # the node lists it: the kubelet will not pull
+            # Facts change only when one of the replica's pods or its node changes: computed
+            # again then, reused otherwise (a tick at 10,000 pods must not re-derive them all).
+            nodes_of = sorted({(p.get("spec") or {}).get("nodeName") or "" for p in pods})
+            key = (tuple(sorted((p["metadata"].get("uid"), p["metadata"].get("resourceVersion")) for p in pods)),
+                   tuple((n, (by_name.get(n) or {}).get("metadata", {}).get("resourceVersion")) for n in nodes_of),
+                   rid in self._created)  # fmt: skip
+            cached = self._facts_cache.get(rid)
+            if cached is not None and cached[0] == key and all(uid and rv for uid, rv in key[0]):
+                f = cached[1]
+            else:
+                self._members[rid] = sorted({*self._members.get(rid, ()), *(p["metadata"]["name"] for p in pods)})
+                f = group_facts(pods)
+                image = ((pods[0].get("spec") or {}).get("containers") or [{}])[0].get("image", "")
+                if not f.image_present and image and image_aliases(image) & self._images.get(f.node, frozenset()):
+                    f = replace(f, image_present=True)   # the node lists it: the kubelet will not pull
+                if not f.exited:
+                    f = await self._gpu_facts(rid, f, pods, by_name)
+            cache[rid] = (key, f)
             if f.exited and rid in self._created and "missing" in (f.exit_reason or ""):
                 continue   # a gang whose members are still being created (or not yet seen): pending
-            if not f.exited:
-                f = await self._gpu_facts(rid, f, pods, by_name)
             lost = sorted({(p.get("spec") or {}).get("nodeName") for p in pods} - nodes - {None, ""})
             if lost and not f.exited:   # a node object is gone: the node is lost
                 f = replace(f, running=False, exited=True, endpoint=None,
                             exit_reason=f"node {lost[0]} was lost (its Node object is gone)")
             facts[rid] = f
+        self._facts_cache = cache
         self._forgotten &= set(facts)          # deleted for good: no longer hidden
         visible = {rid: f for rid, f in facts.items() if rid not in self._forgotten}
         for rid, last in list(self._seen.items()):
