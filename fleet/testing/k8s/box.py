@@ -229,6 +229,12 @@ class ClusterInABox:
         if self.kube is not None:
             self.kube.close()
         await self.api.stop()
+        for stage in (Path("/run/fleet-box-stage"), Path("/run/fleet-box-image")):   # containers' mount points
+            for d in sorted((p for p in stage.glob("**/*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                try:
+                    d.rmdir()   # empty once no container holds a mount there
+                except OSError:
+                    pass
 
     # ----- the node images, the chart -----------------------------------------------------------
 
