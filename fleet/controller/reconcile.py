@@ -28,6 +28,7 @@ to run or stop replicas) and at the end of every tick. Called by `fleet up` and 
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -101,6 +102,8 @@ class ControllerSettings:
     backoff_max_s: float = 300.0                #   min(base * 2**(n-1), max) seconds
     history_per_deployment: int = 10            # terminal replicas kept for `fleet status`
     log_tail_lines: int = 20
+    tick_budget_s: float = 1.0                  # wall time a tick spends placing and publishing pools;
+                                                #   what is left waits for the next tick
 
 
 class Controller:
@@ -149,6 +152,7 @@ class Controller:
         self._last_probe_s: dict[str, float] = {}
         self._facts: dict[str, ReplicaFacts] = {}
         self.tick_count = 0
+        self._tick_deadline = float("inf")
 
     # ----- what the controller keeps ---------------------------------------------------------
 
@@ -292,6 +296,10 @@ class Controller:
     async def reconcile_once(self) -> None:
         """One tick. Each step has its own error handling so one failing part never stops the rest."""
         self.tick_count += 1
+        # Placement and pool publishing stop once this tick has spent its budget (1,000 new
+        # deployments at once are 10,000 placements and 1,000 pools: spread over a few ticks, none
+        # long). Real time, not the injected clock: it paces work, it decides nothing.
+        self._tick_deadline = time.monotonic() + self.settings.tick_budget_s
         for step in (
             self._observe,
             self._probe_health,
@@ -588,6 +596,11 @@ class Controller:
         now = self.clock()
         to_launch: list[tuple[Replica, ReplicaPlacement]] = []
         for i, ((name, spec_hash), waiting) in enumerate(pending.items()):
+            if i and time.monotonic() > self._tick_deadline:
+                for _key, later in list(pending.items())[i:]:
+                    for r in later:
+                        self._waiting[r.id] = "placed at the next tick (this tick's placement time is spent)"
+                break
             if i and i % YIELD_EVERY == 0:
                 await asyncio.sleep(0)   # let the loop breathe (informers, /metrics) in a long placement
             ld = self.deployments[name].revs.specs[spec_hash]
@@ -710,9 +723,15 @@ class Controller:
                 await self.pool_sink.put_pool(ds.model, pool)
             ds.last_pool = pool
 
-        # 1,000 new deployments are 1,000 pools: sent side by side, each one retried next tick if it failed.
-        results = await asyncio.gather(*(put(ds, pool) for ds, pool in changed), return_exceptions=True)
-        failed = [(ds.model, r) for (ds, _), r in zip(changed, results) if isinstance(r, BaseException)]
+        # 1,000 new deployments are 1,000 pools: sent side by side, each one retried next tick if it
+        # failed; in chunks, until the tick's budget is spent (the rest next tick).
+        failed = []
+        for at in range(0, len(changed), PUBLISH_CONCURRENCY * 4):
+            chunk = changed[at: at + PUBLISH_CONCURRENCY * 4]
+            results = await asyncio.gather(*(put(ds, pool) for ds, pool in chunk), return_exceptions=True)
+            failed += [(ds.model, r) for (ds, _), r in zip(chunk, results) if isinstance(r, BaseException)]
+            if time.monotonic() > self._tick_deadline:
+                break
         if failed:
             log.warning("cannot publish %d pool(s) (retried next tick); first: %s: %r", len(failed), *failed[0])
 
