@@ -32,6 +32,7 @@ import aiohttp
 import pytest
 
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, NotFound
+from tests.support.waits import async_wait_until
 
 pytestmark = [pytest.mark.timeout(900)]
 NS = "fleet"
@@ -102,7 +103,8 @@ class Load:
                     self.refused += 1
                     continue
                 except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-                    lost = isinstance(err, aiohttp.ClientOSError) and url == self.killed_router
+                    broken = isinstance(err, (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
+                    lost = broken and url == self.killed_router   # its process died with the request
                     (self.lost_in_killed_router if lost else self.failed_before_streaming).append(
                         f"{url}: {type(err).__name__}: {err}")
                 await asyncio.sleep(0.05)
@@ -163,16 +165,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
         return "\n".join(lines)
 
     async def until(cond, timeout_s: float, what: str):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = cond()
-            if asyncio.iscoroutine(value):
-                value = await value
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{why()}")
-            await asyncio.sleep(0.25)
+        return await async_wait_until(cond, timeout_s, interval_s=0.25, message=what, explain=why)
 
     def router_urls() -> list[str]:
         return [f"http://{p['status']['podIP']}:8080" for p in pods("app.kubernetes.io/component=router")
