@@ -4,8 +4,8 @@ container runtime (runc), used by `fleet.testing.k8s.podrunner`; Linux and root 
 
 ``python -m fleet.testing.k8s.container SPEC.json`` where the JSON holds ``argv``, ``env``,
 ``mounts`` (``[{"source", "target", "readOnly"}]``: directories, or files for subPath-like
-mounts), ``imagePaths`` (what the "image" holds: made reachable to the container's user, see
-`_expose`), ``uid``, ``gid``, ``groups``, ``readOnlyRoot``. Not isolated beyond mounts and
+mounts), ``imagePaths`` (what the "image" holds: kept visible over volumes and reachable to the
+container's user, see `_stage_image`), ``uid``, ``gid``, ``groups``, ``readOnlyRoot``. Not isolated beyond mounts and
 credentials: the process shares the network, PIDs and the file system outside its mounts with
 the machine (docs/kubernetes.md, "The cluster in a box").
 """
@@ -50,23 +50,29 @@ def _closed_parent(path: str) -> str | None:
     return None
 
 
-def _expose(libc: ctypes.CDLL, paths: list[str]) -> None:
-    """Make ``paths`` (the "image": this interpreter's installation) reachable to any user when a
-    parent directory is closed (e.g. Python under /root): a tmpfs covers the closed directory in
-    this namespace only, and each path is bind-mounted back at its own place inside it."""
+def _stage_image(libc: ctypes.CDLL, paths: list[str]) -> list[tuple[str, str]]:
+    """Bind ``paths`` (the "image": the repository and this interpreter's installation) aside,
+    before anything is mounted over them, and make them reachable to any user when a parent
+    directory is closed (e.g. Python under /root): a tmpfs covers the closed directory in this
+    namespace only. `_restore_image` puts them back at their own places."""
     staged: list[tuple[str, str]] = []
     closed: set[str] = set()
     for i, path in enumerate(paths):
-        parent = _closed_parent(path)
-        if parent is None:
-            continue
         stage = f"/run/fleet-box-image/{os.getpid()}-{i}"
         os.makedirs(stage, exist_ok=True)
         _mount(libc, path, stage, MS_BIND | MS_REC)
         staged.append((stage, path))
-        closed.add(parent)
+        parent = _closed_parent(path)
+        if parent is not None:
+            closed.add(parent)
     for parent in sorted(closed, key=len):
         _check(libc.mount(b"tmpfs", parent.encode(), b"tmpfs", 0, b"mode=0755"), f"mount tmpfs {parent}")
+    return staged
+
+
+def _restore_image(libc: ctypes.CDLL, staged: list[tuple[str, str]]) -> None:
+    """Bind the image back at its paths, over any volume mounted on a parent of one (an emptyDir
+    at /tmp must not hide a repository checked out under /tmp)."""
     for stage, path in staged:
         os.makedirs(path, exist_ok=True)
         _mount(libc, stage, path, MS_BIND | MS_REC)
@@ -77,7 +83,7 @@ def enter(spec: dict) -> None:
     libc = _libc()
     _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(libc, None, "/", MS_REC | MS_PRIVATE)
-    _expose(libc, spec.get("imagePaths", []))
+    image = _stage_image(libc, spec.get("imagePaths", []))
     staged = []
     for i, m in enumerate(spec.get("mounts", [])):   # first all sources, before a mount hides one (/tmp)
         stage = f"/run/fleet-box-stage/{os.getpid()}/{i}"
@@ -98,6 +104,7 @@ def enter(spec: dict) -> None:
         _mount(libc, stage, target, MS_BIND | MS_REC)
         if m.get("readOnly"):
             _mount(libc, None, target, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC)
+    _restore_image(libc, image)
     if spec.get("readOnlyRoot"):   # the root only: the volumes above keep their own modes
         _mount(libc, None, "/", MS_BIND | MS_REMOUNT | MS_RDONLY)
     gid, uid = spec.get("gid", 0), spec.get("uid", 0)
