@@ -254,8 +254,8 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
             assert [c["name"] for c in spec.get("initContainers") or []] == ["weights"]
             cmd = spec["containers"][0]["command"]
             assert cmd[cmd.index("--model") + 1] == "/fleet/model/current"
-            cpu_mem = spec["containers"][0]["resources"]["requests"]
-            assert "cpu" in cpu_mem and "memory" in cpu_mem, "engine pods must not be BestEffort"
+            admitted = box.nodes[spec["nodeName"]].requested[p["metadata"]["name"]]   # what the kubelet admitted
+            assert "cpu" in admitted and "memory" in admitted, "engine pods must not be BestEffort"
         mark("placement, weights once per node, resources checked")
 
         # ---- Xid 79 on a GPU of a serving replica: quarantined, drained, replaced --------------

@@ -39,15 +39,7 @@ from tests.support.waits import async_wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NS = "fleet"
-# The resource of the operator's stand-in test (tests/integration/test_operator_standin.py).
-CR = {
-    "apiVersion": "fleet.inference.dev/v1alpha1", "kind": "InferenceDeployment",
-    "metadata": {"name": "sim-chat"},
-    "spec": {"model": {"name": "llama-8b-sim", "source": "sim://h100-llama-8b"},
-             "engine": {"kind": "sim", "args": ["--seed", "1"], "startupTimeoutSeconds": 60},
-             "resources": {"accelerator": "cpu", "cpuCores": 1}, "replicas": {"min": 1, "max": 4, "initial": 2},
-             "warmup": {"requests": [{"kind": "completion", "prompt": "Hello", "maxTokens": 4}]}},
-}  # fmt: skip
+from tests.integration.test_operator_standin import CR  # noqa: E402 - the operator stand-in test's resource
 # The first test may build the server (minutes) when tests/run.sh has not.
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + 120)
 
