@@ -12,8 +12,9 @@ leaves no engine, router or other process behind.
 Real `fleet up` processes over three replicas of the engine SIMULATOR (`engine.kind: sim`), the
 real router, real signals, a real full filesystem. The load: `loadtests.faultload.FaultLoad`
 (25 streamed completions/s; refused connections and 503/429 retried as OpenAI's SDKs do, nothing
-else). Each test records its row (`FAULT-ROW {json}` in its output); the table in
-docs/crash-safety.md comes from `python -m loadtests.fault_table`, which runs this file.
+else). Each test records its row (`FAULT-ROW {json}` in its output) once its load has run,
+before its assertions; the table in docs/crash-safety.md comes from
+`python -m loadtests.fault_table`, which runs this file.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tests.support.faults import (
     FaultFleet,
     TmpfsNamespace,
     down_leaves_nothing,
+    kill_9_router,
     kill_engine,
     pool_endpoints,
     ready_since,
@@ -96,68 +98,85 @@ def _assert_none_failed_before_streaming(load: FaultLoad) -> None:
     assert load.failed == [], f"{load.summary()}; first failures: {load.failed[:5]}"
 
 
-def _assert_only_in_flight_on_the_router_failed(load: FaultLoad, killed_at_s: float) -> int:
-    """Failures allowed by a router kill: tries in flight on it when it died (sent before the
-    kill, ended by a reset or a closed connection, never an HTTP status). Returns how many."""
+def _in_flight_on_the_router(load: FaultLoad, killed_at_s: float) -> int:
+    """Failures a router kill may cause: tries in flight on it when it died (sent before the
+    kill, ended by a reset or a closed connection, never an HTTP status)."""
+    return sum(1 for r in load.failed if r.last_try_at_s <= killed_at_s and not r.detail.split()[0].isdigit())
+
+
+def _assert_only_in_flight_on_the_router_failed(load: FaultLoad, killed_at_s: float) -> None:
     bad = [r for r in load.failed if r.last_try_at_s > killed_at_s or r.detail.split()[0].isdigit()]
     assert bad == [], f"{len(bad)} requests failed that were not in flight on the killed router: {bad[:5]}; " \
                       f"{load.summary()}"
-    return len(load.failed)
 
 
 # ----- the state directory's filesystem full ---------------------------------------------------
 
 
-@pytest.mark.parametrize("then", ["replica kill -9", "router kill -9"])
-def test_state_dir_full_never_reaches_serving_and_the_fleet_recovers_once_freed(tmpfs, started, fleet_file,
-                                                                                then):  # fmt: skip
+def _full_disk_fleet(tmpfs: TmpfsNamespace, started: list, fleet_file: Path) -> FaultFleet:
+    """`fleet up` with its state directory on ``tmpfs`` and its output in ``logs/fleet-up.log``
+    there (as `fleet up --detach` writes it), 3 replicas READY."""
     state = tmpfs.mountpoint
     log = state / "logs" / "fleet-up.log"
-    fleet = _up(started, FaultFleet([fleet_file], state, prefix=tmpfs.enter(), view=tmpfs.view(state),
-                                    out_path=tmpfs.view(log), shell_out=log))  # fmt: skip
+    return _up(started, FaultFleet([fleet_file], state, prefix=tmpfs.enter(), view=tmpfs.view(state),
+                                   out_path=tmpfs.view(log), shell_out=log))  # fmt: skip
+
+
+def _fill_and_check_status(tmpfs: TmpfsNamespace, fleet: FaultFleet) -> int:
+    filled = tmpfs.fill()
+    assert tmpfs.free_bytes() == 0
+    status = fleet.cli("status")
+    assert status.returncode == 0 and "sim-chat-0" in status.stdout, \
+        f"`fleet status` on a full disk: exit {status.returncode}\n{status.stdout}\n{status.stderr}"
+    return filled
+
+
+def test_state_dir_full_while_a_replica_crashes_never_reaches_serving(tmpfs, started, fleet_file):
+    fleet = _full_disk_fleet(tmpfs, started, fleet_file)
     view = fleet.state_dir
     before = engines(view)
+    victim = fleet.replicas()["sim-chat-1"]["endpoint"]
     with FaultLoad(fleet.router_url, MODEL) as load:
         load.wait_for_more(40, "load on the fleet before the disk fills")
-        filled = tmpfs.fill()
-        assert tmpfs.free_bytes() == 0
-        status = fleet.cli("status")
-        assert status.returncode == 0 and "sim-chat-0" in status.stdout, \
-            f"`fleet status` on a full disk: exit {status.returncode}\n{status.stdout}\n{status.stderr}"
-        if then == "replica kill -9":
-            victim_port = next(r["endpoint"] for r in fleet.replicas().values() if r["id"] == "sim-chat-1")
-            kill_engine(view, "sim-chat-1")
-            wait_s("the crashed replica out of the router's pool (the controller saw it on a full disk)",
-                   lambda: (eps := pool_endpoints(fleet)) is not None and len(eps) == REPLICAS - 1
-                   and all(victim_port not in str(e) for e in eps), 60, fleet)  # fmt: skip
-            load.wait_for_more(50, "load with the disk full and a replica gone")
-        else:
-            killed_at = time.monotonic()
-            os.kill(router_pid(view), signal.SIGKILL)
-            time.sleep(FULL_HOLD_S)   # the fault's length, not a wait for a condition
+        _fill_and_check_status(tmpfs, fleet)
+        kill_engine(view, "sim-chat-1")
+        wait_s("the crashed replica out of the router's pool (the controller saw it on a full disk)",
+               lambda: (eps := pool_endpoints(fleet)) is not None and len(eps) == REPLICAS - 1
+               and all(victim not in str(e) for e in eps), 60, fleet)  # fmt: skip
+        load.wait_for_more(50, "load with the disk full and a replica gone")
         assert fleet.proc.poll() is None, f"`fleet up` exited {fleet.proc.returncode} on a full disk"
         tmpfs.free()
         freed_unix = time.time()
         recovery_s = wait_s(f"{REPLICAS} replicas READY in a state written after the disk was freed",
                             lambda: ready_since(fleet, REPLICAS, freed_unix), RECOVERY_DEADLINE_S, fleet)  # fmt: skip
-        if then == "router kill -9":
-            wait_s("a request answered by the restarted router", lambda: load.first_ok_try_after(killed_at),
-                   RECOVERY_DEADLINE_S, fleet)  # fmt: skip
         load.wait_for_more(50, "load after the recovery")
-    if then == "replica kill -9":
-        _assert_none_failed_before_streaming(load)
-        assert fleet.status_of("sim-chat-1") == "FAILED_CRASHED"
-        running = engines(view)
-        assert all(running.get(k) == pid for k, pid in before.items() if k != "sim-chat-1"), running  # not restarted
-        recovery = "disk freed -> 3 READY recorded"
-        lost = 0
-    else:
-        lost = _assert_only_in_flight_on_the_router_failed(load, killed_at)
-        assert engines(view) == before
-        recovery_s = load.first_ok_try_after(killed_at) - killed_at
-        recovery = f"kill -> first request served by the new router (disk full for the first {FULL_HOLD_S:g} s)"
-    record_row(f"state dir full, {then}", load, recovery_s, recovery, lost_in_flight=lost,
-               filled_mib=round(filled / 2**20, 1))  # fmt: skip
+    record_row("state dir full, replica kill -9", load, recovery_s, "disk freed -> 3 READY recorded")
+    _assert_none_failed_before_streaming(load)
+    assert fleet.status_of("sim-chat-1") == "FAILED_CRASHED"
+    running = engines(view)
+    assert all(running.get(k) == pid for k, pid in before.items() if k != "sim-chat-1"), running  # not restarted
+    down_leaves_nothing(fleet)
+
+
+def test_state_dir_full_while_the_router_restarts_fails_only_what_was_in_flight_on_it(tmpfs, started, fleet_file):
+    fleet = _full_disk_fleet(tmpfs, started, fleet_file)
+    view = fleet.state_dir
+    before = engines(view)
+    with FaultLoad(fleet.router_url, MODEL) as load:
+        load.wait_for_more(40, "load on the fleet before the disk fills")
+        _fill_and_check_status(tmpfs, fleet)
+        killed_at = kill_9_router(view)
+        time.sleep(FULL_HOLD_S)   # the fault's length, not a wait for a condition
+        assert fleet.proc.poll() is None, f"`fleet up` exited {fleet.proc.returncode} on a full disk"
+        tmpfs.free()
+        wait_s("a request answered by the restarted router", lambda: load.first_ok_try_after(killed_at),
+               RECOVERY_DEADLINE_S, fleet)  # fmt: skip
+        load.wait_for_more(50, "load after the recovery")
+    record_row("state dir full, router kill -9", load, load.first_ok_try_after(killed_at) - killed_at,
+               f"kill -> first request served by the new router; disk full for {FULL_HOLD_S:g} s after the kill",
+               lost_in_flight=_in_flight_on_the_router(load, killed_at))  # fmt: skip
+    _assert_only_in_flight_on_the_router_failed(load, killed_at)
+    assert engines(view) == before
     down_leaves_nothing(fleet)
 
 
@@ -180,9 +199,9 @@ def test_stdout_reader_gone_never_reaches_serving(tmp_path, started, fleet_file)
                             lambda: fleet.status_of("sim-chat-1") == "FAILED_CRASHED"
                             and ready_since(fleet, REPLICAS, killed_at_unix), RECOVERY_DEADLINE_S, fleet)  # fmt: skip
         load.wait_for_more(50, "load after the replacement")
+    record_row("stdout reader gone, replica kill -9", load, recovery_s, "kill -> replaced, 3 READY")
     assert fleet.proc.poll() is None, "`fleet up` exited with its stdout gone"
     _assert_none_failed_before_streaming(load)
-    record_row("stdout reader gone, replica kill -9", load, recovery_s, "kill -> replaced, 3 READY")
     down_leaves_nothing(fleet)
 
 
@@ -199,19 +218,19 @@ def test_truncated_state_file_is_named_and_the_restart_adopts_every_engine(tmp_p
         text = (state / "state.json").read_bytes()
         (state / "state.json").write_bytes(text[: len(text) // 2])   # cut mid-document, as a torn write leaves it
         status = first.cli("status")
-        said = status.stdout + status.stderr
-        assert "state.json" in said and "has not run" not in said, f"`fleet status` of a truncated state:\n{said}"
         restarted_unix = time.time()
         second = FaultFleet([fleet_file], state, port=first.port, out_path=tmp_path / "fleet-up-1.out")
         started.append(second)
         recovery_s = wait_s("the restarted controller to adopt every engine",
                             lambda: ready_since(second, REPLICAS, restarted_unix), RECOVERY_DEADLINE_S, second)  # fmt: skip
         load.wait_for_more(50, "load after the adoption")
+    record_row("state.json truncated, fleet up restarted", load, recovery_s, "restart -> 3 adopted READY")
     _assert_none_failed_before_streaming(load)
     assert engines(state) == before, "an engine was stopped or restarted instead of adopted"
     assert sorted(second.replicas()) == sorted(before), "replica ids changed or were reused"
     assert "state.json" in second.output(), "the unreadable state file is not named"
-    record_row("state.json truncated, fleet up restarted", load, recovery_s, "restart -> 3 adopted READY")
+    said = status.stdout + status.stderr
+    assert "state.json" in said and "has not run" not in said, f"`fleet status` of a truncated state:\n{said}"
     down_leaves_nothing(second, first)
 
 
@@ -223,15 +242,15 @@ def test_router_kill_9_fails_only_the_requests_in_flight_on_it(tmp_path, started
     before = engines(fleet.state_dir)
     with FaultLoad(fleet.router_url, MODEL) as load:
         load.wait_for_more(40, "load on the fleet before the kill")
-        os.kill(router_pid(fleet.state_dir), signal.SIGKILL)
-        killed_at = time.monotonic()
+        killed_at = kill_9_router(fleet.state_dir)
         wait_s("a request answered by the restarted router", lambda: load.first_ok_try_after(killed_at),
                RECOVERY_DEADLINE_S, fleet)  # fmt: skip
         load.wait_for_more(50, "load after the router is back")
-    lost = _assert_only_in_flight_on_the_router_failed(load, killed_at)
-    assert engines(fleet.state_dir) == before
     record_row("router kill -9", load, load.first_ok_try_after(killed_at) - killed_at,
-               "kill -> first request served by the new router", lost_in_flight=lost)  # fmt: skip
+               "kill -> first request served by the new router",
+               lost_in_flight=_in_flight_on_the_router(load, killed_at))  # fmt: skip
+    _assert_only_in_flight_on_the_router_failed(load, killed_at)
+    assert engines(fleet.state_dir) == before
     down_leaves_nothing(fleet)
 
 
@@ -245,8 +264,8 @@ def test_replica_kill_9_fails_no_request_that_had_not_started_streaming(tmp_path
                             lambda: fleet.status_of("sim-chat-1") == "FAILED_CRASHED"
                             and ready_since(fleet, REPLICAS, killed_at_unix), RECOVERY_DEADLINE_S, fleet)  # fmt: skip
         load.wait_for_more(50, "load after the replacement")
-    _assert_none_failed_before_streaming(load)
     record_row("replica kill -9", load, recovery_s, "kill -> replaced, 3 READY")
+    _assert_none_failed_before_streaming(load)
     down_leaves_nothing(fleet)
 
 
@@ -265,7 +284,7 @@ def test_fleet_up_kill_9_fails_no_request_and_a_restart_adopts_everything(tmp_pa
                             lambda: ready_since(second, REPLICAS, restarted_unix)
                             and f"Adopted {REPLICAS}" in second.output(), RECOVERY_DEADLINE_S, second)  # fmt: skip
         load.wait_for_more(50, "load after the adoption")
+    record_row("fleet up kill -9, restarted", load, recovery_s, "restart -> 3 adopted READY")
     _assert_none_failed_before_streaming(load)
     assert engines(state) == before and router_pid(state) == router_before   # adopted, not restarted
-    record_row("fleet up kill -9, restarted", load, recovery_s, "restart -> 3 adopted READY")
     down_leaves_nothing(second, first)

@@ -225,6 +225,23 @@ def kill_engine(state_dir: Path, replica_id: str) -> int:
     return pid
 
 
+def kill_9_router(state_dir: Path) -> float:
+    """SIGKILL to the fleet's router; returns the `time.monotonic` second by which it was gone
+    (exited or a zombie: its sockets closed), so a try sent after it cannot have reached it."""
+    pid = router_pid(state_dir)
+    assert pid is not None, f"no router recorded in {state_dir}"
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.005)
+    return time.monotonic()
+
+
 def down_leaves_nothing(fleet: FaultFleet, *others: FleetUp) -> str:
     """`fleet down`, then nothing of the fleet may run: no `fleet up`, no engine marked with the
     fleet's id, no router, no process any of ``fleet``/``others`` started. Returns what
