@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from fleet.inventory.mig import mig_model_for
 from fleet.inventory.model import Inventory, product_key
-from fleet.models.facts import MIB
+from fleet.models.facts import MIB, tp_problem
 from fleet.models.memory import MemoryNeed
 
 TP_SIZES = (1, 2, 4, 8)
@@ -103,6 +103,7 @@ class ShapeAdvice:
     concurrency: float              # full-context sequences at once (0 when it does not fit)
     kv_cache_bytes: int             # per GPU (negative: short by that much)
     price_per_hour: float | None = None
+    verdict: str = ""               # in a few words: "fits", "weights do not fit", "context: ~32,768 tokens fit"
 
     @property
     def fits(self) -> bool:
@@ -149,7 +150,18 @@ def _row(need: MemoryNeed, product: str, memory_mib: int, tp: int, profile: str 
     problem = need.fits(memory_mib)
     return ShapeAdvice(product, tp, profile, memory_mib, gpus, problem,
                        need.concurrency(memory_mib) if problem is None else 0.0,
-                       need.kv_cache_bytes(memory_mib), price)
+                       need.kv_cache_bytes(memory_mib), price, _verdict(need, memory_mib, problem))
+
+
+def _verdict(need: MemoryNeed, memory_mib: int, problem: str | None) -> str:
+    if problem is None:
+        return "fits"
+    if tp_problem(need.facts, need.tensor_parallel_size) is not None:
+        return f"TP {need.tensor_parallel_size} does not divide the heads"
+    longest = need.longest_context(memory_mib)
+    if longest <= 0:
+        return "weights do not fit"
+    return f"only ~{longest:,} tokens of context fit"
 
 
 def cheapest(rows: list[ShapeAdvice], target_concurrency: float = 1.0) -> ShapeAdvice | None:

@@ -13,17 +13,23 @@ What is read:
   repository with no index gives its weight bytes as the sizes the hub lists for its
   ``*.safetensors`` files (``model_info(files_metadata=True)``). No weights are downloaded.
 
-Sources with nothing to read (``sim://``, http manifests) give None. Called by `fleet validate`
-and `fleet plan` (`fleet.cli`), never by the controller's loop (network I/O).
+Sources with nothing to read (``sim://``, http manifests) give None. `memory_need` puts the facts
+together with a deployment's engine arguments and TP size. Called by `fleet validate` and
+`fleet plan` (`fleet.cli`), never by the controller's loop (network I/O).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleet.models.facts import ModelConfigError, ModelFacts, facts_from_config, safetensors_header, safetensors_weight_bytes
+from fleet.models.memory import EngineMemorySettings, MemoryNeed
 from fleet.sources import HubSource, LocalSource, SourceError, hub_endpoint, parse_source
+
+if TYPE_CHECKING:
+    from fleet.spec import InferenceDeployment
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -55,6 +61,24 @@ def read_model_facts(source: str, base_dir: Path | None = None, cache_root: Path
             return facts_from_dir(cached, source)
         return _facts_from_hub(src)
     return None
+
+
+def memory_need(dep: InferenceDeployment, base_dir: Path | None = None,
+                cache_root: Path | None = None) -> MemoryNeed | None:
+    """The `MemoryNeed` of one replica of ``dep``: its model's facts (`read_model_facts`), its
+    ``spec.engine.args`` (`EngineMemorySettings.from_engine_args`) and its TP size. None for a
+    simulated engine, a CPU replica, or a source Fleet does not read.
+
+    Raises ModelSourceError (the model cannot be read) or EngineArgError (a bad engine flag).
+    """
+    spec = dep.spec
+    if spec.engine.kind == "sim" or spec.resources.accelerator != "gpu":
+        return None
+    facts = read_model_facts(spec.model.source, base_dir, cache_root)
+    if facts is None:
+        return None
+    settings = EngineMemorySettings.from_engine_args(spec.engine.args)
+    return MemoryNeed(facts, settings, spec.resources.tensor_parallel_size)
 
 
 def _cached_dir(source: str, cache_root: Path | None) -> Path | None:
