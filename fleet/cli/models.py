@@ -111,7 +111,7 @@ def advice_table(title: str, rows: list[ShapeAdvice], need: MemoryNeed, target: 
         cost = r.cost_for(target) if replicas else 0.0
         table.add_row(r.product, r.label, f"{r.gpus:.2g}", f"{r.device_memory_mib / 1024:.1f} GiB",
                       f"{max(0, r.kv_cache_bytes) / GIB:.1f} GiB", f"{r.concurrency:.1f}" if r.fits else "-",
-                      str(replicas) if replicas else "-", (f"{cost:.2f}" if priced else f"{cost:g}") if replicas else "-",
+                      str(replicas) if replicas else "-", (f"{cost:.2f}" if r.price_per_hour else "-" if priced else f"{cost:g}") if replicas else "-",
                       r.verdict + mark)
     return table
 

@@ -10,7 +10,7 @@ given). Pure. Called by `fleet plan --advise` and `fleet validate`.
 
 "Cheapest": a shape costs its GPUs per replica (a MIG instance of ``Ng`` costs ``N/7`` of its
 GPU: its share of the 7 compute slices) times the GPU's price per hour when one is given, else
-1; a target of T concurrent full-context sequences needs ``ceil(T / concurrency)`` replicas
+1 (with prices given, shapes of unpriced products are listed but never cheapest); a target of T concurrent full-context sequences needs ``ceil(T / concurrency)`` replicas
 (``concurrency`` rounded down). Ties go to the higher concurrency, then fewer GPUs per replica.
 """
 
@@ -168,6 +168,8 @@ def cheapest(rows: list[ShapeAdvice], target_concurrency: float = 1.0) -> ShapeA
     """The fitting shape whose replicas reach ``target_concurrency`` at the least cost (module
     docstring), or None when none fits."""
     ok = [r for r in rows if r.fits and r.concurrency >= 1]
+    if any(r.price_per_hour for r in rows):   # prices given: a product without one has no comparable cost
+        ok = [r for r in ok if r.price_per_hour]
     if not ok:
         return None
     return min(ok, key=lambda r: (r.cost_for(target_concurrency), -r.concurrency, r.gpus))

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from fleet.spec import InferenceDeployment
 
 INDEX_NAME = "model.safetensors.index.json"
+HUB_TIMEOUT_S = 5.0
+"""How long `fleet validate` waits for the hub to answer for one file before using its cache."""
 
 
 class ModelSourceError(ValueError):
@@ -146,17 +148,44 @@ def facts_from_dir(model_dir: Path, source: str | None = None) -> ModelFacts:
     return facts.with_weights(total, "safetensors headers")
 
 
+def _answers(endpoint: str) -> bool:
+    """Whether the hub answers HTTP at all within `HUB_TIMEOUT_S` (any status)."""
+    import httpx
+
+    try:
+        httpx.head(endpoint, timeout=HUB_TIMEOUT_S)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def _cached(src: HubSource, name: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(src.repo_id, name, revision=src.revision), str)
+
+
 def _facts_from_hub(src: HubSource) -> ModelFacts:
     from huggingface_hub import HfApi, get_token, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     endpoint = hub_endpoint()
     token = get_token()
     where = src.canonical
+    online = _answers(endpoint)   # one short probe: huggingface_hub retries an unreachable hub for ~20 s
 
     def fetch(name: str) -> Path | None:
         try:
-            return Path(hf_hub_download(src.repo_id, name, revision=src.revision, endpoint=endpoint, token=token))
+            return Path(hf_hub_download(src.repo_id, name, revision=src.revision, endpoint=endpoint, token=token,
+                                        etag_timeout=HUB_TIMEOUT_S, local_files_only=not online))
+        except LocalEntryNotFoundError:   # offline (HF_HUB_OFFLINE, or the hub unreachable) and not in the hub cache
+            raise ModelSourceError(f"{where}: {name} is not in the hub cache and {endpoint} did not answer") from None
         except EntryNotFoundError:
             return None
         except RevisionNotFoundError:
@@ -174,13 +203,15 @@ def _facts_from_hub(src: HubSource) -> ModelFacts:
         facts = facts_from_config(_load_json(config, where), f"{where} config.json")
     except ModelConfigError as err:
         raise ModelSourceError(str(err)) from None
-    index = fetch(INDEX_NAME)
+    index = fetch(INDEX_NAME) if online or _cached(src, INDEX_NAME) else None
     if index is not None:
         return facts.with_weights(_index_total(_load_json(index, where), where), "safetensors index")
+    if not online:
+        return facts
     try:
         info = HfApi(endpoint=endpoint, token=token).model_info(src.repo_id, revision=src.revision,
                                                                  files_metadata=True)
     except (HfHubHTTPError, OSError, ValueError):
-        return facts   # offline with only config.json cached: the estimate from config.json
+        return facts   # the hub stopped answering: the estimate from config.json
     sizes = [s.size for s in info.siblings or [] if s.rfilename.endswith(".safetensors") and s.size]
     return facts.with_weights(sum(sizes), "safetensors file sizes") if sizes else facts
