@@ -11,6 +11,7 @@ is `fleet.models`; this module reads files through `fleet.models.read` and rende
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rich.table import Table
 
@@ -42,9 +43,23 @@ def read_need(ld: LoadedDeployment) -> tuple[MemoryNeed | None, str | None]:
     """(the deployment's `MemoryNeed` or None, why it is not known when the model could not be
     read). Bad engine flags are reported, never raised."""
     try:
-        return memory_need(ld.deployment, ld.base_dir), None
+        return memory_need(ld.deployment, ld.base_dir, _weight_cache_dir(ld.deployment.spec.model.source)), None
     except (ModelSourceError, EngineArgError) as err:
         return None, str(err)
+
+
+def _weight_cache_dir(source: str) -> Path | None:
+    """The hub source's directory in Fleet's weight cache on this machine (`fleet cache pull`
+    put it there), or None: read offline instead of asking the hub."""
+    if not source.startswith("hf://"):
+        return None
+    from fleet.agent.cache import WeightCache, default_cache_root
+
+    root = default_cache_root()
+    try:
+        return WeightCache(root).lookup(source) if root.is_dir() else None
+    except (OSError, ValueError):
+        return None
 
 
 def model_check(ld: LoadedDeployment) -> ModelCheck:

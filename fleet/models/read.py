@@ -3,8 +3,8 @@
 Owns `read_model_facts` (source string -> `fleet.models.facts.ModelFacts`) and `ModelSourceError`.
 What is read:
 
-- a local directory (a path or ``file://``), or a hub source already in Fleet's weight cache
-  (`fleet.agent.cache.WeightCache.lookup`, no network): ``config.json``; the weight bytes from
+- a local directory (a path or ``file://``), or a hub source's directory in Fleet's weight cache
+  (the caller looks it up: `fleet.agent.cache.WeightCache.lookup`, no network): ``config.json``; the weight bytes from
   ``model.safetensors.index.json`` ``metadata.total_size``, else the headers of the
   ``*.safetensors`` files (the first 8 + N bytes of each: the tensors' ``data_offsets``), else
   parameters x dtype from ``config.json``;
@@ -41,12 +41,13 @@ class ModelSourceError(ValueError):
     names the source and the file."""
 
 
-def read_model_facts(source: str, base_dir: Path | None = None, cache_root: Path | None = None) -> ModelFacts | None:
+def read_model_facts(source: str, base_dir: Path | None = None, cached_dir: Path | None = None) -> ModelFacts | None:
     """The facts of the model at ``source`` (a `spec.model.source` string), or None for a source
     Fleet does not read (``sim://``, http(s) manifests).
 
-    ``base_dir`` resolves a relative path (the YAML file's directory); ``cache_root`` is Fleet's
-    weight cache (default `fleet.agent.cache.default_cache_root`), looked in first for hub sources.
+    ``base_dir`` resolves a relative path (the YAML file's directory); ``cached_dir`` is the
+    source's directory in Fleet's weight cache when the caller found one
+    (`fleet.agent.cache.WeightCache.lookup`), read instead of the hub.
     Raises ModelSourceError naming the source.
     """
     if source.startswith("sim://"):
@@ -58,15 +59,12 @@ def read_model_facts(source: str, base_dir: Path | None = None, cache_root: Path
     if isinstance(src, LocalSource):
         return facts_from_dir(src.path, source)
     if isinstance(src, HubSource):
-        cached = _cached_dir(source, cache_root)
-        if cached is not None:
-            return facts_from_dir(cached, source)
-        return _facts_from_hub(src)
+        return facts_from_dir(cached_dir, source) if cached_dir is not None else _facts_from_hub(src)
     return None
 
 
 def memory_need(dep: InferenceDeployment, base_dir: Path | None = None,
-                cache_root: Path | None = None) -> MemoryNeed | None:
+                cached_dir: Path | None = None) -> MemoryNeed | None:
     """The `MemoryNeed` of one replica of ``dep``: its model's facts (`read_model_facts`), its
     ``spec.engine.args`` (`EngineMemorySettings.from_engine_args`) and its TP size. None for a
     simulated engine, a CPU replica, or a source Fleet does not read.
@@ -76,23 +74,11 @@ def memory_need(dep: InferenceDeployment, base_dir: Path | None = None,
     spec = dep.spec
     if spec.engine.kind == "sim" or spec.resources.accelerator != "gpu":
         return None
-    facts = read_model_facts(spec.model.source, base_dir, cache_root)
+    facts = read_model_facts(spec.model.source, base_dir, cached_dir)
     if facts is None:
         return None
     settings = EngineMemorySettings.from_engine_args(spec.engine.args)
     return MemoryNeed(facts, settings, spec.resources.tensor_parallel_size)
-
-
-def _cached_dir(source: str, cache_root: Path | None) -> Path | None:
-    from fleet.agent.cache import WeightCache, default_cache_root
-
-    root = cache_root or default_cache_root()
-    if not root.is_dir():
-        return None
-    try:
-        return WeightCache(root).lookup(source)
-    except (OSError, SourceError, ValueError):
-        return None
 
 
 def _load_json(path: Path, source: str) -> dict:
