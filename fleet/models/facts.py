@@ -37,6 +37,8 @@ DTYPE_BYTES: dict[str, float] = {
 MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe_lite", "longcat_flash"})
 
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
+_USUALLY_WRITTEN = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "max_position_embeddings",
+                    "intermediate_size")
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -75,7 +77,8 @@ class ModelFacts:
     experts: int = 0                   # routed experts (0: dense)
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to
+    sliding_layers: int = 0            # layers with a sliding window (`sliding_layer_count`)
 
     @property
     def value_head_size(self) -> int:
@@ -156,7 +159,7 @@ def facts_from_config(config: dict, source: str = "config.json") -> ModelFacts:
     if not isinstance(config, dict):
         raise ModelConfigError(f"{source}: expected a JSON object")
     cfg, prefix = _text_config(config)
-    if "hidden_size" not in cfg and cfg.get("model_type"):
+    if cfg.get("model_type") and any(k not in cfg for k in _USUALLY_WRITTEN):
         cfg = _defaults_from_transformers(cfg)
     where = f"{source} {prefix}"
     archs = config.get("architectures") or cfg.get("architectures") or ["?"]
@@ -177,6 +180,7 @@ def facts_from_config(config: dict, source: str = "config.json") -> ModelFacts:
     per_token = _int(cfg, where, "num_experts_per_tok", "moe_topk", default=0) if experts else 0
     moe_inter = _int(cfg, where, "moe_intermediate_size", default=inter) if experts else 0
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    window = window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
     facts = ModelFacts(
         source=source, architecture=str(archs[0]), model_type=model_type, layers=layers, attention_heads=heads,
         kv_heads=1 if mla else kv_heads,
@@ -186,10 +190,30 @@ def facts_from_config(config: dict, source: str = "config.json") -> ModelFacts:
                                      default=2048),
         dtype=dtype, dtype_bytes=DTYPE_BYTES.get(dtype, 2), parameters=0, weight_bytes=0,
         weight_source="config.json", mla=mla, experts=experts, experts_per_token=per_token,
-        moe_intermediate_size=moe_inter, sliding_window=window if isinstance(window, int) else None,
+        moe_intermediate_size=moe_inter, sliding_window=window,
+        sliding_layers=sliding_layer_count(cfg, model_type, layers) if window else 0,
     )
     params = parameter_count(cfg, facts, where)
     return _replace(facts, parameters=params, weight_bytes=int(params * _weight_dtype_bytes(cfg, dtype)))
+
+
+def sliding_layer_count(cfg: dict, model_type: str, layers: int) -> int:
+    """How many layers attend through a sliding window (the rest: full attention), as vLLM's
+    model implementations decide: ``layer_types`` when the config lists one per layer
+    (``"sliding_attention"``); Gemma 3 every layer but each ``sliding_window_pattern``-th (6);
+    Gemma 2 every other layer; Mistral every layer. Other models: none (their full-attention
+    KV cache is the larger, so the memory check never passes a shape that cannot hold them)."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return sum(1 for t in types if t == "sliding_attention")
+    if model_type in ("gemma3", "gemma3_text"):
+        pattern = cfg.get("sliding_window_pattern") or 6
+        return sum(1 for i in range(layers) if (i + 1) % pattern)
+    if model_type == "gemma2":
+        return (layers + 1) // 2
+    if model_type == "mistral":
+        return layers
+    return 0
 
 
 def parameter_count(cfg: dict, facts: ModelFacts, where: str = "") -> int:

@@ -204,10 +204,24 @@ class MemoryNeed:
         return math.ceil(self.context_tokens / self.settings.block_size)
 
     @property
+    def sliding_blocks_per_sequence(self) -> int:
+        """Blocks a sliding-window layer holds for one sequence (``SlidingWindowSpec.
+        max_admission_blocks_per_request``): ``ceil(min(window - 1 + in-flight tokens,
+        max_model_len) / block_size) + 1``, in-flight tokens ``2 x max_num_batched_tokens``
+        (async scheduling's two batches; 8192 when unset, the larger of vLLM's defaults)."""
+        window = self.facts.sliding_window or 0
+        in_flight = 2 * (self.settings.max_num_batched_tokens or 8192)
+        tokens = min(window - 1 + in_flight, self.context_tokens)
+        return math.ceil(tokens / self.settings.block_size) + 1
+
+    @property
     def sequence_kv_bytes(self) -> int:
-        """One ``max_model_len`` sequence plus the null block vLLM holds back
-        (``check_enough_kv_cache_memory``)."""
-        return (self.blocks_per_sequence + 1) * self.block_bytes
+        """One ``max_model_len`` sequence (full-attention layers its whole length, sliding-window
+        layers their window) plus the null block vLLM holds back (``check_enough_kv_cache_memory``)."""
+        f = self.facts
+        sliding = min(f.sliding_layers, f.layers) if f.sliding_window else 0
+        pages = (f.layers - sliding) * self.blocks_per_sequence + sliding * self.sliding_blocks_per_sequence
+        return pages * self.page_bytes + self.block_bytes
 
     def overhead_bytes(self, device_memory_mib: int) -> int:
         """Estimated non-KV, non-weight memory per GPU: the profiling pass's activation peak,
@@ -264,12 +278,25 @@ class MemoryNeed:
                 f"({device_memory_mib} MiB x gpu_memory_utilization {u:g}){hint}")
 
     def longest_context(self, device_memory_mib: int) -> int:
-        """The longest ``max_model_len`` whose one sequence fits beside weights and overheads
-        (whole blocks), or 0."""
-        free = self.kv_cache_bytes(device_memory_mib) - self.block_bytes   # the null block
-        if free <= 0 or self.block_bytes <= 0:
-            return 0
-        return (free // self.block_bytes) * self.settings.block_size
+        """The longest ``max_model_len`` (whole blocks) whose one sequence fits beside weights and
+        overheads, at most the model's own maximum; 0 when none does."""
+        budget = self.budget_bytes(device_memory_mib)
+        lo, hi = 0, math.ceil(self.facts.max_position_embeddings / self.settings.block_size)
+        while lo < hi:   # blocks of context; needed_bytes grows with it
+            mid = (lo + hi + 1) // 2
+            trial = replace(self, settings=replace(self.settings, max_model_len=mid * self.settings.block_size))
+            if trial.needed_bytes(device_memory_mib) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * self.settings.block_size
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether layers of full and sliding-window attention are mixed or windows are shorter
+        than the context: concurrency is then bytes per sequence, an approximation of vLLM's
+        hybrid allocator (it groups layers and shares one pool of blocks)."""
+        return bool(self.facts.sliding_layers and self.facts.sliding_window)
 
     def num_blocks(self, device_memory_mib: int) -> int:
         """vLLM's ``num_gpu_blocks`` on such a device: KV cache bytes // block bytes (0 if none)."""
@@ -281,6 +308,8 @@ class MemoryNeed:
         does not fit."""
         if self.fits(device_memory_mib) is not None:
             return 0.0
+        if self.hybrid:
+            return self.kv_cache_bytes(device_memory_mib) / (self.sequence_kv_bytes - self.block_bytes)
         return self.num_blocks(device_memory_mib) / self.blocks_per_sequence
 
     def capacity_of(self, kv_cache_bytes: int) -> tuple[int, int, float]:

@@ -30,7 +30,8 @@ def facts(name: str):
 @pytest.mark.parametrize("name, billions", [
     ("llama-3.1-8b-instruct", 8.03), ("llama-3.1-70b-instruct", 70.55), ("qwen2.5-7b-instruct", 7.61),
     ("mixtral-8x7b-instruct-v0.1", 46.70), ("qwen3-30b-a3b", 30.53), ("deepseek-v3", 671.0),
-    ("mistral-small-3.1-24b-instruct-2503", 23.57), ("llava-1.5-7b-hf", 6.74),
+    ("mistral-small-3.1-24b-instruct-2503", 23.57), ("llava-1.5-7b-hf", 6.74), ("mistral-7b-v0.1", 7.24),
+    ("gemma-3-27b-it", 27.0),   # 27.4B with its 0.4B SigLIP encoder; text_config filled from transformers' defaults
 ])
 def test_parameter_counts_match_the_published_ones(name, billions):
     assert facts(name).parameters / 1e9 == pytest.approx(billions, rel=0.005)
@@ -185,3 +186,22 @@ def test_mig_memory_uses_nvml_sizes_or_the_profile_name():
     assert mig_memory_mib("NVIDIA H100 80GB HBM3", H100_MIB, "3g.40gb") == 40448   # measured (fleet.inventory.mig)
     assert mig_memory_mib("NVIDIA A100-SXM4-40GB", 40960, "3g.20gb") == 20 * 1000 ** 3 // MIB
     assert mig_memory_mib("NVIDIA L4", 23034, "1g.10gb") is None
+
+
+def test_sliding_window_layers_hold_their_window_not_the_context():
+    # Gemma 3: 5 of every 6 layers attend through a 1,024-token window (vLLM's SlidingWindowSpec:
+    # window - 1 + two batches of in-flight tokens, in blocks, plus one).
+    gemma = facts("gemma-3-27b-it")
+    assert (gemma.layers, gemma.sliding_layers, gemma.sliding_window) == (62, 52, 1024)
+    need = MemoryNeed(gemma)                                          # its 131,072-token context
+    page = 16 * 16 * 256 * 2                                          # block x KV heads x (K + V) x bf16
+    assert need.sliding_blocks_per_sequence == -(-(1023 + 2 * 8192) // 16) + 1
+    assert need.sequence_kv_bytes == (10 * 8192 + 52 * need.sliding_blocks_per_sequence) * page + 62 * page
+    full = MemoryNeed(facts_from_config({**json.loads((CONFIGS / "gemma-3-27b-it.json").read_text()),
+                                         "text_config": {**json.loads((CONFIGS / "gemma-3-27b-it.json").read_text())
+                                                         ["text_config"], "sliding_window": None}}))
+    assert need.sequence_kv_bytes < full.sequence_kv_bytes / 3
+    mistral = facts("mistral-7b-v0.1")                                # every layer: a 4,096 window
+    assert mistral.sliding_layers == 32
+    assert MemoryNeed(mistral).sequence_kv_bytes == (32 * (-(-(4095 + 16384) // 16) + 1) + 32) * 16 * 8 * 256 * 2
+    assert facts("qwen2.5-7b-instruct").sliding_layers == 0          # use_sliding_window: false
