@@ -160,3 +160,22 @@ def test_hf_source_offline_uses_the_hub_cache(tmp_path, monkeypatch):
     assert offline == online and offline.weight_source == "config.json"
     with pytest.raises(ValueError, match="not in the hub cache"):
         read_model_facts("hf://Qwen/Other")
+
+
+def test_plan_skips_the_product_that_cannot_hold_the_model(tmp_path):
+    mixed = str(Path(__file__).resolve().parents[2] / "examples" / "inventories" / "small-mixed.yaml")
+    f = _deployment(tmp_path, "llama-3.1-70b-instruct", '{gpuProduct: "NVIDIA L40S", tensorParallelSize: 2}')
+    result = run("plan", str(f), "--inventory", mixed, "--json")
+    assert result.exit_code == 1
+    [plan] = json.loads(result.output)
+    assert plan["placed"] == 0
+    assert "model does not fit NVIDIA L40S (46068 MiB): needs" in plan["explanation"]
+    f = _deployment(tmp_path, "llama-3.1-70b-instruct", "{tensorParallelSize: 2}")
+    [plan] = json.loads(run("plan", str(f), "--inventory", mixed, "--json").output)
+    assert plan["placed"] == 1 and plan["product"] != "NVIDIA L40S"
+
+
+def test_plan_advise_refuses_a_bad_price(tmp_path):
+    f = _deployment(tmp_path, "qwen2.5-7b-instruct", "{tensorParallelSize: 1}")
+    result = run("plan", str(f), "--advise", "--price", "NVIDIA L4")
+    assert result.exit_code == 2 and "expected PRODUCT=PRICE" in result.output
