@@ -12,6 +12,7 @@ Called by `PlacementStrategy.place_replicas` on the state after the batch was pl
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Hashable
 
@@ -82,10 +83,17 @@ def memory_reason(memory: MemoryNeed, shape: ReplicaShape, gpu: Gpu) -> str | No
     mib = device_memory_mib(shape, gpu)
     if mib is None:
         return None
+    return _memory_reason(memory, shape.mig_profile if shape.kind == "mig" else None, gpu.product, mib)
+
+
+@functools.lru_cache(maxsize=1024)
+def _memory_reason(memory: MemoryNeed, mig_profile: str | None, product: str, mib: int) -> str | None:
+    """`memory_reason` once per model, device kind and memory size (an explanation of 10,000 nodes
+    asks it for each)."""
     problem = memory.fits(mib)
     if problem is None:
         return None
-    what = f"MIG {shape.mig_profile} of {gpu.product}" if shape.kind == "mig" else gpu.product
+    what = f"MIG {mig_profile} of {product}" if mig_profile else product
     return f"model does not fit {what} ({mib} MiB): {problem}"
 
 
