@@ -55,6 +55,11 @@ CUDA_GRAPH_BYTES = 1 * GIB
 """Allowance for CUDA graph capture (vLLM profiles it and takes it from the KV cache unless
 ``--enforce-eager``); vLLM logs 0.3-1.5 GiB for dense 7B-70B models."""
 
+SAMPLER_BYTES_PER_LOGIT = 32
+"""Bytes the sampler's profiling pass holds per sequence and vocabulary entry (see
+`MemoryNeed.overhead_bytes`): 4 (logits) + 4 + 8 (sorted values and indices) + 4 + 4
+(probabilities, cumulative sum) + masks and copies."""
+
 _FLAGS = {
     "--gpu-memory-utilization": "gpu_memory_utilization", "--max-model-len": "max_model_len",
     "--kv-cache-dtype": "kv_cache_dtype", "--dtype": "dtype", "--block-size": "block_size",
@@ -228,16 +233,20 @@ class MemoryNeed:
         non-torch memory and the CUDA-graph reserve.
 
         Activation peak: the larger of the forward pass over ``max_num_batched_tokens`` tokens
-        (the MLP's gate/up output and activation, ``3 x intermediate / TP`` per token, MoE: times
-        experts per token, plus two hidden-size buffers, in the model's dtype) and the sampler's
-        pass over ``max_num_seqs`` sequences (float32 logits and probabilities of the whole
-        vocabulary: 8 bytes a token of the vocabulary).
+        (per token: the MLP's gate/up output and activation, ``3 x intermediate / TP``, MoE: times
+        experts per token; the QKV projection's output; four hidden-size buffers; 2 bytes each)
+        and the sampler's dummy pass over ``max_num_seqs`` sequences
+        (``_dummy_sampler_run`` in vllm/v1/worker/gpu_model_runner.py: float32 logits of the whole
+        vocabulary through top-k and top-p, which sort them: values, int64 indices, probabilities,
+        their cumulative sum, masks; `SAMPLER_BYTES_PER_LOGIT` a sequence and vocabulary entry).
         """
         f = self.facts
+        tp = self.tensor_parallel_size
         seqs, tokens = self.settings.batch_limits(device_memory_mib)
         inter = (f.moe_intermediate_size * max(1, f.experts_per_token)) if f.experts else f.intermediate_size
-        forward = tokens * (3 * inter / self.tensor_parallel_size + 2 * f.hidden_size) * 2   # bf16/fp16 activations
-        sampler = seqs * f.vocab_size * 8
+        qkv = (f.attention_heads + 2 * f.kv_heads) * f.head_size
+        forward = tokens * ((3 * inter + qkv) / tp + 4 * f.hidden_size) * 2   # bf16/fp16 activations
+        sampler = seqs * f.vocab_size * SAMPLER_BYTES_PER_LOGIT
         non_torch = NON_TORCH_BYTES + (NON_TORCH_TP_BYTES if self.tensor_parallel_size > 1 else 0)
         graphs = 0 if self.settings.enforce_eager else CUDA_GRAPH_BYTES
         return int(max(forward, sampler) + non_torch + graphs)

@@ -87,7 +87,7 @@ def test_validate_refuses_a_shape_too_small_with_the_numbers(tmp_path):
     result = run("validate", str(f))
     assert result.exit_code == 2
     assert "spec.resources.tensorParallelSize: model LlamaForCausalLM does not fit NVIDIA H100 80GB HBM3" in result.output
-    assert "needs 136.98 GiB per GPU at TP=1" in result.output and "73.28 GiB available" in result.output
+    assert "needs 139.33 GiB per GPU at TP=1" in result.output and "73.28 GiB available" in result.output
     f = _deployment(tmp_path, "llama-3.1-70b-instruct", f'{{gpuProduct: "{H100}", migProfile: 3g.40gb}}')
     result = run("validate", str(f))
     assert result.exit_code == 2 and "spec.resources.migProfile: model LlamaForCausalLM does not fit MIG 3g.40gb" in (
@@ -95,7 +95,7 @@ def test_validate_refuses_a_shape_too_small_with_the_numbers(tmp_path):
     f = _deployment(tmp_path, "llama-3.1-70b-instruct", f'{{gpuProduct: "{H100}", tensorParallelSize: 4}}')
     result = run("validate", str(f))
     assert result.exit_code == 0, result.output
-    assert "fits NVIDIA H100 80GB HBM3: 59.9 8,192-token sequences at once" in result.output
+    assert "fits NVIDIA H100 80GB HBM3: 55.2 8,192-token sequences at once" in result.output
 
 
 def test_validate_refuses_a_tp_that_does_not_divide_the_heads(tmp_path):
