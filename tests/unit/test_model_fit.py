@@ -179,3 +179,20 @@ def test_plan_advise_refuses_a_bad_price(tmp_path):
     f = _deployment(tmp_path, "qwen2.5-7b-instruct", "{tensorParallelSize: 1}")
     result = run("plan", str(f), "--advise", "--price", "NVIDIA L4")
     assert result.exit_code == 2 and "expected PRODUCT=PRICE" in result.output
+
+
+def test_fleet_up_preflight_refuses_a_local_model_too_big_for_the_gpus(tmp_path):
+    from fleet.local.up import PreflightError, preflight
+    from fleet.spec import load_deployments
+
+    inv = cluster(node("gpu-box", n=2))
+    f = _deployment(tmp_path, "llama-3.1-70b-instruct", "{tensorParallelSize: 1}")
+    with pytest.raises(PreflightError) as err:
+        preflight(load_deployments([f]), inv, {})
+    [problem] = [p for p in err.value.problems if "spec.resources" in p]
+    assert "cannot place a replica on this machine" in problem and f"model does not fit {H100}" in problem
+    f = _deployment(tmp_path, "llama-3.1-8b-instruct", "{tensorParallelSize: 2}")
+    try:
+        preflight(load_deployments([f]), inv, {})
+    except PreflightError as err:   # the engine may be missing here; the shape is not the problem
+        assert not [p for p in err.problems if "spec.resources" in p], err.problems
