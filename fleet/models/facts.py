@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -87,13 +86,7 @@ class ModelFacts:
         return 0 if self.mla else self.head_size
 
     def with_weights(self, weight_bytes: int, source: str) -> ModelFacts:
-        return _replace(self, weight_bytes=weight_bytes, weight_source=source)
-
-
-def _replace(facts: ModelFacts, **changes: Any) -> ModelFacts:
-    from dataclasses import replace
-
-    return replace(facts, **changes)
+        return replace(self, weight_bytes=weight_bytes, weight_source=source)
 
 
 def _text_config(config: dict) -> tuple[dict, str]:
@@ -194,7 +187,7 @@ def facts_from_config(config: dict, source: str = "config.json") -> ModelFacts:
         sliding_layers=sliding_layer_count(cfg, model_type, layers) if window else 0,
     )
     params = parameter_count(cfg, facts, where)
-    return _replace(facts, parameters=params, weight_bytes=int(params * _weight_dtype_bytes(cfg, dtype)))
+    return replace(facts, parameters=params, weight_bytes=int(params * _weight_dtype_bytes(cfg, dtype)))
 
 
 def sliding_layer_count(cfg: dict, model_type: str, layers: int) -> int:
