@@ -27,7 +27,8 @@ from collections import Counter
 from collections.abc import Hashable
 from typing import ClassVar
 
-from fleet.inventory.model import Inventory, product_key
+from fleet.inventory.model import Gpu, Inventory, product_key
+from fleet.models.memory import MemoryNeed
 from fleet.placement import cpu, explain, gangs, mig_advice
 from fleet.placement.context import Context
 from fleet.placement.shapes import (
@@ -134,9 +135,11 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
                 advice = mig_advice.advise(request, inventory, held, product, request.count - len(placements))
         return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note, gang)
 
-    def fits_at_all(self, shape: ReplicaShape, inventory: Inventory) -> Unplaceable | None:
-        """Why one replica of ``shape`` can never fit, even on empty nodes; None when it can."""
-        plan = self.place_replicas(PlacementRequest(shape), inventory, Counter())
+    def fits_at_all(self, shape: ReplicaShape, inventory: Inventory,
+                    memory: MemoryNeed | None = None) -> Unplaceable | None:
+        """Why one replica of ``shape`` (of a model needing ``memory``, when known) can never fit,
+        even on empty nodes; None when it can."""
+        plan = self.place_replicas(PlacementRequest(shape, memory=memory), inventory, Counter())
         return None if plan.complete else Unplaceable(plan.explain())
 
     def _context(self, request: PlacementRequest, inventory: Inventory) -> Context:
@@ -215,20 +218,30 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, held: Count
     The spec's ``gpuProduct`` if set, else the product of the version's existing replicas, else
     the product that can host most of the batch now (ties: more of it on warm nodes, then more
     capacity, then inventory order). None when no product can host even one replica (the
-    explanation then covers each node's own products).
+    explanation then covers each node's own products). With ``request.memory``, a product whose
+    GPU (or MIG instance) memory cannot hold the model is never chosen: the spec's or the existing
+    replicas' product then gives None (`explain.memory_reason` says why).
     """
     shape = request.shape
-    if shape.gpu_product:
-        return shape.gpu_product
-    for p in request.existing:
-        if p.product:
-            return p.product
-    best: tuple | None = None
-    seen: dict[str, str] = {}
+    seen: dict[str, Gpu] = {}
     for node in inventory.nodes:
         for g in node.gpus:
-            seen.setdefault(g.product_key, g.product)
-    for order, (pk, name) in enumerate(seen.items()):
+            seen.setdefault(g.product_key, g)
+
+    def holds(product: str) -> bool:
+        gpu = seen.get(product_key(product))
+        return request.memory is None or gpu is None or explain.memory_reason(request.memory, shape, gpu) is None
+
+    if shape.gpu_product:
+        return shape.gpu_product if holds(shape.gpu_product) else None
+    for p in request.existing:
+        if p.product:
+            return p.product if holds(p.product) else None
+    best: tuple | None = None
+    for order, (pk, gpu) in enumerate(seen.items()):
+        name = gpu.product
+        if not holds(name):
+            continue
         total, warm = _capacity(request, inventory, held, name)
         if total == 0:
             continue
