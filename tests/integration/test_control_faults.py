@@ -234,6 +234,15 @@ def test_truncated_state_file_is_named_and_the_restart_adopts_every_engine(tmp_p
     down_leaves_nothing(second, first)
 
 
+def test_fleet_down_from_a_truncated_state_with_no_controller_leaves_nothing(tmp_path, started, fleet_file):
+    fleet = _up(started, FaultFleet([fleet_file], tmp_path / "state"))
+    _kill9(fleet)
+    path = fleet.state_dir / "state.json"
+    path.write_bytes(path.read_bytes()[:40])
+    said = down_leaves_nothing(fleet)   # no controller runs: `fleet down` adopts what it finds and stops it
+    assert "Fleet stopped." in said, said
+
+
 # ----- kill -9 of the router, of a replica, of `fleet up` ---------------------------------------
 
 
