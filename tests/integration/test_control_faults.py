@@ -32,6 +32,7 @@ from tests.support.faults import (
     MODEL,
     FaultFleet,
     TmpfsNamespace,
+    control_write_errors,
     down_leaves_nothing,
     kill_9_router,
     kill_engine,
@@ -152,6 +153,8 @@ def test_state_dir_full_while_a_replica_crashes_never_reaches_serving(tmpfs, sta
         load.wait_for_more(50, "load after the recovery")
     record_row("state dir full, replica kill -9", load, recovery_s, "disk freed -> 3 READY recorded")
     _assert_none_failed_before_streaming(load)
+    errors = control_write_errors(fleet)
+    assert sum(errors.values()) > 0, f"the failed writes were not counted: {errors}"
     assert fleet.status_of("sim-chat-1") == "FAILED_CRASHED"
     running = engines(view)
     assert all(running.get(k) == pid for k, pid in before.items() if k != "sim-chat-1"), running  # not restarted
@@ -202,6 +205,8 @@ def test_stdout_reader_gone_never_reaches_serving(tmp_path, started, fleet_file)
     record_row("stdout reader gone, replica kill -9", load, recovery_s, "kill -> replaced, 3 READY")
     assert fleet.proc.poll() is None, "`fleet up` exited with its stdout gone"
     _assert_none_failed_before_streaming(load)
+    errors = control_write_errors(fleet)
+    assert errors.get("stdout", 0) > 0, f"the failed writes to stdout were not counted: {errors}"
     down_leaves_nothing(fleet)
 
 

@@ -211,6 +211,22 @@ def pool_endpoints(fleet: FleetUp) -> list[dict] | None:
         return None
 
 
+def control_write_errors(fleet: FleetUp) -> dict[str, float]:
+    """``fleet_control_write_errors_total`` of `fleet up`'s metrics endpoint, by target
+    (``stdout``, ``state``, ...); {} when none is exported or the endpoint does not answer."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{fleet.metrics_port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("fleet_control_write_errors_total{"):
+            labels, _, value = line.rpartition(" ")
+            target = labels.split('target="', 1)[1].split('"', 1)[0] if 'target="' in labels else "?"
+            out[target] = float(value)
+    return out
+
+
 def ready_since(fleet: FleetUp, n: int, since_unix: float) -> bool:
     """`fleet up` recorded ``n`` READY replicas in a state written after ``since_unix``."""
     state = fleet.state()
