@@ -61,8 +61,11 @@ class TmpfsNamespace:
     Needs root (CAP_SYS_ADMIN) and util-linux's `unshare`/`nsenter`: `start` raises
     `Unavailable` saying why not."""
 
+    HOLD_S = 1800
+    """The holder sleeps this long at most: a test process killed outright leaks it no longer."""
+
     class Unavailable(Exception):
-        pass
+        """No private mount namespace with a tmpfs can be made here; the message says why."""
 
     def __init__(self, mountpoint: Path, size_mib: int = 64) -> None:
         self.mountpoint = Path(mountpoint)
@@ -78,7 +81,7 @@ class TmpfsNamespace:
         self.holder = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c",
              f"mount -t tmpfs -o size={self.size_mib}m fleet-fault-tmpfs '{self.mountpoint}' && echo mounted && "
-             "exec sleep 100000"],
+             f"exec sleep {self.HOLD_S}"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         line = self.holder.stdout.readline().strip()
@@ -88,9 +91,12 @@ class TmpfsNamespace:
         return self
 
     def close(self) -> None:
-        if self.holder is not None and self.holder.poll() is None:
-            self.holder.kill()
-            self.holder.wait(timeout=10)
+        if self.holder is not None:
+            if self.holder.poll() is None:
+                self.holder.kill()
+                self.holder.wait(timeout=10)
+            self.holder.stdout.close()
+            self.holder.stderr.close()
 
     def view(self, path: Path) -> Path:
         """``path`` as this process reaches it inside the namespace."""
