@@ -26,6 +26,11 @@ from fleet.local.state import StateStore
 log = logging.getLogger("fleet.local.routerproc")
 
 
+ROUTER_MODELS_FILE = "router-models.json"
+"""The router's models file in the state directory, beside ``admin-token`` (`router.remembered`):
+a restarted router answers 503 + Retry-After for the models it lists until they are published again."""
+
+
 class RouterStartError(Exception):
     """The router did not come up; the message holds why and the end of its log."""
 
@@ -84,7 +89,8 @@ class RouterProcess:
             self.admin = RouterAdminClient(self.url, token)
         else:
             self.admin.set_token(token)   # one client: the controller and autoscaler hold it
-        argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.port)]
+        argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.port),
+                "--models-file", str(self.store.root / ROUTER_MODELS_FILE)]
         try:
             self.record = self.processes.spawn(argv, {"FLEET_ROUTER_ADMIN_TOKEN": token}, self.log_path)
         except OSError as err:
