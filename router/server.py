@@ -246,16 +246,25 @@ class RequestGuardProtocol(HttpToolsProtocol):
             return
         self._refuse(408, b"Request Timeout", b"request body not received in time", b"request_timeout")
 
+    def _count_reject(self, status: int) -> None:
+        on_reject = getattr(self.app, "on_server_reject", None)
+        if on_reject is not None:
+            on_reject(status)
+
     def _refuse(self, status: int, reason: bytes, message: bytes, code: bytes) -> None:
         """Answer `status` (unless a response has begun) and close the connection; a request
         task waiting for its body sees a disconnect."""
         self._disarm()
         cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and (cycle.response_started or self._in_head):
+            # An answer is under way, or (a pipelined request refused in its head) an earlier
+            # request's answer is still to come: let it finish, then close.
+            cycle.keep_alive = False
+            self.flow.pause_reading()
+            if self._in_head:
+                self._count_reject(status)
+            return
         if cycle is not None and cycle.response_started:
-            if not cycle.response_complete:
-                cycle.keep_alive = False  # a response is under way: close when it is done
-                self.flow.pause_reading()
-                return
             if not self._in_head:  # this request was answered before it had fully arrived
                 self.transport.close()
                 return
@@ -263,9 +272,7 @@ class RequestGuardProtocol(HttpToolsProtocol):
         if cycle is not None:
             cycle.disconnected = True  # the app's receive() answers http.disconnect, its sends are dropped
             cycle.message_event.set()
-        on_reject = getattr(self.app, "on_server_reject", None)
-        if on_reject is not None:
-            on_reject(status)
+        self._count_reject(status)
         body = error_body(message.decode("latin-1"), type_=error_type(status), code=code.decode())
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
