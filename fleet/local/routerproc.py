@@ -138,6 +138,10 @@ class RouterProcess:
             self.record_path.unlink()
         except FileNotFoundError:
             pass
+        try:   # a deliberate stop: the next router has no model to await
+            (self.store.root / ROUTER_MODELS_FILE).unlink()
+        except OSError:
+            pass
         if self.admin is not None:
             await self.admin.aclose()
             self.admin = None
