@@ -21,7 +21,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
@@ -101,26 +101,32 @@ class RouterApp:
             path = scope["path"]
             if path in PROXIED_PATHS:
                 if scope["method"] == "POST":
-                    try:
-                        await self.proxy(scope, receive, send)
-                    except Exception:  # a bug, not a client error: say so in OpenAI's format if we still can
-                        log.exception("router error on %s", path)
-                        self.metrics.reject("", 500, False)
-                        with contextlib.suppress(Exception):  # the response had begun: the server closes it
-                            await send_json(send, 500, error_body("internal router error", type_="server_error",
-                                                                  code="internal_error"))  # fmt: skip
+                    await self._guarded(self.proxy, scope, receive, send)
                 else:
                     self.metrics.reject("", 405, False)
                     body = error_body(f"method {scope['method']} is not allowed; use POST", code="method_not_allowed")
                     await send_json(send, 405, body, [(b"allow", b"POST")])
             elif path.startswith(ADMIN_PREFIX):
-                await self._admin(scope, receive, send)
+                await self._guarded(self._admin, scope, receive, send)
             else:
                 await self.api(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
         else:
             await self.api(scope, receive, send)
+
+    async def _guarded(self, handler: Callable[[Scope, Receive, Send], Awaitable[None]], scope: Scope,
+                       receive: Receive, send: Send) -> None:  # fmt: skip
+        """Run `handler`; an exception escaping it is a bug, not a client error: 500 in OpenAI's
+        format if the response has not begun (uvicorn's own 500 is plain text)."""
+        try:
+            await handler(scope, receive, send)
+        except Exception:
+            log.exception("router error on %s", scope["path"])
+            self.metrics.reject("", 500, False)
+            with contextlib.suppress(Exception):  # the response had begun: the server closes it
+                await send_json(send, 500, error_body("internal router error", type_="server_error",
+                                                      code="internal_error"))  # fmt: skip
 
     def on_server_reject(self, status: int) -> None:
         """Count an error the HTTP server answered before the app saw the request (a request head

@@ -225,13 +225,14 @@ async def test_a_bug_is_answered_500_in_openai_format(monkeypatch: pytest.Monkey
     async with router() as (app, client, _):
         monkeypatch.setattr("router.proxy.parse_request", broken)
         monkeypatch.setattr(app.pools, "stats", broken)
-        for method, path in (("POST", "/v1/completions"), ("GET", "/admin/v1/stats")):
+        monkeypatch.setattr("router.app.read_body", broken)   # the admin guard, before FastAPI
+        for method, path in (("POST", "/v1/completions"), ("GET", "/admin/v1/stats"), ("PUT", "/admin/v1/pools/m")):
             async with client.request(method, path, json={"model": "m", "prompt": "x"}, headers=AUTH) as resp:
                 assert resp.status == 500, path
                 assert (await resp.json())["error"]["code"] == "internal_error"
         async with client.get("/health") as resp:
             assert resp.status == 200
-    assert rejected(app, "", 500) == 2
+    assert rejected(app, "", 500) == 3
 
 
 async def test_a_request_the_http_parser_cannot_read_gets_400_in_openai_format() -> None:

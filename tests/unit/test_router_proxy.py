@@ -187,6 +187,7 @@ async def test_upstream_errors_are_relayed_not_retried() -> None:
         ("/v1/completions", b'{"model": "m"}', "prompt"),
         ("/v1/chat/completions", b'{"model": "m"}', "messages"),
         ("/v1/chat/completions", b'{"model": "m", "messages": "hi"}', "messages"),
+        ("/v1/completions", b'{"model": "m", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", None),  # too deep
     ],
 )
 async def test_malformed_requests_get_openai_style_400(path: str, body: bytes, param: str | None) -> None:
