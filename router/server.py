@@ -131,17 +131,17 @@ class RequestGuardProtocol(HttpToolsProtocol):
         if self._upgraded:
             return  # the bytes of a protocol the router does not speak: dropped until the close
         try:
-            if self._in_head and len(data) > self.max_head_bytes - self._head_bytes:
+            while self._in_head and len(data) > self.max_head_bytes - self._head_bytes:
                 room = self.max_head_bytes - self._head_bytes
                 self._feed(data[:room])
                 if self.transport.is_closing() or self._upgraded:
                     return
-                if self._in_head:  # the head goes on past the limit
+                if self._in_head and not self._message_ended:  # the head goes on past the limit
                     self._refuse(431, b"Request Header Fields Too Large",
                                  b"request head exceeds %d bytes" % self.max_head_bytes,
                                  b"request_header_fields_too_large")  # fmt: skip
                     return
-                data = data[room:]
+                data = data[room:]  # a body, or (a request ended) the next request's head: sliced again
             self._feed(data)
         except _Refusal as refusal:
             self._refuse(*refusal.args)

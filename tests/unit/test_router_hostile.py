@@ -473,3 +473,19 @@ async def test_engine_errors_reach_the_client_in_openai_format_with_their_status
             events = (await resp.read()).split(b"\n\n")
         error = json.loads(events[1].removeprefix(b"data: "))["error"]
         assert (error["type"], error["code"], error["message"]) == ("server_error", "internal_error", "engine failed")
+
+
+async def test_a_pipelined_request_after_a_large_body_is_not_mistaken_for_a_large_head() -> None:
+    """Two requests in one write: the first with a 64 KB body, the second a small head whose first
+    bytes fall inside the 64 KiB the router reads as a head. Counting those bytes against the
+    second head would refuse it; both are answered."""
+    async with FakeEngine("e") as engine, router() as (app, client, base):
+        await put_pool(client, "m", [{"id": "e", "url": engine.url}])
+        first_head = len(POST_HEAD + b"content-length: 65000\r\n\r\n")
+        envelope = len(json.dumps({"model": "m", "prompt": ""}))
+        big = json.dumps({"model": "m", "prompt": "x" * (65_536 - 20 - first_head - envelope)}).encode()
+        small = b'{"model": "m", "prompt": "x"}'
+        raw = await raw_exchange(base, POST_HEAD + b"content-length: %d\r\n\r\n" % len(big) + big + POST_HEAD +
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(small) + small)  # fmt: skip
+        assert raw.count(b"HTTP/1.1 200") == 2
+    assert rejected(app, "", 431) == 0
