@@ -80,10 +80,11 @@ class RequestGuardProtocol(HttpToolsProtocol):
     Head limits, enforced however the head is split into reads (one read, two, or many): the
     bytes of the head as received (`max_head_bytes`, 431: counted over the reads in which the head
     is incomplete, and a read that would carry it past the limit is handed to the parser only up
-    to the limit, so a head is never parsed beyond it), and as parsed: the request target
-    (`max_target_bytes`, 414), each header field (`max_field_bytes`, 431), the number of fields
-    (`max_header_fields`, 431) and their sum (`max_head_bytes`, 431), checked in the parser's
-    callbacks as each field completes.
+    to the limit, so a head is never parsed beyond it; when a pipelined request ends inside such
+    a read, the next head's bytes in it are not counted, an undercount of at most one limit), and
+    as parsed: the request target (`max_target_bytes`, 414), each header field
+    (`max_field_bytes`, 431), the number of fields (`max_header_fields`, 431) and their sum
+    (`max_head_bytes`, 431), checked exactly in the parser's callbacks as each field completes.
 
     Upgrade: the router never switches protocols (uvicorn's WebSocket support is off,
     `uvicorn_config`). A request carrying `Connection: upgrade` and `Upgrade` (h2c, websocket) is
