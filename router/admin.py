@@ -8,7 +8,8 @@ to see when a draining endpoint has no request in flight.
 Endpoints (all need `Authorization: Bearer <admin token>`, else 401; `router.app.RouterApp`
 checks it before reading the body, and bounds the body; the check here is a second line):
 `PUT /admin/v1/pools/{model}` (body: `router.spec.PoolSpec`) creates or replaces a pool and
-answers a summary (422 naming the field for a bad document);
+answers a summary (400 for a body that is not JSON or nests deeper than `MAX_JSON_DEPTH`, 422
+naming the field for a bad document);
 `DELETE /admin/v1/pools/{model}` removes one (404 if absent);
 `GET /admin/v1/pools` lists all pools with live endpoint stats;
 `GET /admin/v1/pools/{model}` shows one pool;
@@ -19,6 +20,8 @@ time; `router.revision_stats.revision_summaries`);
 `GET /admin/v1/revisions/{model}?window_s=60` lists the model's finished requests by revision
 and endpoint (TTFT, TPOT, end-to-end, queue time, failed), what canary analysis compares;
 `POST /admin/v1/synced` says every pool has been published: the router's `GET /ready` turns 200.
+A PUT or DELETE also settles a model the router served before it restarted
+(`router.pool.PoolTable.awaiting`) and has the models file rewritten (`router.remembered`).
 
 Pools of thousands of endpoints never hold the event loop long: documents are validated and
 listed in slices between yields (`YIELD_EVERY`), PUTs and DELETEs apply in arrival order under

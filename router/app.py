@@ -10,8 +10,10 @@ Admin requests are guarded here, before FastAPI sees them: the bearer token is c
 request head (401 without reading a byte of the body), then the body is read, at most
 `MAX_ADMIN_BODY_BYTES` (413 otherwise, the connection closed; the server bounds the time it may
 take, `router.server.RequestGuardProtocol`), and handed to FastAPI from memory. Every error
-answer, FastAPI's included (unknown path 404, 405, 422, an unexpected 500), is in OpenAI's
-error format and counted in `fleet_router_rejected_requests_total`.
+answer, FastAPI's included (unknown path 404, 405, 422, an unexpected 500 on any path), is in
+OpenAI's error format and counted in `fleet_router_rejected_requests_total`. With a models file
+(`create_app(models_path=...)`, `router.remembered`) the models it lists start as awaited: 503,
+not 404, until the control plane speaks for them.
 Called by `router.server.serve` (uvicorn) and by tests.
 """
 
