@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from fleet.sources import SourceError, parse_source, redact_source
 from fleet.inventory.mig import MigSlot
 from fleet.inventory.model import NodeInventory
+from fleet.placement.compat import CudaNeed, node_reason
 from fleet.spec import InferenceDeployment
 
 
@@ -31,16 +32,31 @@ class GangShape:
 
 @dataclass(frozen=True)
 class ReplicaShape:
+    """One replica's needs. ``gpu_products`` are the acceptable GPU products, most preferred
+    first (``spec.resources.gpuProduct``, a name or a list); () means any. ``gpu_product`` is the
+    one product when exactly one is named (either field may be given; the other follows), None
+    otherwise. One product is chosen for all replicas of a version either way
+    (`fleet.placement.strategies`). Raises ValueError when the two disagree."""
+
     accelerator: str = "gpu"                # "gpu" | "cpu"
-    gpu_product: str | None = None          # None: any product (one is chosen for all replicas)
+    gpu_product: str | None = None
     tensor_parallel_size: int = 1
     mig_profile: str | None = None
     cpu_cores: int = 1
+    gpu_products: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.gpu_product and not self.gpu_products:
+            object.__setattr__(self, "gpu_products", (self.gpu_product,))
+        elif self.gpu_product is None and len(self.gpu_products) == 1:
+            object.__setattr__(self, "gpu_product", self.gpu_products[0])
+        elif self.gpu_product and self.gpu_products != (self.gpu_product,):
+            raise ValueError(f"gpu_product {self.gpu_product!r} disagrees with gpu_products {self.gpu_products!r}")
 
     @classmethod
     def of(cls, dep: InferenceDeployment) -> ReplicaShape:
         r = dep.spec.resources
-        return cls(r.accelerator, r.gpu_product, r.tensor_parallel_size, r.mig_profile, r.cpu_cores)
+        return cls(r.accelerator, None, r.tensor_parallel_size, r.mig_profile, r.cpu_cores, r.gpu_products)
 
     @property
     def kind(self) -> str:
@@ -52,7 +68,8 @@ class ReplicaShape:
     def describe(self, product: str | None = None, gang: GangShape | None = None) -> str:
         """``2 whole GPUs of NVIDIA H100 80GB HBM3 in one NVLink domain``, ``1 MIG 3g.40gb
         instance``, ``16 whole GPUs of ... as a gang of 2 nodes x 8 GPUs in one NVLink domain``."""
-        product = product or self.gpu_product
+        product = product or self.gpu_product or (f"one of {', '.join(self.gpu_products)}" if self.gpu_products
+                                                   else None)
         if self.kind == "cpu":
             return f"{self.cpu_cores} CPU core(s)"
         if self.kind == "mig":
@@ -152,7 +169,10 @@ class PlacementRequest:
     ``image`` and ``model_source`` is warm too (the source as written or in its canonical form,
     `canonical_source`, which is how caches report it: ``hf://org/name`` is
     ``hf://org/name@main``). With
-    ``all_or_nothing`` nothing is placed unless all ``count`` replicas fit.
+    ``all_or_nothing`` nothing is placed unless all ``count`` replicas fit. ``cuda`` is what the
+    engine needs of a node's driver (`fleet.placement.compat.CudaNeed`, from ``engine.cudaVersion``
+    or the image; None: no driver check): a node whose driver cannot run it takes no replica
+    (`node_excluded`).
     """
 
     shape: ReplicaShape
@@ -163,15 +183,25 @@ class PlacementRequest:
     image: str | None = None
     model_source: str | None = None
     all_or_nothing: bool = False
+    cuda: CudaNeed | None = None
 
     @classmethod
     def for_deployment(cls, dep: InferenceDeployment, count: int, existing: Iterable[ReplicaPlacement] = (),
                        warm_nodes: Iterable[str] = (), all_or_nothing: bool = False) -> PlacementRequest:
+        shape = ReplicaShape.of(dep)
+        engine = dep.spec.engine
+        cuda = engine.cuda if shape.kind != "cpu" else None
         return cls(
-            shape=ReplicaShape.of(dep), count=count, deployment=dep.name, existing=tuple(existing),
-            warm_nodes=frozenset(warm_nodes), image=dep.spec.engine.image,
+            shape=shape, count=count, deployment=dep.name, existing=tuple(existing),
+            warm_nodes=frozenset(warm_nodes), image=engine.image,
             model_source=dep.spec.model.source, all_or_nothing=all_or_nothing,
+            cuda=CudaNeed(cuda[0], cuda[1], engine.cuda_compatibility == "minor-version") if cuda else None,
         )
+
+    def node_excluded(self, node: NodeInventory) -> str | None:
+        """Why ``node`` can take no replica of this request whatever is free on it (its driver
+        cannot run the engine's CUDA: `fleet.placement.compat.node_reason`), or None. Names no node."""
+        return node_reason(node, self.cuda) if self.cuda is not None else None
 
     def warmth(self, node: NodeInventory) -> int:
         """What ``node`` holds of what the replica needs: `WARM` (3: the weights and the image,
