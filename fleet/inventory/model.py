@@ -222,6 +222,17 @@ class Inventory:
     def by_name(self) -> dict[str, NodeInventory]:
         return {n.name: n for n in self.nodes}
 
+    @cached_property
+    def products(self) -> dict[str, str]:
+        """`product_key` -> the product's name as this inventory spells it (the first GPU of it in
+        inventory order): NVML's ``NVIDIA H100 80GB HBM3`` locally, GFD's ``NVIDIA-H100-80GB-HBM3``
+        on Kubernetes. Derived once per inventory (it is immutable)."""
+        names: dict[str, str] = {}
+        for n in self.nodes:
+            for g in n.gpus:
+                names.setdefault(g.product_key, g.product)
+        return names
+
     def node(self, name: str) -> NodeInventory:
         """The node called ``name``. Raises KeyError."""
         return self.by_name[name]

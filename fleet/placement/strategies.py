@@ -271,22 +271,19 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, held: Count
     for p in request.existing:
         if p.product:
             return p.product
-    if len(shape.gpu_products) == 1:
-        return shape.gpu_products[0]
     if shape.gpu_products:
-        # Spelled as the inventory spells it where the inventory has it (GFD writes dashes).
-        named = {g.product_key: g.product for node in inventory.nodes for g in node.gpus}
+        # Spelled as the inventory spells it where it has it (GFD's label writes dashes: the
+        # Kubernetes engine pod selects that label, fleet.k8s.pods.product_selector).
+        named = inventory.products
         listed = [named.get(product_key(p), p) for p in shape.gpu_products]
+        if len(listed) == 1:
+            return listed[0]
         scored = [(min(_capacity(request, inventory, held, name)[0], request.count), -order, name)
                   for order, name in enumerate(listed)]
         best = max(scored)
         return best[2] if best[0] > 0 else listed[0]
     best: tuple | None = None
-    seen: dict[str, str] = {}
-    for node in inventory.nodes:
-        for g in node.gpus:
-            seen.setdefault(g.product_key, g.product)
-    for order, (pk, name) in enumerate(seen.items()):
+    for order, name in enumerate(inventory.products.values()):
         total, warm = _capacity(request, inventory, held, name)
         if total == 0:
             continue
