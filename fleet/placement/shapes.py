@@ -288,7 +288,9 @@ class MigAdvice:
 @dataclass(frozen=True)
 class PlacementPlan:
     """The answer to a `PlacementRequest`: where each placed replica goes, and for the rest, why
-    not (by node class) and what MIG repartitioning would help."""
+    not (by node class) and what MIG repartitioning would help. ``skipped`` lists, placed or
+    not, the nodes the request could not use at all (a driver that cannot run the engine's CUDA:
+    `PlacementRequest.node_excluded`) by reason; when replicas are left, ``reasons`` holds them too."""
 
     request: PlacementRequest
     placements: tuple[ReplicaPlacement, ...] = ()
@@ -298,6 +300,7 @@ class PlacementPlan:
     strategy: str = ""
     note: str = ""                               # a reason that is not about nodes (all-or-nothing, no nodes)
     gang: GangShape | None = None                # set when each replica spans several nodes
+    skipped: tuple[NodeClass, ...] = ()          # nodes excluded whatever is free on them, by reason
 
     @property
     def unplaced(self) -> int:

@@ -140,7 +140,7 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
                 reasons = tuple(sorted((*reasons, *excluded), key=lambda c: (-len(c.nodes), c.reason)))
             if shape.kind == "mig":
                 advice = mig_advice.advise(request, inventory, held, product, request.count - len(placements))
-        return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note, gang)
+        return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note, gang, excluded)
 
     def fits_at_all(self, shape: ReplicaShape, inventory: Inventory) -> Unplaceable | None:
         """Why one replica of ``shape`` can never fit, even on empty nodes; None when it can."""
