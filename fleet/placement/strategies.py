@@ -224,7 +224,8 @@ def _eligible(request: PlacementRequest, inventory: Inventory) -> tuple[Inventor
             else:
                 why.setdefault(reason, []).append(node.name)
         view = inventory if len(keep) == len(inventory.nodes) else Inventory(tuple(keep))
-        found = entry[1][request.cuda] = (view, tuple(NodeClass(r, tuple(n)) for r, n in why.items()))
+        classes = sorted((NodeClass(r, tuple(n)) for r, n in why.items()), key=lambda c: (-len(c.nodes), c.reason))
+        found = entry[1][request.cuda] = (view, tuple(classes))
     return found
 
 

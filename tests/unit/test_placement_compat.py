@@ -281,3 +281,15 @@ def test_inventory_files_carry_the_driver_and_refuse_bad_versions_naming_the_fie
         parse_inventory(_inventory_doc(driverVersion="580"))
     with pytest.raises(InventoryError, match=r"nodes\[0\] \(a\)\.cudaDriverVersion: .*'13' is not a CUDA version"):
         parse_inventory(_inventory_doc(cudaDriverVersion="13"))
+
+
+def test_the_ordered_products_example_falls_back_to_h100_for_cuda_13_and_keeps_a100_for_cuda_12():
+    root = Path(__file__).resolve().parents[2]
+    args = ["plan", str(root / "examples" / "ordered-products.yaml"),
+            "--inventory", str(root / "examples" / "inventories" / "small-mixed.yaml"), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    cu13, cu12 = json.loads(result.output)
+    assert cu13["product"] == H100 and {r["reason"].split(" supports")[0] for r in cu13["skipped"]} == {
+        "driver 535.104.05", "driver 570.124.06"}
+    assert cu12["product"] == "NVIDIA A100-SXM4-80GB" and cu12["skipped"] == []
