@@ -209,16 +209,20 @@ def _eligible(request: PlacementRequest, inventory: Inventory) -> tuple[Inventor
     key = id(inventory)
     entry = _ELIGIBLE.get(key)
     if entry is None or entry[0]() is not inventory:
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            if _ELIGIBLE.get(key, (None,))[0] is ref:
-                del _ELIGIBLE[key]
+        def forget(ref: weakref.ref, key: int = key, views: dict = _ELIGIBLE) -> None:
+            if views.get(key, (None,))[0] is ref:   # the dict bound here: module globals are gone at exit
+                del views[key]
         entry = _ELIGIBLE[key] = (weakref.ref(inventory, forget), {})
     found = entry[1].get(request.cuda)
     if found is None:
         keep = []
         why: dict[str, list[str]] = {}
+        by_driver: dict[tuple, str | None] = {}   # nodes share a handful of drivers: judge each once
         for node in inventory.nodes:
-            reason = request.node_excluded(node)
+            facts = (node.driver_version, node.cuda_driver_version, bool(node.gpus))
+            if facts not in by_driver:
+                by_driver[facts] = request.node_excluded(node)
+            reason = by_driver[facts]
             if reason is None:
                 keep.append(node)
             else:
