@@ -223,15 +223,16 @@ class Inventory:
         return {n.name: n for n in self.nodes}
 
     @cached_property
-    def products(self) -> dict[str, str]:
-        """`product_key` -> the product's name as this inventory spells it (the first GPU of it in
-        inventory order): NVML's ``NVIDIA H100 80GB HBM3`` locally, GFD's ``NVIDIA-H100-80GB-HBM3``
-        on Kubernetes. Derived once per inventory (it is immutable)."""
-        names: dict[str, str] = {}
+    def products(self) -> dict[str, Gpu]:
+        """`product_key` -> the first GPU of that product in inventory order: its ``product`` is
+        the name as this inventory spells it (NVML's ``NVIDIA H100 80GB HBM3`` locally, GFD's
+        ``NVIDIA-H100-80GB-HBM3`` on Kubernetes), its memory the product's. Derived once per
+        inventory (it is immutable)."""
+        first: dict[str, Gpu] = {}
         for n in self.nodes:
             for g in n.gpus:
-                names.setdefault(g.product_key, g.product)
-        return names
+                first.setdefault(g.product_key, g)
+        return first
 
     def node(self, name: str) -> NodeInventory:
         """The node called ``name``. Raises KeyError."""

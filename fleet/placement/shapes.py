@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from fleet.sources import SourceError, parse_source, redact_source
 from fleet.inventory.mig import MigSlot
 from fleet.inventory.model import NodeInventory
+from fleet.models.memory import MemoryNeed
 from fleet.placement.compat import CudaNeed, node_reason
 from fleet.spec import InferenceDeployment
 
@@ -169,7 +170,10 @@ class PlacementRequest:
     ``image`` and ``model_source`` is warm too (the source as written or in its canonical form,
     `canonical_source`, which is how caches report it: ``hf://org/name`` is
     ``hf://org/name@main``). With
-    ``all_or_nothing`` nothing is placed unless all ``count`` replicas fit. ``cuda`` is what the
+    ``all_or_nothing`` nothing is placed unless all ``count`` replicas fit. ``memory`` (the
+    model's `fleet.models.memory.MemoryNeed` at the shape's TP size; None: not known) makes
+    placement skip a product or MIG profile whose per-device memory cannot hold the weights and
+    one ``max_model_len`` sequence (`fleet.placement.explain.memory_reason`). ``cuda`` is what the
     engine needs of a node's driver (`fleet.placement.compat.CudaNeed`, from ``engine.cudaVersion``
     or the image; None: no driver check): a node whose driver cannot run it takes no replica
     (`node_excluded`).
@@ -183,18 +187,20 @@ class PlacementRequest:
     image: str | None = None
     model_source: str | None = None
     all_or_nothing: bool = False
+    memory: MemoryNeed | None = None
     cuda: CudaNeed | None = None
 
     @classmethod
     def for_deployment(cls, dep: InferenceDeployment, count: int, existing: Iterable[ReplicaPlacement] = (),
-                       warm_nodes: Iterable[str] = (), all_or_nothing: bool = False) -> PlacementRequest:
+                       warm_nodes: Iterable[str] = (), all_or_nothing: bool = False,
+                       memory: MemoryNeed | None = None) -> PlacementRequest:
         shape = ReplicaShape.of(dep)
         engine = dep.spec.engine
         cuda = engine.cuda if shape.kind != "cpu" else None
         return cls(
             shape=shape, count=count, deployment=dep.name, existing=tuple(existing),
             warm_nodes=frozenset(warm_nodes), image=engine.image,
-            model_source=dep.spec.model.source, all_or_nothing=all_or_nothing,
+            model_source=dep.spec.model.source, all_or_nothing=all_or_nothing, memory=memory,
             cuda=CudaNeed(cuda[0], cuda[1], engine.cuda_compatibility == "minor-version") if cuda else None,
         )
 

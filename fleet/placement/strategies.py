@@ -31,6 +31,7 @@ from collections.abc import Hashable
 from typing import ClassVar
 
 from fleet.inventory.model import Inventory, product_key
+from fleet.models.memory import MemoryNeed
 from fleet.placement import cpu, explain, gangs, mig_advice
 from fleet.placement.context import Context
 from fleet.placement.shapes import (
@@ -142,9 +143,11 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
                 advice = mig_advice.advise(request, inventory, held, product, request.count - len(placements))
         return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note, gang, excluded)
 
-    def fits_at_all(self, shape: ReplicaShape, inventory: Inventory) -> Unplaceable | None:
-        """Why one replica of ``shape`` can never fit, even on empty nodes; None when it can."""
-        plan = self.place_replicas(PlacementRequest(shape), inventory, Counter())
+    def fits_at_all(self, shape: ReplicaShape, inventory: Inventory,
+                    memory: MemoryNeed | None = None) -> Unplaceable | None:
+        """Why one replica of ``shape`` (of a model needing ``memory``, when known) can never fit,
+        even on empty nodes; None when it can."""
+        plan = self.place_replicas(PlacementRequest(shape, memory=memory), inventory, Counter())
         return None if plan.complete else Unplaceable(plan.explain())
 
     def _context(self, request: PlacementRequest, inventory: Inventory) -> Context:
@@ -269,26 +272,37 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, held: Count
     (none can host one) the first listed, whose explanation then says why; with no product named,
     the product that can host most of the batch now (ties: more of it on warm nodes, then more
     capacity, then inventory order). None when no product can host even one replica (the
-    explanation then covers each node's own products). ``inventory`` holds only the nodes the
-    request may use (`_eligible`).
+    explanation then covers each node's own products). With ``request.memory``, a product whose
+    GPU (or MIG instance) memory cannot hold the model is never chosen: the existing replicas'
+    product, or every listed one, then gives None (`explain.memory_reason` says why).
+    ``inventory`` holds only the nodes the request may use (`_eligible`).
     """
     shape = request.shape
+    first = inventory.products   # product key -> its first GPU; derived once per inventory
+
+    def holds(product: str) -> bool:
+        gpu = first.get(product_key(product))
+        return request.memory is None or gpu is None or explain.memory_reason(request.memory, shape, gpu) is None
+
     for p in request.existing:
         if p.product:
-            return p.product
+            return p.product if holds(p.product) else None
     if shape.gpu_products:
         # Spelled as the inventory spells it where it has it (GFD's label writes dashes: the
         # Kubernetes engine pod selects that label, fleet.k8s.pods.product_selector).
-        named = inventory.products
-        listed = [named.get(product_key(p), p) for p in shape.gpu_products]
-        if len(listed) == 1:
-            return listed[0]
+        listed = [first[k].product if (k := product_key(p)) in first else p for p in shape.gpu_products]
+        fitting = [name for name in listed if holds(name)]
+        if len(fitting) <= 1:
+            return fitting[0] if fitting else None
         scored = [(min(_capacity(request, inventory, held, name)[0], request.count), -order, name)
-                  for order, name in enumerate(listed)]
+                  for order, name in enumerate(fitting)]
         best = max(scored)
-        return best[2] if best[0] > 0 else listed[0]
+        return best[2] if best[0] > 0 else fitting[0]
     best: tuple | None = None
-    for order, name in enumerate(inventory.products.values()):
+    for order, gpu in enumerate(first.values()):
+        name = gpu.product
+        if not holds(name):
+            continue
         total, warm = _capacity(request, inventory, held, name)
         if total == 0:
             continue

@@ -159,3 +159,23 @@ def test_the_engine_pod_selects_the_revisions_product(tmp_path: Path):
     assert "nodeSelector" not in pod_manifest(mig, fleet_id="f", owner=None, settings=EnginePodSettings())["spec"]
     mine = EnginePodSettings(node_selector={"nvidia.com/gpu.product": "X"})
     assert pod_manifest(want, fleet_id="f", owner=None, settings=mine)["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "X"}
+
+
+def test_a_listed_product_too_small_for_the_model_is_passed_over_for_the_next():
+    import json
+
+    from fleet.models import EngineMemorySettings, MemoryNeed, facts_from_config
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "data" / "model_configs"
+                         / "llama-3.1-70b-instruct.json").read_text())
+    need = MemoryNeed(facts_from_config(config), EngineMemorySettings(max_model_len=8192), 4)
+    inv = cluster(node("l40s-0", n=4, product=L40S, memory_mib=46068),
+                  node("l4-0", n=4, product="NVIDIA L4", memory_mib=23034))
+    shape = ReplicaShape(gpu_products=("NVIDIA L4", L40S), tensor_parallel_size=4)
+    # Llama 3.1 70B at TP=4 needs ~33 GiB of weights a GPU: the preferred L4 (22.5 GiB) cannot hold it.
+    plan = get_strategy().place_replicas(PlacementRequest(shape, memory=need), inv, Counter())
+    assert plan.complete and plan.product == L40S
+    assert get_strategy().place_replicas(PlacementRequest(shape), inv, Counter()).product == "NVIDIA L4"
+    small = ReplicaShape(gpu_products=("NVIDIA L4",), tensor_parallel_size=4)
+    plan = get_strategy().place_replicas(PlacementRequest(small, memory=need), inv, Counter())
+    assert plan.product is None and "model does not fit NVIDIA L4" in plan.explain()
