@@ -26,13 +26,13 @@ from fleet.local.state import StateStore
 log = logging.getLogger("fleet.local.routerproc")
 
 
+class RouterStartError(Exception):
+    """The router did not come up; the message holds why and the end of its log."""
+
+
 ROUTER_MODELS_FILE = "router-models.json"
 """The router's models file in the state directory, beside ``admin-token`` (`router.remembered`):
 a restarted router answers 503 + Retry-After for the models it lists until they are published again."""
-
-
-class RouterStartError(Exception):
-    """The router did not come up; the message holds why and the end of its log."""
 
 
 class RouterProcess:
@@ -138,13 +138,13 @@ class RouterProcess:
             self.record_path.unlink()
         except FileNotFoundError:
             pass
+        if self.admin is not None:
+            await self.admin.aclose()
+            self.admin = None
         try:   # a deliberate stop: the next router has no model to await
             (self.store.root / ROUTER_MODELS_FILE).unlink()
         except OSError:
             pass
-        if self.admin is not None:
-            await self.admin.aclose()
-            self.admin = None
 
     def _save(self) -> None:
         tmp = self.record_path.with_suffix(".tmp")
