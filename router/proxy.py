@@ -5,9 +5,12 @@ Owns `Proxy`, a raw ASGI handler for `POST /v1/completions` and
 `router.app.RouterApp` for those two paths only; everything else goes to the FastAPI app.
 
 Per request: read the body (at most `max_body_bytes`, else 413; the server bounds the time,
-`router.server.RequestGuardProtocol`) and check the JSON (400), find the model's pool (404),
-let the pool's policy pick a ready endpoint (503 + Retry-After if none), forward the original
-body bytes to `{endpoint.url}{path}`, and relay status, content type and body. A pool with a
+`router.server.RequestGuardProtocol`) and check the JSON (400), find the model's pool (404;
+503 + Retry-After for a model served before a restart and not yet published again,
+`router.pool.PoolTable.awaiting`), let the pool's policy pick a ready endpoint (503 +
+Retry-After if none), forward the original body bytes to `{endpoint.url}{path}` with only the
+allow-listed client headers (`FORWARDED_REQUEST_HEADERS`), and relay status, content type and
+body. A pool with a
 per-endpoint concurrency limit holds a request that finds every ready endpoint full in its
 admission queue (`router.admission`; 503 when the queue is full or the wait times out). Each
 request is recorded in its model's windowed stats (`router.stats`): arrival, queue time
@@ -18,8 +21,9 @@ also times the token events (`fleet_router_time_to_first_token_seconds`,
 OpenAI error event and `data: [DONE]`, not a truncated body. A connection failure before
 any response byte arrived is retried on an endpoint not yet tried (at most
 `min(max_attempts, ready endpoints)` attempts, then 502); nothing is retried once the
-endpoint has answered. Upstream 4xx and 5xx are relayed as is. Every error the router answers
-itself is in OpenAI's format and counted in `fleet_router_rejected_requests_total`
+endpoint has answered. Upstream 4xx and 5xx are relayed with their status, in OpenAI's error
+format (`router.errors.relayed_error`; error events inside a stream too). Every error the router
+answers itself is in OpenAI's format and counted in `fleet_router_rejected_requests_total`
 (`RouterMetrics.reject`); what it reflects of the request (the model name) is truncated.
 
 This is the hot path (figures: docs/benchmarks.md, "The router against `vllm-router`"): raw ASGI, aiohttp
