@@ -244,8 +244,9 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str,
         Ready it would answer 404 for every model (the chart's readiness probe reads this)."""
         if pools.synced:
             return Response(content=b'{"status":"ready"}', media_type="application/json")
-        return Response(content=b'{"status":"waiting for the control plane to publish the pools"}', status_code=503,
-                        media_type="application/json")
+        body = error_body("not ready: waiting for the control plane to publish the pools", type_="server_error",
+                          code="not_synced")  # fmt: skip
+        return Response(content=body, status_code=503, media_type="application/json", headers={"retry-after": "2"})
 
     @api.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
