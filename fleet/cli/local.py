@@ -54,7 +54,7 @@ def validate(files: Files) -> None:
         shape = (
             f"{r.cpu_cores} CPU core(s)" if r.accelerator == "cpu"
             else f"MIG {r.mig_profile}" if r.mig_profile
-            else f"TP={r.tensor_parallel_size} x {r.gpu_product or 'any GPU'}"
+            else f"TP={r.tensor_parallel_size} x {' or '.join(r.gpu_products) or 'any GPU'}"
         )
         a = d.spec.autoscaling
         scaling = (

@@ -33,10 +33,7 @@ class ModelCheck:
 
 def _products(ld: LoadedDeployment) -> tuple[str, ...]:
     """``spec.resources.gpuProduct`` as a tuple: a string, or an ordered list of products."""
-    p = ld.deployment.spec.resources.gpu_product
-    if p is None:
-        return ()
-    return (p,) if isinstance(p, str) else tuple(p)
+    return ld.deployment.spec.resources.gpu_products
 
 
 def read_need(ld: LoadedDeployment) -> tuple[MemoryNeed | None, str | None]:

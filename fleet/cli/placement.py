@@ -62,10 +62,11 @@ def plan(
     placed in one decision (one GPU product for all of them). For each replica: the node (several
     for a gang), the NVLink domain or MIG parent GPU, the devices as CUDA_VISIBLE_DEVICES gets
     them (GPU or MIG UUIDs), and whether the node is warm (engine image and weights in its
-    cache list). When replicas do not fit: the reasons grouped by node class, and for MIG
-    profiles, repartition advice with the nvidia-smi commands. Nothing is started. When the
-    model can be read (config.json of a local, cached or hf:// source), products and MIG profiles
-    whose memory cannot hold it are skipped, with the numbers.
+    cache list). Nodes whose NVIDIA driver cannot run the engine's CUDA (engine.cudaVersion or
+    the image's) are skipped, with the reason. When replicas do not fit: the reasons grouped by
+    node class, and for MIG profiles, repartition advice with the nvidia-smi commands. Nothing is
+    started. When the model can be read (config.json of a local, cached or hf:// source),
+    products and MIG profiles whose memory cannot hold it are skipped, with the numbers.
 
     With --advise: the shape table instead (see --advise); exit code 0 when some shape fits each
     deployment, 1 when none does.
@@ -165,6 +166,10 @@ def _plan_json(ld, p, inv) -> dict:
                           "warm": p.request.is_warm(inv.node(m.node))} for m in r.members]}
             for r in p.placements
         ],
+        "cuda": None if p.request.cuda is None else {
+            "version": ".".join(map(str, p.request.cuda.version)), "source": p.request.cuda.source,
+            "minorVersionCompatibility": p.request.cuda.minor_version_ok},
+        "skipped": [{"reason": c.reason, "nodes": list(c.nodes)} for c in p.skipped],
         "explanation": p.explain(),
         "reasons": [{"reason": c.reason, "nodes": list(c.nodes)} for c in p.reasons],
         "migAdvice": [{"node": a.node, "gpu": a.gpu_index, "plan": a.describe(), "commands": a.commands()}
@@ -178,6 +183,12 @@ def _print_plan(ld, p, inv) -> None:
     status = "[green]all placed[/]" if p.complete else f"[red]{len(p.placements)} of {p.request.count} placed[/]"
     console.print(f"[bold]{dep.name}[/] ({ld.path}): {p.request.count} replica(s) of {shape}; "
                   f"strategy {p.strategy}: {status}", highlight=False, soft_wrap=True)
+    if p.request.cuda is not None:
+        console.print(f"  engine needs {p.request.cuda.describe()}; nodes whose driver cannot run it are skipped",
+                      highlight=False, markup=False, soft_wrap=True)
+    if p.complete:   # an incomplete plan lists them with its reasons
+        for c in p.skipped:
+            console.print(f"  skipped {c.describe(examples=5)}", highlight=False, markup=False, soft_wrap=True)
     for i, r in enumerate(p.placements):
         for j, m in enumerate(r.members):
             warm = "warm" if p.request.is_warm(inv.node(m.node)) else "cold"
