@@ -37,6 +37,7 @@ from typing import Protocol
 
 from fleet.controller.backend import Backend, LaunchError, ReplicaFacts, ReplicaWant
 from fleet.controller.lifecycle import Replica, ReplicaStatus
+from fleet.controller.model_memory import ModelMemory, Reader
 from fleet.controller.restart import Adoption
 from fleet.controller.rollouts import RolloutDriver
 from fleet.controller.scale import scale_step
@@ -113,7 +114,9 @@ class Controller:
     canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`). Two
     collaborators work on the same records: the rollout driver (``self.rollouts``,
     `fleet.controller.rollouts.RolloutDriver`) and, once at `start`, the take-over from a previous
-    controller (`fleet.controller.restart.Adoption`)."""
+    controller (`fleet.controller.restart.Adoption`). ``memory_reader`` says what one replica of a
+    spec needs per GPU (`fleet.controller.model_memory`; default: read from the model's files or
+    the hub), which every placement request carries once known."""
 
     def __init__(
         self,
@@ -130,6 +133,7 @@ class Controller:
         on_event: Callable[[ReplicaEvent], None] | None = None,
         analysis_source: AnalysisSource | None = None,
         on_rollout_event: Callable[[str, str], None] | None = None,
+        memory_reader: Reader | None = None,
     ) -> None:
         self.backend = backend
         self.engine_api = engine_api
@@ -153,6 +157,8 @@ class Controller:
         self._facts: dict[str, ReplicaFacts] = {}
         self.tick_count = 0
         self._tick_deadline = float("inf")
+        # The memory a replica of each spec needs, for placement (read once; hf:// in a thread).
+        self.model_memory = ModelMemory(clock, memory_reader, on_known=self.wake)
 
     # ----- what the controller keeps ---------------------------------------------------------
 
@@ -195,6 +201,7 @@ class Controller:
         tasks; replicas and records are left as they are for the next controller to adopt."""
         for rid in list(self._warmups):
             self._cancel_warmup(rid)
+        self.model_memory.close()
 
     def waiting_reason(self, replica_id: str) -> str | None:
         """Why a PENDING replica is not placed yet (`fleet.placement` explanation), or None."""
@@ -555,11 +562,12 @@ class Controller:
                            holding: dict[str, ReplicaPlacement]) -> PlacementRequest:
         """``count`` more replicas of ``ld``: its live replicas fix product and gang width; warm
         nodes are where a replica of this very spec has its weights (so image and weights are
-        there), beside what the nodes report as ``cached``."""
+        there), beside what the nodes report as ``cached``; ``memory`` is what one replica needs per
+        GPU when known (`fleet.controller.model_memory.ModelMemory.need`: never waits for the hub)."""
         mine = [rid for rid in holding if self.replicas[rid].spec_hash == ld.serving_hash]
         warm = {self.replicas[rid].node for rid in mine if self.replicas[rid].weights_ready_at_s}
         return PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
-                                               warm_nodes=warm - {None})
+                                               warm_nodes=warm - {None}, memory=self.model_memory.need(ld))
 
     def next_replica_warm(self, deployment: str) -> bool:
         """Whether one more replica of ``deployment``'s serving spec, placed now, would start warm:

@@ -49,7 +49,7 @@ from fleet.engines.kinds import ModelUnavailable, get_engine
 from fleet.inventory import Inventory, discover_local
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.observability.discovery import LocalObservability
-from fleet.placement import ReplicaShape, get_strategy
+from fleet.placement import PlacementRequest, get_strategy
 from fleet.rollout.metrics import RolloutCollector
 from fleet.local.routerproc import RouterProcess, RouterStartError
 from fleet.spec import LoadedDeployment
@@ -105,7 +105,8 @@ def _local_memory_need(ld: LoadedDeployment) -> MemoryNeed | None:
 def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[str, tuple[str, int]]) -> None:
     """Check everything that would make `fleet up` half-start: each deployment's engine is
     installed, its weights are present and a replica fits the inventory (and, for weights on this
-    machine, a GPU of it holds the model: `fleet.models.memory.MemoryNeed`); each named port
+    machine, a GPU of it holds the model: `fleet.models.memory.MemoryNeed`; and a GPU node's NVIDIA
+    driver can run the engine's CUDA: `fleet.placement.compat`); each named port
     (``{"router": (host, port)}``) is free. Raises PreflightError listing every problem."""
     problems = []
     placer = get_strategy()
@@ -126,7 +127,8 @@ def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[
                 engine.model_argument(dep.engine_launch(ld.base_dir))
             except ModelUnavailable as err:
                 problems.append(f"{where} spec.model.source: {err}")
-        unfit = placer.fits_at_all(ReplicaShape.of(dep), inventory, memory=_local_memory_need(ld))
+        request = PlacementRequest.for_deployment(dep, 1, memory=_local_memory_need(ld))   # driver/CUDA too
+        unfit = placer.fits_at_all(request.shape, inventory, memory=request.memory, cuda=request.cuda)
         if unfit is not None:
             problems.append(f"{where} spec.resources: cannot place a replica on this machine: {unfit.reason}")
     for what, (host, port) in ports.items():
