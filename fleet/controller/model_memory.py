@@ -75,6 +75,13 @@ def _weight_cache_dir(source: str) -> Path | None:
         return None
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 @dataclass
 class _Entry:
     """What is known of one spec's need: ``known`` (``need`` is the answer, None included), or a
@@ -106,7 +113,8 @@ class ModelMemory:
 
     def need(self, ld: LoadedDeployment) -> MemoryNeed | None:
         """The need of one replica of ``ld`` if known now, else None (place without it). Never
-        blocks on the network: an ``hf://`` source is read in a thread, started here."""
+        blocks on the network: an ``hf://`` source is read in a thread, started here (when called
+        on a running event loop; the controller's steps are)."""
         spec = ld.deployment.spec
         if spec.engine.kind == "sim" or spec.resources.accelerator != "gpu":
             return None
@@ -124,8 +132,10 @@ class ModelMemory:
         if not spec.model.source.startswith("hf://"):
             self._settle(entry, ld, *self._read(ld))
             return entry.need
-        entry.task = asyncio.get_running_loop().create_task(self._read_in_thread(ld, entry),
-                                                            name=f"model-memory-{ld.deployment.name}")
+        loop = _running_loop()
+        if loop is None:   # asked outside the controller's loop: the next tick starts the read
+            return None
+        entry.task = loop.create_task(self._read_in_thread(ld, entry), name=f"model-memory-{ld.deployment.name}")
         log.info("%s: placing without the model's memory need until %s is read", ld.deployment.name,
                  spec.model.source)
         return None

@@ -226,3 +226,12 @@ def test_fleet_up_preflight_refuses_an_engine_no_driver_can_run(tmp_path):
         preflight(load_deployments([f]), new, {})
     except PreflightError as err:   # the engine or weights may be missing here; the driver is not the problem
         assert not [p for p in err.problems if "spec.resources" in p], err.problems
+
+
+def test_asked_outside_an_event_loop_a_hub_source_is_not_read(tmp_path):
+    from fleet.controller.model_memory import ModelMemory
+
+    reader, calls = counting(lambda ld: None)
+    [ld] = load_deployments([gpu_deployment(tmp_path, None, source="hf://org/x")])
+    memory = ModelMemory(FakeClock(), reader)
+    assert memory.need(ld) is None and calls == []   # the controller's next tick starts the read
