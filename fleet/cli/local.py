@@ -295,7 +295,7 @@ def status(
                 console.print(f"  | {line}", markup=False, highlight=False, style="dim")
 
 
-STALE_STATE_S = 30.0
+STALE_STATE_S = 10.0
 """A running `fleet up` writes state.json every second; older than this, `fleet status` warns."""
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
-from fleet.local.failsoft import WriteErrors
+from fleet.local.failsoft import WriteErrors, log_or_devnull
 from fleet.local.procs import LocalProcesses, ProcessRecord, find_marked, read_log_tail, start_ticks
 from fleet.engines.kinds import get_engine
 from fleet.inventory import Inventory, NodeInventory
@@ -195,7 +195,10 @@ class LocalBackend:
         cores = self.numa_cores(want)
         if cores and shutil.which("taskset"):   # the engine on the CPU cores local to its GPUs (NUMA)
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
-        process = self.processes.spawn(argv, env, Path(record.log_path) if record.log_path else None)
+        log_path = Path(record.log_path) if record.log_path else None
+        if log_path is not None:
+            log_path = log_or_devnull(log_path, self.write_errors, "engine_log")
+        process = self.processes.spawn(argv, env, log_path)
         self._records[rid] = replace(self._records[rid], process=process)
         self._save()
 

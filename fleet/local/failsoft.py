@@ -257,6 +257,24 @@ class FailSoftStream:
             self.errors._quiet.on = False
 
 
+LOG_ROOM_BYTES = 1 << 20
+"""Free space a new process's log needs at its start (see `log_or_devnull`)."""
+
+
+def log_or_devnull(path: Path, errors: WriteErrors, target: str) -> Path | None:
+    """``path`` when its file system has `LOG_ROOM_BYTES` free, else None (the process's output
+    goes to /dev/null, counted under ``target``): an engine or router started while the disk is
+    full would die on its first log line (Python's print raises ENOSPC); serving comes first."""
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return path
+    if st.f_bavail * st.f_frsize >= LOG_ROOM_BYTES:
+        return path
+    errors.failed(target, OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {path} (output to /dev/null)"))
+    return None
+
+
 def _isatty(fd: int) -> bool:
     try:
         return os.isatty(fd)

@@ -70,7 +70,7 @@ _STYLE = {
 AGENT_INTERVAL_S = 30.0
 """How often the node agent checks GPU health in `fleet up` (Xid events are drained every second between)."""
 
-ROUTER_CHECK_INTERVAL_S = 1.0
+ROUTER_CHECK_INTERVAL_S = 0.25
 """How often `fleet up` checks that the router process still runs (a dead router is restarted)."""
 
 

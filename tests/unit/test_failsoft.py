@@ -305,3 +305,16 @@ def test_the_router_record_and_token_are_written_once_the_disk_has_room(tmp_path
     assert store.admin_token() == "tok" and json.loads(router.record_path.read_text())["url"] == router.url
     assert oct((tmp_path / "admin-token").stat().st_mode & 0o777) == "0o600"
 
+
+
+def test_a_process_started_on_a_full_disk_logs_to_devnull_rather_than_die(tmp_path, monkeypatch):
+    from fleet.local.failsoft import log_or_devnull
+
+    errors = WriteErrors(FakeClock(0.0))
+    log = tmp_path / "logs" / "chat-3.log"
+    log.parent.mkdir()
+    assert log_or_devnull(log, errors, "engine_log") == log
+    full = os.statvfs_result((4096, 4096, 1024, 0, 0, 100, 0, 0, 0, 255))
+    monkeypatch.setattr(os, "statvfs", lambda path: full)
+    assert log_or_devnull(log, errors, "engine_log") is None
+    assert errors.state("engine_log").errors == 1 and "ENOSPC" in errors.state("engine_log").last_error
