@@ -355,7 +355,10 @@ def down(
     from fleet.local.up import run_down
 
     store = StateStore(state_dir or default_state_dir())
-    state = store.read_or_none() or {}   # unreadable: `fleet up` is found by its lock, the rest by its records
+    try:
+        state = store.read() or {}
+    except StateUnreadable:
+        state = {}   # `fleet up` is found by its lock; `run_down` says why and works from the other records
     pid = _up_pid(store, state)
     if pid is not None:
         os.kill(pid, signal.SIGTERM)

@@ -270,6 +270,7 @@ def log_or_devnull(path: Path, errors: WriteErrors, target: str) -> Path | None:
     except OSError:
         return path
     if st.f_bavail * st.f_frsize >= LOG_ROOM_BYTES:
+        errors.ok(target)
         return path
     errors.failed(target, OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {path} (output to /dev/null)"))
     return None

@@ -54,7 +54,7 @@ from fleet.placement import ReplicaShape, get_strategy
 from fleet.rollout.metrics import RolloutCollector
 from fleet.local.failsoft import WRITE_ERRORS, FailSoftStream, WriteErrors, same_file
 from fleet.local.rebuild import pooled_endpoint_ids, rebuild_snapshot
-from fleet.local.routerproc import RouterProcess, RouterStartError, recorded_url
+from fleet.local.routerproc import RouterProcess, RouterStartError, marked_router, recorded_url
 from fleet.spec import LoadedDeployment
 from fleet.local.state import StateStore, StateUnreadable
 from warmup.client import EngineClient
@@ -429,7 +429,7 @@ async def run_down(store: StateStore, console: Console, settings: ControllerSett
         errors = store.write_errors
         backend = LocalBackend(store.root, store.fleet_id(), discover_local(), weights=WeightCache(default_cache_root()),
                                write_errors=errors)  # fmt: skip
-        url = state.get("router_url") or recorded_url(store.root) or ""
+        url = state.get("router_url") or recorded_url(store.root) or (marked_router(store.root) or ("",))[0]
         where = urlsplit(url)
         router = RouterProcess(store, where.hostname or "127.0.0.1", where.port or 0)
         router_record = router.recorded()
@@ -455,8 +455,10 @@ async def run_down(store: StateStore, console: Console, settings: ControllerSett
         await engine_api.aclose()
         store.set_extra(phase="stopped", router_url=url or None, pid=state.get("pid"))
         store.save(controller.snapshot(), force=True)
-        if gone is not None and router.processes.is_ours(gone):
-            console.print(f"[bold red]The router (pid {gone.pid}) is still running[/]", highlight=False)
+        left = marked_router(store.root)
+        if (gone is not None and router.processes.is_ours(gone)) or left is not None:
+            console.print(f"[bold red]The router (pid {gone.pid if gone else left[1]}) is still running[/]",
+                          highlight=False)  # fmt: skip
             return 3
         return 0
     finally:
