@@ -192,7 +192,8 @@ class StateStore:
         """The last snapshot, or None when there is none.
 
         Raises StateUnreadable when the file exists but cannot be read, is not JSON (truncated by
-        a full disk, edited by hand) or is not a JSON object: no silent fresh start."""
+        a full disk, edited by hand), is not a JSON object, or its ``deployments`` is not an
+        object or its ``replicas`` not a list: no silent fresh start."""
         try:
             text = self.state_path.read_text()
         except FileNotFoundError:
@@ -205,6 +206,10 @@ class StateStore:
             raise StateUnreadable(self.state_path, f"not JSON ({err}; {len(text)} bytes)") from err
         if not isinstance(data, dict):
             raise StateUnreadable(self.state_path, f"not a JSON object but {type(data).__name__}")
+        for key, kind in (("deployments", dict), ("replicas", list)):
+            if not isinstance(data.get(key, kind()), kind):
+                raise StateUnreadable(self.state_path, f"{key!r} is a {type(data[key]).__name__}, not a "
+                                      f"{'JSON object' if kind is dict else 'list'}")  # fmt: skip
         return data
 
     def read_or_none(self) -> dict | None:

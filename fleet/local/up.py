@@ -13,6 +13,11 @@ requests finished, engines stopped, router last). `run_down` is `fleet down` for
 controller is gone: it adopts what still runs and shuts it down the same way. Called by
 `fleet.cli`.
 
+Fails soft (docs/crash-safety.md, "When the control plane cannot write"): its output, its log
+and every record it writes go through `fleet.local.failsoft` (counted, backed off, never raised);
+only SIGINT/SIGTERM drains; any other failure ends `fleet up` and leaves the data plane serving.
+A state file that cannot be read is taken over from the other records (`fleet.local.rebuild`).
+
 What outlives what: engines and the router run in their own sessions and do not die with the
 controller. A `fleet up` that is killed (or crashes) leaves them serving, with the pools they
 had; the next `fleet up` on the same state directory adopts them; `fleet status` shows them

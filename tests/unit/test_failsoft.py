@@ -141,6 +141,7 @@ def test_a_state_write_on_a_full_disk_keeps_the_last_whole_file(tmp_path, monkey
     ('{"format": 3, "replicas": [{"id": "ch', "not JSON"),
     ("", "not JSON"),
     ("[1, 2]", "not a JSON object"),
+    ('{"format": 3, "replicas": {"chat-0": {}}}', "'replicas' is a dict, not a list"),
     (b"\xff\xfe{", "codec"),
 ])  # fmt: skip
 def test_an_unreadable_state_file_is_an_error_naming_the_file_and_why(tmp_path, content, why):
