@@ -52,6 +52,7 @@ class RouterProcess:
         self.restarts = 0
         self.starts = 0     # router processes started by this object (the supervisor republishes after each)
         self._unpersisted: str | None = None   # the token of a started router whose files are not written yet
+        self._record_lost = False              # router.json was missing or unreadable: found by its marker
 
     # ----- adopt or start -----------------------------------------------------------------
 
@@ -67,6 +68,7 @@ class RouterProcess:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             if not isinstance(err, FileNotFoundError):
                 log.warning("ignoring unreadable %s: %s", self.record_path, err)
+            self._record_lost = True   # written again once adopted
             return self.marked()
         return record if self.processes.is_ours(record) else None
 
@@ -105,6 +107,9 @@ class RouterProcess:
             log.warning("recorded router pid %d does not answer as ours: %s", record.pid, err)
             return False
         self.record = record
+        if self._record_lost:   # found by its marker: its record is written again
+            self._unpersisted = token
+            self.persist()
         return True
 
     async def start(self, timeout_s: float = 30.0) -> None:
