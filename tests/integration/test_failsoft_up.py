@@ -4,7 +4,7 @@ new `fleet up` takes over from the replica records, the processes' markers and t
 pools, adopting every engine and the router with the same pids under load, never reusing an id;
 `fleet logs controller` reads a foreground `fleet up`; `fleet down` of a dead controller with no
 state and no router record stops everything. Real processes over engine SIMULATOR replicas.
-The fault table of issue 22 (full disk, closed output, ...) is tests/integration/test_control_faults.py."""
+The full fault table of issue 22 (full disk, closed output, ...): docs/crash-safety.md."""
 
 from __future__ import annotations
 
