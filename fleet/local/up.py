@@ -34,7 +34,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -358,9 +358,11 @@ async def run_up(
                           highlight=False)  # fmt: skip
         _install_signal_handlers(stop, asked, console, controller)
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(_supervise_router(router, controller, stop, progress), name="router-supervisor"),
-                 loop.create_task(ControlServer(store.root, controller, progress.say, errors).run(stop),
-                                  name="control")]  # `fleet apply`, `fleet rollout`  # fmt: skip
+        control = ControlServer(store.root, controller, progress.say, errors)   # `fleet apply`, `fleet rollout`
+        tasks = [loop.create_task(_keep_running("router supervisor", lambda: _supervise_router(
+                     router, controller, stop, progress), stop), name="router-supervisor"),
+                 loop.create_task(_keep_running("control channel", lambda: control.run(stop), stop),
+                                  name="control")]  # fmt: skip
         autoscaler_metrics = AutoscalerMetrics()
         autoscaler_metrics.registry.register(RolloutCollector(controller))   # fleet_rollout_* (fleet.rollout.metrics)
         autoscaler_metrics.registry.register(errors)   # fleet_control_write_errors_total (fleet.local.failsoft)
@@ -374,7 +376,8 @@ async def run_up(
         if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
             autoscaler = AutoscalerLoop(controller, router=router.admin, engine_api=engine_api, clock=clock,
                                         metrics=autoscaler_metrics, on_decision=progress.decision)  # fmt: skip
-            tasks.append(loop.create_task(autoscaler.run(stop), name="autoscaler"))
+            tasks.append(loop.create_task(_keep_running("autoscaler", lambda: autoscaler.run(stop), stop),
+                                          name="autoscaler"))  # fmt: skip
         store.set_extra(phase="running")
 
         def after_tick() -> None:
@@ -528,6 +531,22 @@ def _fail_soft_output(errors: WriteErrors, log_path: Path) -> Callable[[], None]
             stream.close()
 
     return restore
+
+
+async def _keep_running(what: str, run: Callable[[], Awaitable[None]], stop: asyncio.Event,
+                        delay_s: float = 1.0) -> None:  # fmt: skip
+    """Await ``run()`` until it returns (each loop returns once ``stop`` is set); if it raises,
+    log and start it again ``delay_s`` later: a supervisor that restarts itself."""
+    while not stop.is_set():
+        try:
+            await run()
+            return
+        except Exception:  # noqa: BLE001 - the loop is started again
+            log.exception("%s failed: restarting it in %.0f s", what, delay_s)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=delay_s)
+        except asyncio.TimeoutError:
+            pass
 
 
 def _supervised_thread(run: Callable, args: tuple, stop: threading.Event, what: str, delay_s: float = 5.0) -> None:

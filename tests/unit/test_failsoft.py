@@ -319,3 +319,22 @@ def test_a_process_started_on_a_full_disk_logs_to_devnull_rather_than_die(tmp_pa
     monkeypatch.setattr(os, "statvfs", lambda path: full)
     assert log_or_devnull(log, errors, "engine_log") is None
     assert errors.state("engine_log").errors == 1 and "ENOSPC" in errors.state("engine_log").last_error
+
+
+async def test_a_loop_that_raises_is_started_again_until_stop():
+    stop, runs = asyncio.Event(), []
+
+    async def loop_body():
+        runs.append(1)
+        if len(runs) < 3:
+            raise OSError(errno.EPIPE, "Broken pipe")
+        await stop.wait()
+
+    task = asyncio.get_running_loop().create_task(up_module._keep_running("control channel", loop_body, stop, 0.0))
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(runs) < 3:
+        assert asyncio.get_running_loop().time() < deadline and not task.done()
+        await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(task, timeout=10)
+    assert len(runs) == 3
