@@ -325,9 +325,11 @@ class Controller:
             took_s = self.clock() - started_s
             if took_s > 1.0:
                 log.warning("reconcile step %s took %.1f s", step.__name__, took_s)
-        self._emit_transitions()
-        self._trim_history()
-        self._save()
+        for end in (self._emit_transitions, self._trim_history, self._save):
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - output and bookkeeping never stop the loop
+                log.exception("reconcile %s failed", end.__name__)
 
     async def run(
         self, stop: asyncio.Event, interval_s: float = 1.0, after_tick: Callable[[], None] | None = None
@@ -336,11 +338,21 @@ class Controller:
         something the loop waits for has happened (a warm-up finished, `wake()`).
 
         ``after_tick`` runs after each tick (progress output).
+
+        Never returns before ``stop`` is set, whatever a tick or ``after_tick`` raises (logged;
+        the next tick comes as usual): only the caller's ``stop`` ends the loop, so a failure of
+        the control plane's own output or state never reaches the replicas that serve.
         """
         while not stop.is_set():
-            await self.reconcile_once()
+            try:
+                await self.reconcile_once()
+            except Exception:  # noqa: BLE001 - the loop survives its parts (STYLE.md 9)
+                log.exception("reconcile tick failed")
             if after_tick is not None:
-                after_tick()
+                try:
+                    after_tick()
+                except Exception:  # noqa: BLE001 - progress output never stops the loop
+                    log.exception("after-tick callback failed")
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=interval_s)
             except asyncio.TimeoutError:
@@ -801,7 +813,10 @@ class Controller:
             if new is old:
                 continue
             self._last_status[r.id] = new
-            self.on_event(ReplicaEvent(r.id, r.deployment, old, new, self._detail(r, new), now))
+            try:
+                self.on_event(ReplicaEvent(r.id, r.deployment, old, new, self._detail(r, new), now))
+            except Exception:  # noqa: BLE001 - a transition that cannot be shown (EPIPE, ENOSPC) is logged only
+                log.exception("cannot report %s %s", r.id, new.value)
 
     def _detail(self, r: Replica, status: ReplicaStatus) -> str:
         if status.failed() and r.failure:
@@ -850,8 +865,10 @@ class Controller:
         }
 
     def _save(self) -> None:
+        """Hand the snapshot to the state sink. Never raises: the next save writes the whole
+        state again (the sink may count and back off: `fleet.local.state.StateStore.save`)."""
         if self.state_sink is not None:
             try:
                 self.state_sink.save(self.snapshot())
-            except OSError as err:
+            except Exception as err:  # noqa: BLE001 - a state write that fails never stops the loop
                 log.warning("cannot write state: %s", err)
