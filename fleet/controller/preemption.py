@@ -82,7 +82,8 @@ class Preemptor:
         if mine >= spec.replicas.min:
             return None
         standings = self._standings(holding)
-        holders = [Holder(rid, r.deployment, holding[rid], _PROGRESS[r.status], r.created_at_s)
+        order = {rid: i for i, rid in enumerate(records.replicas)}   # insertion = creation order
+        holders = [Holder(rid, r.deployment, holding[rid], _PROGRESS[r.status], order[rid])
                    for rid in holding if (r := records.replicas[rid]).status.counts_toward_desired()]  # fmt: skip
         freeing = [d for r in records.replicas.values() if r.preempted_for == deployment and r.engine_alive
                    and r.id in holding for d in holding[r.id].devices]  # fmt: skip

@@ -81,14 +81,15 @@ class Standing:
 class Holder:
     """One replica that holds devices and counts toward its deployment's target. ``progress``:
     how far along it is (a larger value is further: the index of its status in
-    `fleet.controller.lifecycle.ReplicaStatus`), ``created_s``: when it was created (a larger
-    value is newer)."""
+    `fleet.controller.lifecycle.ReplicaStatus`), ``created``: its place in creation order (a
+    larger value is newer; the controller's creation order, since replicas created in one tick
+    share a creation time)."""
 
     replica_id: str
     deployment: str
     placement: ReplicaPlacement
     progress: int
-    created_s: float
+    created: float
 
 
 @dataclass(frozen=True)
@@ -238,13 +239,17 @@ class PreemptionPolicy:
         # shortest prefix of the candidates that does (binary search: freeing more devices never
         # leaves less room).
         everyone = _without(base, candidates)
-        while not self._fits(request, inventory, everyone):
-            if request.count == 1:
+        if not self._fits(request, inventory, everyone):
+            if not self._fits(replace(request, count=1), inventory, everyone):
                 return PreemptionDecision(reason=(
                     f"preempting every replica allowed ({len(candidates)} of lower priority) would not make room "
                     f"for a replica of {claimant.name}"))
-            request = replace(request, count=request.count - 1)
-        need = request.count
+            lo, hi = 1, need - 1            # the most replicas every allowed victim makes room for
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self._fits(replace(request, count=mid), inventory, everyone) else (lo, mid - 1)
+            need = lo
+            request = replace(request, count=need)
         lo, hi = 1, len(candidates)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -284,7 +289,7 @@ class PreemptionPolicy:
         at most `Standing.spare` of each deployment."""
         lower = [h for h in holders if h.deployment != claimant.name and h.deployment in standings
                  and standings[h.deployment].priority < claimant.priority]  # fmt: skip
-        lower.sort(key=lambda h: (standings[h.deployment].priority, h.progress, -h.created_s, h.replica_id))
+        lower.sort(key=lambda h: (standings[h.deployment].priority, h.progress, -h.created, h.replica_id))
         left = {name: s.spare for name, s in standings.items()}
         out = []
         for h in lower:
