@@ -148,3 +148,15 @@ async def test_holds_and_recent_preemptions_survive_a_controller_restart(tmp_pat
     again.c.preemption.restore(snapshot, again.clock())
     assert again.c.preemption.blocked("batch", again.clock()) == {"GPU-1": 1}
     assert [e["replica"] for e in again.c.preemption.recent] == ["batch-1"]
+
+
+async def test_the_crd_status_of_both_deployments_lists_the_preemption(tmp_path):
+    from fleet.k8s.status import deployment_status
+
+    h = await ready_batch(tmp_path)
+    await raise_chat_min(h, tmp_path)
+    await h.tick()
+    for name in ("batch", "chat"):
+        [p] = deployment_status(h.c, name, 1, None, now=1_800_000_000.0)["preemptions"]
+        assert (p["replica"], p["deployment"], p["for"], p["time"]) == ("batch-1", "batch", "chat", "2027-01-15T08:00:00Z")
+        assert p["reason"].startswith("preempted for chat (priority 100 > 0)")
