@@ -248,6 +248,7 @@ def status(
             (r.get("detail") or {}).get("pid", "-"), f"{clock_now - r['created_at_s']:.0f} s", detail,
         )
     console.print(table)
+    _print_preemptions(state, clock_now)
     for r in replicas:
         failure = r.get("failure")
         if failure and failure.get("log_tail") and log_lines > 0:
@@ -256,6 +257,21 @@ def status(
                           highlight=False)  # fmt: skip
             for line in failure["log_tail"][-log_lines:]:
                 console.print(f"  | {line}", markup=False, highlight=False, style="dim")
+
+
+def _print_preemptions(state: dict, clock_now: float) -> None:
+    """The latest preemptions (`fleet.controller.preemption.Preemptor.recent`), when there were any."""
+    recent = ((state.get("preemption") or {}).get("recent")) or []
+    if not recent:
+        return
+    table = Table(title="Preemptions (latest)", title_justify="left")
+    for col in ("replica", "deployment", "for", "ago", "devices", "reason"):
+        table.add_column(col)
+    for e in recent[-10:]:
+        table.add_row(e.get("replica", "?"), e.get("deployment", "?"), e.get("for", "?"),
+                      f"{clock_now - e.get('at_s', clock_now):.0f} s", ",".join(e.get("devices") or []),
+                      e.get("reason", ""))  # fmt: skip
+    console.print(table)
 
 
 def _scaling_columns(d: dict) -> tuple[str, str]:
