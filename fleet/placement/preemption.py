@@ -33,11 +33,13 @@ same objects. Pure: no I/O; time is passed in (controller clock seconds).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from fleet.inventory.model import Inventory
+from fleet.inventory.model import Inventory, NodeInventory
 from fleet.placement.shapes import PlacementPlan, PlacementRequest, ReplicaPlacement
 from fleet.placement.strategies import PlacementStrategy
 
@@ -226,51 +228,80 @@ class PreemptionPolicy:
             return PreemptionDecision(reason=f"{claimant.name} is at its minimum ({claimant.minimum}): "
                                              "replicas above it wait for free capacity")  # fmt: skip
         request = replace(request, count=need, all_or_nothing=True)
-        base = Counter(in_use)
-        base.subtract(Counter(freeing))
-        base = +base
-        if freeing and self._fits(request, inventory, base):
+        base = _without(in_use, (), freeing) if freeing else in_use   # never modified: trials copy what they use
+        freeing_nodes = {n.name for n in inventory.nodes if set(freeing) & _devices_of(n)} if freeing else set()
+        if freeing and (self._fits(request, _scope(inventory, (), freeing_nodes), base)
+                        or self._fits(request, inventory, base)):  # fmt: skip
             return PreemptionDecision(reason=f"waiting for {len(set(freeing))} device(s) being freed for "
                                              f"{claimant.name} to drain")  # fmt: skip
-        candidates = self._candidates(claimant, holders, standings)
-        if not candidates:
+        candidates = _Candidates(claimant, holders, standings)
+        if not candidates.total:
             return PreemptionDecision(reason=self._nobody(claimant, holders, standings))
-        # As many of the replicas needed as every allowed victim makes room for, then the
-        # shortest prefix of the candidates that does (binary search: freeing more devices never
-        # leaves less room).
-        everyone = _without(base, candidates)
-        if not self._fits(request, inventory, everyone):
-            if not self._fits(replace(request, count=1), inventory, everyone):
-                return PreemptionDecision(reason=(
-                    f"preempting every replica allowed ({len(candidates)} of lower priority) would not make room "
-                    f"for a replica of {claimant.name}"))
-            lo, hi = 1, need - 1            # the most replicas every allowed victim makes room for
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if self._fits(replace(request, count=mid), inventory, everyone) else (lo, mid - 1)
+        # Trials run on the nodes that victims (or replicas already freeing for the claimant) would
+        # free: placement just found no room elsewhere for a replica on one node. A gang may also
+        # take nodes without a victim: then every trial runs on the whole inventory.
+        whole = False
+
+        def scope(victims: Sequence[Holder]) -> Inventory:
+            return inventory if whole else _scope(inventory, victims, freeing_nodes)
+
+        def fits(count: int, victims: Sequence[Holder], where: Inventory | None = None) -> bool:
+            where = where or scope(victims)
+            held = _without(base if where is inventory else _local(base, where), victims)
+            return self._fits(replace(request, count=count), where, held)
+
+        # The shortest prefix of the candidates whose devices make room: doubling, then bisecting
+        # (freeing more devices never leaves less room); short prefixes are trials on few nodes.
+        total = candidates.total
+        hi = 1
+        while hi < total and not fits(need, candidates.first(hi)):
+            hi *= 2
+        hi = min(hi, total)
+        if hi == total and not fits(need, candidates.first(total)):
+            # Not all the replicas needed: as many as every allowed victim makes room for.
+            everyone = candidates.first(total)
+            if not fits(1, everyone):
+                whole = True
+                if not fits(1, everyone):
+                    return PreemptionDecision(reason=(
+                        f"preempting every replica allowed ({total} of lower priority) would not make "
+                        f"room for a replica of {claimant.name}"))
+            lo, top = 1, need - 1
+            while lo < top:
+                mid = (lo + top + 1) // 2
+                lo, top = (mid, top) if fits(mid, everyone) else (lo, mid - 1)
             need = lo
             request = replace(request, count=need)
-        lo, hi = 1, len(candidates)
+        lo = hi // 2 + 1 if hi > 1 else 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if self._fits(request, inventory, _without(base, candidates[:mid])):
+            if fits(need, candidates.first(mid)):
                 hi = mid
             else:
                 lo = mid + 1
-        chosen = list(candidates[:lo])
+        chosen = candidates.first(lo)
+        where = scope(chosen)
         # Drop the victims placement does not need (the last one is needed: the prefix is the shortest).
         for h in reversed(chosen[:-1][-MAX_PRUNE_TRIALS:]):
             rest = [c for c in chosen if c is not h]
-            if self._fits(request, inventory, _without(base, rest)):
+            if fits(need, rest, where):
                 chosen = rest
-        # Another set: the candidates under where placement puts the replicas when every allowed
-        # victim is gone (it may find a domain the preference order reaches late). The cheaper wins.
-        where = set(d for p in self.placer.place_replicas(request, inventory, everyone).placements for d in p.devices)
-        under = [h for h in candidates if where.intersection(h.placement.devices)]
-        if under and self._fits(request, inventory, _without(base, under)):
-            rank = {h.replica_id: i for i, h in enumerate(candidates)}
+        # Another set: the candidates (of those looked at) under where placement puts the replicas
+        # when every one of them on those nodes is gone (it may find a domain the preference order
+        # reaches late). The cheaper wins.
+        names = {n.name for n in where.nodes}
+        seen = candidates.looked_at()
+        nearby = [h for h in seen if h.placement.members[0].node in names
+                  and all(m.node in names for m in h.placement.members)]  # fmt: skip
+        held = _without(base if where is inventory else _local(base, where), nearby)
+        at = {d for p in self.placer.place_replicas(request, where, held).placements for d in p.devices}
+        under = [h for h in nearby if at.intersection(h.placement.devices)]
+        if under and fits(need, under):
+            rank = {h.replica_id: i for i, h in enumerate(seen)}
             chosen = min((chosen, under), key=lambda vs: self._cost(vs, standings, rank))
-        plan = self.placer.place_replicas(request, inventory, _without(base, chosen))
+        where = scope(chosen)
+        plan = self.placer.place_replicas(request, where, _without(base if where is inventory else _local(base, where),
+                                                                   chosen))  # fmt: skip
         victims = tuple(Victim(h.replica_id, h.deployment, self._reason(h, claimant, standings, need))
                         for h in chosen)  # fmt: skip
         names = ", ".join(v.replica_id for v in victims)
@@ -282,21 +313,6 @@ class PreemptionPolicy:
 
     def _fits(self, request: PlacementRequest, inventory: Inventory, in_use: Counter[str]) -> bool:
         return self.placer.place_replicas(request, inventory, in_use).complete
-
-    @staticmethod
-    def _candidates(claimant: Standing, holders: Sequence[Holder], standings: Mapping[str, Standing]) -> list[Holder]:
-        """Allowed victims in preemption order: lowest priority, least advanced, newest first;
-        at most `Standing.spare` of each deployment."""
-        lower = [h for h in holders if h.deployment != claimant.name and h.deployment in standings
-                 and standings[h.deployment].priority < claimant.priority]  # fmt: skip
-        lower.sort(key=lambda h: (standings[h.deployment].priority, h.progress, -h.created, h.replica_id))
-        left = {name: s.spare for name, s in standings.items()}
-        out = []
-        for h in lower:
-            if left[h.deployment] > 0:
-                left[h.deployment] -= 1
-                out.append(h)
-        return out
 
     @staticmethod
     def _cost(victims: list[Holder], standings: Mapping[str, Standing], rank: Mapping[str, int]) -> tuple:
@@ -324,9 +340,57 @@ class PreemptionPolicy:
                 f"{claimant.active}/{claimant.minimum} of its minimum replicas placed, {need} more needed{below}")
 
 
-def _without(in_use: Counter[str], victims: Iterable[Holder]) -> Counter[str]:
-    """``in_use`` with the victims' devices given up."""
+def _devices_of(node: NodeInventory) -> set[str]:
+    return {g.uuid for g in node.gpus} | {m.uuid for g in node.gpus for m in g.mig_instances}
+
+
+def _scope(inventory: Inventory, victims: Iterable[Holder], also: Collection[str] = ()) -> Inventory:
+    """The inventory's nodes that hold a victim or are named in ``also``, in inventory order."""
+    names = {n for h in victims for n in h.placement.nodes} | set(also)
+    return Inventory(tuple(n for n in inventory.nodes if n.name in names))
+
+
+def _local(in_use: Counter[str], scope: Inventory) -> Counter[str]:
+    """``in_use`` for the devices of ``scope``'s nodes only (what a trial on them reads: no copy of a
+    whole cluster's map per trial)."""
+    return Counter({d: n for node in scope.nodes for d in _devices_of(node) if (n := in_use.get(d, 0))})
+
+
+def _without(in_use: Counter[str], victims: Iterable[Holder], devices: Iterable[str] = ()) -> Counter[str]:
+    """A copy of ``in_use`` with the victims' devices (and ``devices``) given up once each."""
     out = Counter(in_use)
-    for h in victims:
-        out.subtract(h.placement.devices)
-    return +out
+    for d in itertools.chain((d for h in victims for d in h.placement.devices), devices):
+        if out[d] > 1:
+            out[d] -= 1
+        else:
+            del out[d]
+    return out
+
+
+class _Candidates:
+    """Allowed victims in preemption order (lowest priority, least advanced, newest first), at
+    most `Standing.spare` of each deployment, sorted lazily: `first` sorts only as far as asked
+    (a decision usually needs a few of tens of thousands)."""
+
+    def __init__(self, claimant: Standing, holders: Sequence[Holder], standings: Mapping[str, Standing]) -> None:
+        spare = {name: s.spare for name, s in standings.items()
+                 if name != claimant.name and s.priority < claimant.priority and s.spare > 0}  # fmt: skip
+        self._heap = [((standings[h.deployment].priority, h.progress, -h.created, h.replica_id), h)
+                      for h in holders if h.deployment in spare]  # fmt: skip
+        heapq.heapify(self._heap)
+        counts = Counter(h.deployment for _, h in self._heap)
+        self.total = sum(min(n, spare[name]) for name, n in counts.items())
+        self._left = spare
+        self._sorted: list[Holder] = []
+
+    def first(self, n: int) -> list[Holder]:
+        while len(self._sorted) < min(n, self.total):
+            _, h = heapq.heappop(self._heap)
+            if self._left[h.deployment] > 0:
+                self._left[h.deployment] -= 1
+                self._sorted.append(h)
+        return self._sorted[:n]
+
+    def looked_at(self) -> list[Holder]:
+        """The candidates sorted so far (every one `first` returned)."""
+        return list(self._sorted)
