@@ -30,6 +30,11 @@ class RouterStartError(Exception):
     """The router did not come up; the message holds why and the end of its log."""
 
 
+ROUTER_MODELS_FILE = "router-models.json"
+"""The router's models file in the state directory, beside ``admin-token`` (`router.remembered`):
+a restarted router answers 503 + Retry-After for the models it lists until they are published again."""
+
+
 class RouterProcess:
     """The router of the fleet in ``store``, listening on ``host:port``."""
 
@@ -84,7 +89,8 @@ class RouterProcess:
             self.admin = RouterAdminClient(self.url, token)
         else:
             self.admin.set_token(token)   # one client: the controller and autoscaler hold it
-        argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.port)]
+        argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.port),
+                "--models-file", str(self.store.root / ROUTER_MODELS_FILE)]
         try:
             self.record = self.processes.spawn(argv, {"FLEET_ROUTER_ADMIN_TOKEN": token}, self.log_path)
         except OSError as err:
@@ -135,6 +141,10 @@ class RouterProcess:
         if self.admin is not None:
             await self.admin.aclose()
             self.admin = None
+        try:   # a deliberate stop: the next router has no model to await
+            (self.store.root / ROUTER_MODELS_FILE).unlink()
+        except OSError:
+            pass
 
     def _save(self) -> None:
         tmp = self.record_path.with_suffix(".tmp")
