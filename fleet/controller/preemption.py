@@ -123,4 +123,5 @@ class Preemptor:
         saved = (previous or {}).get("preemption") or {}
         if isinstance(saved, dict):
             self.hold_offs.restore(saved.get("holds") or [], now_s)
-            self.recent.extend(e for e in saved.get("recent") or [] if isinstance(e, dict))
+            self.recent.extend(e for e in saved.get("recent") or []
+                               if isinstance(e, dict) and isinstance(e.get("at_s"), (int, float)))

@@ -87,9 +87,9 @@ def deployment_status(controller: Controller, name: str, generation: int, previo
         "servingHash": ds.loaded.serving_hash,
         "nextIndex": ds.next_index,
         "preemptions": [
-            {"replica": e["replica"], "deployment": e["deployment"], "for": e["for"], "reason": e["reason"],
-             "time": iso(now - max(0.0, controller.clock() - e["at_s"]))}
-            for e in controller.preemption.recent if name in (e["deployment"], e["for"])
+            {"replica": str(e.get("replica")), "deployment": str(e.get("deployment")), "for": str(e.get("for")),
+             "reason": str(e.get("reason", "")), "time": iso(now - max(0.0, controller.clock() - e.get("at_s", 0.0)))}
+            for e in controller.preemption.recent if name in (e.get("deployment"), e.get("for"))
         ][-PREEMPTIONS_IN_STATUS:],
         "conditions": [
             _condition("Ready", ready_ok, ready_reason, f"{ready}/{ds.desired} replicas ready", generation, prev, now),

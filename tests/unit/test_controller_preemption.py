@@ -160,3 +160,14 @@ async def test_the_crd_status_of_both_deployments_lists_the_preemption(tmp_path)
         [p] = deployment_status(h.c, name, 1, None, now=1_800_000_000.0)["preemptions"]
         assert (p["replica"], p["deployment"], p["for"], p["time"]) == ("batch-1", "batch", "chat", "2027-01-15T08:00:00Z")
         assert p["reason"].startswith("preempted for chat (priority 100 > 0)")
+
+
+async def test_replicas_above_the_minimum_wait_for_free_capacity_and_preempt_nothing(tmp_path):
+    h = Harness(tmp_path, [_write(tmp_path, "batch", 1, 1, priority=0), _write(tmp_path, "chat", 1, 1, priority=100)],
+                node=gpu_node(2))  # fmt: skip
+    await h.all_ready("batch-0", "chat-0")
+    h.c.set_desired("chat", 2)                                           # an autoscaler's wish, above the minimum
+    await h.tick(n=3)
+    assert h.status()["chat-1"] is S.PENDING and h.status()["batch-0"] is S.READY
+    assert h.c.snapshot()["preemption"]["recent"] == []
+    assert h.c.waiting_reason("chat-1").startswith("cannot place 1 of 1 replica")
