@@ -299,6 +299,7 @@ def status(
         console.print(f"{len(replicas) - len(shown)} replica(s) that ended over {TERMINAL_SHOWN_S / 60:.0f} min ago "
                       f"not shown (`--all`; every transition: {store.events_path})", style="dim",
                       highlight=False)  # fmt: skip
+    _print_preemptions(state, clock_now)
     for r in shown:
         failure = r.get("failure")
         if failure and failure.get("log_tail") and log_lines > 0:
@@ -342,6 +343,21 @@ def _print_survivors(store: StateStore, pid: int | None) -> None:
         console.print(f"Router running: pid {router_left[1]} on {router_left[0]}", highlight=False)
     if pid is None:
         console.print("`fleet up FILES` adopts them; `fleet down` stops them.", highlight=False)
+
+
+def _print_preemptions(state: dict, clock_now: float) -> None:
+    """The latest preemptions (`fleet.controller.preemption.Preemptor.recent`), when there were any."""
+    recent = ((state.get("preemption") or {}).get("recent")) or []
+    if not recent:
+        return
+    table = Table(title="Preemptions (latest)", title_justify="left")
+    for col in ("replica", "deployment", "for", "ago", "devices", "reason"):
+        table.add_column(col)
+    for e in recent[-10:]:
+        table.add_row(e.get("replica", "?"), e.get("deployment", "?"), e.get("for", "?"),
+                      f"{clock_now - e.get('at_s', clock_now):.0f} s", ",".join(e.get("devices") or []),
+                      e.get("reason", ""))  # fmt: skip
+    console.print(table)
 
 
 def _scaling_columns(d: dict) -> tuple[str, str]:

@@ -38,12 +38,14 @@ from typing import Protocol
 from fleet.controller.backend import Backend, LaunchError, ReplicaFacts, ReplicaWant
 from fleet.controller.lifecycle import Replica, ReplicaStatus
 from fleet.controller.model_memory import ModelMemory, Reader
+from fleet.controller.preemption import Preemptor
 from fleet.controller.restart import Adoption
 from fleet.controller.rollouts import RolloutDriver
 from fleet.controller.scale import scale_step
 from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
 from fleet.inventory import Inventory
 from fleet.placement import PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
+from fleet.placement.preemption import DEFAULT_HOLD_OFF_S
 from fleet.rollout.revisions import AnalysisSource, endpoint_weights, revision_label
 from fleet.spec import LoadedDeployment
 from router.spec import EndpointSpec, PoolSpec
@@ -105,6 +107,8 @@ class ControllerSettings:
     log_tail_lines: int = 20
     tick_budget_s: float = 1.0                  # wall time a tick spends placing and publishing pools;
                                                 #   what is left waits for the next tick
+    preemption_hold_off_s: float = DEFAULT_HOLD_OFF_S  # devices a preemption freed stay held off from
+                                                #   lower priorities (fleet.placement.preemption)
 
 
 class Controller:
@@ -148,6 +152,7 @@ class Controller:
         self.records = FleetRecords.of(deployments)
         self.rollouts = RolloutDriver(self.records, clock, analysis_source,
                                       on_rollout_event or (lambda deployment, line: None))  # fmt: skip
+        self.preemption = Preemptor(self.records, self.placer, self.settings.preemption_hold_off_s)
         self._retired_pools: dict[str, PoolSpec] = {}   # pools of retired deployments as last published
         self._warmups: dict[str, asyncio.Task[WarmupResult]] = {}
         self._wake = asyncio.Event()
@@ -237,6 +242,7 @@ class Controller:
         self.inventory = await self.backend.inventory()
         self._facts = await self.backend.observe()
         await Adoption(self.records, self.backend, self._facts).take_over(previous, now, self.rollouts.declare)
+        self.preemption.restore(previous, now)
         self._save()
 
     def apply(self, loaded: list[LoadedDeployment]) -> list[str]:
@@ -625,7 +631,8 @@ class Controller:
                 await asyncio.sleep(0)   # let the loop breathe (informers, /metrics) in a long placement
             ld = self.deployments[name].revs.specs[spec_hash]
             request = self._placement_request(ld, len(waiting), holding)   # the whole scale-up: one decision
-            plan = self.placer.place_replicas(request, self.inventory, in_use)
+            blocked = self.preemption.blocked(name, now)   # freed for a higher priority: held off
+            plan = self.placer.place_replicas(request, self.inventory, in_use + blocked if blocked else in_use)
             # Devices a draining replica of this deployment still holds free up soon: a new replica
             # waits for them rather than share a device now (two CPU engines on one core starve
             # each other; a canary in place of a stable replica must not start on a shared one).
@@ -640,8 +647,8 @@ class Controller:
                 in_use.update(placement.devices)
                 r.placed_at_s, r.assignment, r.placement = now, placement.label, placement.to_dict()
                 to_launch.append((r, placement))
-            for r in waiting[len(plan.placements):]:
-                self._waiting[r.id] = plan.explain()
+            if unplaced := waiting[len(plan.placements):]:
+                self._wait_or_preempt(name, ld, unplaced, plan.explain(), holding, in_use + blocked, now)
         placed_now = {r.id for r, _ in to_launch}
         for r in placed:  # placed before a crash, never started: start now
             if r.status is ReplicaStatus.PLACED and r.placement is not None and r.drain_requested_at_s is None \
@@ -667,6 +674,18 @@ class Controller:
                 r.exited_at_s = now
                 self._fail(r, ReplicaStatus.FAILED_START, f"backend error: {err!r}", [])
         await self._observe()  # endpoints, image and weights of what just started, in this same tick
+
+    def _wait_or_preempt(self, name: str, ld: LoadedDeployment, unplaced: list[Replica], why: str,
+                         holding: dict[str, ReplicaPlacement], in_use: Counter[str], now: float) -> None:  # fmt: skip
+        """Replicas placement left unplaced wait, with the reason; below the deployment's
+        minimum, lower-priority replicas are preempted for them (`fleet.controller.preemption`)."""
+        decision = self.preemption.consider(name, self._placement_request(ld, len(unplaced), holding),
+                                            self.inventory, in_use, holding, now)  # fmt: skip
+        notes = [why] + [n for n in (decision and decision.reason, self.preemption.held_off_note(name, now)) if n]
+        for r in unplaced:
+            self._waiting[r.id] = "; ".join(notes)
+        if decision is not None and decision.preempts:
+            self._save()   # decided: persisted before the drain acts on it
 
     async def _drain_and_stop(self) -> None:
         now = self.clock()
@@ -857,6 +876,7 @@ class Controller:
             "clock_s": self.clock(),
             "stopping": self.stopping,
             "inventory": [n.describe() for n in self.inventory.nodes],
+            "preemption": self.preemption.snapshot(),
             "deployments": {name: ds.to_dict() for name, ds in self.deployments.items()},
             "replicas": [
                 {**r.to_dict(), "waiting_reason": self._waiting.get(r.id)}
