@@ -1,6 +1,7 @@
 """The README and docs/ hold together: `.ci/run` finds the test command in README.md, the README
 stays a short front page, every relative link and anchor in README.md and docs/ resolves, and the
-autoscaling tables in docs/ are the recorded runs (loadtests/results/autoscaling-*.json)."""
+autoscaling tables and the control-plane fault table in docs/ are the recorded runs
+(loadtests/results/autoscaling-*.json, control-faults.jsonl)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,12 @@ def test_the_autoscaling_tables_are_the_recorded_runs(run: str, docs: list[str])
         missing = [_row(r["name"], r["summary"]) for r in recorded["results"]
                    if _row(r["name"], r["summary"]) not in text]  # fmt: skip
         assert missing == [], f"docs/{doc} lacks these rows of loadtests/results/{run}.json: {missing}"
+
+
+def test_the_control_fault_table_is_the_recorded_run():
+    """docs/crash-safety.md shows the rows `python -m loadtests.fault_table --save` recorded
+    (loadtests/results/control-faults.jsonl): a rerun that moves a figure rewrites both."""
+    from loadtests.fault_table import RECORDED, read_rows, table
+
+    text = (REPO / "docs" / "crash-safety.md").read_text()
+    assert table(read_rows(RECORDED)) in text, f"docs/crash-safety.md lacks the table of {RECORDED.relative_to(REPO)}"
