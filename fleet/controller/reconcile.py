@@ -42,7 +42,7 @@ from fleet.controller.rollouts import RolloutDriver
 from fleet.controller.scale import scale_step
 from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
 from fleet.inventory import Inventory
-from fleet.placement import PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
+from fleet.placement import DeviceUse, PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
 from fleet.rollout.revisions import AnalysisSource, endpoint_weights, revision_label
 from fleet.spec import LoadedDeployment
 from router.spec import EndpointSpec, PoolSpec
@@ -573,7 +573,7 @@ class Controller:
         holding = self._holding()
         request = self._placement_request(ld, 1, holding)
         plan = self.placer.place_replicas(request, self.inventory,
-                                          Counter(d for a in holding.values() for d in a.devices))
+                                          DeviceUse(d for a in holding.values() for d in a.devices))
         if not plan.placements:
             return False
         return all(request.is_warm(self.inventory.node(m.node)) for m in plan.placements[0].members)
@@ -592,7 +592,9 @@ class Controller:
             waiting.sort(key=lambda r: r.created_at_s)
         pending = dict(sorted(pending.items(), key=lambda kv: kv[1][0].created_at_s))   # oldest first, as before
         holding = self._holding()
-        in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
+        # A DeviceUse journals what this tick adds, so each later placement call of the tick
+        # updates the placer's kept index from those changes alone (fleet.placement.freeindex).
+        in_use: DeviceUse = DeviceUse(d for a in holding.values() for d in a.devices)
         now = self.clock()
         to_launch: list[tuple[Replica, ReplicaPlacement]] = []
         for i, ((name, spec_hash), waiting) in enumerate(pending.items()):

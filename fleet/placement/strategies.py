@@ -27,9 +27,10 @@ from collections import Counter
 from collections.abc import Hashable
 from typing import ClassVar
 
-from fleet.inventory.model import Inventory, product_key
+from fleet.inventory.model import Inventory, NodeInventory, product_key
 from fleet.placement import cpu, explain, gangs, mig_advice
 from fleet.placement.context import Context
+from fleet.placement.freeindex import FreeIndex, FreeState, free_state
 from fleet.placement.shapes import (
     PlacementPlan,
     PlacementRequest,
@@ -37,8 +38,10 @@ from fleet.placement.shapes import (
     ReplicaPlacement,
     ReplicaShape,
     Unplaceable,
+    canonical_source,
 )
 from fleet.placement.slots import Slot, SlotIndex, assign, gpu_slots, mig_slots
+from fleet.sources import redact_source
 from router.registry import Registered, Registry
 
 DEFAULT_STRATEGY = "fleet"
@@ -98,7 +101,6 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             ``request.count``; none when ``all_or_nothing`` and not all fit), and when some are
             left, the reasons by node class and, for MIG shapes, repartition advice.
         """
-        held: Counter[str] = Counter(in_use or {})
         shape = request.shape
         if request.count <= 0:
             return PlacementPlan(request, strategy=self.name)
@@ -106,19 +108,29 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             return PlacementPlan(request, strategy=self.name, note=(
                 f"tensor parallel size must be 1 on MIG (got {shape.tensor_parallel_size}): MIG slices have "
                 "no NVLink or CUDA IPC, so tensor parallelism across slices is not possible"))
+        held: Counter[str] = Counter(in_use or {})
         if shape.kind == "cpu":
             placements = cpu.place_cpu(request, inventory, held)
             product = None
             gang = None
         else:
-            product = _choose_product(request, inventory, held)
-            gang = gangs.gang_shape(shape, inventory, product_key(product), request.existing) if product else None
+            state = free_state(inventory)
+            with state.lock:
+                state.sync(in_use)
+                product = _choose_product(request, inventory, state)
+                gang = gangs.gang_shape(shape, inventory, product_key(product), request.existing) if product else None
+                placements = None
+                if product is not None and gang is None:
+                    placements = self._place_indexed(request, inventory, state, product)
             if product is None:
                 placements = []
             elif gang is not None:
                 placements = gangs.place_gangs(self, request, inventory, held, product, gang, self._context(request, inventory))
-            else:
+            elif placements is None:
                 placements = self._place_single(request, inventory, held, product)
+            else:
+                for p in placements:
+                    held.update(p.devices)
         note = ""
         if request.all_or_nothing and 0 < len(placements) < request.count:
             # Explained on the state with the tentative placements: why the rest did not fit.
@@ -133,6 +145,12 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             if shape.kind == "mig":
                 advice = mig_advice.advise(request, inventory, held, product, request.count - len(placements))
         return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note, gang)
+
+    def _place_indexed(self, request: PlacementRequest, inventory: Inventory, state: FreeState,
+                       product: str) -> list[ReplicaPlacement] | None:
+        """The replicas placed from the kept index (`fleet.placement.freeindex`), or None where a
+        strategy has no such path or judges the full build cheaper (then `_place_single` runs)."""
+        return None
 
     def fits_at_all(self, shape: ReplicaShape, inventory: Inventory) -> Unplaceable | None:
         """Why one replica of ``shape`` can never fit, even on empty nodes; None when it can."""
@@ -209,13 +227,13 @@ class GroupRanking:
         return min((self.best[k] for k, r in zip(keys, ranks) if r == top), key=lambda c: c[0])[1]
 
 
-def _choose_product(request: PlacementRequest, inventory: Inventory, held: Counter[str]) -> str | None:
+def _choose_product(request: PlacementRequest, inventory: Inventory, state: FreeState) -> str | None:
     """The GPU product every replica of this version uses (homogeneity).
 
     The spec's ``gpuProduct`` if set, else the product of the version's existing replicas, else
     the product that can host most of the batch now (ties: more of it on warm nodes, then more
     capacity, then inventory order). None when no product can host even one replica (the
-    explanation then covers each node's own products).
+    explanation then covers each node's own products). ``state`` is synced with the devices in use.
     """
     shape = request.shape
     if shape.gpu_product:
@@ -224,12 +242,8 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, held: Count
         if p.product:
             return p.product
     best: tuple | None = None
-    seen: dict[str, str] = {}
-    for node in inventory.nodes:
-        for g in node.gpus:
-            seen.setdefault(g.product_key, g.product)
-    for order, (pk, name) in enumerate(seen.items()):
-        total, warm = _capacity(request, inventory, held, name)
+    for order, (pk, name) in enumerate(state.products.items()):
+        total, warm = _capacity(request, inventory, state, pk)
         if total == 0:
             continue
         score = (min(total, request.count), warm, total, -order)
@@ -238,22 +252,41 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, held: Count
     return best[1] if best else None
 
 
-def _capacity(request: PlacementRequest, inventory: Inventory, held: Counter[str], product: str) -> tuple[int, int]:
-    """(replicas of the shape that fit now, of which on warm nodes), for one product."""
+def _capacity(request: PlacementRequest, inventory: Inventory, state: FreeState, pk: str) -> tuple[int, int]:
+    """(replicas of the shape that fit now, of which on warm nodes), for one product: from the
+    index's slot counts by free capacity, and the slots of the nodes that may be warm."""
     shape = request.shape
-    pk = product_key(product)
     if shape.kind == "mig":
-        per_slot = [(s, s.capacity) for s in mig_slots(inventory, held, pk, shape.mig_profile)]
+        idx, per = state.index(pk, shape.mig_profile), 1
     else:
         gang = gangs.gang_shape(shape, inventory, pk, ())
         if gang is not None:
-            n = gangs.gang_capacity(inventory, held, pk, gang)
-            return n, 0
-        t = shape.tensor_parallel_size
-        per_slot = [(s, s.capacity // t) for s in gpu_slots(inventory, held, pk)]
-    total = sum(n for _, n in per_slot)
-    warm = sum(n for s, n in per_slot if request.is_warm(s.node))
+            return gangs.gang_capacity(inventory, Counter(dict.fromkeys(state.held, 1)), pk, gang), 0
+        idx, per = state.index(pk, None), shape.tensor_parallel_size
+    total = sum(n * (c // per) for c, n in idx.capacity_counts.items())
+    warm = sum(s.capacity // per for node in _maybe_warm(request, state) if request.is_warm(node)
+               for s in idx.by_node.get(node.name, ()))
     return total, warm
+
+
+def _maybe_warm(request: PlacementRequest, state: FreeState) -> list[NodeInventory]:
+    """The nodes whose `PlacementRequest.warmth` may differ from a node that caches nothing:
+    those in ``warm_nodes`` and those caching the image or the model source (any spelling)."""
+    out: dict[str, NodeInventory] = {}
+    inventory_nodes = state.cached_by
+    keys = [request.image] if request.image else []
+    if request.model_source:
+        src = canonical_source(request.model_source)
+        keys += [request.model_source, src, redact_source(src)]
+    for key in keys:
+        for node in inventory_nodes.get(key, ()):
+            out[node.name] = node
+    by_name = state.by_name
+    for name in request.warm_nodes:
+        node = by_name.get(name)
+        if node is not None:
+            out[name] = node
+    return list(out.values())
 
 
 class FleetStrategy(PlacementStrategy, name="fleet"):
@@ -263,6 +296,9 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         return (ctx.warm[slot.node.name], slot.node.zone, slot.node.rack)
 
     rack_max_share: ClassVar[float] = 0.25
+    indexed_min_budget: ClassVar[int] = 64
+    """`_place_indexed` runs while replicas x (special nodes + replicas) stays within this or a
+    quarter of the product's slots, whichever is more (beyond, one full build is cheaper)."""
 
     def rank_groups(self, keys: list[Hashable], ctx: Context) -> list[tuple]:
         """(cold, replicas over the zone's share, replicas over the rack's share).
@@ -309,6 +345,94 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         cold = sum(WARM - ctx.warm[s.node.name] for s in members)
         leftover = sum(s.capacity - need for s in members)
         return (cold, block[0] != "fabric", ctx.block_count[block], leftover)
+
+
+    def _place_indexed(self, request: PlacementRequest, inventory: Inventory, state: FreeState,
+                       product: str) -> list[ReplicaPlacement] | None:
+        """The same picks as `_place_single` with `_ShareRanking`, from the kept index.
+
+        `_place_single` picks the slot with the smallest (rank of its (warm, zone, rack) group,
+        free units, `slot_key`) among slots that hold the replica. Here that minimum is found
+        without looking at most slots: a node that caches nothing the request names and holds
+        no replica of the deployment has the base warmth and a node count of 0, so among such
+        nodes of one zone in racks under their share, the index's per-zone heap (free units, then
+        `FreeIndex.static_key`) gives the best slot. The other slots are ranked one by one: those
+        of "special" nodes (maybe warm, or holding replicas of the deployment) and those in
+        racks at or over their share (at most a few: a rack's share is a quarter of the
+        replicas). Each pick costs O(special nodes + racks over share + zones); a batch whose
+        special nodes would grow past a quarter of the slots goes to `_place_single` (O(slots)
+        once) instead. None then, and for subclasses that change the ranking hooks.
+        """
+        cls = type(self)
+        if any(getattr(cls, hook) is not getattr(FleetStrategy, hook)
+               for hook in ("group_of", "rank_groups", "slot_key", "pick", "candidate_key", "ranking")):
+            return None
+        shape = request.shape
+        pk = product_key(product)
+        if shape.kind == "mig":
+            idx, need = state.index(pk, shape.mig_profile), 1
+        else:
+            idx, need = state.index(pk, None), shape.tensor_parallel_size
+        maybe_warm = _maybe_warm(request, state)
+        holders = {name for p in request.existing for name in p.nodes}
+        count = request.count
+        work = count * (len(maybe_warm) + len(holders) + count)
+        if work > max(self.indexed_min_budget, len(idx.slots) // 4) or len(idx.zones) > 64:
+            return None
+        base = 1 if request.image is None else 0              # warmth of a node caching nothing
+        warmth = {n.name: w for n in maybe_warm if (w := request.warmth(n)) != base}
+        ctx = Context(request, warmth)
+        for p in request.existing:
+            for i, name in enumerate(p.nodes):
+                node = inventory.by_name.get(name)
+                if node is not None:
+                    ctx.record(node, first=i == 0)
+        taken: list[str] = []
+        placements: list[ReplicaPlacement] = []
+        try:
+            for _ in range(count):
+                slot = self._indexed_pick(idx, ctx, need, base)
+                if slot is None:
+                    break
+                units = slot.free_units(need)
+                for u in units:
+                    state.set_held(u.uuid, True)
+                    taken.append(u.uuid)
+                ctx.record(slot.node)
+                placements.append(ReplicaPlacement((assign(slot, units),), product))
+        finally:
+            for uuid in taken:
+                state.set_held(uuid, False)
+        return placements
+
+    def _indexed_pick(self, idx: FreeIndex, ctx: Context, need: int, base: int):
+        zones = [z for z in idx.zones if idx.zone_fits(z, need)]
+        if not zones:
+            return None
+        n = ctx.replicas + 1
+        zone_share = -(-n // len(zones))
+        rack_share = max(1, math.ceil(n * self.rack_max_share))
+        zone_count, rack_count, node_count, warmth = ctx.zone_count, ctx.rack_count, ctx.node_count, ctx.warm
+        node_free = idx.node_free
+        special = warmth.keys() | {name for name, c in node_count.items() if c}
+        crowded = {rack for rack, c in rack_count.items() if c + 1 > rack_share}
+
+        def key(s, cold: int) -> tuple:
+            name = s.node.name
+            return (cold, max(0, zone_count[s.zone] + 1 - zone_share), max(0, rack_count[s.rack] + 1 - rack_share),
+                    s.capacity, node_count[name], s.other_free, node_free[name], s.node_pos, s.pos)
+
+        candidates = [(s, WARM - warmth.get(name, base)) for name in special for s in idx.by_node.get(name, ())
+                      if s.capacity >= need]
+        cold = WARM - base
+        candidates += [(s, cold) for rack in crowded for s in idx.by_rack.get(rack, ())
+                       if s.capacity >= need and s.node.name not in special]
+        for zone in zones:
+            s = idx.best_in_zone(zone, need, lambda s: s.node.name in special or s.rack in crowded)
+            if s is not None:
+                candidates.append((s, cold))
+        best = min(((key(s, c), s) for s, c in candidates), key=lambda e: e[0], default=None)
+        return best[1] if best is not None else None
 
 
 class _ShareRanking(GroupRanking):
