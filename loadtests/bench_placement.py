@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.inventory.model import Gpu, GpuHealth, Inventory, MigInstance, NodeInventory  # noqa: E402
-from fleet.placement import PlacementRequest, ReplicaPlacement, ReplicaShape, get_strategy  # noqa: E402
+from fleet.placement import DeviceUse, PlacementRequest, ReplicaPlacement, ReplicaShape, get_strategy  # noqa: E402
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -213,31 +213,59 @@ class Run:
 
 
 def replay(inv: Inventory, deps: list[Deployment], sequence: list[tuple[int, int]], strategy_name: str,
-           sample_every: int = 10, checkpoints: set[int] | None = None) -> Run:
+           sample_every: int = 10, checkpoints: set[int] | None = None, drain: bool = True,
+           retry: bool = True) -> Run:
+    """Replay ``sequence`` with one strategy. ``drain``: scale-downs drain the replicas the
+    strategy's `drain_order` names (else the newest). ``retry``: after a scale-down, every
+    deployment below its target asks again, longest waiting first, as the controller's next tick
+    places every PENDING replica (else a missing replica is asked again at its own next event)."""
     strategy = get_strategy(strategy_name)
     live: list[list[ReplicaPlacement]] = [[] for _ in deps]
     targets = [0] * len(deps)
-    held: Counter[str] = Counter()
+    held: Counter[str] = DeviceUse()
     run = Run(strategy_name)
     min_tp = _min_tp(deps)
-    for step, (i, target) in enumerate(sequence, 1):
-        targets[i] = target
-        dep = deps[i]
-        have = live[i]
-        if target > len(have):
-            want = target - len(have)
-            t0 = time.perf_counter()
-            plan = strategy.place_replicas(PlacementRequest(dep.shape, count=want, deployment=dep.name,
-                                                            existing=tuple(have)), inv, held)
-            run.seconds += time.perf_counter() - t0
-            for p in plan.placements:
-                held.update(p.devices)
-            have.extend(plan.placements)
+    short_since: dict[int, int] = {}          # deployment -> step its shortfall began
+
+    def scale_up(i: int, step: int, counted: bool) -> None:
+        dep, have = deps[i], live[i]
+        want = targets[i] - len(have)
+        if want <= 0:
+            short_since.pop(i, None)
+            return
+        t0 = time.perf_counter()
+        plan = strategy.place_replicas(PlacementRequest(dep.shape, count=want, deployment=dep.name,
+                                                        existing=tuple(have)), inv, held)
+        run.seconds += time.perf_counter() - t0
+        for p in plan.placements:
+            held.update(p.devices)
+        have.extend(plan.placements)
+        if counted:
             run.asked += want
             run.rejected += want - len(plan.placements)
-        while len(have) > target:
-            held.subtract(have.pop().devices)     # newest first
-        held = +held
+        if len(have) < targets[i]:
+            short_since.setdefault(i, step)
+        else:
+            short_since.pop(i, None)
+
+    for step, (i, target) in enumerate(sequence, 1):
+        targets[i] = target
+        have = live[i]
+        if target > len(have):
+            scale_up(i, step, counted=True)
+        elif len(have) > target:
+            short_since.pop(i, None)
+            gone = set(strategy.drain_order(have, len(have) - target, inv, held)) if drain else set(
+                range(target, len(have)))                             # newest first
+            for j in gone:
+                for d in have[j].devices:
+                    held[d] -= 1
+                    if held[d] <= 0:
+                        del held[d]
+            have[:] = [p for j, p in enumerate(have) if j not in gone]
+            if retry:
+                for k in sorted(short_since, key=short_since.get):
+                    scale_up(k, step, counted=False)
         for d, t, lv in zip(deps, targets, live):
             run.wanted[d.shape.tensor_parallel_size] += t
             run.missing[d.shape.tensor_parallel_size] += max(0, t - len(lv))

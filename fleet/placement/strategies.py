@@ -24,11 +24,11 @@ import heapq
 import itertools
 import math
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
 from typing import ClassVar
 
 from fleet.inventory.model import Inventory, NodeInventory, product_key
-from fleet.placement import cpu, explain, gangs, mig_advice
+from fleet.placement import cpu, explain, gangs, mig_advice, victims
 from fleet.placement.context import Context
 from fleet.placement.freeindex import FreeIndex, FreeState, free_state
 from fleet.placement.shapes import (
@@ -151,6 +151,14 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
         """The replicas placed from the kept index (`fleet.placement.freeindex`), or None where a
         strategy has no such path or judges the full build cheaper (then `_place_single` runs)."""
         return None
+
+    def drain_order(self, placements: Sequence[ReplicaPlacement], count: int, inventory: Inventory,
+                    in_use: Mapping[str, int]) -> list[int]:
+        """Which ``count`` of a version's replicas to drain on a scale-down, best first: indexes
+        into ``placements`` (oldest first). ``in_use`` holds every replica's devices. Here: the
+        newest first; ``fleet`` frees NVLink domains whole (`fleet.placement.victims`)."""
+        n = len(placements)
+        return list(range(n - 1, n - 1 - min(count, n), -1))
 
     def fits_at_all(self, shape: ReplicaShape, inventory: Inventory) -> Unplaceable | None:
         """Why one replica of ``shape`` can never fit, even on empty nodes; None when it can."""
@@ -346,6 +354,10 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         leftover = sum(s.capacity - need for s in members)
         return (cold, block[0] != "fabric", ctx.block_count[block], leftover)
 
+
+    def drain_order(self, placements: Sequence[ReplicaPlacement], count: int, inventory: Inventory,
+                    in_use: Mapping[str, int]) -> list[int]:
+        return victims.whole_domains_first(placements, count, inventory, in_use)
 
     def _place_indexed(self, request: PlacementRequest, inventory: Inventory, state: FreeState,
                        product: str) -> list[ReplicaPlacement] | None:
