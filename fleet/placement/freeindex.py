@@ -279,6 +279,7 @@ class FreeState:
         self._last: dict[Hashable, Any] = {}        # the mapping last synced with, copied
         self._source: weakref.ref | None = None     # the DeviceUse last synced with
         self._mark = 0
+        self._pending: tuple[Mapping[str, int] | None] | None = None   # `bind`
         self.by_name = inventory.by_name
         self.products: dict[str, str] = {}          # product key -> first name seen, inventory order
         for node in inventory.nodes:
@@ -289,9 +290,19 @@ class FreeState:
             for item in node.cached:
                 self.cached_by[item].append(node)
 
+    def bind(self, in_use: Mapping[str, int] | None) -> None:
+        """The in-use map of the call in progress: `index` syncs with it on first use (a call
+        that reads no index costs nothing here). Hold ``lock`` from here to the call's end."""
+        self._pending = (in_use,)
+
     def index(self, pk: str, profile: str | None) -> FreeIndex:
         """The index of product key ``pk``'s whole GPUs (``profile`` None) or MIG ``profile``
-        instances; built on first use (O(GPUs of the product)), then kept."""
+        instances, synced with the bound in-use map; built on first use (O(GPUs of the
+        product)), then kept."""
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self.sync(pending[0])
         key = (pk, profile)
         idx = self.indexes.get(key)
         if idx is None:

@@ -116,7 +116,7 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
         else:
             state = free_state(inventory)
             with state.lock:
-                state.sync(in_use)
+                state.bind(in_use)
                 product = _choose_product(request, inventory, state)
                 gang = gangs.gang_shape(shape, inventory, product_key(product), request.existing) if product else None
                 placements = None
