@@ -154,6 +154,7 @@ class FreeIndex:
         self.by_rack: dict[tuple, list[FreeSlot]] = defaultdict(list)
         self.node_free: Counter[str] = Counter()
         self.capacity_counts: Counter[int] = Counter()
+        self.by_capacity: dict[int, set[FreeSlot]] = defaultdict(set)   # free units -> slots
         self.zones: dict[str | None, _Zone] = {}
         self._seq = itertools.count()
         table = product_table(inventory, pk)
@@ -194,6 +195,14 @@ class FreeIndex:
         if slot.capacity:
             self.zones[slot.zone].counts[slot.capacity] += d
             self.capacity_counts[slot.capacity] += d
+            if d > 0:
+                self.by_capacity[slot.capacity].add(slot)
+            else:
+                self.by_capacity[slot.capacity].discard(slot)
+
+    def fitting(self, need: int) -> list[FreeSlot]:
+        """The slots with at least ``need`` free units (any order)."""
+        return [s for c, slots in self.by_capacity.items() if c >= need for s in slots]
 
     def _push(self, slot: FreeSlot) -> None:
         slot.version += 1

@@ -122,10 +122,21 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
                 placements = None
                 if product is not None and gang is None:
                     placements = self._place_indexed(request, inventory, state, product)
+                elif product is not None:
+                    taken: list[str] = []
+
+                    def take_unit(uuid: str) -> None:
+                        state.set_held(uuid, True)
+                        taken.append(uuid)
+                    try:
+                        placements = gangs.place_gangs_indexed(
+                            self, request, inventory, state.index(product_key(product), None), take_unit, product,
+                            gang, self._context(request, inventory, lazy=True))
+                    finally:
+                        for uuid in taken:
+                            state.set_held(uuid, False)
             if product is None:
                 placements = []
-            elif gang is not None:
-                placements = gangs.place_gangs(self, request, inventory, held, product, gang, self._context(request, inventory))
             elif placements is None:
                 placements = self._place_single(request, inventory, held, product)
             else:
@@ -165,8 +176,11 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
         plan = self.place_replicas(PlacementRequest(shape), inventory, Counter())
         return None if plan.complete else Unplaceable(plan.explain())
 
-    def _context(self, request: PlacementRequest, inventory: Inventory) -> Context:
-        ctx = Context(request, {n.name: request.warmth(n) for n in inventory.nodes})
+    def _context(self, request: PlacementRequest, inventory: Inventory, lazy: bool = False) -> Context:
+        """The context with the existing replicas recorded; ``lazy``: warmth looked up per node
+        when first read (for loops that read few nodes), else for every node now."""
+        warm = _Warmth(request, inventory) if lazy else {n.name: request.warmth(n) for n in inventory.nodes}
+        ctx = Context(request, warm)
         for p in request.existing:
             for i, name in enumerate(p.nodes):
                 node = inventory.by_name.get(name)
@@ -206,6 +220,19 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             held.update(placement.devices)
             placements.append(placement)
         return placements
+
+
+class _Warmth(dict):
+    """node name -> `PlacementRequest.warmth`, computed on first read."""
+
+    def __init__(self, request: PlacementRequest, inventory: Inventory) -> None:
+        super().__init__()
+        self.request = request
+        self.by_name = inventory.by_name
+
+    def __missing__(self, name: str) -> int:
+        w = self[name] = self.request.warmth(self.by_name[name])
+        return w
 
 
 class GroupRanking:

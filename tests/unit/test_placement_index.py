@@ -125,3 +125,29 @@ def test_in_use_untouched_and_tentative_takes_given_back():
     assert len(plan.placements) == 3 and held == Counter({"GPU-a-0": 1})
     assert free_state(inv).held == {"GPU-a-0"}
     assert sum(s.capacity for s in free_state(inv).index("h100-80gb-hbm3", None).slots) == 15
+
+
+def test_indexed_gangs_equal_the_full_build():
+    from fleet.placement import gangs
+
+    rng = random.Random(3)
+    strategy = FleetStrategy()
+    checked = 0
+    for trial in range(60):
+        nodes = [node(f"n{i}", topology=rng.choice(["nvswitch", "quads"]), zone=rng.choice(["z1", "z2", None]),
+                      rack=rng.choice(["r1", "r2", "r3"]), network_block=rng.choice(["b1", "b2", "b2", None]),
+                      nvlink_fabric=rng.choice([None, None, "f1"]),
+                      sick={rng.randrange(8): GpuHealth(ecc_uncorrected=1)} if rng.random() < 0.1 else None)
+                 for i in range(rng.randint(2, 30))]
+        inv = cluster(*nodes)
+        held = random_use(rng, inv, rng.choice([0.0, 0.3, 0.6]))
+        shape = ReplicaShape(gpu_product=H100, tensor_parallel_size=rng.choice([16, 32]))
+        existing = strategy.place_replicas(PlacementRequest(shape, count=rng.randint(0, 2)), inv, held).placements
+        request = PlacementRequest(shape, count=rng.randint(1, 3), existing=existing,
+                                   warm_nodes=frozenset(n.name for n in nodes if rng.random() < 0.2))
+        gang = gangs.gang_shape(shape, inv, "h100-80gb-hbm3", existing)
+        assert gang is not None
+        full = gangs.place_gangs(strategy, request, inv, Counter(held), H100, gang, strategy._context(request, inv))
+        assert list(strategy.place_replicas(request, inv, held).placements) == full, trial
+        checked += len(full)
+    assert checked > 20
