@@ -280,6 +280,10 @@ class FreeIndex:
 class FreeState:
     """One inventory's `FreeIndex` objects and the in-use map they mirror."""
 
+    REBUILD_AFTER = 4096
+    """A sync that changes more devices than this drops the indexes (rebuilt on next use, O(GPUs)
+    of the product) instead of moving each slot: updating costs a few microseconds a device."""
+
     def __init__(self, inventory: Inventory) -> None:
         self._inventory = weakref.ref(inventory)
         self.lock = threading.Lock()
@@ -344,7 +348,11 @@ class FreeState:
         elif not dict.__eq__(plain, self._last):
             changed = {k for k, _ in plain.items() ^ self._last.items()}
             self._last = dict(plain)
-            self._apply(changed, plain)
+            if len(changed) > self.REBUILD_AFTER:    # another map altogether (a preflight on empty nodes)
+                self.indexes.clear()                 # cheaper to build again, when next asked for
+                self.held = {k for k, v in plain.items() if v}
+            else:
+                self._apply(changed, plain)
         if isinstance(in_use, DeviceUse):
             self._source, self._mark = weakref.ref(in_use), in_use.mark
         else:

@@ -151,3 +151,18 @@ def test_indexed_gangs_equal_the_full_build():
         assert list(strategy.place_replicas(request, inv, held).placements) == full, trial
         checked += len(full)
     assert checked > 20
+
+
+def test_a_map_that_changes_most_devices_rebuilds_the_index(monkeypatch):
+    from fleet.placement.freeindex import FreeState
+
+    monkeypatch.setattr(FreeState, "REBUILD_AFTER", 10)
+    rng = random.Random(2)
+    inv = random_cluster(rng, 20)
+    strategy = Indexed()
+    shape = ReplicaShape(gpu_product=H100, tensor_parallel_size=2)
+    for in_use in (random_use(rng, inv, 0.5), Counter(), random_use(rng, inv, 0.5), Counter({"GPU-n0-0": 1})):
+        request = PlacementRequest(shape, count=3)
+        indexed, full = both(strategy, request, inv, in_use, H100)
+        assert indexed == full
+        assert free_state(inv).held == {d for d, c in in_use.items() if c}
