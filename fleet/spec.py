@@ -25,6 +25,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from autoscaler.spec import AutoscalingSpec
+from fleet.engines.cuda import CudaVersion, format_cuda, image_cuda, parse_cuda_version
 from fleet.engines.kinds import ENGINE_KINDS, EngineLaunch
 from fleet.rollout.spec import RolloutSpec
 from fleet.sources import SourceError, parse_source
@@ -141,6 +142,43 @@ class EngineSpec(SpecModel):
         description="Seconds from launch until /health must answer before the replica is FAILED. "
         "Large models on GPUs can take ~10 minutes to load (docs/anchors.md).",
     )
+    cuda_version: str | None = Field(
+        None,
+        description="The CUDA version the engine was built with, e.g. \"12.8\" (quote it). Placement skips "
+        "nodes whose NVIDIA driver cannot run it (docs/placement.md#driver-and-cuda-compatibility). Unset: "
+        "known vLLM images (vllm/vllm-openai:vX.Y.Z, tags ending -cu129 / -cu130, nvidia/cuda:X.Y.Z-...) "
+        "give it; otherwise no driver check.",
+    )  # fmt: skip
+    cuda_compatibility: Literal["minor-version", "backward"] = Field(
+        "minor-version",
+        description="Which of NVIDIA's CUDA compatibility rules placement counts on. `minor-version` "
+        "(default): a driver at or above the minimum of the CUDA major (12.x: 525.60.13, 13.x: 580) runs any "
+        "minor of it. `backward`: the driver's own CUDA version must be at least cudaVersion (consumer GPUs, "
+        "or drivers off NVIDIA's long-term branches, under the NVIDIA Container Toolkit).",
+    )  # fmt: skip
+
+    @field_validator("cuda_version", mode="before")
+    @classmethod
+    def _cuda_version(cls, v: object) -> str | None:
+        if v is None:
+            return None
+        if isinstance(v, float):   # YAML reads an unquoted 12.8 as a number
+            v = repr(v)
+        try:
+            return format_cuda(parse_cuda_version(v.strip() if isinstance(v, str) else v))
+        except ValueError as err:
+            raise ValueError(str(err)) from None
+
+    @property
+    def cuda(self) -> tuple[CudaVersion, str] | None:
+        """The CUDA the engine needs and where that came from: ``engine.cudaVersion``, else the
+        image's (`fleet.engines.cuda.image_cuda`); None for the engine simulator, or when unknown."""
+        if self.kind == "sim":
+            return None
+        if self.cuda_version:
+            return parse_cuda_version(self.cuda_version), "engine.cudaVersion"
+        known = image_cuda(self.image)
+        return (known, f"image {self.image}") if known else None
 
     @field_validator("kind")
     @classmethod
@@ -163,12 +201,42 @@ class ResourcesSpec(SpecModel):
     accelerator: Literal["gpu", "cpu"] = Field(
         "gpu", description="`gpu`: whole GPUs or a MIG slice per replica; `cpu`: CPU cores (vLLM CPU build)."
     )
-    gpu_product: str | None = Field(
-        None, description="GPU product name as NVML reports it, e.g. 'NVIDIA H100 80GB HBM3'. Any if unset."
-    )
+    gpu_product: str | list[str] | None = Field(
+        None,
+        description="GPU product name as NVML reports it, e.g. 'NVIDIA H100 80GB HBM3' (GFD's "
+        "'NVIDIA-H100-80GB-HBM3' is the same product), or a list of acceptable products in order of "
+        "preference. Every replica of one revision runs on one product: the first listed that can host the "
+        "replicas (docs/placement.md#gpu-products). Any product if unset.",
+    )  # fmt: skip
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per replica (vLLM tensor parallelism).")
     mig_profile: str | None = Field(None, description="One MIG instance of this profile per replica, e.g. 3g.40gb.")
     cpu_cores: int = Field(1, ge=1, le=1024, description="CPU cores per replica (accelerator: cpu).")
+
+    @field_validator("gpu_product")
+    @classmethod
+    def _products(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is None:
+            return None
+        names = [v] if isinstance(v, str) else v
+        if not names:
+            raise ValueError("an empty list; name at least one product, or leave gpuProduct unset for any")
+        seen: dict[str, int] = {}
+        for i, name in enumerate(names):
+            if not name.strip():
+                raise ValueError("an empty product name" + (f" at [{i}]" if not isinstance(v, str) else ""))
+            # fleet.inventory.model.product_key's comparison (spaces, dashes, an NVIDIA prefix)
+            key = re.sub(r"[\s_\-]+", "-", name.strip()).lower().removeprefix("nvidia-")
+            if key in seen:
+                raise ValueError(f"{name!r} at [{i}] is the same product as [{seen[key]}] ({names[seen[key]]!r})")
+            seen[key] = i
+        return v
+
+    @property
+    def gpu_products(self) -> tuple[str, ...]:
+        """``gpuProduct`` as a tuple, most preferred first; () for any product."""
+        if self.gpu_product is None:
+            return ()
+        return (self.gpu_product,) if isinstance(self.gpu_product, str) else tuple(self.gpu_product)
 
     @field_validator("mig_profile")
     @classmethod
@@ -369,7 +437,7 @@ class LoadedDeployment:
     def serving_hash(self) -> str:
         """What a replica of this deployment serves, as 16 hex digits of sha256: the model (name,
         source with relative paths resolved, revision), the engine (kind, image, args, env; not
-        its start-up timeout or image pull policy) and
+        its start-up timeout, image pull policy or the CUDA placement checks drivers against) and
         the replica shape. Replicas with equal hashes are interchangeable; a restarted controller
         adopts a running replica only when its hash is today's (else it is drained and replaced).
         Computed once per loaded document (the controller reads it several times a tick)."""
@@ -377,8 +445,10 @@ class LoadedDeployment:
         local = spec.model.local_path(self.base_dir)
         what = {
             "model": {**spec.model.model_dump(mode="json"), "resolved": str(local) if local else None},
-            # How long a start may take and how the kubelet finds the image change nothing served.
-            "engine": spec.engine.model_dump(mode="json", exclude={"startup_timeout_seconds", "image_pull_policy"}),
+            # How long a start may take, how the kubelet finds the image and which drivers placement
+            # admits change nothing served.
+            "engine": spec.engine.model_dump(mode="json", exclude={"startup_timeout_seconds", "image_pull_policy",
+                                                                   "cuda_version", "cuda_compatibility"}),
             "resources": spec.resources.model_dump(mode="json"),
         }
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

@@ -51,6 +51,8 @@ class NvmlHealthReader:
         self._uuids: dict[int, str] = {}
         self.event_errors: dict[int, str] = {}
         self.opened = False
+        self.driver_version: str | None = None                 # "580.159.04", read at open
+        self.cuda_driver_version: tuple[int, int] | None = None   # (13, 0): nvmlSystemGetCudaDriverVersion 13000
 
     def _lib(self) -> Any:
         if self._nv is None:
@@ -70,6 +72,13 @@ class NvmlHealthReader:
         except nv.NVMLError as err:
             raise RuntimeError(f"NVML unavailable: {err}") from err
         self.opened = True
+        # The driver and the CUDA it supports do not change while NVML is open (an upgrade
+        # unloads the kernel module): read once, published by the node agent (fleet.k8s.node_facts).
+        driver = self._read(nv.nvmlSystemGetDriverVersion)
+        self.driver_version = driver if isinstance(driver, str) and driver else None
+        cuda = self._read(nv.nvmlSystemGetCudaDriverVersion)
+        if isinstance(cuda, int) and not isinstance(cuda, bool) and cuda >= 1000:
+            self.cuda_driver_version = (cuda // 1000, cuda % 1000 // 10)
         self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
         for i, h in enumerate(self._handles):   # remembered: a lost GPU cannot say its UUID any more
             try:

@@ -313,9 +313,12 @@ def _node_facts_publisher(node: str, device_checkpoint: Path):
 
     def publish(status: dict, checker, cache) -> None:
         reading = (checker.last_reading if checker is not None else None) or {}
-        domains = checker.reader.nvlink_domains if checker is not None else None
+        reader = checker.reader if checker is not None else None
+        domains = reader.nvlink_domains if reader is not None else None
         held = allocations.read()
-        publisher.publish_sync(node_facts(status, reading.get("devices", []), held, cache.cached_sources(), domains))
+        publisher.publish_sync(node_facts(status, reading.get("devices", []), held, cache.cached_sources(), domains,
+                                          reader.driver_version if reader is not None else None,
+                                          reader.cuda_driver_version if reader is not None else None))
         for key, uid in pins.step(cache, held if allocations.error is None else None):
             err_console.print(f"weight cache {key}: released the pin of pod {uid} (gone from this node)",
                               highlight=False)

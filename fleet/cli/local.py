@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from fleet.cli.common import Files, StateDir, console, err_console, load_or_exit, read_json
+from fleet.cli.common import Files, StateDir, console, err_console, fail_with, load_or_exit, read_json
 from fleet.cli.rollout import print_status_revisions
 from fleet.local.state import AlreadyRunning, StateStore, default_state_dir
 
@@ -33,16 +33,28 @@ def validate(files: Files) -> None:
 
     Every problem is reported with its file, document index, field path and reason, e.g.
     `quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)`.
+
+    The model is read too (config.json and the safetensors index of a local, cached or hf://
+    source; no weights are downloaded): a tensorParallelSize vLLM refuses for it (one that does
+    not divide the attention heads), and a gpuProduct or migProfile whose memory cannot hold
+    the weights plus one max-model-len sequence per GPU, fail with the numbers (needed vs
+    available per GPU). A model that cannot be read is noted, not failed.
     Exit code 0 when all documents are valid, 2 otherwise.
     """
+    from fleet.cli.models import model_check
+
     loaded = load_or_exit(files)
-    for ld in loaded:
+    checks = [model_check(ld) for ld in loaded]
+    problems = [p for c in checks for p in c.problems]
+    if problems:
+        raise fail_with("Deployment does not fit its shape", problems)
+    for ld, check in zip(loaded, checks):
         d = ld.deployment
         r = d.spec.resources
         shape = (
             f"{r.cpu_cores} CPU core(s)" if r.accelerator == "cpu"
             else f"MIG {r.mig_profile}" if r.mig_profile
-            else f"TP={r.tensor_parallel_size} x {r.gpu_product or 'any GPU'}"
+            else f"TP={r.tensor_parallel_size} x {' or '.join(r.gpu_products) or 'any GPU'}"
         )
         a = d.spec.autoscaling
         scaling = (
@@ -55,6 +67,8 @@ def validate(files: Files) -> None:
             f"routing {d.spec.routing.policy}{scaling}",
             highlight=False,
         )
+        for note in check.notes:
+            console.print(f"   {note}", highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()

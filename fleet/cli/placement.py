@@ -34,14 +34,26 @@ def _load_inventory(path: Path):
 @app.command()
 def plan(
     files: Files,
-    inventory: Annotated[Path, typer.Option(
-        "--inventory", "-i", help="Inventory YAML (kind: Inventory): the nodes to place on. See examples/inventories/.")],
+    inventory: Annotated[Optional[Path], typer.Option(
+        "--inventory", "-i", help="Inventory YAML (kind: Inventory): the nodes to place on. See examples/inventories/. "
+        "Required unless --advise.")] = None,
     replicas: Annotated[Optional[int], typer.Option(
         min=0, help="Replicas to place per deployment. Default: spec.replicas.initial (or min).")] = None,
     strategy: Annotated[str, typer.Option(help="Placement strategy: fleet (default) or first-fit.")] = "fleet",
     all_or_nothing: Annotated[bool, typer.Option(
         "--all-or-nothing", help="Place none of a deployment's replicas unless all fit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plans as JSON.")] = False,
+    advise: Annotated[bool, typer.Option(
+        "--advise", help="List the shapes that can hold each deployment's model (TP 1/2/4/8 of each GPU product of "
+        "--inventory, or of Fleet's table of common products; each MIG profile), the full-context sequences each "
+        "holds at once, and the cheapest that reaches --target-concurrency. Places nothing.")] = False,
+    target_concurrency: Annotated[float, typer.Option(
+        min=1, help="With --advise: full-context sequences the deployment must hold at once, over all replicas.")] = 1,
+    price: Annotated[Optional[list[str]], typer.Option(
+        help="With --advise: PRODUCT=PRICE, a GPU's price per hour (repeat per product); cheapest is then by "
+        "price, else by GPUs.")] = None,
+    all_shapes: Annotated[bool, typer.Option(
+        "--all-shapes", help="With --advise: list the shapes that do not fit too, with the reason.")] = False,
 ) -> None:
     """Show where each deployment's replicas would run on a declared cluster, and why not.
 
@@ -50,14 +62,26 @@ def plan(
     placed in one decision (one GPU product for all of them). For each replica: the node (several
     for a gang), the NVLink domain or MIG parent GPU, the devices as CUDA_VISIBLE_DEVICES gets
     them (GPU or MIG UUIDs), and whether the node is warm (engine image and weights in its
-    cache list). When replicas do not fit: the reasons grouped by node class, and for MIG
-    profiles, repartition advice with the nvidia-smi commands. Nothing is started.
+    cache list). Nodes whose NVIDIA driver cannot run the engine's CUDA (engine.cudaVersion or
+    the image's) are skipped, with the reason. When replicas do not fit: the reasons grouped by
+    node class, and for MIG profiles, repartition advice with the nvidia-smi commands. Nothing is
+    started. When the model can be read (config.json of a local, cached or hf:// source),
+    products and MIG profiles whose memory cannot hold it are skipped, with the numbers.
+
+    With --advise: the shape table instead (see --advise); exit code 0 when some shape fits each
+    deployment, 1 when none does.
 
     Exit code 0 when every replica fits, 1 when some do not, 2 on invalid input.
     """
+    from fleet.cli.models import read_need
     from fleet.placement import PlacementRequest, get_strategy
 
     loaded = load_or_exit(files)
+    if advise:
+        _advise(loaded, inventory, target_concurrency, price or [], as_json, all_shapes)
+    if inventory is None:
+        err_console.print("Give --inventory (or --advise).")
+        raise typer.Exit(2)
     inv = _load_inventory(inventory)
     try:
         placer = get_strategy(strategy)
@@ -69,7 +93,8 @@ def plan(
     for ld in loaded:
         dep = ld.deployment
         count = dep.spec.replicas.desired_at_start if replicas is None else replicas
-        request = PlacementRequest.for_deployment(dep, count, all_or_nothing=all_or_nothing)
+        need, _ = read_need(ld)
+        request = PlacementRequest.for_deployment(dep, count, all_or_nothing=all_or_nothing, memory=need)
         result = placer.place_replicas(request, inv.inventory, held)
         for p in result.placements:
             held.update(p.devices)
@@ -80,6 +105,53 @@ def plan(
         for ld, p in plans:
             _print_plan(ld, p, inv.inventory)
     raise typer.Exit(0 if all(p.complete for _, p in plans) else 1)
+
+
+def _advise(loaded, inventory: Path | None, target: float, prices: list[str], as_json: bool,
+            all_shapes: bool) -> None:
+    """`fleet plan --advise`: print each deployment's shape table; exits (0 when a shape fits each)."""
+    from fleet.cli.models import advice_json, advice_table, read_need
+    from fleet.models.advise import COMMON_GPU_PRODUCTS, advise, cheapest, products_of
+
+    by_product: dict[str, float] = {}
+    for item in prices:
+        name, eq, value = item.rpartition("=")
+        try:
+            by_product[name] = float(value)
+        except ValueError:
+            name = ""
+        if not eq or not name:
+            err_console.print(f"--price {item!r}: expected PRODUCT=PRICE (a GPU's price per hour)", highlight=False)
+            raise typer.Exit(2)
+    products = products_of(_load_inventory(inventory).inventory) if inventory else COMMON_GPU_PRODUCTS
+    docs, ok = [], True
+    for ld in loaded:
+        need, why = read_need(ld)
+        if need is None:
+            err_console.print(f"{ld.deployment.name}: no advice: {why or 'the model is simulated or not read'}",
+                              highlight=False, markup=False)
+            ok = False
+            continue
+        rows = advise(need, products, by_product)
+        ok = ok and cheapest(rows, target) is not None
+        if as_json:
+            docs.append(advice_json(ld, rows, need, target))
+            continue
+        f = need.facts
+        title = (f"{ld.deployment.name}: {f.architecture}, {f.weight_bytes / 2**30:.1f} GiB of weights "
+                 f"({f.weight_source}), context {need.context_tokens:,} tokens, gpu_memory_utilization "
+                 f"{need.settings.gpu_memory_utilization:g}")
+        console.print(advice_table(title, rows, need, target, all_shapes))
+        left_out = sum(1 for r in rows if not r.fits)
+        if left_out and not all_shapes:
+            console.print(f"  {left_out} other shape(s) do not fit (--all-shapes lists them)", highlight=False)
+        best = cheapest(rows, target)
+        console.print(f"  cheapest for {target:g} concurrent sequence(s): "
+                      + (f"{best.label} of {best.product} x {best.replicas_for(target)} replica(s)" if best
+                         else "none fits"), highlight=False, markup=False)
+    if as_json:
+        console.print_json(json.dumps(docs))
+    raise typer.Exit(0 if ok else 1)
 
 
 def _plan_json(ld, p, inv) -> dict:
@@ -94,6 +166,10 @@ def _plan_json(ld, p, inv) -> dict:
                           "warm": p.request.is_warm(inv.node(m.node))} for m in r.members]}
             for r in p.placements
         ],
+        "cuda": None if p.request.cuda is None else {
+            "version": ".".join(map(str, p.request.cuda.version)), "source": p.request.cuda.source,
+            "minorVersionCompatibility": p.request.cuda.minor_version_ok},
+        "skipped": [{"reason": c.reason, "nodes": list(c.nodes)} for c in p.skipped],
         "explanation": p.explain(),
         "reasons": [{"reason": c.reason, "nodes": list(c.nodes)} for c in p.reasons],
         "migAdvice": [{"node": a.node, "gpu": a.gpu_index, "plan": a.describe(), "commands": a.commands()}
@@ -107,6 +183,12 @@ def _print_plan(ld, p, inv) -> None:
     status = "[green]all placed[/]" if p.complete else f"[red]{len(p.placements)} of {p.request.count} placed[/]"
     console.print(f"[bold]{dep.name}[/] ({ld.path}): {p.request.count} replica(s) of {shape}; "
                   f"strategy {p.strategy}: {status}", highlight=False, soft_wrap=True)
+    if p.request.cuda is not None:
+        console.print(f"  engine needs {p.request.cuda.describe()}; nodes whose driver cannot run it are skipped",
+                      highlight=False, markup=False, soft_wrap=True)
+    if p.complete:   # an incomplete plan lists them with its reasons
+        for c in p.skipped:
+            console.print(f"  skipped {c.describe(examples=5)}", highlight=False, markup=False, soft_wrap=True)
     for i, r in enumerate(p.placements):
         for j, m in enumerate(r.members):
             warm = "warm" if p.request.is_warm(inv.node(m.node)) else "cold"

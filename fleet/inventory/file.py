@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from fleet.engines.cuda import format_cuda, parse_cuda_version
 from fleet.inventory.mig import MigSlot, check_geometry, fit_geometry, mig_model_for
 from fleet.inventory.model import CLOCK_EVENT_BITS, Gpu, GpuHealth, Inventory, MigInstance, NodeInventory, clock_event_names
 from fleet.spec import format_errors
@@ -36,6 +37,7 @@ KIND = "Inventory"
 # NVIDIA MIG profile names, e.g. 1g.10gb, 3g.40gb, 1g.10gb+me (MIG user guide, "Supported profiles").
 _MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb(\+me)?$")
 # Kubernetes node names are DNS-1123 subdomains.
+_DRIVER_VERSION = re.compile(r"^\d+(\.\d+){1,2}$")
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -116,6 +118,27 @@ class NodeSpec(SpecModel):
     nvswitch: bool = Field(False, description="All GPUs of the node share NVLink through NVSwitch.")
     nvlink_domains: list[list[int]] | None = Field(None, description="GPU indexes that share NVLink, per domain.")
     cached: list[str] = Field(default_factory=list, description="Engine images and model sources present (warm).")
+    driver_version: str | None = Field(
+        None, description="NVIDIA driver version, e.g. '580.159.04' (nvidia-smi, NVML nvmlSystemGetDriverVersion).")
+    cuda_driver_version: str | None = Field(
+        None, description="Newest CUDA the driver supports, e.g. '13.0' (nvidia-smi's 'CUDA Version', NVML "
+        "nvmlSystemGetCudaDriverVersion). Derived from driverVersion when unset.")
+
+    @field_validator("driver_version")
+    @classmethod
+    def _driver(cls, v: str | None) -> str | None:
+        if v is not None and not _DRIVER_VERSION.match(v):
+            raise ValueError(f"{v!r} is not an NVIDIA driver version such as 580.159.04")
+        return v
+
+    @field_validator("cuda_driver_version", mode="before")
+    @classmethod
+    def _cuda(cls, v: object) -> str | None:
+        if v is None:
+            return None
+        if isinstance(v, float):   # YAML reads 13.0 unquoted as a number
+            v = f"{v:.1f}"
+        return format_cuda(parse_cuda_version(v.strip() if isinstance(v, str) else v))
 
     @field_validator("name")
     @classmethod
@@ -295,7 +318,8 @@ def _to_inventory(doc: InventoryDocument) -> LoadedInventory:
         nodes.append(NodeInventory(
             name=spec.name, gpus=tuple(gpus), cpu_cores=tuple(range(spec.cpu_cores)), labels=dict(spec.labels),
             nvlink_domains=domains, zone=spec.zone, rack=spec.rack, network_block=spec.network_block,
-            nvlink_fabric=spec.nvlink_fabric, cached=frozenset(spec.cached),
+            nvlink_fabric=spec.nvlink_fabric, cached=frozenset(spec.cached), driver_version=spec.driver_version,
+            cuda_driver_version=parse_cuda_version(spec.cuda_driver_version) if spec.cuda_driver_version else None,
         ))
     return LoadedInventory(Inventory(tuple(nodes)), in_use, doc.metadata.name)
 
@@ -343,7 +367,8 @@ def inventory_document(inventory: Inventory, name: str = "inventory", in_use: Co
             name=n.name, zone=n.zone, rack=n.rack, network_block=n.network_block, nvlink_fabric=n.nvlink_fabric,
             labels=n.labels, cpu_cores=len(n.cpu_cores), gpus=gpus,
             nvlink_domains=None if n.nvlink_domains is None else [list(d) for d in n.nvlink_domains if len(d) > 1],
-            cached=sorted(n.cached),
+            cached=sorted(n.cached), driver_version=n.driver_version,
+            cuda_driver_version=format_cuda(n.cuda_driver_version) if n.cuda_driver_version else None,
         ))
     doc = InventoryDocument(apiVersion=API_VERSION, kind=KIND, metadata=InventoryMetadata(name=name), nodes=nodes)
     out = doc.model_dump(mode="json", by_alias=True, exclude_defaults=True)

@@ -12,7 +12,13 @@ docs/gpu-feature-discovery/README.md, "Generated Labels"):
 - ``nvidia.com/mig.strategy``: ``none``, ``single`` (every GPU cut the same way; product,
   count and memory then describe the MIG devices, the product reads ``<GPU>-MIG-<profile>``) or
   ``mixed`` (``nvidia.com/mig-<profile>.count`` per profile);
-- ``nvidia.com/gpu.clique``: ``<clusterUUID>.<cliqueID>`` of a multi-node NVLink domain.
+- ``nvidia.com/gpu.clique``: ``<clusterUUID>.<cliqueID>`` of a multi-node NVLink domain;
+- ``nvidia.com/cuda.driver-version.full`` (``580.159.04``) and ``nvidia.com/cuda.runtime-version.major``
+  / ``.minor`` (``13`` / ``0``: despite the name, the CUDA version of the *driver*, GFD's
+  ``newVersionLabeler`` reads it with NVML's ``nvmlSystemGetCudaDriverVersion``, internal/lm/nvml.go),
+  or their deprecated spellings ``nvidia.com/cuda.driver.major`` / ``.minor`` / ``.rev`` and
+  ``nvidia.com/cuda.runtime.major`` / ``.minor``; without GFD, the node agent's own labels
+  (`LabelKeys.driver_version`, `LabelKeys.cuda_driver_version`, written by `fleet.k8s.node_facts`).
 
 GFD reports neither GPU UUIDs nor NVLink topology nor per-GPU health. GPUs get stable
 synthetic ids (``<node>/gpu<i>``; the Kubernetes backend asks for counts, not UUIDs); NVLink
@@ -48,6 +54,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.engines.cuda import parse_cuda_version
 from fleet.inventory.gpu_health import ANNOTATION as GPU_HEALTH, GpuHealthFacts, parse_gpu_health
 from fleet.inventory.mig import MigSlot, fit_geometry, max_instances, mig_model_for
 from fleet.inventory.model import Gpu, GpuHealth, Inventory, MigInstance, NodeInventory
@@ -57,8 +64,13 @@ GFD_COUNT = "nvidia.com/gpu.count"
 GFD_MEMORY = "nvidia.com/gpu.memory"
 GFD_MIG_STRATEGY = "nvidia.com/mig.strategy"
 GFD_CLIQUE = "nvidia.com/gpu.clique"
+GFD_DRIVER = "nvidia.com/cuda.driver-version.full"
+GFD_DRIVER_OLD = ("nvidia.com/cuda.driver.major", "nvidia.com/cuda.driver.minor", "nvidia.com/cuda.driver.rev")
+GFD_CUDA = ("nvidia.com/cuda.runtime-version.major", "nvidia.com/cuda.runtime-version.minor")
+GFD_CUDA_OLD = ("nvidia.com/cuda.runtime.major", "nvidia.com/cuda.runtime.minor")
 _MIG_COUNT = re.compile(r"^nvidia\.com/mig-([1-7]g\.[0-9]+gb(?:\+me)?)\.count$")
 _SINGLE_PRODUCT = re.compile(r"^(.+)-MIG-([1-7]g\.[0-9]+gb(?:\+me)?|INVALID)$")
+_DRIVER_TEXT = re.compile(r"^\d+(\.\d+){1,2}$")
 _UNHEALTHY = ("withheld from status.allocatable by the NVIDIA device plugin (unhealthy)",)
 
 
@@ -72,6 +84,8 @@ class LabelKeys:
     network_block: str = "fleet.inference.dev/network-block"
     nvlink_domains: str = "fleet.inference.dev/nvlink-domains"
     cached: str = "fleet.inference.dev/cached"   # annotation: comma-separated images / model sources
+    driver_version: str = "fleet.inference.dev/driver-version"             # 580.159.04 (node agent, NVML)
+    cuda_driver_version: str = "fleet.inference.dev/cuda-driver-version"   # 13.0 (node agent, NVML)
 
 
 def parse_nvlink_domains(value: str) -> tuple[tuple[int, ...], ...]:
@@ -255,9 +269,34 @@ def node_from_k8s(node: Mapping[str, Any], keys: LabelKeys = LabelKeys(),
         network_block=labels.get(keys.network_block),
         nvlink_fabric=labels.get(GFD_CLIQUE),
         cached=cached,
+        driver_version=driver_version(labels, keys),
+        cuda_driver_version=cuda_driver_version(labels, keys),
     )
     marks = quarantine_marks(base, health, held or {})
     return base.with_quarantine(marks) if marks else base
+
+
+def driver_version(labels: Mapping[str, str], keys: LabelKeys = LabelKeys()) -> str | None:
+    """The node's NVIDIA driver version from GFD's labels (current spelling, then the deprecated
+    major/minor/rev), else the node agent's label; None when none is set or it is malformed."""
+    value = labels.get(GFD_DRIVER, "").strip()
+    if not value and all(labels.get(k, "").strip() for k in GFD_DRIVER_OLD[:2]):
+        value = ".".join(v for k in GFD_DRIVER_OLD if (v := labels.get(k, "").strip()))
+    value = value or labels.get(keys.driver_version, "").strip()
+    return value if _DRIVER_TEXT.match(value) else None
+
+
+def cuda_driver_version(labels: Mapping[str, str], keys: LabelKeys = LabelKeys()) -> tuple[int, int] | None:
+    """The newest CUDA the node's driver supports, from GFD's ``cuda.runtime-version`` labels (or
+    their deprecated ``cuda.runtime`` spelling), else the node agent's label; None when unset or
+    malformed."""
+    for major, minor in (GFD_CUDA, GFD_CUDA_OLD):
+        if labels.get(major, "").strip().isdigit() and labels.get(minor, "").strip().isdigit():
+            return int(labels[major]), int(labels[minor])
+    try:
+        return parse_cuda_version(labels.get(keys.cuda_driver_version, "").strip())
+    except ValueError:
+        return None
 
 
 def quarantine_marks(node: NodeInventory, health: GpuHealthFacts,

@@ -136,6 +136,11 @@ class NodeInventory:
     ``nvidia.com/gpu.clique``); ``network_block`` a group of nodes behind one network block;
     both let a replica wider than a node be placed as a gang. ``cached`` holds the engine images
     and model sources present on the node (warm), as the node agent reports them.
+    ``driver_version`` is the NVIDIA driver (``580.159.04``: NVML ``nvmlSystemGetDriverVersion``,
+    GFD's ``nvidia.com/cuda.driver-version.full``) and ``cuda_driver_version`` the newest CUDA it
+    supports as (major, minor) (NVML ``nvmlSystemGetCudaDriverVersion`` 13000 -> (13, 0), GFD's
+    ``nvidia.com/cuda.runtime-version.*``); None when the source does not say. Placement skips a
+    node whose driver cannot run the engine's CUDA (`fleet.placement.compat`).
     """
 
     name: str
@@ -149,6 +154,8 @@ class NodeInventory:
     nvlink_fabric: str | None = None
     cached: frozenset[str] = frozenset()
     quarantined: dict[str, str] = field(default_factory=dict)   # GPU / MIG uuid -> why (node agent)
+    driver_version: str | None = None
+    cuda_driver_version: tuple[int, int] | None = None
 
     def with_quarantine(self, quarantined: dict[str, str]) -> NodeInventory:
         """This node as placement must see it while the node agent quarantines ``quarantined``
@@ -197,6 +204,9 @@ class NodeInventory:
         linked = [d for d in self.domains if len(d) > 1]
         if linked:
             parts.append("NVLink: " + " ".join("{" + ",".join(str(g.index) for g in d) + "}" for d in linked))
+        if self.driver_version or self.cuda_driver_version:
+            cuda = self.cuda_driver_version
+            parts.append(f"driver {self.driver_version or '?'}" + (f" (CUDA {cuda[0]}.{cuda[1]})" if cuda else ""))
         if self.cached:   # weights and images held here: placement counts the node warm for them
             parts.append(f"holds: {', '.join(sorted(self.cached))}")
         return "; ".join(parts)
@@ -211,6 +221,18 @@ class Inventory:
     @cached_property
     def by_name(self) -> dict[str, NodeInventory]:
         return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def products(self) -> dict[str, Gpu]:
+        """`product_key` -> the first GPU of that product in inventory order: its ``product`` is
+        the name as this inventory spells it (NVML's ``NVIDIA H100 80GB HBM3`` locally, GFD's
+        ``NVIDIA-H100-80GB-HBM3`` on Kubernetes), its memory the product's. Derived once per
+        inventory (it is immutable)."""
+        first: dict[str, Gpu] = {}
+        for n in self.nodes:
+            for g in n.gpus:
+                first.setdefault(g.product_key, g)
+        return first
 
     def node(self, name: str) -> NodeInventory:
         """The node called ``name``. Raises KeyError."""

@@ -19,6 +19,7 @@ import os
 import re
 from typing import Any, Protocol
 
+from fleet.engines.cuda import parse_cuda_version
 from fleet.inventory.model import Gpu, GpuHealth, MigInstance, NodeInventory
 
 Snapshot = dict[str, Any]
@@ -28,7 +29,7 @@ class NvmlReader(Protocol):
     """Reads everything discovery needs from NVML in one call."""
 
     def snapshot(self) -> Snapshot:
-        """``{"driver_version": str, "devices": [device dict, ...]}``.
+        """``{"driver_version": str, "cuda_driver_version": int, "devices": [device dict, ...]}``.
 
         Raises RuntimeError when NVML is unavailable (no driver, no GPU, library missing).
         """
@@ -65,6 +66,7 @@ class PynvmlReader:
         try:
             return {
                 "driver_version": self._read(nv.nvmlSystemGetDriverVersion),
+                "cuda_driver_version": self._read(nv.nvmlSystemGetCudaDriverVersion),   # 13000: CUDA 13.0
                 "devices": [self._device(nv, i) for i in range(nv.nvmlDeviceGetCount())],
             }
         finally:
@@ -199,7 +201,8 @@ def node_from_nvml(snapshot: Snapshot, node_name: str, cpu_cores: tuple[int, ...
     are listed; a GPU with no active link is alone (and the topology is known: ``()`` when no
     GPU has NVLink). The multi-node fabric (``nvlink_fabric``) is ``<clusterUuid>.<cliqueId>`` when NVML
     reports a completed fabric registration with a non-zero cluster UUID, as GFD's
-    ``nvidia.com/gpu.clique`` label does.
+    ``nvidia.com/gpu.clique`` label does. The driver (``driver_version``) and the newest CUDA it
+    supports (``cuda_driver_version``, 13000 -> (13, 0)) are left None when NVML did not answer.
     """
     devices = snapshot.get("devices", [])
     gpus: list[Gpu] = []
@@ -239,7 +242,19 @@ def node_from_nvml(snapshot: Snapshot, node_name: str, cpu_cores: tuple[int, ...
         labels=dict(labels or {}),
         nvlink_domains=_nvlink_domains(devices),
         nvlink_fabric=_fabric_id(devices),
+        driver_version=driver if isinstance(driver := snapshot.get("driver_version"), str) and driver else None,
+        cuda_driver_version=_cuda(snapshot.get("cuda_driver_version")),
     )
+
+
+def _cuda(value: Any) -> tuple[int, int] | None:
+    """NVML's CUDA driver version (1000 x major + 10 x minor) as (major, minor); None for an error."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    try:
+        return parse_cuda_version(value)
+    except ValueError:
+        return None
 
 
 def _nvlink_domains(devices: list[dict]) -> tuple[tuple[int, ...], ...]:

@@ -6,7 +6,8 @@ resource) and `crd_yaml` (what `fleet crd` prints and what the chart ships in
 two drift). The same YAML file `fleet up` takes is what `kubectl apply` takes: the schema is
 `fleet.spec.InferenceDeployment`'s JSON Schema made *structural* (Kubernetes
 "Specifying a structural schema", apiextensions.k8s.io/v1): ``$ref`` inlined, ``anyOf`` with
-``null`` turned into ``nullable: true``, ``const`` into a one-value ``enum``, JSON Schema 2020's
+``null`` turned into ``nullable: true``, ``const`` into a one-value ``enum``, a string-or-list-of-strings (``gpuProduct``) into a node
+that keeps any value (``x-kubernetes-preserve-unknown-fields``; the operator checks it), JSON Schema 2020's
 numeric ``exclusiveMinimum``/``exclusiveMaximum`` into OpenAPI v3.0's ``minimum`` +
 ``exclusiveMinimum: true``, and ``additionalProperties: false`` dropped (Kubernetes prunes
 unknown fields, and ``kubectl apply`` rejects them with server-side field validation).
@@ -85,6 +86,11 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if "anyOf" in node:
         options = [o for o in node.pop("anyOf") if o != {"type": "null"}]
         nullable = True   # pydantic writes X | None as anyOf [X, null]
+        if options == [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]:
+            # A name or a list of names (gpuProduct): a structural schema has no string-or-array
+            # type, so the node keeps any value and the operator's pydantic check decides.
+            return {"description": node.get("description", ""), "x-kubernetes-preserve-unknown-fields": True,
+                    "nullable": True}
         if len(options) != 1:
             raise ValueError(f"cannot make a structural schema of anyOf {options!r}")
         option = options[0]

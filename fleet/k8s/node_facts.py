@@ -6,6 +6,12 @@ Owns the keys, their values and the one merge patch that writes them:
   (`fleet.inventory.nvml.node_from_nvml` ``.nvlink_domains``), in the form
   `fleet.inventory.gfd.parse_nvlink_domains` reads (``0-7``, ``0-1;2-3``, ``none``;
   `fleet.inventory.gfd.format_nvlink_domains` writes it). Left alone when NVML is unavailable;
+- labels ``fleet.inference.dev/driver-version`` (``580.159.04``, NVML ``nvmlSystemGetDriverVersion``)
+  and ``fleet.inference.dev/cuda-driver-version`` (``13.0``, NVML ``nvmlSystemGetCudaDriverVersion``
+  13000): the NVIDIA driver and the newest CUDA it supports, for clusters without GPU Feature
+  Discovery's ``nvidia.com/cuda.*`` labels (`fleet.inventory.gfd.driver_version` prefers GFD's).
+  Placement skips nodes whose driver cannot run an engine's CUDA (`fleet.placement.compat`).
+  Left alone when NVML is unavailable;
 - annotation ``fleet.inference.dev/cached``: the model sources the weight cache holds, comma
   separated, in the cache's canonical form (`fleet.agent.cache.WeightCache.cached_sources`) WITH
   CREDENTIALS STRIPPED (`fleet.sources.redact_source`: no userinfo, query or fragment). The
@@ -49,7 +55,12 @@ log = logging.getLogger("fleet.node_agent")
 
 NVLINK_DOMAINS_LABEL = LabelKeys().nvlink_domains
 CACHED_ANNOTATION = LabelKeys().cached
-__all__ = ["CACHED_ANNOTATION", "GPU_HEALTH_ANNOTATION", "NVLINK_DOMAINS_LABEL", "GpuHealthFacts", "NodeFacts",
+DRIVER_VERSION_LABEL = LabelKeys().driver_version
+CUDA_DRIVER_VERSION_LABEL = LabelKeys().cuda_driver_version
+# A Kubernetes label value: <= 63 characters, alphanumerics with '-', '_', '.' inside.
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+__all__ = ["CACHED_ANNOTATION", "CUDA_DRIVER_VERSION_LABEL", "DRIVER_VERSION_LABEL", "GPU_HEALTH_ANNOTATION",
+           "NVLINK_DOMAINS_LABEL", "GpuHealthFacts", "NodeFacts",
            "NodeFactsPublisher", "QuarantinedGpu", "cached_value", "node_facts", "node_facts_patch", "parse_gpu_health"]
 _MIG_PROFILE = re.compile(r"\b([1-7]g\.[0-9]+gb(?:\+me)?)\b")
 MAX_VALUE_CHARS = 64 * 1024
@@ -77,23 +88,30 @@ def cached_value(sources: Iterable[str]) -> str:
 class NodeFacts:
     """What the agent publishes. ``nvlink_domains``: the label's value, None when unknown (NVML
     unavailable: the label is left as it is); ``cached``: the cached annotation's value ("": the
-    annotation is removed); ``gpu_health``: None leaves the annotation as it is."""
+    annotation is removed); ``gpu_health``: None leaves the annotation as it is;
+    ``driver_version`` / ``cuda_driver_version``: the labels' values (``580.159.04``, ``13.0``),
+    None leaves a label as it is."""
 
     nvlink_domains: str | None
     cached: str
     gpu_health: GpuHealthFacts | None
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
 
 
 def node_facts(status: Mapping[str, Any], devices: Iterable[Mapping[str, Any]],
                allocations: Mapping[str, Iterable[str]], cached_sources: Iterable[str],
-               nvlink_domains: tuple[tuple[int, ...], ...] | None) -> NodeFacts:
+               nvlink_domains: tuple[tuple[int, ...], ...] | None, driver_version: str | None = None,
+               cuda_driver_version: tuple[int, int] | None = None) -> NodeFacts:
     """The facts of one agent step. ``status``: `fleet.agent.runner.NodeAgent.status` (its
     ``quarantined`` and ``health_checks``); ``devices``: the last NVML reading's devices
     (`fleet.agent.nvml_health.NvmlHealthReader.read`: ``index``, ``uuid``, ``mig_instances``);
     ``allocations``: ``{pod uid: device ids}`` (`fleet.agent.device_checkpoint`); a MIG
     instance's ``name`` gives its ``profile`` when it has one; device ids not
     on this node's NVML are left out. ``nvlink_domains``: None when NVML is unavailable. A
-    quarantine of the whole node (NVML failed) names no GPU and is not listed. Pure."""
+    quarantine of the whole node (NVML failed) names no GPU and is not listed.
+    ``driver_version`` / ``cuda_driver_version``: NVML's (`fleet.agent.nvml_health.NvmlHealthReader`
+    reads them at open), None when unknown; a value that is no valid label value is left out. Pure."""
     gpu_of: dict[str, tuple[int, str, str | None]] = {}   # device id -> (index, GPU uuid, MIG uuid)
     profiles: dict[str, str] = {}
     for d in devices:
@@ -131,8 +149,10 @@ def node_facts(status: Mapping[str, Any], devices: Iterable[Mapping[str, Any]],
     health = GpuHealthFacts(tuple(sorted(quarantined, key=lambda q: (q.index, q.mig or ""))),
                             {uid: tuple(sorted(ix)) for uid, ix in sorted(by_pod.items())},
                             bool(status.get("health_checks", True)))
+    driver = driver_version if driver_version and _LABEL_VALUE.match(driver_version) else None
+    cuda = f"{cuda_driver_version[0]}.{cuda_driver_version[1]}" if cuda_driver_version else None
     return NodeFacts(None if nvlink_domains is None else format_nvlink_domains(nvlink_domains),
-                     cached_value(cached_sources), health)
+                     cached_value(cached_sources), health, driver, cuda)
 
 
 def node_facts_patch(facts: NodeFacts, last: NodeFacts | None = None) -> dict | None:
@@ -142,6 +162,11 @@ def node_facts_patch(facts: NodeFacts, last: NodeFacts | None = None) -> dict | 
     annotations: dict[str, str | None] = {}
     if facts.nvlink_domains is not None and (last is None or facts.nvlink_domains != last.nvlink_domains):
         labels[NVLINK_DOMAINS_LABEL] = facts.nvlink_domains
+    for key, value, before in ((DRIVER_VERSION_LABEL, facts.driver_version, last and last.driver_version),
+                               (CUDA_DRIVER_VERSION_LABEL, facts.cuda_driver_version,
+                                last and last.cuda_driver_version)):  # fmt: skip
+        if value is not None and value != before:
+            labels[key] = value
     if last is None or facts.cached != last.cached:
         annotations[CACHED_ANNOTATION] = facts.cached or None
     if facts.gpu_health is not None:

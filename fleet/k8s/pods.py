@@ -39,6 +39,7 @@ from typing import Any
 
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
 from fleet.engines.kinds import get_engine
+from fleet.inventory.gfd import GFD_PRODUCT
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "fleet-operator"
@@ -473,14 +474,32 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
         pod_spec["initContainers"] = list(files.init_containers)
     if volumes:
         pod_spec["volumes"] = volumes
+    selector = dict(settings.node_selector)
+    if (product := product_selector(want)) is not None:
+        selector.setdefault(GFD_PRODUCT, product)
     for key, value in (("runtimeClassName", settings.runtime_class_name),
                        ("priorityClassName", settings.priority_class_name),
                        ("serviceAccountName", settings.service_account_name),
-                       ("tolerations", settings.tolerations), ("nodeSelector", settings.node_selector),
+                       ("tolerations", settings.tolerations), ("nodeSelector", selector),
                        ("imagePullSecrets", settings.image_pull_secrets)):  # fmt: skip
         if value:
             pod_spec[key] = value
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def product_selector(want: ReplicaWant) -> str | None:
+    """The ``nvidia.com/gpu.product`` value a whole-GPU replica's pod selects: the product
+    placement chose for its revision (`fleet.placement.shapes.ReplicaPlacement.product`, spelled
+    as the node's GPU Feature Discovery label spells it, since the Kubernetes inventory is read
+    from that label). Every replica of a revision runs on one product (``gpuProduct`` may list
+    several); the pod is bound by ``nodeName``, and the kubelet refuses it if the node's label no
+    longer names that product. None for MIG and CPU replicas (GFD's ``single`` MIG strategy
+    relabels the product) and for a product that is no label value."""
+    product = want.placement.product
+    resources = want.deployment.spec.resources
+    if not product or resources.accelerator != "gpu" or resources.mig_profile:
+        return None
+    return product if label_value(product) == product else None
 
 
 def pod_facts(pod: dict) -> ReplicaFacts:

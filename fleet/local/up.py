@@ -38,6 +38,8 @@ from autoscaler.policy import Direction, ScalingDecision
 from fleet.controller.autoscaling import AutoscalerLoop
 from fleet.agent.cache import WeightCache, default_cache_root
 from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
+from fleet.models.memory import EngineArgError, MemoryNeed
+from fleet.models.read import ModelSourceError, memory_need
 from fleet.agent.runner import NodeAgent, local_health_checker, serve as serve_agent
 from fleet.sources import SourceError, parse_source
 from fleet.local.backend import REMOTE_SCHEMES, LocalBackend
@@ -89,9 +91,21 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def _local_memory_need(ld: LoadedDeployment) -> MemoryNeed | None:
+    """What one replica of ``ld`` needs per GPU (`fleet.models`), for weights on this machine; None
+    for remote sources (not fetched yet) or a model whose config cannot be read."""
+    if ld.deployment.spec.model.source.startswith(REMOTE_SCHEMES):
+        return None
+    try:
+        return memory_need(ld.deployment, ld.base_dir)
+    except (ModelSourceError, EngineArgError):
+        return None
+
+
 def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[str, tuple[str, int]]) -> None:
     """Check everything that would make `fleet up` half-start: each deployment's engine is
-    installed, its weights are present and a replica fits the inventory; each named port
+    installed, its weights are present and a replica fits the inventory (and, for weights on this
+    machine, a GPU of it holds the model: `fleet.models.memory.MemoryNeed`); each named port
     (``{"router": (host, port)}``) is free. Raises PreflightError listing every problem."""
     problems = []
     placer = get_strategy()
@@ -112,7 +126,7 @@ def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[
                 engine.model_argument(dep.engine_launch(ld.base_dir))
             except ModelUnavailable as err:
                 problems.append(f"{where} spec.model.source: {err}")
-        unfit = placer.fits_at_all(ReplicaShape.of(dep), inventory)
+        unfit = placer.fits_at_all(ReplicaShape.of(dep), inventory, memory=_local_memory_need(ld))
         if unfit is not None:
             problems.append(f"{where} spec.resources: cannot place a replica on this machine: {unfit.reason}")
     for what, (host, port) in ports.items():

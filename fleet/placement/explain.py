@@ -2,7 +2,8 @@
 
 Owns `by_node_class`: for every node, the first reason it cannot take one more replica of the
 shape (other product, no GPU, GPUs in MIG mode, unhealthy GPUs, NVLink domains too small, not
-enough free GPUs in one domain, no MIG instance of the profile, gang block too small, CPU cores),
+enough free GPUs in one domain, no MIG instance of the profile, gang block too small, CPU cores,
+GPU or MIG instance memory too small for the model: `memory_reason`),
 and nodes grouped by identical reason, largest group first:
 ``12 nodes: other GPU product (NVIDIA A100-SXM4-80GB); 3 nodes: at most 2 free GPUs in one NVLink
 domain, need 4``. Reasons name no node, so nodes that fail alike fall into one class.
@@ -11,10 +12,13 @@ Called by `PlacementStrategy.place_replicas` on the state after the batch was pl
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Hashable
 
 from fleet.inventory.model import Gpu, Inventory, NodeInventory, product_key
+from fleet.models.advise import mig_memory_mib
+from fleet.models.memory import MemoryNeed
 from fleet.placement.gangs import blocks_of, describe_block
 from fleet.placement.shapes import GangShape, NodeClass, PlacementRequest, ReplicaShape
 
@@ -30,7 +34,7 @@ def by_node_class(request: PlacementRequest, inventory: Inventory, held: Counter
     capable = _gang_capable(inventory, held, pk, gang) if gang else {}
     classes: dict[str, list[str]] = {}
     for node in inventory.nodes:
-        reason = node_reason(node, shape, pk, held, gang, capable)
+        reason = node_reason(node, shape, pk, held, gang, capable, memory=request.memory)
         if reason is not None:
             classes.setdefault(reason, []).append(node.name)
     return tuple(sorted((NodeClass(r, tuple(n)) for r, n in classes.items()),
@@ -38,7 +42,8 @@ def by_node_class(request: PlacementRequest, inventory: Inventory, held: Counter
 
 
 def node_reason(node: NodeInventory, shape: ReplicaShape, pk: str | None, held: Counter[str],
-                gang: GangShape | None = None, capable: dict[Hashable, int] | None = None) -> str | None:
+                gang: GangShape | None = None, capable: dict[Hashable, int] | None = None,
+                memory: MemoryNeed | None = None) -> str | None:
     """Why ``node`` cannot take one more replica of ``shape``, or None when it can."""
     if shape.kind == "cpu":
         n = len(node.cpu_cores)
@@ -48,6 +53,10 @@ def node_reason(node: NodeInventory, shape: ReplicaShape, pk: str | None, held: 
     keys = [pk] if pk else list(dict.fromkeys(g.product_key for g in node.gpus))
     first = None
     for key in keys:
+        gpu = next((g for g in node.gpus if g.product_key == key), None)
+        if memory is not None and gpu is not None and (reason := memory_reason(memory, shape, gpu)) is not None:
+            first = first or reason
+            continue
         if shape.kind == "mig":
             reason = _mig_reason(node, key, held, shape.mig_profile)
         else:
@@ -57,6 +66,35 @@ def node_reason(node: NodeInventory, shape: ReplicaShape, pk: str | None, held: 
             return None
         first = first or reason
     return first
+
+
+def device_memory_mib(shape: ReplicaShape, gpu: Gpu) -> int | None:
+    """Memory one device of ``shape`` has on ``gpu``'s product: the GPU's, or its MIG
+    instance's (`fleet.models.advise.mig_memory_mib`; None when the product has no such profile)."""
+    if shape.kind == "mig":
+        return mig_memory_mib(gpu.product, gpu.memory_mib, shape.mig_profile or "")
+    return gpu.memory_mib
+
+
+def memory_reason(memory: MemoryNeed, shape: ReplicaShape, gpu: Gpu) -> str | None:
+    """Why a device of ``shape`` on ``gpu``'s product cannot hold the model (weights and one
+    ``max_model_len`` sequence per device, `fleet.models.memory.MemoryNeed.fits`), or None.
+    Names the product and device memory, never the node, so nodes that fail alike group."""
+    mib = device_memory_mib(shape, gpu)
+    if mib is None:
+        return None
+    return _memory_reason(memory, shape.mig_profile if shape.kind == "mig" else None, gpu.product, mib)
+
+
+@functools.lru_cache(maxsize=1024)
+def _memory_reason(memory: MemoryNeed, mig_profile: str | None, product: str, mib: int) -> str | None:
+    """`memory_reason` once per model, device kind and memory size (an explanation of 10,000 nodes
+    asks it for each)."""
+    problem = memory.fits(mib)
+    if problem is None:
+        return None
+    what = f"MIG {mig_profile} of {product}" if mig_profile else product
+    return f"model does not fit {what} ({mib} MiB): {problem}"
 
 
 def _plural(n: int, word: str) -> str:

@@ -294,10 +294,6 @@ class FreeState:
         self._mark = 0
         self._pending: tuple[Mapping[str, int] | None] | None = None   # `bind`
         self.by_name = inventory.by_name
-        self.products: dict[str, str] = {}          # product key -> first name seen, inventory order
-        for node in inventory.nodes:
-            for g in node.gpus:
-                self.products.setdefault(g.product_key, g.product)
         self.cached_by: dict[str, list[NodeInventory]] = defaultdict(list)   # cached item -> nodes
         for node in inventory.nodes:
             for item in node.cached:

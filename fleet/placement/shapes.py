@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from fleet.sources import SourceError, parse_source, redact_source
 from fleet.inventory.mig import MigSlot
 from fleet.inventory.model import NodeInventory
+from fleet.models.memory import MemoryNeed
+from fleet.placement.compat import CudaNeed, node_reason
 from fleet.spec import InferenceDeployment
 
 
@@ -31,16 +33,31 @@ class GangShape:
 
 @dataclass(frozen=True)
 class ReplicaShape:
+    """One replica's needs. ``gpu_products`` are the acceptable GPU products, most preferred
+    first (``spec.resources.gpuProduct``, a name or a list); () means any. ``gpu_product`` is the
+    one product when exactly one is named (either field may be given; the other follows), None
+    otherwise. One product is chosen for all replicas of a version either way
+    (`fleet.placement.strategies`). Raises ValueError when the two disagree."""
+
     accelerator: str = "gpu"                # "gpu" | "cpu"
-    gpu_product: str | None = None          # None: any product (one is chosen for all replicas)
+    gpu_product: str | None = None
     tensor_parallel_size: int = 1
     mig_profile: str | None = None
     cpu_cores: int = 1
+    gpu_products: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.gpu_product and not self.gpu_products:
+            object.__setattr__(self, "gpu_products", (self.gpu_product,))
+        elif self.gpu_product is None and len(self.gpu_products) == 1:
+            object.__setattr__(self, "gpu_product", self.gpu_products[0])
+        elif self.gpu_product and self.gpu_products != (self.gpu_product,):
+            raise ValueError(f"gpu_product {self.gpu_product!r} disagrees with gpu_products {self.gpu_products!r}")
 
     @classmethod
     def of(cls, dep: InferenceDeployment) -> ReplicaShape:
         r = dep.spec.resources
-        return cls(r.accelerator, r.gpu_product, r.tensor_parallel_size, r.mig_profile, r.cpu_cores)
+        return cls(r.accelerator, None, r.tensor_parallel_size, r.mig_profile, r.cpu_cores, r.gpu_products)
 
     @property
     def kind(self) -> str:
@@ -52,7 +69,8 @@ class ReplicaShape:
     def describe(self, product: str | None = None, gang: GangShape | None = None) -> str:
         """``2 whole GPUs of NVIDIA H100 80GB HBM3 in one NVLink domain``, ``1 MIG 3g.40gb
         instance``, ``16 whole GPUs of ... as a gang of 2 nodes x 8 GPUs in one NVLink domain``."""
-        product = product or self.gpu_product
+        product = product or self.gpu_product or (f"one of {', '.join(self.gpu_products)}" if self.gpu_products
+                                                   else None)
         if self.kind == "cpu":
             return f"{self.cpu_cores} CPU core(s)"
         if self.kind == "mig":
@@ -152,7 +170,13 @@ class PlacementRequest:
     ``image`` and ``model_source`` is warm too (the source as written or in its canonical form,
     `canonical_source`, which is how caches report it: ``hf://org/name`` is
     ``hf://org/name@main``). With
-    ``all_or_nothing`` nothing is placed unless all ``count`` replicas fit.
+    ``all_or_nothing`` nothing is placed unless all ``count`` replicas fit. ``memory`` (the
+    model's `fleet.models.memory.MemoryNeed` at the shape's TP size; None: not known) makes
+    placement skip a product or MIG profile whose per-device memory cannot hold the weights and
+    one ``max_model_len`` sequence (`fleet.placement.explain.memory_reason`). ``cuda`` is what the
+    engine needs of a node's driver (`fleet.placement.compat.CudaNeed`, from ``engine.cudaVersion``
+    or the image; None: no driver check): a node whose driver cannot run it takes no replica
+    (`node_excluded`).
     """
 
     shape: ReplicaShape
@@ -163,15 +187,27 @@ class PlacementRequest:
     image: str | None = None
     model_source: str | None = None
     all_or_nothing: bool = False
+    memory: MemoryNeed | None = None
+    cuda: CudaNeed | None = None
 
     @classmethod
     def for_deployment(cls, dep: InferenceDeployment, count: int, existing: Iterable[ReplicaPlacement] = (),
-                       warm_nodes: Iterable[str] = (), all_or_nothing: bool = False) -> PlacementRequest:
+                       warm_nodes: Iterable[str] = (), all_or_nothing: bool = False,
+                       memory: MemoryNeed | None = None) -> PlacementRequest:
+        shape = ReplicaShape.of(dep)
+        engine = dep.spec.engine
+        cuda = engine.cuda if shape.kind != "cpu" else None
         return cls(
-            shape=ReplicaShape.of(dep), count=count, deployment=dep.name, existing=tuple(existing),
-            warm_nodes=frozenset(warm_nodes), image=dep.spec.engine.image,
-            model_source=dep.spec.model.source, all_or_nothing=all_or_nothing,
+            shape=shape, count=count, deployment=dep.name, existing=tuple(existing),
+            warm_nodes=frozenset(warm_nodes), image=engine.image,
+            model_source=dep.spec.model.source, all_or_nothing=all_or_nothing, memory=memory,
+            cuda=CudaNeed(cuda[0], cuda[1], engine.cuda_compatibility == "minor-version") if cuda else None,
         )
+
+    def node_excluded(self, node: NodeInventory) -> str | None:
+        """Why ``node`` can take no replica of this request whatever is free on it (its driver
+        cannot run the engine's CUDA: `fleet.placement.compat.node_reason`), or None. Names no node."""
+        return node_reason(node, self.cuda) if self.cuda is not None else None
 
     def warmth(self, node: NodeInventory) -> int:
         """What ``node`` holds of what the replica needs: `WARM` (3: the weights and the image,
@@ -258,7 +294,9 @@ class MigAdvice:
 @dataclass(frozen=True)
 class PlacementPlan:
     """The answer to a `PlacementRequest`: where each placed replica goes, and for the rest, why
-    not (by node class) and what MIG repartitioning would help."""
+    not (by node class) and what MIG repartitioning would help. ``skipped`` lists, placed or
+    not, the nodes the request could not use at all (a driver that cannot run the engine's CUDA:
+    `PlacementRequest.node_excluded`) by reason; when replicas are left, ``reasons`` holds them too."""
 
     request: PlacementRequest
     placements: tuple[ReplicaPlacement, ...] = ()
@@ -268,6 +306,7 @@ class PlacementPlan:
     strategy: str = ""
     note: str = ""                               # a reason that is not about nodes (all-or-nothing, no nodes)
     gang: GangShape | None = None                # set when each replica spans several nodes
+    skipped: tuple[NodeClass, ...] = ()          # nodes excluded whatever is free on them, by reason
 
     @property
     def unplaced(self) -> int:

@@ -12,7 +12,9 @@ nothing, explanations and MIG advice), and the built-in strategies:
 - ``first-fit``: the first node, in inventory order, with a domain that fits; lowest GPU
   indexes. The baseline of the benchmark (loadtests/bench_placement.py).
 
-Strategies differ only in their hooks (`group_of`, `rank_groups`, `slot_key`, `pick`,
+Every strategy sees only the nodes a request may use at all (`_eligible`: today, nodes whose
+NVIDIA driver can run the engine's CUDA, `fleet.placement.compat`); the others are explained
+with their reason. Strategies differ only in their hooks (`group_of`, `rank_groups`, `slot_key`, `pick`,
 `gang_member_key`, `gang_rank`; `ranking` may keep `rank_groups` incrementally, as ``fleet``
 does, for speed only); all share `place_replicas`. Called by the controller, `fleet up`
 (preflight) and `fleet plan`. Pure: no I/O, no clock; the same inputs give the same plan.
@@ -23,15 +25,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import weakref
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from typing import ClassVar
 
 from fleet.inventory.model import Inventory, NodeInventory, product_key
+from fleet.models.memory import MemoryNeed
 from fleet.placement import cpu, explain, gangs, mig_advice, victims
 from fleet.placement.context import Context
 from fleet.placement.freeindex import FreeIndex, FreeState, free_state
 from fleet.placement.shapes import (
+    NodeClass,
     PlacementPlan,
     PlacementRequest,
     WARM,
@@ -104,6 +109,8 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
         shape = request.shape
         if request.count <= 0:
             return PlacementPlan(request, strategy=self.name)
+        everything = inventory
+        inventory, excluded = _eligible(request, inventory)
         if shape.kind == "mig" and shape.tensor_parallel_size != 1:
             return PlacementPlan(request, strategy=self.name, note=(
                 f"tensor parallel size must be 1 on MIG (got {shape.tensor_parallel_size}): MIG slices have "
@@ -147,15 +154,17 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             # Explained on the state with the tentative placements: why the rest did not fit.
             note = f"all or nothing: only {len(placements)} of {request.count} fit, none placed"
             placements = []
-        elif not inventory.nodes:
+        elif not everything.nodes:
             note = "the inventory has no nodes"
         reasons: tuple = ()
         advice: tuple = ()
         if len(placements) < request.count:
             reasons = explain.by_node_class(request, inventory, held, product, gang)
+            if excluded:
+                reasons = tuple(sorted((*reasons, *excluded), key=lambda c: (-len(c.nodes), c.reason)))
             if shape.kind == "mig":
                 advice = mig_advice.advise(request, inventory, held, product, request.count - len(placements))
-        return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note, gang)
+        return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note, gang, excluded)
 
     def _place_indexed(self, request: PlacementRequest, inventory: Inventory, state: FreeState,
                        product: str) -> list[ReplicaPlacement] | None:
@@ -171,9 +180,11 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
         n = len(placements)
         return list(range(n - 1, n - 1 - min(count, n), -1))
 
-    def fits_at_all(self, shape: ReplicaShape, inventory: Inventory) -> Unplaceable | None:
-        """Why one replica of ``shape`` can never fit, even on empty nodes; None when it can."""
-        plan = self.place_replicas(PlacementRequest(shape), inventory, Counter())
+    def fits_at_all(self, shape: ReplicaShape, inventory: Inventory,
+                    memory: MemoryNeed | None = None) -> Unplaceable | None:
+        """Why one replica of ``shape`` (of a model needing ``memory``, when known) can never fit,
+        even on empty nodes; None when it can."""
+        plan = self.place_replicas(PlacementRequest(shape, memory=memory), inventory, Counter())
         return None if plan.complete else Unplaceable(plan.explain())
 
     def _context(self, request: PlacementRequest, inventory: Inventory, lazy: bool = False) -> Context:
@@ -235,6 +246,49 @@ class _Warmth(dict):
         return w
 
 
+# id(inventory) -> (weak reference to it, CudaNeed -> (the eligible nodes, the excluded by reason))
+_ELIGIBLE: dict[int, tuple[weakref.ref, dict[Hashable, tuple[Inventory, tuple[NodeClass, ...]]]]] = {}
+
+
+def _eligible(request: PlacementRequest, inventory: Inventory) -> tuple[Inventory, tuple[NodeClass, ...]]:
+    """The nodes ``request`` may use at all, and the others grouped by why not
+    (`PlacementRequest.node_excluded`: a driver that cannot run the engine's CUDA).
+
+    The node filter of placement: strategies, product choice, gangs and MIG advice see only the
+    eligible nodes. With nothing excluded that is ``inventory`` itself; otherwise an `Inventory`
+    of the eligible nodes in the same order, kept per inventory object (weakly, as
+    `fleet.placement.slots.product_table` keeps its tables) and per CUDA need, so the per-inventory
+    tables of slots are reused across calls as they are for the full inventory.
+    """
+    if request.cuda is None or request.shape.kind == "cpu":
+        return inventory, ()
+    key = id(inventory)
+    entry = _ELIGIBLE.get(key)
+    if entry is None or entry[0]() is not inventory:
+        def forget(ref: weakref.ref, key: int = key, views: dict = _ELIGIBLE) -> None:
+            if views.get(key, (None,))[0] is ref:   # the dict bound here: module globals are gone at exit
+                del views[key]
+        entry = _ELIGIBLE[key] = (weakref.ref(inventory, forget), {})
+    found = entry[1].get(request.cuda)
+    if found is None:
+        keep = []
+        why: dict[str, list[str]] = {}
+        by_driver: dict[tuple, str | None] = {}   # nodes share a handful of drivers: judge each once
+        for node in inventory.nodes:
+            facts = (node.driver_version, node.cuda_driver_version, bool(node.gpus))
+            if facts not in by_driver:
+                by_driver[facts] = request.node_excluded(node)
+            reason = by_driver[facts]
+            if reason is None:
+                keep.append(node)
+            else:
+                why.setdefault(reason, []).append(node.name)
+        view = inventory if len(keep) == len(inventory.nodes) else Inventory(tuple(keep))
+        classes = sorted((NodeClass(r, tuple(n)) for r, n in why.items()), key=lambda c: (-len(c.nodes), c.reason))
+        found = entry[1][request.cuda] = (view, tuple(classes))
+    return found
+
+
 class GroupRanking:
     """The groups' best slots during a batch, and the pick among them: the best slot of the
     groups that `rank_groups` ranks lowest, by candidate key (equally ranked groups compete on
@@ -265,20 +319,45 @@ class GroupRanking:
 def _choose_product(request: PlacementRequest, inventory: Inventory, state: FreeState) -> str | None:
     """The GPU product every replica of this version uses (homogeneity).
 
-    The spec's ``gpuProduct`` if set, else the product of the version's existing replicas, else
+    The product of the version's existing replicas if any; else, with ``gpuProduct`` a single
+    name, that name; with a list (most preferred first), the first listed product that can host
+    the whole batch now, else the listed one that hosts most of it (ties: list order), else
+    (none can host one) the first listed, whose explanation then says why; with no product named,
     the product that can host most of the batch now (ties: more of it on warm nodes, then more
     capacity, then inventory order). None when no product can host even one replica (the
-    explanation then covers each node's own products). ``state`` is synced with the devices in use.
+    explanation then covers each node's own products). With ``request.memory``, a product whose
+    GPU (or MIG instance) memory cannot hold the model is never chosen: the existing replicas'
+    product, or every listed one, then gives None (`explain.memory_reason` says why).
+    ``inventory`` holds only the nodes the request may use (`_eligible`); ``state`` is its
+    `FreeState`, bound to the devices in use.
     """
     shape = request.shape
-    if shape.gpu_product:
-        return shape.gpu_product
+    first = inventory.products   # product key -> its first GPU; derived once per inventory
+
+    def holds(product: str) -> bool:
+        gpu = first.get(product_key(product))
+        return request.memory is None or gpu is None or explain.memory_reason(request.memory, shape, gpu) is None
+
     for p in request.existing:
         if p.product:
-            return p.product
+            return p.product if holds(p.product) else None
+    if shape.gpu_products:
+        # Spelled as the inventory spells it where it has it (GFD's label writes dashes: the
+        # Kubernetes engine pod selects that label, fleet.k8s.pods.product_selector).
+        listed = [first[k].product if (k := product_key(p)) in first else p for p in shape.gpu_products]
+        fitting = [name for name in listed if holds(name)]
+        if len(fitting) <= 1:
+            return fitting[0] if fitting else None
+        scored = [(min(_capacity(request, inventory, state, name)[0], request.count), -order, name)
+                  for order, name in enumerate(fitting)]
+        best = max(scored)
+        return best[2] if best[0] > 0 else fitting[0]
     best: tuple | None = None
-    for order, (pk, name) in enumerate(state.products.items()):
-        total, warm = _capacity(request, inventory, state, pk)
+    for order, gpu in enumerate(first.values()):
+        name = gpu.product
+        if not holds(name):
+            continue
+        total, warm = _capacity(request, inventory, state, name)
         if total == 0:
             continue
         score = (min(total, request.count), warm, total, -order)
@@ -287,10 +366,11 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, state: Free
     return best[1] if best else None
 
 
-def _capacity(request: PlacementRequest, inventory: Inventory, state: FreeState, pk: str) -> tuple[int, int]:
+def _capacity(request: PlacementRequest, inventory: Inventory, state: FreeState, product: str) -> tuple[int, int]:
     """(replicas of the shape that fit now, of which on warm nodes), for one product: from the
     index's slot counts by free capacity, and the slots of the nodes that may be warm."""
     shape = request.shape
+    pk = product_key(product)
     if shape.kind == "mig":
         idx, per = state.index(pk, shape.mig_profile), 1
     else:

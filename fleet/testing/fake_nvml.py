@@ -58,7 +58,7 @@ def _bus(i: int) -> str:
 
 def nvswitch_8gpu(name: str = H100, memory_mib: int = 81559) -> dict:
     switches = [f"00000000:{0xa0 + s:02x}:00.0" for s in range(4)]
-    return {"driver_version": "580.159.04", "devices": [
+    return {"driver_version": "580.159.04", "cuda_driver_version": 13000, "devices": [
         device(i, name, memory_mib, nvlinks=[
             {"link": link, "remote_type": "switch", "remote_pci_bus_id": switches[link % 4]} for link in range(18)])
         for i in range(8)
@@ -73,18 +73,19 @@ def partial_nvlink_8gpu(name: str = A100_80, memory_mib: int = 81920) -> dict:
         peers = [p for p in island if p != i]
         devices.append(device(i, name, memory_mib, nvlinks=[
             {"link": n, "remote_type": "gpu", "remote_pci_bus_id": _bus(p)} for n, p in enumerate(peers)]))
-    return {"driver_version": "580.159.04", "devices": devices}
+    return {"driver_version": "580.159.04", "cuda_driver_version": 13000, "devices": devices}
 
 
 def pcie_4gpu(name: str = "NVIDIA L40S", memory_mib: int = 46068) -> dict:
-    return {"driver_version": "580.159.04", "devices": [device(i, name, memory_mib) for i in range(4)]}
+    return {"driver_version": "580.159.04", "cuda_driver_version": 13000,
+            "devices": [device(i, name, memory_mib) for i in range(4)]}
 
 
 def nvlink_pairs_4gpu(name: str = H100, memory_mib: int = 81559) -> dict:
     """Four GPUs as two NVLink pairs, 0-1 and 2-3 (NVLink bridges), the pairs joined only by
     PCIe: a TP=2 replica fits a pair, never across it."""
     pairs = {0: 1, 1: 0, 2: 3, 3: 2}
-    return {"driver_version": "580.159.04", "devices": [
+    return {"driver_version": "580.159.04", "cuda_driver_version": 13000, "devices": [
         device(i, name, memory_mib, nvlinks=[
             {"link": n, "remote_type": "gpu", "remote_pci_bus_id": _bus(pairs[i])} for n in range(4)])
         for i in range(4)
@@ -99,7 +100,7 @@ def mig_h100(geometries: list[list[tuple[str, int]]]) -> dict:
             {"uuid": f"MIG-{i}-{j}", "name": f"{H100} MIG {profile}", "gi_id": j + 1, "start": start}
             for j, (profile, start) in enumerate(geometry)
         ]))
-    return {"driver_version": "580.159.04", "devices": devices}
+    return {"driver_version": "580.159.04", "cuda_driver_version": 13000, "devices": devices}
 
 
 class FakeNvml:
@@ -207,6 +208,11 @@ class FakePynvml:
 
     def nvmlSystemGetDriverVersion(self):
         return self.snap["driver_version"]
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        if "cuda_driver_version" not in self.snap:
+            raise FakeNVMLError("Not Supported", 3)
+        return self._value(self.snap["cuda_driver_version"])
 
     def nvmlDeviceGetCount(self):
         return len(self.snap["devices"])
@@ -411,6 +417,8 @@ class FileNvml(FakePynvml):
                     d["mig_instances"] = [m for m in d["mig_instances"] if m.get("uuid") in migs]
                 devices.append(d)
             self._view = {"driver_version": self._doc.get("driver_version", ""), "devices": devices}
+            if "cuda_driver_version" in self._doc:
+                self._view["cuda_driver_version"] = self._doc["cuda_driver_version"]
         return self._view
 
     def _select(self, value: str | None) -> list[tuple[str, frozenset[str] | None]]:

@@ -74,6 +74,8 @@ def test_the_h100_example_is_the_real_reading():
     read = node_from_nvml(real_h100_snapshot(), "h100-vm")
     assert example.gpus == read.gpus
     assert example.nvlink_domains == read.nvlink_domains
+    assert (example.driver_version, example.cuda_driver_version) == ("580.159.04", (13, 0))
+    assert (read.driver_version, read.cuda_driver_version) == ("580.159.04", (13, 0))
 
 
 @pytest.mark.parametrize("snapshot", [real_h100_snapshot(), nvswitch_8gpu(), mig_h100([[("3g.40gb", 0), ("1g.10gb", 4)]])])

@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fleet.sources", "fleet.rollout.spec"),        # model sources; the rollout section of the spec
     ("fleet.spec",),                                # the InferenceDeployment document
     ("fleet.inventory",),                           # nodes, GPUs, MIG, NVLink domains
+    ("fleet.models",),                              # model facts and the memory a replica needs
     ("fleet.placement", "fleet.rollout", "fleet.agent"),   # pure placement and rollout policies; the node agent
     ("fleet.controller",),                          # the reconcile loop and its collaborators
     ("fleet.observability",),                       # dashboards, rules, discovery, fleet top

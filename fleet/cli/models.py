@@ -1,0 +1,146 @@
+"""What `fleet validate` and `fleet plan --advise` say about a deployment's model and its shape.
+
+Owns `model_check` (a loaded deployment -> what validate prints about its model: the TP size
+vLLM accepts for it, and whether each ``spec.resources.gpuProduct`` / MIG profile holds the
+weights and one ``max_model_len`` sequence per GPU, naming needed vs available), `advice_table`
+and `advice_json` (the shapes that fit, their concurrency, the cheapest for a target). The work
+is `fleet.models`; this module reads files through `fleet.models.read` and renders. Called by
+`fleet.cli.local` (validate) and `fleet.cli.placement` (plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.table import Table
+
+from fleet.models.advise import ShapeAdvice, cheapest, common_product, mig_memory_mib
+from fleet.models.facts import GIB, tp_problem
+from fleet.models.memory import EngineArgError, MemoryNeed
+from fleet.models.read import ModelSourceError, memory_need
+from fleet.spec import LoadedDeployment
+
+
+@dataclass
+class ModelCheck:
+    """What validate found: ``problems`` fail it (exit 2), ``notes`` are printed beside ``ok``."""
+
+    need: MemoryNeed | None = None
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _products(ld: LoadedDeployment) -> tuple[str, ...]:
+    """``spec.resources.gpuProduct`` as a tuple: a string, or an ordered list of products."""
+    return ld.deployment.spec.resources.gpu_products
+
+
+def read_need(ld: LoadedDeployment) -> tuple[MemoryNeed | None, str | None]:
+    """(the deployment's `MemoryNeed` or None, why it is not known when the model could not be
+    read). Bad engine flags are reported, never raised."""
+    try:
+        return memory_need(ld.deployment, ld.base_dir, _weight_cache_dir(ld.deployment.spec.model.source)), None
+    except (ModelSourceError, EngineArgError) as err:
+        return None, str(err)
+
+
+def _weight_cache_dir(source: str) -> Path | None:
+    """The hub source's directory in Fleet's weight cache on this machine (`fleet cache pull`
+    put it there), or None: read offline instead of asking the hub."""
+    if not source.startswith("hf://"):
+        return None
+    from fleet.agent.cache import WeightCache, default_cache_root
+
+    root = default_cache_root()
+    try:
+        return WeightCache(root).lookup(source) if root.is_dir() else None
+    except (OSError, ValueError):
+        return None
+
+
+def model_check(ld: LoadedDeployment) -> ModelCheck:
+    """The model's checks for ``fleet validate`` (module docstring). A model that cannot be read
+    (remote and offline, no config.json) is a note, not a failure: `fleet up` checks the weights."""
+    where = f"{ld.path}[{ld.index}] spec"
+    need, why = read_need(ld)
+    if need is None:
+        return ModelCheck(notes=[f"model not checked: {why}"] if why else [])
+    out = ModelCheck(need)
+    r = ld.deployment.spec.resources
+    f = need.facts
+    if (problem := tp_problem(f, r.tensor_parallel_size)) is not None:
+        out.problems.append(f"{where}.resources.tensorParallelSize: {problem}")
+        return out
+    devices: list[tuple[str, int]] = []
+    for product in _products(ld):
+        info = common_product(product)
+        if info is None:
+            out.notes.append(f"memory of {product!r} unknown (not in Fleet's product table): see fleet plan --advise "
+                             "--inventory")
+            continue
+        mib = mig_memory_mib(product, info.memory_mib, r.mig_profile) if r.mig_profile else info.memory_mib
+        if mib is not None:
+            devices.append((f"MIG {r.mig_profile} of {product}" if r.mig_profile else product, mib))
+    if r.mig_profile and not devices and not _products(ld):
+        gb = int(r.mig_profile.split(".")[1].split("gb")[0])
+        devices.append((f"MIG {r.mig_profile}", gb * 1000 ** 3 // 2 ** 20))
+    context = f"{need.context_tokens:,}-token"
+    fitting, misfits = [], []
+    for name, mib in devices:
+        problem = need.fits(mib)
+        if problem is None:
+            fitting.append(f"fits {name}: {need.concurrency(mib):.1f} {context} sequences at once")
+        else:
+            misfits.append(f"does not fit {name} ({mib} MiB): {problem}")
+    if devices and not fitting:   # no listed product holds it: refuse
+        field_name = "migProfile" if r.mig_profile else "tensorParallelSize"
+        out.problems.extend(f"{where}.resources.{field_name}: model {f.architecture} {m}" for m in misfits)
+        return out
+    out.notes.extend([f"model {f.architecture}, {f.weight_bytes / GIB:.1f} GiB of weights ({f.weight_source}), "
+                      f"{need.kv_bytes_per_token / 1024:.0f} KiB of KV cache per token per GPU at "
+                      f"TP={need.tensor_parallel_size}", *fitting, *misfits])
+    return out
+
+
+def advice_table(title: str, rows: list[ShapeAdvice], need: MemoryNeed, target: float,
+                 show_all: bool = False) -> Table:
+    """One row per shape that fits (every shape with ``show_all``): product, shape, GPUs, device
+    memory, KV cache per GPU, concurrency at the model's context, replicas (and GPUs or cost)
+    for ``target``, the verdict; the cheapest marked."""
+    best = cheapest(rows, target)
+    priced = any(r.price_per_hour for r in rows)
+    table = Table(title=title, title_justify="left")
+    for col in ("product", "shape", "GPUs", "device memory", "KV cache / GPU",
+                f"sequences of {need.context_tokens:,} tokens", f"replicas for {target:g}",
+                "cost / h" if priced else "GPUs total", "verdict"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        if not r.fits and not show_all:
+            continue
+        mark = " [bold green]<- cheapest[/]" if r is best else ""
+        replicas = r.replicas_for(target) if r.fits and r.concurrency >= 1 else 0
+        cost = r.cost_for(target) if replicas else 0.0
+        table.add_row(r.product, r.label, f"{r.gpus:.2g}", f"{r.device_memory_mib / 1024:.1f} GiB",
+                      f"{max(0, r.kv_cache_bytes) / GIB:.1f} GiB", f"{r.concurrency:.1f}" if r.fits else "-",
+                      str(replicas) if replicas else "-", (f"{cost:.2f}" if r.price_per_hour else "-" if priced else f"{cost:g}") if replicas else "-",
+                      r.verdict + mark)
+    return table
+
+
+def advice_json(ld: LoadedDeployment, rows: list[ShapeAdvice], need: MemoryNeed, target: float) -> dict:
+    best = cheapest(rows, target)
+    f = need.facts
+    return {
+        "deployment": ld.deployment.name,
+        "model": {"architecture": f.architecture, "weightBytes": f.weight_bytes, "weightSource": f.weight_source,
+                  "parameters": f.parameters, "layers": f.layers, "attentionHeads": f.attention_heads,
+                  "kvHeads": f.kv_heads, "headSize": f.head_size, "mla": f.mla},
+        "contextTokens": need.context_tokens,
+        "targetConcurrency": target,
+        "shapes": [{"product": r.product, "tensorParallelSize": r.tensor_parallel_size, "migProfile": r.mig_profile,
+                    "deviceMemoryMiB": r.device_memory_mib, "gpus": r.gpus, "fits": r.fits, "problem": r.problem,
+                    "concurrency": round(r.concurrency, 2), "kvCacheBytesPerGpu": r.kv_cache_bytes,
+                    "replicasForTarget": r.replicas_for(target) if r.fits else None,
+                    "cheapest": r is best} for r in rows],
+    }
