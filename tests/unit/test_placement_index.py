@@ -166,3 +166,30 @@ def test_a_map_that_changes_most_devices_rebuilds_the_index(monkeypatch):
         indexed, full = both(strategy, request, inv, in_use, H100)
         assert indexed == full
         assert free_state(inv).held == {d for d, c in in_use.items() if c}
+
+
+def test_explanations_from_kept_node_facts_equal_judging_each_node_afresh():
+    import json
+    from pathlib import Path
+
+    from fleet.inventory.model import product_key
+    from fleet.models import EngineMemorySettings, MemoryNeed, facts_from_config
+    from fleet.placement import explain
+
+    config = json.loads((Path(__file__).parents[1] / "data/model_configs/llama-3.1-70b-instruct.json").read_text())
+    too_big = MemoryNeed(facts_from_config(config), EngineMemorySettings(max_model_len=8192), 1)
+    rng = random.Random(9)
+    for trial in range(40):
+        inv = random_cluster(rng, rng.randint(1, 30))
+        held = random_use(rng, inv, rng.choice([0.2, 0.6, 0.9]))
+        for product in (H100, A100_80):
+            for tp in (1, 2, 4, 8):
+                memory = too_big if rng.random() < 0.2 else None
+                request = PlacementRequest(ReplicaShape(gpu_product=product, tensor_parallel_size=tp), memory=memory)
+                classes: dict[str, list[str]] = {}
+                for n in inv.nodes:
+                    if (r := explain.node_reason(n, request.shape, product_key(product), held, memory=memory)) is not None:
+                        classes.setdefault(r, []).append(n.name)
+                expected = sorted(((r, tuple(n)) for r, n in classes.items()), key=lambda c: (-len(c[1]), c[0]))
+                got = explain.by_node_class(request, inv, held, product, None)
+                assert [(c.reason, c.nodes) for c in got] == expected, (trial, product, tp)
