@@ -350,6 +350,18 @@ class DeploymentSpec(SpecModel):
         default_factory=ReplicasSpec,
         description="How many replicas: the bounds the autoscaler scales within, and the count at start.",
     )
+    priority: int = Field(
+        0, ge=-1_000_000_000, le=1_000_000_000,
+        description="How much this deployment matters against others competing for the same GPUs (higher "
+        "wins; the range of a Kubernetes PriorityClass value). A deployment below spec.replicas.min whose "
+        "replicas cannot be placed preempts replicas of lower-priority deployments: they drain through the "
+        "router, then stop (docs/placement.md, \"Priorities and preemption\"). Equal priorities never preempt.",
+    )
+    preemptible: bool = Field(
+        False,
+        description="Whether a higher-priority deployment may take this deployment below its own "
+        "spec.replicas.min (to zero). false (default): only replicas above the minimum are preempted.",
+    )
     routing: RoutingSpec = Field(
         default_factory=RoutingSpec,
         description="How the router picks a replica for each request, and its admission queue (docs/router.md).",

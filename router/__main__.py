@@ -2,13 +2,15 @@
 
 Reads the admin API's bearer token from the environment variable
 `FLEET_ROUTER_ADMIN_TOKEN` (exit status 2 if it is unset or empty) and calls
-`router.server.serve`. Prints one line once listening.
+`router.server.serve`; `--models-file PATH` keeps the served models there
+(`router.remembered`). Prints one line once listening.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from router.server import serve
 
@@ -20,11 +22,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one (default 8080)")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    parser.add_argument("--models-file", type=Path, default=None,
+                        help="file that keeps the models the router serves, so that after a restart it answers "
+                             "503 + Retry-After for them (not 404) until they are published again (default: none)")
     args = parser.parse_args(argv)
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         parser.error(f"environment variable {TOKEN_ENV} must hold the admin API bearer token")  # exits 2
-    serve(args.host, args.port, token, log_level=args.log_level)
+    serve(args.host, args.port, token, log_level=args.log_level, models_path=args.models_file)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ to see when a draining endpoint has no request in flight.
 Endpoints (all need `Authorization: Bearer <admin token>`, else 401; `router.app.RouterApp`
 checks it before reading the body, and bounds the body; the check here is a second line):
 `PUT /admin/v1/pools/{model}` (body: `router.spec.PoolSpec`) creates or replaces a pool and
-answers a summary (422 naming the field for a bad document);
+answers a summary (400 for a body that is not JSON or nests deeper than `MAX_JSON_DEPTH`, 422
+naming the field for a bad document);
 `DELETE /admin/v1/pools/{model}` removes one (404 if absent);
 `GET /admin/v1/pools` lists all pools with live endpoint stats;
 `GET /admin/v1/pools/{model}` shows one pool;
@@ -19,6 +20,8 @@ time; `router.revision_stats.revision_summaries`);
 `GET /admin/v1/revisions/{model}?window_s=60` lists the model's finished requests by revision
 and endpoint (TTFT, TPOT, end-to-end, queue time, failed), what canary analysis compares;
 `POST /admin/v1/synced` says every pool has been published: the router's `GET /ready` turns 200.
+A PUT or DELETE also settles a model the router served before it restarted
+(`router.pool.PoolTable.awaiting`) and has the models file rewritten (`router.remembered`).
 
 Pools of thousands of endpoints never hold the event loop long: documents are validated and
 listed in slices between yields (`YIELD_EVERY`), PUTs and DELETEs apply in arrival order under
@@ -42,7 +45,9 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_core import to_json
 
 from router.endpoint import EndpointState
+from router.jsonlimit import JsonTooDeep, loads_bounded
 from router.pool import PoolTable
+from router.remembered import ModelsFile
 from router.spec import MAX_ENDPOINTS_PER_POOL, EndpointSpec, PoolSpec
 from router.stats import DEFAULT_RATE_RETENTION_S, DEFAULT_WINDOW_S
 
@@ -73,14 +78,33 @@ listed, so a pool of 10,000 endpoints never holds the loop (and the requests it 
 than a few milliseconds at a time."""
 
 
+MAX_JSON_DEPTH = 16
+"""Deepest nesting of arrays and objects an admin JSON body may have (400 beyond): a pool
+document nests 3 levels (document, endpoint list, endpoint). Checked before parsing
+(`router.jsonlimit`), so a 50,000-deep body costs a few linear passes, not a `RecursionError`."""
+
+
+class InvalidJson(HTTPException):
+    """An admin body that is not JSON, or nested deeper than `MAX_JSON_DEPTH`: 400, code
+    `invalid_json`, the message saying which (`router.app` renders it in OpenAI's format)."""
+
+    code = "invalid_json"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
 async def _validate_pool(body: bytes) -> PoolSpec:
     """Parse and validate a pool document, `YIELD_EVERY` endpoints at a time.
 
-    Raises `RequestValidationError` (a 422 naming the field) for bad JSON or a bad document."""
+    Raises `InvalidJson` (400) for a body that is not JSON or nests deeper than `MAX_JSON_DEPTH`,
+    `RequestValidationError` (a 422 naming the field) for a bad document."""
     try:
-        doc = json.loads(body)
+        doc = loads_bounded(body, MAX_JSON_DEPTH)
+    except JsonTooDeep as exc:
+        raise InvalidJson(f"invalid JSON: {exc}") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise RequestValidationError([{"loc": ("body",), "msg": f"invalid JSON: {exc}"}]) from None
+        raise InvalidJson(f"invalid JSON: {exc}") from None
     try:
         endpoints = doc.get("endpoints") if isinstance(doc, dict) else None
         if isinstance(endpoints, list) and len(endpoints) > YIELD_EVERY:
@@ -137,8 +161,9 @@ def _json_response(body: bytes) -> Response:
 ModelName = Annotated[str, Path(min_length=1, max_length=256, description="Model name, as clients send it in `model`.")]
 
 
-def admin_router(pools: PoolTable, admin_token: str) -> APIRouter:
-    """The `/admin/v1` router over `pools`, guarded by `admin_token` (compared in constant time)."""
+def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | None = None) -> APIRouter:
+    """The `/admin/v1` router over `pools`, guarded by `admin_token` (compared in constant time).
+    `models_file`: told after each PUT and DELETE (`router.remembered`); None: no file."""
     if not admin_token:
         raise ValueError("admin_token must not be empty")
     expected = admin_token.encode()
@@ -155,7 +180,7 @@ def admin_router(pools: PoolTable, admin_token: str) -> APIRouter:
     @router.post("/synced")
     async def synced() -> dict[str, object]:
         """The control plane has published every pool it holds: `GET /ready` answers 200 from now on."""
-        pools.synced = True
+        pools.mark_synced()
         return {"synced": True}
 
     @router.get("/pools")
@@ -206,6 +231,8 @@ def admin_router(pools: PoolTable, admin_token: str) -> APIRouter:
             spec = await _validate_pool(body)
             with _gc_paused():
                 pool = pools.put(model, spec)
+            if models_file is not None:
+                models_file.changed()
         summary = {"model": model, **pool.snapshot_head(), "endpoints_total": len(pool.endpoints),
                    "endpoints_ready": len(pool.ready)}  # fmt: skip
         return _json_response(to_json(summary))
@@ -216,6 +243,8 @@ def admin_router(pools: PoolTable, admin_token: str) -> APIRouter:
         async with writing:
             with _gc_paused():
                 deleted = pools.delete(model)
+            if models_file is not None:
+                models_file.changed()
             if not deleted:
                 raise HTTPException(404, f"no pool for model {model!r}")
         return {"model": model, "deleted": True}

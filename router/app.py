@@ -10,8 +10,10 @@ Admin requests are guarded here, before FastAPI sees them: the bearer token is c
 request head (401 without reading a byte of the body), then the body is read, at most
 `MAX_ADMIN_BODY_BYTES` (413 otherwise, the connection closed; the server bounds the time it may
 take, `router.server.RequestGuardProtocol`), and handed to FastAPI from memory. Every error
-answer, FastAPI's included (unknown path 404, 405, 422, an unexpected 500), is in OpenAI's
-error format and counted in `fleet_router_rejected_requests_total`.
+answer, FastAPI's included (unknown path 404, 405, 422, an unexpected 500 on any path), is in
+OpenAI's error format and counted in `fleet_router_rejected_requests_total`. With a models file
+(`create_app(models_path=...)`, `router.remembered`) the models it lists start as awaited: 503,
+not 404, until the control plane speaks for them.
 Called by `router.server.serve` (uvicorn) and by tests.
 """
 
@@ -21,7 +23,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -29,9 +32,11 @@ from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import ADMIN_PREFIX, admin_router, validation_message
+from router.errors import error_body, error_type
 from router.metrics import RouterMetrics
 from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.pool import PoolTable
+from router.remembered import ModelsFile
 from router.proxy import (
     CLOSE,
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -44,7 +49,6 @@ from router.proxy import (
     Scope,
     Send,
     BodyTooLarge,
-    error_body,
     read_body,
     reflect,
     send_json,
@@ -78,7 +82,10 @@ def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
 
 class RouterApp:
     """ASGI app of the router. Attributes: `pools` (`PoolTable`), `metrics`
-    (`RouterMetrics`), `proxy` (`Proxy`), `api` (the FastAPI sub-app)."""
+    (`RouterMetrics`), `proxy` (`Proxy`), `api` (the FastAPI sub-app), `models_file`
+    (`router.remembered.ModelsFile`, or None)."""
+
+    models_file: ModelsFile | None = None
 
     def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
                  admin_token: str) -> None:  # fmt: skip
@@ -96,26 +103,32 @@ class RouterApp:
             path = scope["path"]
             if path in PROXIED_PATHS:
                 if scope["method"] == "POST":
-                    try:
-                        await self.proxy(scope, receive, send)
-                    except Exception:  # a bug, not a client error: say so in OpenAI's format if we still can
-                        log.exception("router error on %s", path)
-                        self.metrics.reject("", 500, False)
-                        with contextlib.suppress(Exception):  # the response had begun: the server closes it
-                            await send_json(send, 500, error_body("internal router error", type_="server_error",
-                                                                  code="internal_error"))  # fmt: skip
+                    await self._guarded(self.proxy, scope, receive, send)
                 else:
                     self.metrics.reject("", 405, False)
                     body = error_body(f"method {scope['method']} is not allowed; use POST", code="method_not_allowed")
                     await send_json(send, 405, body, [(b"allow", b"POST")])
             elif path.startswith(ADMIN_PREFIX):
-                await self._admin(scope, receive, send)
+                await self._guarded(self._admin, scope, receive, send)
             else:
                 await self.api(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
         else:
             await self.api(scope, receive, send)
+
+    async def _guarded(self, handler: Callable[[Scope, Receive, Send], Awaitable[None]], scope: Scope,
+                       receive: Receive, send: Send) -> None:  # fmt: skip
+        """Run `handler`; an exception escaping it is a bug, not a client error: 500 in OpenAI's
+        format if the response has not begun (uvicorn's own 500 is plain text)."""
+        try:
+            await handler(scope, receive, send)
+        except Exception:
+            log.exception("router error on %s", scope["path"])
+            self.metrics.reject("", 500, False)
+            with contextlib.suppress(Exception):  # the response had begun: the server closes it
+                await send_json(send, 500, error_body("internal router error", type_="server_error",
+                                                      code="internal_error"))  # fmt: skip
 
     def on_server_reject(self, status: int) -> None:
         """Count an error the HTTP server answered before the app saw the request (a request head
@@ -178,7 +191,8 @@ class RouterApp:
                 return
 
 
-def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str) -> FastAPI:
+def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str,
+               models_file: ModelsFile | None = None) -> FastAPI:  # fmt: skip
     api = FastAPI(title="Fleet router", docs_url=None, redoc_url=None, openapi_url=None)
 
     @api.exception_handler(StarletteHTTPException)
@@ -189,8 +203,8 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str) -> Fa
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if status == 404 and message == "Not Found":
             message = f"no such path: {request.method} {reflect(request.url.path)}"
-        body = error_body(message, type_=_ERROR_TYPES.get(status, "invalid_request_error"),
-                          code=_ERROR_CODES.get(status))  # fmt: skip
+        body = error_body(message, type_=_ERROR_TYPES.get(status, error_type(status)),
+                          code=getattr(exc, "code", None) or _ERROR_CODES.get(status))  # fmt: skip
         headers = dict(exc.headers or {})
         headers["content-type"] = "application/json"
         return Response(content=body, status_code=status, headers=headers)
@@ -230,8 +244,9 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str) -> Fa
         Ready it would answer 404 for every model (the chart's readiness probe reads this)."""
         if pools.synced:
             return Response(content=b'{"status":"ready"}', media_type="application/json")
-        return Response(content=b'{"status":"waiting for the control plane to publish the pools"}', status_code=503,
-                        media_type="application/json")
+        body = error_body("not ready: waiting for the control plane to publish the pools", type_="server_error",
+                          code="not_synced")  # fmt: skip
+        return Response(content=body, status_code=503, media_type="application/json", headers={"retry-after": "2"})
 
     @api.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
@@ -239,7 +254,7 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str) -> Fa
         body, content_type = await metrics.render_off_loop(request.headers.get("accept", ""))
         return Response(content=body, headers={"content-type": content_type})
 
-    api.include_router(admin_router(pools, admin_token))
+    api.include_router(admin_router(pools, admin_token, models_file))
     return api
 
 
@@ -254,6 +269,7 @@ def create_app(
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     read_timeout_s: float | None = None,
     failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
+    models_path: Path | None = None,
 ) -> RouterApp:
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
@@ -266,13 +282,26 @@ def create_app(
     pool's ready endpoints). `retry_after_s`: the Retry-After of a 503 (seconds).
     `connect_timeout_s` / `read_timeout_s`: upstream timeouts (None: unlimited).
     `failure_cooldown_s`: how long an endpoint is skipped after a connection failure.
+    `models_path`: the router's models file (`router.remembered`): the models it lists answer
+    503 + Retry-After, not 404, until the control plane publishes or deletes their pools, and
+    the file is kept up to date; None: no file.
     The time a request's head and body may take to arrive is bounded by the server
     (`router.server.uvicorn_config`).
     """
     if not admin_token:
         raise ValueError("admin_token must not be empty")
     metrics = RouterMetrics(registry)
-    pools = PoolTable(metrics, wall_clock, clock)
+    models_file = None
+    remembered: list[str] = []
+    if models_path is not None:
+        def listed() -> list[str]:
+            return pools.models() + pools.awaited()   # an awaited model stays listed until settled
+
+        models_file = ModelsFile(models_path, listed, on_write_error=metrics.state_write_errors.inc)
+        remembered = models_file.read()
+        if remembered:
+            log.info("models served before the restart (503 until published again): %s", ", ".join(remembered))
+    pools = PoolTable(metrics, wall_clock, clock, remembered)
     proxy = Proxy(
         pools,
         metrics,
@@ -283,5 +312,7 @@ def create_app(
         read_timeout_s=read_timeout_s,
         failure_cooldown_s=failure_cooldown_s,
     )
-    api = _build_api(pools, metrics, admin_token)
-    return RouterApp(pools, metrics, proxy, api, admin_token)
+    api = _build_api(pools, metrics, admin_token, models_file)
+    app = RouterApp(pools, metrics, proxy, api, admin_token)
+    app.models_file = models_file
+    return app

@@ -340,11 +340,20 @@ class RouterMetrics:
             "Requests the router answered itself with an error, by HTTP status: 400 bad request "
             "(JSON or HTTP), "
             "401 admin token, 404 unknown model or path, 405, 408 request not received in time, 413, "
-            "422 bad admin document, 431 request head too large, 500 router bug, 502 all attempts "
+            "414 request target too long, 422 bad admin document, 431 request head or a header "
+            "too large, 500 router bug, 502 all attempts "
             "failed or the endpoint failed before answering, 504 endpoint timed out, 503 no "
-            "ready endpoint or queue full. model: the pool's model; '(unknown)' for a model "
-            "without a pool; empty when no model was named.",
+            "ready endpoint, queue full, or a model served before a restart not yet published "
+            "again. model: the pool's model (or the model served before the restart); '(unknown)' "
+            "for a model without a pool; empty when no model was named.",
             ["model", "code"],
+            registry=r,
+        )
+        self.state_write_errors = Counter(
+            "fleet_router_state_write_errors",
+            "Failed writes of the router's models file (the models it serves, kept so a restarted "
+            "router answers 503 for them, not 404, until they are published again; "
+            "router.remembered). Each failure is retried with backoff; serving is unaffected.",
             registry=r,
         )
         self._live = _LiveGauges()

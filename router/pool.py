@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from prometheus_client import Histogram
 
@@ -26,6 +26,13 @@ from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S, PoolS
 from router.revision_stats import RequestLog, revision_summaries
 from router.split import RevisionSplit, SplitState
 from router.stats import DEFAULT_WINDOW_S, ModelStats
+
+AWAIT_AFTER_HEARD_S = 30.0
+"""Seconds after the control plane first spoke to a (re)started router during which a model it
+served before still gets 503 rather than 404 (`PoolTable.awaiting`): the controller publishes
+every pool within a tick or two of seeing a restarted router, so a model still unpublished by
+then is one it no longer serves."""
+
 
 class PoolShared:
     """What the successive pools of one model share, so a pool replacement loses nothing:
@@ -192,13 +199,45 @@ class PoolTable:
     """
 
     def __init__(self, metrics: RouterMetrics, wall_clock: Callable[[], float],
-                 clock: Callable[[], float] = time.perf_counter) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.perf_counter, remembered: Iterable[str] = ()) -> None:  # fmt: skip
         self._metrics = metrics
         self._wall_clock = wall_clock
         self._clock = clock
         self._pools: dict[str, Pool] = {}
         self.synced = False   # the control plane published every pool at least once (GET /ready)
+        self._awaiting = set(remembered)   # served before a restart, not yet spoken for (`awaiting`)
+        self._heard_s: float | None = None  # when the control plane first spoke (a PUT, DELETE or sync)
         metrics.watch_pools(self)
+
+    def awaiting(self, model: str) -> bool:
+        """Whether `model` had a pool before this router (re)started (`remembered`, read from
+        `router.remembered.ModelsFile`) and the control plane has not yet spoken for it: the
+        proxy answers 503 + Retry-After for it, not 404. True until the first of: a PUT or DELETE
+        of its pool, `mark_synced` (every pool published), or `AWAIT_AFTER_HEARD_S` seconds after
+        the control plane first spoke (a model it no longer publishes is then unknown)."""
+        if model not in self._awaiting:
+            return False
+        if self._heard_s is not None and self._clock() - self._heard_s >= AWAIT_AFTER_HEARD_S:
+            self._awaiting.clear()
+            return False
+        return True
+
+    def awaited(self) -> list[str]:
+        """The models `awaiting` answers True for now, sorted."""
+        return sorted(m for m in list(self._awaiting) if self.awaiting(m))
+
+    def mark_synced(self) -> None:
+        """The control plane has published every pool (`POST /admin/v1/synced`): `GET /ready`
+        turns 200 and no model is awaited any more."""
+        self.synced = True
+        self._awaiting.clear()
+        self._heard()
+
+    def _heard(self, model: str | None = None) -> None:
+        if model is not None:
+            self._awaiting.discard(model)
+        if self._heard_s is None:
+            self._heard_s = self._clock()
 
     def get(self, model: str) -> Pool | None:
         """The pool serving `model`, or None."""
@@ -228,6 +267,7 @@ class PoolTable:
         and removed by their exact label sets (`router.metrics.EndpointMetrics`).
         Raises `KeyError` for an unknown policy name (`PoolSpec` validation prevents it).
         """
+        self._heard(model)
         old = self._pools.get(model)
         old_by_id = {e.id: e for e in old.endpoints} if old is not None else {}
         policy = old.policy if old is not None and old.policy.name == spec.policy else make_policy(spec.policy)
@@ -278,6 +318,7 @@ class PoolTable:
 
     def delete(self, model: str) -> bool:
         """Remove `model`'s pool and its metric series; False if there was none."""
+        self._heard(model)
         pool = self._pools.pop(model, None)
         if pool is None:
             return False

@@ -5,9 +5,12 @@ Owns `Proxy`, a raw ASGI handler for `POST /v1/completions` and
 `router.app.RouterApp` for those two paths only; everything else goes to the FastAPI app.
 
 Per request: read the body (at most `max_body_bytes`, else 413; the server bounds the time,
-`router.server.RequestGuardProtocol`) and check the JSON (400), find the model's pool (404),
-let the pool's policy pick a ready endpoint (503 + Retry-After if none), forward the original
-body bytes to `{endpoint.url}{path}`, and relay status, content type and body. A pool with a
+`router.server.RequestGuardProtocol`) and check the JSON (400), find the model's pool (404;
+503 + Retry-After for a model served before a restart and not yet published again,
+`router.pool.PoolTable.awaiting`), let the pool's policy pick a ready endpoint (503 +
+Retry-After if none), forward the original body bytes to `{endpoint.url}{path}` with only the
+allow-listed client headers (`FORWARDED_REQUEST_HEADERS`), and relay status, content type and
+body. A pool with a
 per-endpoint concurrency limit holds a request that finds every ready endpoint full in its
 admission queue (`router.admission`; 503 when the queue is full or the wait times out). Each
 request is recorded in its model's windowed stats (`router.stats`): arrival, queue time
@@ -18,8 +21,9 @@ also times the token events (`fleet_router_time_to_first_token_seconds`,
 OpenAI error event and `data: [DONE]`, not a truncated body. A connection failure before
 any response byte arrived is retried on an endpoint not yet tried (at most
 `min(max_attempts, ready endpoints)` attempts, then 502); nothing is retried once the
-endpoint has answered. Upstream 4xx and 5xx are relayed as is. Every error the router answers
-itself is in OpenAI's format and counted in `fleet_router_rejected_requests_total`
+endpoint has answered. Upstream 4xx and 5xx are relayed with their status, in OpenAI's error
+format (`router.errors.relayed_error`; error events inside a stream too). Every error the router
+answers itself is in OpenAI's format and counted in `fleet_router_rejected_requests_total`
 (`RouterMetrics.reject`); what it reflects of the request (the model name) is truncated.
 
 This is the hot path (figures: docs/benchmarks.md, "The router against `vllm-router`"): raw ASGI, aiohttp
@@ -41,6 +45,7 @@ from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S, EndpointState
 from router.pool import Pool, PoolShared, PoolTable
 from router.prompt_blocks import SESSION_HEADER, RouteRequest, route_request
 from router.split import sticky_key
+from router.errors import MAX_ERROR_BODY_BYTES, error_body, relayed_error
 from router.sse import SseRelay
 
 log = logging.getLogger(__name__)
@@ -72,14 +77,26 @@ MAX_REFLECTED_CHARS = 256
 MAX_LISTED_MODELS = 20
 """Most model names a 404 lists."""
 
-# Request headers not forwarded: hop-by-hop ones (RFC 9110 section 7.6.1), the ones aiohttp
-# sets itself, and accept-encoding (the proxy asks for identity bodies so it never has to
-# decode or re-encode).
-_DROP_REQUEST_HEADERS = frozenset({
-    b"host", b"content-length", b"connection", b"keep-alive", b"proxy-authorization",
-    b"proxy-authenticate", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
-    b"upgrade", b"expect", b"accept-encoding",
-})  # fmt: skip
+FORWARDED_REQUEST_HEADERS = frozenset({b"authorization", b"x-request-id", b"traceparent", b"tracestate"})
+"""The client's request headers forwarded to the engine; every other one stays at the router.
+What vLLM's OpenAI server reads from a request: `authorization` (its `--api-key` check),
+`x-request-id` (its request id, `--enable-request-id-headers`), `traceparent` and `tracestate`
+(W3C trace context, vLLM's `TRACE_HEADERS` for OpenTelemetry). An allow-list, not a block-list:
+hop-by-hop headers (RFC 9110 section 7.6.1: `Connection` and the headers it names, `Keep-Alive`,
+`Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`) describe the client's connection to
+the router, not the router's to the engine; headers the router acts on itself (`x-session-id`,
+`accept-encoding`: bodies are relayed unencoded) or that the client library adds (`user-agent`,
+`x-stainless-*`, cookies) mean nothing to an engine; and a client's headers must never be able to
+steer it (say, a forged `host` or `content-length`). A header that `Connection` names is dropped
+even if listed here. The router sets `content-type: application/json` itself (it has parsed the
+body as JSON; aiohttp would otherwise send `application/octet-stream` for a client that sent
+none, which vLLM's FastAPI refuses)."""
+
+HOP_BY_HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+                                b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade"})  # fmt: skip
+"""RFC 9110 section 7.6.1's hop-by-hop headers (and the obsolete `Proxy-Connection`): never
+forwarded, whatever `forward_headers` says."""
+
 _SESSION_HEADER = SESSION_HEADER.encode()
 # Response headers relayed to the client besides the status line.
 _RELAY_RESPONSE_HEADERS = frozenset({b"content-type", b"content-encoding", b"retry-after", b"x-request-id"})
@@ -94,12 +111,6 @@ _RETRYABLE = (
     aiohttp.ConnectionTimeoutError,
 )
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-
-def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> bytes:  # fmt: skip
-    """An OpenAI-style error document: `{"error": {"message", "type", "param", "code"}}`."""
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
-
 
 def reflect(value: str, limit: int = MAX_REFLECTED_CHARS) -> str:
     """`repr(value)` cut to about `limit` characters, saying how long the value was: what an error
@@ -251,7 +262,9 @@ class Proxy:
     upstream connection; `read_timeout_s` (None: unlimited, as generations can take
     minutes) between two reads from the endpoint. `failure_cooldown_s`: how long an
     endpoint whose connection failed is skipped (see `router.endpoint.DEFAULT_FAILURE_COOLDOWN_S`).
-    `max_body_bytes`: the largest request body (413 beyond it).
+    `max_body_bytes`: the largest request body (413 beyond it). `forward_headers`: the client
+    headers forwarded to the engine (lower-case names; `FORWARDED_REQUEST_HEADERS`; ValueError
+    for a hop-by-hop one).
     """
 
     def __init__(
@@ -267,9 +280,14 @@ class Proxy:
         keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
+        forward_headers: frozenset[bytes] = FORWARDED_REQUEST_HEADERS,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        hop_by_hop = sorted(h.decode() for h in forward_headers & HOP_BY_HOP_HEADERS)
+        if hop_by_hop or any(h != h.lower() for h in forward_headers):
+            raise ValueError(f"forward_headers must be lower-case end-to-end headers; hop-by-hop: {hop_by_hop}")
+        self._forward_headers = forward_headers
         self._pools = pools
         self._metrics = metrics
         self._clock = clock
@@ -317,6 +335,13 @@ class Proxy:
             return
         pool = self._pools.get(model)
         if pool is None:
+            if self._pools.awaiting(model):
+                self._metrics.reject(model, 503, True)   # a model of the models file: a bounded label
+                await send_json(send, 503, error_body(
+                    f"model {reflect(model)} is not available yet: the router restarted and its pools are being "
+                    "published again; retry later", type_="server_error", code="model_not_published"),
+                    self._retry_after)  # fmt: skip
+                return
             models = self._pools.models()
             known = ", ".join(reflect(m) for m in models[:MAX_LISTED_MODELS]) or "(none)"
             if len(models) > MAX_LISTED_MODELS:
@@ -327,9 +352,16 @@ class Proxy:
             return
         arrival_s = self._clock()
         session = None
+        forward = self._forward_headers
+        forwarded: list[tuple[bytes, bytes]] = []
+        connection = b""
         for k, v in scope["headers"]:
-            if k == _SESSION_HEADER:
+            if k in forward:
+                forwarded.append((k, v))
+            elif k == _SESSION_HEADER:
                 session = v.decode("latin-1")
+            elif k == b"connection":
+                connection += b"," + v
         request = route_request(doc, session, hash_blocks=pool.policy.uses_prompt_blocks)
         shared = pool.shared
         shared.arrived(arrival_s)
@@ -345,8 +377,11 @@ class Proxy:
         if endpoint is not None:
             shared.dispatched(arrival_s, arrival_s)
 
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                   if k not in _DROP_REQUEST_HEADERS]  # fmt: skip
+        if connection and forwarded:  # the headers Connection names are hop-by-hop too
+            named = {token.strip().lower() for token in connection.split(b",")}
+            forwarded = [(k, v) for k, v in forwarded if k not in named]
+        headers = [("content-type", "application/json")]
+        headers += [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwarded]
         target = f"{path}?{query.decode('latin-1')}" if query else path
         if self._session is None:
             await self.start()
@@ -495,7 +530,10 @@ class Proxy:
                 length = resp.content_length
                 first_byte_s: float | None
                 sse: SseRelay | None = None
-                if content_type == "text/event-stream":
+                if status >= 400 and content_type != "text/event-stream":
+                    completed = await self._relay_error(endpoint, m, resp, status, relay, send, watch)
+                    first_byte_s = headers_s
+                elif content_type == "text/event-stream":
                     sse = SseRelay()
                     first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, sse, first)
                     completed = first_byte_s is not None
@@ -555,6 +593,35 @@ class Proxy:
         watch.finishing = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
+        return True
+
+    async def _relay_error(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
+                           status: int, headers: list[tuple[bytes, bytes]], send: Send,
+                           watch: _ClientWatch) -> bool:  # fmt: skip
+        """Relay an engine's error answer (status >= 400, not a stream) in OpenAI's format, status
+        kept (`router.errors.relayed_error`; at most `MAX_ERROR_BODY_BYTES` of it are read);
+        False if the endpoint failed before its body was complete."""
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in resp.content.iter_any():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size >= MAX_ERROR_BODY_BYTES:
+                    break
+        except _UPSTREAM_ERRORS as exc:
+            endpoint.record_failure(self._clock())
+            m.error("interrupted").inc()
+            log.warning("endpoint %s (%s): error body read failed: %r", endpoint.id, endpoint.url, exc)
+            watch.finishing = True
+            self._count_rejection(m.labels[0], 502)
+            await send_json(send, 502, error_body(f"endpoint {endpoint.id} failed mid-response",
+                                                  type_="server_error", code="upstream_error"))  # fmt: skip
+            return False
+        body = relayed_error(status, b"".join(chunks)[:MAX_ERROR_BODY_BYTES], resp.content_type)
+        kept = [(k, v) for k, v in headers if k not in (b"content-type", b"content-encoding")]
+        watch.finishing = True
+        await send_json(send, status, body, kept)
         return True
 
     async def _relay_stream(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,

@@ -26,12 +26,16 @@ byte-level regular expression, not a JSON parse: in JSON text a key can only app
 a key, so `"text":"x` cannot come from inside a string value. Chat's first event (the role, with
 empty content) and the usage chunk do not count. Events are separated by a blank line (LF LF, or
 CR LF CR LF); a stream using another separator is relayed as it comes once `MAX_PENDING_BYTES`
-pile up, without the clean error ending. Nothing here does I/O or reads a clock.
+pile up, without the clean error ending. An engine's error event (`data: {"error": ...}`, vLLM's
+with a numeric `code`) is relayed in OpenAI's shape (`router.errors.relayed_stream_errors`).
+Nothing here does I/O or reads a clock.
 """
 
 from __future__ import annotations
 
 import re
+
+from router.errors import relayed_stream_errors
 
 MAX_PENDING_BYTES = 1024 * 1024
 """Most bytes held back waiting for the end of one event; beyond that they are relayed as they
@@ -70,7 +74,7 @@ class SseRelay:
         if not self._pending and chunk.endswith(b"\n\n"):  # the usual read: whole events
             self.aligned = True
             self._count(chunk, now_s)
-            return chunk
+            return relayed_stream_errors(chunk) if b'"error"' in chunk else chunk
         data = self._pending + chunk if self._pending else chunk
         cut = data.rfind(b"\n\n")
         if cut >= 0:
@@ -93,7 +97,7 @@ class SseRelay:
             ready, self._pending = data[:cut], data[cut:]
         self.aligned = True
         self._count(ready, now_s)
-        return ready
+        return relayed_stream_errors(ready) if b'"error"' in ready else ready
 
     def _count(self, events: bytes, now_s: float) -> None:
         n = len(_find_tokens(events))

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from fleet.cli.common import Files, StateDir, console, err_console, fail_with, load_or_exit, read_json
 from fleet.cli.rollout import print_status_revisions
-from fleet.local.state import AlreadyRunning, StateStore, default_state_dir
+from fleet.local.state import AlreadyRunning, StateStore, StateUnreadable, default_state_dir
 
 app = typer.Typer()
 
@@ -182,16 +182,32 @@ def _pid_alive(pid: int | None) -> bool:
 
 def _orphans(store: StateStore) -> tuple[list[str], tuple[str, int] | None]:
     """(replica ids whose engines still run, (router url, pid) if the router still runs), checked
-    by process identity: what a controller that died left serving."""
+    by process identity: what a controller that died left serving. Writes nothing (a full disk
+    must not fail `fleet status`)."""
     from fleet.local.backend import LocalBackend
     from fleet.inventory import NodeInventory
     from fleet.local.routerproc import router_record_alive
 
     if not (store.root / "fleet-id").exists():
         return [], None
-    backend = LocalBackend(store.root, store.fleet_id(), NodeInventory(name="local"))
+    backend = LocalBackend(store.root, store.fleet_id(), NodeInventory(name="local"), read_only=True)
     facts = asyncio.run(backend.observe())
     return sorted(rid for rid, f in facts.items() if f.running), router_record_alive(store.root)
+
+
+TERMINAL_SHOWN_S = 600.0
+"""How long a replica that ended (TERMINATED, FAILED_*) stays in `fleet status` after it ended;
+older ones are in ``events.jsonl`` of the state directory (`fleet status --all` shows them)."""
+
+
+def _up_pid(store: StateStore, state: dict) -> int | None:
+    """The pid of the `fleet up` that runs on ``store`` now, or None: the holder of its lock
+    (works when state.json does not), else the pid state.json names if it still runs."""
+    holder = store.holder_pid()
+    if holder is not None and _pid_alive(holder):
+        return holder
+    pid = state.get("pid")
+    return pid if _pid_alive(pid) and state.get("phase") not in ("stopped", "exited") else None
 
 
 @app.command()
@@ -199,18 +215,29 @@ def status(
     state_dir: StateDir = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw state as JSON.")] = False,
     log_lines: Annotated[int, typer.Option(help="Engine log lines shown for a failed replica.")] = 8,
+    show_all: Annotated[bool, typer.Option("--all", help="Also replicas that ended more than "
+                                           f"{TERMINAL_SHOWN_S / 60:.0f} min ago.")] = False,
 ) -> None:
     """Show the deployments and replicas of the local fleet.
 
     For each replica: state, endpoint, devices, and for a failed one the reason and the engine's
     last log lines. When the controller is gone but engines or the router still run, says so
-    (`fleet up` adopts them, `fleet down` stops them)."""
+    (`fleet up` adopts them, `fleet down` stops them). Writes that `fleet up` could not make
+    (full disk, closed output) are listed. When state.json cannot be read, says why and shows
+    what still runs (exit code 1)."""
     store = StateStore(state_dir or default_state_dir())
-    state = store.read()
+    try:
+        state = store.read()
+    except StateUnreadable as err:
+        err_console.print(f"[bold red]{err}[/]", highlight=False)
+        _print_survivors(store, _up_pid(store, {}))
+        raise typer.Exit(1) from None
     if state is None:
         err_console.print(f"No fleet state in {store.root}: `fleet up` has not run there.")
+        _print_survivors(store, _up_pid(store, {}))
         raise typer.Exit(1)
-    running = _pid_alive(state.get("pid")) and state.get("phase") != "stopped"
+    pid = _up_pid(store, state)
+    running = pid is not None
     orphans, router_left = ([], None) if running else _orphans(store)
     if as_json:
         console.print_json(json.dumps({**state, "running": running, "orphaned_replicas": orphans,
@@ -219,9 +246,14 @@ def status(
     age_s = time.time() - state.get("updated_at_unix", time.time())
     phase = state.get("phase", "?") if running else "not running"
     console.print(
-        f"Fleet [bold]{phase}[/] (pid {state.get('pid')}), router {state.get('router_url')}, "
+        f"Fleet [bold]{phase}[/] (pid {pid or state.get('pid')}), router {state.get('router_url')}, "
         f"state updated {age_s:.0f} s ago", highlight=False,
     )
+    if running and age_s > STALE_STATE_S:
+        console.print(f"[bold yellow]state.json has not been written for {age_s:.0f} s[/] (it is written every "
+                      "second): `fleet up` cannot write its state directory; the fleet keeps serving",
+                      highlight=False)  # fmt: skip
+    _print_write_errors(state.get("control_write_errors") or {})
     if orphans or router_left:
         what = ([f"{len(orphans)} engine(s) ({', '.join(orphans)})"] if orphans else []) + (
             [f"the router (pid {router_left[1]}, {router_left[0]})"] if router_left else [])
@@ -247,7 +279,8 @@ def status(
     for col in ("replica", "status", "endpoint", "devices", "pid", "age", "detail"):
         table.add_column(col)
     clock_now = state.get("clock_s", 0.0) + (age_s if running else 0.0)
-    for r in replicas:
+    shown = replicas if show_all else [r for r in replicas if not _ended_long_ago(r, clock_now)]
+    for r in shown:
         st = r["status"]
         style = "green" if st == "READY" else "red" if st.startswith("FAILED") else "yellow" if st == "DRAINING" else ""
         detail = (r.get("failure") or {}).get("reason") or r.get("waiting_reason") or ""
@@ -262,7 +295,12 @@ def status(
             (r.get("detail") or {}).get("pid", "-"), f"{clock_now - r['created_at_s']:.0f} s", detail,
         )
     console.print(table)
-    for r in replicas:
+    if len(shown) < len(replicas):
+        console.print(f"{len(replicas) - len(shown)} replica(s) that ended over {TERMINAL_SHOWN_S / 60:.0f} min ago "
+                      f"not shown (`--all`; every transition: {store.events_path})", style="dim",
+                      highlight=False)  # fmt: skip
+    _print_preemptions(state, clock_now)
+    for r in shown:
         failure = r.get("failure")
         if failure and failure.get("log_tail") and log_lines > 0:
             console.print(f"[red]{r['id']}[/] {failure['status']}: {failure['reason']}", highlight=False)
@@ -270,6 +308,56 @@ def status(
                           highlight=False)  # fmt: skip
             for line in failure["log_tail"][-log_lines:]:
                 console.print(f"  | {line}", markup=False, highlight=False, style="dim")
+
+
+STALE_STATE_S = 10.0
+"""A running `fleet up` writes state.json every second; older than this, `fleet status` warns."""
+
+
+def _ended_long_ago(r: dict, clock_now: float) -> bool:
+    """Whether replica record ``r`` (state.json) ended more than `TERMINAL_SHOWN_S` ago."""
+    if r.get("status") not in ("TERMINATED",) and not str(r.get("status", "")).startswith("FAILED"):
+        return False
+    ended = r.get("exited_at_s") or (r.get("failure") or {}).get("at_s")
+    return ended is not None and clock_now - ended > TERMINAL_SHOWN_S
+
+
+def _print_write_errors(errors: dict) -> None:
+    """One line per write target of `fleet up` that failed (`fleet.local.failsoft.WriteErrors.snapshot`)."""
+    for target, e in sorted(errors.items()):
+        now = "[bold red]failing now[/]" if e.get("failing") else "recovered"
+        console.print(f"[yellow]Writes of {target} failed {e.get('errors')} time(s)[/] ({now}; last: "
+                      f"{e.get('last_error')}); the fleet kept serving", highlight=False)  # fmt: skip
+
+
+def _print_survivors(store: StateStore, pid: int | None) -> None:
+    """What runs of the fleet in ``store`` when its state cannot be shown: `fleet up`, engines, router."""
+    orphans, router_left = _orphans(store)
+    if pid is None and not orphans and router_left is None:
+        return
+    if pid is not None:
+        console.print(f"`fleet up` runs (pid {pid}); it writes state.json again within a second.", highlight=False)
+    if orphans:
+        console.print(f"Engines running: {', '.join(orphans)}", highlight=False)
+    if router_left:
+        console.print(f"Router running: pid {router_left[1]} on {router_left[0]}", highlight=False)
+    if pid is None:
+        console.print("`fleet up FILES` adopts them; `fleet down` stops them.", highlight=False)
+
+
+def _print_preemptions(state: dict, clock_now: float) -> None:
+    """The latest preemptions (`fleet.controller.preemption.Preemptor.recent`), when there were any."""
+    recent = ((state.get("preemption") or {}).get("recent")) or []
+    if not recent:
+        return
+    table = Table(title="Preemptions (latest)", title_justify="left")
+    for col in ("replica", "deployment", "for", "ago", "devices", "reason"):
+        table.add_column(col)
+    for e in recent[-10:]:
+        table.add_row(e.get("replica", "?"), e.get("deployment", "?"), e.get("for", "?"),
+                      f"{clock_now - e.get('at_s', clock_now):.0f} s", ",".join(e.get("devices") or []),
+                      e.get("reason", ""))  # fmt: skip
+    console.print(table)
 
 
 def _scaling_columns(d: dict) -> tuple[str, str]:
@@ -297,25 +385,33 @@ def down(
     from fleet.local.up import run_down
 
     store = StateStore(state_dir or default_state_dir())
-    state = store.read() or {}
-    pid = state.get("pid")
-    if not _pid_alive(pid) or state.get("phase") == "stopped":
-        try:
-            code = asyncio.run(run_down(store, console))
-        except AlreadyRunning as err:
-            err_console.print(f"[red]{err}[/]", highlight=False)
-            raise typer.Exit(2) from None
-        console.print("Fleet stopped." if code == 0 else f"No running fleet in {store.root}.")
-        return
-    os.kill(pid, signal.SIGTERM)
-    console.print(f"Sent SIGTERM to fleet up (pid {pid}); draining...")
-    deadline = time.monotonic() + timeout_s
-    while _pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if _pid_alive(pid):
-        err_console.print(f"[red]fleet up (pid {pid}) still running after {timeout_s:g} s[/]")
+    try:
+        state = store.read() or {}
+    except StateUnreadable:
+        state = {}   # `fleet up` is found by its lock; `run_down` says why and works from the other records
+    pid = _up_pid(store, state)
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        console.print(f"Sent SIGTERM to fleet up (pid {pid}); draining...")
+        deadline = time.monotonic() + timeout_s
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if _pid_alive(pid):
+            err_console.print(f"[red]fleet up (pid {pid}) still running after {timeout_s:g} s[/]")
+            raise typer.Exit(1)
+        orphans, router_left = _orphans(store)
+        if not orphans and router_left is None:
+            console.print("Fleet stopped.")
+            return
+        console.print("fleet up ended, leaving processes behind: stopping them...")
+    try:
+        code = asyncio.run(run_down(store, console))
+    except AlreadyRunning as err:
+        err_console.print(f"[red]{err}[/]", highlight=False)
+        raise typer.Exit(2) from None
+    if code == 3:
         raise typer.Exit(1)
-    console.print("Fleet stopped.")
+    console.print("Fleet stopped." if code == 0 else f"No running fleet in {store.root}.")
 
 
 @app.command()
@@ -328,7 +424,8 @@ def logs(
 ) -> None:
     """Print the log of the controller, the router or one replica's engine.
 
-    The controller's log is the output of `fleet up --detach`; `fleet status` lists replica ids."""
+    The controller's log is the output of `fleet up` (in the background with --detach, or in the
+    foreground: a copy of what it prints); `fleet status` lists replica ids."""
     from fleet.local.procs import read_log_tail
 
     store = StateStore(state_dir or default_state_dir())

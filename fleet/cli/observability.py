@@ -105,5 +105,5 @@ def top(
         token = store.token_path.read_text().strip()
     except OSError:
         token = ""
-    raise typer.Exit(run_top(store.read, token, where=str(store.root), interval_s=interval_s, window_s=window_s,
+    raise typer.Exit(run_top(store.read_or_none, token, where=str(store.root), interval_s=interval_s, window_s=window_s,
                              once=once, console=_out))  # fmt: skip

@@ -31,8 +31,8 @@ StateDir = Annotated[Optional[Path], typer.Option("--state-dir", envvar="FLEET_S
 
 
 def _running(store: StateStore) -> bool:
-    state = store.read() or {}
-    pid = state.get("pid")
+    state = store.read_or_none() or {}
+    pid = state.get("pid") or store.holder_pid()
     if not pid or state.get("phase") == "stopped":
         return False
     try:

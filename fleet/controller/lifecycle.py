@@ -78,6 +78,7 @@ class Replica:
     warmup_passed_at_s: float | None = None
     drain_requested_at_s: float | None = None
     drain_reason: str | None = None        # why, when it is not a scale-down (e.g. its GPU was quarantined)
+    preempted_for: str | None = None       # the deployment it was drained for (`fleet.controller.preemption`)
     stop_requested_at_s: float | None = None
     kill_sent_at_s: float | None = None
     exited_at_s: float | None = None

@@ -37,12 +37,15 @@ from typing import Protocol
 
 from fleet.controller.backend import Backend, LaunchError, ReplicaFacts, ReplicaWant
 from fleet.controller.lifecycle import Replica, ReplicaStatus
+from fleet.controller.model_memory import ModelMemory, Reader
+from fleet.controller.preemption import Preemptor
 from fleet.controller.restart import Adoption
 from fleet.controller.rollouts import RolloutDriver
 from fleet.controller.scale import scale_step
 from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
 from fleet.inventory import Inventory
 from fleet.placement import DeviceUse, PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
+from fleet.placement.preemption import DEFAULT_HOLD_OFF_S
 from fleet.rollout.revisions import AnalysisSource, endpoint_weights, revision_label
 from fleet.spec import LoadedDeployment
 from router.spec import EndpointSpec, PoolSpec
@@ -104,6 +107,8 @@ class ControllerSettings:
     log_tail_lines: int = 20
     tick_budget_s: float = 1.0                  # wall time a tick spends placing and publishing pools;
                                                 #   what is left waits for the next tick
+    preemption_hold_off_s: float = DEFAULT_HOLD_OFF_S  # devices a preemption freed stay held off from
+                                                #   lower priorities (fleet.placement.preemption)
 
 
 class Controller:
@@ -113,7 +118,9 @@ class Controller:
     canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`). Two
     collaborators work on the same records: the rollout driver (``self.rollouts``,
     `fleet.controller.rollouts.RolloutDriver`) and, once at `start`, the take-over from a previous
-    controller (`fleet.controller.restart.Adoption`)."""
+    controller (`fleet.controller.restart.Adoption`). ``memory_reader`` says what one replica of a
+    spec needs per GPU (`fleet.controller.model_memory`; default: read from the model's files or
+    the hub), which every placement request carries once known."""
 
     def __init__(
         self,
@@ -130,6 +137,7 @@ class Controller:
         on_event: Callable[[ReplicaEvent], None] | None = None,
         analysis_source: AnalysisSource | None = None,
         on_rollout_event: Callable[[str, str], None] | None = None,
+        memory_reader: Reader | None = None,
     ) -> None:
         self.backend = backend
         self.engine_api = engine_api
@@ -144,6 +152,7 @@ class Controller:
         self.records = FleetRecords.of(deployments)
         self.rollouts = RolloutDriver(self.records, clock, analysis_source,
                                       on_rollout_event or (lambda deployment, line: None))  # fmt: skip
+        self.preemption = Preemptor(self.records, self.placer, self.settings.preemption_hold_off_s)
         self._retired_pools: dict[str, PoolSpec] = {}   # pools of retired deployments as last published
         self._warmups: dict[str, asyncio.Task[WarmupResult]] = {}
         self._wake = asyncio.Event()
@@ -153,6 +162,8 @@ class Controller:
         self._facts: dict[str, ReplicaFacts] = {}
         self.tick_count = 0
         self._tick_deadline = float("inf")
+        # The memory a replica of each spec needs, for placement (read once; hf:// in a thread).
+        self.model_memory = ModelMemory(clock, memory_reader, on_known=self.wake)
 
     # ----- what the controller keeps ---------------------------------------------------------
 
@@ -195,6 +206,7 @@ class Controller:
         tasks; replicas and records are left as they are for the next controller to adopt."""
         for rid in list(self._warmups):
             self._cancel_warmup(rid)
+        self.model_memory.close()
 
     def waiting_reason(self, replica_id: str) -> str | None:
         """Why a PENDING replica is not placed yet (`fleet.placement` explanation), or None."""
@@ -230,6 +242,7 @@ class Controller:
         self.inventory = await self.backend.inventory()
         self._facts = await self.backend.observe()
         await Adoption(self.records, self.backend, self._facts).take_over(previous, now, self.rollouts.declare)
+        self.preemption.restore(previous, now)
         self._save()
 
     def apply(self, loaded: list[LoadedDeployment]) -> list[str]:
@@ -318,9 +331,11 @@ class Controller:
             took_s = self.clock() - started_s
             if took_s > 1.0:
                 log.warning("reconcile step %s took %.1f s", step.__name__, took_s)
-        self._emit_transitions()
-        self._trim_history()
-        self._save()
+        for end in (self._emit_transitions, self._trim_history, self._save):
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - output and bookkeeping never stop the loop
+                log.exception("reconcile %s failed", end.__name__)
 
     async def run(
         self, stop: asyncio.Event, interval_s: float = 1.0, after_tick: Callable[[], None] | None = None
@@ -329,11 +344,21 @@ class Controller:
         something the loop waits for has happened (a warm-up finished, `wake()`).
 
         ``after_tick`` runs after each tick (progress output).
+
+        Never returns before ``stop`` is set, whatever a tick or ``after_tick`` raises (logged;
+        the next tick comes as usual): only the caller's ``stop`` ends the loop, so a failure of
+        the control plane's own output or state never reaches the replicas that serve.
         """
         while not stop.is_set():
-            await self.reconcile_once()
+            try:
+                await self.reconcile_once()
+            except Exception:  # noqa: BLE001 - the loop survives its parts (STYLE.md 9)
+                log.exception("reconcile tick failed")
             if after_tick is not None:
-                after_tick()
+                try:
+                    after_tick()
+                except Exception:  # noqa: BLE001 - progress output never stops the loop
+                    log.exception("after-tick callback failed")
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=interval_s)
             except asyncio.TimeoutError:
@@ -568,11 +593,12 @@ class Controller:
                            holding: dict[str, ReplicaPlacement]) -> PlacementRequest:
         """``count`` more replicas of ``ld``: its live replicas fix product and gang width; warm
         nodes are where a replica of this very spec has its weights (so image and weights are
-        there), beside what the nodes report as ``cached``."""
+        there), beside what the nodes report as ``cached``; ``memory`` is what one replica needs per
+        GPU when known (`fleet.controller.model_memory.ModelMemory.need`: never waits for the hub)."""
         mine = [rid for rid in holding if self.replicas[rid].spec_hash == ld.serving_hash]
         warm = {self.replicas[rid].node for rid in mine if self.replicas[rid].weights_ready_at_s}
         return PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
-                                               warm_nodes=warm - {None})
+                                               warm_nodes=warm - {None}, memory=self.model_memory.need(ld))
 
     def next_replica_warm(self, deployment: str) -> bool:
         """Whether one more replica of ``deployment``'s serving spec, placed now, would start warm:
@@ -620,7 +646,8 @@ class Controller:
                 await asyncio.sleep(0)   # let the loop breathe (informers, /metrics) in a long placement
             ld = self.deployments[name].revs.specs[spec_hash]
             request = self._placement_request(ld, len(waiting), holding)   # the whole scale-up: one decision
-            plan = self.placer.place_replicas(request, self.inventory, in_use)
+            blocked = self.preemption.blocked(name, now)   # freed for a higher priority: held off
+            plan = self.placer.place_replicas(request, self.inventory, in_use + blocked if blocked else in_use)
             # Devices a draining replica of this deployment still holds free up soon: a new replica
             # waits for them rather than share a device now (two CPU engines on one core starve
             # each other; a canary in place of a stable replica must not start on a shared one).
@@ -635,8 +662,8 @@ class Controller:
                 in_use.update(placement.devices)
                 r.placed_at_s, r.assignment, r.placement = now, placement.label, placement.to_dict()
                 to_launch.append((r, placement))
-            for r in waiting[len(plan.placements):]:
-                self._waiting[r.id] = plan.explain()
+            if unplaced := waiting[len(plan.placements):]:
+                self._wait_or_preempt(name, ld, unplaced, plan.explain(), holding, in_use + blocked, now)
         placed_now = {r.id for r, _ in to_launch}
         for r in placed:  # placed before a crash, never started: start now
             if r.status is ReplicaStatus.PLACED and r.placement is not None and r.drain_requested_at_s is None \
@@ -662,6 +689,18 @@ class Controller:
                 r.exited_at_s = now
                 self._fail(r, ReplicaStatus.FAILED_START, f"backend error: {err!r}", [])
         await self._observe()  # endpoints, image and weights of what just started, in this same tick
+
+    def _wait_or_preempt(self, name: str, ld: LoadedDeployment, unplaced: list[Replica], why: str,
+                         holding: dict[str, ReplicaPlacement], in_use: Counter[str], now: float) -> None:  # fmt: skip
+        """Replicas placement left unplaced wait, with the reason; below the deployment's
+        minimum, lower-priority replicas are preempted for them (`fleet.controller.preemption`)."""
+        decision = self.preemption.consider(name, self._placement_request(ld, len(unplaced), holding),
+                                            self.inventory, in_use, holding, now)  # fmt: skip
+        notes = [why] + [n for n in (decision and decision.reason, self.preemption.held_off_note(name, now)) if n]
+        for r in unplaced:
+            self._waiting[r.id] = "; ".join(notes)
+        if decision is not None and decision.preempts:
+            self._save()   # decided: persisted before the drain acts on it
 
     async def _drain_and_stop(self) -> None:
         now = self.clock()
@@ -808,7 +847,10 @@ class Controller:
             if new is old:
                 continue
             self._last_status[r.id] = new
-            self.on_event(ReplicaEvent(r.id, r.deployment, old, new, self._detail(r, new), now))
+            try:
+                self.on_event(ReplicaEvent(r.id, r.deployment, old, new, self._detail(r, new), now))
+            except Exception:  # noqa: BLE001 - a transition that cannot be shown (EPIPE, ENOSPC) is logged only
+                log.exception("cannot report %s %s", r.id, new.value)
 
     def _detail(self, r: Replica, status: ReplicaStatus) -> str:
         if status.failed() and r.failure:
@@ -849,6 +891,7 @@ class Controller:
             "clock_s": self.clock(),
             "stopping": self.stopping,
             "inventory": [n.describe() for n in self.inventory.nodes],
+            "preemption": self.preemption.snapshot(),
             "deployments": {name: ds.to_dict() for name, ds in self.deployments.items()},
             "replicas": [
                 {**r.to_dict(), "waiting_reason": self._waiting.get(r.id)}
@@ -857,8 +900,10 @@ class Controller:
         }
 
     def _save(self) -> None:
+        """Hand the snapshot to the state sink. Never raises: the next save writes the whole
+        state again (the sink may count and back off: `fleet.local.state.StateStore.save`)."""
         if self.state_sink is not None:
             try:
                 self.state_sink.save(self.snapshot())
-            except OSError as err:
+            except Exception as err:  # noqa: BLE001 - a state write that fails never stops the loop
                 log.warning("cannot write state: %s", err)

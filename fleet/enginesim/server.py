@@ -8,7 +8,8 @@ the `fleet sim-engine` command and by ``python -m fleet.enginesim`` (`engine.kin
 
 The surface is vLLM's OpenAI server (0.32): ``POST /v1/completions`` and
 ``/v1/chat/completions`` (JSON, or SSE with ``stream``; ``stream_options.include_usage``;
-``max_tokens``, ``min_tokens``, ``ignore_eos``, ``seed``; errors as vLLM's JSON), ``GET
+``max_tokens``, ``min_tokens``, ``ignore_eos``, ``seed``; errors as vLLM's JSON, aiohttp's own
+too (a body over 1 MiB: 413), ``http_errors_as_json``), ``GET
 /v1/models``, ``/health``, ``/version`` and ``/metrics``. Simulator-only: ``GET /sim/state`` and
 ``POST /sim/faults`` (``{"slowdown": 3.0}`` or ``{"crash": true}``).
 
@@ -30,6 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -75,12 +77,28 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
 
-    def response(self) -> web.Response:
-        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
+    def response(self, kind: str | None = None) -> web.Response:
+        """vLLM's error document (`ErrorResponse`: `{"error": {"message", "type", "param", "code"}}`,
+        `code` the numeric status); `kind` overrides the `type` derived from the status."""
+        kind = kind or {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
         return web.json_response(
             {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}},
             status=self.status,
         )
+
+
+@web.middleware
+async def http_errors_as_json(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """aiohttp's own errors (a body over `client_max_size`: 413; unknown path 404; 405) in vLLM's
+    JSON shape, as vLLM's `http_exception_handler` answers FastAPI's: `type` the status' phrase,
+    `code` the status (aiohttp's are `text/plain`)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        return ApiError(exc.status, message or exc.reason).response(HTTPStatus(exc.status).phrase)
 
 
 @dataclass(eq=False)
@@ -145,7 +163,7 @@ class SimReplica:
             sock.close()
             self._die("failed", "fault switch: fail at start (engine core initialization failed)")
             return
-        app = web.Application()
+        app = web.Application(middlewares=[http_errors_as_json])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -322,7 +340,7 @@ class SimReplica:
     async def _read_body(self, request: web.Request) -> dict[str, Any]:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise ApiError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")

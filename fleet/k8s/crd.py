@@ -53,6 +53,21 @@ _STATUS_SCHEMA: dict[str, Any] = {
                       "description": "Live replicas by spec.model.revision."},
         "servingHash": {"type": "string", "description": "What the current replicas serve (fleet.spec.serving_hash)."},
         "nextIndex": {"type": "integer", "description": "Index of the next replica id (<name>-<index>)."},
+        "preemptions": {
+            "type": "array",
+            "description": "The latest preemptions this deployment took part in, as victim or as the deployment "
+                           "replicas were preempted for (spec.priority; docs/placement.md).",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "replica": {"type": "string", "description": "The replica drained."},
+                    "deployment": {"type": "string", "description": "Its deployment (the victim)."},
+                    "for": {"type": "string", "description": "The higher-priority deployment it was drained for."},
+                    "reason": {"type": "string"},
+                    "time": {"type": "string", "format": "date-time"},
+                },
+            },
+        },
         "conditions": {
             "type": "array",
             "x-kubernetes-list-type": "map",

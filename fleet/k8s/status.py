@@ -21,6 +21,9 @@ from fleet.k8s.pods import (ANNOTATION_MODEL, ANNOTATION_PLACEMENT, ANNOTATION_R
                             LABEL_GANG_ROLE, LABEL_REPLICA, LABEL_REVISION, LABEL_SPEC_HASH, pod_facts)  # fmt: skip
 from fleet.placement import ReplicaPlacement
 
+PREEMPTIONS_IN_STATUS = 5
+"""Latest preemptions a deployment's status lists (`fleet.controller.preemption.Preemptor.recent`)."""
+
 _IN_PROGRESS = (ReplicaStatus.PENDING, ReplicaStatus.PLACED, ReplicaStatus.PULLING, ReplicaStatus.CACHING,
                 ReplicaStatus.STARTING, ReplicaStatus.WARMING, ReplicaStatus.DRAINING)  # fmt: skip
 
@@ -83,6 +86,11 @@ def deployment_status(controller: Controller, name: str, generation: int, previo
         "revisions": dict(sorted(Counter(r.revision for r in live).items())),
         "servingHash": ds.loaded.serving_hash,
         "nextIndex": ds.next_index,
+        "preemptions": [
+            {"replica": str(e.get("replica")), "deployment": str(e.get("deployment")), "for": str(e.get("for")),
+             "reason": str(e.get("reason", "")), "time": iso(now - max(0.0, controller.clock() - e.get("at_s", 0.0)))}
+            for e in controller.preemption.recent if name in (e.get("deployment"), e.get("for"))
+        ][-PREEMPTIONS_IN_STATUS:],
         "conditions": [
             _condition("Ready", ready_ok, ready_reason, f"{ready}/{ds.desired} replicas ready", generation, prev, now),
             _condition("Progressing", bool(in_progress), progress[0], progress[1], generation, prev, now),

@@ -9,7 +9,14 @@ Crash safety: a replica's record is written before its process starts and again 
 and every engine carries the fleet's marker in its environment (``FLEET_FLEET_ID``,
 ``FLEET_REPLICA_ID``). A backend opened on a state directory checks each recorded process by
 identity (pid and start time: a reused pid is not ours) and looks for marked processes that a
-crash left unrecorded; those are reported with no endpoint, and the controller stops them.
+crash left unrecorded; those are taken back from their markers (``FLEET_ENGINE_PORT`` and
+``FLEET_ENGINE_LOG`` too), so a controller whose state file was lost can adopt them
+(`fleet.local.rebuild`).
+
+Writing ``replicas.json`` fails soft (target ``replicas`` of `fleet.local.failsoft.WriteErrors`):
+on a full disk the records are kept in memory and written at the next change or observation once
+the backoff is over; the markers cover a crash in between. ``read_only``: `fleet status` looks at
+the records and processes without writing anything.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
 import socket
 import time
@@ -26,9 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
+from fleet.local.failsoft import WriteErrors, log_or_devnull
 from fleet.local.procs import LocalProcesses, ProcessRecord, find_marked, read_log_tail, start_ticks
 from fleet.engines.kinds import get_engine
 from fleet.inventory import Inventory, NodeInventory
+from fleet.local.state import FLEET_ID_ENV, write_atomically
 
 if TYPE_CHECKING:
     from fleet.agent.cache import WeightCache
@@ -36,7 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fleet.local.backend")
 
-FLEET_ID_ENV = "FLEET_FLEET_ID"
 REPLICA_ID_ENV = "FLEET_REPLICA_ID"
 REMOTE_SCHEMES = ("http://", "https://", "hf://")
 """Model sources the node's weight cache fetches (`fleet.agent.cache`); others are local paths."""
@@ -44,6 +51,8 @@ CACHE_LISTING_TTL_S = 10.0
 """How long the node's list of cached sources is reused before the cache is read again."""
 DEPLOYMENT_ENV = "FLEET_DEPLOYMENT"
 SPEC_HASH_ENV = "FLEET_SPEC_HASH"
+PORT_ENV = "FLEET_ENGINE_PORT"
+LOG_ENV = "FLEET_ENGINE_LOG"
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ class _Record:
     exited: bool = False
     exit_code: int | None = None
     exit_reason: str | None = None
+    placement: dict | None = None            # `ReplicaPlacement.to_dict()`: its devices (for a rebuild)
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "process"}
@@ -70,7 +80,8 @@ class _Record:
     @classmethod
     def from_dict(cls, d: dict) -> _Record:
         process = ProcessRecord.from_dict(d["process"]) if d.get("process") else None
-        return cls(**{**{k: v for k, v in d.items() if k != "process"}, "process": process})
+        known = cls.__dataclass_fields__
+        return cls(**{**{k: v for k, v in d.items() if k != "process" and k in known}, "process": process})
 
 
 class LocalBackend:
@@ -78,13 +89,15 @@ class LocalBackend:
 
     def __init__(self, root: Path, fleet_id: str, node: NodeInventory, *, host: str = "127.0.0.1",
                  processes: LocalProcesses | None = None, weights: WeightCache | None = None,
-                 agent: NodeAgent | None = None) -> None:  # fmt: skip
+                 agent: NodeAgent | None = None, write_errors: WriteErrors | None = None,
+                 read_only: bool = False) -> None:  # fmt: skip
         """``root``: the state directory (records in ``replicas.json``, logs in ``logs/``);
         ``fleet_id``: the marker of this fleet's processes; ``node``: this machine's devices;
         ``weights``: the node's weight cache, which fetches http(s):// and hf:// sources (None:
         such sources cannot start here); ``agent``: the node agent, whose quarantined GPUs and
         MIG instances the inventory reports (placement skips them, the controller drains what
-        runs on them)."""
+        runs on them); ``write_errors``: where failed writes of ``replicas.json`` are counted;
+        ``read_only``: never write (`fleet status`)."""
         self.root = Path(root)
         self.fleet_id = fleet_id
         self.node = node
@@ -102,6 +115,9 @@ class LocalBackend:
         self._sources: frozenset[str] = frozenset()    # the weight cache's canonical sources
         self._sources_read_at, self._sources_dirty = 0.0, True
         self._inventory = Inventory((node,))
+        self.write_errors = write_errors or WriteErrors()
+        self.read_only = read_only
+        self._unsaved = False
         self._load()
 
     # ----- Backend ------------------------------------------------------------------------
@@ -150,7 +166,7 @@ class LocalBackend:
         model = None if remote else engine_model(want)
         log_path = self.log_dir / f"{rid}.log"
         record = _Record(rid, dep.name, want.spec_hash, want.placement.nodes[0], self.host, self._free_port(),
-                         str(log_path), caching=remote)  # fmt: skip
+                         str(log_path), caching=remote, placement=want.placement.to_dict())  # fmt: skip
         self._records[rid] = record
         self._save()  # before the process exists: a crash from here on leaves a record to check
         if remote:   # CACHING: the engine starts once the weights are in the node's cache
@@ -172,13 +188,17 @@ class LocalBackend:
         env = {
             **dep.spec.engine.env, **want.placement.env,
             FLEET_ID_ENV: self.fleet_id, REPLICA_ID_ENV: rid, DEPLOYMENT_ENV: dep.name, SPEC_HASH_ENV: want.spec_hash,
+            PORT_ENV: str(record.port), LOG_ENV: record.log_path or "",
         }  # fmt: skip
         argv = get_engine(dep.spec.engine.kind).command(dep.engine_launch(want.base_dir), model, self.host,
                                                         record.port)  # fmt: skip
         cores = self.numa_cores(want)
         if cores and shutil.which("taskset"):   # the engine on the CPU cores local to its GPUs (NUMA)
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
-        process = self.processes.spawn(argv, env, Path(record.log_path) if record.log_path else None)
+        log_path = Path(record.log_path) if record.log_path else None
+        if log_path is not None:
+            log_path = log_or_devnull(log_path, self.write_errors, "engine_log")
+        process = self.processes.spawn(argv, env, log_path)
         self._records[rid] = replace(self._records[rid], process=process)
         self._save()
 
@@ -242,7 +262,7 @@ class LocalBackend:
                 why = f"engine exited with code {code}" if code is not None else "engine process is gone"
                 self._records[rid] = replace(rec, exited=True, exit_code=code, exit_reason=why)
                 changed = True
-        if changed:
+        if changed or self._unsaved:
             self._save()
         return {rid: self._facts(rec) for rid, rec in self._records.items()}
 
@@ -276,6 +296,11 @@ class LocalBackend:
         return read_log_tail(rec.log_path, lines) if rec is not None else []
 
     # ----- for `fleet up` / `fleet down` ----------------------------------------------------
+
+    def placements(self) -> dict[str, dict | None]:
+        """Replica id -> the placement (`ReplicaPlacement.to_dict()`) recorded for it, None when
+        unknown (a replica taken back from its marker alone)."""
+        return {rid: rec.placement for rid, rec in self._records.items()}
 
     def live_process_count(self) -> int:
         """Recorded engine processes not yet seen to exit."""
@@ -345,17 +370,28 @@ class LocalBackend:
             elif not self.processes.is_ours(rec.process):
                 self._records[rid] = replace(rec, exited=True, exit_reason="engine process is gone")
         for rid, pid in by_replica.items():
-            if rid and rid not in self._records:   # started, then the record was lost: stop it
+            if rid and rid not in self._records:   # started, then the record was lost: its marker says what it is
                 env = marked[pid]
+                port = env.get(PORT_ENV, "")
+                log_path = env.get(LOG_ENV) or None
                 self._records[rid] = _Record(rid, env.get(DEPLOYMENT_ENV, "?"), env.get(SPEC_HASH_ENV, ""),
-                                             self.node.name, self.host, None, None, _adopted_record(pid, None))  # fmt: skip
+                                             self.node.name, self.host, int(port) if port.isdigit() else None,
+                                             log_path, _adopted_record(pid, log_path))  # fmt: skip
+                log.warning("replica %s (pid %d) runs without a record: taken back from its marker", rid, pid)
         self._save()
 
     def _save(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.records_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"replicas": [r.to_dict() for r in self._records.values()]}, indent=1))
-        os.replace(tmp, self.records_path)
+        """Write ``replicas.json`` (atomically); a failure is counted, never raised, and the write
+        is tried again at the next change or observation."""
+        if self.read_only:
+            return
+        text = json.dumps({"replicas": [r.to_dict() for r in self._records.values()]}, indent=1)
+
+        def write() -> None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_atomically(self.records_path, text, 0o644)
+
+        self._unsaved = not self.write_errors.attempt("replicas", write)
 
 
 def _mib(n: int) -> str:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fleet.controller.rollouts import UnknownDeployment
+from fleet.local.failsoft import WriteErrors
 from fleet.spec import LoadedDeployment, SpecError, parse_document
 
 log = logging.getLogger("fleet.local.control")
@@ -94,12 +95,16 @@ def submit(state_root: Path, request: dict, *, timeout_s: float = DEFAULT_REPLY_
 
 class ControlServer:
     """`fleet up`'s side: handles requests with ``controller`` (`Controller.apply`,
-    `Controller.rollout_command`); ``say`` prints one line per handled request."""
+    `Controller.rollout_command`); ``say`` prints one line per handled request; ``write_errors``
+    counts replies that could not be written (target ``control``; the request stays and is
+    handled again, as every request is idempotent)."""
 
-    def __init__(self, state_root: Path, controller, say: Callable[[str], None] = lambda line: None) -> None:
+    def __init__(self, state_root: Path, controller, say: Callable[[str], None] = lambda line: None,
+                 write_errors: WriteErrors | None = None) -> None:  # fmt: skip
         self.dir = control_dir(state_root)
         self.controller = controller
         self.say = say
+        self.write_errors = write_errors or WriteErrors()
 
     def handle_pending(self) -> int:
         """Handle every waiting request, in the order they were written. Returns how many."""
@@ -116,8 +121,13 @@ class ControlServer:
             except (OSError, ValueError) as err:
                 request = {"id": name[: -len(".json")], "kind": "?", "error": f"unreadable request: {err}"}
             reply = self.handle(request)
-            _write_atomically(self.dir / f"{request.get('id') or name[:-5]}.reply.json", reply)
-            path.unlink(missing_ok=True)
+            reply_path = self.dir / f"{request.get('id') or name[:-5]}.reply.json"
+            if not self.write_errors.attempt("control", lambda: _write_atomically(reply_path, reply), force=True):
+                continue   # the request stays: answered again at the next look
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as err:
+                log.warning("cannot remove the handled request %s: %s", path, err)
         return len(names)
 
     def handle(self, request: dict) -> dict:
@@ -152,10 +162,14 @@ class ControlServer:
             return {"ok": False, "lines": [f"internal error: {err!r}"]}
 
     async def run(self, stop: asyncio.Event, interval_s: float = 0.5) -> None:
-        """Handle requests every ``interval_s`` seconds until ``stop`` is set."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Handle requests every ``interval_s`` seconds until ``stop`` is set. Never raises: a
+        failed look is logged and the next one comes ``interval_s`` later."""
         while not stop.is_set():
-            self.handle_pending()
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self.handle_pending()
+            except Exception:  # noqa: BLE001 - the control channel survives its parts (STYLE.md 9)
+                log.exception("control channel: handling requests failed")
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)
             except asyncio.TimeoutError:

@@ -14,20 +14,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
+import secrets
 import sys
 import time
 from pathlib import Path
 
-from fleet.local.procs import LocalProcesses, ProcessRecord, read_log_tail
+from fleet.local.failsoft import log_or_devnull
+from fleet.local.procs import LocalProcesses, ProcessRecord, find_marked, read_log_tail, start_ticks
 from fleet.controller.router_admin import RouterAdminClient
-from fleet.local.state import StateStore
+from fleet.local.state import StateStore, write_atomically
 
 log = logging.getLogger("fleet.local.routerproc")
 
 
+ROUTER_MARK_ENV = "FLEET_ROUTER_OF"
+"""The router's marker: the fleet id (apart from engines' ``FLEET_FLEET_ID``, which names replicas)."""
+URL_ENV = "FLEET_ROUTER_URL"
+
+
 class RouterStartError(Exception):
     """The router did not come up; the message holds why and the end of its log."""
+
+
+ROUTER_MODELS_FILE = "router-models.json"
+"""The router's models file in the state directory, beside ``admin-token`` (`router.remembered`):
+a restarted router answers 503 + Retry-After for the models it lists until they are published again."""
 
 
 class RouterProcess:
@@ -44,19 +55,45 @@ class RouterProcess:
         self.record: ProcessRecord | None = None
         self.admin: RouterAdminClient | None = None
         self.restarts = 0
+        self.starts = 0     # router processes started by this object (the supervisor republishes after each)
+        self._unpersisted: str | None = None   # the token of a started router whose files are not written yet
+        self._record_lost = False              # router.json was missing or unreadable: found by its marker
 
     # ----- adopt or start -----------------------------------------------------------------
 
     def recorded(self) -> ProcessRecord | None:
-        """The recorded router process if it still runs (checked by identity) on this address."""
+        """The recorded router process if it still runs (checked by identity) on this address;
+        when ``router.json`` is missing or unreadable, the router process whose environment
+        carries this fleet's marker and this address (`marked_router`)."""
         try:
             d = json.loads(self.record_path.read_text())
-        except (OSError, ValueError):
-            return None
-        if d.get("url") != self.url:
-            return None
-        record = ProcessRecord.from_dict(d["process"])
+            if d.get("url") != self.url:
+                return None
+            record = ProcessRecord.from_dict(d["process"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            if not isinstance(err, FileNotFoundError):
+                log.warning("ignoring unreadable %s: %s", self.record_path, err)
+            self._record_lost = True   # written again once adopted
+            return self.marked()
         return record if self.processes.is_ours(record) else None
+
+    def marked(self) -> ProcessRecord | None:
+        """The running router of this fleet on this address found by its marker, or None."""
+        fleet_id = self._fleet_id()
+        if fleet_id is None:
+            return None
+        for pid, env in find_marked(ROUTER_MARK_ENV, fleet_id).items():
+            if env.get(URL_ENV) == self.url:
+                ticks = start_ticks(pid)
+                if ticks is not None:
+                    return ProcessRecord(pid, ticks, (), str(self.log_path), 0.0)
+        return None
+
+    def _fleet_id(self) -> str | None:
+        try:
+            return (self.store.root / "fleet-id").read_text().strip() or None
+        except OSError:
+            return None
 
     async def adopt(self) -> bool:
         """Take over the running router of a previous controller: True when its process is ours
@@ -75,21 +112,35 @@ class RouterProcess:
             log.warning("recorded router pid %d does not answer as ours: %s", record.pid, err)
             return False
         self.record = record
+        if self._record_lost:   # found by its marker: its record is written again
+            self._unpersisted = token
+            self.persist()
         return True
 
     async def start(self, timeout_s: float = 30.0) -> None:
-        """Start a new router with a new admin token and wait for /health. Raises RouterStartError."""
-        token = self.store.new_admin_token()
+        """Start a new router with a new admin token and wait for /health. Raises RouterStartError.
+
+        The token and ``router.json`` are written before the wait; a write that fails does not
+        stop the router (`persist` writes them later)."""
+        token = secrets.token_urlsafe(32)
         if self.admin is None:
             self.admin = RouterAdminClient(self.url, token)
         else:
             self.admin.set_token(token)   # one client: the controller and autoscaler hold it
-        argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.port)]
+        argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.port),
+                "--models-file", str(self.store.root / ROUTER_MODELS_FILE)]
         try:
-            self.record = self.processes.spawn(argv, {"FLEET_ROUTER_ADMIN_TOKEN": token}, self.log_path)
+            env = {"FLEET_ROUTER_ADMIN_TOKEN": token, URL_ENV: self.url}
+            fleet_id = self._fleet_id()
+            if fleet_id:   # the marker: found again by `marked` when router.json is lost
+                env[ROUTER_MARK_ENV] = fleet_id
+            self.record = self.processes.spawn(argv, env, log_or_devnull(self.log_path, self.store.write_errors,
+                                                                         "router_log"))  # fmt: skip
         except OSError as err:
             raise RouterStartError(f"cannot start the router: {err.strerror or err}") from err
-        self._save()
+        self.starts += 1
+        self._unpersisted = token
+        self.persist()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             alive, code = self.processes.poll(self.record)
@@ -102,6 +153,23 @@ class RouterProcess:
         raise RouterStartError(f"router did not answer /health within {timeout_s:g} s (log: {self.log_path})")
 
     # ----- watch --------------------------------------------------------------------------
+
+    def persist(self) -> bool:
+        """Write the admin token and ``router.json`` of the router this process started, if they
+        are not written yet (a full disk at its start). True when nothing is left to write."""
+        token = self._unpersisted
+        if token is None or self.record is None:
+            return True
+        errors = self.store.write_errors
+        if not (errors.due("router_json") and errors.due("admin_token")):
+            return False
+        if not self.store.write_admin_token(token):
+            return False
+        text = json.dumps({"url": self.url, "process": self.record.to_dict()})
+        if not errors.attempt("router_json", lambda: write_atomically(self.record_path, text, 0o644), force=True):
+            return False
+        self._unpersisted = None
+        return True
 
     def alive(self) -> bool:
         return self.record is not None and self.processes.poll(self.record)[0]
@@ -128,18 +196,29 @@ class RouterProcess:
             if self.processes.poll(self.record)[0]:
                 self.processes.kill(self.record)
             self.record = None
+        self._unpersisted = None
         try:
             self.record_path.unlink()
         except FileNotFoundError:
             pass
+        except OSError as err:
+            log.warning("cannot remove %s: %s", self.record_path, err)
         if self.admin is not None:
             await self.admin.aclose()
             self.admin = None
+        try:   # a deliberate stop: the next router has no model to await
+            (self.store.root / ROUTER_MODELS_FILE).unlink()
+        except OSError:
+            pass
 
-    def _save(self) -> None:
-        tmp = self.record_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"url": self.url, "process": self.record.to_dict()}))
-        os.replace(tmp, self.record_path)
+
+def recorded_url(root: Path) -> str | None:
+    """The URL in the router record under ``root`` (whether or not it still runs), or None."""
+    try:
+        url = json.loads((Path(root) / "router.json").read_text()).get("url")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return url if isinstance(url, str) else None
 
 
 def router_record_alive(root: Path, processes: LocalProcesses | None = None) -> tuple[str, int] | None:
@@ -148,6 +227,18 @@ def router_record_alive(root: Path, processes: LocalProcesses | None = None) -> 
     try:
         d = json.loads((Path(root) / "router.json").read_text())
         record = ProcessRecord.from_dict(d["process"])
-    except (OSError, ValueError, KeyError):
-        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return marked_router(root)
     return (d.get("url", "?"), record.pid) if (processes or LocalProcesses()).is_ours(record) else None
+
+
+def marked_router(root: Path) -> tuple[str, int] | None:
+    """(url, pid) of a running router whose environment carries the marker of the fleet of
+    ``root`` (for when ``router.json`` is lost), else None."""
+    try:
+        fleet_id = (Path(root) / "fleet-id").read_text().strip()
+    except OSError:
+        return None
+    for pid, env in sorted(find_marked(ROUTER_MARK_ENV, fleet_id).items()) if fleet_id else ():
+        return env.get(URL_ENV, "?"), pid
+    return None

@@ -13,6 +13,11 @@ requests finished, engines stopped, router last). `run_down` is `fleet down` for
 controller is gone: it adopts what still runs and shuts it down the same way. Called by
 `fleet.cli`.
 
+Fails soft (docs/crash-safety.md, "When the control plane cannot write"): its output, its log
+and every record it writes go through `fleet.local.failsoft` (counted, backed off, never raised);
+only SIGINT/SIGTERM drains; any other failure ends `fleet up` and leaves the data plane serving.
+A state file that cannot be read is taken over from the other records (`fleet.local.rebuild`).
+
 What outlives what: engines and the router run in their own sessions and do not die with the
 controller. A `fleet up` that is killed (or crashes) leaves them serving, with the pools they
 had; the next `fleet up` on the same state directory adopts them; `fleet status` shows them
@@ -26,8 +31,11 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from prometheus_client import start_http_server
@@ -49,11 +57,13 @@ from fleet.engines.kinds import ModelUnavailable, get_engine
 from fleet.inventory import Inventory, discover_local
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.observability.discovery import LocalObservability
-from fleet.placement import ReplicaShape, get_strategy
+from fleet.placement import PlacementRequest, get_strategy
 from fleet.rollout.metrics import RolloutCollector
-from fleet.local.routerproc import RouterProcess, RouterStartError
+from fleet.local.failsoft import WRITE_ERRORS, FailSoftStream, WriteErrors, same_file
+from fleet.local.rebuild import pooled_endpoint_ids, rebuild_snapshot
+from fleet.local.routerproc import RouterProcess, RouterStartError, marked_router, recorded_url
 from fleet.spec import LoadedDeployment
-from fleet.local.state import StateStore
+from fleet.local.state import StateStore, StateUnreadable
 from warmup.client import EngineClient
 
 log = logging.getLogger("fleet.local.up")
@@ -67,7 +77,7 @@ _STYLE = {
 AGENT_INTERVAL_S = 30.0
 """How often the node agent checks GPU health in `fleet up` (Xid events are drained every second between)."""
 
-ROUTER_CHECK_INTERVAL_S = 1.0
+ROUTER_CHECK_INTERVAL_S = 0.25
 """How often `fleet up` checks that the router process still runs (a dead router is restarted)."""
 
 
@@ -105,7 +115,8 @@ def _local_memory_need(ld: LoadedDeployment) -> MemoryNeed | None:
 def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[str, tuple[str, int]]) -> None:
     """Check everything that would make `fleet up` half-start: each deployment's engine is
     installed, its weights are present and a replica fits the inventory (and, for weights on this
-    machine, a GPU of it holds the model: `fleet.models.memory.MemoryNeed`); each named port
+    machine, a GPU of it holds the model: `fleet.models.memory.MemoryNeed`; and a GPU node's NVIDIA
+    driver can run the engine's CUDA: `fleet.placement.compat`); each named port
     (``{"router": (host, port)}``) is free. Raises PreflightError listing every problem."""
     problems = []
     placer = get_strategy()
@@ -126,7 +137,8 @@ def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[
                 engine.model_argument(dep.engine_launch(ld.base_dir))
             except ModelUnavailable as err:
                 problems.append(f"{where} spec.model.source: {err}")
-        unfit = placer.fits_at_all(ReplicaShape.of(dep), inventory, memory=_local_memory_need(ld))
+        request = PlacementRequest.for_deployment(dep, 1, memory=_local_memory_need(ld))   # driver/CUDA too
+        unfit = placer.fits_at_all(request.shape, inventory, memory=request.memory, cuda=request.cuda)
         if unfit is not None:
             problems.append(f"{where} spec.resources: cannot place a replica on this machine: {unfit.reason}")
     for what, (host, port) in ports.items():
@@ -206,18 +218,35 @@ class ProgressPrinter:
 
 async def _supervise_router(router: RouterProcess, controller: Controller, stop: asyncio.Event,
                             progress: ProgressPrinter) -> None:  # fmt: skip
-    """Restart the router whenever its process is gone, and have every pool published again."""
+    """Restart the router whenever its process is gone and have every pool published again, then
+    tell the router it is synced (`POST /admin/v1/synced`: until then it answers 503 + Retry-After
+    for the models it served, not 404); write its record and token once the disk takes them
+    (`RouterProcess.persist`). Never raises before ``stop``: whatever a check raises is logged and
+    the next check comes (the supervisor outlives its parts, as the controller loop does)."""
+    synced = False                 # the router in use was told it has every pool
+    seen_starts = router.starts
     while not stop.is_set():
         try:
             if await router.ensure_running():
-                controller.forget_published_pools()
-                controller.wake()
                 progress.say(f"router restarted on {router.url} (restart {router.restarts}); pools published again",
                              style="yellow")  # fmt: skip
         except RouterStartError as err:
             progress.say(f"router did not restart: {err}", style="bold red")
+        except Exception:  # noqa: BLE001 - the supervisor survives its parts
+            log.exception("router supervisor: the check failed (again in %.0f s)", ROUTER_CHECK_INTERVAL_S)
+        if router.starts != seen_starts:   # a started router knows no pool (also one whose start timed out)
+            controller.forget_published_pools()
+            controller.wake()
+            seen_starts, synced = router.starts, False
         try:
-            await asyncio.wait_for(stop.wait(), timeout=ROUTER_CHECK_INTERVAL_S)
+            router.persist()
+            if not synced and router.admin is not None and controller.pools_published():
+                await router.admin.mark_synced()
+                synced = True
+        except Exception as err:  # noqa: BLE001 - told again at the next check
+            log.warning("router supervisor: %s", err)
+        try:   # sooner while the router waits for its pools
+            await asyncio.wait_for(stop.wait(), timeout=ROUTER_CHECK_INTERVAL_S if synced else 0.2)
         except asyncio.TimeoutError:
             pass
 
@@ -231,24 +260,37 @@ async def run_up(
     port: int = 8080,
     metrics_port: int | None = None,
     settings: ControllerSettings | None = None,
+    fail_soft_output: bool = True,
 ) -> int:
     """Serve ``loaded`` until SIGINT/SIGTERM; return the process exit code.
 
     Takes over from a previous controller of ``store`` when there was one (its router and
-    replicas are adopted). ``metrics_port``: where the autoscaler's Prometheus metrics are
-    served (on ``host``; None or 0: not served).
+    replicas are adopted); when its state file cannot be read, from what the other records say
+    (`fleet.local.rebuild`). ``metrics_port``: where the autoscaler's Prometheus metrics are
+    served (on ``host``; None or 0: not served). ``fail_soft_output``: stdout and stderr are
+    replaced by `fleet.local.failsoft.FailSoftStream` while it runs (a copy goes to
+    ``logs/fleet-up.log``, the log of `fleet logs controller`).
+
+    Only SIGINT/SIGTERM (Ctrl-C, `fleet down`) drains and stops the replicas and the router. A
+    failure of the control plane itself (an exception that escapes despite the fail-soft writes)
+    ends this process with 1 and leaves them serving, for the next `fleet up` to adopt.
 
     Raises:
         PreflightError: when any deployment cannot run here (nothing has been started).
         fleet.local.state.AlreadyRunning: when another `fleet up` holds the state directory.
     """
     store.acquire()
+    errors = store.write_errors
+    unreadable: StateUnreadable | None = None
     try:
-        previous = store.read()
+        try:
+            previous = store.read()
+        except StateUnreadable as err:
+            previous, unreadable = None, err
         node = discover_local()
         weights = WeightCache(default_cache_root())
         agent, agent_off = _node_agent(node, weights, store)
-        backend = LocalBackend(store.root, store.fleet_id(), node, weights=weights, agent=agent)
+        backend = LocalBackend(store.root, store.fleet_id(), node, weights=weights, agent=agent, write_errors=errors)
         router = RouterProcess(store, host, port)
         adopting_router = router.recorded() is not None
         ports = {} if adopting_router else {"router": (host, port)}
@@ -258,6 +300,7 @@ async def run_up(
     except BaseException:
         store.release()
         raise
+    restore_output = _fail_soft_output(errors, store.log_dir / "fleet-up.log") if fail_soft_output else (lambda: None)
     clock = time.monotonic
     store.set_extra(pid=os.getpid(), router_url=router.url, phase="starting", log_dir=str(store.log_dir))
     console.print(f"Node: {node.describe()}", highlight=False)
@@ -267,6 +310,9 @@ async def run_up(
     metrics_server = agent_server = None
     engine_api = EngineClient()
     stop = asyncio.Event()
+    asked = asyncio.Event()        # SIGINT/SIGTERM: the one way to drain and stop the data plane
+    interrupted = False            # KeyboardInterrupt or cancellation before the handlers were in place
+    controller: Controller | None = None
     try:
         if adopting_router and await router.adopt():
             console.print(f"Router adopted on {router.url} (pid {router.record.pid}): it kept serving",
@@ -278,20 +324,25 @@ async def run_up(
                 console.print(f"[red]{err}[/]", highlight=False)
                 return 1
             console.print(f"Router listening on {router.url} (log: {router.log_path})", highlight=False)
+        if unreadable is not None:
+            console.print(f"[bold yellow]{unreadable}[/]: taking over from replicas.json, the engines' fleet-id "
+                          "markers and the router's pools", highlight=False)  # fmt: skip
+            previous = await _rebuild(loaded, backend, router, store, clock())
 
         progress = ProgressPrinter(console, clock)
-        controller: Controller
         if agent is not None:
             agent.on_decision = lambda d: progress.say(f"{d.target:<20} {d.action.upper()}: {d.reason}",
                                                        style="bold yellow")  # fmt: skip
-            threading.Thread(target=agent.run, args=(AGENT_INTERVAL_S, agent_stop), name="node-agent",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(target=_supervised_thread, args=(agent.run, (AGENT_INTERVAL_S, agent_stop), agent_stop,
+                                                              "node agent"), name="node-agent", daemon=True).start()  # fmt: skip
             # Its own target (job fleet-node-agent), as the DaemonSet's pod is on Kubernetes; any free port.
             agent_server = serve_agent(agent, host, 0)
             console.print(f"Node agent metrics (GPU health, quarantine) on http://{host}:"
                           f"{agent_server.server_address[1]}/metrics", highlight=False)  # fmt: skip
 
         def on_event(e: ReplicaEvent) -> None:
+            store.append_event({"replica": e.replica_id, "deployment": e.deployment,
+                                "from": e.old.value if e.old else None, "to": e.new.value, "detail": e.detail})  # fmt: skip
             progress.event(e)
             if e.new.failed():
                 progress.failure_details(controller, e)
@@ -302,17 +353,21 @@ async def run_up(
             on_rollout_event=lambda name, line: progress.say(f"{name:<20} ROLLOUT {line}", style="bold blue"),
         )
         await controller.start(previous)
+        _never_reuse_ids(controller, store)
         adopted = [r.id for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive]
         if adopted:
             console.print(f"Adopted {len(adopted)} running replica(s) of the previous controller: {', '.join(adopted)}",
                           highlight=False)  # fmt: skip
-        _install_signal_handlers(stop, console, controller)
-        tasks = [asyncio.get_running_loop().create_task(_supervise_router(router, controller, stop, progress),
-                                                        name="router-supervisor"),
-                 asyncio.get_running_loop().create_task(ControlServer(store.root, controller, progress.say).run(stop),
-                                                        name="control")]  # `fleet apply`, `fleet rollout`  # fmt: skip
+        _install_signal_handlers(stop, asked, console, controller)
+        loop = asyncio.get_running_loop()
+        control = ControlServer(store.root, controller, progress.say, errors)   # `fleet apply`, `fleet rollout`
+        tasks = [loop.create_task(_keep_running("router supervisor", lambda: _supervise_router(
+                     router, controller, stop, progress), stop), name="router-supervisor"),
+                 loop.create_task(_keep_running("control channel", lambda: control.run(stop), stop),
+                                  name="control")]  # fmt: skip
         autoscaler_metrics = AutoscalerMetrics()
         autoscaler_metrics.registry.register(RolloutCollector(controller))   # fleet_rollout_* (fleet.rollout.metrics)
+        autoscaler_metrics.registry.register(errors)   # fleet_control_write_errors_total (fleet.local.failsoft)
         observability = LocalObservability(
             store.root, router.url, metrics_port and f"http://{host}:{metrics_port}", registry=autoscaler_metrics.registry,
             node_agent_url=agent_server and f"http://{host}:{agent_server.server_address[1]}")  # fmt: skip
@@ -323,18 +378,38 @@ async def run_up(
         if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
             autoscaler = AutoscalerLoop(controller, router=router.admin, engine_api=engine_api, clock=clock,
                                         metrics=autoscaler_metrics, on_decision=progress.decision)  # fmt: skip
-            tasks.append(asyncio.get_running_loop().create_task(autoscaler.run(stop), name="autoscaler"))
+            tasks.append(loop.create_task(_keep_running("autoscaler", lambda: autoscaler.run(stop), stop),
+                                          name="autoscaler"))  # fmt: skip
         store.set_extra(phase="running")
-        await controller.run(stop, interval_s=1.0, after_tick=lambda: (
-            progress.tick(controller, router.url), observability.tick(controller.snapshot())))
-        for task in tasks:
-            await task  # each returns once `stop` is set: no new target or router restart during the drain
+
+        def after_tick() -> None:
+            progress.tick(controller, router.url)
+            try:
+                observability.tick(controller.snapshot())
+            except WRITE_ERRORS as err:
+                errors.failed("observability", err)
+
+        await controller.run(stop, interval_s=1.0, after_tick=after_tick)
+        for task, result in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True)):
+            if isinstance(result, BaseException):   # each returns once `stop` is set; none should raise
+                log.error("%s ended with %r", task.get_name(), result)
         console.print("Draining: replicas leave the router, in-flight requests finish, engines stop...")
         store.set_extra(phase="stopping")
         await controller.shutdown()
         observability.stopped()  # Prometheus: nothing left to scrape
         return 0
+    except Exception as err:
+        if asked.is_set():
+            raise
+        log.exception("fleet up failed")
+        console.print(f"[bold red]fleet up failed: {err!r}.[/] The router and the engines keep serving; "
+                      "`fleet up` again adopts them, `fleet down` stops them.", highlight=False)  # fmt: skip
+        return 1
+    except BaseException:
+        interrupted = True
+        raise
     finally:
+        teardown = asked.is_set() or interrupted
         stop.set()
         agent_stop.set()
         if agent is not None and agent.checker is not None:
@@ -343,47 +418,148 @@ async def run_up(
             if server is not None:
                 server.shutdown()
                 server.server_close()
-        await router.stop()
-        backend.kill_all()   # belt and braces: nothing started by this fleet outlives an orderly stop
+        if teardown:
+            await router.stop()
+            backend.kill_all()   # belt and braces: nothing started by this fleet outlives an orderly stop
+        elif router.admin is not None:
+            await router.admin.aclose()   # the router keeps serving
         await engine_api.aclose()
-        store.set_extra(phase="stopped")
-        state = store.read() or {}
-        store.save({k: v for k, v in state.items() if k not in ("updated_at_unix",)})
+        store.set_extra(phase="stopped" if teardown else "exited")
+        if controller is not None:
+            store.save(controller.snapshot(), force=True)
         store.release()
-        console.print("Stopped.")
+        console.print("Stopped." if teardown else "Exited; the router and engines still run.")
+        restore_output()
 
 
 async def run_down(store: StateStore, console: Console, settings: ControllerSettings | None = None) -> int:
     """`fleet down` when no controller runs: adopt the engines and router a dead controller left
-    behind, drain and stop the engines, stop the router. Returns 0, or 1 when nothing was left.
+    behind, drain and stop the engines, stop the router. Works from whatever survives: when
+    ``state.json`` cannot be read, from the replica records, the engines' and the router's
+    markers and ``router.json`` (`fleet.local.rebuild`); a router that does not answer its admin
+    API is stopped all the same. Returns 0 when all is stopped, 1 when nothing was left, 3 when
+    the router process would not stop.
 
     Raises fleet.local.state.AlreadyRunning when a controller holds the state directory after all.
     """
     store.acquire()
     try:
-        state = store.read() or {}
-        backend = LocalBackend(store.root, store.fleet_id(), discover_local(), weights=WeightCache(default_cache_root()))
-        url = state.get("router_url") or ""
+        try:
+            state, unreadable = store.read() or {}, None
+        except StateUnreadable as err:
+            state, unreadable = {}, err
+            console.print(f"[yellow]{err}[/]: stopping what replicas.json, router.json and the processes' "
+                          "fleet-id markers name", highlight=False)  # fmt: skip
+        errors = store.write_errors
+        backend = LocalBackend(store.root, store.fleet_id(), discover_local(), weights=WeightCache(default_cache_root()),
+                               write_errors=errors)  # fmt: skip
+        url = state.get("router_url") or recorded_url(store.root) or (marked_router(store.root) or ("",))[0]
         where = urlsplit(url)
         router = RouterProcess(store, where.hostname or "127.0.0.1", where.port or 0)
-        router_alive = router.recorded() is not None and await router.adopt()
-        if backend.live_process_count() == 0 and not router_alive:
+        router_record = router.recorded()
+        router_answers = router_record is not None and await router.adopt()
+        if router_record is not None and not router_answers:
+            router.record = router_record   # stopped at the end even though its admin API does not answer
+            console.print(f"The router (pid {router_record.pid}) does not answer as this fleet's: engines stop "
+                          "without a drain through it; it is stopped too", highlight=False)  # fmt: skip
+        if backend.live_process_count() == 0 and router_record is None:
             return 1
         engine_api = EngineClient()
-        controller = Controller([], backend=backend, engine_api=engine_api, pool_sink=_NoRouter()
-                                if not router_alive else router.admin, clock=time.monotonic,
+        controller = Controller([], backend=backend, engine_api=engine_api, pool_sink=router.admin
+                                if router_answers else _NoRouter(), clock=time.monotonic,
                                 state_sink=store, settings=settings)  # fmt: skip
-        await controller.start(state)
+        previous = state if unreadable is None else await _rebuild([], backend, router if router_answers else None,
+                                                                    store, time.monotonic())  # fmt: skip
+        await controller.start(previous)
         console.print(f"No controller runs; stopping what it left: {backend.live_process_count()} engine(s)"
-                      f"{' and the router' if router_alive else ''}...", highlight=False)  # fmt: skip
+                      f"{' and the router' if router_record is not None else ''}...", highlight=False)  # fmt: skip
         await controller.shutdown(interval_s=0.2)
+        gone = router.record
         await router.stop()
         await engine_api.aclose()
         store.set_extra(phase="stopped", router_url=url or None, pid=state.get("pid"))
-        store.save(controller.snapshot())
+        store.save(controller.snapshot(), force=True)
+        left = marked_router(store.root)
+        if (gone is not None and router.processes.is_ours(gone)) or left is not None:
+            console.print(f"[bold red]The router (pid {gone.pid if gone else left[1]}) is still running[/]",
+                          highlight=False)  # fmt: skip
+            return 3
         return 0
     finally:
         store.release()
+
+
+async def _rebuild(loaded: list[LoadedDeployment], backend: LocalBackend, router: RouterProcess | None,
+                   store: StateStore, now_s: float) -> dict:  # fmt: skip
+    """The snapshot to take over from when state.json is unreadable (`fleet.local.rebuild`):
+    the backend's records and markers, the router's pools (when it answers), the replica numbers."""
+    facts = await backend.observe()
+    pools = None
+    if router is not None and router.admin is not None and router.record is not None:
+        try:
+            pools = await router.admin.pools()
+        except Exception as err:  # noqa: BLE001 - unknown: every adopted replica warms again
+            log.warning("cannot read the router's pools: %s", err)
+    snapshot = rebuild_snapshot(loaded, facts, backend.placements(), pooled_endpoint_ids(pools),
+                                store.replica_numbers(), now_s)  # fmt: skip
+    log.warning("rebuilt state: %d running replica(s), %d in the router's pools", len(snapshot["replicas"]),
+                sum(1 for r in snapshot["replicas"] if r.get("warmup_passed_at_s") is not None))  # fmt: skip
+    return snapshot
+
+
+def _never_reuse_ids(controller: Controller, store: StateStore) -> None:
+    """Replica numbering continues after every number used in this state directory (also when
+    state.json was lost: `StateStore.replica_numbers`)."""
+    numbers = store.replica_numbers()
+    for name, ds in controller.deployments.items():
+        ds.next_index = max(ds.next_index, numbers.get(name, 0))
+
+
+def _fail_soft_output(errors: WriteErrors, log_path: Path) -> Callable[[], None]:
+    """Replace stdout and stderr with fail-soft streams (`FailSoftStream`) that copy every line
+    to ``log_path`` unless they already write there (`fleet up --detach`). Returns the undo."""
+    saved = sys.stdout, sys.stderr
+    streams = []
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        if same_file(fd, log_path):
+            streams.append(FailSoftStream(fd, "log", errors))
+        else:
+            streams.append(FailSoftStream(fd, name, errors, tee=log_path))
+    sys.stdout, sys.stderr = streams
+
+    def restore() -> None:
+        sys.stdout, sys.stderr = saved
+        for stream in streams:
+            stream.close()
+
+    return restore
+
+
+async def _keep_running(what: str, run: Callable[[], Awaitable[None]], stop: asyncio.Event,
+                        delay_s: float = 1.0) -> None:  # fmt: skip
+    """Await ``run()`` until it returns (each loop returns once ``stop`` is set); if it raises,
+    log and start it again ``delay_s`` later: a supervisor that restarts itself."""
+    while not stop.is_set():
+        try:
+            await run()
+            return
+        except Exception:  # noqa: BLE001 - the loop is started again
+            log.exception("%s failed: restarting it in %.0f s", what, delay_s)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=delay_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+def _supervised_thread(run: Callable, args: tuple, stop: threading.Event, what: str, delay_s: float = 5.0) -> None:
+    """Run ``run(*args)`` until ``stop`` is set, starting it again ``delay_s`` after it raised."""
+    while not stop.is_set():
+        try:
+            run(*args)
+            return
+        except Exception:  # noqa: BLE001 - the supervisor restarts what it supervises
+            log.exception("%s failed: restarting it in %.0f s", what, delay_s)
+            stop.wait(delay_s)
 
 
 def _node_agent(node, weights: WeightCache, store: StateStore) -> tuple[NodeAgent | None, str | None]:
@@ -413,13 +589,15 @@ class _NoRouter:
         return {}
 
 
-def _install_signal_handlers(stop: asyncio.Event, console: Console, controller: Controller) -> None:
+def _install_signal_handlers(stop: asyncio.Event, asked: asyncio.Event, console: Console,
+                             controller: Controller) -> None:  # fmt: skip
     loop = asyncio.get_running_loop()
     presses = {"n": 0}
 
     def on_signal(signum: int) -> None:
         presses["n"] += 1
         if presses["n"] == 1:
+            asked.set()
             console.print(f"\n{signal.Signals(signum).name}: shutting down (again to force)...")
             stop.set()
             controller.wake()

@@ -33,6 +33,7 @@ from typing import ClassVar
 from fleet.inventory.model import Inventory, NodeInventory, product_key
 from fleet.models.memory import MemoryNeed
 from fleet.placement import cpu, explain, gangs, mig_advice, victims
+from fleet.placement.compat import CudaNeed
 from fleet.placement.context import Context
 from fleet.placement.freeindex import FreeIndex, FreeState, free_state
 from fleet.placement.shapes import (
@@ -180,11 +181,12 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
         n = len(placements)
         return list(range(n - 1, n - 1 - min(count, n), -1))
 
-    def fits_at_all(self, shape: ReplicaShape, inventory: Inventory,
-                    memory: MemoryNeed | None = None) -> Unplaceable | None:
-        """Why one replica of ``shape`` (of a model needing ``memory``, when known) can never fit,
-        even on empty nodes; None when it can."""
-        plan = self.place_replicas(PlacementRequest(shape, memory=memory), inventory, Counter())
+    def fits_at_all(self, shape: ReplicaShape, inventory: Inventory, memory: MemoryNeed | None = None,
+                    cuda: CudaNeed | None = None) -> Unplaceable | None:
+        """Why one replica of ``shape`` (of a model needing ``memory``, of an engine needing
+        ``cuda`` of a node's driver: each when known) can never fit, even on empty nodes; None
+        when it can."""
+        plan = self.place_replicas(PlacementRequest(shape, memory=memory, cuda=cuda), inventory, Counter())
         return None if plan.complete else Unplaceable(plan.explain())
 
     def _context(self, request: PlacementRequest, inventory: Inventory, lazy: bool = False) -> Context:

@@ -1,19 +1,31 @@
 """The router's deadlines in real time: hostile requests get a 4xx within the body and head
 timeouts while good ones are served, and the deadlines bound receiving a request, not idle or
-answering time (router.server, router.app). In-process router on loopback; the rest of the hostile
-cases, and the helpers used here, are in tests/unit/test_router_hostile.py."""
+answering time (router.server, router.app); a router process killed and restarted answers 503,
+not 404, for the models it served (router.remembered); an engine simulator's 413 reaches the
+client in OpenAI's format (router.errors). In-process router on loopback (one test runs `python -m
+router`); the rest of the hostile cases, and the helpers used here, are in
+tests/unit/test_router_hostile.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import aiohttp
 
 from router.metrics import UNKNOWN_MODEL
 from router.proxy import MAX_REFLECTED_CHARS
 from tests.support.router import FakeEngine
-from tests.unit.test_router_hostile import AUTH, SHORT_S, WAIT_S, error_of, good_traffic, put_pool, raw_exchange, rejected, router, status_of  # the subject's helpers live in its unit file
+from tests.support.waits import async_wait_until
+from tests.unit.test_router_hostile import AUTH, SHORT_S, TOKEN, WAIT_S, error_of, good_traffic, put_pool, raw_exchange, rejected, router, status_of  # the subject's helpers live in its unit file
+from tests.unit.test_sim_server import replica
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_hostile_requests_get_4xx_in_bounded_time_while_good_ones_are_served() -> None:
@@ -84,3 +96,58 @@ async def test_the_deadlines_bound_receiving_a_request_not_idle_or_answering_tim
             assert status_line.startswith(b"HTTP/1.1 200")
         finally:
             writer.close()
+
+
+async def test_a_router_killed_and_restarted_answers_503_not_404_until_its_pools_are_published(
+        tmp_path: Path) -> None:  # fmt: skip
+    """`python -m router --models-file`, `kill -9`, started again on the same file: each request
+    for the model it served gets 503 + Retry-After (OpenAI clients retry it; a 404 they do not)
+    until the controller PUTs the pool again; then 200. An unknown model is still 404."""
+    models_file = tmp_path / "router-models.json"
+
+    def start() -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", "0",
+                                 "--models-file", str(models_file)], env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN":
+                                TOKEN}, cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert proc.stdout is not None
+        line = proc.stdout.readline()   # blocks until it listens (or exits: empty line)
+        assert line.startswith("fleet router listening on "), line
+        return proc, line.split()[-1]
+
+    timeout = aiohttp.ClientTimeout(total=WAIT_S)
+    async with FakeEngine("e") as engine:
+        proc, base = start()
+        try:
+            async with aiohttp.ClientSession(base, timeout=timeout) as client:
+                await put_pool(client, "m", [{"id": "e", "url": engine.url}])
+                await async_wait_until(lambda: models_file.exists() and "m" in models_file.read_text(), WAIT_S)
+            proc.kill()   # kill -9: no shutdown of any kind
+            proc.wait(timeout=WAIT_S)
+            proc, base = start()
+            async with aiohttp.ClientSession(base, timeout=timeout) as client:
+                for _ in range(3):
+                    async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+                        assert resp.status == 503 and resp.headers["Retry-After"] == "2"
+                        assert (await resp.json())["error"]["code"] == "model_not_published"
+                async with client.post("/v1/completions", json={"model": "other", "prompt": "x"}) as resp:
+                    assert resp.status == 404
+                await put_pool(client, "m", [{"id": "e", "url": engine.url}])
+                async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+                    assert resp.status == 200
+        finally:
+            proc.kill()
+            proc.wait(timeout=WAIT_S)
+
+
+async def test_a_10_mb_prompt_to_the_engine_simulator_comes_back_413_in_openai_format() -> None:
+    """The simulator refuses a body over aiohttp's 1 MiB (vLLM's JSON shape: numeric code); the
+    router, whose limit is 64 MiB, relays that 413 in OpenAI's shape."""
+    async with replica() as (sim, _), router() as (app, client, _base):
+        await put_pool(client, "sim-model", [{"id": "sim", "url": f"http://127.0.0.1:{sim.port}"}])
+        async with client.post("/v1/completions", json={"model": "sim-model", "prompt": "w " * 5_000_000}) as resp:
+            assert resp.status == 413 and resp.content_type == "application/json"
+            error = (await resp.json())["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+        assert "1048576" in error["message"]
+        async with client.post("/v1/completions", json={"model": "sim-model", "prompt": "hi", "max_tokens": 2}) as resp:
+            assert resp.status == 200

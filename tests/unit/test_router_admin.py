@@ -188,7 +188,8 @@ async def test_ready_only_after_the_control_plane_says_every_pool_is_published()
         async with client.get("/health") as resp:
             assert resp.status == 200   # alive ...
         async with client.get("/ready") as resp:
-            assert resp.status == 503   # ... not ready
+            assert resp.status == 503   # ... not ready (an error in OpenAI's format, like every other)
+            assert (await resp.json())["error"]["code"] == "not_synced"
         async with client.post("/admin/v1/synced") as resp:
             assert resp.status == 401   # only the control plane may say so
         async with client.post("/admin/v1/synced", headers=AUTH) as resp:

@@ -174,6 +174,21 @@ async def test_bad_requests_get_vllm_style_errors(path, body, status, fragment):
     assert fragment in err["message"] and err["code"] == status
 
 
+async def test_aiohttp_errors_come_in_vllm_json_shape_too():
+    """A 10 MB prompt (over aiohttp's 1 MiB body limit), an unknown path and a deep JSON body get
+    vLLM's JSON error shape, not aiohttp's text/plain."""
+    async with replica() as (r, c):
+        cases = [("POST", "/v1/completions", json.dumps({"prompt": "w" * 10_000_000}).encode(), 413),
+                 ("GET", "/nope", None, 404), ("POST", "/v1/completions", b"[" * 50_000 + b"]" * 50_000, 400)]
+        for method, path, data, status in cases:
+            async with c.request(method, path, data=data, headers={"content-type": "application/json"}) as resp:
+                assert resp.status == status and resp.content_type == "application/json", path
+                err = (await resp.json())["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
+        async with c.get("/health") as resp:
+            assert resp.status == 200
+
+
 async def test_a_client_that_goes_away_is_aborted_in_the_engine():
     async with replica() as (r, c):
         body = {"prompt": "x", "max_tokens": 400, "stream": True}

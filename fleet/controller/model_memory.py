@@ -1,0 +1,195 @@
+"""The memory one replica of each deployment spec needs, for the controller's placement requests.
+
+Owns `ModelMemory`: per serving spec (`fleet.spec.LoadedDeployment.serving_hash`) the
+`fleet.models.memory.MemoryNeed` of one replica, read once and kept, and `read_memory_need`, the
+reader it uses unless given another (`fleet.models.read.memory_need`; an ``hf://`` source is read
+from this machine's weight cache when `fleet cache pull` or the local backend put it there, else
+from the hub through `huggingface_hub`: ``config.json`` and the safetensors index alone). The
+controller (`fleet.controller.reconcile.Controller._placement_request`) asks `ModelMemory.need`
+for every scale-up; placement then skips the products and MIG profiles that cannot hold the model
+and explains why (`fleet.placement.explain.memory_reason`), so a deployment whose model fits no
+device waits with that reason (``fleet status``, the CRD's ``Degraded`` condition) instead of
+starting replicas that vLLM refuses at start-up.
+
+Where the need comes from, and when:
+
+- no read at all for the engine simulator and CPU replicas (None: placement checks no memory);
+- a source on this machine (a path, ``file://``) and sources Fleet does not read (``sim://``,
+  http(s) manifests): read inline the first time, from local files (``config.json``, the
+  safetensors index or headers);
+- ``hf://``: read in a worker thread (`asyncio.to_thread`), never on the reconcile step: until the
+  read is done, or when it fails or takes longer than ``timeout_s``, replicas are placed without a
+  memory need (logged once per spec) and a failed read is tried again ``retry_after_s`` later. A
+  finished read calls ``on_known`` (the controller wakes for its next tick).
+
+Errors of a read (`fleet.models.read.ModelSourceError`, `fleet.models.memory.EngineArgError`, or
+anything else the reader raises) are logged and kept as the reason the need is unknown
+(`ModelMemory.unknown_reason`); they never reach the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleet.models.memory import MemoryNeed
+from fleet.spec import LoadedDeployment
+
+log = logging.getLogger("fleet.controller")
+
+READ_TIMEOUT_S = 60.0
+"""Longest wait for one ``hf://`` read (config.json and the index: each fetch has its own
+`fleet.models.read.HUB_TIMEOUT_S`, and huggingface_hub may retry) before placing without it."""
+RETRY_AFTER_S = 300.0
+"""Seconds (controller clock) before a failed or timed-out read is tried again."""
+MAX_SPECS = 1024
+"""Specs whose need is kept; the oldest settled ones are forgotten beyond it."""
+
+Reader = Callable[[LoadedDeployment], "MemoryNeed | None"]
+"""A deployment spec -> the memory one replica needs, or None (nothing to check). May raise."""
+
+
+def read_memory_need(ld: LoadedDeployment) -> MemoryNeed | None:
+    """The default `Reader`: `fleet.models.read.memory_need` of ``ld``, reading an ``hf://``
+    source from this machine's weight cache (`fleet.agent.cache.WeightCache.lookup`) when it holds
+    it, else from the hub. Blocking (files, network): `ModelMemory` runs it in a thread for
+    ``hf://`` sources. Raises ModelSourceError or EngineArgError."""
+    from fleet.models.read import memory_need
+
+    return memory_need(ld.deployment, ld.base_dir, _weight_cache_dir(ld.deployment.spec.model.source))
+
+
+def _weight_cache_dir(source: str) -> Path | None:
+    if not source.startswith("hf://"):
+        return None
+    from fleet.agent.cache import WeightCache, default_cache_root
+
+    try:
+        root = default_cache_root()
+        return WeightCache(root).lookup(source) if root.is_dir() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+@dataclass
+class _Entry:
+    """What is known of one spec's need: ``known`` (``need`` is the answer, None included), or a
+    read in flight (``task``), or the last read failed (``why``, tried again at ``retry_at_s``)."""
+
+    known: bool = False
+    need: MemoryNeed | None = None
+    task: asyncio.Task | None = None
+    why: str | None = None
+    retry_at_s: float = 0.0
+
+
+class ModelMemory:
+    """The memory need of each deployment spec, read once (module docstring).
+
+    ``clock`` is the controller's (seconds; retries), ``reader`` the `Reader` (default
+    `read_memory_need`), ``timeout_s`` the longest wait for a threaded read, ``on_known`` is
+    called (on the event loop) when a threaded read has finished."""
+
+    def __init__(self, clock: Callable[[], float], reader: Reader | None = None, *,
+                 timeout_s: float = READ_TIMEOUT_S, retry_after_s: float = RETRY_AFTER_S,
+                 on_known: Callable[[], None] | None = None) -> None:
+        self.clock = clock
+        self.reader = reader or read_memory_need
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.on_known = on_known or (lambda: None)
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+
+    def need(self, ld: LoadedDeployment) -> MemoryNeed | None:
+        """The need of one replica of ``ld`` if known now, else None (place without it). Never
+        blocks on the network: an ``hf://`` source is read in a thread, started here (when called
+        on a running event loop; the controller's steps are)."""
+        spec = ld.deployment.spec
+        if spec.engine.kind == "sim" or spec.resources.accelerator != "gpu":
+            return None
+        key = ld.serving_hash
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry()
+            self._trim()
+        if entry.known:
+            return entry.need
+        if entry.task is not None:
+            return None
+        if entry.why is not None and self.clock() < entry.retry_at_s:
+            return None
+        if not spec.model.source.startswith("hf://"):
+            self._settle(entry, ld, *self._read(ld))
+            return entry.need
+        loop = _running_loop()
+        if loop is None:   # asked outside the controller's loop: the next tick starts the read
+            return None
+        entry.task = loop.create_task(self._read_in_thread(ld, entry), name=f"model-memory-{ld.deployment.name}")
+        log.info("%s: placing without the model's memory need until %s is read", ld.deployment.name,
+                 spec.model.source)
+        return None
+
+    def unknown_reason(self, ld: LoadedDeployment) -> str | None:
+        """Why the need of ``ld`` is not known (the last read's error), or None."""
+        entry = self._entries.get(ld.serving_hash)
+        return entry.why if entry is not None and not entry.known else None
+
+    async def settled(self) -> None:
+        """Return once no read is in flight (tests; a shutdown that wants no thread left)."""
+        while tasks := [e.task for e in self._entries.values() if e.task is not None]:
+            await asyncio.wait(tasks)
+
+    def close(self) -> None:
+        """Stop waiting for reads in flight (their threads finish on their own; results dropped)."""
+        for entry in self._entries.values():
+            if entry.task is not None:
+                entry.task.cancel()
+                entry.task = None
+
+    # ----- internals ----------------------------------------------------------------------------
+
+    def _read(self, ld: LoadedDeployment) -> tuple[MemoryNeed | None, str | None]:
+        try:
+            return self.reader(ld), None
+        except Exception as err:  # noqa: BLE001 - an unreadable model is placed without a need, never a failed step
+            return None, str(err) or repr(err)
+
+    async def _read_in_thread(self, ld: LoadedDeployment, entry: _Entry) -> None:
+        try:
+            need, why = await asyncio.wait_for(asyncio.to_thread(self._read, ld), self.timeout_s)
+        except asyncio.TimeoutError:
+            need, why = None, f"{ld.deployment.spec.model.source}: no answer within {self.timeout_s:g} s"
+        entry.task = None
+        self._settle(entry, ld, need, why)
+        self.on_known()
+
+    def _settle(self, entry: _Entry, ld: LoadedDeployment, need: MemoryNeed | None, why: str | None) -> None:
+        name = ld.deployment.name
+        if why is None:
+            entry.known, entry.need, entry.why = True, need, None
+            if need is not None:
+                log.info("%s: memory need known (%s): weights %.2f GiB and one %d-token sequence %.2f GiB per GPU",
+                         name, ld.deployment.spec.model.source, need.weight_bytes / 2**30, need.context_tokens,
+                         need.sequence_kv_bytes / 2**30)
+            return
+        entry.why, entry.retry_at_s = why, self.clock() + self.retry_after_s
+        log.warning("%s: placing without the model's memory need (tried again in %.0f s): %s", name,
+                    self.retry_after_s, why)
+
+    def _trim(self) -> None:
+        while len(self._entries) > MAX_SPECS:
+            oldest = next((k for k, e in self._entries.items() if e.task is None), None)
+            if oldest is None:
+                return
+            del self._entries[oldest]
