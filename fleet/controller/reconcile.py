@@ -44,7 +44,7 @@ from fleet.controller.rollouts import RolloutDriver
 from fleet.controller.scale import scale_step
 from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
 from fleet.inventory import Inventory
-from fleet.placement import PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
+from fleet.placement import DeviceUse, PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
 from fleet.placement.preemption import DEFAULT_HOLD_OFF_S
 from fleet.rollout.revisions import AnalysisSource, endpoint_weights, revision_label
 from fleet.spec import LoadedDeployment
@@ -507,7 +507,8 @@ class Controller:
             active = [r for r in self.records.of_deployment(name) if r.status.counts_toward_desired()]
             targets = ds.revs.targets(ds.desired)
             for h, want in targets.items():
-                step = scale_step([r for r in active if r.spec_hash == h], want, lambda r: created[r.id])
+                step = scale_step([r for r in active if r.spec_hash == h], want, lambda r: created[r.id],
+                                  self._drain_preference)
                 if step.create and now >= ds.next_create_at_s:
                     for _ in range(step.create):
                         self._create_replica(ds, h, now)
@@ -530,6 +531,18 @@ class Controller:
                     changed = True
         if changed:
             self._save()  # decided: persisted before anything acts on it
+
+    def _drain_preference(self, equals: list[Replica], n: int) -> list[Replica]:
+        """Which ``n`` of ``equals`` (replicas of one revision and status, newest first) to drain:
+        the placer's choice (`PlacementStrategy.drain_order`: ``fleet`` frees NVLink domains
+        whole) when each holds a placement, else the newest."""
+        if any(r.placement is None for r in equals):
+            return equals[:n]
+        oldest_first = equals[::-1]
+        placements = [ReplicaPlacement.from_dict(r.placement) for r in oldest_first]
+        in_use = Counter(d for a in self._holding().values() for d in a.devices)
+        in_use.update(d for p in placements for d in p.devices if not in_use[d])
+        return [oldest_first[i] for i in self.placer.drain_order(placements, n, self.inventory, in_use)]
 
     def _drain_unhealthy(self, now: float) -> bool:
         """Replicas holding a GPU (or a MIG instance of a GPU) that the inventory reports unhealthy
@@ -599,7 +612,7 @@ class Controller:
         holding = self._holding()
         request = self._placement_request(ld, 1, holding)
         plan = self.placer.place_replicas(request, self.inventory,
-                                          Counter(d for a in holding.values() for d in a.devices))
+                                          DeviceUse(d for a in holding.values() for d in a.devices))
         if not plan.placements:
             return False
         return all(request.is_warm(self.inventory.node(m.node)) for m in plan.placements[0].members)
@@ -618,7 +631,9 @@ class Controller:
             waiting.sort(key=lambda r: r.created_at_s)
         pending = dict(sorted(pending.items(), key=lambda kv: kv[1][0].created_at_s))   # oldest first, as before
         holding = self._holding()
-        in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
+        # A DeviceUse journals what this tick adds, so each later placement call of the tick
+        # updates the placer's kept index from those changes alone (fleet.placement.freeindex).
+        in_use: DeviceUse = DeviceUse(d for a in holding.values() for d in a.devices)
         now = self.clock()
         to_launch: list[tuple[Replica, ReplicaPlacement]] = []
         for i, ((name, spec_hash), waiting) in enumerate(pending.items()):
