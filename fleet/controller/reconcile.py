@@ -95,12 +95,14 @@ class Controller:
     """Converges desired to observed replicas, one idempotent `reconcile_once` per tick.
 
     A deployment serves revisions (`fleet.rollout.revisions.Revisions`): the stable one and, during a
-    canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`). Two
+    canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`). These
     collaborators work on the same records: the rollout driver (``self.rollouts``,
     `fleet.controller.rollouts.RolloutDriver`) and, once at `start`, the take-over from a previous
     controller (`fleet.controller.restart.Adoption`). ``memory_reader`` says what one replica of a
     spec needs per GPU (`fleet.controller.model_memory`; default: read from the model's files or
-    the hub), which every placement request carries once known."""
+    the hub), which every placement request carries once known. Three steps of the tick are a
+    collaborator's: placement and launch (``self.launcher``), drain and stop (``self.drainer``),
+    pool publishing (``self.pools``); transitions and history are ``self.report``'s."""
 
     def __init__(
         self,
