@@ -7,14 +7,19 @@ Self-contained; prints the figures that docs/placement.md records. Three parts:
    nodes with half their GPUs in MIG mode; 0.5% of GPUs unhealthy; zones, racks, network blocks),
    half of the devices already in use (nodes 0-100% used). Wall time of one `place_replicas` call placing one
    replica, and a batch of 1,000 replicas, for TP=2 H100, a 1g.10gb MIG slice and a TP=16 gang
-   (one gang only: gangs are rare and scanned per gang). Median of repeated calls.
+   (one gang only: gangs are rare and scanned per gang). Median of repeated calls on the same
+   inventory object, with the in-use map passed as a `DeviceUse` (what the controller passes:
+   the kept index reads only what changed) and as a plain Counter (compared whole per call);
+   and the first call on a fresh inventory object (tables and index built).
 2. Quality at scale (1,000 nodes): one long random sequence of scale-ups and scale-downs of 15
    deployments (three each of TP 8, 4, 2 on H100 and TP 4, 2 on A100 80GB; each target a
    random walk over 0..cap, caps set so the mean demand is 95% or 110% of the GPUs) is replayed
    with each strategy, and with fleet on the same nodes stripped of zone/rack labels (the cost
    of spreading). Each event moves one deployment's target; the placer then tries to reach it
-   (a missing replica is asked again at its next event; scale-downs remove the newest
-   replicas). Reported: replicas missing (target minus running, summed over events, over the
+   (after a scale-down every deployment below its target asks again, longest waiting first, as
+   the controller's next tick places every pending replica; scale-downs drain the replicas the
+   strategy's `drain_order` names: the newest for first-fit, those freeing NVLink domains whole
+   for fleet). Reported: replicas missing (target minus running, summed over events, over the
    sum of targets), the same for TP=8, placement requests rejected, NVLink domains with 8 free
    GPUs (room for TP=8; mean over samples every 10 events), and GPUs stranded: free healthy
    whole GPUs of a requested product in an NVLink domain whose free GPUs fit none of that
@@ -48,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.inventory.model import Gpu, GpuHealth, Inventory, MigInstance, NodeInventory  # noqa: E402
-from fleet.placement import PlacementRequest, ReplicaPlacement, ReplicaShape, get_strategy  # noqa: E402
+from fleet.placement import DeviceUse, PlacementRequest, ReplicaPlacement, ReplicaShape, get_strategy  # noqa: E402
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -124,30 +129,40 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 def latency(sizes: list[int], repeats_one: int, repeats_batch: int) -> None:
     print("\n## 1. Latency of one place_replicas call (median wall time)\n")
-    print("| nodes | GPUs | request | fleet | first-fit | placed (fleet) |")
-    print("|---:|---:|---|---:|---:|---:|")
+    print("| nodes | GPUs | request | fleet, in-use map a DeviceUse | fleet, a plain Counter | first-fit | "
+          "placed (fleet) |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
     cases = [
         ("1 replica, TP=2 H100", ReplicaShape(gpu_product=H100, tensor_parallel_size=2), 1, repeats_one),
         ("1,000 replicas, TP=2 H100", ReplicaShape(gpu_product=H100, tensor_parallel_size=2), 1000, repeats_batch),
         ("1 replica, MIG 1g.10gb", ReplicaShape(gpu_product=H100, mig_profile="1g.10gb"), 1, repeats_one),
         ("1,000 replicas, MIG 1g.10gb", ReplicaShape(gpu_product=H100, mig_profile="1g.10gb"), 1000, repeats_batch),
         ("1 gang, TP=16 H100 (2 nodes)", ReplicaShape(gpu_product=H100, tensor_parallel_size=16), 1, repeats_batch),
+        ("1 replica, TP=2, product chosen", ReplicaShape(tensor_parallel_size=2), 1, repeats_one),
     ]
     for n in sizes:
         inv = synthetic_cluster(n)
         held = random_load(inv)
+        use = DeviceUse(held)
+        get_strategy("fleet").place_replicas(PlacementRequest(cases[0][1]), inv, use)   # the first call builds tables
         for label, shape, count, repeats in cases:
             row = []
             placed = 0
-            for name in ("fleet", "first-fit"):
+            for name, in_use in (("fleet", use), ("fleet", held), ("first-fit", held)):
                 strategy = get_strategy(name)
                 request = PlacementRequest(shape, count=count, deployment="bench")
-                seconds, plan = timed(lambda: strategy.place_replicas(request, inv, held), repeats)
+                seconds, plan = timed(lambda: strategy.place_replicas(request, inv, in_use), repeats)
                 row.append(seconds)
                 if name == "fleet":
                     placed = len(plan.placements)
-            print(f"| {n:,} | {inv.gpu_count():,} | {label} | {fmt_s(row[0])} | {fmt_s(row[1])} | {placed:,} |")
+            print(f"| {n:,} | {inv.gpu_count():,} | {label} | {fmt_s(row[0])} | {fmt_s(row[1])} | {fmt_s(row[2])} "
+                  f"| {placed:,} |")
             sys.stdout.flush()
+        first = synthetic_cluster(n)     # a fresh inventory object: tables and index built on this call
+        t0 = time.perf_counter()
+        get_strategy("fleet").place_replicas(PlacementRequest(cases[0][1]), first, DeviceUse(held))
+        print(f"| {n:,} | {first.gpu_count():,} | first call on a new Inventory object, 1 replica TP=2 H100 | "
+              f"{fmt_s(time.perf_counter() - t0)} | | | |")
 
 
 def fmt_s(seconds: float) -> str:
@@ -213,31 +228,59 @@ class Run:
 
 
 def replay(inv: Inventory, deps: list[Deployment], sequence: list[tuple[int, int]], strategy_name: str,
-           sample_every: int = 10, checkpoints: set[int] | None = None) -> Run:
+           sample_every: int = 10, checkpoints: set[int] | None = None, drain: bool = True,
+           retry: bool = True) -> Run:
+    """Replay ``sequence`` with one strategy. ``drain``: scale-downs drain the replicas the
+    strategy's `drain_order` names (else the newest). ``retry``: after a scale-down, every
+    deployment below its target asks again, longest waiting first, as the controller's next tick
+    places every PENDING replica (else a missing replica is asked again at its own next event)."""
     strategy = get_strategy(strategy_name)
     live: list[list[ReplicaPlacement]] = [[] for _ in deps]
     targets = [0] * len(deps)
-    held: Counter[str] = Counter()
+    held: Counter[str] = DeviceUse()
     run = Run(strategy_name)
     min_tp = _min_tp(deps)
-    for step, (i, target) in enumerate(sequence, 1):
-        targets[i] = target
-        dep = deps[i]
-        have = live[i]
-        if target > len(have):
-            want = target - len(have)
-            t0 = time.perf_counter()
-            plan = strategy.place_replicas(PlacementRequest(dep.shape, count=want, deployment=dep.name,
-                                                            existing=tuple(have)), inv, held)
-            run.seconds += time.perf_counter() - t0
-            for p in plan.placements:
-                held.update(p.devices)
-            have.extend(plan.placements)
+    short_since: dict[int, int] = {}          # deployment -> step its shortfall began
+
+    def scale_up(i: int, step: int, counted: bool) -> None:
+        dep, have = deps[i], live[i]
+        want = targets[i] - len(have)
+        if want <= 0:
+            short_since.pop(i, None)
+            return
+        t0 = time.perf_counter()
+        plan = strategy.place_replicas(PlacementRequest(dep.shape, count=want, deployment=dep.name,
+                                                        existing=tuple(have)), inv, held)
+        run.seconds += time.perf_counter() - t0
+        for p in plan.placements:
+            held.update(p.devices)
+        have.extend(plan.placements)
+        if counted:
             run.asked += want
             run.rejected += want - len(plan.placements)
-        while len(have) > target:
-            held.subtract(have.pop().devices)     # newest first
-        held = +held
+        if len(have) < targets[i]:
+            short_since.setdefault(i, step)
+        else:
+            short_since.pop(i, None)
+
+    for step, (i, target) in enumerate(sequence, 1):
+        targets[i] = target
+        have = live[i]
+        if target > len(have):
+            scale_up(i, step, counted=True)
+        elif len(have) > target:
+            short_since.pop(i, None)
+            gone = set(strategy.drain_order(have, len(have) - target, inv, held)) if drain else set(
+                range(target, len(have)))                             # newest first
+            for j in gone:
+                for d in have[j].devices:
+                    held[d] -= 1
+                    if held[d] <= 0:
+                        del held[d]
+            have[:] = [p for j, p in enumerate(have) if j not in gone]
+            if retry:
+                for k in sorted(short_since, key=short_since.get):
+                    scale_up(k, step, counted=False)
         for d, t, lv in zip(deps, targets, live):
             run.wanted[d.shape.tensor_parallel_size] += t
             run.missing[d.shape.tensor_parallel_size] += max(0, t - len(lv))
@@ -287,8 +330,9 @@ def quality_at_scale(nodes: int, events: int, loads: list[float], seed: int) -> 
     for load in loads:
         deps = workload(inv, load)
         sequence = target_sequence(deps, events, seed + 1)
-        for name, cluster in (("fleet", inv), ("first-fit", inv), ("fleet, no zone/rack labels", unlabelled)):
-            r = replay(cluster, deps, sequence, name.split(",")[0])
+        for name, cluster, drain in (("fleet", inv, True), ("fleet, newest drained", inv, False),
+                                     ("first-fit", inv, True), ("fleet, no zone/rack labels", unlabelled, True)):
+            r = replay(cluster, deps, sequence, name.split(",")[0], drain=drain)
             print(f"| {load:.0%} | {name} | {r.unmet()} | {r.unmet(8)} | {r.rejected:,} of {r.asked:,} "
                   f"({pct(r.rejected, r.asked)}) | {statistics.mean(r.free_domains_8):.1f} | "
                   f"{statistics.mean(r.stranded):.1f} | {r.seconds:.1f} s |")
@@ -367,9 +411,10 @@ def quality_vs_exact(sizes: list[int], events: int, every: int, loads: list[floa
         print("\n## 3. Quality against CP-SAT: skipped (ortools not installed: pip install 'inference-fleet[bench]')")
         return
     print(f"\n## 3. Quality against an exact solver (CP-SAT offline optimum), {events} events, checkpoint every {every}\n")
-    print("| nodes | GPUs | mean demand | checkpoints | replicas wanted (sum) | missing: fleet | missing: first-fit | "
-          "missing: CP-SAT optimum | proven optimal | stranded: fleet / first-fit / optimum (sum) | solver time |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| nodes | GPUs | mean demand | checkpoints | replicas wanted (sum) | missing: fleet | missing: fleet, newest "
+          "drained | missing: first-fit | missing: CP-SAT optimum | proven optimal | stranded: fleet / first-fit / "
+          "optimum (sum) | solver time |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, load in [(n, load) for n in sizes for load in loads]:
         inv = synthetic_cluster(n, seed)
         deps = workload(inv, load)
@@ -377,6 +422,7 @@ def quality_vs_exact(sizes: list[int], events: int, every: int, loads: list[floa
         points = set(range(every, events + 1, every))
         runs = {name: replay(inv, deps, sequence, name, sample_every=every, checkpoints=points)
                 for name in ("fleet", "first-fit")}
+        newest = replay(inv, deps, sequence, "fleet", sample_every=every, checkpoints=points, drain=False)
         targets = [0] * len(deps)
         wanted = missing_opt = strand_opt = optimal = 0
         t0 = time.perf_counter()
@@ -390,6 +436,7 @@ def quality_vs_exact(sizes: list[int], events: int, every: int, loads: list[floa
                 optimal += status == "OPTIMAL"
         f, ff = runs["fleet"], runs["first-fit"]
         print(f"| {n} | {inv.gpu_count()} | {load:.0%} | {len(points)} | {wanted:,} | {sum(f.missing_at.values()):,} | "
+              f"{sum(newest.missing_at.values()):,} | "
               f"{sum(ff.missing_at.values()):,} | {missing_opt:,} | {optimal}/{len(points)} | "
               f"{sum(f.stranded)} / {sum(ff.stranded)} / {strand_opt} | {time.perf_counter() - t0:.1f} s |")
         sys.stdout.flush()

@@ -27,7 +27,7 @@ from fleet.controller.model_memory import ModelMemory
 from fleet.controller.preemption import Preemptor
 from fleet.controller.targets import FleetRecords
 from fleet.inventory import Inventory
-from fleet.placement import PlacementRequest, PlacementStrategy, ReplicaPlacement
+from fleet.placement import DeviceUse, PlacementRequest, PlacementStrategy, ReplicaPlacement
 from fleet.spec import LoadedDeployment
 
 log = logging.getLogger("fleet.controller")
@@ -82,7 +82,7 @@ class Launcher:
         holding = self.holding()
         request = self.placement_request(ld, 1, holding)
         plan = self.placer.place_replicas(request, inventory,
-                                          Counter(d for a in holding.values() for d in a.devices))
+                                          DeviceUse(d for a in holding.values() for d in a.devices))
         if not plan.placements:
             return False
         return all(request.is_warm(inventory.node(m.node)) for m in plan.placements[0].members)
@@ -105,7 +105,9 @@ class Launcher:
             waiting.sort(key=lambda r: r.created_at_s)
         pending = dict(sorted(pending.items(), key=lambda kv: kv[1][0].created_at_s))   # oldest first, as before
         holding = self.holding()
-        in_use: Counter[str] = Counter(d for a in holding.values() for d in a.devices)
+        # A DeviceUse journals what this tick adds, so each later placement call of the tick
+        # updates the placer's kept index from those changes alone (fleet.placement.freeindex).
+        in_use: DeviceUse = DeviceUse(d for a in holding.values() for d in a.devices)
         now = self.clock()
         to_launch: list[tuple[Replica, ReplicaPlacement]] = []
         for i, ((name, spec_hash), waiting) in enumerate(pending.items()):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import time
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,7 +59,7 @@ from fleet.controller.rollouts import RolloutDriver
 from fleet.controller.scale import scale_step
 from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
 from fleet.inventory import Inventory
-from fleet.placement import PlacementStrategy, get_strategy
+from fleet.placement import PlacementStrategy, ReplicaPlacement, get_strategy
 from fleet.placement.preemption import DEFAULT_HOLD_OFF_S
 from fleet.rollout.revisions import AnalysisSource
 from fleet.spec import LoadedDeployment
@@ -494,7 +495,8 @@ class Controller:
             active = [r for r in self.records.of_deployment(name) if r.status.counts_toward_desired()]
             targets = ds.revs.targets(ds.desired)
             for h, want in targets.items():
-                step = scale_step([r for r in active if r.spec_hash == h], want, lambda r: created[r.id])
+                step = scale_step([r for r in active if r.spec_hash == h], want, lambda r: created[r.id],
+                                  self._drain_preference)
                 if step.create and now >= ds.next_create_at_s:
                     for _ in range(step.create):
                         self._create_replica(ds, h, now)
@@ -517,6 +519,18 @@ class Controller:
                     changed = True
         if changed:
             self._save()  # decided: persisted before anything acts on it
+
+    def _drain_preference(self, equals: list[Replica], n: int) -> list[Replica]:
+        """Which ``n`` of ``equals`` (replicas of one revision and status, newest first) to drain:
+        the placer's choice (`PlacementStrategy.drain_order`: ``fleet`` frees NVLink domains
+        whole) when each holds a placement, else the newest."""
+        if any(r.placement is None for r in equals):
+            return equals[:n]
+        oldest_first = equals[::-1]
+        placements = [ReplicaPlacement.from_dict(r.placement) for r in oldest_first]
+        in_use = Counter(d for a in self.launcher.holding().values() for d in a.devices)
+        in_use.update(d for p in placements for d in p.devices if not in_use[d])
+        return [oldest_first[i] for i in self.placer.drain_order(placements, n, self.inventory, in_use)]
 
     def _create_replica(self, ds: DeploymentRecord, spec_hash: str, now: float) -> None:
         ld = ds.revs.specs[spec_hash]

@@ -1,12 +1,15 @@
 """Placement: where replicas run. Pure policy over an `Inventory` and the devices in use.
 
 Modules: `shapes` (request, plan and their parts), `slots` (free capacity and its index),
+`freeindex` (free capacity kept across calls per inventory, and `DeviceUse`, the in-use map
+that tells it what changed),
 `strategies` (the registry, the shared decision, the ``fleet`` and ``first-fit`` strategies),
 `gangs` (replicas wider than a node), `explain` (reasons by node class), `mig_advice`
 (repartition plans), `cpu` (CPU replicas). The controller, `fleet up` and `fleet plan` call
 `get_strategy(name).place_replicas(request, inventory, in_use) -> PlacementPlan`.
 """
 
+from fleet.placement.freeindex import DeviceUse
 from fleet.placement.shapes import (
     Assignment,
     MigAdvice,
@@ -27,7 +30,7 @@ from fleet.placement.strategies import (
 )
 
 __all__ = [
-    "DEFAULT_STRATEGY", "Assignment", "FirstFitStrategy", "FleetStrategy", "MigAdvice", "NodeClass",
+    "DEFAULT_STRATEGY", "Assignment", "DeviceUse", "FirstFitStrategy", "FleetStrategy", "MigAdvice", "NodeClass",
     "PlacementPlan", "PlacementRequest", "PlacementStrategy", "ReplicaPlacement", "ReplicaShape",
     "Unplaceable", "get_strategy", "strategy_names",
 ]

@@ -13,6 +13,7 @@ Called by `PlacementStrategy.place_replicas` on the state after the batch was pl
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import Counter
 from collections.abc import Hashable
 
@@ -33,12 +34,83 @@ def by_node_class(request: PlacementRequest, inventory: Inventory, held: Counter
     pk = product_key(product) if product else None
     capable = _gang_capable(inventory, held, pk, gang) if gang else {}
     classes: dict[str, list[str]] = {}
+    if pk is not None and shape.kind == "gpus" and gang is None:
+        # The usual case (one product, whole GPUs in one node): each node's reason up to the
+        # free-GPU count is the same on every call for this inventory, product and width
+        # (`_static_gpus_reasons`); only the nodes that get that far read ``held``.
+        need = shape.tensor_parallel_size
+        memory = request.memory
+        get = held.get
+        for node, static, data in _static_gpus_reasons(inventory, pk, need):
+            reason = static
+            if data is not None:
+                gpu, domains, sick_note = data
+                if memory is not None and (reason := memory_reason(memory, shape, gpu)) is not None:
+                    pass
+                else:
+                    free = max(sum(1 for u in dom if not get(u)) for dom in domains)
+                    reason = (f"at most {_plural(free, 'free GPU')} in one NVLink domain, need {need}{sick_note}"
+                              if free < need else None)
+            elif memory is not None and node.gpus:
+                gpu = next((g for g in node.gpus if g.product_key == pk), None)
+                if gpu is not None and (why := memory_reason(memory, shape, gpu)) is not None:
+                    reason = why
+            if reason is not None:
+                classes.setdefault(reason, []).append(node.name)
+        return tuple(sorted((NodeClass(r, tuple(n)) for r, n in classes.items()),
+                            key=lambda c: (-len(c.nodes), c.reason)))
     for node in inventory.nodes:
         reason = node_reason(node, shape, pk, held, gang, capable, memory=request.memory)
         if reason is not None:
             classes.setdefault(reason, []).append(node.name)
     return tuple(sorted((NodeClass(r, tuple(n)) for r, n in classes.items()),
                         key=lambda c: (-len(c.nodes), c.reason)))
+
+
+# id(inventory) -> (weak reference to it, (product key, width) -> per node: (node, reason, data))
+_STATIC: dict[int, tuple[weakref.ref, dict[tuple[str, int], list[tuple]]]] = {}
+
+
+def _static_gpus_reasons(inventory: Inventory, pk: str, need: int) -> list[tuple]:
+    """Per node, in inventory order, what `_gpus_reason` says before it reads the devices in use:
+    ``(node, reason, None)`` where that settles it (no GPU, other product, MIG mode, unhealthy,
+    NVLink domains too small), else ``(node, None, (its first GPU of the product, each domain's
+    healthy whole GPUs' UUIDs, the note on its unhealthy GPUs))``. Derived once per inventory
+    object, product key and width, kept while the inventory lives (inventories are immutable:
+    `fleet.placement.slots.product_table`)."""
+    key = id(inventory)
+    entry = _STATIC.get(key)
+    if entry is None or entry[0]() is not inventory:
+        def forget(ref: weakref.ref, key: int = key, kept: dict = _STATIC) -> None:
+            if kept.get(key, (None,))[0] is ref:
+                del kept[key]
+        entry = _STATIC[key] = (weakref.ref(inventory, forget), {})
+    found = entry[1].get((pk, need))
+    if found is None:
+        found = entry[1][(pk, need)] = [_static_gpus_reason(node, pk, need) for node in inventory.nodes]
+    return found
+
+
+def _static_gpus_reason(node: NodeInventory, key: str, need: int) -> tuple:
+    if not node.gpus:
+        return node, "no GPU", None
+    mine = [g for g in node.gpus if g.product_key == key]
+    if not mine:
+        return node, _other_product(node), None
+    whole = [g for g in mine if not g.mig_enabled]
+    if not whole:
+        return node, "GPUs in MIG mode (the replica needs whole GPUs)", None
+    healthy = {g.index for g in whole if g.health.healthy}
+    sick = [g for g in whole if g.index not in healthy]
+    if not healthy:
+        return node, f"GPUs unhealthy: {_sickness(sick)}", None
+    sick_note = f" ({_plural(len(sick), 'GPU')} unhealthy: {_sickness(sick)})" if sick else ""
+    largest = max(sum(1 for g in dom if g.index in healthy) for dom in node.domains)
+    if largest < need:
+        topo = "" if node.topology_known else " (NVLink topology not reported)"
+        return node, f"at most {_plural(largest, 'GPU')} in one NVLink domain, need {need}{topo}{sick_note}", None
+    domains = tuple(tuple(g.uuid for g in dom if g.index in healthy) for dom in node.domains)
+    return node, None, (mine[0], domains, sick_note)
 
 
 def node_reason(node: NodeInventory, shape: ReplicaShape, pk: str | None, held: Counter[str],

@@ -16,14 +16,18 @@ some). A gang is placed whole or not at all: members are chosen first, devices t
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Hashable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fleet.inventory.model import Inventory, NodeInventory, product_key
 from fleet.placement.context import Context
 from fleet.placement.shapes import GangShape, PlacementRequest, ReplicaPlacement, ReplicaShape
 from fleet.placement.slots import Slot, assign, gpu_slots, product_table
+
+if TYPE_CHECKING:
+    from fleet.placement.freeindex import FreeIndex
 
 
 class GangRanking(Protocol):
@@ -86,30 +90,85 @@ def gang_capacity(inventory: Inventory, held: Counter[str], pk: str, gang: GangS
 
 def place_gangs(strategy: GangRanking, request: PlacementRequest, inventory: Inventory,
                 held: Counter[str], product: str, gang: GangShape, ctx: Context) -> list[ReplicaPlacement]:
-    """Place up to ``request.count`` gangs; each whole or not at all. Updates ``held``."""
-    need = gang.per_node
+    """Place up to ``request.count`` gangs; each whole or not at all. Updates ``held``. Derives
+    the product's slots from ``held`` (O(GPUs)); `place_gangs_indexed` reads a kept index."""
     by_node: dict[str, list[Slot]] = defaultdict(list)
     for s in gpu_slots(inventory, held, product_key(product)):
         by_node[s.node.name].append(s)
         ctx.node_free[s.node.name] += s.capacity
-    blocks: dict[Hashable, list[NodeInventory]] = {}
-    for node in inventory.nodes:
-        for block in blocks_of(node):
-            blocks.setdefault(block, []).append(node)
+
+    def take(slot: Slot, n: int) -> list:
+        units = slot.free[:n]
+        del slot.free[:n]
+        return units
+    placements = _gang_loop(strategy, request, inventory, by_node, block_order(inventory), product, gang, ctx, take)
+    for p in placements:
+        held.update(p.devices)
+    return placements
+
+
+def place_gangs_indexed(strategy: GangRanking, request: PlacementRequest, inventory: Inventory, index: FreeIndex,
+                        take_unit, product: str, gang: GangShape, ctx: Context) -> list[ReplicaPlacement]:
+    """`place_gangs` over the nodes whose slots in ``index`` (`fleet.placement.freeindex`) can
+    hold a member now: O(such nodes) a gang, not O(GPUs). ``take_unit(uuid)`` takes a device
+    tentatively (the caller gives it back). Same picks as `place_gangs`."""
+    need = gang.per_node
+    by_node: dict[str, list] = {}
+    for s in index.fitting(need):
+        name = s.node.name
+        if name not in by_node:
+            by_node[name] = index.by_node[name]
+            ctx.node_free[name] = index.node_free[name]
+
+    def take(slot, n: int) -> list:
+        units = slot.free_units(n)
+        for u in units:
+            take_unit(u.uuid)
+        return units
+    return _gang_loop(strategy, request, inventory, by_node, block_order(inventory), product, gang, ctx, take)
+
+
+_BLOCK_ORDER: dict[int, tuple[weakref.ref, dict[Hashable, int]]] = {}
+
+
+def block_order(inventory: Inventory) -> dict[Hashable, int]:
+    """Each gang block's rank in inventory order (first node first), the gang loop's last tie
+    break; derived once per inventory object (kept as `fleet.placement.slots.product_table` is)."""
+    key = id(inventory)
+    entry = _BLOCK_ORDER.get(key)
+    if entry is None or entry[0]() is not inventory:
+        order: dict[Hashable, int] = {}
+        for node in inventory.nodes:
+            for block in blocks_of(node):
+                order.setdefault(block, len(order))
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if _BLOCK_ORDER.get(key, (None,))[0] is ref:
+                del _BLOCK_ORDER[key]
+        entry = _BLOCK_ORDER[key] = (weakref.ref(inventory, forget), order)
+    return entry[1]
+
+
+def _gang_loop(strategy: GangRanking, request: PlacementRequest, inventory: Inventory, by_node: dict[str, list],
+               order: dict[Hashable, int], product: str, gang: GangShape, ctx: Context, take) -> list[ReplicaPlacement]:
+    need = gang.per_node
     placements: list[ReplicaPlacement] = []
     for _ in range(request.count):
+        members_of: dict[Hashable, list] = defaultdict(list)     # block -> each node's best fitting slot
+        for name, slots in by_node.items():
+            fitting = [s for s in slots if s.capacity >= need]
+            if fitting:
+                best_slot = fitting[0] if len(fitting) == 1 else min(
+                    fitting, key=lambda s: strategy.gang_member_key(s, ctx, need))
+                for block in blocks_of(best_slot.node):
+                    members_of[block].append(best_slot)
         best = None
-        for order, (block, nodes) in enumerate(blocks.items()):
-            candidates = []
-            for node in nodes:
-                fitting = [s for s in by_node.get(node.name, ()) if s.capacity >= need]
-                if fitting:
-                    candidates.append(min(fitting, key=lambda s: strategy.gang_member_key(s, ctx, need)))
+        for block, candidates in members_of.items():
             if len(candidates) < gang.nodes:
                 continue
             candidates.sort(key=lambda s: strategy.gang_member_key(s, ctx, need))
             chosen = candidates[: gang.nodes]
-            rank = (strategy.gang_rank(block, chosen, ctx, need), order)
+            rank = (strategy.gang_rank(block, chosen, ctx, need), order[block])
             if best is None or rank < best[0]:
                 best = (rank, block, chosen)
         if best is None:
@@ -117,12 +176,9 @@ def place_gangs(strategy: GangRanking, request: PlacementRequest, inventory: Inv
         _, block, chosen = best
         members = []
         for i, slot in enumerate(chosen):
-            units = slot.free[:need]
-            del slot.free[:need]
+            units = take(slot, need)
             ctx.node_free[slot.node.name] -= need
             ctx.record(slot.node, block if i == 0 else None, first=i == 0)
             members.append(assign(slot, units))
-        placement = ReplicaPlacement(tuple(members), product)
-        held.update(placement.devices)
-        placements.append(placement)
+        placements.append(ReplicaPlacement(tuple(members), product))
     return placements

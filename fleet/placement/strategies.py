@@ -27,14 +27,15 @@ import itertools
 import math
 import weakref
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
 from typing import ClassVar
 
-from fleet.inventory.model import Inventory, product_key
+from fleet.inventory.model import Inventory, NodeInventory, product_key
 from fleet.models.memory import MemoryNeed
-from fleet.placement import cpu, explain, gangs, mig_advice
+from fleet.placement import cpu, explain, gangs, mig_advice, victims
 from fleet.placement.compat import CudaNeed
 from fleet.placement.context import Context
+from fleet.placement.freeindex import FreeIndex, FreeState, free_state
 from fleet.placement.shapes import (
     NodeClass,
     PlacementPlan,
@@ -43,8 +44,10 @@ from fleet.placement.shapes import (
     ReplicaPlacement,
     ReplicaShape,
     Unplaceable,
+    canonical_source,
 )
 from fleet.placement.slots import Slot, SlotIndex, assign, gpu_slots, mig_slots
+from fleet.sources import redact_source
 from router.registry import Registered, Registry
 
 DEFAULT_STRATEGY = "fleet"
@@ -104,7 +107,6 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             ``request.count``; none when ``all_or_nothing`` and not all fit), and when some are
             left, the reasons by node class and, for MIG shapes, repartition advice.
         """
-        held: Counter[str] = Counter(in_use or {})
         shape = request.shape
         if request.count <= 0:
             return PlacementPlan(request, strategy=self.name)
@@ -114,19 +116,40 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             return PlacementPlan(request, strategy=self.name, note=(
                 f"tensor parallel size must be 1 on MIG (got {shape.tensor_parallel_size}): MIG slices have "
                 "no NVLink or CUDA IPC, so tensor parallelism across slices is not possible"))
+        held: Counter[str] = Counter(in_use or {})
         if shape.kind == "cpu":
             placements = cpu.place_cpu(request, inventory, held)
             product = None
             gang = None
         else:
-            product = _choose_product(request, inventory, held)
-            gang = gangs.gang_shape(shape, inventory, product_key(product), request.existing) if product else None
+            state = free_state(inventory)
+            with state.lock:
+                state.bind(in_use)
+                product = _choose_product(request, inventory, state)
+                gang = gangs.gang_shape(shape, inventory, product_key(product), request.existing) if product else None
+                placements = None
+                if product is not None and gang is None:
+                    placements = self._place_indexed(request, inventory, state, product)
+                elif product is not None:
+                    taken: list[str] = []
+
+                    def take_unit(uuid: str) -> None:
+                        state.set_held(uuid, True)
+                        taken.append(uuid)
+                    try:
+                        placements = gangs.place_gangs_indexed(
+                            self, request, inventory, state.index(product_key(product), None), take_unit, product,
+                            gang, self._context(request, inventory, lazy=True))
+                    finally:
+                        for uuid in taken:
+                            state.set_held(uuid, False)
             if product is None:
                 placements = []
-            elif gang is not None:
-                placements = gangs.place_gangs(self, request, inventory, held, product, gang, self._context(request, inventory))
-            else:
+            elif placements is None:
                 placements = self._place_single(request, inventory, held, product)
+            else:
+                for p in placements:
+                    held.update(p.devices)
         note = ""
         if request.all_or_nothing and 0 < len(placements) < request.count:
             # Explained on the state with the tentative placements: why the rest did not fit.
@@ -144,6 +167,20 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
                 advice = mig_advice.advise(request, inventory, held, product, request.count - len(placements))
         return PlacementPlan(request, tuple(placements), product, reasons, advice, self.name, note, gang, excluded)
 
+    def _place_indexed(self, request: PlacementRequest, inventory: Inventory, state: FreeState,
+                       product: str) -> list[ReplicaPlacement] | None:
+        """The replicas placed from the kept index (`fleet.placement.freeindex`), or None where a
+        strategy has no such path or judges the full build cheaper (then `_place_single` runs)."""
+        return None
+
+    def drain_order(self, placements: Sequence[ReplicaPlacement], count: int, inventory: Inventory,
+                    in_use: Mapping[str, int]) -> list[int]:
+        """Which ``count`` of a version's replicas to drain on a scale-down, best first: indexes
+        into ``placements`` (oldest first). ``in_use`` holds every replica's devices. Here: the
+        newest first; ``fleet`` frees NVLink domains whole (`fleet.placement.victims`)."""
+        n = len(placements)
+        return list(range(n - 1, n - 1 - min(count, n), -1))
+
     def fits_at_all(self, shape: ReplicaShape, inventory: Inventory, memory: MemoryNeed | None = None,
                     cuda: CudaNeed | None = None) -> Unplaceable | None:
         """Why one replica of ``shape`` (of a model needing ``memory``, of an engine needing
@@ -152,8 +189,11 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
         plan = self.place_replicas(PlacementRequest(shape, memory=memory, cuda=cuda), inventory, Counter())
         return None if plan.complete else Unplaceable(plan.explain())
 
-    def _context(self, request: PlacementRequest, inventory: Inventory) -> Context:
-        ctx = Context(request, {n.name: request.warmth(n) for n in inventory.nodes})
+    def _context(self, request: PlacementRequest, inventory: Inventory, lazy: bool = False) -> Context:
+        """The context with the existing replicas recorded; ``lazy``: warmth looked up per node
+        when first read (for loops that read few nodes), else for every node now."""
+        warm = _Warmth(request, inventory) if lazy else {n.name: request.warmth(n) for n in inventory.nodes}
+        ctx = Context(request, warm)
         for p in request.existing:
             for i, name in enumerate(p.nodes):
                 node = inventory.by_name.get(name)
@@ -193,6 +233,19 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             held.update(placement.devices)
             placements.append(placement)
         return placements
+
+
+class _Warmth(dict):
+    """node name -> `PlacementRequest.warmth`, computed on first read."""
+
+    def __init__(self, request: PlacementRequest, inventory: Inventory) -> None:
+        super().__init__()
+        self.request = request
+        self.by_name = inventory.by_name
+
+    def __missing__(self, name: str) -> int:
+        w = self[name] = self.request.warmth(self.by_name[name])
+        return w
 
 
 # id(inventory) -> (weak reference to it, CudaNeed -> (the eligible nodes, the excluded by reason))
@@ -265,7 +318,7 @@ class GroupRanking:
         return min((self.best[k] for k, r in zip(keys, ranks) if r == top), key=lambda c: c[0])[1]
 
 
-def _choose_product(request: PlacementRequest, inventory: Inventory, held: Counter[str]) -> str | None:
+def _choose_product(request: PlacementRequest, inventory: Inventory, state: FreeState) -> str | None:
     """The GPU product every replica of this version uses (homogeneity).
 
     The product of the version's existing replicas if any; else, with ``gpuProduct`` a single
@@ -277,7 +330,8 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, held: Count
     explanation then covers each node's own products). With ``request.memory``, a product whose
     GPU (or MIG instance) memory cannot hold the model is never chosen: the existing replicas'
     product, or every listed one, then gives None (`explain.memory_reason` says why).
-    ``inventory`` holds only the nodes the request may use (`_eligible`).
+    ``inventory`` holds only the nodes the request may use (`_eligible`); ``state`` is its
+    `FreeState`, bound to the devices in use.
     """
     shape = request.shape
     first = inventory.products   # product key -> its first GPU; derived once per inventory
@@ -296,7 +350,7 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, held: Count
         fitting = [name for name in listed if holds(name)]
         if len(fitting) <= 1:
             return fitting[0] if fitting else None
-        scored = [(min(_capacity(request, inventory, held, name)[0], request.count), -order, name)
+        scored = [(min(_capacity(request, inventory, state, name)[0], request.count), -order, name)
                   for order, name in enumerate(fitting)]
         best = max(scored)
         return best[2] if best[0] > 0 else fitting[0]
@@ -305,7 +359,7 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, held: Count
         name = gpu.product
         if not holds(name):
             continue
-        total, warm = _capacity(request, inventory, held, name)
+        total, warm = _capacity(request, inventory, state, name)
         if total == 0:
             continue
         score = (min(total, request.count), warm, total, -order)
@@ -314,22 +368,42 @@ def _choose_product(request: PlacementRequest, inventory: Inventory, held: Count
     return best[1] if best else None
 
 
-def _capacity(request: PlacementRequest, inventory: Inventory, held: Counter[str], product: str) -> tuple[int, int]:
-    """(replicas of the shape that fit now, of which on warm nodes), for one product."""
+def _capacity(request: PlacementRequest, inventory: Inventory, state: FreeState, product: str) -> tuple[int, int]:
+    """(replicas of the shape that fit now, of which on warm nodes), for one product: from the
+    index's slot counts by free capacity, and the slots of the nodes that may be warm."""
     shape = request.shape
     pk = product_key(product)
     if shape.kind == "mig":
-        per_slot = [(s, s.capacity) for s in mig_slots(inventory, held, pk, shape.mig_profile)]
+        idx, per = state.index(pk, shape.mig_profile), 1
     else:
         gang = gangs.gang_shape(shape, inventory, pk, ())
         if gang is not None:
-            n = gangs.gang_capacity(inventory, held, pk, gang)
-            return n, 0
-        t = shape.tensor_parallel_size
-        per_slot = [(s, s.capacity // t) for s in gpu_slots(inventory, held, pk)]
-    total = sum(n for _, n in per_slot)
-    warm = sum(n for s, n in per_slot if request.is_warm(s.node))
+            return gangs.gang_capacity(inventory, Counter(dict.fromkeys(state.held, 1)), pk, gang), 0
+        idx, per = state.index(pk, None), shape.tensor_parallel_size
+    total = sum(n * (c // per) for c, n in idx.capacity_counts.items())
+    warm = sum(s.capacity // per for node in _maybe_warm(request, state) if request.is_warm(node)
+               for s in idx.by_node.get(node.name, ()))
     return total, warm
+
+
+def _maybe_warm(request: PlacementRequest, state: FreeState) -> list[NodeInventory]:
+    """The nodes whose `PlacementRequest.warmth` may differ from a node that caches nothing:
+    those in ``warm_nodes`` and those caching the image or the model source (any spelling)."""
+    out: dict[str, NodeInventory] = {}
+    inventory_nodes = state.cached_by
+    keys = [request.image] if request.image else []
+    if request.model_source:
+        src = canonical_source(request.model_source)
+        keys += [request.model_source, src, redact_source(src)]
+    for key in keys:
+        for node in inventory_nodes.get(key, ()):
+            out[node.name] = node
+    by_name = state.by_name
+    for name in request.warm_nodes:
+        node = by_name.get(name)
+        if node is not None:
+            out[name] = node
+    return list(out.values())
 
 
 class FleetStrategy(PlacementStrategy, name="fleet"):
@@ -339,6 +413,9 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         return (ctx.warm[slot.node.name], slot.node.zone, slot.node.rack)
 
     rack_max_share: ClassVar[float] = 0.25
+    indexed_min_budget: ClassVar[int] = 64
+    """`_place_indexed` runs while replicas x (special nodes + replicas) stays within this or a
+    quarter of the product's slots, whichever is more (beyond, one full build is cheaper)."""
 
     def rank_groups(self, keys: list[Hashable], ctx: Context) -> list[tuple]:
         """(cold, replicas over the zone's share, replicas over the rack's share).
@@ -385,6 +462,98 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         cold = sum(WARM - ctx.warm[s.node.name] for s in members)
         leftover = sum(s.capacity - need for s in members)
         return (cold, block[0] != "fabric", ctx.block_count[block], leftover)
+
+
+    def drain_order(self, placements: Sequence[ReplicaPlacement], count: int, inventory: Inventory,
+                    in_use: Mapping[str, int]) -> list[int]:
+        return victims.whole_domains_first(placements, count, inventory, in_use)
+
+    def _place_indexed(self, request: PlacementRequest, inventory: Inventory, state: FreeState,
+                       product: str) -> list[ReplicaPlacement] | None:
+        """The same picks as `_place_single` with `_ShareRanking`, from the kept index.
+
+        `_place_single` picks the slot with the smallest (rank of its (warm, zone, rack) group,
+        free units, `slot_key`) among slots that hold the replica. Here that minimum is found
+        without looking at most slots: a node that caches nothing the request names and holds
+        no replica of the deployment has the base warmth and a node count of 0, so among such
+        nodes of one zone in racks under their share, the index's per-zone heap (free units, then
+        `FreeIndex.static_key`) gives the best slot. The other slots are ranked one by one: those
+        of "special" nodes (maybe warm, or holding replicas of the deployment) and those in
+        racks at or over their share (at most a few: a rack's share is a quarter of the
+        replicas). Each pick costs O(special nodes + racks over share + zones); a batch whose
+        special nodes would grow past a quarter of the slots goes to `_place_single` (O(slots)
+        once) instead. None then, and for subclasses that change the ranking hooks.
+        """
+        cls = type(self)
+        if any(getattr(cls, hook) is not getattr(FleetStrategy, hook)
+               for hook in ("group_of", "rank_groups", "slot_key", "pick", "candidate_key", "ranking")):
+            return None
+        shape = request.shape
+        pk = product_key(product)
+        if shape.kind == "mig":
+            idx, need = state.index(pk, shape.mig_profile), 1
+        else:
+            idx, need = state.index(pk, None), shape.tensor_parallel_size
+        maybe_warm = _maybe_warm(request, state)
+        holders = {name for p in request.existing for name in p.nodes}
+        count = request.count
+        work = count * (len(maybe_warm) + len(holders) + count)
+        if work > max(self.indexed_min_budget, len(idx.slots) // 4) or len(idx.zones) > 64:
+            return None
+        base = 1 if request.image is None else 0              # warmth of a node caching nothing
+        warmth = {n.name: w for n in maybe_warm if (w := request.warmth(n)) != base}
+        ctx = Context(request, warmth)
+        for p in request.existing:
+            for i, name in enumerate(p.nodes):
+                node = inventory.by_name.get(name)
+                if node is not None:
+                    ctx.record(node, first=i == 0)
+        taken: list[str] = []
+        placements: list[ReplicaPlacement] = []
+        try:
+            for _ in range(count):
+                slot = self._indexed_pick(idx, ctx, need, base)
+                if slot is None:
+                    break
+                units = slot.free_units(need)
+                for u in units:
+                    state.set_held(u.uuid, True)
+                    taken.append(u.uuid)
+                ctx.record(slot.node)
+                placements.append(ReplicaPlacement((assign(slot, units),), product))
+        finally:
+            for uuid in taken:
+                state.set_held(uuid, False)
+        return placements
+
+    def _indexed_pick(self, idx: FreeIndex, ctx: Context, need: int, base: int):
+        zones = [z for z in idx.zones if idx.zone_fits(z, need)]
+        if not zones:
+            return None
+        n = ctx.replicas + 1
+        zone_share = -(-n // len(zones))
+        rack_share = max(1, math.ceil(n * self.rack_max_share))
+        zone_count, rack_count, node_count, warmth = ctx.zone_count, ctx.rack_count, ctx.node_count, ctx.warm
+        node_free = idx.node_free
+        special = warmth.keys() | {name for name, c in node_count.items() if c}
+        crowded = {rack for rack, c in rack_count.items() if c + 1 > rack_share}
+
+        def key(s, cold: int) -> tuple:
+            name = s.node.name
+            return (cold, max(0, zone_count[s.zone] + 1 - zone_share), max(0, rack_count[s.rack] + 1 - rack_share),
+                    s.capacity, node_count[name], s.other_free, node_free[name], s.node_pos, s.pos)
+
+        candidates = [(s, WARM - warmth.get(name, base)) for name in special for s in idx.by_node.get(name, ())
+                      if s.capacity >= need]
+        cold = WARM - base
+        candidates += [(s, cold) for rack in crowded for s in idx.by_rack.get(rack, ())
+                       if s.capacity >= need and s.node.name not in special]
+        for zone in zones:
+            s = idx.best_in_zone(zone, need, lambda s: s.node.name in special or s.rack in crowded)
+            if s is not None:
+                candidates.append((s, cold))
+        best = min(((key(s, c), s) for s, c in candidates), key=lambda e: e[0], default=None)
+        return best[1] if best is not None else None
 
 
 class _ShareRanking(GroupRanking):
