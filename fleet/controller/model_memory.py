@@ -5,7 +5,7 @@ Owns `ModelMemory`: per serving spec (`fleet.spec.LoadedDeployment.serving_hash`
 reader it uses unless given another (`fleet.models.read.memory_need`; an ``hf://`` source is read
 from this machine's weight cache when `fleet cache pull` or the local backend put it there, else
 from the hub through `huggingface_hub`: ``config.json`` and the safetensors index alone). The
-controller (`fleet.controller.reconcile.Controller._placement_request`) asks `ModelMemory.need`
+controller (`fleet.controller.launch.Launcher.placement_request`) asks `ModelMemory.need`
 for every scale-up; placement then skips the products and MIG profiles that cannot hold the model
 and explains why (`fleet.placement.explain.memory_reason`), so a deployment whose model fits no
 device waits with that reason (``fleet status``, the CRD's ``Degraded`` condition) instead of

@@ -5,13 +5,24 @@ Owns `Controller`: the reconcile step that is the only place replicas are create
 asked to run, warmed, admitted to the router, drained, stopped and replaced, over the records it
 keeps (`fleet.controller.targets.FleetRecords`: per deployment the persisted target and the
 bookkeeping around it, the replica records of `fleet.controller.lifecycle`), and `start`, which
-hands the previous controller's state to `fleet.controller.restart.Adoption`.
+hands the previous controller's state to `fleet.controller.restart.Adoption`. Also owned here:
+its settings (`ControllerSettings`), the tick itself (`reconcile_once`, `run`, `shutdown`),
+observing the backend, health probes, warm-ups, the scale step, failures with backoff, and the
+snapshot it persists.
+
+Collaborators (plain objects over the same records, each in its own module; none imports this
+one): `fleet.controller.launch.Launcher` (placement and launch), `fleet.controller.drain.Drainer`
+(replicas on sick devices drained, draining replicas stopped), `fleet.controller.pools.PoolPublisher`
+(the router's pools), `fleet.controller.report.TransitionReport` (status transitions for
+``on_event``, the history kept), `fleet.controller.preemption.Preemptor`,
+`fleet.controller.model_memory.ModelMemory` and the rollout driver below.
 
 Every side effect goes through an injected wrapper: `Backend` (runs replicas: local processes,
-later pods; `fleet.controller.backend`), `EngineAPI` (engine HTTP), `PoolSink` (router admin API),
-`StateSink` (the state file). Time comes from an injected clock (tests run it on fake time). The
-clock must be the same across controller restarts on one machine (`time.monotonic` is: Linux's
-CLOCK_MONOTONIC counts from boot), since recorded facts are in its seconds.
+later pods; `fleet.controller.backend`), `EngineAPI` (engine HTTP), `PoolSink` (router admin API,
+`fleet.controller.pools`), `StateSink` (the state file). Time comes from an injected clock (tests
+run it on fake time). The clock must be the same across controller restarts on one machine
+(`time.monotonic` is: Linux's CLOCK_MONOTONIC counts from boot), since recorded facts are in its
+seconds.
 
 Revisions: each deployment serves a stable revision and, during a canary rollout, a canary
 (`fleet.rollout.revisions.Revisions`, persisted with the targets); replicas are wanted per
@@ -22,7 +33,7 @@ drives rollouts.
 Persistence: the whole state (target and replica records) is written atomically before each
 batch of side effects (after new targets and replicas are decided, before the backend is asked
 to run or stop replicas) and at the end of every tick. Called by `fleet up` and `fleet down`
-(fleet.local.up).
+(fleet.local.up) and by the Kubernetes operator (fleet.k8s.operator).
 """
 
 from __future__ import annotations
@@ -35,63 +46,33 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from fleet.controller.backend import Backend, LaunchError, ReplicaFacts, ReplicaWant
+from fleet.controller.backend import Backend, ReplicaFacts
+from fleet.controller.drain import Drainer
+from fleet.controller.launch import Launcher
 from fleet.controller.lifecycle import Replica, ReplicaStatus
 from fleet.controller.model_memory import ModelMemory, Reader
+from fleet.controller.pools import PoolPublisher, PoolSink
 from fleet.controller.preemption import Preemptor
+from fleet.controller.report import ReplicaEvent, TransitionReport
 from fleet.controller.restart import Adoption
 from fleet.controller.rollouts import RolloutDriver
 from fleet.controller.scale import scale_step
 from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
 from fleet.inventory import Inventory
-from fleet.placement import DeviceUse, PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
+from fleet.placement import PlacementStrategy, ReplicaPlacement, get_strategy
 from fleet.placement.preemption import DEFAULT_HOLD_OFF_S
-from fleet.rollout.revisions import AnalysisSource, endpoint_weights, revision_label
+from fleet.rollout.revisions import AnalysisSource
 from fleet.spec import LoadedDeployment
-from router.spec import EndpointSpec, PoolSpec
 from warmup.client import EngineAPI
 from warmup.run import WarmupResult, readiness_gate, run_warmup
 
 log = logging.getLogger("fleet.controller")
 
-PUBLISH_CONCURRENCY = 16
-"""Pool updates sent to the router at once (each its own admin API request)."""
-
-YIELD_EVERY = 50
-"""Deployments placed (or replicas launched) between two yields to the event loop in one tick:
-a tick that places thousands of replicas never holds the loop for long stretches."""
-
-
-
-class PoolSink(Protocol):
-    """Where the controller publishes each model's pool: the router's admin API. The pool document
-    is `router.spec.PoolSpec`, the one definition the router parses."""
-
-    async def put_pool(self, model: str, pool: PoolSpec) -> None:
-        """Replace the pool of ``model``. Raises on failure (retried next tick)."""
-        ...
-
-    async def delete_pool(self, model: str) -> None:
-        """Remove the pool of ``model`` (absent is fine). Raises on failure."""
-        ...
-
-    async def in_flight(self) -> dict[str, int]:
-        """Endpoint id -> requests in flight at the router, over all pools."""
-        ...
+__all__ = ["Controller", "ControllerSettings", "PoolSink", "ReplicaEvent", "StateSink"]
 
 
 class StateSink(Protocol):
     def save(self, snapshot: dict) -> None: ...
-
-
-@dataclass(frozen=True)
-class ReplicaEvent:
-    replica_id: str
-    deployment: str
-    old: ReplicaStatus | None
-    new: ReplicaStatus
-    detail: str
-    at_s: float
 
 
 @dataclass(frozen=True)
@@ -115,12 +96,14 @@ class Controller:
     """Converges desired to observed replicas, one idempotent `reconcile_once` per tick.
 
     A deployment serves revisions (`fleet.rollout.revisions.Revisions`): the stable one and, during a
-    canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`). Two
+    canary rollout, the canary; replicas are wanted per revision (`Revisions.targets`). These
     collaborators work on the same records: the rollout driver (``self.rollouts``,
     `fleet.controller.rollouts.RolloutDriver`) and, once at `start`, the take-over from a previous
     controller (`fleet.controller.restart.Adoption`). ``memory_reader`` says what one replica of a
     spec needs per GPU (`fleet.controller.model_memory`; default: read from the model's files or
-    the hub), which every placement request carries once known."""
+    the hub), which every placement request carries once known. Three steps of the tick are a
+    collaborator's: placement and launch (``self.launcher``), drain and stop (``self.drainer``),
+    pool publishing (``self.pools``); transitions and history are ``self.report``'s."""
 
     def __init__(
         self,
@@ -153,10 +136,8 @@ class Controller:
         self.rollouts = RolloutDriver(self.records, clock, analysis_source,
                                       on_rollout_event or (lambda deployment, line: None))  # fmt: skip
         self.preemption = Preemptor(self.records, self.placer, self.settings.preemption_hold_off_s)
-        self._retired_pools: dict[str, PoolSpec] = {}   # pools of retired deployments as last published
         self._warmups: dict[str, asyncio.Task[WarmupResult]] = {}
         self._wake = asyncio.Event()
-        self._last_status: dict[str, ReplicaStatus] = {}
         self._waiting: dict[str, str] = {}          # replica id -> why it is still PENDING
         self._last_probe_s: dict[str, float] = {}
         self._facts: dict[str, ReplicaFacts] = {}
@@ -164,6 +145,14 @@ class Controller:
         self._tick_deadline = float("inf")
         # The memory a replica of each spec needs, for placement (read once; hf:// in a thread).
         self.model_memory = ModelMemory(clock, memory_reader, on_known=self.wake)
+        self.launcher = Launcher(self.records, backend=backend, placer=self.placer, preemption=self.preemption,
+                                 model_memory=self.model_memory, waiting=self._waiting, clock=clock,
+                                 save=self._save, fail=self._fail)  # fmt: skip
+        self.drainer = Drainer(self.records, backend=backend, pool_sink=pool_sink,
+                               drain_timeout_s=self.settings.drain_timeout_s, stop_grace_s=self.settings.stop_grace_s,
+                               clock=clock, save=self._save, cancel_warmup=self._cancel_warmup)  # fmt: skip
+        self.pools = PoolPublisher(self.records, pool_sink)
+        self.report = TransitionReport(self.records, self._waiting, self.settings.history_per_deployment)
 
     # ----- what the controller keeps ---------------------------------------------------------
 
@@ -224,13 +213,12 @@ class Controller:
 
     def forget_published_pools(self) -> None:
         """The router lost its pools (it was restarted): publish every pool again next tick."""
-        for ds in self.deployments.values():
-            ds.last_pool = None
+        self.pools.forget()
 
     def pools_published(self) -> bool:
         """Whether every deployment's pool has been written to the routers since the last
         `forget_published_pools`."""
-        return all(ds.last_pool is not None for ds in self.deployments.values())
+        return self.pools.all_published()
 
     # ----- start, specs and rollouts ----------------------------------------------------------
 
@@ -495,7 +483,7 @@ class Controller:
 
     async def _scale(self) -> None:
         now = self.clock()
-        changed = self._drain_unhealthy(now)
+        changed = self.drainer.drain_unhealthy(now, self.inventory, self._facts)
         for r in self.replicas.values():  # stopping, or deployments no longer declared: everything goes
             if (self.stopping or r.deployment not in self.deployments) and r.status.counts_toward_desired():
                 r.drain_requested_at_s, changed = now, True
@@ -540,41 +528,9 @@ class Controller:
             return equals[:n]
         oldest_first = equals[::-1]
         placements = [ReplicaPlacement.from_dict(r.placement) for r in oldest_first]
-        in_use = Counter(d for a in self._holding().values() for d in a.devices)
+        in_use = Counter(d for a in self.launcher.holding().values() for d in a.devices)
         in_use.update(d for p in placements for d in p.devices if not in_use[d])
         return [oldest_first[i] for i in self.placer.drain_order(placements, n, self.inventory, in_use)]
-
-    def _drain_unhealthy(self, now: float) -> bool:
-        """Replicas holding a GPU (or a MIG instance of a GPU) that the inventory reports unhealthy
-        (quarantined by the node agent, ECC errors, ...), or that the backend reports ``sick``
-        (`ReplicaFacts.sick`: on Kubernetes the device plugin, not placement, picks the GPU), drain;
-        `_scale` replaces them, and placement keeps the replacement off that GPU. True when one
-        was drained."""
-        drained = False
-        for r in self.replicas.values():
-            f = self._facts.get(r.id)
-            if f is not None and f.sick and r.status.counts_toward_desired():
-                r.drain_requested_at_s, r.drain_reason, drained = now, f.sick, True
-                log.warning("replica %s drains: %s", r.id, f.sick)
-        sick: dict[str, str] = {}
-        for node in self.inventory.nodes:
-            sick.update({uuid: f"{uuid} on {node.name} quarantined: {why}" for uuid, why in node.quarantined.items()})
-            for gpu in node.gpus:
-                problems = gpu.health.problems()
-                if problems:
-                    why = f"GPU {gpu.uuid} on {node.name} unhealthy: {', '.join(problems)}"
-                    sick[gpu.uuid] = why
-                    sick.update({m.uuid: why for m in gpu.mig_instances})
-        if not sick:
-            return drained
-        for r in self.replicas.values():
-            if r.placement is None or not r.status.counts_toward_desired():
-                continue
-            hit = next((sick[d] for d in ReplicaPlacement.from_dict(r.placement).devices if d in sick), None)
-            if hit is not None:
-                r.drain_requested_at_s, r.drain_reason, drained = now, hit, True
-                log.warning("replica %s drains: %s", r.id, hit)
-        return drained
 
     def _create_replica(self, ds: DeploymentRecord, spec_hash: str, now: float) -> None:
         ld = ds.revs.specs[spec_hash]
@@ -584,22 +540,6 @@ class Controller:
         self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision, created_at_s=now,
                                      spec_hash=spec_hash)  # fmt: skip
 
-    def _holding(self) -> dict[str, ReplicaPlacement]:
-        """Replica id -> placement of every replica that holds its devices now."""
-        return {rid: ReplicaPlacement.from_dict(r.placement) for rid, r in self.replicas.items()
-                if r.placement is not None and (r.engine_alive or r.status is ReplicaStatus.PLACED)}
-
-    def _placement_request(self, ld: LoadedDeployment, count: int,
-                           holding: dict[str, ReplicaPlacement]) -> PlacementRequest:
-        """``count`` more replicas of ``ld``: its live replicas fix product and gang width; warm
-        nodes are where a replica of this very spec has its weights (so image and weights are
-        there), beside what the nodes report as ``cached``; ``memory`` is what one replica needs per
-        GPU when known (`fleet.controller.model_memory.ModelMemory.need`: never waits for the hub)."""
-        mine = [rid for rid in holding if self.replicas[rid].spec_hash == ld.serving_hash]
-        warm = {self.replicas[rid].node for rid in mine if self.replicas[rid].weights_ready_at_s}
-        return PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
-                                               warm_nodes=warm - {None}, memory=self.model_memory.need(ld))
-
     def next_replica_warm(self, deployment: str) -> bool:
         """Whether one more replica of ``deployment``'s serving spec, placed now, would start warm:
         every node of its placement holds the image and the weights
@@ -607,211 +547,17 @@ class Controller:
         waits for capacity: no warm start to count on). Read by the autoscaler for its start-up
         estimate (`autoscaler.startup.StartupEstimate.next_warm`). Pure over the last observed
         inventory."""
-        ds = self.deployments[deployment]
-        ld = ds.revs.specs[ds.revs.stable]
-        holding = self._holding()
-        request = self._placement_request(ld, 1, holding)
-        plan = self.placer.place_replicas(request, self.inventory,
-                                          DeviceUse(d for a in holding.values() for d in a.devices))
-        if not plan.placements:
-            return False
-        return all(request.is_warm(self.inventory.node(m.node)) for m in plan.placements[0].members)
+        return self.launcher.next_replica_warm(deployment, self.inventory)
 
     async def _place_and_launch(self) -> None:
-        pending: dict[tuple[str, str], list[Replica]] = {}
-        placed: list[Replica] = []
-        for r in self.replicas.values():
-            if r.drain_requested_at_s is None and r.status is ReplicaStatus.PENDING:
-                pending.setdefault((r.deployment, r.spec_hash), []).append(r)
-            elif r.status is ReplicaStatus.PLACED:
-                placed.append(r)
-        if not pending and not placed:
-            return   # the usual tick at scale: nothing waits, so no scan of what every replica holds
-        for waiting in pending.values():
-            waiting.sort(key=lambda r: r.created_at_s)
-        pending = dict(sorted(pending.items(), key=lambda kv: kv[1][0].created_at_s))   # oldest first, as before
-        holding = self._holding()
-        # A DeviceUse journals what this tick adds, so each later placement call of the tick
-        # updates the placer's kept index from those changes alone (fleet.placement.freeindex).
-        in_use: DeviceUse = DeviceUse(d for a in holding.values() for d in a.devices)
-        now = self.clock()
-        to_launch: list[tuple[Replica, ReplicaPlacement]] = []
-        for i, ((name, spec_hash), waiting) in enumerate(pending.items()):
-            if i and time.monotonic() > self._tick_deadline:
-                for _key, later in list(pending.items())[i:]:
-                    for r in later:
-                        self._waiting[r.id] = "placed at the next tick (this tick's placement time is spent)"
-                break
-            if i and i % YIELD_EVERY == 0:
-                await asyncio.sleep(0)   # let the loop breathe (informers, /metrics) in a long placement
-            ld = self.deployments[name].revs.specs[spec_hash]
-            request = self._placement_request(ld, len(waiting), holding)   # the whole scale-up: one decision
-            blocked = self.preemption.blocked(name, now)   # freed for a higher priority: held off
-            plan = self.placer.place_replicas(request, self.inventory, in_use + blocked if blocked else in_use)
-            # Devices a draining replica of this deployment still holds free up soon: a new replica
-            # waits for them rather than share a device now (two CPU engines on one core starve
-            # each other; a canary in place of a stable replica must not start on a shared one).
-            freeing = [d for d in self.records.of_deployment(name) if d.engine_alive
-                       and d.status is ReplicaStatus.DRAINING and d.placement is not None]  # fmt: skip
-            for r, placement in zip(waiting, plan.placements):
-                if freeing and not placement.exclusive:
-                    self._waiting[r.id] = (f"waiting for the devices of draining replica(s) "
-                                           f"{', '.join(d.id for d in freeing)} rather than share {placement.label}")
-                    continue
-                self._waiting.pop(r.id, None)
-                in_use.update(placement.devices)
-                r.placed_at_s, r.assignment, r.placement = now, placement.label, placement.to_dict()
-                to_launch.append((r, placement))
-            if unplaced := waiting[len(plan.placements):]:
-                self._wait_or_preempt(name, ld, unplaced, plan.explain(), holding, in_use + blocked, now)
-        placed_now = {r.id for r, _ in to_launch}
-        for r in placed:  # placed before a crash, never started: start now
-            if r.status is ReplicaStatus.PLACED and r.placement is not None and r.drain_requested_at_s is None \
-                    and r.id not in placed_now:
-                to_launch.append((r, ReplicaPlacement.from_dict(r.placement)))
-        if not to_launch:
-            return
-        for r, _ in to_launch:
-            r.launched_at_s = now
-        self._save()  # persisted before the backend acts: a crash now leaves records to adopt
-        for i, (r, placement) in enumerate(to_launch):
-            if i and i % YIELD_EVERY == 0:
-                await asyncio.sleep(0)
-            ld = self.deployments[r.deployment].revs.specs[r.spec_hash]
-            want = ReplicaWant(r.id, ld.deployment, placement, ld.serving_hash, ld.base_dir)
-            try:
-                await self.backend.ensure(want)
-            except LaunchError as err:
-                r.exited_at_s = now
-                self._fail(r, ReplicaStatus.FAILED_START, str(err), [])
-            except Exception as err:  # noqa: BLE001 - a backend bug fails this replica, not the step
-                log.exception("backend could not start replica %s", r.id)
-                r.exited_at_s = now
-                self._fail(r, ReplicaStatus.FAILED_START, f"backend error: {err!r}", [])
-        await self._observe()  # endpoints, image and weights of what just started, in this same tick
-
-    def _wait_or_preempt(self, name: str, ld: LoadedDeployment, unplaced: list[Replica], why: str,
-                         holding: dict[str, ReplicaPlacement], in_use: Counter[str], now: float) -> None:  # fmt: skip
-        """Replicas placement left unplaced wait, with the reason; below the deployment's
-        minimum, lower-priority replicas are preempted for them (`fleet.controller.preemption`)."""
-        decision = self.preemption.consider(name, self._placement_request(ld, len(unplaced), holding),
-                                            self.inventory, in_use, holding, now)  # fmt: skip
-        notes = [why] + [n for n in (decision and decision.reason, self.preemption.held_off_note(name, now)) if n]
-        for r in unplaced:
-            self._waiting[r.id] = "; ".join(notes)
-        if decision is not None and decision.preempts:
-            self._save()   # decided: persisted before the drain acts on it
+        if await self.launcher.place_and_launch(self.inventory, self._tick_deadline):
+            await self._observe()  # endpoints, image and weights of what just started, in this same tick
 
     async def _drain_and_stop(self) -> None:
-        now = self.clock()
-        draining = [r for r in self.replicas.values() if r.status is ReplicaStatus.DRAINING and r.engine_alive]
-        in_flight: dict[str, int] = {}
-        if any(r.warmup_passed_at_s is not None and r.stop_requested_at_s is None for r in draining):
-            try:
-                in_flight = await self.pool_sink.in_flight()
-            except Exception as err:  # noqa: BLE001 - router unreachable: wait for the drain timeout
-                log.warning("cannot read in-flight requests from the router: %s", err)
-                in_flight = {r.id: 1 for r in draining}
-        stops: list[Replica] = []
-        kills: list[Replica] = []
-        for r in self.replicas.values():
-            if not r.engine_alive:
-                continue
-            if r.stop_requested_at_s is None:
-                if r.failure is not None:
-                    stops.append(r)
-                elif r.status is ReplicaStatus.DRAINING:
-                    was_serving = r.warmup_passed_at_s is not None
-                    drained = not was_serving or in_flight.get(r.id, 0) == 0
-                    if drained or now - r.drain_requested_at_s >= self.settings.drain_timeout_s:
-                        stops.append(r)
-            elif r.kill_sent_at_s is None and now - r.stop_requested_at_s >= self.settings.stop_grace_s:
-                kills.append(r)
-        for r in stops:
-            r.stop_requested_at_s = now
-            self._cancel_warmup(r.id)
-        for r in kills:
-            r.kill_sent_at_s = now
-        if stops or kills:
-            self._save()
-        for r in stops:
-            await self.backend.stop(r.id)
-        for r in kills:
-            await self.backend.kill(r.id)
-        # Replicas that never started and are asked to go are done at once.
-        for r in self.replicas.values():
-            if r.status is ReplicaStatus.DRAINING and r.launched_at_s is None:
-                r.exited_at_s = now
+        await self.drainer.drain_and_stop()
 
     async def _publish_pools(self) -> None:
-        for name, model in list(self.records.retired.items()):  # drained through the router, then deleted
-            endpoints = self._pool_endpoints(name)
-            if not endpoints:
-                await self.pool_sink.delete_pool(model)
-                del self.records.retired[name]
-                self._retired_pools.pop(model, None)
-            elif self._retired_pools.get(model) != (pool := PoolSpec(endpoints=endpoints)):
-                await self.pool_sink.put_pool(model, pool)
-                self._retired_pools[model] = pool
-        changed: list[tuple[DeploymentRecord, PoolSpec]] = []
-        for name, ds in self.deployments.items():
-            routing = ds.loaded.deployment.spec.routing
-            endpoints = self._pool_endpoints(name)
-            stickiness = ds.loaded.deployment.spec.rollout.stickiness
-            sticky_key = None if stickiness is None else (
-                f"header:{stickiness.header}" if stickiness.header else "body:user")
-            pool = PoolSpec(
-                policy=routing.policy, endpoints=endpoints,
-                max_concurrency_per_endpoint=routing.max_concurrency_per_endpoint,
-                max_queue_length=routing.max_queue_length, queue_timeout_s=routing.queue_timeout_seconds,
-                sticky_key=sticky_key,
-            )  # fmt: skip
-            if pool != ds.last_pool:
-                changed.append((ds, pool))
-        if not changed:
-            return
-        slots = asyncio.Semaphore(PUBLISH_CONCURRENCY)
-
-        async def put(ds: DeploymentRecord, pool: PoolSpec) -> None:
-            async with slots:
-                await self.pool_sink.put_pool(ds.model, pool)
-            ds.last_pool = pool
-
-        # 1,000 new deployments are 1,000 pools: sent side by side, each one retried next tick if it
-        # failed; in chunks, until the tick's budget is spent (the rest next tick).
-        failed = []
-        for at in range(0, len(changed), PUBLISH_CONCURRENCY * 4):
-            chunk = changed[at: at + PUBLISH_CONCURRENCY * 4]
-            results = await asyncio.gather(*(put(ds, pool) for ds, pool in chunk), return_exceptions=True)
-            failed += [(ds.model, r) for (ds, _), r in zip(chunk, results) if isinstance(r, BaseException)]
-            if time.monotonic() > self._tick_deadline:
-                break
-        if failed:
-            log.warning("cannot publish %d pool(s) (retried next tick); first: %s: %r", len(failed), *failed[0])
-
-    def _pool_endpoints(self, deployment: str) -> list[EndpointSpec]:
-        """The router's view of a deployment: replicas that passed warm-up and still run; DRAINING
-        ones marked draining (no new requests, in-flight ones finish). Each endpoint's version is
-        its revision's label and its weight its revision's share (`fleet.rollout.revisions.endpoint_weights`)."""
-        members = sorted((
-            r for r in self.records.of_deployment(deployment)
-            if r.warmup_passed_at_s is not None and r.endpoint is not None
-            and r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING) and r.engine_alive
-            and r.stop_requested_at_s is None
-        ), key=lambda r: r.id)
-        revs = self.deployments[deployment].revs if deployment in self.deployments else None
-        ready = Counter(r.spec_hash for r in members if r.status is ReplicaStatus.READY)
-        weights = endpoint_weights(revs, ready) if revs is not None else {}
-        return [
-            EndpointSpec(id=r.id, url=r.endpoint, version=self._version(r), weight=weights.get(r.spec_hash, 1.0),
-                         draining=r.status is ReplicaStatus.DRAINING)  # fmt: skip
-            for r in members
-        ]
-
-    def _version(self, r: Replica) -> str:
-        ds = self.deployments.get(r.deployment)
-        ld = ds.revs.specs.get(r.spec_hash) if ds is not None else None
-        return revision_label(ld) if ld is not None else f"{r.revision}@{r.spec_hash[:8]}"
+        await self.pools.publish(self._tick_deadline)
 
     # ----- helpers ------------------------------------------------------------------------
 
@@ -840,48 +586,14 @@ class Controller:
             task.cancel()
 
     def _emit_transitions(self) -> None:
-        now = self.clock()
-        for r in self.replicas.values():
-            new = r.status
-            old = self._last_status.get(r.id)
-            if new is old:
-                continue
-            self._last_status[r.id] = new
+        for event in self.report.transitions(self.clock()):
             try:
-                self.on_event(ReplicaEvent(r.id, r.deployment, old, new, self._detail(r, new), now))
+                self.on_event(event)
             except Exception:  # noqa: BLE001 - a transition that cannot be shown (EPIPE, ENOSPC) is logged only
-                log.exception("cannot report %s %s", r.id, new.value)
-
-    def _detail(self, r: Replica, status: ReplicaStatus) -> str:
-        if status.failed() and r.failure:
-            return r.failure.reason
-        if status is ReplicaStatus.PENDING:
-            return self._waiting.get(r.id, "")
-        adopted = " (adopted: kept running)" if r.adopted_at_s is not None else ""
-        if status in (ReplicaStatus.PULLING, ReplicaStatus.CACHING):
-            return r.detail.get("cache", "")
-        if status is ReplicaStatus.STARTING:
-            where = ", ".join(f"{k} {v}" for k, v in r.detail.items() if k in ("port", "pid", "pod"))
-            return f"{r.assignment}{', ' + where if where else ''}{adopted}"
-        if status is ReplicaStatus.READY:
-            ttr = r.time_to_ready_s()
-            if r.adopted_at_s is not None:
-                return f"{r.endpoint}{adopted}"
-            return f"{r.endpoint} ({ttr:.1f} s to ready)" if ttr is not None else r.endpoint or ""
-        if status is ReplicaStatus.DRAINING and r.drain_reason:
-            return r.drain_reason
-        if status is ReplicaStatus.TERMINATED and r.exit_code is not None:
-            return f"exit code {r.exit_code}"
-        return adopted.strip()
+                log.exception("cannot report %s %s", event.replica_id, event.new.value)
 
     def _trim_history(self) -> None:
-        for name in self.replicas.deployment_names():
-            done = [r for r in self.records.of_deployment(name) if r.status.terminal()]
-            for r in sorted(done, key=lambda r: r.created_at_s)[: max(0, len(done) - self.settings.history_per_deployment)]:
-                if r.engine_alive:
-                    continue
-                for table in (self.replicas, self._last_status, self._waiting):
-                    table.pop(r.id, None)
+        self.report.trim_history()
 
     def snapshot(self) -> dict:
         """JSON-ready state: targets and replica records (the state file; `fleet status`; read

@@ -1,6 +1,6 @@
 """Client of the router's admin API, used by the controller to publish pools.
 
-Owns `RouterAdminClient` (httpx, bearer token), the real `fleet.controller.reconcile.PoolSink`, the
+Owns `RouterAdminClient` (httpx, bearer token), the real `fleet.controller.pools.PoolSink`, the
 autoscaler's source of router statistics (`stats`) and the canary analysis' source of
 per-revision samples (`revision_samples`, a `fleet.rollout.revisions.AnalysisSource`). The pool document is `router.spec.PoolSpec`,
 defined once and parsed by the router itself. The API itself is served by `router.admin`.

@@ -29,7 +29,7 @@ withholds from ``status.allocatable`` are marked unhealthy.
 Quarantine (`quarantine_marks`): the node agent's annotation ``fleet.inference.dev/gpu-health``
 (`fleet.inventory.gpu_health`) lists the GPUs and MIG instances it quarantines, by NVML index.
 Each is marked on one synthetic id through `NodeInventory.with_quarantine`, so placement keeps
-off it and `Controller._drain_unhealthy` drains the replica placed there. Which synthetic id:
+off it and `fleet.controller.drain.Drainer.drain_unhealthy` drains the replica placed there. Which synthetic id:
 the device plugin, not Fleet, picks the GPUs a pod gets, so a replica placed on ``gpu0`` may
 hold physical GPU 5. When the annotation says which pod holds the device and ``held`` says
 which synthetic devices that pod was placed on, the mark goes on one of those (the drain hits

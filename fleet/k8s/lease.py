@@ -242,7 +242,7 @@ class FencedKube:
 
 
 class FencedPoolSink:
-    """The router admin API (`fleet.controller.reconcile.PoolSink`) whose pool writes raise
+    """The router admin API (`fleet.controller.pools.PoolSink`) whose pool writes raise
     `NotLeader` unless ``holds()``; reads (in-flight counts, stats) pass through."""
 
     def __init__(self, sink, holds: Callable[[], bool]) -> None:

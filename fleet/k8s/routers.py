@@ -1,4 +1,4 @@
-"""Every router pod gets every pool update: the operator's `fleet.controller.reconcile.PoolSink` over
+"""Every router pod gets every pool update: the operator's `fleet.controller.pools.PoolSink` over
 the router Deployment's pods.
 
 Owns `RouterFanout`: the admin API of each running router pod (found by label selector through

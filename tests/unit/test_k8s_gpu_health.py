@@ -1,5 +1,5 @@
 """GPU health reaches cluster placement (fleet/inventory/gpu_health.py, fleet/inventory/gfd.py,
-fleet/k8s/backend.py, `Controller._drain_unhealthy`): the node agent's annotation parsed, its
+fleet/k8s/backend.py, `fleet.controller.drain.Drainer`): the node agent's annotation parsed, its
 quarantined GPUs and MIG instances kept out of the inventory (on the synthetic id of the replica
 that really holds them), the pod holding one reported sick, drained and replaced by the real
 controller on the fake cluster, and a TP pod whose GPUs span NVLink domains flagged."""
