@@ -581,19 +581,25 @@ class Proxy:
         try:
             data = await resp.read()
         except _UPSTREAM_ERRORS as exc:
-            endpoint.record_failure(self._clock())
-            m.error("interrupted").inc()
-            log.warning("endpoint %s (%s): body read failed: %r", endpoint.id, endpoint.url, exc)
-            watch.finishing = True
-            self._count_rejection(m.labels[0], 502)
-            await send_json(send, 502, error_body(f"endpoint {endpoint.id} failed mid-response",
-                                                  type_="server_error", code="upstream_error"))  # fmt: skip
+            await self._failed_mid_response(endpoint, m, send, watch, "body", exc)
             return False
         headers.append((b"content-length", str(len(data)).encode()))
         watch.finishing = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
         return True
+
+    async def _failed_mid_response(self, endpoint: EndpointState, m: EndpointMetrics, send: Send,
+                                   watch: _ClientWatch, what: str, exc: BaseException) -> None:
+        """The endpoint failed while its (non-streamed) ``what`` was read: counted against it,
+        and the client gets 502 ``upstream_error`` in OpenAI's format."""
+        endpoint.record_failure(self._clock())
+        m.error("interrupted").inc()
+        log.warning("endpoint %s (%s): %s read failed: %r", endpoint.id, endpoint.url, what, exc)
+        watch.finishing = True
+        self._count_rejection(m.labels[0], 502)
+        await send_json(send, 502, error_body(f"endpoint {endpoint.id} failed mid-response",
+                                              type_="server_error", code="upstream_error"))  # fmt: skip
 
     async def _relay_error(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
                            status: int, headers: list[tuple[bytes, bytes]], send: Send,
@@ -610,13 +616,7 @@ class Proxy:
                 if size >= MAX_ERROR_BODY_BYTES:
                     break
         except _UPSTREAM_ERRORS as exc:
-            endpoint.record_failure(self._clock())
-            m.error("interrupted").inc()
-            log.warning("endpoint %s (%s): error body read failed: %r", endpoint.id, endpoint.url, exc)
-            watch.finishing = True
-            self._count_rejection(m.labels[0], 502)
-            await send_json(send, 502, error_body(f"endpoint {endpoint.id} failed mid-response",
-                                                  type_="server_error", code="upstream_error"))  # fmt: skip
+            await self._failed_mid_response(endpoint, m, send, watch, "error body", exc)
             return False
         body = relayed_error(status, b"".join(chunks)[:MAX_ERROR_BODY_BYTES], resp.content_type)
         kept = [(k, v) for k, v in headers if k not in (b"content-type", b"content-encoding")]
