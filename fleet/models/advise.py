@@ -38,7 +38,7 @@ class GpuProductInfo:
 
 COMMON_GPU_PRODUCTS: tuple[GpuProductInfo, ...] = (
     GpuProductInfo("NVIDIA H100 80GB HBM3", 81559),   # fleet/testing/data/h100-80gb-hbm3.json (NVML)
-    GpuProductInfo("NVIDIA H200", 143771),
+    GpuProductInfo("NVIDIA H200", 143771),            # fleet/testing/data/h200.json (NVML, a real H200)
     GpuProductInfo("NVIDIA B200", 183359),
     GpuProductInfo("NVIDIA A100-SXM4-80GB", 81920),
     GpuProductInfo("NVIDIA A100-SXM4-40GB", 40960),

@@ -34,6 +34,11 @@ def real_h100_snapshot() -> dict:
     return json.loads((DATA / "h100-80gb-hbm3.json").read_text())
 
 
+def real_h200_snapshot() -> dict:
+    """NVML as read on a real NVIDIA H200 (fleet/testing/data/h200.json; see its ``_about``)."""
+    return json.loads((DATA / "h200.json").read_text())
+
+
 def device(index: int, name: str = H100, memory_mib: int = 81559, nvlinks=None, mig_instances=None,
            uuid: str | None = None, **overrides) -> dict:
     """One device dict shaped like the real H100 reading (same keys and healthy values)."""

@@ -196,3 +196,26 @@ def test_fleet_up_preflight_refuses_a_local_model_too_big_for_the_gpus(tmp_path)
         preflight(load_deployments([f]), inv, {})
     except PreflightError as err:   # the engine may be missing here; the shape is not the problem
         assert not [p for p in err.problems if "spec.resources" in p], err.problems
+
+
+def test_a_real_h200_reading_holds_a_70b_model_at_tp2_where_an_h100_cannot():
+    """NVML of a real H200 (fleet/testing/data/h200.json) through the inventory reader: its
+    memory, driver and CUDA reach placement; Llama 3.1 70B at TP=2 fits its
+    143,771 MiB and not an H100's 81,559 MiB at a 32k context (at 8k it just fits an H100)."""
+    from fleet.inventory.nvml import node_from_nvml
+    from fleet.testing.fake_nvml import real_h200_snapshot
+
+    snap = real_h200_snapshot()
+    h200 = node_from_nvml(snap, "h200-vm")
+    (gpu,) = h200.gpus
+    assert (gpu.product, gpu.memory_mib) == ("NVIDIA H200", 143771)
+    assert (h200.driver_version, h200.cuda_driver_version) == ("580.159.04", (13, 0))
+    seventy = need("llama-3.1-70b-instruct", 2, max_model_len=32768)
+    assert seventy.fits(143771) is None
+    assert "needs" in seventy.fits(81559)
+    inv = cluster(node("h100-0", n=2), h200)
+    plan = place(inv, ReplicaShape(tensor_parallel_size=2), seventy)
+    assert not plan.complete   # one H200 cannot hold TP=2; the H100 pair is too small: nothing fits
+    assert any("does not fit NVIDIA H100" in c.reason for c in plan.reasons)
+    assert place(cluster(node("h100-0", n=2), h200), ReplicaShape(tensor_parallel_size=1),
+                 need("llama-3.1-8b-instruct", 1)).complete
