@@ -32,6 +32,26 @@ def test_the_real_h100_reading_is_healthy():
     assert checker.cpu_affinity()[gpu] == tuple(range(16))   # nvidia-smi topo on that VM: CPU affinity 0-15
 
 
+def test_the_checks_read_on_a_real_h200_found_nothing_and_classify_agrees():
+    """The health checks ran on a real H200 (fleet/testing/data/h200-health.json): no finding at
+    any of three checks; classifying the very reading it returned finds nothing either, and the
+    same reading with one volatile uncorrected ECC error is a fault on that GPU."""
+    import copy
+    import json
+    from pathlib import Path
+
+    import fleet.testing
+
+    real = json.loads((Path(fleet.testing.__file__).parent / "data" / "h200-health.json").read_text())
+    assert [c["findings"] for c in real["checks"]] == [[], [], []]
+    reading = real["reading"]
+    assert classify(reading, [], None, 0.0) == []
+    sick = copy.deepcopy(reading)
+    sick["devices"][0]["ecc_volatile_uncorrected"] = 1
+    [finding] = classify(sick, [], reading, 1.0)
+    assert finding.target == reading["devices"][0]["uuid"] and finding.severity.quarantines()
+
+
 def test_a_healthy_hgx_node_has_no_findings_and_reads_p2p_inside_its_nvlink_domain():
     fake, checker = _checker(nvswitch_8gpu())
     assert checker.check() == []
