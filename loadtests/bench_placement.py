@@ -229,11 +229,13 @@ class Run:
 
 def replay(inv: Inventory, deps: list[Deployment], sequence: list[tuple[int, int]], strategy_name: str,
            sample_every: int = 10, checkpoints: set[int] | None = None, drain: bool = True,
-           retry: bool = True) -> Run:
+           retry: bool = True, fill: bool = True) -> Run:
     """Replay ``sequence`` with one strategy. ``drain``: scale-downs drain the replicas the
     strategy's `drain_order` names (else the newest). ``retry``: after a scale-down, every
     deployment below its target asks again, longest waiting first, as the controller's next tick
-    places every PENDING replica (else a missing replica is asked again at its own next event)."""
+    places every PENDING replica (else a missing replica is asked again at its own next event).
+    ``fill``: each request names the TP widths of the product's other deployments
+    (`PlacementRequest.fill_shapes`, as the controller fills it)."""
     strategy = get_strategy(strategy_name)
     live: list[list[ReplicaPlacement]] = [[] for _ in deps]
     targets = [0] * len(deps)
@@ -241,6 +243,9 @@ def replay(inv: Inventory, deps: list[Deployment], sequence: list[tuple[int, int
     run = Run(strategy_name)
     min_tp = _min_tp(deps)
     short_since: dict[int, int] = {}          # deployment -> step its shortfall began
+    fill_shapes = [tuple(sorted({o.shape.tensor_parallel_size for o in deps
+                                 if o is not d and o.shape.gpu_product == d.shape.gpu_product})) if fill else ()
+                   for d in deps]
 
     def scale_up(i: int, step: int, counted: bool) -> None:
         dep, have = deps[i], live[i]
@@ -250,7 +255,8 @@ def replay(inv: Inventory, deps: list[Deployment], sequence: list[tuple[int, int
             return
         t0 = time.perf_counter()
         plan = strategy.place_replicas(PlacementRequest(dep.shape, count=want, deployment=dep.name,
-                                                        existing=tuple(have)), inv, held)
+                                                        existing=tuple(have), fill_shapes=fill_shapes[i]),
+                                       inv, held)
         run.seconds += time.perf_counter() - t0
         for p in plan.placements:
             held.update(p.devices)

@@ -28,6 +28,7 @@ to run or stop replicas) and at the end of every tick. Called by `fleet up` and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import logging
 from collections import Counter
@@ -44,7 +45,9 @@ from fleet.controller.rollouts import RolloutDriver
 from fleet.controller.scale import scale_step
 from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
 from fleet.inventory import Inventory
-from fleet.placement import DeviceUse, PlacementRequest, PlacementStrategy, ReplicaPlacement, get_strategy
+from fleet.placement import (
+    DeviceUse, PlacementRequest, PlacementStrategy, ReplicaPlacement, ReplicaShape, get_strategy,
+)
 from fleet.placement.preemption import DEFAULT_HOLD_OFF_S
 from fleet.rollout.revisions import AnalysisSource, endpoint_weights, revision_label
 from fleet.spec import LoadedDeployment
@@ -597,8 +600,25 @@ class Controller:
         GPU when known (`fleet.controller.model_memory.ModelMemory.need`: never waits for the hub)."""
         mine = [rid for rid in holding if self.replicas[rid].spec_hash == ld.serving_hash]
         warm = {self.replicas[rid].node for rid in mine if self.replicas[rid].weights_ready_at_s}
-        return PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
-                                               warm_nodes=warm - {None}, memory=self.model_memory.need(ld))
+        request = PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
+                                                  warm_nodes=warm - {None}, memory=self.model_memory.need(ld))
+        return dataclasses.replace(request, fill_shapes=self._fill_shapes(ld.deployment.name, request.shape))
+
+    def _fill_shapes(self, name: str, shape: ReplicaShape) -> tuple[int, ...]:
+        """The TP widths the other deployments' specs ask for on a GPU product ``shape`` may use
+        (`PlacementRequest.fill_shapes`: leftover-aware best fit); () for MIG and CPU shapes."""
+        if shape.kind != "gpus":
+            return ()
+        mine = set(shape.gpu_products)
+        widths: set[int] = set()
+        for other, ds in self.deployments.items():
+            if other == name:
+                continue
+            for ld in ds.revs.specs.values():
+                s = ReplicaShape.of(ld.deployment)
+                if s.kind == "gpus" and (not mine or not s.gpu_products or mine & set(s.gpu_products)):
+                    widths.add(s.tensor_parallel_size)
+        return tuple(sorted(widths))
 
     def next_replica_warm(self, deployment: str) -> bool:
         """Whether one more replica of ``deployment``'s serving spec, placed now, would start warm:
