@@ -8,7 +8,9 @@ nothing, explanations and MIG advice), and the built-in strategies:
   `PlacementRequest.warmth`); then spread: no zone beyond an even share of the
   version's replicas, no rack beyond a quarter of them (at least one); then best fit (the NVLink domain or MIG GPU with the fewest free
   units that still fits, so a free 8-GPU domain is not broken for a TP=2 replica while a partly
-  used one fits); then nodes with fewer replicas of the deployment; then fuller nodes.
+  used one fits), leftover-aware: a domain the replica would leave with free GPUs too few for
+  any of `PlacementRequest.fill_shapes` comes after those it would not (`PlacementRequest.strands`);
+  then nodes with fewer replicas of the deployment; then fuller nodes.
 - ``first-fit``: the first node, in inventory order, with a domain that fits; lowest GPU
   indexes. The baseline of the benchmark (loadtests/bench_placement.py).
 
