@@ -19,8 +19,10 @@ Self-contained; prints the figures that docs/placement.md records. Three parts:
    (after a scale-down every deployment below its target asks again, longest waiting first, as
    the controller's next tick places every pending replica; scale-downs drain the replicas the
    strategy's `drain_order` names: the newest for first-fit, those freeing NVLink domains whole
-   for fleet). Reported: replicas missing (target minus running, summed over events, over the
-   sum of targets), the same for TP=8, placement requests rejected, NVLink domains with 8 free
+   for fleet). Fleet's requests name the TP widths of the product's other deployments
+   (`PlacementRequest.fill_shapes`, as the controller fills it: leftover-aware best fit);
+   "fleet, other shapes unknown" leaves them out. Reported: replicas missing (target minus
+   running, summed over events, over the sum of targets), the same for TP=8, placement requests rejected, NVLink domains with 8 free
    GPUs (room for TP=8; mean over samples every 10 events), and GPUs stranded: free healthy
    whole GPUs of a requested product in an NVLink domain whose free GPUs fit none of that
    product's requested shapes (mean over the same samples). MIG and TP=1 deployments are left
@@ -150,7 +152,8 @@ def latency(sizes: list[int], repeats_one: int, repeats_batch: int) -> None:
             placed = 0
             for name, in_use in (("fleet", use), ("fleet", held), ("first-fit", held)):
                 strategy = get_strategy(name)
-                request = PlacementRequest(shape, count=count, deployment="bench")
+                request = PlacementRequest(shape, count=count, deployment="bench",   # what the controller fills
+                                           fill_shapes=(2, 4, 8) if shape.mig_profile is None else ())
                 seconds, plan = timed(lambda: strategy.place_replicas(request, inv, in_use), repeats)
                 row.append(seconds)
                 if name == "fleet":
@@ -229,11 +232,13 @@ class Run:
 
 def replay(inv: Inventory, deps: list[Deployment], sequence: list[tuple[int, int]], strategy_name: str,
            sample_every: int = 10, checkpoints: set[int] | None = None, drain: bool = True,
-           retry: bool = True) -> Run:
+           retry: bool = True, fill: bool = True) -> Run:
     """Replay ``sequence`` with one strategy. ``drain``: scale-downs drain the replicas the
     strategy's `drain_order` names (else the newest). ``retry``: after a scale-down, every
     deployment below its target asks again, longest waiting first, as the controller's next tick
-    places every PENDING replica (else a missing replica is asked again at its own next event)."""
+    places every PENDING replica (else a missing replica is asked again at its own next event).
+    ``fill``: each request names the TP widths of the product's other deployments
+    (`PlacementRequest.fill_shapes`, as the controller fills it)."""
     strategy = get_strategy(strategy_name)
     live: list[list[ReplicaPlacement]] = [[] for _ in deps]
     targets = [0] * len(deps)
@@ -241,6 +246,9 @@ def replay(inv: Inventory, deps: list[Deployment], sequence: list[tuple[int, int
     run = Run(strategy_name)
     min_tp = _min_tp(deps)
     short_since: dict[int, int] = {}          # deployment -> step its shortfall began
+    fill_shapes = [tuple(sorted({o.shape.tensor_parallel_size for o in deps
+                                 if o is not d and o.shape.gpu_product == d.shape.gpu_product})) if fill else ()
+                   for d in deps]
 
     def scale_up(i: int, step: int, counted: bool) -> None:
         dep, have = deps[i], live[i]
@@ -250,7 +258,8 @@ def replay(inv: Inventory, deps: list[Deployment], sequence: list[tuple[int, int
             return
         t0 = time.perf_counter()
         plan = strategy.place_replicas(PlacementRequest(dep.shape, count=want, deployment=dep.name,
-                                                        existing=tuple(have)), inv, held)
+                                                        existing=tuple(have), fill_shapes=fill_shapes[i]),
+                                       inv, held)
         run.seconds += time.perf_counter() - t0
         for p in plan.placements:
             held.update(p.devices)
@@ -330,9 +339,10 @@ def quality_at_scale(nodes: int, events: int, loads: list[float], seed: int) -> 
     for load in loads:
         deps = workload(inv, load)
         sequence = target_sequence(deps, events, seed + 1)
-        for name, cluster, drain in (("fleet", inv, True), ("fleet, newest drained", inv, False),
-                                     ("first-fit", inv, True), ("fleet, no zone/rack labels", unlabelled, True)):
-            r = replay(cluster, deps, sequence, name.split(",")[0], drain=drain)
+        for name, cluster, drain, fill in (("fleet", inv, True, True), ("fleet, other shapes unknown", inv, True, False),
+                                           ("fleet, newest drained", inv, False, True), ("first-fit", inv, True, False),
+                                           ("fleet, no zone/rack labels", unlabelled, True, True)):
+            r = replay(cluster, deps, sequence, name.split(",")[0], drain=drain, fill=fill)
             print(f"| {load:.0%} | {name} | {r.unmet()} | {r.unmet(8)} | {r.rejected:,} of {r.asked:,} "
                   f"({pct(r.rejected, r.asked)}) | {statistics.mean(r.free_domains_8):.1f} | "
                   f"{statistics.mean(r.stranded):.1f} | {r.seconds:.1f} s |")
@@ -411,10 +421,10 @@ def quality_vs_exact(sizes: list[int], events: int, every: int, loads: list[floa
         print("\n## 3. Quality against CP-SAT: skipped (ortools not installed: pip install 'inference-fleet[bench]')")
         return
     print(f"\n## 3. Quality against an exact solver (CP-SAT offline optimum), {events} events, checkpoint every {every}\n")
-    print("| nodes | GPUs | mean demand | checkpoints | replicas wanted (sum) | missing: fleet | missing: fleet, newest "
-          "drained | missing: first-fit | missing: CP-SAT optimum | proven optimal | stranded: fleet / first-fit / "
-          "optimum (sum) | solver time |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| nodes | GPUs | mean demand | checkpoints | replicas wanted (sum) | missing: fleet | missing: fleet, other "
+          "shapes unknown | missing: fleet, newest drained | missing: first-fit | missing: CP-SAT optimum | proven optimal | "
+          "stranded: fleet / fleet, other shapes unknown / first-fit / optimum (sum) | solver time |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, load in [(n, load) for n in sizes for load in loads]:
         inv = synthetic_cluster(n, seed)
         deps = workload(inv, load)
@@ -423,6 +433,7 @@ def quality_vs_exact(sizes: list[int], events: int, every: int, loads: list[floa
         runs = {name: replay(inv, deps, sequence, name, sample_every=every, checkpoints=points)
                 for name in ("fleet", "first-fit")}
         newest = replay(inv, deps, sequence, "fleet", sample_every=every, checkpoints=points, drain=False)
+        unknown = replay(inv, deps, sequence, "fleet", sample_every=every, checkpoints=points, fill=False)
         targets = [0] * len(deps)
         wanted = missing_opt = strand_opt = optimal = 0
         t0 = time.perf_counter()
@@ -436,9 +447,10 @@ def quality_vs_exact(sizes: list[int], events: int, every: int, loads: list[floa
                 optimal += status == "OPTIMAL"
         f, ff = runs["fleet"], runs["first-fit"]
         print(f"| {n} | {inv.gpu_count()} | {load:.0%} | {len(points)} | {wanted:,} | {sum(f.missing_at.values()):,} | "
-              f"{sum(newest.missing_at.values()):,} | "
+              f"{sum(unknown.missing_at.values()):,} | {sum(newest.missing_at.values()):,} | "
               f"{sum(ff.missing_at.values()):,} | {missing_opt:,} | {optimal}/{len(points)} | "
-              f"{sum(f.stranded)} / {sum(ff.stranded)} / {strand_opt} | {time.perf_counter() - t0:.1f} s |")
+              f"{sum(f.stranded)} / {sum(unknown.stranded)} / {sum(ff.stranded)} / {strand_opt} | "
+              f"{time.perf_counter() - t0:.1f} s |")
         sys.stdout.flush()
 
 

@@ -16,6 +16,7 @@ controller's (``save``, ``fail``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -27,7 +28,7 @@ from fleet.controller.model_memory import ModelMemory
 from fleet.controller.preemption import Preemptor
 from fleet.controller.targets import FleetRecords
 from fleet.inventory import Inventory
-from fleet.placement import DeviceUse, PlacementRequest, PlacementStrategy, ReplicaPlacement
+from fleet.placement import DeviceUse, PlacementRequest, PlacementStrategy, ReplicaPlacement, ReplicaShape
 from fleet.spec import LoadedDeployment
 
 log = logging.getLogger("fleet.controller")
@@ -72,8 +73,25 @@ class Launcher:
         replicas = self.records.replicas
         mine = [rid for rid in holding if replicas[rid].spec_hash == ld.serving_hash]
         warm = {replicas[rid].node for rid in mine if replicas[rid].weights_ready_at_s}
-        return PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
-                                               warm_nodes=warm - {None}, memory=self.model_memory.need(ld))
+        request = PlacementRequest.for_deployment(ld.deployment, count, [holding[rid] for rid in mine],
+                                                  warm_nodes=warm - {None}, memory=self.model_memory.need(ld))
+        return dataclasses.replace(request, fill_shapes=self.fill_shapes(ld.deployment.name, request.shape))
+
+    def fill_shapes(self, name: str, shape: ReplicaShape) -> tuple[int, ...]:
+        """The TP widths the other deployments' specs ask for on a GPU product ``shape`` may use
+        (`PlacementRequest.fill_shapes`: leftover-aware best fit); () for MIG and CPU shapes."""
+        if shape.kind != "gpus":
+            return ()
+        mine = set(shape.gpu_products)
+        widths: set[int] = set()
+        for other, ds in self.records.deployments.items():
+            if other == name:
+                continue
+            for ld in ds.revs.specs.values():
+                s = ReplicaShape.of(ld.deployment)
+                if s.kind == "gpus" and (not mine or not s.gpu_products or mine & set(s.gpu_products)):
+                    widths.add(s.tensor_parallel_size)
+        return tuple(sorted(widths))
 
     def next_replica_warm(self, deployment: str, inventory: Inventory) -> bool:
         """`fleet.controller.reconcile.Controller.next_replica_warm` over ``inventory``."""

@@ -251,11 +251,15 @@ class FreeIndex:
         """Whether the zone has a slot with ``need`` free units."""
         return any(n > 0 and c >= need for c, n in self.zones[zone].counts.items())
 
-    def best_in_zone(self, zone: str | None, need: int, skip) -> FreeSlot | None:
+    def best_in_zone(self, zone: str | None, need: int, skip, strands=None) -> FreeSlot | None:
         """The zone's slot with the fewest free units that still holds ``need``, ties by
-        `static_key`, among slots for which ``skip(slot)`` is false."""
+        `static_key`, among slots for which ``skip(slot)`` is false; with ``strands`` (a slot's
+        free units -> wastes room, `PlacementRequest.strands`), slots it judges false first."""
         z = self.zones[zone]
-        for capacity in sorted(c for c, n in z.counts.items() if n > 0 and c >= need):
+        fitting = sorted(c for c, n in z.counts.items() if n > 0 and c >= need)
+        if strands is not None:
+            fitting.sort(key=strands)
+        for capacity in fitting:
             heap = z.buckets.get(capacity, [])
             skipped = []
             found = None

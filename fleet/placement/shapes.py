@@ -176,7 +176,10 @@ class PlacementRequest:
     one ``max_model_len`` sequence (`fleet.placement.explain.memory_reason`). ``cuda`` is what the
     engine needs of a node's driver (`fleet.placement.compat.CudaNeed`, from ``engine.cudaVersion``
     or the image; None: no driver check): a node whose driver cannot run it takes no replica
-    (`node_excluded`).
+    (`node_excluded`). ``fill_shapes`` are the GPUs per replica (TP widths) that other
+    deployments of the product ask for (the controller fills it from its deployments): with
+    them, ``fleet`` avoids a slot that would be left with free GPUs too few for any of those
+    shapes or this one (`strands`), so fewer GPUs end up stranded.
     """
 
     shape: ReplicaShape
@@ -189,6 +192,18 @@ class PlacementRequest:
     all_or_nothing: bool = False
     memory: MemoryNeed | None = None
     cuda: CudaNeed | None = None
+    fill_shapes: tuple[int, ...] = ()
+
+    def strands(self, capacity: int) -> bool:
+        """Whether taking this replica from a slot with ``capacity`` free units strands GPUs:
+        it leaves some free, fewer than the narrowest of ``fill_shapes`` and this shape's width.
+        Leftover-aware best fit (``fleet``) prefers slots where this is False, then the fewest
+        free units. Always False without ``fill_shapes`` (nothing known of the other
+        deployments) and for MIG and CPU shapes."""
+        if not self.fill_shapes or self.shape.kind != "gpus":
+            return False
+        need = self.shape.tensor_parallel_size
+        return 0 < capacity - need < min(min(self.fill_shapes), need)
 
     @classmethod
     def for_deployment(cls, dep: InferenceDeployment, count: int, existing: Iterable[ReplicaPlacement] = (),

@@ -210,9 +210,14 @@ class SlotIndex:
             heapq.heappop(heap)
         return None
 
-    def best_fit(self, g: _Group, need: int) -> Slot | None:
-        """The slot with the fewest free units that still holds ``need``; ties by slot key."""
-        for capacity in sorted(c for c, n in g.counts.items() if n > 0 and c >= need):
+    def best_fit(self, g: _Group, need: int, strands: Callable[[int], bool] | None = None) -> Slot | None:
+        """The slot with the fewest free units that still holds ``need``; ties by slot key.
+        With ``strands`` (a slot's free units -> whether taking the replica from it wastes room,
+        `PlacementRequest.strands`), slots it judges false come first."""
+        fitting = sorted(c for c, n in g.counts.items() if n > 0 and c >= need)
+        if strands is not None:
+            fitting.sort(key=strands)
+        for capacity in fitting:
             entry = self._top(g, capacity)
             if entry is not None:
                 return entry[2]

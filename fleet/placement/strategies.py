@@ -8,7 +8,9 @@ nothing, explanations and MIG advice), and the built-in strategies:
   `PlacementRequest.warmth`); then spread: no zone beyond an even share of the
   version's replicas, no rack beyond a quarter of them (at least one); then best fit (the NVLink domain or MIG GPU with the fewest free
   units that still fits, so a free 8-GPU domain is not broken for a TP=2 replica while a partly
-  used one fits); then nodes with fewer replicas of the deployment; then fuller nodes.
+  used one fits), leftover-aware: a domain the replica would leave with free GPUs too few for
+  any of `PlacementRequest.fill_shapes` comes after those it would not (`PlacementRequest.strands`);
+  then nodes with fewer replicas of the deployment; then fuller nodes.
 - ``first-fit``: the first node, in inventory order, with a domain that fits; lowest GPU
   indexes. The baseline of the benchmark (loadtests/bench_placement.py).
 
@@ -72,7 +74,7 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
     def slot_key(self, slot: Slot, ctx: Context) -> tuple:
         return (slot.node_pos, slot.pos)
 
-    def pick(self, index: SlotIndex, group, need: int) -> Slot | None:
+    def pick(self, index: SlotIndex, group, need: int, ctx: Context | None = None) -> Slot | None:
         """The group's best slot for ``need`` units."""
         return index.first(group, need)
 
@@ -216,7 +218,7 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
         # Each group's best slot and its key; only the group a replica went to changes.
         ranking = self.ranking(ctx)
         for g in index.groups.values():
-            if (s := self.pick(index, g, need)) is not None:
+            if (s := self.pick(index, g, need, ctx)) is not None:
                 ranking.set(g.key, (self.candidate_key(s, ctx), s))
         placements = []
         for _ in range(request.count):
@@ -227,7 +229,7 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             ctx.record(slot.node)
             units = index.take(slot, need)
             group = index.groups[slot.group]
-            s = self.pick(index, group, need)
+            s = self.pick(index, group, need, ctx)
             ranking.set(slot.group, (self.candidate_key(s, ctx), s) if s is not None else None)
             placement = ReplicaPlacement((assign(slot, units),), product)
             held.update(placement.devices)
@@ -448,11 +450,16 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         name = slot.node.name
         return (ctx.node_count[name], slot.other_free, ctx.node_free[name], slot.node_pos, slot.pos)
 
-    def pick(self, index: SlotIndex, group, need: int) -> Slot | None:
-        return index.best_fit(group, need)
+    def pick(self, index: SlotIndex, group, need: int, ctx: Context | None = None) -> Slot | None:
+        request = ctx.request if ctx is not None else None
+        return index.best_fit(group, need, request.strands if request is not None and request.fill_shapes else None)
 
     def candidate_key(self, slot: Slot, ctx: Context) -> tuple:
-        return (slot.capacity, *self.slot_key(slot, ctx))
+        # Leftover-aware best fit: a slot that would strand its leftover GPUs ranks after those
+        # that would not (`PlacementRequest.strands`; always False without ``fill_shapes``).
+        request = ctx.request
+        strands = request.strands(slot.capacity)
+        return (strands, slot.capacity, *self.slot_key(slot, ctx))
 
     def gang_member_key(self, slot: Slot, ctx: Context, need: int) -> tuple:
         return (WARM - ctx.warm[slot.node.name], slot.capacity - need, ctx.node_free[slot.node.name], slot.node_pos,
@@ -538,9 +545,12 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         special = warmth.keys() | {name for name, c in node_count.items() if c}
         crowded = {rack for rack, c in rack_count.items() if c + 1 > rack_share}
 
+        strands = ctx.request.strands if ctx.request.fill_shapes and need > 1 else None
+
         def key(s, cold: int) -> tuple:
             name = s.node.name
             return (cold, max(0, zone_count[s.zone] + 1 - zone_share), max(0, rack_count[s.rack] + 1 - rack_share),
+                    strands is not None and strands(s.capacity),
                     s.capacity, node_count[name], s.other_free, node_free[name], s.node_pos, s.pos)
 
         candidates = [(s, WARM - warmth.get(name, base)) for name in special for s in idx.by_node.get(name, ())
@@ -549,7 +559,7 @@ class FleetStrategy(PlacementStrategy, name="fleet"):
         candidates += [(s, cold) for rack in crowded for s in idx.by_rack.get(rack, ())
                        if s.capacity >= need and s.node.name not in special]
         for zone in zones:
-            s = idx.best_in_zone(zone, need, lambda s: s.node.name in special or s.rack in crowded)
+            s = idx.best_in_zone(zone, need, lambda s: s.node.name in special or s.rack in crowded, strands)
             if s is not None:
                 candidates.append((s, cold))
         best = min(((key(s, c), s) for s, c in candidates), key=lambda e: e[0], default=None)

@@ -61,7 +61,8 @@ def test_indexed_picks_equal_the_full_build_replica_for_replica():
             request = PlacementRequest(
                 shape, count=rng.randint(1, 4), existing=existing, image=rng.choice([None, "img:1"]),
                 model_source=rng.choice([None, "hf://org/m"]),
-                warm_nodes=frozenset(n.name for n in inv.nodes if rng.random() < 0.1))
+                warm_nodes=frozenset(n.name for n in inv.nodes if rng.random() < 0.1),
+                fill_shapes=rng.choice([(), (2,), (4, 8), (1, 2, 8)]))   # leftover-aware best fit too
             indexed, full = both(strategy, request, inv, held, shape.gpu_product)
             assert indexed is not None
             assert indexed == full, (trial, shape)
