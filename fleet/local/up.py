@@ -291,6 +291,8 @@ async def run_up(
         weights = WeightCache(default_cache_root())
         agent, agent_off = _node_agent(node, weights, store)
         backend = LocalBackend(store.root, store.fleet_id(), node, weights=weights, agent=agent, write_errors=errors)
+        if agent is not None:
+            agent.serving = backend.gpu_replicas   # the usage series' deployment / replica labels
         router = RouterProcess(store, host, port)
         adopting_router = router.recorded() is not None
         ports = {} if adopting_router else {"router": (host, port)}
