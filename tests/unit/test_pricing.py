@@ -86,3 +86,12 @@ def test_the_table_gains_a_cost_column_only_with_prices() -> None:
     assert [c.header for c in with_cost.columns][4:6] == ["replica-hours", "cost"]
     assert list(with_cost.columns[5].cells) == ["25.44 USD"]   # 4.24 replica-h x 2 GPUs x 3 USD
     assert "cost" not in [c.header for c in _simulation_table(comparison).columns]
+
+
+def test_fleet_up_refuses_a_bad_prices_file_before_starting_anything(tmp_path: Path) -> None:
+    _, dep = write_files(tmp_path)
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("source: x\ngpuHourUsd: {a: -2}\n")
+    result = runner.invoke(app, ["up", str(dep), "--prices", str(prices), "--state-dir", str(tmp_path / "state")])
+    assert result.exit_code == 2 and "--prices:" in result.output and "is negative" in result.output
+    assert not (tmp_path / "state").exists()
