@@ -177,8 +177,25 @@ class NvmlHealthReader:
             "nvlink_errors": self._nvlink_errors(h),
             "cpu_affinity": list(cores_from_mask(affinity)) if not _err(affinity) else affinity,
             "mig_instances": self._mig(h),
+            **self._usage(h),
         }
         return dev
+
+    def _usage(self, h: Any) -> Reading:
+        """What the GPU is doing: ``utilization_gpu_percent`` (nvmlDeviceGetUtilizationRates
+        ``.gpu``: % of the last sample period with a kernel running), ``memory_used_mib``
+        (nvmlDeviceGetMemoryInfo ``.used``, MiB) and ``power_usage_w`` (nvmlDeviceGetPowerUsage,
+        mW -> W). Each is ``{"error": ...}`` where NVML does not answer it. The node agent exports
+        them under DCGM exporter's names (fleet/agent/runner.py)."""
+        nv, read = self._lib(), self._read
+        util = read(nv.nvmlDeviceGetUtilizationRates, h)
+        memory = read(nv.nvmlDeviceGetMemoryInfo, h)
+        power = read(nv.nvmlDeviceGetPowerUsage, h)
+        return {
+            "utilization_gpu_percent": util if _err(util) else int(util.gpu),
+            "memory_used_mib": memory if _err(memory) else int(memory.used) // (1024 * 1024),
+            "power_usage_w": power if _err(power) else int(power) / 1000.0,
+        }
 
     def _nvlink_errors(self, h: Any) -> dict[str, dict[str, Any]] | dict:
         nv = self._lib()

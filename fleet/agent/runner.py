@@ -20,7 +20,14 @@ Series (prometheus-client; ``gpu`` is a GPU or MIG instance UUID):
 - ``fleet_gpu_xid_events_total{node,gpu,xid,xid_class}``: Xid events seen;
 - ``fleet_node_agent_check_duration_seconds{node}`` and ``fleet_node_agent_check_errors_total{node}``;
 - ``fleet_weight_cache_bytes{node}``, ``fleet_weight_cache_budget_bytes{node}``,
-  ``fleet_weight_cache_models{node}``, ``fleet_weight_cache_corrupt_files_total{node}``.
+  ``fleet_weight_cache_models{node}``, ``fleet_weight_cache_corrupt_files_total{node}``;
+- per GPU, under DCGM exporter's names and units (NVIDIA/dcgm-exporter etc/default-counters.csv)
+  so dashboards written for it read Fleet's node agent too, labelled as dcgm-exporter labels them
+  (``gpu``: the NVML index here, ``UUID``, ``modelName``, ``Hostname``: the node) plus the
+  ``deployment`` and ``replica`` the GPU serves ("" when none; from ``serving``):
+  ``DCGM_FI_DEV_GPU_UTIL`` (%), ``DCGM_FI_DEV_FB_USED`` (MiB), ``DCGM_FI_DEV_POWER_USAGE`` (W).
+  Read from the health check's NVML reading (fleet/agent/nvml_health.py ``_usage``); a value
+  NVML does not answer has no series.
 """
 
 from __future__ import annotations
@@ -76,6 +83,11 @@ class AgentMetrics:
                                   ["node"], registry=registry)
         self.cache_models = Gauge("fleet_weight_cache_models", "Models in the weight cache", ["node"],
                                   registry=registry)
+        usage_labels = ["gpu", "UUID", "modelName", "Hostname", "deployment", "replica"]
+        self.gpu_util = Gauge("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", usage_labels, registry=registry)
+        self.fb_used = Gauge("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", usage_labels,
+                             registry=registry)
+        self.power = Gauge("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", usage_labels, registry=registry)
         self.cache_corrupt = Counter("fleet_weight_cache_corrupt_files",
                                      "Cached files found corrupt by the periodic re-hash (deleted, fetched again on use)",
                                      ["node"], registry=registry)
@@ -92,7 +104,10 @@ class NodeAgent:
     `fleet.k8s.node_facts.NodeFactsPublisher`). ``state_path``: the quarantine state file
     (`load_state` at construction, `save_state` after each step that changed it; None: in memory
     only). A state file that cannot be read is logged, set aside as ``<name>.bad`` and the agent
-    starts with no quarantine (a broken file must not keep the node's health checks down)."""
+    starts with no quarantine (a broken file must not keep the node's health checks down).
+    ``serving``: GPU UUID -> (deployment, replica id) of what runs on it now, read at each step
+    for the usage series' labels (`fleet up` sets `fleet.local.backend.LocalBackend.gpu_replicas`;
+    None: labels "")."""
 
     def __init__(self, node: str, checker: GpuHealthChecker | None, policy: QuarantinePolicy,
                  clock: Callable[[], float], cache: WeightCache | None = None,
@@ -100,8 +115,10 @@ class NodeAgent:
                  fleet_gpus: float | None = None, on_decision: Callable[[Decision], None] | None = None,
                  verify_every_s: float | None = None,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
-                 state_path: Path | None = None) -> None:
+                 state_path: Path | None = None,
+                 serving: Callable[[], dict[str, tuple[str, str]]] | None = None) -> None:
         self.node = node
+        self.serving = serving
         self.state_path = state_path
         self.on_step = on_step
         self.checker = checker
@@ -133,6 +150,12 @@ class NodeAgent:
             self.metrics.errors.labels(self.node).inc()
             self.last_error = f"health: {type(err).__name__}: {err}"
             log.exception("node agent %s: health step failed", self.node)
+        try:
+            self._usage_metrics()
+        except Exception as err:
+            self.metrics.errors.labels(self.node).inc()
+            self.last_error = f"usage: {type(err).__name__}: {err}"
+            log.exception("node agent %s: usage metrics failed", self.node)
         try:
             self._cache_metrics()
         except Exception as err:
@@ -198,6 +221,25 @@ class NodeAgent:
             if self.on_decision is not None:
                 self.on_decision(d)
         return decisions
+
+    def _usage_metrics(self) -> None:
+        """The DCGM-named series (module docstring) from the last check's reading."""
+        m = self.metrics
+        reading = self.checker.last_reading if self.checker is not None else None
+        serving = self.serving() if self.serving is not None else {}
+        for gauge in (m.gpu_util, m.fb_used, m.power):
+            gauge.clear()
+        for d in (reading or {}).get("devices", []):
+            if d.get("lost") or not isinstance(d.get("uuid"), str):
+                continue
+            deployment, replica = serving.get(d["uuid"], ("", ""))
+            name = d.get("name") if isinstance(d.get("name"), str) else ""
+            labels = (str(d["index"]), d["uuid"], name, self.node, deployment, replica)
+            for gauge, key in ((m.gpu_util, "utilization_gpu_percent"), (m.fb_used, "memory_used_mib"),
+                               (m.power, "power_usage_w")):  # fmt: skip
+                value = d.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    gauge.labels(*labels).set(value)
 
     def _cache_metrics(self) -> None:
         if self.cache is None:

@@ -82,6 +82,9 @@ def up(
     detach: Annotated[bool, typer.Option(
         "--detach", "-d", help="Run in the background: return once every replica is READY "
         "(or on the first failure); `fleet logs`, `fleet status` and `fleet down` reach it.")] = False,
+    prices: Annotated[Optional[Path], typer.Option(
+        "--prices", help="GPU prices (YAML: source, gpuHourUsd: {product: USD per GPU-hour}; fleet/pricing.py), "
+        "exported as fleet_gpu_price_usd_per_hour{product} for the dashboard's cost row.")] = None,
     state_dir: StateDir = None,
 ) -> None:
     """Run the deployments on this machine until Ctrl-C or `fleet down`.
@@ -97,17 +100,25 @@ def up(
     Engines and the router do not die with this command: if it is killed, they keep serving, and
     `fleet up` run again on the same state directory adopts them without restarting them.
     """
+    from fleet.pricing import PricesError, load_prices
+
     loaded = load_or_exit(files)
+    try:
+        gpu_prices = load_prices(prices) if prices is not None else None
+    except PricesError as err:
+        err_console.print(f"[red]--prices: {err}[/]", highlight=False)
+        raise typer.Exit(2) from None
     store = StateStore(state_dir or default_state_dir())
     if detach:
-        raise typer.Exit(_detach(files, store, port=port, host=host, metrics_port=metrics_port))
+        raise typer.Exit(_detach(files, store, port=port, host=host, metrics_port=metrics_port, prices=prices))
     from fleet.local.up import PreflightError, run_up
 
     if metrics_port is None:
         metrics_port = port + 1
     try:
         code = asyncio.run(run_up(loaded, store=store, console=console, host=host, port=port,
-                                  metrics_port=metrics_port or None))  # fmt: skip
+                                  metrics_port=metrics_port or None,
+                                  prices=gpu_prices.gpu_hour_usd if gpu_prices else None))  # fmt: skip
     except PreflightError as err:
         err_console.print("[bold red]Cannot start; nothing was started:[/]")
         for line in err.problems:
@@ -119,7 +130,8 @@ def up(
     raise typer.Exit(code)
 
 
-def _detach(files: list[Path], store: StateStore, *, port: int, host: str, metrics_port: int | None) -> int:
+def _detach(files: list[Path], store: StateStore, *, port: int, host: str, metrics_port: int | None,
+            prices: Path | None = None) -> int:
     """Start `fleet up` in a new session with its output in ``logs/fleet-up.log``; relay that log
     until every replica is READY, a replica fails, or the background process exits."""
     log_path = store.log_dir / "fleet-up.log"
@@ -128,6 +140,8 @@ def _detach(files: list[Path], store: StateStore, *, port: int, host: str, metri
             "--state-dir", str(store.root)]  # fmt: skip
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
+    if prices is not None:
+        argv += ["--prices", str(prices.resolve())]
     offset = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

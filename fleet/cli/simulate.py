@@ -61,6 +61,10 @@ def simulate(
                                                      "per-minute timelines as JSON here.")] = None,
     plot_out: Annotated[Path | None, typer.Option("--plot", help="Draw load, replicas (READY and desired) and "
                                                      "p99 TTFT over time into this PNG (needs matplotlib).")] = None,
+    prices: Annotated[Path | None, typer.Option(
+        "--prices", help="GPU prices (YAML: source, gpuHourUsd: {product: USD per GPU-hour}; fleet/pricing.py): "
+        "adds a cost column, replica-hours x spec.resources.tensorParallelSize x the price of the "
+        "deployment's gpuProduct.")] = None,
 ) -> None:
     """Replay a trace through Fleet's router and autoscaler in virtual time (the trace SIMULATOR).
 
@@ -74,7 +78,7 @@ def simulate(
     Prints one row per contender: share of requests within the TTFT SLO (failed requests
     count as missed), p99 and p50 TTFT (of the requests answered), replica-hours (placement
     to stop, start-up included), scaling actions (target changes) and failed requests (503s,
-    drain cut-offs). With --compare, every contender shares the workload, profile, routing,
+    drain cut-offs); with --prices, the cost in USD (GPU-hours x the price, its source printed). With --compare, every contender shares the workload, profile, routing,
     start-up model and replica bounds; only the scaling policy differs.
     """
 
@@ -89,12 +93,27 @@ def simulate(
     from fleet.tracesim.workload import Workload, replica_capacity_per_s
     from fleet.tracesim.traces import TraceError, load_trace
 
+    from fleet.pricing import PricesError, load_prices
+
     loaded = load_or_exit([deployment])
     if len(loaded) != 1:
         err_console.print(f"[red]{deployment}: holds {len(loaded)} deployments; the simulator takes one per file[/]",
                           highlight=False)  # fmt: skip
         raise typer.Exit(2)
     dep = loaded[0].deployment
+    price = None
+    if prices is not None:
+        if dep.spec.resources.accelerator != "gpu":
+            err_console.print(f"[red]--prices: prices are per GPU-hour and {deployment} runs on "
+                              f"spec.resources.accelerator {dep.spec.resources.accelerator}[/]", highlight=False)
+            raise typer.Exit(2)
+        try:
+            gpu_prices = load_prices(prices)
+            product, usd = gpu_prices.per_gpu_hour(dep.spec.resources.gpu_products)
+        except PricesError as err:
+            err_console.print(f"[red]--prices: {err}[/]", highlight=False)
+            raise typer.Exit(2) from None
+        price = (product, usd, dep.spec.resources.tensor_parallel_size, gpu_prices.source)
     for out in (json_out, plot_out):
         if out is not None and not out.resolve().parent.is_dir():
             err_console.print(f"[red]{out}: directory {out.resolve().parent} does not exist[/]", highlight=False)
@@ -128,8 +147,12 @@ def simulate(
         raise typer.Exit(2) from None
     comparison = Comparison(workload.describe(), capacity_per_s, sizing)
     _print_simulation_header(comparison, base, replica_profile)
+    if price is not None:
+        product, usd, gpus, source = price
+        console.print(f"cost: {usd:g} USD per GPU-hour for {product} x {gpus} GPU(s) per replica "
+                      f"(standby replicas count: they hold GPUs); prices from {source} ({prices})", highlight=False)
     comparison.results = _run_with_progress(configs, workload, jobs or min(len(configs), os.cpu_count() or 1))
-    console.print(_simulation_table(comparison))
+    console.print(_simulation_table(comparison, price and price[1] * price[2]))
     for r in comparison.results:
         console.print(f"  {r.name}: simulated in {r.wall_s:.1f} s wall ({r.steps} engine steps)", highlight=False)
     if json_out is not None:
@@ -177,17 +200,23 @@ def _run_with_progress(configs, workload, jobs: int):
         return run_comparison(configs, workload, jobs=jobs, progress=progress)
 
 
-def _simulation_table(comparison) -> Table:
+def _simulation_table(comparison, usd_per_replica_hour: float | None = None) -> Table:
+    """The comparison table; with ``usd_per_replica_hour`` (GPUs per replica x USD per GPU-hour),
+    a cost column (`fleet.pricing.replica_cost_usd`)."""
+    from fleet.pricing import replica_cost_usd
+
     slo_s = comparison.results[0].ttft_slo_s if comparison.results else 0.0
     table = Table(title=f"{comparison.workload['trace']}: one row per scaling policy (simulated)")
-    for column in ("policy", f"within {slo_s:g} s TTFT", "p99 TTFT", "p50 TTFT", "replica-hours",
-                   "peak replicas", "scaling actions", "failed"):  # fmt: skip
+    columns = ["policy", f"within {slo_s:g} s TTFT", "p99 TTFT", "p50 TTFT", "replica-hours"]
+    columns += [] if usd_per_replica_hour is None else ["cost"]
+    for column in (*columns, "peak replicas", "scaling actions", "failed"):
         table.add_column(column, justify="left" if column == "policy" else "right")
     for r in comparison.results:
         s = r.summary()
+        cost = [] if usd_per_replica_hour is None else [f"{replica_cost_usd(s.replica_hours, 1, usd_per_replica_hour):.2f} USD"]
         table.add_row(
             s.name, f"{100 * s.within_slo:.1f}%", "-" if s.ttft_p99_s is None else f"{s.ttft_p99_s:.2f} s",
-            "-" if s.ttft_p50_s is None else f"{s.ttft_p50_s:.2f} s", f"{s.replica_hours:.2f}", str(s.max_replicas),
-            str(s.scaling_actions), str(s.failed),
+            "-" if s.ttft_p50_s is None else f"{s.ttft_p50_s:.2f} s", f"{s.replica_hours:.2f}", *cost,
+            str(s.max_replicas), str(s.scaling_actions), str(s.failed),
         )  # fmt: skip
     return table

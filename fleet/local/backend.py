@@ -302,6 +302,29 @@ class LocalBackend:
         unknown (a replica taken back from its marker alone)."""
         return {rid: rec.placement for rid, rec in self._records.items()}
 
+    def gpu_replicas(self) -> dict[str, tuple[str, str]]:
+        """Device UUID -> (deployment, replica id) of every replica whose process has not exited,
+        from the placements recorded for them (a MIG instance's replica is also its parent GPU's,
+        ids joined with "," when several share it): the labels of the node agent's usage series
+        (`fleet.agent.runner.NodeAgent` ``serving``). Read from the agent's thread: a snapshot."""
+        parents = {m.uuid: g.uuid for g in self.node.gpus for m in g.mig_instances}
+        out: dict[str, tuple[str, str]] = {}
+        for rec in list(self._records.values()):
+            if rec.exited or not rec.placement:
+                continue
+            for member in rec.placement.get("members", []):
+                for device in member.get("devices", []):
+                    for uuid in (device, parents.get(device)):
+                        if uuid is None:
+                            continue
+                        have = out.get(uuid)
+                        if have is None:
+                            out[uuid] = (rec.deployment, rec.replica_id)
+                        elif rec.replica_id not in have[1].split(","):
+                            out[uuid] = (",".join(sorted({*have[0].split(","), rec.deployment})),
+                                         ",".join(sorted([*have[1].split(","), rec.replica_id])))
+        return out
+
     def live_process_count(self) -> int:
         """Recorded engine processes not yet seen to exit."""
         return sum(1 for r in self._records.values() if r.process is not None and not r.exited)

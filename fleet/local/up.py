@@ -261,6 +261,7 @@ async def run_up(
     metrics_port: int | None = None,
     settings: ControllerSettings | None = None,
     fail_soft_output: bool = True,
+    prices: dict[str, float] | None = None,
 ) -> int:
     """Serve ``loaded`` until SIGINT/SIGTERM; return the process exit code.
 
@@ -269,7 +270,8 @@ async def run_up(
     (`fleet.local.rebuild`). ``metrics_port``: where the autoscaler's Prometheus metrics are
     served (on ``host``; None or 0: not served). ``fail_soft_output``: stdout and stderr are
     replaced by `fleet.local.failsoft.FailSoftStream` while it runs (a copy goes to
-    ``logs/fleet-up.log``, the log of `fleet logs controller`).
+    ``logs/fleet-up.log``, the log of `fleet logs controller`). ``prices``: USD per GPU-hour by
+    product (`fleet.pricing.GpuPrices.gpu_hour_usd`), exported with the controller's metrics.
 
     Only SIGINT/SIGTERM (Ctrl-C, `fleet down`) drains and stops the replicas and the router. A
     failure of the control plane itself (an exception that escapes despite the fail-soft writes)
@@ -291,6 +293,8 @@ async def run_up(
         weights = WeightCache(default_cache_root())
         agent, agent_off = _node_agent(node, weights, store)
         backend = LocalBackend(store.root, store.fleet_id(), node, weights=weights, agent=agent, write_errors=errors)
+        if agent is not None:
+            agent.serving = backend.gpu_replicas   # the usage series' deployment / replica labels
         router = RouterProcess(store, host, port)
         adopting_router = router.recorded() is not None
         ports = {} if adopting_router else {"router": (host, port)}
@@ -370,7 +374,7 @@ async def run_up(
         autoscaler_metrics.registry.register(errors)   # fleet_control_write_errors_total (fleet.local.failsoft)
         observability = LocalObservability(
             store.root, router.url, metrics_port and f"http://{host}:{metrics_port}", registry=autoscaler_metrics.registry,
-            node_agent_url=agent_server and f"http://{host}:{agent_server.server_address[1]}")  # fmt: skip
+            node_agent_url=agent_server and f"http://{host}:{agent_server.server_address[1]}", prices=prices)  # fmt: skip
         if metrics_port:
             metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
             console.print(f"Controller, autoscaler and rollout metrics on http://{host}:{metrics_port}/metrics",

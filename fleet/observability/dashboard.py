@@ -57,6 +57,9 @@ ENGINE = 'deployment=~"$deployment", version=~"$version", replica=~"$replica"'
 DEPLOYMENT = 'deployment=~"$deployment"'
 NODE = 'node=~"$node"'
 """Node agent series (fleet/agent/runner.py): ``node`` is the agent's node name."""
+GPUS_HELD = f"rate(fleet_gpu_seconds_allocated_total{{{DEPLOYMENT}}}[{RATE}])"
+"""GPUs held, by deployment, revision, product and state: the controller's GPU-seconds counter's
+rate (fleet/observability/discovery.py `ControllerStateCollector`)."""
 
 
 
@@ -189,6 +192,31 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
             PanelDef("Engine time per output token", "vllm:request_time_per_output_token_seconds per version. "
                      + lat, "s", quantiles("vllm:request_time_per_output_token_seconds", ENGINE, "version",
                                           "{{version}}")),
+        ]),  # fmt: skip
+        ("Cost and GPU use", [
+            PanelDef("Cost per hour (USD)", "GPUs held (rate of fleet_gpu_seconds_allocated_total: serving, "
+                     "starting and standby replicas all hold theirs) x USD per GPU-hour of their product "
+                     "(fleet_gpu_price_usd_per_hour, `fleet up --prices`).", "currencyUSD",
+                     (Query(f"sum by (deployment) ({GPUS_HELD}\n* on (product) group_left "
+                            "fleet_gpu_price_usd_per_hour)", "{{deployment}}"),)),
+            PanelDef("Cost per 1M output tokens (USD)", "Cost per hour over output tokens per hour "
+                     "(vllm:generation_tokens_total of the deployment's engines), per million.", "currencyUSD",
+                     (Query(f"sum by (deployment) ({GPUS_HELD}\n* on (product) group_left "
+                            f"fleet_gpu_price_usd_per_hour)\n/ (sum by (deployment) (rate("
+                            f"vllm:generation_tokens_total{{{DEPLOYMENT}}}[{RATE}])) * 3600 / 1e6)",
+                            "{{deployment}}"),)),
+            PanelDef("GPUs allocated vs busy", "GPUs held by replicas (GPU-hours per hour), by state, and the "
+                     "GPU-busy share of the GPUs serving a replica (DCGM_FI_DEV_GPU_UTIL / 100, node agent): "
+                     "the gap is allocated-but-idle GPU time.", "short", (
+                Query(f"sum by (deployment, state) ({GPUS_HELD})", "allocated {{deployment}} {{state}}"),
+                Query(f'sum by (deployment) (DCGM_FI_DEV_GPU_UTIL{{{DEPLOYMENT}, deployment!=""}}) / 100',
+                      "busy {{deployment}}"),
+            )),
+            PanelDef("Standby share of GPU time", "Share of the GPU time held that standby replicas hold "
+                     "(asleep, ready to wake); 0 without standby replicas.", "percentunit",
+                     (Query(f'(sum by (deployment) (rate(fleet_gpu_seconds_allocated_total{{{DEPLOYMENT}, '
+                            f'state="standby"}}[{RATE}]))\nor sum by (deployment) ({GPUS_HELD}) * 0)\n'
+                            f"/ sum by (deployment) ({GPUS_HELD})", "{{deployment}}"),)),
         ]),  # fmt: skip
         ("GPU health and quarantine (node agent)", [
             PanelDef("GPU health checks failing", "Findings of each node agent's last check, by GPU (or MIG "

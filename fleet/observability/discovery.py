@@ -185,18 +185,70 @@ def controller_families(snapshot: Mapping[str, Any]) -> list[Metric]:
     return [replicas, failures, desired, minimum, maximum, in_row, info]
 
 
+GPU_STATES = {
+    "serving": ("READY", "DRAINING"),
+    "starting": ("PLACED", "PULLING", "CACHING", "STARTING", "WARMING"),
+    "standby": ("STANDBY",),
+}
+"""``state`` label of `fleet_gpu_seconds_allocated_total` -> the replica statuses it counts
+(`fleet.controller.lifecycle.ReplicaStatus`): every status in which a replica holds its devices.
+``standby`` counts a ``STANDBY`` status once the controller has one (asleep, holding its GPUs)."""
+
+_GPU_STATE_OF = {status: state for state, statuses in GPU_STATES.items() for status in statuses}
+
+
+def gpus_held(snapshot: Mapping[str, Any]) -> dict[tuple[str, str, str, str], int]:
+    """Whole GPUs held now, by (deployment, revision, product, state) (pure).
+
+    A replica holds the devices of its placement (``placement.members[].devices``,
+    `fleet.placement.shapes.ReplicaPlacement.to_dict`) while its status is in `GPU_STATES`.
+    Counted: whole GPUs, i.e. devices of a placement with a ``product``, except CPU cores
+    (``cpu:N``) and MIG instances (``MIG-...``: a slice is not a GPU; not counted yet).
+    """
+    out: dict[tuple[str, str, str, str], int] = {}
+    for r in snapshot.get("replicas", []):
+        state = _GPU_STATE_OF.get(r.get("status", ""))
+        placement = r.get("placement") or {}
+        product = placement.get("product")
+        if state is None or not product:
+            continue
+        gpus = sum(1 for m in placement.get("members", []) for d in m.get("devices", [])
+                   if not str(d).startswith(("cpu:", "MIG-")))  # fmt: skip
+        if gpus:
+            key = (r["deployment"], str(r.get("revision") or ""), str(product), state)
+            out[key] = out.get(key, 0) + gpus
+    return out
+
+
 class ControllerStateCollector:
     """prometheus-client collector of `controller_families` over the last snapshot given to
-    `update` (thread-safe: `update` runs on the controller's loop, `collect` on the scrape
-    thread)."""
+    `update`, and of `fleet_gpu_seconds_allocated_total{deployment,revision,product,state}`:
+    GPU-seconds held, integrated over the snapshots' ``clock_s`` (the GPUs each snapshot holds
+    count until the next one; a counter from this process's start, as Prometheus counters are).
+    ``prices``: USD per GPU-hour by product (`fleet.pricing.GpuPrices.gpu_hour_usd`), exported as
+    `fleet_gpu_price_usd_per_hour{product}` for the dashboard's cost row. Thread-safe: `update`
+    runs on the controller's loop, `collect` on the scrape thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, prices: Mapping[str, float] | None = None) -> None:
         self._lock = threading.Lock()
         self._snapshot: Mapping[str, Any] = {}
+        self._held: dict[tuple[str, str, str, str], int] = {}
+        self._held_since_s: float | None = None
+        self._gpu_seconds: dict[tuple[str, str, str, str], float] = {}
+        self.prices = dict(prices or {})
 
     def update(self, snapshot: Mapping[str, Any]) -> None:
         """Take a new snapshot (`fleet.controller.reconcile.Controller.snapshot`)."""
+        now_s = snapshot.get("clock_s")
         with self._lock:
+            if isinstance(now_s, (int, float)):
+                if self._held_since_s is not None and now_s > self._held_since_s:
+                    for key, gpus in self._held.items():
+                        self._gpu_seconds[key] = self._gpu_seconds.get(key, 0.0) + gpus * (now_s - self._held_since_s)
+                self._held_since_s = float(now_s)
+            self._held = gpus_held(snapshot)
+            for key in self._held:
+                self._gpu_seconds.setdefault(key, 0.0)
             self._snapshot = snapshot
 
     def describe(self) -> list[Metric]:
@@ -205,7 +257,21 @@ class ControllerStateCollector:
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             snapshot = self._snapshot
+            gpu_seconds = dict(self._gpu_seconds)
         yield from controller_families(snapshot)
+        allocated = CounterMetricFamily(
+            "fleet_gpu_seconds_allocated", "GPU-seconds held by replicas, by state (serving: READY or DRAINING; "
+            "starting: placed to warm; standby: asleep). Whole GPUs; MIG instances not counted.",
+            labels=["deployment", "revision", "product", "state"])  # fmt: skip
+        for key, seconds in sorted(gpu_seconds.items()):
+            allocated.add_metric(list(key), seconds)
+        yield allocated
+        if self.prices:
+            price = GaugeMetricFamily("fleet_gpu_price_usd_per_hour", "USD per GPU-hour of a GPU product "
+                                      "(fleet up --prices; fleet/pricing.py).", labels=["product"])  # fmt: skip
+            for product, usd in sorted(self.prices.items()):
+                price.add_metric([product], usd)
+            yield price
 
 
 class LocalObservability:
@@ -213,12 +279,13 @@ class LocalObservability:
     replica-state metrics fresh."""
 
     def __init__(self, state_dir: Path, router_url: str, controller_url: str | None,
-                 registry: CollectorRegistry | None = None, node_agent_url: str | None = None) -> None:  # fmt: skip
+                 registry: CollectorRegistry | None = None, node_agent_url: str | None = None,
+                 prices: Mapping[str, float] | None = None) -> None:  # fmt: skip
         self.router_url = router_url
         self.controller_url = controller_url
         self.node_agent_url = node_agent_url
         self.writer = FileSDWriter(targets_path(state_dir))
-        self.collector = ControllerStateCollector()
+        self.collector = ControllerStateCollector(prices)
         if registry is not None:
             registry.register(self.collector)  # type: ignore[arg-type]  # duck-typed Collector
 

@@ -235,7 +235,19 @@ class FakePynvml:
         return SimpleNamespace(busId=self._dev(h)["pci_bus_id"].encode())
 
     def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(total=self._dev(h)["memory_total_mib"] * 1024 * 1024)
+        d = self._dev(h)
+        return SimpleNamespace(total=d["memory_total_mib"] * 1024 * 1024,
+                               used=d.get("memory_used_mib", 0) * 1024 * 1024)  # fmt: skip
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        """``utilization`` of the snapshot (``{"gpu": %, "memory": %}``, as the H200 reading's ``raw``
+        holds it; 0 % when absent)."""
+        u = self._value(self._dev(h).get("utilization", {"gpu": 0, "memory": 0}))
+        return SimpleNamespace(gpu=u["gpu"], memory=u["memory"])
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        """``power_usage_mw`` of the snapshot, in mW as NVML answers (0 when absent)."""
+        return self._value(self._dev(h).get("power_usage_mw", 0))
 
     def nvmlDeviceGetMigMode(self, h):
         m = self._value(self._dev(h)["mig_mode"])

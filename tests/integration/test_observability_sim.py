@@ -10,7 +10,10 @@ Fleet's rules loaded, `fleet prometheus-config`, `fleet top` in a real terminal 
 The GPUs are not real: `fleet up` runs over tests/support/fake_nvml.py's stand-in NVML
 (tests/support/fake_gpu_fleet.py: eight H100s, GPU 7 with a double-bit ECC error and an Xid 48), so
 its node agent runs its real checks, quarantines GPU 7 and exports it, and the GPU health and
-quarantine panels are evaluated like every other (the deployment itself runs on CPU).
+quarantine panels are evaluated like every other. The deployment is placed on those H100s (one per
+replica; the simulated engine computes nothing on them) and `fleet up --prices` prices them, so
+the cost row (GPU-seconds allocated, the price, the node agent's DCGM-named usage labelled with the
+replica) has data as on a real GPU node.
 
 The load: closed-loop clients, half of them streaming, on a deployment with two slots per
 replica and an admission queue of three, so the router queues, rejects some requests with 503,
@@ -66,7 +69,7 @@ def deployment(tmp: Path) -> Path:
             "model": {"name": MODEL, "source": "sim://h100-llama-8b", "revision": "v1"},
             "engine": {"kind": "sim", "args": ["--seed", "5", "--startup-delay-s", "0.5"],
                        "startupTimeoutSeconds": 120},
-            "resources": {"accelerator": "cpu", "cpuCores": 1},
+            "resources": {"gpuProduct": "NVIDIA H100 80GB HBM3"},
             "replicas": {"min": 1, "max": 2},
             "routing": {"policy": "latency-aware", "maxConcurrencyPerEndpoint": 2, "maxQueueLength": 3,
                         "queueTimeoutSeconds": 60},
@@ -153,7 +156,10 @@ def _wait(what: str, predicate, timeout_s: float = TIMEOUT_S, fleet: FleetUp | N
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("observability")
-    fleet = FleetUp([deployment(tmp)], tmp / "state", cli_module="tests.support.fake_gpu_fleet")
+    prices = tmp / "prices.yaml"
+    prices.write_text('source: "test data"\ngpuHourUsd: {NVIDIA H100 80GB HBM3: 4.916}\n')
+    fleet = FleetUp([deployment(tmp)], tmp / "state", cli_module="tests.support.fake_gpu_fleet",
+                    extra_args=("--prices", str(prices)))
     prom = None
     load = Load(fleet.router_url)
     try:
@@ -349,3 +355,18 @@ def test_fleet_top_shows_the_deployment_live_in_a_terminal(stack: Stack) -> None
         _wait("fleet top exiting on Ctrl-C", lambda: "TOP-EXITED-0" in screen(), timeout_s=30)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_gpu_time_is_priced_and_each_gpu_in_use_names_its_replica(stack: Stack) -> None:
+    ready = {rid for rid, r in stack.fleet.replicas().items() if r["status"] == "READY"}
+
+    def labelled() -> set[str]:
+        return {s["metric"]["replica"] for s in stack.query_range(
+            f'DCGM_FI_DEV_GPU_UTIL{{job="{JOB_NODE_AGENT}", deployment="{DEPLOYMENT}"}}')}
+
+    _wait("the node agent's usage series labelled with the READY replicas", lambda: labelled() >= ready)
+    held = stack.query_range(f'rate(fleet_gpu_seconds_allocated_total{{deployment="{DEPLOYMENT}", '
+                             f'state="serving"}}[{RATE_INTERVAL}])')
+    assert held and {s["metric"]["product"] for s in held} == {"NVIDIA H100 80GB HBM3"}
+    # GPUs held per second of time: at least the first replica's one GPU, serving since before the load.
+    assert max(float(v) for s in held for _, v in s["values"]) >= 0.5

@@ -72,3 +72,21 @@ def test_the_readme_code_figures_are_reproduced() -> None:
     assert cells[2] == f"{want['ttft_p99_s']:.2f} s"
     assert cells[4] == f"{want['replica_hours']:.2f}"
     assert cells[5:] == [str(want["max_replicas"]), str(want["scaling_actions"]), str(want["failed"])]
+
+
+def test_prices_add_the_cost_of_each_contender_and_say_where_the_price_came_from(files: tuple[Path, Path],
+                                                                                 tmp_path: Path) -> None:
+    trace, dep = files
+    dep.write_text(dep.read_text().replace("{accelerator: cpu}",
+                                           "{gpuProduct: [NVIDIA A100, NVIDIA L40S], tensorParallelSize: 2}"))
+    prices = tmp_path / "prices.yaml"
+    prices.write_text('source: "example list prices (test data)"\ngpuHourUsd: {NVIDIA L40S: 1.25}\n')
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fixed-2,fixed-3",
+                                 "--prices", str(prices), "--warm-startup-s", "5"])
+    assert result.exit_code == 0, result.output
+    assert "1.25 USD per GPU-hour for NVIDIA L40S x 2 GPU(s) per replica" in result.output
+    assert "prices from example list prices (test data)" in result.output
+    for row in ("fixed-2", "fixed-3"):
+        cells = [c.strip() for c in next(line for line in result.output.splitlines() if f"│ {row}" in line).split("│")[1:-1]]
+        assert cells[5].endswith(" USD"), cells    # replica-hours are printed rounded to 0.01: 2.5 x that
+        assert float(cells[5][:-4]) == pytest.approx(float(cells[4]) * 2 * 1.25, abs=0.005 * 2.5 + 0.005), cells

@@ -40,8 +40,9 @@ class FleetUp:
     """One `fleet up` child process with its own state directory and router port."""
 
     def __init__(self, files: list[Path], state_dir: Path, port: int | None = None, out_name: str = "fleet-up.out",
-                 cli_module: str = "fleet.cli") -> None:
-        """``cli_module``: the module run as `fleet` (tests.support.fake_gpu_fleet: over a stand-in NVML)."""
+                 cli_module: str = "fleet.cli", extra_args: tuple[str, ...] = ()) -> None:
+        """``cli_module``: the module run as `fleet` (tests.support.fake_gpu_fleet: over a stand-in NVML);
+        ``extra_args``: more `fleet up` options (e.g. ``--prices FILE``)."""
         self.state_dir = state_dir
         self.port = port or free_port()
         # Its own free port: the default (--port + 1) is often taken by an outgoing connection
@@ -52,7 +53,7 @@ class FleetUp:
         self._out = open(self.out_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", cli_module, "up", *map(str, files), "--port", str(self.port),
-             "--metrics-port", str(self.metrics_port), "--state-dir", str(state_dir)],
+             "--metrics-port", str(self.metrics_port), "--state-dir", str(state_dir), *extra_args],
             stdout=self._out, stderr=subprocess.STDOUT, cwd=REPO,
         )
         self.seen_pids: set[int] = set()
