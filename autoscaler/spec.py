@@ -23,8 +23,9 @@ from router.specbase import FieldError, SpecModel
 
 SCALING_POLICIES: Registry = Registry("autoscaling policy")
 """The scaling policies by name (`router.registry`): `spec.autoscaling.policy` must be one. The
-policies register themselves (`autoscaler.policy`, `autoscaler.baselines`); the package imports
-them both (autoscaler/__init__.py), so the registry is complete before any spec is parsed."""
+policies register themselves (`autoscaler.policy`, `autoscaler.baselines`,
+`autoscaler.standby`); the package imports them all (autoscaler/__init__.py), so the registry is
+complete before any spec is parsed."""
 
 
 class KpaSpec(SpecModel):
