@@ -83,7 +83,7 @@ class KedaQueueSpec(SpecModel):
 class AutoscalingSpec(SpecModel):
     """Scale the deployment between `spec.replicas.min` and `spec.replicas.max`."""
 
-    policy: str = Field("fleet", description="Scaling policy: fleet, keda-queue, kpa or fixed.")
+    policy: str = Field("fleet", description="Scaling policy: fleet, standby, keda-queue, kpa or fixed.")
     queue_time_target_seconds: float = Field(
         0.5, gt=0, le=3600,
         description="Target mean queue time: router admission queue + engine scheduler queue (seconds).",
