@@ -559,7 +559,8 @@ class Simulation:
 
     def _on_tick(self, now_s: float) -> None:
         ready = [r for r in self.replicas if r.status is ReplicaStatus.READY]
-        starting = sum(1 for r in self.replicas if r.status is ReplicaStatus.STARTING)
+        # Counted in the target: a replica starting only to refill the standby pool is not.
+        starting = sum(1 for r in self.replicas if r.status is ReplicaStatus.STARTING and not r.for_standby)
         for r in ready:
             self.signals.observe_engine(r.id, now_s, r.sample())
         self.signals.forget_others({r.id for r in ready})

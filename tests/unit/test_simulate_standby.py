@@ -23,6 +23,8 @@ def test_the_pool_fills_at_the_start_and_a_burst_wakes_it_in_the_wake_up_time() 
     sim, result = simulate(standby_config())
     first = result.ticks[0]
     assert first.desired == 1 and first.starting == 2          # two refills start beside the one serving
+    second = result.ticks[1]
+    assert second.starting == 2 and second.decision.inputs["starting"] == 0   # refills are not in the target
     asleep = [t for t in result.ticks if t.standby == 2]
     assert asleep and asleep[0].at_s == pytest.approx(10.0, abs=2.0)   # READY after the warm start-up, then asleep
     assert result.wakes, "the burst must wake a standby replica"
