@@ -118,7 +118,8 @@ class ScalingContext:
     ``desired``: the deployment's current target replica count; ``ready``: READY replicas
     (serving); ``starting``: replicas counted in the target but not READY yet (pending,
     starting, warming); ``signals``: `autoscaler.signals.Signals`; ``startup``: the
-    time-to-ready estimate for a replica asked for now.
+    time-to-ready estimate for a replica asked for now; ``standby``: STANDBY replicas (asleep,
+    not counted in ``desired``) kept now.
     """
 
     now_s: float
@@ -127,6 +128,7 @@ class ScalingContext:
     starting: int
     signals: Signals
     startup: StartupEstimate = field(default_factory=lambda: StartupEstimate(60.0, 600.0))
+    standby: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,9 @@ class ScalingDecision:
     """A policy's answer: the replica count to target and why.
 
     ``reason`` is a short code (a metric label: see each policy), ``detail`` a sentence with the
-    numbers, ``inputs`` the values it was decided on (for the event log).
+    numbers, ``inputs`` the values it was decided on (for the event log). ``standby``: STANDBY
+    replicas the policy wants kept beside ``desired`` (None: the deployment's own maximum; the
+    caller clamps it to ``[0, max]``).
     """
 
     at_s: float
@@ -143,6 +147,7 @@ class ScalingDecision:
     reason: str
     detail: str
     inputs: Mapping[str, float | int | None] = field(default_factory=dict)
+    standby: int | None = None
 
     @property
     def direction(self) -> Direction:
@@ -156,7 +161,7 @@ class ScalingDecision:
         """JSON-ready (the state file, `fleet status`)."""
         return {"at_s": self.at_s, "previous": self.previous, "desired": self.desired,
                 "direction": self.direction.value, "reason": self.reason, "detail": self.detail,
-                "inputs": dict(self.inputs)}  # fmt: skip
+                "inputs": dict(self.inputs), "standby": self.standby}  # fmt: skip
 
 
 class ScalingPolicy(Registered, registry=SCALING_POLICIES):

@@ -23,8 +23,9 @@ from router.specbase import FieldError, SpecModel
 
 SCALING_POLICIES: Registry = Registry("autoscaling policy")
 """The scaling policies by name (`router.registry`): `spec.autoscaling.policy` must be one. The
-policies register themselves (`autoscaler.policy`, `autoscaler.baselines`); the package imports
-them both (autoscaler/__init__.py), so the registry is complete before any spec is parsed."""
+policies register themselves (`autoscaler.policy`, `autoscaler.baselines`,
+`autoscaler.standby`); the package imports them all (autoscaler/__init__.py), so the registry is
+complete before any spec is parsed."""
 
 
 class KpaSpec(SpecModel):
@@ -82,7 +83,7 @@ class KedaQueueSpec(SpecModel):
 class AutoscalingSpec(SpecModel):
     """Scale the deployment between `spec.replicas.min` and `spec.replicas.max`."""
 
-    policy: str = Field("fleet", description="Scaling policy: fleet, keda-queue, kpa or fixed.")
+    policy: str = Field("fleet", description="Scaling policy: fleet, standby, keda-queue, kpa or fixed.")
     queue_time_target_seconds: float = Field(
         0.5, gt=0, le=3600,
         description="Target mean queue time: router admission queue + engine scheduler queue (seconds).",

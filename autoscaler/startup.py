@@ -25,15 +25,21 @@ DEFAULT_KEEP = 5
 @dataclass(frozen=True)
 class StartupEstimate:
     """Seconds from placement until READY for a warm and a cold start; ``next_warm``: whether
-    the next replica will start warm (a node with image and weights has room for it)."""
+    the next replica will start warm (a node with image and weights has room for it);
+    ``wake_s``: seconds until a STANDBY replica woken now serves, None when none is asleep (the
+    next replica asked for then wakes instead of starting)."""
 
     warm_s: float
     cold_s: float
     next_warm: bool = True
+    wake_s: float | None = None
 
     @property
     def lead_time_s(self) -> float:
-        """Seconds until a replica asked for now would serve: the warm or the cold estimate."""
+        """Seconds until a replica asked for now would serve: the wake-up, the warm or the cold
+        estimate, the fastest kind of capacity at hand first."""
+        if self.wake_s is not None:
+            return self.wake_s
         return self.warm_s if self.next_warm else self.cold_s
 
 

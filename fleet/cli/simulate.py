@@ -32,7 +32,8 @@ def simulate(
         "--compare", help="Run the deployment's policy beside the baselines: fleet, fixed-peak, fixed-mean, "
         "keda-queue, kpa (docs/autoscaling.md).")] = False,
     policies: Annotated[str | None, typer.Option(
-        "--policies", help="Comma-separated contenders (with --compare: added to its set): fleet, keda-queue, kpa, "
+        "--policies", help="Comma-separated contenders (with --compare: added to its set): fleet, standby, "
+        "keda-queue, kpa, "
         "fixed (spec.replicas.initial), fixed-peak, fixed-mean, fixed-N.")] = None,
     rate_scale: Annotated[int, typer.Option(
         "--rate-scale", min=1, help="K times the trace's arrival rate on the same time axis (bursts keep their "
@@ -51,6 +52,13 @@ def simulate(
     warm_nodes: Annotated[int | None, typer.Option(
         "--warm-nodes", min=0, help="Node slots holding image and weights at the start; replicas beyond them start "
         "cold (default spec.replicas.max: all warm).")] = None,
+    standby_max: Annotated[int, typer.Option(
+        "--standby-max", min=0, help="Most STANDBY replicas (loaded, asleep, counted in replica-hours) a scaling "
+        "policy may keep; a policy without a standby target (all but `standby`) keeps this many. 0: off. "
+        "Fixed fleets keep none.")] = 0,
+    wake_s: Annotated[float, typer.Option(
+        "--wake-s", min=0.0, help="Modelled seconds from waking a STANDBY replica to READY (default 3: llm-d's "
+        "fast-model-actuation figure for 64 GiB, docs/autoscaling.md).")] = 3.0,
     router_limit: Annotated[int | None, typer.Option(
         "--max-concurrency-per-endpoint", min=0, help="Override spec.routing.maxConcurrencyPerEndpoint for every "
         "contender (0: no limit, no router queue).")] = None,
@@ -125,7 +133,7 @@ def simulate(
         overrides = {} if router_limit is None else {"max_concurrency_per_endpoint": router_limit or None}
         base = config_from_deployment(dep, replica_profile, ttft_slo_s=ttft_slo_s, warm_startup_s=warm_startup_s,
                                       cold_startup_s=cold_startup_s, warm_nodes=warm_nodes, seed=seed,
-                                      **overrides)  # fmt: skip
+                                      standby_max=standby_max, wake_s=wake_s, **overrides)  # fmt: skip
         workload = Workload.from_trace(load_trace(trace), replica_profile, rate_scale=rate_scale, speedup=speedup,
                                        seed=seed)  # fmt: skip
     except (TraceError, PlotUnavailable, ValueError, KeyError) as err:
@@ -178,7 +186,9 @@ def _print_simulation_header(comparison, base, replica_profile) -> None:
         f"{comparison.capacity_per_s:.2f} req/s at saturation on this mix -> fixed-peak {s.peak}, fixed-mean {s.mean}\n"
         f"replicas {base.bounds.min}..{base.bounds.max} (initial {base.bounds.initial}); routing {base.routing_policy}"
         f"{f', {limit} per replica, then the router queue' if limit else ''}; start-up warm "
-        f"{base.warm_startup_s:g} s / cold {base.cold_startup_s:g} s; TTFT SLO {base.ttft_slo_s:g} s",
+        f"{base.warm_startup_s:g} s / cold {base.cold_startup_s:g} s"
+        f"{f'; up to {base.standby_max} standby, wake {base.wake_s:g} s' if base.standby_max else ''}; "
+        f"TTFT SLO {base.ttft_slo_s:g} s",
         highlight=False,
     )
 
@@ -209,7 +219,7 @@ def _simulation_table(comparison, usd_per_replica_hour: float | None = None) -> 
     table = Table(title=f"{comparison.workload['trace']}: one row per scaling policy (simulated)")
     columns = ["policy", f"within {slo_s:g} s TTFT", "p99 TTFT", "p50 TTFT", "replica-hours"]
     columns += [] if usd_per_replica_hour is None else ["cost"]
-    for column in (*columns, "peak replicas", "scaling actions", "failed"):
+    for column in (*columns, "of which standby", "peak replicas", "scaling actions", "wake-ups", "failed"):
         table.add_column(column, justify="left" if column == "policy" else "right")
     for r in comparison.results:
         s = r.summary()
@@ -217,6 +227,6 @@ def _simulation_table(comparison, usd_per_replica_hour: float | None = None) -> 
         table.add_row(
             s.name, f"{100 * s.within_slo:.1f}%", "-" if s.ttft_p99_s is None else f"{s.ttft_p99_s:.2f} s",
             "-" if s.ttft_p50_s is None else f"{s.ttft_p50_s:.2f} s", f"{s.replica_hours:.2f}", *cost,
-            str(s.max_replicas), str(s.scaling_actions), str(s.failed),
+            f"{s.standby_hours:.2f}", str(s.max_replicas), str(s.scaling_actions), str(s.wakes), str(s.failed),
         )  # fmt: skip
     return table

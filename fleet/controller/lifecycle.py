@@ -22,6 +22,7 @@ class ReplicaStatus(enum.Enum):
     WARMING = "WARMING"          # /health passes, warm-up requests running
     READY = "READY"              # in the router's pool
     DRAINING = "DRAINING"        # out of the pool, in-flight requests finishing, then stopped
+    STANDBY = "STANDBY"          # placed, loaded, asleep (vLLM sleep level 1); holds its GPUs, not in the pool
     TERMINATED = "TERMINATED"    # stopped on purpose
     FAILED_PLACEMENT = "FAILED_PLACEMENT"
     FAILED_START = "FAILED_START"        # engine exited or timed out before /health passed
@@ -42,7 +43,11 @@ class ReplicaStatus(enum.Enum):
 
     def counts_toward_desired(self) -> bool:
         """Occupies one of the deployment's desired replica slots."""
-        return not self.terminal() and self is not ReplicaStatus.DRAINING
+        return not self.terminal() and self not in (ReplicaStatus.DRAINING, ReplicaStatus.STANDBY)
+
+    def standby(self) -> bool:
+        """Asleep and kept for a fast wake-up: holds its devices, serves nothing."""
+        return self is ReplicaStatus.STANDBY
 
 
 @dataclass

@@ -10,7 +10,7 @@ worker processes and the wall-time measurement of each run (reported, never used
 Every contender gets the same workload, profile, routing, start-up model, replica bounds and
 SLO; only the scaling policy differs. Names:
 
-- ``fleet``, ``keda-queue``, ``kpa``: that policy. If the deployment's own
+- ``fleet``, ``standby``, ``keda-queue``, ``kpa``: that policy. If the deployment's own
   ``spec.autoscaling.policy`` is this one, its spec is used as written; otherwise the policy's
   defaults (docs/autoscaling.md, "Baselines"). ``keda-queue`` also gets
   ``maxScaleDownRate: 1000``: the HPA that KEDA drives may remove every surplus pod in one
@@ -19,7 +19,9 @@ SLO; only the scaling policy differs. Names:
 - ``fixed-peak``, ``fixed-mean``: a fixed fleet of ceil(rate / one replica's capacity)
   replicas, the rate being the busiest minute's or the mean's
   (`fleet.tracesim.workload.FleetSizing`); ``fixed-N``: N replicas; ``fixed``: the
-  deployment's ``spec.replicas.initial``. Fixed fleets ignore ``spec.replicas.max``.
+  deployment's ``spec.replicas.initial``. Fixed fleets ignore ``spec.replicas.max`` and keep no
+  standby replicas (``SimConfig.standby_max`` 0); every other contender gets the same standby
+  allowance (`fleet.tracesim.engine`: a policy without a standby target keeps the maximum).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from fleet.spec import InferenceDeployment
 COMPARE = ("fleet", "fixed-peak", "fixed-mean", "keda-queue", "kpa")
 """The contenders of ``fleet simulate --compare``, in table order."""
 
-SCALING_POLICIES = ("fleet", "keda-queue", "kpa")
+SCALING_POLICIES = ("fleet", "standby", "keda-queue", "kpa")
 
 KEDA_MAX_SCALE_DOWN_RATE = 1000.0
 """`keda-queue`'s maxScaleDownRate: HPA's default scale-down policy removes up to 100 % of the
@@ -115,7 +117,7 @@ def contender(base: SimConfig, name: str, sizing: FleetSizing | None = None) -> 
         n = int(name[6:])
     else:
         raise ValueError(f"unknown contender {name!r}; known: {contender_names()}")
-    return replace(base, autoscaling=fixed, bounds=ReplicaBounds(n, n, n), name=name)
+    return replace(base, autoscaling=fixed, bounds=ReplicaBounds(n, n, n), name=name, standby_max=0)
 
 
 @dataclass

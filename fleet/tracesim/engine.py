@@ -46,6 +46,16 @@ What is modelled (docs/autoscaling.md, "The trace simulator"):
   freed slot or a joining replica takes the head of the queue), at most ``max_queue_length``
   waiting (more get a 503 at once), for at most ``queue_timeout_s`` (then a 503); with no
   READY replica at all, a 503. Clients do not retry: a 503 is a failed request.
+- Standby (``standby_max`` > 0; docs/autoscaling.md, "Standby replicas"): the policy's
+  `ScalingDecision.standby` (None: ``standby_max``), clamped to ``[0, min(standby_max,
+  bounds.max - target)]``, replicas are kept asleep (STANDBY: placed, loaded, holding their node
+  slot, counted in replica-hours, not in the pool nor the target). A scale-up takes, in order,
+  a replica starting only to refill the pool, a STANDBY replica (READY ``wake_s`` later, the
+  `autoscaler.startup.StartupEstimate.wake_s` the policy is told while one is asleep), then a
+  new one (warm or cold). A scale-down drains a READY replica into the pool (asleep once its
+  requests finished) while the pool is short, stopping a refill still starting to make room; a
+  pool still short gets new replicas that sleep
+  once READY; a pool too large stops its newest sleepers.
 - Not modelled: engine crashes, connection failures and the router's retries, the network,
   the router's own CPU time.
 """
@@ -56,7 +66,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autoscaler.policy import ReplicaBounds, ScalingContext, ScalingPolicy, make_policy
@@ -94,6 +104,11 @@ DEFAULT_TTFT_SLO_S = 2.0
 limit for Llama 3.1 8B (and Llama 2 70B), `llama3_1-8b.Server.ttft_latency = 2000` at the 99th
 percentile in mlcommons/inference loadgen/mlperf.conf. The interactive scenario's is 0.5 s."""
 
+DEFAULT_WAKE_S = 3.0
+"""Modelled seconds from a wake-up asked for (vLLM `POST /wake_up` after `POST /sleep?level=1`)
+to READY: the ~3 s llm-d's fast-model-actuation work reports for waking 64 GiB of weights
+(quoted in issue 24), not scaled down for an 8B model's 16 GB: a conservative figure."""
+
 # Event kinds, in the order they run when they fall on the same virtual instant.
 _STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK = range(6)
 
@@ -111,10 +126,13 @@ class SimConfig:
     ``warm_nodes``: node slots that hold image and weights at the start (default
     ``bounds.max``: every replica the policy may ask for starts warm); ``slowdown``: factor on
     every engine step; ``ttft_slo_s``: the SLO the share is measured against (seconds);
-    ``drain_timeout_s``: see `DRAIN_TIMEOUT_S`; ``seed``: token ids; ``name``: the row's label.
+    ``drain_timeout_s``: see `DRAIN_TIMEOUT_S`; ``seed``: token ids; ``name``: the row's label;
+    ``standby_max``: most STANDBY replicas kept (0: standby off; module docstring);
+    ``wake_s``: modelled seconds from wake-up to READY (`DEFAULT_WAKE_S`).
 
     Raises ValueError for start-up times outside ``0 <= warm <= cold``, a negative
-    ``warm_nodes``, or a non-positive ``ttft_slo_s``, ``slowdown`` or ``drain_timeout_s``.
+    ``warm_nodes``, ``standby_max`` or ``wake_s``, or a non-positive ``ttft_slo_s``,
+    ``slowdown`` or ``drain_timeout_s``.
     """
 
     profile: Profile
@@ -135,8 +153,12 @@ class SimConfig:
     model: str = "sim-model"
     routers: int = 1
     shared_view: bool = False
+    standby_max: int = 0
+    wake_s: float = DEFAULT_WAKE_S
 
     def __post_init__(self) -> None:
+        if self.standby_max < 0 or self.wake_s < 0:
+            raise ValueError(f"standby_max and wake_s must be >= 0, got {self.standby_max} and {self.wake_s} s")
         if self.routers < 1:
             raise ValueError(f"routers must be >= 1, got {self.routers}")
         if self.routers > 1 and self.max_concurrency_per_endpoint is not None:
@@ -165,7 +187,7 @@ class SimConfig:
             "startup": {"warm_s": self.warm_startup_s, "cold_s": self.cold_startup_s,
                         "warm_nodes": self.bounds.max if self.warm_nodes is None else self.warm_nodes},
             "slowdown": self.slowdown, "ttft_slo_s": self.ttft_slo_s, "drain_timeout_s": self.drain_timeout_s,
-            "seed": self.seed,
+            "seed": self.seed, "standby": {"max": self.standby_max, "wake_s": self.wake_s},
         }  # fmt: skip
 
 
@@ -209,6 +231,8 @@ class Simulation:
         self._steps = 0
         self._by_endpoint: dict[str, SimReplica] = {}
         self._startups: list[tuple[str, bool, float]] = []
+        self._wakes: list[tuple[str, float]] = []
+        self.standby_target = 0
         self._ran = False
         self.pools = self._make_pools()
         self.pool = self.pools[0]
@@ -267,6 +291,7 @@ class Simulation:
             requests=self.log, ticks=self.ticks, horizon_s=horizon_s, end_s=now_s,
             replica_cost_s=sum(r.cost_s(horizon_s) for r in self.replicas), startups=self._startups,
             params=self.config.params(), steps=self._steps,
+            standby_cost_s=sum(r.standby_s(horizon_s) for r in self.replicas), wakes=self._wakes,
         )  # fmt: skip
 
     # ----- requests (router.proxy's admission) ------------------------------------------
@@ -435,19 +460,46 @@ class Simulation:
         return replica
 
     def _on_ready(self, replica: SimReplica, now_s: float) -> None:
-        if replica.status is not ReplicaStatus.STARTING:
-            return  # stopped while starting
+        if replica.status is not ReplicaStatus.STARTING or replica.ready_at_s != now_s:
+            return  # stopped (or put back to sleep) while starting
+        if replica.woken:
+            replica.woken = False
+            self._wakes.append((replica.id, now_s - replica.drain_s))  # type: ignore[operator]
+            replica.drain_s = None
+        else:
+            self.nodes.became_ready(replica.node)
+            self.startup.observe(replica.id, replica.warm, now_s - replica.created_s)
+            self._startups.append((replica.id, replica.warm, now_s - replica.created_s))
+        if replica.for_standby:
+            self._sleep(replica, now_s)
+            return
         replica.status = ReplicaStatus.READY
-        self.nodes.became_ready(replica.node)
-        self.startup.observe(replica.id, replica.warm, now_s - replica.created_s)
-        self._startups.append((replica.id, replica.warm, now_s - replica.created_s))
         self._rebuild_pool()
         if self._queued:
             self._admit_waiting(now_s)
 
+    def _sleep(self, replica: SimReplica, now_s: float) -> None:
+        """Put ``replica`` (loaded, nothing in flight) to sleep: STANDBY, keeping its node slot."""
+        replica.status = ReplicaStatus.STANDBY
+        replica.for_standby = replica.to_standby = replica.woken = False
+        replica.drain_s = None
+        replica.standby_spans.append([now_s, None])
+
+    def _wake(self, replica: SimReplica, now_s: float) -> None:
+        """Wake a STANDBY replica: STARTING, READY ``wake_s`` later (``drain_s`` holds the ask)."""
+        replica.standby_spans[-1][1] = now_s
+        replica.status = ReplicaStatus.STARTING
+        replica.woken = True
+        replica.drain_s = now_s
+        replica.ready_at_s = now_s + self.config.wake_s
+        self._push(replica.ready_at_s, _READY, replica)
+
     def _drain(self, replica: SimReplica, now_s: float) -> None:
         if replica.status is ReplicaStatus.STARTING:
-            self._stop(replica, now_s)
+            if replica.woken:
+                self._sleep(replica, now_s)  # still loaded: back to sleep
+            else:
+                self._stop(replica, now_s)
             return
         replica.status = ReplicaStatus.DRAINING
         replica.drain_s = now_s
@@ -471,6 +523,13 @@ class Simulation:
         self._stop(replica, now_s)
 
     def _stop(self, replica: SimReplica, now_s: float) -> None:
+        """A drained replica stops, or goes to sleep when it was drained into the standby pool."""
+        if replica.to_standby and replica.status is ReplicaStatus.DRAINING:
+            self._sleep(replica, now_s)
+            self._rebuild_pool()
+            return
+        if replica.standby_spans and replica.standby_spans[-1][1] is None:
+            replica.standby_spans[-1][1] = now_s
         replica.status = ReplicaStatus.TERMINATED
         replica.stopped_s = now_s
         self.nodes.release(replica.node)
@@ -500,34 +559,78 @@ class Simulation:
 
     def _on_tick(self, now_s: float) -> None:
         ready = [r for r in self.replicas if r.status is ReplicaStatus.READY]
-        starting = sum(1 for r in self.replicas if r.status is ReplicaStatus.STARTING)
+        # Counted in the target: a replica starting only to refill the standby pool is not.
+        starting = sum(1 for r in self.replicas if r.status is ReplicaStatus.STARTING and not r.for_standby)
         for r in ready:
             self.signals.observe_engine(r.id, now_s, r.sample())
         self.signals.forget_others({r.id for r in ready})
         snapshot = self.stats.snapshot(now_s, self.signals.window_s, in_flight=sum(p.in_flight() for p in self.pools),
                                        queued=self._queued)  # fmt: skip
+        asleep = sum(1 for r in self.replicas if r.status is ReplicaStatus.STANDBY)
+        estimate = self.startup.estimate(next_warm=self.nodes.next_is_warm())
+        if asleep:
+            estimate = replace(estimate, wake_s=self.config.wake_s)
         ctx = ScalingContext(now_s, self.desired, len(ready), starting, self.signals.signals(now_s, snapshot),
-                             self.startup.estimate(next_warm=self.nodes.next_is_warm()))  # fmt: skip
+                             estimate, asleep)  # fmt: skip
         decision = self.policy.decide(ctx)
-        if decision.desired != self.desired:
-            self.desired = decision.desired
+        cfg = self.config
+        wanted = cfg.standby_max if decision.standby is None else decision.standby
+        standby_target = max(0, min(wanted, cfg.standby_max, cfg.bounds.max - decision.desired))
+        if decision.desired != self.desired or standby_target != self.standby_target:
+            self.desired, self.standby_target = decision.desired, standby_target
             self._reconcile(now_s)
         counts = {status: 0 for status in ReplicaStatus}
         for r in self.replicas:
             counts[r.status] += 1
         self.ticks.append(TickRecord(now_s, self.desired, counts[ReplicaStatus.READY], counts[ReplicaStatus.STARTING],
-                                     counts[ReplicaStatus.DRAINING], decision))  # fmt: skip
+                                     counts[ReplicaStatus.DRAINING], decision,
+                                     counts[ReplicaStatus.STANDBY]))  # fmt: skip
         if self._done < len(self.log):
             self._push(now_s + self.policy.interval_s, _TICK, None)
 
     def _reconcile(self, now_s: float) -> None:
         """The controller's scale step (`fleet.controller.scale.scale_step`, the same function):
-        add replicas, or drain the least advanced first (STARTING before READY), newest first."""
-        active = [r for r in self.replicas if r.status.counts_toward_desired()]
+        add replicas (a refill already starting first, then a STANDBY one woken, then a new
+        one), or drain the least advanced first (STARTING before READY), newest first, into the
+        standby pool while it is short; then size the pool (module docstring)."""
+        active = [r for r in self.replicas if r.status.counts_toward_desired() and not r.for_standby]
         step = scale_step(active, self.desired, lambda r: r.index)
         for _ in range(step.create):
-            self._add_replica(now_s)
+            refill = next((r for r in self.replicas if r.for_standby and r.status is ReplicaStatus.STARTING), None)
+            asleep = next((r for r in reversed(self.replicas) if r.status is ReplicaStatus.STANDBY), None)
+            if refill is not None:
+                refill.for_standby = False
+            elif asleep is not None:
+                self._wake(asleep, now_s)
+            else:
+                self._add_replica(now_s)
         for r in step.drain:
+            if r.status is ReplicaStatus.READY:
+                refill = next((x for x in reversed(self.replicas)
+                               if x.for_standby and x.status is ReplicaStatus.STARTING), None)  # fmt: skip
+                if refill is not None and self._kept() >= self.standby_target:
+                    self._stop(refill, now_s)  # a loaded replica takes the place of one still starting
+                r.to_standby = self._kept() < self.standby_target
             self._drain(r, now_s)
+        self._size_standby(now_s)
         if step.drain:
             self._rebuild_pool()
+
+    def _kept(self) -> int:
+        """Replicas asleep or on their way to sleep (draining into the pool, refills starting)."""
+        return sum(1 for r in self.replicas if r.status is ReplicaStatus.STANDBY
+                   or (r.to_standby and r.status is ReplicaStatus.DRAINING)
+                   or (r.for_standby and r.status is ReplicaStatus.STARTING))  # fmt: skip
+
+    def _size_standby(self, now_s: float) -> None:
+        """Refill a short standby pool with new replicas that sleep once READY; stop the
+        newest refills, then the newest sleepers, of a pool too large."""
+        kept = self._kept()
+        for _ in range(self.standby_target - kept):
+            self._add_replica(now_s).for_standby = True
+        for r in reversed(self.replicas):
+            if kept <= self.standby_target:
+                break
+            if r.for_standby and r.status is ReplicaStatus.STARTING or r.status is ReplicaStatus.STANDBY:
+                self._stop(r, now_s)
+                kept -= 1

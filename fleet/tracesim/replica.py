@@ -1,8 +1,8 @@
 """Simulated replicas of the trace simulator: lifecycle, engine, router endpoint, scrapes, nodes.
 
 Owns `SimReplica` (one replica, in the controller's lifecycle states
-(`fleet.controller.lifecycle.ReplicaStatus`: STARTING, READY, DRAINING, TERMINATED; the states
-before STARTING pass in no time here): its
+(`fleet.controller.lifecycle.ReplicaStatus`: STARTING, READY, DRAINING, STANDBY, TERMINATED;
+the states before STARTING pass in no time here): its
 `fleet.enginesim.model.EngineModel`, its `router.endpoint.EndpointState` as the router sees it, the ids
 of the requests dispatched to it, the engine's cumulative `vllm:request_queue_time_seconds`
 histogram, and when it was placed, became READY and stopped) and `NodePool` (where replicas
@@ -48,8 +48,8 @@ class SimReplica:
     """
 
     __slots__ = ("_qt_count", "_qt_counts", "_qt_sum", "busy", "created_s", "drain_s", "endpoint", "endpoints",
-                 "engine", "id",
-                 "in_flight_ids", "index", "node", "ready_at_s", "status", "stopped_s", "wake_at_s", "warm")  # fmt: skip
+                 "engine", "for_standby", "id", "in_flight_ids", "index", "node", "ready_at_s", "standby_spans",
+                 "status", "stopped_s", "to_standby", "wake_at_s", "warm", "woken")  # fmt: skip
 
     def __init__(self, replica_id: str, index: int, engine: EngineModel, created_s: float, ready_at_s: float,
                  warm: bool, node: int, routers: int = 1) -> None:  # fmt: skip
@@ -70,6 +70,13 @@ class SimReplica:
         self.busy = False
         self.wake_at_s: float | None = None
         self.in_flight_ids: set[str] = set()
+        # Standby (docs/autoscaling.md, "Standby replicas"): started only to refill the standby
+        # pool (sleeps once READY); draining into the pool (sleeps instead of stopping); STARTING
+        # because it was woken (READY after the wake-up time); [asleep from, to or None].
+        self.for_standby = False
+        self.to_standby = False
+        self.woken = False
+        self.standby_spans: list[list[float | None]] = []
         self._qt_counts = [0] * len(QUEUE_TIME_BOUNDS)
         self._qt_sum = 0.0
         self._qt_count = 0
@@ -124,6 +131,13 @@ class SimReplica:
         stopped (or ``until_s``)."""
         end_s = until_s if self.stopped_s is None else min(self.stopped_s, until_s)
         return max(0.0, end_s - self.created_s)
+
+    def standby_s(self, until_s: float) -> float:
+        """Seconds this replica spent asleep (STANDBY) within ``[0, until_s]``."""
+        total = 0.0
+        for start_s, end_s in self.standby_spans:
+            total += max(0.0, min(until_s if end_s is None else end_s, until_s) - start_s)  # type: ignore[operator]
+        return total
 
     def __repr__(self) -> str:
         return f"SimReplica({self.id}, {self.status.value}, in_flight={self.endpoint.in_flight})"

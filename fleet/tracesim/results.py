@@ -16,7 +16,8 @@ Definitions:
   count as outside the SLO.
 - Share within SLO: requests with TTFT <= ``ttft_slo_s`` / all requests (failed included).
 - Replica-hours: each replica from placement (start-up included: a starting GPU is paid for)
-  until it stopped (after its drain), clipped to the trace's span ``[0, horizon_s]``.
+  until it stopped (after its drain), clipped to the trace's span ``[0, horizon_s]``; time
+  asleep (STANDBY) included, as a sleeping replica holds its GPUs; standby-hours: that part.
 - Scaling actions: decisions that changed the target (up or down), like the live loop's
   `fleet_autoscaler_decisions_total{direction!="hold"}`.
 """
@@ -81,6 +82,7 @@ class TickRecord:
     starting: int
     draining: int
     decision: ScalingDecision
+    standby: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class Summary:
     failed: int
     max_replicas: int
     prefix_hit_rate: float = 0.0
+    standby_hours: float = 0.0
+    wakes: int = 0
 
     @property
     def scaling_actions(self) -> int:
@@ -112,8 +116,10 @@ class Summary:
 class SimResult:
     """A finished run. ``horizon_s``: the trace's span (replica-hours are counted over
     ``[0, horizon_s]``); ``end_s``: when the last request finished; ``replica_cost_s``:
-    replica-seconds within the horizon; ``startups``: (replica id, warm, seconds) of every
-    replica that became READY during the run; ``wall_s``: real seconds the run took."""
+    replica-seconds within the horizon (standby included); ``standby_cost_s``: the part of it
+    asleep (STANDBY); ``startups``: (replica id, warm, seconds) of every replica that started
+    during the run; ``wakes``: (replica id, seconds from wake-up to READY) of every standby
+    replica woken; ``wall_s``: real seconds the run took."""
 
     name: str
     policy: str
@@ -127,6 +133,8 @@ class SimResult:
     params: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
     steps: int = 0
+    standby_cost_s: float = 0.0
+    wakes: list[tuple[str, float]] = field(default_factory=list)
 
     def summary(self) -> Summary:
         log = self.requests
@@ -141,7 +149,7 @@ class SimResult:
             mean_replicas=self.replica_cost_s / self.horizon_s if self.horizon_s > 0 else 0.0,
             scale_ups=ups, scale_downs=downs, failed=sum(log.failed),
             max_replicas=max((t.ready + t.starting for t in self.ticks), default=0),
-            prefix_hit_rate=log.prefix_hit_rate(),
+            prefix_hit_rate=log.prefix_hit_rate(), standby_hours=self.standby_cost_s / 3600.0, wakes=len(self.wakes),
         )  # fmt: skip
 
     def timeline(self, bin_s: float = 60.0) -> dict[str, list[float]]:

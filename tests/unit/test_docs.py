@@ -88,6 +88,10 @@ def _row(name: str, s: dict) -> str:
     ("autoscaling-code-x2", ["autoscaling.md"]),
     ("autoscaling-conv", ["autoscaling.md"]),
     ("autoscaling-conv-x4", ["autoscaling.md", "benchmarks.md"]),
+    ("autoscaling-standby-code", ["autoscaling.md", "benchmarks.md"]),
+    ("autoscaling-standby4-code", ["autoscaling.md", "benchmarks.md"]),
+    ("autoscaling-standby-conv-x4", ["autoscaling.md", "benchmarks.md"]),
+    ("autoscaling-standby-conv", ["autoscaling.md"]),
 ])  # fmt: skip
 def test_the_autoscaling_tables_are_the_recorded_runs(run: str, docs: list[str]):
     """Every policy's row of a `fleet simulate --compare` table in docs/ is its summary in the JSON

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autoscaler", "warmup"),                       # pure scaling policies; the warm-up gate
     ("fleet.enginesim",),                           # the engine SIMULATOR (its own process)
     ("fleet.engines",),                             # engine kinds, vllm serve, the tiny model
-    ("fleet.sources", "fleet.rollout.spec"),        # model sources; the rollout section of the spec
+    ("fleet.sources", "fleet.rollout.spec", "fleet.pricing"),   # model sources; the rollout section of the spec; GPU prices
     ("fleet.spec",),                                # the InferenceDeployment document
     ("fleet.inventory",),                           # nodes, GPUs, MIG, NVLink domains
     ("fleet.models",),                              # model facts and the memory a replica needs

@@ -79,7 +79,7 @@ def test_simulate_refuses_prices_it_cannot_use(tmp_path: Path) -> None:
 
 def test_the_table_gains_a_cost_column_only_with_prices() -> None:
     summary = SimpleNamespace(name="fleet", within_slo=0.965, ttft_p99_s=1.5, ttft_p50_s=0.2, replica_hours=4.24,
-                              max_replicas=6, scaling_actions=9, failed=0)  # fmt: skip
+                              standby_hours=0.0, max_replicas=6, scaling_actions=9, wakes=0, failed=0)  # fmt: skip
     comparison = SimpleNamespace(workload={"trace": "code"},
                                  results=[SimpleNamespace(ttft_slo_s=2.0, summary=lambda: summary)])
     with_cost = _simulation_table(comparison, 2 * 3.0)

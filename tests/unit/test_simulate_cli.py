@@ -5,6 +5,7 @@ tests/integration/test_simulate_cli.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,16 @@ def test_an_unknown_contender_and_an_invalid_spec_are_refused(files: tuple[Path,
 
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_standby_max_gives_the_standby_policy_a_pool_and_the_table_counts_it(files: tuple[Path, Path],
+                                                                             tmp_path: Path) -> None:  # fmt: skip
+    trace, dep = files
+    out_json = tmp_path / "out.json"
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "standby",
+                                 "--standby-max", "1", "--wake-s", "2", "--json", str(out_json), "-j", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "up to 1 standby, wake 2 s" in result.output and "of which standby" in result.output
+    (run,) = json.loads(out_json.read_text())["results"]
+    assert run["params"]["standby"] == {"max": 1, "wake_s": 2.0}
+    assert 0 < run["summary"]["standby_hours"] < run["summary"]["replica_hours"]
