@@ -485,7 +485,8 @@ class Controller:
         now = self.clock()
         changed = self.drainer.drain_unhealthy(now, self.inventory, self._facts)
         for r in self.replicas.values():  # stopping, or deployments no longer declared: everything goes
-            if (self.stopping or r.deployment not in self.deployments) and r.status.counts_toward_desired():
+            if ((self.stopping or r.deployment not in self.deployments)
+                    and (r.status.counts_toward_desired() or r.status.standby())):
                 r.drain_requested_at_s, changed = now, True
         order = list(ReplicaStatus)
         created = {rid: i for i, rid in enumerate(self.replicas)}  # insertion = creation order
