@@ -81,7 +81,9 @@ class Replica:
     healthy_at_s: float | None = None
     warmup_started_at_s: float | None = None
     warmup_passed_at_s: float | None = None
-    slept_at_s: float | None = None        # asked to sleep (out of the pool first): STANDBY from then on
+    standby_refill: bool = False           # created to refill the standby pool: sleeps once warm, never serves first
+    slept_at_s: float | None = None        # left the pool to sleep: STANDBY from then on
+    sleep_sent_at_s: float | None = None   # the engine answered POST /sleep (after the router's in-flight drained)
     woke_at_s: float | None = None         # asked to wake after its latest sleep; READY again once warm-up passes after it
     drain_requested_at_s: float | None = None
     drain_reason: str | None = None        # why, when it is not a scale-down (e.g. its GPU was quarantined)
@@ -139,7 +141,7 @@ class Replica:
         """
         if self.status is not ReplicaStatus.READY:
             raise ValueError(f"replica {self.id} is {self.status.value}: only a READY replica can go to standby")
-        self.slept_at_s = now_s
+        self.slept_at_s, self.sleep_sent_at_s, self.standby_refill = now_s, None, False
 
     def record_wake(self, now_s: float) -> None:
         """It was asked to wake (a STANDBY replica only): WARMING until a warm-up passes after `now_s`.

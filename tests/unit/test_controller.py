@@ -297,13 +297,3 @@ async def test_a_replacement_waits_for_a_draining_replicas_core_rather_than_shar
     assert h.status()["chat-1"] is S.TERMINATED
     assert h.backend.by_replica("chat-2").spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"   # chat-1's core, alone
 
-
-async def test_shutdown_stops_standby_replicas_too(tmp_path):
-    h = Harness(tmp_path, [write_deployment(tmp_path)], stop_grace_s=0.1)
-    await h.all_ready("chat-0", "chat-1")
-    h.c.replicas["chat-1"].record_sleep(h.clock())
-    await h.tick()
-    assert h.status()["chat-1"] is S.STANDBY and h.pool_ids() == ["chat-0"]
-    await h.c.shutdown(timeout_s=5, interval_s=0.01)
-    assert h.backend.alive() == []
-    assert set(h.status().values()) == {S.TERMINATED}
