@@ -127,3 +127,34 @@ async def test_a_failed_wake_fails_the_replica_with_the_reason(tmp_path):
     await h.tick(n=2)
     r = h.c.replicas["chat-1"]
     assert r.status is S.FAILED_WARMUP and "POST /wake_up failed" in r.failure.reason
+
+
+async def test_crd_status_counts_standby_and_says_why_it_is_off(tmp_path):
+    from fleet.k8s.status import deployment_status
+
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1, **SIM)])
+    await h.tick()
+    h.make_healthy("chat-0", "chat-1")
+    await h.tick(n=3)
+    st = deployment_status(h.c, "chat", 1, None, 0.0)
+    assert st["standbyReplicas"] == 1 and st["readyReplicas"] == 1 and "standbyUnsupported" not in st
+    assert h.c.snapshot()["standby"]["chat"] == {"target": 1, "asleep": 1, "unsupported": None}
+
+    cold = Harness(tmp_path, [write_deployment(tmp_path, name="cpu", replicas=1, standby={"maxReplicas": 1})])
+    await cold.tick()
+    assert list(cold.c.replicas) == ["cpu-0"]                       # no refill: vLLM on CPU cannot sleep
+    st = deployment_status(cold.c, "cpu", 1, None, 0.0)
+    assert st["standbyReplicas"] == 0 and "CPU build cannot sleep" in st["standbyUnsupported"]
+
+
+def test_validate_notes_standby_and_why_it_is_off(tmp_path):
+    from typer.testing import CliRunner
+
+    from fleet.cli import app
+
+    sim = write_deployment(tmp_path, name="sim", **SIM)
+    cpu = write_deployment(tmp_path, name="cpu", standby={"maxReplicas": 1})
+    result = CliRunner().invoke(app, ["validate", str(sim), str(cpu)])
+    assert result.exit_code == 0, result.output
+    assert "spec.standby: up to 1 replica(s) kept asleep" in result.output
+    assert "spec.standby: vLLM's CPU build cannot sleep" in result.output
