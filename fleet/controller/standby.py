@@ -112,6 +112,8 @@ class StandbyKeeper:
             gone = r.spec_hash not in targets or r.spec_hash != current or want == 0
             if gone and (r.status.standby() or (r.standby_refill and r.status.counts_toward_desired())):
                 r.drain_requested_at_s = now
+        if want == 0 or current not in targets:
+            return 0
         kept = self.standby_of(ds, current)
         for r in kept[want:][::-1]:
             r.drain_requested_at_s = now

@@ -158,3 +158,17 @@ def test_validate_notes_standby_and_why_it_is_off(tmp_path):
     assert result.exit_code == 0, result.output
     assert "spec.standby: up to 1 replica(s) kept asleep" in result.output
     assert "spec.standby: vLLM's CPU build cannot sleep" in result.output
+
+
+async def test_switching_standby_off_replaces_and_drains_the_standby_replica(tmp_path):
+    from fleet.spec import load_deployments
+
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1, **SIM)])
+    await h.tick()
+    h.make_healthy("chat-0", "chat-1")
+    await h.tick(n=3)
+    assert h.status()["chat-1"] is S.STANDBY
+    h.c.apply(load_deployments([write_deployment(tmp_path, replicas=1, engine={"kind": "sim"})]))
+    await h.tick(n=2)
+    assert h.status()["chat-1"] in (S.DRAINING, S.TERMINATED)
+    assert not any(r.standby_refill for r in h.c.replicas.values() if not r.status.terminal())
