@@ -282,6 +282,23 @@ class ReplicasSpec(SpecModel):
         return self.min if self.initial is None else self.initial
 
 
+class StandbySpec(SpecModel):
+    """Replicas kept placed, loaded and asleep (vLLM sleep mode), woken on a scale-up in seconds."""
+
+    max_replicas: int = Field(
+        0, alias="maxReplicas", ge=0, le=10_000,
+        description="Most standby replicas kept beside the serving ones: placed, loaded and asleep (vLLM "
+        "sleep mode level 1: weights in CPU memory, KV cache freed), holding their GPUs but out of the "
+        "router's pool. A scale-down sleeps a drained replica instead of stopping it while fewer are kept; "
+        "a scale-up wakes one (seconds) before starting a new one (minutes). 0: off.",
+    )
+    sleep_level: Literal[1] = Field(
+        1, alias="sleepLevel",
+        description="vLLM sleep level: 1 (weights offloaded to CPU memory). Level 2 discards the weights, "
+        "so a wake would reload them: not offered.",
+    )
+
+
 class RoutingSpec(SpecModel):
     policy: str = Field("kv-aware", description="Routing policy name (see `fleet validate --help`).")
     max_concurrency_per_endpoint: int | None = Field(
@@ -362,6 +379,11 @@ class DeploymentSpec(SpecModel):
         description="Whether a higher-priority deployment may take this deployment below its own "
         "spec.replicas.min (to zero). false (default): only replicas above the minimum are preempted.",
     )
+    standby: StandbySpec | None = Field(
+        None, description="Standby replicas woken on a scale-up (docs/autoscaling.md, \"Standby replicas\"). "
+        "Needs an engine that can sleep: vLLM on GPUs, or the engine simulator; vLLM's CPU build cannot, and "
+        "such a deployment starts cold (the reason shown by `fleet validate` and `fleet status`).",
+    )
     routing: RoutingSpec = Field(
         default_factory=RoutingSpec,
         description="How the router picks a replica for each request, and its admission queue (docs/router.md).",
@@ -394,6 +416,19 @@ class DeploymentSpec(SpecModel):
                 "raise it, or remove spec.autoscaling",
             )
         return self
+
+    @property
+    def standby_max(self) -> int:
+        """Most standby replicas to keep: ``spec.standby.maxReplicas``, 0 when unset or when the
+        engine cannot sleep here (`standby_unsupported`)."""
+        if self.standby is None or self.standby_unsupported() is not None:
+            return 0
+        return self.standby.max_replicas
+
+    def standby_unsupported(self) -> str | None:
+        """Why this deployment's engine cannot keep standby replicas (`EngineKind.sleep_unsupported`),
+        or None."""
+        return ENGINE_KINDS.get(self.engine.kind)().sleep_unsupported(self.resources.accelerator)
 
     @model_validator(mode="after")
     def _sim_source_needs_sim_engine(self) -> DeploymentSpec:
@@ -430,7 +465,7 @@ class InferenceDeployment(SpecModel):
         return EngineLaunch(served_model_name=spec.model.name, source=spec.model.source,
                             local_path=spec.model.local_path(base_dir),
                             tensor_parallel_size=spec.resources.tensor_parallel_size,
-                            args=tuple(spec.engine.args))  # fmt: skip
+                            args=tuple(spec.engine.args), sleep_mode=spec.standby_max > 0)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -463,6 +498,8 @@ class LoadedDeployment:
                                                                    "cuda_version", "cuda_compatibility"}),
             "resources": spec.resources.model_dump(mode="json"),
         }
+        if spec.standby_max > 0:   # the engine starts with --enable-sleep-mode: a different process
+            what["sleep_mode"] = True
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -35,6 +35,14 @@ class EngineAPI(Protocol):
         """The Prometheus text of ``GET {endpoint}/metrics``. Raises EngineRequestError."""
         ...
 
+    async def sleep(self, endpoint: str, level: int, timeout_s: float) -> None:
+        """``POST {endpoint}/sleep?level=N`` (vLLM sleep mode). Raises EngineRequestError."""
+        ...
+
+    async def wake_up(self, endpoint: str, timeout_s: float) -> None:
+        """``POST {endpoint}/wake_up``, answered once the weights are back. Raises EngineRequestError."""
+        ...
+
 
 class EngineClient:
     """`EngineAPI` over httpx with one pooled connection set per process."""
@@ -62,6 +70,23 @@ class EngineClient:
         if r.status_code != 200:
             raise EngineRequestError(f"GET /metrics: HTTP {r.status_code}")
         return r.text
+
+    async def sleep(self, endpoint: str, level: int, timeout_s: float) -> None:
+        await self._control(f"{endpoint}/sleep", {"level": str(level)}, timeout_s)
+
+    async def wake_up(self, endpoint: str, timeout_s: float) -> None:
+        await self._control(f"{endpoint}/wake_up", {}, timeout_s)
+
+    async def _control(self, url: str, params: dict[str, str], timeout_s: float) -> None:
+        path = url.rsplit("/", 1)[1]
+        try:
+            r = await self._http.post(url, params=params, timeout=timeout_s)
+        except httpx.TimeoutException as err:
+            raise EngineRequestError(f"POST /{path}: timed out after {timeout_s:g} s") from err
+        except httpx.HTTPError as err:
+            raise EngineRequestError(f"POST /{path}: {type(err).__name__}: {err}") from err
+        if r.status_code != 200:
+            raise EngineRequestError(f"POST /{path}: HTTP {r.status_code}: {r.text[:300]}")
 
     async def post(self, endpoint: str, path: str, body: dict, timeout_s: float) -> int:
         url = f"{endpoint}{path}"

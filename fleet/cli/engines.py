@@ -33,6 +33,8 @@ def sim_engine(
     max_model_len: Annotated[Optional[int], typer.Option(help="Override the profile's max_model_len.")] = None,
     num_gpu_blocks: Annotated[Optional[int], typer.Option(help="Override the profile's KV blocks.")] = None,
     ports_file: Annotated[Optional[Path], typer.Option(help="Write the bound ports and URLs as JSON here.")] = None,
+    enable_sleep_mode: Annotated[bool, typer.Option("--enable-sleep-mode", help="Serve vLLM's POST /sleep, POST /wake_up, GET /is_sleeping.")] = False,
+    wake_s: Annotated[Optional[float], typer.Option("--wake-s", help="Seconds a wake from level-1 sleep takes (default: from the profile's weight bytes).")] = None,
     list_profiles: Annotated[bool, typer.Option("--list-profiles", help="List the profiles and exit.")] = False,
 ) -> None:
     """Run simulated vLLM replicas (the Fleet engine SIMULATOR; no model runs).
@@ -68,7 +70,7 @@ def sim_engine(
         replicas=replicas, host=host, base_port=base_port, profile=profile, served_model_name=model_name,
         seed=seed, startup_delay_s=startup_delay_s, faults=faults, mean_output_tokens=mean_output_tokens,
         config_overrides={k: v for k, v in overrides.items() if v is not None},
-        ports_file=str(ports_file) if ports_file else None,
+        ports_file=str(ports_file) if ports_file else None, sleep_mode=enable_sleep_mode, wake_s=wake_s,
     )
     raise typer.Exit(run(options, out=lambda line: print(line, flush=True)))
 

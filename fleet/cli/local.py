@@ -61,6 +61,11 @@ def validate(files: Files) -> None:
             f", autoscaling {a.policy} (queue time {a.queue_time_target_seconds:g} s, "
             f"p99 TTFT {a.ttft_p99_target_seconds:g} s)" if a else ""
         )
+        if d.spec.standby is not None and d.spec.standby.max_replicas > 0:
+            why = d.spec.standby_unsupported()
+            check.notes.append(f"spec.standby: {why}" if why else
+                               f"spec.standby: up to {d.spec.standby.max_replicas} replica(s) kept asleep "
+                               "(vLLM sleep mode level 1), woken on a scale-up")
         console.print(
             f"[green]ok[/] {ld.path}[{ld.index}] {d.name}: model {d.spec.model.name!r} "
             f"({d.spec.engine.kind}), replicas {d.spec.replicas.min}..{d.spec.replicas.max}, {shape}, "
@@ -281,13 +286,18 @@ def status(
         for line in status_lines(agent_status):
             console.print(f"[yellow]{line}[/]", highlight=False)
     deps = Table(title="Deployments", title_justify="left")
-    for col in ("deployment", "model", "ready/desired", "policy", "autoscaling", "last decision", "source"):
+    for col in ("deployment", "model", "ready/desired", "standby", "policy", "autoscaling", "last decision", "source"):
         deps.add_column(col)
     replicas = state.get("replicas", [])
+    standby = state.get("standby") or {}
     for name, d in state.get("deployments", {}).items():
         ready = sum(1 for r in replicas if r["deployment"] == name and r["status"] == "READY")
-        deps.add_row(name, d["model"], f"{ready}/{d['desired']}", d["policy"], *_scaling_columns(d), d["source"])
+        deps.add_row(name, d["model"], f"{ready}/{d['desired']}", _standby_column(standby.get(name)), d["policy"],
+                     *_scaling_columns(d), d["source"])  # fmt: skip
     console.print(deps)
+    for name, s in sorted(standby.items()):
+        if s.get("unsupported"):
+            console.print(f"[yellow]{name}: spec.standby is off:[/] {s['unsupported']}", highlight=False)
     print_status_revisions(console, state)
     table = Table(title="Replicas", title_justify="left")
     for col in ("replica", "status", "endpoint", "devices", "pid", "age", "detail"):
@@ -296,12 +306,15 @@ def status(
     shown = replicas if show_all else [r for r in replicas if not _ended_long_ago(r, clock_now)]
     for r in shown:
         st = r["status"]
-        style = "green" if st == "READY" else "red" if st.startswith("FAILED") else "yellow" if st == "DRAINING" else ""
+        style = ("green" if st == "READY" else "red" if st.startswith("FAILED") else "yellow" if st == "DRAINING"
+                 else "cyan" if st == "STANDBY" else "")
         detail = (r.get("failure") or {}).get("reason") or r.get("waiting_reason") or ""
         if st == "DRAINING" and r.get("drain_reason"):
             detail = r["drain_reason"]
         elif st == "CACHING":
             detail = (r.get("detail") or {}).get("cache", "")
+        elif st == "STANDBY":
+            detail = "asleep (sleep mode level 1)" if r.get("sleep_sent_at_s") is not None else "leaving the pool to sleep"
         if r.get("adopted_at_s") is not None and not st.startswith("FAILED"):
             detail = detail or "adopted"
         table.add_row(
@@ -322,6 +335,13 @@ def status(
                           highlight=False)  # fmt: skip
             for line in failure["log_tail"][-log_lines:]:
                 console.print(f"  | {line}", markup=False, highlight=False, style="dim")
+
+
+def _standby_column(s: dict | None) -> str:
+    """``asleep/target`` standby replicas of a deployment (state.json's ``standby``), or ``-`` when off."""
+    if not s or not s.get("target"):
+        return "-"
+    return f"{s.get('asleep', 0)}/{s['target']}"
 
 
 STALE_STATE_S = 10.0

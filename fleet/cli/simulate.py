@@ -52,10 +52,10 @@ def simulate(
     warm_nodes: Annotated[int | None, typer.Option(
         "--warm-nodes", min=0, help="Node slots holding image and weights at the start; replicas beyond them start "
         "cold (default spec.replicas.max: all warm).")] = None,
-    standby_max: Annotated[int, typer.Option(
+    standby_max: Annotated[int | None, typer.Option(
         "--standby-max", min=0, help="Most STANDBY replicas (loaded, asleep, counted in replica-hours) a scaling "
         "policy may keep; a policy without a standby target (all but `standby`) keeps this many. 0: off. "
-        "Fixed fleets keep none.")] = 0,
+        "Fixed fleets keep none. Default: the deployment's spec.standby.maxReplicas (0 without it).")] = None,
     wake_s: Annotated[float, typer.Option(
         "--wake-s", min=0.0, help="Modelled seconds from waking a STANDBY replica to READY (default 3: llm-d's "
         "fast-model-actuation figure for 64 GiB, docs/autoscaling.md).")] = 3.0,
@@ -133,7 +133,8 @@ def simulate(
         overrides = {} if router_limit is None else {"max_concurrency_per_endpoint": router_limit or None}
         base = config_from_deployment(dep, replica_profile, ttft_slo_s=ttft_slo_s, warm_startup_s=warm_startup_s,
                                       cold_startup_s=cold_startup_s, warm_nodes=warm_nodes, seed=seed,
-                                      standby_max=standby_max, wake_s=wake_s, **overrides)  # fmt: skip
+                                      wake_s=wake_s, **overrides,
+                                      **({} if standby_max is None else {"standby_max": standby_max}))  # fmt: skip
         workload = Workload.from_trace(load_trace(trace), replica_profile, rate_scale=rate_scale, speedup=speedup,
                                        seed=seed)  # fmt: skip
     except (TraceError, PlotUnavailable, ValueError, KeyError) as err:

@@ -19,6 +19,7 @@ Called by `fleet.local.up`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,19 @@ from fleet.controller.lifecycle import Replica, ReplicaStatus
 from warmup.client import EngineAPI, EngineRequestError
 
 log = logging.getLogger("fleet.autoscaling")
+
+DEFAULT_WAKE_S = 3.0
+"""Seconds a STANDBY replica takes from wake-up to serving before one has been observed here:
+llm-d's fast-model-actuation figure (~3 s to wake 64 GiB of weights; the engine simulator's
+`fleet.enginesim` wake time and the trace simulator's default cite the same source)."""
+
+
+def wake_estimate_s(replicas: list[Replica]) -> float:
+    """The latest observed wake-to-READY of ``replicas`` (`Replica.wake_to_ready_s`), else
+    `DEFAULT_WAKE_S`: the lead time a policy is told while a replica sleeps."""
+    observed = [(r.woke_at_s, t) for r in replicas if (t := r.wake_to_ready_s()) is not None]
+    return max(observed)[1] if observed else DEFAULT_WAKE_S
+
 
 COLD_START_THRESHOLD_S = 1.0
 """A replica whose image or weights took longer than this to be present after placement
@@ -185,10 +199,17 @@ class AutoscalerLoop:
         await self._scrape(d, ready, now_s)
         signals = d.signals.signals(now_s, (router_stats or {}).get(d.model))
         # Warm or cold: where placement would put one more replica now, and what that node holds.
+        asleep = [r for r in replicas if r.status is ReplicaStatus.STANDBY]
+        startup = d.startup.estimate(next_warm=controller.next_replica_warm(d.name))
+        if asleep:   # the next replica asked for wakes: its lead time is the wake-up, not a start
+            startup = dataclasses.replace(startup, wake_s=wake_estimate_s(replicas))
         ctx = ScalingContext(now_s, controller.deployments[d.name].desired, len(ready), len(starting), signals,
-                             d.startup.estimate(next_warm=controller.next_replica_warm(d.name)))  # fmt: skip
+                             startup, standby=len(asleep))  # fmt: skip
         decision = d.policy.decide(ctx)
         d.next_due_s = now_s + d.policy.interval_s
+        if decision.standby != controller.deployments[d.name].standby_wanted:
+            controller.deployments[d.name].standby_wanted = decision.standby
+            controller.wake()
         if decision.desired != ctx.desired:
             controller.set_desired(d.name, decision.desired, reason=f"autoscaler: {decision.reason}")
             controller.wake()

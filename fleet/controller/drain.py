@@ -58,7 +58,7 @@ class Drainer:
         replicas = self.records.replicas
         for r in replicas.values():
             f = facts.get(r.id)
-            if f is not None and f.sick and r.status.counts_toward_desired():
+            if f is not None and f.sick and (r.status.counts_toward_desired() or r.status.standby()):
                 r.drain_requested_at_s, r.drain_reason, drained = now, f.sick, True
                 log.warning("replica %s drains: %s", r.id, f.sick)
         sick: dict[str, str] = {}
@@ -73,7 +73,7 @@ class Drainer:
         if not sick:
             return drained
         for r in replicas.values():
-            if r.placement is None or not r.status.counts_toward_desired():
+            if r.placement is None or not (r.status.counts_toward_desired() or r.status.standby()):
                 continue
             hit = next((sick[d] for d in ReplicaPlacement.from_dict(r.placement).devices if d in sick), None)
             if hit is not None:

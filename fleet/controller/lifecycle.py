@@ -1,6 +1,6 @@
 """Replica lifecycle: the facts recorded about a replica and the status derived from them.
 
-Owns `ReplicaStatus` (PENDING … READY, DRAINING, TERMINATED, FAILED_*) and `Replica`, the
+Owns `ReplicaStatus` (PENDING … READY, STANDBY, DRAINING, TERMINATED, FAILED_*) and `Replica`, the
 record the controller keeps per replica. The controller records facts as they happen (placed,
 asked to run, image and weights present, healthy, warm-up passed, drain asked, exited); `Replica.status` derives the status
 from them, so status can never disagree with what happened (SkyServe's
@@ -21,8 +21,8 @@ class ReplicaStatus(enum.Enum):
     STARTING = "STARTING"        # image and weights present, engine starting, /health not yet passing
     WARMING = "WARMING"          # /health passes, warm-up requests running
     READY = "READY"              # in the router's pool
+    STANDBY = "STANDBY"          # out of the pool, asleep (vLLM sleep mode level 1): holds its devices, wakes in seconds
     DRAINING = "DRAINING"        # out of the pool, in-flight requests finishing, then stopped
-    STANDBY = "STANDBY"          # placed, loaded, asleep (vLLM sleep level 1); holds its GPUs, not in the pool
     TERMINATED = "TERMINATED"    # stopped on purpose
     FAILED_PLACEMENT = "FAILED_PLACEMENT"
     FAILED_START = "FAILED_START"        # engine exited or timed out before /health passed
@@ -41,13 +41,13 @@ class ReplicaStatus(enum.Enum):
         """Receives new requests from the router."""
         return self is ReplicaStatus.READY
 
-    def counts_toward_desired(self) -> bool:
-        """Occupies one of the deployment's desired replica slots."""
-        return not self.terminal() and self not in (ReplicaStatus.DRAINING, ReplicaStatus.STANDBY)
-
     def standby(self) -> bool:
-        """Asleep and kept for a fast wake-up: holds its devices, serves nothing."""
+        """Asleep out of the pool: holds its devices (GPU-hours count it) but serves nothing."""
         return self is ReplicaStatus.STANDBY
+
+    def counts_toward_desired(self) -> bool:
+        """Occupies one of the deployment's desired (serving) replica slots."""
+        return not self.terminal() and self not in (ReplicaStatus.DRAINING, ReplicaStatus.STANDBY)
 
 
 @dataclass
@@ -81,6 +81,10 @@ class Replica:
     healthy_at_s: float | None = None
     warmup_started_at_s: float | None = None
     warmup_passed_at_s: float | None = None
+    standby_refill: bool = False           # created to refill the standby pool: sleeps once warm, never serves first
+    slept_at_s: float | None = None        # left the pool to sleep: STANDBY from then on
+    sleep_sent_at_s: float | None = None   # the engine answered POST /sleep (after the router's in-flight drained)
+    woke_at_s: float | None = None         # asked to wake after its latest sleep; READY again once warm-up passes after it
     drain_requested_at_s: float | None = None
     drain_reason: str | None = None        # why, when it is not a scale-down (e.g. its GPU was quarantined)
     preempted_for: str | None = None       # the deployment it was drained for (`fleet.controller.preemption`)
@@ -99,6 +103,12 @@ class Replica:
             return ReplicaStatus.TERMINATED
         if self.drain_requested_at_s is not None:
             return ReplicaStatus.DRAINING
+        if self.asleep:
+            return ReplicaStatus.STANDBY
+        if self.woke_at_s is not None:        # woken: serves again only after a fresh warm-up pass
+            if self.warmup_passed_at_s is not None and self.warmup_passed_at_s >= self.woke_at_s:
+                return ReplicaStatus.READY
+            return ReplicaStatus.WARMING
         if self.warmup_passed_at_s is not None:
             return ReplicaStatus.READY
         if self.healthy_at_s is not None:
@@ -117,6 +127,37 @@ class Replica:
     def engine_alive(self) -> bool:
         """The backend was asked to run it and it has not been seen to exit."""
         return self.launched_at_s is not None and self.exited_at_s is None
+
+    @property
+    def asleep(self) -> bool:
+        """Asked to sleep and not asked to wake since."""
+        return self.slept_at_s is not None and (self.woke_at_s is None or self.woke_at_s < self.slept_at_s)
+
+    def record_sleep(self, now_s: float) -> None:
+        """It left the pool and was asked to sleep (a READY replica only).
+
+        Raises:
+            ValueError: it is not READY.
+        """
+        if self.status is not ReplicaStatus.READY:
+            raise ValueError(f"replica {self.id} is {self.status.value}: only a READY replica can go to standby")
+        self.slept_at_s, self.sleep_sent_at_s, self.standby_refill = now_s, None, False
+
+    def record_wake(self, now_s: float) -> None:
+        """It was asked to wake (a STANDBY replica only): WARMING until a warm-up passes after `now_s`.
+
+        Raises:
+            ValueError: it is not STANDBY.
+        """
+        if self.status is not ReplicaStatus.STANDBY:
+            raise ValueError(f"replica {self.id} is {self.status.value}: only a STANDBY replica can be woken")
+        self.woke_at_s = now_s
+
+    def wake_to_ready_s(self) -> float | None:
+        """Seconds from the latest wake to the READY after it; None if never woken or not READY since."""
+        if self.woke_at_s is None or self.warmup_passed_at_s is None or self.warmup_passed_at_s < self.woke_at_s:
+            return None
+        return self.warmup_passed_at_s - self.woke_at_s
 
     def time_to_ready_s(self) -> float | None:
         """Seconds from creation to READY, or None if it never got there."""

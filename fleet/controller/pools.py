@@ -116,13 +116,14 @@ class PoolPublisher:
 
     def endpoints(self, deployment: str) -> list[EndpointSpec]:
         """The router's view of a deployment: replicas that passed warm-up and still run; DRAINING
-        ones marked draining (no new requests, in-flight ones finish). Each endpoint's version is
+        ones, and STANDBY ones not yet asleep, marked draining (no new requests, in-flight ones finish). Each endpoint's version is
         its revision's label and its weight its revision's share (`fleet.rollout.revisions.endpoint_weights`)."""
         members = sorted((
             r for r in self.records.of_deployment(deployment)
             if r.warmup_passed_at_s is not None and r.endpoint is not None
-            and r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING) and r.engine_alive
-            and r.stop_requested_at_s is None
+            and (r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING)
+                 or (r.status is ReplicaStatus.STANDBY and r.sleep_sent_at_s is None))
+            and r.engine_alive and r.stop_requested_at_s is None
         ), key=lambda r: r.id)
         deployments = self.records.deployments
         revs = deployments[deployment].revs if deployment in deployments else None
@@ -130,7 +131,7 @@ class PoolPublisher:
         weights = endpoint_weights(revs, ready) if revs is not None else {}
         return [
             EndpointSpec(id=r.id, url=r.endpoint, version=self._version(r), weight=weights.get(r.spec_hash, 1.0),
-                         draining=r.status is ReplicaStatus.DRAINING)  # fmt: skip
+                         draining=r.status is not ReplicaStatus.READY)  # fmt: skip
             for r in members
         ]
 

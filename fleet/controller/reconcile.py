@@ -57,6 +57,7 @@ from fleet.controller.report import ReplicaEvent, TransitionReport
 from fleet.controller.restart import Adoption
 from fleet.controller.rollouts import RolloutDriver
 from fleet.controller.scale import scale_step
+from fleet.controller.standby import StandbyKeeper
 from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
 from fleet.inventory import Inventory
 from fleet.placement import PlacementStrategy, ReplicaPlacement, get_strategy
@@ -152,6 +153,9 @@ class Controller:
                                drain_timeout_s=self.settings.drain_timeout_s, stop_grace_s=self.settings.stop_grace_s,
                                clock=clock, save=self._save, cancel_warmup=self._cancel_warmup)  # fmt: skip
         self.pools = PoolPublisher(self.records, pool_sink)
+        self.standby = StandbyKeeper(self.records, engine_api=engine_api, pool_sink=pool_sink, clock=clock,
+                                     drain_timeout_s=self.settings.drain_timeout_s, save=self._save,
+                                     start_warmup=self._start_warmup, fail=self._fail, wake=self.wake)  # fmt: skip
         self.report = TransitionReport(self.records, self._waiting, self.settings.history_per_deployment)
 
     # ----- what the controller keeps ---------------------------------------------------------
@@ -195,6 +199,7 @@ class Controller:
         tasks; replicas and records are left as they are for the next controller to adopt."""
         for rid in list(self._warmups):
             self._cancel_warmup(rid)
+        self.standby.cancel()
         self.model_memory.close()
 
     def waiting_reason(self, replica_id: str) -> str | None:
@@ -309,6 +314,7 @@ class Controller:
             self._scale,
             self._place_and_launch,
             self._drain_and_stop,
+            self._keep_standby,
             self._publish_pools,
         ):
             started_s = self.clock()
@@ -485,18 +491,23 @@ class Controller:
         now = self.clock()
         changed = self.drainer.drain_unhealthy(now, self.inventory, self._facts)
         for r in self.replicas.values():  # stopping, or deployments no longer declared: everything goes
-            if (self.stopping or r.deployment not in self.deployments) and r.status.counts_toward_desired():
+            if ((self.stopping or r.deployment not in self.deployments)
+                    and (r.status.counts_toward_desired() or r.status.standby())):
                 r.drain_requested_at_s, changed = now, True
         order = list(ReplicaStatus)
         created = {rid: i for i, rid in enumerate(self.replicas)}  # insertion = creation order
         for name, ds in self.deployments.items():
             if self.stopping:
                 break
-            active = [r for r in self.records.of_deployment(name) if r.status.counts_toward_desired()]
+            active = [r for r in self.records.of_deployment(name)
+                      if r.status.counts_toward_desired() and not r.standby_refill]
             targets = ds.revs.targets(ds.desired)
             for h, want in targets.items():
                 step = scale_step([r for r in active if r.spec_hash == h], want, lambda r: created[r.id],
                                   self._drain_preference)
+                if step.create or step.drain:
+                    step = self.standby.shape(ds, h, step, now)
+                    changed = True
                 if step.create and now >= ds.next_create_at_s:
                     for _ in range(step.create):
                         self._create_replica(ds, h, now)
@@ -517,6 +528,11 @@ class Controller:
                 if i >= keep or r.spec_hash in ds.revs.rolled_back:
                     r.drain_requested_at_s = now
                     changed = True
+            refill = self.standby.refill_and_trim(ds, set(targets), ds.revs.stable, now)
+            if refill and now >= ds.next_create_at_s:
+                for _ in range(refill):
+                    self._create_replica(ds, ds.revs.stable, now).standby_refill = True
+                changed = True
         if changed:
             self._save()  # decided: persisted before anything acts on it
 
@@ -532,13 +548,14 @@ class Controller:
         in_use.update(d for p in placements for d in p.devices if not in_use[d])
         return [oldest_first[i] for i in self.placer.drain_order(placements, n, self.inventory, in_use)]
 
-    def _create_replica(self, ds: DeploymentRecord, spec_hash: str, now: float) -> None:
+    def _create_replica(self, ds: DeploymentRecord, spec_hash: str, now: float) -> Replica:
         ld = ds.revs.specs[spec_hash]
         dep = ld.deployment
         rid = f"{dep.name}-{ds.next_index}"
         ds.next_index += 1
-        self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision, created_at_s=now,
-                                     spec_hash=spec_hash)  # fmt: skip
+        r = self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision,
+                                         created_at_s=now, spec_hash=spec_hash)  # fmt: skip
+        return r
 
     def next_replica_warm(self, deployment: str) -> bool:
         """Whether one more replica of ``deployment``'s serving spec, placed now, would start warm:
@@ -555,6 +572,9 @@ class Controller:
 
     async def _drain_and_stop(self) -> None:
         await self.drainer.drain_and_stop()
+
+    async def _keep_standby(self) -> None:
+        await self.standby.act()
 
     async def _publish_pools(self) -> None:
         await self.pools.publish(self._tick_deadline)
@@ -605,6 +625,7 @@ class Controller:
             "inventory": [n.describe() for n in self.inventory.nodes],
             "preemption": self.preemption.snapshot(),
             "deployments": {name: ds.to_dict() for name, ds in self.deployments.items()},
+            "standby": {name: self.standby.describe(ds) for name, ds in self.deployments.items()},
             "replicas": [
                 {**r.to_dict(), "waiting_reason": self._waiting.get(r.id)}
                 for r in sorted(self.replicas.values(), key=lambda r: (r.deployment, r.created_at_s))

@@ -65,7 +65,10 @@ class DeploymentRecord:
     backoff (no replica is created before ``next_create_at_s``, controller clock seconds);
     ``failures_total``: failed replicas by revision (a counter, for metrics); ``last_pool``: the
     pool document last published to the router (None: publish again); ``last_scaling``: the
-    autoscaler's last decision, JSON-ready (`fleet status`).
+    autoscaler's last decision, JSON-ready (`fleet status`); ``standby_wanted``: the standby
+    replicas the autoscaler's policy last asked to keep (`autoscaler.policy.ScalingDecision.standby`;
+    None: it named none, so ``spec.standby.maxReplicas`` is kept; not persisted: the policy's next
+    decision names it again).
     """
 
     loaded: LoadedDeployment
@@ -76,6 +79,7 @@ class DeploymentRecord:
     failures_total: dict[str, int] = field(default_factory=dict)
     last_pool: PoolSpec | None = None
     last_scaling: dict | None = None
+    standby_wanted: int | None = None
 
     @classmethod
     def of(cls, ld: LoadedDeployment) -> DeploymentRecord:

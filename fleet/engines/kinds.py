@@ -35,7 +35,8 @@ class EngineLaunch:
     ``served_model_name``: `spec.model.name` (the name clients ask for); ``source``:
     `spec.model.source` as written; ``local_path``: that source as a directory on this machine
     (relative paths resolved against the YAML file's directory), None for a remote source;
-    ``tensor_parallel_size``: GPUs per replica; ``args``: `spec.engine.args`, appended last.
+    ``tensor_parallel_size``: GPUs per replica; ``args``: `spec.engine.args`, appended last;
+    ``sleep_mode``: start it able to sleep (standby replicas: `spec.standby`).
     """
 
     served_model_name: str
@@ -43,6 +44,7 @@ class EngineLaunch:
     local_path: Path | None
     tensor_parallel_size: int
     args: tuple[str, ...] = ()
+    sleep_mode: bool = False
 
 
 class EngineKind(Registered, registry=ENGINE_KINDS):
@@ -74,6 +76,15 @@ class EngineKind(Registered, registry=ENGINE_KINDS):
         """The start of the argv: the program and the model (`model_argument`)."""
         raise NotImplementedError
 
+    def sleep_unsupported(self, accelerator: str) -> str | None:
+        """Why a replica on ``accelerator`` (`spec.resources.accelerator`) cannot sleep (standby
+        replicas), or None when it can. Default: it cannot."""
+        return "this engine kind has no sleep mode"
+
+    def env(self, launch: EngineLaunch) -> dict[str, str]:
+        """Environment the engine needs for ``launch`` beyond `spec.engine.env`. Default: none."""
+        return {}
+
     def command(self, launch: EngineLaunch, model: str, host: str, port: int) -> list[str]:
         """argv of one replica serving ``launch`` from ``model`` (`model_argument`) on ``host:port``:
         `entry`, vLLM's server flags, then ``spec.engine.args``."""
@@ -83,6 +94,7 @@ class EngineKind(Registered, registry=ENGINE_KINDS):
             "--host", host,
             "--port", str(port),
             "--tensor-parallel-size", str(launch.tensor_parallel_size),
+            *(["--enable-sleep-mode"] if launch.sleep_mode else []),
             *launch.args,
         ]
 
@@ -117,6 +129,20 @@ class VllmEngine(EngineKind, name="vllm"):
             )
         return None
 
+    def sleep_unsupported(self, accelerator: str) -> str | None:
+        """vLLM sleeps on CUDA (and ROCm, XPU) only: `ModelConfig` raises "Sleep mode is not
+        supported on current platform." unless `current_platform.is_sleep_mode_available()`
+        (vllm/config/model.py; vllm/platforms/interface.py), false on the CPU platform."""
+        if accelerator == "cpu":
+            return ("vLLM's CPU build cannot sleep (is_sleep_mode_available() is false on its CPU platform: "
+                    "'Sleep mode is not supported on current platform.'): standby off, replicas start cold")
+        return None
+
+    def env(self, launch: EngineLaunch) -> dict[str, str]:
+        """``VLLM_SERVER_DEV_MODE=1`` with sleep mode: vLLM serves ``/sleep``, ``/wake_up`` and
+        ``/is_sleeping`` only in dev mode (vllm/entrypoints/openai/api_server.py)."""
+        return {"VLLM_SERVER_DEV_MODE": "1"} if launch.sleep_mode else {}
+
 
 class SimEngine(EngineKind, name="sim"):
     """The engine SIMULATOR (`fleet.enginesim`): vLLM's API and metrics with modelled latencies, no GPU.
@@ -133,6 +159,9 @@ class SimEngine(EngineKind, name="sim"):
 
     def preflight(self) -> str | None:
         return None  # pure Python, installed with Fleet
+
+    def sleep_unsupported(self, accelerator: str) -> str | None:
+        return None  # the simulator sleeps as vLLM on a GPU does (fleet.enginesim.sleep), on any machine
 
     def model_argument(self, launch: EngineLaunch) -> str:
         from fleet.enginesim.runner import OptionsError, SIM_SCHEME, resolve_profile

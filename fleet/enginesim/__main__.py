@@ -48,6 +48,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="Serve vLLM's POST /sleep, POST /wake_up and GET /is_sleeping.")
+    p.add_argument("--wake-s", type=float, default=None,
+                   help="Seconds a wake from level-1 sleep takes (default: the profile's weight bytes per GPU "
+                        "at llm-d's measured ~21.3 GiB/s).")
     p.add_argument("--replicas", type=int, default=1, help="Replicas in this process, on consecutive ports.")
     p.add_argument("--ports-file", default=None, help="Write the bound ports as JSON here.")
     return p
@@ -71,6 +76,7 @@ def options_from_args(argv: list[str]) -> tuple[SimEngineOptions, list[str]]:
         model_source=args.model, served_model_name=args.served_model_name, seed=args.seed,
         startup_delay_s=args.startup_delay_s, faults=faults, mean_output_tokens=args.mean_output_tokens,
         config_overrides={k: v for k, v in overrides.items() if v is not None}, ports_file=args.ports_file,
+        sleep_mode=args.enable_sleep_mode, wake_s=args.wake_s,
     )  # fmt: skip
     return opts, ignored
 

@@ -54,6 +54,8 @@ class Profile:
         typical_startup_s: how long the real engine takes from launch to /health (a hint for
             ``--startup-delay-s``; the simulator starts at once unless told otherwise).
         notes: sources of every number, and which are estimates.
+        weight_bytes_per_gpu: bytes of weights one GPU holds (what a level-1 sleep moves to CPU
+            memory and a wake brings back: `fleet.enginesim.sleep.wake_time_s`); 0 unknown.
     """
 
     name: str
@@ -63,6 +65,7 @@ class Profile:
     cost: StepCost
     typical_startup_s: float
     notes: str
+    weight_bytes_per_gpu: int = 0
 
     def with_overrides(self, **config_overrides: object) -> Profile:
         """A copy with some `EngineConfig` fields replaced (None values are ignored).
@@ -169,6 +172,7 @@ register(Profile(
     ),
     # docs/anchors.md: one pod's cold start 52 s with node-local weights (110 s without).
     typical_startup_s=52.0,
+    weight_bytes_per_gpu=16_060_000_000,   # 8.03e9 params x 2 B (BF16)
     notes=(
         "Decode step and prefill rate measured with vLLM 0.6.0 (Lambda Labs, 2024-09); newer vLLM "
         "(V1 engine, CUDA graphs, async scheduling) and TensorRT-LLM are faster: NVIDIA's NIM "
@@ -204,6 +208,7 @@ register(Profile(
     ),
     # docs/anchors.md: "a 4-GPU model load can take about 10 minutes".
     typical_startup_s=600.0,
+    weight_bytes_per_gpu=35_300_000_000,   # 70.6e9 params x 2 B (BF16) / 4 GPUs
     notes=(
         "Measured with vLLM 0.6.0 (Lambda Labs, 2024-09); NVIDIA's NIM benchmark page (TensorRT-LLM, "
         "NIM 1.3.0) reports 13.2 ms ITL at concurrency 1 for Llama-3.1-70B, so newer stacks are faster. "

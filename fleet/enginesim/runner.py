@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from fleet.enginesim.faults import FaultPlan
 from fleet.enginesim.profiles import DEFAULT_PROFILE, Profile, get_profile
+from fleet.enginesim.sleep import wake_time_s
 from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket, serve_replicas, write_ports_file
 
 SIM_SCHEME = "sim://"
@@ -58,11 +59,15 @@ class SimEngineOptions:
     mean_output_tokens: float | None = None
     config_overrides: dict[str, object] = field(default_factory=dict)
     ports_file: str | None = None
+    sleep_mode: bool = False
+    wake_s: float | None = None        # None: from the profile's weight bytes per GPU
 
     def replica_settings(self) -> list[ReplicaSettings]:
         """Settings of each replica. Raises OptionsError."""
         if self.replicas < 1:
             raise OptionsError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.wake_s is not None and self.wake_s < 0:
+            raise OptionsError(f"--wake-s must be >= 0, got {self.wake_s}")
         profile = resolve_profile(self.profile, self.model_source)
         try:
             profile = profile.with_overrides(**self.config_overrides)
@@ -73,7 +78,9 @@ class SimEngineOptions:
         )
         one = ReplicaSettings(profile=profile, served_model_name=name, model_source=self.model_source,
                               seed=self.seed, startup_delay_s=self.startup_delay_s, faults=self.faults,
-                              mean_output_tokens=self.mean_output_tokens)  # fmt: skip
+                              mean_output_tokens=self.mean_output_tokens, sleep_mode=self.sleep_mode,
+                              wake_s=self.wake_s if self.wake_s is not None
+                              else wake_time_s(profile.weight_bytes_per_gpu))  # fmt: skip
         return [one] * self.replicas
 
 
@@ -105,6 +112,8 @@ def run(options: SimEngineOptions, out: Callable[[str], None] = print) -> int:
     fault = s0.faults.describe()
     if fault or s0.startup_delay_s:
         out(f"  start-up delay {s0.startup_delay_s:g} s" + (f"; faults: {fault}" if fault else ""))
+    if s0.sleep_mode:
+        out(f"  sleep mode on: POST /sleep?level=1, POST /wake_up ({s0.wake_s:.3f} s), GET /is_sleeping")
     for i, sock in enumerate(sockets):
         out(f"replica {i} http://{options.host}:{sock.getsockname()[1]}  (simulator)")
     if options.ports_file:

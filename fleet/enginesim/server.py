@@ -10,7 +10,9 @@ The surface is vLLM's OpenAI server (0.32): ``POST /v1/completions`` and
 ``/v1/chat/completions`` (JSON, or SSE with ``stream``; ``stream_options.include_usage``;
 ``max_tokens``, ``min_tokens``, ``ignore_eos``, ``seed``; errors as vLLM's JSON, aiohttp's own
 too (a body over 1 MiB: 413), ``http_errors_as_json``), ``GET
-/v1/models``, ``/health``, ``/version`` and ``/metrics``. Simulator-only: ``GET /sim/state`` and
+/v1/models``, ``/health``, ``/version`` and ``/metrics``; with ``sleep_mode`` (vLLM's
+``--enable-sleep-mode``) also ``POST /sleep?level=1``, ``POST /wake_up`` and ``GET /is_sleeping``
+(`fleet.enginesim.sleep` gives the sources and the wake time). Simulator-only: ``GET /sim/state`` and
 ``POST /sim/faults`` (``{"slowdown": 3.0}`` or ``{"crash": true}``).
 
 The shell does no timing arithmetic of its own: each step is ``model.step(now)``, a sleep until
@@ -41,6 +43,7 @@ from fleet.enginesim.faults import FaultPlan
 from fleet.enginesim.metrics import ReplicaMetrics
 from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from fleet.enginesim.profiles import Profile
+from fleet.enginesim.sleep import SleepState, parse_level
 
 log = logging.getLogger("fleet.enginesim")
 
@@ -61,6 +64,8 @@ class ReplicaSettings:
         mean_output_tokens: when set, requests without ``ignore_eos`` stop early at an EOS
             drawn with this mean (finish_reason "stop"); unset, they run to ``max_tokens``
             (as the random-weight tiny model does on real vLLM).
+        sleep_mode: serve vLLM's sleep endpoints (``--enable-sleep-mode``); off, they are 404.
+        wake_s: seconds ``POST /wake_up`` takes from level-1 sleep (`fleet.enginesim.sleep.wake_time_s`).
     """
 
     profile: Profile
@@ -70,6 +75,8 @@ class ReplicaSettings:
     startup_delay_s: float = 0.0
     faults: FaultPlan = field(default_factory=FaultPlan)
     mean_output_tokens: float | None = None
+    sleep_mode: bool = False
+    wake_s: float = 0.0
 
 
 class ApiError(Exception):
@@ -145,6 +152,8 @@ class SimReplica:
         self.port = 0
         self.state = "starting"    # starting | ready | failed | crashed | closed
         self.dead_reason = ""
+        self.sleep = SleepState()
+        self._woken: asyncio.Future | None = None
 
     # ----- lifecycle --------------------------------------------------------------------
 
@@ -172,6 +181,10 @@ class SimReplica:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/sim/state", self._state)
         app.router.add_post("/sim/faults", self._faults)
+        if self.settings.sleep_mode:
+            app.router.add_post("/sleep", self._sleep)
+            app.router.add_post("/wake_up", self._wake_up)
+            app.router.add_get("/is_sleeping", self._is_sleeping)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
                                      shutdown_timeout=1.0)  # fmt: skip
         await self._runner.setup()
@@ -362,6 +375,9 @@ class SimReplica:
             self._handlers.add(task)
         live: _Live | None = None
         try:
+            if self.sleep.asleep:
+                return ApiError(503, "The model is sleeping (vLLM sleep mode); POST /wake_up wakes it.").response(
+                    HTTPStatus.SERVICE_UNAVAILABLE.phrase)
             try:
                 body = await self._read_body(request)
                 if chat:
@@ -522,7 +538,7 @@ class SimReplica:
             "answered": self.answered, "slowdown": self.model.slowdown, "running": st.num_running,
             "waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage, "steps": st.steps,
             "prefix_cache_hits": st.prefix_cache_hits, "prefix_cache_queries": st.prefix_cache_queries,
-            "preemptions": st.num_preemptions,
+            "preemptions": st.num_preemptions, "sleep": self.sleep.to_dict(),
         })  # fmt: skip
 
     async def _faults(self, request: web.Request) -> web.Response:
@@ -538,6 +554,40 @@ class SimReplica:
         if body.get("crash"):
             asyncio.get_running_loop().call_soon(self.crash, "fault switch: crash requested via POST /sim/faults")
         return web.json_response({"slowdown": self.model.slowdown, "crash": bool(body.get("crash"))})
+
+
+    async def _sleep(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /sleep``: requests in flight are aborted (vLLM's default ``mode=abort``),
+        the KV cache is dropped with them; an empty 200."""
+        try:
+            level = parse_level(request.query.get("level"))
+        except ValueError as err:
+            return ApiError(400, str(err), "level").response()
+        if not self.sleep.asleep:
+            self._fail_all("request aborted: the engine was put to sleep")
+            self.sleep.sleep(level, self.now_s())
+            log.info("replica %d (port %d) asleep at level %d", self.index, self.port, level)
+        return web.Response(status=200)
+
+    async def _wake_up(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /wake_up``: answers (an empty 200) once the weights are back, after
+        ``wake_s``; concurrent calls wait for the same wake."""
+        if self.sleep.asleep:
+            if not self.sleep.waking:
+                self.sleep.waking = True
+                self._woken = asyncio.get_running_loop().create_future()
+                try:
+                    await asyncio.sleep(self.settings.wake_s)
+                finally:
+                    self.sleep.woke()
+                    self._woken.set_result(None)
+                log.info("replica %d (port %d) awake after %.3f s", self.index, self.port, self.settings.wake_s)
+            else:
+                await asyncio.shield(self._woken)
+        return web.Response(status=200)
+
+    async def _is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": self.sleep.asleep})
 
 
 # ----- many replicas in one process ------------------------------------------------------

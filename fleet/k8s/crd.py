@@ -47,8 +47,13 @@ _STATUS_SCHEMA: dict[str, Any] = {
         "desiredReplicas": {"type": "integer", "description": "Target replica count and why (desiredReason)."},
         "desiredReason": {"type": "string"},
         "readyReplicas": {"type": "integer", "description": "Replicas in the router's pool."},
+        "standbyReplicas": {"type": "integer", "description": "Replicas asleep out of the pool, woken on a scale-up "
+                            "(spec.standby)."},
+        "standbyUnsupported": {"type": "string", "description": "Why spec.standby is off for this deployment "
+                               "(its engine cannot sleep here); absent when it is not."},
         "replicas": {"type": "object", "additionalProperties": {"type": "integer"},
-                     "description": "Replica count by state (PENDING, STARTING, WARMING, READY, DRAINING, FAILED_*)."},
+                     "description": "Replica count by state (PENDING, STARTING, WARMING, READY, STANDBY, DRAINING, "
+                                    "FAILED_*)."},
         "revisions": {"type": "object", "additionalProperties": {"type": "integer"},
                       "description": "Live replicas by spec.model.revision."},
         "servingHash": {"type": "string", "description": "What the current replicas serve (fleet.spec.serving_hash)."},
@@ -198,6 +203,7 @@ def crd_document() -> dict[str, Any]:
                     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
                     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
                     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+                    {"name": "Standby", "type": "integer", "jsonPath": ".status.standbyReplicas"},
                     {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],

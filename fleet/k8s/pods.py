@@ -410,10 +410,11 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
     files = model_argument(want, settings)
     model = files.model
     engine = get_engine(spec.engine.kind)
-    argv = engine.command(dep.engine_launch(want.base_dir), model, "0.0.0.0", ENGINE_PORT)
+    launch = dep.engine_launch(want.base_dir)
+    argv = engine.command(launch, model, "0.0.0.0", ENGINE_PORT)
     flags = argv[len(engine.entry(model)):]
     command = [*POD_ENTRY[spec.engine.kind](model), *files.extra_args, *flags]
-    env = {**spec.engine.env, **{k: v for k, v in want.placement.env.items() if k not in _NOT_IN_PODS}}
+    env = {**engine.env(launch), **spec.engine.env, **{k: v for k, v in want.placement.env.items() if k not in _NOT_IN_PODS}}
     env_list = [{"name": k, "value": v} for k, v in sorted(env.items())]
     env_list += [{"name": "FLEET_REPLICA_ID", "value": want.replica_id},
                  {"name": "FLEET_DEPLOYMENT", "value": dep.name}, *settings.extra_env]  # fmt: skip

@@ -77,11 +77,15 @@ def deployment_status(controller: Controller, name: str, generation: int, previo
         degraded = (True, "ReplicaFailed", f"{ds.failures_in_row} failure(s) in a row; last {why}")
     else:
         degraded = (False, "AsExpected", "no recent replica failure")
+    spec = ds.loaded.deployment.spec
+    unsupported = spec.standby_unsupported() if spec.standby is not None else None
     return {
         "observedGeneration": generation,
         "desiredReplicas": ds.desired,
         "desiredReason": ds.desired_reason,
         "readyReplicas": ready,
+        "standbyReplicas": states.get(ReplicaStatus.STANDBY.value, 0),
+        **({"standbyUnsupported": unsupported} if unsupported else {}),
         "replicas": dict(sorted(states.items())),
         "revisions": dict(sorted(Counter(r.revision for r in live).items())),
         "servingHash": ds.loaded.serving_hash,

@@ -185,13 +185,14 @@ class LocalBackend:
         """Start the engine of a recorded replica on ``model``. Raises OSError."""
         rid, dep = want.replica_id, want.deployment
         record = self._records[rid]
+        engine = get_engine(dep.spec.engine.kind)
+        launch = dep.engine_launch(want.base_dir)
         env = {
-            **dep.spec.engine.env, **want.placement.env,
+            **engine.env(launch), **dep.spec.engine.env, **want.placement.env,
             FLEET_ID_ENV: self.fleet_id, REPLICA_ID_ENV: rid, DEPLOYMENT_ENV: dep.name, SPEC_HASH_ENV: want.spec_hash,
             PORT_ENV: str(record.port), LOG_ENV: record.log_path or "",
         }  # fmt: skip
-        argv = get_engine(dep.spec.engine.kind).command(dep.engine_launch(want.base_dir), model, self.host,
-                                                        record.port)  # fmt: skip
+        argv = engine.command(launch, model, self.host, record.port)
         cores = self.numa_cores(want)
         if cores and shutil.which("taskset"):   # the engine on the CPU cores local to its GPUs (NUMA)
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]

@@ -70,6 +70,7 @@ log = logging.getLogger("fleet.local.up")
 
 _STYLE = {
     ReplicaStatus.READY: "bold green",
+    ReplicaStatus.STANDBY: "cyan",
     ReplicaStatus.DRAINING: "yellow",
     ReplicaStatus.TERMINATED: "dim",
 }

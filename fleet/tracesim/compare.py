@@ -78,7 +78,8 @@ def profile_of(deployment: InferenceDeployment, override: str | None = None) -> 
 
 def config_from_deployment(deployment: InferenceDeployment, profile: Profile, **overrides: Any) -> SimConfig:
     """The `SimConfig` of ``deployment`` as written: its autoscaling spec (``fixed`` at
-    ``spec.replicas.initial`` when it has none), replica bounds and routing. ``overrides``
+    ``spec.replicas.initial`` when it has none), replica bounds, routing and standby pool
+    (``spec.standby.maxReplicas``). ``overrides``
     replace `SimConfig` fields (start-up times, warm nodes, SLO, slowdown, seed, routing)."""
     spec = deployment.spec
     autoscaling = spec.autoscaling or AutoscalingSpec(policy="fixed")
@@ -87,7 +88,7 @@ def config_from_deployment(deployment: InferenceDeployment, profile: Profile, **
         "profile": profile, "autoscaling": autoscaling, "bounds": ReplicaBounds(r.min, r.max, r.desired_at_start),
         "routing_policy": spec.routing.policy, "max_concurrency_per_endpoint": spec.routing.max_concurrency_per_endpoint,
         "max_queue_length": spec.routing.max_queue_length, "queue_timeout_s": spec.routing.queue_timeout_seconds,
-        "model": spec.model.name,
+        "model": spec.model.name, "standby_max": spec.standby_max,
     }  # fmt: skip
     return SimConfig(**{**fields, **overrides})
 

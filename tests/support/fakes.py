@@ -163,6 +163,9 @@ class FakeEngineAPI:
         self.gate: asyncio.Event | None = None   # when set to an Event, requests wait for it
         self.metrics_text: dict[int, str] = {}
         self.scrapes: list[str] = []
+        self.asleep: set[int] = set()            # ports put to sleep (POST /sleep), until /wake_up
+        self.sleep_calls: list[tuple[str, str]] = []   # (endpoint, "sleep" | "wake_up")
+        self.wake_gate: asyncio.Event | None = None     # when set to an Event, /wake_up waits for it
 
     async def metrics(self, endpoint: str, timeout_s: float = 2.0) -> str:
         self.scrapes.append(endpoint)
@@ -173,6 +176,16 @@ class FakeEngineAPI:
 
     async def health(self, endpoint: str, timeout_s: float = 2.0) -> bool:
         return int(endpoint.rsplit(":", 1)[1]) in self.healthy
+
+    async def sleep(self, endpoint: str, level: int, timeout_s: float) -> None:
+        self.sleep_calls.append((endpoint, "sleep"))
+        self.asleep.add(int(endpoint.rsplit(":", 1)[1]))
+
+    async def wake_up(self, endpoint: str, timeout_s: float) -> None:
+        self.sleep_calls.append((endpoint, "wake_up"))
+        if self.wake_gate is not None:
+            await self.wake_gate.wait()
+        self.asleep.discard(int(endpoint.rsplit(":", 1)[1]))
 
     async def post(self, endpoint: str, path: str, body: dict, timeout_s: float) -> int:
         self.posts.append((endpoint, path))

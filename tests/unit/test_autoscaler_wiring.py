@@ -37,8 +37,8 @@ def router_stats(*, queue_s: float, ttft_s: float, in_flight: int, rate: float =
 
 
 class Fleet(Harness):
-    def __init__(self, tmp_path: Path, **spec: object) -> None:
-        f = write_deployment(tmp_path, replicas=1, autoscaling=AUTOSCALING, **spec)
+    def __init__(self, tmp_path: Path, policy: str = "fleet", **spec: object) -> None:
+        f = write_deployment(tmp_path, replicas=1, autoscaling={**AUTOSCALING, "policy": policy}, **spec)
         super().__init__(tmp_path, [f], drain_timeout_s=120)
         self.decisions: list = []
         self.load = (0.2, 2)
@@ -177,3 +177,37 @@ async def test_fleet_status_shows_the_target_and_the_last_decision(tmp_path: Pat
 @pytest.fixture(autouse=True)
 def _vllm(vllm_installed):  # vLLM counts as installed (tests/conftest.py)
     yield
+
+
+async def test_the_policy_is_told_of_sleeping_replicas_and_its_standby_pool_reaches_the_controller(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleet up` with `spec.standby` and the `standby` policy: the context counts STANDBY
+    replicas and gives the wake-up as the lead time; the policy's `ScalingDecision.standby`
+    (None before any burst: keep spec.standby.maxReplicas) sets the pool the controller keeps,
+    clamped to the spec's maximum; 0 drains the sleepers."""
+    import dataclasses
+
+    from fleet.controller.autoscaling import DEFAULT_WAKE_S
+
+    h = Fleet(tmp_path, policy="standby", engine={"kind": "sim"}, standby={"maxReplicas": 2})
+    h.offer(0.2, in_flight=2)
+    await h.run(10)
+    assert h.count(S.READY) == 1 and h.count(S.STANDBY) == 2          # None: the spec's maximum
+    assert h.decisions[-1].standby is None and h.c.deployments["chat"].standby_wanted is None
+    policy = h.loop.scaled["chat"].policy
+    decide = type(policy).decide
+    seen: list = []
+    asked = {"standby": 5}                                             # more than the spec allows
+
+    def spy(ctx):
+        seen.append(ctx)
+        return dataclasses.replace(decide(policy, ctx), standby=asked["standby"])
+
+    monkeypatch.setattr(policy, "decide", spy)
+    await h.run(6)
+    assert seen and seen[-1].standby == 2 and seen[-1].startup.wake_s == DEFAULT_WAKE_S
+    assert h.c.deployments["chat"].standby_wanted == 5 and h.count(S.STANDBY) == 2   # clamped to 2
+    asked["standby"] = 0
+    await h.run(8)
+    assert h.c.deployments["chat"].standby_wanted == 0
+    assert h.count(S.STANDBY) == 0 and h.count(S.READY) == 1

@@ -296,3 +296,4 @@ async def test_a_replacement_waits_for_a_draining_replicas_core_rather_than_shar
     await h.tick(n=2)
     assert h.status()["chat-1"] is S.TERMINATED
     assert h.backend.by_replica("chat-2").spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"   # chat-1's core, alone
+

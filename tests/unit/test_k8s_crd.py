@@ -57,8 +57,8 @@ def test_every_spec_field_is_in_the_crd():
     """A field added to the pydantic spec shows up in the CRD (the generator walks all of it)."""
     spec = crd_document()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     props = spec["properties"]
-    assert set(props) == {"model", "engine", "resources", "replicas", "priority", "preemptible", "routing", "warmup",
-                          "autoscaling", "rollout", "prePull"}
+    assert set(props) == {"model", "engine", "resources", "replicas", "priority", "preemptible", "standby", "routing",
+                          "warmup", "autoscaling", "rollout", "prePull"}
     assert props["priority"] == {"type": "integer", "default": 0, "minimum": -1_000_000_000, "maximum": 1_000_000_000,
                                  "description": props["priority"]["description"]}
     assert props["resources"]["properties"]["tensorParallelSize"] == {

@@ -69,3 +69,19 @@ def test_no_standby_when_the_allowance_is_off_or_the_fleet_is_fixed() -> None:
 def test_bad_standby_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="standby_max and wake_s"):
         SimConfig(standby_config().profile, AutoscalingSpec(), ReplicaBounds(1, 2, 1), standby_max=-1)
+
+
+def test_the_deployments_standby_spec_sizes_the_simulated_pool() -> None:
+    """`fleet simulate` without --standby-max keeps what the deployment declares."""
+    from fleet.enginesim.profiles import get_profile
+    from fleet.spec import parse_document
+    from fleet.tracesim.compare import config_from_deployment
+
+    doc = {"apiVersion": "fleet.inference.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": "d"},
+           "spec": {"model": {"name": "m", "source": "sim://h100-llama-8b"}, "engine": {"kind": "sim"},
+                    "standby": {"maxReplicas": 2}}}  # fmt: skip
+    profile = get_profile("h100-llama-8b")
+    assert config_from_deployment(parse_document(doc), profile).standby_max == 2
+    del doc["spec"]["standby"]
+    assert config_from_deployment(parse_document(doc), profile).standby_max == 0
+    assert config_from_deployment(parse_document(doc), profile, standby_max=3).standby_max == 3
