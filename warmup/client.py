@@ -8,7 +8,9 @@ can replace it with a fake. Not on the router's request path.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Protocol
 
 import httpx
@@ -16,6 +18,17 @@ import httpx
 
 class EngineRequestError(Exception):
     """An engine request failed: connection error, timeout, non-2xx status or a bad body."""
+
+
+@contextlib.contextmanager
+def _engine_errors(what: str, timeout_s: float) -> Iterator[None]:
+    """httpx's failures of request ``what`` (``POST /sleep``) as EngineRequestError."""
+    try:
+        yield
+    except httpx.TimeoutException as err:
+        raise EngineRequestError(f"{what}: timed out after {timeout_s:g} s") from err
+    except httpx.HTTPError as err:
+        raise EngineRequestError(f"{what}: {type(err).__name__}: {err}") from err
 
 
 class EngineAPI(Protocol):
@@ -72,32 +85,23 @@ class EngineClient:
         return r.text
 
     async def sleep(self, endpoint: str, level: int, timeout_s: float) -> None:
-        await self._control(f"{endpoint}/sleep", {"level": str(level)}, timeout_s)
+        await self._control(endpoint, "/sleep", {"level": str(level)}, timeout_s)
 
     async def wake_up(self, endpoint: str, timeout_s: float) -> None:
-        await self._control(f"{endpoint}/wake_up", {}, timeout_s)
+        await self._control(endpoint, "/wake_up", {}, timeout_s)
 
-    async def _control(self, url: str, params: dict[str, str], timeout_s: float) -> None:
-        path = url.rsplit("/", 1)[1]
-        try:
-            r = await self._http.post(url, params=params, timeout=timeout_s)
-        except httpx.TimeoutException as err:
-            raise EngineRequestError(f"POST /{path}: timed out after {timeout_s:g} s") from err
-        except httpx.HTTPError as err:
-            raise EngineRequestError(f"POST /{path}: {type(err).__name__}: {err}") from err
+    async def _control(self, endpoint: str, path: str, params: dict[str, str], timeout_s: float) -> None:
+        with _engine_errors(f"POST {path}", timeout_s):
+            r = await self._http.post(f"{endpoint}{path}", params=params, timeout=timeout_s)
         if r.status_code != 200:
-            raise EngineRequestError(f"POST /{path}: HTTP {r.status_code}: {r.text[:300]}")
+            raise EngineRequestError(f"POST {path}: HTTP {r.status_code}: {r.text[:300]}")
 
     async def post(self, endpoint: str, path: str, body: dict, timeout_s: float) -> int:
         url = f"{endpoint}{path}"
-        try:
+        with _engine_errors(f"POST {path}", timeout_s):
             if body.get("stream"):
                 return await self._post_stream(url, body, timeout_s)
             r = await self._http.post(url, json=body, timeout=timeout_s)
-        except httpx.TimeoutException as err:
-            raise EngineRequestError(f"POST {path}: timed out after {timeout_s:g} s") from err
-        except httpx.HTTPError as err:
-            raise EngineRequestError(f"POST {path}: {type(err).__name__}: {err}") from err
         if r.status_code != 200:
             raise EngineRequestError(f"POST {path}: HTTP {r.status_code}: {r.text[:300]}")
         try:
