@@ -58,6 +58,7 @@ class Launcher:
         self.clock = clock
         self._save = save
         self._fail = fail
+        self._width_groups: dict[frozenset[str], dict[int, set[str]]] | None = None   # per tick: fill_shapes
 
     def holding(self) -> dict[str, ReplicaPlacement]:
         """Replica id -> placement of every replica that holds its devices now."""
@@ -79,25 +80,37 @@ class Launcher:
 
     def fill_shapes(self, name: str, shape: ReplicaShape) -> tuple[int, ...]:
         """The TP widths the other deployments' specs ask for on a GPU product ``shape`` may use
-        (`PlacementRequest.fill_shapes`: leftover-aware best fit); () for MIG and CPU shapes."""
+        (`PlacementRequest.fill_shapes`: leftover-aware best fit); () for MIG and CPU shapes.
+        Reads `width_groups`, built once per tick: a request costs O(product lists), not
+        O(deployments)."""
         if shape.kind != "gpus":
             return ()
+        if self._width_groups is None:
+            self._width_groups = self.width_groups()
         mine = set(shape.gpu_products)
         widths: set[int] = set()
-        for other, ds in self.records.deployments.items():
-            if other == name:
-                continue
+        for products, by_width in self._width_groups.items():
+            if not mine or not products or mine & products:
+                widths.update(w for w, names in by_width.items() if len(names) > 1 or name not in names)
+        return tuple(sorted(widths))
+
+    def width_groups(self) -> dict[frozenset[str], dict[int, set[str]]]:
+        """Whole-GPU specs of every deployment (each revision): GPU product list -> TP width ->
+        the deployments asking for it."""
+        groups: dict[frozenset[str], dict[int, set[str]]] = {}
+        for name, ds in self.records.deployments.items():
             for ld in ds.revs.specs.values():
                 s = ReplicaShape.of(ld.deployment)
-                if s.kind == "gpus" and (not mine or not s.gpu_products or mine & set(s.gpu_products)):
-                    widths.add(s.tensor_parallel_size)
-        return tuple(sorted(widths))
+                if s.kind == "gpus":
+                    groups.setdefault(frozenset(s.gpu_products), {}).setdefault(s.tensor_parallel_size, set()).add(name)
+        return groups
 
     def next_replica_warm(self, deployment: str, inventory: Inventory) -> bool:
         """`fleet.controller.reconcile.Controller.next_replica_warm` over ``inventory``."""
         ds = self.records.deployments[deployment]
         ld = ds.revs.specs[ds.revs.stable]
         holding = self.holding()
+        self._width_groups = None   # asked between ticks: specs may have changed since the last one
         request = self.placement_request(ld, 1, holding)
         plan = self.placer.place_replicas(request, inventory,
                                           DeviceUse(d for a in holding.values() for d in a.devices))
@@ -110,6 +123,7 @@ class Launcher:
         ``deadline``; the rest at the next tick), then launch what was placed, and what was placed
         before a crash and never started. True when the backend was asked to run a replica (the
         controller observes again in the same tick)."""
+        self._width_groups = None   # the specs as they are this tick
         pending: dict[tuple[str, str], list[Replica]] = {}
         placed: list[Replica] = []
         for r in self.records.replicas.values():
