@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import ADMIN_PREFIX, admin_router, validation_message
 from router.errors import error_body, error_type
+from router.kv_subscriber import KvEventStreams
 from router.metrics import RouterMetrics
 from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.pool import PoolTable
@@ -180,12 +181,16 @@ class RouterApp:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.proxy.start()
+                    if self.kv_streams is not None:
+                        await self.kv_streams.start()
                 except Exception as exc:  # report to the server instead of crashing the lifespan task
                     log.exception("router startup failed")
                     await send({"type": "lifespan.startup.failed", "message": repr(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self.kv_streams is not None:
+                    await self.kv_streams.close()
                 await self.proxy.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -301,7 +306,8 @@ def create_app(
         remembered = models_file.read()
         if remembered:
             log.info("models served before the restart (503 until published again): %s", ", ".join(remembered))
-    pools = PoolTable(metrics, wall_clock, clock, remembered)
+    kv_streams = KvEventStreams(metrics)
+    pools = PoolTable(metrics, wall_clock, clock, remembered, kv_streams)
     proxy = Proxy(
         pools,
         metrics,
@@ -315,4 +321,5 @@ def create_app(
     api = _build_api(pools, metrics, admin_token, models_file)
     app = RouterApp(pools, metrics, proxy, api, admin_token)
     app.models_file = models_file
+    app.kv_streams = kv_streams
     return app
