@@ -123,6 +123,7 @@ class KvEventSubscriber:
         self._rebuild_at: float | None = None
         self.resyncs = 0
         self.replays = 0
+        self.bad_payloads = 0
 
     # ----- running --------------------------------------------------------------------------------
 
@@ -210,6 +211,9 @@ class KvEventSubscriber:
         await self._sync(reconnect=False)
         if self._offer(seq, payload):
             return
+        last = self._last_seq
+        if last is not None and seq <= last:
+            return   # covered by the replay (were it a restarted publisher's, its next batches tell)
         # Replay did not reach this batch (it arrived after the replay answer was made): start over here.
         self._resync("replay_gone")
         self._apply(seq, payload)
@@ -221,6 +225,8 @@ class KvEventSubscriber:
             if seq == 0:   # the publisher's first batch: its engine's cache was empty before it
                 self._index.reset(self.endpoint_id, known_empty=True)
                 self._rebuild_at = None
+            elif not self._index.state(self.endpoint_id).exact() and self._rebuild_at is None:
+                self._rebuild_at = self._clock() + self._rebuild_s   # a partial view: trusted after rebuild_s
             self._apply(seq, payload)
             return True
         if seq == last + 1:
@@ -291,11 +297,14 @@ class KvEventSubscriber:
             batch = decode_batch(payload)
         except KvEventDecodeError as exc:
             self._count_error("decode")
-            log.warning("KV events of %s/%s: batch %d unreadable: %s", self.model, self.endpoint_id, seq, exc)
+            self.bad_payloads += 1
+            if self.bad_payloads & (self.bad_payloads - 1) == 0:   # the 1st, 2nd, 4th, 8th...: no log flood
+                log.warning("KV events of %s/%s: batch %d unreadable (%d so far): %s", self.model, self.endpoint_id,
+                            seq, self.bad_payloads, exc)  # fmt: skip
             self._resync("bad_payload")
-            self._last_seq = seq
-            return
-        applied = self._index.apply(self.endpoint_id, batch, seq)
+            applied = 0
+        else:
+            applied = self._index.apply(self.endpoint_id, batch, seq)
         if self._metrics is not None:
             self._metrics.events.inc(applied)
         self._last_seq = seq

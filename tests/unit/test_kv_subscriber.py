@@ -290,3 +290,39 @@ async def test_subscribers_follow_the_pools(ctx: zmq.asyncio.Context) -> None:
     await streams.close()
     for pub in pubs:
         await pub.close()
+
+
+async def test_the_router_follows_a_published_pool_and_routes_on_the_engines_events(ctx: zmq.asyncio.Context) -> None:
+    import aiohttp
+
+    from router.app import create_app
+    from tests.support.router import FakeEngine, running_app
+
+    token = "t0ken"
+    auth = {"Authorization": f"Bearer {token}"}
+    pubs = [Publisher(ctx), Publisher(ctx)]
+    app = create_app(token)
+    async with FakeEngine("a") as a, FakeEngine("b") as b, running_app(app) as base, \
+            aiohttp.ClientSession(base, timeout=aiohttp.ClientTimeout(total=10)) as client:  # fmt: skip
+        doc = {"policy": "kv-aware", "endpoints": [
+            {"id": name, "url": engine.url, "kv_events": pub.source.model_dump()}
+            for name, engine, pub in (("a", a, pubs[0]), ("b", b, pubs[1]))]}  # fmt: skip
+        async with client.put("/admin/v1/pools/m", json=doc, headers=auth) as resp:
+            assert resp.status == 200, await resp.text()
+        assert app.kv_streams is not None
+        index = app.kv_streams.index("m")
+        await eventually(lambda: index.live("a") and index.live("b"))
+        await asyncio.sleep(0.2)
+        prompt = ids(7000, 300)                            # 1,200 tokens, held by b's engine only
+        await pubs[1].publish(stored(7000, 300))
+        await eventually(lambda: index.blocks("b") == 300)
+        for _ in range(3):
+            async with client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2}) as resp:
+                assert (await resp.json())["served_by"] == "b"
+        async with client.get("/metrics") as resp:
+            text = await resp.text()
+        assert 'fleet_router_kv_stream_live{endpoint="b",model="m"} 1.0' in text
+        assert 'fleet_router_kv_events_total{endpoint="b",model="m"} 1.0' in text
+    assert app.kv_streams.subscriber("m", "a") is None      # stopped with the app's lifespan
+    for pub in pubs:
+        await pub.close()
