@@ -13,6 +13,9 @@ from typing import Any
 
 import msgpack
 
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MEDIUM_GPU = "GPU"
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -35,17 +38,17 @@ class AllBlocksCleared:
     pass
 
 
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+KvCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True)
 class EventBatch:
     ts: float
-    events: list[KvEvent] = field(default_factory=list)
+    events: list[KvCacheEvent] = field(default_factory=list)
     data_parallel_rank: int | None = None
 
 
-def _event_doc(e: KvEvent) -> dict[str, Any]:
+def _event_doc(e: KvCacheEvent) -> dict[str, Any]:
     if isinstance(e, BlockStored):
         return {"type": "BlockStored", "block_hashes": list(e.block_hashes), "parent_block_hash": e.parent_block_hash,
                 "token_ids": list(e.token_ids), "block_size": e.block_size, "lora_id": e.lora_id,
@@ -65,7 +68,7 @@ def decode_batch(payload: bytes) -> EventBatch:
     try:
         doc = msgpack.unpackb(payload)
         ts, raw = doc[0], doc[1]
-        events: list[KvEvent] = []
+        events: list[KvCacheEvent] = []
         for d in raw:
             kind = d.get("type")
             if kind == "BlockStored":

@@ -37,11 +37,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from router.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvCacheEvent
 
 _ROOT_HASH = 0x5EED
 _U64 = (1 << 64) - 1
-MEDIUM_GPU = "GPU"
 
 
 def wire_hash(block_hash: int) -> int:
@@ -71,7 +70,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
-                 on_event: Callable[[KvEvent], None] | None = None) -> None:  # fmt: skip
+                 on_event: Callable[[KvCacheEvent], None] | None = None) -> None:  # fmt: skip
         """``on_event``: called with each KV cache event, in order (see the module docstring);
         None: no events are made."""
         if num_blocks < 1:

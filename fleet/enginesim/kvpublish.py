@@ -34,11 +34,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from router.kv_events import EventBatch, encode_batch
+from router.kv_events import END_SEQ, EventBatch, encode_batch
 
 log = logging.getLogger("fleet.enginesim")
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_YIELD_EVERY = 64
 """Replayed batches sent between two yields to the event loop."""
 

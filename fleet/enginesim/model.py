@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from fleet.enginesim.cost import StepCost, StepFeatures
 from fleet.enginesim.kvcache import BlockPool, block_hashes
-from router.kv_events import EventBatch, KvEvent
+from router.kv_events import EventBatch, KvCacheEvent
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class StepResult:
     finished: list[FinishedRequest]
     preempted: list[str]
     features: StepFeatures
-    kv_events: tuple[KvEvent, ...] = ()
+    kv_events: tuple[KvCacheEvent, ...] = ()
 
     @property
     def end_s(self) -> float:
@@ -236,7 +236,7 @@ class EngineModel:
         self.config = config
         self.cost = cost
         self.slowdown = slowdown
-        self._kv_events: list[KvEvent] | None = [] if kv_events else None
+        self._kv_events: list[KvCacheEvent] | None = [] if kv_events else None
         self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching,
                               on_event=self._kv_events.append if self._kv_events is not None else None)
         self._requests: dict[str, _Request] = {}
@@ -364,7 +364,7 @@ class EngineModel:
         a request still holds blocks. Makes `AllBlocksCleared` (`take_kv_events`)."""
         return self.pool.reset()
 
-    def take_kv_events(self) -> list[KvEvent]:
+    def take_kv_events(self) -> list[KvCacheEvent]:
         """KV cache events made since the last step or take (a step takes its own)."""
         if not self._kv_events:
             return []

@@ -16,11 +16,11 @@ import zmq.asyncio
 from fleet.enginesim import tokens
 from fleet.enginesim.cost import StepCost
 from fleet.enginesim.kvcache import BlockPool, block_hashes, wire_hash
-from fleet.enginesim.kvpublish import END_SEQ, KvEventsConfig, KvEventsConfigError, KvEventPublisher
+from fleet.enginesim.kvpublish import KvEventPublisher, KvEventsConfig, KvEventsConfigError
 from fleet.enginesim.model import Arrival, EngineConfig, EngineModel, run_virtual
 from fleet.enginesim.profiles import Profile
 from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
+from router.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
 
 BS = 4
 
