@@ -12,6 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
+from router.engine_load import DEFAULT_POLL_INTERVAL_S
 from router.server import serve
 
 TOKEN_ENV = "FLEET_ROUTER_ADMIN_TOKEN"
@@ -25,11 +26,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models-file", type=Path, default=None,
                         help="file that keeps the models the router serves, so that after a restart it answers "
                              "503 + Retry-After for them (not 404) until they are published again (default: none)")
+    parser.add_argument("--engine-load-interval-ms", type=float, default=DEFAULT_POLL_INTERVAL_S * 1000,
+                        help="milliseconds between polls of each kv-aware endpoint's /metrics for its load, so that "
+                             "several routers see what the others sent (docs/routing.md); 0: off "
+                             f"(default {DEFAULT_POLL_INTERVAL_S * 1000:g})")
     args = parser.parse_args(argv)
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         parser.error(f"environment variable {TOKEN_ENV} must hold the admin API bearer token")  # exits 2
-    serve(args.host, args.port, token, log_level=args.log_level, models_path=args.models_file)
+    interval_s = args.engine_load_interval_ms / 1000 if args.engine_load_interval_ms > 0 else None
+    serve(args.host, args.port, token, log_level=args.log_level, models_path=args.models_file,
+          engine_load_interval_s=interval_s)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from router.admin import ADMIN_PREFIX, admin_router, validation_message
 from router.errors import error_body, error_type
 from router.metrics import RouterMetrics
 from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
+from router.engine_poll import EnginePoller
 from router.pool import PoolTable
 from router.remembered import ModelsFile
 from router.proxy import (
@@ -86,6 +87,8 @@ class RouterApp:
     (`router.remembered.ModelsFile`, or None)."""
 
     models_file: ModelsFile | None = None
+    poller: EnginePoller | None = None
+    """Polls the engines' load for `kv-aware` pools (`router.engine_poll`); None: off."""
 
     def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
                  admin_token: str) -> None:  # fmt: skip
@@ -180,12 +183,16 @@ class RouterApp:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.proxy.start()
+                    if self.poller is not None:
+                        await self.poller.start()
                 except Exception as exc:  # report to the server instead of crashing the lifespan task
                     log.exception("router startup failed")
                     await send({"type": "lifespan.startup.failed", "message": repr(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self.poller is not None:
+                    await self.poller.close()
                 await self.proxy.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -270,6 +277,7 @@ def create_app(
     read_timeout_s: float | None = None,
     failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
     models_path: Path | None = None,
+    engine_load_interval_s: float | None = None,
 ) -> RouterApp:
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
@@ -285,6 +293,9 @@ def create_app(
     `models_path`: the router's models file (`router.remembered`): the models it lists answer
     503 + Retry-After, not 404, until the control plane publishes or deletes their pools, and
     the file is kept up to date; None: no file.
+    `engine_load_interval_s`: seconds between polls of each `kv-aware` endpoint's `/metrics` for
+    its load (`router.engine_poll`; `router.server.serve` passes `DEFAULT_POLL_INTERVAL_S`); None:
+    no polling (each router counts only its own load).
     The time a request's head and body may take to arrive is bounded by the server
     (`router.server.uvicorn_config`).
     """
@@ -315,4 +326,6 @@ def create_app(
     api = _build_api(pools, metrics, admin_token, models_file)
     app = RouterApp(pools, metrics, proxy, api, admin_token)
     app.models_file = models_file
+    if engine_load_interval_s is not None:
+        app.poller = EnginePoller(pools.load_endpoints, clock, metrics.registry, interval_s=engine_load_interval_s)
     return app
