@@ -18,9 +18,19 @@ on a small machine: N distinct prompts through `route_request` and a `kv-aware` 
 endpoints in this process (the objects the router runs), reporting the index's entries and
 the traced Python memory (tracemalloc) every N/10 prompts.
 
+`--policy-stream N --kv-events` adds the engines' KV cache events: each of the 8 endpoints has
+an engine-like prefix cache (`--engine-blocks` blocks of 16 tokens, LRU eviction; 27,000 is
+the H100 8B-model profile of fleet/enginesim/profiles.py) that stores every prompt routed to it
+and evicts the least recently used blocks beyond its size; each request's `BlockStored` and
+`BlockRemoved` go through the wire codec (`router.kv_events.encode_batch` / `decode_batch`)
+into the pool's `router.kv_index.ExactIndex`, which `kv-aware` consults (every stream live).
+`--kv-lose-removals` drops every `BlockRemoved` (a stream that loses them): the index is then
+held by its own per-endpoint cap (`router.kv_index.DEFAULT_MAX_BLOCKS_PER_ENDPOINT`).
+
 Usage: python -m loadtests.bench_router_memory [--seconds 120] [--concurrency 32]
        python -m loadtests.bench_router_memory --policy kv-aware --distinct-prompts
        python -m loadtests.bench_router_memory --policy-stream 1000000
+       python -m loadtests.bench_router_memory --policy-stream 1000000 --kv-events [--kv-lose-removals]
 """
 
 from __future__ import annotations
@@ -59,12 +69,64 @@ asyncio.run(main())
 """A closed-loop load generator whose every request carries a prompt of distinct token ids."""
 
 
-def policy_stream(n: int, prompt_tokens: int, trace_memory: bool) -> None:
+ENGINE_BLOCK_TOKENS = 16
+"""Tokens per engine KV block in `--kv-events` (vLLM's default block size)."""
+
+
+class EngineCache:
+    """An engine's prefix cache as far as its KV events go: LRU blocks, chained hashes, events out.
+
+    `run(ids)` caches a prompt's full blocks (those it holds become most recent, new ones are
+    stored) and evicts the least recently used beyond `capacity_blocks`; it returns the batch of
+    events that vLLM would publish for that step (`BlockStored` of the new blocks, then
+    `BlockRemoved` of the evicted ones)."""
+
+    def __init__(self, capacity_blocks: int, salt: int) -> None:
+        from collections import OrderedDict
+
+        self.capacity_blocks = capacity_blocks
+        self.salt = salt
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def run(self, ids: list[int], ts: float):  # -> router.kv_events.EventBatch
+        from router.kv_events import BlockRemoved, BlockStored, EventBatch
+
+        size = ENGINE_BLOCK_TOKENS
+        parent: int | None = None
+        stored_parent: int | None = None
+        first_new: int | None = None
+        new: list[int] = []
+        events: list = []
+        for start in range(0, len(ids) - size + 1, size):
+            h = hash((parent, self.salt, tuple(ids[start:start + size]))) & (2**64 - 1)
+            if first_new is None:
+                if h in self.blocks:   # a prefix hit
+                    self.blocks.move_to_end(h)
+                    parent = h
+                    continue
+                first_new, stored_parent = start, parent
+            self.blocks[h] = None
+            new.append(h)
+            parent = h
+        if first_new is not None:
+            events.append(BlockStored(new, stored_parent, ids[first_new:first_new + len(new) * size], size,
+                                      medium="GPU"))  # fmt: skip
+        evicted = [self.blocks.popitem(last=False)[0] for _ in range(len(self.blocks) - self.capacity_blocks)]
+        if evicted:
+            events.append(BlockRemoved(evicted, medium="GPU"))
+        return EventBatch(ts, events)
+
+
+def policy_stream(n: int, prompt_tokens: int, trace_memory: bool, *, kv_events: bool = False,
+                  engine_blocks: int = 27_000, lose_removals: bool = False) -> None:  # fmt: skip
     """`n` distinct prompts through `route_request` and a `kv-aware` pool of 8 endpoints, in
     process; prints the index's size, the process RSS and (with `trace_memory`, which slows
-    every allocation) Python's traced memory every n/10 prompts."""
+    every allocation) Python's traced memory every n/10 prompts. `kv_events`: the endpoints'
+    engines publish KV events into the pool's exact index (module docstring)."""
     import tracemalloc
 
+    from router.kv_events import EventBatch, decode_batch, encode_batch
+    from router.kv_index import ExactIndex
     from router.metrics import RouterMetrics
     from router.pool import PoolTable
     from router.prompt_blocks import route_request
@@ -74,13 +136,27 @@ def policy_stream(n: int, prompt_tokens: int, trace_memory: bool) -> None:
     pool = table.put("bench", PoolSpec.model_validate(
         {"policy": "kv-aware", "endpoints": [{"id": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(8)]}))
     index = pool.policy.index  # type: ignore[attr-defined]
+    exact = ExactIndex()
+    engines: dict[str, EngineCache] = {}
+    seqs: dict[str, int] = {}
+    if kv_events:
+        pool.policy.use_exact_index(exact)
+        for i, endpoint in enumerate(pool.endpoints):
+            exact.open(endpoint.id)
+            engines[endpoint.id] = EngineCache(engine_blocks, salt=i)
+            seqs[endpoint.id] = 0
     if trace_memory:
         tracemalloc.start()
+    events_note = (f", KV events from 8 engine caches of {engine_blocks:,} blocks of {ENGINE_BLOCK_TOKENS} tokens"
+                   f"{' (removals lost)' if lose_removals else ''} into the exact index (cap "
+                   f"{exact.max_blocks_per_endpoint:,} blocks per endpoint)") if kv_events else ""  # fmt: skip
     print(f"\n{n:,} distinct prompts of {prompt_tokens} token ids through kv-aware (8 endpoints, "
-          f"{index.capacity_blocks:,} blocks remembered per endpoint)\n")
-    print("| prompts routed | index entries | distinct blocks | traced memory MiB | router RSS MiB |")
-    print("|---|---|---|---|---|")
+          f"{index.capacity_blocks:,} blocks remembered per endpoint{events_note})\n")
+    print("| prompts routed | index entries | distinct blocks | exact index entries | events applied "
+          "| traced memory MiB | router RSS MiB |")
+    print("|---|---|---|---|---|---|---|")
     started = time.process_time()
+    applied = 0
     for i in range(1, n + 1):
         base = 1_000_000 + i * prompt_tokens
         request = route_request({"prompt": list(range(base, base + prompt_tokens)), "max_tokens": 8})
@@ -88,12 +164,18 @@ def policy_stream(n: int, prompt_tokens: int, trace_memory: bool) -> None:
         assert endpoint is not None
         endpoint.start(request.prefill_tokens)
         endpoint.finish(request.prefill_tokens, got_first_byte=False)
+        if kv_events:
+            batch = engines[endpoint.id].run(request.token_ids, float(i))  # type: ignore[arg-type]
+            if lose_removals:
+                batch = EventBatch(batch.ts, [e for e in batch.events if type(e).__name__ != "BlockRemoved"])
+            applied += exact.apply(endpoint.id, decode_batch(encode_batch(batch)), seqs[endpoint.id])
+            seqs[endpoint.id] += 1
         if i % max(1, n // 10) == 0:
             traced = f"{tracemalloc.get_traced_memory()[0] / 2**20:.1f}" if trace_memory else "—"
-            print(f"| {i:,} | {len(index):,} | {index.distinct_blocks():,} | {traced} "
+            print(f"| {i:,} | {len(index):,} | {index.distinct_blocks():,} | {len(exact):,} | {applied:,} | {traced} "
                   f"| {rss_mib(os.getpid()):.1f} |", flush=True)
     cpu_s = time.process_time() - started
-    print(f"\nCPU per prompt (body to RouteRequest, scoring, recording; tracemalloc "
+    print(f"\nCPU per prompt (body to RouteRequest, scoring, recording{'; engine caches, event encode, decode and apply' if kv_events else ''}; tracemalloc "
           f"{'on' if trace_memory else 'off'}; the JSON parse is not included): {1e6 * cpu_s / n:.0f} us")
 
 
@@ -123,9 +205,16 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="token ids per distinct prompt (default 1024)")
     parser.add_argument("--policy-stream", type=int, metavar="N", help="N distinct prompts in process, no HTTP")
     parser.add_argument("--trace-memory", action="store_true", help="with --policy-stream: also tracemalloc")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="with --policy-stream: engine caches publish KV events into the exact index")
+    parser.add_argument("--engine-blocks", type=int, default=27_000,
+                        help="with --kv-events: blocks of 16 tokens per engine cache (default 27,000)")
+    parser.add_argument("--kv-lose-removals", action="store_true",
+                        help="with --kv-events: drop every BlockRemoved (the index's own cap must hold it)")
     args = parser.parse_args()
     if args.policy_stream:
-        policy_stream(args.policy_stream, args.prompt_tokens, args.trace_memory)
+        policy_stream(args.policy_stream, args.prompt_tokens, args.trace_memory, kv_events=args.kv_events,
+                      engine_blocks=args.engine_blocks, lose_removals=args.kv_lose_removals)  # fmt: skip
         return
 
     backend = spawn(__file__.replace("bench_router_memory", "bench_proxy_hop"), "--role", "backend")

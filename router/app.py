@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import ADMIN_PREFIX, admin_router, validation_message
 from router.errors import error_body, error_type
+from router.kv_subscriber import KvEventStreams
 from router.metrics import RouterMetrics
 from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.engine_poll import EnginePoller
@@ -185,6 +186,8 @@ class RouterApp:
                     await self.proxy.start()
                     if self.poller is not None:
                         await self.poller.start()
+                    if self.kv_streams is not None:
+                        await self.kv_streams.start()
                 except Exception as exc:  # report to the server instead of crashing the lifespan task
                     log.exception("router startup failed")
                     await send({"type": "lifespan.startup.failed", "message": repr(exc)})
@@ -193,6 +196,8 @@ class RouterApp:
             elif message["type"] == "lifespan.shutdown":
                 if self.poller is not None:
                     await self.poller.close()
+                if self.kv_streams is not None:
+                    await self.kv_streams.close()
                 await self.proxy.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -312,7 +317,8 @@ def create_app(
         remembered = models_file.read()
         if remembered:
             log.info("models served before the restart (503 until published again): %s", ", ".join(remembered))
-    pools = PoolTable(metrics, wall_clock, clock, remembered)
+    kv_streams = KvEventStreams(metrics)
+    pools = PoolTable(metrics, wall_clock, clock, remembered, kv_streams)
     proxy = Proxy(
         pools,
         metrics,
@@ -328,4 +334,5 @@ def create_app(
     app.models_file = models_file
     if engine_load_interval_s is not None:
         app.poller = EnginePoller(pools.load_endpoints, clock, metrics.registry, interval_s=engine_load_interval_s)
+    app.kv_streams = kv_streams
     return app

@@ -33,7 +33,6 @@ back to own load only). vLLM series: `vllm:num_requests_waiting`, `vllm:num_requ
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -127,48 +126,60 @@ def parse_engine_load(text: str, model_name: str | None = None) -> EngineLoad:
                       kv_cache_usage=max(usage) if usage else None)  # fmt: skip
 
 
+ESTIMATES = ("mix", "waiting")
+"""How `EngineLoadView` splits the others' requests into prefilling and decoding ones when the
+engine reports only counts: ``mix``, in the proportions of this router's own requests;
+``waiting``, the engine's waiting share (module docstring)."""
+
+
 class EngineLoadView:
     """One router's estimate of the load other routers put on each endpoint (module docstring).
 
     `observe(endpoint, sample, now_s)` writes `endpoint.others_*` from an engine sample taken
     now (router-clock seconds) and this router's own load on the endpoint at that instant;
-    `forget(endpoint)` drops the estimate. Keeps, per endpoint id, the EWMA of queued prefill
-    tokens per prefilling request of this router (`retain` drops departed endpoints).
+    `forget(endpoint)` drops the estimate. Keeps EWMAs (`MEAN_PREFILL_ALPHA`) of this router's
+    own requests in flight: the share still prefilling, and the prefill tokens per request.
 
     Args:
         max_age_s: how long an estimate is used after its sample (`DEFAULT_MAX_AGE_S`).
+        estimate: one of `ESTIMATES` (default ``mix``).
 
     Raises:
-        ValueError: `max_age_s` <= 0.
+        ValueError: `max_age_s` <= 0, or an unknown `estimate`.
     """
 
-    def __init__(self, max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
+    def __init__(self, max_age_s: float = DEFAULT_MAX_AGE_S, estimate: str = "mix") -> None:
         if max_age_s <= 0:
             raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
+        if estimate not in ESTIMATES:
+            raise ValueError(f"estimate must be one of {', '.join(ESTIMATES)}, got {estimate!r}")
         self.max_age_s = max_age_s
-        self._mean_prefill: dict[str, float] = {}
-
-    def mean_prefill_tokens(self, endpoint_id: str) -> float:
-        """Prefill tokens per prefilling request of this router on the endpoint (EWMA)."""
-        return self._mean_prefill.get(endpoint_id, DEFAULT_MEAN_PREFILL_TOKENS)
+        self.estimate = estimate
+        self.prefilling_share = 1.0
+        self.tokens_per_request = DEFAULT_MEAN_PREFILL_TOKENS
+        self.tokens_per_prefilling = DEFAULT_MEAN_PREFILL_TOKENS
 
     def observe(self, endpoint: EndpointState, sample: EngineLoad, now_s: float) -> None:
         """Estimate the others' load on `endpoint` from `sample`, taken at `now_s`."""
         own = endpoint.in_flight
         own_prefilling = endpoint.prefilling
+        a = MEAN_PREFILL_ALPHA
+        if own > 0:
+            self.prefilling_share += a * (own_prefilling / own - self.prefilling_share)
+            self.tokens_per_request += a * (endpoint.prefill_tokens / own - self.tokens_per_request)
         if own_prefilling > 0:
-            mean = self._mean_prefill.get(endpoint.id)
-            per_request = endpoint.prefill_tokens / own_prefilling
-            self._mean_prefill[endpoint.id] = (per_request if mean is None
-                                               else MEAN_PREFILL_ALPHA * per_request + (1 - MEAN_PREFILL_ALPHA) * mean)  # fmt: skip
+            self.tokens_per_prefilling += a * (endpoint.prefill_tokens / own_prefilling - self.tokens_per_prefilling)
         engine = sample.waiting + sample.running
         others = max(0, round(engine) - own)
         if sample.prefill_tokens is not None and sample.prefilling is not None:
             prefilling = min(others, max(0, round(sample.prefilling) - own_prefilling))
             tokens = max(0.0, sample.prefill_tokens - endpoint.prefill_tokens) if prefilling else 0.0
+        elif self.estimate == "mix":
+            prefilling = round(others * self.prefilling_share)
+            tokens = others * self.tokens_per_request
         else:
             prefilling = round(others * sample.waiting / engine) if engine > 0 else 0
-            tokens = prefilling * self.mean_prefill_tokens(endpoint.id)
+            tokens = prefilling * self.tokens_per_prefilling
         endpoint.others_in_flight = others
         endpoint.others_prefilling = prefilling
         endpoint.others_prefill_tokens = tokens
@@ -180,8 +191,3 @@ class EngineLoadView:
         endpoint.others_in_flight = endpoint.others_prefilling = 0
         endpoint.others_prefill_tokens = 0.0
         endpoint.others_until_s = 0.0
-
-    def retain(self, endpoint_ids: Collection[str]) -> None:
-        """Forget the per-endpoint averages of endpoints not in `endpoint_ids`."""
-        for endpoint_id in [e for e in self._mean_prefill if e not in endpoint_ids]:
-            del self._mean_prefill[endpoint_id]

@@ -194,9 +194,8 @@ class EnginePoller:
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
     async def poll_once(self) -> None:
-        """One round: poll every endpoint to poll now, concurrently; drop departed ones' state."""
+        """One round: poll every endpoint to poll now, concurrently (at most `MAX_CONCURRENT_POLLS`)."""
         endpoints = [e for group in self._endpoints().values() for e in group]
-        self.view.retain({e.id for e in endpoints})
         if endpoints:
             if self._slots is None:
                 self._slots = asyncio.Semaphore(MAX_CONCURRENT_POLLS)

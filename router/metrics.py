@@ -259,6 +259,96 @@ class _LiveGauges:
         yield window_latency
 
 
+class KvStreamsView(Protocol):
+    """What the KV stream gauges read (`router.kv_subscriber.KvEventStreams`)."""
+
+    def kv_rows(self) -> list[tuple[str, str, bool, int]]:
+        """(model, endpoint, live, blocks held) of every endpoint with a KV event stream."""
+        ...
+
+
+class _NoStreams:
+    def kv_rows(self) -> list[tuple[str, str, bool, int]]:
+        return []
+
+
+_KV_SCRAPE_VIEW: contextvars.ContextVar[list[tuple[str, str, bool, int]] | None] = contextvars.ContextVar(
+    "fleet_router_kv_scrape_view", default=None)
+"""The KV stream rows as `RouterMetrics.render_off_loop` read them on the event loop."""
+
+
+class _KvGauges:
+    """Collector of the KV event stream gauges, read from the subscribers when scraped."""
+
+    def __init__(self) -> None:
+        self.streams: KvStreamsView = _NoStreams()
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily("fleet_router_kv_stream_live",
+                              "1 while an endpoint's KV event stream is connected and its exact view complete "
+                              "(kv-aware routes on the exact index), 0 while it is down or rebuilding (the "
+                              "approximate index applies).", labels=["model", "endpoint"]),
+            GaugeMetricFamily("fleet_router_kv_index_blocks",
+                              "KV cache blocks the router's exact index holds for an endpoint (bounded by "
+                              "router.kv_index.DEFAULT_MAX_BLOCKS_PER_ENDPOINT).", labels=["model", "endpoint"]),
+        )  # fmt: skip
+
+    def collect(self) -> Iterator[Metric]:
+        live, blocks = self._families()
+        rows = _KV_SCRAPE_VIEW.get()
+        for model, endpoint, is_live, held in rows if rows is not None else self.streams.kv_rows():
+            live.add_metric([model, endpoint], 1.0 if is_live else 0.0)
+            blocks.add_metric([model, endpoint], float(held))
+        yield live
+        yield blocks
+
+
+class KvEndpointMetrics:
+    """The KV event counters of one (model, endpoint) stream: `events` and `gaps` children, and
+    `resync(reason)` / `error(reason)`. `forget()` removes every series it created (the endpoint
+    left its pool) and turns later records into no-ops."""
+
+    __slots__ = ("labels", "events", "gaps", "_metrics", "_made")
+
+    def __init__(self, metrics: RouterMetrics, model: str, endpoint_id: str) -> None:
+        self.labels = (model, endpoint_id)
+        self._metrics = metrics
+        self.events: Counter | _Discard = metrics.kv_events.labels(model, endpoint_id)
+        self.gaps: Counter | _Discard = metrics.kv_event_gaps.labels(model, endpoint_id)
+        self._made: set[tuple[str, str]] | None = set()
+
+    def resync(self, reason: str) -> None:
+        """Count a resync for `reason` (see `fleet_router_kv_event_resyncs_total`)."""
+        self._child("resync", reason).inc()
+
+    def error(self, reason: str) -> None:
+        """Count an unreadable message for `reason` (see `fleet_router_kv_event_errors_total`)."""
+        self._child("error", reason).inc()
+
+    def _child(self, kind: str, reason: str) -> Counter | _Discard:
+        if self._made is None:
+            return _DISCARD
+        self._made.add((kind, reason))
+        family = self._metrics.kv_event_resyncs if kind == "resync" else self._metrics.kv_event_errors
+        return family.labels(*self.labels, reason)
+
+    def forget(self) -> None:
+        """Remove this stream's series; later records go nowhere."""
+        if self._made is None:
+            return
+        m = self._metrics
+        m.kv_events.remove(*self.labels)
+        m.kv_event_gaps.remove(*self.labels)
+        for kind, reason in self._made:
+            (m.kv_event_resyncs if kind == "resync" else m.kv_event_errors).remove(*self.labels, reason)
+        self._made = None
+        self.events = self.gaps = _DISCARD
+
+
 class RouterMetrics:
     """The router's metric families on a dedicated `CollectorRegistry`.
 
@@ -356,8 +446,46 @@ class RouterMetrics:
             "router.remembered). Each failure is retried with backoff; serving is unaffected.",
             registry=r,
         )
+        kv = ["model", "endpoint"]
+        self.kv_events = Counter(
+            "fleet_router_kv_events",
+            "KV cache events (vLLM --kv-events-config: BlockStored, BlockRemoved, AllBlocksCleared) applied to the "
+            "router's exact block index, live or replayed (router.kv_subscriber).",
+            kv, registry=r,
+        )  # fmt: skip
+        self.kv_event_gaps = Counter(
+            "fleet_router_kv_event_gaps",
+            "Breaks in an endpoint's KV event stream: a sequence number skipped or gone back, or the stream "
+            "reconnected; each is followed by a replay request.",
+            kv, registry=r,
+        )  # fmt: skip
+        self.kv_event_resyncs = Counter(
+            "fleet_router_kv_event_resyncs",
+            "Times an endpoint's exact view was dropped and rebuilt from the stream, by reason: restart (the "
+            "publisher restarted: seq went back or the replayed batch differs), replay_gone (the replay buffer no "
+            "longer held the missed batches, or the replay socket did not answer), no_replay (no replay address), "
+            "bad_payload (a batch that did not decode).",
+            [*kv, "reason"], registry=r,
+        )  # fmt: skip
+        self.kv_event_errors = Counter(
+            "fleet_router_kv_event_errors",
+            "KV event messages that could not be read, by reason: decode (payload not a KV event batch), "
+            "frames (not topic, seq, payload), replay (a bad replay answer).",
+            [*kv, "reason"], registry=r,
+        )  # fmt: skip
         self._live = _LiveGauges()
         r.register(self._live)  # type: ignore[arg-type]  # duck-typed Collector
+        self._kv_gauges = _KvGauges()
+        r.register(self._kv_gauges)  # type: ignore[arg-type]  # duck-typed Collector
+
+    def watch_kv_streams(self, streams: KvStreamsView) -> None:
+        """Read `fleet_router_kv_stream_live` and `fleet_router_kv_index_blocks` from `streams` at each
+        scrape (called once by `router.kv_subscriber.KvEventStreams`)."""
+        self._kv_gauges.streams = streams
+
+    def bind_kv(self, model: str, endpoint_id: str) -> KvEndpointMetrics:
+        """The KV event counters of one endpoint's stream (`KvEndpointMetrics`)."""
+        return KvEndpointMetrics(self, model, endpoint_id)
 
     def watch_pools(self, table: LiveTable) -> None:
         """Read the scrape-time gauges from `table` at each scrape (called once by
@@ -391,6 +519,7 @@ class RouterMetrics:
         requests. The live pools are read here, on the loop, so the thread touches no state the
         request path mutates (prometheus_client's own values are locked)."""
         _SCRAPE_VIEW.set((self._live.table.live_endpoints(), self._live.table.stats()))
+        _KV_SCRAPE_VIEW.set(self._kv_gauges.streams.kv_rows())
         return await asyncio.to_thread(self.render, accept_header)  # the thread gets a copy of the context
 
     def render(self, accept_header: str = "") -> tuple[bytes, str]:

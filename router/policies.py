@@ -23,12 +23,15 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Collection, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from router.prefix_index import PrefixIndex
 from router.endpoint import EndpointState
 from router.prompt_blocks import ROUTER_BLOCK_TOKENS, RouteRequest
 from router.registry import Registered, Registry
+
+if TYPE_CHECKING:
+    from router.kv_index import ExactIndex
 
 
 DEFAULT_POLICY = "kv-aware"
@@ -106,6 +109,11 @@ class RoutingPolicy(Registered, registry=ROUTING_POLICIES):
     def learn(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
         """Another source says `endpoint_id` now holds the prompt blocks `block_hashes` (a
         peer router's placement, or the engine's KV events). Default: ignored."""
+
+    def use_exact_index(self, index: ExactIndex | None) -> None:
+        """Route on `index`, the engines' own account of their KV caches (`router.kv_index`), for
+        the endpoints whose event stream is live; None: no exact view. Called when a pool is
+        (re)built and by the trace simulator. Default: ignored."""
 
     def _rotate(self, ties: Sequence[EndpointState]) -> EndpointState:
         """Pick among equally good endpoints in turn, so ties spread load evenly. A single
@@ -200,9 +208,11 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     """The endpoint where the request costs least: prompt tokens it would prefill there plus
     the work already queued there, under a bound on load; ties go by rendezvous hash.
 
-    For each candidate `e`, with `cached(e)` the request's leading prompt tokens the router
-    believes `e` holds (`router.prefix_index.PrefixIndex`, fed with every prompt this policy
-    routed):
+    For each candidate `e`, with `cached(e)` the request's leading prompt tokens `e` holds: from
+    the engines' own KV events (`router.kv_index.ExactIndex`, handed in with `use_exact_index`)
+    when `e`'s event stream is live and the request carries token ids (`RouteRequest.token_ids`),
+    else what the router believes (`router.prefix_index.PrefixIndex`, fed with every prompt this
+    policy routed, which also covers the time before an endpoint's events arrive):
 
         cost(e) = prompt_tokens - cached(e)            # what e would prefill for it
                 + e.prefill_tokens                     # prefill queued on e (not yet past TTFT)
@@ -255,6 +265,10 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         self.decode_token_weight = decode_token_weight
         self.affinity_slack = affinity_slack
         self._endpoint_hash: dict[str, int] = {}
+        self.exact: ExactIndex | None = None
+
+    def use_exact_index(self, index: ExactIndex | None) -> None:
+        self.exact = index
 
     def learn(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
         if block_hashes:
@@ -287,24 +301,32 @@ class KvAware(RoutingPolicy, name="kv-aware"):
             pairs = [(e, load) for e, load in zip(candidates, loads) if load[0] < cap] or list(zip(candidates, loads))
         else:
             pairs = list(zip(candidates, loads))
+        exact = self.exact
+        token_ids = request.token_ids
+        held = exact.match(token_ids) if exact is not None and token_ids else None
         weight = self.decode_token_weight
         eligible: list[EndpointState] = []
         costs: list[float] = []
+        hits: dict[str, int] = {}
         best = math.inf
         for e, (in_flight, prefilling, prefill_tokens) in pairs:
-            cached = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
+            if held is not None and exact.live(e.id):  # type: ignore[union-attr]
+                cached = min(prompt, held.get(e.id, 0))
+            else:
+                cached = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
+            hits[e.id] = cached
             cost = prompt - cached + prefill_tokens + weight * (in_flight - prefilling)
             eligible.append(e)
             costs.append(cost)
             if cost < best:
                 best = cost
         key = request.affinity_key()
-        if key is not None and not any(matched.get(e.id) for e in eligible):
+        if key is not None and not any(hits.values()):
             limit = best + self.affinity_slack * prompt
             chosen = max((e for e, c in zip(eligible, costs) if c <= limit), key=lambda e: self._weight(key, e.id))
         else:
             chosen = self._rotate([e for e, c in zip(eligible, costs) if c == best])
-        request.cached_tokens = min(prompt, matched.get(chosen.id, 0) * ROUTER_BLOCK_TOKENS)
+        request.cached_tokens = hits[chosen.id]
         if hashes:
             self.index.record(chosen.id, hashes)
         return chosen

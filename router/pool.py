@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import Histogram
 
@@ -27,11 +28,31 @@ from router.revision_stats import RequestLog, revision_summaries
 from router.split import RevisionSplit, SplitState
 from router.stats import DEFAULT_WINDOW_S, ModelStats
 
+if TYPE_CHECKING:
+    from router.kv_index import ExactIndex
+    from router.spec import KvEventsSource
+
 AWAIT_AFTER_HEARD_S = 30.0
 """Seconds after the control plane first spoke to a (re)started router during which a model it
 served before still gets 503 rather than 404 (`PoolTable.awaiting`): the controller publishes
 every pool within a tick or two of seeing a restarted router, so a model still unpublished by
 then is one it no longer serves."""
+
+
+class KvStreams(Protocol):
+    """Where the pools' KV event streams are followed (`router.kv_subscriber.KvEventStreams`)."""
+
+    def index(self, model: str) -> ExactIndex:
+        """`model`'s exact block index."""
+        ...
+
+    def put(self, model: str, sources: Mapping[str, KvEventsSource]) -> None:
+        """`model`'s endpoints that publish KV events, and where."""
+        ...
+
+    def delete(self, model: str) -> None:
+        """`model`'s pool is gone."""
+        ...
 
 
 class PoolShared:
@@ -195,12 +216,16 @@ class PoolTable:
     (or an endpoint) finishes against it undisturbed; the model's `PoolShared` (statistics,
     admission queue) carries over. `wall_clock` (seconds since the epoch) only stamps
     `Pool.created_s` for `GET /v1/models`; `clock` (the router's monotonic clock, seconds)
-    marks when a model's statistics begin.
+    marks when a model's statistics begin. `kv_streams` (None: none) is told which endpoints of
+    each pool publish KV cache events (`EndpointSpec.kv_events`), and a pool with any hands its
+    model's exact index to the policy (`RoutingPolicy.use_exact_index`).
     """
 
     def __init__(self, metrics: RouterMetrics, wall_clock: Callable[[], float],
-                 clock: Callable[[], float] = time.perf_counter, remembered: Iterable[str] = ()) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.perf_counter, remembered: Iterable[str] = (),
+                 kv_streams: KvStreams | None = None) -> None:  # fmt: skip
         self._metrics = metrics
+        self._kv_streams = kv_streams
         self._wall_clock = wall_clock
         self._clock = clock
         self._pools: dict[str, Pool] = {}
@@ -313,6 +338,10 @@ class PoolTable:
                     max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s,
                     sticky_key=spec.sticky_key)  # fmt: skip
         self._pools[model] = pool
+        if self._kv_streams is not None:
+            sources = {e.id: e.kv_events for e in spec.endpoints if e.kv_events is not None}
+            self._kv_streams.put(model, sources)
+            policy.use_exact_index(self._kv_streams.index(model) if sources else None)
         # Waiting requests take the slots the new pool has (all of them if the limit is gone).
         free = pool.free_slots()
         if free == math.inf:
@@ -331,6 +360,8 @@ class PoolTable:
             if endpoint.metrics is not None:
                 endpoint.metrics.forget()
         self._metrics.forget_pool(model)
+        if self._kv_streams is not None:
+            self._kv_streams.delete(model)
         pool.shared.queue.wake_all()  # waiting requests find no pool and are answered
         return True
 

@@ -73,6 +73,9 @@ class RouteRequest:
         cached_tokens: written by the policy that routed the request: the prompt tokens it
             expects the chosen endpoint to find in its prefix cache (0 if it does not know).
             `prefill_tokens` follows from it; the proxy charges that to the endpoint's load.
+        token_ids: the prompt's token ids when the router has them (a token-id prompt, the first of
+            a batch; or a text prompt tokenized with the pool's tokenizer), else None: what the
+            exact index (`router.kv_index.ExactIndex.match`) matches.
     """
 
     block_hashes: tuple[int, ...] = ()
@@ -80,6 +83,7 @@ class RouteRequest:
     output_tokens: int = DEFAULT_OUTPUT_TOKENS
     session_key: str | None = None
     cached_tokens: int = 0
+    token_ids: Sequence[int] | None = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -178,6 +182,7 @@ def route_request(doc: Mapping, session_header: str | None = None, hash_blocks: 
     """
     hashes: list[int] = []
     prompt_tokens = 0
+    token_ids = None
     prompt = doc.get("prompt")
     if isinstance(prompt, str):
         data = prompt.encode("utf-8", "replace")
@@ -188,12 +193,14 @@ def route_request(doc: Mapping, session_header: str | None = None, hash_blocks: 
         if type(first) is int:
             hashes = _id_hashes(prompt) if hash_blocks else []
             prompt_tokens = len(prompt)
+            token_ids = prompt
         elif isinstance(first, str):
             hashes = text_block_hashes(first.encode("utf-8", "replace")) if hash_blocks else []
             prompt_tokens = sum(len(p) // BYTES_PER_TOKEN + 1 for p in prompt if isinstance(p, str))
         elif isinstance(first, list):
             hashes = _id_hashes(first) if hash_blocks else []
             prompt_tokens = sum(len(p) for p in prompt if isinstance(p, list))
+            token_ids = first
     else:
         messages = doc.get("messages")
         if isinstance(messages, list):
@@ -207,4 +214,4 @@ def route_request(doc: Mapping, session_header: str | None = None, hash_blocks: 
         session = user if isinstance(user, str) and user else None
     if session is not None:
         session = session[:MAX_SESSION_KEY_CHARS]
-    return RouteRequest(tuple(hashes), prompt_tokens, output_tokens, session)
+    return RouteRequest(tuple(hashes), prompt_tokens, output_tokens, session, token_ids=token_ids)

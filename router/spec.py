@@ -1,11 +1,12 @@
 """The desired-state documents of the router's admin API: pools and their endpoints.
 
-Owns the pydantic models `EndpointSpec` and `PoolSpec`, the body of
+Owns the pydantic models `EndpointSpec`, `KvEventsSource` and `PoolSpec`, the body of
 `PUT /admin/v1/pools/{model}`. Parsed by `router.admin`; applied by
 `router.pool.PoolTable.put`; a controller may build them to talk to the router.
 Bad input is rejected here, naming the field (`router.admin` turns it into a 422 in OpenAI's
 error format). Numbers must be finite: `NaN` and `Infinity` (which Python's JSON parser accepts)
-are refused, as are pools of more than `MAX_ENDPOINTS_PER_POOL` endpoints.
+are refused, as are pools of more than `MAX_ENDPOINTS_PER_POOL` endpoints. An endpoint's
+`kv_events` (`KvEventsSource`) names where its engine publishes KV cache events.
 """
 
 from __future__ import annotations
@@ -24,6 +25,37 @@ DEFAULT_QUEUE_TIMEOUT_S = 30.0
 MAX_ENDPOINTS_PER_POOL = 100_000
 """Most endpoints one pool document may list: ten times the largest pool the router is measured
 with (loadtests/bench_pool_update.py), so a runaway controller gets a 422, not a stalled router."""
+
+
+ZMQ_URL_PATTERN = r"^(tcp://[^\s/]+:[0-9]{1,5}|ipc://[^\s]+)$"
+"""A ZMQ address a subscriber connects to: `tcp://host:port` or `ipc://path`."""
+
+
+class KvEventsSource(BaseModel):
+    """Where an endpoint's engine publishes its KV cache events: the addresses of its vLLM
+    `--kv-events-config` (`endpoint`, `replay_endpoint`, `topic`; vllm/config/kv_events.py) as a
+    subscriber connects to them (the engine binds `tcp://*:5557`, the router connects to
+    `tcp://<engine host>:5557`). Read by `router.kv_subscriber`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    publisher: str = Field(
+        max_length=2048, pattern=ZMQ_URL_PATTERN,
+        description="The engine's PUB socket, `tcp://host:port` or `ipc://path`.",
+    )  # fmt: skip
+    replay: str | None = Field(
+        default=None, max_length=2048, pattern=ZMQ_URL_PATTERN,
+        description="The engine's replay ROUTER socket (`replay_endpoint`), from which missed batches are "
+        "asked after a gap; None: a gap cannot be replayed and the endpoint's view is rebuilt instead.",
+    )  # fmt: skip
+    topic: str = Field(default="", max_length=256, description="The publisher's topic (vLLM `topic`; default empty).")
+
+    @field_validator("publisher", "replay")
+    @classmethod
+    def _check_port(cls, url: str | None) -> str | None:
+        if url is not None and url.startswith("tcp://") and not 0 < int(url.rsplit(":", 1)[1]) < 65536:
+            raise ValueError(f"port must be 1-65535, got {url!r}")
+        return url
 
 
 class EndpointSpec(BaseModel):
@@ -54,6 +86,12 @@ class EndpointSpec(BaseModel):
         "share of requests when the pool holds more than one version (router.split); ignored otherwise.",
     )
     draining: bool = Field(default=False, description="True: send no new requests; in-flight ones finish.")
+    kv_events: KvEventsSource | None = Field(
+        default=None,
+        description="Where the engine publishes its KV cache events (vLLM `--kv-events-config`); the router "
+        "subscribes and routes `kv-aware` on the exact blocks the engine holds. None: no events, the "
+        "router's approximate view of the endpoint's cache applies (router.prefix_index).",
+    )
 
     @field_validator("url")
     @classmethod

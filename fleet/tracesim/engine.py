@@ -24,7 +24,9 @@ What runs for real (the live objects, fed in virtual time):
   router knows of the load the others sent (docs/routing.md, "A shared load signal"): nothing
   (``own``, as before); the engines' load sampled every ``load_interval_s`` by each router
   (``engine``: `vllm:num_requests_waiting` / `running`, through the router's own
-  `router.engine_load.EngineLoadView`; ``engine-prefill``: plus the engine's queued prefill
+  `router.engine_load.EngineLoadView`, the others' requests taken to look like the router's own;
+  ``engine-waiting``: split into prefilling and decoding by the engine's waiting share;
+  ``engine-prefill``: plus the engine's queued prefill
   tokens, which vLLM does not export); or every other router's dispatches, first tokens and
   finishes, ``load_interval_s`` late (``peers``: a peer channel with that delay);
 - router statistics: one `router.stats.ModelStats` recorded by the proxy's own recording code
@@ -119,7 +121,7 @@ to READY: the ~3 s llm-d's fast-model-actuation work reports for waking 64 GiB o
 # Event kinds, in the order they run when they fall on the same virtual instant.
 _STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK, _SAMPLE, _PEER = range(8)
 
-LOAD_SIGNALS = ("own", "engine", "engine-prefill", "peers")
+LOAD_SIGNALS = ("own", "engine", "engine-waiting", "engine-prefill", "peers")
 """What a router knows of the load other routers sent (`SimConfig.load_signal`)."""
 
 
@@ -234,7 +236,8 @@ class Simulation:
         self.shared = PoolShared(self.stats)
         self.routings = [make_routing_policy(config.routing_policy) for _ in range(config.routers)]
         self.routing = self.routings[0]
-        self.load_views = [EngineLoadView(max(DEFAULT_MAX_AGE_S, 10 * config.load_interval_s))
+        estimate = "waiting" if config.load_signal == "engine-waiting" else "mix"
+        self.load_views = [EngineLoadView(max(DEFAULT_MAX_AGE_S, 10 * config.load_interval_s), estimate)
                            for _ in range(config.routers)]  # fmt: skip
         self._routes: dict[int, RouteRequest] = {}      # request -> what its router saw (until it ends)
         self._prompts: dict[int, list[int]] = {}        # request -> token ids, until dispatched

@@ -60,15 +60,27 @@ def endpoint(id: str = "e0", in_flight: int = 0, prefilling: int = 0, prefill_to
 
 
 def test_others_are_the_engines_requests_less_this_routers() -> None:
-    view = EngineLoadView(max_age_s=1.0)
-    e = endpoint(in_flight=3, prefilling=2, prefill_tokens=4000)   # 2,000 tokens per own prefilling request
-    view.observe(e, EngineLoad(waiting=4, running=6), now_s=10.0)
-    assert e.others_in_flight == 7
-    assert e.others_prefilling == round(7 * 4 / 10)                 # the waiting share of the others
-    assert e.others_prefill_tokens == e.others_prefilling * 2000.0
+    view = EngineLoadView(max_age_s=1.0)   # "mix": the others' requests look like this router's own
+    e = endpoint(in_flight=4, prefilling=2, prefill_tokens=4000)
+    for _ in range(100):                   # the EWMAs settle on 1/2 prefilling, 1,000 tokens per request
+        view.observe(e, EngineLoad(waiting=4, running=6), now_s=10.0)
+    assert view.prefilling_share == pytest.approx(0.5) and view.tokens_per_request == pytest.approx(1000)
+    assert e.others_in_flight == 6
+    assert e.others_prefilling == 3
+    assert e.others_prefill_tokens == pytest.approx(6000)
     assert e.others_until_s == 11.0
     view.observe(e, EngineLoad(waiting=0, running=1), now_s=10.1)   # the engine lags this router's dispatch
     assert (e.others_in_flight, e.others_prefilling, e.others_prefill_tokens) == (0, 0, 0.0)
+
+
+def test_the_waiting_estimate_splits_the_others_by_the_engines_waiting_share() -> None:
+    view = EngineLoadView(estimate="waiting")
+    e = endpoint(in_flight=3, prefilling=2, prefill_tokens=4000)
+    for _ in range(100):
+        view.observe(e, EngineLoad(waiting=4, running=6), now_s=0.0)
+    assert e.others_in_flight == 7
+    assert e.others_prefilling == round(7 * 4 / 10)
+    assert e.others_prefill_tokens == pytest.approx(e.others_prefilling * 2000.0)
 
 
 def test_an_engine_reporting_its_prefill_queue_is_taken_at_its_word() -> None:
@@ -78,17 +90,17 @@ def test_an_engine_reporting_its_prefill_queue_is_taken_at_its_word() -> None:
     assert (e.others_in_flight, e.others_prefilling, e.others_prefill_tokens) == (4, 3, 8000.0)
 
 
-def test_forget_and_retain() -> None:
+def test_forget_and_bad_arguments() -> None:
     view = EngineLoadView()
     e = endpoint(in_flight=1, prefilling=1, prefill_tokens=300)
     view.observe(e, EngineLoad(waiting=5, running=0), now_s=0.0)
-    assert view.mean_prefill_tokens("e0") == 300.0
+    assert e.others_in_flight == 4
     view.forget(e)
-    assert (e.others_in_flight, e.others_until_s) == (0, 0.0)
-    view.retain(set())
-    assert view.mean_prefill_tokens("e0") != 300.0
+    assert (e.others_in_flight, e.others_prefill_tokens, e.others_until_s) == (0, 0.0, 0.0)
     with pytest.raises(ValueError):
         EngineLoadView(max_age_s=0)
+    with pytest.raises(ValueError):
+        EngineLoadView(estimate="guess")
 
 
 def test_kv_aware_counts_the_others_load_while_it_is_fresh() -> None:

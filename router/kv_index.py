@@ -1,0 +1,371 @@
+"""The exact view of what each endpoint holds in its prefix (KV) cache, from the engines' own events.
+
+Owns `ExactIndex` and `StreamState`. Fed by the router's KV event subscribers
+(`router.kv_subscriber`, one per endpoint, decoding vLLM's `--kv-events-config` stream with
+`router.kv_events`) and, in virtual time, by the trace simulator with the batches its simulated
+engines emit; read by the `kv-aware` policy (`router.policies.KvAware`), which uses it for the
+endpoints whose stream is live and its approximate `router.prefix_index.PrefixIndex` for the
+rest. Pure data structure: no I/O, no clock (the subscriber says when a stream is up or down).
+
+**Keys.** The engine names a block by its own hash (sha256 over the parent's hash, the block's
+token ids and extra keys; vllm/v1/core/kv_cache_utils.py `hash_block_tokens`), which the router
+cannot recompute for a prompt (the hash function, its seed and the extra keys are the engine's).
+So every stored block also gets a router key, chained over token ids the way
+`router.prompt_blocks.token_id_block_hashes` chains them: ``key = hash((parent key, tuple(block
+token ids)))`` from `KEY_ROOT`, with the engine's block size. A prompt's token ids hashed the same
+way give the same keys exactly where the engine holds the same prefix; `match` walks them. Per
+endpoint the index maps engine hash -> router key (a `BlockStored`'s parent is looked up there;
+a `BlockRemoved` names engine hashes) and keeps, per router key, the bitmask of endpoints that
+hold it. Byte hashes are reduced to their low 64 bits, as vLLM does for its int hashes
+(`maybe_convert_block_hash`), so both encodings give the same entries.
+
+What is left out, because a prompt's token ids cannot match it: blocks with extra keys (LoRA,
+multimodal inputs, cache salt) and their descendants, LoRA blocks, blocks of KV cache groups
+other than 0 (the full-attention group of a hybrid model; the only group of others), blocks on
+other media than the GPU (offload tiers), and blocks whose parent the index does not hold
+(stored before the stream was seen). Each is counted in `skipped_blocks`. A block stored twice
+(two physical copies of one hash) is one entry, dropped at the first removal: the view errs
+towards holding less than the engine, never more.
+
+**Memory.** At most `max_blocks_per_endpoint` entries per endpoint (default
+`DEFAULT_MAX_BLOCKS_PER_ENDPOINT`); beyond it the least recently stored entry is dropped, as the
+engine would have evicted it. The engine's own cache is smaller than the cap in any sane setup,
+so the cap binds only when removals were lost; the index is bounded by cap x endpoints whatever
+the traffic (loadtests/bench_router_memory.py `--policy-stream N --kv-events`).
+
+**Liveness** (`state`): an endpoint's view is LIVE when its stream is up (`stream_up`) and the
+view is complete: it was built from a known-empty cache (`reset(known_empty=True)`: a fresh
+publisher replayed from seq 0, or an `AllBlocksCleared`) or declared rebuilt (`rebuilt`) after
+a partial start. A view reset with ``known_empty=False`` (a gap replay could not cover) is
+REBUILDING; a stream that is down is DOWN. `match` answers for live endpoints only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+from router.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+DEFAULT_MAX_BLOCKS_PER_ENDPOINT = 262_144
+"""Most blocks the index holds per endpoint: 4M tokens at vLLM's 16-token blocks, ten times the
+KV cache of an H100 serving an 8B model (27,000 blocks, fleet/enginesim/profiles.py) and more
+than an H200 holds for an 8B model (~57,000 blocks). About 230 bytes per block (measured with
+tracemalloc: the OrderedDict entry, two 64-bit ints, the holder mask), so at most ~57 MiB per
+endpoint, reached only if removals are lost; while they arrive the view is the engine's own size
+(27,000 blocks: ~6 MiB)."""
+
+KEY_ROOT = 0x6B76_E7E4_7EED
+"""The parent key of a prompt's first block (any fixed int: keys must agree across routers)."""
+
+class StreamState(enum.Enum):
+    """What the index knows of one endpoint's KV event stream (derived in `ExactIndex.state`)."""
+
+    UNKNOWN = "unknown"        # never heard of
+    DOWN = "down"              # stream not connected: the approximate index applies
+    REBUILDING = "rebuilding"  # connected, view partial since a resync: the approximate index applies
+    LIVE = "live"              # connected and the view is complete: the exact index applies
+
+    def exact(self) -> bool:
+        """Whether routing may trust the exact view of an endpoint in this state."""
+        return self is StreamState.LIVE
+
+
+class _View:
+    """One endpoint's blocks and stream facts."""
+
+    __slots__ = ("bit", "blocks", "block_tokens", "connected", "complete", "last_seq", "events", "skipped_blocks")
+
+    def __init__(self, bit: int) -> None:
+        self.bit = bit
+        self.blocks: OrderedDict[int, int] = OrderedDict()  # engine hash (64-bit) -> router key, oldest first
+        self.block_tokens: int | None = None   # the engine's block size, learned from its first BlockStored
+        self.connected = False
+        self.complete = False
+        self.last_seq: int | None = None
+        self.events = 0
+        self.skipped_blocks = 0
+
+
+def engine_hash(h: bytes | int) -> int:
+    """An engine block hash as the index keys it: ints as they are (vLLM's int mode is already the
+    low 64 bits), bytes reduced to their low 64 bits (what vLLM's int mode would have sent)."""
+    if type(h) is int:
+        return h
+    return int.from_bytes(h[-8:], "big")  # type: ignore[index]
+
+
+class ExactIndex:
+    """Per-endpoint exact block views, matched by a prompt's token ids.
+
+    Args:
+        max_blocks_per_endpoint: most entries per endpoint (>= 1); see the module docstring.
+
+    Raises:
+        ValueError: `max_blocks_per_endpoint` < 1.
+    """
+
+    def __init__(self, max_blocks_per_endpoint: int = DEFAULT_MAX_BLOCKS_PER_ENDPOINT) -> None:
+        if max_blocks_per_endpoint < 1:
+            raise ValueError(f"max_blocks_per_endpoint must be >= 1, got {max_blocks_per_endpoint}")
+        self.max_blocks_per_endpoint = max_blocks_per_endpoint
+        self._views: dict[str, _View] = {}
+        self._by_bit: dict[int, str] = {}
+        self._holders: dict[int, int] = {}   # router key -> mask of endpoint bits
+        self._next_slot = 0
+        self._free_slots: list[int] = []
+        self._live_by_size: dict[int, int] | None = None  # block tokens -> mask of live endpoints (cached)
+
+    # ----- stream facts (the subscriber, or the trace simulator) ----------------------------------------
+
+    def stream_up(self, endpoint_id: str) -> None:
+        """The endpoint's stream is connected."""
+        self._view(endpoint_id).connected = True
+        self._live_by_size = None
+
+    def stream_down(self, endpoint_id: str) -> None:
+        """The endpoint's stream is down (disconnected, stalled): routing falls back for it."""
+        view = self._views.get(endpoint_id)
+        if view is not None:
+            view.connected = False
+            self._live_by_size = None
+
+    def reset(self, endpoint_id: str, *, known_empty: bool) -> None:
+        """Drop the endpoint's view. `known_empty`: the engine's cache is known to have been empty
+        where the events that follow begin (a fresh publisher read from seq 0), so the view is
+        complete again; otherwise it is partial until `rebuilt`."""
+        view = self._view(endpoint_id)
+        self._clear(view)
+        view.complete = known_empty
+        self._live_by_size = None
+
+    def rebuilt(self, endpoint_id: str) -> None:
+        """Trust the endpoint's view again after a partial start (the subscriber's rebuild time)."""
+        view = self._views.get(endpoint_id)
+        if view is not None:
+            view.complete = True
+            self._live_by_size = None
+
+    def open(self, endpoint_id: str) -> None:
+        """A stream that starts with the engine: up, empty and complete (the trace simulator)."""
+        self.reset(endpoint_id, known_empty=True)
+        self.stream_up(endpoint_id)
+
+    # ----- events -----------------------------------------------------------------------------------
+
+    def apply(self, endpoint_id: str, batch: EventBatch, seq: int | None = None) -> int:
+        """Apply one batch of the endpoint's events, in order; `seq` (its sequence number) is kept
+        as `last_seq`. Returns the events applied. An `AllBlocksCleared` empties the view and
+        makes it complete (the engine's cache is known empty)."""
+        view = self._view(endpoint_id)
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(view, event)
+            elif isinstance(event, BlockRemoved):
+                self._removed(view, event)
+            elif isinstance(event, AllBlocksCleared):
+                self._clear(view)
+                if not view.complete:
+                    view.complete = True
+                    self._live_by_size = None
+        view.events += len(batch.events)
+        if seq is not None:
+            view.last_seq = seq
+        return len(batch.events)
+
+    def _stored(self, view: _View, event: BlockStored) -> None:
+        hashes = event.block_hashes
+        size = event.block_size
+        tokens = event.token_ids
+        if (event.medium not in (None, MEDIUM_GPU) or event.group_idx not in (None, 0) or event.lora_name is not None
+                or event.lora_id is not None or len(tokens) != len(hashes) * size):  # fmt: skip
+            view.skipped_blocks += len(hashes)
+            return
+        if view.block_tokens != size:
+            if view.block_tokens is not None and view.blocks:
+                view.skipped_blocks += len(hashes)   # one block size per endpoint (the engine's)
+                return
+            view.block_tokens = size
+            self._live_by_size = None
+        parent = event.parent_block_hash
+        if parent is None:
+            key = KEY_ROOT
+        else:
+            found = view.blocks.get(engine_hash(parent))
+            if found is None:
+                view.skipped_blocks += len(hashes)   # stored before we saw the stream
+                return
+            key = found
+        extra = event.extra_keys
+        blocks = view.blocks
+        holders = self._holders
+        bit = view.bit
+        for i, h in enumerate(hashes):
+            if extra is not None and i < len(extra) and extra[i] is not None:
+                view.skipped_blocks += len(hashes) - i   # a key the token ids alone cannot match
+                return
+            key = hash((key, tuple(tokens[i * size:(i + 1) * size])))
+            eh = engine_hash(h)
+            old = blocks.get(eh)
+            if old is not None:
+                blocks.move_to_end(eh)
+                if old == key:
+                    continue
+                self._drop_holder(old, bit)
+            blocks[eh] = key
+            holders[key] = holders.get(key, 0) | bit
+        excess = len(blocks) - self.max_blocks_per_endpoint
+        for _ in range(excess):
+            _, old_key = blocks.popitem(last=False)
+            self._drop_holder(old_key, bit)
+
+    def _removed(self, view: _View, event: BlockRemoved) -> None:
+        if event.medium not in (None, MEDIUM_GPU) or event.group_idx not in (None, 0):
+            return
+        blocks = view.blocks
+        for h in event.block_hashes:
+            key = blocks.pop(engine_hash(h), None)
+            if key is not None:
+                self._drop_holder(key, view.bit)
+
+    # ----- reading ----------------------------------------------------------------------------------
+
+    def state(self, endpoint_id: str) -> StreamState:
+        """The endpoint's stream state, derived from the facts the subscriber reported."""
+        view = self._views.get(endpoint_id)
+        if view is None:
+            return StreamState.UNKNOWN
+        if not view.connected:
+            return StreamState.DOWN
+        return StreamState.LIVE if view.complete else StreamState.REBUILDING
+
+    def live(self, endpoint_id: str) -> bool:
+        """Whether `match` answers for the endpoint (its state is LIVE)."""
+        view = self._views.get(endpoint_id)
+        return view is not None and view.connected and view.complete
+
+    def match(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """Leading prompt tokens each live endpoint holds: endpoint id -> tokens (> 0 only; whole
+        blocks of that endpoint's block size). O(matched blocks) per block size in use: the
+        prompt is hashed only as far as some endpoint still matches."""
+        holders = self._holders
+        if not holders or not token_ids:
+            return {}
+        live = self._live_by_size
+        if live is None:
+            live = self._live_by_size = self._live_masks()
+        out: dict[str, int] = {}
+        by_bit = self._by_bit
+        n = len(token_ids)
+        ids: Sequence[int] | None = None   # the prompt as a tuple (slices of a tuple are tuples), made once
+        for size, alive in live.items():
+            if n < size:
+                continue
+            key = hash((KEY_ROOT, tuple(token_ids[:size])))
+            alive &= holders.get(key, 0)
+            if not alive:
+                continue
+            if ids is None:
+                ids = token_ids if type(token_ids) is tuple else tuple(token_ids)
+            depth = size
+            for start in range(size, n - size + 1, size):
+                key = hash((key, ids[start:start + size]))
+                still = alive & holders.get(key, 0)
+                dropped = alive & ~still
+                while dropped:
+                    low = dropped & -dropped
+                    out[by_bit[low]] = depth
+                    dropped ^= low
+                alive = still
+                if not alive:
+                    break
+                depth += size
+            while alive:
+                low = alive & -alive
+                out[by_bit[low]] = depth
+                alive ^= low
+        return out
+
+    def blocks(self, endpoint_id: str) -> int:
+        """Blocks held for `endpoint_id` (0 for an unknown endpoint)."""
+        view = self._views.get(endpoint_id)
+        return len(view.blocks) if view is not None else 0
+
+    def block_tokens(self, endpoint_id: str) -> int | None:
+        """The endpoint's block size in tokens, as its events said (None before any)."""
+        view = self._views.get(endpoint_id)
+        return view.block_tokens if view is not None else None
+
+    def last_seq(self, endpoint_id: str) -> int | None:
+        """Sequence number of the last batch applied for `endpoint_id` (None before any)."""
+        view = self._views.get(endpoint_id)
+        return view.last_seq if view is not None else None
+
+    def skipped_blocks(self, endpoint_id: str) -> int:
+        """Blocks of `BlockStored` events the index left out for `endpoint_id` (module docstring)."""
+        view = self._views.get(endpoint_id)
+        return view.skipped_blocks if view is not None else 0
+
+    def __len__(self) -> int:
+        """Entries held, summed over endpoints (the memory bound's unit)."""
+        return sum(len(v.blocks) for v in self._views.values())
+
+    def distinct_blocks(self) -> int:
+        """Distinct router keys held by at least one endpoint."""
+        return len(self._holders)
+
+    def endpoints(self) -> list[str]:
+        """Ids of the endpoints the index has a view for, sorted."""
+        return sorted(self._views)
+
+    # ----- membership -------------------------------------------------------------------------------
+
+    def forget(self, endpoint_id: str) -> None:
+        """Drop everything known about `endpoint_id` (it left the pool)."""
+        view = self._views.pop(endpoint_id, None)
+        if view is None:
+            return
+        self._clear(view)
+        del self._by_bit[view.bit]
+        self._free_slots.append(view.bit.bit_length() - 1)
+        self._live_by_size = None
+
+    def retain(self, endpoint_ids: Collection[str]) -> None:
+        """Forget every endpoint not in `endpoint_ids`."""
+        for endpoint_id in [e for e in self._views if e not in endpoint_ids]:
+            self.forget(endpoint_id)
+
+    # ----- helpers ----------------------------------------------------------------------------------
+
+    def _view(self, endpoint_id: str) -> _View:
+        view = self._views.get(endpoint_id)
+        if view is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+            view = self._views[endpoint_id] = _View(1 << slot)
+            self._by_bit[view.bit] = endpoint_id
+        return view
+
+    def _clear(self, view: _View) -> None:
+        bit = view.bit
+        for key in view.blocks.values():
+            self._drop_holder(key, bit)
+        view.blocks.clear()
+
+    def _drop_holder(self, key: int, bit: int) -> None:
+        mask = self._holders.get(key, 0) & ~bit
+        if mask:
+            self._holders[key] = mask
+        else:
+            self._holders.pop(key, None)
+
+    def _live_masks(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for view in self._views.values():
+            if view.connected and view.complete and view.block_tokens is not None:
+                out[view.block_tokens] = out.get(view.block_tokens, 0) | view.bit
+        return out

@@ -1,0 +1,452 @@
+"""The router's subscribers to its endpoints' KV cache event streams.
+
+Owns `KvEventSubscriber` (one endpoint's stream: a ZMQ SUB socket, replay requests on a DEALER,
+the sequence bookkeeping) and `KvEventStreams` (a subscriber per endpoint of every pool whose
+`router.spec.EndpointSpec.kv_events` names a publisher, and each model's `router.kv_index.
+ExactIndex`). `router.pool.PoolTable` tells `KvEventStreams` of every pool put or deleted;
+`router.app` starts it with the app's lifespan and closes it at shutdown. Everything runs on the
+router's event loop (pyzmq's `zmq.asyncio`): a subscriber awaits its sockets, applies each batch
+as it arrives (microseconds per block) and yields to the loop every `BURST` messages.
+
+**Sequence protocol** (vllm/distributed/kv_events.py, `ZmqEventPublisher`; `router.kv_events`):
+every batch carries the publisher's sequence number (0, 1, ... from its start). A subscriber
+applies batch ``last + 1`` and, on anything else, asks the replay socket:
+
+* at every (re)connection, and when a seq is skipped: replay from ``last``. If the publisher
+  still buffers ``last`` with the very bytes applied (a CRC-32 is kept of recent batches), the
+  missed batches are applied and the view stays exact ("gap served by replay");
+* otherwise (seq went back, the replayed batch differs: the publisher restarted; or ``last``
+  left its buffer): replay from 0. A buffer that starts at seq 0 (or is empty: nothing was
+  ever published) holds the engine's whole history since its cache was empty: the view is
+  rebuilt from it and is exact at once (`ExactIndex.reset(known_empty=True)`);
+* else the view is dropped and rebuilt from what is left of the buffer and the stream, and the
+  endpoint is REBUILDING (the approximate index routes it) for `rebuild_s`: blocks the engine
+  stored before are invisible until it evicts and stores them again. Without a replay address
+  only a publisher's seq 0 gives an exact view.
+
+A stream that disconnects (the publisher's process is gone or stopped: ZMTP heartbeats,
+`HEARTBEAT_TIMEOUT_MS`) is DOWN until it reconnects; libzmq reconnects with exponential
+backoff (`RECONNECT_IVL_MS` to `RECONNECT_IVL_MAX_MS`). A payload that does not decode is
+counted and makes the view REBUILDING; nothing a publisher sends stops the subscriber, and an
+unexpected error restarts it after a backoff.
+
+**Limits.** One publisher per endpoint (a data-parallel engine publishes one stream per DP
+rank on consecutive ports; give each rank its own endpoint). A publisher that restarted and
+published more batches than the router had seen, all while the router was disconnected, is told
+apart from a gap only by the CRC of the last batch applied: a restarted engine that republished
+byte-identical batches at the same seq would go unnoticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from router.kv_events import END_SEQ, KvEventDecodeError, decode_batch, parse_seq, seq_frame
+from router.kv_index import ExactIndex
+from router.metrics import KvEndpointMetrics, RouterMetrics
+from router.spec import KvEventsSource
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REBUILD_S = 120.0
+"""Seconds an endpoint stays REBUILDING after a resync that could not recover its history: about
+three turnovers of an H100's KV cache for an 8B model at 80% load (432k tokens of cache,
+fleet/enginesim/profiles.py, against ~10k prefill tokens/s), after which the blocks stored
+before the break and not yet seen are mostly evicted."""
+
+DEFAULT_REPLAY_TIMEOUT_S = 2.0
+"""Longest wait (seconds) for the next frame of a replay answer; then the replay counts as failed."""
+
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 5_000
+"""libzmq's reconnect backoff (ZMQ_RECONNECT_IVL, doubled up to ZMQ_RECONNECT_IVL_MAX)."""
+
+HEARTBEAT_IVL_MS = 1_000
+HEARTBEAT_TIMEOUT_MS = 3_000
+"""ZMTP heartbeats (ZMQ_HEARTBEAT_IVL / ZMQ_HEARTBEAT_TIMEOUT): a publisher that does not answer a
+PING for 3 s (process stopped or gone, network cut) is disconnected: its stream is DOWN."""
+
+RCVHWM = 100_000
+"""Messages the SUB socket queues while the subscriber is busy (a replay): vLLM's PUB HWM."""
+
+BURST = 64
+"""Messages handled back to back before the subscriber yields to the event loop."""
+
+MAX_REPLAY_BATCHES = 100_000
+"""Most batches one replay answer may hold (vLLM buffers 10,000 by default); more is a bad answer."""
+
+RECENT_BATCHES = 4_096
+"""Batches whose CRC-32 is kept, to tell a duplicate (seen live and replayed) from a restart."""
+
+RESTART_BACKOFF_S = (0.5, 30.0)
+"""First and longest pause (seconds) before a subscriber that failed unexpectedly starts again."""
+
+
+class KvEventSubscriber:
+    """The KV event stream of one endpoint, applied to `index` under `endpoint_id`.
+
+    Args:
+        model, endpoint_id: whose stream (metric labels and the index's endpoint id).
+        source: the publisher's addresses (`router.spec.KvEventsSource`).
+        index: the model's exact index.
+        context: the `zmq.asyncio.Context` to make sockets in.
+        metrics: the stream's counters (None: none).
+        clock: monotonic seconds (the rebuild deadline).
+        rebuild_s, replay_timeout_s: see `DEFAULT_REBUILD_S`, `DEFAULT_REPLAY_TIMEOUT_S`.
+    """
+
+    def __init__(self, model: str, endpoint_id: str, source: KvEventsSource, index: ExactIndex,
+                 context: zmq.asyncio.Context, metrics: KvEndpointMetrics | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, rebuild_s: float = DEFAULT_REBUILD_S,
+                 replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S) -> None:  # fmt: skip
+        self.model = model
+        self.endpoint_id = endpoint_id
+        self.source = source
+        self._index = index
+        self._ctx = context
+        self._metrics = metrics
+        self._clock = clock
+        self._rebuild_s = rebuild_s
+        self._replay_timeout_s = replay_timeout_s
+        self._last_seq: int | None = None      # seq of the last batch applied; None: take the next as base
+        self._recent: OrderedDict[int, int] = OrderedDict()   # seq -> CRC-32 of its payload
+        self._rebuild_at: float | None = None
+        self.resyncs = 0
+        self.replays = 0
+
+    # ----- running --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Follow the stream until cancelled; an unexpected error restarts it after a backoff."""
+        pause_s, longest_s = RESTART_BACKOFF_S
+        while True:
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("KV event subscriber of %s/%s failed; restarting in %.1f s", self.model,
+                              self.endpoint_id, pause_s)  # fmt: skip
+            self._index.stream_down(self.endpoint_id)
+            await asyncio.sleep(pause_s)
+            pause_s = min(longest_s, pause_s * 2)
+
+    async def _follow(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        monitor = None
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, RCVHWM)
+            sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+            sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            sub.connect(self.source.publisher)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            while True:
+                timeout_ms = None
+                if self._rebuild_at is not None:
+                    timeout_ms = max(0, int(1000 * (self._rebuild_at - self._clock())) + 1)
+                ready = dict(await poller.poll(timeout_ms))
+                if monitor in ready:
+                    await self._on_monitor(await monitor.recv_multipart())
+                if sub in ready:
+                    for _ in range(BURST):
+                        try:
+                            frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        await self._on_message(frames)
+                    await asyncio.sleep(0)
+                if self._rebuild_at is not None and self._clock() >= self._rebuild_at:
+                    self._rebuild_at = None
+                    self._index.rebuilt(self.endpoint_id)
+        finally:
+            if monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sub.disable_monitor()
+                monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _on_monitor(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._index.stream_up(self.endpoint_id)
+            await self._sync(reconnect=True)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._index.stream_down(self.endpoint_id)
+
+    # ----- the sequence protocol ----------------------------------------------------------------------
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        """One PUB message ``(topic, seq, payload)``."""
+        if len(frames) != 3:
+            self._count_error("frames")
+            return
+        try:
+            seq = parse_seq(frames[1])
+        except KvEventDecodeError:
+            self._count_error("frames")
+            return
+        payload = frames[2]
+        if self._offer(seq, payload):
+            return
+        if self._metrics is not None:
+            self._metrics.gaps.inc()
+        await self._sync(reconnect=False)
+        if self._offer(seq, payload):
+            return
+        # Replay did not reach this batch (it arrived after the replay answer was made): start over here.
+        self._resync("replay_gone")
+        self._apply(seq, payload)
+
+    def _offer(self, seq: int, payload: bytes) -> bool:
+        """Apply (or drop as a duplicate) a batch that continues the stream; False if it does not."""
+        last = self._last_seq
+        if last is None:
+            if seq == 0:   # the publisher's first batch: its engine's cache was empty before it
+                self._index.reset(self.endpoint_id, known_empty=True)
+                self._rebuild_at = None
+            self._apply(seq, payload)
+            return True
+        if seq == last + 1:
+            self._apply(seq, payload)
+            return True
+        return seq <= last and self._recent.get(seq) == zlib.crc32(payload)
+
+    async def _sync(self, *, reconnect: bool) -> None:
+        """Catch up with the publisher's replay buffer (see the module docstring)."""
+        last = self._last_seq
+        if self.source.replay is None:
+            if not reconnect:
+                self._resync("no_replay")
+            elif last is None:
+                self._partial()   # history unknown: only a publisher's seq 0 makes the view exact
+            return
+        got = await self._replay(last) if last is not None else None
+        if got is not None and last is not None and got and got[0][0] == last and _contiguous(got):
+            if self._recent.get(last) == zlib.crc32(got[0][1]):
+                if len(got) > 1 and reconnect and self._metrics is not None:
+                    self._metrics.gaps.inc()
+                for seq, payload in got[1:]:
+                    self._apply(seq, payload)
+                return
+            restarted = True   # the same seq, other bytes
+        else:
+            restarted = False
+        fresh = got if last == 0 else await self._replay(0)
+        if fresh is not None and (not fresh or fresh[0][0] == 0) and _contiguous(fresh):
+            if last is not None:
+                self._count_resync("restart")
+            self._index.reset(self.endpoint_id, known_empty=True)
+            self._rebuild_at = None
+            self._last_seq = None
+            for seq, payload in fresh:
+                self._apply(seq, payload)
+            return
+        if last is not None:
+            self._count_resync("restart" if restarted else "replay_gone")
+        self._partial()
+        if fresh and _contiguous(fresh):
+            for seq, payload in fresh:
+                self._apply(seq, payload)
+
+    def _resync(self, reason: str) -> None:
+        self._count_resync(reason)
+        self._partial()
+
+    def _count_resync(self, reason: str) -> None:
+        self.resyncs += 1
+        log.info("KV events of %s/%s: view resynced (%s)", self.model, self.endpoint_id, reason)
+        if self._metrics is not None:
+            self._metrics.resync(reason)
+
+    def _count_error(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.error(reason)
+
+    def _partial(self) -> None:
+        """Drop the view; it rebuilds from the stream and is trusted again after `rebuild_s`."""
+        self._index.reset(self.endpoint_id, known_empty=False)
+        self._last_seq = None
+        self._recent.clear()
+        self._rebuild_at = self._clock() + self._rebuild_s
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except KvEventDecodeError as exc:
+            self._count_error("decode")
+            log.warning("KV events of %s/%s: batch %d unreadable: %s", self.model, self.endpoint_id, seq, exc)
+            self._resync("bad_payload")
+            self._last_seq = seq
+            return
+        applied = self._index.apply(self.endpoint_id, batch, seq)
+        if self._metrics is not None:
+            self._metrics.events.inc(applied)
+        self._last_seq = seq
+        recent = self._recent
+        recent[seq] = zlib.crc32(payload)
+        if len(recent) > RECENT_BATCHES:
+            recent.popitem(last=False)
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The publisher's buffered batches with seq >= `start`, in order; None when the replay
+        socket did not answer in time or answered something else (vLLM `_service_replay`)."""
+        assert self.source.replay is not None
+        self.replays += 1
+        sock = self._ctx.socket(zmq.DEALER)
+        out: list[tuple[int, bytes]] = []
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.source.replay)
+            await sock.send_multipart([b"", seq_frame(start)])
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), self._replay_timeout_s)
+                if len(frames) != 4 or frames[0] != b"":
+                    self._count_error("replay")
+                    return None
+                if frames[2] == END_SEQ:
+                    return out
+                out.append((parse_seq(frames[2]), frames[3]))
+                if len(out) > MAX_REPLAY_BATCHES:
+                    self._count_error("replay")
+                    return None
+        except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
+            log.info("KV events of %s/%s: replay from %d failed: %r", self.model, self.endpoint_id, start, exc)
+            return None
+        finally:
+            sock.close(linger=0)
+
+
+def _contiguous(batches: list[tuple[int, bytes]]) -> bool:
+    return all(b[0] == a[0] + 1 for a, b in zip(batches, batches[1:]))
+
+
+class KvEventStreams:
+    """A `KvEventSubscriber` per endpoint with a `kv_events` source, and an `ExactIndex` per model.
+
+    `put(model, sources)` / `delete(model)` say which endpoints of a model publish where
+    (called by `router.pool.PoolTable`); subscribers start and stop to match, on the running
+    event loop (before `start`, only the wish is recorded). An endpoint whose source changed
+    gets a new subscriber and an empty view. `close` stops them all.
+    """
+
+    def __init__(self, metrics: RouterMetrics | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 rebuild_s: float = DEFAULT_REBUILD_S, replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S) -> None:  # fmt: skip
+        self._metrics = metrics
+        self._clock = clock
+        self._rebuild_s = rebuild_s
+        self._replay_timeout_s = replay_timeout_s
+        self._ctx: zmq.asyncio.Context | None = None
+        self._wanted: dict[str, dict[str, KvEventsSource]] = {}
+        self._running: dict[tuple[str, str], tuple[KvEventSubscriber, asyncio.Task[None], KvEndpointMetrics | None]] = {}
+        self._indexes: dict[str, ExactIndex] = {}
+        self._started = False
+        if metrics is not None:
+            metrics.watch_kv_streams(self)
+
+    def index(self, model: str) -> ExactIndex:
+        """`model`'s exact index (made on first use; kept while the model has a pool)."""
+        index = self._indexes.get(model)
+        if index is None:
+            index = self._indexes[model] = ExactIndex()
+        return index
+
+    def put(self, model: str, sources: Mapping[str, KvEventsSource]) -> None:
+        """`model`'s endpoints that publish KV events are now `sources` (endpoint id -> source)."""
+        self._wanted[model] = dict(sources)
+        index = self._indexes.get(model)
+        if index is not None:
+            index.retain(sources)
+        self._reconcile()
+
+    def delete(self, model: str) -> None:
+        """`model` has no pool any more: stop its subscribers and drop its index."""
+        self._wanted.pop(model, None)
+        self._indexes.pop(model, None)
+        self._reconcile()
+
+    def subscriber(self, model: str, endpoint_id: str) -> KvEventSubscriber | None:
+        """The running subscriber of one endpoint (None if none)."""
+        entry = self._running.get((model, endpoint_id))
+        return entry[0] if entry is not None else None
+
+    async def start(self) -> None:
+        """Start the subscribers wished so far (the app's lifespan startup)."""
+        self._started = True
+        self._reconcile()
+
+    async def close(self) -> None:
+        """Stop every subscriber and close the ZMQ context (the app's lifespan shutdown)."""
+        self._started = False
+        tasks = [self._stop(key) for key in list(self._running)]
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def kv_rows(self) -> list[tuple[str, str, bool, int]]:
+        """(model, endpoint, live, blocks held) of every wished stream (the scrape-time gauges)."""
+        rows = []
+        for model, sources in sorted(self._wanted.items()):
+            index = self._indexes.get(model)
+            for endpoint_id in sorted(sources):
+                if index is None:
+                    rows.append((model, endpoint_id, False, 0))
+                else:
+                    rows.append((model, endpoint_id, index.live(endpoint_id), index.blocks(endpoint_id)))
+        return rows
+
+    def _reconcile(self) -> None:
+        """Start and stop subscribers to match the wish; needs the running loop (else waits for `start`)."""
+        if not self._started:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for key, (subscriber, _, _) in list(self._running.items()):
+            model, endpoint_id = key
+            if self._wanted.get(model, {}).get(endpoint_id) != subscriber.source:
+                self._stop(key)
+                index = self._indexes.get(model)
+                if index is not None:
+                    index.forget(endpoint_id)
+        if self._ctx is None and any(self._wanted.values()):
+            self._ctx = zmq.asyncio.Context()
+        for model, sources in self._wanted.items():
+            for endpoint_id, source in sources.items():
+                key = (model, endpoint_id)
+                if key in self._running:
+                    continue
+                assert self._ctx is not None
+                metrics = self._metrics.bind_kv(model, endpoint_id) if self._metrics is not None else None
+                subscriber = KvEventSubscriber(model, endpoint_id, source, self.index(model), self._ctx, metrics,
+                                               clock=self._clock, rebuild_s=self._rebuild_s,
+                                               replay_timeout_s=self._replay_timeout_s)  # fmt: skip
+                task = loop.create_task(subscriber.run(), name=f"kv-events:{model}/{endpoint_id}")
+                self._running[key] = (subscriber, task, metrics)
+
+    def _stop(self, key: tuple[str, str]) -> asyncio.Task[None]:
+        _, task, metrics = self._running.pop(key)
+        task.cancel()
+        if metrics is not None:
+            metrics.forget()
+        return task

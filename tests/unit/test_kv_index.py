@@ -1,0 +1,182 @@
+"""The exact block index (router.kv_index.ExactIndex): keys chained over token ids match a prompt's
+ids, removal, AllBlocksCleared, the per-endpoint bound, stream states, what is left out; and
+`kv-aware` routing on it (router.policies.KvAware) where an endpoint's stream is live."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from router.endpoint import EndpointState
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.kv_index import ExactIndex, StreamState
+from router.policies import KvAware
+from router.prompt_blocks import route_request
+
+BS = 16
+
+
+class Engine:
+    """Engine-like block hashes (sha256 chained over parent and tokens, as vLLM's default) for prompts."""
+
+    def __init__(self, ints: bool = False) -> None:
+        self.ints = ints
+
+    def hashes(self, ids: list[int]) -> list[bytes | int]:
+        out: list[bytes | int] = []
+        parent = b"none"
+        for start in range(0, len(ids) - BS + 1, BS):
+            parent = hashlib.sha256(parent + repr(ids[start:start + BS]).encode()).digest()
+            out.append(int.from_bytes(parent, "big") & (2**64 - 1) if self.ints else parent)
+        return out
+
+    def stored(self, ids: list[int], first_block: int = 0, **extra) -> BlockStored:
+        """BlockStored of the full blocks of `ids` from `first_block` on (its parent the block before)."""
+        hashes = self.hashes(ids)
+        parent = hashes[first_block - 1] if first_block else None
+        return BlockStored(hashes[first_block:], parent, ids[first_block * BS:len(hashes) * BS], BS, **extra)
+
+
+def batch(*events) -> EventBatch:
+    return EventBatch(0.0, list(events))
+
+
+def prompt(n_blocks: int, base: int = 0, tail: int = 5) -> list[int]:
+    return [base + i for i in range(n_blocks * BS + tail)]
+
+
+def test_stored_blocks_match_a_prompts_token_ids_in_whole_blocks() -> None:
+    engine, index = Engine(), ExactIndex()
+    index.open("a")
+    ids = prompt(4)
+    index.apply("a", batch(engine.stored(ids[:2 * BS])), seq=0)
+    index.apply("a", batch(engine.stored(ids, first_block=2)), seq=1)      # parent from the earlier event
+    assert index.blocks("a") == 4 and index.last_seq("a") == 1 and index.block_tokens("a") == BS
+    assert index.match(ids) == {"a": 4 * BS}
+    assert index.match(ids[:3 * BS + 2]) == {"a": 3 * BS}
+    assert index.match(prompt(4, base=7)) == {}                           # another prefix
+    other = ids[:BS] + [999] * BS + ids[2 * BS:]
+    assert index.match(other) == {"a": BS}                                # diverges in block 2
+
+
+@pytest.mark.parametrize("ints", [False, True])
+def test_removal_by_bytes_or_int_hashes(ints: bool) -> None:
+    engine, index = Engine(ints), ExactIndex()
+    index.open("a")
+    ids = prompt(3)
+    index.apply("a", batch(engine.stored(ids)))
+    index.apply("a", batch(BlockRemoved([engine.hashes(ids)[2]], medium="GPU")))
+    assert index.match(ids) == {"a": 2 * BS}
+    index.apply("a", batch(BlockRemoved([engine.hashes(ids)[0]])))
+    assert index.match(ids) == {} and index.blocks("a") == 1   # the orphan child stays until evicted
+
+
+def test_all_blocks_cleared_empties_the_view_and_makes_it_complete() -> None:
+    engine, index = Engine(), ExactIndex()
+    index.stream_up("a")
+    index.reset("a", known_empty=False)
+    ids = prompt(2)
+    index.apply("a", batch(engine.stored(ids)))
+    assert index.state("a") is StreamState.REBUILDING and index.match(ids) == {}
+    index.apply("a", batch(AllBlocksCleared(), engine.stored(ids[:BS])))
+    assert index.state("a") is StreamState.LIVE and index.match(ids) == {"a": BS}
+
+
+def test_two_endpoints_and_which_are_live() -> None:
+    engine, index = Engine(), ExactIndex()
+    for e in ("a", "b", "c"):
+        index.open(e)
+    long, short = prompt(6), prompt(2)
+    index.apply("a", batch(engine.stored(long)))
+    index.apply("b", batch(engine.stored(short)))
+    index.apply("c", batch(engine.stored(long)))
+    assert index.match(long) == {"a": 6 * BS, "b": 2 * BS, "c": 6 * BS}
+    index.stream_down("c")
+    assert index.state("c") is StreamState.DOWN and index.match(long) == {"a": 6 * BS, "b": 2 * BS}
+    index.stream_up("c")
+    index.reset("c", known_empty=False)
+    assert index.state("c") is StreamState.REBUILDING and index.blocks("c") == 0
+    index.rebuilt("c")
+    assert index.live("c") and index.state("unknown") is StreamState.UNKNOWN
+
+
+def test_memory_is_bounded_per_endpoint_oldest_stored_dropped_first() -> None:
+    engine, index = Engine(), ExactIndex(max_blocks_per_endpoint=10)
+    index.open("a")
+    for n in range(50):
+        index.apply("a", batch(engine.stored(prompt(4, base=1000 * n))))
+        assert index.blocks("a") <= 10
+    assert len(index) == 10 and index.distinct_blocks() == 10
+    assert index.match(prompt(4, base=49_000)) == {"a": 4 * BS}
+    assert index.match(prompt(4, base=0)) == {}
+    index.forget("a")
+    assert len(index) == 0 and index.distinct_blocks() == 0 and index.endpoints() == []
+
+
+def test_blocks_a_prompts_token_ids_cannot_match_are_left_out() -> None:
+    engine, index = Engine(), ExactIndex()
+    index.open("a")
+    ids = prompt(3)
+    for event in (engine.stored(ids, medium="CPU"), engine.stored(ids, group_idx=1), engine.stored(ids, lora_id=2),
+                  engine.stored(ids, lora_name="x"), engine.stored(ids, first_block=1)):  # fmt: skip
+        index.apply("a", batch(event))
+    assert index.blocks("a") == 0 and index.skipped_blocks("a") == 3 * 4 + 2
+    salted = engine.stored(ids, extra_keys=[None, ("salt",), None])
+    index.apply("a", batch(salted))
+    assert index.match(ids) == {"a": BS} and index.skipped_blocks("a") == 3 * 4 + 2 + 2
+    bad = BlockStored(engine.hashes(ids), None, ids[:BS], BS)   # token ids do not fill the blocks
+    index.apply("a", batch(bad))
+    assert index.skipped_blocks("a") == 3 * 4 + 2 + 2 + 3
+
+
+def test_retain_and_slots_are_reused() -> None:
+    engine, index = Engine(), ExactIndex()
+    ids = prompt(2)
+    for e in ("a", "b"):
+        index.open(e)
+        index.apply(e, batch(engine.stored(ids)))
+    index.retain({"b"})
+    index.open("c")
+    index.apply("c", batch(engine.stored(ids)))
+    assert index.endpoints() == ["b", "c"] and index.match(ids) == {"b": 2 * BS, "c": 2 * BS}
+
+
+# ----- kv-aware on the exact index -----------------------------------------------------------------
+
+
+def test_kv_aware_routes_by_the_engines_events_where_the_stream_is_live() -> None:
+    engine, index = Engine(), ExactIndex()
+    policy = KvAware(affinity_slack=0.0)
+    policy.use_exact_index(index)
+    a, b = (EndpointState(i, f"http://127.0.0.1/{i}") for i in ("a", "b"))
+    ids = prompt(40)
+    for e in ("a", "b"):
+        index.open(e)
+    index.apply("b", batch(engine.stored(ids)))            # b's engine says it holds the prompt
+    r = route_request({"prompt": ids, "max_tokens": 4})
+    assert r.token_ids is ids
+    assert policy.choose([a, b], r, 0.0) is b and r.cached_tokens == 40 * BS
+    # b's stream goes down: its approximate view (what this policy routed there) applies again.
+    index.stream_down("b")
+    r2 = route_request({"prompt": ids, "max_tokens": 4})
+    assert policy.choose([a, b], r2, 0.0) is b and r2.cached_tokens == (40 * BS // 64) * 64
+    # The engine evicted the blocks: with the stream live, the exact view wins over the routing history.
+    index.stream_up("b")
+    index.apply("b", batch(AllBlocksCleared()))
+    index.apply("a", batch(engine.stored(ids[:10 * BS])))
+    r3 = route_request({"prompt": ids, "max_tokens": 4})
+    assert policy.choose([a, b], r3, 0.0) is a and r3.cached_tokens == 10 * BS
+
+
+def test_kv_aware_without_token_ids_uses_the_approximate_index() -> None:
+    index = ExactIndex()
+    index.open("a")
+    policy = KvAware()
+    policy.use_exact_index(index)
+    a, b = (EndpointState(i, f"http://127.0.0.1/{i}") for i in ("a", "b"))
+    text = "x" * 4096
+    first = policy.choose([a, b], route_request({"prompt": text}), 0.0)
+    again = route_request({"prompt": text})
+    assert again.token_ids is None
+    assert policy.choose([a, b], again, 0.0) is first and again.cached_tokens > 0

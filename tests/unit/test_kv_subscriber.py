@@ -1,0 +1,292 @@
+"""The KV event subscriber (router.kv_subscriber) against a real pyzmq publisher in this process,
+speaking vLLM's protocol (PUB frames topic/seq/payload, a replay ROUTER answering from a buffer
+and ending with END_SEQ, as vllm/distributed/kv_events.py `ZmqEventPublisher`): first contact,
+a gap served by replay, a publisher restart forcing a resync, a stream cut and resumed, a replay
+buffer that no longer covers the gap, a bad payload; and the subscribers following the pools
+(router.pool.PoolTable with router.kv_subscriber.KvEventStreams), with their metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from router.kv_events import END_SEQ, BlockStored, EventBatch, encode_batch, seq_frame
+from router.kv_index import ExactIndex, StreamState
+from router.kv_subscriber import KvEventStreams, KvEventSubscriber
+from router.metrics import RouterMetrics
+from router.pool import PoolTable
+from router.spec import KvEventsSource, PoolSpec
+
+BS = 4
+
+
+class Publisher:
+    """vLLM's ZmqEventPublisher in miniature: PUB + replay ROUTER with a buffer of `buffer_steps`."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, pub_port: int = 0, replay_port: int = 0, buffer_steps: int = 100,
+                 topic: str = "kv") -> None:  # fmt: skip
+        self.ctx = ctx
+        self.topic = topic.encode()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
+        self.replay = ctx.socket(zmq.ROUTER)
+        self.replay.setsockopt(zmq.LINGER, 0)
+        self.replay.bind(f"tcp://127.0.0.1:{replay_port}")
+        self.pub_port = int(self.pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.replay_port = int(self.replay.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.seq = 0
+        self.replays = 0
+        self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    @property
+    def source(self) -> KvEventsSource:
+        return KvEventsSource(publisher=f"tcp://127.0.0.1:{self.pub_port}",
+                              replay=f"tcp://127.0.0.1:{self.replay_port}", topic="kv")  # fmt: skip
+
+    async def publish(self, payload: bytes | EventBatch, *, drop: bool = False) -> int:
+        """Publish the next batch (buffered for replay; `drop`: not sent live, a lost message)."""
+        data = payload if isinstance(payload, bytes) else encode_batch(payload)
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, data))
+        if not drop:
+            await self.pub.send_multipart([self.topic, seq_frame(seq), data])
+        return seq
+
+    async def _serve_replay(self) -> None:
+        while True:
+            client, _, start = await self.replay.recv_multipart()
+            self.replays += 1
+            first = int.from_bytes(start, "big")
+            for seq, data in list(self.buffer):
+                if seq >= first:
+                    await self.replay.send_multipart([client, b"", self.topic, seq_frame(seq), data])
+            await self.replay.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.pub.close(linger=0)
+        self.replay.close(linger=0)
+
+
+def stored(base: int, n_blocks: int, parent: int | None = None, first_hash: int = 0) -> EventBatch:
+    """A batch storing `n_blocks` blocks of token ids base..; engine hashes first_hash+1... (ints)."""
+    hashes = [base + first_hash + i + 1 for i in range(n_blocks)]
+    ids = [base + i for i in range(first_hash * BS, (first_hash + n_blocks) * BS)]
+    return EventBatch(time.time(), [BlockStored(hashes, parent, ids, BS, medium="GPU")])
+
+
+def ids(base: int, n_blocks: int) -> list[int]:
+    return [base + i for i in range(n_blocks * BS)]
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def following(sub: KvEventSubscriber) -> AsyncIterator[KvEventSubscriber]:
+    task = asyncio.create_task(sub.run())
+    try:
+        yield sub
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_first_contact_replays_history_from_seq_0_and_is_live(ctx: zmq.asyncio.Context) -> None:
+    pub = Publisher(ctx)
+    await pub.publish(stored(100, 2))                      # before anyone listens
+    index = ExactIndex()
+    async with following(KvEventSubscriber("m", "e", pub.source, index, ctx)):
+        await eventually(lambda: index.live("e") and index.blocks("e") == 2)
+        assert index.last_seq("e") == 0
+        # the live stream continues it (subscription may need a moment: a miss is a gap, replayed)
+        await pub.publish(stored(100, 2, parent=102, first_hash=2))
+        await eventually(lambda: index.blocks("e") == 4)
+        assert index.match(ids(100, 4) + [7]) == {"e": 4 * BS}
+    await pub.close()
+
+
+async def test_a_gap_is_served_by_replay_and_the_view_stays_exact(ctx: zmq.asyncio.Context) -> None:
+    pub = Publisher(ctx)
+    metrics = RouterMetrics()
+    bound = metrics.bind_kv("m", "e")
+    index = ExactIndex()
+    sub = KvEventSubscriber("m", "e", pub.source, index, ctx, bound)
+    async with following(sub):
+        await eventually(lambda: index.live("e"))
+        await asyncio.sleep(0.2)                           # let the subscription reach the publisher
+        await pub.publish(stored(100, 1))
+        await eventually(lambda: index.blocks("e") == 1)
+        await pub.publish(stored(100, 1, parent=101, first_hash=1), drop=True)   # lost on the way
+        await pub.publish(stored(100, 1, parent=102, first_hash=2))
+        await eventually(lambda: index.blocks("e") == 3)
+        assert index.match(ids(100, 3)) == {"e": 3 * BS} and index.live("e")
+        assert sub.resyncs == 0 and index.last_seq("e") == 2
+    assert metrics.registry.get_sample_value("fleet_router_kv_event_gaps_total", {"model": "m", "endpoint": "e"}) == 1
+    assert metrics.registry.get_sample_value("fleet_router_kv_events_total", {"model": "m", "endpoint": "e"}) == 3
+    await pub.close()
+
+
+async def test_a_publisher_restart_forces_a_resync_to_its_new_history(ctx: zmq.asyncio.Context) -> None:
+    pub = Publisher(ctx)
+    index = ExactIndex()
+    sub = KvEventSubscriber("m", "e", pub.source, index, ctx)
+    async with following(sub):
+        await eventually(lambda: index.live("e"))
+        await asyncio.sleep(0.2)
+        for n in range(3):
+            await pub.publish(stored(1000 * n, 2))
+        await eventually(lambda: index.blocks("e") == 6)
+        ports = pub.pub_port, pub.replay_port
+        await pub.close()
+        await eventually(lambda: index.state("e") is StreamState.DOWN)
+        pub = Publisher(ctx, *ports)                       # a new engine: seq from 0, an empty cache
+        await pub.publish(stored(5000, 1))
+        await eventually(lambda: sub.resyncs == 1 and index.live("e") and index.blocks("e") == 1, 15.0)
+        assert index.match(ids(0, 2)) == {} and index.match(ids(5000, 1)) == {"e": BS}
+    await pub.close()
+
+
+async def test_a_cut_stream_resumes_from_the_replay_buffer(ctx: zmq.asyncio.Context) -> None:
+    pub = Publisher(ctx)
+    index = ExactIndex()
+    sub = KvEventSubscriber("m", "e", pub.source, index, ctx)
+    async with following(sub):
+        await eventually(lambda: index.live("e"))
+        await asyncio.sleep(0.2)
+        await pub.publish(stored(100, 1))
+        await eventually(lambda: index.blocks("e") == 1)
+        # The network is cut: the publisher goes on (its buffer too) but nothing reaches the router.
+        ports, buffer, seq = (pub.pub_port, pub.replay_port), pub.buffer, pub.seq
+        await pub.close()
+        await eventually(lambda: index.state("e") is StreamState.DOWN)
+        assert index.match(ids(100, 1)) == {}              # down: not trusted, the approximate index routes
+        pub = Publisher(ctx, *ports)
+        pub.buffer, pub.seq = buffer, seq
+        await pub.publish(stored(100, 1, parent=101, first_hash=1), drop=True)
+        await pub.publish(stored(100, 1, parent=102, first_hash=2), drop=True)
+        # On reconnection the subscriber replays from its last batch: nothing lost, no resync.
+        await eventually(lambda: index.live("e") and index.blocks("e") == 3, 15.0)
+        assert sub.resyncs == 0 and index.match(ids(100, 3)) == {"e": 3 * BS}
+    await pub.close()
+
+
+async def test_a_gap_the_buffer_no_longer_holds_rebuilds_the_view(ctx: zmq.asyncio.Context) -> None:
+    pub = Publisher(ctx, buffer_steps=2)
+    index = ExactIndex()
+    now = [0.0]
+    sub = KvEventSubscriber("m", "e", pub.source, index, ctx, clock=lambda: now[0], rebuild_s=30.0)
+    async with following(sub):
+        await eventually(lambda: index.live("e"))
+        await asyncio.sleep(0.2)
+        await pub.publish(stored(100, 1))
+        await eventually(lambda: index.blocks("e") == 1)
+        for n in range(4):
+            await pub.publish(stored(200 + 10 * n, 1), drop=True)
+        await pub.publish(stored(900, 1))
+        await eventually(lambda: sub.resyncs == 1)
+        assert index.state("e") is StreamState.REBUILDING and index.match(ids(900, 1)) == {}
+        assert index.blocks("e") == 2                      # what the buffer still had, then the live batch
+        now[0] = 31.0
+        await pub.publish(stored(950, 1))                  # wakes the subscriber; the rebuild time is over
+        await eventually(lambda: index.live("e"))
+        assert index.match(ids(900, 1)) == {"e": BS} and index.match(ids(100, 1)) == {}
+    await pub.close()
+
+
+async def test_a_bad_payload_is_counted_and_never_stops_the_subscriber(ctx: zmq.asyncio.Context) -> None:
+    pub = Publisher(ctx)
+    metrics = RouterMetrics()
+    index = ExactIndex()
+    sub = KvEventSubscriber("m", "e", pub.source, index, ctx, metrics.bind_kv("m", "e"))
+    async with following(sub):
+        await eventually(lambda: index.live("e"))
+        await asyncio.sleep(0.2)
+        await pub.publish(b"\xc1 not msgpack")
+        await pub.pub.send_multipart([b"kv", b"short"])    # a bad seq frame
+        await pub.publish(stored(100, 1))
+        await eventually(lambda: index.blocks("e") == 1)
+        assert index.state("e") is StreamState.REBUILDING
+    labels = {"model": "m", "endpoint": "e"}
+    get = metrics.registry.get_sample_value
+    assert get("fleet_router_kv_event_errors_total", {**labels, "reason": "decode"}) == 1
+    assert get("fleet_router_kv_event_errors_total", {**labels, "reason": "frames"}) == 1
+    assert get("fleet_router_kv_event_resyncs_total", {**labels, "reason": "bad_payload"}) == 1
+    await pub.close()
+
+
+async def test_without_a_replay_address_only_seq_0_makes_the_view_exact(ctx: zmq.asyncio.Context) -> None:
+    pub = Publisher(ctx)
+    index = ExactIndex()
+    source = KvEventsSource(publisher=pub.source.publisher, topic="kv")
+    sub = KvEventSubscriber("m", "e", source, index, ctx)
+    async with following(sub):
+        await eventually(lambda: index.state("e") is StreamState.REBUILDING)
+        await asyncio.sleep(0.2)
+        await pub.publish(stored(100, 1))                  # seq 0: a fresh publisher
+        await eventually(lambda: index.live("e") and index.blocks("e") == 1)
+        await pub.publish(stored(200, 1), drop=True)
+        await pub.publish(stored(300, 1))
+        await eventually(lambda: sub.resyncs == 1 and index.blocks("e") == 1)
+        assert index.state("e") is StreamState.REBUILDING and pub.replays == 0
+    await pub.close()
+
+
+async def test_subscribers_follow_the_pools(ctx: zmq.asyncio.Context) -> None:
+    pubs = [Publisher(ctx), Publisher(ctx)]
+    metrics = RouterMetrics()
+    streams = KvEventStreams(metrics)
+    table = PoolTable(metrics, wall_clock=time.time, kv_streams=streams)
+
+    def doc(*n: int, policy: str = "kv-aware") -> PoolSpec:
+        return PoolSpec.model_validate({"policy": policy, "endpoints": [
+            {"id": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}", "kv_events": pubs[i].source.model_dump()}
+            for i in n]})  # fmt: skip
+
+    pool = table.put("m", doc(0, 1))                      # before start: only wished
+    assert streams.subscriber("m", "e0") is None
+    await streams.start()
+    assert streams.subscriber("m", "e0") is not None and streams.subscriber("m", "e1") is not None
+    index = streams.index("m")
+    assert pool.policy.exact is index  # type: ignore[attr-defined]
+    await eventually(lambda: index.live("e0") and index.live("e1"))
+    body, _ = metrics.render()
+    assert b'fleet_router_kv_stream_live{endpoint="e0",model="m"} 1.0' in body
+    await asyncio.sleep(0.2)
+    await pubs[1].publish(stored(100, 3))
+    await eventually(lambda: index.blocks("e1") == 3)
+    assert b'fleet_router_kv_index_blocks{endpoint="e1",model="m"} 3.0' in metrics.render()[0]
+
+    table.put("m", doc(0))                                 # e1 left the pool: its subscriber stops
+    assert streams.subscriber("m", "e1") is None and index.endpoints() == ["e0"]
+    assert b'endpoint="e1"' not in metrics.render()[0]
+    table.put("m", doc(0, policy="round-robin"))          # another policy: no exact index needed, still followed
+    assert streams.subscriber("m", "e0") is not None
+    table.delete("m")
+    assert streams.subscriber("m", "e0") is None and b"fleet_router_kv_stream_live{" not in metrics.render()[0]
+    await streams.close()
+    for pub in pubs:
+        await pub.close()
