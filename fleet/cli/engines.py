@@ -35,6 +35,7 @@ def sim_engine(
     ports_file: Annotated[Optional[Path], typer.Option(help="Write the bound ports and URLs as JSON here.")] = None,
     enable_sleep_mode: Annotated[bool, typer.Option("--enable-sleep-mode", help="Serve vLLM's POST /sleep, POST /wake_up, GET /is_sleeping.")] = False,
     wake_s: Annotated[Optional[float], typer.Option("--wake-s", help="Seconds a wake from level-1 sleep takes (default: from the profile's weight bytes).")] = None,
+    kv_events_config: Annotated[Optional[str], typer.Option("--kv-events-config", help="vLLM's KV events config (JSON); replica i offsets the ports by i.")] = None,
     list_profiles: Annotated[bool, typer.Option("--list-profiles", help="List the profiles and exit.")] = False,
 ) -> None:
     """Run simulated vLLM replicas (the Fleet engine SIMULATOR; no model runs).
@@ -65,12 +66,20 @@ def sim_engine(
     except ValueError as err:
         err_console.print(f"[red]{err}[/]", highlight=False)
         raise typer.Exit(2) from None
+    from fleet.enginesim.kvpublish import KvEventsConfig, KvEventsConfigError
+
+    try:
+        kv_events = KvEventsConfig.from_json(kv_events_config) if kv_events_config else None
+    except KvEventsConfigError as err:
+        err_console.print(f"[red]{err}[/]", highlight=False)
+        raise typer.Exit(2) from None
     overrides = {"max_model_len": max_model_len, "num_gpu_blocks": num_gpu_blocks}
     options = SimEngineOptions(
         replicas=replicas, host=host, base_port=base_port, profile=profile, served_model_name=model_name,
         seed=seed, startup_delay_s=startup_delay_s, faults=faults, mean_output_tokens=mean_output_tokens,
         config_overrides={k: v for k, v in overrides.items() if v is not None},
         ports_file=str(ports_file) if ports_file else None, sleep_mode=enable_sleep_mode, wake_s=wake_s,
+        kv_events=kv_events,
     )
     raise typer.Exit(run(options, out=lambda line: print(line, flush=True)))
 

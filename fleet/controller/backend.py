@@ -59,7 +59,10 @@ class ReplicaFacts:
     specifics for people (pid, port, log path, pod name), shown by `fleet status`. ``sick``:
     why the backend saw the replica hold a device its node reports unhealthy (the Kubernetes
     backend reads which pod the device plugin gave a quarantined GPU); the controller drains and
-    replaces it, as it does a replica whose placement names an unhealthy device.
+    replaces it, as it does a replica whose placement names an unhealthy device. ``kv_events``:
+    where a subscriber reaches the engine's KV cache events (vLLM's ``--kv-events-config``, which
+    the backend gave it): ``{"publisher": address, "replay": address or None, "topic": str}``
+    (`router.spec.KvEventsSource`); None when the engine publishes none.
     """
 
     replica_id: str
@@ -76,6 +79,7 @@ class ReplicaFacts:
     problem: str | None = None
     detail: dict[str, str] = field(default_factory=dict)
     sick: str | None = None
+    kv_events: dict[str, str | None] | None = None
 
 
 class LaunchError(Exception):

@@ -76,6 +76,7 @@ class Replica:
     launched_at_s: float | None = None     # the backend was asked to run it
     node: str | None = None
     endpoint: str | None = None            # http://host:port of its engine, from the backend
+    kv_events: dict | None = None          # its KV event addresses (`ReplicaFacts.kv_events`), from the backend
     detail: dict[str, str] = field(default_factory=dict)   # backend specifics for people (pid, port, log)
     adopted_at_s: float | None = None      # a restarted controller found it running and kept it
     healthy_at_s: float | None = None

@@ -22,7 +22,7 @@ from typing import Protocol
 from fleet.controller.lifecycle import Replica, ReplicaStatus
 from fleet.controller.targets import DeploymentRecord, FleetRecords
 from fleet.rollout.revisions import endpoint_weights, revision_label
-from router.spec import EndpointSpec, PoolSpec
+from router.spec import EndpointSpec, KvEventsSource, PoolSpec
 
 log = logging.getLogger("fleet.controller")
 
@@ -131,7 +131,7 @@ class PoolPublisher:
         weights = endpoint_weights(revs, ready) if revs is not None else {}
         return [
             EndpointSpec(id=r.id, url=r.endpoint, version=self._version(r), weight=weights.get(r.spec_hash, 1.0),
-                         draining=r.status is not ReplicaStatus.READY)  # fmt: skip
+                         draining=r.status is not ReplicaStatus.READY, kv_events=_kv_source(r))  # fmt: skip
             for r in members
         ]
 
@@ -139,3 +139,16 @@ class PoolPublisher:
         ds = self.records.deployments.get(r.deployment)
         ld = ds.revs.specs.get(r.spec_hash) if ds is not None else None
         return revision_label(ld) if ld is not None else f"{r.revision}@{r.spec_hash[:8]}"
+
+
+def _kv_source(r: Replica) -> KvEventsSource | None:
+    """Where routers subscribe to the replica's KV cache events (`ReplicaFacts.kv_events`); None
+    when its engine publishes none or the record is unreadable (the router matches prompts
+    against its approximate index then)."""
+    if not r.kv_events:
+        return None
+    try:
+        return KvEventsSource(**r.kv_events)
+    except ValueError as err:   # pydantic's ValidationError
+        log.warning("replica %s: ignoring its KV event addresses %r: %s", r.id, r.kv_events, err)
+        return None

@@ -395,7 +395,7 @@ class Controller:
             if f is None:
                 f = ReplicaFacts(r.id, r.deployment, r.spec_hash, r.node or "", exited=True,
                                  exit_reason="the backend has no record of it")  # fmt: skip
-            r.node, r.endpoint, r.detail = f.node, f.endpoint, dict(f.detail)
+            r.node, r.endpoint, r.detail, r.kv_events = f.node, f.endpoint, dict(f.detail), f.kv_events
             if f.image_present and r.image_ready_at_s is None:
                 r.image_ready_at_s = now
             if f.weights_present and r.weights_ready_at_s is None:

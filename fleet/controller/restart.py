@@ -104,7 +104,7 @@ class Adoption:
             if r.stop_requested_at_s is None and r.drain_requested_at_s is None:
                 r.fail(ReplicaStatus.FAILED_CRASHED, "engine exited while no controller was running", now)
             return
-        r.node, r.endpoint, r.detail = f.node, f.endpoint, dict(f.detail)
+        r.node, r.endpoint, r.detail, r.kv_events = f.node, f.endpoint, dict(f.detail), f.kv_events
         r.adopted_at_s = now
         if ds is None:
             r.drain_requested_at_s = r.drain_requested_at_s or now   # not declared any more

@@ -13,6 +13,7 @@ simulator's option parsing, so the spec can name the kinds without a cycle.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,9 +86,12 @@ class EngineKind(Registered, registry=ENGINE_KINDS):
         """Environment the engine needs for ``launch`` beyond `spec.engine.env`. Default: none."""
         return {}
 
-    def command(self, launch: EngineLaunch, model: str, host: str, port: int) -> list[str]:
+    def command(self, launch: EngineLaunch, model: str, host: str, port: int,
+                kv_events: KvEventsBind | None = None) -> list[str]:  # fmt: skip
         """argv of one replica serving ``launch`` from ``model`` (`model_argument`) on ``host:port``:
-        `entry`, vLLM's server flags, then ``spec.engine.args``."""
+        `entry`, vLLM's server flags (``--kv-events-config`` when ``kv_events`` is given and
+        ``spec.engine.args`` has none of its own), then ``spec.engine.args``."""
+        own = kv_events is not None and not has_kv_events_flag(launch.args)
         return [
             *self.entry(model),
             "--served-model-name", launch.served_model_name,
@@ -95,8 +99,35 @@ class EngineKind(Registered, registry=ENGINE_KINDS):
             "--port", str(port),
             "--tensor-parallel-size", str(launch.tensor_parallel_size),
             *(["--enable-sleep-mode"] if launch.sleep_mode else []),
+            *(["--kv-events-config", kv_events.config_json()] if own else []),
             *launch.args,
-        ]
+        ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KvEventsBind:
+    """Where a replica's engine publishes its KV cache events: the ``endpoint`` and
+    ``replay_endpoint`` of vLLM's ``--kv-events-config`` as the engine binds them
+    (vllm/config/kv_events.py). vLLM binds its PUB socket only for a wildcard (``tcp://*:P``) or an
+    ``ipc://`` address and connects to any other (vllm/distributed/kv_events.py
+    ``_is_bind_endpoint``): ``tcp://127.0.0.1:P`` would make the engine connect, not listen. The
+    replay socket always binds."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+    def config_json(self) -> str:
+        """The flag's value: vLLM's keys, events on, the zmq publisher."""
+        return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint,
+                           "replay_endpoint": self.replay_endpoint, "topic": self.topic},
+                          separators=(",", ":"))  # fmt: skip
+
+
+def has_kv_events_flag(args: Sequence[str]) -> bool:
+    """``spec.engine.args`` configure KV events themselves (``--kv-events-config``): the backend
+    leaves them alone and publishes no addresses for the replica."""
+    return any(a == "--kv-events-config" or a.startswith("--kv-events-config=") for a in args)
 
 
 def engine_kinds() -> list[str]:

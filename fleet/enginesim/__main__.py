@@ -4,7 +4,8 @@ What `engine.kind: sim` launches (fleet.engines.kinds.SimEngine): the same flags
 OpenAI server (``--model``, ``--served-model-name``, ``--host``, ``--port``,
 ``--tensor-parallel-size``), the vLLM flags the simulator models (``--max-model-len``,
 ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``,
-``--num-gpu-blocks-override``, ``--[no-]enable-prefix-caching``), the simulator's own
+``--num-gpu-blocks-override``, ``--[no-]enable-prefix-caching``, ``--kv-events-config``: KV cache
+events on vLLM's wire, `fleet.enginesim.kvpublish`), the simulator's own
 (``--profile``, ``--seed``, ``--startup-delay-s``, fault switches, ``--replicas``,
 ``--ports-file``); other vLLM flags (``--enforce-eager``, ``--gpu-memory-utilization``, ...) are
 accepted and ignored with a note, so a deployment can switch between ``vllm`` and ``sim``
@@ -19,6 +20,7 @@ import argparse
 import sys
 
 from fleet.enginesim.faults import FaultPlan
+from fleet.enginesim.kvpublish import KvEventsConfig, KvEventsConfigError
 from fleet.enginesim.profiles import profile_names
 from fleet.enginesim.runner import SimEngineOptions, run
 
@@ -53,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--wake-s", type=float, default=None,
                    help="Seconds a wake from level-1 sleep takes (default: the profile's weight bytes per GPU "
                         "at llm-d's measured ~21.3 GiB/s).")
+    p.add_argument("--kv-events-config", default=None,
+                   help="vLLM's KV events config (JSON: enable_kv_cache_events, publisher, endpoint, replay_endpoint, "
+                        "buffer_steps, hwm, topic); replica i of --replicas offsets the ports by i.")
     p.add_argument("--replicas", type=int, default=1, help="Replicas in this process, on consecutive ports.")
     p.add_argument("--ports-file", default=None, help="Write the bound ports as JSON here.")
     return p
@@ -66,6 +71,10 @@ def options_from_args(argv: list[str]) -> tuple[SimEngineOptions, list[str]]:
                            slowdown=args.slowdown)  # fmt: skip
     except ValueError as err:
         parser().error(str(err))
+    try:
+        kv_events = KvEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
+    except KvEventsConfigError as err:
+        parser().error(str(err))
     overrides = {
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
@@ -76,7 +85,7 @@ def options_from_args(argv: list[str]) -> tuple[SimEngineOptions, list[str]]:
         model_source=args.model, served_model_name=args.served_model_name, seed=args.seed,
         startup_delay_s=args.startup_delay_s, faults=faults, mean_output_tokens=args.mean_output_tokens,
         config_overrides={k: v for k, v in overrides.items() if v is not None}, ports_file=args.ports_file,
-        sleep_mode=args.enable_sleep_mode, wake_s=args.wake_s,
+        sleep_mode=args.enable_sleep_mode, wake_s=args.wake_s, kv_events=kv_events,
     )  # fmt: skip
     return opts, ignored
 

@@ -30,6 +30,12 @@ vllm/v1/core/sched/scheduler.py in vLLM 0.32):
    token; full blocks enter the prefix cache; requests with all their output tokens finish
    and free their blocks.
 
+With ``kv_events`` on, each step also carries the KV cache events it caused
+(`StepResult.kv_events`: `router.kv_events` objects, in vLLM's order within a step, see
+`fleet.enginesim.kvcache`), which vLLM publishes as one `KVEventBatch` per step at the step's end
+(vllm/v1/core/sched/scheduler.py ``update_from_output``): the HTTP shell publishes them on vLLM's
+wire and a trace simulator hands them to its routers' indexes directly (`kv_event_batch`).
+
 Times are seconds on the driver's clock. Token ids are ints; the model only hashes them.
 """
 
@@ -43,6 +49,7 @@ from dataclasses import dataclass, field
 
 from fleet.enginesim.cost import StepCost, StepFeatures
 from fleet.enginesim.kvcache import BlockPool, block_hashes
+from router.kv_events import EventBatch, KvCacheEvent
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,8 @@ class StepResult:
         finished: requests that finished at ``end_s``.
         preempted: ids of requests preempted at the start of this step.
         features: what the step computed (input of the cost model).
+        kv_events: KV cache events of the step (and any made since the last step), in order;
+            empty unless the model was made with ``kv_events``.
     """
 
     start_s: float
@@ -152,6 +161,7 @@ class StepResult:
     finished: list[FinishedRequest]
     preempted: list[str]
     features: StepFeatures
+    kv_events: tuple[KvCacheEvent, ...] = ()
 
     @property
     def end_s(self) -> float:
@@ -160,6 +170,11 @@ class StepResult:
     @property
     def num_batched_tokens(self) -> int:
         return self.features.num_tokens
+
+    def kv_event_batch(self) -> EventBatch | None:
+        """The step's events as the batch vLLM publishes at its end (``ts`` = ``end_s`` on the
+        driver's clock), None when it made none."""
+        return EventBatch(ts=self.end_s, events=list(self.kv_events)) if self.kv_events else None
 
 
 @dataclass(frozen=True)
@@ -211,15 +226,19 @@ class EngineModel:
         config: scheduler limits and KV capacity.
         cost: per-step time model.
         slowdown: factor on every step's duration (a fault switch; 1 = as profiled).
+        kv_events: make KV cache events (`StepResult.kv_events`; vLLM's
+            ``enable_kv_cache_events``). Off, the model makes none and costs nothing for them.
     """
 
-    def __init__(self, config: EngineConfig, cost: StepCost, slowdown: float = 1.0) -> None:
+    def __init__(self, config: EngineConfig, cost: StepCost, slowdown: float = 1.0, kv_events: bool = False) -> None:
         if slowdown <= 0:
             raise ValueError(f"slowdown must be > 0, got {slowdown}")
         self.config = config
         self.cost = cost
         self.slowdown = slowdown
-        self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
+        self._kv_events: list[KvCacheEvent] | None = [] if kv_events else None
+        self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching,
+                              on_event=self._kv_events.append if self._kv_events is not None else None)
         self._requests: dict[str, _Request] = {}
         self._running: list[_Request] = []
         self._waiting: deque[_Request] = deque()
@@ -358,6 +377,19 @@ class EngineModel:
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens, steps=self._steps,
         )  # fmt: skip
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (vLLM's ``reset_prefix_cache``, which sleeping does): False when
+        a request still holds blocks. Makes `AllBlocksCleared` (`take_kv_events`)."""
+        return self.pool.reset()
+
+    def take_kv_events(self) -> list[KvCacheEvent]:
+        """KV cache events made since the last step or take (a step takes its own)."""
+        if not self._kv_events:
+            return []
+        out = list(self._kv_events)
+        self._kv_events.clear()
+        return out
+
     # ----- the iteration ----------------------------------------------------------------
 
     def step(self, now_s: float) -> StepResult:
@@ -472,10 +504,14 @@ class EngineModel:
         done: list[_Request] = []
         for r, n in order:
             r.num_computed += n
-            full = r.num_computed // bs
-            for k in range(r.num_cached_blocks, min(full, len(r.blocks))):
-                self.pool.cache(r.blocks[k], r.hashes[k])
-            r.num_cached_blocks = max(r.num_cached_blocks, min(full, len(r.blocks)))
+            lo, hi = r.num_cached_blocks, min(r.num_computed // bs, len(r.blocks))
+            if hi > lo and self._kv_events is None:
+                for k in range(lo, hi):
+                    self.pool.cache(r.blocks[k], r.hashes[k])
+            elif hi > lo:
+                self.pool.cache_blocks(r.blocks[lo:hi], r.hashes[lo:hi], _tokens(r, lo * bs, hi * bs), bs,
+                                       r.hashes[lo - 1] if lo else None)  # fmt: skip
+            r.num_cached_blocks = max(r.num_cached_blocks, hi)
             if r.num_computed < r.num_tokens:
                 continue  # a prefill chunk that is not the last one
             if r.num_output == 0:
@@ -493,7 +529,8 @@ class EngineModel:
             del self._requests[r.request_id]
             finished.append(self._record(r, r.finish_reason, end_s))
         scheduled = {r.request_id: n for r, n in order}
-        return StepResult(start_s, duration_s, scheduled, emitted, finished, preempted, features)
+        return StepResult(start_s, duration_s, scheduled, emitted, finished, preempted, features,
+                          tuple(self.take_kv_events()))  # fmt: skip
 
     @staticmethod
     def _record(r: _Request, reason: str, now_s: float) -> FinishedRequest:
@@ -503,6 +540,14 @@ class EngineModel:
             num_preemptions=r.num_preemptions, arrival_s=r.arrival_s, first_scheduled_s=r.first_scheduled_s,
             first_token_s=r.first_token_s, finished_s=now_s,
         )  # fmt: skip
+
+
+def _tokens(r: _Request, start: int, end: int) -> list[int]:
+    """Tokens ``start:end`` of the request's prompt followed by its output."""
+    p = len(r.prompt_token_ids)
+    if end <= p:
+        return r.prompt_token_ids[start:end]
+    return r.prompt_token_ids[start:] + r.output_token_ids[max(0, start - p):end - p]
 
 
 @dataclass(frozen=True)

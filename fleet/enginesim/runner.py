@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleet.enginesim.faults import FaultPlan
+from fleet.enginesim.kvpublish import KvEventsConfig
 from fleet.enginesim.profiles import DEFAULT_PROFILE, Profile, get_profile
 from fleet.enginesim.sleep import wake_time_s
 from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket, serve_replicas, write_ports_file
@@ -61,6 +62,7 @@ class SimEngineOptions:
     ports_file: str | None = None
     sleep_mode: bool = False
     wake_s: float | None = None        # None: from the profile's weight bytes per GPU
+    kv_events: KvEventsConfig | None = None   # vLLM's --kv-events-config; replica i offsets its ports by i
 
     def replica_settings(self) -> list[ReplicaSettings]:
         """Settings of each replica. Raises OptionsError."""
@@ -80,7 +82,7 @@ class SimEngineOptions:
                               seed=self.seed, startup_delay_s=self.startup_delay_s, faults=self.faults,
                               mean_output_tokens=self.mean_output_tokens, sleep_mode=self.sleep_mode,
                               wake_s=self.wake_s if self.wake_s is not None
-                              else wake_time_s(profile.weight_bytes_per_gpu))  # fmt: skip
+                              else wake_time_s(profile.weight_bytes_per_gpu), kv_events=self.kv_events)  # fmt: skip
         return [one] * self.replicas
 
 
@@ -114,10 +116,15 @@ def run(options: SimEngineOptions, out: Callable[[str], None] = print) -> int:
         out(f"  start-up delay {s0.startup_delay_s:g} s" + (f"; faults: {fault}" if fault else ""))
     if s0.sleep_mode:
         out(f"  sleep mode on: POST /sleep?level=1, POST /wake_up ({s0.wake_s:.3f} s), GET /is_sleeping")
+    kv = options.kv_events if options.kv_events is not None and options.kv_events.enabled else None
     for i, sock in enumerate(sockets):
         out(f"replica {i} http://{options.host}:{sock.getsockname()[1]}  (simulator)")
+        if kv is not None:
+            k = kv.for_replica(i)
+            out(f"  kv events {k.publisher} {k.endpoint}" + (f", replay {k.replay_endpoint}" if k.replay_endpoint else ""))
     if options.ports_file:
-        write_ports_file(options.ports_file, options.host, [sock.getsockname()[1] for sock in sockets])
+        write_ports_file(options.ports_file, options.host, [sock.getsockname()[1] for sock in sockets],
+                         [kv.for_replica(i) for i in range(len(sockets))] if kv is not None else None)
     sys.stdout.flush()
 
     def on_ready(replicas: list[SimReplica]) -> None:

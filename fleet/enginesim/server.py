@@ -15,6 +15,11 @@ too (a body over 1 MiB: 413), ``http_errors_as_json``), ``GET
 (`fleet.enginesim.sleep` gives the sources and the wake time). Simulator-only: ``GET /sim/state`` and
 ``POST /sim/faults`` (``{"slowdown": 3.0}`` or ``{"crash": true}``).
 
+With ``kv_events`` (vLLM's ``--kv-events-config``) each replica publishes its KV cache events as
+vLLM does, one batch per engine step at the step's end, on a PUB socket with a replay socket
+(`fleet.enginesim.kvpublish`); in-process consumers get the same batches through ``kv_sinks``.
+Sleeping clears the prefix cache (vLLM's ``sleep`` resets it at level >= 1): `AllBlocksCleared`.
+
 The shell does no timing arithmetic of its own: each step is ``model.step(now)``, a sleep until
 the step's end, then the delivery of the tokens the step emitted, so what clients see is what
 the model computed.
@@ -40,10 +45,12 @@ from aiohttp import web
 
 from fleet.enginesim import tokens
 from fleet.enginesim.faults import FaultPlan
+from fleet.enginesim.kvpublish import KvEventPublisher, KvEventsConfig
 from fleet.enginesim.metrics import ReplicaMetrics
 from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from fleet.enginesim.profiles import Profile
 from fleet.enginesim.sleep import SleepState, parse_level
+from router.kv_events import EventBatch
 
 log = logging.getLogger("fleet.enginesim")
 
@@ -66,6 +73,8 @@ class ReplicaSettings:
             (as the random-weight tiny model does on real vLLM).
         sleep_mode: serve vLLM's sleep endpoints (``--enable-sleep-mode``); off, they are 404.
         wake_s: seconds ``POST /wake_up`` takes from level-1 sleep (`fleet.enginesim.sleep.wake_time_s`).
+        kv_events: vLLM's ``--kv-events-config`` of the process (replica ``i`` offsets its ports
+            by ``i``); None or disabled: no events.
     """
 
     profile: Profile
@@ -77,6 +86,7 @@ class ReplicaSettings:
     mean_output_tokens: float | None = None
     sleep_mode: bool = False
     wake_s: float = 0.0
+    kv_events: KvEventsConfig | None = None
 
 
 class ApiError(Exception):
@@ -129,14 +139,20 @@ class SimReplica:
         index: the replica's number in its process (used in request ids).
         clock: monotonic seconds (the model's time); ``loop.time`` by default.
         on_dead: called once if the replica dies of a fault (fail at start, crash).
+        kv_sinks: in-process consumers of its KV event batches, each called with ``(seq, batch)``
+            (only with ``settings.kv_events`` enabled).
     """
 
     def __init__(self, settings: ReplicaSettings, index: int = 0, clock: Callable[[], float] | None = None,
-                 on_dead: Callable[[SimReplica, str], None] | None = None) -> None:  # fmt: skip
+                 on_dead: Callable[[SimReplica, str], None] | None = None,
+                 kv_sinks: tuple[Callable[[int, EventBatch], None], ...] = ()) -> None:  # fmt: skip
         self.settings = settings
         self.index = index
         self.profile = settings.profile
-        self.model = EngineModel(settings.profile.config, settings.profile.cost, settings.faults.slowdown)
+        kv = settings.kv_events
+        self.kv_publisher = KvEventPublisher(kv.for_replica(index), kv_sinks) if kv is not None and kv.enabled else None
+        self.model = EngineModel(settings.profile.config, settings.profile.cost, settings.faults.slowdown,
+                                 kv_events=self.kv_publisher is not None)  # fmt: skip
         self.metrics = ReplicaMetrics(settings.served_model_name, settings.profile.config.max_model_len,
                                       settings.profile.name)  # fmt: skip
         self._clock = clock
@@ -172,6 +188,13 @@ class SimReplica:
             sock.close()
             self._die("failed", "fault switch: fail at start (engine core initialization failed)")
             return
+        if self.kv_publisher is not None:
+            try:
+                self.kv_publisher.open()
+            except Exception as err:  # noqa: BLE001 - zmq.ZMQError and address errors: vLLM fails its start too
+                sock.close()
+                self._die("failed", f"kv events publisher: cannot open {self.kv_publisher.config.endpoint}: {err}")
+                return
         app = web.Application(middlewares=[http_errors_as_json])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -209,6 +232,8 @@ class SimReplica:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if self.state in ("starting", "ready"):
             self.state = "closed"
 
@@ -264,6 +289,13 @@ class SimReplica:
             else:
                 await asyncio.sleep(0)  # let handlers run between back-to-back steps
             self._deliver(result)
+            if result.kv_events:
+                self._publish_kv(list(result.kv_events))
+
+    def _publish_kv(self, events: list) -> None:
+        """One batch, stamped with wall-clock seconds as vLLM's scheduler stamps ``KVEventBatch.ts``."""
+        if self.kv_publisher is not None and events:
+            self.kv_publisher.publish(EventBatch(ts=time.time(), events=events))
 
     def _fail_all(self, message: str) -> None:
         """Abort every request in the engine; their handlers answer 500 (or end the stream)."""
@@ -565,6 +597,8 @@ class SimReplica:
             return ApiError(400, str(err), "level").response()
         if not self.sleep.asleep:
             self._fail_all("request aborted: the engine was put to sleep")
+            self.model.reset_prefix_cache()
+            self._publish_kv(self.model.take_kv_events())
             self.sleep.sleep(level, self.now_s())
             log.info("replica %d (port %d) asleep at level %d", self.index, self.port, level)
         return web.Response(status=200)
@@ -647,10 +681,15 @@ async def serve_replicas(
     return 1 if replicas and len(dead) == len(replicas) else 0
 
 
-def write_ports_file(path: str, host: str, ports: list[int]) -> None:
-    """Write ``{"ports": [...], "urls": [...], "pid": ...}`` atomically (for scripts and tests)."""
-    doc = {"pid": os.getpid(), "simulator": True, "ports": ports,
-           "urls": [f"http://{host}:{port}" for port in ports]}  # fmt: skip
+def write_ports_file(path: str, host: str, ports: list[int], kv_events: list[KvEventsConfig] | None = None) -> None:
+    """Write ``{"ports": [...], "urls": [...], "pid": ...}`` atomically (for scripts and tests);
+    with ``kv_events`` (one config per replica) also ``"kv_events": [{"endpoint", "replay_endpoint",
+    "topic"}, ...]`` as configured."""
+    doc: dict[str, Any] = {"pid": os.getpid(), "simulator": True, "ports": ports,
+                           "urls": [f"http://{host}:{port}" for port in ports]}  # fmt: skip
+    if kv_events is not None:
+        doc["kv_events"] = [{"endpoint": k.endpoint, "replay_endpoint": k.replay_endpoint, "topic": k.topic}
+                            for k in kv_events]  # fmt: skip
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(doc, f)

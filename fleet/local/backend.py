@@ -13,6 +13,16 @@ crash left unrecorded; those are taken back from their markers (``FLEET_ENGINE_P
 ``FLEET_ENGINE_LOG`` too), so a controller whose state file was lost can adopt them
 (`fleet.local.rebuild`).
 
+KV cache events: every engine (vLLM or the simulator) starts with ``--kv-events-config``
+publishing on ``ipc://`` sockets in ``<state dir>/kv/`` (a short directory under the system's
+temporary directory when that path is too long for a Unix socket), a PUB and a replay socket per
+replica, and the replica's facts carry those addresses for the router (`ReplicaFacts.kv_events`).
+Not loopback TCP: vLLM binds its PUB socket only for a wildcard or ipc address
+(`fleet.engines.kinds.KvEventsBind`), and ``tcp://*:P`` would publish every prompt's token ids
+on all of the machine's interfaces; the socket files sit in the fleet's own directory (mode
+0700). A deployment whose ``engine.args`` carry their own ``--kv-events-config`` keeps it and
+publishes no addresses.
+
 Writing ``replicas.json`` fails soft (target ``replicas`` of `fleet.local.failsoft.WriteErrors`):
 on a full disk the records are kept in memory and written at the next change or observation once
 the backoff is over; the markers cover a crash in between. ``read_only``: `fleet status` looks at
@@ -22,10 +32,13 @@ the records and processes without writing anything.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import os
 import shutil
 import socket
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,7 +47,7 @@ from typing import TYPE_CHECKING
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
 from fleet.local.failsoft import WriteErrors, log_or_devnull
 from fleet.local.procs import LocalProcesses, ProcessRecord, find_marked, read_log_tail, start_ticks
-from fleet.engines.kinds import get_engine
+from fleet.engines.kinds import KvEventsBind, get_engine, has_kv_events_flag
 from fleet.inventory import Inventory, NodeInventory
 from fleet.local.state import FLEET_ID_ENV, write_atomically
 
@@ -53,6 +66,10 @@ DEPLOYMENT_ENV = "FLEET_DEPLOYMENT"
 SPEC_HASH_ENV = "FLEET_SPEC_HASH"
 PORT_ENV = "FLEET_ENGINE_PORT"
 LOG_ENV = "FLEET_ENGINE_LOG"
+KV_EVENTS_ENV = "FLEET_KV_EVENTS"
+"""The replica's KV event addresses (JSON of `ReplicaFacts.kv_events`) in its engine's environment."""
+IPC_PATH_MAX = 100
+"""Longest ipc:// socket path used (a Unix socket's path holds at most 107 bytes on Linux)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,7 @@ class _Record:
     exit_code: int | None = None
     exit_reason: str | None = None
     placement: dict | None = None            # `ReplicaPlacement.to_dict()`: its devices (for a rebuild)
+    kv_events: dict | None = None            # `ReplicaFacts.kv_events`: where its engine publishes KV events
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "process"}
@@ -165,8 +183,10 @@ class LocalBackend:
                               "this backend has no weight cache")  # fmt: skip
         model = None if remote else engine_model(want)
         log_path = self.log_dir / f"{rid}.log"
+        kv_events = None if has_kv_events_flag(dep.spec.engine.args) else self._kv_events_addresses(rid)
         record = _Record(rid, dep.name, want.spec_hash, want.placement.nodes[0], self.host, self._free_port(),
-                         str(log_path), caching=remote, placement=want.placement.to_dict())  # fmt: skip
+                         str(log_path), caching=remote, placement=want.placement.to_dict(),
+                         kv_events=kv_events)  # fmt: skip
         self._records[rid] = record
         self._save()  # before the process exists: a crash from here on leaves a record to check
         if remote:   # CACHING: the engine starts once the weights are in the node's cache
@@ -191,8 +211,11 @@ class LocalBackend:
             **engine.env(launch), **dep.spec.engine.env, **want.placement.env,
             FLEET_ID_ENV: self.fleet_id, REPLICA_ID_ENV: rid, DEPLOYMENT_ENV: dep.name, SPEC_HASH_ENV: want.spec_hash,
             PORT_ENV: str(record.port), LOG_ENV: record.log_path or "",
+            **({KV_EVENTS_ENV: json.dumps(record.kv_events)} if record.kv_events else {}),
         }  # fmt: skip
-        argv = engine.command(launch, model, self.host, record.port)
+        kv = record.kv_events
+        bind = KvEventsBind(kv["publisher"], kv.get("replay"), kv.get("topic", "")) if kv else None
+        argv = engine.command(launch, model, self.host, record.port, bind)
         cores = self.numa_cores(want)
         if cores and shutil.which("taskset"):   # the engine on the CPU cores local to its GPUs (NUMA)
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
@@ -353,7 +376,21 @@ class LocalBackend:
             replica_id=rec.replica_id, deployment=rec.deployment, spec_hash=rec.spec_hash, node=rec.node,
             endpoint=endpoint, image_present=True, weights_present=rec.process is not None, running=running,
             exited=rec.exited, exit_code=rec.exit_code, exit_reason=rec.exit_reason, detail=detail,
+            kv_events=rec.kv_events if endpoint is not None else None,
         )  # fmt: skip
+
+    def _kv_events_addresses(self, rid: str) -> dict[str, str | None]:
+        """The ipc:// PUB and replay addresses of replica ``rid`` (see the module docstring)."""
+        kv_dir = self.root / "kv"
+        name = rid if len(rid) <= 40 else hashlib.sha1(rid.encode()).hexdigest()[:16]
+        if len(str(kv_dir.resolve())) + len(name) + 8 > IPC_PATH_MAX:
+            kv_dir = Path(tempfile.gettempdir()) / f"fleet-kv-{hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]}"
+        if not self.read_only:
+            kv_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if kv_dir.stat().st_uid == os.getuid():
+                kv_dir.chmod(0o700)
+        base = kv_dir.resolve() / name
+        return {"publisher": f"ipc://{base}.pub", "replay": f"ipc://{base}.replay", "topic": ""}
 
     def _free_port(self) -> int:
         taken = {r.port for r in self._records.values() if not r.exited}
@@ -400,7 +437,8 @@ class LocalBackend:
                 log_path = env.get(LOG_ENV) or None
                 self._records[rid] = _Record(rid, env.get(DEPLOYMENT_ENV, "?"), env.get(SPEC_HASH_ENV, ""),
                                              self.node.name, self.host, int(port) if port.isdigit() else None,
-                                             log_path, _adopted_record(pid, log_path))  # fmt: skip
+                                             log_path, _adopted_record(pid, log_path),
+                                             kv_events=_kv_marker(env.get(KV_EVENTS_ENV)))  # fmt: skip
                 log.warning("replica %s (pid %d) runs without a record: taken back from its marker", rid, pid)
         self._save()
 
@@ -420,6 +458,15 @@ class LocalBackend:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
+
+
+def _kv_marker(text: str | None) -> dict | None:
+    """The KV event addresses an engine's marker carries (None when absent or unreadable)."""
+    try:
+        doc = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("publisher"), str) else None
 
 
 def _adopted_record(pid: int, log_path: str | None) -> ProcessRecord:

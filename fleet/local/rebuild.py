@@ -91,7 +91,7 @@ def rebuild_snapshot(
             revision=ld.deployment.spec.model.revision if ld is not None and ld.serving_hash == f.spec_hash else "?",
             placed_at_s=now_s, assignment=label, placement=placement, image_ready_at_s=now_s,
             weights_ready_at_s=now_s if f.weights_present else None, launched_at_s=now_s, node=f.node,
-            endpoint=f.endpoint, detail=dict(f.detail),
+            endpoint=f.endpoint, detail=dict(f.detail), kv_events=f.kv_events,
             # The router serves it: it passed warm-up under the previous controller and stays in
             # the pool. Otherwise /health and the warm-up run again before it joins.
             healthy_at_s=now_s if serving else None, warmup_started_at_s=now_s if serving else None,

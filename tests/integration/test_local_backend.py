@@ -184,3 +184,50 @@ async def test_a_source_the_cache_cannot_fetch_ends_the_replica_with_the_reason(
     await loop.run_in_executor(None, wait_until, ended, 60.0)
     f = (await backend.observe())["sim-0"]
     assert f.exit_reason.startswith("weights not present: spec.model.source 'hf://org/absent': ")
+
+
+async def test_the_engine_publishes_kv_events_where_its_facts_say_and_adoption_keeps_them(tmp_path, spawned):
+    """`fleet up`'s engines start with --kv-events-config on ipc:// sockets of the state directory;
+    a subscriber at the addresses the facts give gets vLLM's wire; a new backend on the directory,
+    and one that lost replicas.json (the marker), report the same addresses."""
+    import aiohttp
+    import zmq
+    import zmq.asyncio
+
+    from router.kv_events import BlockStored, decode_batch
+
+    first = LocalBackend(tmp_path, "fleet-kv", NODE)
+    await first.ensure(_sim_want(tmp_path))
+    facts = (await first.observe())["sim-0"]
+    spawned.append(ProcessRecord(int(facts.detail["pid"]), 0, (), None, 0))
+    kv = facts.kv_events
+    assert kv["publisher"].startswith("ipc://") and kv["replay"].startswith("ipc://") and kv["topic"] == ""
+    ctx = zmq.asyncio.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(kv["publisher"])
+        async with aiohttp.ClientSession(facts.endpoint) as client:
+            async def healthy() -> bool:
+                try:
+                    async with client.get("/health") as resp:
+                        return resp.status == 200
+                except aiohttp.ClientError:
+                    return False
+            for _ in range(200):
+                if await healthy():
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)     # the SUB's connection is up before the first batch
+            async with client.post("/v1/completions", json={"prompt": "hello " * 300, "max_tokens": 2}) as resp:
+                assert resp.status == 200
+        _, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 10)
+        assert int.from_bytes(seq, "big") == 0
+        assert any(isinstance(e, BlockStored) for e in decode_batch(payload).events)
+    finally:
+        ctx.destroy(linger=0)
+    assert (await LocalBackend(tmp_path, "fleet-kv", NODE).observe())["sim-0"].kv_events == kv
+    (tmp_path / "replicas.json").unlink()
+    adopted = LocalBackend(tmp_path, "fleet-kv", NODE)
+    assert (await adopted.observe())["sim-0"].kv_events == kv    # from the engine's marker
+    await adopted.stop("sim-0")

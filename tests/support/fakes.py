@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
-from fleet.engines.kinds import get_engine
+from fleet.engines.kinds import KvEventsBind, get_engine
 from fleet.inventory import Inventory, NodeInventory
 from router.spec import EndpointSpec, PoolSpec
 from warmup.client import EngineRequestError
@@ -43,6 +43,7 @@ class FakeLaunch:
     argv: list[str]
     env: dict[str, str]
     port: int
+    kv_events: dict | None = None     # the KV event addresses its engine was given (as the local backend does)
 
 
 @dataclass
@@ -91,8 +92,11 @@ class FakeBackend:
         model = engine_model(want)
         self.next_pid += 1
         self.next_port += 1
-        launch = FakeLaunch(want.replica_id, engine.command(dep.engine_launch(want.base_dir), model, "127.0.0.1", self.next_port),
-                            {**dep.spec.engine.env, **want.placement.env}, self.next_port)  # fmt: skip
+        kv = {"publisher": f"ipc:///fleet-fake/kv/{want.replica_id}.pub",
+              "replay": f"ipc:///fleet-fake/kv/{want.replica_id}.replay", "topic": ""}  # fmt: skip
+        argv = engine.command(dep.engine_launch(want.base_dir), model, "127.0.0.1", self.next_port,
+                              KvEventsBind(kv["publisher"], kv["replay"]))  # fmt: skip
+        launch = FakeLaunch(want.replica_id, argv, {**dep.spec.engine.env, **want.placement.env}, self.next_port, kv)
         self.procs[self.next_pid] = FakeProcess(launch, want, log=[f"starting {want.replica_id}"])
 
     async def observe(self) -> dict[str, ReplicaFacts]:
@@ -104,7 +108,7 @@ class FakeBackend:
                 node=p.want.placement.nodes[0], endpoint=f"http://127.0.0.1:{p.spec.port}", image_present=True,
                 weights_present=True, running=not exited, exited=exited, exit_code=p.exit_code,
                 exit_reason=f"engine exited with code {p.exit_code}" if exited else None,
-                detail={"pid": str(pid), "port": str(p.spec.port)},
+                detail={"pid": str(pid), "port": str(p.spec.port)}, kv_events=p.spec.kv_events,
             )  # fmt: skip
         return out
 

@@ -4,6 +4,7 @@ with a fake backend, fake engines and a fake router admin API."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -29,6 +30,9 @@ async def test_replicas_go_through_the_lifecycle_and_join_the_pool_only_when_war
     argv = h.backend.by_replica("chat-0").spec.argv
     assert argv[argv.index("--served-model-name") + 1] == "chat-model"
     assert argv[argv.index("--port") + 1] == str(h.port("chat-0"))
+    kv = json.loads(argv[argv.index("--kv-events-config") + 1])   # vLLM's keys, events on, where the backend said
+    assert kv == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///fleet-fake/kv/chat-0.pub",
+                  "replay_endpoint": "ipc:///fleet-fake/kv/chat-0.replay", "topic": ""}
 
     h.make_healthy("chat-0")
     await h.tick()
@@ -37,6 +41,8 @@ async def test_replicas_go_through_the_lifecycle_and_join_the_pool_only_when_war
     await h.tick()
     assert h.status() == {"chat-0": S.READY, "chat-1": S.STARTING}
     assert h.pool_ids() == ["chat-0"]
+    (endpoint,) = h.pools.pools["chat-model"]
+    assert endpoint.kv_events.publisher == "ipc:///fleet-fake/kv/chat-0.pub"   # routers subscribe there
     assert [p for _, p in h.engines.posts] == ["/v1/completions", "/v1/completions", "/v1/chat/completions"]
 
     h.make_healthy("chat-1")

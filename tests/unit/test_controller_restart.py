@@ -88,6 +88,9 @@ async def test_ready_replicas_are_adopted_as_they_run_and_stay_in_the_pool(tmp_p
     assert m.pids() == pids                                   # same processes: nothing restarted
     assert [p.signals for p in m.backend.procs.values()] == [[], []]
     assert sorted(e.id for e in m.pools.pools["chat-model"]) == ["chat-0", "chat-1"]
+    # each endpoint keeps where its engine publishes KV events (the backend's facts, as before the restart)
+    assert [e.kv_events.publisher for e in m.pools.pools["chat-model"]] == [
+        "ipc:///fleet-fake/kv/chat-0.pub", "ipc:///fleet-fake/kv/chat-1.pub"]
     assert m.pools.updates == updates + 1                     # the new controller republished once, same pool
     await m.tick()
     assert c.replicas["chat-0"].id == "chat-0" and len(m.backend.procs) == 2
