@@ -28,7 +28,12 @@ What runs for real (the live objects, fed in virtual time):
   ``engine-waiting``: split into prefilling and decoding by the engine's waiting share;
   ``engine-prefill``: plus the engine's queued prefill
   tokens, which vLLM does not export); or every other router's dispatches, first tokens and
-  finishes, ``load_interval_s`` late (``peers``: a peer channel with that delay);
+  finishes, ``load_interval_s`` late (``peers``: a peer channel with that delay). With
+  ``kv_events`` every simulated engine makes vLLM's KV cache events (`EngineModel(kv_events=True)`:
+  one `router.kv_events.EventBatch` per step) and every router's `kv-aware` consumes the same
+  stream through its own `router.kv_index.ExactIndex` (`RoutingPolicy.use_exact_index`), each
+  batch applied ``kv_events_delay_s`` after the step that made it: the objects the live router's
+  subscribers feed;
 - router statistics: one `router.stats.ModelStats` recorded by the proxy's own recording code
   (`router.pool.PoolShared`: `arrived`, `dispatched`, `gave_up`, `rejected`, `completed`) at
   the proxy's points (arrival; queue time at dispatch or at a queue timeout; client-side TTFT
@@ -89,6 +94,8 @@ from fleet.tracesim.replica import NodePool, SimReplica
 from fleet.tracesim.results import RequestLog, SimResult, TickRecord
 from fleet.tracesim.workload import Workload, prompt_ids
 from router.engine_load import DEFAULT_MAX_AGE_S, EngineLoadView
+from router.kv_events import EventBatch
+from router.kv_index import ExactIndex
 from router.policies import make_policy as make_routing_policy
 from router.pool import Pool, PoolShared
 from router.prompt_blocks import RouteRequest, route_request
@@ -119,7 +126,7 @@ to READY: the ~3 s llm-d's fast-model-actuation work reports for waking 64 GiB o
 (quoted in issue 24), not scaled down for an 8B model's 16 GB: a conservative figure."""
 
 # Event kinds, in the order they run when they fall on the same virtual instant.
-_STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK, _SAMPLE, _PEER = range(8)
+_STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK, _SAMPLE, _PEER, _KV_BATCH = range(9)
 
 LOAD_SIGNALS = ("own", "engine", "engine-waiting", "engine-prefill", "peers")
 """What a router knows of the load other routers sent (`SimConfig.load_signal`)."""
@@ -143,7 +150,8 @@ class SimConfig:
     ``wake_s``: modelled seconds from wake-up to READY (`DEFAULT_WAKE_S`);
     ``load_signal`` (one of `LOAD_SIGNALS`) and ``load_interval_s`` (seconds between engine load
     samples, or the peer channel's delay): what each router knows of the others' load (module
-    docstring).
+    docstring); ``kv_events``: the engines' KV cache events reach every router's exact index,
+    ``kv_events_delay_s`` after the step that made them (module docstring).
 
     Raises ValueError for an unknown ``load_signal``, a negative ``load_interval_s`` (or 0 for an
     engine signal), start-up times outside ``0 <= warm <= cold``, a negative
@@ -173,10 +181,14 @@ class SimConfig:
     wake_s: float = DEFAULT_WAKE_S
     load_signal: str = "own"
     load_interval_s: float = 0.1
+    kv_events: bool = False
+    kv_events_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.load_signal not in LOAD_SIGNALS:
             raise ValueError(f"load_signal must be one of {', '.join(LOAD_SIGNALS)}, got {self.load_signal!r}")
+        if self.kv_events_delay_s < 0:
+            raise ValueError(f"kv_events_delay_s must be >= 0, got {self.kv_events_delay_s}")
         if self.load_interval_s < 0 or (self.load_interval_s == 0 and self.load_signal.startswith("engine")):
             raise ValueError(f"load_interval_s must be > 0 (>= 0 for peers), got {self.load_interval_s}")
         if self.standby_max < 0 or self.wake_s < 0:
@@ -205,6 +217,7 @@ class SimConfig:
             "replicas": {"min": self.bounds.min, "max": self.bounds.max, "initial": self.bounds.initial},
             "routing": {"policy": self.routing_policy, "routers": self.routers, "shared_view": self.shared_view,
                         "load_signal": self.load_signal, "load_interval_s": self.load_interval_s,
+                        "kv_events": self.kv_events, "kv_events_delay_s": self.kv_events_delay_s,
                         "max_concurrency_per_endpoint": self.max_concurrency_per_endpoint,
                         "max_queue_length": self.max_queue_length, "queue_timeout_s": self.queue_timeout_s},
             "startup": {"warm_s": self.warm_startup_s, "cold_s": self.cold_startup_s,
@@ -239,6 +252,8 @@ class Simulation:
         estimate = "waiting" if config.load_signal == "engine-waiting" else "mix"
         self.load_views = [EngineLoadView(max(DEFAULT_MAX_AGE_S, 10 * config.load_interval_s), estimate)
                            for _ in range(config.routers)]  # fmt: skip
+        self.exact_indexes = [ExactIndex() for _ in range(config.routers)] if config.kv_events else []
+        self._kv_seq: dict[str, int] = {}               # replica -> sequence number of its last batch
         self._routes: dict[int, RouteRequest] = {}      # request -> what its router saw (until it ends)
         self._prompts: dict[int, list[int]] = {}        # request -> token ids, until dispatched
         self._router_of = bytearray(len(workload.requests))
@@ -276,6 +291,8 @@ class Simulation:
         if self._ran:
             raise RuntimeError("a Simulation runs once")
         self._ran = True
+        for routing, index in zip(self.routings, self.exact_indexes):   # the routers' policies, as run
+            routing.use_exact_index(index)
         for _ in range(self.config.bounds.initial):
             self._add_replica(0.0, ready_now=True)
         self._rebuild_pool()
@@ -303,6 +320,8 @@ class Simulation:
                     self._on_sample(payload, now_s)  # type: ignore[arg-type]
                 elif kind == _PEER:
                     self._on_peer(payload)  # type: ignore[arg-type]
+                elif kind == _KV_BATCH:
+                    self._on_kv_batch(payload)  # type: ignore[arg-type]
                 elif kind == _READY:
                     self._on_ready(payload, now_s)  # type: ignore[arg-type]
                 elif kind == _DRAIN_TIMEOUT:
@@ -450,6 +469,12 @@ class Simulation:
                 endpoint.others_prefill_tokens += tokens
                 endpoint.others_until_s = math.inf
 
+    def _on_kv_batch(self, payload: tuple[str, EventBatch, int]) -> None:
+        """One engine step's KV cache events reach every router (its subscriber's `apply`)."""
+        replica_id, batch, seq = payload
+        for index in self.exact_indexes:
+            index.apply(replica_id, batch, seq)
+
     def _on_sample(self, k: int, now_s: float) -> None:
         """Router ``k`` reads every READY or DRAINING replica's load (its `/metrics` poll)."""
         view = self.load_views[k]
@@ -500,6 +525,13 @@ class Simulation:
         replica.busy = False
         if replica.status is ReplicaStatus.TERMINATED:
             return  # stopped at its drain timeout while this step ran; its requests were aborted then
+        if self.exact_indexes and result.kv_events:
+            self._kv_seq[replica.id] = seq = self._kv_seq.get(replica.id, -1) + 1
+            payload = (replica.id, result.kv_event_batch(), seq)
+            if self.config.kv_events_delay_s > 0:
+                self._push(now_s + self.config.kv_events_delay_s, _KV_BATCH, payload)
+            else:
+                self._on_kv_batch(payload)
         for rid, token in result.emitted.items():
             if token == 0:
                 self._first_token(replica, int(rid), now_s)
@@ -521,10 +553,12 @@ class Simulation:
         slot, warm = self.nodes.take()
         index = len(self.replicas)
         startup_s = 0.0 if ready_now else (cfg.warm_startup_s if warm else cfg.cold_startup_s)
-        engine = EngineModel(cfg.profile.config, cfg.profile.cost, slowdown=cfg.slowdown)
+        engine = EngineModel(cfg.profile.config, cfg.profile.cost, slowdown=cfg.slowdown, kv_events=cfg.kv_events)
         replica = SimReplica(f"{cfg.model}-{index}", index, engine, now_s, now_s + startup_s, warm, slot, cfg.routers)
         self.replicas.append(replica)
         self._by_endpoint[replica.id] = replica
+        for index in self.exact_indexes:   # its stream starts with the engine: empty, complete
+            index.open(replica.id)
         if ready_now:
             replica.status = ReplicaStatus.READY
             self.nodes.became_ready(slot)
@@ -605,6 +639,8 @@ class Simulation:
             replica.standby_spans[-1][1] = now_s
         replica.status = ReplicaStatus.TERMINATED
         replica.stopped_s = now_s
+        for index in self.exact_indexes:
+            index.forget(replica.id)
         self.nodes.release(replica.node)
         self._rebuild_pool()
 

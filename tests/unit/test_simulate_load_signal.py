@@ -1,6 +1,6 @@
 """What each simulated router knows of the load the others sent (SimConfig.load_signal): the
 engines' load sampled through `router.engine_load.EngineLoadView`, or a peer channel with a
-delay (fleet.tracesim.engine)."""
+delay; and the engines' KV cache events read by every router's exact index (fleet.tracesim.engine)."""
 
 from __future__ import annotations
 
@@ -76,3 +76,31 @@ def test_bad_load_signals_are_refused() -> None:
         config("gossip")
     with pytest.raises(ValueError, match="load_interval_s"):
         config("engine", 0.0)
+
+
+def conversations(n_conv: int = 25, turns: int = 6, gap_s: float = 0.05) -> Trace:
+    """Turn t of a conversation repeats its first 4 + t blocks of 128 tokens and adds 100 of its own."""
+    reqs = []
+    for step in range(n_conv * turns):
+        conv, turn = step % n_conv, step // n_conv
+        blocks = tuple(conv * 1000 + b for b in range(4 + turn))
+        reqs.append(TraceRequest(step * gap_s, 128 * len(blocks) + 100, 4, None, blocks, 128))
+    return Trace("conversations", tuple(reqs))
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.02])
+def test_every_router_reads_the_engines_kv_events(delay_s: float) -> None:
+    def prediction_error(kv_events: bool) -> float:
+        cfg = SimConfig(profile=PREFILL, autoscaling=AutoscalingSpec(policy="fixed"), bounds=ReplicaBounds(4, 4, 4),
+                        routing_policy="kv-aware", routers=2, kv_events=kv_events, kv_events_delay_s=delay_s)  # fmt: skip
+        sim = Simulation(cfg, Workload.from_trace(conversations(), PREFILL))
+        sim.run()
+        if kv_events:   # one index per router, each fed the same batches
+            assert len(sim.exact_indexes) == 2 and len(sim.exact_indexes[0]) == len(sim.exact_indexes[1]) > 0
+            assert all(sim.exact_indexes[0].live(r.id) for r in sim.replicas)
+        log = sim.log
+        return sum(abs(p - a) for p, a in zip(log.predicted_cached_tokens, log.cached_tokens)) / sum(log.prompt_tokens)
+
+    approximate, exact = prediction_error(False), prediction_error(True)
+    assert approximate > 0.1   # two routers guess where the other put a conversation
+    assert exact < 0.02        # the engines' account: what the engine finds, but for a batch in flight
