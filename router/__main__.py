@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models-file", type=Path, default=None,
                         help="file that keeps the models the router serves, so that after a restart it answers "
                              "503 + Retry-After for them (not 404) until they are published again (default: none)")
-    parser.add_argument("--engine-load-interval-ms", type=float, default=DEFAULT_POLL_INTERVAL_S * 1000,
+    parser.add_argument("--engine-load-interval-ms", type=float, default=0.0,
                         help="milliseconds between polls of each kv-aware endpoint's /metrics for its load, so that "
-                             "several routers see what the others sent (docs/routing.md); 0: off "
-                             f"(default {DEFAULT_POLL_INTERVAL_S * 1000:g})")
+                             "routers without --peers see some of what the others sent (docs/routing.md; "
+                             f"{DEFAULT_POLL_INTERVAL_S * 1000:g} measured best); 0: off (default)")
     parser.add_argument("--peers", default="",
                         help="comma-separated base URLs of the other routers in front of the same pools: each "
                              "router sends the others its load every --peer-interval-ms, and kv-aware counts it "

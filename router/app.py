@@ -310,8 +310,8 @@ def create_app(
     503 + Retry-After, not 404, until the control plane publishes or deletes their pools, and
     the file is kept up to date; None: no file.
     `engine_load_interval_s`: seconds between polls of each `kv-aware` endpoint's `/metrics` for
-    its load (`router.engine_poll`; `router.server.serve` passes `DEFAULT_POLL_INTERVAL_S`); None:
-    no polling (each router counts only its own load).
+    its load (`router.engine_poll`; `router.engine_load.DEFAULT_POLL_INTERVAL_S` measured best);
+    None: no polling (each router counts only its own load, unless it has peers).
     `peers`: base URLs of the other routers in front of the same pools: every `peer_interval_s`
     this router posts its load to each (`router.peer_channel`) and counts theirs in `kv-aware`
     (`router.peer_load`); with peers the engines are not polled. `router_id`: this router's id in

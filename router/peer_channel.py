@@ -37,6 +37,11 @@ SEND_ERROR_REASONS = ("connect", "timeout", "status")
 
 PEER_LOAD_PATH = "/admin/v1/peer-load"
 
+HEARTBEAT_S = 0.25
+"""Seconds after which an unchanged report is sent again: while this router's load stands still
+it reports four times a second instead of every `interval_s`, so an idle pair of routers costs
+little, and a peer still hears of it well within `router.peer_load.DEFAULT_PEER_MAX_AGE_S`."""
+
 
 class SendFailed(Exception):
     """A report did not reach a peer; `reason` is one of `SEND_ERROR_REASONS`."""
@@ -128,6 +133,8 @@ class PeerSender:
         self.metrics = metrics
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._last_body = b""
+        self._last_sent_s = -float("inf")
 
     async def start(self) -> None:
         """Open the poster's session (a `ReportPoster`) and start sending (no-op if started)."""
@@ -153,16 +160,22 @@ class PeerSender:
         while True:
             started = loop.time()
             try:
-                await self.send_once()
+                await self.send_once(started)
             except Exception:  # the loop survives its parts
                 log.exception("peer load report round failed")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
-    async def send_once(self) -> None:
-        """One round: this router's report to every peer, concurrently."""
+    async def send_once(self, now_s: float | None = None) -> None:
+        """One round: this router's report to every peer, concurrently, unless it is the same
+        as the last one sent less than `HEARTBEAT_S` ago (`now_s`: the loop's clock, seconds)."""
         if not self.urls:
             return
+        if now_s is None:
+            now_s = asyncio.get_running_loop().time()
         body = json.dumps(own_report(self.router_id, self._endpoints()), separators=(",", ":")).encode()
+        if body == self._last_body and now_s - self._last_sent_s < HEARTBEAT_S:
+            return
+        self._last_body, self._last_sent_s = body, now_s
         await asyncio.gather(*(self._send(url, body) for url in self.urls))
 
     async def _send(self, url: str, body: bytes) -> None:

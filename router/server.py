@@ -23,7 +23,6 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.app import create_app
-from router.engine_load import DEFAULT_POLL_INTERVAL_S
 from router.peer_load import DEFAULT_PEER_INTERVAL_S
 from router.errors import error_body, error_type
 
@@ -332,7 +331,7 @@ def _print_listening(host: str, port: int) -> None:
 
 
 def serve(host: str, port: int, admin_token: str, log_level: str = "warning",
-          models_path: Path | None = None, engine_load_interval_s: float | None = DEFAULT_POLL_INTERVAL_S,
+          models_path: Path | None = None, engine_load_interval_s: float | None = None,
           peers: Sequence[str] = (), router_id: str = "", peer_interval_s: float = DEFAULT_PEER_INTERVAL_S) -> None:  # fmt: skip
     """Serve a fresh router app on `host:port` until SIGINT/SIGTERM.
 

@@ -28,7 +28,9 @@ What runs for real (the live objects, fed in virtual time):
   ``engine-waiting``: split into prefilling and decoding by the engine's waiting share;
   ``engine-prefill``: plus the engine's queued prefill
   tokens, which vLLM does not export); or every other router's dispatches, first tokens and
-  finishes, ``load_interval_s`` late (``peers``: a peer channel with that delay). With
+  finishes, ``load_interval_s`` late (``peers``: a peer channel with that delay; the live
+  channel, `router.peer_load`, sends snapshots every 10 ms, so its information is at most
+  that old). With
   ``kv_events`` every simulated engine makes vLLM's KV cache events (`EngineModel(kv_events=True)`:
   one `router.kv_events.EventBatch` per step) and every router's `kv-aware` consumes the same
   stream through its own `router.kv_index.ExactIndex` (`RoutingPolicy.use_exact_index`), each

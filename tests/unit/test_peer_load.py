@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from router.app import create_app
 from router.endpoint import EndpointState
-from router.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender, SendFailed
+from router.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender, SendFailed
 from router.peer_load import PeerLoadView, own_report, parse_report
 from router.spec import PoolSpec
 from tests.support.router import running_app
@@ -69,15 +69,21 @@ async def test_the_sender_posts_to_every_peer_and_counts_failures() -> None:
     metrics = PeerMetrics(registry, lambda: 0)
     sender = PeerSender("me", ["http://up:1/", "http://down:2"], lambda: {"m": (endpoint("a", 2),)}, post,
                         metrics, interval_s=0.01)  # fmt: skip
-    await sender.send_once()
+    await sender.send_once(now_s=0.0)
     assert [u for u, _ in posted] == ["http://up:1" + PEER_LOAD_PATH]
+    await sender.send_once(now_s=0.1)      # unchanged, and sent 0.1 s ago: not again yet
+    assert len(posted) == 1
+    await sender.send_once(now_s=0.1 + HEARTBEAT_S)
+    assert len(posted) == 2
     assert parse_report(json.loads(posted[0][1])) == ("me", {"m": {"a": (2, 0, 0.0)}})
-    assert registry.get_sample_value("fleet_router_peer_reports_sent_total") == 1
-    assert registry.get_sample_value("fleet_router_peer_report_errors_total", {"reason": "connect"}) == 1
+    assert registry.get_sample_value("fleet_router_peer_reports_sent_total") == 2
+    assert registry.get_sample_value("fleet_router_peer_report_errors_total", {"reason": "connect"}) == 2
+    loads = iter(range(1000))
+    sender._endpoints = lambda: {"m": (endpoint("a", next(loads)),)}   # a load that changes every round
     await sender.start()
     await asyncio.sleep(0.05)
     await sender.close()
-    assert len(posted) >= 3
+    assert len(posted) >= 4
     with pytest.raises(ValueError):
         PeerSender("me", [], dict, post, metrics, interval_s=0)
 
