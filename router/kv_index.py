@@ -198,23 +198,29 @@ class ExactIndex:
                 return
             key = found
         extra = event.extra_keys
+        if extra is not None and any(k is not None for k in extra):
+            clean = next(i for i, k in enumerate(extra) if k is not None)
+            view.skipped_blocks += len(hashes) - clean   # keys the token ids alone cannot match
+            hashes = hashes[:clean]
         blocks = view.blocks
         holders = self._holders
         bit = view.bit
-        for i, h in enumerate(hashes):
-            if extra is not None and i < len(extra) and extra[i] is not None:
-                view.skipped_blocks += len(hashes) - i   # a key the token ids alone cannot match
-                return
-            key = hash((key, tuple(tokens[i * size:(i + 1) * size])))
-            eh = engine_hash(h)
+        ids = tuple(tokens)   # slices of a tuple are tuples: one copy, not two per block
+        start = 0
+        for h in hashes:
+            key = hash((key, ids[start:start + size]))
+            start += size
+            eh = h if type(h) is int else int.from_bytes(h[-8:], "big")  # engine_hash, inlined
             old = blocks.get(eh)
-            if old is not None:
-                blocks.move_to_end(eh)
-                if old == key:
-                    continue
+            if old is None:
+                blocks[eh] = key
+                holders[key] = holders.get(key, 0) | bit
+                continue
+            blocks.move_to_end(eh)
+            if old != key:
                 self._drop_holder(old, bit)
-            blocks[eh] = key
-            holders[key] = holders.get(key, 0) | bit
+                blocks[eh] = key
+                holders[key] = holders.get(key, 0) | bit
         excess = len(blocks) - self.max_blocks_per_endpoint
         for _ in range(excess):
             _, old_key = blocks.popitem(last=False)

@@ -45,7 +45,7 @@ import logging
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import zmq
 import zmq.asyncio
@@ -82,10 +82,7 @@ RCVHWM = 100_000
 BURST = 64
 """Messages handled back to back before the subscriber yields to the event loop."""
 
-MAX_REPLAY_BATCHES = 100_000
-"""Most batches one replay answer may hold (vLLM buffers 10,000 by default); more is a bad answer."""
-
-RECENT_BATCHES = 4_096
+RECENT_BATCHES = 1_024
 """Batches whose CRC-32 is kept, to tell a duplicate (seen live and replayed) from a restart."""
 
 RESTART_BACKOFF_S = (0.5, 30.0)
@@ -123,6 +120,7 @@ class KvEventSubscriber:
         self._rebuild_at: float | None = None
         self.resyncs = 0
         self.replays = 0
+        self.bad_payloads = 0
 
     # ----- running --------------------------------------------------------------------------------
 
@@ -210,6 +208,9 @@ class KvEventSubscriber:
         await self._sync(reconnect=False)
         if self._offer(seq, payload):
             return
+        last = self._last_seq
+        if last is not None and seq <= last:
+            return   # covered by the replay (were it a restarted publisher's, its next batches tell)
         # Replay did not reach this batch (it arrived after the replay answer was made): start over here.
         self._resync("replay_gone")
         self._apply(seq, payload)
@@ -221,6 +222,8 @@ class KvEventSubscriber:
             if seq == 0:   # the publisher's first batch: its engine's cache was empty before it
                 self._index.reset(self.endpoint_id, known_empty=True)
                 self._rebuild_at = None
+            elif not self._index.state(self.endpoint_id).exact() and self._rebuild_at is None:
+                self._rebuild_at = self._clock() + self._rebuild_s   # a partial view: trusted after rebuild_s
             self._apply(seq, payload)
             return True
         if seq == last + 1:
@@ -229,7 +232,9 @@ class KvEventSubscriber:
         return seq <= last and self._recent.get(seq) == zlib.crc32(payload)
 
     async def _sync(self, *, reconnect: bool) -> None:
-        """Catch up with the publisher's replay buffer (see the module docstring)."""
+        """Catch up with the publisher's replay buffer (see the module docstring). Replayed batches
+        are applied as they arrive, never all held at once (a busy engine's buffer is 10,000
+        batches of up to tens of KB)."""
         last = self._last_seq
         if self.source.replay is None:
             if not reconnect:
@@ -237,33 +242,76 @@ class KvEventSubscriber:
             elif last is None:
                 self._partial()   # history unknown: only a publisher's seq 0 makes the view exact
             return
-        got = await self._replay(last) if last is not None else None
-        if got is not None and last is not None and got and got[0][0] == last and _contiguous(got):
-            if self._recent.get(last) == zlib.crc32(got[0][1]):
-                if len(got) > 1 and reconnect and self._metrics is not None:
-                    self._metrics.gaps.inc()
-                for seq, payload in got[1:]:
-                    self._apply(seq, payload)
+        outcome = "gone"
+        if last is not None:
+            try:
+                outcome = await self._continue_from(last, reconnect)
+            except _ReplayFailed:
+                outcome = "gone"
+            if outcome == "ok":
                 return
-            restarted = True   # the same seq, other bytes
-        else:
-            restarted = False
-        fresh = got if last == 0 else await self._replay(0)
-        if fresh is not None and (not fresh or fresh[0][0] == 0) and _contiguous(fresh):
-            if last is not None:
+        await self._restart_from_0(had_view=last is not None, restarted=outcome == "restart")
+
+    async def _continue_from(self, last: int, reconnect: bool) -> str:
+        """Replay from `last`: "ok" (it is still buffered as applied: the batches after it were
+        applied), "restart" (buffered with other bytes), "gone" (not buffered). Raises
+        `_ReplayFailed`."""
+        verified = False   # the buffer's first batch is `last`, byte for byte
+        applied = 0
+        async with contextlib.aclosing(self._replay(last)) as batches:
+            async for seq, payload in batches:
+                if not verified:
+                    if seq != last:
+                        return "gone"
+                    if self._recent.get(last) != zlib.crc32(payload):
+                        return "restart"
+                    verified = True
+                    continue
+                if seq != self._last_seq + 1:  # type: ignore[operator]
+                    break   # a hole in the buffer: the next live message resyncs
+                self._apply(seq, payload)
+                applied += 1
+        if not verified:
+            return "gone"   # an empty buffer
+        if applied and reconnect and self._metrics is not None:
+            self._metrics.gaps.inc()
+        return "ok"
+
+    async def _restart_from_0(self, *, had_view: bool, restarted: bool) -> None:
+        """Rebuild the view from the publisher's buffer from seq 0: exact if the buffer begins
+        there (or is empty: nothing was ever published), partial (REBUILDING) otherwise."""
+        first: int | None = None
+        try:
+            async with contextlib.aclosing(self._replay(0)) as batches:
+                async for seq, payload in batches:
+                    if first is None:
+                        first = seq
+                        exact = seq == 0
+                        if had_view:
+                            self._count_resync("restart" if exact or restarted else "replay_gone")
+                        if exact:
+                            self._index.reset(self.endpoint_id, known_empty=True)
+                            self._last_seq = None
+                            self._recent.clear()
+                            self._rebuild_at = None
+                        else:
+                            self._partial()
+                    elif seq != self._last_seq + 1:  # type: ignore[operator]
+                        break   # a hole in the buffer: the next live message resyncs
+                    self._apply(seq, payload)
+        except _ReplayFailed:
+            if first is None:
+                if had_view:
+                    self._count_resync("replay_gone")
+                self._partial()
+            return   # else: a prefix of the history was applied; the next live message finds the rest
+        if first is None:   # an empty buffer: the publisher never published, its engine's cache is empty
+            if had_view:
                 self._count_resync("restart")
             self._index.reset(self.endpoint_id, known_empty=True)
-            self._rebuild_at = None
             self._last_seq = None
-            for seq, payload in fresh:
-                self._apply(seq, payload)
-            return
-        if last is not None:
-            self._count_resync("restart" if restarted else "replay_gone")
-        self._partial()
-        if fresh and _contiguous(fresh):
-            for seq, payload in fresh:
-                self._apply(seq, payload)
+            self._recent.clear()
+            self._rebuild_at = None
 
     def _resync(self, reason: str) -> None:
         self._count_resync(reason)
@@ -291,11 +339,14 @@ class KvEventSubscriber:
             batch = decode_batch(payload)
         except KvEventDecodeError as exc:
             self._count_error("decode")
-            log.warning("KV events of %s/%s: batch %d unreadable: %s", self.model, self.endpoint_id, seq, exc)
+            self.bad_payloads += 1
+            if self.bad_payloads & (self.bad_payloads - 1) == 0:   # the 1st, 2nd, 4th, 8th...: no log flood
+                log.warning("KV events of %s/%s: batch %d unreadable (%d so far): %s", self.model, self.endpoint_id,
+                            seq, self.bad_payloads, exc)  # fmt: skip
             self._resync("bad_payload")
-            self._last_seq = seq
-            return
-        applied = self._index.apply(self.endpoint_id, batch, seq)
+            applied = 0
+        else:
+            applied = self._index.apply(self.endpoint_id, batch, seq)
         if self._metrics is not None:
             self._metrics.events.inc(applied)
         self._last_seq = seq
@@ -304,37 +355,41 @@ class KvEventSubscriber:
         if len(recent) > RECENT_BATCHES:
             recent.popitem(last=False)
 
-    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """The publisher's buffered batches with seq >= `start`, in order; None when the replay
-        socket did not answer in time or answered something else (vLLM `_service_replay`)."""
+    async def _replay(self, start: int) -> AsyncIterator[tuple[int, bytes]]:
+        """The publisher's buffered batches with seq >= `start`, in order, as they arrive (vLLM
+        `_service_replay`). Raises `_ReplayFailed` when the replay socket does not answer within
+        `replay_timeout_s` (per frame) or answers something else."""
         assert self.source.replay is not None
         self.replays += 1
         sock = self._ctx.socket(zmq.DEALER)
-        out: list[tuple[int, bytes]] = []
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.source.replay)
             await sock.send_multipart([b"", seq_frame(start)])
+            n = 0
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), self._replay_timeout_s)
-                if len(frames) != 4 or frames[0] != b"":
-                    self._count_error("replay")
-                    return None
-                if frames[2] == END_SEQ:
-                    return out
-                out.append((parse_seq(frames[2]), frames[3]))
-                if len(out) > MAX_REPLAY_BATCHES:
-                    self._count_error("replay")
-                    return None
-        except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
-            log.info("KV events of %s/%s: replay from %d failed: %r", self.model, self.endpoint_id, start, exc)
-            return None
+                try:
+                    frames = await asyncio.wait_for(sock.recv_multipart(), self._replay_timeout_s)
+                    if len(frames) != 4 or frames[0] != b"":
+                        raise KvEventDecodeError(f"replay answer of {len(frames)} frames")
+                    if frames[2] == END_SEQ:
+                        return
+                    seq = parse_seq(frames[2])
+                except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
+                    if not isinstance(exc, TimeoutError):
+                        self._count_error("replay")
+                    log.info("KV events of %s/%s: replay from %d failed: %r", self.model, self.endpoint_id, start, exc)
+                    raise _ReplayFailed from exc
+                yield seq, frames[3]
+                n += 1
+                if n % BURST == 0:
+                    await asyncio.sleep(0)
         finally:
             sock.close(linger=0)
 
 
-def _contiguous(batches: list[tuple[int, bytes]]) -> bool:
-    return all(b[0] == a[0] + 1 for a, b in zip(batches, batches[1:]))
+class _ReplayFailed(Exception):
+    """The replay socket did not answer in time, or answered something else."""
 
 
 class KvEventStreams:

@@ -290,3 +290,79 @@ async def test_subscribers_follow_the_pools(ctx: zmq.asyncio.Context) -> None:
     await streams.close()
     for pub in pubs:
         await pub.close()
+
+
+async def test_the_router_follows_a_published_pool_and_routes_on_the_engines_events(ctx: zmq.asyncio.Context) -> None:
+    import aiohttp
+
+    from router.app import create_app
+    from tests.support.router import FakeEngine, running_app
+
+    token = "t0ken"
+    auth = {"Authorization": f"Bearer {token}"}
+    pubs = [Publisher(ctx), Publisher(ctx)]
+    app = create_app(token)
+    async with FakeEngine("a") as a, FakeEngine("b") as b, running_app(app) as base, \
+            aiohttp.ClientSession(base, timeout=aiohttp.ClientTimeout(total=10)) as client:  # fmt: skip
+        doc = {"policy": "kv-aware", "endpoints": [
+            {"id": name, "url": engine.url, "kv_events": pub.source.model_dump()}
+            for name, engine, pub in (("a", a, pubs[0]), ("b", b, pubs[1]))]}  # fmt: skip
+        async with client.put("/admin/v1/pools/m", json=doc, headers=auth) as resp:
+            assert resp.status == 200, await resp.text()
+        assert app.kv_streams is not None
+        index = app.kv_streams.index("m")
+        await eventually(lambda: index.live("a") and index.live("b"))
+        await asyncio.sleep(0.2)
+        prompt = ids(7000, 300)                            # 1,200 tokens, held by b's engine only
+        await pubs[1].publish(stored(7000, 300))
+        await eventually(lambda: index.blocks("b") == 300)
+        for _ in range(3):
+            async with client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2}) as resp:
+                assert (await resp.json())["served_by"] == "b"
+        async with client.get("/metrics") as resp:
+            text = await resp.text()
+        assert 'fleet_router_kv_stream_live{endpoint="b",model="m"} 1.0' in text
+        assert 'fleet_router_kv_events_total{endpoint="b",model="m"} 1.0' in text
+    assert app.kv_streams.subscriber("m", "a") is None      # stopped with the app's lifespan
+    for pub in pubs:
+        await pub.close()
+
+
+async def test_a_replay_socket_that_does_not_answer_rebuilds_the_view(ctx: zmq.asyncio.Context) -> None:
+    pub = Publisher(ctx)
+    dead = ctx.socket(zmq.ROUTER)                          # bound, never answers
+    dead.bind("tcp://127.0.0.1:0")
+    source = KvEventsSource(publisher=pub.source.publisher, replay=dead.getsockopt_string(zmq.LAST_ENDPOINT),
+                            topic="kv")  # fmt: skip
+    index = ExactIndex()
+    sub = KvEventSubscriber("m", "e", source, index, ctx, replay_timeout_s=0.2)
+    async with following(sub):
+        await eventually(lambda: index.state("e") is StreamState.REBUILDING)   # first contact: history unknown
+        await asyncio.sleep(0.2)
+        await pub.publish(stored(100, 1))                  # seq 0: a fresh publisher, exact after all
+        await eventually(lambda: index.live("e") and index.blocks("e") == 1)
+        await pub.publish(stored(200, 1), drop=True)
+        await pub.publish(stored(300, 1))
+        await eventually(lambda: sub.resyncs == 1)
+        assert index.state("e") is StreamState.REBUILDING and index.match(ids(300, 1)) == {}
+    dead.close(linger=0)
+    await pub.close()
+
+
+async def test_a_moved_publisher_gets_a_new_subscriber_and_an_empty_view(ctx: zmq.asyncio.Context) -> None:
+    old, new = Publisher(ctx), Publisher(ctx)
+    streams = KvEventStreams()
+    await streams.start()
+    streams.put("m", {"e": old.source})
+    index = streams.index("m")
+    await eventually(lambda: index.live("e"))
+    await asyncio.sleep(0.2)
+    await old.publish(stored(100, 2))
+    await eventually(lambda: index.blocks("e") == 2)
+    first = streams.subscriber("m", "e")
+    streams.put("m", {"e": new.source})
+    assert streams.subscriber("m", "e") is not first and index.blocks("e") == 0
+    await eventually(lambda: index.live("e"))
+    await streams.close()
+    await old.close()
+    await new.close()
