@@ -9,13 +9,14 @@ appears (`/v1/models`, metric help texts, `system_fingerprint`, its start-up lin
 Layers, each importing only the ones above it:
 
 - `fleet.enginesim.cost`: the per-step time model (`StepFeatures` -> seconds). Pure.
-- `fleet.enginesim.kvcache`: KV-cache blocks, LRU free queue, prefix-cache block hashes. Pure.
+- `fleet.enginesim.kvcache`: KV-cache blocks, LRU free queue, prefix-cache block hashes, KV cache events. Pure.
 - `fleet.enginesim.model`: `EngineModel`, the scheduler; driven by `step(now_s)` in real or virtual
   time. Pure: no I/O, no clock, no asyncio.
 - `fleet.enginesim.profiles`: named profiles (scheduler limits, KV capacity, step cost) with sources.
 - `fleet.enginesim.tokens`: the simulator's deterministic tokenizer and filler text.
 - `fleet.enginesim.metrics`: vLLM's metric names, labels and buckets over prometheus-client.
 - `fleet.enginesim.faults`: fault switches for reliability tests.
+- `fleet.enginesim.kvpublish`: KV cache events on vLLM's wire (``--kv-events-config``, PUB and replay sockets).
 - `fleet.enginesim.server`: the asyncio/aiohttp shell serving many replicas per process.
 - `fleet.enginesim.__main__`: the vLLM-compatible single-replica command line (`engine.kind: sim`).
 """

@@ -27,6 +27,14 @@ read-only at the same path (the entry's files are relative symlinks into ``../..
 only the whole cache root keeps them valid) and serves ``/fleet/model/current`` under
 ``--served-model-name spec.model.name``. Without a cache an ``hf://org/name@rev`` source is
 ``org/name --revision rev`` (vLLM downloads it itself).
+
+KV cache events (the chart's ``engine.kvEvents``, on by default): the engine (vLLM or the
+simulator) starts with ``--kv-events-config`` binding its PUB socket on ``tcp://*:5557`` and its
+replay socket on ``tcp://*:5558`` (vLLM binds PUB only for a wildcard address,
+vllm/distributed/kv_events.py), both declared as container ports ``kv-events`` and
+``kv-replay``; `pod_facts` gives routers ``tcp://<pod IP>:<port>`` from those declared ports,
+so an adopted pod keeps its addresses. A deployment whose ``engine.args`` carry their own
+``--kv-events-config`` keeps it, and its pods publish no addresses.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
-from fleet.engines.kinds import get_engine
+from fleet.engines.kinds import KvEventsBind, get_engine, has_kv_events_flag
 from fleet.inventory.gfd import GFD_PRODUCT
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -57,6 +65,8 @@ ANNOTATION_MODEL = "fleet.inference.dev/model"          # spec.model.name (the r
 ANNOTATION_READY_AT = "fleet.inference.dev/ready-at"    # Unix seconds its warm-up passed (operator writes it)
 ANNOTATION_REVISION = "fleet.inference.dev/revision"    # spec.model.revision as written (the label is sanitised)
 ENGINE_PORT = 8000
+KV_EVENTS_PORT_NAME = "kv-events"          # container port of the engine's KV event PUB socket
+KV_REPLAY_PORT_NAME = "kv-replay"          # ... and of its replay ROUTER socket
 ENGINE_CONTAINER = "engine"
 WEIGHTS_CONTAINER = "weights"              # init container filling the node cache (weightCache set)
 MODEL_DIR = "/fleet/model"                 # emptyDir of the pod: the link to the cache entry
@@ -183,6 +193,10 @@ class EnginePodSettings:
     weight_cache_path: str = ""
     fleet_image: str = ""
     resources: EngineResources = field(default_factory=EngineResources)
+    # KV cache events (``engine.kvEvents``): every engine publishes on these container ports.
+    kv_events: bool = True
+    kv_events_port: int = 5557
+    kv_replay_port: int = 5558
 
     @classmethod
     def from_json(cls, text: str, default_image: str = "") -> EnginePodSettings:
@@ -207,6 +221,18 @@ class EnginePodSettings:
         cache = d.get("weightCache") or {}
         if not isinstance(cache, dict):
             raise ValueError("FLEET_ENGINE_POD_JSON weightCache: must be an object")
+        kv = d.get("kvEvents")
+        kv = {} if kv is None else kv
+        if not isinstance(kv, dict):
+            raise ValueError("FLEET_ENGINE_POD_JSON kvEvents: must be an object")
+        kv_ports = {}
+        for key, default in (("port", 5557), ("replayPort", 5558)):
+            value = kv.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536 or value == ENGINE_PORT:
+                raise ValueError(f"FLEET_ENGINE_POD_JSON kvEvents.{key}: {value!r} is not a free port 1-65535")
+            kv_ports[key] = value
+        if kv_ports["port"] == kv_ports["replayPort"]:
+            raise ValueError("FLEET_ENGINE_POD_JSON kvEvents: port and replayPort must differ")
         host_path = str(cache.get("hostPath") or "")
         if host_path and not host_path.startswith("/"):
             raise ValueError(f"FLEET_ENGINE_POD_JSON weightCache.hostPath: {host_path!r} is not an absolute path")
@@ -225,7 +251,8 @@ class EnginePodSettings:
             pod_labels=dict(d.get("podLabels") or {}), mig_strategy=strategy, gangs=d.get("gangs") or "auto",
             termination_grace_period_s=int(d.get("terminationGracePeriodSeconds", 120)),
             image_pull_secrets=list(d.get("imagePullSecrets") or []),
-            gang_service=d.get("gangService") or "fleet-gangs",
+            gang_service=d.get("gangService") or "fleet-gangs", kv_events=bool(kv.get("enabled", True)),
+            kv_events_port=kv_ports["port"], kv_replay_port=kv_ports["replayPort"],
         )  # fmt: skip
 
 
@@ -411,7 +438,9 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
     model = files.model
     engine = get_engine(spec.engine.kind)
     launch = dep.engine_launch(want.base_dir)
-    argv = engine.command(launch, model, "0.0.0.0", ENGINE_PORT)
+    kv = settings.kv_events and not has_kv_events_flag(spec.engine.args)
+    bind = KvEventsBind(f"tcp://*:{settings.kv_events_port}", f"tcp://*:{settings.kv_replay_port}") if kv else None
+    argv = engine.command(launch, model, "0.0.0.0", ENGINE_PORT, bind)
     flags = argv[len(engine.entry(model)):]
     command = [*POD_ENTRY[spec.engine.kind](model), *files.extra_args, *flags]
     env = {**engine.env(launch), **spec.engine.env, **{k: v for k, v in want.placement.env.items() if k not in _NOT_IN_PODS}}
@@ -426,7 +455,10 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": command,
         "env": env_list,
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+                  *([{"name": KV_EVENTS_PORT_NAME, "containerPort": settings.kv_events_port, "protocol": "TCP"},
+                     {"name": KV_REPLAY_PORT_NAME, "containerPort": settings.kv_replay_port, "protocol": "TCP"}]
+                    if kv else [])],
         "resources": engine_resources(want, settings),
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": max(1, int(startup_s // 5) + 1)},
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
@@ -546,13 +578,29 @@ def pod_facts(pod: dict) -> ReplicaFacts:
         problem = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
         if waiting["reason"] != "ErrImagePull":   # the first pull error may be transient; back-off is not
             exited, reason = True, f"container cannot start: {problem}"
+    endpoint = f"http://{ip}:{ENGINE_PORT}" if ip and (running or exited) else None
     return ReplicaFacts(
         replica_id=labels.get(LABEL_REPLICA, meta["name"]), deployment=labels.get(LABEL_DEPLOYMENT, "?"),
-        spec_hash=labels.get(LABEL_SPEC_HASH, ""), node=node,
-        endpoint=f"http://{ip}:{ENGINE_PORT}" if ip and (running or exited) else None,
+        spec_hash=labels.get(LABEL_SPEC_HASH, ""), node=node, endpoint=endpoint,
         image_present=image_present, weights_present=weights_present, running=running and not exited,
         exited=exited, exit_code=code, exit_reason=reason, problem=problem, detail=detail,
+        kv_events=pod_kv_events(pod, ip) if endpoint is not None else None,
     )  # fmt: skip
+
+
+def pod_kv_events(pod: dict, ip: str | None) -> dict[str, str | None] | None:
+    """Where routers subscribe to the pod's KV cache events: ``tcp://<pod IP>:<port>`` of the
+    engine container's declared ``kv-events`` (and ``kv-replay``) ports; None when it declares
+    none (events off, or a pod made before they were)."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    engine = next((c for c in containers if c.get("name") == ENGINE_CONTAINER), None)
+    ports = {p.get("name"): p.get("containerPort") for p in (engine or {}).get("ports") or []}
+    if not ip or not isinstance(ports.get(KV_EVENTS_PORT_NAME), int):
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    replay = ports.get(KV_REPLAY_PORT_NAME)
+    return {"publisher": f"tcp://{host}:{ports[KV_EVENTS_PORT_NAME]}",
+            "replay": f"tcp://{host}:{replay}" if isinstance(replay, int) else None, "topic": ""}
 
 
 def member_name(replica_id: str, index: int) -> str:
@@ -650,5 +698,5 @@ def group_facts(pods: list[dict]) -> ReplicaFacts:
         facts.replica_id, facts.deployment, facts.spec_hash, facts.node, facts.endpoint,
         all(f.image_present for f in members), all(f.weights_present for f in members),
         all(f.running for f in members), False, None, None, next((f.problem for f in members if f.problem), None),
-        detail,
+        detail, kv_events=facts.kv_events,
     )  # fmt: skip

@@ -14,14 +14,16 @@ crash left unrecorded; those are taken back from their markers (``FLEET_ENGINE_P
 (`fleet.local.rebuild`).
 
 KV cache events: every engine (vLLM or the simulator) starts with ``--kv-events-config``
-publishing on ``ipc://`` sockets in ``<state dir>/kv/`` (a short directory under the system's
-temporary directory when that path is too long for a Unix socket), a PUB and a replay socket per
-replica, and the replica's facts carry those addresses for the router (`ReplicaFacts.kv_events`).
-Not loopback TCP: vLLM binds its PUB socket only for a wildcard or ipc address
-(`fleet.engines.kinds.KvEventsBind`), and ``tcp://*:P`` would publish every prompt's token ids
-on all of the machine's interfaces; the socket files sit in the fleet's own directory (mode
-0700). A deployment whose ``engine.args`` carry their own ``--kv-events-config`` keeps it and
-publishes no addresses.
+publishing on ``ipc://`` sockets, a PUB and a replay socket per replica, and the replica's facts
+carry those addresses for the router (`ReplicaFacts.kv_events`). Not loopback TCP: vLLM binds its
+PUB socket only for a wildcard or ipc address (`fleet.engines.kinds.KvEventsBind`), and
+``tcp://*:P`` would publish every prompt's token ids on all of the machine's interfaces. The
+socket files sit in a directory of this user only (mode 0700, checked) under
+``$XDG_RUNTIME_DIR`` or the system's temporary directory, named after the state directory: not in
+the state directory itself, whose path may be too long for a Unix socket (107 bytes) and whose
+disk may be full (the fail-soft cases). When that directory cannot be made or is not ours, the
+engine starts without events (the router keeps its approximate view). A deployment whose
+``engine.args`` carry their own ``--kv-events-config`` keeps it and publishes no addresses.
 
 Writing ``replicas.json`` fails soft (target ``replicas`` of `fleet.local.failsoft.WriteErrors`):
 on a full disk the records are kept in memory and written at the next change or observation once
@@ -38,6 +40,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -379,17 +382,24 @@ class LocalBackend:
             kv_events=rec.kv_events if endpoint is not None else None,
         )  # fmt: skip
 
-    def _kv_events_addresses(self, rid: str) -> dict[str, str | None]:
-        """The ipc:// PUB and replay addresses of replica ``rid`` (see the module docstring)."""
-        kv_dir = self.root / "kv"
+    def _kv_events_addresses(self, rid: str) -> dict[str, str | None] | None:
+        """The ipc:// PUB and replay addresses of replica ``rid``; None when their directory
+        cannot be made or is not this user's alone (see the module docstring)."""
         name = rid if len(rid) <= 40 else hashlib.sha1(rid.encode()).hexdigest()[:16]
-        if len(str(kv_dir.resolve())) + len(name) + 8 > IPC_PATH_MAX:
-            kv_dir = Path(tempfile.gettempdir()) / f"fleet-kv-{hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]}"
-        if not self.read_only:
-            kv_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if kv_dir.stat().st_uid == os.getuid():
-                kv_dir.chmod(0o700)
-        base = kv_dir.resolve() / name
+        leaf = f"fleet-kv-{os.getuid()}-{hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]}"
+        kv_dir = Path(tempfile.gettempdir()) / leaf
+        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        if runtime and len(str(Path(runtime) / leaf)) + len(name) + 8 <= IPC_PATH_MAX:
+            kv_dir = Path(runtime) / leaf
+        try:
+            kv_dir.mkdir(mode=0o700, exist_ok=True)
+            st = kv_dir.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise PermissionError(f"{kv_dir} is not a directory of this user alone (mode 0700)")
+        except OSError as err:
+            log.warning("replica %s starts without KV events: %s", rid, err)
+            return None
+        base = kv_dir / name
         return {"publisher": f"ipc://{base}.pub", "replay": f"ipc://{base}.replay", "topic": ""}
 
     def _free_port(self) -> int:

@@ -318,6 +318,38 @@ def test_engine_pods_get_the_node_cache_fleets_image_and_resource_sizing():
     assert json.loads(json.dumps(settings("--set", "engine.resources.swapSpaceGiB=8").resources.swap_space_gib)) == 8
 
 
+def test_engine_pods_publish_kv_events_on_the_charts_ports():
+    """engine.kvEvents as rendered reaches the operator: every engine pod binds its KV event PUB
+    and replay sockets on the declared ports and the pool gets the pod IP's addresses; the switch
+    and the ports are the chart's, and the schema refuses a port the engine's HTTP server holds."""
+    import json
+
+    from fleet.k8s.pods import EnginePodSettings, pod_facts, pod_manifest
+    from tests.unit.test_k8s_backend import _dep, _want
+
+    def settings(*extra):
+        op = next(d for d in _by_kind(render(extra=extra))["Deployment"] if d["metadata"]["name"] == "fleet-operator")
+        env = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+        return EnginePodSettings.from_json(env["FLEET_ENGINE_POD_JSON"], default_image="fleet:1")
+
+    pod = pod_manifest(_want(_dep()), fleet_id="f", owner=None, settings=settings())
+    engine = pod["spec"]["containers"][0]
+    config = json.loads(engine["command"][engine["command"].index("--kv-events-config") + 1])
+    assert (config["endpoint"], config["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
+    assert {(p["name"], p["containerPort"]) for p in engine["ports"]} == {("http", 8000), ("kv-events", 5557),
+                                                                          ("kv-replay", 5558)}
+    pod["status"] = {"phase": "Running", "podIP": "10.0.0.9",
+                     "containerStatuses": [{"name": "engine", "imageID": "x", "state": {"running": {}}}]}
+    assert pod_facts(pod).kv_events == {"publisher": "tcp://10.0.0.9:5557", "replay": "tcp://10.0.0.9:5558",
+                                        "topic": ""}
+    off = pod_manifest(_want(_dep()), fleet_id="f", owner=None, settings=settings("--set", "engine.kvEvents.enabled=false"))
+    assert "--kv-events-config" not in off["spec"]["containers"][0]["command"]
+    assert settings("--set", "engine.kvEvents.port=6000").kv_events_port == 6000
+    proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), "--set", "engine.kvEvents.port=8000"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode != 0 and "port" in proc.stderr, proc.stderr
+
+
 def test_values_schema_refuses_bad_engine_resources():
     for bad, field in ((("--set", "engine.resources.cpuPerGPU=1"), "cpuPerGPU"),
                        (("--set", "engine.resources.baseMemoryGiB=-1"), "baseMemoryGiB")):  # fmt: skip

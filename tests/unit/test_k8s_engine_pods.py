@@ -224,3 +224,42 @@ def test_published_sources_are_redacted_and_placement_still_finds_them_warm():
     ld = _gpu(signed)
     request = PlacementRequest(ReplicaShape.of(ld.deployment), model_source=signed, image=None)
     assert request.warmth(NodeInventory("a", cached=frozenset({redact_source(signed)}))) == 3
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sim"])
+def test_engines_publish_kv_events_on_declared_ports_and_facts_give_the_pod_ip(kind):
+    pod = pod_manifest(_want(_gpu(kind=kind)), fleet_id="f", owner=None, settings=SETTINGS)
+    engine = pod["spec"]["containers"][0]
+    config = json.loads(engine["command"][engine["command"].index("--kv-events-config") + 1])
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                      "replay_endpoint": "tcp://*:5558", "topic": ""}   # wildcards: vLLM binds only those
+    assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in engine["ports"]
+    assert {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"} in engine["ports"]
+    kubernetes_validate.validate(pod, "1.37.0", strict=True)
+    pod["status"] = {"phase": "Running", "podIP": "10.1.2.3",
+                     "containerStatuses": [{"name": "engine", "imageID": "x", "state": {"running": {}}}]}
+    assert pod_facts(pod).kv_events == {"publisher": "tcp://10.1.2.3:5557", "replay": "tcp://10.1.2.3:5558",
+                                        "topic": ""}
+    pod["status"]["podIP"] = "fd00::7"
+    assert pod_facts(pod).kv_events["publisher"] == "tcp://[fd00::7]:5557"
+
+
+def test_kv_events_can_be_switched_off_moved_or_left_to_the_engine_args():
+    off = EnginePodSettings.from_json(json.dumps({"kvEvents": {"enabled": False}}), default_image="fleet:1")
+    pod = pod_manifest(_want(_gpu()), fleet_id="f", owner=None, settings=off)
+    assert "--kv-events-config" not in pod["spec"]["containers"][0]["command"]
+    pod["status"] = {"phase": "Running", "podIP": "10.1.2.3",
+                     "containerStatuses": [{"name": "engine", "imageID": "x", "state": {"running": {}}}]}
+    assert pod_facts(pod).kv_events is None
+    moved = EnginePodSettings.from_json(json.dumps({"kvEvents": {"port": 6000, "replayPort": 6001}}), "fleet:1")
+    ports = pod_manifest(_want(_gpu()), fleet_id="f", owner=None, settings=moved)["spec"]["containers"][0]["ports"]
+    assert [p["containerPort"] for p in ports] == [8000, 6000, 6001]
+    own = _dep(model={"name": "tiny", "source": "hf://org/tiny"}, engine={
+        "kind": "vllm", "image": "vllm:1", "args": ["--kv-events-config", '{"enable_kv_cache_events": false}']},
+        resources={"accelerator": "gpu", "tensorParallelSize": 1})  # fmt: skip
+    command = pod_manifest(_want(own), fleet_id="f", owner=None, settings=SETTINGS)["spec"]["containers"][0]["command"]
+    assert command.count("--kv-events-config") == 1 and command[-1] == '{"enable_kv_cache_events": false}'
+    for bad, key in (({"kvEvents": {"port": 8000}}, "kvEvents.port"), ({"kvEvents": {"replayPort": 0}}, "replayPort"),
+                     ({"kvEvents": {"port": 5558}}, "must differ"), ({"kvEvents": []}, "kvEvents")):  # fmt: skip
+        with pytest.raises(ValueError, match=key):
+            EnginePodSettings.from_json(json.dumps(bad))

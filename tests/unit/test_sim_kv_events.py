@@ -229,3 +229,26 @@ def test_the_command_line_takes_the_flag():
                                                                          "endpoint": "tcp://*:7000"})])
     assert not ignored and opts.kv_events.endpoint == "tcp://*:7000"
     assert opts.replica_settings()[0].kv_events is opts.kv_events
+
+
+def test_fleet_up_puts_the_sockets_in_a_directory_of_this_user_alone(tmp_path, monkeypatch):
+    """ipc:// addresses in a 0700 directory named after the state directory; a directory someone
+    else could read (or none at all) means the engine starts without events, never a failure."""
+    import os
+
+    from fleet.inventory import NodeInventory
+    from fleet.local.backend import LocalBackend
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    backend = LocalBackend(tmp_path / "state", "f", NodeInventory(name="n"))
+    kv = backend._kv_events_addresses("chat-0")
+    d = tmp_path / "tmp" / f"fleet-kv-{os.getuid()}-"
+    assert kv["publisher"].startswith(f"ipc://{d}") and kv["publisher"].endswith("/chat-0.pub")
+    assert kv["replay"].endswith("/chat-0.replay")
+    kv_dir = os.path.dirname(kv["publisher"][len("ipc://"):])
+    assert os.stat(kv_dir).st_mode & 0o777 == 0o700
+    assert len(backend._kv_events_addresses("x" * 60)["publisher"]) < len(kv["publisher"]) + 20   # long ids hashed
+    os.chmod(kv_dir, 0o755)
+    assert backend._kv_events_addresses("chat-1") is None
