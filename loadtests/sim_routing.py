@@ -10,6 +10,12 @@ measured with the engine model, and arrivals are compressed so the fleet runs at
 A policy may carry parameters for tuning: `kv-aware:load_bound=2,decode_token_weight=0`.
 `--routers N` puts N independent routers in front of the pool, taking requests in turn, each
 with its own policy object and its own view of the endpoints (`SimConfig.routers`).
+`--load-signals` runs each policy once per load signal (`SimConfig.load_signal`: what each
+router knows of the load the others sent): `own`, `engine:100` (the engines' waiting and
+running requests sampled every 100 ms), `engine-prefill:100` (plus their queued prefill
+tokens), `peers:50` (every router's dispatches reach the others 50 ms late). `--kv-events` has every
+router's `kv-aware` match prompts against the engines' own KV cache events
+(`SimConfig.kv_events`) instead of its approximate index.
 
 Reported per row: TTFT p50 / p99, share within `--ttft-slo-s`, the prefix-cache hit rate
 (prompt tokens found in the engines' prefix caches / prompt tokens), and, for `kv-aware`, how
@@ -53,11 +59,20 @@ def make_variant(spec: str):
     return spec, lambda: cls(**kwargs)
 
 
-def run_row(label: str, factory, workload: Workload, args, profile) -> dict:
+def parse_signal(spec: str) -> tuple[str, float]:
+    """`name` or `name:interval_ms` -> (load signal, interval in seconds; default 100 ms)."""
+    name, _, ms = spec.partition(":")
+    return name, float(ms) / 1000 if ms else 0.1
+
+
+def run_row(label: str, factory, workload: Workload, args, profile, signal: str = "own") -> dict:
+    load_signal, interval_s = parse_signal(signal)
     cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy="fixed"),
                     bounds=ReplicaBounds(args.replicas, args.replicas, args.replicas),
                     routing_policy=label.partition(":")[0], ttft_slo_s=args.ttft_slo_s, seed=args.seed,
-                    name=label, routers=args.routers, shared_view=args.shared_view)  # fmt: skip
+                    name=label, routers=args.routers, shared_view=args.shared_view,
+                    load_signal=load_signal, load_interval_s=interval_s, kv_events=args.kv_events,
+                    kv_events_delay_s=args.kv_events_delay_ms / 1000)  # fmt: skip
     sim = Simulation(cfg, workload)
     sim.routings = [factory() for _ in range(args.routers)]
     sim.routing = sim.routings[0]
@@ -69,7 +84,7 @@ def run_row(label: str, factory, workload: Workload, args, profile) -> dict:
     actual = sum(log.cached_tokens)
     predicted = sum(log.predicted_cached_tokens)
     error = sum(abs(p - a) for p, a in zip(log.predicted_cached_tokens, log.cached_tokens))
-    return {"policy": label, "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s, "within_slo": s.within_slo,
+    return {"policy": label, "load_signal": signal, "routers": args.routers, "kv_events": args.kv_events, "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s, "within_slo": s.within_slo,
             "prefix_hit_rate": s.prefix_hit_rate, "predicted_over_actual_hits": predicted / actual if actual else None,
             "prediction_error": error / sum(log.prompt_tokens), "failed": s.failed, "wall_s": wall_s}  # fmt: skip
 
@@ -86,6 +101,13 @@ def main() -> None:
     parser.add_argument("--routers", type=int, default=1)
     parser.add_argument("--shared-view", action="store_true",
                         help="every router learns every placement (what KV cache events would tell it)")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="the engines' KV cache events reach every router's exact index (SimConfig.kv_events)")
+    parser.add_argument("--kv-events-delay-ms", type=float, default=0.0,
+                        help="delay from an engine step to its events' arrival at the routers")
+    parser.add_argument("--load-signals", default="own",
+                        help="comma-separated load signals, each `name[:interval_ms]`: own, engine, engine-prefill, "
+                             "peers (SimConfig.load_signal)")
     parser.add_argument("--ttft-slo-s", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", default="round-robin,least-outstanding,latency-aware,kv-aware",
@@ -101,18 +123,19 @@ def main() -> None:
     print(f"{args.trace.name}: {len(workload.requests)} requests ({base.clipped} clipped to {profile.config.max_model_len} "
           f"tokens), one replica {capacity:.3f} req/s saturated, speedup x{speedup:.3f} -> "
           f"{workload.trace.mean_rate_per_s():.2f} req/s on {args.replicas} replicas ({args.load:.0%} load), "
-          f"{args.routers} router(s){', shared view' if args.shared_view else ''}", flush=True)
+          f"{args.routers} router(s){', shared view' if args.shared_view else ''}"
+          f"{', KV events' if args.kv_events else ''}", flush=True)
     specs = args.policies.split(";") if ";" in args.policies else args.policies.split(",")
     rows = []
-    print("| policy | TTFT p50 | TTFT p99 | within SLO | prefix hit rate | predicted / actual hits | prediction error "
+    print("| policy | load signal | TTFT p50 | TTFT p99 | within SLO | prefix hit rate | predicted / actual hits | prediction error "
           "| failed |")
-    print("|---|---|---|---|---|---|---|---|")
-    for spec in filter(None, specs):
+    print("|---|---|---|---|---|---|---|---|---|")
+    for spec, signal in [(p, sig) for p in filter(None, specs) for sig in args.load_signals.split(",")]:
         label, factory = make_variant(spec)
-        row = run_row(label, factory, workload, args, profile)
+        row = run_row(label, factory, workload, args, profile, signal)
         rows.append(row)
         ratio = row["predicted_over_actual_hits"]
-        print(f"| {label} | {row['ttft_p50_s']:.3f} s | {row['ttft_p99_s']:.3f} s | {100 * row['within_slo']:.1f}% "
+        print(f"| {label} | {signal} | {row['ttft_p50_s']:.3f} s | {row['ttft_p99_s']:.3f} s | {100 * row['within_slo']:.1f}% "
               f"| {100 * row['prefix_hit_rate']:.1f}% | {'-' if ratio is None else f'{ratio:.2f}'} "
               f"| {100 * row['prediction_error']:.1f}% | {row['failed']} |",
               flush=True)

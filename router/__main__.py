@@ -12,6 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
+from router.engine_load import DEFAULT_POLL_INTERVAL_S
+from router.peer_load import DEFAULT_PEER_INTERVAL_S
 from router.server import serve
 
 TOKEN_ENV = "FLEET_ROUTER_ADMIN_TOKEN"
@@ -25,11 +27,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models-file", type=Path, default=None,
                         help="file that keeps the models the router serves, so that after a restart it answers "
                              "503 + Retry-After for them (not 404) until they are published again (default: none)")
+    parser.add_argument("--engine-load-interval-ms", type=float, default=0.0,
+                        help="milliseconds between polls of each kv-aware endpoint's /metrics for its load, so that "
+                             "routers without --peers see some of what the others sent (docs/routing.md; "
+                             f"{DEFAULT_POLL_INTERVAL_S * 1000:g} measured best); 0: off (default)")
+    parser.add_argument("--peers", default="",
+                        help="comma-separated base URLs of the other routers in front of the same pools: each "
+                             "router sends the others its load every --peer-interval-ms, and kv-aware counts it "
+                             "(docs/routing.md, 'A shared load signal'); replaces the engine polling (default: none)")
+    parser.add_argument("--router-id", default="", help="this router's id in its load reports (default: random)")
+    parser.add_argument("--peer-interval-ms", type=float, default=DEFAULT_PEER_INTERVAL_S * 1000,
+                        help=f"milliseconds between two load reports to each peer (default "
+                             f"{DEFAULT_PEER_INTERVAL_S * 1000:g})")
     args = parser.parse_args(argv)
+    if args.peer_interval_ms <= 0:
+        parser.error("--peer-interval-ms must be > 0")
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         parser.error(f"environment variable {TOKEN_ENV} must hold the admin API bearer token")  # exits 2
-    serve(args.host, args.port, token, log_level=args.log_level, models_path=args.models_file)
+    interval_s = args.engine_load_interval_ms / 1000 if args.engine_load_interval_ms > 0 else None
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    serve(args.host, args.port, token, log_level=args.log_level, models_path=args.models_file,
+          engine_load_interval_s=interval_s, peers=peers, router_id=args.router_id,
+          peer_interval_s=args.peer_interval_ms / 1000)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import contextlib
 import gc
 import json
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Path, Query, Request, Response
@@ -161,9 +161,12 @@ def _json_response(body: bytes) -> Response:
 ModelName = Annotated[str, Path(min_length=1, max_length=256, description="Model name, as clients send it in `model`.")]
 
 
-def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | None = None) -> APIRouter:
+def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | None = None,
+                 peer_report: Callable[[object], None] | None = None) -> APIRouter:  # fmt: skip
     """The `/admin/v1` router over `pools`, guarded by `admin_token` (compared in constant time).
-    `models_file`: told after each PUT and DELETE (`router.remembered`); None: no file."""
+    `models_file`: told after each PUT and DELETE (`router.remembered`); None: no file.
+    `peer_report`: takes a peer router's load report (`router.peer_load`; raises ValueError for
+    a bad one); None: this router has no peers (`POST /peer-load` answers 404)."""
     if not admin_token:
         raise ValueError("admin_token must not be empty")
     expected = admin_token.encode()
@@ -182,6 +185,18 @@ def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | N
         """The control plane has published every pool it holds: `GET /ready` answers 200 from now on."""
         pools.mark_synced()
         return {"synced": True}
+
+    @router.post("/peer-load")
+    async def peer_load(request: Request) -> Response:
+        """A peer router's load report (`router.peer_load`): 204; 422 for a bad report; 404 when
+        this router was started without peers."""
+        if peer_report is None:
+            raise HTTPException(404, "this router has no peers (python -m router --peers)")
+        try:
+            peer_report(loads_bounded(await request.body(), 8))   # a report nests 4 levels
+        except ValueError as err:   # JsonTooDeep is one
+            raise HTTPException(422, f"bad peer load report: {err}") from err
+        return Response(status_code=204)
 
     @router.get("/pools")
     async def list_pools() -> Response:

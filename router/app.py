@@ -23,7 +23,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
@@ -36,6 +36,9 @@ from router.errors import error_body, error_type
 from router.kv_subscriber import KvEventStreams
 from router.metrics import RouterMetrics
 from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
+from router.engine_poll import EnginePoller
+from router.peer_channel import PeerMetrics, PeerSender, ReportPoster
+from router.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report
 from router.pool import PoolTable
 from router.remembered import ModelsFile
 from router.proxy import (
@@ -87,6 +90,10 @@ class RouterApp:
     (`router.remembered.ModelsFile`, or None)."""
 
     models_file: ModelsFile | None = None
+    poller: EnginePoller | None = None
+    peer_sender: PeerSender | None = None
+    """Sends this router's load to its peers (`router.peer_channel`); None: no peers."""
+    """Polls the engines' load for `kv-aware` pools (`router.engine_poll`); None: off."""
 
     def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
                  admin_token: str) -> None:  # fmt: skip
@@ -181,6 +188,10 @@ class RouterApp:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.proxy.start()
+                    if self.poller is not None:
+                        await self.poller.start()
+                    if self.peer_sender is not None:
+                        await self.peer_sender.start()
                     if self.kv_streams is not None:
                         await self.kv_streams.start()
                 except Exception as exc:  # report to the server instead of crashing the lifespan task
@@ -189,6 +200,10 @@ class RouterApp:
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self.poller is not None:
+                    await self.poller.close()
+                if self.peer_sender is not None:
+                    await self.peer_sender.close()
                 if self.kv_streams is not None:
                     await self.kv_streams.close()
                 await self.proxy.close()
@@ -196,7 +211,7 @@ class RouterApp:
                 return
 
 
-def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str,
+def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str, peer_report: Callable[[object], None] | None,
                models_file: ModelsFile | None = None) -> FastAPI:  # fmt: skip
     api = FastAPI(title="Fleet router", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -259,7 +274,7 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str,
         body, content_type = await metrics.render_off_loop(request.headers.get("accept", ""))
         return Response(content=body, headers={"content-type": content_type})
 
-    api.include_router(admin_router(pools, admin_token, models_file))
+    api.include_router(admin_router(pools, admin_token, models_file, peer_report))
     return api
 
 
@@ -275,6 +290,10 @@ def create_app(
     read_timeout_s: float | None = None,
     failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
     models_path: Path | None = None,
+    engine_load_interval_s: float | None = None,
+    peers: Sequence[str] = (),
+    router_id: str = "",
+    peer_interval_s: float = DEFAULT_PEER_INTERVAL_S,
 ) -> RouterApp:
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
@@ -290,6 +309,13 @@ def create_app(
     `models_path`: the router's models file (`router.remembered`): the models it lists answer
     503 + Retry-After, not 404, until the control plane publishes or deletes their pools, and
     the file is kept up to date; None: no file.
+    `engine_load_interval_s`: seconds between polls of each `kv-aware` endpoint's `/metrics` for
+    its load (`router.engine_poll`; `router.engine_load.DEFAULT_POLL_INTERVAL_S` measured best);
+    None: no polling (each router counts only its own load, unless it has peers).
+    `peers`: base URLs of the other routers in front of the same pools: every `peer_interval_s`
+    this router posts its load to each (`router.peer_channel`) and counts theirs in `kv-aware`
+    (`router.peer_load`); with peers the engines are not polled. `router_id`: this router's id in
+    its reports (default: a random one).
     The time a request's head and body may take to arrive is bounded by the server
     (`router.server.uvicorn_config`).
     """
@@ -318,8 +344,23 @@ def create_app(
         read_timeout_s=read_timeout_s,
         failure_cooldown_s=failure_cooldown_s,
     )
-    api = _build_api(pools, metrics, admin_token, models_file)
+    peer_report = None
+    if peers:
+        view = PeerLoadView(router_id or secrets.token_hex(8))
+
+        def peer_report(doc: object) -> None:
+            peer_id, loads = parse_report(doc)
+            view.receive(peer_id, loads, pools.load_endpoints(), clock())
+            channel_metrics.received.inc()
+
+        channel_metrics = PeerMetrics(metrics.registry, lambda: len(view.peers(clock())))
+    api = _build_api(pools, metrics, admin_token, peer_report, models_file)
     app = RouterApp(pools, metrics, proxy, api, admin_token)
     app.models_file = models_file
+    if peers:
+        app.peer_sender = PeerSender(view.self_id, peers, pools.load_endpoints, ReportPoster(admin_token),
+                                     channel_metrics, peer_interval_s)  # fmt: skip
+    elif engine_load_interval_s is not None:
+        app.poller = EnginePoller(pools.load_endpoints, clock, metrics.registry, interval_s=engine_load_interval_s)
     app.kv_streams = kv_streams
     return app

@@ -47,12 +47,21 @@ class EndpointState:
     requests those are; `in_flight - prefilling` are decoding), kept by `start`, `first_byte`
     and `finish`. `metrics` holds the endpoint's Prometheus children
     (`router.metrics.EndpointMetrics`; None outside a `PoolTable`).
+
+    The load other routers sent (docs/routing.md, "Two routers"): `others_in_flight`,
+    `others_prefilling` and `others_prefill_tokens` estimate the requests in flight, those not
+    yet past their first token, and their prompt tokens to prefill, that reached the engine from
+    anywhere but this router, as of the engine's latest load sample (`router.engine_load`);
+    `others_until_s` (router-clock seconds) is when that estimate goes stale (0: none). The
+    fields are written only by `router.engine_load.EngineLoadView` (or the trace simulator's
+    peer channel) and read by `kv-aware`.
     """
 
     __slots__ = (
         "id", "url", "version", "weight", "draining",
         "in_flight", "requests_total", "errors_total", "ewma_first_byte_s", "last_sample_s", "unavailable_until_s",
         "prefill_tokens", "prefilling", "metrics",
+        "others_in_flight", "others_prefilling", "others_prefill_tokens", "others_until_s",
     )  # fmt: skip
 
     def __init__(
@@ -79,6 +88,10 @@ class EndpointState:
         self.prefill_tokens = 0
         self.prefilling = 0
         self.metrics = metrics
+        self.others_in_flight = 0
+        self.others_prefilling = 0
+        self.others_prefill_tokens = 0.0
+        self.others_until_s = 0.0
 
     def start(self, prefill_tokens: int) -> None:
         """A request is dispatched here, with `prefill_tokens` to compute before its first token."""

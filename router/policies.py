@@ -83,6 +83,9 @@ class RoutingPolicy(Registered, registry=ROUTING_POLICIES):
     """
 
     uses_prompt_blocks: ClassVar[bool] = False
+    uses_engine_load: ClassVar[bool] = False
+    """Whether the policy reads `EndpointState.others_*` (the router then polls the pool's
+    engines for their load: `router.engine_poll`)."""
     """Whether `choose` reads `RouteRequest.block_hashes`; when no policy of a pool does, the
     proxy does not hash prompts (the hashing is the dearest part of building a request's view)."""
 
@@ -215,7 +218,9 @@ class KvAware(RoutingPolicy, name="kv-aware"):
                 + e.prefill_tokens                     # prefill queued on e (not yet past TTFT)
                 + decode_token_weight x decoding(e)    # requests decoding on e
 
-    in prefill tokens. Prompts vary a hundredfold in length, so queued work is counted in
+    in prefill tokens. The load terms (and the in-flight count of step 1) are this router's own
+    plus, while fresh, its estimate of what other routers sent there (`EndpointState.others_*`,
+    kept by `router.engine_load.EngineLoadView` from the engines' own load). Prompts vary a hundredfold in length, so queued work is counted in
     tokens, not requests. Steps:
 
     1. **Bounded load** (Mirrokni et al. 2018, see `DEFAULT_LOAD_BOUND`): endpoints with
@@ -245,6 +250,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     """
 
     uses_prompt_blocks = True
+    uses_engine_load = True
 
     def __init__(self, *, cache_tokens_per_endpoint: int = DEFAULT_CACHE_TOKENS_PER_ENDPOINT,
                  load_bound: float = DEFAULT_LOAD_BOUND, decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT,
@@ -278,28 +284,39 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         matched = self.index.match(hashes) if hashes else {}
         prompt = request.prompt_tokens
         n = len(candidates)
+        # Load per endpoint: this router's own requests, plus what other routers sent while
+        # an estimate of it is fresh (`EndpointState.others_*`, `router.engine_load`).
+        loads = []
+        total = 0
+        for e in candidates:
+            if e.others_until_s >= now_s:
+                load = (e.in_flight + e.others_in_flight, e.prefilling + e.others_prefilling,
+                        e.prefill_tokens + e.others_prefill_tokens)  # fmt: skip
+            else:
+                load = (e.in_flight, e.prefilling, e.prefill_tokens)
+            loads.append(load)
+            total += load[0]
         if n > 1:
-            total = 0
-            for e in candidates:
-                total += e.in_flight
             cap = math.ceil(self.load_bound * (total + 1) / n)
-            eligible = [e for e in candidates if e.in_flight < cap] or list(candidates)
+            pairs = [(e, load) for e, load in zip(candidates, loads) if load[0] < cap] or list(zip(candidates, loads))
         else:
-            eligible = list(candidates)
+            pairs = list(zip(candidates, loads))
         exact = self.exact
         token_ids = request.token_ids
         held = exact.match(token_ids) if exact is not None and token_ids else None
         weight = self.decode_token_weight
+        eligible: list[EndpointState] = []
         costs: list[float] = []
         hits: dict[str, int] = {}
         best = math.inf
-        for e in eligible:
+        for e, (in_flight, prefilling, prefill_tokens) in pairs:
             if held is not None and exact.live(e.id):  # type: ignore[union-attr]
                 cached = min(prompt, held.get(e.id, 0))
             else:
                 cached = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
             hits[e.id] = cached
-            cost = prompt - cached + e.prefill_tokens + weight * (e.in_flight - e.prefilling)
+            cost = prompt - cached + prefill_tokens + weight * (in_flight - prefilling)
+            eligible.append(e)
             costs.append(cost)
             if cost < best:
                 best = cost

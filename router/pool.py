@@ -276,6 +276,11 @@ class PoolTable:
         """A copy of the model-to-pool mapping."""
         return dict(self._pools)
 
+    def load_endpoints(self) -> dict[str, tuple[EndpointState, ...]]:
+        """By model name, the endpoints (draining ones too) of the pools whose policy reads the
+        engines' load (`RoutingPolicy.uses_engine_load`): what `router.engine_poll` polls."""
+        return {model: pool.endpoints for model, pool in self._pools.items() if pool.policy.uses_engine_load}
+
     def live_endpoints(self) -> dict[str, tuple[EndpointState, ...]]:
         """Every pool's endpoints (draining ones too), by model name."""
         return {model: pool.endpoints for model, pool in self._pools.items()}

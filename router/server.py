@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.app import create_app
+from router.peer_load import DEFAULT_PEER_INTERVAL_S
 from router.errors import error_body, error_type
 
 CLIENT_KEEPALIVE_S = 75
@@ -330,12 +331,16 @@ def _print_listening(host: str, port: int) -> None:
 
 
 def serve(host: str, port: int, admin_token: str, log_level: str = "warning",
-          models_path: Path | None = None) -> None:  # fmt: skip
+          models_path: Path | None = None, engine_load_interval_s: float | None = None,
+          peers: Sequence[str] = (), router_id: str = "", peer_interval_s: float = DEFAULT_PEER_INTERVAL_S) -> None:  # fmt: skip
     """Serve a fresh router app on `host:port` until SIGINT/SIGTERM.
 
     `port` 0 binds a free port (the printed line says which). `admin_token` guards
     `/admin/v1` (non-empty, else ValueError). `log_level` is uvicorn's (e.g. "info").
     `models_path`: the models file (`router.remembered`; None: none).
+    `engine_load_interval_s`: seconds between engine load polls (`router.engine_poll`; None: off).
+    `peers`, `router_id`, `peer_interval_s`: the peer channel (`router.app.create_app`).
     """
-    app = create_app(admin_token, models_path=models_path)
+    app = create_app(admin_token, models_path=models_path, engine_load_interval_s=engine_load_interval_s,
+                     peers=peers, router_id=router_id, peer_interval_s=peer_interval_s)  # fmt: skip
     ListeningServer(uvicorn_config(app, host, port, log_level=log_level), _print_listening).run()

@@ -352,6 +352,24 @@ class EngineModel:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def prefill_queue(self) -> tuple[int, int]:
+        """(prompt tokens still to prefill, requests they belong to): requests in admission or
+        waiting (whole prompts, cache hits not yet looked up) and running ones whose prefill is
+        not done. What a router would like each engine to report (vLLM does not export it)."""
+        tokens = requests = 0
+        for r in self._waiting:
+            tokens += r.num_prompt_tokens - r.num_computed
+            requests += 1
+        for _, _, r in self._pending:
+            tokens += r.num_prompt_tokens
+            requests += 1
+        for r in self._running:
+            left = r.num_prompt_tokens - r.num_computed
+            if left > 0:
+                tokens += left
+                requests += 1
+        return tokens, requests
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self._running), num_waiting=len(self._waiting), kv_cache_usage=self.pool.usage(),

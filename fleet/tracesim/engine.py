@@ -20,7 +20,22 @@ What runs for real (the live objects, fed in virtual time):
   object and its own endpoint states, seeing only its own requests) take the requests in
   turn, as routers behind a load balancer do. ``shared_view`` also tells every router of every
   placement (`RoutingPolicy.learn`), which is what each would learn from the engines' KV cache
-  events: the upper bound of what an exact, shared view gives;
+  events: the upper bound of what an exact, shared view gives. ``load_signal`` says what each
+  router knows of the load the others sent (docs/routing.md, "A shared load signal"): nothing
+  (``own``, as before); the engines' load sampled every ``load_interval_s`` by each router
+  (``engine``: `vllm:num_requests_waiting` / `running`, through the router's own
+  `router.engine_load.EngineLoadView`, the others' requests taken to look like the router's own;
+  ``engine-waiting``: split into prefilling and decoding by the engine's waiting share;
+  ``engine-prefill``: plus the engine's queued prefill
+  tokens, which vLLM does not export); or every other router's dispatches, first tokens and
+  finishes, ``load_interval_s`` late (``peers``: a peer channel with that delay; the live
+  channel, `router.peer_load`, sends snapshots every 10 ms, so its information is at most
+  that old). With
+  ``kv_events`` every simulated engine makes vLLM's KV cache events (`EngineModel(kv_events=True)`:
+  one `router.kv_events.EventBatch` per step) and every router's `kv-aware` consumes the same
+  stream through its own `router.kv_index.ExactIndex` (`RoutingPolicy.use_exact_index`), each
+  batch applied ``kv_events_delay_s`` after the step that made it: the objects the live router's
+  subscribers feed;
 - router statistics: one `router.stats.ModelStats` recorded by the proxy's own recording code
   (`router.pool.PoolShared`: `arrived`, `dispatched`, `gave_up`, `rejected`, `completed`) at
   the proxy's points (arrival; queue time at dispatch or at a queue timeout; client-side TTFT
@@ -80,6 +95,9 @@ from fleet.controller.scale import scale_step
 from fleet.tracesim.replica import NodePool, SimReplica
 from fleet.tracesim.results import RequestLog, SimResult, TickRecord
 from fleet.tracesim.workload import Workload, prompt_ids
+from router.engine_load import DEFAULT_MAX_AGE_S, EngineLoadView
+from router.kv_events import EventBatch
+from router.kv_index import ExactIndex
 from router.policies import make_policy as make_routing_policy
 from router.pool import Pool, PoolShared
 from router.prompt_blocks import RouteRequest, route_request
@@ -110,7 +128,10 @@ to READY: the ~3 s llm-d's fast-model-actuation work reports for waking 64 GiB o
 (quoted in issue 24), not scaled down for an 8B model's 16 GB: a conservative figure."""
 
 # Event kinds, in the order they run when they fall on the same virtual instant.
-_STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK = range(6)
+_STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK, _SAMPLE, _PEER, _KV_BATCH = range(9)
+
+LOAD_SIGNALS = ("own", "engine", "engine-waiting", "engine-prefill", "peers")
+"""What a router knows of the load other routers sent (`SimConfig.load_signal`)."""
 
 
 @dataclass(frozen=True)
@@ -128,9 +149,14 @@ class SimConfig:
     every engine step; ``ttft_slo_s``: the SLO the share is measured against (seconds);
     ``drain_timeout_s``: see `DRAIN_TIMEOUT_S`; ``seed``: token ids; ``name``: the row's label;
     ``standby_max``: most STANDBY replicas kept (0: standby off; module docstring);
-    ``wake_s``: modelled seconds from wake-up to READY (`DEFAULT_WAKE_S`).
+    ``wake_s``: modelled seconds from wake-up to READY (`DEFAULT_WAKE_S`);
+    ``load_signal`` (one of `LOAD_SIGNALS`) and ``load_interval_s`` (seconds between engine load
+    samples, or the peer channel's delay): what each router knows of the others' load (module
+    docstring); ``kv_events``: the engines' KV cache events reach every router's exact index,
+    ``kv_events_delay_s`` after the step that made them (module docstring).
 
-    Raises ValueError for start-up times outside ``0 <= warm <= cold``, a negative
+    Raises ValueError for an unknown ``load_signal``, a negative ``load_interval_s`` (or 0 for an
+    engine signal), start-up times outside ``0 <= warm <= cold``, a negative
     ``warm_nodes``, ``standby_max`` or ``wake_s``, or a non-positive ``ttft_slo_s``,
     ``slowdown`` or ``drain_timeout_s``.
     """
@@ -155,8 +181,18 @@ class SimConfig:
     shared_view: bool = False
     standby_max: int = 0
     wake_s: float = DEFAULT_WAKE_S
+    load_signal: str = "own"
+    load_interval_s: float = 0.1
+    kv_events: bool = False
+    kv_events_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.load_signal not in LOAD_SIGNALS:
+            raise ValueError(f"load_signal must be one of {', '.join(LOAD_SIGNALS)}, got {self.load_signal!r}")
+        if self.kv_events_delay_s < 0:
+            raise ValueError(f"kv_events_delay_s must be >= 0, got {self.kv_events_delay_s}")
+        if self.load_interval_s < 0 or (self.load_interval_s == 0 and self.load_signal.startswith("engine")):
+            raise ValueError(f"load_interval_s must be > 0 (>= 0 for peers), got {self.load_interval_s}")
         if self.standby_max < 0 or self.wake_s < 0:
             raise ValueError(f"standby_max and wake_s must be >= 0, got {self.standby_max} and {self.wake_s} s")
         if self.routers < 1:
@@ -182,6 +218,8 @@ class SimConfig:
             "autoscaling": self.autoscaling.to_document() if self.autoscaling.policy != "fixed" else None,
             "replicas": {"min": self.bounds.min, "max": self.bounds.max, "initial": self.bounds.initial},
             "routing": {"policy": self.routing_policy, "routers": self.routers, "shared_view": self.shared_view,
+                        "load_signal": self.load_signal, "load_interval_s": self.load_interval_s,
+                        "kv_events": self.kv_events, "kv_events_delay_s": self.kv_events_delay_s,
                         "max_concurrency_per_endpoint": self.max_concurrency_per_endpoint,
                         "max_queue_length": self.max_queue_length, "queue_timeout_s": self.queue_timeout_s},
             "startup": {"warm_s": self.warm_startup_s, "cold_s": self.cold_startup_s,
@@ -213,6 +251,11 @@ class Simulation:
         self.shared = PoolShared(self.stats)
         self.routings = [make_routing_policy(config.routing_policy) for _ in range(config.routers)]
         self.routing = self.routings[0]
+        estimate = "waiting" if config.load_signal == "engine-waiting" else "mix"
+        self.load_views = [EngineLoadView(max(DEFAULT_MAX_AGE_S, 10 * config.load_interval_s), estimate)
+                           for _ in range(config.routers)]  # fmt: skip
+        self.exact_indexes = [ExactIndex() for _ in range(config.routers)] if config.kv_events else []
+        self._kv_seq: dict[str, int] = {}               # replica -> sequence number of its last batch
         self._routes: dict[int, RouteRequest] = {}      # request -> what its router saw (until it ends)
         self._prompts: dict[int, list[int]] = {}        # request -> token ids, until dispatched
         self._router_of = bytearray(len(workload.requests))
@@ -250,10 +293,15 @@ class Simulation:
         if self._ran:
             raise RuntimeError("a Simulation runs once")
         self._ran = True
+        for routing, index in zip(self.routings, self.exact_indexes):   # the routers' policies, as run
+            routing.use_exact_index(index)
         for _ in range(self.config.bounds.initial):
             self._add_replica(0.0, ready_now=True)
         self._rebuild_pool()
         self._push(0.0, _TICK, None)
+        if self.config.load_signal.startswith("engine"):
+            for k in range(self.config.routers):   # routers poll out of phase, as independent processes do
+                self._push(self.config.load_interval_s * (k + 1) / self.config.routers, _SAMPLE, k)
         reqs = self.workload.requests
         n = len(reqs)
         heap = self._heap
@@ -270,6 +318,12 @@ class Simulation:
                     self._on_wake(payload, now_s)  # type: ignore[arg-type]
                 elif kind == _TICK:
                     self._on_tick(now_s)
+                elif kind == _SAMPLE:
+                    self._on_sample(payload, now_s)  # type: ignore[arg-type]
+                elif kind == _PEER:
+                    self._on_peer(payload)  # type: ignore[arg-type]
+                elif kind == _KV_BATCH:
+                    self._on_kv_batch(payload)  # type: ignore[arg-type]
                 elif kind == _READY:
                     self._on_ready(payload, now_s)  # type: ignore[arg-type]
                 elif kind == _DRAIN_TIMEOUT:
@@ -357,6 +411,7 @@ class Simulation:
         route = self._routes[i]
         k = self._router_of[i]
         replica.endpoints[k].start(route.prefill_tokens)
+        self._tell_peers(replica, k, (1, 1, route.prefill_tokens), now_s)
         if self.config.shared_view:
             for other, routing in enumerate(self.routings):
                 if other != k:
@@ -374,24 +429,69 @@ class Simulation:
         if not replica.busy:
             self._step(replica, now_s)
 
-    def _first_token(self, replica: SimReplica, i: int) -> None:
+    def _first_token(self, replica: SimReplica, i: int, now_s: float) -> None:
         """Request ``i`` emitted its first token: its prefill charge leaves the endpoint's load
         (where the proxy calls `EndpointState.first_byte`)."""
         if self._prefilling[i]:
             self._prefilling[i] = 0
-            replica.endpoints[self._router_of[i]].first_byte(self._routes[i].prefill_tokens)
+            k = self._router_of[i]
+            tokens = self._routes[i].prefill_tokens
+            replica.endpoints[k].first_byte(tokens)
+            self._tell_peers(replica, k, (0, -1, -tokens), now_s)
 
-    def _release(self, replica: SimReplica, i: int) -> None:
+    def _release(self, replica: SimReplica, i: int, now_s: float) -> None:
         """Request ``i`` left ``replica``: its router's endpoint state forgets it."""
         route = self._routes.pop(i)
-        replica.endpoints[self._router_of[i]].finish(route.prefill_tokens, not self._prefilling[i])
+        k = self._router_of[i]
+        replica.endpoints[k].finish(route.prefill_tokens, not self._prefilling[i])
+        if self._prefilling[i]:
+            self._tell_peers(replica, k, (-1, -1, -route.prefill_tokens), now_s)
+        else:
+            self._tell_peers(replica, k, (-1, 0, 0), now_s)
         self._prefilling[i] = 0
+
+    # ----- what routers know of each other's load (SimConfig.load_signal) --------------
+
+    def _tell_peers(self, replica: SimReplica, k: int, delta: tuple[int, int, int], now_s: float) -> None:
+        """Router ``k`` changed its load on ``replica`` by (in flight, prefilling, prefill
+        tokens): with ``peers``, the other routers hear of it ``load_interval_s`` later."""
+        if self.config.load_signal != "peers" or self.config.routers == 1:
+            return
+        if self.config.load_interval_s > 0:
+            self._push(now_s + self.config.load_interval_s, _PEER, (replica, k, delta))
+        else:
+            self._on_peer((replica, k, delta))
+
+    def _on_peer(self, payload: tuple[SimReplica, int, tuple[int, int, int]]) -> None:
+        replica, k, (in_flight, prefilling, tokens) = payload
+        for j, endpoint in enumerate(replica.endpoints):
+            if j != k:
+                endpoint.others_in_flight += in_flight
+                endpoint.others_prefilling += prefilling
+                endpoint.others_prefill_tokens += tokens
+                endpoint.others_until_s = math.inf
+
+    def _on_kv_batch(self, payload: tuple[str, EventBatch, int]) -> None:
+        """One engine step's KV cache events reach every router (its subscriber's `apply`)."""
+        replica_id, batch, seq = payload
+        for index in self.exact_indexes:
+            index.apply(replica_id, batch, seq)
+
+    def _on_sample(self, k: int, now_s: float) -> None:
+        """Router ``k`` reads every READY or DRAINING replica's load (its `/metrics` poll)."""
+        view = self.load_views[k]
+        with_prefill = self.config.load_signal == "engine-prefill"
+        for r in self.replicas:
+            if r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING):
+                view.observe(r.endpoints[k], r.load_sample(with_prefill), now_s)
+        if self._done < len(self.log):
+            self._push(now_s + self.config.load_interval_s, _SAMPLE, k)
 
     def _finish(self, replica: SimReplica, fr: FinishedRequest, now_s: float) -> None:
         i = int(fr.request_id)
         log = self.log
         endpoint = replica.endpoints[self._router_of[i]]
-        self._release(replica, i)
+        self._release(replica, i, now_s)
         log.cached_tokens[i] = fr.num_cached_prompt_tokens
         replica.in_flight_ids.discard(fr.request_id)
         replica.observe_finished(fr)
@@ -427,9 +527,16 @@ class Simulation:
         replica.busy = False
         if replica.status is ReplicaStatus.TERMINATED:
             return  # stopped at its drain timeout while this step ran; its requests were aborted then
+        if self.exact_indexes and result.kv_events:
+            self._kv_seq[replica.id] = seq = self._kv_seq.get(replica.id, -1) + 1
+            payload = (replica.id, result.kv_event_batch(), seq)
+            if self.config.kv_events_delay_s > 0:
+                self._push(now_s + self.config.kv_events_delay_s, _KV_BATCH, payload)
+            else:
+                self._on_kv_batch(payload)
         for rid, token in result.emitted.items():
             if token == 0:
-                self._first_token(replica, int(rid))
+                self._first_token(replica, int(rid), now_s)
         if result.finished:
             for fr in result.finished:
                 self._finish(replica, fr, now_s)
@@ -448,10 +555,12 @@ class Simulation:
         slot, warm = self.nodes.take()
         index = len(self.replicas)
         startup_s = 0.0 if ready_now else (cfg.warm_startup_s if warm else cfg.cold_startup_s)
-        engine = EngineModel(cfg.profile.config, cfg.profile.cost, slowdown=cfg.slowdown)
+        engine = EngineModel(cfg.profile.config, cfg.profile.cost, slowdown=cfg.slowdown, kv_events=cfg.kv_events)
         replica = SimReplica(f"{cfg.model}-{index}", index, engine, now_s, now_s + startup_s, warm, slot, cfg.routers)
         self.replicas.append(replica)
         self._by_endpoint[replica.id] = replica
+        for index in self.exact_indexes:   # its stream starts with the engine: empty, complete
+            index.open(replica.id)
         if ready_now:
             replica.status = ReplicaStatus.READY
             self.nodes.became_ready(slot)
@@ -517,7 +626,7 @@ class Simulation:
                 self._finish(replica, fr, now_s)
         # Requests whose last step is still running left the engine already: they are cut off too.
         for rid in sorted(replica.in_flight_ids, key=int):
-            self._release(replica, int(rid))
+            self._release(replica, int(rid), now_s)
             self._fail(int(rid), now_s)
         replica.in_flight_ids.clear()
         self._stop(replica, now_s)
@@ -532,6 +641,8 @@ class Simulation:
             replica.standby_spans[-1][1] = now_s
         replica.status = ReplicaStatus.TERMINATED
         replica.stopped_s = now_s
+        for index in self.exact_indexes:
+            index.forget(replica.id)
         self.nodes.release(replica.node)
         self._rebuild_pool()
 

@@ -29,6 +29,7 @@ from fleet.controller.lifecycle import ReplicaStatus
 from fleet.enginesim.metrics import REQUEST_LATENCY_BUCKETS
 from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from router.endpoint import EndpointState
+from router.engine_load import EngineLoad
 
 QUEUE_TIME_BOUNDS: tuple[float, ...] = (*REQUEST_LATENCY_BUCKETS, float("inf"))
 """Bucket bounds (seconds) of `vllm:request_queue_time_seconds` (vLLM 0.32,
@@ -125,6 +126,16 @@ class SimReplica:
             kv_cache_usage=engine.pool.usage(),
             queue_time=CumulativeHistogram(QUEUE_TIME_BOUNDS, tuple(cumulative), self._qt_sum, float(self._qt_count)),
         )  # fmt: skip
+
+    def load_sample(self, with_prefill: bool = False) -> EngineLoad:
+        """The engine's load as a router polling `/metrics` reads it (`router.engine_load`);
+        ``with_prefill`` adds the queued prefill tokens and requests (vLLM does not export them)."""
+        engine = self.engine
+        tokens = requests = None
+        if with_prefill:
+            tokens, requests = engine.prefill_queue()
+        return EngineLoad(waiting=float(engine.num_waiting), running=float(engine.num_running),
+                          kv_cache_usage=engine.pool.usage(), prefill_tokens=tokens, prefilling=requests)  # fmt: skip
 
     def cost_s(self, until_s: float) -> float:
         """Replica-seconds this replica cost within ``[0, until_s]``: from placement until it

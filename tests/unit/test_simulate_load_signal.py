@@ -1,0 +1,106 @@
+"""What each simulated router knows of the load the others sent (SimConfig.load_signal): the
+engines' load sampled through `router.engine_load.EngineLoadView`, or a peer channel with a
+delay; and the engines' KV cache events read by every router's exact index (fleet.tracesim.engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoscaler.policy import ReplicaBounds
+from autoscaler.spec import AutoscalingSpec
+from fleet.enginesim.cost import StepCost
+from fleet.enginesim.model import EngineConfig
+from fleet.enginesim.profiles import Profile
+from fleet.tracesim.engine import SimConfig, Simulation
+from fleet.tracesim.traces import Trace, TraceRequest
+from fleet.tracesim.workload import Workload
+
+PREFILL = Profile(
+    name="test-prefill", model="tiny", hardware="none (unit tests)",
+    config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, block_size=16, num_gpu_blocks=4096,
+                        max_model_len=8192),
+    cost=StepCost(fixed_s=0.008, per_token_s=20e-6), typical_startup_s=0.0, notes="test profile",
+)  # fmt: skip
+
+
+def bursty(n: int = 120, gap_s: float = 0.01) -> Trace:
+    """Long unique prompts arriving faster than one replica prefills them: where they land matters."""
+    return Trace("bursty", tuple(TraceRequest(i * gap_s, 2000 + 37 * (i % 11), 8, None, (i,), 2000)
+                                 for i in range(n)))  # fmt: skip
+
+
+def config(signal: str = "own", interval_s: float = 0.1, routers: int = 2) -> SimConfig:
+    return SimConfig(profile=PREFILL, autoscaling=AutoscalingSpec(policy="fixed"), bounds=ReplicaBounds(4, 4, 4),
+                     routing_policy="kv-aware", routers=routers, load_signal=signal, load_interval_s=interval_s)  # fmt: skip
+
+
+def run(signal: str = "own", interval_s: float = 0.1, routers: int = 2) -> Simulation:
+    sim = Simulation(config(signal, interval_s, routers), Workload.from_trace(bursty(), PREFILL))
+    sim.run()
+    assert not any(sim.log.failed)
+    return sim
+
+
+def test_a_peer_channel_without_delay_keeps_every_router_told_of_the_others_load() -> None:
+    sim = run("peers", 0.0, routers=3)
+    for replica in sim.replicas:
+        for e in replica.endpoints:   # what the others told it adds up to what they undid: nothing
+            assert (e.others_in_flight, e.others_prefilling, e.others_prefill_tokens) == (0, 0, 0)
+            assert e.others_until_s == float("inf")
+
+
+def test_a_delayed_peer_channel_settles_once_the_run_is_over() -> None:
+    sim = run("peers", 0.05)
+    for replica in sim.replicas:
+        for e in replica.endpoints:
+            assert e.others_in_flight >= 0   # events still in flight at the end are the only difference
+
+
+@pytest.mark.parametrize("signal", ["engine", "engine-prefill"])
+def test_engine_samples_reach_every_router(signal: str) -> None:
+    sim = run(signal, 0.05)
+    assert all(e.others_until_s > 0 for r in sim.replicas for e in r.endpoints)
+    assert sim.config.params()["routing"]["load_signal"] == signal
+
+
+def test_routers_told_of_each_others_load_spread_long_prompts_better() -> None:
+    def p99(sim: Simulation) -> float:
+        ttfts = sorted(f - a for f, a in zip(sim.log.first_token_s, sim.log.arrival_s))
+        return ttfts[int(0.99 * (len(ttfts) - 1))]
+
+    assert p99(run("peers", 0.0)) < p99(run("own"))
+
+
+def test_bad_load_signals_are_refused() -> None:
+    with pytest.raises(ValueError, match="load_signal"):
+        config("gossip")
+    with pytest.raises(ValueError, match="load_interval_s"):
+        config("engine", 0.0)
+
+
+def conversations(n_conv: int = 25, turns: int = 6, gap_s: float = 0.05) -> Trace:
+    """Turn t of a conversation repeats its first 4 + t blocks of 128 tokens and adds 100 of its own."""
+    reqs = []
+    for step in range(n_conv * turns):
+        conv, turn = step % n_conv, step // n_conv
+        blocks = tuple(conv * 1000 + b for b in range(4 + turn))
+        reqs.append(TraceRequest(step * gap_s, 128 * len(blocks) + 100, 4, None, blocks, 128))
+    return Trace("conversations", tuple(reqs))
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.02])
+def test_every_router_reads_the_engines_kv_events(delay_s: float) -> None:
+    def prediction_error(kv_events: bool) -> float:
+        cfg = SimConfig(profile=PREFILL, autoscaling=AutoscalingSpec(policy="fixed"), bounds=ReplicaBounds(4, 4, 4),
+                        routing_policy="kv-aware", routers=2, kv_events=kv_events, kv_events_delay_s=delay_s)  # fmt: skip
+        sim = Simulation(cfg, Workload.from_trace(conversations(), PREFILL))
+        sim.run()
+        if kv_events:   # one index per router, each fed the same batches
+            assert len(sim.exact_indexes) == 2 and len(sim.exact_indexes[0]) == len(sim.exact_indexes[1]) > 0
+            assert all(sim.exact_indexes[0].live(r.id) for r in sim.replicas)
+        log = sim.log
+        return sum(abs(p - a) for p, a in zip(log.predicted_cached_tokens, log.cached_tokens)) / sum(log.prompt_tokens)
+
+    approximate, exact = prediction_error(False), prediction_error(True)
+    assert approximate > 0.1   # two routers guess where the other put a conversation
+    assert exact < 0.02        # the engines' account: what the engine finds, but for a batch in flight
