@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -185,3 +186,23 @@ class Workload:
             "mean_prompt_tokens": sum(r.prompt_tokens for r in reqs) / n if n else 0.0,
             "mean_output_tokens": sum(r.output_tokens for r in reqs) / n if n else 0.0,
         }  # fmt: skip
+
+
+HISTORY_BIN_S = 60.0
+"""Bin of the arrival rates a history trace is given to a policy in (seconds)."""
+
+
+def history_rates(traces: Sequence[Trace], bin_s: float = HISTORY_BIN_S) -> tuple[tuple[float, float], ...]:
+    """Arrival rates of ``traces`` laid back to back before 0 s, the last ending at 0 s, each
+    taking its span rounded up to whole hours (a day file takes a day): (bin start in seconds,
+    requests/s) per ``bin_s`` bin, empty bins included; `SimConfig.history`."""
+    spans = [math.ceil(max(t.duration_s, 1.0) / 3600.0) * 3600.0 for t in traces]
+    start_s = -sum(spans)
+    out: list[tuple[float, float]] = []
+    for trace, span_s in zip(traces, spans):
+        counts = [0] * math.ceil(span_s / bin_s)
+        for r in trace.requests:
+            counts[min(len(counts) - 1, int(r.arrival_s // bin_s))] += 1
+        out.extend((start_s + i * bin_s, c / bin_s) for i, c in enumerate(counts))
+        start_s += span_s
+    return tuple(out)
