@@ -30,6 +30,8 @@ queue_time / Tq and ttft_p99 / Tt, TTFT counting only with >= 10 samples in the 
    want the load floor (at least spec.replicas.min), never more than the current target (the
    floor only holds a scale-down back); with every signal under half that fraction, one
    replica below the floor (a probe, below). Between that fraction and 1: hold.
+   (Between 2 and 3 a subclass may scale up early, `FleetPolicy._early_up`, and in 4 keep more
+   than spec.replicas.min, `FleetPolicy._lowest`; `autoscaler.standby` does both.)
 5. Replicas already starting count: a want at or below the current target is a hold.
 6. HPA stabilisation (`Stabilizer`): scale up to the lowest recommendation of the scale-up
    window, down to the highest of the scale-down window (300 s by default), so one quiet

@@ -18,10 +18,21 @@ as the bursts need:
 - Scale-up: Fleet's policy decides how many; the lead time it projects over is the fastest
   kind at hand (a wake-up while any replica is asleep). The decision's detail says how many
   wake and how many start warm or cold.
+- Early wake (``load_above_capacity``): while a replica sleeps, the load floor (load over the
+  capacity per replica confirmed sustainable) asking for more replicas than are targeted wakes
+  up to that many sleepers once the worst latency signal reaches `WAKE_EARLY_FRACTION` of its
+  target, before any target breaks. A breach shows in a windowed p99 only after the burst's
+  first requests missed; the load shows at once. Found in the simulator's decision log of
+  `code`: the misses were the first seconds of each burst, before the p99 crossed its target.
+- Scaling ahead (``forecast_ahead``, with ``spec.forecast``): a Holt-Winters forecast of the
+  arrival rate (`autoscaler.forecast.ArrivalForecaster`), used only while its recent
+  out-of-sample MAPE is small, asks for the replicas its peak over the next start-up needs at
+  the highest arrival rate per replica confirmed sustainable within a season; a scale-down
+  stops there too (`forecast_need`).
 
 Everything else (targets, trend, load floor, probe, stabilisation, rate limits) is Fleet's
-policy unchanged. Pure and clock-injected like every policy: its only state is the burst
-history kept on the instance.
+policy unchanged. Pure and clock-injected like every policy: its state is the burst history,
+the confirmed rates and the forecaster, kept on the instance.
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         super().__init__(spec, bounds)
         self._bursts: deque[tuple[float, int]] = deque()  # (seen at, replicas wanted beyond READY)
         self.forecaster = ArrivalForecaster(spec.forecast) if spec.forecast is not None else None
-        # (seen at, arrival rate per READY replica confirmed sustainable): kept one season
+        # (seen at, arrival rate per READY replica confirmed sustainable), a season's running maximum
         self._rate_capacity: deque[tuple[float, float]] = deque()
         self._ahead: tuple[float, int | None, str] = (math.nan, None, "")  # (at, replicas, why) of this decision
 
@@ -80,12 +91,14 @@ class StandbyPolicy(FleetPolicy, name="standby"):
             spec = f.spec
             f.observe(ctx.now_s, ctx.signals.arrival_rate_per_s)
             capacity = self.per_replica_rate_capacity()
-            history = self._rate_capacity
+            history = self._rate_capacity  # a sliding-window maximum: values decrease left to right
             if capacity is not None:
+                while history and history[-1][1] <= capacity:
+                    history.pop()
                 history.append((ctx.now_s, capacity))
             while history and history[0][0] < ctx.now_s - spec.season_bins * spec.bin_seconds:
                 history.popleft()
-            best = max((c for _, c in history), default=None)
+            best = history[0][1] if history else None
             lead_s = ctx.startup.warm_s if ctx.startup.next_warm else ctx.startup.cold_s
             peak = f.peak_ahead(ctx.now_s, lead_s + self.interval_s)
             if peak is None:
