@@ -1,7 +1,8 @@
 """A forecast of a deployment's arrival rate, trusted only while its recent error is small.
 
-Owns `ArrivalForecaster`: arrival rates observed (requests/s, every decision) averaged into bins
-of ``spec.binSeconds``; every ``spec.refitSeconds`` a Holt-Winters model (additive damped trend,
+Owns `ArrivalForecaster`: arrival rates observed (requests/s, every decision) reduced into bins
+of ``spec.binSeconds`` (``spec.statistic``: their peak, the busiest signal window of the bin, or
+their mean); every ``spec.refitSeconds`` a Holt-Winters model (additive damped trend,
 additive season of ``spec.seasonBins`` bins: a day by default; statsmodels
 `ExponentialSmoothing`, Hyndman & Athanasopoulos, "Forecasting: Principles and Practice", 3rd
 ed., ch. 8.3) is refitted on the bins kept (at most `HISTORY_SEASONS` seasons) and forecasts the
@@ -10,7 +11,9 @@ bins ahead. Read by `autoscaler.standby.StandbyPolicy` (``spec.forecast``), whic
 (`prime`), as a controller would with the rates it kept.
 
 The error check: every forecast bin is remembered as first forecast, out of sample (fitted on
-bins before it), and scored once the bin is observed. `mape` is the mean absolute percentage
+bins before it), and scored once the bin is observed; a start with history enough (two seasons
+and a validation window, `prime`) is scored at once on a backtest: fitted without the history's
+last ``spec.validationBins`` bins, scored on them. `mape` is the mean absolute percentage
 error of the last ``spec.validationBins`` scored bins (bins whose rate is under
 `MIN_RATE_PER_S` are skipped: a percentage of nothing is noise); the forecast is `trusted` only
 once that many bins were scored and their MAPE is at most ``spec.maxMape``. A fit needs two whole
@@ -60,8 +63,12 @@ class ArrivalForecaster:
         """One arrival-rate sample (requests/s) at ``now_s``; refits when one is due."""
         b = int(now_s // self.bin_s)
         acc = self._bins.setdefault(b, [0.0, 0.0])
-        acc[0] += rate_per_s
-        acc[1] += 1
+        if self.spec.statistic == "peak":
+            acc[0] = max(acc[0], rate_per_s)
+            acc[1] = 1.0
+        else:
+            acc[0] += rate_per_s
+            acc[1] += 1
         self._score(b)
         if self._next_fit_s is None or now_s >= self._next_fit_s:
             self._next_fit_s = now_s + self.spec.refit_seconds
@@ -71,10 +78,11 @@ class ArrivalForecaster:
         """Rates observed before the first decision: (start of a bin in seconds on the caller's
         clock, typically negative; mean rate over it in requests/s), oldest first; bins shorter
         than ``spec.binSeconds`` are averaged into it."""
+        peak = self.spec.statistic == "peak"
         for t_s, rate in history:
             acc = self._bins.setdefault(int(t_s // self.bin_s), [0.0, 0.0])
-            acc[0] += rate
-            acc[1] += 1
+            acc[0] = max(acc[0], rate) if peak else acc[0] + rate
+            acc[1] = 1.0 if peak else acc[1] + 1
 
     def _score(self, current: int) -> None:
         """Score every complete bin not scored yet against its first forecast."""
@@ -117,11 +125,16 @@ class ArrivalForecaster:
         except ImportError:
             self.status = "statsmodels is not installed (pip install 'inference-fleet[forecast]')"
             return
+        validation = self.spec.validation_bins
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convergence chatter of the optimiser
-            model = ExponentialSmoothing(series, trend="add", damped_trend=True, seasonal="add",
-                                         seasonal_periods=season, initialization_method="heuristic").fit()  # fmt: skip
-            ahead = model.forecast(self.spec.horizon_bins)
+            if not self._errors and len(series) >= 2 * season + validation:
+                # Nothing scored yet but history enough (a primed start): backtest on its last bins.
+                held_out = series[-validation:]
+                past = _holt_winters(ExponentialSmoothing, series[:-validation], season).forecast(validation)
+                self._errors.extend(abs(float(p) - a) / a for p, a in zip(past, held_out) if a >= MIN_RATE_PER_S)
+                self.fits += 1
+            ahead = _holt_winters(ExponentialSmoothing, series, season).forecast(self.spec.horizon_bins)
         self.fits += 1
         self._forecast = {current + i: max(0.0, float(v)) for i, v in enumerate(ahead)}
         for b, v in self._forecast.items():
@@ -153,6 +166,12 @@ class ArrivalForecaster:
         if any(v is None for v in values):
             return None
         return max(v for v in values if v is not None)
+
+
+def _holt_winters(model_class, series: list[float], season: int):  # type: ignore[no-untyped-def]
+    """Fit Holt-Winters (additive damped trend, additive season) on ``series``."""
+    return model_class(series, trend="add", damped_trend=True, seasonal="add", seasonal_periods=season,
+                       initialization_method="heuristic").fit()  # fmt: skip
 
 
 def rate_bins(arrivals_s: Iterable[float], bin_s: float, offset_s: float) -> list[tuple[float, float]]:

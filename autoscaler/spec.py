@@ -16,6 +16,8 @@ a scale-up of at most x2 or +4 replicas per decision is HPA's default `scaleUp.p
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 
 from router.registry import Registry
@@ -105,6 +107,13 @@ class ForecastSpec(SpecModel):
         0.25, gt=0, le=10,
         description="Largest mean absolute percentage error over the validation bins for the forecast to be trusted.",
     )  # fmt: skip
+    statistic: Literal["mean", "peak"] = Field(
+        "peak",
+        description="What is forecast per bin: the peak of the windowed arrival rate (the busiest signal window "
+        "of the bin: what the replicas must absorb at once), or the mean arrival rate. Peak by default: on "
+        "bursty traffic the mean asks for no more than a reactive policy keeps (days 1-3 of the synthetic "
+        "daily trace, docs/benchmarks.md).",
+    )
     rate_headroom: float = Field(
         1.0, ge=1, le=10,
         description="Scale for this multiple of the forecast peak rate (1: the forecast as it is).",

@@ -188,21 +188,32 @@ class Workload:
         }  # fmt: skip
 
 
-HISTORY_BIN_S = 60.0
-"""Bin of the arrival rates a history trace is given to a policy in (seconds)."""
+HISTORY_BIN_S = 5.0
+"""Step of the arrival rates a history trace is given to a policy in (seconds): Fleet's decision interval."""
+
+HISTORY_WINDOW_S = 30.0
+"""Each rate of a history counts the arrivals of the window this long ending at its step, as
+`autoscaler.signals.Signals.arrival_rate_per_s` does over ``spec.autoscaling.windowSeconds``."""
 
 
-def history_rates(traces: Sequence[Trace], bin_s: float = HISTORY_BIN_S) -> tuple[tuple[float, float], ...]:
+def history_rates(traces: Sequence[Trace], bin_s: float = HISTORY_BIN_S,
+                  window_s: float = HISTORY_WINDOW_S) -> tuple[tuple[float, float], ...]:  # fmt: skip
     """Arrival rates of ``traces`` laid back to back before 0 s, the last ending at 0 s, each
-    taking its span rounded up to whole hours (a day file takes a day): (bin start in seconds,
-    requests/s) per ``bin_s`` bin, empty bins included; `SimConfig.history`."""
+    taking its span rounded up to whole hours (a day file takes a day): (time in seconds,
+    requests/s over the ``window_s`` before the end of its ``bin_s`` step), every step, empty
+    ones included; `SimConfig.history`."""
     spans = [math.ceil(max(t.duration_s, 1.0) / 3600.0) * 3600.0 for t in traces]
     start_s = -sum(spans)
-    out: list[tuple[float, float]] = []
+    counts: list[int] = []
     for trace, span_s in zip(traces, spans):
-        counts = [0] * math.ceil(span_s / bin_s)
+        part = [0] * math.ceil(span_s / bin_s)
         for r in trace.requests:
-            counts[min(len(counts) - 1, int(r.arrival_s // bin_s))] += 1
-        out.extend((start_s + i * bin_s, c / bin_s) for i, c in enumerate(counts))
-        start_s += span_s
+            part[min(len(part) - 1, int(r.arrival_s // bin_s))] += 1
+        counts.extend(part)
+    width = max(1, round(window_s / bin_s))
+    out: list[tuple[float, float]] = []
+    running = 0
+    for i, c in enumerate(counts):
+        running += c - (counts[i - width] if i >= width else 0)
+        out.append((start_s + i * bin_s, running / (width * bin_s)))
     return tuple(out)

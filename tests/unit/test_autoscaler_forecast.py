@@ -30,7 +30,7 @@ def daily(t_s: float) -> float:
 
 def spec(**kw: object) -> ForecastSpec:
     base = {"bin_seconds": BIN_S, "season_bins": SEASON, "refit_seconds": BIN_S, "validation_bins": 4,
-            "max_mape": 0.2}  # fmt: skip
+            "max_mape": 0.2, "statistic": "mean"}  # fmt: skip
     return ForecastSpec(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -80,9 +80,17 @@ def test_quiet_bins_are_not_scored() -> None:
 def test_a_refit_is_cheap_and_decisions_between_refits_cost_nothing() -> None:
     f = primed(days=3)
     started = time.perf_counter()
-    feed(f, daily, 0.0, 4 * BIN_S, step_s=5.0)        # 480 decisions, 4 refits
-    assert f.fits == 4
+    feed(f, daily, 0.0, 4 * BIN_S, step_s=5.0)        # 480 decisions, 4 refits and the first one's backtest
+    assert f.fits == 5
     assert time.perf_counter() - started < 5.0
+
+
+def test_the_peak_statistic_forecasts_the_busiest_window_of_each_bin() -> None:
+    f = primed(statistic="peak")
+    feed(f, lambda t: 4.0 if t % BIN_S < 30 else daily(t), 0.0, 6 * BIN_S)   # a 30 s burst at 4 req/s each bin
+    assert f._bins[0] == [4.0, 1.0] and f.mape is not None
+    assert f.mape > 0.2  # primed without bursts, the forecast misses them: not trusted
+    assert not f.trusted
 
 
 def test_rate_bins_counts_arrivals_with_empty_bins() -> None:
@@ -125,3 +133,12 @@ def test_without_a_forecast_block_standby_never_scales_ahead() -> None:
     policy = make_policy(AutoscalingSpec(policy="standby"), ReplicaBounds(1, 16, 1))
     assert isinstance(policy, StandbyPolicy) and policy.forecaster is None
     assert policy.forecast_need(_ctx(0.0, 1, 5.0)) == (None, "forecast off")
+
+
+def test_a_primed_start_with_history_enough_is_scored_on_a_backtest_at_once() -> None:
+    f = primed(days=3)
+    f.observe(0.0, daily(0.0))
+    assert f.fits == 2 and f.trusted and f.mape is not None and f.mape < 0.05
+    missed = primed(rate=lambda t: daily(t) if t < -4 * BIN_S else 3 * daily(t), days=3)
+    missed.observe(0.0, 3 * daily(0.0))
+    assert not missed.trusted     # the history's last bins tripled: the backtest misses them

@@ -44,3 +44,13 @@ def test_bad_arguments_are_refused() -> None:
         make_days(source(), 0, seed=1)
     with pytest.raises(ValueError, match="shorter than a minute"):
         make_days(Trace("x", (TraceRequest(0.0, 1, 1),)), 1, seed=1)
+
+
+def test_history_rates_lay_traces_back_to_back_before_zero_as_windowed_rates() -> None:
+    from fleet.tracesim.workload import history_rates
+
+    one = Trace("a", (TraceRequest(0.0, 1, 1), TraceRequest(12.0, 1, 1)))
+    rates = history_rates([one, one], bin_s=5.0, window_s=10.0)
+    assert len(rates) == 2 * 720 and rates[0][0] == -7200.0 and rates[-1][0] == -5.0   # an hour each
+    assert [r for _, r in rates[:4]] == [0.1, 0.1, 0.1, 0.1]     # (t, 1 in the 10 s window / 10 s)
+    assert [r for _, r in rates[720:722]] == [0.1, 0.1]          # the second trace starts at -3600
