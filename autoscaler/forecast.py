@@ -21,7 +21,7 @@ seasons (statsmodels' heuristic initialisation), so a new deployment scales with
 days, then for one validation window more.
 
 Pure and clock-injected: every method takes the caller's time; statsmodels is deterministic.
-Cost: one fit per refit (about half a second for three days of 5-minute bins on one core),
+Cost: one fit per refit (0.2-0.3 s for three days of 30-minute bins on one busy core),
 nothing per decision but a dict lookup. statsmodels is imported when the first fit is due; when
 it is missing the forecast is never trusted and `status` says why (extra ``forecast`` in
 pyproject.toml).

@@ -97,7 +97,7 @@ class ForecastSpec(SpecModel):
         description="Bins in one season (48 x 30 min: a day; 336: a week, which needs two weeks of history).",
     )  # fmt: skip
     refit_seconds: float = Field(
-        1800.0, ge=60, le=86_400, description="Seconds between refits of the model (each costs about half a second)."
+        1800.0, ge=60, le=86_400, description="Seconds between refits of the model (each a fraction of a second)."
     )
     validation_bins: int = Field(
         4, ge=1, le=10_000,
