@@ -56,13 +56,16 @@ WAKE_EARLY_FRACTION = 0.3
 this fraction of its target while the load floor (load over the capacity per replica confirmed
 sustainable, `FleetPolicy`) asks for more replicas than are targeted. Below it the floor alone,
 a lower bound of capacity, over-asks on a steady load (measured on `conv`: woken at 0.1x target
-every five minutes); chosen on `code` (0.5: too late for the onset of its bursts)."""
+every five minutes); chosen on `code` (0.5: too late for the onset of its bursts, 98.6 % within
+the TTFT target against 99.8 %; docs/benchmarks.md)."""
 
 
 class StandbyPolicy(FleetPolicy, name="standby"):
-    """Fleet's policy plus a standby pool sized to the bursts seen (module docstring).
+    """Fleet's policy plus a standby pool sized to the bursts seen, an early wake and, with
+    ``spec.forecast``, scaling ahead (module docstring).
 
-    Reasons: Fleet's (`autoscaler.policy.FleetPolicy`)."""
+    Reasons: Fleet's (`autoscaler.policy.FleetPolicy`), ``load_above_capacity`` (early wake) and
+    ``forecast_ahead`` (up)."""
 
     def __init__(self, spec: AutoscalingSpec, bounds: ReplicaBounds) -> None:
         super().__init__(spec, bounds)
@@ -130,7 +133,8 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         """Wake sleepers as the load outgrows the targeted replicas, before a target breaks: a
         wake-up takes seconds, so a lower bound of the need (the load floor) is worth acting
         on while latency already rises (`WAKE_EARLY_FRACTION`); a start-up of a minute is not.
-        At most the sleepers at hand."""
+        At most the sleepers at hand. Otherwise the trusted forecast's need (`forecast_need`),
+        when above the target."""
         if ctx.standby and pressure is not None and pressure >= WAKE_EARLY_FRACTION and floor > ctx.desired:
             want = ctx.desired + min(ctx.standby, floor - ctx.desired)
             return want, "load_above_capacity", (f"load needs {floor} replica(s) at the capacity confirmed so far, "
