@@ -30,6 +30,8 @@ queue_time / Tq and ttft_p99 / Tt, TTFT counting only with >= 10 samples in the 
    want the load floor (at least spec.replicas.min), never more than the current target (the
    floor only holds a scale-down back); with every signal under half that fraction, one
    replica below the floor (a probe, below). Between that fraction and 1: hold.
+   (Between 2 and 3 a subclass may scale up early, `FleetPolicy._early_up`, and in 4 keep more
+   than spec.replicas.min, `FleetPolicy._lowest`; `autoscaler.standby` does both.)
 5. Replicas already starting count: a want at or below the current target is a hold.
 6. HPA stabilisation (`Stabilizer`): scale up to the lowest recommendation of the scale-up
    window, down to the highest of the scale-down window (300 s by default), so one quiet
@@ -63,7 +65,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -183,6 +185,11 @@ class ScalingPolicy(Registered, registry=SCALING_POLICIES):
     def decide(self, ctx: ScalingContext) -> ScalingDecision:
         """The desired replica count for ``ctx``. Must not do I/O or read a clock."""
         raise NotImplementedError
+
+    def prime(self, history: Sequence[tuple[float, float]]) -> None:
+        """Arrival rates seen before the first decision: (bin start in seconds on the caller's
+        clock, before the first ``ctx.now_s``; requests/s), oldest first. A policy that keeps no
+        long history ignores them (all but `standby` with ``spec.forecast``)."""
 
     def _decision(self, ctx: ScalingContext, desired: int, reason: str, detail: str,
                   **inputs: float | int | None) -> ScalingDecision:  # fmt: skip
@@ -441,6 +448,18 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
 
     # ----- the decision -------------------------------------------------------------------
 
+    def _early_up(self, ctx: ScalingContext, pressure: float | None, floor: int) -> tuple[int, str, str] | None:
+        """A scale-up before any target is at risk: (replicas wanted, reason, detail), or None.
+        Fleet's policy has none (a subclass with faster capacity at hand may: `autoscaler.standby`).
+        Asked after the breach and the projection, with the pressure and the load floor of this
+        decision."""
+        return None
+
+    def _lowest(self, ctx: ScalingContext) -> int:
+        """Fewest replicas a scale-down may leave: ``spec.replicas.min`` (a subclass that knows
+        what is coming may keep more: `autoscaler.standby`)."""
+        return self.bounds.min
+
     def decide(self, ctx: ScalingContext) -> ScalingDecision:
         spec, s, now_s = self.spec, ctx.signals, ctx.now_s
         if not self._seeded:
@@ -481,6 +500,8 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             want = max(math.ceil(ctx.ready * projection[1] - 1e-9), ctx.ready + 1, floor)
             reason = f"{projection[0]}_projected"
             detail = f"{projection[0]} heading to {projection[1]:.2f}x target within {horizon_s:.0f} s"
+        elif (early := self._early_up(ctx, pressure, floor)) is not None:
+            want, reason, detail = early
         elif ctx.ready == 0 and (s.concurrency > 0 or s.arrival_rate_per_s > 0):
             want, reason = max(1, floor), "demand_without_replicas"
             detail = f"{s.concurrency} requests and no READY replica"
@@ -488,12 +509,13 @@ class FleetPolicy(ScalingPolicy, name="fleet"):
             # The floor only holds a scale-down back: it is a lower bound of the replicas the
             # load needs (capacity is learned as a lower bound), never a reason to add any.
             scaling_up = False
-            want, reason = max(min(floor, current), self.bounds.min), "underloaded"
+            lowest = self._lowest(ctx)
+            want, reason = max(min(floor, current), lowest), "underloaded"
             level = "no latency signal" if pressure is None else f"{signal} at {pressure:.2f}x target"
             detail = f"{level}, load {load:.1f} needs {floor} replica(s)"
             if floor > current:
                 detail = f"{detail} at the capacity learned so far, but the {current} targeted carry it"
-            if want >= current and self._may_probe(pressure, s.arrival_rate_per_s, load, current):
+            if lowest < current <= want and self._may_probe(pressure, s.arrival_rate_per_s, load, current):
                 want = current - 1
                 detail = (f"{detail}; probing {want}: {s.arrival_rate_per_s / want:.1f} req/s and load "
                           f"{load / want:.1f} per replica, under {PROBE_MARGIN:.0%} of any overload seen")  # fmt: skip

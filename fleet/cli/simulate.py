@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -62,6 +63,10 @@ def simulate(
     router_limit: Annotated[int | None, typer.Option(
         "--max-concurrency-per-endpoint", min=0, help="Override spec.routing.maxConcurrencyPerEndpoint for every "
         "contender (0: no limit, no router queue).")] = None,
+    history: Annotated[list[Path] | None, typer.Option(
+        "--history", help="Traces that came before this one, oldest first (repeatable; each takes its span "
+        "rounded up to whole hours): their arrival rates are given to the policies before the run "
+        "(the forecast of standby-forecast learns from them; the others ignore them).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the rate-scale copies and token ids.")] = 0,
     jobs: Annotated[int | None, typer.Option(
         "--jobs", "-j", min=1, help="Contenders simulated in parallel processes (default: one per CPU core).")] = None,
@@ -98,7 +103,7 @@ def simulate(
         profile_of,
     )
     from fleet.tracesim.plot import PlotUnavailable, require_matplotlib
-    from fleet.tracesim.workload import Workload, replica_capacity_per_s
+    from fleet.tracesim.workload import Workload, history_rates, replica_capacity_per_s
     from fleet.tracesim.traces import TraceError, load_trace
 
     from fleet.pricing import PricesError, load_prices
@@ -137,6 +142,8 @@ def simulate(
                                       **({} if standby_max is None else {"standby_max": standby_max}))  # fmt: skip
         workload = Workload.from_trace(load_trace(trace), replica_profile, rate_scale=rate_scale, speedup=speedup,
                                        seed=seed)  # fmt: skip
+        if history:
+            base = replace(base, history=history_rates([load_trace(p) for p in history]))
     except (TraceError, PlotUnavailable, ValueError, KeyError) as err:
         err_console.print(f"[red]{err.args[0] if isinstance(err, KeyError) else err}[/]", highlight=False)
         raise typer.Exit(2) from None

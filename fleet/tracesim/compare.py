@@ -16,6 +16,8 @@ SLO; only the scaling policy differs. Names:
   ``maxScaleDownRate: 1000``: the HPA that KEDA drives may remove every surplus pod in one
   15 s period by default (scaleDown policy 100 %, kubernetes.io "Horizontal Pod Autoscaling"),
   which Fleet's default of halving would not let it do.
+- ``standby-forecast``: `standby` scaling ahead on a forecast of the arrival rate
+  (``spec.forecast``: the deployment's block, else `autoscaler.spec.ForecastSpec`'s defaults).
 - ``fixed-peak``, ``fixed-mean``: a fixed fleet of ceil(rate / one replica's capacity)
   replicas, the rate being the busiest minute's or the mean's
   (`fleet.tracesim.workload.FleetSizing`); ``fixed-N``: N replicas; ``fixed``: the
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoscaler.policy import ReplicaBounds
-from autoscaler.spec import AutoscalingSpec
+from autoscaler.spec import AutoscalingSpec, ForecastSpec
 from fleet.enginesim.profiles import Profile, get_profile
 from fleet.tracesim.engine import SimConfig, Simulation
 from fleet.tracesim.results import SimResult
@@ -46,6 +48,10 @@ COMPARE = ("fleet", "fixed-peak", "fixed-mean", "keda-queue", "kpa")
 """The contenders of ``fleet simulate --compare``, in table order."""
 
 SCALING_POLICIES = ("fleet", "standby", "keda-queue", "kpa")
+
+STANDBY_FORECAST = "standby-forecast"
+"""Contender: `standby` with ``spec.forecast`` (the deployment's own block if it has one, else the
+defaults of `autoscaler.spec.ForecastSpec`)."""
 
 KEDA_MAX_SCALE_DOWN_RATE = 1000.0
 """`keda-queue`'s maxScaleDownRate: HPA's default scale-down policy removes up to 100 % of the
@@ -58,7 +64,7 @@ Progress = Callable[[int, float, int, int], None]
 
 def contender_names() -> str:
     """The accepted contender names, for help texts and errors."""
-    return ", ".join([*SCALING_POLICIES, "fixed", "fixed-peak", "fixed-mean", "fixed-N"])
+    return ", ".join([*SCALING_POLICIES, STANDBY_FORECAST, "fixed", "fixed-peak", "fixed-mean", "fixed-N"])
 
 
 def profile_of(deployment: InferenceDeployment, override: str | None = None) -> Profile:
@@ -98,6 +104,10 @@ def contender(base: SimConfig, name: str, sizing: FleetSizing | None = None) -> 
 
     Raises ValueError for an unknown name, or for ``fixed-peak`` / ``fixed-mean`` without
     ``sizing``."""
+    if name == STANDBY_FORECAST:
+        own = base.autoscaling if base.autoscaling.policy == "standby" else AutoscalingSpec(policy="standby")
+        spec = own if own.forecast is not None else own.model_copy(update={"forecast": ForecastSpec()})
+        return replace(base, autoscaling=spec, name=name)
     if name in SCALING_POLICIES:
         if base.autoscaling.policy == name:
             spec = base.autoscaling

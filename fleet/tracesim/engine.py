@@ -149,7 +149,9 @@ class SimConfig:
     every engine step; ``ttft_slo_s``: the SLO the share is measured against (seconds);
     ``drain_timeout_s``: see `DRAIN_TIMEOUT_S`; ``seed``: token ids; ``name``: the row's label;
     ``standby_max``: most STANDBY replicas kept (0: standby off; module docstring);
-    ``wake_s``: modelled seconds from wake-up to READY (`DEFAULT_WAKE_S`);
+    ``wake_s``: modelled seconds from wake-up to READY (`DEFAULT_WAKE_S`); ``history``: arrival
+    rates before the trace, (bin start in seconds before 0, requests/s), given to the policy once
+    (`ScalingPolicy.prime`: the forecast of `standby` learns from them);
     ``load_signal`` (one of `LOAD_SIGNALS`) and ``load_interval_s`` (seconds between engine load
     samples, or the peer channel's delay): what each router knows of the others' load (module
     docstring); ``kv_events``: the engines' KV cache events reach every router's exact index,
@@ -185,6 +187,7 @@ class SimConfig:
     load_interval_s: float = 0.1
     kv_events: bool = False
     kv_events_delay_s: float = 0.0
+    history: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.load_signal not in LOAD_SIGNALS:
@@ -226,6 +229,7 @@ class SimConfig:
                         "warm_nodes": self.bounds.max if self.warm_nodes is None else self.warm_nodes},
             "slowdown": self.slowdown, "ttft_slo_s": self.ttft_slo_s, "drain_timeout_s": self.drain_timeout_s,
             "seed": self.seed, "standby": {"max": self.standby_max, "wake_s": self.wake_s},
+            "history_s": -self.history[0][0] if self.history else 0.0,
         }  # fmt: skip
 
 
@@ -245,6 +249,7 @@ class Simulation:
         self.progress_every_s = progress_every_s
         spec = config.autoscaling
         self.policy: ScalingPolicy = make_policy(spec, config.bounds)
+        self.policy.prime(config.history)
         self.signals = DeploymentSignals(spec.window_seconds)
         self.startup = StartupTracker(spec.warm_startup_seconds, spec.cold_startup_seconds)
         self.stats = ModelStats(0.0)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -185,3 +186,34 @@ class Workload:
             "mean_prompt_tokens": sum(r.prompt_tokens for r in reqs) / n if n else 0.0,
             "mean_output_tokens": sum(r.output_tokens for r in reqs) / n if n else 0.0,
         }  # fmt: skip
+
+
+HISTORY_BIN_S = 5.0
+"""Step of the arrival rates a history trace is given to a policy in (seconds): Fleet's decision interval."""
+
+HISTORY_WINDOW_S = 30.0
+"""Each rate of a history counts the arrivals of the window this long ending at its step, as
+`autoscaler.signals.Signals.arrival_rate_per_s` does over ``spec.autoscaling.windowSeconds``."""
+
+
+def history_rates(traces: Sequence[Trace], bin_s: float = HISTORY_BIN_S,
+                  window_s: float = HISTORY_WINDOW_S) -> tuple[tuple[float, float], ...]:  # fmt: skip
+    """Arrival rates of ``traces`` laid back to back before 0 s, the last ending at 0 s, each
+    taking its span rounded up to whole hours (a day file takes a day): (time in seconds,
+    requests/s over the ``window_s`` before the end of its ``bin_s`` step), every step, empty
+    ones included; `SimConfig.history`."""
+    spans = [math.ceil(max(t.duration_s, 1.0) / 3600.0) * 3600.0 for t in traces]
+    start_s = -sum(spans)
+    counts: list[int] = []
+    for trace, span_s in zip(traces, spans):
+        part = [0] * math.ceil(span_s / bin_s)
+        for r in trace.requests:
+            part[min(len(part) - 1, int(r.arrival_s // bin_s))] += 1
+        counts.extend(part)
+    width = max(1, round(window_s / bin_s))
+    out: list[tuple[float, float]] = []
+    running = 0
+    for i, c in enumerate(counts):
+        running += c - (counts[i - width] if i >= width else 0)
+        out.append((start_s + i * bin_s, running / (width * bin_s)))
+    return tuple(out)

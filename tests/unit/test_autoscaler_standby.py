@@ -86,3 +86,30 @@ def test_same_contexts_give_the_same_decisions() -> None:
     a, b = standby_policy(), standby_policy()
     assert [a.decide(c) for c in contexts] == [b.decide(c) for c in contexts]
     assert a.last is not None and a.last.standby == 4
+
+
+def _loaded(now_s: float, in_flight: int, queue: float, *, standby: int) -> ScalingContext:
+    s = Signals(at_s=now_s, window_s=30.0, router_queue_time_mean_s=queue, in_flight=in_flight, queued=0,
+                arrival_rate_per_s=0.0, e2e_mean_s=None)  # fmt: skip
+    return ScalingContext(now_s, 2, 2, 0, s, StartupEstimate(60.0, 600.0, wake_s=3.0 if standby else None), standby)
+
+
+def _confirmed(**spec: object) -> StandbyPolicy:
+    """A policy that confirmed 2 requests per READY replica sustainable (a window at 0.2x target)."""
+    p = standby_policy(**spec)
+    for t in range(0, 40, 5):
+        p.decide(_loaded(float(t), 4, 0.2 * TQ, standby=2))
+    assert p.per_replica_capacity() == 2.0
+    return p
+
+
+def test_sleepers_wake_early_when_the_load_outgrows_the_confirmed_capacity_and_latency_rises() -> None:
+    d = _confirmed().decide(_loaded(40.0, 10, 0.4 * TQ, standby=2))    # load 10 needs 5; 2 asleep
+    assert (d.desired, d.reason) == (4, "load_above_capacity") and "wake 2 standby" in d.detail
+    assert d.standby is None  # an early wake is no burst seen: the pool is not resized on it
+
+
+def test_no_early_wake_without_sleepers_or_while_latency_is_low() -> None:
+    assert _confirmed().decide(_loaded(40.0, 10, 0.4 * TQ, standby=0)).desired == 2   # no sleeper: a start-up
+    low = _confirmed().decide(_loaded(40.0, 10, 0.2 * TQ, standby=2))                  # under WAKE_EARLY_FRACTION
+    assert low.desired == 2 and low.reason != "load_above_capacity"

@@ -102,3 +102,15 @@ def test_standby_max_gives_the_standby_policy_a_pool_and_the_table_counts_it(fil
     (run,) = json.loads(out_json.read_text())["results"]
     assert run["params"]["standby"] == {"max": 1, "wake_s": 2.0}
     assert 0 < run["summary"]["standby_hours"] < run["summary"]["replica_hours"]
+
+
+def test_history_primes_the_forecast_of_standby_forecast(files: tuple[Path, Path], tmp_path: Path) -> None:
+    trace, dep = files
+    out_json = tmp_path / "out.json"
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "standby-forecast",
+                                 "--history", str(trace), "--history", str(trace), "--json", str(out_json),
+                                 "-j", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads(out_json.read_text())["results"]
+    assert run["name"] == "standby-forecast" and run["params"]["autoscaling"]["forecast"]["binSeconds"] == 1800
+    assert run["params"]["history_s"] == 7200.0   # two traces of two minutes, each an hour once rounded
