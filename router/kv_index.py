@@ -52,9 +52,9 @@ DEFAULT_MAX_BLOCKS_PER_ENDPOINT = 262_144
 """Most blocks the index holds per endpoint: 4M tokens at vLLM's 16-token blocks, ten times the
 KV cache of an H100 serving an 8B model (27,000 blocks, fleet/enginesim/profiles.py) and more
 than an H200 holds for an 8B model (~57,000 blocks). About 230 bytes per block (measured with
-tracemalloc: the OrderedDict entry, two 64-bit ints, the holder mask), so at most ~57 MiB per
-endpoint, reached only if removals are lost; while they arrive the view is the engine's own size
-(27,000 blocks: ~6 MiB)."""
+tracemalloc: the OrderedDict entry, two 64-bit ints, the holder mask; ~300 bytes of RSS), so at
+most ~57 MiB of Python objects (~75 MiB RSS) per endpoint, reached only if removals are lost;
+while they arrive the view is the engine's own size (27,000 blocks: ~6 MiB)."""
 
 KEY_ROOT = 0x6B76_E7E4_7EED
 """The parent key of a prompt's first block (any fixed int: keys must agree across routers)."""
