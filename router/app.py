@@ -41,6 +41,7 @@ from router.peer_channel import PeerMetrics, PeerSender, ReportPoster
 from router.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report
 from router.pool import PoolTable
 from router.remembered import ModelsFile
+from router.tokenize import PoolTokenizers
 from router.proxy import (
     CLOSE,
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -343,6 +344,7 @@ def create_app(
         connect_timeout_s=connect_timeout_s,
         read_timeout_s=read_timeout_s,
         failure_cooldown_s=failure_cooldown_s,
+        tokenizers=PoolTokenizers(metrics.registry),
     )
     peer_report = None
     if peers:

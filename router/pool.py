@@ -130,13 +130,14 @@ class Pool:
     `endpoints` holds all endpoints (draining ones too), `ready` the non-draining ones, in
     spec order. `split` divides requests between the revisions (versions) of the ready
     endpoints by weight before the policy chooses (`router.split`; None with one version);
-    `sticky_key` names the request key that keeps a user on one revision (None: none). `limit` is the most requests one endpoint gets at once (None: no limit, no
+    `sticky_key` names the request key that keeps a user on one revision (None: none);
+    `tokenizer` the directory of the model's tokenizer (`router.tokenize`; None: none). `limit` is the most requests one endpoint gets at once (None: no limit, no
     admission queue); `max_queue_length` and `queue_timeout_s` bound the admission queue.
     A pool is replaced, never edited, when its spec changes.
     """
 
     __slots__ = ("model", "policy", "endpoints", "ready", "created_s", "shared", "limit",
-                 "max_queue_length", "queue_timeout_s", "split", "sticky_key")  # fmt: skip
+                 "max_queue_length", "queue_timeout_s", "split", "sticky_key", "tokenizer")  # fmt: skip
 
     def __init__(
         self,
@@ -150,6 +151,7 @@ class Pool:
         max_queue_length: int = DEFAULT_MAX_QUEUE_LENGTH,
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         sticky_key: str | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
@@ -162,6 +164,7 @@ class Pool:
         self.queue_timeout_s = queue_timeout_s
         self.split = RevisionSplit.of(self.ready, self.shared.split)
         self.sticky_key = sticky_key
+        self.tokenizer = tokenizer
         policy.on_endpoints({e.id for e in self.endpoints})
 
     def pick(self, request: RouteRequest, now_s: float, tried: Collection[EndpointState] = (), *,
@@ -336,7 +339,7 @@ class PoolTable:
             shared = PoolShared(ModelStats(self._clock()), self._metrics.bind_model(model))
         pool = Pool(model, policy, endpoints, created_s, shared, limit=spec.max_concurrency_per_endpoint,
                     max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s,
-                    sticky_key=spec.sticky_key)  # fmt: skip
+                    sticky_key=spec.sticky_key, tokenizer=spec.tokenizer)  # fmt: skip
         self._pools[model] = pool
         if self._kv_streams is not None:
             sources = {e.id: e.kv_events for e in spec.endpoints if e.kv_events is not None}

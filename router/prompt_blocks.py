@@ -73,9 +73,11 @@ class RouteRequest:
         cached_tokens: written by the policy that routed the request: the prompt tokens it
             expects the chosen endpoint to find in its prefix cache (0 if it does not know).
             `prefill_tokens` follows from it; the proxy charges that to the endpoint's load.
-        token_ids: the prompt's token ids when the router has them (a token-id prompt, the first of
-            a batch; or a text prompt tokenized with the pool's tokenizer), else None: what the
-            exact index (`router.kv_index.ExactIndex.match`) matches.
+        token_ids: the prompt's token ids as the engine computes them, for matching against the
+            engines' KV events: a token-id prompt's ids (the first of a batch), or a text or chat
+            prompt tokenized with the pool's own tokenizer (`router.tokenize`, set by the proxy;
+            `prompt_tokens` is then their count); None when neither is known. What the exact
+            index (`router.kv_index.ExactIndex.match`) matches.
     """
 
     block_hashes: tuple[int, ...] = ()
@@ -177,8 +179,10 @@ def route_request(doc: Mapping, session_header: str | None = None, hash_blocks: 
     list of texts or of token-id lists: the first gives the blocks, all count as tokens);
     `messages` a chat. Output tokens: `max_completion_tokens`, else `max_tokens`, else
     `DEFAULT_OUTPUT_TOKENS`. ``hash_blocks`` False: no block hashes (the pool's policy does not
-    read them; the token counts are still made). Never raises: a field of an unexpected type
-    contributes nothing.
+    read them; the token counts are still made). `RouteRequest.token_ids` is set for token-id
+    prompts only (the list as parsed, not copied or checked element by element); the proxy
+    fills it for text and chat from the pool's tokenizer. Never raises: a field of an
+    unexpected type contributes nothing.
     """
     hashes: list[int] = []
     prompt_tokens = 0

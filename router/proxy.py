@@ -45,6 +45,7 @@ from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S, EndpointState
 from router.pool import Pool, PoolShared, PoolTable
 from router.prompt_blocks import SESSION_HEADER, RouteRequest, route_request
 from router.split import sticky_key
+from router.tokenize import PoolTokenizers
 from router.errors import MAX_ERROR_BODY_BYTES, error_body, relayed_error
 from router.sse import SseRelay
 
@@ -264,7 +265,9 @@ class Proxy:
     endpoint whose connection failed is skipped (see `router.endpoint.DEFAULT_FAILURE_COOLDOWN_S`).
     `max_body_bytes`: the largest request body (413 beyond it). `forward_headers`: the client
     headers forwarded to the engine (lower-case names; `FORWARDED_REQUEST_HEADERS`; ValueError
-    for a hop-by-hop one).
+    for a hop-by-hop one). `tokenizers`: the pools' tokenizers (`router.tokenize.PoolTokenizers`;
+    a pool naming a tokenizer directory gets `RouteRequest.token_ids` for text and chat prompts
+    when its policy reads prompt blocks; the first request starts the load).
     """
 
     def __init__(
@@ -281,6 +284,7 @@ class Proxy:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
         forward_headers: frozenset[bytes] = FORWARDED_REQUEST_HEADERS,
+        tokenizers: PoolTokenizers | None = None,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -298,6 +302,7 @@ class Proxy:
         self._max_body_bytes = max_body_bytes
         self._failure_cooldown_s = failure_cooldown_s
         self._session: aiohttp.ClientSession | None = None
+        self.tokenizers = tokenizers if tokenizers is not None else PoolTokenizers()
 
     async def start(self) -> None:
         """Open the upstream client session (no connection limit, keep-alive)."""
@@ -316,6 +321,7 @@ class Proxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        self.tokenizers.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -363,6 +369,15 @@ class Proxy:
             elif k == b"connection":
                 connection += b"," + v
         request = route_request(doc, session, hash_blocks=pool.policy.uses_prompt_blocks)
+        if pool.tokenizer is not None and request.token_ids is None and pool.policy.uses_prompt_blocks:
+            # Text or chat: the pool's own tokenizer gives the ids the engines' KV events name
+            # (router.tokenize; a long prompt in a worker thread; None: the approximate view).
+            ids = await self.tokenizers.token_ids(pool.tokenizer, doc)
+            if ids is not None:
+                request.token_ids = ids
+                if not isinstance(doc.get("prompt"), list):   # a batch counts all its prompts
+                    request.prompt_tokens = len(ids)
+            pool = self._pools.get(model) or pool   # replaced while tokenizing: route on the new one
         shared = pool.shared
         shared.arrived(arrival_s)
         limited = pool.limit is not None

@@ -131,6 +131,13 @@ class PoolSpec(BaseModel):
         default=DEFAULT_QUEUE_TIMEOUT_S, gt=0, le=3600,
         description="Longest wait in the admission queue (seconds) before a 503.",
     )  # fmt: skip
+    tokenizer: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="A directory on the router's machine holding the model's tokenizer.json (and "
+        "tokenizer_config.json / chat_template.jinja): prompts are tokenized with it to match them against "
+        "the engines' KV events (router.tokenize). None, or a directory the router cannot load (logged and "
+        "counted in fleet_router_tokenizer_loads_total): routing on the approximate prefix view only.",
+    )
     sticky_key: str | None = Field(
         default=None, pattern=STICKY_KEY_PATTERN,
         description="Request key that keeps one user on one revision while weights hold: `header:NAME` "
