@@ -36,6 +36,7 @@ def sim_engine(
     enable_sleep_mode: Annotated[bool, typer.Option("--enable-sleep-mode", help="Serve vLLM's POST /sleep, POST /wake_up, GET /is_sleeping.")] = False,
     wake_s: Annotated[Optional[float], typer.Option("--wake-s", help="Seconds a wake from level-1 sleep takes (default: from the profile's weight bytes).")] = None,
     kv_events_config: Annotated[Optional[str], typer.Option("--kv-events-config", help="vLLM's KV events config (JSON); replica i offsets the ports by i.")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="A model directory: tokenize prompts with its real tokenizer and chat template, as vLLM does (default: the simulator's word tokenizer).")] = None,
     list_profiles: Annotated[bool, typer.Option("--list-profiles", help="List the profiles and exit.")] = False,
 ) -> None:
     """Run simulated vLLM replicas (the Fleet engine SIMULATOR; no model runs).
@@ -79,7 +80,7 @@ def sim_engine(
         seed=seed, startup_delay_s=startup_delay_s, faults=faults, mean_output_tokens=mean_output_tokens,
         config_overrides={k: v for k, v in overrides.items() if v is not None},
         ports_file=str(ports_file) if ports_file else None, sleep_mode=enable_sleep_mode, wake_s=wake_s,
-        kv_events=kv_events,
+        kv_events=kv_events, tokenizer=str(tokenizer) if tokenizer else None,
     )
     raise typer.Exit(run(options, out=lambda line: print(line, flush=True)))
 

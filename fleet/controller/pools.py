@@ -5,7 +5,8 @@ on one machine, `fleet.k8s.routers` fanning out to router pods on Kubernetes) an
 a collaborator of `fleet.controller.reconcile.Controller` that works on its
 `fleet.controller.targets.FleetRecords`: once per tick (`publish`, the last step of
 `Controller.reconcile_once`) it writes each deployment's pool (`router.spec.PoolSpec`: the
-replicas that passed warm-up, their revision's label and weight, DRAINING ones marked draining)
+replicas that passed warm-up, their revision's label and weight, DRAINING ones marked draining;
+the model's tokenizer directory when this machine has one, `tokenizer_dir`)
 where it changed since the last write, and drains the pool of each retired deployment through
 the router before deleting it. A failed write is logged and tried again next tick; no target is
 changed here.
@@ -17,17 +18,33 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Protocol
 
 from fleet.controller.lifecycle import Replica, ReplicaStatus
+from fleet.controller.model_memory import _weight_cache_dir
 from fleet.controller.targets import DeploymentRecord, FleetRecords
 from fleet.rollout.revisions import endpoint_weights, revision_label
+from fleet.spec import LoadedDeployment
 from router.spec import EndpointSpec, KvEventsSource, PoolSpec
 
 log = logging.getLogger("fleet.controller")
 
 PUBLISH_CONCURRENCY = 16
 """Pool updates sent to the router at once (each its own admin API request)."""
+TOKENIZER_RECHECK_S = 60.0
+"""Seconds before a model without a tokenizer directory on this machine is looked for again."""
+
+
+def tokenizer_dir(ld: LoadedDeployment) -> str | None:
+    """The directory holding the deployment's tokenizer.json on this machine, for the router
+    (`router.spec.PoolSpec.tokenizer`): the model's own directory for a path or ``file://``
+    source, this machine's weight-cache entry for an ``hf://`` one; None when it has none there
+    (other sources, not pulled, ``sim://``). Reads the file system."""
+    source = ld.deployment.spec.model.source
+    local = ld.deployment.spec.model.local_path(ld.base_dir)
+    directory = local if local is not None else _weight_cache_dir(source)
+    return str(directory) if directory is not None and (Path(directory) / "tokenizer.json").is_file() else None
 
 
 class PoolSink(Protocol):
@@ -56,6 +73,7 @@ class PoolPublisher:
         self.records = records
         self.pool_sink = pool_sink
         self._retired_pools: dict[str, PoolSpec] = {}   # pools of retired deployments as last published
+        self._tokenizers: dict[tuple[str, Path], tuple[str | None, float]] = {}   # (source, base) -> (dir, when)
 
     def forget(self) -> None:
         """The router lost its pools (it was restarted): publish every pool again next tick."""
@@ -89,7 +107,7 @@ class PoolPublisher:
                 policy=routing.policy, endpoints=endpoints,
                 max_concurrency_per_endpoint=routing.max_concurrency_per_endpoint,
                 max_queue_length=routing.max_queue_length, queue_timeout_s=routing.queue_timeout_seconds,
-                sticky_key=sticky_key,
+                sticky_key=sticky_key, tokenizer=self._tokenizer(ds.loaded),
             )  # fmt: skip
             if pool != ds.last_pool:
                 changed.append((ds, pool))
@@ -113,6 +131,16 @@ class PoolPublisher:
                 break
         if failed:
             log.warning("cannot publish %d pool(s) (retried next tick); first: %s: %r", len(failed), *failed[0])
+
+    def _tokenizer(self, ld: LoadedDeployment) -> str | None:
+        """`tokenizer_dir` of ``ld``, remembered (a miss is looked for again after
+        `TOKENIZER_RECHECK_S`), so a tick does not read the file system for every deployment."""
+        key = (ld.deployment.spec.model.source, ld.base_dir)
+        now_s = time.monotonic()
+        known = self._tokenizers.get(key)
+        if known is None or (known[0] is None and now_s - known[1] >= TOKENIZER_RECHECK_S):
+            known = self._tokenizers[key] = (tokenizer_dir(ld), now_s)
+        return known[0]
 
     def endpoints(self, deployment: str) -> list[EndpointSpec]:
         """The router's view of a deployment: replicas that passed warm-up and still run; DRAINING

@@ -7,7 +7,7 @@ OpenAI server (``--model``, ``--served-model-name``, ``--host``, ``--port``,
 ``--num-gpu-blocks-override``, ``--[no-]enable-prefix-caching``, ``--kv-events-config``: KV cache
 events on vLLM's wire, `fleet.enginesim.kvpublish`), the simulator's own
 (``--profile``, ``--seed``, ``--startup-delay-s``, fault switches, ``--replicas``,
-``--ports-file``); other vLLM flags (``--enforce-eager``, ``--gpu-memory-utilization``, ...) are
+``--ports-file``; ``--tokenizer DIR``, vLLM's flag too, tokenizes with a model's real tokenizer); other vLLM flags (``--enforce-eager``, ``--gpu-memory-utilization``, ...) are
 accepted and ignored with a note, so a deployment can switch between ``vllm`` and ``sim``
 without editing its args.
 
@@ -60,6 +60,10 @@ def parser() -> argparse.ArgumentParser:
                         "buffer_steps, hwm, topic); replica i of --replicas offsets the ports by i.")
     p.add_argument("--replicas", type=int, default=1, help="Replicas in this process, on consecutive ports.")
     p.add_argument("--ports-file", default=None, help="Write the bound ports as JSON here.")
+    p.add_argument("--tokenizer", default=None,
+                   help="A model directory (tokenizer.json, tokenizer_config.json, chat template): tokenize prompts "
+                        "as vLLM does with that tokenizer, so token ids agree with the router's. Default: the "
+                        "simulator's word tokenizer.")
     return p
 
 
@@ -85,7 +89,7 @@ def options_from_args(argv: list[str]) -> tuple[SimEngineOptions, list[str]]:
         model_source=args.model, served_model_name=args.served_model_name, seed=args.seed,
         startup_delay_s=args.startup_delay_s, faults=faults, mean_output_tokens=args.mean_output_tokens,
         config_overrides={k: v for k, v in overrides.items() if v is not None}, ports_file=args.ports_file,
-        sleep_mode=args.enable_sleep_mode, wake_s=args.wake_s, kv_events=kv_events,
+        sleep_mode=args.enable_sleep_mode, wake_s=args.wake_s, kv_events=kv_events, tokenizer=args.tokenizer,
     )  # fmt: skip
     return opts, ignored
 

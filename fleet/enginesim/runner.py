@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from fleet.enginesim.faults import FaultPlan
 from fleet.enginesim.kvpublish import KvEventsConfig
 from fleet.enginesim.profiles import DEFAULT_PROFILE, Profile, get_profile
+from fleet.enginesim.realtokens import RealTokens
 from fleet.enginesim.sleep import wake_time_s
 from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket, serve_replicas, write_ports_file
 
@@ -63,6 +64,7 @@ class SimEngineOptions:
     sleep_mode: bool = False
     wake_s: float | None = None        # None: from the profile's weight bytes per GPU
     kv_events: KvEventsConfig | None = None   # vLLM's --kv-events-config; replica i offsets its ports by i
+    tokenizer: str | None = None       # a model directory: its real tokenizer (fleet.enginesim.realtokens)
 
     def replica_settings(self) -> list[ReplicaSettings]:
         """Settings of each replica. Raises OptionsError."""
@@ -75,6 +77,7 @@ class SimEngineOptions:
             profile = profile.with_overrides(**self.config_overrides)
         except ValueError as err:
             raise OptionsError(str(err)) from None
+        real = _real_tokens(self.tokenizer) if self.tokenizer else None
         name = self.served_model_name or (
             self.model_source if self.model_source and not self.model_source.startswith(SIM_SCHEME) else profile.model
         )
@@ -82,8 +85,19 @@ class SimEngineOptions:
                               seed=self.seed, startup_delay_s=self.startup_delay_s, faults=self.faults,
                               mean_output_tokens=self.mean_output_tokens, sleep_mode=self.sleep_mode,
                               wake_s=self.wake_s if self.wake_s is not None
-                              else wake_time_s(profile.weight_bytes_per_gpu), kv_events=self.kv_events)  # fmt: skip
+                              else wake_time_s(profile.weight_bytes_per_gpu), kv_events=self.kv_events,
+                              tokens=real)  # fmt: skip
         return [one] * self.replicas
+
+
+def _real_tokens(directory: str) -> RealTokens:
+    """The real tokenizer in ``directory``, loaded once for every replica. Raises OptionsError."""
+    from router.tokenize import TokenizerError, load_tokenizer
+
+    try:
+        return RealTokens(load_tokenizer(directory))
+    except (TokenizerError, ValueError) as err:
+        raise OptionsError(f"--tokenizer: {err}") from None
 
 
 def run(options: SimEngineOptions, out: Callable[[str], None] = print) -> int:
@@ -114,6 +128,9 @@ def run(options: SimEngineOptions, out: Callable[[str], None] = print) -> int:
     fault = s0.faults.describe()
     if fault or s0.startup_delay_s:
         out(f"  start-up delay {s0.startup_delay_s:g} s" + (f"; faults: {fault}" if fault else ""))
+    if s0.tokens is not None:
+        out(f"  tokenizer {s0.tokens.tokenizer.directory} (vocabulary {s0.tokens.vocab_size}; chat template "
+            f"{'yes' if s0.tokens.tokenizer.chat_template is not None else 'none'})")
     if s0.sleep_mode:
         out(f"  sleep mode on: POST /sleep?level=1, POST /wake_up ({s0.wake_s:.3f} s), GET /is_sleeping")
     kv = options.kv_events if options.kv_events is not None and options.kv_events.enabled else None

@@ -49,6 +49,7 @@ from fleet.enginesim.kvpublish import KvEventPublisher, KvEventsConfig
 from fleet.enginesim.metrics import ReplicaMetrics
 from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from fleet.enginesim.profiles import Profile
+from fleet.enginesim.realtokens import RealTokens
 from fleet.enginesim.sleep import SleepState, parse_level
 from router.kv_events import EventBatch
 
@@ -75,6 +76,8 @@ class ReplicaSettings:
         wake_s: seconds ``POST /wake_up`` takes from level-1 sleep (`fleet.enginesim.sleep.wake_time_s`).
         kv_events: vLLM's ``--kv-events-config`` of the process (replica ``i`` offsets its ports
             by ``i``); None or disabled: no events.
+        tokens: a model's real tokenizer (``--tokenizer DIR``, `fleet.enginesim.realtokens`); None:
+            the simulator's word tokenizer (`fleet.enginesim.tokens`).
     """
 
     profile: Profile
@@ -87,6 +90,7 @@ class ReplicaSettings:
     sleep_mode: bool = False
     wake_s: float = 0.0
     kv_events: KvEventsConfig | None = None
+    tokens: RealTokens | None = field(default=None, compare=False)
 
 
 class ApiError(Exception):
@@ -366,7 +370,8 @@ class SimReplica:
             eos = max(min_tokens, tokens.eos_length(seed, prompt_ids, mean), 1)
             if eos < max_tokens:
                 out_len, reason = eos, "stop"
-        output_ids = tokens.filler_token_ids(seed, prompt_ids, out_len)
+        real = self.settings.tokens
+        output_ids = (real or tokens).filler_token_ids(seed, prompt_ids, out_len)
         self._counter += 1
         rid = f"{self.index}-{self._counter:08x}"
         now_s = self.now_s()
@@ -412,12 +417,13 @@ class SimReplica:
                     HTTPStatus.SERVICE_UNAVAILABLE.phrase)
             try:
                 body = await self._read_body(request)
+                real = self.settings.tokens
                 if chat:
-                    prompt_ids = tokens.encode_chat(body.get("messages"))
+                    prompt_ids = real.encode_chat(body) if real else tokens.encode_chat(body.get("messages"))
                 else:
                     if "prompt" not in body:
                         raise ApiError(400, "prompt: required field is missing", "prompt")
-                    prompt_ids = tokens.encode_prompt(body["prompt"])
+                    prompt_ids = real.encode_prompt(body) if real else tokens.encode_prompt(body["prompt"])
                 live = self._admit(prompt_ids, body, None if chat else 16)
             except tokens.PromptError as err:
                 return ApiError(400, str(err)).response()
@@ -460,6 +466,10 @@ class SimReplica:
             "model": self.settings.served_model_name,
         }
 
+    def _token_text(self, token: int) -> str:
+        real = self.settings.tokens
+        return real.token_text(token) if real is not None else tokens.token_text(token)
+
     def _fingerprint(self) -> str:
         return f"fleet-sim-{self.profile.name}"
 
@@ -476,7 +486,7 @@ class SimReplica:
             if kind == "done":
                 fr: FinishedRequest = payload
                 break
-        text = "".join(tokens.token_text(t) for t in live.output_ids[:fr.num_output_tokens])
+        text = "".join(self._token_text(t) for t in live.output_ids[:fr.num_output_tokens])
         doc = self._head(live, chat)
         if chat:
             doc["object"] = "chat.completion"
@@ -509,7 +519,7 @@ class SimReplica:
                 if payload + 1 >= len(live.output_ids):
                     continue
                 emitted = payload + 1
-                text = tokens.token_text(live.output_ids[payload])
+                text = self._token_text(live.output_ids[payload])
                 await send(self._chunk(head, chat, text, None))
                 continue
             if kind == "error":
@@ -520,7 +530,7 @@ class SimReplica:
             fr: FinishedRequest = payload
             break
         if fr.num_output_tokens > emitted:
-            text = "".join(tokens.token_text(t) for t in live.output_ids[emitted:fr.num_output_tokens])
+            text = "".join(self._token_text(t) for t in live.output_ids[emitted:fr.num_output_tokens])
             await send(self._chunk(head, chat, text, fr.finish_reason))
         else:
             await send(self._chunk(head, chat, "", fr.finish_reason))
