@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["MARKER_FILE", "make_tiny_model", "main"]
+__all__ = ["MARKER_FILE", "make_tiny_model", "make_tiny_tokenizer", "main"]
 
 #: Written last into a finished model directory; holds the generation parameters.
 MARKER_FILE = "fleet-tiny-model.json"
@@ -205,6 +205,23 @@ def _build_tokenizer(vocab_size: int):
         model_max_length=_MODEL_SHAPE["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
+
+
+def make_tiny_tokenizer(out_dir: Path, *, vocab_size: int = 2048) -> Path:
+    """Write only the tiny model's tokenizer (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja; the same files `make_tiny_model` writes) into ``out_dir``; returns it.
+    Needs ``tokenizers`` and ``transformers``, not torch: a few seconds."""
+    from transformers.utils import logging as hf_logging
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        _build_tokenizer(vocab_size).save_pretrained(out_dir)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return out_dir
 
 
 def make_tiny_model(out_dir: Path, *, seed: int = 0, vocab_size: int = 2048) -> Path:
