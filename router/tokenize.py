@@ -63,6 +63,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from router.token_segments import SegmentCache
+
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -200,6 +202,7 @@ class PromptTokenizer:
     special_tokens: Mapping[str, str] = field(default_factory=dict)
     content_parts: bool = False                   # vLLM's "openai" content format
     names_developer: bool = False                 # the template knows the developer role
+    segments: SegmentCache | None = None          # chat prompts: ids of pieces seen before (router.token_segments)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text`` (``encode_batch_fast``: same ids as ``encode``, no offsets, GIL
@@ -282,7 +285,12 @@ class PromptTokenizer:
         kwargs = doc.get("chat_template_kwargs")
         text = self.render_chat(messages, add_generation_prompt=generation if isinstance(generation, bool) else True,
                                 template_kwargs=kwargs if isinstance(kwargs, Mapping) else None)  # fmt: skip
-        return self.encode(text, special if isinstance(special, bool) else False)
+        if special is True or self.segments is None:
+            return self.encode(text, special is True)
+        try:
+            return self.segments.encode(text)   # the history's pieces from before: only new messages cost
+        except Exception as exc:  # tokenizers raises plain Exception
+            raise ValueError(f"tokenizer refused the text: {exc}") from None
 
 
 def _texts(content: object) -> list[str]:
@@ -423,10 +431,16 @@ def load_tokenizer(directory: str) -> PromptTokenizer:
         raise TokenizerError(directory, "missing", f"no {TOKENIZER_FILE} (a fast tokenizer is needed)")
     config = _read_json(directory, CONFIG_FILE) or {}
     try:
-        tokenizer = Tokenizer.from_file(str(root / TOKENIZER_FILE))
-    except OSError as exc:
+        text = (root / TOKENIZER_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise TokenizerError(directory, "unreadable", f"cannot read {TOKENIZER_FILE}: {exc}") from None
-    except Exception as exc:  # tokenizers raises plain Exception for a file it cannot parse
+    try:
+        description = json.loads(text)
+    except ValueError as exc:
+        raise TokenizerError(directory, "invalid", f"{TOKENIZER_FILE} is not valid JSON: {exc}") from None
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises plain Exception for a description it cannot use
         raise TokenizerError(directory, "invalid", f"{TOKENIZER_FILE} does not load: {exc}") from None
     special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None}
     source = _template_source(directory, config)
@@ -439,7 +453,8 @@ def load_tokenizer(directory: str) -> PromptTokenizer:
             raise TokenizerError(directory, "chat_template", f"the chat template does not compile: {exc}") from None
         content_parts = _names_content_loop(source, template.environment)
         names_developer = '"developer"' in source or "'developer'" in source   # vLLM's own test
-    return PromptTokenizer(directory, tokenizer, template, special, content_parts, names_developer)
+    return PromptTokenizer(directory, tokenizer, template, special, content_parts, names_developer,
+                           SegmentCache.for_tokenizer(tokenizer, description))  # fmt: skip
 
 
 def prompt_chars(doc: Mapping[str, Any]) -> int:

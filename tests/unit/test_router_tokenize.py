@@ -208,9 +208,13 @@ def test_bad_directories_fail_with_their_reason(tokenizer_dir: Path, tmp_path: P
 
     bad = copy("bad-json")
     (bad / "tokenizer.json").write_text('{"version": "1.0", "model": ')
-    with pytest.raises(TokenizerError, match="tokenizer.json does not load") as err:
+    with pytest.raises(TokenizerError, match="tokenizer.json is not valid JSON") as err:
         load_tokenizer(str(bad))
     assert err.value.reason == "invalid" and str(bad) in str(err.value)
+    (bad / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "NoSuchModel"}}')
+    with pytest.raises(TokenizerError, match="tokenizer.json does not load") as err:
+        load_tokenizer(str(bad))
+    assert err.value.reason == "invalid"
     bad = copy("bad-config")
     (bad / "tokenizer_config.json").write_text("[1, 2")
     with pytest.raises(TokenizerError, match="tokenizer_config.json is not valid JSON") as err:
@@ -337,3 +341,41 @@ async def test_proxy_fills_token_ids_from_the_pools_tokenizer(tokenizer_dir: Pat
     expected = vllm_chat_ids(tokenizer_dir, CONVERSATIONS[1])
     assert seen[0].token_ids == expected and seen[0].prompt_tokens == len(expected)
     assert seen[1].token_ids == [5, 6, 7]
+
+
+# ----- chat prompts: the history's pieces are not tokenized again (router.token_segments) -------------
+
+def test_segment_cache_gives_the_whole_encodes_ids_and_reuses_the_history(tokenizer_dir: Path) -> None:
+    tok = load_tokenizer(str(tokenizer_dir))
+    assert tok.segments is not None   # byte-level BPE, special tokens without lstrip/rstrip: exact
+    long = "Prefill processes the prompt tokens of new requests; decode produces one token. " * 20
+    turn1 = [{"role": "system", "content": long}, {"role": "user", "content": long + " first?"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "second?"}]
+    for messages in (turn1, turn2, *CONVERSATIONS):
+        assert tok.prompt_token_ids({"messages": messages}) == vllm_chat_ids(tokenizer_dir, messages)
+    hits = tok.segments.hits
+    tok.prompt_token_ids({"messages": [*turn2, {"role": "assistant", "content": "b"}, {"role": "user", "content": "3"}]})
+    assert tok.segments.hits == hits + 2   # the system prompt and the first question: from the cache
+    for text in ("<s><s>x</s>", "</s>" + long + "<|user|><|assistant|>\n\n  " + long, "no specials " * 40, ""):
+        assert tok.segments.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_segment_cache_is_bounded_and_refuses_tokenizers_it_cannot_split(tokenizer_dir: Path) -> None:
+    import re
+
+    from router.token_segments import SegmentCache, _regex_of
+
+    description = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    raw = load_tokenizer(str(tokenizer_dir)).tokenizer
+    small = SegmentCache.for_tokenizer(raw, description, max_chars=1_000)
+    assert small is not None
+    for i in range(20):
+        small.encode(f"<s>{i} " + "x " * 200 + "</s>")
+    assert 0 < small.chars <= 1_000
+    stripping = json.loads(json.dumps(description))
+    stripping["added_tokens"][1]["lstrip"] = True     # "</s>" eats the whitespace before it
+    assert SegmentCache.for_tokenizer(raw, stripping) is None
+    first = {**description, "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}}
+    assert SegmentCache.for_tokenizer(raw, first) is None
+    assert re.compile(f"({_regex_of(['<|a|>', '<|a|>x', '<|b|>'])})").split("1<|a|>x2<|a|>3<|b|>") == [
+        "1", "<|a|>x", "2", "<|a|>", "3", "<|b|>", ""]   # leftmost-longest, as tokenizers matches
