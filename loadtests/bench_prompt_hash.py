@@ -6,7 +6,9 @@ messages), times `json.loads` of the body (the proxy parses every body anyway), 
 key), then one `kv-aware` decision (`router.policies.KvAware.choose`: index match, scoring over
 8 endpoints, recording the blocks), then tokenization with the pool's tokenizer
 (`router.tokenize.PromptTokenizer.prompt_token_ids`: the chat template and `tokenizers`, what a
-pool with `tokenizer` adds for text and chat; token-id prompts need none). Process CPU time, best
+pool with `tokenizer` adds for text and chat; token-id prompts need none): a prompt seen for the
+first time, and the next turn of a chat whose earlier turn was tokenized before (its history's
+pieces remembered, `router.token_segments`; a 40-token reply and a 40-token question added). Process CPU time, best
 of `--repeats` runs of `--n` calls. Prompt lengths are counted in tokens of that tokenizer (the
 generated tiny model's by default, `fleet.engines.tinymodel.make_tiny_tokenizer`; `--tokenizer
 DIR` for another model's).
@@ -54,10 +56,13 @@ def bodies(tokens: int, tok: PromptTokenizer, rng: random.Random) -> dict[str, b
     words = text_of(tokens, tok, rng)
     half = len(words) // 2
     chat = [{"role": "system", "content": words[:half]}, {"role": "user", "content": words[half:]}]
+    reply = text_of(40, tok, rng)
+    next_turn = [*chat, {"role": "assistant", "content": reply}, {"role": "user", "content": text_of(40, tok, rng)}]
     return {
         "token ids": json.dumps({"model": "m", "prompt": ids, "max_tokens": 16}).encode(),
         "text": json.dumps({"model": "m", "prompt": words, "max_tokens": 16}).encode(),
         "chat": json.dumps({"model": "m", "messages": chat, "max_tokens": 16}).encode(),
+        "chat, next turn": json.dumps({"model": "m", "messages": next_turn, "max_tokens": 16}).encode(),
     }
 
 
@@ -83,12 +88,14 @@ def wall_us(fn, n: int, repeats: int) -> float:
 
 def cost_table(tok: PromptTokenizer, n: int, repeats: int) -> None:
     rng = random.Random(0)
+    forget = tok.segments.clear if tok.segments is not None else (lambda: None)
     endpoints = [EndpointState(f"e{i}", f"http://127.0.0.1:{9000 + i}") for i in range(8)]
     print("| prompt | form | body | json.loads | route_request | kv-aware choose | tokenize | tokenize / parse |")
     print("|---|---|---|---|---|---|---|---|")
     for tokens in (1_000, 8_000, 32_000):
         calls = max(5, n * 1_000 // tokens)   # long prompts: fewer calls per timing
-        for form, body in bodies(tokens, tok, rng).items():
+        forms = bodies(tokens, tok, rng)
+        for form, body in forms.items():
             doc = json.loads(body)
             policy = KvAware()
             request = route_request(doc)
@@ -99,7 +106,11 @@ def cost_table(tok: PromptTokenizer, n: int, repeats: int) -> None:
                 tokenize, ratio, count = "—", "—", tokens
             else:
                 count = len(tok.prompt_token_ids(doc))
-                tokenize_us = best_us(lambda: tok.prompt_token_ids(doc), calls, repeats)
+                if form == "chat, next turn":   # the earlier turn's messages were tokenized before
+                    tok.prompt_token_ids(json.loads(forms["chat"]))
+                    tokenize_us = best_us(lambda: tok.prompt_token_ids(doc), calls, repeats)
+                else:                           # first sight: nothing remembered
+                    tokenize_us = best_us(lambda: (forget(), tok.prompt_token_ids(doc)), calls, repeats)
                 tokenize, ratio = f"{tokenize_us:,.0f} us", f"{tokenize_us / parse_us:.1f}x"
             print(f"| {count:,} tokens | {form} | {len(body) / 1024:.0f} KiB | {parse_us:,.0f} us | {blocks_us:,.0f} us "
                   f"| {choose_us:,.0f} us | {tokenize} | {ratio} |", flush=True)
