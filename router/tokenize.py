@@ -257,8 +257,10 @@ class PromptTokenizer:
             return self.chat_template.render(messages=self.conversation(messages), tools=None, documents=None,
                                              add_generation_prompt=add_generation_prompt,
                                              **{**self.special_tokens, **kwargs})  # fmt: skip
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(str(exc)) from None
+        except UnsupportedPrompt:
+            raise
+        except Exception as exc:   # raise_exception, an undefined name, a type error in the template
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None
 
     def prompt_token_ids(self, doc: Mapping[str, Any]) -> list[int]:
         """The token ids vLLM computes for a parsed `/v1/completions` or `/v1/chat/completions`
