@@ -18,7 +18,7 @@ thread (`run_in_executor` of a no-op) against the time to tokenize texts of seve
 much a pure-Python loop on the main thread still gets done while a worker thread tokenizes long
 prompts with `Tokenizer.encode` (holds the GIL) or `encode_batch_fast` (releases it).
 
-Usage: python -m loadtests.bench_prompt_hash [--n 200] [--repeats 5] [--tokenizer DIR]
+Usage: python -m loadtests.bench_prompt_hash [--n 200] [--repeats 5] [--gil-seconds 2] [--tokenizer DIR]
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=200, help="calls per timing for 1k-token prompts (default 200)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per cell, best kept (default 5)")
+    parser.add_argument("--gil-seconds", type=float, default=2.0, help="length of each GIL measurement (default 2)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="a model directory with tokenizer.json (default: the generated tiny model's)")
     args = parser.parse_args()
@@ -194,7 +195,7 @@ def main() -> None:
         tok = load_tokenizer(str(directory))
     cost_table(tok, args.n, args.repeats)
     offload_table(tok, args.n, args.repeats)
-    gil_table(tok)
+    gil_table(tok, args.gil_seconds)
 
 
 if __name__ == "__main__":

@@ -75,11 +75,13 @@ tokenizer_config.json's ``chat_template`` when both exist, as in transformers' l
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The named special tokens a chat template sees (transformers' `SPECIAL_TOKENS_ATTRIBUTES`)."""
 
-OFFLOAD_CHARS = 16_384
+OFFLOAD_CHARS = 2_048
 """Prompts of at least this many characters (text, or the sum of a chat's message contents) are
 tokenized in a worker thread; shorter ones on the event loop. Measured (docs/benchmarks.md,
-"Tokenizing in the router"): the hop to a thread and back costs about what tokenizing ~4,000
-characters does, and from 16 KiB on the loop would be held for milliseconds."""
+"Tokenizing in the router"): the round trip to a thread costs ~44 us of wall time, what
+tokenizing ~250 characters does, while 2 KiB take ~400 us and 4 KiB ~1.6 ms: below this the
+loop is held for at most about two router hops' worth of CPU, above it the hop costs under a
+tenth of the work it moves off the loop."""
 TOKENIZE_THREADS = 2
 """Worker threads that tokenize long prompts (one per core of the router's usual 2-core pod)."""
 MAX_PENDING = 64

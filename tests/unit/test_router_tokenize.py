@@ -282,7 +282,7 @@ async def test_long_prompts_are_tokenized_in_a_thread_and_bounded(tokenizer_dir:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
-    inline = PoolTokenizers(CollectorRegistry())
+    inline = PoolTokenizers(CollectorRegistry(), offload_chars=10**9)
     threaded = PoolTokenizers(registry, offload_chars=100)
     busy = PoolTokenizers(CollectorRegistry(), offload_chars=100, max_pending=0)
     text = "Prefill processes the prompt tokens of new requests; decode produces one token. " * 50
