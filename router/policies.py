@@ -92,6 +92,13 @@ class RoutingPolicy(Registered, registry=ROUTING_POLICIES):
     def __init__(self) -> None:
         self._turn = 0
 
+    def wants_token_ids(self) -> bool:
+        """Whether `choose` would read `RouteRequest.token_ids` now (say, an exact view of some
+        endpoint's KV cache from its events is live). When it would not, the proxy does not
+        tokenize text and chat prompts with the pool's tokenizer, the dearest step of a request's
+        view (docs/benchmarks.md, "Tokenizing in the router"). Default: never."""
+        return False
+
     def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
         """Return the endpoint that should serve `request`.
 

@@ -267,7 +267,7 @@ class Proxy:
     headers forwarded to the engine (lower-case names; `FORWARDED_REQUEST_HEADERS`; ValueError
     for a hop-by-hop one). `tokenizers`: the pools' tokenizers (`router.tokenize.PoolTokenizers`;
     a pool naming a tokenizer directory gets `RouteRequest.token_ids` for text and chat prompts
-    when its policy reads prompt blocks; the first request starts the load).
+    while its policy `wants_token_ids`; the pool's first request starts the load).
     """
 
     def __init__(
@@ -369,15 +369,18 @@ class Proxy:
             elif k == b"connection":
                 connection += b"," + v
         request = route_request(doc, session, hash_blocks=pool.policy.uses_prompt_blocks)
-        if pool.tokenizer is not None and request.token_ids is None and pool.policy.uses_prompt_blocks:
-            # Text or chat: the pool's own tokenizer gives the ids the engines' KV events name
-            # (router.tokenize; a long prompt in a worker thread; None: the approximate view).
-            ids = await self.tokenizers.token_ids(pool.tokenizer, doc)
-            if ids is not None:
-                request.token_ids = ids
-                if not isinstance(doc.get("prompt"), list):   # a batch counts all its prompts
-                    request.prompt_tokens = len(ids)
-            pool = self._pools.get(model) or pool   # replaced while tokenizing: route on the new one
+        if pool.tokenizer is not None and request.token_ids is None:
+            if pool.policy.wants_token_ids():
+                # Text or chat: the pool's own tokenizer gives the ids the engines' KV events name
+                # (router.tokenize; a long prompt in a worker thread; None: the approximate view).
+                ids = await self.tokenizers.token_ids(pool.tokenizer, doc)
+                if ids is not None:
+                    request.token_ids = ids
+                    if not isinstance(doc.get("prompt"), list):   # a batch counts all its prompts
+                        request.prompt_tokens = len(ids)
+                pool = self._pools.get(model) or pool   # replaced while tokenizing: route on the new one
+            else:
+                self.tokenizers.want(pool.tokenizer)   # loaded before the policy needs it
         shared = pool.shared
         shared.arrived(arrival_s)
         limited = pool.limit is not None

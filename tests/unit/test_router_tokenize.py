@@ -328,19 +328,25 @@ async def test_proxy_fills_token_ids_from_the_pools_tokenizer(tokenizer_dir: Pat
         return choose(self, endpoints, request, now_s)
 
     monkeypatch.setattr(KvAware, "choose", spy)
+    wants = [False]
+    monkeypatch.setattr(KvAware, "wants_token_ids", lambda self: wants[0])
+    chat = {"model": "m", "messages": CONVERSATIONS[1], "max_tokens": 4}
     async with FakeEngine("e") as engine, router() as (app, client):
         pool = {"policy": "kv-aware", "endpoints": [{"id": "e", "url": engine.url}], "tokenizer": str(tokenizer_dir)}
         async with client.put("/admin/v1/pools/m", json=pool, headers=AUTH) as resp:
             assert resp.status == 200, await resp.text()
-        await app.proxy.tokenizers.wait_loaded(str(tokenizer_dir))
-        chat = {"model": "m", "messages": CONVERSATIONS[1], "max_tokens": 4}
+        async with client.post("/v1/chat/completions", json=chat) as resp:   # starts the load; no ids wanted
+            assert resp.status == 200
+        assert await app.proxy.tokenizers.wait_loaded(str(tokenizer_dir)) is not None
+        wants[0] = True
         async with client.post("/v1/chat/completions", json=chat) as resp:
             assert resp.status == 200
         async with client.post("/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 4}) as resp:
             assert resp.status == 200
     expected = vllm_chat_ids(tokenizer_dir, CONVERSATIONS[1])
-    assert seen[0].token_ids == expected and seen[0].prompt_tokens == len(expected)
-    assert seen[1].token_ids == [5, 6, 7]
+    assert seen[0].token_ids is None
+    assert seen[1].token_ids == expected and seen[1].prompt_tokens == len(expected)
+    assert seen[2].token_ids == [5, 6, 7]
 
 
 # ----- chat prompts: the history's pieces are not tokenized again (router.token_segments) -------------
