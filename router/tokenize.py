@@ -78,9 +78,9 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 OFFLOAD_CHARS = 2_048
 """Prompts of at least this many characters (text, or the sum of a chat's message contents) are
 tokenized in a worker thread; shorter ones on the event loop. Measured (docs/benchmarks.md,
-"Tokenizing in the router"): the round trip to a thread costs ~44 us of wall time, what
-tokenizing ~250 characters does, while 2 KiB take ~400 us and 4 KiB ~1.6 ms: below this the
-loop is held for at most about two router hops' worth of CPU, above it the hop costs under a
+"Tokenizing in the router"; shared machine): the round trip to a thread costs 44-121 us of wall
+time, what tokenizing ~200 characters does, while 2 KiB take 0.4-1.2 ms and 4 KiB 1.6-2.6 ms:
+below this the loop is held for about a millisecond at most, above it the hop costs about a
 tenth of the work it moves off the loop."""
 TOKENIZE_THREADS = 2
 """Worker threads that tokenize long prompts (one per core of the router's usual 2-core pod)."""
