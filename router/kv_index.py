@@ -246,6 +246,13 @@ class ExactIndex:
             return StreamState.DOWN
         return StreamState.LIVE if view.complete else StreamState.REBUILDING
 
+    def any_live(self) -> bool:
+        """Whether `match` answers for some endpoint (one LIVE with a block size known): what
+        `KvAware.wants_token_ids` asks before the proxy tokenizes a prompt."""
+        if self._live_by_size is None:
+            self._live_by_size = self._live_masks()
+        return bool(self._live_by_size)
+
     def live(self, endpoint_id: str) -> bool:
         """Whether `match` answers for the endpoint (its state is LIVE)."""
         view = self._views.get(endpoint_id)

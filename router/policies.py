@@ -277,6 +277,12 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     def use_exact_index(self, index: ExactIndex | None) -> None:
         self.exact = index
 
+    def wants_token_ids(self) -> bool:
+        """While some endpoint's event stream is live in the exact index: then a text or chat
+        prompt is worth tokenizing (`router.tokenize`), else the approximate view decides."""
+        exact = self.exact
+        return exact is not None and exact.any_live()
+
     def learn(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
         if block_hashes:
             self.index.record(endpoint_id, block_hashes)

@@ -385,3 +385,21 @@ def test_segment_cache_is_bounded_and_refuses_tokenizers_it_cannot_split(tokeniz
     assert SegmentCache.for_tokenizer(raw, first) is None
     assert re.compile(f"({_regex_of(['<|a|>', '<|a|>x', '<|b|>'])})").split("1<|a|>x2<|a|>3<|b|>") == [
         "1", "<|a|>x", "2", "<|a|>", "3", "<|b|>", ""]   # leftmost-longest, as tokenizers matches
+
+
+def test_kv_aware_wants_token_ids_while_an_exact_view_is_live() -> None:
+    from router.kv_events import BlockStored, EventBatch
+    from router.kv_index import ExactIndex
+    from router.policies import KvAware, RoundRobin
+
+    assert not RoundRobin().wants_token_ids()
+    policy = KvAware()
+    assert not policy.wants_token_ids()               # no exact index: the approximate view only
+    index = ExactIndex()
+    policy.use_exact_index(index)
+    assert not policy.wants_token_ids()
+    index.open("e")
+    index.apply("e", EventBatch(0.0, [BlockStored([1], None, list(range(16)), 16)]))
+    assert policy.wants_token_ids()                   # a live stream with blocks: ids are worth it
+    index.stream_down("e")
+    assert not policy.wants_token_ids()
