@@ -313,6 +313,18 @@ class RoutingSpec(SpecModel):
     queue_timeout_seconds: float = Field(
         30.0, gt=0, le=3600, description="Longest wait in the admission queue before a 503 (seconds)."
     )
+    first_token_timeout_seconds: float | None = Field(
+        None, gt=0, le=3600,
+        description="Seconds the router waits for a replica's first streamed token (a non-streamed answer: its "
+        "head, plus 0.2 s per max_tokens) before it sends the request to another replica and counts a stall "
+        "(replicas that stall twice in a row are ejected for a while). Unset: 10 s plus the prompt's "
+        "prefill at 1,000 tokens/s, a floor well below any measured engine (docs/routing.md).",
+    )  # fmt: skip
+    max_retries: int = Field(
+        1, ge=0, le=10,
+        description="Times a request is sent to another replica after a first-token timeout or a 5xx, while "
+        "nothing has been streamed to the client.",
+    )
 
     @field_validator("policy")
     @classmethod

@@ -11,7 +11,8 @@ checks it before reading the body, and bounds the body; the check here is a seco
 answers a summary (400 for a body that is not JSON or nests deeper than `MAX_JSON_DEPTH`, 422
 naming the field for a bad document);
 `DELETE /admin/v1/pools/{model}` removes one (404 if absent);
-`GET /admin/v1/pools` lists all pools with live endpoint stats;
+`GET /admin/v1/pools` lists all pools with live endpoint stats (and each endpoint's outlier state:
+ejected, for how long, why, stalls; `router.outlier.OutlierState.snapshot`);
 `GET /admin/v1/pools/{model}` shows one pool;
 `GET /admin/v1/stats?window_s=30` gives each model's windowed statistics (`router.stats`):
 arrival rate, rejections, in flight, queued, and queue time / TTFT / TPOT / end-to-end summaries, and
@@ -125,12 +126,12 @@ async def _validate_pool(body: bytes) -> PoolSpec:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
-async def _pool_json(head: dict[str, object], endpoints: Sequence[EndpointState]) -> bytes:
-    """`head` plus `"endpoints": [...]` as JSON, encoded `YIELD_EVERY` endpoints at a time
-    (`pydantic_core.to_json`, Rust, for each slice)."""
+async def _pool_json(head: dict[str, object], endpoints: Sequence[EndpointState], now_s: float) -> bytes:
+    """`head` plus `"endpoints": [...]` as JSON (each endpoint's outlier state at `now_s`, router-clock
+    seconds), encoded `YIELD_EVERY` endpoints at a time (`pydantic_core.to_json`, Rust, for each slice)."""
     parts = []
     for start in range(0, len(endpoints), YIELD_EVERY):
-        parts.append(to_json([e.snapshot() for e in endpoints[start:start + YIELD_EVERY]])[1:-1])
+        parts.append(to_json([e.snapshot(now_s) for e in endpoints[start:start + YIELD_EVERY]])[1:-1])
         if len(endpoints) > YIELD_EVERY:
             await asyncio.sleep(0)
     return to_json(head)[:-1] + b',"endpoints":[' + b",".join(parts) + b"]}"
@@ -201,7 +202,8 @@ def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | N
     @router.get("/pools")
     async def list_pools() -> Response:
         """All pools: `{"pools": {model: {"policy", "endpoints": [...]}}}`."""
-        listed = [json.dumps(model).encode() + b":" + await _pool_json(pool.snapshot_head(), pool.endpoints)
+        now_s = pools.now_s()
+        listed = [json.dumps(model).encode() + b":" + await _pool_json(pool.snapshot_head(), pool.endpoints, now_s)
                   for model, pool in sorted(pools.pools().items())]  # fmt: skip
         return _json_response(b'{"pools":{' + b",".join(listed) + b"}}")
 
@@ -233,7 +235,8 @@ def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | N
         pool = pools.get(model)
         if pool is None:
             raise HTTPException(404, f"no pool for model {model!r}")
-        return _json_response(await _pool_json({"model": model, **pool.snapshot_head()}, pool.endpoints))
+        return _json_response(await _pool_json({"model": model, **pool.snapshot_head()}, pool.endpoints,
+                                                 pools.now_s()))
 
     @router.put("/pools/{model:path}")
     async def put_pool(model: ModelName, request: Request) -> Response:

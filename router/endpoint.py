@@ -10,6 +10,7 @@ objects at the same points. Pure: times are passed in.
 from __future__ import annotations
 
 from router.metrics import EndpointMetrics
+from router.outlier import OutlierState
 
 EWMA_ALPHA = 0.3
 """Weight of the newest time-to-first-byte sample in `EndpointState.ewma_first_byte_s`:
@@ -55,6 +56,10 @@ class EndpointState:
     `others_until_s` (router-clock seconds) is when that estimate goes stale (0: none). The
     fields are written only by `router.engine_load.EngineLoadView` (or the trace simulator's
     peer channel) and read by `kv-aware`.
+
+    Outlier ejection: `outlier` holds its outlier counters and ejection (`router.outlier.OutlierState`); `ejected_until_s` (router-clock
+    seconds, 0.0 when in service) mirrors the ejection's end for the picking loop
+    (`router.pool.Pool.pick` leaves ejected endpoints out while others remain).
     """
 
     __slots__ = (
@@ -62,6 +67,7 @@ class EndpointState:
         "in_flight", "requests_total", "errors_total", "ewma_first_byte_s", "last_sample_s", "unavailable_until_s",
         "prefill_tokens", "prefilling", "metrics",
         "others_in_flight", "others_prefilling", "others_prefill_tokens", "others_until_s",
+        "outlier", "ejected_until_s",
     )  # fmt: skip
 
     def __init__(
@@ -92,6 +98,8 @@ class EndpointState:
         self.others_prefilling = 0
         self.others_prefill_tokens = 0.0
         self.others_until_s = 0.0
+        self.outlier = OutlierState()
+        self.ejected_until_s = 0.0
 
     def start(self, prefill_tokens: int) -> None:
         """A request is dispatched here, with `prefill_tokens` to compute before its first token."""
@@ -126,9 +134,10 @@ class EndpointState:
         if cooldown_s > 0.0:
             self.unavailable_until_s = now_s + cooldown_s
 
-    def snapshot(self) -> dict[str, object]:
-        """The fields `GET /admin/v1/pools` lists for this endpoint."""
-        return {
+    def snapshot(self, now_s: float | None = None) -> dict[str, object]:
+        """The fields `GET /admin/v1/pools` lists for this endpoint; with `now_s` (router-clock
+        seconds) also its outlier state (`router.outlier.OutlierState.snapshot`)."""
+        out: dict[str, object] = {
             "id": self.id,
             "url": self.url,
             "version": self.version,
@@ -139,6 +148,9 @@ class EndpointState:
             "errors_total": self.errors_total,
             "ewma_first_byte_s": self.ewma_first_byte_s,
         }
+        if now_s is not None:
+            out.update(self.outlier.snapshot(now_s))
+        return out
 
     def __repr__(self) -> str:
         return (

@@ -12,13 +12,18 @@ OpenAI's error document has exactly four fields: `message` (text), `type` (a sna
 string such as `model_not_found` or `context_length_exceeded`, or null); the HTTP status says the
 rest. What engines send instead, and how each is mapped (status always kept):
 
-- vLLM's `ErrorResponse` (vLLM's `vllm/entrypoints/openai/engine/protocol.py`):
-  `{"error": {"message", "type": "BadRequestError" | "NotFoundError" | "Not Found" (an HTTP
-  phrase, from its `http_exception_handler`) ..., "param", "code": 400}}`; older vLLM sends the
-  same fields flat with `"object": "error"`. Type from the status; a numeric code becomes
+- vLLM's `ErrorResponse` (vLLM 0.32: `ErrorResponse` / `ErrorInfo` in
+  `vllm/entrypoints/serve/engine/protocol.py`, built by `create_error_response` in
+  `vllm/entrypoints/serve/exception_handling/error_response.py`):
+  `{"error": {"message", "type": "BadRequestError" | "NotFoundError" | "UnprocessableEntityError" |
+  "InternalServerError" | "ServiceUnavailableError" | "NotImplementedError" | "Not Found" (an HTTP
+  phrase, for its `GracefulHTTPError`s and `http_exception_handler`) ..., "param", "code": 400}}`;
+  older vLLM sends the same fields flat with `"object": "error"`. Type from the status; a numeric code becomes
   `context_length_exceeded` when the message is vLLM's (and OpenAI's) "maximum context length"
   text, `model_not_found` for a 404 about a model, else the status' code (`bad_request`, ...).
 - vLLM's `--api-key` middleware: `{"error": "Unauthorized"}` (a string): the string is the message.
+- FastAPI's own validation answer `{"detail": [{"loc": [...], "msg": ...}, ...]}` (a route vLLM
+  does not wrap) or `{"detail": "text"}`: the details are the message.
 - Plain text (uvicorn's "Invalid HTTP request received.", Starlette's "Internal Server Error",
   aiohttp's 413): the text is the message.
 
@@ -74,9 +79,23 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def _details(value: Any) -> str | None:
+    """FastAPI's validation details (`[{"loc": [...], "msg": "..."}, ...]`) as one line, else None."""
+    if not isinstance(value, list):
+        return None
+    parts = []
+    for item in value[:20]:
+        if isinstance(item, dict) and isinstance(item.get("msg"), str):
+            loc = item.get("loc")
+            where = ".".join(str(p) for p in loc) if isinstance(loc, list) else ""
+            parts.append(f"{where}: {item['msg']}" if where else item["msg"])
+    return "; ".join(parts) or None
+
+
 def _openai_fields(status: int, fields: dict[str, Any]) -> dict[str, Any]:
     """The four OpenAI fields from an engine's error fields (see the module docstring)."""
-    message = _text(fields.get("message")) or _text(fields.get("detail")) or f"engine answered HTTP {status}"
+    message = (_text(fields.get("message")) or _text(fields.get("detail")) or _details(fields.get("detail"))
+               or f"engine answered HTTP {status}")  # fmt: skip
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message)} characters)"
     type_ = fields.get("type")

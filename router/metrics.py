@@ -70,6 +70,7 @@ class LiveEndpoint(Protocol):
     id: str
     in_flight: int
     draining: bool
+    ejected_until_s: float
 
 
 class LiveTable(Protocol):
@@ -83,6 +84,10 @@ class LiveTable(Protocol):
         """Every pool's windowed statistics by model name (`router.stats.ModelStats.snapshot`)."""
         ...
 
+    def now_s(self) -> float:
+        """The table's clock (seconds; what `ejected_until_s` is measured on)."""
+        ...
+
 
 class _NoPools:
     def live_endpoints(self) -> Mapping[str, Sequence[LiveEndpoint]]:
@@ -90,6 +95,9 @@ class _NoPools:
 
     def stats(self) -> Mapping[str, Mapping[str, object]]:
         return {}
+
+    def now_s(self) -> float:
+        return 0.0
 
 
 WINDOW_SIGNALS = {"queue_time": "queue_time_s", "ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}
@@ -135,8 +143,8 @@ class EndpointMetrics:
     no-op, so a request still in flight on a removed endpoint cannot resurrect its series.
     """
 
-    __slots__ = ("labels", "bound", "forgotten", "first_byte", "ttft", "tpot", "e2e", "_requests", "_errors",
-                 "_metrics")  # fmt: skip
+    __slots__ = ("labels", "bound", "forgotten", "first_byte", "ttft", "tpot", "e2e", "first_token_timeouts",
+                 "_requests", "_errors", "_ejections", "_metrics")  # fmt: skip
 
     def __init__(self, metrics: RouterMetrics, model: str, endpoint_id: str, version: str = "") -> None:
         self.labels = (model, endpoint_id, version)
@@ -147,6 +155,8 @@ class EndpointMetrics:
         self.ttft: Histogram | _Discard = _DISCARD
         self.tpot: Histogram | _Discard = _DISCARD
         self.e2e: Histogram | _Discard = _DISCARD
+        self.first_token_timeouts: Counter | _Discard = _DISCARD
+        self._ejections: dict[str, Counter] = {}   # by reason, made at the first ejection
         self._requests: dict[int, Counter | _Discard] | None = None  # made at bind: pools of 10,000
         self._errors: dict[str, Counter | _Discard] | None = None  # allocate nothing per endpoint
 
@@ -159,6 +169,7 @@ class EndpointMetrics:
         self.ttft = m.time_to_first_token.labels(*labels)
         self.tpot = m.time_per_output_token.labels(*labels)
         self.e2e = m.e2e_latency.labels(*labels)
+        self.first_token_timeouts = m.first_token_timeouts.labels(*labels)
         self._errors = {r: m.endpoint_errors.labels(*labels, r) for r in ENDPOINT_ERROR_REASONS}
         self._requests = {}
         self.bound = True
@@ -177,6 +188,16 @@ class EndpointMetrics:
         """The `fleet_router_endpoint_errors_total` child for `reason` (see ENDPOINT_ERROR_REASONS)."""
         return _DISCARD if self._errors is None else self._errors.get(reason, _DISCARD)
 
+    def ejected(self, reason: str) -> None:
+        """Count one ejection of the endpoint (`fleet_router_endpoint_ejections_total`; `reason`:
+        a `router.outlier.Outcome` value). No-op once forgotten."""
+        if self.forgotten:
+            return
+        child = self._ejections.get(reason)
+        if child is None:
+            child = self._ejections[reason] = self._metrics.endpoint_ejections.labels(*self.labels, reason)
+        child.inc()
+
     def forget(self) -> None:
         """Remove every series this endpoint created; later records go nowhere."""
         if self.forgotten:
@@ -184,20 +205,25 @@ class EndpointMetrics:
         self.forgotten = True
         m, labels = self._metrics, self.labels
         if self.bound:
-            for family in (m.time_to_first_byte, m.time_to_first_token, m.time_per_output_token, m.e2e_latency):
+            for family in (m.time_to_first_byte, m.time_to_first_token, m.time_per_output_token, m.e2e_latency,
+                           m.first_token_timeouts):
                 family.remove(*labels)
             for reason in self._errors or ():
                 m.endpoint_errors.remove(*labels, reason)
             for code in self._requests or ():
                 m.requests.remove(*labels, str(code))
-        self.first_byte = self.ttft = self.tpot = self.e2e = _DISCARD
+        for reason in self._ejections:
+            m.endpoint_ejections.remove(*labels, reason)
+        self._ejections = {}
+        self.first_byte = self.ttft = self.tpot = self.e2e = self.first_token_timeouts = _DISCARD
         self._requests = self._errors = None
 
 
-_SCRAPE_VIEW: contextvars.ContextVar[tuple[Mapping[str, Sequence[LiveEndpoint]], Mapping[str, Mapping[str, object]]]
-                                     | None] = contextvars.ContextVar("fleet_router_scrape_view", default=None)
-"""The live pools' endpoints and statistics as `RouterMetrics.render_off_loop` read them on the
-event loop, for the collector that runs in a worker thread (None: read the live table)."""
+_ScrapeView = tuple[Mapping[str, Sequence[LiveEndpoint]], Mapping[str, Mapping[str, object]], float]
+_SCRAPE_VIEW: contextvars.ContextVar[_ScrapeView | None] = contextvars.ContextVar("fleet_router_scrape_view",
+                                                                                  default=None)
+"""The live pools' endpoints, statistics and clock reading as `RouterMetrics.render_off_loop` read
+them on the event loop, for the collector that runs in a worker thread (None: read the live table)."""
 
 
 class _LiveGauges:
@@ -217,6 +243,10 @@ class _LiveGauges:
             GaugeMetricFamily("fleet_router_pool_endpoints",
                               "Endpoints in a model's pool, by state (ready, draining).",
                               labels=["model", "state"]),
+            GaugeMetricFamily("fleet_router_endpoint_ejected",
+                              "1 while outlier detection keeps an endpoint out of its pool's candidates "
+                              "(router.outlier), else 0.",
+                              labels=["model", "endpoint"]),
             GaugeMetricFamily("fleet_router_queued_requests",
                               "Requests waiting in a model's admission queue for a free endpoint slot.",
                               labels=["model"]),
@@ -233,13 +263,15 @@ class _LiveGauges:
         )  # fmt: skip
 
     def collect(self) -> Iterator[Metric]:
-        in_flight, pool_endpoints, queued, arrival_rate, window_latency = self._families()
+        in_flight, pool_endpoints, ejected, queued, arrival_rate, window_latency = self._families()
         view = _SCRAPE_VIEW.get()
-        live, stats = view if view is not None else (self.table.live_endpoints(), self.table.stats())
+        live, stats, now_s = view if view is not None else (self.table.live_endpoints(), self.table.stats(),
+                                                            self.table.now_s())  # fmt: skip
         for model, endpoints in live.items():
             draining = 0
             for endpoint in endpoints:
                 in_flight.add_metric([model, endpoint.id], endpoint.in_flight)
+                ejected.add_metric([model, endpoint.id], 1.0 if endpoint.ejected_until_s > now_s else 0.0)
                 draining += endpoint.draining
             pool_endpoints.add_metric([model, "ready"], len(endpoints) - draining)
             pool_endpoints.add_metric([model, "draining"], draining)
@@ -254,6 +286,7 @@ class _LiveGauges:
                         window_latency.add_metric([model, signal, f"0.{quantile[1:]}"], value)
         yield in_flight
         yield pool_endpoints
+        yield ejected
         yield queued
         yield arrival_rate
         yield window_latency
@@ -411,9 +444,24 @@ class RouterMetrics:
         )
         self.retries = Counter(
             "fleet_router_retries",
-            "Requests re-sent to another endpoint after a connection failure before any "
-            "response byte arrived.",
+            "Requests re-sent to another endpoint while nothing had been sent to the client: after a "
+            "connection failure before any response byte, a first-token timeout or a 5xx answer.",
             ["model"],
+            registry=r,
+        )
+        self.first_token_timeouts = Counter(
+            "fleet_router_first_token_timeouts",
+            "Attempts that got no first token (streamed) or response head (not streamed) from the endpoint "
+            "within the request's first-token deadline (router.deadline): a stalled or overloaded engine.",
+            endpoint,
+            registry=r,
+        )
+        self.endpoint_ejections = Counter(
+            "fleet_router_endpoint_ejections",
+            "Times outlier detection took an endpoint out of its pool's candidates (router.outlier), by the "
+            "failure run that caused it: stall (first-token timeouts), gateway (502/503/504, connection "
+            "failures), 5xx.",
+            [*endpoint, "reason"],
             registry=r,
         )
         self.queue_time = Histogram(
@@ -518,7 +566,8 @@ class RouterMetrics:
         measured 1.1 s and 12 MB for a pool of 10,000 endpoints of which 1,000 had served
         requests. The live pools are read here, on the loop, so the thread touches no state the
         request path mutates (prometheus_client's own values are locked)."""
-        _SCRAPE_VIEW.set((self._live.table.live_endpoints(), self._live.table.stats()))
+        table = self._live.table
+        _SCRAPE_VIEW.set((table.live_endpoints(), table.stats(), table.now_s()))
         _KV_SCRAPE_VIEW.set(self._kv_gauges.streams.kv_rows())
         return await asyncio.to_thread(self.render, accept_header)  # the thread gets a copy of the context
 

@@ -21,9 +21,10 @@ from prometheus_client import Histogram
 from router.admission import AdmissionQueue
 from router.endpoint import EndpointState
 from router.metrics import RouterMetrics
+from router.outlier import Outcome, OutlierDetector
 from router.policies import RoutingPolicy, make_policy
 from router.prompt_blocks import RouteRequest
-from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S, PoolSpec
+from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_MAX_RETRIES, DEFAULT_QUEUE_TIMEOUT_S, PoolSpec
 from router.revision_stats import RequestLog, revision_summaries
 from router.split import RevisionSplit, SplitState
 from router.stats import DEFAULT_WINDOW_S, ModelStats
@@ -133,11 +134,15 @@ class Pool:
     `sticky_key` names the request key that keeps a user on one revision (None: none);
     `tokenizer` the directory of the model's tokenizer (`router.tokenize`; None: none). `limit` is the most requests one endpoint gets at once (None: no limit, no
     admission queue); `max_queue_length` and `queue_timeout_s` bound the admission queue.
+    `first_token_timeout_s` (None: the default, `router.deadline`) and `max_retries` bound the
+    wait for a first token and the retries after a stall or a 5xx (`router.proxy`); `outlier`
+    ejects endpoints that stall or fail in a row (`router.outlier`; `record_outcome`).
     A pool is replaced, never edited, when its spec changes.
     """
 
     __slots__ = ("model", "policy", "endpoints", "ready", "created_s", "shared", "limit",
-                 "max_queue_length", "queue_timeout_s", "split", "sticky_key", "tokenizer")  # fmt: skip
+                 "max_queue_length", "queue_timeout_s", "split", "sticky_key", "tokenizer", "first_token_timeout_s",
+                 "max_retries", "outlier")  # fmt: skip
 
     def __init__(
         self,
@@ -152,6 +157,9 @@ class Pool:
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         sticky_key: str | None = None,
         tokenizer: str | None = None,
+        first_token_timeout_s: float | None = None,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        outlier: OutlierDetector | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
@@ -165,6 +173,9 @@ class Pool:
         self.split = RevisionSplit.of(self.ready, self.shared.split)
         self.sticky_key = sticky_key
         self.tokenizer = tokenizer
+        self.first_token_timeout_s = first_token_timeout_s
+        self.max_retries = max_retries
+        self.outlier = outlier if outlier is not None else OutlierDetector()
         policy.on_endpoints({e.id for e in self.endpoints})
 
     def pick(self, request: RouteRequest, now_s: float, tried: Collection[EndpointState] = (), *,
@@ -173,8 +184,10 @@ class Pool:
         None if none is left. With a `limit` (and `within_limit`), endpoints with `limit` requests
         in flight are full and left out. With more than one revision, the split first narrows the
         candidates to one revision (`router.split`; ``key``: the request's sticky key), for every
-        policy alike. Endpoints cooling down after a connection failure are left out unless all
-        remaining ones are (see `DEFAULT_FAILURE_COOLDOWN_S`)."""
+        policy alike. Endpoints cooling down after a connection failure (see
+        `DEFAULT_FAILURE_COOLDOWN_S`) and endpoints ejected by outlier detection (`router.outlier`;
+        an ejection that is over ends here) are left out unless no other one remains: then the
+        cooling ones are candidates, and if none, the ejected ones (trying beats refusing)."""
         candidates: Sequence[EndpointState] = self.ready
         limit = self.limit
         if limit is not None and within_limit:
@@ -186,10 +199,21 @@ class Pool:
         if self.split is not None:
             candidates = self.split.narrow(candidates, key)
         for endpoint in candidates:
-            if endpoint.unavailable_until_s > now_s:
-                available = [e for e in candidates if e.unavailable_until_s <= now_s]
-                return self.policy.choose(available or candidates, request, now_s)
+            if endpoint.unavailable_until_s > now_s or endpoint.ejected_until_s:
+                return self.policy.choose(self._available(candidates, now_s), request, now_s)
         return self.policy.choose(candidates, request, now_s)
+
+    def _available(self, candidates: Sequence[EndpointState], now_s: float) -> Sequence[EndpointState]:
+        """`candidates` without ejected and cooling-down endpoints, with the fall-backs `pick` names."""
+        release = self.outlier.release
+        in_service = [e for e in candidates if not e.ejected_until_s or release(e, now_s)]
+        available = [e for e in in_service if e.unavailable_until_s <= now_s]
+        return available or in_service or candidates
+
+    def record_outcome(self, endpoint: EndpointState, outcome: Outcome, now_s: float) -> bool:
+        """Count an attempt's outcome against `endpoint` for outlier detection; True when this
+        ejects it (`router.outlier.OutlierDetector.record`, over this pool's ready endpoints)."""
+        return self.outlier.record(endpoint, outcome, now_s, self.ready)
 
     def free_slots(self) -> float:
         """Requests the ready endpoints can take now without queueing (inf without a limit)."""
@@ -205,11 +229,12 @@ class Pool:
         """The pool's settings and queue, without its endpoints."""
         return {"policy": self.policy.name, "max_concurrency_per_endpoint": self.limit,
                 "queued": len(self.shared.queue), "split": self.split.shares() if self.split is not None else None,
-                "sticky_key": self.sticky_key}  # fmt: skip
+                "sticky_key": self.sticky_key, "first_token_timeout_s": self.first_token_timeout_s,
+                "max_retries": self.max_retries}  # fmt: skip
 
-    def snapshot(self) -> dict[str, object]:
-        """The pool as `GET /admin/v1/pools` lists it."""
-        return {**self.snapshot_head(), "endpoints": [e.snapshot() for e in self.endpoints]}
+    def snapshot(self, now_s: float | None = None) -> dict[str, object]:
+        """The pool as `GET /admin/v1/pools` lists it (with `now_s`, each endpoint's outlier state)."""
+        return {**self.snapshot_head(), "endpoints": [e.snapshot(now_s) for e in self.endpoints]}
 
 
 class PoolTable:
@@ -284,6 +309,10 @@ class PoolTable:
         engines' load (`RoutingPolicy.uses_engine_load`): what `router.engine_poll` polls."""
         return {model: pool.endpoints for model, pool in self._pools.items() if pool.policy.uses_engine_load}
 
+    def now_s(self) -> float:
+        """The table's clock (seconds): the router's clock, on which ejections are timed."""
+        return self._clock()
+
     def live_endpoints(self) -> dict[str, tuple[EndpointState, ...]]:
         """Every pool's endpoints (draining ones too), by model name."""
         return {model: pool.endpoints for model, pool in self._pools.items()}
@@ -337,9 +366,12 @@ class PoolTable:
             shared = old.shared
         else:
             shared = PoolShared(ModelStats(self._clock()), self._metrics.bind_model(model))
+        settings = spec.outlier_detection.settings()
+        outlier = old.outlier if old is not None and old.outlier.settings == settings else OutlierDetector(settings)
         pool = Pool(model, policy, endpoints, created_s, shared, limit=spec.max_concurrency_per_endpoint,
                     max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s,
-                    sticky_key=spec.sticky_key, tokenizer=spec.tokenizer)  # fmt: skip
+                    sticky_key=spec.sticky_key, tokenizer=spec.tokenizer, first_token_timeout_s=spec.first_token_timeout_s,
+                    max_retries=spec.max_retries, outlier=outlier)  # fmt: skip
         self._pools[model] = pool
         if self._kv_streams is not None:
             sources = {e.id: e.kv_events for e in spec.endpoints if e.kv_events is not None}

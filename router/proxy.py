@@ -20,9 +20,15 @@ also times the token events (`fleet_router_time_to_first_token_seconds`,
 `fleet_router_time_per_output_token_seconds`); an SSE stream the engine cuts off ends with an
 OpenAI error event and `data: [DONE]`, not a truncated body. A connection failure before
 any response byte arrived is retried on an endpoint not yet tried (at most
-`min(max_attempts, ready endpoints)` attempts, then 502); nothing is retried once the
-endpoint has answered. Upstream 4xx and 5xx are relayed with their status, in OpenAI's error
-format (`router.errors.relayed_error`; error events inside a stream too). Every error the router
+`min(max_attempts, ready endpoints)` attempts, then 502). Each attempt has a first-token
+deadline (`router.deadline`: the pool's `first_token_timeout_s`, else from the prompt's expected
+prefill): a streamed answer's head is held back until its first body chunk, and an attempt with
+no first chunk (streamed) or head (not streamed) by then is closed and, like a 5xx answer, sent
+to another endpoint while the pool's `max_retries` allow (then 504 `first_token_timeout`, or the
+5xx); once bytes went to the client nothing is retried. Every attempt's outcome feeds outlier
+ejection (`router.outlier`, through `Pool.record_outcome`). Upstream 4xx and 5xx are relayed
+with their status, in OpenAI's error format (`router.errors.relayed_error`; error events inside
+a stream too). Every error the router
 answers itself is in OpenAI's format and counted in `fleet_router_rejected_requests_total`
 (`RouterMetrics.reject`); what it reflects of the request (the model name) is truncated.
 
@@ -40,8 +46,10 @@ from typing import Any
 
 import aiohttp
 
+from router.deadline import FirstTokenBudget, first_token_timeout_s
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S, EndpointState
+from router.outlier import Outcome
 from router.pool import Pool, PoolShared, PoolTable
 from router.prompt_blocks import SESSION_HEADER, RouteRequest, route_request
 from router.split import sticky_key
@@ -112,6 +120,64 @@ _RETRYABLE = (
     aiohttp.ConnectionTimeoutError,
 )
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+_CONNECT = "connect"
+"""`_Retry.kind` of a connection that failed before any response byte (its own attempt budget)."""
+
+
+class StreamStalled(aiohttp.ClientPayloadError):
+    """A stream that sent nothing for its idle limit after it began (set on the response's content
+    by `_StreamIdle`); handled like any stream the engine broke off."""
+
+
+class _StreamIdle:
+    """Cuts a relayed stream that stays silent for `idle_s` (loop-clock seconds) after it began: one
+    timer per stream, re-armed only when it fires early, so a chunk costs one clock read
+    (`last_s = loop.time()`), not a timer."""
+
+    __slots__ = ("last_s", "idle_s", "fired", "_content", "_loop", "_handle")
+
+    def __init__(self, content: aiohttp.StreamReader, idle_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._content = content
+        self.idle_s = idle_s
+        self.fired = False
+        self.last_s = self._loop.time()
+        self._handle = self._loop.call_at(self.last_s + idle_s, self._check)
+
+    def _check(self) -> None:
+        due_s = self.last_s + self.idle_s
+        if self._loop.time() >= due_s:
+            self.fired = True
+            self._content.set_exception(StreamStalled(f"no data for {self.idle_s:.1f} s"))
+        else:
+            self._handle = self._loop.call_at(due_s, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
+class _Retry:
+    """An attempt that sent nothing to the client: `kind` (`_CONNECT`, or the `router.outlier.Outcome`
+    of a stall or a 5xx) and, for a 5xx, `answer`: (status, OpenAI-shaped body, headers) to relay if
+    the request is not retried."""
+
+    __slots__ = ("kind", "answer")
+
+    def __init__(self, kind: Outcome | str,
+                 answer: tuple[int, bytes, list[tuple[bytes, bytes]]] | None = None) -> None:  # fmt: skip
+        self.kind = kind
+        self.answer = answer
+
+
+def _outcome_of(status: int) -> Outcome:
+    """A 5xx status as outlier detection counts it: 502/503/504 are gateway failures (Envoy)."""
+    return Outcome.GATEWAY_FAILURE if status in (502, 503, 504) else Outcome.SERVER_ERROR
+
+
+def _count(value: object) -> int:
+    """A positive int field of the request body, else 0."""
+    return value if type(value) is int and value > 0 else 0
 
 def reflect(value: str, limit: int = MAX_REFLECTED_CHARS) -> str:
     """`repr(value)` cut to about `limit` characters, saying how long the value was: what an error
@@ -268,6 +334,8 @@ class Proxy:
     for a hop-by-hop one). `tokenizers`: the pools' tokenizers (`router.tokenize.PoolTokenizers`;
     a pool naming a tokenizer directory gets `RouteRequest.token_ids` for text and chat prompts
     while its policy `wants_token_ids`; the pool's first request starts the load).
+    `first_token_budget`: the default first-token deadline's parameters for
+    pools that set no `first_token_timeout_s` (`router.deadline`).
     """
 
     def __init__(
@@ -285,6 +353,7 @@ class Proxy:
         failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
         forward_headers: frozenset[bytes] = FORWARDED_REQUEST_HEADERS,
         tokenizers: PoolTokenizers | None = None,
+        first_token_budget: FirstTokenBudget = FirstTokenBudget(),
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -301,6 +370,7 @@ class Proxy:
         self._keepalive_timeout_s = keepalive_timeout_s
         self._max_body_bytes = max_body_bytes
         self._failure_cooldown_s = failure_cooldown_s
+        self._budget = first_token_budget
         self._session: aiohttp.ClientSession | None = None
         self.tokenizers = tokenizers if tokenizers is not None else PoolTokenizers()
 
@@ -411,14 +481,26 @@ class Proxy:
                     return  # answered 503
                 pool, endpoint = admitted
             attempts = min(self._max_attempts, len(pool.ready))
+            retries_left = pool.max_retries
+            stream = doc.get("stream") is True
+            max_tokens = _count(doc.get("max_completion_tokens")) or _count(doc.get("max_tokens")) or None
             tried = [endpoint]
             while True:
+                timeout_s = first_token_timeout_s(pool.first_token_timeout_s, request.prompt_tokens,
+                                                  endpoint.prefill_tokens, stream=stream, max_tokens=max_tokens,
+                                                  budget=self._budget)  # fmt: skip
+                may_retry = retries_left > 0 and len(tried) < len(pool.ready)
                 retry = await self._attempt(endpoint, request.prefill_tokens, target, body, headers, send, watch,
-                                            arrival_s, shared)  # fmt: skip
-                if not retry:
+                                            arrival_s, pool, timeout_s, may_retry)  # fmt: skip
+                if retry is None:
                     return  # the client got its response (or is gone)
-                if len(tried) >= attempts:
+                if retry.kind is _CONNECT:
+                    if len(tried) >= attempts:
+                        break
+                elif not may_retry:
                     break
+                else:
+                    retries_left -= 1
                 # A retry has waited its turn already: it may exceed the admission limit.
                 next_endpoint = pool.pick(request, self._clock(), tried, within_limit=False, key=key)
                 if next_endpoint is None:
@@ -426,9 +508,19 @@ class Proxy:
                 endpoint = next_endpoint
                 tried.append(endpoint)
                 self._metrics.retries.labels(model).inc()
+            watch.finishing = True
+            if retry.kind is Outcome.STALL:
+                await self._reject(send, 504, model, error_body(
+                    f"model {model!r}: no first token within the deadline from {len(tried)} endpoint(s) "
+                    f"({', '.join(e.id for e in tried)}); retry later", type_="server_error",
+                    code="first_token_timeout"), shared=shared)  # fmt: skip
+                return
+            if retry.answer is not None:  # a 5xx kept for a retry that did not happen: relayed now
+                status, answer, kept = retry.answer
+                await send_json(send, status, answer, kept)
+                return
             log.warning("model %s: no endpoint answered after %d attempt(s): %s", model, len(tried),
                         ", ".join(e.id for e in tried))  # fmt: skip
-            watch.finishing = True
             await self._reject(send, 502, model, error_body(
                 f"no endpoint of model {model!r} could be reached ({len(tried)} attempt(s))",
                 type_="server_error", code="upstream_unavailable"), shared=shared)  # fmt: skip
@@ -485,23 +577,27 @@ class Proxy:
 
     async def _attempt(self, endpoint: EndpointState, prefill_tokens: int, target: str, body: bytes,
                        headers: list[tuple[str, str]], send: Send, watch: _ClientWatch, arrival_s: float,
-                       shared: PoolShared) -> bool:  # fmt: skip
+                       pool: Pool, timeout_s: float | None, may_retry: bool) -> _Retry | None:  # fmt: skip
         """Send the request to `{endpoint.url}{target}` (path and query) and relay the answer;
-        True means retry elsewhere.
+        a `_Retry` means nothing has been sent to the client and another endpoint may take it.
 
-        Returns True only when the connection failed before any response byte arrived;
-        then nothing has been sent to the client. In every other case the client got a
-        response (relayed, 502/504, or a stream ended by an error event) or is gone.
+        Returns a `_Retry` when the connection failed before any response byte arrived, when no
+        first token (streamed) or response head (not streamed) came within `timeout_s`
+        (`router.deadline`; None: no deadline), or, with `may_retry`, when the endpoint answered
+        a 5xx (the `_Retry` then holds the answer, to relay if no retry happens). In every other
+        case the client got a response (relayed, 502/504, or a stream ended by an error event)
+        or is gone. Each attempt's outcome is counted for outlier ejection (`Pool.record_outcome`).
 
-        Time to first byte is measured to the first body chunk of a streamed response and
-        to the response head of a sized one (an engine sends a non-streamed head with its
-        body, when generation is done). It feeds the first-byte EWMA and histogram for < 400
-        only; a streamed (SSE) < 400 reply also gives its time to first token and time per
-        output token (`router.sse`). The model's windowed stats get the client-side latencies,
-        from ``arrival_s``: TTFT (first byte; < 400 only), TPOT and end-to-end, stamped at
-        completion. A finished request frees its slot: the next request waiting in the
-        admission queue is woken. `prefill_tokens` (the prompt tokens the policy expects the
-        endpoint to compute) count as its queued prefill work until the first byte
+        A streamed reply's response head is held back until its first body chunk, so a stall
+        before the first token leaves the client untouched. Time to first byte is measured to the
+        first body chunk of a streamed response and to the response head of a sized one (an
+        engine sends a non-streamed head with its body, when generation is done). It feeds the
+        first-byte EWMA and histogram for < 400 only; a streamed (SSE) < 400 reply also gives its
+        time to first token and time per output token (`router.sse`). The model's windowed stats
+        get the client-side latencies, from ``arrival_s``: TTFT (first byte; < 400 only), TPOT and
+        end-to-end, stamped at completion. A finished request frees its slot: the next request
+        waiting in the admission queue is woken. `prefill_tokens` (the prompt tokens the policy
+        expects the endpoint to compute) count as its queued prefill work until the first byte
         (`EndpointState.start` / `first_byte` / `finish`).
         """
         m = endpoint.metrics
@@ -509,34 +605,39 @@ class Proxy:
         if not m.bound:
             m.bind()  # series appear at an endpoint's first request (cheap pool updates)
         assert self._session is not None
+        shared = pool.shared
         endpoint.start(prefill_tokens)
         first = [prefill_tokens]   # emptied when the first byte releases the prefill charge
         clock = self._clock
         start_s = clock()
+        resp: aiohttp.ClientResponse | None = None
+        first_chunk: bytes | None = None   # a streamed body's first chunk, read within the deadline
+        first_chunk_s = 0.0
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        within = asyncio.timeout_at(deadline)   # the first-token deadline (router.deadline)
         try:
             try:
-                resp = await self._session.post(endpoint.url + target, data=body, headers=headers)
+                async with within:
+                    resp = await self._session.post(endpoint.url + target, data=body, headers=headers)
+                    if resp.status < 400 and (resp.content_type == "text/event-stream" or resp.content_length is None):
+                        first_chunk = await resp.content.readany()
+                        first_chunk_s = clock()
             except _RETRYABLE as exc:
-                endpoint.record_failure(clock(), self._failure_cooldown_s)
+                if resp is not None:  # the head came, the body's first read failed: not a connect failure
+                    return await self._upstream_failed(endpoint, m, resp, send, watch, pool, arrival_s, start_s, exc)
+                now_s = clock()
+                endpoint.record_failure(now_s, self._failure_cooldown_s)
                 m.error("connect").inc()
+                self._count_outcome(pool, endpoint, m, Outcome.GATEWAY_FAILURE, now_s)
                 log.debug("endpoint %s (%s): connection failed before response: %r", endpoint.id, endpoint.url, exc)
-                return True
+                return _Retry(_CONNECT)
             except _UPSTREAM_ERRORS as exc:
-                timed_out = isinstance(exc, asyncio.TimeoutError)
-                endpoint.record_failure(clock())
-                m.error("timeout" if timed_out else "interrupted").inc()
-                shared.finished(endpoint, arrival_s=arrival_s, dispatch_s=start_s, end_s=clock(), first_token_s=None,
-                                tpot_s=None, e2e_s=None, failed=True)  # fmt: skip
-                log.warning("endpoint %s (%s): request failed: %r", endpoint.id, endpoint.url, exc)
-                watch.finishing = True
-                status = 504 if timed_out else 502
-                self._count_rejection(m.labels[0], status)
-                await send_json(send, status, error_body(
-                    f"endpoint {endpoint.id} failed: {type(exc).__name__}", type_="server_error",
-                    code="upstream_timeout" if timed_out else "upstream_error"))  # fmt: skip
-                return False
+                if isinstance(exc, TimeoutError) and within.expired():
+                    return self._stalled(endpoint, m, resp, pool, arrival_s, start_s, timeout_s)
+                return await self._upstream_failed(endpoint, m, resp, send, watch, pool, arrival_s, start_s, exc)
             headers_s = clock()
             completed = False
+            retry: _Retry | None = None
             try:
                 status = resp.status
                 m.requests(status).inc()
@@ -549,24 +650,34 @@ class Proxy:
                 first_byte_s: float | None
                 sse: SseRelay | None = None
                 if status >= 400 and content_type != "text/event-stream":
-                    completed = await self._relay_error(endpoint, m, resp, status, relay, send, watch)
+                    answer = await self._read_error(endpoint, m, resp, status, relay, send, watch)
+                    completed = answer is not None
+                    if answer is not None and status >= 500 and may_retry:
+                        retry = _Retry(_outcome_of(status), (status, *answer))
+                    elif answer is not None:
+                        watch.finishing = True
+                        await send_json(send, status, *answer)
                     first_byte_s = headers_s
                 elif content_type == "text/event-stream":
                     sse = SseRelay()
-                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, sse, first)
+                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, sse, first,
+                                                            first_chunk, first_chunk_s, timeout_s)  # fmt: skip
                     completed = first_byte_s is not None
                 elif length is not None:
                     completed = await self._relay_whole(endpoint, m, resp, status, relay, send, watch)
                     first_byte_s = headers_s
                 else:
-                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, None, first)
+                    first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, None, first,
+                                                            first_chunk, first_chunk_s, timeout_s)  # fmt: skip
                     completed = first_byte_s is not None
                 end_s = clock()
                 ok = completed and status < 500
+                self._count_outcome(pool, endpoint, m, Outcome.SUCCESS if ok else
+                                    _outcome_of(status) if status >= 500 else Outcome.GATEWAY_FAILURE, end_s)
                 # TTFT (first token, as the client sees it) and TPOT: streamed replies only.
                 first_token_s = sse.first_token_s if ok and sse is not None else None
                 tpot = sse.time_per_output_token_s() if first_token_s is not None else None
-                if completed:
+                if completed and retry is None:
                     assert first_byte_s is not None
                     m.e2e.observe(end_s - start_s)
                     if status < 400:  # errors are not latency samples (5xx got a penalty above)
@@ -580,17 +691,71 @@ class Proxy:
                 # Per revision, for canary analysis (router.revision_stats).
                 shared.finished(endpoint, arrival_s=arrival_s, dispatch_s=start_s, end_s=end_s,
                                 first_token_s=first_token_s, tpot_s=tpot,
-                                e2e_s=end_s - arrival_s if completed else None, failed=not ok)  # fmt: skip
+                                e2e_s=end_s - arrival_s if completed and retry is None else None,
+                                failed=not ok)  # fmt: skip
             finally:
                 if completed:
                     resp.release()
                 else:
                     resp.close()
-            return False
+            return retry
         finally:
             endpoint.finish(prefill_tokens, not first)
             if shared.queue.has_waiters() and not endpoint.draining:
                 shared.queue.wake(1)
+
+    def _count_outcome(self, pool: Pool, endpoint: EndpointState, m: EndpointMetrics, outcome: Outcome,
+                       now_s: float) -> None:  # fmt: skip
+        """Report an attempt's outcome for outlier ejection; count and log an ejection it causes.
+        A success after successes costs one attribute read (the hot path)."""
+        if outcome is Outcome.SUCCESS and not endpoint.outlier.consecutive_5xx:
+            return
+        if pool.record_outcome(endpoint, outcome, now_s):
+            state = endpoint.outlier
+            m.ejected(state.reason)
+            log.warning("endpoint %s (%s) of model %s ejected for %.0f s (%s; ejection %d)", endpoint.id,
+                        endpoint.url, pool.model, state.ejected_until_s - now_s, state.reason,
+                        state.ejections_total)  # fmt: skip
+
+    def _stalled(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse | None, pool: Pool,
+                 arrival_s: float, start_s: float, timeout_s: float | None) -> _Retry:  # fmt: skip
+        """The attempt got no first token within `timeout_s`: the connection is closed (vLLM aborts
+        the request when its client goes), the stall counted against the endpoint, and the request
+        handed back for a retry (nothing was sent to the client)."""
+        if resp is not None:
+            resp.close()
+        now_s = self._clock()
+        endpoint.record_failure(now_s)
+        m.first_token_timeouts.inc()
+        self._count_outcome(pool, endpoint, m, Outcome.STALL, now_s)
+        pool.shared.finished(endpoint, arrival_s=arrival_s, dispatch_s=start_s, end_s=now_s, first_token_s=None,
+                             tpot_s=None, e2e_s=None, failed=True)  # fmt: skip
+        log.warning("endpoint %s (%s): no first token within %.1f s (stalls in a row: %d)", endpoint.id,
+                    endpoint.url, timeout_s or 0.0, endpoint.outlier.consecutive_stalls)  # fmt: skip
+        return _Retry(Outcome.STALL)
+
+    async def _upstream_failed(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse | None,
+                               send: Send, watch: _ClientWatch, pool: Pool, arrival_s: float, start_s: float,
+                               exc: BaseException) -> None:  # fmt: skip
+        """The endpoint failed before anything was sent to the client, in a way not retried (an
+        aiohttp read timeout, a broken response): 504 or 502 in OpenAI's format."""
+        if resp is not None:
+            resp.close()
+        timed_out = isinstance(exc, asyncio.TimeoutError)
+        now_s = self._clock()
+        endpoint.record_failure(now_s)
+        m.error("timeout" if timed_out else "interrupted").inc()
+        self._count_outcome(pool, endpoint, m, Outcome.GATEWAY_FAILURE, now_s)
+        pool.shared.finished(endpoint, arrival_s=arrival_s, dispatch_s=start_s, end_s=now_s, first_token_s=None,
+                             tpot_s=None, e2e_s=None, failed=True)  # fmt: skip
+        log.warning("endpoint %s (%s): request failed: %r", endpoint.id, endpoint.url, exc)
+        watch.finishing = True
+        status = 504 if timed_out else 502
+        self._count_rejection(m.labels[0], status)
+        await send_json(send, status, error_body(
+            f"endpoint {endpoint.id} failed: {type(exc).__name__}", type_="server_error",
+            code="upstream_timeout" if timed_out else "upstream_error"))  # fmt: skip
+        return None
 
     async def _relay_whole(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
                            status: int, headers: list[tuple[bytes, bytes]], send: Send,
@@ -619,12 +784,13 @@ class Proxy:
         await send_json(send, 502, error_body(f"endpoint {endpoint.id} failed mid-response",
                                               type_="server_error", code="upstream_error"))  # fmt: skip
 
-    async def _relay_error(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
-                           status: int, headers: list[tuple[bytes, bytes]], send: Send,
-                           watch: _ClientWatch) -> bool:  # fmt: skip
-        """Relay an engine's error answer (status >= 400, not a stream) in OpenAI's format, status
-        kept (`router.errors.relayed_error`; at most `MAX_ERROR_BODY_BYTES` of it are read);
-        False if the endpoint failed before its body was complete."""
+    async def _read_error(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
+                          status: int, headers: list[tuple[bytes, bytes]], send: Send,
+                          watch: _ClientWatch) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:  # fmt: skip
+        """Read an engine's error answer (status >= 400, not a stream) and rewrite it in OpenAI's
+        format (`router.errors.relayed_error`; at most `MAX_ERROR_BODY_BYTES` of it are read):
+        `(body, headers to relay)` for the caller to send with the same status. None if the
+        endpoint failed before its body was complete (the client then got a 502)."""
         chunks: list[bytes] = []
         size = 0
         try:
@@ -635,19 +801,23 @@ class Proxy:
                     break
         except _UPSTREAM_ERRORS as exc:
             await self._failed_mid_response(endpoint, m, send, watch, "error body", exc)
-            return False
+            return None
         body = relayed_error(status, b"".join(chunks)[:MAX_ERROR_BODY_BYTES], resp.content_type)
-        kept = [(k, v) for k, v in headers if k not in (b"content-type", b"content-encoding")]
-        watch.finishing = True
-        await send_json(send, status, body, kept)
-        return True
+        return body, [(k, v) for k, v in headers if k not in (b"content-type", b"content-encoding")]
 
     async def _relay_stream(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
                             status: int, headers: list[tuple[bytes, bytes]], send: Send, watch: _ClientWatch,
-                            sse: SseRelay | None, first: list[int]) -> float | None:  # fmt: skip
+                            sse: SseRelay | None, first: list[int], first_chunk: bytes | None,
+                            first_chunk_s: float, idle_s: float | None = None) -> float | None:  # fmt: skip
         """Relay the body as it arrives (SSE: whole events, through `sse`); return the clock time
         of the first body chunk (or of the end, for an empty body), None if the endpoint failed
         midway. At the first chunk the prefill charge in `first` is released (`first` is emptied).
+        `first_chunk` (read at `first_chunk_s`, within the first-token deadline; b"" for an empty
+        body) goes out first, with the response head; None: the head goes out at once. A stream
+        silent for `idle_s` seconds after it began (the attempt's first-token deadline: no gap
+        between tokens outlasts a prefill of the whole prompt, the most a preempted request
+        recomputes; None: no limit) is cut as below (`_StreamIdle`; a gateway failure for outlier
+        detection).
 
         On failure an SSE stream ends with an OpenAI error event and `data: [DONE]` (what vLLM
         sends when generation fails mid-stream; OpenAI clients raise it as an `APIError`);
@@ -657,8 +827,18 @@ class Proxy:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         first_byte_s: float | None = None
         clock = self._clock
+        idle = _StreamIdle(resp.content, idle_s) if idle_s is not None else None
+        loop_time = asyncio.get_running_loop().time
         try:
+            if first_chunk:
+                first_byte_s = first_chunk_s
+                endpoint.first_byte(first.pop())
+                chunk = sse.feed(first_chunk, first_chunk_s) if sse is not None else first_chunk
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             async for chunk in resp.content.iter_any():
+                if idle is not None:
+                    idle.last_s = loop_time()
                 if sse is not None:
                     now_s = clock()
                     if first_byte_s is None:
@@ -680,6 +860,9 @@ class Proxy:
                 await send({"type": "http.response.body", "more_body": False, "body": stream_error_tail(
                     f"endpoint {endpoint.id} failed mid-stream ({type(exc).__name__}); the response is incomplete")})
             return None
+        finally:
+            if idle is not None:
+                idle.stop()
         if first_byte_s is None:
             first_byte_s = clock()
         watch.finishing = True

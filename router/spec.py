@@ -1,6 +1,7 @@
 """The desired-state documents of the router's admin API: pools and their endpoints.
 
 Owns the pydantic models `EndpointSpec`, `KvEventsSource` and `PoolSpec`, the body of
+Owns the pydantic models `EndpointSpec`, `OutlierDetectionSpec` and `PoolSpec`, the body of
 `PUT /admin/v1/pools/{model}`. Parsed by `router.admin`; applied by
 `router.pool.PoolTable.put`; a controller may build them to talk to the router.
 Bad input is rejected here, naming the field (`router.admin` turns it into a 422 in OpenAI's
@@ -15,6 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.outlier import OutlierSettings
 from router.policies import DEFAULT_POLICY, ROUTING_POLICIES, policy_names
 from router.split import STICKY_KEY_PATTERN
 
@@ -22,6 +24,10 @@ DEFAULT_MAX_QUEUE_LENGTH = 1000
 """Requests that may wait in one model's admission queue (when the queue is on)."""
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 """Longest wait (seconds) in the admission queue before the router answers 503."""
+DEFAULT_MAX_RETRIES = 1
+"""Times a request is re-sent to another endpoint after a first-token timeout or a 5xx answer,
+while nothing has been sent to the client (connection failures have their own budget,
+`router.proxy.DEFAULT_MAX_ATTEMPTS`)."""
 MAX_ENDPOINTS_PER_POOL = 100_000
 """Most endpoints one pool document may list: ten times the largest pool the router is measured
 with (loadtests/bench_pool_update.py), so a runaway controller gets a 422, not a stalled router."""
@@ -108,6 +114,51 @@ class EndpointSpec(BaseModel):
         return url.rstrip("/")
 
 
+_OUTLIER = OutlierSettings()
+
+
+class OutlierDetectionSpec(BaseModel):
+    """Envoy-style outlier ejection of a pool's endpoints (`router.outlier`: sources and defaults)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    consecutive_5xx: int = Field(
+        default=_OUTLIER.consecutive_5xx, ge=0, le=1000,
+        description="5xx answers, connection failures and first-token timeouts in a row that eject an "
+        "endpoint (Envoy's consecutive_5xx); 0: off.",
+    )  # fmt: skip
+    consecutive_gateway_failure: int = Field(
+        default=_OUTLIER.consecutive_gateway_failure, ge=0, le=1000,
+        description="502/503/504 answers, connection failures and first-token timeouts in a row that eject "
+        "an endpoint (Envoy's consecutive_gateway_failure); 0: off.",
+    )  # fmt: skip
+    consecutive_stalls: int = Field(
+        default=_OUTLIER.consecutive_stalls, ge=0, le=1000,
+        description="First-token timeouts in a row that eject an endpoint; 0: off.",
+    )  # fmt: skip
+    interval_s: float = Field(
+        default=_OUTLIER.interval_s, gt=0, le=3600,
+        description="Seconds back in service that lower an endpoint's ejection multiplier by one (Envoy's interval).",
+    )  # fmt: skip
+    base_ejection_time_s: float = Field(
+        default=_OUTLIER.base_ejection_time_s, gt=0, le=3600,
+        description="An ejection lasts this many seconds times the endpoint's ejection count (Envoy's "
+        "base_ejection_time).",
+    )  # fmt: skip
+    max_ejection_time_s: float = Field(
+        default=_OUTLIER.max_ejection_time_s, gt=0, le=86400,
+        description="Longest ejection, seconds (Envoy's max_ejection_time).",
+    )  # fmt: skip
+    max_ejection_percent: float = Field(
+        default=_OUTLIER.max_ejection_percent, ge=0, le=100,
+        description="Most of the pool's ready endpoints ejected at once, percent (at least one, never the last).",
+    )  # fmt: skip
+
+    def settings(self) -> OutlierSettings:
+        """The `router.outlier.OutlierSettings` this spec describes."""
+        return OutlierSettings(**self.model_dump())
+
+
 class PoolSpec(BaseModel):
     """The endpoints that serve one model, and how to choose among them."""
 
@@ -142,6 +193,21 @@ class PoolSpec(BaseModel):
         default=None, pattern=STICKY_KEY_PATTERN,
         description="Request key that keeps one user on one revision while weights hold: `header:NAME` "
         "or `body:user` (the OpenAI `user` field). None: requests are split one by one.",
+    )
+    first_token_timeout_s: float | None = Field(
+        default=None, gt=0, le=3600,
+        description="Seconds an attempt waits for the engine's first streamed token (or a non-streamed "
+        "answer's head, plus a per-output-token allowance) before it is retried elsewhere and counted as a "
+        "stall. None: from the request's expected prefill time (router.deadline).",
+    )  # fmt: skip
+    max_retries: int = Field(
+        default=DEFAULT_MAX_RETRIES, ge=0, le=10,
+        description="Times a request is re-sent to another endpoint after a first-token timeout or a 5xx, "
+        "while nothing has been sent to the client.",
+    )  # fmt: skip
+    outlier_detection: OutlierDetectionSpec = Field(
+        default_factory=OutlierDetectionSpec,
+        description="Ejection of endpoints that stall or fail in a row (router.outlier).",
     )
 
     @field_validator("policy")

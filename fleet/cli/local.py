@@ -240,7 +240,8 @@ def status(
     """Show the deployments and replicas of the local fleet.
 
     For each replica: state, endpoint, devices, and for a failed one the reason and the engine's
-    last log lines. When the controller is gone but engines or the router still run, says so
+    last log lines; a replica the router has ejected (it stalled or failed in a row) or that is
+    stalling says so (asked of the router live: `fleet.observability.outliers`). When the controller is gone but engines or the router still run, says so
     (`fleet up` adopts them, `fleet down` stops them). Writes that `fleet up` could not make
     (full disk, closed output) are listed. When state.json cannot be read, says why and shows
     what still runs (exit code 1)."""
@@ -258,9 +259,13 @@ def status(
     pid = _up_pid(store, state)
     running = pid is not None
     orphans, router_left = ([], None) if running else _orphans(store)
+    from fleet.observability.outliers import read_outlier_notes
+
+    # What the router's outlier detection says of each endpoint (ejected, stalling): asked live.
+    router_notes = read_outlier_notes(state.get("router_url", ""), store.admin_token()) if running else {}
     if as_json:
         console.print_json(json.dumps({**state, "running": running, "orphaned_replicas": orphans,
-                                       "orphaned_router": router_left}))  # fmt: skip
+                                       "orphaned_router": router_left, "router_outliers": router_notes}))  # fmt: skip
         return
     age_s = time.time() - state.get("updated_at_unix", time.time())
     phase = state.get("phase", "?") if running else "not running"
@@ -317,6 +322,8 @@ def status(
             detail = "asleep (sleep mode level 1)" if r.get("sleep_sent_at_s") is not None else "leaving the pool to sleep"
         if r.get("adopted_at_s") is not None and not st.startswith("FAILED"):
             detail = detail or "adopted"
+        if r["id"] in router_notes:
+            detail = f"[bold yellow]{router_notes[r['id']]}[/]" + (f"; {detail}" if detail else "")
         table.add_row(
             r["id"], f"[{style}]{st}[/]" if style else st, r.get("endpoint") or "-", r.get("assignment") or "-",
             (r.get("detail") or {}).get("pid", "-"), f"{clock_now - r['created_at_s']:.0f} s", detail,

@@ -108,6 +108,8 @@ class PoolPublisher:
                 max_concurrency_per_endpoint=routing.max_concurrency_per_endpoint,
                 max_queue_length=routing.max_queue_length, queue_timeout_s=routing.queue_timeout_seconds,
                 sticky_key=sticky_key, tokenizer=self._tokenizer(ds.loaded),
+                first_token_timeout_s=routing.first_token_timeout_seconds,
+                max_retries=routing.max_retries,
             )  # fmt: skip
             if pool != ds.last_pool:
                 changed.append((ds, pool))

@@ -8,6 +8,12 @@ Owns `FaultPlan`, the faults one simulated replica is told to show:
   closes and in-flight connections are cut (a one-replica process exits with code 1).
 - ``slowdown``: every engine step takes this factor longer (a degraded GPU, a noisy
   neighbour); can also be changed at run time with ``POST /sim/faults``.
+- ``stall``: the engine stops stepping while its HTTP server keeps answering: requests are
+  accepted and get nothing (no token, not even a streamed response's first event), ``/health``
+  still answers 200 (a hung GPU or collective, an engine core process SIGSTOPped behind a live
+  API server: vLLM's ``/health`` asks the engine core only whether it is dead, not whether it
+  makes progress). Switched on and off at run time with ``POST /sim/faults {"stall": true}``;
+  on release the engine resumes where it stopped.
 
 Read by `fleet.enginesim.server`. Pure data.
 """
@@ -22,6 +28,7 @@ class FaultPlan:
     fail_at_start: bool = False
     crash_after_requests: int | None = None
     slowdown: float = 1.0
+    stall: bool = False
 
     def __post_init__(self) -> None:
         if self.crash_after_requests is not None and self.crash_after_requests < 1:
@@ -38,4 +45,6 @@ class FaultPlan:
             parts.append(f"crashes after {self.crash_after_requests} request(s)")
         if self.slowdown != 1.0:
             parts.append(f"slowdown x{self.slowdown:g}")
+        if self.stall:
+            parts.append("stalled")
         return ", ".join(parts)

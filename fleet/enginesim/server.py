@@ -13,7 +13,7 @@ too (a body over 1 MiB: 413), ``http_errors_as_json``), ``GET
 /v1/models``, ``/health``, ``/version`` and ``/metrics``; with ``sleep_mode`` (vLLM's
 ``--enable-sleep-mode``) also ``POST /sleep?level=1``, ``POST /wake_up`` and ``GET /is_sleeping``
 (`fleet.enginesim.sleep` gives the sources and the wake time). Simulator-only: ``GET /sim/state`` and
-``POST /sim/faults`` (``{"slowdown": 3.0}`` or ``{"crash": true}``).
+``POST /sim/faults`` (``{"slowdown": 3.0}``, ``{"crash": true}`` or ``{"stall": true}``; `fleet.enginesim.faults`).
 
 With ``kv_events`` (vLLM's ``--kv-events-config``) each replica publishes its KV cache events as
 vLLM does, one batch per engine step at the step's end, on a PUB socket with a replay socket
@@ -163,6 +163,9 @@ class SimReplica:
         self._on_dead = on_dead
         self._live: dict[str, _Live] = {}
         self._wake = asyncio.Event()
+        self._running = asyncio.Event()   # cleared while the stall fault holds the engine
+        if not settings.faults.stall:
+            self._running.set()
         self._driver: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
         self._server: asyncio.Server | None = None
@@ -266,6 +269,9 @@ class SimReplica:
     async def _drive(self) -> None:
         last_end_s = self.now_s()
         while True:
+            if not self._running.is_set():   # the stall fault: no step until it is lifted
+                await self._running.wait()
+                last_end_s = self.now_s()
             if not self.model.has_work():
                 self._wake.clear()
                 await self._wake.wait()
@@ -508,12 +514,17 @@ class SimReplica:
         async def send(doc: dict[str, Any]) -> None:
             await resp.write(b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n")
 
-        if chat:
-            await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]})  # fmt: skip
+        # vLLM sends a chat stream's role chunk with its first output, not at once
+        # (chat_completion_stream_generator, vLLM 0.32's vllm/entrypoints/openai/chat_completion/serving.py): an engine that
+        # stalls before the first token sends nothing but the response head.
+        role_sent = not chat
         emitted = 0
         while True:
             kind, payload = await live.events.get()
+            if not role_sent and kind != "error":
+                role_sent = True
+                await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]})  # fmt: skip
             if kind == "token":
                 # The last token is sent with the finish reason, as vLLM does.
                 if payload + 1 >= len(live.output_ids):
@@ -580,7 +591,7 @@ class SimReplica:
             "answered": self.answered, "slowdown": self.model.slowdown, "running": st.num_running,
             "waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage, "steps": st.steps,
             "prefix_cache_hits": st.prefix_cache_hits, "prefix_cache_queries": st.prefix_cache_queries,
-            "preemptions": st.num_preemptions, "sleep": self.sleep.to_dict(),
+            "preemptions": st.num_preemptions, "sleep": self.sleep.to_dict(), "stalled": not self._running.is_set(),
         })  # fmt: skip
 
     async def _faults(self, request: web.Request) -> web.Response:
@@ -593,9 +604,19 @@ class SimReplica:
             if not isinstance(slowdown, (int, float)) or slowdown <= 0:
                 return ApiError(400, "slowdown must be a number > 0", "slowdown").response()
             self.model.slowdown = float(slowdown)
+        stall = body.get("stall")
+        if stall is not None:
+            if not isinstance(stall, bool):
+                return ApiError(400, "stall must be true or false", "stall").response()
+            if stall:
+                self._running.clear()
+            else:
+                self._running.set()
+            log.warning("replica %d (port %d): stall fault %s", self.index, self.port, "on" if stall else "off")
         if body.get("crash"):
             asyncio.get_running_loop().call_soon(self.crash, "fault switch: crash requested via POST /sim/faults")
-        return web.json_response({"slowdown": self.model.slowdown, "crash": bool(body.get("crash"))})
+        return web.json_response({"slowdown": self.model.slowdown, "crash": bool(body.get("crash")),
+                                  "stall": not self._running.is_set()})  # fmt: skip
 
 
     async def _sleep(self, request: web.Request) -> web.Response:

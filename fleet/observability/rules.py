@@ -196,6 +196,16 @@ def alerts(slo: SLO = SLO()) -> list[Alert]:
         "routing.queueTimeoutSeconds, or no ready endpoint.",
         (rejecting,),
     ))
+    ejected = "max by (model, endpoint) (avg_over_time(fleet_router_endpoint_ejected[15m]))"
+    out.append(Alert(
+        "FleetEndpointEjectedRepeatedly", f"{ejected} > 0.5", "0m", "ticket",
+        "{{ $labels.model }} {{ $labels.endpoint }}: the router keeps ejecting it",
+        "The router's outlier detection kept endpoint {{ $labels.endpoint }} of {{ $labels.model }} out of its "
+        "pool for over half of the last 15 minutes: it stalls (no first token within the deadline) or fails "
+        "(5xx, connection failures) whenever it is let back. Its /health may still pass. `fleet status` and "
+        "fleet_router_endpoint_ejections_total{reason} say why; restart or drain the replica (docs/routing.md).",
+        (ejected,),
+    ))
     ready_replicas = 'sum by (deployment) (fleet_replicas{state="READY"})'
     desired_replicas = "max by (deployment) (fleet_deployment_desired_replicas)"
     out.append(Alert(

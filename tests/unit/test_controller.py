@@ -303,3 +303,13 @@ async def test_a_replacement_waits_for_a_draining_replicas_core_rather_than_shar
     assert h.status()["chat-1"] is S.TERMINATED
     assert h.backend.by_replica("chat-2").spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"   # chat-1's core, alone
 
+
+
+async def test_the_pool_carries_the_first_token_timeout_and_retries_of_the_routing_spec(tmp_path):
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1,
+                                            routing={"firstTokenTimeoutSeconds": 7.5, "maxRetries": 2})])
+    await h.tick()
+    h.make_healthy("chat-0")
+    await h.tick(n=2)
+    pool = h.pools.settings["chat-model"]
+    assert (pool.first_token_timeout_s, pool.max_retries) == (7.5, 2)

@@ -104,7 +104,9 @@ async def test_pool_listing_and_update_keep_stats_of_unchanged_endpoints() -> No
         assert after["a"] == {**before["a"], "version": "v2", "weight": 0.5}
         assert after["b"] == {"id": "b", "url": c.url, "version": "v2", "weight": 1.0, "draining": False,
                               "in_flight": 0, "requests_total": 0, "errors_total": 0,
-                              "ewma_first_byte_s": None}  # fmt: skip
+                              "ewma_first_byte_s": None, "ejected": False, "ejected_for_s": None,
+                              "ejection_reason": None, "ejections_total": 0, "stalls_total": 0,
+                              "consecutive_failures": 0, "consecutive_stalls": 0}  # fmt: skip
         await complete(client, "org/model", n=2)
         assert len(c.requests) == 1 and len(b.requests) == 2
 

@@ -37,6 +37,23 @@ VLLM_CONTEXT = ("This model's maximum context length is 512 tokens. However, you
                      "code": 404}}, "application/json",
      {"message": "The model `x` does not exist.", "type": "not_found_error", "param": "model",
       "code": "model_not_found"}),
+    # vLLM 0.32's other classes (create_error_response in
+    # vllm/entrypoints/serve/exception_handling/error_response.py): the type follows the status.
+    (422, {"error": {"message": "guided_json is not a valid schema", "type": "UnprocessableEntityError",
+                     "param": "guided_json", "code": 422}}, "application/json",
+     {"message": "guided_json is not a valid schema", "type": "invalid_request_error", "param": "guided_json",
+      "code": "invalid_request"}),
+    (503, {"error": {"message": "request aborted, retry", "type": "ServiceUnavailableError", "param": None,
+                     "code": 503}}, "application/json",
+     {"message": "request aborted, retry", "type": "server_error", "param": None, "code": "service_unavailable"}),
+    (501, {"error": {"message": "beam search is not supported", "type": "NotImplementedError", "param": None,
+                     "code": 501}}, "application/json",
+     {"message": "beam search is not supported", "type": "server_error", "param": None, "code": "not_implemented"}),
+    # FastAPI's own validation answer.
+    (422, {"detail": [{"type": "missing", "loc": ["body", "model"], "msg": "Field required", "input": {}}]},
+     "application/json",
+     {"message": "body.model: Field required", "type": "invalid_request_error", "param": None,
+      "code": "invalid_request"}),
     # vLLM's HTTPException handler: the status phrase as the type.
     (405, {"error": {"message": "Method Not Allowed", "type": "Method Not Allowed", "param": None, "code": 405}},
      "application/json",
