@@ -3,7 +3,8 @@
 Reads the admin API's bearer token from the environment variable
 `FLEET_ROUTER_ADMIN_TOKEN` (exit status 2 if it is unset or empty) and calls
 `router.server.serve`; `--models-file PATH` keeps the served models there
-(`router.remembered`). Prints one line once listening.
+(`router.remembered`); `--peers URL,...` / `--peers-dns NAME:PORT` the peer routers it shares
+its load with (`router.peer_channel`, `router.peer_discovery`). Prints one line once listening.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import os
 from pathlib import Path
 
 from router.engine_load import DEFAULT_POLL_INTERVAL_S
+from router.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, parse_dns_target
 from router.peer_load import DEFAULT_PEER_INTERVAL_S
 from router.server import serve
 
 TOKEN_ENV = "FLEET_ROUTER_ADMIN_TOKEN"
+POD_IP_ENV = "FLEET_POD_IP"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,6 +38,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated base URLs of the other routers in front of the same pools: each "
                              "router sends the others its load every --peer-interval-ms, and kv-aware counts it "
                              "(docs/routing.md, 'A shared load signal'); replaces the engine polling (default: none)")
+    parser.add_argument("--peers-dns", default="", metavar="NAME:PORT",
+                        help="a DNS name whose A/AAAA records are the other routers (in Kubernetes a headless "
+                             "Service of the router pods) and the port of their admin API: resolved every "
+                             f"{DEFAULT_PEER_DNS_INTERVAL_S:g} s, the routers found are peers as with --peers, "
+                             "this router's --pod-ip left out (router.peer_discovery; default: none)")
+    parser.add_argument("--pod-ip", default=os.environ.get(POD_IP_ENV, ""),
+                        help=f"this router's own address(es), comma-separated, left out of what --peers-dns finds "
+                             f"(default: ${POD_IP_ENV}, the downward API's status.podIP in the chart)")
     parser.add_argument("--router-id", default="", help="this router's id in its load reports (default: random)")
     parser.add_argument("--peer-interval-ms", type=float, default=DEFAULT_PEER_INTERVAL_S * 1000,
                         help=f"milliseconds between two load reports to each peer (default "
@@ -47,9 +58,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"environment variable {TOKEN_ENV} must hold the admin API bearer token")  # exits 2
     interval_s = args.engine_load_interval_ms / 1000 if args.engine_load_interval_ms > 0 else None
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    try:
+        peers_dns = parse_dns_target(args.peers_dns) if args.peers_dns else None
+    except ValueError as err:
+        parser.error(f"--peers-dns: {err}")
+    self_addresses = [a.strip() for a in args.pod_ip.split(",") if a.strip()]
     serve(args.host, args.port, token, log_level=args.log_level, models_path=args.models_file,
           engine_load_interval_s=interval_s, peers=peers, router_id=args.router_id,
-          peer_interval_s=args.peer_interval_ms / 1000)  # fmt: skip
+          peer_interval_s=args.peer_interval_ms / 1000, peers_dns=peers_dns, self_addresses=self_addresses)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ from router.kv_subscriber import KvEventStreams
 from router.metrics import RouterMetrics
 from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.engine_poll import EnginePoller
-from router.peer_channel import PeerMetrics, PeerSender, ReportPoster
+from router.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender, ReportPoster
+from router.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, DiscoveryMetrics, PeerDiscovery
 from router.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report
 from router.pool import PoolTable
 from router.remembered import ModelsFile
@@ -92,9 +93,11 @@ class RouterApp:
 
     models_file: ModelsFile | None = None
     poller: EnginePoller | None = None
+    """Polls the engines' load for `kv-aware` pools (`router.engine_poll`); None: off."""
     peer_sender: PeerSender | None = None
     """Sends this router's load to its peers (`router.peer_channel`); None: no peers."""
-    """Polls the engines' load for `kv-aware` pools (`router.engine_poll`); None: off."""
+    peer_discovery: PeerDiscovery | None = None
+    """Keeps `peer_sender`'s peers equal to what `--peers-dns` resolves to; None: no DNS peers."""
 
     def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
                  admin_token: str) -> None:  # fmt: skip
@@ -191,6 +194,8 @@ class RouterApp:
                     await self.proxy.start()
                     if self.poller is not None:
                         await self.poller.start()
+                    if self.peer_discovery is not None:
+                        await self.peer_discovery.start()
                     if self.peer_sender is not None:
                         await self.peer_sender.start()
                     if self.kv_streams is not None:
@@ -203,6 +208,8 @@ class RouterApp:
             elif message["type"] == "lifespan.shutdown":
                 if self.poller is not None:
                     await self.poller.close()
+                if self.peer_discovery is not None:
+                    await self.peer_discovery.close()
                 if self.peer_sender is not None:
                     await self.peer_sender.close()
                 if self.kv_streams is not None:
@@ -213,7 +220,8 @@ class RouterApp:
 
 
 def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str, peer_report: Callable[[object], None] | None,
-               models_file: ModelsFile | None = None) -> FastAPI:  # fmt: skip
+               models_file: ModelsFile | None = None,
+               peer_state: Callable[[], dict[str, object]] | None = None) -> FastAPI:  # fmt: skip
     api = FastAPI(title="Fleet router", docs_url=None, redoc_url=None, openapi_url=None)
 
     @api.exception_handler(StarletteHTTPException)
@@ -275,7 +283,7 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str, peer_
         body, content_type = await metrics.render_off_loop(request.headers.get("accept", ""))
         return Response(content=body, headers={"content-type": content_type})
 
-    api.include_router(admin_router(pools, admin_token, models_file, peer_report))
+    api.include_router(admin_router(pools, admin_token, models_file, peer_report, peer_state))
     return api
 
 
@@ -295,6 +303,9 @@ def create_app(
     peers: Sequence[str] = (),
     router_id: str = "",
     peer_interval_s: float = DEFAULT_PEER_INTERVAL_S,
+    peers_dns: tuple[str, int] | None = None,
+    self_addresses: Sequence[str] = (),
+    peer_dns_interval_s: float = DEFAULT_PEER_DNS_INTERVAL_S,
 ) -> RouterApp:
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
@@ -317,6 +328,10 @@ def create_app(
     this router posts its load to each (`router.peer_channel`) and counts theirs in `kv-aware`
     (`router.peer_load`); with peers the engines are not polled. `router_id`: this router's id in
     its reports (default: a random one).
+    `peers_dns`: (name, port) whose addresses are the other routers, resolved every
+    `peer_dns_interval_s` (`router.peer_discovery`; in Kubernetes a headless Service of the router
+    pods, port their admin API), this router's `self_addresses` (its pod IP) left out; the peers
+    found are sent to besides `peers`.
     The time a request's head and body may take to arrive is bounded by the server
     (`router.server.uvicorn_config`).
     """
@@ -346,8 +361,9 @@ def create_app(
         failure_cooldown_s=failure_cooldown_s,
         tokenizers=PoolTokenizers(metrics.registry),
     )
-    peer_report = None
-    if peers:
+    peer_report = peer_state = None
+    has_peers = bool(peers) or peers_dns is not None
+    if has_peers:
         view = PeerLoadView(router_id or secrets.token_hex(8))
 
         def peer_report(doc: object) -> None:
@@ -355,13 +371,25 @@ def create_app(
             view.receive(peer_id, loads, pools.load_endpoints(), clock())
             channel_metrics.received.inc()
 
+        def peer_state() -> dict[str, object]:
+            now_s = clock()
+            targets = [u.removesuffix(PEER_LOAD_PATH) for u in sender.urls]
+            return {"router": view.self_id, "targets": targets, "live": view.peers(now_s), "load": view.totals(now_s)}
+
         channel_metrics = PeerMetrics(metrics.registry, lambda: len(view.peers(clock())))
-    api = _build_api(pools, metrics, admin_token, peer_report, models_file)
+    api = _build_api(pools, metrics, admin_token, peer_report, models_file, peer_state)
     app = RouterApp(pools, metrics, proxy, api, admin_token)
     app.models_file = models_file
-    if peers:
-        app.peer_sender = PeerSender(view.self_id, peers, pools.load_endpoints, ReportPoster(admin_token),
-                                     channel_metrics, peer_interval_s)  # fmt: skip
+    if has_peers:
+        static = list(peers)
+        sender = PeerSender(view.self_id, static, pools.load_endpoints, ReportPoster(admin_token),
+                            channel_metrics, peer_interval_s)  # fmt: skip
+        app.peer_sender = sender
+        if peers_dns is not None:
+            app.peer_discovery = PeerDiscovery(
+                peers_dns[0], peers_dns[1], self_addresses,
+                lambda found: sender.set_peers(static + [u for u in found if u not in static]),
+                DiscoveryMetrics(metrics.registry), clock=clock, interval_s=peer_dns_interval_s)
     elif engine_load_interval_s is not None:
         app.poller = EnginePoller(pools.load_endpoints, clock, metrics.registry, interval_s=engine_load_interval_s)
     app.kv_streams = kv_streams

@@ -136,6 +136,14 @@ class PeerSender:
         self._last_body = b""
         self._last_sent_s = -float("inf")
 
+    def set_peers(self, peers: Sequence[str]) -> None:
+        """Send to `peers` (base URLs) from the next round on (`router.peer_discovery` calls this
+        when the peer set changes); a new peer gets a report in that round, even if unchanged."""
+        urls = [p.rstrip("/") + PEER_LOAD_PATH for p in peers]
+        if urls != self.urls:
+            self.urls = urls
+            self._last_body = b""
+
     async def start(self) -> None:
         """Open the poster's session (a `ReportPoster`) and start sending (no-op if started)."""
         if isinstance(self._post, ReportPoster):

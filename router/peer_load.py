@@ -100,6 +100,22 @@ class PeerLoadView:
         """Ids of the peers whose last report still counts, sorted."""
         return sorted(p for p, (at_s, _) in self._reports.items() if now_s - at_s <= self.max_age_s)
 
+    def totals(self, now_s: float) -> dict[str, dict[str, list[float]]]:
+        """The peers' load summed per endpoint, from the reports that still count at `now_s`:
+        model -> endpoint id -> [in_flight, prefilling, prefill_tokens] (what
+        `GET /admin/v1/peers` shows)."""
+        out: dict[str, dict[str, list[float]]] = {}
+        for at_s, report in self._reports.values():
+            if now_s - at_s > self.max_age_s:
+                continue
+            for model, loads in report.items():
+                summed = out.setdefault(model, {})
+                for endpoint_id, load in loads.items():
+                    total = summed.setdefault(endpoint_id, [0, 0, 0.0])
+                    for i in range(3):
+                        total[i] += load[i]
+        return out
+
     def receive(self, router_id: str, pools: dict[str, dict[str, Load]],
                 endpoints: Mapping[str, Sequence[EndpointState]], now_s: float) -> None:  # fmt: skip
         """Store `router_id`'s report and update the endpoints of `endpoints` (model -> this

@@ -103,6 +103,13 @@ def router_pod(
     port: Annotated[int, typer.Option(help="Port of the OpenAI API (the public Service's target).")] = 8080,
     admin_port: Annotated[int, typer.Option(help="Port of the admin API (the operator's pool updates).")] = 9090,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    peers_dns: Annotated[str, typer.Option(
+        help="NAME:PORT of the other router pods (a headless Service; PORT: their admin port): they share "
+             "their load (docs/routing.md, 'A shared load signal'). Empty: none.")] = "",
+    pod_ip: Annotated[str, typer.Option(envvar="FLEET_POD_IP",
+                                        help="This pod's IP, left out of what --peers-dns finds.")] = "",
+    router_id: Annotated[str, typer.Option(envvar="FLEET_POD_NAME",
+                                           help="This router's id in its load reports (the pod name).")] = "",
 ) -> None:
     """Run the router as the chart's router pods do: the OpenAI API on --port, the admin API on
     --admin-port only (404 under /admin on --port). The admin token is read from
@@ -111,13 +118,16 @@ def router_pod(
     import os
 
     from fleet.k8s.routerpod import serve_router_pod
+    from router.peer_discovery import parse_dns_target
 
     token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN", "")
     if not token:
         typer.echo("FLEET_ROUTER_ADMIN_TOKEN is not set: the admin API needs a token.", err=True)
         raise typer.Exit(2)
     try:
-        asyncio.run(serve_router_pod(host, port, admin_port, token))
+        target = parse_dns_target(peers_dns) if peers_dns else None
+        asyncio.run(serve_router_pod(host, port, admin_port, token, peers_dns=target, pod_ip=pod_ip,
+                                     router_id=router_id))  # fmt: skip
     except ValueError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None

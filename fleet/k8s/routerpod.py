@@ -5,7 +5,9 @@ router's app (`router.app.create_app`) serves ``/v1`` and ``/admin/v1`` on one p
 cluster the public Service must never carry the admin API, so this process serves the same app
 twice, from one event loop and one pool table: on ``port`` with every ``/admin`` path answered
 404 (`PublicOnly`), and on ``admin_port`` in full (the operator pushes pools there; the chart's
-NetworkPolicy option admits only the operator to it). Called by `fleet.cli.k8s`.
+NetworkPolicy option admits only the operator and the other router pods to it: with
+``--peers-dns`` the router pods post their load to each other's admin port,
+`router.peer_discovery`). Called by `fleet.cli.k8s`.
 """
 
 from __future__ import annotations
@@ -58,13 +60,18 @@ def _config(app, host: str, port: int, lifespan: str, log_level: str) -> uvicorn
 
 
 async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: str,
-                           log_level: str = "warning", stop: asyncio.Event | None = None) -> None:  # fmt: skip
+                           log_level: str = "warning", stop: asyncio.Event | None = None,
+                           peers_dns: tuple[str, int] | None = None, pod_ip: str = "",
+                           router_id: str = "") -> None:  # fmt: skip
     """Serve the OpenAI API on ``host:port`` and the admin API on ``host:admin_port`` until
-    ``stop`` is set (None: until SIGINT/SIGTERM). Raises ValueError when the ports are equal or
-    the token is empty."""
+    ``stop`` is set (None: until SIGINT/SIGTERM). ``peers_dns``: (headless Service name, peers'
+    admin port) of the other router pods, which this one shares its load with (``pod_ip``, its
+    own address, left out; ``router_id``, its id in its reports: the pod name;
+    `router.peer_discovery`). Raises ValueError when the ports are equal or the token is empty."""
     if port == admin_port:
         raise ValueError(f"--admin-port must differ from --port ({port}): the admin API never shares the public port")
-    app = create_app(admin_token)
+    app = create_app(admin_token, peers_dns=peers_dns, self_addresses=[pod_ip] if pod_ip else [],
+                     router_id=router_id)  # fmt: skip
     admin = _QuietServer(_config(app, host, admin_port, "on", log_level))
     public = _QuietServer(_config(PublicOnly(app), host, port, "off", log_level))
     loop = asyncio.get_running_loop()
