@@ -66,7 +66,7 @@ def test_defaults_render_the_expected_objects():
     kinds = _by_kind(render())
     assert {k: len(v) for k, v in kinds.items()} == {
         "CustomResourceDefinition": 1, "ServiceAccount": 1, "Role": 1, "RoleBinding": 1, "ClusterRole": 1,
-        "ClusterRoleBinding": 1, "Deployment": 2, "Service": 3, "PodDisruptionBudget": 1,
+        "ClusterRoleBinding": 1, "Deployment": 2, "Service": 4, "PodDisruptionBudget": 1,
     }
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     assert router["spec"]["replicas"] == 2
@@ -84,12 +84,15 @@ def test_admin_api_never_on_the_public_service():
     assert ports == {"http": 8080, "admin": 9090}
     assert "--admin-port=9090" in container["args"] and container["args"][0] == "router-pod"
     for svc in kinds["Service"]:
+        if svc["metadata"]["name"] == "fleet-router-peers":   # headless: DNS records only, no proxy
+            assert svc["spec"]["clusterIP"] == "None"
+            continue
         assert all(p["targetPort"] != "admin" and p["port"] != 9090 for p in svc["spec"]["ports"]), svc
     policy = next(p for p in kinds["NetworkPolicy"] if p["metadata"]["name"] == "fleet-router")
     admin_rule = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 9090)
     assert admin_rule["from"] == [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
-        "app.kubernetes.io/component": "operator"}}}]
+        "app.kubernetes.io/component": component}}} for component in ("operator", "router")]   # peers
     # the admin token comes from the Secret: the router's through secretKeyRef, the operator's
     # through the API (test_the_operator_owns_the_admin_token_secret)
     env = {e["name"]: e for e in container["env"]}
@@ -156,6 +159,7 @@ def test_global_registry_extra_objects_and_engine_pod_settings():
     (["--set", "router.port=0"], "port"),
     (["--set", "router.adminToken.existingSecret=Not_A_Name"], "existingSecret"),
     (["--set", "router.adminToken.existingSecretKey=a/b"], "existingSecretKey"),
+    (["--set", "router.peers.enabled=sometimes"], "enabled"),
 ])
 
 
@@ -164,6 +168,38 @@ def test_values_schema_refuses_bad_values(bad, field):
     proc = subprocess.run([binary, "template", "fleet", str(CHART), *bad], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert field in proc.stderr, proc.stderr
+
+
+def _router_peers(*extra: str) -> tuple[list[str], dict[str, dict], dict | None]:
+    """(router args, router env by name, the headless peers Service or None) of a render."""
+    kinds = _by_kind(render(extra=extra))
+    router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    services = {s["metadata"]["name"]: s for s in kinds["Service"]}
+    return container["args"], {e["name"]: e for e in container["env"]}, services.get("fleet-router-peers")
+
+
+def test_routers_find_each_other_through_a_headless_service():
+    """With more than one router replica (the default 2) each router pod resolves a headless
+    Service of the Ready router pods and posts its load to their admin port (router.peer_discovery)."""
+    args, env, service = _router_peers()
+    assert args[:4] == ["router-pod", "--host=0.0.0.0", "--port=8080", "--admin-port=9090"]
+    assert args[4:7] == ["--peers-dns=fleet-router-peers.fleet.svc:9090", "--pod-ip=$(FLEET_POD_IP)",
+                         "--router-id=$(FLEET_POD_NAME)"]  # fmt: skip
+    assert env["FLEET_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["FLEET_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert service is not None
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is False
+    assert service["spec"]["selector"] == {"app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
+                                           "app.kubernetes.io/component": "router"}  # fmt: skip
+    assert service["spec"]["ports"] == [{"name": "admin", "port": 9090, "targetPort": "admin", "protocol": "TCP"}]
+    # one router: nobody to share with (auto), unless asked
+    args, env, service = _router_peers("--set", "router.replicas=1")
+    assert not any(a.startswith("--peers-dns") for a in args) and "FLEET_POD_IP" not in env and service is None
+    args, _, service = _router_peers("--set", "router.replicas=1", "--set", "router.peers.enabled=true")
+    assert "--pod-ip=$(FLEET_POD_IP)" in args and service is not None
+    args, _, service = _router_peers("--set", "router.peers.enabled=false")
+    assert not any(a.startswith("--peers-dns") for a in args) and service is None
 
 
 def test_values_schema_passes_through_kubernetes_fields():

@@ -57,3 +57,13 @@ imagePullSecrets:
 {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
+
+{{- /* "true" when the router pods share their load (router.peers.enabled; auto: replicas > 1), else "". */ -}}
+{{- define "fleet.routerPeers" -}}
+{{- $enabled := .Values.router.peers.enabled -}}
+{{- if kindIs "bool" $enabled -}}
+{{- if $enabled }}true{{ end -}}
+{{- else if gt (int .Values.router.replicas) 1 -}}
+true
+{{- end -}}
+{{- end -}}
