@@ -62,3 +62,38 @@ async def test_router_pod_serves_admin_on_its_own_port_only():
 async def test_equal_ports_are_refused():
     with pytest.raises(ValueError, match="admin-port"):
         await serve_router_pod("127.0.0.1", 8080, 8080, "t")
+
+
+def test_router_pod_refuses_a_bad_peers_dns_target(monkeypatch):
+    from typer.testing import CliRunner
+
+    from fleet.cli import app
+
+    monkeypatch.setenv("FLEET_ROUTER_ADMIN_TOKEN", "tok")
+    result = CliRunner().invoke(app, ["router-pod", "--peers-dns", "fleet-router-peers"])   # no port
+    assert result.exit_code == 2 and "NAME:PORT" in result.output
+
+
+async def test_router_pod_finds_its_peers_by_name():
+    """The chart's arguments reach the router app: its peers are what the name resolves to, its
+    own pod IP left out (`localhost` is 127.0.0.1 here; the pod says it is 127.0.0.2, so it finds
+    its own admin port and posts to itself, which its id makes it ignore)."""
+    port, admin_port = _free_port(), _free_port()
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_router_pod("127.0.0.1", port, admin_port, "tok", stop=stop,
+                                                peers_dns=("localhost", admin_port), pod_ip="127.0.0.2",
+                                                router_id="fleet-router-abc"))  # fmt: skip
+    async with httpx.AsyncClient(timeout=5) as c:
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:
+            try:
+                r = await c.get(f"http://127.0.0.1:{admin_port}/admin/v1/peers", headers={"Authorization": "Bearer tok"})
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert asyncio.get_running_loop().time() < deadline, "router pod did not start"
+            await asyncio.sleep(0.05)
+        assert r.json()["router"] == "fleet-router-abc" and r.json()["targets"] == [f"http://127.0.0.1:{admin_port}"]
+    stop.set()
+    await asyncio.wait_for(task, 20)
