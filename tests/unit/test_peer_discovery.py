@@ -6,6 +6,7 @@ sender taking the new set, and a router resolving ``localhost`` to its peer on l
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import aiohttp
 import pytest
@@ -122,10 +123,17 @@ async def test_the_sender_takes_a_new_peer_set_and_reports_to_a_new_peer_at_once
     assert len(posted) == 3
 
 
-async def test_resolve_addresses_uses_the_system_resolver() -> None:
-    assert "127.0.0.1" in await resolve_addresses("localhost", 80)
-    with pytest.raises((NoRecords, OSError)):      # NXDOMAIN, or no DNS server in a sandbox
-        await resolve_addresses("no-such-router.invalid", 80)
+async def test_resolve_addresses_uses_the_loops_getaddrinfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "127.0.0.1" in await resolve_addresses("localhost", 80)   # /etc/hosts: no DNS query
+    loop = asyncio.get_running_loop()
+
+    async def failing(*args: object, **kwargs: object) -> list[object]:
+        raise socket.gaierror(error, "from the fake")
+
+    for error, raised in ((socket.EAI_NONAME, NoRecords), (socket.EAI_AGAIN, socket.gaierror)):
+        monkeypatch.setattr(loop, "getaddrinfo", failing)
+        with pytest.raises(raised):
+            await resolve_addresses("fleet-router-peers.fleet.svc", 9090)
 
 
 async def test_a_router_finds_its_peer_by_name_and_leaves_itself_out() -> None:
