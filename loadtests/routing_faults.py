@@ -55,7 +55,7 @@ ADMIN_TOKEN = "routing-faults-admin-token"
 MODEL = "bench"
 FAULTS = ("stall", "router-kill", "event-cut")
 KV_SERIES = re.compile(r"^fleet_router_kv_")
-STALL_SERIES = re.compile(r"^fleet_router_(first_token|outlier|eject|stall|retr|endpoint_errors)")
+STALL_SERIES = re.compile(r"^fleet_router_(first_token_timeouts|retries|endpoint_errors|endpoint_eject|outlier|stall)")
 
 
 # ----- prompts ----------------------------------------------------------------------------------
@@ -117,8 +117,8 @@ def start_router(doc: dict) -> tuple[subprocess.Popen, str, list[str]]:
 
 
 def scrape(base: str, pattern: re.Pattern) -> dict[str, float]:
-    """The router's ``/metrics`` samples whose name matches ``pattern``: {'name{labels}': value}.
-    Empty if the router does not answer."""
+    """The router's ``/metrics`` samples whose name matches ``pattern`` ({'name{labels}': value}),
+    less the ``_created`` timestamps of counters. Empty if the router does not answer."""
     try:
         with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
             text = resp.read().decode()
@@ -126,7 +126,7 @@ def scrape(base: str, pattern: re.Pattern) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line and not line.startswith("#") and pattern.match(line):
+        if line and not line.startswith("#") and pattern.match(line) and "_created" not in line.split("{")[0]:
             key, _, value = line.rpartition(" ")
             try:
                 out[key] = float(value)

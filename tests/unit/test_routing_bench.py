@@ -6,7 +6,9 @@ that cuts a KV event stream and its report (loadtests.routing_faults)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,8 @@ from loadtests.faultload import FaultLoad
 from loadtests.replay import Outcome
 from loadtests.routing_faults import Prompts, TcpRelay, event_cut_report, table
 from tests.support.router import FakeEngine, dead_endpoint
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_target_names_its_router_count_or_takes_the_default() -> None:
@@ -124,3 +128,12 @@ def test_the_report_rows() -> None:
                          for p, v in (("cut", 0.0), ("resume", 0.0), ("end", 1.0))},
            "largest_index_series": {}}
     assert "| `fleet_router_kv_resyncs_total` | 0 / 0 | 0 / 0 | 1 / 1 | — |" in event_cut_report(cut)
+
+
+def test_the_routing_fault_table_in_the_docs_is_the_recorded_run() -> None:
+    """docs/benchmarks.md shows the rows of loadtests/results/routing-faults-*.json: a rerun that
+    moves a figure rewrites both."""
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    for path in sorted((REPO / "loadtests" / "results").glob("routing-faults-*.json")):
+        results = json.loads(path.read_text())["results"]
+        assert table(results) in text, f"docs/benchmarks.md lacks the table of {path.name}"
