@@ -21,7 +21,8 @@ router), the replicas `loadtests.procs.SimFleet`. Nothing here is on a request p
   relays (events and replay) are closed for ``--cut-s`` and reopened. The routers'
   ``fleet_router_kv_*`` series are read every ``--sample-s`` before, during and after; the
   report gives each series' value at the cut, at the resume and at the end (gaps, resyncs,
-  live streams, index size), and the largest index size seen. Skipped, saying why, when the
+  live streams, index size), and the largest index size seen against each engine's KV cache
+  (``--num-gpu-blocks``, small so that it fills and evicts in the run). Skipped, saying why, when the
   engine simulator has no ``--kv-events-config`` or the router refuses ``kv_events``.
 
 Usage (heavy: under the shared lock):
@@ -309,7 +310,7 @@ def run_event_cut(args) -> dict:
 
     def kv_args(k: int) -> list[str]:
         pub, replay = ports[k]
-        return ["--kv-events-config", json.dumps({
+        return ["--num-gpu-blocks-override", str(args.num_gpu_blocks), "--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
             "replay_endpoint": f"tcp://*:{replay}", "buffer_steps": args.kv_buffer_steps, "topic": ""})]
 
@@ -353,7 +354,8 @@ def run_event_cut(args) -> dict:
                 if "block" in key or "size" in key or "entries" in key:
                     largest[key] = max(largest.get(key, 0.0), value)
     return {**outcomes(load.done), "refused_pool_fields": refused, "cut_s": args.cut_s,
-            "kv_buffer_steps": args.kv_buffer_steps, "series_at": at, "largest_index_series": largest,
+            "kv_buffer_steps": args.kv_buffer_steps, "engine_gpu_blocks": args.num_gpu_blocks,
+            "series_at": at, "largest_index_series": largest,
             "samples": samples}
 
 
@@ -390,11 +392,13 @@ def event_cut_report(r: dict) -> str:
     if "skipped" in r:
         return f"event-cut: skipped: {r['skipped']}"
     keys = sorted({k for phase in r["series_at"].values() for series in phase for k in series})
-    lines = [f"event-cut ({r['cut_s']:g} s, engine buffer {r['kv_buffer_steps']} steps): "
+    lines = [f"event-cut ({r['cut_s']:g} s, engine replay buffer {r['kv_buffer_steps']} batches, "
+             f"engine KV cache {r.get('engine_gpu_blocks', '?')} blocks): "
              f"{r['requests']} requests, {r['failed_before_streaming']} failed before streaming, {r['cut']} cut",
              "| series (router 0 / router 1) | at the cut | at the resume | at the end | largest |", "|---|---|---|---|---|"]
     for k in keys:
-        cells = [" / ".join(f"{series.get(k, float('nan')):g}" for series in r["series_at"][p]) for p in ("cut", "resume", "end")]
+        cells = [" / ".join(f"{series[k]:g}" if k in series else "—" for series in r["series_at"][p])
+                 for p in ("cut", "resume", "end")]
         lines.append(f"| `{k}` | {' | '.join(cells)} | {r['largest_index_series'].get(k, '—')} |")
     if not keys:
         lines.append("| (the routers export no fleet_router_kv_* series) | | | | |")
@@ -413,8 +417,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="the pool's first-token deadline asked of the router (default 5)")
     p.add_argument("--stall-s", type=float, default=60.0, help="how long the engine stays stopped (default 60)")
     p.add_argument("--cut-s", type=float, default=30.0, help="how long the event stream stays cut (default 30)")
-    p.add_argument("--kv-buffer-steps", type=int, default=50,
-                   help="the engines' replay buffer (vLLM's buffer_steps): small, so that a cut outlasts it (default 50)")
+    p.add_argument("--kv-buffer-steps", type=int, default=5,
+                   help="the engines' replay buffer in batches (vLLM's buffer_steps): small, so that a cut outlasts "
+                        "it and the routers must resync (default 5)")
+    p.add_argument("--num-gpu-blocks", type=int, default=2000,
+                   help="event-cut: each engine's KV cache in blocks (--num-gpu-blocks-override), small so that it "
+                        "fills and evicts within the run and the index's bound shows (default 2000)")
     p.add_argument("--warmup-s", type=float, default=20.0, help="load before the fault (default 20)")
     p.add_argument("--tail-s", type=float, default=20.0, help="load after the fault (or its end) (default 20)")
     p.add_argument("--sample-s", type=float, default=2.0, help="metrics sampling period in event-cut (default 2)")
@@ -431,8 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         results[fault] = RUNS[fault](args)
         shown = {k: v for k, v in results[fault].items() if k not in ("samples", "series_at")}
         print(f"  {json.dumps(shown)}", flush=True)
-    print()
-    print(table(results))
+    if {"stall", "router-kill"} & set(results):
+        print()
+        print(table(results))
     if "event-cut" in results:
         print()
         print(event_cut_report(results["event-cut"]))
