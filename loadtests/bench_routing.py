@@ -20,7 +20,10 @@ Deployment's router pods. Each router keeps its own policy state (prefix index, 
 counts, `cache_aware`'s tree): nothing is shared but the replicas. A target may override the
 count with a suffix, `fleet:kv-aware@2`, so one and two routers run in one invocation under
 the same machine conditions. Router CPU per request is summed over a target's router
-processes.
+processes. `--peers` gives Fleet's routers of a target each other's URLs (`python -m router
+--peers`: they exchange their load); `--kv-events` has every replica publish its KV cache events
+(`--kv-events-config`) and every Fleet router subscribe to them (the endpoints' `kv_events`), as
+`fleet up` and the Helm chart set them up. Neither changes `vllm-router` targets.
 
 **Load.** One replica's capacity on this trace's request mix is measured with the simulator's
 pure model in virtual time (every request of the window queued at once; completed requests per
@@ -52,6 +55,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -126,23 +130,31 @@ def parse_target(target: str, default_routers: int) -> tuple[str, str, int]:
     return kind, policy, routers
 
 
-def target_label(target: str, default_routers: int) -> str:
-    """How a target is named in the printed rows: ``fleet:kv-aware, 2 routers``."""
+def target_label(target: str, default_routers: int, summary: dict | None = None) -> str:
+    """How a target is named in the printed rows: ``fleet:kv-aware, 2 routers, KV events, peers``
+    (what ``summary`` says was on)."""
     kind, policy, routers = parse_target(target, default_routers)
-    return f"{kind}:{policy}, {routers} router{'s' if routers > 1 else ''}"
+    label = f"{kind}:{policy}, {routers} router{'s' if routers > 1 else ''}"
+    return label + "".join(f", {name}" for key, name in (("kv_events", "KV events"), ("peers", "peers"))
+                           if (summary or {}).get(key))
 
 
-def start_router(kind: str, policy: str, urls: list[str]) -> tuple[subprocess.Popen, str]:
+def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = None, peers: list[str] = (),
+                 kv_events: list[dict] | None = None) -> tuple[subprocess.Popen, str]:
     """One router process of ``kind`` with ``policy`` in front of ``urls``, ready to serve:
-    (process, base URL). Raises RuntimeError if it exits before answering /health."""
-    port = free_port()
+    (process, base URL). A Fleet router is given ``--peers`` (the other routers' base URLs) and
+    each endpoint's ``kv_events`` when given. Raises RuntimeError if it exits before answering
+    /health."""
+    port = port or free_port()
     base = f"http://127.0.0.1:{port}"
     if kind == "fleet":
-        proc = subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port)]
+        if peers:
+            cmd += ["--peers", ",".join(peers), "--router-id", f"router-{port}"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": ADMIN_TOKEN})
         wait_http(f"{base}/health", proc)
-        put_pool(base, policy, urls)
+        put_pool(base, policy, urls, kv_events=kv_events)
     else:
         proc = subprocess.Popen([str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1",
                                  "--port", str(port), "--policy", policy, "--log-level", "warning",
@@ -153,13 +165,59 @@ def start_router(kind: str, policy: str, urls: list[str]) -> tuple[subprocess.Po
     return proc, base
 
 
-def put_pool(base: str, policy: str, urls: list[str], extra: dict | None = None) -> None:
-    """Publish the pool of model `MODEL` (endpoints ``sim-<i>`` at ``urls``) to the Fleet router at
-    ``base`` through its admin API, as the controller does; ``extra`` adds pool fields."""
-    doc = {"policy": policy, "endpoints": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(urls)], **(extra or {})}
+def put_pool(base: str, policy: str, urls: list[str], extra: dict | None = None,
+             kv_events: list[dict] | None = None) -> None:
+    """Publish the pool of model `MODEL` (endpoints ``sim-<i>`` at ``urls``, with ``kv_events[i]``
+    when given) to the Fleet router at ``base`` through its admin API, as the controller does;
+    ``extra`` adds pool fields."""
+    endpoints = [{"id": f"sim-{i}", "url": u} for i, u in enumerate(urls)]
+    if kv_events is not None:
+        endpoints = [{**e, "kv_events": kv} for e, kv in zip(endpoints, kv_events, strict=True)]
+    doc = {"policy": policy, "endpoints": endpoints, **(extra or {})}
     req = urllib.request.Request(f"{base}/admin/v1/pools/{MODEL}", data=json.dumps(doc).encode(), method="PUT",
                                  headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"})
     urllib.request.urlopen(req, timeout=10).close()
+
+
+def free_port_range(n: int, attempts: int = 50) -> int:
+    """A port p with p .. p+n-1 all free on 127.0.0.1 now (the simulator offsets replica i's
+    KV-event ports by i, as vLLM offsets them by data-parallel rank)."""
+    for _ in range(attempts):
+        base = free_port()
+        socks = []
+        try:
+            for k in range(n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+class KvEventPorts:
+    """The KV-event ports of a `SimFleet`'s replicas: process k publishes on ``pub[k] + i`` and
+    answers replays on ``replay[k] + i`` for its replica i (``--kv-events-config``, vLLM's keys)."""
+
+    def __init__(self, replicas: int, processes: int) -> None:
+        processes = min(processes, replicas)
+        self.per = [replicas // processes + (i < replicas % processes) for i in range(processes)]
+        self.pub = [free_port_range(n) for n in self.per]
+        self.replay = [free_port_range(n) for n in self.per]
+
+    def args_for(self, k: int) -> list[str]:
+        return ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.pub[k]}",
+            "replay_endpoint": f"tcp://*:{self.replay[k]}", "topic": ""})]
+
+    def sources(self) -> list[dict]:
+        """Each replica's `EndpointSpec.kv_events`, in `SimFleet.urls` order."""
+        return [{"publisher": f"tcp://127.0.0.1:{self.pub[k] + i}", "replay": f"tcp://127.0.0.1:{self.replay[k] + i}",
+                 "topic": ""} for k, n in enumerate(self.per) for i in range(n)]
 
 
 class AlternatingSender:
@@ -190,12 +248,16 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     extra = ["--slowdown", str(slowdown)] if slowdown != 1.0 else []
     if args.max_model_len is not None:
         extra += ["--max-model-len", str(args.max_model_len)]
+    kv_ports = KvEventPorts(args.replicas, args.sim_processes) if args.kv_events else None
     with SimFleet(args.replicas, profile=args.profile, model=MODEL, processes=args.sim_processes, seed=args.seed,
-                  extra_args=extra) as sims:
+                  extra_args=extra, extra_args_for=kv_ports.args_for if kv_ports else None) as sims:
         routers: list[tuple[subprocess.Popen, str]] = []
         try:
-            for _ in range(n_routers):
-                routers.append(start_router(kind, policy, sims.urls))
+            ports = [free_port() for _ in range(n_routers)]
+            for port in ports:
+                peers = [f"http://127.0.0.1:{q}" for q in ports if q != port] if args.peers else []
+                routers.append(start_router(kind, policy, sims.urls, port=port, peers=peers,
+                                            kv_events=kv_ports.sources() if kv_ports else None))
             cpu0 = sum(cpu_s(proc.pid) for proc, _ in routers)
 
             async def go():
@@ -216,6 +278,8 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                 proc.wait(timeout=30)
     summary = summarize_run(records, args.ttft_slo_s)
     summary["routers"] = n_routers
+    summary["kv_events"] = bool(args.kv_events) and kind == "fleet"
+    summary["peers"] = bool(args.peers) and kind == "fleet" and n_routers > 1
     summary["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
     summary["router_cpu_ms_per_request"] = 1e3 * router_cpu_s / max(1, len(records))
     summary["wall_s"] = wall_s
@@ -241,6 +305,11 @@ def main() -> None:
                         help="comma-separated fleet:<policy> / vllm-router:<policy>, each optionally @N routers")
     parser.add_argument("--routers", type=int, default=1,
                         help="router processes per target, requests alternating between them (default 1)")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="replicas publish their KV cache events (--kv-events-config) and Fleet's routers "
+                             "subscribe (each endpoint's kv_events)")
+    parser.add_argument("--peers", action="store_true",
+                        help="Fleet's routers of one target exchange their load (python -m router --peers)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -273,7 +342,7 @@ def main() -> None:
     for target in targets:
         s = run_target(target, trace, args, slowdown)
         rows.append((target, s))
-        print(f"  {target_label(target, args.routers)}: TTFT p50 {s['ttft_s']['p50']:.3f} s p99 {s['ttft_s']['p99']:.3f} s, "
+        print(f"  {target_label(target, args.routers, s)}: TTFT p50 {s['ttft_s']['p50']:.3f} s p99 {s['ttft_s']['p99']:.3f} s, "
               f"e2e p50 {s['e2e_s']['p50']:.2f} s p99 {s['e2e_s']['p99']:.2f} s, prefix-cache hits "
               f"{100 * s['prefix_cache_hit_rate']:.1f}%, failed {s['failed']}", flush=True)
 
@@ -281,7 +350,7 @@ def main() -> None:
     print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |{f' {slo} |' if slo else ''} prefix-cache hits "
           "| failed | router CPU / request (sum over routers) |")
     print("|---|---|---|---|---|---|---|---|" + ("---|" if slo else ""))
-    labelled = [(target_label(t, args.routers), s) for t, s in rows]
+    labelled = [(target_label(t, args.routers, s), s) for t, s in rows]
     for target, s in [("virtual-time reference: ideal round-robin, no router", {**reference, "router_cpu_ms_per_request": None}), *labelled]:
         cpu = "—" if s["router_cpu_ms_per_request"] is None else f"{s['router_cpu_ms_per_request']:.2f} ms"
         share = f" {100 * s['within_ttft_slo']:.1f}% |" if slo else ""
@@ -292,6 +361,7 @@ def main() -> None:
         args.json_out.write_text(json.dumps({
             "trace": args.trace, "window": [start_s, window_s], "replicas": args.replicas, "profile": args.profile,
             "load": args.load, "slowdown": slowdown, "speedup": speedup, "routers": args.routers,
+            "kv_events": args.kv_events, "peers": args.peers,
             "virtual_reference": reference,
             "results": dict(rows)}, indent=1))
 

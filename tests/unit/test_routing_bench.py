@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fleet.tracesim.traces import TraceRequest
-from loadtests.bench_routing import AlternatingSender, parse_target, target_label
+from loadtests.bench_routing import AlternatingSender, KvEventPorts, parse_target, target_label
 from loadtests.faultload import FaultLoad
 from loadtests.replay import Outcome
 from loadtests.routing_faults import Prompts, TcpRelay, event_cut_report, table
@@ -137,3 +137,15 @@ def test_the_routing_fault_table_in_the_docs_is_the_recorded_run() -> None:
     for path in sorted((REPO / "loadtests" / "results").glob("routing-faults-*.json")):
         results = json.loads(path.read_text())["results"]
         assert table(results) in text, f"docs/benchmarks.md lacks the table of {path.name}"
+
+
+def test_kv_event_ports_follow_the_simulators_offset_per_replica() -> None:
+    ports = KvEventPorts(replicas=5, processes=2)
+    assert ports.per == [3, 2]
+    args = json.loads(ports.args_for(1)[1])
+    assert args["endpoint"] == f"tcp://*:{ports.pub[1]}" and args["replay_endpoint"] == f"tcp://*:{ports.replay[1]}"
+    sources = ports.sources()
+    assert [s["publisher"] for s in sources][2:4] == [f"tcp://127.0.0.1:{ports.pub[0] + 2}",
+                                                      f"tcp://127.0.0.1:{ports.pub[1]}"]
+    assert target_label("fleet:kv-aware@2", 1, {"kv_events": True, "peers": True}) == \
+        "fleet:kv-aware, 2 routers, KV events, peers"
