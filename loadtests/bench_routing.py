@@ -68,6 +68,7 @@ from fleet.tracesim.workload import clip as clip_workload
 from fleet.tracesim.traces import Trace, load_trace
 from loadtests.procs import SimFleet, cpu_s, free_port, wait_http
 from loadtests.replay import HttpSender, Outcome, PromptBuilder, replay, summarize_run
+from loadtests.routing_faults import KV_SERIES, scrape
 from loadtests.stats import summarize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -271,6 +272,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             wall_s = time.monotonic() - started
             router_cpu_s = sum(cpu_s(proc.pid) for proc, _ in routers) - cpu0
             hits, queries = prefix_cache_tokens(sims.urls)
+            kv_seen = [scrape(base, KV_SERIES) for _, base in routers] if kv_ports and kind == "fleet" else []
         finally:
             for proc, _ in routers:
                 proc.terminate()
@@ -280,6 +282,11 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     summary["routers"] = n_routers
     summary["kv_events"] = bool(args.kv_events) and kind == "fleet"
     summary["peers"] = bool(args.peers) and kind == "fleet" and n_routers > 1
+    if kv_seen:   # did the events arrive? per router: events applied, streams live at the end
+        summary["kv_events_seen"] = [
+            {"events": sum(v for k, v in m.items() if k.startswith("fleet_router_kv_events_total")),
+             "streams_live": sum(v for k, v in m.items() if k.startswith("fleet_router_kv_stream_live"))}
+            for m in kv_seen]
     summary["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
     summary["router_cpu_ms_per_request"] = 1e3 * router_cpu_s / max(1, len(records))
     summary["wall_s"] = wall_s
@@ -344,7 +351,8 @@ def main() -> None:
         rows.append((target, s))
         print(f"  {target_label(target, args.routers, s)}: TTFT p50 {s['ttft_s']['p50']:.3f} s p99 {s['ttft_s']['p99']:.3f} s, "
               f"e2e p50 {s['e2e_s']['p50']:.2f} s p99 {s['e2e_s']['p99']:.2f} s, prefix-cache hits "
-              f"{100 * s['prefix_cache_hit_rate']:.1f}%, failed {s['failed']}", flush=True)
+              f"{100 * s['prefix_cache_hit_rate']:.1f}%, failed {s['failed']}"
+              + (f", KV events seen per router {s['kv_events_seen']}" if "kv_events_seen" in s else ""), flush=True)
 
     slo = f"within {args.ttft_slo_s:g} s TTFT" if args.ttft_slo_s is not None else None
     print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |{f' {slo} |' if slo else ''} prefix-cache hits "
