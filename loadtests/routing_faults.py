@@ -210,8 +210,16 @@ class TcpRelay:
     def cut(self) -> None:
         self._call(self._close())
 
+    async def _cancel_all(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def stop(self) -> None:
+        """Cut, end the relayed connections' tasks and stop the relay's loop."""
         self.cut()
+        self._call(self._cancel_all())
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
