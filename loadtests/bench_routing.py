@@ -13,6 +13,18 @@ is put in front of it, and a window of the trace is replayed through it open loo
 `fleet:<policy>` (Fleet's router, `python -m router`, one pool with that policy) and
 `vllm-router:<policy>` (the Rust router from PyPI with `--policy`).
 
+**Several routers.** `--routers N` starts N processes of each target's router in front of the
+same replicas, each given the same pool (Fleet) or worker list (`vllm-router`), and the replay
+sends request i to router i mod N, as a Kubernetes Service spreads connections over a
+Deployment's router pods. Each router keeps its own policy state (prefix index, in-flight
+counts, `cache_aware`'s tree): nothing is shared but the replicas. A target may override the
+count with a suffix, `fleet:kv-aware@2`, so one and two routers run in one invocation under
+the same machine conditions. Router CPU per request is summed over a target's router
+processes. `--peers` gives Fleet's routers of a target each other's URLs (`python -m router
+--peers`: they exchange their load); `--kv-events` has every replica publish its KV cache events
+(`--kv-events-config`) and every Fleet router subscribe to them (the endpoints' `kv_events`), as
+`fleet up` and the Helm chart set them up. Neither changes `vllm-router` targets.
+
 **Load.** One replica's capacity on this trace's request mix is measured with the simulator's
 pure model in virtual time (every request of the window queued at once; completed requests per
 second of makespan). The arrival-rate speedup is `load x replicas x capacity / trace rate`.
@@ -32,6 +44,7 @@ Usage:
     python -m loadtests.bench_routing --trace code [--replicas 8] [--load 0.8] \\
         [--targets fleet:round-robin,fleet:least-outstanding,fleet:latency-aware,vllm-router:round_robin,vllm-router:power_of_two,vllm-router:cache_aware]
     python -m loadtests.bench_routing --trace mooncake --load 0.9 --targets fleet:kv-aware,vllm-router:cache_aware
+    python -m loadtests.bench_routing --trace mooncake --targets fleet:kv-aware,fleet:kv-aware@2 --routers 1
 Prints a table; `--json-out` writes the figures.
 """
 
@@ -39,8 +52,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -52,7 +67,8 @@ from fleet.enginesim.profiles import Profile, get_profile
 from fleet.tracesim.workload import clip as clip_workload
 from fleet.tracesim.traces import Trace, load_trace
 from loadtests.procs import SimFleet, cpu_s, free_port, wait_http
-from loadtests.replay import HttpSender, PromptBuilder, replay, summarize_run
+from loadtests.replay import HttpSender, Outcome, PromptBuilder, replay, summarize_run
+from loadtests.routing_faults import KV_SERIES, scrape
 from loadtests.stats import summarize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,28 +119,116 @@ def virtual_round_robin(trace: Trace, args, slowdown: float, profile: Profile) -
     return out
 
 
-def start_router(target: str, urls: list[str]) -> tuple[subprocess.Popen, str]:
-    kind, policy = target.split(":", 1)
-    port = free_port()
+def parse_target(target: str, default_routers: int) -> tuple[str, str, int]:
+    """``kind:policy[@N]`` -> (kind, policy, router processes). Raises SystemExit on a bad name."""
+    name, _, count = target.partition("@")
+    kind, sep, policy = name.partition(":")
+    if not sep or kind not in ("fleet", "vllm-router"):
+        raise SystemExit(f"unknown target {target!r}: use fleet:<policy> or vllm-router:<policy>, optionally @N routers")
+    routers = int(count) if count else default_routers
+    if routers < 1:
+        raise SystemExit(f"target {target!r}: need at least one router")
+    return kind, policy, routers
+
+
+def target_label(target: str, default_routers: int, summary: dict | None = None) -> str:
+    """How a target is named in the printed rows: ``fleet:kv-aware, 2 routers, KV events, peers``
+    (what ``summary`` says was on)."""
+    kind, policy, routers = parse_target(target, default_routers)
+    label = f"{kind}:{policy}, {routers} router{'s' if routers > 1 else ''}"
+    return label + "".join(f", {name}" for key, name in (("kv_events", "KV events"), ("peers", "peers"))
+                           if (summary or {}).get(key))
+
+
+def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = None, peers: list[str] = (),
+                 kv_events: list[dict] | None = None) -> tuple[subprocess.Popen, str]:
+    """One router process of ``kind`` with ``policy`` in front of ``urls``, ready to serve:
+    (process, base URL). A Fleet router is given ``--peers`` (the other routers' base URLs) and
+    each endpoint's ``kv_events`` when given. Raises RuntimeError if it exits before answering
+    /health."""
+    port = port or free_port()
     base = f"http://127.0.0.1:{port}"
     if kind == "fleet":
-        proc = subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port)]
+        if peers:
+            cmd += ["--peers", ",".join(peers), "--router-id", f"router-{port}"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": ADMIN_TOKEN})
         wait_http(f"{base}/health", proc)
-        doc = {"policy": policy, "endpoints": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(urls)]}
-        req = urllib.request.Request(f"{base}/admin/v1/pools/{MODEL}", data=json.dumps(doc).encode(), method="PUT",
-                                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"})
-        urllib.request.urlopen(req, timeout=10).close()
-    elif kind == "vllm-router":
+        put_pool(base, policy, urls, kv_events=kv_events)
+    else:
         proc = subprocess.Popen([str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1",
                                  "--port", str(port), "--policy", policy, "--log-level", "warning",
+                                 "--prometheus-port", str(free_port()),   # its own: two instances may run
                                  "--worker-urls", *urls],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
         wait_http(f"{base}/health", proc)
-    else:
-        raise SystemExit(f"unknown target kind {kind!r}: use fleet:<policy> or vllm-router:<policy>")
     return proc, base
+
+
+def put_pool(base: str, policy: str, urls: list[str], extra: dict | None = None,
+             kv_events: list[dict] | None = None) -> None:
+    """Publish the pool of model `MODEL` (endpoints ``sim-<i>`` at ``urls``, with ``kv_events[i]``
+    when given) to the Fleet router at ``base`` through its admin API, as the controller does;
+    ``extra`` adds pool fields."""
+    endpoints = [{"id": f"sim-{i}", "url": u} for i, u in enumerate(urls)]
+    if kv_events is not None:
+        endpoints = [{**e, "kv_events": kv} for e, kv in zip(endpoints, kv_events, strict=True)]
+    doc = {"policy": policy, "endpoints": endpoints, **(extra or {})}
+    req = urllib.request.Request(f"{base}/admin/v1/pools/{MODEL}", data=json.dumps(doc).encode(), method="PUT",
+                                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=10).close()
+
+
+def free_port_range(n: int, attempts: int = 50) -> int:
+    """A port p with p .. p+n-1 all free on 127.0.0.1 now (the simulator offsets replica i's
+    KV-event ports by i, as vLLM offsets them by data-parallel rank)."""
+    for _ in range(attempts):
+        base = free_port()
+        socks = []
+        try:
+            for k in range(n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+class KvEventPorts:
+    """The KV-event ports of a `SimFleet`'s replicas: process k publishes on ``pub[k] + i`` and
+    answers replays on ``replay[k] + i`` for its replica i (``--kv-events-config``, vLLM's keys)."""
+
+    def __init__(self, replicas: int, processes: int) -> None:
+        processes = min(processes, replicas)
+        self.per = [replicas // processes + (i < replicas % processes) for i in range(processes)]
+        self.pub = [free_port_range(n) for n in self.per]
+        self.replay = [free_port_range(n) for n in self.per]
+
+    def args_for(self, k: int) -> list[str]:
+        return ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.pub[k]}",
+            "replay_endpoint": f"tcp://*:{self.replay[k]}", "topic": ""})]
+
+    def sources(self) -> list[dict]:
+        """Each replica's `EndpointSpec.kv_events`, in `SimFleet.urls` order."""
+        return [{"publisher": f"tcp://127.0.0.1:{self.pub[k] + i}", "replay": f"tcp://127.0.0.1:{self.replay[k] + i}",
+                 "topic": ""} for k, n in enumerate(self.per) for i in range(n)]
+
+
+class AlternatingSender:
+    """Sends request i through ``senders[i % len(senders)]``: N routers behind a Service."""
+
+    def __init__(self, senders: list[HttpSender]) -> None:
+        self.senders = senders
+
+    async def __call__(self, index: int, r) -> Outcome:
+        return await self.senders[index % len(self.senders)](index, r)
 
 
 def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
@@ -141,28 +245,48 @@ def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
 
 
 def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
+    kind, policy, n_routers = parse_target(target, args.routers)
     extra = ["--slowdown", str(slowdown)] if slowdown != 1.0 else []
     if args.max_model_len is not None:
         extra += ["--max-model-len", str(args.max_model_len)]
+    kv_ports = KvEventPorts(args.replicas, args.sim_processes) if args.kv_events else None
     with SimFleet(args.replicas, profile=args.profile, model=MODEL, processes=args.sim_processes, seed=args.seed,
-                  extra_args=extra) as sims:
-        proc, base = start_router(target, sims.urls)
+                  extra_args=extra, extra_args_for=kv_ports.args_for if kv_ports else None) as sims:
+        routers: list[tuple[subprocess.Popen, str]] = []
         try:
-            cpu0 = cpu_s(proc.pid)
+            ports = [free_port() for _ in range(n_routers)]
+            for port in ports:
+                peers = [f"http://127.0.0.1:{q}" for q in ports if q != port] if args.peers else []
+                routers.append(start_router(kind, policy, sims.urls, port=port, peers=peers,
+                                            kv_events=kv_ports.sources() if kv_ports else None))
+            cpu0 = sum(cpu_s(proc.pid) for proc, _ in routers)
 
             async def go():
-                async with HttpSender(base, MODEL, PromptBuilder(args.seed, 32000)) as sender:
-                    return await replay(trace, sender)
+                async with contextlib.AsyncExitStack() as stack:
+                    senders = [await stack.enter_async_context(HttpSender(base, MODEL, PromptBuilder(args.seed, 32000)))
+                               for _, base in routers]
+                    return await replay(trace, AlternatingSender(senders))
 
             started = time.monotonic()
             records = asyncio.run(go())
             wall_s = time.monotonic() - started
-            router_cpu_s = cpu_s(proc.pid) - cpu0
+            router_cpu_s = sum(cpu_s(proc.pid) for proc, _ in routers) - cpu0
             hits, queries = prefix_cache_tokens(sims.urls)
+            kv_seen = [scrape(base, KV_SERIES) for _, base in routers] if kv_ports and kind == "fleet" else []
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            for proc, _ in routers:
+                proc.terminate()
+            for proc, _ in routers:
+                proc.wait(timeout=30)
     summary = summarize_run(records, args.ttft_slo_s)
+    summary["routers"] = n_routers
+    summary["kv_events"] = bool(args.kv_events) and kind == "fleet"
+    summary["peers"] = bool(args.peers) and kind == "fleet" and n_routers > 1
+    if kv_seen:   # did the events arrive? per router: events applied, streams live at the end
+        summary["kv_events_seen"] = [
+            {"events": sum(v for k, v in m.items() if k.startswith("fleet_router_kv_events_total")),
+             "streams_live": sum(v for k, v in m.items() if k.startswith("fleet_router_kv_stream_live"))}
+            for m in kv_seen]
     summary["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
     summary["router_cpu_ms_per_request"] = 1e3 * router_cpu_s / max(1, len(records))
     summary["wall_s"] = wall_s
@@ -184,7 +308,15 @@ def main() -> None:
                         help="most streamed tokens per second this machine should carry (default 1500)")
     parser.add_argument("--ttft-slo-s", type=float, help="also report the share within this TTFT")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--targets", default=DEFAULT_TARGETS, help="comma-separated fleet:<policy> / vllm-router:<policy>")
+    parser.add_argument("--targets", default=DEFAULT_TARGETS,
+                        help="comma-separated fleet:<policy> / vllm-router:<policy>, each optionally @N routers")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="router processes per target, requests alternating between them (default 1)")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="replicas publish their KV cache events (--kv-events-config) and Fleet's routers "
+                             "subscribe (each endpoint's kv_events)")
+    parser.add_argument("--peers", action="store_true",
+                        help="Fleet's routers of one target exchange their load (python -m router --peers)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -209,20 +341,25 @@ def main() -> None:
           f"{capacity:.3f} req/s; arrival speedup x{speedup:.2f} -> {trace.mean_rate_per_s():.2f} req/s offered to "
           f"{args.replicas} replicas ({args.load:.0%} load), {trace.duration_s:.0f} s per target", flush=True)
 
+    targets = [t for t in args.targets.split(",") if t]
+    for target in targets:
+        parse_target(target, args.routers)   # a bad name fails before any replay
     reference = virtual_round_robin(trace, args, slowdown, profile)
     rows = []
-    for target in [t for t in args.targets.split(",") if t]:
+    for target in targets:
         s = run_target(target, trace, args, slowdown)
         rows.append((target, s))
-        print(f"  {target}: TTFT p50 {s['ttft_s']['p50']:.3f} s p99 {s['ttft_s']['p99']:.3f} s, "
+        print(f"  {target_label(target, args.routers, s)}: TTFT p50 {s['ttft_s']['p50']:.3f} s p99 {s['ttft_s']['p99']:.3f} s, "
               f"e2e p50 {s['e2e_s']['p50']:.2f} s p99 {s['e2e_s']['p99']:.2f} s, prefix-cache hits "
-              f"{100 * s['prefix_cache_hit_rate']:.1f}%, failed {s['failed']}", flush=True)
+              f"{100 * s['prefix_cache_hit_rate']:.1f}%, failed {s['failed']}"
+              + (f", KV events seen per router {s['kv_events_seen']}" if "kv_events_seen" in s else ""), flush=True)
 
     slo = f"within {args.ttft_slo_s:g} s TTFT" if args.ttft_slo_s is not None else None
     print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |{f' {slo} |' if slo else ''} prefix-cache hits "
-          "| failed | router CPU / request |")
+          "| failed | router CPU / request (sum over routers) |")
     print("|---|---|---|---|---|---|---|---|" + ("---|" if slo else ""))
-    for target, s in [("virtual-time reference: ideal round-robin, no router", {**reference, "router_cpu_ms_per_request": None}), *rows]:
+    labelled = [(target_label(t, args.routers, s), s) for t, s in rows]
+    for target, s in [("virtual-time reference: ideal round-robin, no router", {**reference, "router_cpu_ms_per_request": None}), *labelled]:
         cpu = "—" if s["router_cpu_ms_per_request"] is None else f"{s['router_cpu_ms_per_request']:.2f} ms"
         share = f" {100 * s['within_ttft_slo']:.1f}% |" if slo else ""
         hits = "—" if s.get("prefix_cache_hit_rate") is None else f"{100 * s['prefix_cache_hit_rate']:.1f}%"
@@ -231,7 +368,9 @@ def main() -> None:
     if args.json_out:
         args.json_out.write_text(json.dumps({
             "trace": args.trace, "window": [start_s, window_s], "replicas": args.replicas, "profile": args.profile,
-            "load": args.load, "slowdown": slowdown, "speedup": speedup, "virtual_reference": reference,
+            "load": args.load, "slowdown": slowdown, "speedup": speedup, "routers": args.routers,
+            "kv_events": args.kv_events, "peers": args.peers,
+            "virtual_reference": reference,
             "results": dict(rows)}, indent=1))
 
 

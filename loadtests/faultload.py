@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -50,7 +51,9 @@ class Request:
     ``outcome``: "ok" (a 200 stream ending with ``data: [DONE]``), "failed" (failed before its
     stream started: ``detail`` is the HTTP status or the client error's name) or "cut" (the
     stream started, then broke: ``detail`` says how). ``attempts``: tries made (1 = no retry);
-    ``last_try_at_s``: when the last try was sent."""
+    ``last_try_at_s``: when the last try was sent; ``router``: the index in ``FaultLoad.urls``
+    of the router the last try went to (0 with one URL); ``first_byte_at_s``: when the first
+    chunk of a 200 stream's body arrived (its first token event), else None."""
 
     sent_at_s: float
     outcome: str = "pending"
@@ -58,14 +61,17 @@ class Request:
     attempts: int = 0
     last_try_at_s: float = 0.0
     ended_at_s: float = 0.0
+    router: int = 0
+    first_byte_at_s: float | None = None
 
 
 @dataclass
 class FaultLoad:
     """``with FaultLoad(url, model) as load: ...``: open-loop streamed completions at
-    ``rate_per_s`` until the block ends (then the requests in flight finish, up to 60 s).
+    ``rate_per_s`` until the block ends (then the requests in flight finish, up to ``timeout_s``).
 
-    ``requests`` holds every request sent, finished ones with their outcome."""
+    ``requests`` holds every request sent, finished ones with their outcome. ``urls``, when
+    given, replaces ``url`` with several routers taken in turn; ``timeout_s`` bounds one try."""
 
     url: str
     model: str
@@ -73,6 +79,9 @@ class FaultLoad:
     max_tokens: int = 8
     prompt: str = "hello " * 16
     requests: list[Request] = field(default_factory=list)
+    urls: tuple[str, ...] = ()
+    prompt_for: Callable[[int], str | list[int]] | None = None
+    timeout_s: float = 60.0
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> FaultLoad:
@@ -82,7 +91,7 @@ class FaultLoad:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=90)
+        self._thread.join(timeout=self.timeout_s + 30)
 
     # ----- what happened --------------------------------------------------------------------
 
@@ -132,14 +141,16 @@ class FaultLoad:
         body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True,
                 "ignore_eos": True}  # fmt: skip
         connector = aiohttp.TCPConnector(limit=0, force_close=True)   # a new connection each: a restarted router is met at once
-        timeout = aiohttp.ClientTimeout(total=60)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             tasks: set[asyncio.Task] = set()
             next_s = time.monotonic()
             while not self._stop.is_set():
                 req = Request(sent_at_s=time.monotonic())
+                index = len(self.requests)
                 self.requests.append(req)
-                task = asyncio.create_task(self._one(session, body, req))
+                one_body = body if self.prompt_for is None else {**body, "prompt": self.prompt_for(index)}
+                task = asyncio.create_task(self._one(session, one_body, req, index))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 next_s += 1.0 / self.rate_per_s
@@ -147,11 +158,13 @@ class FaultLoad:
             if tasks:
                 await asyncio.wait(tasks, timeout=60)
 
-    async def _one(self, session: aiohttp.ClientSession, body: dict, req: Request) -> None:
+    async def _one(self, session: aiohttp.ClientSession, body: dict, req: Request, index: int = 0) -> None:
+        urls = self.urls or (self.url,)
         while True:
+            req.router = (index + req.attempts) % len(urls)
             req.attempts += 1
             req.last_try_at_s = time.monotonic()
-            retry_in_s = await self._try(session, body, req)
+            retry_in_s = await self._try(session, body, req, urls[req.router])
             if retry_in_s is None:
                 break
             if time.monotonic() + retry_in_s - req.sent_at_s > RETRY_BUDGET_S:
@@ -160,19 +173,23 @@ class FaultLoad:
             await asyncio.sleep(retry_in_s)
         req.ended_at_s = time.monotonic()
 
-    async def _try(self, session: aiohttp.ClientSession, body: dict, req: Request) -> float | None:
-        """One try; sets ``req.outcome``/``detail``. Returns the seconds to wait before a retry,
-        or None when the outcome is final."""
+    async def _try(self, session: aiohttp.ClientSession, body: dict, req: Request, url: str) -> float | None:
+        """One try against the router at ``url``; sets ``req.outcome``/``detail``. Returns the
+        seconds to wait before a retry, or None when the outcome is final."""
         try:
-            async with session.post(f"{self.url}/v1/completions", json=body) as r:
+            async with session.post(f"{url}/v1/completions", json=body) as r:
                 if r.status != 200:
                     await r.read()
                     req.outcome, req.detail = "failed", str(r.status)
                     if r.status in RETRIED_STATUSES:
                         return _retry_after_s(r.headers.get("Retry-After"))
                     return None
+                data = b""
                 try:
-                    data = await r.read()
+                    async for chunk in r.content.iter_any():
+                        if req.first_byte_at_s is None and chunk:
+                            req.first_byte_at_s = time.monotonic()
+                        data = (data + chunk)[-64:]   # the tail: is it data: [DONE]?
                 except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                     req.outcome, req.detail = "cut", type(err).__name__
                     return None

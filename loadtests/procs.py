@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -59,15 +60,19 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float =
 class SimFleet:
     """`replicas` SIMULATED vLLM replicas (`python -m fleet.enginesim`) spread over `processes` child
     processes, each replica on its own loopback port. Use as a context manager; `urls` lists the
-    replicas' base URLs, `pids` the processes (for CPU accounting)."""
+    replicas' base URLs, `pids` the processes (for CPU accounting and signals: with one replica
+    per process, `pids[i]` serves `urls[i]`). `extra_args_for(k)` adds arguments of process k
+    alone (e.g. its own KV-events ports)."""
 
     def __init__(self, replicas: int, *, profile: str, model: str, processes: int = 1, seed: int = 0,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None,
+                 extra_args_for: Callable[[int], list[str]] | None = None) -> None:
         if replicas < processes:
             processes = replicas
         self.replicas, self.processes, self.profile, self.model = replicas, processes, profile, model
         self.seed = seed
         self.extra_args = extra_args or []
+        self.extra_args_for = extra_args_for
         self.urls: list[str] = []
         self.pids: list[int] = []
         self._procs: list[subprocess.Popen] = []
@@ -80,7 +85,8 @@ class SimFleet:
             self._procs.append(subprocess.Popen(
                 [sys.executable, "-m", "fleet.enginesim", "--model", f"sim://{self.profile}", "--served-model-name",
                  self.model, "--port", "0", "--replicas", str(n), "--seed", str(self.seed + k),
-                 "--ports-file", str(ports_file), *self.extra_args],
+                 "--ports-file", str(ports_file), *self.extra_args,
+                 *(self.extra_args_for(k) if self.extra_args_for else [])],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         try:
             for k, proc in enumerate(self._procs):
