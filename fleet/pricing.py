@@ -81,10 +81,12 @@ def load_prices(path: Path) -> GpuPrices:
         raise PricesError(f"{path}: {field}: {first['msg']}") from None
 
 
-def replica_cost_usd(replica_hours: float, gpus_per_replica: int, usd_per_gpu_hour: float) -> float:
+def replica_cost_usd(replica_hours: float, gpus_per_replica: float, usd_per_gpu_hour: float) -> float:
     """USD for ``replica_hours`` of replicas of ``gpus_per_replica`` GPUs each (GPU-hours x price).
-    Standby replicas count: they hold their GPUs."""
-    if replica_hours < 0 or gpus_per_replica < 1 or usd_per_gpu_hour < 0:
+    ``gpus_per_replica``: the tensor parallel size, or below 1 for a MIG instance (its compute
+    share of the GPU, `fleet.inventory.mig.mig_gpu_fraction`: 3/7 for 3g.40gb). Standby replicas
+    count: they hold their GPUs. Raises ValueError for negative hours or price, or no GPUs."""
+    if replica_hours < 0 or gpus_per_replica <= 0 or usd_per_gpu_hour < 0:
         raise ValueError(f"replica_hours {replica_hours}, gpus_per_replica {gpus_per_replica}, "
-                         f"usd_per_gpu_hour {usd_per_gpu_hour}: expected >= 0, >= 1, >= 0")
+                         f"usd_per_gpu_hour {usd_per_gpu_hour}: expected >= 0, > 0, >= 0")
     return replica_hours * gpus_per_replica * usd_per_gpu_hour

@@ -59,6 +59,7 @@ def test_a_bad_prices_file_is_refused_naming_the_file_and_field(tmp_path: Path, 
 def test_cost_is_gpu_hours_times_the_price() -> None:
     assert replica_cost_usd(3.82, 2, 3.0) == pytest.approx(22.92)
     assert replica_cost_usd(0.0, 1, 3.0) == 0.0
+    assert replica_cost_usd(7.0, 3 / 7, 3.0) == pytest.approx(9.0)   # a 3g.40gb MIG instance: 3/7 of a GPU
     with pytest.raises(ValueError, match="gpus_per_replica 0"):
         replica_cost_usd(1.0, 0, 3.0)
 
