@@ -102,3 +102,18 @@ def test_a_mig_instance_counts_as_its_compute_share_of_the_gpu() -> None:
     registry.register(collector)  # type: ignore[arg-type]
     assert _scrape(registry)[("fleet_gpu_seconds_allocated_total", (("deployment", "small"), ("product", product),
                                                                     ("revision", "v1"), ("state", "serving")))] == pytest.approx(300.0)
+
+
+async def test_the_operator_exports_the_prices_the_chart_gives_it() -> None:
+    from fleet.k8s.operator import Operator, OperatorSettings
+    from tests.unit.test_k8s_operator import NS, Env
+
+    env = Env()
+    try:
+        op = Operator(env.kube, OperatorSettings(engine_image="fleet:1", prices=((H100, 4.916),)), namespace=NS,
+                      identity="op-a", engine_api=env.engines, pool_sink=env.pools)  # fmt: skip
+        registry = CollectorRegistry()
+        registry.register(op.controller_metrics)  # type: ignore[arg-type]
+        assert _scrape(registry)[("fleet_gpu_price_usd_per_hour", (("product", H100),))] == 4.916
+    finally:
+        await env.close()

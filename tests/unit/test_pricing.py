@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from fleet.cli.simulate import _simulation_table
-from fleet.pricing import PricesError, load_prices, replica_cost_usd
+from fleet.pricing import PricesError, load_prices, prices_from_json, replica_cost_usd
 from tests.unit.test_simulate_cli import runner, write_files
 
 from fleet.cli import app
@@ -54,6 +54,16 @@ def test_a_bad_prices_file_is_refused_naming_the_file_and_field(tmp_path: Path, 
     assert message in str(err.value)
     with pytest.raises(PricesError, match="cannot read"):
         load_prices(tmp_path / "missing.yaml")
+
+
+def test_prices_from_the_charts_json_are_the_files_keys() -> None:
+    prices = prices_from_json('{"source": "list prices (test data)", "gpuHourUsd": {"NVIDIA L40S": 1.25}}')
+    assert (prices.source, prices.gpu_hour_usd) == ("list prices (test data)", {"NVIDIA L40S": 1.25})
+    for text, message in [("{", "FLEET_PRICES_JSON: not JSON"), ("[]", "expected an object"),
+                          ('{"gpuHourUsd": {"a": 1}}', "source: Field required"),
+                          ('{"source": "s", "gpuHourUsd": {"a": -1}}', "is negative")]:  # fmt: skip
+        with pytest.raises(PricesError, match=message):
+            prices_from_json(text)
 
 
 def test_cost_is_gpu_hours_times_the_price() -> None:
