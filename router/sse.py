@@ -8,7 +8,8 @@ in `router.proxy`) that OpenAI clients raise as an error, instead of a truncated
 
 While relaying it notes, on the router clock, when the first and the last event carrying
 generated text arrived and how many such events there were, and reads `usage.completion_tokens`
-when the stream carries a usage chunk (`stream_options.include_usage`). `router.proxy` turns that
+(and `prompt_tokens`, for the token counters of `router.tokens`) when the stream carries a usage
+chunk (`stream_options.include_usage`). `router.proxy` turns that
 into the time to first token and the time per output token:
 
     TPOT = (last token event's arrival - first token event's arrival) / (output tokens - 1)
