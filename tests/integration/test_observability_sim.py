@@ -422,7 +422,9 @@ def test_the_cost_row_has_sensible_figures(stack: Stack) -> None:
     answered = total(f'fleet_router_requests_total{{model="{MODEL}", code="200"}}')
     assert MAX_TOKENS * 0.9 <= router / answered <= MAX_TOKENS * 1.001, (router, answered)
     engines = total(f'vllm:generation_tokens_total{{deployment="{DEPLOYMENT}"}}')
-    assert 0.8 <= router / engines <= 1.001, (router, engines)   # warm-up requests and those in flight: engine only
+    # The engines count warm-up requests and tokens not yet delivered; the router and the engines
+    # are scraped at different instants (a second of tokens apart).
+    assert 0.8 <= router / engines <= 1.1, (router, engines)
     assert total(f'fleet_router_prompt_tokens_total{{model="{MODEL}"}}') > 0
     assert total(f'fleet_router_responses_without_usage_total{{model="{MODEL}"}}') > 0
     # Cost per 1M output tokens: cost per hour over the engines' own output tokens per hour, within 25 %.
