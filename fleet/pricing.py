@@ -1,8 +1,10 @@
 """Prices per GPU product (USD per GPU-hour) from a small YAML file, and what a fleet costs.
 
-Owns `GpuPrices` (the file's schema, pydantic), `load_prices(path)` and `replica_cost_usd`.
-Read by `fleet simulate --prices FILE` (fleet/cli/simulate.py), which prints cost beside SLO
-attainment. The file says where its prices came from (``source``), and the simulator prints it:
+Owns `GpuPrices` (the file's schema, pydantic), `load_prices(path)`, `prices_from_json` and
+`replica_cost_usd`. Read by `fleet simulate --prices FILE` (fleet/cli/simulate.py), which prints
+cost beside SLO attainment, by `fleet up --prices FILE` and by `fleet operator` from
+$FLEET_PRICES_JSON (the chart's ``prices`` value, same keys), which export the prices for the
+dashboard's cost row. The file says where its prices came from (``source``), and the simulator prints it:
 a cost figure without its price's origin is not a figure.
 
 File shape (docs/autoscaling.md#cost)::
@@ -19,6 +21,8 @@ a negative or non-numeric price, no prices at all).
 from __future__ import annotations
 
 from pathlib import Path
+
+import json
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -81,10 +85,29 @@ def load_prices(path: Path) -> GpuPrices:
         raise PricesError(f"{path}: {field}: {first['msg']}") from None
 
 
-def replica_cost_usd(replica_hours: float, gpus_per_replica: int, usd_per_gpu_hour: float) -> float:
+def prices_from_json(text: str, what: str = "FLEET_PRICES_JSON") -> GpuPrices:
+    """The prices in ``text``: JSON of the file's shape (the chart's ``prices`` value rendered
+    with toJson). Raises PricesError naming ``what`` and the field."""
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise PricesError(f"{what}: not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise PricesError(f"{what}: expected an object with source and gpuHourUsd, got {type(data).__name__}")
+    try:
+        return GpuPrices.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise PricesError(f"{what}: {field}: {first['msg']}") from None
+
+
+def replica_cost_usd(replica_hours: float, gpus_per_replica: float, usd_per_gpu_hour: float) -> float:
     """USD for ``replica_hours`` of replicas of ``gpus_per_replica`` GPUs each (GPU-hours x price).
-    Standby replicas count: they hold their GPUs."""
-    if replica_hours < 0 or gpus_per_replica < 1 or usd_per_gpu_hour < 0:
+    ``gpus_per_replica``: the tensor parallel size, or below 1 for a MIG instance (its compute
+    share of the GPU, `fleet.inventory.mig.mig_gpu_fraction`: 3/7 for 3g.40gb). Standby replicas
+    count: they hold their GPUs. Raises ValueError for negative hours or price, or no GPUs."""
+    if replica_hours < 0 or gpus_per_replica <= 0 or usd_per_gpu_hour < 0:
         raise ValueError(f"replica_hours {replica_hours}, gpus_per_replica {gpus_per_replica}, "
-                         f"usd_per_gpu_hour {usd_per_gpu_hour}: expected >= 0, >= 1, >= 0")
+                         f"usd_per_gpu_hour {usd_per_gpu_hour}: expected >= 0, > 0, >= 0")
     return replica_hours * gpus_per_replica * usd_per_gpu_hour

@@ -28,6 +28,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
+from router.tokens import TokenCount
+
 TTFT_BUCKETS_S: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -144,7 +146,7 @@ class EndpointMetrics:
     """
 
     __slots__ = ("labels", "bound", "forgotten", "first_byte", "ttft", "tpot", "e2e", "first_token_timeouts",
-                 "_requests", "_errors", "_ejections", "_metrics")  # fmt: skip
+                 "_requests", "_errors", "_ejections", "_metrics", "_tokens")  # fmt: skip
 
     def __init__(self, metrics: RouterMetrics, model: str, endpoint_id: str, version: str = "") -> None:
         self.labels = (model, endpoint_id, version)
@@ -159,6 +161,7 @@ class EndpointMetrics:
         self._ejections: dict[str, Counter] = {}   # by reason, made at the first ejection
         self._requests: dict[int, Counter | _Discard] | None = None  # made at bind: pools of 10,000
         self._errors: dict[str, Counter | _Discard] | None = None  # allocate nothing per endpoint
+        self._tokens: tuple[Counter | _Discard, ...] = (_DISCARD, _DISCARD, _DISCARD)  # prompt, generated, no usage
 
     def bind(self) -> None:
         """Create this endpoint's series (no-op once bound or after `forget`)."""
@@ -172,6 +175,9 @@ class EndpointMetrics:
         self.first_token_timeouts = m.first_token_timeouts.labels(*labels)
         self._errors = {r: m.endpoint_errors.labels(*labels, r) for r in ENDPOINT_ERROR_REASONS}
         self._requests = {}
+        model_version = (labels[0], labels[2])
+        self._tokens = (m.prompt_tokens.labels(*model_version), m.generation_tokens.labels(*model_version),
+                        m.responses_without_usage.labels(*model_version))  # fmt: skip
         self.bound = True
 
     def requests(self, code: int) -> Counter | _Discard:
@@ -198,6 +204,18 @@ class EndpointMetrics:
             child = self._ejections[reason] = self._metrics.endpoint_ejections.labels(*self.labels, reason)
         child.inc()
 
+    def count_tokens(self, tokens: TokenCount) -> None:
+        """Add one answered request's tokens (`router.tokens`) to its model and version's counters.
+        Those series are shared by the version's endpoints: `forget` leaves them (the pool's
+        deletion removes them, `RouterMetrics.forget_pool`)."""
+        prompt, generated, without_usage = self._tokens
+        if tokens.prompt is not None:
+            prompt.inc(tokens.prompt)
+        if tokens.generated:
+            generated.inc(tokens.generated)
+        if not tokens.from_usage:
+            without_usage.inc()
+
     def forget(self) -> None:
         """Remove every series this endpoint created; later records go nowhere."""
         if self.forgotten:
@@ -217,6 +235,7 @@ class EndpointMetrics:
         self._ejections = {}
         self.first_byte = self.ttft = self.tpot = self.e2e = self.first_token_timeouts = _DISCARD
         self._requests = self._errors = None
+        self._tokens = (_DISCARD, _DISCARD, _DISCARD)
 
 
 _ScrapeView = tuple[Mapping[str, Sequence[LiveEndpoint]], Mapping[str, Mapping[str, object]], float]
@@ -487,6 +506,31 @@ class RouterMetrics:
             ["model", "code"],
             registry=r,
         )
+        model_version = ["model", "version"]
+        self.prompt_tokens = Counter(
+            "fleet_router_prompt_tokens",
+            "Prompt tokens of answered (< 400) requests, from the engine's usage object (a stream "
+            "without a usage chunk counts none: see fleet_router_responses_without_usage_total). "
+            "As vllm:prompt_tokens_total, per model and version (router.tokens).",
+            model_version,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "fleet_router_generation_tokens",
+            "Generated (output) tokens of answered (< 400) requests: usage.completion_tokens when the "
+            "response has a usage object (always when not streamed; streamed with "
+            "stream_options.include_usage), else the stream's events carrying text (one per token "
+            "in vLLM's default; fewer when it batches). As vllm:generation_tokens_total (router.tokens).",
+            model_version,
+            registry=r,
+        )
+        self.responses_without_usage = Counter(
+            "fleet_router_responses_without_usage",
+            "Answered (< 400) responses without a usage object: their generated tokens were counted "
+            "from the stream's text events and their prompt tokens not at all (router.tokens).",
+            model_version,
+            registry=r,
+        )
         self.state_write_errors = Counter(
             "fleet_router_state_write_errors",
             "Failed writes of the router's models file (the models it serves, kept so a restarted "
@@ -557,7 +601,8 @@ class RouterMetrics:
 
     def forget_pool(self, model: str) -> None:
         """Remove the pool-level series of a deleted pool."""
-        for family in (self.retries, self.rejected, self.queue_time):
+        for family in (self.retries, self.rejected, self.queue_time, self.prompt_tokens, self.generation_tokens,
+                       self.responses_without_usage):  # fmt: skip
             family.remove_by_labels({"model": model})
 
     async def render_off_loop(self, accept_header: str = "") -> tuple[bytes, str]:

@@ -56,6 +56,7 @@ from router.split import sticky_key
 from router.tokenize import PoolTokenizers
 from router.errors import MAX_ERROR_BODY_BYTES, error_body, relayed_error
 from router.sse import SseRelay
+from router.tokens import body_tokens, stream_tokens
 
 log = logging.getLogger(__name__)
 
@@ -671,6 +672,8 @@ class Proxy:
                                                             first_chunk, first_chunk_s, timeout_s)  # fmt: skip
                     completed = first_byte_s is not None
                 end_s = clock()
+                if sse is not None and status < 400:
+                    m.count_tokens(stream_tokens(sse))   # tokens in and out for cost (router.tokens)
                 ok = completed and status < 500
                 self._count_outcome(pool, endpoint, m, Outcome.SUCCESS if ok else
                                     _outcome_of(status) if status >= 500 else Outcome.GATEWAY_FAILURE, end_s)
@@ -767,6 +770,8 @@ class Proxy:
             await self._failed_mid_response(endpoint, m, send, watch, "body", exc)
             return False
         headers.append((b"content-length", str(len(data)).encode()))
+        if status < 400:
+            m.count_tokens(body_tokens(data))   # tokens in and out for cost (router.tokens)
         watch.finishing = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})

@@ -8,7 +8,8 @@ in `router.proxy`) that OpenAI clients raise as an error, instead of a truncated
 
 While relaying it notes, on the router clock, when the first and the last event carrying
 generated text arrived and how many such events there were, and reads `usage.completion_tokens`
-when the stream carries a usage chunk (`stream_options.include_usage`). `router.proxy` turns that
+(and `prompt_tokens`, for the token counters of `router.tokens`) when the stream carries a usage
+chunk (`stream_options.include_usage`). `router.proxy` turns that
 into the time to first token and the time per output token:
 
     TPOT = (last token event's arrival - first token event's arrival) / (output tokens - 1)
@@ -46,6 +47,7 @@ _TOKEN_EVENT = re.compile(
     rb'"(?:text|content|reasoning_content|reasoning)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{'
 )
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _find_tokens = _TOKEN_EVENT.findall
 
 
@@ -55,10 +57,12 @@ class SseRelay:
     Attributes: `first_token_s` / `last_token_s` (router-clock seconds of the first and last
     read that brought a text-carrying event; None before one), `token_events` (events carrying
     text), `usage_tokens` (the last `usage.completion_tokens` seen; None without a usage chunk),
-    `aligned` (True while everything relayed so far ended on an event boundary).
+    `usage_prompt_tokens` (its `usage.prompt_tokens`, for `router.tokens`), `aligned` (True while
+    everything relayed so far ended on an event boundary).
     """
 
-    __slots__ = ("_pending", "first_token_s", "last_token_s", "token_events", "usage_tokens", "aligned")
+    __slots__ = ("_pending", "first_token_s", "last_token_s", "token_events", "usage_tokens", "usage_prompt_tokens",
+                 "aligned")  # fmt: skip
 
     def __init__(self) -> None:
         self._pending = b""
@@ -66,6 +70,7 @@ class SseRelay:
         self.last_token_s: float | None = None
         self.token_events = 0
         self.usage_tokens: int | None = None
+        self.usage_prompt_tokens: int | None = None
         self.aligned = True
 
     def feed(self, chunk: bytes, now_s: float) -> bytes:
@@ -110,6 +115,9 @@ class SseRelay:
             found = _COMPLETION_TOKENS.findall(events)
             if found:
                 self.usage_tokens = int(found[-1])
+                prompt = _PROMPT_TOKENS.findall(events)
+                if prompt:
+                    self.usage_prompt_tokens = int(prompt[-1])
 
     def rest(self) -> bytes:
         """What is still held back (at the end of a stream that finished cleanly: relay it)."""

@@ -63,6 +63,10 @@ def operator(
     retry_period_s: Annotated[Optional[float], typer.Option(
         help="Seconds between two acquire-or-renew rounds; below --renew-deadline-s (default: 2, or half "
         "the renew deadline when that is shorter).")] = None,
+    prices_json: Annotated[str, typer.Option(
+        envvar="FLEET_PRICES_JSON", help="GPU prices as JSON (the chart's prices: value; keys as a `fleet "
+        "simulate --prices` file: source, gpuHourUsd), exported as fleet_gpu_price_usd_per_hour{product} for "
+        "the dashboard's cost row. Empty: none.")] = "",
 ) -> None:
     """Run the Fleet operator: watch InferenceDeployment resources and run each one's replicas
     as pods, through the same controller `fleet up` uses.
@@ -88,6 +92,15 @@ def operator(
         typer.echo(f"lease timings: need 0 < --retry-period-s ({retry_period_s:g}) < --renew-deadline-s "
                    f"({deadline_s:g}) < --lease-duration-s ({lease_duration_s:g})", err=True)
         raise typer.Exit(2)
+    if prices_json.strip():
+        from fleet.pricing import PricesError, prices_from_json
+
+        try:
+            prices = prices_from_json(prices_json)
+        except PricesError as err:
+            typer.echo(f"--prices-json: {err}", err=True)
+            raise typer.Exit(2) from None
+        settings = replace(settings, prices=tuple(sorted(prices.gpu_hour_usd.items())))
     try:
         from fleet.k8s.pods import EnginePodSettings
 

@@ -126,7 +126,7 @@ def simulate(
         except PricesError as err:
             err_console.print(f"[red]--prices: {err}[/]", highlight=False)
             raise typer.Exit(2) from None
-        price = (product, usd, dep.spec.resources.tensor_parallel_size, gpu_prices.source)
+        price = (product, usd, _gpus_per_replica(dep.spec.resources), gpu_prices.source)
     for out in (json_out, plot_out):
         if out is not None and not out.resolve().parent.is_dir():
             err_console.print(f"[red]{out}: directory {out.resolve().parent} does not exist[/]", highlight=False)
@@ -165,7 +165,8 @@ def simulate(
     _print_simulation_header(comparison, base, replica_profile)
     if price is not None:
         product, usd, gpus, source = price
-        console.print(f"cost: {usd:g} USD per GPU-hour for {product} x {gpus} GPU(s) per replica "
+        share = f"{gpus:.3g} GPU (MIG {dep.spec.resources.mig_profile})" if gpus < 1 else f"{gpus:g} GPU(s)"
+        console.print(f"cost: {usd:g} USD per GPU-hour for {product} x {share} per replica "
                       f"(standby replicas count: they hold GPUs); prices from {source} ({prices})", highlight=False)
     comparison.results = _run_with_progress(configs, workload, jobs or min(len(configs), os.cpu_count() or 1))
     console.print(_simulation_table(comparison, price and price[1] * price[2]))
@@ -216,6 +217,16 @@ def _run_with_progress(configs, workload, jobs: int):
                        at=f"{now_s / 60:5.1f}/{horizon_min:.0f} min, {done}/{total} requests")  # fmt: skip
 
         return run_comparison(configs, workload, jobs=jobs, progress=progress)
+
+
+def _gpus_per_replica(resources) -> float:
+    """GPUs a replica is priced at: its tensor parallel size, or a MIG instance's compute share
+    of its GPU (`fleet.inventory.mig.mig_gpu_fraction`: 3g.40gb -> 3/7)."""
+    from fleet.inventory.mig import mig_gpu_fraction
+
+    if resources.mig_profile:
+        return mig_gpu_fraction(resources.mig_profile)
+    return float(resources.tensor_parallel_size)
 
 
 def _simulation_table(comparison, usd_per_replica_hour: float | None = None) -> Table:

@@ -122,6 +122,22 @@ def mig_model_for(product: str, memory_mib: int | None = None) -> MigModel | Non
     return None
 
 
+_G_COUNT = re.compile(r"(\d+)g\.")
+
+
+def mig_gpu_fraction(profile: str) -> float:
+    """The share of its GPU that one MIG instance of ``profile`` is, for GPU-hours and cost:
+    its compute slices over the GPU's 7 (``3g.40gb`` -> 3/7, ``7g.80gb`` -> 1, ``1g.10gb+me`` ->
+    1/7). Source: NVIDIA Multi-Instance GPU User Guide, "Supported MIG Profiles": an A100 or H100
+    (and H200) has 7 compute slices and a ``<N>g.<M>gb`` profile takes N of them. Compute, not
+    memory (8 slices), is what a price per GPU-hour buys; the A30 (4 compute slices) has no
+    table here and would need its own divisor. Raises ValueError for a name without ``<N>g.``."""
+    match = _G_COUNT.match(profile)
+    if match is None or not 1 <= int(match.group(1)) <= COMPUTE_SLICES:
+        raise ValueError(f"{profile!r} is not a MIG profile name such as 1g.10gb or 3g.40gb")
+    return int(match.group(1)) / COMPUTE_SLICES
+
+
 def check_geometry(model: MigModel, slots: Sequence[MigSlot]) -> str | None:
     """Why these GPU instances cannot coexist on one GPU of ``model``, or None when they can."""
     used = [False] * MEMORY_SLICES

@@ -116,6 +116,7 @@ class OperatorSettings:
     engine_pod_json: str = ""
     metrics_port: int = 8081
     fleet_id: str = ""
+    prices: tuple[tuple[str, float], ...] = ()   # (GPU product, USD per GPU-hour): fleet_gpu_price_usd_per_hour
 
 
 class Operator:
@@ -159,7 +160,7 @@ class Operator:
         self._decisions: list[tuple[str, object]] = []
         self.autoscaler: AutoscalerLoop | None = None
         self.autoscaler_metrics = AutoscalerMetrics()
-        self.controller_metrics = ControllerStateCollector()   # fleet_replicas etc., as `fleet up` exports them
+        self.controller_metrics = ControllerStateCollector(dict(settings.prices))   # fleet_replicas etc., as `fleet up`
         self._parsed: dict[str, tuple] = {}            # name -> (generation key, ClusterDeployment, spec JSON)
         self._finalizing: dict[str, str] = {}          # name -> uid our finalizer was added to
         self._dirty: set[str] = set()                  # deployments whose status to recompute this tick

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from grafana_foundation_sdk.builders import common as gcommon
 from grafana_foundation_sdk.builders import dashboard as gdash
 from grafana_foundation_sdk.builders import prometheus as gprom
+from grafana_foundation_sdk.builders import stat as gstat
 from grafana_foundation_sdk.builders import timeseries as gts
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as mcommon
@@ -60,6 +61,10 @@ NODE = 'node=~"$node"'
 GPUS_HELD = f"rate(fleet_gpu_seconds_allocated_total{{{DEPLOYMENT}}}[{RATE}])"
 """GPUs held, by deployment, revision, product and state: the controller's GPU-seconds counter's
 rate (fleet/observability/discovery.py `ControllerStateCollector`)."""
+ROUTER_TOKENS = (f"sum by (deployment) (sum by (model) (rate(fleet_router_generation_tokens_total{{{ROUTER_MODEL}}}"
+                 f"[{RATE}]))\n* on (model) group_right fleet_deployment_info{{{DEPLOYMENT}}})")
+"""Output tokens per second by deployment: the router's counter (per model, router/tokens.py) joined to
+the deployment serving that model through ``fleet_deployment_info{deployment, model} = 1``."""
 
 
 
@@ -76,6 +81,7 @@ class PanelDef:
     unit: str
     queries: tuple[Query, ...]
     width: int = 12
+    kind: str = "timeseries"   # "stat": one figure per series over the dashboard's range (instant queries)
 
 
 def quantiles(metric: str, selector: str, by: str, legend: str) -> tuple[Query, ...]:
@@ -199,12 +205,14 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
                      "(fleet_gpu_price_usd_per_hour, `fleet up --prices`).", "currencyUSD",
                      (Query(f"sum by (deployment) ({GPUS_HELD}\n* on (product) group_left "
                             "fleet_gpu_price_usd_per_hour)", "{{deployment}}"),)),
-            PanelDef("Cost per 1M output tokens (USD)", "Cost per hour over output tokens per hour "
-                     "(vllm:generation_tokens_total of the deployment's engines), per million.", "currencyUSD",
-                     (Query(f"sum by (deployment) ({GPUS_HELD}\n* on (product) group_left "
-                            f"fleet_gpu_price_usd_per_hour)\n/ (sum by (deployment) (rate("
-                            f"vllm:generation_tokens_total{{{DEPLOYMENT}}}[{RATE}])) * 3600 / 1e6)",
-                            "{{deployment}}"),)),
+            PanelDef("Cost per 1M output tokens (USD)", "Cost per hour (every GPU the deployment holds, "
+                     "standby and starting included) over the output tokens it delivered per hour, per million. "
+                     "Tokens: the router's fleet_router_generation_tokens_total (the engine's usage; a stream "
+                     "without a usage chunk by its text events, router/tokens.py), so the engines' warm-up "
+                     "requests are not counted; its model is the deployment's (fleet_deployment_info).",
+                     "currencyUSD", (Query(f"sum by (deployment) ({GPUS_HELD}\n* on (product) group_left "
+                                           f"fleet_gpu_price_usd_per_hour)\n/ ({ROUTER_TOKENS} * 3600 / 1e6)",
+                                           "{{deployment}}"),)),
             PanelDef("GPUs allocated vs busy", "GPUs held by replicas (GPU-hours per hour), by state, and the "
                      "GPU-busy share of the GPUs serving a replica (DCGM_FI_DEV_GPU_UTIL / 100, node agent): "
                      "the gap is allocated-but-idle GPU time.", "short", (
@@ -212,6 +220,16 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
                 Query(f'sum by (deployment) (DCGM_FI_DEV_GPU_UTIL{{{DEPLOYMENT}, deployment!=""}}) / 100',
                       "busy {{deployment}}"),
             )),
+            PanelDef("GPU-hours in the time range: allocated vs busy", "Over the dashboard's time range: "
+                     "GPU-hours held by state (increase of fleet_gpu_seconds_allocated_total / 3600) and GPU-hours "
+                     "busy (DCGM_FI_DEV_GPU_UTIL / 100 of the GPUs serving a replica, summed over the range at "
+                     "the panel's interval). Allocated minus busy is the GPU time paid for and idle.", "short", (
+                Query(f"sum by (deployment, state) (increase(fleet_gpu_seconds_allocated_total{{{DEPLOYMENT}}}"
+                      "[$__range])) / 3600", "allocated {{deployment}} {{state}}"),
+                Query(f'sum by (deployment) (sum_over_time((sum by (deployment) (DCGM_FI_DEV_GPU_UTIL{{{DEPLOYMENT}, '
+                      'deployment!=""}) / 100)[$__range:$__interval])) * $__interval_ms / 3.6e6',
+                      "busy {{deployment}}"),
+            ), kind="stat"),
             PanelDef("Standby share of GPU time", "Share of the GPU time held that standby replicas hold "
                      "(asleep, ready to wake); 0 without standby replicas.", "percentunit",
                      (Query(f'(sum by (deployment) (rate(fleet_gpu_seconds_allocated_total{{{DEPLOYMENT}, '
@@ -264,7 +282,19 @@ def _query_var(name: str, label: str, query: str) -> gdash.QueryVariable:
             .sort(mdash.VariableSort.ALPHABETICAL_ASC))  # fmt: skip
 
 
-def _panel(p: PanelDef) -> gts.Panel:
+def _stat_panel(p: PanelDef) -> gstat.Panel:
+    builder = (gstat.Panel().title(p.title).description(p.description).unit(p.unit).datasource(_datasource())
+               .span(p.width).height(8).decimals(2).graph_mode(mcommon.BigValueGraphMode.NONE)
+               .reduce_options(gcommon.ReduceDataOptions().calcs(["lastNotNull"]).values(False)))  # fmt: skip
+    for i, q in enumerate(p.queries):
+        builder = builder.with_target(gprom.Dataquery().expr(q.expr).legend_format(q.legend).instant()
+                                      .ref_id(chr(ord("A") + i)))  # fmt: skip
+    return builder
+
+
+def _panel(p: PanelDef) -> gts.Panel | gstat.Panel:
+    if p.kind == "stat":
+        return _stat_panel(p)
     builder = (gts.Panel().line_width(1).fill_opacity(5)
                .legend(gcommon.VizLegendOptions().display_mode(mcommon.LegendDisplayMode.LIST)
                        .placement(mcommon.LegendPlacement.BOTTOM).show_legend(True))

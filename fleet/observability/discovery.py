@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -42,6 +43,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from fleet.controller.lifecycle import ReplicaStatus
+from fleet.inventory.mig import mig_gpu_fraction
 
 JOB_ROUTER = "fleet-router"
 JOB_ENGINE = "fleet-engine"
@@ -197,23 +199,48 @@ GPU_STATES = {
 _GPU_STATE_OF = {status: state for state, statuses in GPU_STATES.items() for status in statuses}
 
 
-def gpus_held(snapshot: Mapping[str, Any]) -> dict[tuple[str, str, str, str], int]:
-    """Whole GPUs held now, by (deployment, revision, product, state) (pure).
+_MIG_LABEL = re.compile(r"mig:([^@\s]+)@")
+"""An assignment's label for a MIG instance, ``mig:3g.40gb@gpu0`` (`fleet.placement.slots.assign`)."""
+
+
+def _member_gpus(member: Mapping[str, Any]) -> float:
+    """GPUs one assignment holds: 1 per whole GPU, a MIG instance as its share of the GPU
+    (`fleet.inventory.mig.mig_gpu_fraction` of the profile its label names; 0 when the label
+    names none), CPU cores (``cpu:N``) none."""
+    gpus = 0.0
+    for d in member.get("devices", []):
+        d = str(d)
+        if d.startswith("cpu:"):
+            continue
+        if d.startswith("MIG-"):
+            match = _MIG_LABEL.match(str(member.get("label", "")))
+            try:
+                gpus += mig_gpu_fraction(match.group(1)) if match else 0.0
+            except ValueError:
+                pass
+        else:
+            gpus += 1
+    return gpus
+
+
+def gpus_held(snapshot: Mapping[str, Any]) -> dict[tuple[str, str, str, str], float]:
+    """GPUs held now, by (deployment, revision, product, state) (pure).
 
     A replica holds the devices of its placement (``placement.members[].devices``,
     `fleet.placement.shapes.ReplicaPlacement.to_dict`) while its status is in `GPU_STATES`.
-    Counted: whole GPUs, i.e. devices of a placement with a ``product``, except CPU cores
-    (``cpu:N``) and MIG instances (``MIG-...``: a slice is not a GPU; not counted yet).
+    Counted: devices of a placement with a ``product`` (for a MIG instance, its parent GPU's):
+    a whole GPU as 1, a MIG instance as its profile's compute share of the GPU (``3g.40gb``:
+    3/7; `fleet.inventory.mig.mig_gpu_fraction`, NVIDIA's MIG user guide), read from the
+    assignment's label (``mig:3g.40gb@gpu0``); CPU cores (``cpu:N``) not at all.
     """
-    out: dict[tuple[str, str, str, str], int] = {}
+    out: dict[tuple[str, str, str, str], float] = {}
     for r in snapshot.get("replicas", []):
         state = _GPU_STATE_OF.get(r.get("status", ""))
         placement = r.get("placement") or {}
         product = placement.get("product")
         if state is None or not product:
             continue
-        gpus = sum(1 for m in placement.get("members", []) for d in m.get("devices", [])
-                   if not str(d).startswith(("cpu:", "MIG-")))  # fmt: skip
+        gpus = sum(_member_gpus(m) for m in placement.get("members", []))
         if gpus:
             key = (r["deployment"], str(r.get("revision") or ""), str(product), state)
             out[key] = out.get(key, 0) + gpus
@@ -232,7 +259,7 @@ class ControllerStateCollector:
     def __init__(self, prices: Mapping[str, float] | None = None) -> None:
         self._lock = threading.Lock()
         self._snapshot: Mapping[str, Any] = {}
-        self._held: dict[tuple[str, str, str, str], int] = {}
+        self._held: dict[tuple[str, str, str, str], float] = {}
         self._held_since_s: float | None = None
         self._gpu_seconds: dict[tuple[str, str, str, str], float] = {}
         self.prices = dict(prices or {})
@@ -261,7 +288,8 @@ class ControllerStateCollector:
         yield from controller_families(snapshot)
         allocated = CounterMetricFamily(
             "fleet_gpu_seconds_allocated", "GPU-seconds held by replicas, by state (serving: READY or DRAINING; "
-            "starting: placed to warm; standby: asleep). Whole GPUs; MIG instances not counted.",
+            "starting: placed to warm; standby: asleep). A MIG instance counts as its compute share "
+            "of the GPU (3g.40gb: 3/7).",
             labels=["deployment", "revision", "product", "state"])  # fmt: skip
         for key, seconds in sorted(gpu_seconds.items()):
             allocated.add_metric(list(key), seconds)

@@ -30,12 +30,27 @@ class PromQLSyntaxError(ValueError):
     """The query does not parse; the message is the parser's."""
 
 
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _duration_s(duration: str) -> float:
+    """Seconds of a one-unit Prometheus duration (``20s``, ``1m``). Raises ValueError otherwise."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", duration)
+    if match is None:
+        raise ValueError(f"{duration!r} is not a duration such as 20s or 1m")
+    return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
 def grafana_to_promql(expr: str, variables: dict[str, str] | None = None, rate_interval: str = "1m") -> str:
     """``expr`` with Grafana's ``$__rate_interval`` / ``$__interval`` / ``$__range`` replaced by
-    ``rate_interval`` and each ``$name`` / ``${name}`` by ``variables[name]`` (default ``.*``,
-    what "All" means in a regex matcher)."""
+    ``rate_interval``, ``$__interval_ms`` / ``$__range_ms`` / ``$__range_s`` by its length in
+    those units, and each ``$name`` / ``${name}`` by ``variables[name]`` (default ``.*``, what
+    "All" means in a regex matcher)."""
     variables = variables or {}
-    out = re.sub(r"\$__(rate_interval|interval|range)\b", rate_interval, expr)
+    seconds = _duration_s(rate_interval)
+    out = re.sub(r"\$__(interval|range)_ms\b", f"{seconds * 1000:g}", expr)
+    out = re.sub(r"\$__range_s\b", f"{seconds:g}", out)
+    out = re.sub(r"\$__(rate_interval|interval|range)\b", rate_interval, out)
     out = re.sub(r"\$\{(\w+)\}", lambda m: variables.get(m.group(1), ".*"), out)
     return re.sub(r"\$(\w+)", lambda m: variables.get(m.group(1), ".*"), out)
 

@@ -329,6 +329,31 @@ def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings
     assert "runtimeClassName" not in kinds["DaemonSet"][0]["spec"]["template"]["spec"]
 
 
+def test_prices_reach_the_operator_as_the_files_json_and_the_schema_wants_their_source(tmp_path):
+    """The chart's prices: value (examples/kubernetes/values-monitoring.yaml) becomes the operator's
+    FLEET_PRICES_JSON, which `fleet operator` reads with fleet.pricing (fleet_gpu_price_usd_per_hour);
+    none by default."""
+    import json
+
+    from fleet.pricing import prices_from_json
+
+    def operator_env(objs: list[dict]) -> dict:
+        op = next(d for d in _by_kind(objs)["Deployment"] if d["metadata"]["name"] == "fleet-operator")
+        return {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    assert "FLEET_PRICES_JSON" not in operator_env(render())
+    env = operator_env(render(VALUES["monitoring"]))
+    prices = prices_from_json(env["FLEET_PRICES_JSON"])
+    assert prices.gpu_hour_usd["NVIDIA H100 80GB HBM3"] == 4.916 and prices.source.startswith("AWS EC2")
+    for bad, field in [({"gpuHourUsd": {"NVIDIA H100 80GB HBM3": 4.9}}, "/prices/source"),
+                       ({"source": "s", "gpuHourUsd": {"NVIDIA H100 80GB HBM3": -1}}, "/prices/gpuHourUsd")]:
+        values = tmp_path / "prices.yaml"
+        values.write_text(json.dumps({"prices": bad}))
+        proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), "-f", str(values)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert proc.returncode != 0 and field in proc.stderr, proc.stderr
+
+
 def test_values_schema_refuses_bad_pre_pull_settings():
     proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), "--set", "engine.prePull.attempts=0"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -41,16 +41,18 @@ import httpx
 import pytest
 import yaml
 
-from fleet.observability.dashboard import build_dashboard, panel_queries
+from fleet.observability.dashboard import build_dashboard, panel_queries, rows
 from fleet.observability.discovery import JOB_CONTROLLER, JOB_ENGINE, JOB_NODE_AGENT, JOB_ROUTER, targets_path
 from fleet.observability.promql import grafana_to_promql
 from fleet.observability.rules import alerts, recording_rules, render_rules
 from tests.support.fleet_up import REPO, FleetUp, free_port
-from tests.support.fake_gpu_fleet import FAULTY_GPU, XID
+from tests.support.fake_gpu_fleet import BUSY_PERCENT, FAULTY_GPU, XID
 
 MODEL = "llama-8b-sim"
 DEPLOYMENT = "chat"
 CLIENTS = 10
+MAX_TOKENS = 48
+PRICE_USD = 4.916          # per GPU-hour of the stand-in H100s (the stack's prices file)
 TIMEOUT_S = 240.0
 RATE_INTERVAL = "20s"      # what Grafana's $__rate_interval is at a 1 s scrape interval and a short range
 
@@ -85,14 +87,17 @@ def deployment(tmp: Path) -> Path:
 
 
 class Load:
-    """Closed-loop clients; every other one streams. A 503 is counted and retried after 1 s."""
+    """Closed-loop clients; every other one streams, half of those asking for the usage chunk
+    (stream_options.include_usage). Every request generates MAX_TOKENS tokens (ignore_eos). A 503
+    is counted and retried after 1 s."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.outcomes: Counter[str] = Counter()
         self.stop = threading.Event()
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._loop, args=(i % 2 == 0,), daemon=True) for i in range(CLIENTS)]
+        self.threads = [threading.Thread(target=self._loop, args=(i % 2 == 0, i % 4 == 0), daemon=True)
+                        for i in range(CLIENTS)]  # fmt: skip
 
     def start(self) -> None:
         for t in self.threads:
@@ -103,9 +108,9 @@ class Load:
         for t in self.threads:
             t.join(timeout=120)
 
-    def _loop(self, stream: bool) -> None:
-        body = {"model": MODEL, "prompt": "tell me a story " * 8, "max_tokens": 48, "ignore_eos": True,
-                "stream": stream}  # fmt: skip
+    def _loop(self, stream: bool, include_usage: bool) -> None:
+        body = {"model": MODEL, "prompt": "tell me a story " * 8, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                "stream": stream, **({"stream_options": {"include_usage": True}} if include_usage else {})}
         with httpx.Client(timeout=120) as client:
             while not self.stop.is_set():
                 try:
@@ -137,6 +142,13 @@ class Stack:
             raise AssertionError(f"{expr!r}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]["result"]
 
+    def query(self, expr: str) -> list[dict]:
+        """Instant query at now."""
+        body = httpx.get(f"{self.prom_url}/api/v1/query", timeout=30, params={"query": expr}).json()
+        if body.get("status") != "success":
+            raise AssertionError(f"{expr!r}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]["result"]
+
     def has_data(self, expr: str) -> bool:
         """True when some series of ``expr`` has a finite value at some step since the start."""
         return any(math.isfinite(float(v)) for s in self.query_range(expr) for _, v in s["values"])
@@ -157,7 +169,7 @@ def _wait(what: str, predicate, timeout_s: float = TIMEOUT_S, fleet: FleetUp | N
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("observability")
     prices = tmp / "prices.yaml"
-    prices.write_text('source: "test data"\ngpuHourUsd: {NVIDIA H100 80GB HBM3: 4.916}\n')
+    prices.write_text(f'source: "test data"\ngpuHourUsd: {{NVIDIA H100 80GB HBM3: {PRICE_USD}}}\n')
     fleet = FleetUp([deployment(tmp)], tmp / "state", cli_module="tests.support.fake_gpu_fleet",
                     extra_args=("--prices", str(prices)))
     prom = None
@@ -370,3 +382,75 @@ def test_gpu_time_is_priced_and_each_gpu_in_use_names_its_replica(stack: Stack) 
     assert held and {s["metric"]["product"] for s in held} == {"NVIDIA H100 80GB HBM3"}
     # GPUs held per second of time: at least the first replica's one GPU, serving since before the load.
     assert max(float(v) for s in held for _, v in s["values"]) >= 0.5
+
+
+def _cost_panel(title: str) -> list[str]:
+    [panel] = [p for row, panels in rows() if row == "Cost and GPU use" for p in panels if p.title == title]
+    return [q.expr for q in panel.queries]
+
+
+def test_the_cost_row_has_sensible_figures(stack: Stack) -> None:
+    """Every cost panel returns data, and its figures agree with what the stack is: one or two
+    stand-in H100s at PRICE_USD per GPU-hour, MAX_TOKENS tokens per request, GPUs BUSY_PERCENT %
+    busy; the router's token counters agree with the engines' own (vLLM names)."""
+    selected = {"deployment": DEPLOYMENT}
+
+    def promql(expr: str) -> str:
+        return grafana_to_promql(expr, selected, rate_interval=RATE_INTERVAL)
+
+    cost_queries = [(title, promql(expr)) for title in (p.title for row, panels in rows()
+                                                         if row == "Cost and GPU use" for p in panels)
+                    for expr in _cost_panel(title)]  # fmt: skip
+    assert len(cost_queries) >= 6
+    missing = _missing(stack, cost_queries, deadline_s=90)
+    assert not missing, "cost panels without data:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
+
+    def values(expr: str) -> list[float]:
+        return [float(v) for s in stack.query_range(expr) for _, v in s["values"] if math.isfinite(float(v))]
+
+    # Cost per hour: the GPUs held (one per replica, at most two replicas) x the price.
+    [per_hour] = _cost_panel("Cost per hour (USD)")
+    usd_h = values(promql(per_hour))
+    assert usd_h and max(usd_h) >= 0.9 * PRICE_USD and max(usd_h) <= 2 * PRICE_USD * 1.05, usd_h
+    # Tokens: every request generates MAX_TOKENS; the usage chunk's count is exact, the text events'
+    # count is too on the simulator (one event per token). Totals since the stack started (the
+    # router and engines run as long as it): the counters read raw, no window to extrapolate over.
+    def total(expr: str) -> float:
+        return sum(float(s["value"][1]) for s in stack.query(expr))
+
+    router = total(f'fleet_router_generation_tokens_total{{model="{MODEL}"}}')
+    answered = total(f'fleet_router_requests_total{{model="{MODEL}", code="200"}}')
+    assert MAX_TOKENS * 0.9 <= router / answered <= MAX_TOKENS * 1.001, (router, answered)
+    engines = total(f'vllm:generation_tokens_total{{deployment="{DEPLOYMENT}"}}')
+    # The engines count warm-up requests and tokens not yet delivered; the router and the engines
+    # are scraped at different instants (a second of tokens apart).
+    assert 0.8 <= router / engines <= 1.1, (router, engines)
+    assert total(f'fleet_router_prompt_tokens_total{{model="{MODEL}"}}') > 0
+    assert total(f'fleet_router_responses_without_usage_total{{model="{MODEL}"}}') > 0
+    # Cost per 1M output tokens: cost per hour over the engines' own output tokens per hour, within 25 %.
+    [per_million] = _cost_panel("Cost per 1M output tokens (USD)")
+    engine_rate = f'sum(rate(vllm:generation_tokens_total{{deployment="{DEPLOYMENT}"}}[{RATE_INTERVAL}])) * 3600 / 1e6'
+    ours, theirs = values(promql(per_million)), values(f"sum({promql(per_hour)}) / ({engine_rate})")
+    assert ours and theirs and all(v > 0 for v in ours)
+    assert 0.75 <= sorted(ours)[len(ours) // 2] / sorted(theirs)[len(theirs) // 2] <= 1.25, (ours, theirs)
+    # GPU-hours over the range: busy is BUSY_PERCENT % of the serving GPUs' hours.
+    elapsed = f"{int(time.time() - stack.started_unix)}s"
+    allocated, busy = (grafana_to_promql(q.replace("$__interval_ms", "2000").replace("$__interval", "2s"), selected,
+                                         rate_interval=elapsed)
+                       for q in _cost_panel("GPU-hours in the time range: allocated vs busy"))  # fmt: skip
+    by_state = {s["metric"]["state"]: float(s["value"][1]) for s in stack.query(allocated)}
+    [busy_h] = [float(s["value"][1]) for s in stack.query(busy)]
+    assert by_state["serving"] > 0 and by_state.get("standby", 0.0) == 0.0, by_state
+    # The node agent labels a GPU with its replica at its next check (every 30 s in `fleet up`), so
+    # busy is BUSY_PERCENT % of the GPU time it labelled, which trails the time allocated.
+    labelled_h = sum(float(s["value"][1]) for s in stack.query(
+        f'sum(sum_over_time((count(DCGM_FI_DEV_GPU_UTIL{{deployment="{DEPLOYMENT}"}}))[{elapsed}:2s])) * 2 / 3600'))
+    assert 0 < busy_h <= sum(by_state.values()), (busy_h, by_state)
+    assert busy_h / labelled_h == pytest.approx(BUSY_PERCENT / 100, rel=0.02), (busy_h, labelled_h)
+    print(f"cost row: {max(usd_h):.3f} USD/h at most, {router / answered:.2f} tokens per answered request, "
+          f"router/engine tokens {router:.0f}/{engines:.0f}, median {sorted(ours)[len(ours) // 2]:.3f} USD per 1M "
+          f"tokens (engines' tokens: {sorted(theirs)[len(theirs) // 2]:.3f}), GPU-hours serving "
+          f"{by_state['serving']:.4f} labelled {labelled_h:.4f} busy {busy_h:.4f}")
+    # Standby share: no standby replicas here.
+    [standby] = _cost_panel("Standby share of GPU time")
+    assert set(values(promql(standby))) == {0.0}

@@ -91,3 +91,18 @@ def test_prices_add_the_cost_of_each_contender_and_say_where_the_price_came_from
         cells = [c.strip() for c in next(line for line in result.output.splitlines() if f"│ {row}" in line).split("│")[1:-1]]
         assert cells[5].endswith(" USD"), cells    # replica-hours are printed rounded to 0.01: 2.5 x that
         assert float(cells[5][:-4]) == pytest.approx(float(cells[4]) * 2 * 1.25, abs=0.005 * 2.5 + 0.005), cells
+
+
+def test_a_mig_replica_costs_its_compute_share_of_the_gpu(files: tuple[Path, Path], tmp_path: Path) -> None:
+    """A 3g.40gb instance is 3 of an H100's 7 compute slices (NVIDIA MIG user guide): priced at 3/7 GPU."""
+    trace, dep = files
+    dep.write_text(dep.read_text().replace("{accelerator: cpu}", "{gpuProduct: NVIDIA H100 80GB HBM3, "
+                                           "migProfile: 3g.40gb}"))  # fmt: skip
+    prices = tmp_path / "prices.yaml"
+    prices.write_text('source: "test data"\ngpuHourUsd: {NVIDIA H100 80GB HBM3: 4.9}\n')
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fixed-2",
+                                 "--prices", str(prices), "--warm-startup-s", "5"])
+    assert result.exit_code == 0, result.output
+    assert "4.9 USD per GPU-hour for NVIDIA H100 80GB HBM3 x 0.429 GPU (MIG 3g.40gb) per replica" in result.output
+    cells = [c.strip() for c in next(line for line in result.output.splitlines() if "│ fixed-2" in line).split("│")[1:-1]]
+    assert float(cells[5][:-4]) == pytest.approx(float(cells[4]) * 3 / 7 * 4.9, abs=0.005 * 2.1 + 0.005), cells

@@ -5,7 +5,9 @@ tests/support/fake_nvml.py's `FakePynvml` as the ``pynvml`` module (before Fleet
 the `fleet` command line in this process. The machine it shows: eight H100 80GB HBM3 on NVSwitch
 (`nvswitch_8gpu`, each device shaped like the real H100 reading in tests/data), GPU 7 with two
 volatile uncorrected ECC errors (a double-bit error) and one Xid 48 event queued once it is
-registered for events. So `fleet up`'s node agent (fleet/agent/runner.py) runs its real checks,
+registered for events, every GPU reading `BUSY_PERCENT` % utilization (the simulated engines
+compute nothing on them: a constant stands in, so the busy GPU-hours of the cost row have a
+known share). So `fleet up`'s node agent (fleet/agent/runner.py) runs its real checks,
 finds the fault, quarantines GPU 7 and exports it, while replicas of ``accelerator: cpu``
 deployments run as anywhere. Only the engine subprocesses' view differs: they import no NVML.
 """
@@ -18,6 +20,7 @@ from tests.support.fake_nvml import FakePynvml, nvswitch_8gpu
 
 FAULTY_GPU = 7
 XID = 48   # double-bit ECC error (fleet/agent/xid.py)
+BUSY_PERCENT = 60
 
 
 class FaultyGpuNvml(FakePynvml):
@@ -26,6 +29,8 @@ class FaultyGpuNvml(FakePynvml):
     def __init__(self) -> None:
         super().__init__(nvswitch_8gpu())
         self.inject(FAULTY_GPU, ecc_volatile_uncorrected=2)
+        for index in range(len(self.snap["devices"])):
+            self.inject(index, utilization={"gpu": BUSY_PERCENT, "memory": 20})
 
     def nvmlDeviceRegisterEvents(self, h, types, event_set):
         super().nvmlDeviceRegisterEvents(h, types, event_set)

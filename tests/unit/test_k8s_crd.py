@@ -127,6 +127,9 @@ def test_fleet_operator_refuses_to_start_without_token_or_cluster(tmp_path, monk
     assert result.exit_code == 2
     result = CliRunner().invoke(app, ["operator", "--engine-pod-json", '{"migStrategy": "half"}'])
     assert result.exit_code == 2 and "migStrategy" in result.output
+    monkeypatch.setenv("FLEET_PRICES_JSON", '{"gpuHourUsd": {"NVIDIA H100 80GB HBM3": 4.9}}')   # no source
+    result = CliRunner().invoke(app, ["operator"])
+    assert result.exit_code == 2 and "--prices-json: FLEET_PRICES_JSON: source: Field required" in result.output
 
 
 def test_fleet_help_lists_the_kubernetes_commands():

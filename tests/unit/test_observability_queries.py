@@ -71,6 +71,9 @@ def test_grafana_variables_become_promql() -> None:
     q = 'rate(x{a=~"$model", b=~"${replica}"}[$__rate_interval])'
     assert grafana_to_promql(q) == 'rate(x{a=~".*", b=~".*"}[1m])'
     assert grafana_to_promql(q, {"model": "m"}, "30s") == 'rate(x{a=~"m", b=~".*"}[30s])'
+    # the interval and range as numbers (a subquery's samples x their spacing)
+    assert grafana_to_promql("sum_over_time(x[$__range:$__interval]) * $__interval_ms / $__range_s", None,
+                             "20s") == "sum_over_time(x[20s:20s]) * 20000 / 20"  # fmt: skip
 
 
 def test_every_dashboard_query_and_every_rule_passes_the_lint() -> None:

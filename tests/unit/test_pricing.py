@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from fleet.cli.simulate import _simulation_table
-from fleet.pricing import PricesError, load_prices, replica_cost_usd
+from fleet.pricing import PricesError, load_prices, prices_from_json, replica_cost_usd
 from tests.unit.test_simulate_cli import runner, write_files
 
 from fleet.cli import app
@@ -56,9 +56,20 @@ def test_a_bad_prices_file_is_refused_naming_the_file_and_field(tmp_path: Path, 
         load_prices(tmp_path / "missing.yaml")
 
 
+def test_prices_from_the_charts_json_are_the_files_keys() -> None:
+    prices = prices_from_json('{"source": "list prices (test data)", "gpuHourUsd": {"NVIDIA L40S": 1.25}}')
+    assert (prices.source, prices.gpu_hour_usd) == ("list prices (test data)", {"NVIDIA L40S": 1.25})
+    for text, message in [("{", "FLEET_PRICES_JSON: not JSON"), ("[]", "expected an object"),
+                          ('{"gpuHourUsd": {"a": 1}}', "source: Field required"),
+                          ('{"source": "s", "gpuHourUsd": {"a": -1}}', "is negative")]:  # fmt: skip
+        with pytest.raises(PricesError, match=message):
+            prices_from_json(text)
+
+
 def test_cost_is_gpu_hours_times_the_price() -> None:
     assert replica_cost_usd(3.82, 2, 3.0) == pytest.approx(22.92)
     assert replica_cost_usd(0.0, 1, 3.0) == 0.0
+    assert replica_cost_usd(7.0, 3 / 7, 3.0) == pytest.approx(9.0)   # a 3g.40gb MIG instance: 3/7 of a GPU
     with pytest.raises(ValueError, match="gpus_per_replica 0"):
         replica_cost_usd(1.0, 0, 3.0)
 
