@@ -11,10 +11,13 @@ as the bursts need:
 - Burst excess: on every scale-up, the replicas wanted beyond those READY (``desired - ready``).
   A burst shorter than a start-up is over before a new replica serves; only capacity that
   wakes in seconds catches it.
-- Pool target (``ScalingDecision.standby``): the largest burst excess of the last
-  `BURST_MEMORY_S` seconds; None before the first scale-up (the caller keeps the deployment's
-  maximum); never above `ScalingPolicy.bounds.max` less the target. The caller clamps it to
-  ``[0, spec.standby.maxReplicas]``.
+- Pool target (``ScalingDecision.standby``, `StandbyPool`, ``spec.standbyPool``): the heaviest
+  burst excess seen, each halved every ``halfLifeSeconds``; before any burst a starting pool
+  (``initialReplicas``; None: the caller keeps the deployment's maximum) released after
+  ``initialSeconds`` on steady traffic (`STEADY_PEAK_TO_MEAN`); with a trusted forecast and
+  ``forecastAheadSeconds``, at least the replicas its peak asks for beyond the target; never
+  above `ScalingPolicy.bounds.max` less the target. The caller clamps it to
+  ``[0, spec.standby.maxReplicas]`` and stops the sleepers beyond it.
 - Scale-up: Fleet's policy decides how many; the lead time it projects over is the fastest
   kind at hand (a wake-up while any replica is asleep). The decision's detail says how many
   wake and how many start warm or cold.
@@ -31,8 +34,9 @@ as the bursts need:
   stops there too (`forecast_need`).
 
 Everything else (targets, trend, load floor, probe, stabilisation, rate limits) is Fleet's
-policy unchanged. Pure and clock-injected like every policy: its state is the burst history,
-the confirmed rates and the forecaster, kept on the instance.
+policy unchanged. Pure and clock-injected like every policy: its state is the pool, the
+confirmed rates and the forecaster, kept on the instance. With ``defer_work`` (set by the
+controller) a forecast refit is not run inside `decide` but handed out by `take_background`.
 """
 
 from __future__ import annotations
