@@ -73,8 +73,9 @@ class StandbyPool:
     weight rounded to the nearest replica (a burst of 1 keeps one sleeper for one half-life, of 4
     about three), at least ``extra`` (a trusted forecast's need beyond the target, `target`).
     Before any burst: ``initialReplicas`` (None: the caller's maximum, `target` returns None)
-    for ``initialSeconds`` from the first call, then none. So steady traffic, whose scale-ups are
-    not bursts, keeps no sleeper, and the caller releases (stops) the sleepers beyond the target.
+    for ``initialSeconds`` from the first call, then only while the arrival rate looks bursty
+    (`observe_rate`, `steady`), else none. So steady traffic, which never scales up, keeps no
+    sleeper, and the caller releases (stops) the sleepers beyond the target.
 
     Pure: every method takes the caller's time (seconds). Memory: bursts whose weight fell
     under half a replica are dropped, and so is one outweighed by a later one (both decay alike)."""
@@ -93,6 +94,11 @@ class StandbyPool:
             self._start_s = now_s
         r = self._rates
         r[0], r[1], r[2] = r[0] + rate_per_s, r[1] + 1, max(r[2], rate_per_s)
+
+    @property
+    def seen(self) -> bool:
+        """Whether a burst was observed."""
+        return self._seen
 
     @property
     def steady(self) -> bool:
@@ -262,8 +268,9 @@ class StandbyPolicy(FleetPolicy, name="standby"):
                 parts.append(f"start {started} ({kind}, ~{math.ceil(lead_s)} s)")
             detail = f"{detail}; {' and '.join(parts)}"
         if target is not None:
-            detail = (f"{detail}; standby pool {target} (largest burst excess seen, halved every "
-                      f"{self.pool.spec.half_life_seconds:g} s)")
+            why = (f"largest burst excess seen, halved every {self.pool.spec.half_life_seconds:g} s"
+                   if self.pool.seen else "starting pool, no burst seen yet")
+            detail = f"{detail}; standby pool {target} ({why})"
         inputs = {**decision.inputs, "standby": ctx.standby, "standby_target": target}
         if self.forecaster is not None:
             inputs.update(forecast_need=self._ahead[1], forecast_mape=self.forecaster.mape)
