@@ -147,9 +147,10 @@ class StandbyPoolSpec(SpecModel):
         "lasts one half-life, of 4 about three).",
     )  # fmt: skip
     forecast_ahead_seconds: float = Field(
-        0.0, ge=0, le=86_400,
+        3600.0, ge=0, le=86_400,
         description="With a trusted forecast (spec.autoscaling.forecast): the pool also holds the replicas its peak "
-        "over this many seconds ahead asks for beyond the target. 0: the forecast does not size the pool.",
+        "over this many seconds ahead asks for beyond the target. 0: the forecast does not size the pool. An hour: "
+        "on day 3 of the synthetic daily trace 98.80 % at 102.79 replica-hours against 98.74 % at 103.80 with 0.",
     )  # fmt: skip
 
 
