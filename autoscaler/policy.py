@@ -65,7 +65,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -181,6 +181,9 @@ class ScalingPolicy(Registered, registry=SCALING_POLICIES):
         self.bounds = bounds
         self.interval_s = spec.interval_seconds or self.default_interval_s
         self.last: ScalingDecision | None = None
+        self.defer_work = False
+        """Set by a caller with an event loop: slow pure work (a forecast refit) waits in
+        `take_background` instead of running inside `decide`."""
 
     def decide(self, ctx: ScalingContext) -> ScalingDecision:
         """The desired replica count for ``ctx``. Must not do I/O or read a clock."""
@@ -190,6 +193,13 @@ class ScalingPolicy(Registered, registry=SCALING_POLICIES):
         """Arrival rates seen before the first decision: (bin start in seconds on the caller's
         clock, before the first ``ctx.now_s``; requests/s), oldest first. A policy that keeps no
         long history ignores them (all but `standby` with ``spec.forecast``)."""
+
+    def take_background(self) -> Callable[[], Callable[[], None]] | None:
+        """Work deferred by `decide` (``defer_work``), once: a callable that is safe to run in a
+        worker thread (pure, touching no policy state) and returns a callable to run on the
+        caller's thread to apply its result. None when nothing waits (every policy but
+        `standby` with a forecast)."""
+        return None
 
     def _decision(self, ctx: ScalingContext, desired: int, reason: str, detail: str,
                   **inputs: float | int | None) -> ScalingDecision:  # fmt: skip

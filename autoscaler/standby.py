@@ -11,10 +11,13 @@ as the bursts need:
 - Burst excess: on every scale-up, the replicas wanted beyond those READY (``desired - ready``).
   A burst shorter than a start-up is over before a new replica serves; only capacity that
   wakes in seconds catches it.
-- Pool target (``ScalingDecision.standby``): the largest burst excess of the last
-  `BURST_MEMORY_S` seconds; None before the first scale-up (the caller keeps the deployment's
-  maximum); never above `ScalingPolicy.bounds.max` less the target. The caller clamps it to
-  ``[0, spec.standby.maxReplicas]``.
+- Pool target (``ScalingDecision.standby``, `StandbyPool`, ``spec.standbyPool``): the heaviest
+  burst excess seen, each halved every ``halfLifeSeconds``; before any burst a starting pool
+  (``initialReplicas``; None: the caller keeps the deployment's maximum) released after
+  ``initialSeconds`` on steady traffic (`STEADY_PEAK_TO_MEAN`); with a trusted forecast and
+  ``forecastAheadSeconds``, at least the replicas its peak asks for beyond the target; never
+  above `ScalingPolicy.bounds.max` less the target. The caller clamps it to
+  ``[0, spec.standby.maxReplicas]`` and stops the sleepers beyond it.
 - Scale-up: Fleet's policy decides how many; the lead time it projects over is the fastest
   kind at hand (a wake-up while any replica is asleep). The decision's detail says how many
   wake and how many start warm or cold.
@@ -31,24 +34,26 @@ as the bursts need:
   stops there too (`forecast_need`).
 
 Everything else (targets, trend, load floor, probe, stabilisation, rate limits) is Fleet's
-policy unchanged. Pure and clock-injected like every policy: its state is the burst history,
-the confirmed rates and the forecaster, kept on the instance.
+policy unchanged. Pure and clock-injected like every policy: its state is the pool, the
+confirmed rates and the forecaster, kept on the instance. With ``defer_work`` (set by the
+controller) a forecast refit is not run inside `decide` but handed out by `take_background`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from autoscaler.forecast import ArrivalForecaster
 from autoscaler.policy import FleetPolicy, ReplicaBounds, ScalingContext, ScalingDecision
-from autoscaler.spec import AutoscalingSpec
+from autoscaler.spec import AutoscalingSpec, StandbyPoolSpec
 
-BURST_MEMORY_S = 3600.0
-"""How long a burst's excess over the READY count sizes the standby pool (seconds): an hour, so
-the hourly shape of a daily cycle is remembered and a single spike ages out."""
+STEADY_PEAK_TO_MEAN = 2.0
+"""Before any burst, traffic whose windowed arrival rate peaked under this multiple of its mean is
+steady: the starting pool is released after ``initialSeconds`` (`StandbyPool`). Azure `conv`'s
+30 s rate stays within 1.3x of its mean; `code`'s swings from 0 to 7x in its first 200 s."""
 
 
 WAKE_EARLY_FRACTION = 0.3
@@ -60,6 +65,81 @@ every five minutes); chosen on `code` (0.5: too late for the onset of its bursts
 the TTFT target against 99.8 %; docs/benchmarks.md)."""
 
 
+class StandbyPool:
+    """The standby pool's size from the bursts seen (``spec``: `autoscaler.spec.StandbyPoolSpec`).
+
+    A burst of excess ``e`` replicas (wanted beyond those READY on a scale-up, `observe`) seen
+    ``age`` seconds ago weighs ``e * 0.5 ** (age / halfLifeSeconds)``; the pool is the heaviest
+    weight rounded to the nearest replica (a burst of 1 keeps one sleeper for one half-life, of 4
+    about three), at least ``extra`` (a trusted forecast's need beyond the target, `target`).
+    Before any burst: ``initialReplicas`` (None: the caller's maximum, `target` returns None)
+    for ``initialSeconds`` from the first call, then only while the arrival rate looks bursty
+    (`observe_rate`, `steady`), else none. So steady traffic, which never scales up, keeps no
+    sleeper, and the caller releases (stops) the sleepers beyond the target.
+
+    Pure: every method takes the caller's time (seconds). Memory: bursts whose weight fell
+    under half a replica are dropped, and so is one outweighed by a later one (both decay alike)."""
+
+    def __init__(self, spec: StandbyPoolSpec) -> None:
+        self.spec = spec
+        self._bursts: deque[tuple[float, int]] = deque()  # (seen at, excess), heaviest first
+        self._start_s: float | None = None
+        self._seen = False
+        self._rates = [0.0, 0.0, 0.0]  # sum, samples, peak of the arrival rate before the first burst
+
+    def observe_rate(self, now_s: float, rate_per_s: float) -> None:
+        """An arrival-rate sample (requests/s, windowed) at ``now_s``: while no burst was seen,
+        its peak over its mean says whether the traffic is bursty (`STEADY_PEAK_TO_MEAN`)."""
+        if self._start_s is None:
+            self._start_s = now_s
+        r = self._rates
+        r[0], r[1], r[2] = r[0] + rate_per_s, r[1] + 1, max(r[2], rate_per_s)
+
+    @property
+    def seen(self) -> bool:
+        """Whether a burst was observed."""
+        return self._seen
+
+    @property
+    def steady(self) -> bool:
+        """No burst seen and the arrival rate's peak stayed under `STEADY_PEAK_TO_MEAN` x its mean."""
+        total, n, peak = self._rates
+        return not self._seen and n > 0 and total > 0 and peak < STEADY_PEAK_TO_MEAN * total / n
+
+    def weight(self, now_s: float, seen_s: float, excess: int) -> float:
+        """A burst's weight at ``now_s`` (replicas, fractional)."""
+        return excess * 0.5 ** (max(0.0, now_s - seen_s) / self.spec.half_life_seconds)
+
+    def observe(self, now_s: float, excess: int) -> None:
+        """A burst at ``now_s``: a scale-up wanting ``excess`` replicas beyond those READY."""
+        if self._start_s is None:
+            self._start_s = now_s
+        if excess <= 0:
+            return
+        self._seen = True
+        bursts = self._bursts
+        while bursts and self.weight(now_s, *bursts[-1]) <= excess:
+            bursts.pop()   # lighter now and decaying at the same rate: never the heaviest again
+        bursts.append((now_s, excess))
+
+    def target(self, now_s: float, extra: int = 0) -> int | None:
+        """Standby replicas to keep at ``now_s``: the heaviest burst rounded (before any burst:
+        the starting pool), at least ``extra``; None for the caller's maximum (the starting pool
+        unset, within ``initialSeconds``)."""
+        if self._start_s is None:
+            self._start_s = now_s
+        if not self._seen:
+            if now_s - self._start_s < self.spec.initial_seconds or not self.steady:
+                initial = self.spec.initial_replicas
+                return None if initial is None else max(initial, extra)
+            return max(0, extra)
+        bursts = self._bursts
+        while bursts and self.weight(now_s, *bursts[0]) < 0.5:
+            bursts.popleft()
+        heaviest = int(self.weight(now_s, *bursts[0]) + 0.5) if bursts else 0
+        return max(heaviest, extra)
+
+
 class StandbyPolicy(FleetPolicy, name="standby"):
     """Fleet's policy plus a standby pool sized to the bursts seen, an early wake and, with
     ``spec.forecast``, scaling ahead (module docstring).
@@ -69,7 +149,7 @@ class StandbyPolicy(FleetPolicy, name="standby"):
 
     def __init__(self, spec: AutoscalingSpec, bounds: ReplicaBounds) -> None:
         super().__init__(spec, bounds)
-        self._bursts: deque[tuple[float, int]] = deque()  # (seen at, replicas wanted beyond READY)
+        self.pool = StandbyPool(spec.standby_pool_params)
         self.forecaster = ArrivalForecaster(spec.forecast) if spec.forecast is not None else None
         # (seen at, arrival rate per READY replica confirmed sustainable), a season's running maximum
         self._rate_capacity: deque[tuple[float, float]] = deque()
@@ -78,6 +158,20 @@ class StandbyPolicy(FleetPolicy, name="standby"):
     def prime(self, history: Sequence[tuple[float, float]]) -> None:
         if self.forecaster is not None:
             self.forecaster.prime(history)
+
+    def take_background(self) -> Callable[[], Callable[[], None]] | None:
+        """The forecast's deferred refit (`ArrivalForecaster.take_fit`): run it in a worker
+        thread, then apply what it returns on the caller's thread (`ArrivalForecaster.install`)."""
+        f = self.forecaster
+        job = None if f is None else f.take_fit()
+        if f is None or job is None:
+            return None
+
+        def work() -> Callable[[], None]:
+            result = job.run()
+            return lambda: f.install(result)
+
+        return work
 
     def forecast_need(self, ctx: ScalingContext) -> tuple[int | None, str]:
         """Replicas the forecast asks for ``ctx.startup``'s start-up time ahead (a new replica,
@@ -92,6 +186,7 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         f = self.forecaster
         if f is not None:
             spec = f.spec
+            f.defer_fits = self.defer_work
             f.observe(ctx.now_s, ctx.signals.arrival_rate_per_s)
             capacity = self.per_replica_rate_capacity()
             history = self._rate_capacity  # a sliding-window maximum: values decrease left to right
@@ -119,15 +214,25 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         need, _ = self.forecast_need(ctx)
         return self.bounds.min if need is None else max(self.bounds.min, min(need, ctx.desired))
 
-    def standby_target(self, now_s: float, desired: int) -> int | None:
-        """STANDBY replicas to keep beside ``desired``: the largest burst excess remembered, at
-        most ``bounds.max - desired``; None before any scale-up was seen."""
-        bursts = self._bursts
-        while bursts and bursts[0][0] < now_s - BURST_MEMORY_S:
-            bursts.popleft()
-        if not bursts:
+    def pool_forecast_need(self, ctx: ScalingContext) -> int | None:
+        """Replicas a trusted forecast asks for over ``standbyPool.forecastAheadSeconds`` (the
+        peak rate of those bins over the highest rate per replica confirmed sustainable), or
+        None (off, untrusted, nothing confirmed)."""
+        f, ahead_s = self.forecaster, self.spec.standby_pool_params.forecast_ahead_seconds
+        if f is None or ahead_s <= 0 or not self._rate_capacity:
             return None
-        return max(0, min(max(excess for _, excess in bursts), self.bounds.max - desired))
+        peak = f.peak_ahead(ctx.now_s, ahead_s)
+        if peak is None:
+            return None
+        return max(1, math.ceil(peak * f.spec.rate_headroom / self._rate_capacity[0][1] - 1e-9))
+
+    def standby_target(self, ctx: ScalingContext, desired: int) -> int | None:
+        """STANDBY replicas to keep beside ``desired``: `StandbyPool.target` (at least what a
+        trusted forecast asks for beyond ``desired``, `pool_forecast_need`), at most
+        ``bounds.max - desired``; None while the pool is left to the caller."""
+        need = self.pool_forecast_need(ctx)
+        target = self.pool.target(ctx.now_s, 0 if need is None else need - desired)
+        return None if target is None else max(0, min(target, self.bounds.max - desired))
 
     def _early_up(self, ctx: ScalingContext, pressure: float | None, floor: int) -> tuple[int, str, str] | None:
         """Wake sleepers as the load outgrows the targeted replicas, before a target breaks: a
@@ -147,9 +252,10 @@ class StandbyPolicy(FleetPolicy, name="standby"):
     def decide(self, ctx: ScalingContext) -> ScalingDecision:
         decision = super().decide(ctx)
         self.forecast_need(ctx)  # observe the rate every decision, whichever branch decided
-        if decision.desired > ctx.desired and decision.reason not in ("load_above_capacity", "forecast_ahead"):
-            self._bursts.append((ctx.now_s, decision.desired - ctx.ready))
-        target = self.standby_target(ctx.now_s, decision.desired)
+        self.pool.observe_rate(ctx.now_s, ctx.signals.arrival_rate_per_s)
+        if decision.desired > ctx.desired and decision.reason != "forecast_ahead":
+            self.pool.observe(ctx.now_s, decision.desired - ctx.ready)
+        target = self.standby_target(ctx, decision.desired)
         detail = decision.detail
         added = decision.desired - ctx.desired
         if added > 0:
@@ -162,7 +268,9 @@ class StandbyPolicy(FleetPolicy, name="standby"):
                 parts.append(f"start {started} ({kind}, ~{math.ceil(lead_s)} s)")
             detail = f"{detail}; {' and '.join(parts)}"
         if target is not None:
-            detail = f"{detail}; standby pool {target} (largest burst excess of the last {BURST_MEMORY_S:g} s)"
+            why = (f"largest burst excess seen, halved every {self.pool.spec.half_life_seconds:g} s"
+                   if self.pool.seen else "starting pool, no burst seen yet")
+            detail = f"{detail}; standby pool {target} ({why})"
         inputs = {**decision.inputs, "standby": ctx.standby, "standby_target": target}
         if self.forecaster is not None:
             inputs.update(forecast_need=self._ahead[1], forecast_mape=self.forecaster.mape)

@@ -8,7 +8,9 @@ time of replicas that became READY, builds a `autoscaler.policy.ScalingContext` 
 policy. A new target goes to `fleet.controller.reconcile.Controller.set_desired` (persisted, then the
 reconcile step adds replicas or drains the surplus: this loop never adds or removes one);
 every decision is kept for `fleet status`, exported (`autoscaler.metrics`), logged, and handed
-to ``on_decision`` (the progress line of `fleet up`).
+to ``on_decision`` (the progress line of `fleet up`). A policy's slow pure work (the `standby`
+policy's forecast refit, 0.2-0.3 s) is deferred (``ScalingPolicy.defer_work``) and run in a
+worker thread (`asyncio.to_thread`); the policy forecasts with its last fitted model meanwhile.
 
 Side effects go through the injected router, engine API and clock, so tests drive the loop
 on fake time with the fakes of tests/support/fakes.py. Each part of a step has its own error handling:
@@ -70,6 +72,7 @@ class _Scaled:
     signals: DeploymentSignals
     startup: StartupTracker
     next_due_s: float = 0.0
+    background: asyncio.Task[None] | None = None   # the policy's deferred work (a forecast refit) in a thread
 
 
 def startup_of(r: Replica) -> tuple[bool, float] | None:
@@ -115,8 +118,10 @@ class AutoscalerLoop:
                 continue
             bounds = ReplicaBounds(spec.replicas.min, spec.replicas.max, spec.replicas.desired_at_start)
             a = spec.autoscaling
+            policy = make_policy(a, bounds)
+            policy.defer_work = True   # a forecast refit (0.2-0.3 s) runs in a worker thread, not on this loop
             self.scaled[name] = _Scaled(
-                name, spec.model.name, make_policy(a, bounds), DeploymentSignals(a.window_seconds),
+                name, spec.model.name, policy, DeploymentSignals(a.window_seconds),
                 StartupTracker(a.warm_startup_seconds, a.cold_startup_seconds),
             )  # fmt: skip
 
@@ -186,6 +191,25 @@ class AutoscalerLoop:
         await asyncio.gather(*(one(r) for r in ready))
         d.signals.forget_others({r.id for r in ready})
 
+    def _start_background(self, d: _Scaled) -> None:
+        """Run the policy's deferred work (`ScalingPolicy.take_background`: a forecast refit) in
+        a worker thread and apply its result on this loop when done; one at a time per
+        deployment (a job due meanwhile waits in the policy, a newer one replacing it)."""
+        if d.background is not None and not d.background.done():
+            return
+        work = d.policy.take_background()
+        if work is None:
+            return
+
+        async def run() -> None:
+            try:
+                apply = await asyncio.to_thread(work)
+                apply()
+            except Exception:  # noqa: BLE001 - the policy goes on with its last model
+                log.exception("background work of %s's policy failed", d.name)
+
+        d.background = asyncio.get_running_loop().create_task(run(), name=f"autoscaler-fit-{d.name}")
+
     async def _decide(self, d: _Scaled, router_stats: dict[str, dict] | None) -> ScalingDecision:
         controller = self.controller
         replicas = controller.records.of_deployment(d.name)
@@ -207,6 +231,7 @@ class AutoscalerLoop:
                              startup, standby=len(asleep))  # fmt: skip
         decision = d.policy.decide(ctx)
         d.next_due_s = now_s + d.policy.interval_s
+        self._start_background(d)
         if decision.standby != controller.deployments[d.name].standby_wanted:
             controller.deployments[d.name].standby_wanted = decision.standby
             controller.wake()

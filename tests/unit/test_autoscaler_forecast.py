@@ -142,3 +142,30 @@ def test_a_primed_start_with_history_enough_is_scored_on_a_backtest_at_once() ->
     missed = primed(rate=lambda t: daily(t) if t < -4 * BIN_S else 3 * daily(t), days=3)
     missed.observe(0.0, 3 * daily(0.0))
     assert not missed.trusted     # the history's last bins tripled: the backtest misses them
+
+
+def test_a_deferred_refit_waits_as_a_job_and_the_last_model_forecasts_until_it_is_installed() -> None:
+    f = primed(days=3)
+    f.defer_fits = True
+    f.observe(0.0, daily(0.0))
+    assert f.fits == 0 and not f.trusted          # nothing fitted inside observe
+    job = f.take_fit()
+    assert job is not None and f.take_fit() is None and job.backtest
+    f.install(job.run())                          # what the controller does after a worker thread ran it
+    assert f.fits == 2 and f.trusted
+    before = f.peak_ahead(60.0, 60.0)
+    f.observe(BIN_S + 1, daily(BIN_S + 1))        # a refit falls due: deferred, the model in use stays
+    assert f.pending is not None and f.peak_ahead(60.0, 60.0) == before
+
+
+def test_standby_hands_its_deferred_refit_to_the_caller() -> None:
+    policy = make_policy(AutoscalingSpec(policy="standby", forecast=spec()), ReplicaBounds(1, 16, 2))
+    assert isinstance(policy, StandbyPolicy) and policy.forecaster is not None
+    policy.prime([(t, daily(t)) for t in (-3 * DAY_S + i * BIN_S for i in range(3 * SEASON))])
+    policy.defer_work = True
+    s = Signals(at_s=0.0, window_s=30.0, router_queue_time_mean_s=0.1, arrival_rate_per_s=daily(0.0))
+    policy.decide(ScalingContext(0.0, 2, 2, 0, s, StartupEstimate(60.0, 600.0)))
+    work = policy.take_background()
+    assert work is not None and policy.forecaster.fits == 0 and policy.take_background() is None
+    work()()                                      # run (a thread in the controller), then apply
+    assert policy.forecaster.fits == 2

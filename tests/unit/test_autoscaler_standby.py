@@ -1,5 +1,6 @@
 """The `standby` scaling policy (autoscaler/standby.py): Fleet's decisions, a standby pool sized to
-the largest burst excess remembered, the kind of capacity a scale-up takes, and the lead time a
+the bursts seen (`StandbyPool`: the heaviest decaying burst excess, a starting pool released on
+steady traffic, a trusted forecast's need), the kind of capacity a scale-up takes, and the lead time a
 sleeping replica gives; and the STANDBY replica state (fleet/controller/lifecycle.py)."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ from __future__ import annotations
 
 from autoscaler.policy import ReplicaBounds, ScalingContext, make_policy
 from autoscaler.signals import Signals
-from autoscaler.spec import AutoscalingSpec
-from autoscaler.standby import BURST_MEMORY_S, StandbyPolicy
+from autoscaler.spec import AutoscalingSpec, StandbyPoolSpec
+from autoscaler.standby import StandbyPolicy, StandbyPool
 from autoscaler.startup import StartupEstimate
 from fleet.controller.lifecycle import ReplicaStatus
 
@@ -40,20 +41,22 @@ def test_standby_is_a_registered_policy_and_decides_as_fleet_does() -> None:
         assert (mine.desired, mine.reason) == (theirs.desired, theirs.reason)
 
 
-def test_before_any_burst_the_pool_is_left_to_the_deployment() -> None:
+def test_before_any_burst_the_starting_pool_is_kept_and_unset_leaves_it_to_the_deployment() -> None:
     d = standby_policy().decide(ctx(0.0, 2, 0.5 * TQ))
-    assert d.standby is None and d.to_dict()["standby"] is None
+    assert d.standby == 2 and d.to_dict()["standby"] == 2            # StandbyPoolSpec.initialReplicas
+    unset = standby_policy(standby_pool=StandbyPoolSpec(initial_replicas=None)).decide(ctx(0.0, 2, 0.5 * TQ))
+    assert unset.standby is None                                      # the deployment's maxReplicas
 
 
-def test_the_pool_is_the_largest_burst_excess_remembered_then_forgotten() -> None:
-    p = standby_policy()
+def test_the_pool_is_the_largest_burst_excess_seen_decaying() -> None:
+    p = standby_policy(standby_pool=StandbyPoolSpec(half_life_seconds=600.0))
     up = p.decide(ctx(0.0, 2, 3 * TQ, ready=2))        # wants 6 with 2 READY: an excess of 4
     assert (up.desired, up.standby) == (6, 4)
     assert "standby pool 4" in up.detail and up.inputs["standby_target"] == 4
-    hold = p.decide(ctx(5.0, 6, 0.8 * TQ))              # within band: the burst is still remembered
+    hold = p.decide(ctx(5.0, 6, 0.8 * TQ))              # within band: the burst weighs ~4 still
     assert (hold.desired, hold.standby) == (6, 4)
-    later = p.decide(ctx(BURST_MEMORY_S + 1.0, 6, 0.8 * TQ))
-    assert later.standby is None                        # aged out: back to the deployment's maximum
+    assert p.decide(ctx(600.0, 6, 0.8 * TQ)).standby == 2      # one half-life
+    assert p.decide(ctx(3 * 600.0 + 1, 6, 0.8 * TQ)).standby == 0   # 4 / 8 < half a replica: released
 
 
 def test_the_pool_never_takes_the_target_past_spec_replicas_max() -> None:
@@ -106,10 +109,54 @@ def _confirmed(**spec: object) -> StandbyPolicy:
 def test_sleepers_wake_early_when_the_load_outgrows_the_confirmed_capacity_and_latency_rises() -> None:
     d = _confirmed().decide(_loaded(40.0, 10, 0.4 * TQ, standby=2))    # load 10 needs 5; 2 asleep
     assert (d.desired, d.reason) == (4, "load_above_capacity") and "wake 2 standby" in d.detail
-    assert d.standby is None  # an early wake is no burst seen: the pool is not resized on it
+    assert d.standby == 2  # an early wake is a burst too (excess 2 over READY): it keeps the pool
 
 
 def test_no_early_wake_without_sleepers_or_while_latency_is_low() -> None:
     assert _confirmed().decide(_loaded(40.0, 10, 0.4 * TQ, standby=0)).desired == 2   # no sleeper: a start-up
     low = _confirmed().decide(_loaded(40.0, 10, 0.2 * TQ, standby=2))                  # under WAKE_EARLY_FRACTION
     assert low.desired == 2 and low.reason != "load_above_capacity"
+
+
+def pool(**spec: object) -> StandbyPool:
+    return StandbyPool(StandbyPoolSpec(**spec))  # type: ignore[arg-type]
+
+
+def test_a_starting_pool_on_steady_traffic_is_released_after_initial_seconds() -> None:
+    p = pool(initial_replicas=2, initial_seconds=60.0)
+    for t in range(0, 120, 5):
+        p.observe_rate(float(t), 5.0 + (t % 10) / 10)    # steady: peak within 2x the mean
+    assert p.steady and p.target(30.0) == 2 and p.target(60.0) == 0
+
+
+def test_a_starting_pool_on_bursty_traffic_is_kept_until_a_burst_sizes_it() -> None:
+    p = pool(initial_replicas=2, initial_seconds=60.0, half_life_seconds=100.0)
+    for t, rate in ((0.0, 0.0), (5.0, 0.0), (10.0, 3.0), (15.0, 0.0)):
+        p.observe_rate(t, rate)                          # peak 3 over a mean of 0.75: bursty
+    assert not p.steady and p.target(1000.0) == 2
+    p.observe(1000.0, 3)
+    assert p.target(1000.0) == 3 and p.target(1100.0) == 2 and p.target(1300.0) == 0
+
+
+def test_a_heavier_later_burst_replaces_lighter_ones_and_extra_is_a_floor() -> None:
+    p = pool(initial_replicas=0, half_life_seconds=100.0)
+    p.observe(0.0, 1)
+    p.observe(10.0, 4)
+    p.observe(20.0, 1)
+    assert len(p._bursts) == 2 and p.target(20.0) == 4   # the first burst is outweighed for good
+    assert p.target(20.0, extra=6) == 6 and p.target(1000.0) == 0 and not p._bursts
+
+
+def test_a_trusted_forecast_can_size_the_pool() -> None:
+    p = standby_policy(standby_pool=StandbyPoolSpec(forecast_ahead_seconds=3600.0))
+
+    class Trusted:
+        spec = AutoscalingSpec(policy="standby", forecast={}).forecast  # type: ignore[arg-type]
+
+        def peak_ahead(self, now_s: float, ahead_s: float) -> float:
+            return 10.0
+
+    p.forecaster = Trusted()  # type: ignore[assignment]
+    p._rate_capacity.append((0.0, 2.0))   # 2 req/s per replica confirmed: 10 req/s needs 5
+    assert p.pool_forecast_need(ctx(0.0, 2, 0.5 * TQ)) == 5
+    assert p.standby_target(ctx(0.0, 2, 0.5 * TQ), 2) == 3   # 5 - 2 targeted, above the starting 2

@@ -183,7 +183,8 @@ async def test_the_policy_is_told_of_sleeping_replicas_and_its_standby_pool_reac
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`fleet up` with `spec.standby` and the `standby` policy: the context counts STANDBY
     replicas and gives the wake-up as the lead time; the policy's `ScalingDecision.standby`
-    (None before any burst: keep spec.standby.maxReplicas) sets the pool the controller keeps,
+    (the starting pool of StandbyPoolSpec.initialReplicas before any burst, no traffic being seen)
+    sets the pool the controller keeps,
     clamped to the spec's maximum; 0 drains the sleepers."""
     import dataclasses
 
@@ -192,8 +193,8 @@ async def test_the_policy_is_told_of_sleeping_replicas_and_its_standby_pool_reac
     h = Fleet(tmp_path, policy="standby", engine={"kind": "sim"}, standby={"maxReplicas": 2})
     h.offer(0.2, in_flight=2)
     await h.run(10)
-    assert h.count(S.READY) == 1 and h.count(S.STANDBY) == 2          # None: the spec's maximum
-    assert h.decisions[-1].standby is None and h.c.deployments["chat"].standby_wanted is None
+    assert h.count(S.READY) == 1 and h.count(S.STANDBY) == 2          # the starting pool of 2
+    assert h.decisions[-1].standby == 2 and h.c.deployments["chat"].standby_wanted == 2
     policy = h.loop.scaled["chat"].policy
     decide = type(policy).decide
     seen: list = []
@@ -211,3 +212,33 @@ async def test_the_policy_is_told_of_sleeping_replicas_and_its_standby_pool_reac
     await h.run(8)
     assert h.c.deployments["chat"].standby_wanted == 0
     assert h.count(S.STANDBY) == 0 and h.count(S.READY) == 1
+
+
+async def test_a_policys_deferred_work_runs_in_a_worker_thread_and_applies_on_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forecast refit (`ScalingPolicy.take_background`) leaves the event loop: the work runs in
+    a thread, its result is applied on the loop's thread; the policy is told to defer."""
+    import threading
+
+    h = Fleet(tmp_path, policy="standby", engine={"kind": "sim"}, standby={"maxReplicas": 1})
+    policy = h.loop.scaled["chat"].policy
+    assert policy.defer_work
+    threads: dict[str, int] = {}
+    pending = [True]
+
+    def work():
+        threads["work"] = threading.get_ident()
+        return lambda: threads.__setitem__("apply", threading.get_ident())
+
+    def take():
+        if pending:
+            pending.clear()
+            return work
+        return None
+
+    monkeypatch.setattr(policy, "take_background", take)
+    await h.run(2)
+    task = h.loop.scaled["chat"].background
+    assert task is not None
+    await task
+    assert threads["work"] != threading.get_ident() and threads["apply"] == threading.get_ident()
