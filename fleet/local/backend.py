@@ -219,8 +219,8 @@ class LocalBackend:
         kv = record.kv_events
         bind = KvEventsBind(kv["publisher"], kv.get("replay"), kv.get("topic", "")) if kv else None
         argv = engine.command(launch, model, self.host, record.port, bind)
-        cores = self.numa_cores(want)
-        if cores and shutil.which("taskset"):   # the engine on the CPU cores local to its GPUs (NUMA)
+        cores = self.pinned_cores(want)
+        if cores and shutil.which("taskset"):
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
         log_path = Path(record.log_path) if record.log_path else None
         if log_path is not None:
@@ -228,6 +228,17 @@ class LocalBackend:
         process = self.processes.spawn(argv, env, log_path)
         self._records[rid] = replace(self._records[rid], process=process)
         self._save()
+
+    def pinned_cores(self, want: ReplicaWant) -> tuple[int, ...]:
+        """The CPU cores the replica's whole process tree runs on (``taskset``); () for no pinning.
+
+        A CPU replica: its placed cores (``cpu:N`` devices). vLLM binds only its OpenMP threads
+        there (VLLM_CPU_OMP_THREADS_BIND); the API server and engine-core processes would float,
+        and a starting engine's ``import torch`` pins itself to every allowed core in turn (its
+        cpuinfo probe) -- on a core where another replica's worker is busy it was seen to wait
+        minutes for its turn. A GPU replica: the cores local to its GPUs (`numa_cores`)."""
+        cpu = tuple(int(d.split(":", 1)[1]) for d in want.placement.devices if d.startswith("cpu:"))
+        return cpu or self.numa_cores(want)
 
     def numa_cores(self, want: ReplicaWant) -> tuple[int, ...]:
         """CPU cores local to the replica's GPUs (NVML's CPU affinity, read by the node agent);

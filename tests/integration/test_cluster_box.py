@@ -232,6 +232,24 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
             await until(lambda m=model: served(m), 300, f"{model} served through both router pods")
         mark("3 deployments served through 2 router pods")
 
+        async def kv_streams_live() -> bool:
+            """Every router pod follows every engine pod's KV event stream (the engine's PUB socket
+            at its pod IP, port kv-events) and holds an exact view of it."""
+            want = {f"{p['status']['podIP']}" for d in ("chat-nvl", "small-mig", "chat-sxm") for p in engine_pods(d)
+                    if p.get("status", {}).get("podIP")}  # fmt: skip
+            async with aiohttp.ClientSession() as http:
+                for url in router_urls():
+                    async with http.get(f"{url}/metrics") as r:
+                        text = await r.text()
+                    live = {line for line in text.splitlines()
+                            if line.startswith("fleet_router_kv_stream_live{") and line.endswith(" 1.0")}  # fmt: skip
+                    if not all(any(f"{ip}:" in line for line in live) for ip in want):
+                        return False
+            return bool(want)
+
+        await until(kv_streams_live, 60, "every router pod following every engine pod's KV event stream")
+        mark("KV event streams live from every engine pod to every router pod")
+
         nvl = engine_pods("chat-nvl")
         assert {p["spec"]["nodeName"] for p in nvl} == {"nvl-4"}
         pairs = sorted(sorted(devices_of(p)) for p in nvl)

@@ -78,3 +78,22 @@ def test_a_gpu_replica_is_pinned_to_the_cpu_cores_local_to_its_gpus(tmp_path):
     plan = get_strategy().place_replicas(PlacementRequest.for_deployment(ld.deployment, 1), Inventory((node,)), busy)
     want = ReplicaWant("chat-0", ld.deployment, plan.placements[0], ld.serving_hash, ld.base_dir)
     assert local.numa_cores(want) == tuple(range(16, 32))
+
+
+def test_a_cpu_replica_runs_whole_on_its_placed_cores(tmp_path):
+    """Its API server too, not only vLLM's OpenMP threads: a starting engine's ``import torch``
+    probes every core it may run on, and must not queue on a core another replica keeps busy."""
+    from fleet.controller.backend import ReplicaWant
+    from fleet.inventory import Inventory
+    from fleet.inventory.model import NodeInventory
+    from fleet.placement import PlacementRequest, get_strategy
+    from fleet.spec import load_deployments
+
+    node = NodeInventory("n", cpu_cores=(0, 1, 2, 3))
+    local = LocalBackend(tmp_path / "state", "fleet-n", node)
+    f = write_deployment(tmp_path, replicas=1, resources={"accelerator": "cpu", "cpuCores": 2})
+    (ld,) = load_deployments([f])
+    plan = get_strategy().place_replicas(PlacementRequest.for_deployment(ld.deployment, 1), Inventory((node,)),
+                                         {"cpu:0": 1})  # fmt: skip
+    want = ReplicaWant("chat-0", ld.deployment, plan.placements[0], ld.serving_hash, ld.base_dir)
+    assert local.pinned_cores(want) == (1, 2)

@@ -14,7 +14,8 @@ the image lands in ``Node.status.images``; an unpullable one leaves the pod in E
 a pre-pull pod then completes), then runs each pod bound to its nodes (``spec.nodeName``) as a local process: the
 pod's engine command (the engine SIMULATOR, ``engine.kind: sim``) with the image's ``python``
 replaced by this interpreter and ``--host`` by the pod's IP, a loopback address of its own
-(127.0.0.N, port 8000 as in a real pod). It reports Running, the exit code when the process ends,
+(127.0.0.N, port 8000 as in a real pod; a ZMQ wildcard bind ``tcp://*:P`` is relayed from it,
+`fleet.testing.k8s.portmap`). It reports Running, the exit code when the process ends,
 sends SIGTERM on a graceful delete (SIGKILL with grace 0) and removes the pod when its process
 has gone, as a kubelet does.
 """
@@ -33,6 +34,7 @@ from aiohttp import web
 from fleet.k8s.client import PODS, ApiError, Gone, Resource
 from fleet.k8s.prepull import is_pull_pod
 from fleet.testing.k8s.kubelet import ImagePuller, run_pod, terminate_pod
+from fleet.testing.k8s.portmap import WildcardPorts
 from fleet.testing.k8s.rbac import Authorizer, RequestAttributes
 from fleet.testing.k8s.store import _RESOURCES, ObjectStore
 
@@ -204,6 +206,7 @@ class KubeletStandIn:
         self.env = env or {}
         self.procs: dict[tuple[str, str], asyncio.subprocess.Process] = {}
         self.ips: dict[tuple[str, str], str] = {}
+        self.ports: dict[tuple[str, str], WildcardPorts] = {}   # the pod's wildcard binds, relayed
         self.started = 0
         self.seen_pods: set[str] = set()   # every pod bound to these nodes, by name
         self._next_ip = 10
@@ -221,6 +224,8 @@ class KubeletStandIn:
                 proc.kill()
         for proc in self.procs.values():
             await proc.wait()
+        for ports in self.ports.values():
+            await ports.close()
         for t in self._waiters:
             t.cancel()
 
@@ -265,6 +270,9 @@ class KubeletStandIn:
         self._next_ip += 1
         if "--host" in argv:
             argv[argv.index("--host") + 1] = ip
+        ports = self.ports[key] = WildcardPorts(ip)
+        argv = ports.rewrite(argv)
+        await ports.serve()
         env = {**os.environ, **self.env, **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
         log_path = self.log_dir / f"{key[0]}_{key[1]}.log"
         log = open(log_path, "wb")
@@ -280,6 +288,7 @@ class KubeletStandIn:
 
     async def _reap(self, key: tuple[str, str], proc: asyncio.subprocess.Process, log_path: Path) -> None:
         code = await proc.wait()
+        await self.ports.pop(key).close()
         self.store.logs[key] = log_path.read_text(errors="replace")
         try:
             pod = self.store.get(PODS, *key)

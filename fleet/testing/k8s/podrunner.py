@@ -29,7 +29,9 @@ What it honours, as a kubelet does:
 - deletion: SIGTERM, SIGKILL after the grace period, devices released, the pod removed.
 
 Deviations, because there is no pod network: each pod gets its own loopback address
-(127.0.x.y) and an argument ``0.0.0.0`` (alone or after ``=``) is replaced by it.
+(127.0.x.y) and an argument ``0.0.0.0`` (alone or after ``=``) is replaced by it; a ZMQ wildcard
+bind ``tcp://*:P`` gets a free host port and a relay from the pod's address, port P
+(`fleet.testing.k8s.portmap`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import aiohttp
 from fleet.k8s.client import PODS, ApiError
 from fleet.testing.k8s.deviceplugin import DevicePlugin
 from fleet.testing.k8s.kubelet import ImagePuller
+from fleet.testing.k8s.portmap import WildcardPorts
 from fleet.testing.k8s.resources import CONFIGMAPS, SECRETS, SERVICE_ACCOUNTS
 from fleet.testing.k8s.store import ObjectStore, now_iso
 
@@ -108,6 +111,7 @@ class PodRunner:
         self.node = node
         self.pod = pod
         self.ip = ip
+        self.ports = WildcardPorts(ip)
         meta = pod["metadata"]
         self.ns, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.dir = kubelet.work / "pods" / f"{self.ns}_{self.name}_{self.uid[:8]}"
@@ -162,6 +166,7 @@ class PodRunner:
             log.exception("pod %s/%s", self.ns, self.name)
             raise
         finally:
+            await self.ports.close()
             if self.node.plugin is not None:
                 self.node.plugin.release(self.uid)
             self.node.requested.pop(self.name, None)
@@ -314,6 +319,7 @@ class PodRunner:
                 await self._wait(0.5)
                 if self.deleting.is_set():
                     return
+        await self.ports.serve()
         spec_path = self.dir / f"{c.name}.json"
         spec_path.write_text(json.dumps(spec))
         c.log_path = self.dir / f"{c.name}.log"
@@ -488,7 +494,8 @@ class PodRunner:
             argv[0] = sys.executable
         elif argv[0] == "vllm":
             raise ConfigError("the cluster in a box runs Fleet's image only (engine.kind: sim); vllm is not in it")
-        return [self.ip if a == "0.0.0.0" else re.sub(r"=0\.0\.0\.0$", "=" + self.ip, a) for a in argv]
+        argv = [self.ip if a == "0.0.0.0" else re.sub(r"=0\.0\.0\.0$", "=" + self.ip, a) for a in argv]
+        return self.ports.rewrite(argv)
 
     def _container_spec(self, c: _Container) -> dict:
         spec = c.spec
