@@ -234,20 +234,33 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
 
         async def kv_streams_live() -> bool:
             """Every router pod follows every engine pod's KV event stream (the engine's PUB socket
-            at its pod IP, port kv-events) and holds an exact view of it."""
-            want = {f"{p['status']['podIP']}" for d in ("chat-nvl", "small-mig", "chat-sxm") for p in engine_pods(d)
-                    if p.get("status", {}).get("podIP")}  # fmt: skip
+            and replay socket at its pod IP, ports kv-events / kv-replay) with an exact view, and
+            has applied events of every deployment (each got a prompt longer than a KV block)."""
+            names = {p["metadata"]["name"]: d for d in ("chat-nvl", "small-mig", "chat-sxm") for p in engine_pods(d)}
             async with aiohttp.ClientSession() as http:
                 for url in router_urls():
                     async with http.get(f"{url}/metrics") as r:
                         text = await r.text()
-                    live = {line for line in text.splitlines()
-                            if line.startswith("fleet_router_kv_stream_live{") and line.endswith(" 1.0")}  # fmt: skip
-                    if not all(any(f"{ip}:" in line for line in live) for ip in want):
+                    rows = [line for line in text.splitlines() if line.startswith("fleet_router_kv_")]
+                    kv_rows[url] = rows
+                    live = {n for n in names if f'fleet_router_kv_stream_live{{endpoint="{n}",model="{names[n]}"}} 1.0' in rows}
+                    applied = {names[n] for n in names for line in rows
+                               if line.startswith(f'fleet_router_kv_events_total{{endpoint="{n}",')
+                               and float(line.rsplit(" ", 1)[1]) > 0}  # fmt: skip
+                    if live != set(names) or applied != set(names.values()):
                         return False
-            return bool(want)
+            return bool(names)
 
-        await until(kv_streams_live, 60, "every router pod following every engine pod's KV event stream")
+        kv_rows: dict[str, list[str]] = {}
+        long_prompt = " ".join(f"word{i}" for i in range(400))   # many KV blocks of any block size
+        async with aiohttp.ClientSession() as http:
+            for model in ("chat-nvl", "small-mig", "chat-sxm"):
+                async with http.post(f"{router_urls()[0]}/v1/completions",
+                                     json={"model": model, "prompt": long_prompt, "max_tokens": 2}) as r:  # fmt: skip
+                    assert r.status == 200, await r.text()
+        await async_wait_until(kv_streams_live, 60, interval_s=0.25,
+                               message="every router pod following every engine pod's KV event stream",
+                               explain=lambda: f"{json.dumps(kv_rows, indent=1)}\n{why()}")  # fmt: skip
         mark("KV event streams live from every engine pod to every router pod")
 
         nvl = engine_pods("chat-nvl")
