@@ -184,10 +184,12 @@ class PoolSpec(BaseModel):
     )  # fmt: skip
     tokenizer: str | None = Field(
         default=None, min_length=1, max_length=4096,
-        description="A directory on the router's machine holding the model's tokenizer.json (and "
-        "tokenizer_config.json / chat_template.jinja): prompts are tokenized with it to match them against "
-        "the engines' KV events (router.tokenize). None, or a directory the router cannot load (logged and "
-        "counted in fleet_router_tokenizer_loads_total): routing on the approximate prefix view only.",
+        description="Where the router gets the model's tokenizer: a directory on the router's machine holding "
+        "tokenizer.json (and tokenizer_config.json / chat_template.jinja), or a hub model `hf://org/name[@revision]` "
+        "whose tokenizer files (never its weights) the router fetches with huggingface_hub (HF_ENDPOINT, HF_TOKEN, "
+        "HF_HOME). Prompts are tokenized with it to match them against the engines' KV events (router.tokenize). "
+        "None, or a tokenizer the router cannot load (logged and counted in fleet_router_tokenizer_loads_total): "
+        "routing on the approximate prefix view only.",
     )
     sticky_key: str | None = Field(
         default=None, pattern=STICKY_KEY_PATTERN,

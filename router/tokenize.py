@@ -1,9 +1,10 @@
 """A pool's own tokenizer in the router: the token ids the engine will compute for a prompt.
 
 Owns `PromptTokenizer` (one model's tokenizer: `tokenizers` for the ids, jinja2 for the chat
-template), `load_tokenizer` (read one from a local directory; blocking), `TokenizerError`, and
-`PoolTokenizers`, the router's set of loaded tokenizers: loaded in a worker thread when a pool
-names a directory (`router.spec.PoolSpec.tokenizer`), used by `router.proxy` for every request of
+template), `load_tokenizer` (read one from a local directory, or fetch its files from the hub
+first: `fetch_from_hub`; blocking), `TokenizerError`, and `PoolTokenizers`, the router's set of
+loaded tokenizers: loaded in a worker thread when a pool names a directory or an ``hf://``
+source (`router.spec.PoolSpec.tokenizer`), used by `router.proxy` for every request of
 such a pool to fill `router.prompt_blocks.RouteRequest.token_ids`, which the exact KV index matches
 against the engines' KV events. A pool whose tokenizer is loading or failed still routes, on the
 approximate (text-block) view only; a failed load is logged with its reason and counted.
@@ -49,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +74,11 @@ CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """Where transformers (>= 4.43) saves a model's single chat template; it wins over
 tokenizer_config.json's ``chat_template`` when both exist, as in transformers' loading."""
+HUB_PREFIX = "hf://"
+HUB_FILES = (TOKENIZER_FILE, CONFIG_FILE, CHAT_TEMPLATE_FILE)
+"""What the router fetches of a hub model (`fetch_from_hub`): the tokenizer, never the weights."""
+HUB_TIMEOUT_S = 10.0
+"""Seconds huggingface_hub waits for the hub's answer about each file."""
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The named special tokens a chat template sees (transformers' `SPECIAL_TOKENS_ATTRIBUTES`)."""
 
@@ -102,8 +109,9 @@ tokenizer error, too many long prompts waiting, the pool's tokenizer not (yet) l
 
 
 class TokenizerError(Exception):
-    """A tokenizer directory the router cannot use. ``reason`` is one word for the metric label:
-    ``missing`` (no directory or no tokenizer.json), ``unreadable`` (an OS error), ``invalid``
+    """A tokenizer directory (or hub source) the router cannot use. ``reason`` is one word for the
+    metric label: ``missing`` (no directory or no tokenizer.json; on the hub: no such repository,
+    revision or file), ``unreadable`` (an OS error; the hub did not answer), ``invalid``
     (tokenizer.json or tokenizer_config.json that does not parse), ``chat_template`` (a chat
     template that does not compile). The message names the directory and the file."""
 
@@ -416,18 +424,77 @@ def _template_source(directory: str, config: Mapping[str, Any]) -> str | None:
     return source
 
 
-def load_tokenizer(directory: str) -> PromptTokenizer:
-    """The tokenizer of the model in ``directory`` (tokenizer.json; tokenizer_config.json and
-    chat_template.jinja when present). Blocking (reads files, builds the Rust tokenizer: tens of
-    milliseconds to seconds for a large vocabulary): call it off the event loop.
+def parse_hub_source(source: str) -> tuple[str, str | None]:
+    """``hf://org/name[@revision]`` -> (repository id, revision or None for the default branch).
+    Raises TokenizerError (``missing``) for anything else."""
+    repo, _, revision = source.removeprefix(HUB_PREFIX).partition("@")
+    if not source.startswith(HUB_PREFIX) or repo.count("/") != 1 or not all(repo.split("/")) or (_ and not revision):
+        raise TokenizerError(source, "missing", "not an hf://org/name[@revision] source")
+    return repo, revision or None
+
+
+def fetch_from_hub(source: str) -> str:
+    """The local directory holding the tokenizer files of the hub model ``source``
+    (``hf://org/name[@revision]``), fetched with huggingface_hub's ``hf_hub_download`` (it reads
+    ``HF_ENDPOINT`` and ``HF_TOKEN``, and keeps the files in its cache under ``HF_HOME``): the
+    `HUB_FILES` only, never the weights; tokenizer.json must exist, the others where the
+    repository has them. A router pod (which holds no weights) gets a model's tokenizer this way.
+    Blocking (network): call it off the event loop.
+
+    Raises:
+        TokenizerError: no such repository, revision or tokenizer.json, or no access
+            (``missing``); the hub did not answer or the cache cannot be written (``unreadable``).
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo, revision = parse_hub_source(source)
+    directory: str | None = None
+    for name in HUB_FILES:
+        try:
+            path = hf_hub_download(repo, name, revision=revision, endpoint=os.environ.get("HF_ENDPOINT") or None,
+                                   etag_timeout=HUB_TIMEOUT_S)
+        except LocalEntryNotFoundError:   # the hub did not answer (after huggingface_hub's retries), not cached
+            raise TokenizerError(source, "unreadable", f"{name}: the hub did not answer and the hub cache has "
+                                 "no copy") from None  # fmt: skip
+        except EntryNotFoundError:
+            if name == TOKENIZER_FILE:
+                raise TokenizerError(source, "missing", f"the repository has no {TOKENIZER_FILE} (a fast tokenizer "
+                                     "is needed)") from None  # fmt: skip
+            continue
+        except RevisionNotFoundError:
+            raise TokenizerError(source, "missing", f"revision {revision!r} not found") from None
+        except RepositoryNotFoundError:
+            raise TokenizerError(source, "missing", f"repository {repo!r} not found (or no access: set HF_TOKEN "
+                                 "in the router's environment)") from None  # fmt: skip
+        except (HfHubHTTPError, OSError, ValueError) as exc:
+            raise TokenizerError(source, "unreadable", f"{name} not fetched from the hub: {exc}") from None
+        directory = directory or str(Path(path).parent)
+    assert directory is not None   # tokenizer.json came first, or raised
+    return directory
+
+
+def load_tokenizer(source: str) -> PromptTokenizer:
+    """The tokenizer of the model in the directory ``source`` (tokenizer.json; tokenizer_config.json
+    and chat_template.jinja when present), or of the hub model ``source`` (``hf://org/name[@rev]``:
+    its tokenizer files fetched first, `fetch_from_hub`). Blocking (reads files, builds the Rust
+    tokenizer: tens of milliseconds to seconds for a large vocabulary; the network for a hub
+    source): call it off the event loop.
 
     Raises:
         TokenizerError: no such directory or no tokenizer.json (``missing``), a file that cannot
             be read (``unreadable``), one that does not parse (``invalid``), a chat template
-            that does not compile (``chat_template``).
+            that does not compile (``chat_template``); for a hub source, as `fetch_from_hub`.
     """
     from tokenizers import Tokenizer
 
+    directory = fetch_from_hub(source) if source.startswith(HUB_PREFIX) else source
     root = Path(directory)
     if not root.is_dir():
         raise TokenizerError(directory, "missing", "no such directory")

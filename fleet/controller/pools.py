@@ -6,7 +6,7 @@ a collaborator of `fleet.controller.reconcile.Controller` that works on its
 `fleet.controller.targets.FleetRecords`: once per tick (`publish`, the last step of
 `Controller.reconcile_once`) it writes each deployment's pool (`router.spec.PoolSpec`: the
 replicas that passed warm-up, their revision's label and weight, DRAINING ones marked draining;
-the model's tokenizer directory when this machine has one, `tokenizer_dir`)
+where the router gets the model's tokenizer, `tokenizer_source`)
 where it changed since the last write, and drains the pool of each retired deployment through
 the router before deleting it. A failed write is logged and tried again next tick; no target is
 changed here.
@@ -25,6 +25,7 @@ from fleet.controller.lifecycle import Replica, ReplicaStatus
 from fleet.controller.model_memory import _weight_cache_dir
 from fleet.controller.targets import DeploymentRecord, FleetRecords
 from fleet.rollout.revisions import endpoint_weights, revision_label
+from fleet.sources import parse_source
 from fleet.spec import LoadedDeployment
 from router.spec import EndpointSpec, KvEventsSource, PoolSpec
 
@@ -36,15 +37,22 @@ TOKENIZER_RECHECK_S = 60.0
 """Seconds before a model without a tokenizer directory on this machine is looked for again."""
 
 
-def tokenizer_dir(ld: LoadedDeployment) -> str | None:
-    """The directory holding the deployment's tokenizer.json on this machine, for the router
-    (`router.spec.PoolSpec.tokenizer`): the model's own directory for a path or ``file://``
-    source, this machine's weight-cache entry for an ``hf://`` one; None when it has none there
-    (other sources, not pulled, ``sim://``). Reads the file system."""
+def tokenizer_source(ld: LoadedDeployment) -> str | None:
+    """Where the router gets the deployment's tokenizer (`router.spec.PoolSpec.tokenizer`): the
+    directory holding its tokenizer.json on this machine (the model's own directory for a path or
+    ``file://`` source, this machine's weight-cache entry for an ``hf://`` one); else, for an
+    ``hf://`` source, the source itself (``hf://org/name@revision``: the router fetches the
+    tokenizer files from the hub, as a router pod on Kubernetes must: it holds no weights); None
+    otherwise (``sim://``, a directory without tokenizer.json, an http(s) manifest). Reads the file
+    system."""
     source = ld.deployment.spec.model.source
     local = ld.deployment.spec.model.local_path(ld.base_dir)
     directory = local if local is not None else _weight_cache_dir(source)
-    return str(directory) if directory is not None and (Path(directory) / "tokenizer.json").is_file() else None
+    if directory is not None and (Path(directory) / "tokenizer.json").is_file():
+        return str(directory)
+    if source.startswith("hf://"):
+        return parse_source(source).canonical
+    return None
 
 
 class PoolSink(Protocol):
@@ -135,13 +143,16 @@ class PoolPublisher:
             log.warning("cannot publish %d pool(s) (retried next tick); first: %s: %r", len(failed), *failed[0])
 
     def _tokenizer(self, ld: LoadedDeployment) -> str | None:
-        """`tokenizer_dir` of ``ld``, remembered (a miss is looked for again after
-        `TOKENIZER_RECHECK_S`), so a tick does not read the file system for every deployment."""
+        """`tokenizer_source` of ``ld``, remembered, so a tick does not read the file system for
+        every deployment: a directory is kept; a miss, or a hub source (this machine's weight
+        cache may get the files: then the router reads them there), is looked for again after
+        `TOKENIZER_RECHECK_S`."""
         key = (ld.deployment.spec.model.source, ld.base_dir)
         now_s = time.monotonic()
         known = self._tokenizers.get(key)
-        if known is None or (known[0] is None and now_s - known[1] >= TOKENIZER_RECHECK_S):
-            known = self._tokenizers[key] = (tokenizer_dir(ld), now_s)
+        if known is None or ((known[0] is None or known[0].startswith("hf://"))
+                             and now_s - known[1] >= TOKENIZER_RECHECK_S):  # fmt: skip
+            known = self._tokenizers[key] = (tokenizer_source(ld), now_s)
         return known[0]
 
     def endpoints(self, deployment: str) -> list[EndpointSpec]:

@@ -125,8 +125,12 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
     from fleet.testing.hub_server import HubRepo, HubServer
     from fleet.testing.k8s.box import ClusterInABox
 
+    from fleet.engines.tinymodel import make_tiny_tokenizer
+
     weights = {"config.json": b'{"model_type": "llama"}', "model.safetensors": os.urandom(4096)}
-    repos = {"org/chat": HubRepo(dict(weights)), "org/small": HubRepo({**weights, "extra.txt": b"small"}),
+    tok_dir = make_tiny_tokenizer(tmp_path / "tokenizer")
+    tokenizer = {f: (tok_dir / f).read_bytes() for f in ("tokenizer.json", "tokenizer_config.json")}
+    repos = {"org/chat": HubRepo({**weights, **tokenizer}), "org/small": HubRepo({**weights, "extra.txt": b"small"}),
              "org/sxm": HubRepo({**weights, "sxm.txt": b"v1"})}
     hub = HubServer(repos)
     hub.__enter__()
@@ -201,6 +205,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
         box.helm_install({
             "agent": {"enabled": True, "nodeSelector": {"nvidia.com/gpu.present": "true"}},
             "operator": {"tickSeconds": 0.5},
+            "router": {"extraEnv": [{"name": "HF_ENDPOINT", "value": hub.url}]},
             "engine": {"defaultImage": IMAGE, "extraEnv": [{"name": "HF_ENDPOINT", "value": hub.url}],
                        "prePull": {"enabled": False}, "shmSize": ""},
         })  # fmt: skip
@@ -241,13 +246,17 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
                 for url in router_urls():
                     async with http.get(f"{url}/metrics") as r:
                         text = await r.text()
-                    rows = [line for line in text.splitlines() if line.startswith("fleet_router_kv_")]
+                    rows = [line for line in text.splitlines() if line.startswith(("fleet_router_kv_",
+                                                                                   "fleet_router_tokenizer"))]  # fmt: skip
                     kv_rows[url] = rows
                     live = {n for n in names if f'fleet_router_kv_stream_live{{endpoint="{n}",model="{names[n]}"}} 1.0' in rows}
                     applied = {names[n] for n in names for line in rows
                                if line.startswith(f'fleet_router_kv_events_total{{endpoint="{n}",')
                                and float(line.rsplit(" ", 1)[1]) > 0}  # fmt: skip
                     if live != set(names) or applied != set(names.values()):
+                        return False
+                    # chat-nvl's tokenizer fetched from the hub by the router pod (it holds no weights)
+                    if 'fleet_router_tokenizer_loads_total{outcome="ok"} 1.0' not in rows:
                         return False
             return bool(names)
 
@@ -261,7 +270,9 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
         await async_wait_until(kv_streams_live, 60, interval_s=0.25,
                                message="every router pod following every engine pod's KV event stream",
                                explain=lambda: f"{json.dumps(kv_rows, indent=1)}\n{why()}")  # fmt: skip
-        mark("KV event streams live from every engine pod to every router pod")
+        for f in tokenizer:   # the node's weight cache once (the whole repository), each router pod once
+            assert len(hub.log.file_gets(f"org/chat/resolve/{rev}/{f}")) == 3, f
+        mark("KV event streams live from every engine pod to every router pod; tokenizer fetched by each router")
 
         nvl = engine_pods("chat-nvl")
         assert {p["spec"]["nodeName"] for p in nvl} == {"nvl-4"}

@@ -403,3 +403,46 @@ def test_kv_aware_wants_token_ids_while_an_exact_view_is_live() -> None:
     assert policy.wants_token_ids()                   # a live stream with blocks: ids are worth it
     index.stream_down("e")
     assert not policy.wants_token_ids()
+
+
+def test_a_hub_source_fetches_the_tokenizer_files_only(tokenizer_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A router pod holds no weights: `hf://org/name@rev` fetches tokenizer.json,
+    tokenizer_config.json and chat_template.jinja from the hub (a local hub server here) and
+    tokenizes as the directory does; errors name the reason."""
+    import huggingface_hub.constants
+    import huggingface_hub.errors
+
+    from fleet.testing.hub_server import HubRepo, HubServer
+
+    files = {f: (tokenizer_dir / f).read_bytes() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                           "chat_template.jinja")}  # fmt: skip
+    repos = {"org/tiny": HubRepo({**files, "config.json": b"{}", "model.safetensors": b"\0" * 4096}),
+             "org/no-tokenizer": HubRepo({"config.json": b"{}"})}  # fmt: skip
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    with HubServer(repos) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        tok = load_tokenizer(f"hf://org/tiny@{repos['org/tiny'].commit}")
+        local = load_tokenizer(str(tokenizer_dir))
+        chat = {"messages": CONVERSATIONS[1]}
+        assert tok.prompt_token_ids(chat) == local.prompt_token_ids(chat)
+        assert tok.prompt_token_ids({"prompt": "hello there"}) == local.prompt_token_ids({"prompt": "hello there"})
+        fetched = {p.rsplit("/", 1)[1] for m, p, _ in hub.log.requests if m == "GET" and "/resolve/" in p}
+        assert fetched == set(files)                                    # never the weights
+        assert load_tokenizer("hf://org/tiny").prompt_token_ids({"prompt": "hi"})   # the default branch
+
+        for source, match in (("hf://org/absent", "repository 'org/absent' not found"),
+                              ("hf://org/tiny@no-such-branch", "revision 'no-such-branch' not found"),
+                              ("hf://org/no-tokenizer", "has no tokenizer.json"),
+                              ("hf://just-a-name", "not an hf://org/name")):  # fmt: skip
+            with pytest.raises(TokenizerError, match=match) as err:
+                load_tokenizer(source)
+            assert err.value.reason == "missing"
+
+    def unreachable(*args: Any, **kwargs: Any) -> str:   # what huggingface_hub raises after its retries
+        raise huggingface_hub.errors.LocalEntryNotFoundError("connection refused, not in the local cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    with pytest.raises(TokenizerError, match="the hub did not answer") as err:
+        load_tokenizer("hf://org/other")
+    assert err.value.reason == "unreadable"
