@@ -91,6 +91,13 @@ class ArrivalForecaster:
             acc[0] = max(acc[0], rate) if peak else acc[0] + rate
             acc[1] = 1.0 if peak else acc[1] + 1
 
+    def history(self) -> list[tuple[float, float]]:
+        """The bins kept, for a caller to save and `prime` a later forecaster with: (start of the
+        bin in seconds on the caller's clock, its rate in requests/s: the statistic so far for
+        the bin in progress), oldest first; at most `HISTORY_SEASONS` seasons and the bin in
+        progress."""
+        return [(b * self.bin_s, acc[0] / acc[1]) for b, acc in sorted(self._bins.items()) if acc[1] > 0]
+
     def _score(self, current: int) -> None:
         """Score every complete bin not scored yet against its first forecast."""
         for b in range(self._scored_through + 1, current):

@@ -194,6 +194,12 @@ class ScalingPolicy(Registered, registry=SCALING_POLICIES):
         clock, before the first ``ctx.now_s``; requests/s), oldest first. A policy that keeps no
         long history ignores them (all but `standby` with ``spec.forecast``)."""
 
+    def history(self) -> list[tuple[float, float]]:
+        """What `prime` would take back: the arrival rates this policy keeps, as (bin start in
+        seconds on the caller's clock, requests/s), oldest first; [] for a policy that keeps none.
+        The controller saves them, so a restart does not forget a forecast's seasons."""
+        return []
+
     def take_background(self) -> Callable[[], Callable[[], None]] | None:
         """Work deferred by `decide` (``defer_work``), once: a callable that is safe to run in a
         worker thread (pure, touching no policy state) and returns a callable to run on the

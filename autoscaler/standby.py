@@ -159,6 +159,9 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         if self.forecaster is not None:
             self.forecaster.prime(history)
 
+    def history(self) -> list[tuple[float, float]]:
+        return self.forecaster.history() if self.forecaster is not None else []
+
     def take_background(self) -> Callable[[], Callable[[], None]] | None:
         """The forecast's deferred refit (`ArrivalForecaster.take_fit`): run it in a worker
         thread, then apply what it returns on the caller's thread (`ArrivalForecaster.install`)."""

@@ -12,7 +12,11 @@ to ``on_decision`` (the progress line of `fleet up`). A policy's slow pure work 
 policy's forecast refit, 0.2-0.3 s) is deferred (``ScalingPolicy.defer_work``) and run in a
 worker thread (`asyncio.to_thread`); the policy forecasts with its last fitted model meanwhile.
 
-Side effects go through the injected router, engine API and clock, so tests drive the loop
+With a ``history`` store (`fleet.controller.arrival_history`) it primes each new policy with the
+arrival rates saved before (a forecast keeps its seasons across restarts and re-applies) and saves
+them every `HISTORY_SAVE_S` and when it stops.
+
+Side effects go through the injected router, engine API, clocks and store, so tests drive the loop
 on fake time with the fakes of tests/support/fakes.py. Each part of a step has its own error handling:
 an unreachable router or engine leaves that signal unmeasured (None) for this decision.
 Called by `fleet.local.up`.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,6 +37,7 @@ from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Direction, ReplicaBounds, ScalingContext, ScalingDecision, ScalingPolicy, make_policy
 from autoscaler.signals import DeploymentSignals
 from autoscaler.startup import StartupTracker
+from fleet.controller.arrival_history import HISTORY_SAVE_S, ArrivalHistoryStore, History
 from fleet.controller.reconcile import Controller
 from fleet.controller.lifecycle import Replica, ReplicaStatus
 from warmup.client import EngineAPI, EngineRequestError
@@ -73,6 +79,7 @@ class _Scaled:
     startup: StartupTracker
     next_due_s: float = 0.0
     background: asyncio.Task[None] | None = None   # the policy's deferred work (a forecast refit) in a thread
+    primed: bool = False   # given the saved arrival history (or there was none to give)
 
 
 def startup_of(r: Replica) -> tuple[bool, float] | None:
@@ -90,7 +97,8 @@ class AutoscalerLoop:
     ``router``: source of windowed router statistics; ``engine_api``: scrapes engine
     `/metrics`; ``clock``: the controller's clock (seconds); ``metrics``: where decisions are
     exported (optional); ``on_decision(deployment, decision)``: called for every decision;
-    ``scrape_timeout_s``: per-replica `/metrics` timeout.
+    ``scrape_timeout_s``: per-replica `/metrics` timeout; ``history``: where the policies'
+    arrival history is kept (None: memory only); ``wall_clock``: Unix seconds (the saved times).
     """
 
     def __init__(
@@ -103,8 +111,13 @@ class AutoscalerLoop:
         metrics: AutoscalerMetrics | None = None,
         on_decision: Callable[[str, ScalingDecision], None] | None = None,
         scrape_timeout_s: float = 2.0,
+        history: ArrivalHistoryStore | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.controller = controller
+        self.history = history
+        self.wall_clock = wall_clock
+        self._next_save_s: float | None = None
         self.router = router
         self.engine_api = engine_api
         self.clock = clock
@@ -138,6 +151,13 @@ class AutoscalerLoop:
     async def step(self) -> list[tuple[str, ScalingDecision]]:
         """Decide for every deployment whose policy is due; return the decisions made."""
         now_s = self.clock()
+        if self.history is not None:
+            await self._restore_history()
+            if self._next_save_s is None:
+                self._next_save_s = now_s + HISTORY_SAVE_S
+            elif now_s >= self._next_save_s:
+                self._next_save_s = now_s + HISTORY_SAVE_S
+                await self.save_history()
         due = [d for d in self.scaled.values() if now_s >= d.next_due_s]
         if not due:
             return []
@@ -167,6 +187,41 @@ class AutoscalerLoop:
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
             except asyncio.TimeoutError:
                 pass
+        await self.save_history()
+
+    async def _restore_history(self) -> None:
+        """Prime every policy not primed yet with its deployment's saved rates (once each; a
+        history that cannot be read is logged and the policies start without it)."""
+        fresh = [d for d in self.scaled.values() if not d.primed]
+        if not fresh or self.history is None:
+            return
+        try:
+            saved = await self.history.load()
+        except Exception as err:  # noqa: BLE001 - unreadable or unusable: start without it
+            log.warning("arrival history not restored (the forecast starts from nothing): %s", err)
+            saved = {}
+        offset_s = self.clock() - self.wall_clock()
+        for d in fresh:
+            rows = saved.get(d.name, [])
+            if rows:
+                d.policy.prime([(t_s + offset_s, rate) for t_s, rate in rows])
+                log.info("%s: arrival history restored (%d bins)", d.name, len(rows))
+            d.primed = True
+
+    async def save_history(self) -> None:
+        """Save every policy's arrival history (`ScalingPolicy.history`) in wall-clock time;
+        nothing when no policy keeps any. A failure is logged (tried again at the next save)."""
+        if self.history is None:
+            return
+        offset_s = self.wall_clock() - self.clock()
+        history: History = {d.name: [(t_s + offset_s, rate) for t_s, rate in rows]
+                            for d in self.scaled.values() if d.primed and (rows := d.policy.history())}  # fmt: skip
+        if not history:
+            return
+        try:
+            await self.history.save(history)
+        except Exception as err:  # noqa: BLE001 - kept in memory; the next save tries again
+            log.warning("arrival history not saved: %s", err)
 
     async def _router_stats(self, windows: set[float]) -> dict[float, dict[str, dict] | None]:
         out: dict[float, dict[str, dict] | None] = {}

@@ -71,6 +71,7 @@ EVENTS = Resource("", "v1", "events", "Event")
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease")
 SECRETS = Resource("", "v1", "secrets", "Secret")   # the router admin token (fleet/k8s/admin_token.py)
 SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount")
+CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")   # the autoscaler's arrival history (fleet/k8s/arrival_history.py)
 INFERENCE_DEPLOYMENTS = Resource(GROUP, VERSION, PLURAL, KIND)
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                 namespaced=False)  # fmt: skip

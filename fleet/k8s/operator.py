@@ -39,6 +39,7 @@ every ``resync_s``. The reconcile logic is the controller's; this module adds no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ from pathlib import Path
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Direction
 from fleet.controller.autoscaling import AutoscalerLoop
+from fleet.k8s.arrival_history import ConfigMapHistoryStore
 from fleet.controller.reconcile import Controller, ControllerSettings, ReplicaEvent
 from fleet.k8s.backend import KubernetesBackend
 from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, NODES, PODS, ApiError, Kube
@@ -117,6 +119,7 @@ class OperatorSettings:
     metrics_port: int = 8081
     fleet_id: str = ""
     prices: tuple[tuple[str, float], ...] = ()   # (GPU product, USD per GPU-hour): fleet_gpu_price_usd_per_hour
+    service_account: str = ""   # the operator's own: owner of the arrival-history ConfigMap ("" for none)
 
 
 class Operator:
@@ -159,6 +162,8 @@ class Operator:
         self._events: list[ReplicaEvent] = []
         self._decisions: list[tuple[str, object]] = []
         self.autoscaler: AutoscalerLoop | None = None
+        self.arrival_history = ConfigMapHistoryStore(kube, namespace, f"{settings.lease_name}-arrival-history",
+                                                     settings.service_account)  # fmt: skip
         self.autoscaler_metrics = AutoscalerMetrics()
         self.controller_metrics = ControllerStateCollector(dict(settings.prices))   # fleet_replicas etc., as `fleet up`
         self._parsed: dict[str, tuple] = {}            # name -> (generation key, ClusterDeployment, spec JSON)
@@ -224,6 +229,8 @@ class Operator:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.autoscaler is not None and self.elector.holds():
+                await self.autoscaler.save_history()   # the next leader's forecast starts where this one was
             self._drop_controller()
             if keeper is not None:
                 await asyncio.to_thread(keeper.stop)   # and gives the Lease up
@@ -408,11 +415,16 @@ class Operator:
             return
         old = self.autoscaler
         self.autoscaler = AutoscalerLoop(c, router=self.pool_sink, engine_api=self.engine_api, clock=self.clock,
-                                         metrics=self.autoscaler_metrics, on_decision=self._on_decision)  # fmt: skip
+                                         metrics=self.autoscaler_metrics, on_decision=self._on_decision,
+                                         history=self.arrival_history, wall_clock=self.clock)  # fmt: skip
         if old is not None:
             for name, kept in old.scaled.items():
                 if name in self.autoscaler.scaled and name not in touched:
                     self.autoscaler.scaled[name] = kept
+                elif name in self.autoscaler.scaled and kept.primed:   # a new policy keeps the arrival history
+                    fresh = self.autoscaler.scaled[name]
+                    fresh.policy.prime(kept.policy.history())
+                    fresh.primed = True
 
     def _parse(self, cr: dict) -> ClusterDeployment:
         """`fleet.spec.parse_document` of a resource, cached by generation and labels (a tick
@@ -657,6 +669,7 @@ async def run_operator(settings: OperatorSettings) -> int:
         log.error("no cluster configuration (in-cluster service account or kubeconfig): %s", err)
         return 2
     namespace = settings.namespace or _own_namespace() or "default"
+    settings = dataclasses.replace(settings, service_account=settings.service_account or token_source.owner_service_account)
     try:
         token = await token_source.resolve(kube, namespace)
     except (AdminTokenError, ApiError) as err:

@@ -43,6 +43,7 @@ from rich.console import Console
 
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Direction, ScalingDecision
+from fleet.controller.arrival_history import ARRIVAL_HISTORY_FILE, FileHistoryStore
 from fleet.controller.autoscaling import AutoscalerLoop
 from fleet.agent.cache import WeightCache, default_cache_root
 from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
@@ -382,7 +383,8 @@ async def run_up(
                           highlight=False)  # fmt: skip
         if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
             autoscaler = AutoscalerLoop(controller, router=router.admin, engine_api=engine_api, clock=clock,
-                                        metrics=autoscaler_metrics, on_decision=progress.decision)  # fmt: skip
+                                        metrics=autoscaler_metrics, on_decision=progress.decision,
+                                        history=FileHistoryStore(store.root / ARRIVAL_HISTORY_FILE))  # fmt: skip
             tasks.append(loop.create_task(_keep_running("autoscaler", lambda: autoscaler.run(stop), stop),
                                           name="autoscaler"))  # fmt: skip
         store.set_extra(phase="running")

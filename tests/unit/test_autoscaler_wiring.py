@@ -37,14 +37,17 @@ def router_stats(*, queue_s: float, ttft_s: float, in_flight: int, rate: float =
 
 
 class Fleet(Harness):
-    def __init__(self, tmp_path: Path, policy: str = "fleet", **spec: object) -> None:
-        f = write_deployment(tmp_path, replicas=1, autoscaling={**AUTOSCALING, "policy": policy}, **spec)
+    def __init__(self, tmp_path: Path, policy: str = "fleet", *, autoscaling: dict | None = None,
+                 loop_args: dict | None = None, **spec: object) -> None:  # fmt: skip
+        f = write_deployment(tmp_path, replicas=1, autoscaling={**AUTOSCALING, "policy": policy, **(autoscaling or {})},
+                             **spec)  # fmt: skip
         super().__init__(tmp_path, [f], drain_timeout_s=120)
         self.decisions: list = []
         self.load = (0.2, 2)
         self.metrics = AutoscalerMetrics()
         self.loop = AutoscalerLoop(self.c, router=self.pools, engine_api=self.engines, clock=self.clock,
-                                   metrics=self.metrics, on_decision=lambda n, d: self.decisions.append(d))  # fmt: skip
+                                   metrics=self.metrics, on_decision=lambda n, d: self.decisions.append(d),
+                                   **(loop_args or {}))  # fmt: skip
 
     def offer(self, replicas_worth: float, in_flight: int) -> None:
         """Offer load worth ``replicas_worth`` replicas at the queue-time target: the router's
