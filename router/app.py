@@ -43,22 +43,8 @@ from router.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report
 from router.pool import PoolTable
 from router.remembered import ModelsFile
 from router.tokenize import PoolTokenizers
-from router.proxy import (
-    CLOSE,
-    DEFAULT_CONNECT_TIMEOUT_S,
-    DEFAULT_MAX_ATTEMPTS,
-    DEFAULT_RETRY_AFTER_S,
-    PROXIED_PATHS,
-    Message,
-    Proxy,
-    Receive,
-    Scope,
-    Send,
-    BodyTooLarge,
-    read_body,
-    reflect,
-    send_json,
-)
+from router.asgi_io import CLOSE, PROXIED_PATHS, BodyTooLarge, Message, Receive, Scope, Send, read_body, reflect, send_json
+from router.proxy import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_AFTER_S, Proxy
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,9 @@
 
 Owns `Proxy`, a raw ASGI handler for `POST /v1/completions` and
 `POST /v1/chat/completions`, and the aiohttp client session it forwards with. Called by
-`router.app.RouterApp` for those two paths only; everything else goes to the FastAPI app.
+`router.app.RouterApp` for those two paths only; everything else goes to the FastAPI app. The
+client side of the connection (reading and checking the body, answering, noticing a client
+that left) is `router.asgi_io`.
 
 Per request: read the body (at most `max_body_bytes`, else 413; the server bounds the time,
 `router.server.RequestGuardProtocol`) and check the JSON (400), find the model's pool (404;
@@ -39,13 +41,24 @@ client, pre-bound metric children, no per-request logging. Keep it that way.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
 
 import aiohttp
 
+from router.asgi_io import (
+    CLOSE,
+    DISCONNECT_WATCH_DELAY_S,
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    ClientWatch,
+    parse_request,
+    read_body,
+    reflect,
+    send_json,
+)
 from router.deadline import FirstTokenBudget, first_token_timeout_s
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S, EndpointState
@@ -60,13 +73,6 @@ from router.tokens import body_tokens, stream_tokens
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-PROXIED_PATHS: dict[str, str] = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
-"""Paths the proxy serves (POST only), and the body field each one requires."""
 
 DEFAULT_MAX_ATTEMPTS = 3
 """Endpoints tried per request when connections fail before any response byte (capped by
@@ -82,8 +88,6 @@ uvicorn and vLLM (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`), so the router never reuses a 
 the engine is closing (which would fail the request before any byte and cost a retry)."""
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest request body accepted (bytes; 413 above): room for long prompts and inline images."""
-MAX_REFLECTED_CHARS = 256
-"""Most characters of a client-supplied value (a model name) echoed back in an error message."""
 MAX_LISTED_MODELS = 20
 """Most model names a 404 lists."""
 
@@ -179,147 +183,6 @@ def _outcome_of(status: int) -> Outcome:
 def _count(value: object) -> int:
     """A positive int field of the request body, else 0."""
     return value if type(value) is int and value > 0 else 0
-
-def reflect(value: str, limit: int = MAX_REFLECTED_CHARS) -> str:
-    """`repr(value)` cut to about `limit` characters, saying how long the value was: what an error
-    message may echo of client input."""
-    if len(value) <= limit:
-        return repr(value)
-    return f"{value[:limit]!r}... ({len(value)} characters)"
-
-
-CLOSE = [(b"connection", b"close")]
-"""Response header that makes the server close the connection after the response (a request
-whose body was not read, or not in time, must not leave its connection usable)."""
-
-
-async def send_json(send: Send, status: int, body: bytes,
-                    extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
-    """Send a complete JSON response through ASGI `send`."""
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if extra_headers:
-        headers.extend(extra_headers)
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-class BodyTooLarge(Exception):
-    """A request body longer than the caller's limit (raised by `read_body`)."""
-
-
-async def read_body(receive: Receive, max_bytes: int) -> bytes | None:
-    """The whole request body from ASGI `receive`; None if the client disconnected first.
-
-    Raises `BodyTooLarge` as soon as more than `max_bytes` arrived. Does not time out: the
-    server bounds the time (`router.server.RequestGuardProtocol`)."""
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        return None
-    body: bytes = message.get("body", b"")
-    if not message.get("more_body", False):  # the usual case: the whole body in one message
-        if len(body) > max_bytes:
-            raise BodyTooLarge
-        return body
-    chunks = [body]
-    size = len(body)
-    if size > max_bytes:
-        raise BodyTooLarge
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        if chunk:
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > max_bytes:
-                raise BodyTooLarge
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def check_request(body: bytes, path: str) -> tuple[str, None] | tuple[None, bytes]:
-    """Validate a completion request body; return `(model, None)` or `(None, error_body)`.
-
-    Checks only what routing needs and what is cheap: a JSON object, a non-empty string
-    `model`, and `prompt` (completions) or a list `messages` (chat). The engine validates
-    the rest.
-    """
-    model, _, problem = parse_request(body, path)
-    return (model, None) if model is not None else (None, problem)  # type: ignore[return-value]
-
-
-def parse_request(body: bytes, path: str) -> tuple[str | None, dict | None, bytes | None]:
-    """`check_request`, also returning the parsed body: `(model, doc, None)` or
-    `(None, None, error_body)`."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None, None, error_body(f"request body is not valid JSON: {exc}", code="invalid_json")
-    if not isinstance(data, dict):
-        return None, None, error_body("request body must be a JSON object", code="invalid_json")
-    model = data.get("model")
-    if model is None:
-        return None, None, error_body("you must provide a model parameter", param="model",
-                                      code="missing_required_parameter")  # fmt: skip
-    if not isinstance(model, str) or not model:
-        return None, None, error_body("model must be a non-empty string", param="model", code="invalid_type")
-    field = PROXIED_PATHS[path]
-    value = data.get(field)
-    if value is None:
-        return None, None, error_body(f"you must provide a {field} parameter", param=field,
-                                      code="missing_required_parameter")  # fmt: skip
-    if field == "messages" and not isinstance(value, list):
-        return None, None, error_body("messages must be a list", param="messages", code="invalid_type")
-    return model, data, None
-
-
-DISCONNECT_WATCH_DELAY_S = 0.05
-"""A request still running after this many seconds starts watching for a client
-disconnect. Requests answered sooner (most non-streamed ones through a fast engine) never
-pay for the watcher task: started for every request it cost tens of microseconds of CPU
-per request, a large share of the router's own overhead (loadtests/bench_proxy_hop.py)."""
-
-
-class _ClientWatch:
-    """Cancels the request task when the client disconnects before the response is done.
-
-    ASGI servers report a disconnect only through `receive()`, and uvicorn's `send()`
-    silently drops data for a gone client, so without this the proxy would keep the
-    engine generating for nobody. The watching task starts only after `delay_s`; a
-    disconnect before then is seen when it starts. Set `finishing` before the final `send`.
-    """
-
-    __slots__ = ("gone", "finishing", "_owner", "_receive", "_timer", "_task")
-
-    def __init__(self, receive: Receive, delay_s: float) -> None:
-        self.gone = False
-        self.finishing = False
-        owner = asyncio.current_task()
-        assert owner is not None  # always inside the ASGI request task
-        self._owner = owner
-        self._receive = receive
-        self._task: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(delay_s, self._start)
-
-    def _start(self) -> None:
-        self._timer = None
-        if not self.finishing:
-            self._task = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
-            pass
-        if not self.finishing:
-            self.gone = True
-            self._owner.cancel()
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-
 
 class Proxy:
     """Raw ASGI handler of the proxied paths, with one shared aiohttp `ClientSession`.
@@ -474,7 +337,7 @@ class Proxy:
         target = f"{path}?{query.decode('latin-1')}" if query else path
         if self._session is None:
             await self.start()
-        watch = _ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
+        watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
         try:
             if endpoint is None:
                 admitted = await self._wait_for_slot(model, pool, request, arrival_s, send, watch, key)
@@ -534,7 +397,7 @@ class Proxy:
             watch.stop()
 
     async def _wait_for_slot(self, model: str, pool: Pool, request: RouteRequest, arrival_s: float, send: Send,
-                             watch: _ClientWatch, key: str | None = None) -> tuple[Pool, EndpointState] | None:  # fmt: skip
+                             watch: ClientWatch, key: str | None = None) -> tuple[Pool, EndpointState] | None:  # fmt: skip
         """Wait in the model's admission queue until an endpoint of the model's current pool
         has a free slot; return that pool and endpoint, or answer 503 (queue full, timed out,
         pool gone) and return None. Records the queue time at dispatch."""
@@ -577,7 +440,7 @@ class Proxy:
         await send_json(send, status, body, extra_headers)
 
     async def _attempt(self, endpoint: EndpointState, prefill_tokens: int, target: str, body: bytes,
-                       headers: list[tuple[str, str]], send: Send, watch: _ClientWatch, arrival_s: float,
+                       headers: list[tuple[str, str]], send: Send, watch: ClientWatch, arrival_s: float,
                        pool: Pool, timeout_s: float | None, may_retry: bool) -> _Retry | None:  # fmt: skip
         """Send the request to `{endpoint.url}{target}` (path and query) and relay the answer;
         a `_Retry` means nothing has been sent to the client and another endpoint may take it.
@@ -738,7 +601,7 @@ class Proxy:
         return _Retry(Outcome.STALL)
 
     async def _upstream_failed(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse | None,
-                               send: Send, watch: _ClientWatch, pool: Pool, arrival_s: float, start_s: float,
+                               send: Send, watch: ClientWatch, pool: Pool, arrival_s: float, start_s: float,
                                exc: BaseException) -> None:  # fmt: skip
         """The endpoint failed before anything was sent to the client, in a way not retried (an
         aiohttp read timeout, a broken response): 504 or 502 in OpenAI's format."""
@@ -762,7 +625,7 @@ class Proxy:
 
     async def _relay_whole(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
                            status: int, headers: list[tuple[bytes, bytes]], send: Send,
-                           watch: _ClientWatch) -> bool:  # fmt: skip
+                           watch: ClientWatch) -> bool:  # fmt: skip
         """Relay a sized, non-streamed body in one piece; False if the endpoint failed."""
         try:
             data = await resp.read()
@@ -778,7 +641,7 @@ class Proxy:
         return True
 
     async def _failed_mid_response(self, endpoint: EndpointState, m: EndpointMetrics, send: Send,
-                                   watch: _ClientWatch, what: str, exc: BaseException) -> None:
+                                   watch: ClientWatch, what: str, exc: BaseException) -> None:
         """The endpoint failed while its (non-streamed) ``what`` was read: counted against it,
         and the client gets 502 ``upstream_error`` in OpenAI's format."""
         endpoint.record_failure(self._clock())
@@ -791,7 +654,7 @@ class Proxy:
 
     async def _read_error(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
                           status: int, headers: list[tuple[bytes, bytes]], send: Send,
-                          watch: _ClientWatch) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:  # fmt: skip
+                          watch: ClientWatch) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:  # fmt: skip
         """Read an engine's error answer (status >= 400, not a stream) and rewrite it in OpenAI's
         format (`router.errors.relayed_error`; at most `MAX_ERROR_BODY_BYTES` of it are read):
         `(body, headers to relay)` for the caller to send with the same status. None if the
@@ -811,7 +674,7 @@ class Proxy:
         return body, [(k, v) for k, v in headers if k not in (b"content-type", b"content-encoding")]
 
     async def _relay_stream(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
-                            status: int, headers: list[tuple[bytes, bytes]], send: Send, watch: _ClientWatch,
+                            status: int, headers: list[tuple[bytes, bytes]], send: Send, watch: ClientWatch,
                             sse: SseRelay | None, first: list[int], first_chunk: bytes | None,
                             first_chunk_s: float, idle_s: float | None = None) -> float | None:  # fmt: skip
         """Relay the body as it arrives (SSE: whole events, through `sse`); return the clock time

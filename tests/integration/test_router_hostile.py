@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from router.metrics import UNKNOWN_MODEL
-from router.proxy import MAX_REFLECTED_CHARS
+from router.asgi_io import MAX_REFLECTED_CHARS
 from tests.support.router import FakeEngine
 from tests.support.waits import async_wait_until
 from tests.unit.test_router_hostile import AUTH, SHORT_S, TOKEN, WAIT_S, error_of, good_traffic, put_pool, raw_exchange, rejected, router, status_of  # the subject's helpers live in its unit file
