@@ -107,13 +107,18 @@ def test_rbac_is_least_privilege():
     assert role["metadata"]["namespace"] == "fleet"
     resources = {r for rule in role["rules"] for r in rule["resources"]}
     assert resources == {"inferencedeployments", "inferencedeployments/status", "inferencedeployments/finalizers",
-                         "pods", "pods/log", "events", "leases", "secrets", "serviceaccounts"}
+                         "pods", "pods/log", "events", "leases", "secrets", "serviceaccounts", "configmaps"}
     # Secrets: get only the admin token's (by name), create (RBAC cannot name what is created);
     # never list, watch, update or delete any
     assert [r for r in role["rules"] if r["resources"] == ["secrets"]] == [
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["fleet-router-admin"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
-    # its own ServiceAccount, read once to own the Secret it makes (uninstall then deletes it)
+    # ConfigMaps: get and update only the autoscaler's arrival history (by name), create; never list or delete
+    assert [r for r in role["rules"] if r["resources"] == ["configmaps"]] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["fleet-operator-arrival-history"],
+         "verbs": ["get", "update"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]}]
+    # its own ServiceAccount, read once to own the Secret and ConfigMap it makes (uninstall then deletes them)
     assert [r for r in role["rules"] if r["resources"] == ["serviceaccounts"]] == [
         {"apiGroups": [""], "resources": ["serviceaccounts"], "resourceNames": ["fleet-operator"], "verbs": ["get"]}]
     for rule in role["rules"]:
