@@ -42,6 +42,10 @@ from autoscaler.spec import ForecastSpec
 HISTORY_SEASONS = 3
 """Seasons of bins kept and fitted on (older bins are dropped): enough for a damped trend."""
 
+MAX_UPPER_FACTOR = 2.0
+"""`ArrivalForecaster.upper_factor` never exceeds this (a bin forecast at a tenth of what came must
+not ask for ten times the replicas; such a forecast is not trusted anyway, its MAPE is too large)."""
+
 MIN_RATE_PER_S = 0.05
 """Bins observed under this rate (requests/s) are not scored (their percentage error is noise)."""
 
@@ -107,7 +111,7 @@ class ArrivalForecaster:
                 continue
             actual = acc[0] / acc[1]
             if actual >= MIN_RATE_PER_S:
-                self._errors.append(abs(predicted - actual) / actual)
+                self._errors.append((actual - predicted) / actual)
         self._scored_through = max(self._scored_through, current - 1)
 
     # ----- the model ----------------------------------------------------------------------
@@ -170,7 +174,17 @@ class ArrivalForecaster:
     @property
     def mape(self) -> float | None:
         """Mean absolute percentage error of the last scored bins (0.1: 10 %), or None."""
-        return sum(self._errors) / len(self._errors) if self._errors else None
+        return sum(abs(e) for e in self._errors) / len(self._errors) if self._errors else None
+
+    @property
+    def upper_factor(self) -> float:
+        """How far above its point forecast the rate may come, from the scored bins: the largest
+        ratio actual / forecast among them (at least 1, at most `MAX_UPPER_FACTOR`). An empirical
+        upper bound (split conformal prediction, Angelopoulos & Bates 2021, "A Gentle Introduction
+        to Conformal Prediction", sec. 1: the ceil((n + 1)(1 - a))-th smallest of n scores; the
+        largest of the default 4 bins is the 80 % bound)."""
+        worst = max(self._errors, default=0.0)   # signed: > 0 where the forecast fell short
+        return min(MAX_UPPER_FACTOR, 1.0 / (1.0 - max(0.0, worst))) if worst < 1.0 else MAX_UPPER_FACTOR
 
     @property
     def trusted(self) -> bool:
@@ -178,22 +192,24 @@ class ArrivalForecaster:
         mape = self.mape
         return len(self._errors) >= self.spec.validation_bins and mape is not None and mape <= self.spec.max_mape
 
-    def peak_ahead(self, now_s: float, ahead_s: float) -> float | None:
+    def peak_ahead(self, now_s: float, ahead_s: float, upper: bool = False) -> float | None:
         """The highest forecast rate (requests/s) of the bins from ``now_s`` to ``now_s +
-        ahead_s``; None when not `trusted` or beyond the forecast's horizon."""
+        ahead_s`` (``upper``: times `upper_factor`, the forecast's upper bound); None when not
+        `trusted` or beyond the forecast's horizon."""
         if not self.trusted:
             return None
         first, last = int(now_s // self.bin_s), int((now_s + ahead_s) // self.bin_s)
         values = [self._forecast.get(b) for b in range(first, last + 1)]
         if any(v is None for v in values):
             return None
-        return max(v for v in values if v is not None)
+        peak = max(v for v in values if v is not None)
+        return peak * self.upper_factor if upper else peak
 
 
 @dataclass(frozen=True)
 class FitResult:
     """What `FitJob.run` computed: the rate forecast (requests/s, >= 0) of the bins from
-    ``current`` on, the backtest's absolute percentage errors (None: no backtest), the number of
+    ``current`` on, the backtest's signed relative errors ((actual - forecast) / actual; None: no backtest), the number of
     bins fitted on, or ``error`` (why nothing was fitted)."""
 
     current: int
@@ -227,7 +243,7 @@ class FitJob:
             if self.backtest:  # nothing scored yet but history enough (a primed start): backtest on its last bins
                 held_out = series[-self.validation:]
                 past = _holt_winters(ExponentialSmoothing, series[:-self.validation], self.season).forecast(self.validation)
-                errors = tuple(abs(float(p) - a) / a for p, a in zip(past, held_out) if a >= MIN_RATE_PER_S)
+                errors = tuple((a - float(p)) / a for p, a in zip(past, held_out) if a >= MIN_RATE_PER_S)
             ahead = _holt_winters(ExponentialSmoothing, series, self.season).forecast(self.horizon)
         return FitResult(self.current, tuple(max(0.0, float(v)) for v in ahead), errors, len(series))
 

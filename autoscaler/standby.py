@@ -33,6 +33,14 @@ as the bursts need:
   the highest arrival rate per replica confirmed sustainable within a season; a scale-down
   stops there too (`forecast_need`).
 
+- Burst over (``burst_over``): a burst in Azure `code` lasts 10-20 s, a start-up a minute. While
+  the load now fits the READY replicas at the capacity per replica confirmed sustainable (the
+  load floor at most ``ready``), a breach still in the windowed signals is the burst's memory: a
+  scale-up takes only the sleepers at hand, and replicas still starting are stopped (never below
+  a trusted forecast's need). Found in the decision log of day 3 of the synthetic daily trace
+  (`loadtests/daily_trace.py`): each burst started 6-13 replicas that became READY a minute
+  after it ended and were kept five minutes more by the stabilisation window.
+
 Everything else (targets, trend, load floor, probe, stabilisation, rate limits) is Fleet's
 policy unchanged. Pure and clock-injected like every policy: its state is the pool, the
 confirmed rates and the forecaster, kept on the instance. With ``defer_work`` (set by the
@@ -144,8 +152,8 @@ class StandbyPolicy(FleetPolicy, name="standby"):
     """Fleet's policy plus a standby pool sized to the bursts seen, an early wake and, with
     ``spec.forecast``, scaling ahead (module docstring).
 
-    Reasons: Fleet's (`autoscaler.policy.FleetPolicy`), ``load_above_capacity`` (early wake) and
-    ``forecast_ahead`` (up)."""
+    Reasons: Fleet's (`autoscaler.policy.FleetPolicy`), ``load_above_capacity`` (early wake),
+    ``forecast_ahead`` (up) and ``burst_over`` (start-ups stopped or not asked for)."""
 
     def __init__(self, spec: AutoscalingSpec, bounds: ReplicaBounds) -> None:
         super().__init__(spec, bounds)
@@ -201,7 +209,7 @@ class StandbyPolicy(FleetPolicy, name="standby"):
                 history.popleft()
             best = history[0][1] if history else None
             lead_s = ctx.startup.warm_s if ctx.startup.next_warm else ctx.startup.cold_s
-            peak = f.peak_ahead(ctx.now_s, lead_s + self.interval_s)
+            peak = f.peak_ahead(ctx.now_s, lead_s + self.interval_s, upper=spec.bound == "upper")
             if peak is None:
                 why = f"forecast not trusted: {f.status}"
             elif best is None:
@@ -224,7 +232,7 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         f, ahead_s = self.forecaster, self.spec.standby_pool_params.forecast_ahead_seconds
         if f is None or ahead_s <= 0 or not self._rate_capacity:
             return None
-        peak = f.peak_ahead(ctx.now_s, ahead_s)
+        peak = f.peak_ahead(ctx.now_s, ahead_s, upper=f.spec.bound == "upper")
         if peak is None:
             return None
         return max(1, math.ceil(peak * f.spec.rate_headroom / self._rate_capacity[0][1] - 1e-9))
@@ -252,12 +260,42 @@ class StandbyPolicy(FleetPolicy, name="standby"):
             return need, "forecast_ahead", why
         return None
 
+    def _start_not_needed(self, ctx: ScalingContext, decision: ScalingDecision) -> ScalingDecision:
+        """``decision`` without the start-ups a burst that is over asked for (module docstring,
+        "Burst over"): while the load now fits the READY replicas at the capacity per replica
+        confirmed sustainable (the load floor, `FleetPolicy._load_floor`, at most ``ready``), a
+        scale-up takes only the sleepers at hand, and replicas still starting are stopped, down
+        to the READY count (never below `_lowest`: a trusted forecast's need). A windowed signal
+        still shows a burst seconds after it ended; a replica started then serves a minute later,
+        to no one, and the stabilisation window keeps it five minutes more."""
+        floor = decision.inputs.get("load_floor")
+        if (not isinstance(floor, int) or self.per_replica_capacity() is None or ctx.ready < 1
+                or floor > ctx.ready or decision.reason == "forecast_ahead"):  # fmt: skip
+            return decision
+        keep = max(ctx.ready, self._lowest(ctx))
+        if decision.desired > ctx.desired:
+            desired = max(min(decision.desired, ctx.desired + ctx.standby), keep, ctx.desired - ctx.starting)
+            if desired >= decision.desired:
+                return decision
+        elif ctx.starting > 0 and decision.desired >= ctx.desired and keep < ctx.desired:
+            desired = max(keep, ctx.desired - ctx.starting)
+            if desired >= ctx.desired:
+                return decision
+        else:
+            return decision
+        detail = (f"{decision.detail}; but the load now needs {floor} replica(s) at the capacity confirmed, "
+                  f"{ctx.ready} READY: the burst is over before a start-up would serve, so {desired} "
+                  f"({ctx.starting} starting, {ctx.standby} asleep)")  # fmt: skip
+        self.last = replace(decision, desired=desired, reason="burst_over", detail=detail)
+        return self.last
+
     def decide(self, ctx: ScalingContext) -> ScalingDecision:
         decision = super().decide(ctx)
         self.forecast_need(ctx)  # observe the rate every decision, whichever branch decided
         self.pool.observe_rate(ctx.now_s, ctx.signals.arrival_rate_per_s)
         if decision.desired > ctx.desired and decision.reason != "forecast_ahead":
             self.pool.observe(ctx.now_s, decision.desired - ctx.ready)
+        decision = self._start_not_needed(ctx, decision)
         target = self.standby_target(ctx, decision.desired)
         detail = decision.detail
         added = decision.desired - ctx.desired

@@ -8,7 +8,12 @@ standby), scaling actions, wake-ups.
         --initial 2 --initial-s 60 --half-life-s 900
 
 ``--initial none``: the deployment's maximum before any burst. ``--forecast`` runs
-`standby-forecast` (``--history`` files prime it, as `fleet simulate --history`).
+`standby-forecast` (``--history`` files prime it, as `fleet simulate --history`; ``--bound``:
+`autoscaler.spec.ForecastSpec.bound`). How issue 24's held-out day was tuned on day 3
+(docs/benchmarks.md)::
+
+    python -m loadtests.standby_pool_sweep /tmp/daily/day-3.jsonl --forecast --history /tmp/daily/day-1.jsonl \
+        --history /tmp/daily/day-2.jsonl --forecast-ahead-s 3600 --bound upper
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def main() -> None:
     ap.add_argument("--half-life-s", type=float, default=900.0)
     ap.add_argument("--forecast-ahead-s", type=float, default=0.0)
     ap.add_argument("--forecast", action="store_true")
+    ap.add_argument("--bound", choices=("point", "upper"), default=None, help="forecast.bound (default: the spec's)")
     ap.add_argument("--history", action="append", default=[])
     a = ap.parse_args()
     dep = load_or_exit([Path(a.deployment)])[0].deployment
@@ -46,11 +52,14 @@ def main() -> None:
     pool = StandbyPoolSpec(initial_replicas=None if a.initial == "none" else int(a.initial),
                            initial_seconds=a.initial_s, half_life_seconds=a.half_life_s,
                            forecast_ahead_seconds=a.forecast_ahead_s)  # fmt: skip
-    cfg = replace(cfg, autoscaling=cfg.autoscaling.model_copy(update={"standby_pool": pool}))
+    update: dict[str, object] = {"standby_pool": pool}
+    if a.bound is not None and cfg.autoscaling.forecast is not None:
+        update["forecast"] = cfg.autoscaling.forecast.model_copy(update={"bound": a.bound})
+    cfg = replace(cfg, autoscaling=cfg.autoscaling.model_copy(update=update))
     started = time.monotonic()
     s = run_one(cfg, Workload.from_trace(load_trace(a.trace), profile), None).summary()
     print(f"{Path(a.trace).name} {cfg.name} initial={a.initial} initial_s={a.initial_s:g} half_life_s={a.half_life_s:g} "
-          f"forecast_ahead_s={a.forecast_ahead_s:g}: {s.within_slo:.2%} within, p99 {s.ttft_p99_s:.2f} s, "
+          f"forecast_ahead_s={a.forecast_ahead_s:g} bound={a.bound or 'default'}: {s.within_slo:.2%} within, p99 {s.ttft_p99_s:.2f} s, "
           f"{s.replica_hours:.2f} replica-h ({s.standby_hours:.2f} standby), {s.scaling_actions} actions, "
           f"{s.wakes} wake-ups ({time.monotonic() - started:.0f} s wall)")  # fmt: skip
 

@@ -64,6 +64,21 @@ def test_trusted_only_after_a_whole_validation_window_scored_out_of_sample() -> 
     assert peak == pytest.approx(max(daily(6 * BIN_S), daily(7 * BIN_S)), rel=0.1)
 
 
+def test_the_upper_bound_is_the_point_times_the_worst_shortfall_scored() -> None:
+    f = primed()
+    feed(f, lambda t: 1.15 * daily(t), 0.0, 6 * BIN_S)   # 15 % busier than the days it learned from
+    assert f.trusted and f.upper_factor > 1.1            # every bin scored came in above its forecast
+    point, upper = f.peak_ahead(6 * BIN_S, BIN_S), f.peak_ahead(6 * BIN_S, BIN_S, upper=True)
+    assert point is not None and upper == pytest.approx(point * f.upper_factor)
+    assert point < upper and upper >= 0.98 * max(1.15 * daily(6 * BIN_S), 1.15 * daily(7 * BIN_S))  # covers it
+    over = primed()
+    feed(over, lambda t: 0.9 * daily(t), 0.0, 6 * BIN_S)  # over-forecast only: the bound is the point
+    assert over.trusted and over.upper_factor == 1.0
+    far = ArrivalForecaster(spec())
+    far._errors.extend([0.95, 0.0])                        # a bin at 20x its forecast: capped
+    assert far.upper_factor == 2.0
+
+
 def test_a_forecast_that_misses_is_not_trusted() -> None:
     f = primed()
     feed(f, lambda t: 3 * daily(t), 0.0, 6 * BIN_S)   # the traffic tripled: the old shape misses by ~67 %

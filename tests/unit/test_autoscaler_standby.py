@@ -153,10 +153,43 @@ def test_a_trusted_forecast_can_size_the_pool() -> None:
     class Trusted:
         spec = AutoscalingSpec(policy="standby", forecast={}).forecast  # type: ignore[arg-type]
 
-        def peak_ahead(self, now_s: float, ahead_s: float) -> float:
+        def peak_ahead(self, now_s: float, ahead_s: float, upper: bool = False) -> float:
             return 10.0
 
     p.forecaster = Trusted()  # type: ignore[assignment]
     p._rate_capacity.append((0.0, 2.0))   # 2 req/s per replica confirmed: 10 req/s needs 5
     assert p.pool_forecast_need(ctx(0.0, 2, 0.5 * TQ)) == 5
     assert p.standby_target(ctx(0.0, 2, 0.5 * TQ), 2) == 3   # 5 - 2 targeted, above the starting 2
+
+
+def load_ctx(now_s: float, desired: int, ready: int, starting: int, queue: float, in_flight: int, *,
+             standby: int = 0) -> ScalingContext:  # fmt: skip
+    s = Signals(at_s=now_s, window_s=30.0, router_queue_time_mean_s=queue, in_flight=in_flight,
+                arrival_rate_per_s=in_flight / 2.0, e2e_mean_s=1.0)  # fmt: skip
+    return ScalingContext(now_s, desired, ready, starting, s, StartupEstimate(60.0, 600.0), standby)
+
+
+def confirmed(p: StandbyPolicy) -> StandbyPolicy:
+    p._capacity.append((0.0, 5.0, 3.0))   # 5 requests and 3 req/s per READY replica confirmed sustainable
+    return p
+
+
+def test_start_ups_a_burst_asked_for_are_stopped_once_the_load_fits_the_ready_replicas() -> None:
+    # The windowed queue time still shows the burst (3x target) but only 4 requests are in the
+    # system: 1 replica's worth at the capacity confirmed. The 6 starting would serve a minute
+    # from now, to no one: stopped, down to the READY count.
+    d = confirmed(standby_policy()).decide(load_ctx(100.0, 8, 2, 6, 3 * TQ, 4))
+    assert (d.desired, d.reason) == (2, "burst_over") and "the burst is over" in d.detail
+    # Still in the burst (40 in the system: 8 replicas' worth): the start-ups go on.
+    on = confirmed(standby_policy()).decide(load_ctx(100.0, 8, 2, 6, 3 * TQ, 40))
+    assert on.desired == 8 and on.reason != "burst_over"
+    # Nothing confirmed yet: no capacity to judge the load by, so nothing is stopped.
+    assert standby_policy().decide(load_ctx(100.0, 8, 2, 6, 3 * TQ, 4)).desired == 8
+
+
+def test_a_stale_breach_wakes_sleepers_but_starts_nothing() -> None:
+    # 2 READY carry the load now; the breach is the window's memory of a burst. A sleeper wakes in
+    # seconds (kept: cheap insurance), a start-up is not asked for.
+    d = confirmed(standby_policy()).decide(load_ctx(100.0, 2, 2, 0, 3 * TQ, 4, standby=1))
+    assert (d.desired, d.reason) == (3, "burst_over")
+    assert confirmed(standby_policy()).decide(load_ctx(100.0, 2, 2, 0, 3 * TQ, 4)).desired == 2
