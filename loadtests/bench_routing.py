@@ -23,7 +23,9 @@ the same machine conditions. Router CPU per request is summed over a target's ro
 processes. `--peers` gives Fleet's routers of a target each other's URLs (`python -m router
 --peers`: they exchange their load); `--kv-events` has every replica publish its KV cache events
 (`--kv-events-config`) and every Fleet router subscribe to them (the endpoints' `kv_events`), as
-`fleet up` and the Helm chart set them up. Neither changes `vllm-router` targets.
+`fleet up` and the Helm chart set them up. Neither changes `vllm-router` targets. A target may
+switch either on for itself with a ``+`` suffix (``fleet:kv-aware+kv-events``,
+``fleet:kv-aware@2+kv-events+peers``), so rows with and without events run side by side.
 
 **Load.** One replica's capacity on this trace's request mix is measured with the simulator's
 pure model in virtual time (every request of the window queued at once; completed requests per
@@ -45,6 +47,7 @@ Usage:
         [--targets fleet:round-robin,fleet:least-outstanding,fleet:latency-aware,vllm-router:round_robin,vllm-router:power_of_two,vllm-router:cache_aware]
     python -m loadtests.bench_routing --trace mooncake --load 0.9 --targets fleet:kv-aware,vllm-router:cache_aware
     python -m loadtests.bench_routing --trace mooncake --targets fleet:kv-aware,fleet:kv-aware@2 --routers 1
+    python -m loadtests.bench_routing --trace mooncake --targets fleet:kv-aware,fleet:kv-aware+kv-events
 Prints a table; `--json-out` writes the figures.
 """
 
