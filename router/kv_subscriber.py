@@ -89,15 +89,14 @@ RCVHWM = 100_000
 BURST = 64
 """Messages handled back to back before the subscriber yields to the event loop."""
 
-DRAIN_INTERVAL_S = 0.05
+DRAIN_INTERVAL_S = 0.02
 """Seconds between two drains of the subscribers' sockets (the shared `DrainTicks`): the most a
-batch waits in the socket after it arrived. A router with 8 busy streams then wakes 20 times a
-second for them instead of once per batch (hundreds). Blocks are reported when a prefill or a
-decoded block completes, and a conversation's next turn comes seconds later, so a view 50 ms
-older changes few decisions (docs/benchmarks.md, "Router CPU with KV events": the CPU at 20
-and 50 ms)."""
+batch waits in the socket after it arrived. Against the 10 ms peer-load interval
+(`router.peer_load.DEFAULT_PEER_INTERVAL_S`) and the seconds between a conversation's turns, a
+20 ms older view changes few decisions; it makes a router with 8 busy streams wake 50 times a
+second for them instead of once per batch (hundreds)."""
 
-QUIET_TICKS = 3
+QUIET_TICKS = 5
 """Ticks a subscriber's socket may stay empty before it waits on the socket instead of ticking."""
 
 RECENT_BATCHES = 1_024
