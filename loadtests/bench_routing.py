@@ -23,7 +23,9 @@ the same machine conditions. Router CPU per request is summed over a target's ro
 processes. `--peers` gives Fleet's routers of a target each other's URLs (`python -m router
 --peers`: they exchange their load); `--kv-events` has every replica publish its KV cache events
 (`--kv-events-config`) and every Fleet router subscribe to them (the endpoints' `kv_events`), as
-`fleet up` and the Helm chart set them up. Neither changes `vllm-router` targets.
+`fleet up` and the Helm chart set them up. Neither changes `vllm-router` targets. A target may
+switch either on for itself with a ``+`` suffix (``fleet:kv-aware+kv-events``,
+``fleet:kv-aware@2+kv-events+peers``), so rows with and without events run side by side.
 
 **Load.** One replica's capacity on this trace's request mix is measured with the simulator's
 pure model in virtual time (every request of the window queued at once; completed requests per
@@ -45,6 +47,7 @@ Usage:
         [--targets fleet:round-robin,fleet:least-outstanding,fleet:latency-aware,vllm-router:round_robin,vllm-router:power_of_two,vllm-router:cache_aware]
     python -m loadtests.bench_routing --trace mooncake --load 0.9 --targets fleet:kv-aware,vllm-router:cache_aware
     python -m loadtests.bench_routing --trace mooncake --targets fleet:kv-aware,fleet:kv-aware@2 --routers 1
+    python -m loadtests.bench_routing --trace mooncake --targets fleet:kv-aware,fleet:kv-aware+kv-events
 Prints a table; `--json-out` writes the figures.
 """
 
@@ -119,16 +122,36 @@ def virtual_round_robin(trace: Trace, args, slowdown: float, profile: Profile) -
     return out
 
 
+TARGET_OPTIONS = ("kv-events", "peers")
+"""What a target may switch on for itself with a ``+`` suffix (``fleet:kv-aware@2+kv-events+peers``),
+beside the run-wide ``--kv-events`` / ``--peers``: rows with and without events in one run."""
+
+
 def parse_target(target: str, default_routers: int) -> tuple[str, str, int]:
-    """``kind:policy[@N]`` -> (kind, policy, router processes). Raises SystemExit on a bad name."""
-    name, _, count = target.partition("@")
+    """``kind:policy[@N][+option...]`` -> (kind, policy, router processes); options are read by
+    `target_options`. Raises SystemExit on a bad name."""
+    name, *options = target.split("+")
+    name, _, count = name.partition("@")
     kind, sep, policy = name.partition(":")
     if not sep or kind not in ("fleet", "vllm-router"):
         raise SystemExit(f"unknown target {target!r}: use fleet:<policy> or vllm-router:<policy>, optionally @N routers")
+    unknown = [o for o in options if o not in TARGET_OPTIONS]
+    if unknown:
+        raise SystemExit(f"target {target!r}: unknown option(s) {unknown}; known: {list(TARGET_OPTIONS)}")
     routers = int(count) if count else default_routers
     if routers < 1:
         raise SystemExit(f"target {target!r}: need at least one router")
     return kind, policy, routers
+
+
+def target_options(target: str, args) -> tuple[bool, bool]:
+    """(KV events, peers) for ``target``: its own ``+kv-events`` / ``+peers`` or the run-wide flags;
+    both only for Fleet targets (peers only with several routers)."""
+    kind, _, routers = parse_target(target, args.routers)
+    options = target.split("+")[1:]
+    kv_events = kind == "fleet" and (bool(args.kv_events) or "kv-events" in options)
+    peers = kind == "fleet" and routers > 1 and (bool(args.peers) or "peers" in options)
+    return kv_events, peers
 
 
 def target_label(target: str, default_routers: int, summary: dict | None = None) -> str:
@@ -246,17 +269,18 @@ def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
 
 def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     kind, policy, n_routers = parse_target(target, args.routers)
+    kv_events, with_peers = target_options(target, args)
     extra = ["--slowdown", str(slowdown)] if slowdown != 1.0 else []
     if args.max_model_len is not None:
         extra += ["--max-model-len", str(args.max_model_len)]
-    kv_ports = KvEventPorts(args.replicas, args.sim_processes) if args.kv_events else None
+    kv_ports = KvEventPorts(args.replicas, args.sim_processes) if kv_events else None
     with SimFleet(args.replicas, profile=args.profile, model=MODEL, processes=args.sim_processes, seed=args.seed,
                   extra_args=extra, extra_args_for=kv_ports.args_for if kv_ports else None) as sims:
         routers: list[tuple[subprocess.Popen, str]] = []
         try:
             ports = [free_port() for _ in range(n_routers)]
             for port in ports:
-                peers = [f"http://127.0.0.1:{q}" for q in ports if q != port] if args.peers else []
+                peers = [f"http://127.0.0.1:{q}" for q in ports if q != port] if with_peers else []
                 routers.append(start_router(kind, policy, sims.urls, port=port, peers=peers,
                                             kv_events=kv_ports.sources() if kv_ports else None))
             cpu0 = sum(cpu_s(proc.pid) for proc, _ in routers)
@@ -280,8 +304,8 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                 proc.wait(timeout=30)
     summary = summarize_run(records, args.ttft_slo_s)
     summary["routers"] = n_routers
-    summary["kv_events"] = bool(args.kv_events) and kind == "fleet"
-    summary["peers"] = bool(args.peers) and kind == "fleet" and n_routers > 1
+    summary["kv_events"] = kv_events
+    summary["peers"] = with_peers
     if kv_seen:   # did the events arrive? per router: events applied, streams live at the end
         summary["kv_events_seen"] = [
             {"events": sum(v for k, v in m.items() if k.startswith("fleet_router_kv_events_total")),
@@ -309,7 +333,8 @@ def main() -> None:
     parser.add_argument("--ttft-slo-s", type=float, help="also report the share within this TTFT")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--targets", default=DEFAULT_TARGETS,
-                        help="comma-separated fleet:<policy> / vllm-router:<policy>, each optionally @N routers")
+                        help="comma-separated fleet:<policy> / vllm-router:<policy>, each optionally @N routers and "
+                             "+kv-events / +peers (that target only)")
     parser.add_argument("--routers", type=int, default=1,
                         help="router processes per target, requests alternating between them (default 1)")
     parser.add_argument("--kv-events", action="store_true",

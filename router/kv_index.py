@@ -159,12 +159,25 @@ class ExactIndex:
         as `last_seq`. Returns the events applied. An `AllBlocksCleared` empties the view and
         makes it complete (the engine's cache is known empty)."""
         view = self._view(endpoint_id)
+        blocks = view.blocks
+        holders = self._holders
+        others = ~view.bit
         for event in batch.events:
-            if isinstance(event, BlockStored):
+            kind = type(event)
+            if kind is BlockRemoved:   # the commonest: one per evicted block, so inlined
+                if event.medium not in (None, MEDIUM_GPU) or event.group_idx not in (None, 0):
+                    continue
+                for h in event.block_hashes:
+                    key = blocks.pop(h if type(h) is int else int.from_bytes(h[-8:], "big"), None)  # engine_hash
+                    if key is not None:
+                        mask = holders.get(key, 0) & others
+                        if mask:
+                            holders[key] = mask
+                        else:
+                            holders.pop(key, None)
+            elif kind is BlockStored:
                 self._stored(view, event)
-            elif isinstance(event, BlockRemoved):
-                self._removed(view, event)
-            elif isinstance(event, AllBlocksCleared):
+            elif kind is AllBlocksCleared:
                 self._clear(view)
                 if not view.complete:
                     view.complete = True
@@ -225,15 +238,6 @@ class ExactIndex:
         for _ in range(excess):
             _, old_key = blocks.popitem(last=False)
             self._drop_holder(old_key, bit)
-
-    def _removed(self, view: _View, event: BlockRemoved) -> None:
-        if event.medium not in (None, MEDIUM_GPU) or event.group_idx not in (None, 0):
-            return
-        blocks = view.blocks
-        for h in event.block_hashes:
-            key = blocks.pop(engine_hash(h), None)
-            if key is not None:
-                self._drop_holder(key, view.bit)
 
     # ----- reading ----------------------------------------------------------------------------------
 

@@ -5,8 +5,15 @@ the sequence bookkeeping) and `KvEventStreams` (a subscriber per endpoint of eve
 `router.spec.EndpointSpec.kv_events` names a publisher, and each model's `router.kv_index.
 ExactIndex`). `router.pool.PoolTable` tells `KvEventStreams` of every pool put or deleted;
 `router.app` starts it with the app's lifespan and closes it at shutdown. Everything runs on the
-router's event loop (pyzmq's `zmq.asyncio`): a subscriber awaits its sockets, applies each batch
-as it arrives (microseconds per block) and yields to the loop every `BURST` messages.
+router's event loop. Waking up costs far more than a batch does (an event-loop turn and pyzmq's
+futures: ~300 us of CPU per message on the 2-core dev machine against ~5 us per block applied,
+docs/benchmarks.md "Router CPU with KV events"), so the subscribers do not wake per message: all
+of a router's subscribers drain their sockets together on one shared tick (`DrainTicks`, every
+`DRAIN_INTERVAL_S`), reading every queued message with non-blocking reads and applying it in
+order (yielding to the loop every `BURST` messages). A subscriber whose socket stayed empty for
+`QUIET_TICKS` ticks stops ticking and waits on its socket's file descriptor instead (an idle
+router does not wake), then drains at the next tick. The view thus lags the engine by at most
+one tick beyond the wire.
 
 **Sequence protocol** (vllm/distributed/kv_events.py, `ZmqEventPublisher`; `router.kv_events`):
 every batch carries the publisher's sequence number (0, 1, ... from its start). A subscriber
@@ -51,7 +58,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from router.kv_events import END_SEQ, KvEventDecodeError, decode_batch, parse_seq, seq_frame
+from router.kv_events import END_SEQ, SEQ_BYTES, KvEventDecodeError, decode_batch, parse_seq, seq_frame
 from router.kv_index import ExactIndex
 from router.metrics import KvEndpointMetrics, RouterMetrics
 from router.spec import KvEventsSource
@@ -82,11 +89,59 @@ RCVHWM = 100_000
 BURST = 64
 """Messages handled back to back before the subscriber yields to the event loop."""
 
+DRAIN_INTERVAL_S = 0.02
+"""Seconds between two drains of the subscribers' sockets (the shared `DrainTicks`): the most a
+batch waits in the socket after it arrived. Against the 10 ms peer-load interval
+(`router.peer_load.DEFAULT_PEER_INTERVAL_S`) and the seconds between a conversation's turns, a
+20 ms older view changes few decisions; it makes a router with 8 busy streams wake 50 times a
+second for them instead of once per batch (hundreds). 50 ms saved no CPU measurably on the
+Mooncake window (docs/benchmarks.md, "Router CPU with KV events"), so the fresher view stays."""
+
+QUIET_TICKS = 5
+"""Ticks a subscriber's socket may stay empty before it waits on the socket instead of ticking."""
+
 RECENT_BATCHES = 1_024
 """Batches whose CRC-32 is kept, to tell a duplicate (seen live and replayed) from a restart."""
 
 RESTART_BACKOFF_S = (0.5, 30.0)
 """First and longest pause (seconds) before a subscriber that failed unexpectedly starts again."""
+
+
+class DrainTicks:
+    """A tick every `interval_s` seconds, shared by a router's subscribers so that they wake
+    together: `wait()` returns a future resolved at the next tick (one loop timer per tick,
+    however many wait). Runs on the running event loop's clock.
+
+    Raises:
+        ValueError: `interval_s` < 0.
+    """
+
+    def __init__(self, interval_s: float = DRAIN_INTERVAL_S) -> None:
+        if interval_s < 0:
+            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
+        self.interval_s = interval_s
+        self.ticks = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def wait(self) -> asyncio.Future[None]:
+        """A future resolved at the next tick (cancelling it cancels no one else's wait)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if not self._waiters:
+            loop.call_later(self.interval_s, self._tick)
+        self._waiters.append(fut)
+        return fut
+
+    def _tick(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        self.ticks += 1
+        for fut in waiters:
+            _wake(fut)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class KvEventSubscriber:
@@ -100,12 +155,14 @@ class KvEventSubscriber:
         metrics: the stream's counters (None: none).
         clock: monotonic seconds (the rebuild deadline).
         rebuild_s, replay_timeout_s: see `DEFAULT_REBUILD_S`, `DEFAULT_REPLAY_TIMEOUT_S`.
+        ticks: when to drain the socket (`DrainTicks`, shared by a router's subscribers; None:
+            a tick of its own every `DRAIN_INTERVAL_S`).
     """
 
     def __init__(self, model: str, endpoint_id: str, source: KvEventsSource, index: ExactIndex,
                  context: zmq.asyncio.Context, metrics: KvEndpointMetrics | None = None, *,
                  clock: Callable[[], float] = time.monotonic, rebuild_s: float = DEFAULT_REBUILD_S,
-                 replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S) -> None:  # fmt: skip
+                 replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S, ticks: DrainTicks | None = None) -> None:  # fmt: skip
         self.model = model
         self.endpoint_id = endpoint_id
         self.source = source
@@ -115,6 +172,7 @@ class KvEventSubscriber:
         self._clock = clock
         self._rebuild_s = rebuild_s
         self._replay_timeout_s = replay_timeout_s
+        self._ticks = ticks if ticks is not None else DrainTicks()
         self._last_seq: int | None = None      # seq of the last batch applied; None: take the next as base
         self._recent: OrderedDict[int, int] = OrderedDict()   # seq -> CRC-32 of its payload
         self._rebuild_at: float | None = None
@@ -152,33 +210,69 @@ class KvEventSubscriber:
             sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
             monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             sub.connect(self.source.publisher)
-            poller = zmq.asyncio.Poller()
-            poller.register(sub, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
+            # Plain (blocking-API) views of the same sockets: read with NOBLOCK until empty, no future per message.
+            raw_sub = zmq.Socket.shadow(sub.underlying)
+            raw_monitor = zmq.Socket.shadow(monitor.underlying)
+            quiet = 0
             while True:
-                timeout_ms = None
-                if self._rebuild_at is not None:
-                    timeout_ms = max(0, int(1000 * (self._rebuild_at - self._clock())) + 1)
-                ready = dict(await poller.poll(timeout_ms))
-                if monitor in ready:
-                    await self._on_monitor(await monitor.recv_multipart())
-                if sub in ready:
-                    for _ in range(BURST):
-                        try:
-                            frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        await self._on_message(frames)
-                    await asyncio.sleep(0)
+                await self._drain_monitor(raw_monitor)
+                quiet = 0 if await self._drain(raw_sub) else quiet + 1
                 if self._rebuild_at is not None and self._clock() >= self._rebuild_at:
                     self._rebuild_at = None
                     self._index.rebuilt(self.endpoint_id)
+                if quiet > QUIET_TICKS:   # nothing lately: sleep until a socket has something, then drain
+                    await self._readable(raw_sub, raw_monitor)
+                    quiet = 0
+                await self._ticks.wait()
         finally:
             if monitor is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     sub.disable_monitor()
                 monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _drain(self, sock: zmq.Socket) -> int:
+        """Handle every message queued on the SUB socket (yielding every `BURST`); returns how many."""
+        n = 0
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            n += 1
+            if not self._take(frames):
+                await self._on_gap(frames)
+            if n % BURST == 0:
+                await asyncio.sleep(0)
+
+    async def _drain_monitor(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            await self._on_monitor(frames)
+
+    async def _readable(self, *socks: zmq.Socket) -> None:
+        """Return when one of `socks` has a message queued, or at the rebuild deadline."""
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+        fds = [sock.FD for sock in socks]
+        for fd in fds:
+            loop.add_reader(fd, _wake, woken)
+        timer = None
+        try:
+            # The FD signals only state changes from here on: what arrived before is seen in EVENTS.
+            if any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in socks):
+                return
+            if self._rebuild_at is not None:
+                timer = loop.call_later(max(0.0, self._rebuild_at - self._clock()) + 0.001, _wake, woken)
+            await woken
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+            if timer is not None:
+                timer.cancel()
 
     async def _on_monitor(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)["event"]
@@ -190,19 +284,22 @@ class KvEventSubscriber:
 
     # ----- the sequence protocol ----------------------------------------------------------------------
 
-    async def _on_message(self, frames: list[bytes]) -> None:
-        """One PUB message ``(topic, seq, payload)``."""
+    def _take(self, frames: list[bytes]) -> bool:
+        """One PUB message ``(topic, seq, payload)``: applied, dropped as a duplicate or counted as
+        malformed (True), or False when it does not continue the stream (`_on_gap` then)."""
         if len(frames) != 3:
             self._count_error("frames")
-            return
-        try:
-            seq = parse_seq(frames[1])
-        except KvEventDecodeError:
+            return True
+        seq_bytes = frames[1]
+        if len(seq_bytes) != SEQ_BYTES:
             self._count_error("frames")
-            return
+            return True
+        return self._offer(int.from_bytes(seq_bytes, "big"), frames[2])
+
+    async def _on_gap(self, frames: list[bytes]) -> None:
+        """A message `_take` could not place: catch up by replay, or resync."""
+        seq = parse_seq(frames[1])
         payload = frames[2]
-        if self._offer(seq, payload):
-            return
         if self._metrics is not None:
             self._metrics.gaps.inc()
         await self._sync(reconnect=False)
@@ -402,8 +499,10 @@ class KvEventStreams:
     """
 
     def __init__(self, metrics: RouterMetrics | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 rebuild_s: float = DEFAULT_REBUILD_S, replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S) -> None:  # fmt: skip
+                 rebuild_s: float = DEFAULT_REBUILD_S, replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+                 drain_interval_s: float = DRAIN_INTERVAL_S) -> None:  # fmt: skip
         self._metrics = metrics
+        self._ticks = DrainTicks(drain_interval_s)
         self._clock = clock
         self._rebuild_s = rebuild_s
         self._replay_timeout_s = replay_timeout_s
@@ -495,7 +594,7 @@ class KvEventStreams:
                 metrics = self._metrics.bind_kv(model, endpoint_id) if self._metrics is not None else None
                 subscriber = KvEventSubscriber(model, endpoint_id, source, self.index(model), self._ctx, metrics,
                                                clock=self._clock, rebuild_s=self._rebuild_s,
-                                               replay_timeout_s=self._replay_timeout_s)  # fmt: skip
+                                               replay_timeout_s=self._replay_timeout_s, ticks=self._ticks)  # fmt: skip
                 task = loop.create_task(subscriber.run(), name=f"kv-events:{model}/{endpoint_id}")
                 self._running[key] = (subscriber, task, metrics)
 

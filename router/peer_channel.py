@@ -25,7 +25,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from router.endpoint import EndpointState
-from router.peer_load import DEFAULT_PEER_INTERVAL_S, own_report
+from router.peer_load import DEFAULT_PEER_INTERVAL_S, load_fingerprint, own_report
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class PeerSender:
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self._last_body = b""
+        self._last_load: tuple | None = None   # `load_fingerprint` of `_last_body`
         self._last_sent_s = -float("inf")
 
     def set_peers(self, peers: Sequence[str]) -> None:
@@ -180,10 +181,15 @@ class PeerSender:
             return
         if now_s is None:
             now_s = asyncio.get_running_loop().time()
-        body = json.dumps(own_report(self.router_id, self._endpoints()), separators=(",", ":")).encode()
-        if body == self._last_body and now_s - self._last_sent_s < HEARTBEAT_S:
-            return
-        self._last_body, self._last_sent_s = body, now_s
+        endpoints = self._endpoints()
+        load = load_fingerprint(endpoints)   # checked every round; the JSON only when it changed
+        if load == self._last_load and self._last_body:
+            if now_s - self._last_sent_s < HEARTBEAT_S:
+                return
+            body = self._last_body
+        else:
+            body = json.dumps(own_report(self.router_id, endpoints), separators=(",", ":")).encode()
+        self._last_body, self._last_load, self._last_sent_s = body, load, now_s
         await asyncio.gather(*(self._send(url, body) for url in self.urls))
 
     async def _send(self, url: str, body: bytes) -> None:

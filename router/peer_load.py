@@ -51,6 +51,14 @@ def own_report(router_id: str, pools: Mapping[str, Sequence[EndpointState]]) -> 
                       for model, endpoints in pools.items()}}  # fmt: skip
 
 
+def load_fingerprint(pools: Mapping[str, Sequence[EndpointState]]) -> tuple:
+    """What `own_report` would say, as a cheap comparable value (no JSON): the sender checks it
+    every `DEFAULT_PEER_INTERVAL_S` and encodes a report only when it changed. Equal
+    fingerprints mean equal reports."""
+    return tuple((model, tuple((e.id, e.in_flight, e.prefilling, e.prefill_tokens) for e in endpoints))
+                 for model, endpoints in pools.items())  # fmt: skip
+
+
 def parse_report(doc: object) -> tuple[str, dict[str, dict[str, Load]]]:
     """(router id, model -> endpoint id -> load) of a report document.
 

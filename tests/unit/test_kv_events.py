@@ -12,6 +12,7 @@ from router.kv_events import (
     BlockStored,
     EventBatch,
     KvEventDecodeError,
+    _decode_any,
     decode_batch,
     encode_batch,
     parse_seq,
@@ -71,3 +72,35 @@ def test_seq_frames() -> None:
     assert parse_seq(seq_frame(0)) == 0 and parse_seq(seq_frame(2**40)) == 2**40
     with pytest.raises(KvEventDecodeError):
         parse_seq(b"\x00")
+
+
+@pytest.mark.parametrize("doc", [
+    [1.0, []],
+    [2, [{"type": "BlockRemoved", "block_hashes": [SHA]}], None],
+    [1.5, [{"type": "BlockStored", "block_hashes": [1, SHA], "parent_block_hash": SHA, "token_ids": [1, 2, 3, 4],
+            "block_size": 2, "medium": "GPU", "newer_field": 1}], 3],
+    [1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": ["x"], "block_size": 1}]],   # ids unchecked
+    [1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1, "extra_keys": 5}]],
+    [1.0, [{"type": "BlockMoved"}, {"type": "AllBlocksCleared"}]],
+    [1.0, [["BlockRemoved", [5], "GPU"]]],
+    [1.0, [], 0, "extra"],
+    [True, []],
+    [1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": True}]],
+    [1.0, [{"type": "BlockRemoved", "block_hashes": [1], "group_idx": False}]],
+    [1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": 3}]],
+])  # fmt: skip
+def test_the_fast_decoder_reads_and_refuses_what_the_general_one_does(doc: list) -> None:
+    payload = msgpack.packb(doc, use_bin_type=True)
+    try:
+        expected = _decode_any(payload)
+    except KvEventDecodeError as err:
+        with pytest.raises(KvEventDecodeError, match=str(err).replace("[", r"\[")):
+            decode_batch(payload)
+        return
+    assert decode_batch(payload) == expected
+
+
+def test_the_current_form_decodes_into_the_event_structs() -> None:
+    batch = decode_batch(encode_batch(sample()))
+    assert [type(e) for e in batch.events] == [BlockStored, BlockStored, BlockRemoved, AllBlocksCleared]
+    assert batch.events[0].block_hashes == [SHA, 7] and batch.events[1].extra_keys == [["ad"]]

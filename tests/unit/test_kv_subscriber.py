@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from router.kv_events import END_SEQ, BlockStored, EventBatch, encode_batch, seq_frame
 from router.kv_index import ExactIndex, StreamState
-from router.kv_subscriber import KvEventStreams, KvEventSubscriber
+from router.kv_subscriber import QUIET_TICKS, DrainTicks, KvEventStreams, KvEventSubscriber
 from router.metrics import RouterMetrics
 from router.pool import PoolTable
 from router.spec import KvEventsSource, PoolSpec
@@ -366,3 +366,38 @@ async def test_a_moved_publisher_gets_a_new_subscriber_and_an_empty_view(ctx: zm
     await streams.close()
     await old.close()
     await new.close()
+
+
+async def test_the_drain_tick_wakes_every_waiter_at_once_and_a_cancelled_wait_alone() -> None:
+    ticks = DrainTicks(0.01)
+    first, second, third = ticks.wait(), ticks.wait(), ticks.wait()
+    second.cancel()
+    await asyncio.wait_for(asyncio.gather(first, third), 1.0)
+    assert ticks.ticks == 1 and second.cancelled()
+    with pytest.raises(ValueError):
+        DrainTicks(-1.0)
+
+
+async def test_a_burst_of_batches_is_drained_in_a_few_wakes_and_a_quiet_stream_stops_ticking(
+        ctx: zmq.asyncio.Context) -> None:  # fmt: skip
+    pub = Publisher(ctx)
+    index = ExactIndex()
+    ticks = DrainTicks(0.05)
+    async with following(KvEventSubscriber("m", "e", pub.source, index, ctx, ticks=ticks)):
+        await eventually(lambda: index.live("e"))
+        await asyncio.sleep(0.2)
+        before = ticks.ticks
+        parent = None
+        for n in range(300):   # 300 batches sent back to back, each continuing the last
+            await pub.publish(stored(0, 1, parent=parent, first_hash=n))
+            parent = n + 1
+        await eventually(lambda: index.blocks("e") == 300)
+        assert index.match(ids(0, 300)) == {"e": 300 * BS}
+        assert ticks.ticks - before < 30          # ~20 ms of sending: a few ticks, not one wake per batch
+        await asyncio.sleep(0.1 + QUIET_TICKS * 0.05)
+        quiet = ticks.ticks
+        await asyncio.sleep(0.3)
+        assert ticks.ticks == quiet               # nothing arrives: the subscriber waits on its socket
+        await pub.publish(stored(0, 1, parent=parent, first_hash=300))
+        await eventually(lambda: index.blocks("e") == 301)
+    await pub.close()

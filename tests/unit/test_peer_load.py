@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from router.app import create_app
 from router.endpoint import EndpointState
 from router.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender, SendFailed
-from router.peer_load import PeerLoadView, own_report, parse_report
+from router.peer_load import PeerLoadView, load_fingerprint, own_report, parse_report
 from router.spec import PoolSpec
 from tests.support.router import running_app
 
@@ -122,3 +122,24 @@ async def test_a_router_without_peers_refuses_reports() -> None:
     async with running_app(app) as base, aiohttp.ClientSession() as client:
         async with client.post(base + PEER_LOAD_PATH, data=b"{}", headers={"authorization": "Bearer t"}) as r:
             assert r.status == 404
+
+
+async def test_the_sender_reencodes_a_report_only_when_the_load_changed() -> None:
+    posted: list[bytes] = []
+
+    async def post(url: str, body: bytes) -> None:
+        posted.append(body)
+
+    a = endpoint("a", 1)
+    sender = PeerSender("me", ["http://p:1"], lambda: {"m": (a,)}, post, PeerMetrics(CollectorRegistry(), lambda: 0))
+    assert load_fingerprint({"m": (a,)}) == load_fingerprint({"m": (endpoint("a", 1),)})
+    await sender.send_once(now_s=0.0)
+    a.start(500)                                     # dispatched: in flight, prefilling, prefill tokens
+    await sender.send_once(now_s=0.01)
+    a.first_byte(500)                                # only the prefill counts move
+    await sender.send_once(now_s=0.02)
+    await sender.send_once(now_s=0.03)               # unchanged, sent 10 ms ago: nothing
+    await sender.send_once(now_s=0.02 + HEARTBEAT_S)  # the heartbeat resends the same bytes
+    assert [parse_report(json.loads(b))[1]["m"]["a"] for b in posted] == [(1, 0, 0.0), (2, 1, 500.0), (2, 0, 0.0),
+                                                                          (2, 0, 0.0)]  # fmt: skip
+    assert posted[3] is posted[2]

@@ -5,6 +5,7 @@ that cuts a KV event stream and its report (loadtests.routing_faults)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fleet.tracesim.traces import TraceRequest
-from loadtests.bench_routing import AlternatingSender, KvEventPorts, parse_target, target_label
+from loadtests.bench_routing import AlternatingSender, KvEventPorts, parse_target, target_label, target_options
 from loadtests.faultload import FaultLoad
 from loadtests.replay import Outcome
 from loadtests.routing_faults import Prompts, TcpRelay, event_cut_report, table
@@ -31,6 +32,20 @@ def test_a_target_names_its_router_count_or_takes_the_default() -> None:
     for bad in ("kv-aware", "nginx:rr", "fleet:kv-aware@0"):
         with pytest.raises(SystemExit):
             parse_target(bad, 1)
+
+
+def test_a_target_may_switch_on_kv_events_and_peers_for_itself() -> None:
+    plain = argparse.Namespace(routers=1, kv_events=False, peers=False)
+    assert parse_target("fleet:kv-aware@2+kv-events+peers", 1) == ("fleet", "kv-aware", 2)
+    assert target_options("fleet:kv-aware", plain) == (False, False)
+    assert target_options("fleet:kv-aware+kv-events", plain) == (True, False)
+    assert target_options("fleet:kv-aware+peers", plain) == (False, False)        # one router: no peers
+    assert target_options("fleet:kv-aware@2+kv-events+peers", plain) == (True, True)
+    assert target_options("vllm-router:cache_aware+kv-events", plain) == (False, False)
+    everywhere = argparse.Namespace(routers=2, kv_events=True, peers=True)
+    assert target_options("fleet:kv-aware", everywhere) == (True, True)
+    with pytest.raises(SystemExit):
+        parse_target("fleet:kv-aware+gossip", 1)
 
 
 async def test_requests_alternate_between_the_routers() -> None:
