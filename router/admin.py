@@ -53,6 +53,8 @@ from router.spec import MAX_ENDPOINTS_PER_POOL, EndpointSpec, PoolSpec
 from router.stats import DEFAULT_RATE_RETENTION_S, DEFAULT_WINDOW_S
 
 ADMIN_PREFIX = "/admin/"
+PEER_REPORT_DEPTH = 8
+"""Deepest JSON nesting of a peer load report taken (a report nests 4 levels: router.peer_load)."""
 """Paths under this prefix are the admin API's (guarded by `router.app.RouterApp`)."""
 
 MAX_VALIDATION_ERRORS = 5
@@ -196,7 +198,7 @@ def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | N
         if peer_report is None:
             raise HTTPException(404, "this router has no peers (python -m router --peers)")
         try:
-            peer_report(loads_bounded(await request.body(), 8))   # a report nests 4 levels
+            peer_report(loads_bounded(await request.body(), PEER_REPORT_DEPTH))
         except ValueError as err:   # JsonTooDeep is one
             raise HTTPException(422, f"bad peer load report: {err}") from err
         return Response(status_code=204)

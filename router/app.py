@@ -20,6 +20,7 @@ Called by `router.server.serve` (uvicorn) and by tests.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import secrets
 import time
@@ -31,7 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.admin import ADMIN_PREFIX, admin_router, validation_message
+from router.jsonlimit import loads_bounded
+from router.admin import ADMIN_PREFIX, PEER_REPORT_DEPTH, admin_router, validation_message
 from router.errors import error_body, error_type
 from router.kv_subscriber import KvEventStreams
 from router.metrics import RouterMetrics
@@ -84,6 +86,8 @@ class RouterApp:
     """Sends this router's load to its peers (`router.peer_channel`); None: no peers."""
     peer_discovery: PeerDiscovery | None = None
     """Keeps `peer_sender`'s peers equal to what `--peers-dns` resolves to; None: no DNS peers."""
+    peer_report: Callable[[object], None] | None = None
+    """Takes a peer's load report (`router.peer_load`); None: no peers (FastAPI answers 404)."""
 
     def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
                  admin_token: str) -> None:  # fmt: skip
@@ -156,6 +160,9 @@ class RouterApp:
             return
         if body is None:
             return  # the client is gone
+        if self.peer_report is not None and scope["path"] == PEER_LOAD_PATH and scope["method"] == "POST":
+            await self._peer_load(body, send)
+            return
         replayed = False
 
         async def receive_read_body() -> Message:
@@ -166,6 +173,20 @@ class RouterApp:
             return await receive()
 
         await self.api(scope, receive_read_body, send)
+
+    async def _peer_load(self, body: bytes, send: Send) -> None:
+        """`POST /admin/v1/peer-load` without FastAPI: every peer posts here up to every 10 ms
+        while its load changes (`router.peer_channel`), and FastAPI's routing and request objects
+        cost more than taking the report. Answers as the FastAPI route (router/admin.py) does:
+        204, or 422 ``{"detail": ...}`` for a bad report."""
+        assert self.peer_report is not None
+        try:
+            self.peer_report(loads_bounded(body, PEER_REPORT_DEPTH))
+        except ValueError as err:   # JsonTooDeep is one
+            await send_json(send, 422, json.dumps({"detail": f"bad peer load report: {err}"}).encode())
+            return
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _refuse(self, send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
         self.metrics.reject("", status, False)
@@ -366,6 +387,7 @@ def create_app(
     api = _build_api(pools, metrics, admin_token, peer_report, models_file, peer_state)
     app = RouterApp(pools, metrics, proxy, api, admin_token)
     app.models_file = models_file
+    app.peer_report = peer_report
     if has_peers:
         static = list(peers)
         sender = PeerSender(view.self_id, static, pools.load_endpoints, ReportPoster(admin_token),

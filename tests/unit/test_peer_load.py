@@ -108,11 +108,31 @@ async def test_two_routers_on_loopback_see_each_others_load() -> None:
                 break
         assert (e1.others_in_flight, e1.others_prefilling, e1.others_prefill_tokens) == (1, 1, 4000.0)
         assert e0.others_in_flight == 0
+        reached_fastapi: list[str] = []
+        fastapi_app = apps[1].api
+
+        async def counting(scope, receive, send):   # reports skip FastAPI (the hot admin path)
+            reached_fastapi.append(scope.get("path", ""))
+            await fastapi_app(scope, receive, send)
+
+        apps[1].api = counting  # type: ignore[assignment]
+        received = apps[1].metrics.registry.get_sample_value("fleet_router_peer_reports_received_total")
+        e0.finish(4000, got_first_byte=False)     # a change: router 0 reports it
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if e1.others_in_flight == 0:
+                break
+        assert e1.others_in_flight == 0
+        assert apps[1].metrics.registry.get_sample_value("fleet_router_peer_reports_received_total") > received
         async with aiohttp.ClientSession() as client:
             async with client.post(base1 + PEER_LOAD_PATH, data=b"{}", headers={"authorization": f"Bearer {token}"}) as r:
-                assert r.status == 422
+                assert r.status == 422 and (await r.json())["detail"].startswith("bad peer load report")
+            async with client.post(base1 + PEER_LOAD_PATH, data=b"[" * 20 + b"]" * 20,
+                                   headers={"authorization": f"Bearer {token}"}) as r:  # fmt: skip
+                assert r.status == 422                  # nested past PEER_REPORT_DEPTH
             async with client.post(base1 + PEER_LOAD_PATH, data=b"{}") as r:
                 assert r.status == 401
+        assert PEER_LOAD_PATH not in reached_fastapi
         assert apps[1].metrics.registry.get_sample_value("fleet_router_peers_live") == 1
         assert apps[1].metrics.registry.get_sample_value("fleet_router_peer_reports_received_total") >= 1
 
