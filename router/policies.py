@@ -71,6 +71,20 @@ one router 0 does as well (p99 TTFT 2.69 s against 2.72 s on the Mooncake trace 
 simulator); with two routers it keeps more conversations where they were (prefix-cache hits
 20.9% against 17.5%) at about the same p99 (docs/routing.md)."""
 
+DEFAULT_MISS_TOKEN_WEIGHT = 4.0
+"""Queued prefill tokens that one prompt token an endpoint would have to prefill (not cached
+there) is worth in `kv-aware`'s cost. At weight 1 the cost is this request's own wait, so a
+conversation left its cached prefix for an idle endpoint as soon as the queue in front of its
+cache exceeded the prefix; but the redone prefill is work the whole fleet pays for (every
+request queued or decoding on the new endpoint waits through it, and its blocks evict others'
+prefixes there), which the greedy wait does not count. Tuned in the trace simulator on Mooncake
+seconds 300-600 and 900 to the trace's end with two routers on KV events and the peers' load
+(docs/routing.md, "Valuing a cached prefix"): weight 1 gave 10.1% / 47.7% prefix-cache hits and
+p99 TTFT 3.23 s / 2.87 s; 4 gave 15.5% / 57.5% and 2.73 s / 2.32 s; 2, 6, 8 and 12 did no better.
+On the benchmark's seconds 600-900, run once afterwards at 80% load: hits 25.7% to 34.0%, p99
+TTFT 2.78 s to 2.61 s. Prompts that share
+nothing (Azure `conv`) route as before: the term is then the same on every endpoint."""
+
 ROUTING_POLICIES: Registry[RoutingPolicy] = Registry("routing policy")
 """The routing policies by name (`router.registry`): a pool's `policy` must be one of them."""
 
@@ -221,11 +235,13 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     else what the router believes (`router.prefix_index.PrefixIndex`, fed with every prompt this
     policy routed, which also covers the time before an endpoint's events arrive):
 
-        cost(e) = prompt_tokens - cached(e)            # what e would prefill for it
+        cost(e) = miss_token_weight x (prompt_tokens - cached(e))   # what e would prefill for it
                 + e.prefill_tokens                     # prefill queued on e (not yet past TTFT)
                 + decode_token_weight x decoding(e)    # requests decoding on e
 
-    in prefill tokens. The load terms (and the in-flight count of step 1) are this router's own
+    in prefill tokens; the prefill the request would do is weighed `miss_token_weight` times a
+    queued token, because the fleet, not only this request, pays for it (`DEFAULT_MISS_TOKEN_WEIGHT`).
+    The load terms (and the in-flight count of step 1) are this router's own
     plus, while fresh, its estimate of what other routers sent there (`EndpointState.others_*`,
     kept by `router.engine_load.EngineLoadView` from the engines' own load). Prompts vary a hundredfold in length, so queued work is counted in
     tokens, not requests. Steps:
@@ -250,10 +266,11 @@ class KvAware(RoutingPolicy, name="kv-aware"):
 
     Args:
         cache_tokens_per_endpoint: prompt tokens remembered per endpoint (LRU beyond).
-        load_bound, decode_token_weight, affinity_slack: see the module constants.
+        load_bound, decode_token_weight, affinity_slack, miss_token_weight: see the module
+            constants.
 
     Raises:
-        ValueError: `load_bound` <= 1, or a negative weight or slack.
+        ValueError: `load_bound` <= 1, a negative weight or slack, or `miss_token_weight` < 1.
     """
 
     uses_prompt_blocks = True
@@ -261,12 +278,16 @@ class KvAware(RoutingPolicy, name="kv-aware"):
 
     def __init__(self, *, cache_tokens_per_endpoint: int = DEFAULT_CACHE_TOKENS_PER_ENDPOINT,
                  load_bound: float = DEFAULT_LOAD_BOUND, decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT,
-                 affinity_slack: float = DEFAULT_AFFINITY_SLACK) -> None:  # fmt: skip
+                 affinity_slack: float = DEFAULT_AFFINITY_SLACK,
+                 miss_token_weight: float = DEFAULT_MISS_TOKEN_WEIGHT) -> None:  # fmt: skip
         super().__init__()
         if load_bound <= 1.0:
             raise ValueError(f"load_bound must be > 1, got {load_bound}")
         if decode_token_weight < 0 or affinity_slack < 0:
             raise ValueError("decode_token_weight and affinity_slack must be >= 0")
+        if miss_token_weight < 1.0:
+            raise ValueError(f"miss_token_weight must be >= 1, got {miss_token_weight}")
+        self.miss_token_weight = miss_token_weight
         self.index = PrefixIndex(max(1, cache_tokens_per_endpoint // ROUTER_BLOCK_TOKENS))
         self.load_bound = load_bound
         self.decode_token_weight = decode_token_weight
@@ -318,6 +339,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         token_ids = request.token_ids
         held = exact.match(token_ids) if exact is not None and token_ids else None
         weight = self.decode_token_weight
+        miss = self.miss_token_weight
         eligible: list[EndpointState] = []
         costs: list[float] = []
         hits: dict[str, int] = {}
@@ -328,7 +350,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
             else:
                 cached = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
             hits[e.id] = cached
-            cost = prompt - cached + prefill_tokens + weight * (in_flight - prefilling)
+            cost = miss * (prompt - cached) + prefill_tokens + weight * (in_flight - prefilling)
             eligible.append(e)
             costs.append(cost)
             if cost < best:
@@ -350,6 +372,66 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         if h is None:
             h = self._endpoint_hash[endpoint_id] = _mix64(zlib.crc32(endpoint_id.encode()))
         return _mix64(_mix64(key & _MASK64) ^ h)
+
+
+class CacheAware(RoutingPolicy, name="cache-aware"):
+    """vLLM's router's (and SGLang's router's) `cache_aware`, kept as a baseline: the endpoint
+    holding the longest prefix of the request while loads are balanced, else the least loaded.
+
+    Source: vllm-project/router `src/policies/cache_aware.rs` (from sglang-router), defaults
+    `cache_threshold` 0.5, `balance_abs_threshold` 32, `balance_rel_threshold` 1.5. With `load`
+    this router's requests in flight per endpoint:
+
+    1. Imbalanced (`max - min > balance_abs_threshold` and `max > balance_rel_threshold x min`):
+       the least loaded endpoint.
+    2. Else, if the endpoint holding the longest prefix holds more than `cache_threshold` of the
+       prompt: that endpoint (ties rotate).
+    3. Else the endpoint whose prefix tree is smallest (most room for new prefixes).
+
+    Its view of the caches is this policy's own `PrefixIndex` of the prompts it routed (the
+    approximate tree); it reads neither KV events nor other routers' load. Every prompt's blocks
+    are recorded at the chosen endpoint.
+
+    Raises:
+        ValueError: `cache_threshold` outside [0, 1], a negative absolute threshold or a
+            relative one below 1.
+    """
+
+    uses_prompt_blocks = True
+
+    def __init__(self, *, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
+                 balance_rel_threshold: float = 1.5,
+                 cache_tokens_per_endpoint: int = DEFAULT_CACHE_TOKENS_PER_ENDPOINT) -> None:  # fmt: skip
+        super().__init__()
+        if not 0.0 <= cache_threshold <= 1.0 or balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
+            raise ValueError("need 0 <= cache_threshold <= 1, balance_abs_threshold >= 0, balance_rel_threshold >= 1")
+        self.index = PrefixIndex(max(1, cache_tokens_per_endpoint // ROUTER_BLOCK_TOKENS))
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+
+    def on_endpoints(self, endpoint_ids: Collection[str]) -> None:
+        self.index.retain(endpoint_ids)
+
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
+        hashes = request.block_hashes
+        loads = [e.in_flight for e in candidates]
+        low, high = min(loads), max(loads)
+        matched = self.index.match(hashes) if hashes else {}
+        hits = {e.id: min(request.prompt_tokens, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS) for e in candidates}
+        if high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low:
+            chosen = self._rotate([e for e, n in zip(candidates, loads) if n == low])
+        else:
+            longest = max(hits.values())
+            if request.prompt_tokens and longest > self.cache_threshold * request.prompt_tokens:
+                chosen = self._rotate([e for e in candidates if hits[e.id] == longest])
+            else:
+                smallest = min(self.index.blocks(e.id) for e in candidates)
+                chosen = self._rotate([e for e in candidates if self.index.blocks(e.id) == smallest])
+        request.cached_tokens = hits[chosen.id]
+        if hashes:
+            self.index.record(chosen.id, hashes)
+        return chosen
 
 
 _MASK64 = (1 << 64) - 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.metrics import RouterMetrics
-from router.policies import DEFAULT_DECODE_TOKEN_WEIGHT, KvAware, make_policy
+from router.policies import DEFAULT_DECODE_TOKEN_WEIGHT, DEFAULT_MISS_TOKEN_WEIGHT, CacheAware, KvAware, make_policy
 from router.endpoint import EndpointState
 from router.pool import PoolTable
 from router.prompt_blocks import ROUTER_BLOCK_TOKENS, RouteRequest, route_request
@@ -69,6 +69,53 @@ def test_queued_prefill_outweighs_a_small_cache_hit_but_not_a_large_one() -> Non
     assert policy.choose([a, b], large, NOW_S) is a and large.cached_tokens == 120 * ROUTER_BLOCK_TOKENS
 
 
+def test_a_cached_prefix_keeps_its_conversation_behind_more_queued_work_than_it_saves() -> None:
+    """The prefill a request would redo elsewhere is weighed `miss_token_weight` times a queued
+    token: the fleet pays for it again, not only this request. With weight 1 (before) the request
+    below left its 5,120 cached tokens for an idle endpoint; with the default it stays."""
+    assert DEFAULT_MISS_TOKEN_WEIGHT > 1.0
+    turn0, turn1 = request(prompt(4, 80)), request(prompt(4, 80, turn=1))
+    for weight, stays in ((1.0, False), (DEFAULT_MISS_TOKEN_WEIGHT, True)):
+        policy = KvAware(affinity_slack=0.0, miss_token_weight=weight)
+        a, b = endpoints("a", "b")
+        policy.index.record("a", turn0.block_hashes)                  # a holds 80 blocks = 5,120 tokens
+        a.start(6_000)                                                  # 6,000 prefill tokens queued on a
+        r = request(prompt(4, 80, turn=1))
+        chosen = policy.choose([a, b], r, NOW_S)
+        assert (chosen is a) == stays, weight
+        assert r.cached_tokens == (80 * ROUTER_BLOCK_TOKENS if stays else 0)
+    assert 80 * ROUTER_BLOCK_TOKENS < 6_000 < DEFAULT_MISS_TOKEN_WEIGHT * 80 * ROUTER_BLOCK_TOKENS
+    assert turn1.prompt_tokens > 80 * ROUTER_BLOCK_TOKENS
+
+
+def test_a_cached_prefix_does_not_hold_against_a_deep_queue() -> None:
+    """The weight bounds stickiness: queued work beyond the weighted saving moves the request."""
+    policy = KvAware(affinity_slack=0.0)
+    a, b = endpoints("a", "b")
+    policy.index.record("a", request(prompt(5, 80)).block_hashes)    # 5,120 tokens cached on a
+    a.start(int(DEFAULT_MISS_TOKEN_WEIGHT * 5_120) + 1_000)
+    assert policy.choose([a, b], request(prompt(5, 80, turn=1)), NOW_S) is b
+
+
+def test_cache_aware_baseline_follows_vllm_router() -> None:
+    """vllm-router's `cache_aware`: the longest prefix over half the prompt wins while loads are
+    balanced, whatever the queue; a new prompt goes to the smallest tree; imbalance (diff > 32
+    and ratio > 1.5) sends to the least loaded."""
+    policy = make_policy("cache-aware")
+    assert isinstance(policy, CacheAware)
+    a, b, c = endpoints("a", "b", "c")
+    first = policy.choose([a, b, c], request(prompt(1, 40)), NOW_S)
+    for _ in range(20):
+        first.start(10_000)                                             # deep queue, balance still within 32
+    r = request(prompt(1, 40, turn=1))
+    assert policy.choose([a, b, c], r, NOW_S) is first and r.cached_tokens == 40 * ROUTER_BLOCK_TOKENS
+    fresh = policy.choose([a, b, c], request(prompt(2, 10)), NOW_S)
+    assert fresh is not first                                           # the smallest tree (empty) takes it
+    for _ in range(20):
+        first.start(10_000)                                             # 40 against 0: imbalanced
+    assert policy.choose([a, b, c], request(prompt(1, 40, turn=2)), NOW_S) not in (first, fresh)
+
+
 def test_load_counts_prefill_tokens_and_decoding_requests_not_request_counts() -> None:
     policy = KvAware()
     a, b = endpoints("a", "b")
@@ -98,7 +145,7 @@ def test_bounded_load_spills_a_popular_prefix() -> None:
         assert e.in_flight < -(-1.5 * (total + 1) // 4)   # the chosen one was under the bound
         dispatch(e, r)
         placed[e.id] = placed.get(e.id, 0) + 1
-    assert len(placed) == 4                                # it spilled to every endpoint
+    assert len(placed) >= 3     # it spilled; spills go where the prefix then is (a 4th copy costs its prefill)
     assert max(placed.values()) <= -(-1.5 * 40 // 4)
 
 
@@ -185,6 +232,7 @@ def test_pool_replacement_keeps_the_index_of_kept_endpoints_only() -> None:
     ({"load_bound": 1.0}, "load_bound must be > 1"),
     ({"decode_token_weight": -1}, "must be >= 0"),
     ({"affinity_slack": -0.1}, "must be >= 0"),
+    ({"miss_token_weight": 0.5}, "miss_token_weight must be >= 1"),
 ])  # fmt: skip
 def test_bad_parameters_are_refused(kwargs: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

@@ -38,7 +38,7 @@ def test_names_register_once_and_unnamed_classes_stay_out() -> None:
 
 
 @pytest.mark.parametrize("registry, names", [
-    (ROUTING_POLICIES, {"kv-aware", "latency-aware", "least-outstanding", "round-robin"}),
+    (ROUTING_POLICIES, {"cache-aware", "kv-aware", "latency-aware", "least-outstanding", "round-robin"}),
     (SCALING_POLICIES, {"fleet", "fixed", "keda-queue", "kpa", "standby"}),  # complete without importing autoscaler.baselines
     (PLACEMENT_STRATEGIES, {"fleet", "first-fit"}),
     (ENGINE_KINDS, {"vllm", "sim"}),

@@ -23,7 +23,7 @@ def choices(policy: RoutingPolicy, candidates: list[EndpointState], n: int, now_
 
 
 def test_registry_lists_builtin_policies_and_default() -> None:
-    assert policy_names() == ["kv-aware", "latency-aware", "least-outstanding", "round-robin"]
+    assert policy_names() == ["cache-aware", "kv-aware", "latency-aware", "least-outstanding", "round-robin"]
     assert DEFAULT_POLICY == "kv-aware"
     for name in policy_names():
         policy = make_policy(name)

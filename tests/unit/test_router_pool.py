@@ -33,7 +33,7 @@ def test_spec_defaults_and_url_normalisation() -> None:
 @pytest.mark.parametrize(
     ("doc", "needle"),
     [
-        ({"policy": "fastest"}, "known: kv-aware, latency-aware, least-outstanding, round-robin"),
+        ({"policy": "fastest"}, "known: cache-aware, kv-aware, latency-aware, least-outstanding, round-robin"),
         ({"endpoints": [{"id": "a", "url": "ftp://h:1"}]}, "url"),
         ({"endpoints": [{"id": "a", "url": "http://h:1/v1"}]}, "no path"),
         ({"endpoints": [{"id": "a", "url": "http://h:1"}, {"id": "a", "url": "http://h:2"}]}, "duplicate endpoint id"),
