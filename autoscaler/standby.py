@@ -45,7 +45,8 @@ as the bursts need:
   what is awake or asleep when it starts. On a scale-up the policy remembers the replicas the
   burst reached within seconds (its target, at most the READY and standby replicas then), each
   such count halving every ``floorHalfLifeSeconds`` (`DecayingPeak`); a scale-down keeps at
-  least that many. Found on day 4 of seed 7 of the synthetic daily trace: between bursts of
+  least that many. The replicas it keeps beyond what the load needs are the burst's reserve
+  awake, so the pool keeps that many fewer sleepers (`_held_by_floor`). Found on day 4 of seed 7 of the synthetic daily trace: between bursts of
   450-607 requests a minute the policy stepped down to 1-2 READY replicas, and the next burst
   met those (docs/benchmarks.md, issue 24's held-out section).
 
@@ -270,6 +271,16 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         lowest = self.bounds.min if need is None else max(self.bounds.min, min(need, ctx.desired))
         return max(lowest, min(self.burst_floor_of(ctx.now_s), ctx.desired))
 
+    def _held_by_floor(self, ctx: ScalingContext, decision: ScalingDecision) -> int:
+        """READY-or-starting replicas kept only by the burst floor: the target (at most the floor)
+        beyond what the load needs now (the load floor, at least ``spec.replicas.min``). They are
+        the burst's reserve awake, so the standby pool keeps that many fewer sleepers."""
+        floor = self.burst_floor_of(ctx.now_s)
+        load_floor = decision.inputs.get("load_floor")
+        if floor <= 0 or not isinstance(load_floor, int):
+            return 0
+        return max(0, min(decision.desired, floor) - max(load_floor, self.bounds.min))
+
     def burst_floor_of(self, now_s: float) -> int:
         """Replicas the burst floor keeps at ``now_s`` (module docstring, "Burst floor"): the
         heaviest count a burst reached within seconds, halved every ``floorHalfLifeSeconds``;
@@ -350,6 +361,9 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         if self.burst_floor is not None and decision.desired > ctx.desired and decision.reason != "forecast_ahead":
             self.burst_floor.observe(ctx.now_s, min(decision.desired, ctx.ready + ctx.standby))
         target = self.standby_target(ctx, decision.desired)
+        held = self._held_by_floor(ctx, decision)
+        if target is not None and held > 0:
+            target = max(0, target - held)
         detail = decision.detail
         added = decision.desired - ctx.desired
         if added > 0:

@@ -234,3 +234,10 @@ def test_the_burst_floor_only_holds_a_scale_down_back() -> None:
     p, _ = _after_a_burst(floor_half_life_seconds=3600.0)
     d = p.decide(ctx(310.0, 2, 0.01 * TQ, ready=2))    # a target of 2 (set elsewhere): kept, not raised to 4
     assert d.desired <= 2
+
+
+def test_replicas_held_awake_by_the_burst_floor_count_as_the_pool() -> None:
+    p, _ = _after_a_burst(floor_half_life_seconds=3600.0)
+    assert p.last is not None and p.last.standby == 0      # pool 3 (4 halved over 301 s of 900) - 3 held awake
+    q, _ = _after_a_burst()
+    assert q.last is not None and q.last.standby == 3      # no floor: the pool sleeps beside the target
