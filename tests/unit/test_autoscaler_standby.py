@@ -30,6 +30,12 @@ def ctx(now_s: float, desired: int, queue: float | None, *, standby: int = 0, re
 
 
 def standby_policy(max_: int = 16, **spec: object) -> StandbyPolicy:
+    """A `standby` policy; the burst floor off unless ``standby_pool`` sets floorHalfLifeSeconds
+    (the tests of the pool alone predate it)."""
+    pool = spec.get("standby_pool") or StandbyPoolSpec()
+    assert isinstance(pool, StandbyPoolSpec)
+    if "floor_half_life_seconds" not in pool.model_fields_set:
+        spec["standby_pool"] = pool.model_copy(update={"floor_half_life_seconds": 0.0})
     policy = make_policy(AutoscalingSpec(policy="standby", **spec), ReplicaBounds(1, max_, 2))  # type: ignore[arg-type]
     assert isinstance(policy, StandbyPolicy)
     return policy
@@ -226,7 +232,7 @@ def test_the_burst_floor_holds_the_replicas_a_burst_reached_between_bursts() -> 
     assert p.last is not None and p.last.inputs["burst_floor"] == 4
     assert p.burst_floor_of(3600.0) == 2          # one half-life
     assert p.decide(ctx(4 * 3600.0, 4, 0.01 * TQ, ready=4)).desired < 4   # 4 / 16: released
-    _, off = _after_a_burst()                     # floorHalfLifeSeconds 0: today's step-down
+    _, off = _after_a_burst(floor_half_life_seconds=0.0)   # off: the step-down before the floor
     assert off < 4
 
 
@@ -239,5 +245,11 @@ def test_the_burst_floor_only_holds_a_scale_down_back() -> None:
 def test_replicas_held_awake_by_the_burst_floor_count_as_the_pool() -> None:
     p, _ = _after_a_burst(floor_half_life_seconds=3600.0)
     assert p.last is not None and p.last.standby == 0      # pool 3 (4 halved over 301 s of 900) - 3 held awake
-    q, _ = _after_a_burst()
+    q, _ = _after_a_burst(floor_half_life_seconds=0.0)
     assert q.last is not None and q.last.standby == 3      # no floor: the pool sleeps beside the target
+
+
+def test_the_burst_floor_is_on_by_default() -> None:
+    assert StandbyPoolSpec().floor_half_life_seconds == 10_800.0
+    p = make_policy(AutoscalingSpec(policy="standby"), ReplicaBounds(1, 16, 2))
+    assert isinstance(p, StandbyPolicy) and p.burst_floor is not None and p.burst_floor.half_life_s == 10_800.0
