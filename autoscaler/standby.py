@@ -41,6 +41,15 @@ as the bursts need:
   (`loadtests/daily_trace.py`): each burst started 6-13 replicas that became READY a minute
   after it ended and were kept five minutes more by the stabilisation window.
 
+- Burst floor (``standbyPool.floorHalfLifeSeconds``): a burst shorter than a start-up is met by
+  what is awake or asleep when it starts. On a scale-up the policy remembers the replicas the
+  burst reached within seconds (its target, at most the READY and standby replicas then), each
+  such count halving every ``floorHalfLifeSeconds`` (`DecayingPeak`); a scale-down keeps at
+  least that many. The replicas it keeps beyond what the load needs are the burst's reserve
+  awake, so the pool keeps that many fewer sleepers (`_held_by_floor`). Found on day 4 of seed 7 of the synthetic daily trace: between bursts of
+  450-607 requests a minute the policy stepped down to 1-2 READY replicas, and the next burst
+  met those (docs/benchmarks.md, issue 24's held-out section).
+
 Everything else (targets, trend, load floor, probe, stabilisation, rate limits) is Fleet's
 policy unchanged. Pure and clock-injected like every policy: its state is the pool, the
 confirmed rates and the forecaster, kept on the instance. With ``defer_work`` (set by the
@@ -73,6 +82,45 @@ every five minutes); chosen on `code` (0.5: too late for the onset of its bursts
 the TTFT target against 99.8 %; docs/benchmarks.md)."""
 
 
+class DecayingPeak:
+    """The heaviest of values seen, each halving every ``half_life_s`` seconds: a value ``v`` seen
+    ``age`` seconds ago weighs ``v * 0.5 ** (age / half_life_s)``. Used for the standby pool's
+    bursts (`StandbyPool`) and the burst floor (`StandbyPolicy`, ``standbyPool.floorHalfLifeSeconds``).
+
+    Pure: every method takes the caller's time (seconds). Memory: values whose weight fell under
+    half a unit are dropped, and so is one outweighed by a later one (both decay alike), so at most
+    a handful are kept. ``len()``: values kept."""
+
+    def __init__(self, half_life_s: float) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
+        self.half_life_s = half_life_s
+        self._seen: deque[tuple[float, int]] = deque()  # (seen at, value), heaviest first
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def weight(self, now_s: float, seen_s: float, value: int) -> float:
+        """A value's weight at ``now_s`` (fractional)."""
+        return value * 0.5 ** (max(0.0, now_s - seen_s) / self.half_life_s)
+
+    def observe(self, now_s: float, value: int) -> None:
+        """``value`` seen at ``now_s`` (values <= 0 are ignored)."""
+        if value <= 0:
+            return
+        seen = self._seen
+        while seen and self.weight(now_s, *seen[-1]) <= value:
+            seen.pop()   # lighter now and decaying at the same rate: never the heaviest again
+        seen.append((now_s, value))
+
+    def value(self, now_s: float) -> int:
+        """The heaviest weight at ``now_s``, rounded to the nearest unit (0 when none is kept)."""
+        seen = self._seen
+        while seen and self.weight(now_s, *seen[0]) < 0.5:
+            seen.popleft()
+        return int(self.weight(now_s, *seen[0]) + 0.5) if seen else 0
+
+
 class StandbyPool:
     """The standby pool's size from the bursts seen (``spec``: `autoscaler.spec.StandbyPoolSpec`).
 
@@ -90,7 +138,7 @@ class StandbyPool:
 
     def __init__(self, spec: StandbyPoolSpec) -> None:
         self.spec = spec
-        self._bursts: deque[tuple[float, int]] = deque()  # (seen at, excess), heaviest first
+        self._bursts = DecayingPeak(spec.half_life_seconds)  # the burst excesses seen
         self._start_s: float | None = None
         self._seen = False
         self._rates = [0.0, 0.0, 0.0]  # sum, samples, peak of the arrival rate before the first burst
@@ -116,7 +164,7 @@ class StandbyPool:
 
     def weight(self, now_s: float, seen_s: float, excess: int) -> float:
         """A burst's weight at ``now_s`` (replicas, fractional)."""
-        return excess * 0.5 ** (max(0.0, now_s - seen_s) / self.spec.half_life_seconds)
+        return self._bursts.weight(now_s, seen_s, excess)
 
     def observe(self, now_s: float, excess: int) -> None:
         """A burst at ``now_s``: a scale-up wanting ``excess`` replicas beyond those READY."""
@@ -125,10 +173,7 @@ class StandbyPool:
         if excess <= 0:
             return
         self._seen = True
-        bursts = self._bursts
-        while bursts and self.weight(now_s, *bursts[-1]) <= excess:
-            bursts.pop()   # lighter now and decaying at the same rate: never the heaviest again
-        bursts.append((now_s, excess))
+        self._bursts.observe(now_s, excess)
 
     def target(self, now_s: float, extra: int = 0) -> int | None:
         """Standby replicas to keep at ``now_s``: the heaviest burst rounded (before any burst:
@@ -141,11 +186,7 @@ class StandbyPool:
                 initial = self.spec.initial_replicas
                 return None if initial is None else max(initial, extra)
             return max(0, extra)
-        bursts = self._bursts
-        while bursts and self.weight(now_s, *bursts[0]) < 0.5:
-            bursts.popleft()
-        heaviest = int(self.weight(now_s, *bursts[0]) + 0.5) if bursts else 0
-        return max(heaviest, extra)
+        return max(self._bursts.value(now_s), extra)
 
 
 class StandbyPolicy(FleetPolicy, name="standby"):
@@ -158,6 +199,8 @@ class StandbyPolicy(FleetPolicy, name="standby"):
     def __init__(self, spec: AutoscalingSpec, bounds: ReplicaBounds) -> None:
         super().__init__(spec, bounds)
         self.pool = StandbyPool(spec.standby_pool_params)
+        floor_half_life_s = spec.standby_pool_params.floor_half_life_seconds
+        self.burst_floor = DecayingPeak(floor_half_life_s) if floor_half_life_s > 0 else None
         self.forecaster = ArrivalForecaster(spec.forecast) if spec.forecast is not None else None
         # (seen at, arrival rate per READY replica confirmed sustainable), a season's running maximum
         self._rate_capacity: deque[tuple[float, float]] = deque()
@@ -222,8 +265,27 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         return need, why
 
     def _lowest(self, ctx: ScalingContext) -> int:
+        """Fewest replicas a scale-down may leave: ``spec.replicas.min``, a trusted forecast's need
+        (`forecast_need`) and the burst floor (`burst_floor_of`), neither above the target."""
         need, _ = self.forecast_need(ctx)
-        return self.bounds.min if need is None else max(self.bounds.min, min(need, ctx.desired))
+        lowest = self.bounds.min if need is None else max(self.bounds.min, min(need, ctx.desired))
+        return max(lowest, min(self.burst_floor_of(ctx.now_s), ctx.desired))
+
+    def _held_by_floor(self, ctx: ScalingContext, decision: ScalingDecision) -> int:
+        """READY-or-starting replicas kept only by the burst floor: the target (at most the floor)
+        beyond what the load needs now (the load floor, at least ``spec.replicas.min``). They are
+        the burst's reserve awake, so the standby pool keeps that many fewer sleepers."""
+        floor = self.burst_floor_of(ctx.now_s)
+        load_floor = decision.inputs.get("load_floor")
+        if floor <= 0 or not isinstance(load_floor, int):
+            return 0
+        return max(0, min(decision.desired, floor) - max(load_floor, self.bounds.min))
+
+    def burst_floor_of(self, now_s: float) -> int:
+        """Replicas the burst floor keeps at ``now_s`` (module docstring, "Burst floor"): the
+        heaviest count a burst reached within seconds, halved every ``floorHalfLifeSeconds``;
+        0 when off."""
+        return 0 if self.burst_floor is None else self.burst_floor.value(now_s)
 
     def pool_forecast_need(self, ctx: ScalingContext) -> int | None:
         """Replicas a trusted forecast asks for over ``standbyPool.forecastAheadSeconds`` (the
@@ -296,7 +358,12 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         if decision.desired > ctx.desired and decision.reason != "forecast_ahead":
             self.pool.observe(ctx.now_s, decision.desired - ctx.ready)
         decision = self._start_not_needed(ctx, decision)
+        if self.burst_floor is not None and decision.desired > ctx.desired and decision.reason != "forecast_ahead":
+            self.burst_floor.observe(ctx.now_s, min(decision.desired, ctx.ready + ctx.standby))
         target = self.standby_target(ctx, decision.desired)
+        held = self._held_by_floor(ctx, decision)
+        if target is not None and held > 0:
+            target = max(0, target - held)
         detail = decision.detail
         added = decision.desired - ctx.desired
         if added > 0:
@@ -312,7 +379,8 @@ class StandbyPolicy(FleetPolicy, name="standby"):
             why = (f"largest burst excess seen, halved every {self.pool.spec.half_life_seconds:g} s"
                    if self.pool.seen else "starting pool, no burst seen yet")
             detail = f"{detail}; standby pool {target} ({why})"
-        inputs = {**decision.inputs, "standby": ctx.standby, "standby_target": target}
+        inputs = {**decision.inputs, "standby": ctx.standby, "standby_target": target,
+                  "burst_floor": self.burst_floor_of(ctx.now_s)}  # fmt: skip
         if self.forecaster is not None:
             inputs.update(forecast_need=self._ahead[1], forecast_mape=self.forecaster.mape)
         decision = replace(decision, standby=target, detail=detail, inputs=inputs)

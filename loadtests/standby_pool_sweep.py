@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--initial-s", type=float, default=60.0)
     ap.add_argument("--half-life-s", type=float, default=900.0)
     ap.add_argument("--forecast-ahead-s", type=float, default=0.0)
+    ap.add_argument("--floor-half-life-s", type=float, default=None,
+                    help="standbyPool.floorHalfLifeSeconds (default: the spec's)")
     ap.add_argument("--forecast", action="store_true")
     ap.add_argument("--bound", choices=("point", "upper"), default=None, help="forecast.bound (default: the spec's)")
     ap.add_argument("--history", action="append", default=[])
@@ -52,6 +54,8 @@ def main() -> None:
     pool = StandbyPoolSpec(initial_replicas=None if a.initial == "none" else int(a.initial),
                            initial_seconds=a.initial_s, half_life_seconds=a.half_life_s,
                            forecast_ahead_seconds=a.forecast_ahead_s)  # fmt: skip
+    if a.floor_half_life_s is not None:
+        pool = pool.model_copy(update={"floor_half_life_seconds": a.floor_half_life_s})
     update: dict[str, object] = {"standby_pool": pool}
     if a.bound is not None and cfg.autoscaling.forecast is not None:
         update["forecast"] = cfg.autoscaling.forecast.model_copy(update={"bound": a.bound})
@@ -59,7 +63,8 @@ def main() -> None:
     started = time.monotonic()
     s = run_one(cfg, Workload.from_trace(load_trace(a.trace), profile), None).summary()
     print(f"{Path(a.trace).name} {cfg.name} initial={a.initial} initial_s={a.initial_s:g} half_life_s={a.half_life_s:g} "
-          f"forecast_ahead_s={a.forecast_ahead_s:g} bound={a.bound or 'default'}: {s.within_slo:.2%} within, p99 {s.ttft_p99_s:.2f} s, "
+          f"forecast_ahead_s={a.forecast_ahead_s:g} bound={a.bound or 'default'} "
+          f"floor_half_life_s={pool.floor_half_life_seconds:g}: {s.within_slo:.2%} within, p99 {s.ttft_p99_s:.2f} s, "
           f"{s.replica_hours:.2f} replica-h ({s.standby_hours:.2f} standby), {s.scaling_actions} actions, "
           f"{s.wakes} wake-ups ({time.monotonic() - started:.0f} s wall)")  # fmt: skip
 

@@ -5,11 +5,13 @@ sleeping replica gives; and the STANDBY replica state (fleet/controller/lifecycl
 
 from __future__ import annotations
 
+import pytest
+
 
 from autoscaler.policy import ReplicaBounds, ScalingContext, make_policy
 from autoscaler.signals import Signals
 from autoscaler.spec import AutoscalingSpec, StandbyPoolSpec
-from autoscaler.standby import StandbyPolicy, StandbyPool
+from autoscaler.standby import DecayingPeak, StandbyPolicy, StandbyPool
 from autoscaler.startup import StartupEstimate
 from fleet.controller.lifecycle import ReplicaStatus
 
@@ -28,6 +30,12 @@ def ctx(now_s: float, desired: int, queue: float | None, *, standby: int = 0, re
 
 
 def standby_policy(max_: int = 16, **spec: object) -> StandbyPolicy:
+    """A `standby` policy; the burst floor off unless ``standby_pool`` sets floorHalfLifeSeconds
+    (the tests of the pool alone predate it)."""
+    pool = spec.get("standby_pool") or StandbyPoolSpec()
+    assert isinstance(pool, StandbyPoolSpec)
+    if "floor_half_life_seconds" not in pool.model_fields_set:
+        spec["standby_pool"] = pool.model_copy(update={"floor_half_life_seconds": 0.0})
     policy = make_policy(AutoscalingSpec(policy="standby", **spec), ReplicaBounds(1, max_, 2))  # type: ignore[arg-type]
     assert isinstance(policy, StandbyPolicy)
     return policy
@@ -193,3 +201,55 @@ def test_a_stale_breach_wakes_sleepers_but_starts_nothing() -> None:
     d = confirmed(standby_policy()).decide(load_ctx(100.0, 2, 2, 0, 3 * TQ, 4, standby=1))
     assert (d.desired, d.reason) == (3, "burst_over")
     assert confirmed(standby_policy()).decide(load_ctx(100.0, 2, 2, 0, 3 * TQ, 4)).desired == 2
+
+
+def test_a_decaying_peak_keeps_the_heaviest_value_halving_every_half_life() -> None:
+    peak = DecayingPeak(100.0)
+    peak.observe(0.0, 4)
+    peak.observe(10.0, 1)                      # lighter now, but the 4 is dropped first: kept
+    assert peak.value(0.0) == 4 and peak.value(100.0) == 2 and len(peak) == 2
+    peak.observe(100.0, 3)                     # outweighs both from now on: they are dropped
+    assert len(peak) == 1 and peak.value(100.0) == 3 and peak.value(300.0) == 1   # 3/4 rounds to 1
+    assert peak.value(400.0) == 0 and len(peak) == 0                               # 3/8 < 0.5: dropped
+    peak.observe(500.0, 0)
+    assert len(peak) == 0
+    with pytest.raises(ValueError, match="half_life_s"):
+        DecayingPeak(0.0)
+
+
+def _after_a_burst(**pool: object) -> tuple[StandbyPolicy, int]:
+    """A burst at t = 0 met by 2 READY and 2 asleep (wants 6: wakes 2, starts 2), then quiet at 4 READY
+    once the stabilisation window (300 s) has passed: the replicas the scale-down leaves."""
+    p = standby_policy(standby_pool=StandbyPoolSpec(**pool))  # type: ignore[arg-type]
+    up = p.decide(ctx(0.0, 2, 3 * TQ, ready=2, standby=2))
+    assert up.desired == 6
+    return p, p.decide(ctx(301.0, 4, 0.01 * TQ, ready=4)).desired
+
+
+def test_the_burst_floor_holds_the_replicas_a_burst_reached_between_bursts() -> None:
+    p, kept = _after_a_burst(floor_half_life_seconds=3600.0)
+    assert kept == 4                              # min(6 wanted, 2 READY + 2 asleep), 4 x 0.94 rounds to 4
+    assert p.last is not None and p.last.inputs["burst_floor"] == 4
+    assert p.burst_floor_of(3600.0) == 2          # one half-life
+    assert p.decide(ctx(4 * 3600.0, 4, 0.01 * TQ, ready=4)).desired < 4   # 4 / 16: released
+    _, off = _after_a_burst(floor_half_life_seconds=0.0)   # off: the step-down before the floor
+    assert off < 4
+
+
+def test_the_burst_floor_only_holds_a_scale_down_back() -> None:
+    p, _ = _after_a_burst(floor_half_life_seconds=3600.0)
+    d = p.decide(ctx(310.0, 2, 0.01 * TQ, ready=2))    # a target of 2 (set elsewhere): kept, not raised to 4
+    assert d.desired <= 2
+
+
+def test_replicas_held_awake_by_the_burst_floor_count_as_the_pool() -> None:
+    p, _ = _after_a_burst(floor_half_life_seconds=3600.0)
+    assert p.last is not None and p.last.standby == 0      # pool 3 (4 halved over 301 s of 900) - 3 held awake
+    q, _ = _after_a_burst(floor_half_life_seconds=0.0)
+    assert q.last is not None and q.last.standby == 3      # no floor: the pool sleeps beside the target
+
+
+def test_the_burst_floor_is_on_by_default() -> None:
+    assert StandbyPoolSpec().floor_half_life_seconds == 10_800.0
+    p = make_policy(AutoscalingSpec(policy="standby"), ReplicaBounds(1, 16, 2))
+    assert isinstance(p, StandbyPolicy) and p.burst_floor is not None and p.burst_floor.half_life_s == 10_800.0
