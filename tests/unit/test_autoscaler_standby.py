@@ -249,7 +249,10 @@ def test_replicas_held_awake_by_the_burst_floor_count_as_the_pool() -> None:
     assert q.last is not None and q.last.standby == 3      # no floor: the pool sleeps beside the target
 
 
-def test_the_burst_floor_is_on_by_default() -> None:
-    assert StandbyPoolSpec().floor_half_life_seconds == 10_800.0
+def test_the_burst_floor_is_off_by_default_and_on_when_set() -> None:
+    assert StandbyPoolSpec().floor_half_life_seconds == 0.0
     p = make_policy(AutoscalingSpec(policy="standby"), ReplicaBounds(1, 16, 2))
+    assert isinstance(p, StandbyPolicy) and p.burst_floor is None
+    spec = AutoscalingSpec.model_validate({"policy": "standby", "standbyPool": {"floorHalfLifeSeconds": 10_800}})
+    p = make_policy(spec, ReplicaBounds(1, 16, 2))
     assert isinstance(p, StandbyPolicy) and p.burst_floor is not None and p.burst_floor.half_life_s == 10_800.0
