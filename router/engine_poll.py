@@ -25,6 +25,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from router.background import BackgroundLoop
 from router.endpoint import EndpointState
 from router.engine_load import DEFAULT_MAX_AGE_S, DEFAULT_POLL_INTERVAL_S, EngineLoadError, EngineLoadView, \
     parse_engine_load
@@ -151,7 +152,7 @@ class EnginePoller:
         self._fetcher = EngineMetricsFetcher(timeout_s) if fetch is None else None
         self._fetch: Fetcher = fetch if fetch is not None else self._fetcher  # type: ignore[assignment]
         self.metrics = PollMetrics(registry, self.ages)
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundLoop("engine-load-poller", self._run)
         self._slots: asyncio.Semaphore | None = None
 
     def ages(self) -> dict[str, float]:
@@ -168,18 +169,11 @@ class EnginePoller:
         """Open the fetcher's session and start polling (a no-op if already started)."""
         if self._fetcher is not None:
             await self._fetcher.start()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-load-poller")
+        self._background.start()
 
     async def close(self) -> None:
         """Stop polling and close the fetcher's session."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._background.stop()
         if self._fetcher is not None:
             await self._fetcher.close()
 

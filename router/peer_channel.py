@@ -24,6 +24,7 @@ from typing import Protocol
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from router.background import BackgroundLoop
 from router.endpoint import EndpointState
 from router.peer_load import DEFAULT_PEER_INTERVAL_S, load_fingerprint, own_report
 
@@ -132,7 +133,7 @@ class PeerSender:
         self._post = post
         self.metrics = metrics
         self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundLoop("peer-load-sender", self._run)
         self._last_body = b""
         self._last_load: tuple | None = None   # `load_fingerprint` of `_last_body`
         self._last_sent_s = -float("inf")
@@ -149,18 +150,11 @@ class PeerSender:
         """Open the poster's session (a `ReportPoster`) and start sending (no-op if started)."""
         if isinstance(self._post, ReportPoster):
             await self._post.start()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="peer-load-sender")
+        self._background.start()
 
     async def close(self) -> None:
         """Stop sending and close the poster's session."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._background.stop()
         if isinstance(self._post, ReportPoster):
             await self._post.close()
 

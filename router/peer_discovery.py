@@ -30,6 +30,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from router.background import BackgroundLoop
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PEER_DNS_INTERVAL_S = 5.0
@@ -150,7 +152,7 @@ class PeerDiscovery:
         self.interval_s = interval_s
         self.peers: list[str] | None = None
         """The current peer URLs; None before the first successful resolution."""
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundLoop("peer-dns-discovery", self._run)
 
     async def start(self) -> None:
         """Resolve once now (so the router starts with its peers), then every `interval_s`."""
@@ -158,18 +160,11 @@ class PeerDiscovery:
             await self.resolve_once()
         except Exception:  # a bad name or resolver bug must not stop the router from serving
             log.exception("peer discovery failed")
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="peer-dns-discovery")
+        self._background.start()
 
     async def close(self) -> None:
         """Stop resolving."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._background.stop()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
