@@ -46,9 +46,13 @@ as the bursts need:
   burst reached within seconds (its target, at most the READY and standby replicas then), each
   such count halving every ``floorHalfLifeSeconds`` (`DecayingPeak`); a scale-down keeps at
   least that many. The replicas it keeps beyond what the load needs are the burst's reserve
-  awake, so the pool keeps that many fewer sleepers (`_held_by_floor`). Found on day 4 of seed 7 of the synthetic daily trace: between bursts of
-  450-607 requests a minute the policy stepped down to 1-2 READY replicas, and the next burst
-  met those (docs/benchmarks.md, issue 24's held-out section).
+  awake, so the pool keeps that many fewer sleepers (`_held_by_floor`), but never fewer than one
+  while it holds any burst: a burst larger than the floor's then wakes one in seconds. Found on
+  day 4 of seed 7 of the synthetic daily trace: between bursts of 450-607 requests a minute the
+  policy stepped down to 1-2 READY replicas, and the next burst met those; the one sleeper on
+  Azure `code`: the floor's 4 awake replicas had taken every sleeper's place, and its first burst
+  larger than the floor met 4 READY replicas and none asleep (docs/benchmarks.md, issue 24's
+  held-out sections).
 
 Everything else (targets, trend, load floor, probe, stabilisation, rate limits) is Fleet's
 policy unchanged. Pure and clock-injected like every policy: its state is the pool, the
@@ -274,7 +278,8 @@ class StandbyPolicy(FleetPolicy, name="standby"):
     def _held_by_floor(self, ctx: ScalingContext, decision: ScalingDecision) -> int:
         """READY-or-starting replicas kept only by the burst floor: the target (at most the floor)
         beyond what the load needs now (the load floor, at least ``spec.replicas.min``). They are
-        the burst's reserve awake, so the standby pool keeps that many fewer sleepers."""
+        the burst's reserve awake, so the standby pool keeps that many fewer sleepers (at least
+        one while the pool holds any burst, `decide`)."""
         floor = self.burst_floor_of(ctx.now_s)
         load_floor = decision.inputs.get("load_floor")
         if floor <= 0 or not isinstance(load_floor, int):
@@ -363,7 +368,7 @@ class StandbyPolicy(FleetPolicy, name="standby"):
         target = self.standby_target(ctx, decision.desired)
         held = self._held_by_floor(ctx, decision)
         if target is not None and held > 0:
-            target = max(0, target - held)
+            target = max(target - held, min(target, 1))
         detail = decision.detail
         added = decision.desired - ctx.desired
         if added > 0:

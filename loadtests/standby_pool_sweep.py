@@ -62,7 +62,7 @@ def main() -> None:
     cfg = replace(cfg, autoscaling=cfg.autoscaling.model_copy(update=update))
     started = time.monotonic()
     s = run_one(cfg, Workload.from_trace(load_trace(a.trace), profile), None).summary()
-    print(f"{Path(a.trace).name} {cfg.name} initial={a.initial} initial_s={a.initial_s:g} half_life_s={a.half_life_s:g} "
+    print(f"{Path(a.trace).parent.name}/{Path(a.trace).name} {cfg.name} initial={a.initial} initial_s={a.initial_s:g} half_life_s={a.half_life_s:g} "
           f"forecast_ahead_s={a.forecast_ahead_s:g} bound={a.bound or 'default'} "
           f"floor_half_life_s={pool.floor_half_life_seconds:g}: {s.within_slo:.2%} within, p99 {s.ttft_p99_s:.2f} s, "
           f"{s.replica_hours:.2f} replica-h ({s.standby_hours:.2f} standby), {s.scaling_actions} actions, "

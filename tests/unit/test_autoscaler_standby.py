@@ -242,16 +242,22 @@ def test_the_burst_floor_only_holds_a_scale_down_back() -> None:
     assert d.desired <= 2
 
 
-def test_replicas_held_awake_by_the_burst_floor_count_as_the_pool() -> None:
+def test_replicas_held_awake_by_the_burst_floor_count_as_the_pool_but_one_sleeper_stays() -> None:
     p, _ = _after_a_burst(floor_half_life_seconds=3600.0)
-    assert p.last is not None and p.last.standby == 0      # pool 3 (4 halved over 301 s of 900) - 3 held awake
+    # pool 3 (4 halved over 301 s of 900) - 3 held awake = 0, but one sleeper stays for a larger burst
+    assert p.last is not None and p.last.standby == 1
     q, _ = _after_a_burst(floor_half_life_seconds=0.0)
     assert q.last is not None and q.last.standby == 3      # no floor: the pool sleeps beside the target
+    later = p.decide(ctx(3 * 3600.0, 4, 0.01 * TQ, ready=4))
+    assert later.standby == 0                              # the pool's bursts have decayed: no sleeper kept
 
 
-def test_the_burst_floor_is_off_by_default_and_on_when_set() -> None:
-    assert StandbyPoolSpec().floor_half_life_seconds == 0.0
+def test_the_burst_floor_is_on_by_default_and_off_at_zero() -> None:
+    assert StandbyPoolSpec().floor_half_life_seconds == 3600.0
     p = make_policy(AutoscalingSpec(policy="standby"), ReplicaBounds(1, 16, 2))
+    assert isinstance(p, StandbyPolicy) and p.burst_floor is not None and p.burst_floor.half_life_s == 3600.0
+    off = AutoscalingSpec.model_validate({"policy": "standby", "standbyPool": {"floorHalfLifeSeconds": 0}})
+    p = make_policy(off, ReplicaBounds(1, 16, 2))
     assert isinstance(p, StandbyPolicy) and p.burst_floor is None
     spec = AutoscalingSpec.model_validate({"policy": "standby", "standbyPool": {"floorHalfLifeSeconds": 10_800}})
     p = make_policy(spec, ReplicaBounds(1, 16, 2))
