@@ -71,7 +71,7 @@ one router 0 does as well (p99 TTFT 2.69 s against 2.72 s on the Mooncake trace 
 simulator); with two routers it keeps more conversations where they were (prefix-cache hits
 20.9% against 17.5%) at about the same p99 (docs/routing.md)."""
 
-DEFAULT_MISS_TOKEN_WEIGHT = 4.0
+DEFAULT_MISS_TOKEN_WEIGHT = 8.0
 """Queued prefill tokens that one prompt token an endpoint would have to prefill (not cached
 there) is worth in `kv-aware`'s cost. At weight 1 the cost is this request's own wait, so a
 conversation left its cached prefix for an idle endpoint as soon as the queue in front of its
@@ -80,10 +80,24 @@ request queued or decoding on the new endpoint waits through it, and its blocks 
 prefixes there), which the greedy wait does not count. Tuned in the trace simulator on Mooncake
 seconds 300-600 and 900 to the trace's end with two routers on KV events and the peers' load
 (docs/routing.md, "Valuing a cached prefix"): weight 1 gave 10.1% / 47.7% prefix-cache hits and
-p99 TTFT 3.23 s / 2.87 s; 4 gave 15.5% / 57.5% and 2.73 s / 2.32 s; 2, 6, 8 and 12 did no better.
-On the benchmark's seconds 600-900, run once afterwards at 80% load: hits 25.7% to 34.0%, p99
-TTFT 2.78 s to 2.61 s. Prompts that share
-nothing (Azure `conv`) route as before: the term is then the same on every endpoint."""
+p99 TTFT 3.23 s / 2.87 s; 4 gave 15.5% / 57.5% and 2.73 s / 2.32 s. With the looser bound for an
+endpoint holding the prefix (`DEFAULT_PREFIX_LOAD_BOUND`) 8 gave 16.6% / 65.6% and 2.73 s /
+2.32 s against 15.7% / 65.5% and 2.94 s / 2.35 s at 4 (6: the same as 8 on the first window).
+Prompts that share nothing (Azure `conv`) route as before: the term is then the same on every
+endpoint."""
+
+DEFAULT_PREFIX_LOAD_BOUND = 4.0
+"""`kv-aware`'s load bound (`DEFAULT_LOAD_BOUND`) for an endpoint that holds more than half of
+the request's prompt (vllm-router's `cache_aware` stays with such a prefix, `cache_threshold`
+0.5, until 32 more requests run on one worker than another): it may take requests until it holds
+this factor of the mean in flight, where others stop at 1.5x. At 1.5 a conversation's turn left
+its 15k-token prefix once its home held 1.5x the mean, and redid the prefill elsewhere; the cost
+(queued prefill tokens) still weighs the wait there. Tuned with `DEFAULT_MISS_TOKEN_WEIGHT` on the
+same two Mooncake windows (two routers, KV events, the peers' load): 1.5 gave 15.4% / 54.9% hits,
+p99 TTFT 2.74 s / 2.49 s, e2e p50 2.96 s / 0.88 s; 4 gave 16.6% / 65.6%, 2.73 s / 2.32 s,
+2.86 s / 0.65 s; 3 gave 64.5% hits on the second window, 100 (no bound) 66.0%. `cache-aware`
+there: 15.7% / 67.7% hits, 4.59 s / 2.44 s, 3.91 s / 0.70 s (docs/routing.md). Finite, so a
+prefix every request shares still spills."""
 
 ROUTING_POLICIES: Registry[RoutingPolicy] = Registry("routing policy")
 """The routing policies by name (`router.registry`): a pool's `policy` must be one of them."""
@@ -248,7 +262,9 @@ class KvAware(RoutingPolicy, name="kv-aware"):
 
     1. **Bounded load** (Mirrokni et al. 2018, see `DEFAULT_LOAD_BOUND`): endpoints with
        `ceil(load_bound x (in flight + 1) / n)` or more requests in flight are left out, so a
-       popular prefix spills over to other endpoints instead of piling onto one.
+       popular prefix spills over to other endpoints instead of piling onto one; an endpoint
+       holding more than half of the prompt is left out only from `prefix_load_bound` x the
+       mean (`DEFAULT_PREFIX_LOAD_BOUND`), so a conversation stays with its prefix longer.
     2. The cheapest of the rest wins if some endpoint is believed to hold a prefix of the
        request (affinity earned by the cache).
     3. Otherwise (a new conversation, or a prompt shorter than one block) the request's
@@ -266,11 +282,12 @@ class KvAware(RoutingPolicy, name="kv-aware"):
 
     Args:
         cache_tokens_per_endpoint: prompt tokens remembered per endpoint (LRU beyond).
-        load_bound, decode_token_weight, affinity_slack, miss_token_weight: see the module
-            constants.
+        load_bound, decode_token_weight, affinity_slack, miss_token_weight, prefix_load_bound:
+            see the module constants.
 
     Raises:
-        ValueError: `load_bound` <= 1, a negative weight or slack, or `miss_token_weight` < 1.
+        ValueError: `load_bound` <= 1, `prefix_load_bound` < `load_bound`, a negative weight or
+            slack, or `miss_token_weight` < 1.
     """
 
     uses_prompt_blocks = True
@@ -279,10 +296,14 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     def __init__(self, *, cache_tokens_per_endpoint: int = DEFAULT_CACHE_TOKENS_PER_ENDPOINT,
                  load_bound: float = DEFAULT_LOAD_BOUND, decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT,
                  affinity_slack: float = DEFAULT_AFFINITY_SLACK,
-                 miss_token_weight: float = DEFAULT_MISS_TOKEN_WEIGHT) -> None:  # fmt: skip
+                 miss_token_weight: float = DEFAULT_MISS_TOKEN_WEIGHT,
+                 prefix_load_bound: float = DEFAULT_PREFIX_LOAD_BOUND) -> None:  # fmt: skip
         super().__init__()
         if load_bound <= 1.0:
             raise ValueError(f"load_bound must be > 1, got {load_bound}")
+        if prefix_load_bound < load_bound:
+            raise ValueError(f"prefix_load_bound must be >= load_bound ({load_bound}), got {prefix_load_bound}")
+        self.prefix_load_bound = prefix_load_bound
         if decode_token_weight < 0 or affinity_slack < 0:
             raise ValueError("decode_token_weight and affinity_slack must be >= 0")
         if miss_token_weight < 1.0:
@@ -330,26 +351,29 @@ class KvAware(RoutingPolicy, name="kv-aware"):
                 load = (e.in_flight, e.prefilling, e.prefill_tokens)
             loads.append(load)
             total += load[0]
-        if n > 1:
-            cap = math.ceil(self.load_bound * (total + 1) / n)
-            pairs = [(e, load) for e, load in zip(candidates, loads) if load[0] < cap] or list(zip(candidates, loads))
-        else:
-            pairs = list(zip(candidates, loads))
         exact = self.exact
         token_ids = request.token_ids
         held = exact.match(token_ids) if exact is not None and token_ids else None
+        hits: dict[str, int] = {}
+        for e in candidates:
+            if held is not None and exact.live(e.id):  # type: ignore[union-attr]
+                hits[e.id] = min(prompt, held.get(e.id, 0))
+            else:
+                hits[e.id] = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
+        if n > 1:
+            cap = math.ceil(self.load_bound * (total + 1) / n)
+            cap_held = math.ceil(self.prefix_load_bound * (total + 1) / n)   # holds over half the prompt
+            pairs = [(e, load) for e, load in zip(candidates, loads)
+                     if load[0] < (cap_held if 2 * hits[e.id] > prompt else cap)] or list(zip(candidates, loads))
+        else:
+            pairs = list(zip(candidates, loads))
         weight = self.decode_token_weight
         miss = self.miss_token_weight
         eligible: list[EndpointState] = []
         costs: list[float] = []
-        hits: dict[str, int] = {}
         best = math.inf
         for e, (in_flight, prefilling, prefill_tokens) in pairs:
-            if held is not None and exact.live(e.id):  # type: ignore[union-attr]
-                cached = min(prompt, held.get(e.id, 0))
-            else:
-                cached = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
-            hits[e.id] = cached
+            cached = hits[e.id]
             cost = miss * (prompt - cached) + prefill_tokens + weight * (in_flight - prefilling)
             eligible.append(e)
             costs.append(cost)

@@ -133,8 +133,9 @@ def test_load_counts_prefill_tokens_and_decoding_requests_not_request_counts() -
 
 
 def test_bounded_load_spills_a_popular_prefix() -> None:
-    """Mirrokni et al.: no endpoint takes more than ceil(c x (in flight + 1) / n) requests."""
-    policy = KvAware(load_bound=1.5)
+    """Mirrokni et al.: no endpoint takes more than ceil(c x (in flight + 1) / n) requests (the
+    bound for an endpoint holding the prefix set to the same c)."""
+    policy = KvAware(load_bound=1.5, prefix_load_bound=1.5)
     eps = endpoints("a", "b", "c", "d")
     hot = prompt(3, 100)
     placed: dict[str, int] = {}
@@ -147,6 +148,27 @@ def test_bounded_load_spills_a_popular_prefix() -> None:
         placed[e.id] = placed.get(e.id, 0) + 1
     assert len(placed) >= 3     # it spilled; spills go where the prefix then is (a 4th copy costs its prefill)
     assert max(placed.values()) <= -(-1.5 * 40 // 4)
+
+
+def test_an_endpoint_holding_the_prefix_takes_up_to_the_looser_bound_then_it_spills() -> None:
+    """Over half the prompt held: left out only from prefix_load_bound x the mean in flight."""
+    policy = KvAware(load_bound=1.5, prefix_load_bound=3.0)
+    eps = endpoints("a", "b", "c", "d")
+    hot = prompt(3, 100)
+    choices = []
+    for turn in range(40):
+        r = request(hot[:-1] + [turn])
+        e = policy.choose(eps, r, NOW_S)
+        total = sum(x.in_flight for x in eps)
+        bound = 3.0 if e.id in choices else 1.5     # a replica it went to before holds the prefix
+        assert e.in_flight < -(-bound * (total + 1) // 4), (turn, e.id, e.in_flight, total)
+        dispatch(e, r)
+        choices.append(e.id)
+    home = choices[0]
+    assert choices[:3] == [home] * 3           # 1.5x would have spilled at the 2nd (ceil(1.5 x 2 / 4) = 1)
+    assert choices.count(home) > -(-1.5 * 40 // 4) and len(set(choices)) >= 2   # past 1.5x, then it spilled
+    with pytest.raises(ValueError, match="prefix_load_bound"):
+        KvAware(load_bound=2.0, prefix_load_bound=1.5)
 
 
 def test_new_conversations_go_by_rendezvous_hash_and_spread() -> None:
