@@ -35,4 +35,4 @@ case " $* " in
     fi
     ;;
 esac
-exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra "$@"
+exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=15 "$@"
