@@ -2,16 +2,18 @@
 in another process, as a router follows an engine.
 
 The publisher (a subprocess, so that its CPU is not counted) sends `--batches` batches at
-`--rate` per second on vLLM's wire (`router.kv_events.encode_batch`, PUB frames topic/seq/payload):
-each batch stores `--blocks` 16-token blocks continuing the previous batch's chain and, from the
-11th batch on, evicts as many blocks with one `BlockRemoved` each, as vLLM reports evictions.
-This process runs the subscriber on an asyncio loop and reports its own CPU time (all threads:
-the event loop and libzmq's I/O thread) per batch and per block, between the first batch applied
-and the last. What it isolates is the per-message cost (wake-ups, socket reads) against the
+`--rate` per second on vLLM's wire (`router.kv_events.encode_batch`, PUB frames topic/seq/payload),
+spread round-robin over `--streams` PUB sockets (one per simulated engine): each batch stores
+`--blocks` 16-token blocks continuing its stream's chain and, once a stream holds 4,096 blocks,
+evicts its oldest as many with one `BlockRemoved` each, as vLLM reports evictions (so removals
+find their block, as they do live). This process runs one subscriber per stream on an asyncio
+loop, sharing one `DrainTicks` as a router's do, and reports its own CPU time (all threads: the
+event loop and libzmq's I/O thread) per batch and per block, between the first batch applied and
+the last. What it isolates is the per-message cost (wake-ups, socket reads) against the
 per-block cost (decode, index); docs/benchmarks.md, "Router CPU with KV events".
 
 Usage:
-    python -m loadtests.bench_kv_events [--batches 3000] [--blocks 1] [--rate 1000]
+    python -m loadtests.bench_kv_events [--batches 3000] [--blocks 1] [--rate 1000] [--streams 1]
 """
 
 from __future__ import annotations
@@ -26,29 +28,31 @@ import zmq
 import zmq.asyncio
 
 from router.kv_index import ExactIndex
-from router.kv_subscriber import KvEventSubscriber
+from router.kv_subscriber import DrainTicks, KvEventSubscriber
 from router.spec import KvEventsSource
 
 PUBLISHER = r'''
-import random, sys, time
+import collections, random, sys, time
 import zmq
 from router.kv_events import BlockRemoved, BlockStored, batch_of, encode_batch
-batches, blocks, rate = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+batches, blocks, rate, streams = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 ctx = zmq.Context()
-pub = ctx.socket(zmq.PUB)
-port = pub.bind_to_random_port("tcp://127.0.0.1")
-print(port, flush=True)
-sys.stdin.readline()   # the subscriber is connected
+pubs = [ctx.socket(zmq.PUB) for _ in range(streams)]
+print(" ".join(str(pub.bind_to_random_port("tcp://127.0.0.1")) for pub in pubs), flush=True)
+sys.stdin.readline()   # the subscribers are connected
 rng = random.Random(0)
-parent = None
+parents = [None] * streams
+held = [collections.deque() for _ in range(streams)]
 started = time.monotonic()
-for seq in range(batches):
+for n in range(batches):
+    k, seq = n % streams, n // streams
     hashes = [rng.getrandbits(63) for _ in range(blocks)]
-    events = [BlockStored(hashes, parent, [rng.randrange(32000) for _ in range(16 * blocks)], 16, medium="GPU")]
-    if seq > 10:
-        events += [BlockRemoved([rng.getrandbits(63)], medium="GPU") for _ in range(blocks)]
-    parent = hashes[-1]
-    pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(batch_of(events))])
+    events = [BlockStored(hashes, parents[k], [rng.randrange(32000) for _ in range(16 * blocks)], 16, medium="GPU")]
+    held[k].extend(hashes)
+    while len(held[k]) > 4096:
+        events.append(BlockRemoved([held[k].popleft()], medium="GPU"))
+    parents[k] = hashes[-1]
+    pubs[k].send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(batch_of(events))])
     pause = started + (seq + 1) / rate - time.monotonic()
     if pause > 0:
         time.sleep(pause)
@@ -56,34 +60,46 @@ time.sleep(1.0)
 '''
 
 
-async def run(batches: int, blocks: int, rate: float) -> dict[str, float]:
-    """Follow `batches` batches of `blocks` blocks at `rate`/s; CPU seconds of this process per batch."""
-    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(batches), str(blocks), str(rate)],
+async def run(batches: int, blocks: int, rate: float, streams: int = 1) -> dict[str, float]:
+    """Follow `batches` batches of `blocks` blocks at `rate`/s over `streams` streams; CPU seconds
+    of this process per batch."""
+    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(batches), str(blocks), str(rate), str(streams)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     ctx = zmq.asyncio.Context()
     index = ExactIndex()
+    ticks = DrainTicks()
+    ids = [f"e{k}" for k in range(streams)]
+    last = (batches - 1) // streams   # the first stream's last seq
+
+    def applied() -> int:
+        return sum((index.last_seq(e) or 0) for e in ids)
+
     try:
-        port = int(proc.stdout.readline())
-        source = KvEventsSource(publisher=f"tcp://127.0.0.1:{port}", topic="")
-        task = asyncio.create_task(KvEventSubscriber("m", "e", source, index, ctx).run())
+        ports = [int(p) for p in proc.stdout.readline().split()]
+        tasks = [asyncio.create_task(KvEventSubscriber("m", e, KvEventsSource(publisher=f"tcp://127.0.0.1:{port}", topic=""),
+                                                       index, ctx, ticks=ticks).run())
+                 for e, port in zip(ids, ports)]  # fmt: skip
         await asyncio.sleep(1.0)   # connected and subscribed: a SUB misses what is sent before
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        while index.last_seq("e") is None:
+        while index.last_seq(ids[0]) is None:
             await asyncio.sleep(0.001)
-        cpu0, first = time.process_time(), index.last_seq("e")
+        cpu0, main0, first = time.process_time(), time.thread_time(), applied()
         deadline = time.monotonic() + 60 + batches / rate
-        while (index.last_seq("e") or 0) < batches - 1 and time.monotonic() < deadline:
+        while (index.last_seq(ids[0]) or 0) < last and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        cpu_s = time.process_time() - cpu0
-        done = (index.last_seq("e") or 0) - first
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.1)   # the other streams' last batches
+        cpu_s, main_s = time.process_time() - cpu0, time.thread_time() - main0
+        done = applied() - first
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         proc.kill()
         proc.wait()
         ctx.destroy(linger=0)
     return {"batches": done, "cpu_us_per_batch": 1e6 * cpu_s / max(1, done),
+            "loop_us_per_batch": 1e6 * main_s / max(1, done),
             "cpu_us_per_block": 1e6 * cpu_s / max(1, done * blocks)}  # fmt: skip
 
 
@@ -91,11 +107,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=3000)
     parser.add_argument("--blocks", type=int, default=1, help="blocks stored (and evicted) per batch")
-    parser.add_argument("--rate", type=float, default=1000.0, help="batches per second")
+    parser.add_argument("--rate", type=float, default=1000.0, help="batches per second, all streams together")
+    parser.add_argument("--streams", type=int, default=1, help="publishers (engines), each followed by a subscriber")
     args = parser.parse_args()
-    out = asyncio.run(run(args.batches, args.blocks, args.rate))
-    print(f"{out['batches']:.0f} batches of {args.blocks} block(s) at {args.rate:g}/s: "
-          f"{out['cpu_us_per_batch']:.1f} us CPU per batch, {out['cpu_us_per_block']:.1f} us per block")
+    out = asyncio.run(run(args.batches, args.blocks, args.rate, args.streams))
+    print(f"{out['batches']:.0f} batches of {args.blocks} block(s) at {args.rate:g}/s over {args.streams} stream(s): "
+          f"{out['cpu_us_per_batch']:.1f} us CPU per batch ({out['loop_us_per_batch']:.1f} us on the event loop's "
+          f"thread, the rest libzmq's I/O thread), {out['cpu_us_per_block']:.1f} us per block")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ futures: ~300 us of CPU per message on the 2-core dev machine against ~5 us per 
 docs/benchmarks.md "Router CPU with KV events"), so the subscribers do not wake per message: all
 of a router's subscribers drain their sockets together on one shared tick (`DrainTicks`, every
 `DRAIN_INTERVAL_S`), reading every queued message with non-blocking reads and applying it in
-order (yielding to the loop every `BURST` messages). A subscriber whose socket stayed empty for
+order; batches that arrive in order are applied in the tick's own timer callback, and a
+subscriber's task wakes only for the rest (a gap, a connection event, more than `BURST` batches
+at once, between which it yields to the loop). A subscriber whose socket stayed empty for
 `QUIET_TICKS` ticks stops ticking and waits on its socket's file descriptor instead (an idle
 router does not wake), then drains at the next tick. The view thus lags the engine by at most
 one tick beyond the wire.
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import zlib
@@ -112,6 +115,13 @@ class DrainTicks:
     together: `wait()` returns a future resolved at the next tick (one loop timer per tick,
     however many wait). Runs on the running event loop's clock.
 
+    A waiter may pass `poll`, a plain function the tick calls in its timer callback instead of
+    waking the waiter's task: True means it did the tick's work itself and waits for the next
+    tick (the future stays pending), False wakes the task. A router's subscribers drain their
+    in-order batches that way, so a tick costs one timer callback, not a task step per stream
+    (docs/benchmarks.md, "Router CPU with KV events"). An exception from `poll` is set on its
+    future (its task raises it); the other waiters are not affected.
+
     Raises:
         ValueError: `interval_s` < 0.
     """
@@ -121,22 +131,44 @@ class DrainTicks:
             raise ValueError(f"interval_s must be >= 0, got {interval_s}")
         self.interval_s = interval_s
         self.ticks = 0
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: list[tuple[asyncio.Future[None], Callable[[], bool] | None]] = []
+        self._armed = False
 
-    def wait(self) -> asyncio.Future[None]:
-        """A future resolved at the next tick (cancelling it cancels no one else's wait)."""
+    def wait(self, poll: Callable[[], bool] | None = None) -> asyncio.Future[None]:
+        """A future resolved at the next tick, or at the first tick whose `poll()` returns False
+        (cancelling it cancels no one else's wait)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        if not self._waiters:
-            loop.call_later(self.interval_s, self._tick)
-        self._waiters.append(fut)
+        self._waiters.append((fut, poll))
+        self._arm(loop)
         return fut
 
-    def _tick(self) -> None:
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._armed:
+            self._armed = True
+            loop.call_later(self.interval_s, self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._armed = False
         waiters, self._waiters = self._waiters, []
         self.ticks += 1
-        for fut in waiters:
-            _wake(fut)
+        for fut, poll in waiters:
+            if fut.done():
+                continue   # cancelled
+            if poll is None:
+                fut.set_result(None)
+                continue
+            try:
+                keep = poll()
+            except Exception as exc:  # the subscriber's task restarts it; the other streams go on
+                fut.set_exception(exc)
+                continue
+            if keep and not fut.done():
+                self._waiters.append((fut, poll))
+            elif not fut.done():
+                fut.set_result(None)
+        if self._waiters:
+            self._arm(loop)
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -179,6 +211,9 @@ class KvEventSubscriber:
         self.resyncs = 0
         self.replays = 0
         self.bad_payloads = 0
+        self._applied = 0   # events applied and not yet counted in the metrics (`_count_applied`)
+        self._held: list[bytes] | None = None   # frames `_poll` read but could not place (`_on_gap` next)
+        self._quiet = 0     # ticks in a row that found the socket empty
 
     # ----- running --------------------------------------------------------------------------------
 
@@ -213,17 +248,21 @@ class KvEventSubscriber:
             # Plain (blocking-API) views of the same sockets: read with NOBLOCK until empty, no future per message.
             raw_sub = zmq.Socket.shadow(sub.underlying)
             raw_monitor = zmq.Socket.shadow(monitor.underlying)
-            quiet = 0
+            self._quiet = 0
             while True:
                 await self._drain_monitor(raw_monitor)
-                quiet = 0 if await self._drain(raw_sub) else quiet + 1
+                if self._held is not None:   # a batch the tick's poll could not place
+                    frames, self._held = self._held, None
+                    self._quiet = 0
+                    await self._on_gap(frames)
+                self._quiet = 0 if await self._drain(raw_sub) else self._quiet + 1
                 if self._rebuild_at is not None and self._clock() >= self._rebuild_at:
                     self._rebuild_at = None
                     self._index.rebuilt(self.endpoint_id)
-                if quiet > QUIET_TICKS:   # nothing lately: sleep until a socket has something, then drain
+                if self._quiet > QUIET_TICKS:   # nothing lately: sleep until a socket has something, then drain
                     await self._readable(raw_sub, raw_monitor)
-                    quiet = 0
-                await self._ticks.wait()
+                    self._quiet = 0
+                await self._ticks.wait(functools.partial(self._poll, raw_sub, raw_monitor))
         finally:
             if monitor is not None:
                 with contextlib.suppress(zmq.ZMQError):
@@ -231,27 +270,62 @@ class KvEventSubscriber:
                 monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def _drain(self, sock: zmq.Socket) -> int:
-        """Handle every message queued on the SUB socket (yielding every `BURST`); returns how many."""
+    def _poll(self, sub: zmq.Socket, monitor: zmq.Socket) -> bool:
+        """A tick's drain, run in `DrainTicks`' timer callback: apply the batches queued in order
+        and keep waiting (True), or hand over to the task (False) when there is more to do than
+        plain batches: a monitor event (connection up or down), a batch out of order (kept in
+        `_held` for `_on_gap`), more than `BURST` batches (the task yields between bursts), the
+        rebuild deadline, or a socket quiet for `QUIET_TICKS` ticks."""
+        if monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return False
+        if self._rebuild_at is not None and self._clock() >= self._rebuild_at:
+            return False
         n = 0
-        while True:
-            try:
+        try:
+            while sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+                n += 1
+                if not self._take(frames):
+                    self._held = frames
+                    return False
+                if n >= BURST:
+                    return False
+        finally:
+            self._count_applied()
+        if n:
+            self._quiet = 0
+            return True
+        self._quiet += 1
+        return self._quiet <= QUIET_TICKS
+
+    async def _drain(self, sock: zmq.Socket) -> int:
+        """Handle every message queued on the SUB socket (yielding every `BURST`); returns how many.
+        Asks the socket whether a message is queued (``ZMQ_EVENTS``) rather than reading until
+        `zmq.Again`: an empty socket costs a flag read, not an exception, on every tick."""
+        n = 0
+        try:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return n
-            n += 1
-            if not self._take(frames):
-                await self._on_gap(frames)
-            if n % BURST == 0:
-                await asyncio.sleep(0)
+                n += 1
+                if not self._take(frames):
+                    await self._on_gap(frames)
+                if n % BURST == 0:
+                    await asyncio.sleep(0)
+        finally:
+            self._count_applied()
+        return n
 
     async def _drain_monitor(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            await self._on_monitor(frames)
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            await self._on_monitor(sock.recv_multipart(zmq.NOBLOCK))
+
+    def _count_applied(self) -> None:
+        """Add the events applied since the last call to ``fleet_router_kv_events_total`` (once per
+        drain, not once per batch)."""
+        if self._applied:
+            if self._metrics is not None:
+                self._metrics.events.inc(self._applied)
+            self._applied = 0
 
     async def _readable(self, *socks: zmq.Socket) -> None:
         """Return when one of `socks` has a message queued, or at the rebuild deadline."""
@@ -332,7 +406,12 @@ class KvEventSubscriber:
         """Catch up with the publisher's replay buffer (see the module docstring). Replayed batches
         are applied as they arrive, never all held at once (a busy engine's buffer is 10,000
         batches of up to tens of KB)."""
-        last = self._last_seq
+        try:
+            await self._sync_from(self._last_seq, reconnect=reconnect)
+        finally:
+            self._count_applied()
+
+    async def _sync_from(self, last: int | None, *, reconnect: bool) -> None:
         if self.source.replay is None:
             if not reconnect:
                 self._resync("no_replay")
@@ -444,8 +523,7 @@ class KvEventSubscriber:
             applied = 0
         else:
             applied = self._index.apply(self.endpoint_id, batch, seq)
-        if self._metrics is not None:
-            self._metrics.events.inc(applied)
+        self._applied += applied
         self._last_seq = seq
         recent = self._recent
         recent[seq] = zlib.crc32(payload)

@@ -378,6 +378,27 @@ async def test_the_drain_tick_wakes_every_waiter_at_once_and_a_cancelled_wait_al
         DrainTicks(-1.0)
 
 
+async def test_a_waiter_that_polls_is_woken_only_when_its_poll_says_so_and_its_error_reaches_it_alone() -> None:
+    ticks = DrainTicks(0.01)
+    answers = iter([True, True, False])
+    calls: list[int] = []
+
+    def poll() -> bool:
+        calls.append(ticks.ticks)
+        return next(answers)
+
+    def broken() -> bool:
+        raise RuntimeError("socket gone")
+
+    polled, failed, plain = ticks.wait(poll), ticks.wait(broken), ticks.wait()
+    await asyncio.wait_for(plain, 1.0)
+    with pytest.raises(RuntimeError, match="socket gone"):
+        await asyncio.wait_for(failed, 1.0)
+    await asyncio.wait_for(polled, 1.0)
+    assert calls == [1, 2, 3]          # polled at three ticks in a row, woken by the third's False
+    assert ticks.ticks == 3
+
+
 async def test_a_burst_of_batches_is_drained_in_a_few_wakes_and_a_quiet_stream_stops_ticking(
         ctx: zmq.asyncio.Context) -> None:  # fmt: skip
     pub = Publisher(ctx)
