@@ -41,7 +41,8 @@ from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.engine_poll import EnginePoller
 from router.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender, ReportPoster
 from router.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, DiscoveryMetrics, PeerDiscovery
-from router.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report
+from router.peer_datagram import DatagramMetrics, PeerDatagrams
+from router.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report, report_order
 from router.pool import PoolTable
 from router.remembered import ModelsFile
 from router.tokenize import PoolTokenizers
@@ -85,6 +86,8 @@ class RouterApp:
     peer_sender: PeerSender | None = None
     """Sends this router's load to its peers (`router.peer_channel`); None: no peers."""
     peer_discovery: PeerDiscovery | None = None
+    peer_datagrams: PeerDatagrams | None = None
+    """The peers' load reports over UDP (`router.peer_datagram`), opened by `listening`; None: no peers."""
     """Keeps `peer_sender`'s peers equal to what `--peers-dns` resolves to; None: no DNS peers."""
     peer_report: Callable[[object], None] | None = None
     """Takes a peer's load report (`router.peer_load`); None: no peers (FastAPI answers 404)."""
@@ -98,6 +101,13 @@ class RouterApp:
         self.proxy = proxy
         self.api = api
         self._expected_auth = b"bearer " + admin_token.encode()
+
+    async def listening(self, host: str, port: int) -> None:
+        """The admin API is bound to `host:port` (`router.server.ListeningServer`,
+        `fleet.k8s.routerpod`): open the peers' UDP socket on the same port number
+        (`router.peer_datagram`); no-op without peers."""
+        if self.peer_datagrams is not None and not self.peer_datagrams.open:
+            await self.peer_datagrams.start(host, port)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -219,6 +229,8 @@ class RouterApp:
                     await self.peer_discovery.close()
                 if self.peer_sender is not None:
                     await self.peer_sender.close()
+                if self.peer_datagrams is not None:
+                    self.peer_datagrams.close()
                 if self.kv_streams is not None:
                     await self.kv_streams.close()
                 await self.proxy.close()
@@ -375,8 +387,11 @@ def create_app(
 
         def peer_report(doc: object) -> None:
             peer_id, loads = parse_report(doc)
-            view.receive(peer_id, loads, pools.load_endpoints(), clock())
-            channel_metrics.received.inc()
+            if view.receive(peer_id, loads, pools.load_endpoints(), clock(), report_order(doc)):
+                channel_metrics.received.inc()
+
+        def peer_datagram(body: bytes) -> None:
+            peer_report(loads_bounded(body, PEER_REPORT_DEPTH))
 
         def peer_state() -> dict[str, object]:
             now_s = clock()
@@ -384,6 +399,7 @@ def create_app(
             return {"router": view.self_id, "targets": targets, "live": view.peers(now_s), "load": view.totals(now_s)}
 
         channel_metrics = PeerMetrics(metrics.registry, lambda: len(view.peers(clock())))
+        datagrams = PeerDatagrams(admin_token, peer_datagram, DatagramMetrics(metrics.registry))
     api = _build_api(pools, metrics, admin_token, peer_report, models_file, peer_state)
     app = RouterApp(pools, metrics, proxy, api, admin_token)
     app.models_file = models_file
@@ -391,8 +407,9 @@ def create_app(
     if has_peers:
         static = list(peers)
         sender = PeerSender(view.self_id, static, pools.load_endpoints, ReportPoster(admin_token),
-                            channel_metrics, peer_interval_s)  # fmt: skip
+                            channel_metrics, peer_interval_s, datagrams)  # fmt: skip
         app.peer_sender = sender
+        app.peer_datagrams = datagrams
         if peers_dns is not None:
             app.peer_discovery = PeerDiscovery(
                 peers_dns[0], peers_dns[1], self_addresses,

@@ -1,8 +1,9 @@
 """The peer channel: send this router's load to every peer router, off the request path.
 
 Owns `PeerSender` (one asyncio task per router: every `interval_s`, this router's report,
-`router.peer_load.own_report` over its `kv-aware` pools, is posted to each peer's
-`POST /admin/v1/peer-load` with the admin bearer token, all peers at once), `ReportPoster` (the
+`router.peer_load.own_report` over its `kv-aware` pools, goes to each peer when it changed, as a
+signed UDP datagram where it can (`router.peer_datagram`), and at least every `HEARTBEAT_S` to
+each peer's `POST /admin/v1/peer-load` with the admin bearer token, all peers at once), `ReportPoster` (the
 thin aiohttp wrapper that does the I/O, replaced by a fake in tests) and the channel's
 Prometheus series. Receiving is `router.admin`'s route, into `router.peer_load.PeerLoadView`.
 Started and stopped by `router.app.RouterApp`'s lifespan when the router has peers
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -26,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from router.background import BackgroundLoop
 from router.endpoint import EndpointState
+from router.peer_datagram import PeerDatagrams, datagram_address
 from router.peer_load import DEFAULT_PEER_INTERVAL_S, load_fingerprint, own_report
 
 log = logging.getLogger(__name__)
@@ -39,9 +42,11 @@ SEND_ERROR_REASONS = ("connect", "timeout", "status")
 PEER_LOAD_PATH = "/admin/v1/peer-load"
 
 HEARTBEAT_S = 0.25
-"""Seconds after which an unchanged report is sent again: while this router's load stands still
-it reports four times a second instead of every `interval_s`, so an idle pair of routers costs
-little, and a peer still hears of it well within `router.peer_load.DEFAULT_PEER_MAX_AGE_S`."""
+"""Seconds between two rounds that post the latest report to every peer over HTTP, changed or
+not: while this router's load stands still it reports four times a second instead of every
+`interval_s`, so an idle pair of routers costs little, a peer still hears of it well within
+`router.peer_load.DEFAULT_PEER_MAX_AGE_S`, and where UDP is dropped a peer's view is at most
+this old. Changes in between go as datagrams (`router.peer_datagram`)."""
 
 
 class SendFailed(Exception):
@@ -94,7 +99,8 @@ class PeerMetrics:
 
     def __init__(self, registry: CollectorRegistry, live_peers: Callable[[], int]) -> None:
         self.sent = Counter("fleet_router_peer_reports_sent",
-                            "Load reports this router sent to a peer router (router.peer_channel).",
+                            "Load reports this router sent to a peer router, over HTTP or as a UDP datagram "
+                            "(router.peer_channel).",
                             registry=registry)  # fmt: skip
         self.errors = Counter("fleet_router_peer_report_errors",
                               "Load reports that did not reach a peer router, by reason: connect, timeout, "
@@ -124,27 +130,34 @@ class PeerSender:
 
     def __init__(self, router_id: str, peers: Sequence[str],
                  endpoints: Callable[[], dict[str, tuple[EndpointState, ...]]], post: Poster, metrics: PeerMetrics,
-                 interval_s: float = DEFAULT_PEER_INTERVAL_S) -> None:  # fmt: skip
+                 interval_s: float = DEFAULT_PEER_INTERVAL_S, datagrams: PeerDatagrams | None = None) -> None:  # fmt: skip
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.router_id = router_id
-        self.urls = [p.rstrip("/") + PEER_LOAD_PATH for p in peers]
         self._endpoints = endpoints
         self._post = post
         self.metrics = metrics
         self.interval_s = interval_s
+        self._datagrams = datagrams
         self._background = BackgroundLoop("peer-load-sender", self._run)
+        self._boot = secrets.token_hex(8)
+        self._seq = 0
         self._last_body = b""
         self._last_load: tuple | None = None   # `load_fingerprint` of `_last_body`
-        self._last_sent_s = -float("inf")
+        self._last_posted_s = -float("inf")    # when the last report went over HTTP
+        self.urls: list[str] = []
+        self._addresses: list[tuple[str, int] | None] = []   # per url: where its datagrams go (None: HTTP only)
+        self.set_peers(peers)
 
     def set_peers(self, peers: Sequence[str]) -> None:
         """Send to `peers` (base URLs) from the next round on (`router.peer_discovery` calls this
-        when the peer set changes); a new peer gets a report in that round, even if unchanged."""
+        when the peer set changes); a new peer gets a report over HTTP in that round, even if unchanged."""
         urls = [p.rstrip("/") + PEER_LOAD_PATH for p in peers]
         if urls != self.urls:
             self.urls = urls
+            self._addresses = [datagram_address(u) for u in urls]
             self._last_body = b""
+            self._last_posted_s = -float("inf")
 
     async def start(self) -> None:
         """Open the poster's session (a `ReportPoster`) and start sending (no-op if started)."""
@@ -169,22 +182,40 @@ class PeerSender:
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
     async def send_once(self, now_s: float | None = None) -> None:
-        """One round: this router's report to every peer, concurrently, unless it is the same
-        as the last one sent less than `HEARTBEAT_S` ago (`now_s`: the loop's clock, seconds)."""
+        """One round (`now_s`: the loop's clock, seconds). A changed report goes to every peer as
+        a datagram where it can (`router.peer_datagram`), else over HTTP; every `HEARTBEAT_S`
+        the latest report also goes to every peer over HTTP, changed or not (the path that
+        works where UDP is dropped). HTTP sends run concurrently."""
         if not self.urls:
             return
         if now_s is None:
             now_s = asyncio.get_running_loop().time()
         endpoints = self._endpoints()
         load = load_fingerprint(endpoints)   # checked every round; the JSON only when it changed
-        if load == self._last_load and self._last_body:
-            if now_s - self._last_sent_s < HEARTBEAT_S:
-                return
-            body = self._last_body
+        changed = load != self._last_load or not self._last_body
+        if changed:
+            self._seq += 1
+            report = own_report(self.router_id, endpoints, (self._boot, self._seq))
+            self._last_body, self._last_load = json.dumps(report, separators=(",", ":")).encode(), load
+        body = self._last_body
+        post_all = now_s - self._last_posted_s >= HEARTBEAT_S
+        if not changed and not post_all:
+            return
+        if post_all:
+            self._last_posted_s = now_s
+            posts = self.urls
         else:
-            body = json.dumps(own_report(self.router_id, endpoints), separators=(",", ":")).encode()
-        self._last_body, self._last_load, self._last_sent_s = body, load, now_s
-        await asyncio.gather(*(self._send(url, body) for url in self.urls))
+            datagrams = self._datagrams
+            posts = []
+            for url, address in zip(self.urls, self._addresses):
+                if address is not None and datagrams is not None and datagrams.send(address, body):
+                    self.metrics.sent.inc()
+                else:
+                    posts.append(url)
+            if len(posts) == len(self.urls):
+                self._last_posted_s = now_s   # all went over HTTP anyway: the heartbeat counts from here
+        if posts:
+            await asyncio.gather(*(self._send(url, body) for url in posts))
 
     async def _send(self, url: str, body: bytes) -> None:
         try:

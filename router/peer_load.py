@@ -14,10 +14,14 @@ TTFT to within 5-10% of one router's (2.90-3.05 s against 2.76 s); the engines' 
 counts (`router.engine_load`) took it only to 3.78 s, because what queues up on an endpoint is
 prompt tokens, which vLLM does not export.
 
-**Report** (JSON, what `PeerSender` posts): ``{"router": id, "pools": {model: {endpoint_id:
-[in_flight, prefilling, prefill_tokens]}}}``: this router's own counts (`EndpointState.in_flight`,
-`prefilling`, `prefill_tokens`). A report is a snapshot, not a delta: a lost one is made good by
-the next, and a peer that stops reporting drops out `max_age_s` after its last report.
+**Report** (JSON, what `PeerSender` sends): ``{"router": id, "boot": token, "seq": n, "pools":
+{model: {endpoint_id: [in_flight, prefilling, prefill_tokens]}}}``: this router's own counts
+(`EndpointState.in_flight`, `prefilling`, `prefill_tokens`). A report is a snapshot, not a
+delta: a lost one is made good by the next, and a peer that stops reporting drops out
+`max_age_s` after its last report. ``boot`` (random per sender start) and ``seq`` (counting up
+per new report) order the reports of one sender, which arrive by two paths (UDP datagrams and
+HTTP, `router.peer_datagram`): an older report than the one held is dropped, the same one
+again only refreshes its age. Both are optional (a report without them is taken as newest).
 """
 
 from __future__ import annotations
@@ -44,11 +48,32 @@ MAX_REPORT_ENDPOINTS = 100_000
 Load = tuple[int, int, float]   # in flight, prefilling, prefill tokens
 
 
-def own_report(router_id: str, pools: Mapping[str, Sequence[EndpointState]]) -> dict[str, object]:
-    """This router's report: its own load on each endpoint of `pools` (model -> endpoints)."""
-    return {"router": router_id,
-            "pools": {model: {e.id: [e.in_flight, e.prefilling, e.prefill_tokens] for e in endpoints}
-                      for model, endpoints in pools.items()}}  # fmt: skip
+Order = tuple[str, int]   # (boot, seq) of a report
+
+
+def own_report(router_id: str, pools: Mapping[str, Sequence[EndpointState]],
+               order: Order | None = None) -> dict[str, object]:  # fmt: skip
+    """This router's report: its own load on each endpoint of `pools` (model -> endpoints);
+    `order`: its (boot, seq) (module docstring)."""
+    report: dict[str, object] = {"router": router_id}
+    if order is not None:
+        report["boot"], report["seq"] = order
+    report["pools"] = {model: {e.id: [e.in_flight, e.prefilling, e.prefill_tokens] for e in endpoints}
+                       for model, endpoints in pools.items()}  # fmt: skip
+    return report
+
+
+def report_order(doc: object) -> Order | None:
+    """A report document's (boot, seq), None when it carries neither.
+
+    Raises:
+        ValueError: one without the other, or mistyped (boot a string, seq an int >= 0)."""
+    if not isinstance(doc, dict) or ("boot" not in doc and "seq" not in doc):
+        return None
+    boot, seq = doc.get("boot"), doc.get("seq")
+    if not isinstance(boot, str) or type(seq) is not int or seq < 0:
+        raise ValueError("a peer load report's boot must be a string and seq an int >= 0, both or neither")
+    return boot, seq
 
 
 def load_fingerprint(pools: Mapping[str, Sequence[EndpointState]]) -> tuple:
@@ -103,6 +128,7 @@ class PeerLoadView:
         self.self_id = self_id
         self.max_age_s = max_age_s
         self._reports: dict[str, tuple[float, dict[str, dict[str, Load]]]] = {}
+        self._orders: dict[str, Order] = {}   # (boot, seq) of the report held per peer
 
     def peers(self, now_s: float) -> list[str]:
         """Ids of the peers whose last report still counts, sorted."""
@@ -125,14 +151,22 @@ class PeerLoadView:
         return out
 
     def receive(self, router_id: str, pools: dict[str, dict[str, Load]],
-                endpoints: Mapping[str, Sequence[EndpointState]], now_s: float) -> None:  # fmt: skip
+                endpoints: Mapping[str, Sequence[EndpointState]], now_s: float,
+                order: Order | None = None) -> bool:  # fmt: skip
         """Store `router_id`'s report and update the endpoints of `endpoints` (model -> this
-        router's endpoint states) that it names."""
+        router's endpoint states) that it names. `order`: the report's (boot, seq); one older
+        than the report held from the same boot is dropped (False). Returns whether it was taken."""
         if router_id == self.self_id:
-            return
+            return False
+        if order is not None:
+            held = self._orders.get(router_id)
+            if held is not None and held[0] == order[0] and order[1] < held[1]:
+                return False   # overtaken: a newer report came by the other path
+            self._orders[router_id] = order
         self._reports[router_id] = (now_s, pools)
         for peer in [p for p, (at_s, _) in self._reports.items() if now_s - at_s > self.max_age_s]:
             del self._reports[peer]   # gone quiet: its load no longer counts
+            self._orders.pop(peer, None)
         fresh = list(self._reports.values())
         for model, loads in pools.items():
             for e in endpoints.get(model, ()):
@@ -150,3 +184,4 @@ class PeerLoadView:
                         oldest_s = min(oldest_s, at_s)
                 e.others_in_flight, e.others_prefilling, e.others_prefill_tokens = in_flight, prefilling, tokens
                 e.others_until_s = oldest_s + self.max_age_s
+        return True

@@ -22,7 +22,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.app import create_app
+from router.app import RouterApp, create_app
 from router.peer_load import DEFAULT_PEER_INTERVAL_S
 from router.errors import error_body, error_type
 
@@ -323,6 +323,9 @@ class ListeningServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
+            app = self.config.app
+            if isinstance(app, RouterApp):
+                await app.listening(host, port)   # the peers' UDP socket, on the same port number
             self._on_listening(host, port)
 
 

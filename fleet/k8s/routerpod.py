@@ -92,6 +92,7 @@ async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: s
         if admin_task.done():
             await admin_task
             return
+        await app.listening(host, admin_port)   # the peers' UDP load reports, beside the admin API
         print(f"fleet router listening on http://{host}:{port} (admin API on port {admin_port})", flush=True)
         await public.serve()
         admin.should_exit = True

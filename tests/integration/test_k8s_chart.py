@@ -80,8 +80,9 @@ def test_admin_api_never_on_the_public_service():
     kinds = _by_kind(render(VALUES["ha"]))
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     container = router["spec"]["template"]["spec"]["containers"][0]
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"http": 8080, "admin": 9090}
+    ports = {p["name"]: (p["containerPort"], p["protocol"]) for p in container["ports"]}
+    # the peers' UDP load reports share the admin port's number (router/peer_datagram.py)
+    assert ports == {"http": (8080, "TCP"), "admin": (9090, "TCP"), "peer-load": (9090, "UDP")}
     assert "--admin-port=9090" in container["args"] and container["args"][0] == "router-pod"
     for svc in kinds["Service"]:
         if svc["metadata"]["name"] == "fleet-router-peers":   # headless: DNS records only, no proxy
@@ -93,6 +94,11 @@ def test_admin_api_never_on_the_public_service():
     assert admin_rule["from"] == [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
         "app.kubernetes.io/component": component}}} for component in ("operator", "router")]   # peers
+    udp_rule = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["protocol"] == "UDP")
+    assert udp_rule["ports"] == [{"port": 9090, "protocol": "UDP"}]   # the peers' datagrams, from routers only
+    assert udp_rule["from"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
+        "app.kubernetes.io/component": "router"}}}]
     # the admin token comes from the Secret: the router's through secretKeyRef, the operator's
     # through the API (test_the_operator_owns_the_admin_token_secret)
     env = {e["name"]: e for e in container["env"]}

@@ -54,6 +54,12 @@ def test_two_routers_exchange_load_reports() -> None:
             assert metric(base, "fleet_router_peers_live") == 1.0
             assert (metric(base, "fleet_router_peer_reports_received_total") or 0) >= 1
             assert (metric(base, "fleet_router_peer_reports_sent_total") or 0) >= 1
+        # Each pool PUT changed a router's load: that report went as a signed datagram (router.peer_datagram).
+        while time.monotonic() < deadline and not all(metric(b, "fleet_router_peer_datagrams_sent_total") for b in bases):
+            time.sleep(0.2)
+        for base in bases:
+            assert (metric(base, "fleet_router_peer_datagrams_sent_total") or 0) >= 1
+            assert metric(base, 'fleet_router_peer_datagrams_rejected_total{reason="signature"}') == 0.0
     finally:
         for proc in procs:
             proc.terminate()

@@ -1,0 +1,167 @@
+"""The peer channel's fast path: load reports as signed UDP datagrams.
+
+Owns `PeerDatagrams`: one UDP socket per router, bound to the port number its admin API listens
+on (UDP and TCP ports are separate namespaces, so a peer that knows the admin URL
+``http://10.0.0.5:8081`` sends to UDP ``10.0.0.5:8081``). `router.peer_channel.PeerSender` sends
+each changed report on it (`send`); reports that arrive go to the same handler as
+``POST /admin/v1/peer-load`` (`router.app.create_app`'s ``peer_report``). Opened by
+`router.app.RouterApp.listening` once the HTTP listener is bound; closed with the app.
+
+**Why.** A report over HTTP cost ~320 us of the sender's CPU (aiohttp) and ~215 us of the
+receiver's, measured on the 2-core dev machine (docs/benchmarks.md, "Router CPU with KV events"):
+with two routers changing their load three times per request that was ~2.8 ms of router CPU per
+request. A datagram costs a `sendto` and an HMAC on each side.
+
+**What stays on HTTP.** Every `router.peer_channel.HEARTBEAT_S` the sender also posts its latest
+report over HTTP, so a path that drops UDP (a NetworkPolicy admitting TCP only, a lost datagram)
+delays what a peer knows by at most that long instead of cutting it off; reports too large for
+one datagram (`MAX_DATAGRAM_BYTES`) and peers named by host name rather than address go over
+HTTP only. Reports carry ``boot`` and ``seq`` (`router.peer_load`), so a late datagram never
+replaces a newer report.
+
+**Wire.** ``HMAC-SHA256(key, body) || body``: 32 bytes of MAC, then the report's JSON. The key is
+derived from the admin token (`datagram_key`): only a holder of the token can send a report, as
+only a holder can post one. A datagram that is short, badly signed, not JSON or not a report is
+dropped and counted (``fleet_router_peer_datagrams_rejected_total{reason}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import logging
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, Counter
+
+log = logging.getLogger(__name__)
+
+MAC_BYTES = 32
+MAX_DATAGRAM_BYTES = 60_000
+"""Largest datagram sent (MAC included): under UDP's 65,507-byte payload limit over IPv4. A report
+of about 1,500 endpoints fits; a larger one goes over HTTP."""
+
+REJECT_REASONS = ("short", "signature", "report")
+"""`reason` label values of `fleet_router_peer_datagrams_rejected_total`."""
+
+
+def datagram_key(admin_token: str) -> bytes:
+    """The HMAC key of the datagrams, derived from the admin token (never the token itself)."""
+    return hashlib.sha256(b"fleet-router-peer-load\0" + admin_token.encode()).digest()
+
+
+def seal(key: bytes, body: bytes) -> bytes:
+    """`body` signed for the wire: MAC then body."""
+    return hmac.digest(key, body, "sha256") + body
+
+
+def unseal(key: bytes, data: bytes) -> bytes:
+    """The body of a sealed datagram.
+
+    Raises:
+        ValueError: shorter than a MAC ("short") or the MAC does not match ("signature"); the
+            message is the reason.
+    """
+    if len(data) <= MAC_BYTES:
+        raise ValueError("short")
+    mac, body = data[:MAC_BYTES], data[MAC_BYTES:]
+    if not hmac.compare_digest(mac, hmac.digest(key, body, "sha256")):
+        raise ValueError("signature")
+    return body
+
+
+def datagram_address(url: str) -> tuple[str, int] | None:
+    """(address, port) to send a peer's datagrams to, from its base URL; None when the URL names
+    a host rather than an IP address (resolving it on every send would block the loop) or has
+    no port."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+        host = parts.hostname or ""
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return (host, port) if port else None
+
+
+class DatagramMetrics:
+    """Datagrams sent and rejected (reports received are counted by the peer channel)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.sent = Counter("fleet_router_peer_datagrams_sent",
+                            "Load reports this router sent to a peer router as a UDP datagram "
+                            "(router.peer_datagram).", registry=registry)  # fmt: skip
+        self.rejected = Counter("fleet_router_peer_datagrams_rejected",
+                                "UDP datagrams dropped on the peer port, by reason: short, signature "
+                                "(not signed with this router's admin token), report (not a load report).",
+                                ["reason"], registry=registry)  # fmt: skip
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+
+
+class PeerDatagrams(asyncio.DatagramProtocol):
+    """This router's UDP socket for load reports: receives (into `on_report`) and sends.
+
+    Args:
+        admin_token: the admin API's token (the MAC key is derived from it).
+        on_report: takes a report's body (JSON bytes); raises ValueError for a bad one.
+        metrics: where datagrams are counted.
+    """
+
+    def __init__(self, admin_token: str, on_report: Callable[[bytes], None], metrics: DatagramMetrics) -> None:
+        self._key = datagram_key(admin_token)
+        self._on_report = on_report
+        self.metrics = metrics
+        self._transport: asyncio.DatagramTransport | None = None
+
+    @property
+    def open(self) -> bool:
+        return self._transport is not None
+
+    async def start(self, host: str, port: int) -> None:
+        """Bind UDP `host:port` (the admin listener's); a port taken by another process is logged
+        and the channel stays on HTTP (`open` is False)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.create_datagram_endpoint(lambda: self, local_addr=(host, port))
+        except OSError as err:
+            log.warning("peer load reports stay on HTTP: cannot bind UDP %s:%d: %s", host, port, err)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    def send(self, address: tuple[str, int], body: bytes) -> bool:
+        """Send one report; False when it cannot go as a datagram (socket not open, too large)."""
+        if self._transport is None or len(body) + MAC_BYTES > MAX_DATAGRAM_BYTES:
+            return False
+        self._transport.sendto(seal(self._key, body), address)
+        self.metrics.sent.inc()
+        return True
+
+    # ----- asyncio.DatagramProtocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        try:
+            body = unseal(self._key, data)
+        except ValueError as err:
+            self.metrics.rejected.labels(str(err)).inc()
+            return
+        try:
+            self._on_report(body)
+        except ValueError:
+            self.metrics.rejected.labels("report").inc()
+
+    def error_received(self, exc: Exception) -> None:
+        """An ICMP error for an earlier send (a peer's port closed): the next report tries again."""
+        log.debug("peer load datagram: %s", exc)
