@@ -410,6 +410,7 @@ def create_app(
                             channel_metrics, peer_interval_s, datagrams)  # fmt: skip
         app.peer_sender = sender
         app.peer_datagrams = datagrams
+        proxy.on_load_change(sender.notify)   # a report goes out within peer_interval_s of each change
         if peers_dns is not None:
             app.peer_discovery = PeerDiscovery(
                 peers_dns[0], peers_dns[1], self_addresses,

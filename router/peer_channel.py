@@ -49,6 +49,11 @@ not: while this router's load stands still it reports four times a second instea
 this old. Changes in between go as datagrams (`router.peer_datagram`)."""
 
 
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class SendFailed(Exception):
     """A report did not reach a peer; `reason` is one of `SEND_ERROR_REASONS`."""
 
@@ -147,7 +152,18 @@ class PeerSender:
         self._last_posted_s = -float("inf")    # when the last report went over HTTP
         self.urls: list[str] = []
         self._addresses: list[tuple[str, int] | None] = []   # per url: where its datagrams go (None: HTTP only)
+        self._dirty = True   # the load may have changed since the last round (`notify`)
+        self._wake: asyncio.Future[None] | None = None
         self.set_peers(peers)
+
+    def notify(self) -> None:
+        """This router's load changed (the proxy calls this at every dispatch, first byte and
+        finish): the next round runs as soon as `interval_s` after the last allows. Without
+        calls, rounds run only at the `HEARTBEAT_S` posts."""
+        self._dirty = True
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def set_peers(self, peers: Sequence[str]) -> None:
         """Send to `peers` (base URLs) from the next round on (`router.peer_discovery` calls this
@@ -172,14 +188,26 @@ class PeerSender:
             await self._post.close()
 
     async def _run(self) -> None:
+        """Rounds at most every `interval_s`, each when the load changed (`notify`) or the next
+        HTTP post is due: an idle router does not wake every `interval_s` (polling cost ~18 ms
+        of CPU per second per router, docs/benchmarks.md "Router CPU: the peers' datagrams")."""
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
+            self._dirty = False
             try:
                 await self.send_once(started)
             except Exception:  # the loop survives its parts
                 log.exception("peer load report round failed")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+            if not self._dirty:
+                wake = self._wake = loop.create_future()
+                timer = loop.call_later(max(0.0, self._last_posted_s + HEARTBEAT_S - loop.time()), _wake, wake)
+                try:
+                    await wake
+                finally:
+                    timer.cancel()
+                    self._wake = None
 
     async def send_once(self, now_s: float | None = None) -> None:
         """One round (`now_s`: the loop's clock, seconds). A changed report goes to every peer as

@@ -184,6 +184,10 @@ def _count(value: object) -> int:
     """A positive int field of the request body, else 0."""
     return value if type(value) is int and value > 0 else 0
 
+def _nothing() -> None:
+    """The default load-change hook: nobody listens."""
+
+
 class Proxy:
     """Raw ASGI handler of the proxied paths, with one shared aiohttp `ClientSession`.
 
@@ -237,6 +241,12 @@ class Proxy:
         self._budget = first_token_budget
         self._session: aiohttp.ClientSession | None = None
         self.tokenizers = tokenizers if tokenizers is not None else PoolTokenizers()
+        self._load_changed: Callable[[], None] = _nothing
+
+    def on_load_change(self, notify: Callable[[], None]) -> None:
+        """Call `notify()` whenever an endpoint's load as this router sent it changes (dispatch,
+        first byte, finish): the peer channel's sender (`router.peer_channel.PeerSender.notify`)."""
+        self._load_changed = notify
 
     async def start(self) -> None:
         """Open the upstream client session (no connection limit, keep-alive)."""
@@ -471,6 +481,7 @@ class Proxy:
         assert self._session is not None
         shared = pool.shared
         endpoint.start(prefill_tokens)
+        self._load_changed()
         first = [prefill_tokens]   # emptied when the first byte releases the prefill charge
         clock = self._clock
         start_s = clock()
@@ -567,6 +578,7 @@ class Proxy:
             return retry
         finally:
             endpoint.finish(prefill_tokens, not first)
+            self._load_changed()
             if shared.queue.has_waiters() and not endpoint.draining:
                 shared.queue.wake(1)
 
@@ -701,6 +713,7 @@ class Proxy:
             if first_chunk:
                 first_byte_s = first_chunk_s
                 endpoint.first_byte(first.pop())
+                self._load_changed()
                 chunk = sse.feed(first_chunk, first_chunk_s) if sse is not None else first_chunk
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -712,12 +725,14 @@ class Proxy:
                     if first_byte_s is None:
                         first_byte_s = now_s
                         endpoint.first_byte(first.pop())
+                        self._load_changed()
                     chunk = sse.feed(chunk, now_s)
                     if not chunk:
                         continue  # a partial event, held back until its end arrives
                 elif first_byte_s is None:
                     first_byte_s = clock()
                     endpoint.first_byte(first.pop())
+                    self._load_changed()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except _UPSTREAM_ERRORS as exc:
             endpoint.record_failure(clock())

@@ -152,3 +152,36 @@ def test_a_report_order_is_both_fields_or_neither() -> None:
     for bad in ({"boot": "x"}, {"seq": 1}, {"boot": 1, "seq": 1}, {"boot": "x", "seq": -1}, {"boot": "x", "seq": True}):
         with pytest.raises(ValueError, match="boot must be a string"):
             report_order(bad)
+
+
+async def test_the_sender_wakes_for_a_change_and_otherwise_only_for_the_heartbeat() -> None:
+    posted: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def post(url: str, body: bytes) -> None:
+        posted.append(loop.time())
+
+    a = endpoint("a")
+    datagrams = Recorder()
+    sender = PeerSender("me", ["http://10.0.0.2:8081"], lambda: {"m": (a,)}, post,
+                        PeerMetrics(CollectorRegistry(), lambda: 0), interval_s=0.01,
+                        datagrams=datagrams)  # type: ignore[arg-type]  # fmt: skip
+    await sender.start()
+    try:
+        deadline = loop.time() + 10
+        while not posted and loop.time() < deadline:    # the first round posts over HTTP
+            await asyncio.sleep(0.005)
+        assert posted and datagrams.sent == []
+        a.start(10)                                     # a change, and the proxy says so
+        sender.notify()
+        while not datagrams.sent and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        assert len(datagrams.sent) == 1
+        assert loop.time() - posted[0] < HEARTBEAT_S    # went before the heartbeat was due
+        sent = len(datagrams.sent)
+        while len(posted) < 3 and loop.time() < deadline:   # no change: only the heartbeats, over HTTP
+            await asyncio.sleep(0.01)
+        assert len(posted) >= 3 and len(datagrams.sent) == sent
+        assert posted[2] - posted[1] >= HEARTBEAT_S * 0.9   # not every interval_s
+    finally:
+        await sender.close()

@@ -79,9 +79,17 @@ async def test_the_sender_posts_to_every_peer_and_counts_failures() -> None:
     assert registry.get_sample_value("fleet_router_peer_reports_sent_total") == 2
     assert registry.get_sample_value("fleet_router_peer_report_errors_total", {"reason": "connect"}) == 2
     loads = iter(range(1000))
-    sender._endpoints = lambda: {"m": (endpoint("a", next(loads)),)}   # a load that changes every round
+
+
+    def changing() -> dict[str, tuple[EndpointState, ...]]:   # a load that changes every round, and says so
+        sender.notify()
+        return {"m": (endpoint("a", next(loads)),)}
+
+    sender._endpoints = changing
     await sender.start()
-    await asyncio.sleep(0.05)
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(posted) < 4 and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
     await sender.close()
     assert len(posted) >= 4
     with pytest.raises(ValueError):
