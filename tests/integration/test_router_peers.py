@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -29,7 +31,27 @@ def metric(base: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def hang(base: str) -> None:
+    """A completion whose endpoint never answers; the client gives up after 5 s."""
+    req = urllib.request.Request(f"{base}/v1/completions", method="POST",
+                                 data=json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode(),
+                                 headers={"content-type": "application/json"})  # fmt: skip
+    with contextlib.suppress(OSError):
+        urllib.request.urlopen(req, timeout=5).close()
+
+
+def others_in_flight(base: str) -> float:
+    """Requests the peers say they have in flight on m/e0 (`GET /admin/v1/peers`)."""
+    req = urllib.request.Request(f"{base}/admin/v1/peers", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        load = json.loads(resp.read())["load"]
+    return load.get("m", {}).get("e0", [0])[0]
+
+
 def test_two_routers_exchange_load_reports() -> None:
+    silent = socket.socket()   # accepts connections (the backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
     ports = [free_port(), free_port()]
     bases = [f"http://127.0.0.1:{p}" for p in ports]
     procs = [subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(ports[i]),
@@ -54,14 +76,29 @@ def test_two_routers_exchange_load_reports() -> None:
             assert metric(base, "fleet_router_peers_live") == 1.0
             assert (metric(base, "fleet_router_peer_reports_received_total") or 0) >= 1
             assert (metric(base, "fleet_router_peer_reports_sent_total") or 0) >= 1
-        # Each pool PUT changed a router's load: that report went as a signed datagram (router.peer_datagram).
-        while time.monotonic() < deadline and not all(metric(b, "fleet_router_peer_datagrams_sent_total") for b in bases):
-            time.sleep(0.2)
+        # A request through each router to an endpoint that accepts and never answers stays in flight: the
+        # proxy says the load changed, the report goes as a signed datagram (router.peer_datagram), and each
+        # router sees the other's request on e0.
+        silent_pool = json.dumps({"policy": "kv-aware",
+                                  "endpoints": [{"id": "e0", "url": f"http://127.0.0.1:{silent.getsockname()[1]}"}]})
+        for base in bases:
+            req = urllib.request.Request(f"{base}/admin/v1/pools/m", data=silent_pool.encode(), method="PUT",
+                                         headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+            urllib.request.urlopen(req, timeout=10).close()
+        hanging = [threading.Thread(target=hang, args=(base,), daemon=True) for base in bases]
+        for thread in hanging:
+            thread.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(metric(b, "fleet_router_peer_datagrams_sent_total")
+                                                      and others_in_flight(b) >= 1 for b in bases):  # fmt: skip
+            time.sleep(0.1)
         for base in bases:
             assert (metric(base, "fleet_router_peer_datagrams_sent_total") or 0) >= 1
+            assert others_in_flight(base) >= 1
             assert metric(base, 'fleet_router_peer_datagrams_rejected_total{reason="signature"}') == 0.0
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=30)
+        silent.close()
