@@ -3,7 +3,9 @@
 Owns `BackgroundLoop`: `start` creates the named task unless it runs, `stop` cancels it and waits
 for it to end. Used by the engine-load poller (`router.engine_poll`), the peer-load sender
 (`router.peer_channel`) and peer discovery (`router.peer_discovery`), each started and closed by
-`router.app.RouterApp`'s lifespan.
+`router.app.RouterApp`'s lifespan; and `wake`, the callback that resolves a future a loop
+waits on (a timer's or a file descriptor's), shared by `router.peer_channel` and
+`router.kv_subscriber`.
 """
 
 from __future__ import annotations
@@ -34,3 +36,9 @@ class BackgroundLoop:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def wake(fut: asyncio.Future[None]) -> None:
+    """Resolve `fut` unless it is done already (cancelled, or woken by another source)."""
+    if not fut.done():
+        fut.set_result(None)

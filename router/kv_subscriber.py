@@ -61,6 +61,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from router.background import wake
 from router.kv_events import END_SEQ, SEQ_BYTES, KvEventDecodeError, decode_batch, parse_seq, seq_frame
 from router.kv_index import ExactIndex
 from router.metrics import KvEndpointMetrics, RouterMetrics
@@ -176,11 +177,6 @@ class DrainTicks:
             self._arm(loop)
 
 
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 class KvEventSubscriber:
     """The KV event stream of one endpoint, applied to `index` under `endpoint_id`.
 
@@ -256,10 +252,6 @@ class KvEventSubscriber:
             self._quiet = 0
             while True:
                 await self._drain_monitor(raw_monitor)
-                if self._held is not None:   # a batch the tick's poll could not place
-                    frames, self._held = self._held, None
-                    self._quiet = 0
-                    await self._on_gap(frames)
                 self._quiet = 0 if await self._drain(raw_sub) else self._quiet + 1
                 if self._rebuild_at is not None and self._clock() >= self._rebuild_at:
                     self._rebuild_at = None
@@ -279,46 +271,52 @@ class KvEventSubscriber:
         """A tick's drain, run in `DrainTicks`' timer callback: apply the batches queued in order
         and keep waiting (True), or hand over to the task (False) when there is more to do than
         plain batches: a monitor event (connection up or down), a batch out of order (kept in
-        `_held` for `_on_gap`), more than `BURST` batches (the task yields between bursts), the
+        `_held` for `_on_gap`), `BURST` batches or more (the task yields between bursts), the
         rebuild deadline, or a socket quiet for `QUIET_TICKS` ticks."""
         if monitor.getsockopt(_EVENTS) & _POLLIN:
             return False
         if self._rebuild_at is not None and self._clock() >= self._rebuild_at:
             return False
-        n = 0
-        try:
-            while sub.getsockopt(_EVENTS) & _POLLIN:
-                frames = sub.recv_multipart(zmq.NOBLOCK)
-                n += 1
-                if not self._take(frames):
-                    self._held = frames
-                    return False
-                if n >= BURST:
-                    return False
-        finally:
-            self._count_applied()
+        n = self._read_in_order(sub)
+        if self._held is not None or n >= BURST:
+            return False
         if n:
             self._quiet = 0
             return True
         self._quiet += 1
         return self._quiet <= QUIET_TICKS
 
-    async def _drain(self, sock: zmq.Socket) -> int:
-        """Handle every message queued on the SUB socket (yielding every `BURST`); returns how many.
-        Asks the socket whether a message is queued (``ZMQ_EVENTS``) rather than reading until
-        `zmq.Again`: an empty socket costs a flag read, not an exception, on every tick."""
+    def _read_in_order(self, sock: zmq.Socket) -> int:
+        """Read and handle up to `BURST` queued messages, stopping at one that does not continue
+        the stream (kept in `_held`); returns how many were read. Asks the socket whether a
+        message is queued (``ZMQ_EVENTS``) rather than reading until `zmq.Again`: an empty socket
+        costs a flag read, not an exception, on every tick."""
         n = 0
         try:
-            while sock.getsockopt(_EVENTS) & _POLLIN:
+            while n < BURST and sock.getsockopt(_EVENTS) & _POLLIN:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 n += 1
                 if not self._take(frames):
-                    await self._on_gap(frames)
-                if n % BURST == 0:
-                    await asyncio.sleep(0)
+                    self._held = frames
+                    break
         finally:
             self._count_applied()
         return n
+
+    async def _drain(self, sock: zmq.Socket) -> int:
+        """Handle every message queued on the SUB socket, and one `_poll` held, yielding between
+        bursts of `BURST`; returns how many."""
+        total = 0
+        while True:
+            if self._held is not None:
+                frames, self._held = self._held, None
+                total += 1
+                await self._on_gap(frames)
+            n = self._read_in_order(sock)
+            total += n
+            if self._held is None and n < BURST:
+                return total
+            await asyncio.sleep(0)
 
     async def _drain_monitor(self, sock: zmq.Socket) -> None:
         while sock.getsockopt(_EVENTS) & _POLLIN:
@@ -338,14 +336,14 @@ class KvEventSubscriber:
         woken: asyncio.Future[None] = loop.create_future()
         fds = [sock.FD for sock in socks]
         for fd in fds:
-            loop.add_reader(fd, _wake, woken)
+            loop.add_reader(fd, wake, woken)
         timer = None
         try:
             # The FD signals only state changes from here on: what arrived before is seen in EVENTS.
             if any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in socks):
                 return
             if self._rebuild_at is not None:
-                timer = loop.call_later(max(0.0, self._rebuild_at - self._clock()) + 0.001, _wake, woken)
+                timer = loop.call_later(max(0.0, self._rebuild_at - self._clock()) + 0.001, wake, woken)
             await woken
         finally:
             for fd in fds:

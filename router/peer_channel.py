@@ -26,7 +26,7 @@ from typing import Protocol
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from router.background import BackgroundLoop
+from router.background import BackgroundLoop, wake
 from router.endpoint import EndpointState
 from router.peer_datagram import PeerDatagrams, datagram_address
 from router.peer_load import DEFAULT_PEER_INTERVAL_S, load_fingerprint, own_report
@@ -47,11 +47,6 @@ not: while this router's load stands still it reports four times a second instea
 `interval_s`, so an idle pair of routers costs little, a peer still hears of it well within
 `router.peer_load.DEFAULT_PEER_MAX_AGE_S`, and where UDP is dropped a peer's view is at most
 this old. Changes in between go as datagrams (`router.peer_datagram`)."""
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class SendFailed(Exception):
@@ -161,9 +156,8 @@ class PeerSender:
         finish): the next round runs as soon as `interval_s` after the last allows. Without
         calls, rounds run only at the `HEARTBEAT_S` posts."""
         self._dirty = True
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
+        if self._wake is not None:
+            wake(self._wake)
 
     def set_peers(self, peers: Sequence[str]) -> None:
         """Send to `peers` (base URLs) from the next round on (`router.peer_discovery` calls this
@@ -201,10 +195,10 @@ class PeerSender:
                 log.exception("peer load report round failed")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
             if not self._dirty:
-                wake = self._wake = loop.create_future()
-                timer = loop.call_later(max(0.0, self._last_posted_s + HEARTBEAT_S - loop.time()), _wake, wake)
+                woken = self._wake = loop.create_future()
+                timer = loop.call_later(max(0.0, self._last_posted_s + HEARTBEAT_S - loop.time()), wake, woken)
                 try:
-                    await wake
+                    await woken
                 finally:
                     timer.cancel()
                     self._wake = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -123,6 +124,10 @@ def test_routers_found_by_name_share_the_load_sent_to_an_engine(tmp_path: Path) 
         with urllib.request.urlopen(f"{b}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         assert "fleet_router_peers_live 1.0" in text and "fleet_router_peers_discovered 0.0" in text
+        assert 'fleet_router_peer_datagrams_rejected_total{reason="signature"} 0.0' in text
+        with urllib.request.urlopen(f"{a}/metrics", timeout=10) as resp:   # A's changes went as datagrams
+            sent = re.search(r"^fleet_router_peer_datagrams_sent_total (\S+)$", resp.read().decode(), re.M)
+        assert sent is not None and float(sent.group(1)) >= 1
     finally:
         for proc in [*routers.values(), engine]:
             proc.terminate()
