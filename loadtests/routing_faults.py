@@ -22,7 +22,9 @@ router), the replicas `loadtests.procs.SimFleet`. Nothing here is on a request p
   ``fleet_router_kv_*`` series are read every ``--sample-s`` before, during and after; the
   report gives each series' value at the cut, at the resume and at the end (gaps, resyncs,
   live streams, index size), and the largest index size seen against each engine's KV cache
-  (``--num-gpu-blocks``, small so that it fills and evicts in the run). Skipped, saying why, when the
+  (``--num-gpu-blocks``, small so that it fills and evicts in the run), and the engines' prefix-cache
+  hit rate (``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``, engine 0 apart)
+  during the cut and from the resume to the end. Skipped, saying why, when the
   engine simulator has no ``--kv-events-config`` or the router refuses ``kv_events``.
 
 Usage (heavy: under the shared lock):
@@ -56,6 +58,7 @@ ADMIN_TOKEN = "routing-faults-admin-token"
 MODEL = "bench"
 FAULTS = ("stall", "router-kill", "event-cut")
 KV_SERIES = re.compile(r"^fleet_router_kv_")
+PREFIX_SERIES = re.compile(r"^vllm:prefix_cache_(hits|queries)_total")
 STALL_SERIES = re.compile(r"^fleet_router_(first_token_timeouts|retries|endpoint_errors|endpoint_eject|outlier|stall)")
 
 
@@ -342,6 +345,16 @@ def run_event_cut(args) -> dict:
             samples.append({"t_s": round(time.monotonic() - t0, 2),
                             "routers": [scrape(b, KV_SERIES) for b in bases]})
 
+        def prefix_cache() -> list[tuple[float, float]]:   # per engine: (hit tokens, queried tokens)
+            out = []
+            for url in sims.urls:
+                series = scrape(url, PREFIX_SERIES)
+                out.append((sum(v for k, v in series.items() if k.startswith("vllm:prefix_cache_hits")),
+                            sum(v for k, v in series.items() if k.startswith("vllm:prefix_cache_queries"))))
+            return out
+
+        cache_at: dict[str, list[tuple[float, float]]] = {}
+
         with load_for(args, bases) as load:
             for phase, seconds, action in (("cut", args.warmup_s, lambda: [r.cut() for r in relays[0]]),
                                            ("resume", args.cut_s, lambda: [r.resume() for r in relays[0]]),
@@ -352,6 +365,7 @@ def run_event_cut(args) -> dict:
                     time.sleep(min(args.sample_s, max(0.0, until - time.monotonic())))
                 sample()
                 marks[phase] = samples[-1]["t_s"]
+                cache_at[phase] = prefix_cache()
                 action()
                 print(f"  {phase} at {marks[phase]:.1f} s", flush=True)
     at = {phase: next(s for s in samples if s["t_s"] == t)["routers"] for phase, t in marks.items()}
@@ -361,7 +375,13 @@ def run_event_cut(args) -> dict:
             for key, value in series.items():
                 if "block" in key or "size" in key or "entries" in key:
                     largest[key] = max(largest.get(key, 0.0), value)
+    hit_rates = {}   # engine prefix-cache hit rate (hit tokens / queried tokens) between two marks
+    for name, a, b in (("cut", "cut", "resume"), ("after", "resume", "end")):
+        pairs = [(hb - ha, qb - qa) for (ha, qa), (hb, qb) in zip(cache_at[a], cache_at[b])]
+        hit_rates[name] = {"engine_0": pairs[0][0] / max(1.0, pairs[0][1]),
+                           "others": sum(h for h, _ in pairs[1:]) / max(1.0, sum(q for _, q in pairs[1:]))}
     return {**outcomes(load.done), "refused_pool_fields": refused, "cut_s": args.cut_s,
+            "prefix_cache_hit_rate": hit_rates,
             "kv_buffer_steps": args.kv_buffer_steps, "engine_gpu_blocks": args.num_gpu_blocks,
             "series_at": at, "largest_index_series": largest,
             "samples": samples}
@@ -403,6 +423,10 @@ def event_cut_report(r: dict) -> str:
     lines = [f"event-cut ({r['cut_s']:g} s, engine replay buffer {r['kv_buffer_steps']} batches, "
              f"engine KV cache {r.get('engine_gpu_blocks', '?')} blocks): "
              f"{r['requests']} requests, {r['failed_before_streaming']} failed before streaming, {r['cut']} cut",
+             *([f"engine prefix-cache hit rate, engine 0 / the others: during the cut "
+                f"{hits['cut']['engine_0']:.1%} / {hits['cut']['others']:.1%}, from the resume to the end "
+                f"{hits['after']['engine_0']:.1%} / {hits['after']['others']:.1%}"]
+               if (hits := r.get("prefix_cache_hit_rate")) else []),
              "| series (router 0 / router 1) | at the cut | at the resume | at the end | largest |", "|---|---|---|---|---|"]
     for k in keys:
         cells = [" / ".join(f"{series[k]:g}" if k in series else "—" for series in r["series_at"][p])

@@ -37,7 +37,9 @@ the traffic (loadtests/bench_router_memory.py `--policy-stream N --kv-events`).
 view is complete: it was built from a known-empty cache (`reset(known_empty=True)`: a fresh
 publisher replayed from seq 0, or an `AllBlocksCleared`) or declared rebuilt (`rebuilt`) after
 a partial start. A view reset with ``known_empty=False`` (a gap replay could not cover) is
-REBUILDING; a stream that is down is DOWN. `match` answers for live endpoints only.
+REBUILDING; a stream that is down is DOWN. `match` answers for live endpoints, and when asked
+(``rebuilding=True``) for REBUILDING ones too: what a rebuilding view holds the engine holds, but
+not the reverse, so `kv-aware` takes the larger of it and its approximate index there.
 """
 
 from __future__ import annotations
@@ -115,21 +117,22 @@ class ExactIndex:
         self._holders: dict[int, int] = {}   # router key -> mask of endpoint bits
         self._next_slot = 0
         self._free_slots: list[int] = []
-        self._live_by_size: dict[int, int] | None = None  # block tokens -> mask of live endpoints (cached)
+        # (LIVE, LIVE or REBUILDING): block tokens -> mask of those endpoints (cached; None: to derive)
+        self._masks: tuple[dict[int, int], dict[int, int]] | None = None
 
     # ----- stream facts (the subscriber, or the trace simulator) ----------------------------------------
 
     def stream_up(self, endpoint_id: str) -> None:
         """The endpoint's stream is connected."""
         self._view(endpoint_id).connected = True
-        self._live_by_size = None
+        self._masks = None
 
     def stream_down(self, endpoint_id: str) -> None:
         """The endpoint's stream is down (disconnected, stalled): routing falls back for it."""
         view = self._views.get(endpoint_id)
         if view is not None:
             view.connected = False
-            self._live_by_size = None
+            self._masks = None
 
     def reset(self, endpoint_id: str, *, known_empty: bool) -> None:
         """Drop the endpoint's view. `known_empty`: the engine's cache is known to have been empty
@@ -138,14 +141,14 @@ class ExactIndex:
         view = self._view(endpoint_id)
         self._clear(view)
         view.complete = known_empty
-        self._live_by_size = None
+        self._masks = None
 
     def rebuilt(self, endpoint_id: str) -> None:
         """Trust the endpoint's view again after a partial start (the subscriber's rebuild time)."""
         view = self._views.get(endpoint_id)
         if view is not None:
             view.complete = True
-            self._live_by_size = None
+            self._masks = None
 
     def open(self, endpoint_id: str) -> None:
         """A stream that starts with the engine: up, empty and complete (the trace simulator)."""
@@ -181,7 +184,7 @@ class ExactIndex:
                 self._clear(view)
                 if not view.complete:
                     view.complete = True
-                    self._live_by_size = None
+                    self._masks = None
         view.events += len(batch.events)
         if seq is not None:
             view.last_seq = seq
@@ -200,7 +203,7 @@ class ExactIndex:
                 view.skipped_blocks += len(hashes)   # one block size per endpoint (the engine's)
                 return
             view.block_tokens = size
-            self._live_by_size = None
+            self._masks = None
         parent = event.parent_block_hash
         if parent is None:
             key = KEY_ROOT
@@ -250,28 +253,30 @@ class ExactIndex:
             return StreamState.DOWN
         return StreamState.LIVE if view.complete else StreamState.REBUILDING
 
-    def any_live(self) -> bool:
-        """Whether `match` answers for some endpoint (one LIVE with a block size known): what
-        `KvAware.wants_token_ids` asks before the proxy tokenizes a prompt."""
-        if self._live_by_size is None:
-            self._live_by_size = self._live_masks()
-        return bool(self._live_by_size)
+    def any_live(self, *, rebuilding: bool = False) -> bool:
+        """Whether `match` answers for some endpoint (one LIVE, or with `rebuilding` also one
+        REBUILDING, with a block size known): what `KvAware.wants_token_ids` asks before the proxy
+        tokenizes a prompt."""
+        return bool(self._by_size(rebuilding))
 
     def live(self, endpoint_id: str) -> bool:
         """Whether `match` answers for the endpoint (its state is LIVE)."""
         view = self._views.get(endpoint_id)
         return view is not None and view.connected and view.complete
 
-    def match(self, token_ids: Sequence[int]) -> dict[str, int]:
+    def match(self, token_ids: Sequence[int], *, rebuilding: bool = False) -> dict[str, int]:
         """Leading prompt tokens each live endpoint holds: endpoint id -> tokens (> 0 only; whole
         blocks of that endpoint's block size). O(matched blocks) per block size in use: the
-        prompt is hashed only as far as some endpoint still matches."""
+        prompt is hashed only as far as some endpoint still matches.
+
+        `rebuilding`: also answer for REBUILDING endpoints, from the blocks their engines stored
+        since the view was dropped: a subset of what they hold (a prefix cached before the resync
+        and never stored again is missing, and so is every block stored below it), so such an
+        answer is a lower bound, where a LIVE endpoint's is exact."""
         holders = self._holders
         if not holders or not token_ids:
             return {}
-        live = self._live_by_size
-        if live is None:
-            live = self._live_by_size = self._live_masks()
+        live = self._by_size(rebuilding)
         out: dict[str, int] = {}
         by_bit = self._by_bit
         n = len(token_ids)
@@ -346,7 +351,7 @@ class ExactIndex:
         self._clear(view)
         del self._by_bit[view.bit]
         self._free_slots.append(view.bit.bit_length() - 1)
-        self._live_by_size = None
+        self._masks = None
 
     def retain(self, endpoint_ids: Collection[str]) -> None:
         """Forget every endpoint not in `endpoint_ids`."""
@@ -380,9 +385,17 @@ class ExactIndex:
         else:
             self._holders.pop(key, None)
 
-    def _live_masks(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for view in self._views.values():
-            if view.connected and view.complete and view.block_tokens is not None:
-                out[view.block_tokens] = out.get(view.block_tokens, 0) | view.bit
-        return out
+    def _by_size(self, rebuilding: bool) -> dict[int, int]:
+        """Block tokens -> mask of the LIVE endpoints (with `rebuilding`, also the REBUILDING ones)."""
+        masks = self._masks
+        if masks is None:
+            live: dict[int, int] = {}
+            usable: dict[int, int] = {}
+            for view in self._views.values():
+                size = view.block_tokens
+                if view.connected and size is not None:
+                    usable[size] = usable.get(size, 0) | view.bit
+                    if view.complete:
+                        live[size] = live.get(size, 0) | view.bit
+            masks = self._masks = (live, usable)
+        return masks[1] if rebuilding else masks[0]

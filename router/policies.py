@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from router.prefix_index import PrefixIndex
 from router.endpoint import EndpointState
+from router.kv_index import StreamState
 from router.prompt_blocks import ROUTER_BLOCK_TOKENS, RouteRequest
 from router.registry import Registered, Registry
 
@@ -247,7 +248,9 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     the engines' own KV events (`router.kv_index.ExactIndex`, handed in with `use_exact_index`)
     when `e`'s event stream is live and the request carries token ids (`RouteRequest.token_ids`),
     else what the router believes (`router.prefix_index.PrefixIndex`, fed with every prompt this
-    policy routed, which also covers the time before an endpoint's events arrive):
+    policy routed, which also covers the time before an endpoint's events arrive); while `e`'s
+    view rebuilds after a resync (`StreamState.REBUILDING`: it holds what `e` stored since, a lower
+    bound), the larger of the two:
 
         cost(e) = miss_token_weight x (prompt_tokens - cached(e))   # what e would prefill for it
                 + e.prefill_tokens                     # prefill queued on e (not yet past TTFT)
@@ -320,10 +323,10 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         self.exact = index
 
     def wants_token_ids(self) -> bool:
-        """While some endpoint's event stream is live in the exact index: then a text or chat
-        prompt is worth tokenizing (`router.tokenize`), else the approximate view decides."""
+        """While some endpoint's event stream is live (or rebuilding) in the exact index: then a
+        text or chat prompt is worth tokenizing (`router.tokenize`), else the approximate view decides."""
         exact = self.exact
-        return exact is not None and exact.any_live()
+        return exact is not None and exact.any_live(rebuilding=True)
 
     def learn(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
         if block_hashes:
@@ -353,13 +356,20 @@ class KvAware(RoutingPolicy, name="kv-aware"):
             total += load[0]
         exact = self.exact
         token_ids = request.token_ids
-        held = exact.match(token_ids) if exact is not None and token_ids else None
+        held = exact.match(token_ids, rebuilding=True) if exact is not None and token_ids else None
         hits: dict[str, int] = {}
         for e in candidates:
-            if held is not None and exact.live(e.id):  # type: ignore[union-attr]
+            believed = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
+            if held is None:
+                hits[e.id] = believed
+                continue
+            state = exact.state(e.id)  # type: ignore[union-attr]
+            if state is StreamState.LIVE:
                 hits[e.id] = min(prompt, held.get(e.id, 0))
+            elif state is StreamState.REBUILDING:   # a lower bound: what either view knows is held
+                hits[e.id] = max(believed, min(prompt, held.get(e.id, 0)))
             else:
-                hits[e.id] = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
+                hits[e.id] = believed
         if n > 1:
             cap = math.ceil(self.load_bound * (total + 1) / n)
             cap_held = math.ceil(self.prefix_load_bound * (total + 1) / n)   # holds over half the prompt

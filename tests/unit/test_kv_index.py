@@ -79,6 +79,8 @@ def test_all_blocks_cleared_empties_the_view_and_makes_it_complete() -> None:
     ids = prompt(2)
     index.apply("a", batch(engine.stored(ids)))
     assert index.state("a") is StreamState.REBUILDING and index.match(ids) == {}
+    assert index.match(ids, rebuilding=True) == {"a": 2 * BS}   # asked for: what was stored since
+    assert not index.any_live() and index.any_live(rebuilding=True)
     index.apply("a", batch(AllBlocksCleared(), engine.stored(ids[:BS])))
     assert index.state("a") is StreamState.LIVE and index.match(ids) == {"a": BS}
 
@@ -167,6 +169,33 @@ def test_kv_aware_routes_by_the_engines_events_where_the_stream_is_live() -> Non
     index.apply("a", batch(engine.stored(ids[:10 * BS])))
     r3 = route_request({"prompt": ids, "max_tokens": 4})
     assert policy.choose([a, b], r3, 0.0) is a and r3.cached_tokens == 10 * BS
+
+
+def test_kv_aware_takes_the_larger_of_a_rebuilding_view_and_its_own_history() -> None:
+    """After a resync the view holds what the engine stored since (a lower bound): where it knows
+    more than this router's routing history (the other router's placements) it wins; where it
+    knows less (a prefix cached before the resync), the history does."""
+    engine, index = Engine(), ExactIndex()
+    policy = KvAware(affinity_slack=0.0)
+    policy.use_exact_index(index)
+    a, b = (EndpointState(i, f"http://127.0.0.1/{i}") for i in ("a", "b"))
+    for e in ("a", "b"):
+        index.open(e)
+        index.reset(e, known_empty=False)   # both resynced: REBUILDING
+    ids = prompt(40)
+    index.apply("b", batch(engine.stored(ids)))            # stored since: another router's placement
+    r = route_request({"prompt": ids, "max_tokens": 4})
+    assert policy.wants_token_ids()
+    assert policy.choose([a, b], r, 0.0) is b and r.cached_tokens == 40 * BS
+    # b's view loses the prompt's tail (evicted), the head stays: 10 blocks in the view; this
+    # router's history (it just sent the prompt to b) believes the whole prompt is there.
+    index.apply("b", batch(BlockRemoved(engine.hashes(ids)[10:])))
+    r2 = route_request({"prompt": ids, "max_tokens": 4})
+    assert policy.choose([a, b], r2, 0.0) is b and r2.cached_tokens == (40 * BS // 64) * 64
+    # Once b's view is LIVE again it is exact: 10 blocks, not the history's 40.
+    index.rebuilt("b")
+    r3 = route_request({"prompt": ids, "max_tokens": 4})
+    assert policy.choose([a, b], r3, 0.0) is b and r3.cached_tokens == 10 * BS
 
 
 def test_kv_aware_without_token_ids_uses_the_approximate_index() -> None:
