@@ -341,10 +341,6 @@ def run_event_cut(args) -> dict:
         t0 = time.monotonic()
         marks: dict[str, float] = {}
 
-        def sample() -> None:
-            samples.append({"t_s": round(time.monotonic() - t0, 2),
-                            "routers": [scrape(b, KV_SERIES) for b in bases]})
-
         def prefix_cache() -> list[tuple[float, float]]:   # per engine: (hit tokens, queried tokens)
             out = []
             for url in sims.urls:
@@ -352,6 +348,10 @@ def run_event_cut(args) -> dict:
                 out.append((sum(v for k, v in series.items() if k.startswith("vllm:prefix_cache_hits")),
                             sum(v for k, v in series.items() if k.startswith("vllm:prefix_cache_queries"))))
             return out
+
+        def sample() -> None:
+            samples.append({"t_s": round(time.monotonic() - t0, 2),
+                            "routers": [scrape(b, KV_SERIES) for b in bases], "engines_prefix_cache": prefix_cache()})
 
         cache_at: dict[str, list[tuple[float, float]]] = {}
 
@@ -365,7 +365,7 @@ def run_event_cut(args) -> dict:
                     time.sleep(min(args.sample_s, max(0.0, until - time.monotonic())))
                 sample()
                 marks[phase] = samples[-1]["t_s"]
-                cache_at[phase] = prefix_cache()
+                cache_at[phase] = samples[-1]["engines_prefix_cache"]
                 action()
                 print(f"  {phase} at {marks[phase]:.1f} s", flush=True)
     at = {phase: next(s for s in samples if s["t_s"] == t)["routers"] for phase, t in marks.items()}

@@ -77,7 +77,8 @@ class StreamState(enum.Enum):
 class _View:
     """One endpoint's blocks and stream facts."""
 
-    __slots__ = ("bit", "blocks", "block_tokens", "connected", "complete", "last_seq", "events", "skipped_blocks")
+    __slots__ = ("bit", "blocks", "block_tokens", "connected", "complete", "last_seq", "events", "skipped_blocks",
+                 "stored_blocks", "orphan_blocks")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
@@ -88,6 +89,8 @@ class _View:
         self.last_seq: int | None = None
         self.events = 0
         self.skipped_blocks = 0
+        self.stored_blocks = 0   # blocks of BlockStored events entered in the view (since it was created)
+        self.orphan_blocks = 0   # ... left out because their parent was not in the view
 
 
 def engine_hash(h: bytes | int) -> int:
@@ -211,6 +214,7 @@ class ExactIndex:
             found = view.blocks.get(engine_hash(parent))
             if found is None:
                 view.skipped_blocks += len(hashes)   # stored before we saw the stream
+                view.orphan_blocks += len(hashes)
                 return
             key = found
         extra = event.extra_keys
@@ -221,6 +225,7 @@ class ExactIndex:
         blocks = view.blocks
         holders = self._holders
         bit = view.bit
+        view.stored_blocks += len(hashes)
         ids = tuple(tokens)   # slices of a tuple are tuples: one copy, not two per block
         start = 0
         for h in hashes:
@@ -328,6 +333,14 @@ class ExactIndex:
         """Blocks of `BlockStored` events the index left out for `endpoint_id` (module docstring)."""
         view = self._views.get(endpoint_id)
         return view.skipped_blocks if view is not None else 0
+
+    def store_counts(self, endpoint_id: str) -> tuple[int, int]:
+        """(blocks of `BlockStored` events entered in the endpoint's view, blocks left out because
+        their parent was not in it), both counted since the endpoint was first seen; (0, 0) for
+        an unknown endpoint. After a resync the second grows while the engine keeps storing below
+        prefixes it cached before: `router.kv_subscriber` trusts the view again once it stops."""
+        view = self._views.get(endpoint_id)
+        return (view.stored_blocks, view.orphan_blocks) if view is not None else (0, 0)
 
     def __len__(self) -> int:
         """Entries held, summed over endpoints (the memory bound's unit)."""

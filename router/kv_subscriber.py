@@ -29,9 +29,15 @@ applies batch ``last + 1`` and, on anything else, asks the replay socket:
   ever published) holds the engine's whole history since its cache was empty: the view is
   rebuilt from it and is exact at once (`ExactIndex.reset(known_empty=True)`);
 * else the view is dropped and rebuilt from what is left of the buffer and the stream, and the
-  endpoint is REBUILDING (the approximate index routes it) for `rebuild_s`: blocks the engine
-  stored before are invisible until it evicts and stores them again. Without a replay address
-  only a publisher's seq 0 gives an exact view.
+  endpoint is REBUILDING for at least `rebuild_s`: blocks the engine stored before are invisible
+  until it evicts and stores them again, and so is every block it stores below them (a
+  `BlockStored` whose parent the view lacks). `kv-aware` meanwhile takes the larger of the
+  partial view and its approximate index. The view is trusted again (LIVE) at the first check,
+  `rebuild_s` after the resync and every `REBUILD_RECHECK_S` after that, at which the blocks
+  stored since the previous check were at most `REBUILD_ORPHAN_SHARE` such orphans: while the
+  engine keeps serving a prefix it cached before the break (a system prompt, a long
+  conversation) the view stays partial, however long that lasts. Without a replay address only
+  a publisher's seq 0 gives an exact view.
 
 A stream that disconnects (the publisher's process is gone or stopped: ZMTP heartbeats,
 `HEARTBEAT_TIMEOUT_MS`) is DOWN until it reconnects; libzmq reconnects with exponential
@@ -70,10 +76,19 @@ from router.spec import KvEventsSource
 log = logging.getLogger(__name__)
 
 DEFAULT_REBUILD_S = 120.0
-"""Seconds an endpoint stays REBUILDING after a resync that could not recover its history: about
+"""Seconds an endpoint stays REBUILDING at least after a resync that could not recover its history
+(then as long as `REBUILD_ORPHAN_SHARE` says; module docstring): about
 three turnovers of an H100's KV cache for an 8B model at 80% load (432k tokens of cache,
 fleet/enginesim/profiles.py, against ~10k prefill tokens/s), after which the blocks stored
 before the break and not yet seen are mostly evicted."""
+
+REBUILD_RECHECK_S = 30.0
+"""Seconds between two checks of a REBUILDING view after the first (`rebuild_s` after the resync)."""
+
+REBUILD_ORPHAN_SHARE = 0.05
+"""Most orphans (blocks stored below a prefix the view lacks) among the blocks stored since the last
+check for a REBUILDING view to be trusted again. A complete view sees none: vLLM stores a block
+only while its parent is cached (the request holds it), and the parent's `BlockStored` came first."""
 
 DEFAULT_REPLAY_TIMEOUT_S = 2.0
 """Longest wait (seconds) for the next frame of a replay answer; then the replay counts as failed."""
@@ -209,6 +224,7 @@ class KvEventSubscriber:
         self._last_seq: int | None = None      # seq of the last batch applied; None: take the next as base
         self._recent: OrderedDict[int, int] = OrderedDict()   # seq -> CRC-32 of its payload
         self._rebuild_at: float | None = None
+        self._rebuild_mark = (0, 0)   # the index's store counts at the last rebuild check (`_check_rebuilt`)
         self.resyncs = 0
         self.replays = 0
         self.bad_payloads = 0
@@ -254,8 +270,7 @@ class KvEventSubscriber:
                 await self._drain_monitor(raw_monitor)
                 self._quiet = 0 if await self._drain(raw_sub) else self._quiet + 1
                 if self._rebuild_at is not None and self._clock() >= self._rebuild_at:
-                    self._rebuild_at = None
-                    self._index.rebuilt(self.endpoint_id)
+                    self._check_rebuilt()
                 if self._quiet > QUIET_TICKS:   # nothing lately: sleep until a socket has something, then drain
                     await self._readable(raw_sub, raw_monitor)
                     self._quiet = 0
@@ -397,7 +412,7 @@ class KvEventSubscriber:
                 self._index.reset(self.endpoint_id, known_empty=True)
                 self._rebuild_at = None
             elif not self._index.state(self.endpoint_id).exact() and self._rebuild_at is None:
-                self._rebuild_at = self._clock() + self._rebuild_s   # a partial view: trusted after rebuild_s
+                self._rebuild_from_now()   # a partial view: checked after rebuild_s
             self._apply(seq, payload)
             return True
         if seq == last + 1:
@@ -507,11 +522,33 @@ class KvEventSubscriber:
             self._metrics.error(reason)
 
     def _partial(self) -> None:
-        """Drop the view; it rebuilds from the stream and is trusted again after `rebuild_s`."""
+        """Drop the view; it rebuilds from the stream and is checked for trust after `rebuild_s`."""
         self._index.reset(self.endpoint_id, known_empty=False)
         self._last_seq = None
         self._recent.clear()
+        self._rebuild_from_now()
+
+    def _rebuild_from_now(self) -> None:
         self._rebuild_at = self._clock() + self._rebuild_s
+        self._rebuild_mark = self._index.store_counts(self.endpoint_id)
+
+    def _check_rebuilt(self) -> None:
+        """At a rebuild check: trust the view again if the engine stored blocks since the last
+        check and at most `REBUILD_ORPHAN_SHARE` of them were orphans; else check again in
+        `REBUILD_RECHECK_S` (module docstring)."""
+        stored, orphans = self._index.store_counts(self.endpoint_id)
+        new, lost = stored - self._rebuild_mark[0], orphans - self._rebuild_mark[1]
+        if new and lost <= REBUILD_ORPHAN_SHARE * (new + lost):
+            self._rebuild_at = None
+            self._index.rebuilt(self.endpoint_id)
+            log.info("KV events of %s/%s: view trusted again (%d of %d blocks stored since the last check "
+                     "continued prefixes it lacks)", self.model, self.endpoint_id, lost, new + lost)  # fmt: skip
+            return
+        self._rebuild_mark = (stored, orphans)
+        self._rebuild_at = self._clock() + min(self._rebuild_s, REBUILD_RECHECK_S)
+        log.info("KV events of %s/%s: view still partial (%d of %d blocks stored since the last check continued "
+                 "prefixes it lacks); checked again in %.0f s", self.model, self.endpoint_id, lost, new + lost,
+                 min(self._rebuild_s, REBUILD_RECHECK_S))  # fmt: skip
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -214,6 +215,39 @@ async def test_a_gap_the_buffer_no_longer_holds_rebuilds_the_view(ctx: zmq.async
         await pub.publish(stored(950, 1))                  # wakes the subscriber; the rebuild time is over
         await eventually(lambda: index.live("e"))
         assert index.match(ids(900, 1)) == {"e": BS} and index.match(ids(100, 1)) == {}
+    await pub.close()
+
+
+async def test_a_rebuilding_view_is_not_trusted_while_the_engine_stores_below_prefixes_it_lacks(
+        ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture) -> None:
+    """After a resync, blocks stored below a prefix cached before it (orphans) keep the view partial
+    past the rebuild time; once the blocks stored between two checks are not orphans it is LIVE."""
+    pub = Publisher(ctx, buffer_steps=2)
+    index = ExactIndex()
+    now = [0.0]
+    sub = KvEventSubscriber("m", "e", pub.source, index, ctx, clock=lambda: now[0], rebuild_s=30.0)
+    async with following(sub):
+        await eventually(lambda: index.live("e"))
+        await asyncio.sleep(0.2)
+        caplog.set_level(logging.INFO, logger="router.kv_subscriber")
+        await pub.publish(stored(100, 1))
+        await eventually(lambda: index.blocks("e") == 1)
+        for n in range(4):
+            await pub.publish(stored(200 + 10 * n, 1), drop=True)
+        await pub.publish(stored(900, 1, parent=77))       # below a prefix the view never saw
+        await eventually(lambda: sub.resyncs == 1)
+        assert index.state("e") is StreamState.REBUILDING
+        now[0] = 31.0
+        await pub.publish(stored(950, 1, parent=78))       # the rebuild time is over; still orphans
+        await eventually(lambda: "view still partial (2 of " in caplog.text)
+        assert index.state("e") is StreamState.REBUILDING and index.store_counts("e")[1] == 2
+        assert index.match(ids(950, 1), rebuilding=True) == {}
+        await pub.publish(stored(600, 2))                  # a prefix stored whole: not an orphan
+        await eventually(lambda: index.blocks("e") >= 2)
+        now[0] = 62.0                                       # the next check (REBUILD_RECHECK_S later)
+        await pub.publish(stored(700, 1))
+        await eventually(lambda: index.live("e"))
+        assert index.match(ids(600, 2)) == {"e": 2 * BS}
     await pub.close()
 
 
