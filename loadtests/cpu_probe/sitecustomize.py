@@ -1,0 +1,87 @@
+"""Where a router's CPU goes with KV events: a probe for the `python -m router` processes that a
+benchmark starts with this directory on ``PYTHONPATH`` (Python imports `sitecustomize` at start-up).
+
+In a process whose command line runs ``router`` (any other process is left alone), it wraps these
+with a counter of calls and of the calling thread's CPU time (`time.thread_time`), two seconds
+after start-up (the modules are imported by then):
+
+- ``tick``: `router.kv_subscriber.DrainTicks._tick`, the shared drain tick (includes what follows);
+- ``read_in_order``: `KvEventSubscriber._read_in_order`, the socket reads of a drain (includes
+  ``apply``);
+- ``apply``: `KvEventSubscriber._apply`, one batch (includes ``decode`` and ``index_apply``);
+- ``decode``: `router.kv_events.decode_batch` as the subscriber calls it (with its payload bytes);
+- ``index_apply``: `router.kv_index.ExactIndex.apply`;
+- ``match``: `ExactIndex.match`; ``parse_request``: `router.asgi_io.parse_request` as the proxy
+  calls it (the request body's JSON).
+
+Every 5 s it writes the totals, with the process's CPU time (`time.process_time`: all threads,
+libzmq's I/O thread included), to ``$FLEET_CPU_PROBE_DIR/router-<pid>.txt`` (default ``/tmp``).
+The wrappers cost ~1 us per call, counted inside the wrapped figures. Not for production: a
+measuring aid for docs/benchmarks.md, "Router CPU: where it goes".
+
+Usage:
+    PYTHONPATH=loadtests/cpu_probe .venv/bin/python -m loadtests.bench_routing --trace mooncake \\
+        --load 0.8 --ttft-slo-s 2 --window-s 150 --start-s 600 --targets fleet:kv-aware@2+kv-events
+    cat /tmp/router-*.txt
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+CPU_S: collections.Counter[str] = collections.Counter()
+CALLS: collections.Counter[str] = collections.Counter()
+PAYLOAD_BYTES = [0]
+
+
+def _timed(label: str, fn: Callable) -> Callable:
+    def timed(*args, **kwargs):
+        start = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            CPU_S[label] += time.thread_time() - start
+            CALLS[label] += 1
+    return timed
+
+
+def _patch() -> None:
+    time.sleep(2.0)
+    import router.kv_index as kv_index
+    import router.kv_subscriber as kv_subscriber
+    import router.proxy as proxy
+
+    sub = kv_subscriber.KvEventSubscriber
+    kv_subscriber.DrainTicks._tick = _timed("tick", kv_subscriber.DrainTicks._tick)
+    sub._read_in_order = _timed("read_in_order", sub._read_in_order)
+    sub._apply = _timed("apply", sub._apply)
+    kv_index.ExactIndex.apply = _timed("index_apply", kv_index.ExactIndex.apply)
+    kv_index.ExactIndex.match = _timed("match", kv_index.ExactIndex.match)
+    proxy.parse_request = _timed("parse_request", proxy.parse_request)
+    decode = _timed("decode", kv_subscriber.decode_batch)
+
+    def decode_counted(payload: bytes):
+        PAYLOAD_BYTES[0] += len(payload)
+        return decode(payload)
+
+    kv_subscriber.decode_batch = decode_counted
+
+
+def _write_every(period_s: float, out: Path) -> None:
+    while True:
+        time.sleep(period_s)
+        lines = [f"process_cpu_s {time.process_time():.3f}", f"payload_bytes {PAYLOAD_BYTES[0]}"]
+        lines += [f"{label} cpu_s {CPU_S[label]:.3f} calls {CALLS[label]}" for label in sorted(CALLS)]
+        out.write_text("\n".join(lines) + "\n")
+
+
+if "router" in sys.orig_argv:
+    _out = Path(os.environ.get("FLEET_CPU_PROBE_DIR", "/tmp")) / f"router-{os.getpid()}.txt"
+    threading.Thread(target=_patch, daemon=True, name="cpu-probe-patch").start()
+    threading.Thread(target=_write_every, args=(5.0, _out), daemon=True, name="cpu-probe-out").start()
