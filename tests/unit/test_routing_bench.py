@@ -143,6 +143,10 @@ def test_the_report_rows() -> None:
                          for p, v in (("cut", 0.0), ("resume", 0.0), ("end", 1.0))},
            "largest_index_series": {}}
     assert "| `fleet_router_kv_resyncs_total` | 0 / 0 | 0 / 0 | 1 / 1 | — |" in event_cut_report(cut)
+    assert "prefix-cache hit rate" not in event_cut_report(cut)   # a run from before it was sampled
+    cut["prefix_cache_hit_rate"] = {"cut": {"engine_0": 0.5, "others": 0.889}, "after": {"engine_0": 0.25, "others": 0.9}}
+    assert ("engine prefix-cache hit rate, engine 0 / the others: during the cut 50.0% / 88.9%, "
+            "from the resume to the end 25.0% / 90.0%") in event_cut_report(cut)
 
 
 def test_the_routing_fault_table_in_the_docs_is_the_recorded_run() -> None:
