@@ -165,12 +165,13 @@ ModelName = Annotated[str, Path(min_length=1, max_length=256, description="Model
 
 
 def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | None = None,
-                 peer_report: Callable[[object], None] | None = None,
+                 peer_report: Callable[[object], int] | None = None,
                  peer_state: Callable[[], dict[str, object]] | None = None) -> APIRouter:  # fmt: skip
     """The `/admin/v1` router over `pools`, guarded by `admin_token` (compared in constant time).
     `models_file`: told after each PUT and DELETE (`router.remembered`); None: no file.
     `peer_report`: takes a peer router's load report (`router.peer_load`; raises ValueError for
-    a bad one); None: this router has no peers (`POST /peer-load` answers 404).
+    a bad one) and returns the sender's datagrams taken so far; None: this router has no peers
+    (`POST /peer-load` answers 404).
     `peer_state`: what `GET /peers` answers (`router.app.create_app`); None: 404."""
     if not admin_token:
         raise ValueError("admin_token must not be empty")
@@ -192,22 +193,25 @@ def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | N
         return {"synced": True}
 
     @router.post("/peer-load")
-    async def peer_load(request: Request) -> Response:
-        """A peer router's load report (`router.peer_load`): 204; 422 for a bad report; 404 when
-        this router was started without peers."""
+    async def peer_load(request: Request) -> dict[str, int]:
+        """A peer router's load report (`router.peer_load`): 200 ``{"datagrams": N}``, the sender's
+        datagrams this router took so far (`router.peer_datagram.DatagramTally`); 422 for a bad
+        report; 404 when this router was started without peers."""
         if peer_report is None:
             raise HTTPException(404, "this router has no peers (python -m router --peers)")
         try:
-            peer_report(loads_bounded(await request.body(), PEER_REPORT_DEPTH))
+            taken = peer_report(loads_bounded(await request.body(), PEER_REPORT_DEPTH))
         except ValueError as err:   # JsonTooDeep is one
             raise HTTPException(422, f"bad peer load report: {err}") from err
-        return Response(status_code=204)
+        return {"datagrams": taken}
 
     @router.get("/peers")
     async def peers() -> dict[str, object]:
         """The peer channel as this router sees it: `{"router": its id, "targets": [peer base URLs
-        it sends to], "live": [ids of peers whose last report counts], "load": {model: {endpoint:
-        [in_flight, prefilling, prefill_tokens]}}}` (the live peers' load, summed); 404 without peers."""
+        it sends to], "datagrams_confirmed": [the targets that confirmed they take its UDP
+        datagrams, router.peer_channel], "live": [ids of peers whose last report counts], "load":
+        {model: {endpoint: [in_flight, prefilling, prefill_tokens]}}}` (the live peers' load,
+        summed); 404 without peers."""
         if peer_state is None:
             raise HTTPException(404, "this router has no peers (python -m router --peers or --peers-dns)")
         return peer_state()

@@ -41,7 +41,7 @@ from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.engine_poll import EnginePoller
 from router.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender, ReportPoster
 from router.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, DiscoveryMetrics, PeerDiscovery
-from router.peer_datagram import DatagramMetrics, PeerDatagrams
+from router.peer_datagram import DatagramMetrics, DatagramTally, PeerDatagrams
 from router.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report, report_order
 from router.pool import PoolTable
 from router.remembered import ModelsFile
@@ -89,7 +89,7 @@ class RouterApp:
     peer_datagrams: PeerDatagrams | None = None
     """The peers' load reports over UDP (`router.peer_datagram`), opened by `listening`; None: no peers."""
     """Keeps `peer_sender`'s peers equal to what `--peers-dns` resolves to; None: no DNS peers."""
-    peer_report: Callable[[object], None] | None = None
+    peer_report: Callable[[object], int] | None = None
     """Takes a peer's load report (`router.peer_load`); None: no peers (FastAPI answers 404)."""
 
     def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
@@ -188,15 +188,15 @@ class RouterApp:
         """`POST /admin/v1/peer-load` without FastAPI: every peer posts here up to every 10 ms
         while its load changes (`router.peer_channel`), and FastAPI's routing and request objects
         cost more than taking the report. Answers as the FastAPI route (router/admin.py) does:
-        204, or 422 ``{"detail": ...}`` for a bad report."""
+        200 ``{"datagrams": N}`` (the sender's datagrams taken so far, `router.peer_datagram.
+        DatagramTally`), or 422 ``{"detail": ...}`` for a bad report."""
         assert self.peer_report is not None
         try:
-            self.peer_report(loads_bounded(body, PEER_REPORT_DEPTH))
+            taken = self.peer_report(loads_bounded(body, PEER_REPORT_DEPTH))
         except ValueError as err:   # JsonTooDeep is one
             await send_json(send, 422, json.dumps({"detail": f"bad peer load report: {err}"}).encode())
             return
-        await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send_json(send, 200, b'{"datagrams":%d}' % taken)
 
     async def _refuse(self, send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
         self.metrics.reject("", status, False)
@@ -238,7 +238,7 @@ class RouterApp:
                 return
 
 
-def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str, peer_report: Callable[[object], None] | None,
+def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str, peer_report: Callable[[object], int] | None,
                models_file: ModelsFile | None = None,
                peer_state: Callable[[], dict[str, object]] | None = None) -> FastAPI:  # fmt: skip
     api = FastAPI(title="Fleet router", docs_url=None, redoc_url=None, openapi_url=None)
@@ -385,18 +385,25 @@ def create_app(
     if has_peers:
         view = PeerLoadView(router_id or secrets.token_hex(8))
 
-        def peer_report(doc: object) -> None:
+        tally = DatagramTally()
+
+        def peer_report(doc: object, datagram: bool = False) -> int:
+            """Take a report; the datagrams taken from its sender so far (the HTTP answer)."""
             peer_id, loads = parse_report(doc)
             if view.receive(peer_id, loads, pools.load_endpoints(), clock(), report_order(doc)):
                 channel_metrics.received.inc()
+            if datagram:
+                tally.add(peer_id)
+            return tally.count(peer_id)
 
         def peer_datagram(body: bytes) -> None:
-            peer_report(loads_bounded(body, PEER_REPORT_DEPTH))
+            peer_report(loads_bounded(body, PEER_REPORT_DEPTH), datagram=True)
 
         def peer_state() -> dict[str, object]:
             now_s = clock()
             targets = [u.removesuffix(PEER_LOAD_PATH) for u in sender.urls]
-            return {"router": view.self_id, "targets": targets, "live": view.peers(now_s), "load": view.totals(now_s)}
+            return {"router": view.self_id, "targets": targets, "datagrams_confirmed": sender.confirmed(),
+                    "live": view.peers(now_s), "load": view.totals(now_s)}
 
         channel_metrics = PeerMetrics(metrics.registry, lambda: len(view.peers(clock())))
         datagrams = PeerDatagrams(admin_token, peer_datagram, DatagramMetrics(metrics.registry))

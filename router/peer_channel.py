@@ -1,11 +1,15 @@
 """The peer channel: send this router's load to every peer router, off the request path.
 
-Owns `PeerSender` (one asyncio task per router: every `interval_s`, this router's report,
+Owns `PeerSender` (one asyncio task per router: at most every `interval_s`, this router's report,
 `router.peer_load.own_report` over its `kv-aware` pools, goes to each peer when it changed, as a
-signed UDP datagram where it can (`router.peer_datagram`), and at least every `HEARTBEAT_S` to
-each peer's `POST /admin/v1/peer-load` with the admin bearer token, all peers at once), `ReportPoster` (the
-thin aiohttp wrapper that does the I/O, replaced by a fake in tests) and the channel's
-Prometheus series. Receiving is `router.admin`'s route, into `router.peer_load.PeerLoadView`.
+signed UDP datagram where it can (`router.peer_datagram`), and to each peer at least every
+`HEARTBEAT_S`: over HTTP (`POST /admin/v1/peer-load` with the admin bearer token) until the peer
+confirms it takes this router's datagrams, then as a datagram, with an HTTP post every
+`HTTP_HEARTBEAT_S`), `ReportPoster` (the thin aiohttp wrapper that does the I/O, replaced by a
+fake in tests) and the channel's Prometheus series. A peer confirms with its answer to a post,
+``{"datagrams": N}``, the datagrams it took from this router so far: a count that grew since the
+previous answer. A count that stopped growing (UDP dropped on the way) puts the peer back on HTTP
+at every heartbeat. Receiving is `router.admin`'s route, into `router.peer_load.PeerLoadView`.
 Started and stopped by `router.app.RouterApp`'s lifespan when the router has peers
 (`python -m router --peers URL,...`).
 
@@ -42,11 +46,19 @@ SEND_ERROR_REASONS = ("connect", "timeout", "status")
 PEER_LOAD_PATH = "/admin/v1/peer-load"
 
 HEARTBEAT_S = 0.25
-"""Seconds between two rounds that post the latest report to every peer over HTTP, changed or
-not: while this router's load stands still it reports four times a second instead of every
-`interval_s`, so an idle pair of routers costs little, a peer still hears of it well within
-`router.peer_load.DEFAULT_PEER_MAX_AGE_S`, and where UDP is dropped a peer's view is at most
-this old. Changes in between go as datagrams (`router.peer_datagram`)."""
+"""Longest time (seconds) between two reports to a peer, changed or not: while this router's load
+stands still it reports four times a second instead of every `interval_s`, so an idle pair of
+routers costs little and a peer still hears of it well within
+`router.peer_load.DEFAULT_PEER_MAX_AGE_S`. Over HTTP to a peer that has not confirmed it takes
+this router's datagrams, as a datagram to one that has."""
+
+HTTP_HEARTBEAT_S = 1.0
+"""Seconds between two HTTP posts to a peer that confirmed it takes this router's datagrams: the
+path that still works where UDP starts being dropped, and what tells the sender so (the peer's
+count stops growing). At `router.peer_load.DEFAULT_PEER_MAX_AGE_S`, so such a peer's view lapses
+for at most about a heartbeat before it is back on HTTP. A post costs ~320 us of the sender's CPU
+and ~215 us of the receiver's, a datagram a fraction of that (docs/benchmarks.md, "Router CPU:
+the peers' datagrams")."""
 
 
 class SendFailed(Exception):
@@ -58,9 +70,11 @@ class SendFailed(Exception):
 
 
 class Poster(Protocol):
-    """Posts `body` (JSON) to `url`; raises `SendFailed`. The only I/O the sender does."""
+    """Posts `body` (JSON) to `url` and returns the ``datagrams`` count of the answer (None if it
+    carries none: a router from before the count); raises `SendFailed`. The only I/O the sender
+    does besides datagrams."""
 
-    def __call__(self, url: str, body: bytes) -> Awaitable[None]: ...
+    def __call__(self, url: str, body: bytes) -> Awaitable[int | None]: ...
 
 
 class ReportPoster:
@@ -80,18 +94,46 @@ class ReportPoster:
             await self._session.close()
             self._session = None
 
-    async def __call__(self, url: str, body: bytes) -> None:
+    async def __call__(self, url: str, body: bytes) -> int | None:
         if self._session is None:
             raise SendFailed("connect", "poster not started")
         try:
             async with self._session.post(url, data=body, headers=self._headers) as response:
-                await response.read()
+                answer = await response.read()
                 if response.status >= 300:
                     raise SendFailed("status", f"HTTP {response.status}")
         except asyncio.TimeoutError as err:
             raise SendFailed("timeout", str(err) or "timed out") from err
         except aiohttp.ClientError as err:
             raise SendFailed("connect", str(err)) from err
+        return datagrams_taken(answer)
+
+
+def datagrams_taken(answer: bytes) -> int | None:
+    """The ``datagrams`` count of a peer's answer to a report (None: not there, or not a count)."""
+    try:
+        taken = json.loads(answer).get("datagrams") if answer else None
+    except (ValueError, AttributeError):
+        return None
+    return taken if type(taken) is int and taken >= 0 else None
+
+
+class _Peer:
+    """What the sender keeps per peer (seconds on the loop's clock)."""
+
+    __slots__ = ("url", "address", "posted_s", "datagram_s", "taken", "confirmed")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.address = datagram_address(url)   # where its datagrams go (None: HTTP only)
+        self.posted_s = -float("inf")          # the last post over HTTP
+        self.datagram_s = -float("inf")        # the last datagram
+        self.taken = 0                         # its last answer's count of our datagrams
+        self.confirmed = False                 # that count grew at the last answer
+
+    def heartbeat_due_s(self) -> float:
+        """When this peer is next owed a report if nothing changes."""
+        return max(self.posted_s, self.datagram_s if self.confirmed else -float("inf")) + HEARTBEAT_S
 
 
 class PeerMetrics:
@@ -144,9 +186,8 @@ class PeerSender:
         self._seq = 0
         self._last_body = b""
         self._last_load: tuple | None = None   # `load_fingerprint` of `_last_body`
-        self._last_posted_s = -float("inf")    # when the last report went over HTTP
         self.urls: list[str] = []
-        self._addresses: list[tuple[str, int] | None] = []   # per url: where its datagrams go (None: HTTP only)
+        self._peers: list[_Peer] = []
         self._dirty = True   # the load may have changed since the last round (`notify`)
         self._wake: asyncio.Future[None] | None = None
         self.set_peers(peers)
@@ -159,15 +200,22 @@ class PeerSender:
         if self._wake is not None:
             wake(self._wake)
 
+    def confirmed(self) -> list[str]:
+        """Base URLs of the peers that confirmed, at their last answer, that they take this
+        router's datagrams (their heartbeat goes as a datagram; `GET /admin/v1/peers`)."""
+        return [peer.url.removesuffix(PEER_LOAD_PATH) for peer in self._peers if peer.confirmed]
+
     def set_peers(self, peers: Sequence[str]) -> None:
         """Send to `peers` (base URLs) from the next round on (`router.peer_discovery` calls this
-        when the peer set changes); a new peer gets a report over HTTP in that round, even if unchanged."""
+        when the peer set changes); a new peer gets a report over HTTP in that round, even if
+        unchanged; a peer already known keeps what it confirmed."""
         urls = [p.rstrip("/") + PEER_LOAD_PATH for p in peers]
         if urls != self.urls:
+            known = {peer.url: peer for peer in self._peers}
             self.urls = urls
-            self._addresses = [datagram_address(u) for u in urls]
-            self._last_body = b""
-            self._last_posted_s = -float("inf")
+            self._peers = [known.get(u) or _Peer(u) for u in urls]
+            if self._wake is not None:
+                wake(self._wake)
 
     async def start(self) -> None:
         """Open the poster's session (a `ReportPoster`) and start sending (no-op if started)."""
@@ -182,8 +230,8 @@ class PeerSender:
             await self._post.close()
 
     async def _run(self) -> None:
-        """Rounds at most every `interval_s`, each when the load changed (`notify`) or the next
-        HTTP post is due: an idle router does not wake every `interval_s` (polling cost ~18 ms
+        """Rounds at most every `interval_s`, each when the load changed (`notify`) or some peer's
+        heartbeat is due: an idle router does not wake every `interval_s` (polling cost ~18 ms
         of CPU per second per router, docs/benchmarks.md "Router CPU: the peers' datagrams")."""
         loop = asyncio.get_running_loop()
         while True:
@@ -196,7 +244,8 @@ class PeerSender:
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
             if not self._dirty:
                 woken = self._wake = loop.create_future()
-                timer = loop.call_later(max(0.0, self._last_posted_s + HEARTBEAT_S - loop.time()), wake, woken)
+                due_s = min((peer.heartbeat_due_s() for peer in self._peers), default=loop.time() + HEARTBEAT_S)
+                timer = loop.call_later(max(0.0, due_s - loop.time()), wake, woken)
                 try:
                     await woken
                 finally:
@@ -205,10 +254,11 @@ class PeerSender:
 
     async def send_once(self, now_s: float | None = None) -> None:
         """One round (`now_s`: the loop's clock, seconds). A changed report goes to every peer as
-        a datagram where it can (`router.peer_datagram`), else over HTTP; every `HEARTBEAT_S`
-        the latest report also goes to every peer over HTTP, changed or not (the path that
-        works where UDP is dropped). HTTP sends run concurrently."""
-        if not self.urls:
+        a datagram where it can (`router.peer_datagram`), else over HTTP; a peer owed its
+        heartbeat gets the latest report, changed or not, over HTTP if it has not confirmed our
+        datagrams (then with a datagram beside it, which its answer will count) or if its
+        `HTTP_HEARTBEAT_S` is up, else as a datagram. HTTP sends run concurrently."""
+        if not self._peers:
             return
         if now_s is None:
             now_s = asyncio.get_running_loop().time()
@@ -220,29 +270,36 @@ class PeerSender:
             report = own_report(self.router_id, endpoints, (self._boot, self._seq))
             self._last_body, self._last_load = json.dumps(report, separators=(",", ":")).encode(), load
         body = self._last_body
-        post_all = now_s - self._last_posted_s >= HEARTBEAT_S
-        if not changed and not post_all:
-            return
-        if post_all:
-            self._last_posted_s = now_s
-            posts = self.urls
-        else:
-            datagrams = self._datagrams
-            posts = []
-            for url, address in zip(self.urls, self._addresses):
-                if address is not None and datagrams is not None and datagrams.send(address, body):
-                    self.metrics.sent.inc()
-                else:
-                    posts.append(url)
-            if len(posts) == len(self.urls):
-                self._last_posted_s = now_s   # all went over HTTP anyway: the heartbeat counts from here
+        datagrams = self._datagrams
+        posts: list[_Peer] = []
+        for peer in self._peers:
+            if not changed and now_s < peer.heartbeat_due_s():
+                continue
+            if now_s - peer.posted_s >= (HTTP_HEARTBEAT_S if peer.confirmed else HEARTBEAT_S):
+                peer.posted_s = now_s
+                posts.append(peer)
+                if not peer.confirmed and peer.address is not None and datagrams is not None:
+                    if datagrams.send(peer.address, body):   # a probe: the post's answer counts it
+                        peer.datagram_s = now_s
+                continue
+            if peer.address is not None and datagrams is not None and datagrams.send(peer.address, body):
+                peer.datagram_s = now_s
+                self.metrics.sent.inc()
+            else:
+                peer.posted_s = now_s
+                posts.append(peer)
         if posts:
-            await asyncio.gather(*(self._send(url, body) for url in posts))
+            await asyncio.gather(*(self._send(peer, body) for peer in posts))
 
-    async def _send(self, url: str, body: bytes) -> None:
+    async def _send(self, peer: _Peer, body: bytes) -> None:
         try:
-            await self._post(url, body)
+            taken = await self._post(peer.url, body)
         except SendFailed as err:
             self.metrics.errors.labels(err.reason).inc()
             return
         self.metrics.sent.inc()
+        if taken is None:
+            peer.confirmed = False
+            return
+        peer.confirmed = taken > peer.taken
+        peer.taken = taken

@@ -12,10 +12,13 @@ receiver's, measured on the 2-core dev machine (docs/benchmarks.md, "Router CPU 
 with two routers changing their load three times per request that was ~2.8 ms of router CPU per
 request. A datagram costs a `sendto` and an HMAC on each side.
 
-**What stays on HTTP.** Every `router.peer_channel.HEARTBEAT_S` the sender also posts its latest
-report over HTTP, so a path that drops UDP (a NetworkPolicy admitting TCP only, a lost datagram)
-delays what a peer knows by at most that long instead of cutting it off; reports too large for
-one datagram (`MAX_DATAGRAM_BYTES`) and peers named by host name rather than address go over
+**What stays on HTTP.** The sender also posts its latest report over HTTP, every
+`router.peer_channel.HEARTBEAT_S` to a peer that has not confirmed it takes this router's
+datagrams and every `router.peer_channel.HTTP_HEARTBEAT_S` to one that has: a peer answers a post
+with how many of the sender's datagrams it took (`DatagramTally`), and a count that grew since the
+last answer confirms the path. So a path that drops UDP (a NetworkPolicy admitting TCP only)
+delays what a peer knows by about a second at most instead of cutting it off; reports too large
+for one datagram (`MAX_DATAGRAM_BYTES`) and peers named by host name rather than address go over
 HTTP only. Reports carry ``boot`` and ``seq`` (`router.peer_load`), so a late datagram never
 replaces a newer report.
 
@@ -32,6 +35,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -85,6 +89,29 @@ def datagram_address(url: str) -> tuple[str, int] | None:
     except ValueError:
         return None
     return (host, port) if port else None
+
+
+class DatagramTally:
+    """Datagrams taken from each peer router, by the router id its reports carry: the count this
+    router answers a peer's HTTP report with (``{"datagrams": N}``), by which the peer learns its
+    datagrams arrive (`router.peer_channel`). Remembers the `max_peers` ids heard from last (a
+    peer that restarts may come back under a new id)."""
+
+    def __init__(self, max_peers: int = 256) -> None:
+        self.max_peers = max_peers
+        self._counts: OrderedDict[str, int] = OrderedDict()
+
+    def add(self, peer_id: str) -> None:
+        """One more datagram taken from `peer_id`."""
+        counts = self._counts
+        counts[peer_id] = counts.get(peer_id, 0) + 1
+        counts.move_to_end(peer_id)
+        if len(counts) > self.max_peers:
+            counts.popitem(last=False)
+
+    def count(self, peer_id: str) -> int:
+        """Datagrams taken from `peer_id` so far (0 if none, or forgotten)."""
+        return self._counts.get(peer_id, 0)
 
 
 class DatagramMetrics:

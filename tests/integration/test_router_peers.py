@@ -40,12 +40,16 @@ def hang(base: str) -> None:
         urllib.request.urlopen(req, timeout=5).close()
 
 
-def others_in_flight(base: str) -> float:
-    """Requests the peers say they have in flight on m/e0 (`GET /admin/v1/peers`)."""
+def peers(base: str) -> dict:
+    """The router's `GET /admin/v1/peers`."""
     req = urllib.request.Request(f"{base}/admin/v1/peers", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
-        load = json.loads(resp.read())["load"]
-    return load.get("m", {}).get("e0", [0])[0]
+        return json.loads(resp.read())
+
+
+def others_in_flight(base: str) -> float:
+    """Requests the peers say they have in flight on m/e0 (`GET /admin/v1/peers`)."""
+    return peers(base)["load"].get("m", {}).get("e0", [0])[0]
 
 
 def test_two_routers_exchange_load_reports() -> None:
@@ -96,6 +100,11 @@ def test_two_routers_exchange_load_reports() -> None:
             assert (metric(base, "fleet_router_peer_datagrams_sent_total") or 0) >= 1
             assert others_in_flight(base) >= 1
             assert metric(base, 'fleet_router_peer_datagrams_rejected_total{reason="signature"}') == 0.0
+        # Each peer's answers count the datagrams it took, so each router's heartbeat has moved to UDP.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(peers(b)["datagrams_confirmed"] for b in bases):
+            time.sleep(0.1)
+        assert [peers(b)["datagrams_confirmed"] for b in bases] == [[bases[1]], [bases[0]]]
     finally:
         for proc in procs:
             proc.terminate()

@@ -11,8 +11,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from router.endpoint import EndpointState
-from router.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender
-from router.peer_datagram import (MAC_BYTES, MAX_DATAGRAM_BYTES, DatagramMetrics, PeerDatagrams, datagram_address,
+from router.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender, datagrams_taken
+from router.peer_datagram import (MAC_BYTES, MAX_DATAGRAM_BYTES, DatagramMetrics, DatagramTally, PeerDatagrams,
+                                  datagram_address,
                                   datagram_key, seal, unseal)  # fmt: skip
 from router.peer_load import PeerLoadView, parse_report, report_order
 
@@ -103,33 +104,72 @@ class Recorder:
         return True
 
 
-async def test_changes_go_as_datagrams_and_every_peer_gets_the_heartbeat_over_http() -> None:
+async def test_changes_go_as_datagrams_and_the_heartbeat_too_once_a_peer_confirms_it_takes_them() -> None:
+    """The peer at an address answers each post with the datagrams it took (all of them, until UDP
+    "breaks"); the peer named by host name gets no datagrams and answers 0."""
     posted: list[tuple[str, bytes]] = []
+    udp_works = [True]
+    arrived = [0]
 
-    async def post(url: str, body: bytes) -> None:
+    class Lossy(Recorder):
+        def send(self, address: tuple[str, int], body: bytes) -> bool:
+            arrived[0] += udp_works[0]
+            return super().send(address, body)
+
+    async def post(url: str, body: bytes) -> int:
         posted.append((url, body))
+        return arrived[0] if "10.0.0.2" in url else 0
 
     a = endpoint("a", 1)
-    datagrams = Recorder()
+    datagrams = Lossy()
     registry = CollectorRegistry()
+    by_ip, by_name = "http://10.0.0.2:8081" + PEER_LOAD_PATH, "http://router-3.svc:8081" + PEER_LOAD_PATH
     sender = PeerSender("me", ["http://10.0.0.2:8081", "http://router-3.svc:8081"], lambda: {"m": (a,)}, post,
                         PeerMetrics(registry, lambda: 0), datagrams=datagrams)  # type: ignore[arg-type]  # fmt: skip
-    await sender.send_once(now_s=0.0)               # first round: every peer over HTTP
-    assert [u for u, _ in posted] == ["http://10.0.0.2:8081" + PEER_LOAD_PATH, "http://router-3.svc:8081" + PEER_LOAD_PATH]
-    assert datagrams.sent == []
+
+    def since(n_posted: int, n_sent: int) -> tuple[list[str], int]:
+        return [u for u, _ in posted[n_posted:]], len(datagrams.sent) - n_sent
+
+    await sender.send_once(now_s=0.0)      # first round: both over HTTP, the address also a probe datagram
+    assert since(0, 0) == ([by_ip, by_name], 1)
     a.start(100)
-    await sender.send_once(now_s=0.01)              # a change: a datagram to the address, HTTP to the name
-    assert [addr for addr, _ in datagrams.sent] == [("10.0.0.2", 8081)]
-    assert [u for u, _ in posted[2:]] == ["http://router-3.svc:8081" + PEER_LOAD_PATH]
-    await sender.send_once(now_s=0.02)              # unchanged, heartbeat not due: nothing
-    assert len(datagrams.sent) == 1 and len(posted) == 3
-    await sender.send_once(now_s=HEARTBEAT_S)       # the heartbeat: both over HTTP, the latest report
-    assert len(datagrams.sent) == 1 and len(posted) == 5 and posted[4][1] == datagrams.sent[0][1]
-    orders = [report_order(json.loads(b)) for _, b in posted[:2]] + [report_order(json.loads(datagrams.sent[0][1]))]
+    await sender.send_once(now_s=0.01)     # a change: a datagram to the address, HTTP to the name
+    assert since(2, 1) == ([by_name], 1)
+    await sender.send_once(now_s=0.02)     # unchanged, no heartbeat due: nothing
+    assert since(3, 2) == ([], 0)
+    await sender.send_once(now_s=0.27)     # heartbeats: the address confirmed (its answer counted the probe),
+    assert since(3, 2) == ([by_name], 1)   # so a datagram; the name over HTTP
+    for t in (0.53, 0.79):
+        await sender.send_once(now_s=t)
+    assert since(3, 2) == ([by_name, by_name, by_name], 3)
+    await sender.send_once(now_s=1.05)     # HTTP_HEARTBEAT_S since the address's last post: HTTP again
+    assert since(6, 5) == ([by_ip, by_name], 0)
+    udp_works[0] = False                   # datagrams stop arriving
+    for t in (1.31, 1.57, 1.83):
+        await sender.send_once(now_s=t)
+    assert since(8, 5) == ([by_name] * 3, 3)
+    await sender.send_once(now_s=2.09)     # the post's count did not grow: back on HTTP at every heartbeat,
+    await sender.send_once(now_s=2.35)     # each post with a probe beside it
+    assert since(11, 8) == ([by_ip, by_name, by_ip, by_name], 1)
+    orders = [report_order(json.loads(b)) for _, b in posted[:2]] + [report_order(json.loads(datagrams.sent[1][1]))]
     boot = orders[0][0]  # type: ignore[index]
     assert orders == [(boot, 1), (boot, 1), (boot, 2)]
-    assert parse_report(json.loads(datagrams.sent[0][1])) == ("me", {"m": {"a": (2, 1, 100.0)}})
-    assert registry.get_sample_value("fleet_router_peer_reports_sent_total") == 6
+    assert parse_report(json.loads(datagrams.sent[1][1])) == ("me", {"m": {"a": (2, 1, 100.0)}})
+    # Every report counts once: posts, and datagrams but the two probes (their posts count).
+    assert registry.get_sample_value("fleet_router_peer_reports_sent_total") == len(posted) + len(datagrams.sent) - 2
+
+
+def test_an_answer_without_a_count_is_none() -> None:
+    assert datagrams_taken(b'{"datagrams":7}') == 7
+    for answer in (b"", b"{}", b"[]", b"not json", b'{"datagrams":-1}', b'{"datagrams":"7"}', b'{"datagrams":true}'):
+        assert datagrams_taken(answer) is None
+
+
+def test_the_tally_counts_datagrams_per_peer_and_forgets_the_oldest() -> None:
+    tally = DatagramTally(max_peers=2)
+    for peer in ("a", "a", "b", "c"):
+        tally.add(peer)
+    assert (tally.count("a"), tally.count("b"), tally.count("c")) == (0, 1, 1)   # "a" was heard from longest ago
 
 
 def test_a_late_report_never_replaces_a_newer_one_from_the_same_boot() -> None:
@@ -155,6 +195,8 @@ def test_a_report_order_is_both_fields_or_neither() -> None:
 
 
 async def test_the_sender_wakes_for_a_change_and_otherwise_only_for_the_heartbeat() -> None:
+    """A peer whose answers carry no count (a router from before it) never confirms: every
+    heartbeat goes over HTTP, with a probe datagram beside it; a change goes as a datagram at once."""
     posted: list[float] = []
     loop = asyncio.get_running_loop()
 
@@ -169,19 +211,18 @@ async def test_the_sender_wakes_for_a_change_and_otherwise_only_for_the_heartbea
     await sender.start()
     try:
         deadline = loop.time() + 10
-        while not posted and loop.time() < deadline:    # the first round posts over HTTP
+        while not posted and loop.time() < deadline:    # the first round posts over HTTP, and probes
             await asyncio.sleep(0.005)
-        assert posted and datagrams.sent == []
+        assert posted and len(datagrams.sent) == 1
         a.start(10)                                     # a change, and the proxy says so
         sender.notify()
-        while not datagrams.sent and loop.time() < deadline:
+        while len(datagrams.sent) < 2 and loop.time() < deadline:
             await asyncio.sleep(0.005)
-        assert len(datagrams.sent) == 1
+        assert len(datagrams.sent) == 2 and len(posted) == 1
         assert loop.time() - posted[0] < HEARTBEAT_S    # went before the heartbeat was due
-        sent = len(datagrams.sent)
         while len(posted) < 3 and loop.time() < deadline:   # no change: only the heartbeats, over HTTP
             await asyncio.sleep(0.01)
-        assert len(posted) >= 3 and len(datagrams.sent) == sent
+        assert len(posted) >= 3 and len(datagrams.sent) - 1 - len(posted) in (0, 1)   # a probe per post
         assert posted[2] - posted[1] >= HEARTBEAT_S * 0.9   # not every interval_s
     finally:
         await sender.close()

@@ -103,10 +103,10 @@ async def test_two_routers_on_loopback_see_each_others_load() -> None:
     for app in apps:
         app.pools.put("m", pool)
         assert app.poller is None   # with peers the engines are not polled
-        app.peer_sender.urls = []   # type: ignore[union-attr]  # the peers' ports are known once they listen
+        app.peer_sender.set_peers([])   # type: ignore[union-attr]  # the peers' ports are known once they listen
     async with running_app(apps[0]) as base0, running_app(apps[1]) as base1:
-        apps[0].peer_sender.urls = [base1 + PEER_LOAD_PATH]  # type: ignore[union-attr]
-        apps[1].peer_sender.urls = [base0 + PEER_LOAD_PATH]  # type: ignore[union-attr]
+        apps[0].peer_sender.set_peers([base1])  # type: ignore[union-attr]
+        apps[1].peer_sender.set_peers([base0])  # type: ignore[union-attr]
         e0 = apps[0].pools.get("m").endpoints[0]  # type: ignore[union-attr]
         e1 = apps[1].pools.get("m").endpoints[0]  # type: ignore[union-attr]
         e0.start(4000)                            # router 0 dispatches a long prompt
@@ -143,6 +143,10 @@ async def test_two_routers_on_loopback_see_each_others_load() -> None:
         assert PEER_LOAD_PATH not in reached_fastapi
         assert apps[1].metrics.registry.get_sample_value("fleet_router_peers_live") == 1
         assert apps[1].metrics.registry.get_sample_value("fleet_router_peer_reports_received_total") >= 1
+        async with aiohttp.ClientSession() as client:   # a report is answered with the datagrams taken from its sender
+            report = b'{"router":"r9","pools":{}}'
+            async with client.post(base1 + PEER_LOAD_PATH, data=report, headers={"authorization": f"Bearer {token}"}) as r:
+                assert r.status == 200 and await r.json() == {"datagrams": 0}
 
 
 async def test_a_router_without_peers_refuses_reports() -> None:
