@@ -195,6 +195,18 @@ async def test_a_cut_stream_resumes_from_the_replay_buffer(ctx: zmq.asyncio.Cont
     await pub.close()
 
 
+async def outrun_the_replay_buffer(pub: Publisher, sub: KvEventSubscriber, index: ExactIndex,
+                                   after: EventBatch) -> None:
+    """One block applied, then a gap longer than a 2-batch replay buffer, then `after`: the
+    subscriber resyncs (``replay_gone``) and its view is REBUILDING."""
+    await pub.publish(stored(100, 1))
+    await eventually(lambda: index.blocks("e") == 1)
+    for n in range(4):
+        await pub.publish(stored(200 + 10 * n, 1), drop=True)
+    await pub.publish(after)
+    await eventually(lambda: sub.resyncs == 1)
+
+
 async def test_a_gap_the_buffer_no_longer_holds_rebuilds_the_view(ctx: zmq.asyncio.Context) -> None:
     pub = Publisher(ctx, buffer_steps=2)
     index = ExactIndex()
@@ -203,12 +215,7 @@ async def test_a_gap_the_buffer_no_longer_holds_rebuilds_the_view(ctx: zmq.async
     async with following(sub):
         await eventually(lambda: index.live("e"))
         await asyncio.sleep(0.2)
-        await pub.publish(stored(100, 1))
-        await eventually(lambda: index.blocks("e") == 1)
-        for n in range(4):
-            await pub.publish(stored(200 + 10 * n, 1), drop=True)
-        await pub.publish(stored(900, 1))
-        await eventually(lambda: sub.resyncs == 1)
+        await outrun_the_replay_buffer(pub, sub, index, stored(900, 1))
         assert index.state("e") is StreamState.REBUILDING and index.match(ids(900, 1)) == {}
         assert index.blocks("e") == 2                      # what the buffer still had, then the live batch
         now[0] = 31.0
@@ -230,12 +237,7 @@ async def test_a_rebuilding_view_is_not_trusted_while_the_engine_stores_below_pr
         await eventually(lambda: index.live("e"))
         await asyncio.sleep(0.2)
         caplog.set_level(logging.INFO, logger="router.kv_subscriber")
-        await pub.publish(stored(100, 1))
-        await eventually(lambda: index.blocks("e") == 1)
-        for n in range(4):
-            await pub.publish(stored(200 + 10 * n, 1), drop=True)
-        await pub.publish(stored(900, 1, parent=77))       # below a prefix the view never saw
-        await eventually(lambda: sub.resyncs == 1)
+        await outrun_the_replay_buffer(pub, sub, index, stored(900, 1, parent=77))   # below a prefix never seen
         assert index.state("e") is StreamState.REBUILDING
         now[0] = 31.0
         await pub.publish(stored(950, 1, parent=78))       # the rebuild time is over; still orphans
