@@ -142,9 +142,11 @@ class Stack:
             raise AssertionError(f"{expr!r}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]["result"]
 
-    def query(self, expr: str) -> list[dict]:
-        """Instant query at now."""
-        body = httpx.get(f"{self.prom_url}/api/v1/query", timeout=30, params={"query": expr}).json()
+    def query(self, expr: str, at_unix: float | None = None) -> list[dict]:
+        """Instant query at ``at_unix`` (Unix seconds; now when None). Queries compared with one another
+        take one instant: a subquery's 2 s steps move with the evaluation time."""
+        params = {"query": expr} if at_unix is None else {"query": expr, "time": f"{at_unix:.3f}"}
+        body = httpx.get(f"{self.prom_url}/api/v1/query", timeout=30, params=params).json()
         if body.get("status") != "success":
             raise AssertionError(f"{expr!r}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]["result"]
@@ -434,17 +436,20 @@ def test_the_cost_row_has_sensible_figures(stack: Stack) -> None:
     assert ours and theirs and all(v > 0 for v in ours)
     assert 0.75 <= sorted(ours)[len(ours) // 2] / sorted(theirs)[len(theirs) // 2] <= 1.25, (ours, theirs)
     # GPU-hours over the range: busy is BUSY_PERCENT % of the serving GPUs' hours.
-    elapsed = f"{int(time.time() - stack.started_unix)}s"
+    # All three at one instant: evaluated a step apart, the later one counts one more 2 s step of
+    # each labelled GPU (a CI run saw busy/labelled 0.48, two GPUs' step short of 0.6).
+    now_unix = time.time()
+    elapsed = f"{int(now_unix - stack.started_unix)}s"
     allocated, busy = (grafana_to_promql(q.replace("$__interval_ms", "2000").replace("$__interval", "2s"), selected,
                                          rate_interval=elapsed)
                        for q in _cost_panel("GPU-hours in the time range: allocated vs busy"))  # fmt: skip
-    by_state = {s["metric"]["state"]: float(s["value"][1]) for s in stack.query(allocated)}
-    [busy_h] = [float(s["value"][1]) for s in stack.query(busy)]
+    by_state = {s["metric"]["state"]: float(s["value"][1]) for s in stack.query(allocated, now_unix)}
+    [busy_h] = [float(s["value"][1]) for s in stack.query(busy, now_unix)]
     assert by_state["serving"] > 0 and by_state.get("standby", 0.0) == 0.0, by_state
     # The node agent labels a GPU with its replica at its next check (every 30 s in `fleet up`), so
     # busy is BUSY_PERCENT % of the GPU time it labelled, which trails the time allocated.
     labelled_h = sum(float(s["value"][1]) for s in stack.query(
-        f'sum(sum_over_time((count(DCGM_FI_DEV_GPU_UTIL{{deployment="{DEPLOYMENT}"}}))[{elapsed}:2s])) * 2 / 3600'))
+        f'sum(sum_over_time((count(DCGM_FI_DEV_GPU_UTIL{{deployment="{DEPLOYMENT}"}}))[{elapsed}:2s])) * 2 / 3600', now_unix))
     assert 0 < busy_h <= sum(by_state.values()), (busy_h, by_state)
     assert busy_h / labelled_h == pytest.approx(BUSY_PERCENT / 100, rel=0.02), (busy_h, labelled_h)
     print(f"cost row: {max(usd_h):.3f} USD/h at most, {router / answered:.2f} tokens per answered request, "
