@@ -15,7 +15,15 @@ after start-up (the modules are imported by then):
   calls it (the request body's JSON).
 
 Every 5 s it writes the totals, with the process's CPU time (`time.process_time`: all threads,
-libzmq's I/O thread included), to ``$FLEET_CPU_PROBE_DIR/router-<pid>.txt`` (default ``/tmp``).
+libzmq's I/O thread included) and each thread's (``thread <name> cpu_s``, from
+``/proc/self/task/*/stat``: the loop's thread is ``python``, libzmq's I/O thread ``ZMQbg/IO/0``), to
+``$FLEET_CPU_PROBE_DIR/router-<pid>.txt`` (default ``/tmp``).
+
+With ``FLEET_CPU_PROBE_SKIP_DECODE=1`` the subscriber's `decode_batch` returns an empty batch
+without decoding (its payload's bytes still counted): the router receives every batch, checks its
+sequence and keeps its CRC-32 as always, but decodes and applies nothing. What such a router
+spends over one without events is what receiving the engines' streams costs, before any block
+is looked at (its routing then sees empty views: a measurement, never a way to run).
 The wrappers cost ~1 us per call, counted inside the wrapped figures. Not for production: a
 measuring aid for docs/benchmarks.md, "Router CPU: where it goes".
 
@@ -70,13 +78,36 @@ def _patch() -> None:
         PAYLOAD_BYTES[0] += len(payload)
         return decode(payload)
 
+    if os.environ.get("FLEET_CPU_PROBE_SKIP_DECODE") == "1":
+        from router.kv_events import EventBatch
+
+        def decode_counted(payload: bytes):  # noqa: F811  (the receipt-only variant)
+            PAYLOAD_BYTES[0] += len(payload)
+            return EventBatch(0.0, [], None)
+
     kv_subscriber.decode_batch = decode_counted
+
+
+def _threads_cpu_s() -> collections.Counter[str]:
+    """CPU seconds (user + system) of this process's threads, summed by thread name."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: collections.Counter[str] = collections.Counter()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue   # the thread ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] += (int(fields[11]) + int(fields[12])) / ticks   # utime, stime (proc(5) fields 14, 15)
+    return out
 
 
 def _write_every(period_s: float, out: Path) -> None:
     while True:
         time.sleep(period_s)
         lines = [f"process_cpu_s {time.process_time():.3f}", f"payload_bytes {PAYLOAD_BYTES[0]}"]
+        lines += [f"thread {name} cpu_s {cpu_s:.3f}" for name, cpu_s in sorted(_threads_cpu_s().items())]
         lines += [f"{label} cpu_s {CPU_S[label]:.3f} calls {CALLS[label]}" for label in sorted(CALLS)]
         out.write_text("\n".join(lines) + "\n")
 
