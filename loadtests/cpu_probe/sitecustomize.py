@@ -12,7 +12,9 @@ after start-up (the modules are imported by then):
 - ``decode``: `router.kv_events.decode_batch` as the subscriber calls it (with its payload bytes);
 - ``index_apply``: `router.kv_index.ExactIndex.apply`;
 - ``match``: `ExactIndex.match`; ``parse_request``: `router.asgi_io.parse_request` as the proxy
-  calls it (the request body's JSON).
+  calls it (the request body's JSON);
+- ``gc<N>``: the cyclic garbage collector's collections of generation N (`gc.callbacks`: the
+  collecting thread's CPU from start to stop), wherever they ran (inside the wrapped calls too).
 
 Every 5 s it writes the totals, with the process's CPU time (`time.process_time`: all threads,
 libzmq's I/O thread included) and each thread's (``thread <name> cpu_s``, from
@@ -59,8 +61,23 @@ def _timed(label: str, fn: Callable) -> Callable:
     return timed
 
 
+_GC_START = [0.0]
+
+
+def _gc_timed(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC_START[0] = time.thread_time()
+    else:
+        label = f"gc{info['generation']}"
+        CPU_S[label] += time.thread_time() - _GC_START[0]
+        CALLS[label] += 1
+
+
 def _patch() -> None:
     time.sleep(2.0)
+    import gc
+
+    gc.callbacks.append(_gc_timed)
     import router.kv_index as kv_index
     import router.kv_subscriber as kv_subscriber
     import router.proxy as proxy
