@@ -1,9 +1,9 @@
 """Router CPU per KV event batch: one `router.kv_subscriber.KvEventSubscriber` following a publisher
 in another process, as a router follows an engine.
 
-The publisher (a subprocess, so that its CPU is not counted) sends `--batches` batches at
-`--rate` per second on vLLM's wire (`router.kv_events.encode_batch`, PUB frames topic/seq/payload),
-spread round-robin over `--streams` PUB sockets (one per simulated engine): each batch stores
+The publisher (a subprocess, so that its CPU is not counted) sends `--batches` batches on vLLM's
+wire (`router.kv_events.encode_batch`, PUB frames topic/seq/payload), spread round-robin over
+`--streams` PUB sockets (one per simulated engine), `--rate` per second on each: each batch stores
 `--blocks` 16-token blocks continuing its stream's chain and, once a stream holds 4,096 blocks,
 evicts its oldest as many with one `BlockRemoved` each, as vLLM reports evictions (so removals
 find their block, as they do live). This process runs one subscriber per stream on an asyncio
@@ -61,7 +61,7 @@ time.sleep(1.0)
 
 
 async def run(batches: int, blocks: int, rate: float, streams: int = 1) -> dict[str, float]:
-    """Follow `batches` batches of `blocks` blocks at `rate`/s over `streams` streams; CPU seconds
+    """Follow `batches` batches of `blocks` blocks at `rate`/s on each of `streams` streams; CPU seconds
     of this process per batch."""
     proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(batches), str(blocks), str(rate), str(streams)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -107,11 +107,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=3000)
     parser.add_argument("--blocks", type=int, default=1, help="blocks stored (and evicted) per batch")
-    parser.add_argument("--rate", type=float, default=1000.0, help="batches per second, all streams together")
+    parser.add_argument("--rate", type=float, default=1000.0, help="batches per second on each stream (the publisher paces each stream's seq)")
     parser.add_argument("--streams", type=int, default=1, help="publishers (engines), each followed by a subscriber")
     args = parser.parse_args()
     out = asyncio.run(run(args.batches, args.blocks, args.rate, args.streams))
-    print(f"{out['batches']:.0f} batches of {args.blocks} block(s) at {args.rate:g}/s over {args.streams} stream(s): "
+    print(f"{out['batches']:.0f} batches of {args.blocks} block(s) at {args.rate:g}/s on each of {args.streams} stream(s): "
           f"{out['cpu_us_per_batch']:.1f} us CPU per batch ({out['loop_us_per_batch']:.1f} us on the event loop's "
           f"thread, the rest libzmq's I/O thread), {out['cpu_us_per_block']:.1f} us per block")
 
