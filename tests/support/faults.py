@@ -249,19 +249,27 @@ def kill_engine(state_dir: Path, replica_id: str) -> int:
 
 def kill_9_router(state_dir: Path) -> float:
     """SIGKILL to the fleet's router; returns the `time.monotonic` second by which it was gone
-    (exited or a zombie: its sockets closed), so a try sent after it cannot have reached it."""
+    (exited, or a zombie none of whose threads is left: its sockets closed), so a try sent after
+    it cannot have reached it. A killed process's first thread turns zombie before the others
+    have exited, and its files close with the last of them (2-5 ms later here for a process of
+    nine threads; a try sent in between was queued on the dying listener and reset)."""
     pid = router_pid(state_dir)
     assert pid is not None, f"no router recorded in {state_dir}"
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
-            break
+    while time.monotonic() < deadline and not _exited(pid):
         time.sleep(0.005)
     return time.monotonic()
+
+
+def _exited(pid: int) -> bool:
+    """True once `pid` is gone or a zombie alone in its thread group (Linux: ``/proc/<pid>/task``)."""
+    try:
+        if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            return False
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except (psutil.NoSuchProcess, FileNotFoundError):
+        return True
 
 
 def down_leaves_nothing(fleet: FaultFleet, *others: FleetUp) -> str:
