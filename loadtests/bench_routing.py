@@ -127,6 +127,10 @@ TARGET_OPTIONS = ("kv-events", "peers")
 beside the run-wide ``--kv-events`` / ``--peers``: rows with and without events in one run."""
 
 
+VLLM_ROUTER = Path(sys.executable).with_name("vllm-router")
+"""The `vllm-router` console script of this environment (the ``bench`` extra installs it)."""
+
+
 def parse_target(target: str, default_routers: int) -> tuple[str, str, int]:
     """``kind:policy[@N][+option...]`` -> (kind, policy, router processes); options are read by
     `target_options`. Raises SystemExit on a bad name."""
@@ -180,7 +184,7 @@ def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = 
         wait_http(f"{base}/health", proc)
         put_pool(base, policy, urls, kv_events=kv_events)
     else:
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1",
+        proc = subprocess.Popen([str(VLLM_ROUTER), "--host", "127.0.0.1",
                                  "--port", str(port), "--policy", policy, "--log-level", "warning",
                                  "--prometheus-port", str(free_port()),   # its own: two instances may run
                                  "--worker-urls", *urls],
@@ -368,7 +372,9 @@ def main() -> None:
 
     targets = [t for t in args.targets.split(",") if t]
     for target in targets:
-        parse_target(target, args.routers)   # a bad name fails before any replay
+        kind, _, _ = parse_target(target, args.routers)   # a bad name fails before any replay
+        if kind == "vllm-router" and not VLLM_ROUTER.exists():   # and so does a missing router
+            parser.error(f"target {target!r} needs {VLLM_ROUTER}: pip install -e '.[bench]' (vllm-router)")
     reference = virtual_round_robin(trace, args, slowdown, profile)
     rows = []
     for target in targets:
