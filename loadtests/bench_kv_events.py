@@ -12,8 +12,14 @@ event loop and libzmq's I/O thread) per batch and per block, between the first b
 the last. What it isolates is the per-message cost (wake-ups, socket reads) against the
 per-block cost (decode, index); docs/benchmarks.md, "Router CPU with KV events".
 
+``--one-socket`` measures a receive path the router does not have, to size it before building it
+(docs/routing.md, "What is left"): each stream publishes under its endpoint's topic, and one SUB
+socket connected to every publisher is drained on a `DRAIN_INTERVAL_S` loop timer, each message
+sequence-checked, its CRC-32 kept, decoded and applied by topic: no monitor sockets, no task per
+stream, no replay (a gap raises).
+
 Usage:
-    python -m loadtests.bench_kv_events [--batches 3000] [--blocks 1] [--rate 1000] [--streams 1]
+    python -m loadtests.bench_kv_events [--batches 3000] [--blocks 1] [--rate 1000] [--streams 1] [--one-socket]
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ import asyncio
 import subprocess
 import sys
 import time
+import zlib
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
+from router.kv_events import decode_batch
 from router.kv_index import ExactIndex
-from router.kv_subscriber import DrainTicks, KvEventSubscriber
+from router.kv_subscriber import DRAIN_INTERVAL_S, RCVHWM, DrainTicks, KvEventSubscriber
 from router.spec import KvEventsSource
 
 PUBLISHER = r'''
@@ -60,10 +69,48 @@ time.sleep(1.0)
 '''
 
 
-async def run(batches: int, blocks: int, rate: float, streams: int = 1) -> dict[str, float]:
-    """Follow `batches` batches of `blocks` blocks at `rate`/s on each of `streams` streams; CPU seconds
-    of this process per batch."""
-    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(batches), str(blocks), str(rate), str(streams)],
+PUBLISHER_TOPICS = PUBLISHER.replace('pubs[k].send_multipart([b""', 'pubs[k].send_multipart([f"e{k}".encode()')
+"""The publisher, each stream under its endpoint's topic (``e0``, ``e1``, ...): `--one-socket`."""
+
+
+def _one_socket(ctx: zmq.asyncio.Context, index: ExactIndex, ports: list[int]) -> Callable[[], None]:
+    """Start draining one SUB socket connected to every port on a loop timer; returns its stop."""
+    owner = ctx.socket(zmq.SUB)   # kept open until the stop: the shadow below does not own it
+    sub = zmq.Socket.shadow(owner.underlying)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, RCVHWM)
+    for port in ports:
+        sub.connect(f"tcp://127.0.0.1:{port}")
+    last: dict[bytes, int] = {}
+    crc: dict[bytes, int] = {}
+    events, pollin = int(zmq.EVENTS), int(zmq.POLLIN)
+    loop = asyncio.get_running_loop()
+    timer: list[asyncio.TimerHandle] = []
+
+    def tick() -> None:
+        while sub.getsockopt(events) & pollin:
+            topic, seq_frame, payload = sub.recv_multipart(zmq.NOBLOCK)
+            seq = int.from_bytes(seq_frame, "big")
+            if topic in last and seq != last[topic] + 1:
+                raise RuntimeError(f"gap on {topic!r}: {last[topic]} then {seq}")
+            last[topic] = seq
+            crc[topic] = zlib.crc32(payload)
+            index.apply(topic.decode(), decode_batch(payload), seq)
+        timer[:] = [loop.call_later(DRAIN_INTERVAL_S, tick)]
+
+    def stop() -> None:
+        timer[0].cancel()
+        owner.close(linger=0)
+
+    timer.append(loop.call_later(DRAIN_INTERVAL_S, tick))
+    return stop
+
+
+async def run(batches: int, blocks: int, rate: float, streams: int = 1, *, one_socket: bool = False) -> dict[str, float]:
+    """Follow `batches` batches of `blocks` blocks at `rate`/s on each of `streams` streams (with
+    `one_socket`, the design probe of the module docstring); CPU seconds of this process per batch."""
+    publisher = PUBLISHER_TOPICS if one_socket else PUBLISHER
+    proc = subprocess.Popen([sys.executable, "-c", publisher, str(batches), str(blocks), str(rate), str(streams)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     ctx = zmq.asyncio.Context()
     index = ExactIndex()
@@ -74,11 +121,19 @@ async def run(batches: int, blocks: int, rate: float, streams: int = 1) -> dict[
     def applied() -> int:
         return sum((index.last_seq(e) or 0) for e in ids)
 
+    tasks: list[asyncio.Task[None]] = []
     try:
         ports = [int(p) for p in proc.stdout.readline().split()]
-        tasks = [asyncio.create_task(KvEventSubscriber("m", e, KvEventsSource(publisher=f"tcp://127.0.0.1:{port}", topic=""),
-                                                       index, ctx, ticks=ticks).run())
-                 for e, port in zip(ids, ports)]  # fmt: skip
+        if one_socket:
+            for e in ids:
+                index.open(e)
+            stop = _one_socket(ctx, index, ports)
+            tasks.append(asyncio.create_task(asyncio.Event().wait()))   # cancelled at the end, as the subscribers are
+            tasks[0].add_done_callback(lambda _: stop())
+        else:
+            tasks = [asyncio.create_task(KvEventSubscriber("m", e, KvEventsSource(publisher=f"tcp://127.0.0.1:{port}",
+                                                                                  topic=""), index, ctx, ticks=ticks).run())
+                     for e, port in zip(ids, ports)]  # fmt: skip
         await asyncio.sleep(1.0)   # connected and subscribed: a SUB misses what is sent before
         proc.stdin.write("go\n")
         proc.stdin.flush()
@@ -109,9 +164,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1, help="blocks stored (and evicted) per batch")
     parser.add_argument("--rate", type=float, default=1000.0, help="batches per second on each stream (the publisher paces each stream's seq)")
     parser.add_argument("--streams", type=int, default=1, help="publishers (engines), each followed by a subscriber")
+    parser.add_argument("--one-socket", action="store_true",
+                        help="a design probe: one SUB socket for all streams, the endpoint in the topic (module docstring)")
     args = parser.parse_args()
-    out = asyncio.run(run(args.batches, args.blocks, args.rate, args.streams))
-    print(f"{out['batches']:.0f} batches of {args.blocks} block(s) at {args.rate:g}/s on each of {args.streams} stream(s): "
+    out = asyncio.run(run(args.batches, args.blocks, args.rate, args.streams, one_socket=args.one_socket))
+    print(f"{'one socket: ' if args.one_socket else ''}{out['batches']:.0f} batches of {args.blocks} block(s) at {args.rate:g}/s on each of {args.streams} stream(s): "
           f"{out['cpu_us_per_batch']:.1f} us CPU per batch ({out['loop_us_per_batch']:.1f} us on the event loop's "
           f"thread, the rest libzmq's I/O thread), {out['cpu_us_per_block']:.1f} us per block")
 
