@@ -73,8 +73,10 @@ PUBLISHER_TOPICS = PUBLISHER.replace('pubs[k].send_multipart([b""', 'pubs[k].sen
 """The publisher, each stream under its endpoint's topic (``e0``, ``e1``, ...): `--one-socket`."""
 
 
-def _one_socket(ctx: zmq.asyncio.Context, index: ExactIndex, ports: list[int]) -> Callable[[], None]:
-    """Start draining one SUB socket connected to every port on a loop timer; returns its stop."""
+def _one_socket(ctx: zmq.asyncio.Context, index: ExactIndex, ports: list[int],
+                errors: list[Exception]) -> Callable[[], None]:  # fmt: skip
+    """Start draining one SUB socket connected to every port on a loop timer; returns its stop. A
+    gap stops the draining and is put in `errors` (the run then fails)."""
     owner = ctx.socket(zmq.SUB)   # kept open until the stop: the shadow below does not own it
     sub = zmq.Socket.shadow(owner.underlying)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -92,7 +94,8 @@ def _one_socket(ctx: zmq.asyncio.Context, index: ExactIndex, ports: list[int]) -
             topic, seq_frame, payload = sub.recv_multipart(zmq.NOBLOCK)
             seq = int.from_bytes(seq_frame, "big")
             if topic in last and seq != last[topic] + 1:
-                raise RuntimeError(f"gap on {topic!r}: {last[topic]} then {seq}")
+                errors.append(RuntimeError(f"gap on {topic!r}: {last[topic]} then {seq}"))
+                return
             last[topic] = seq
             crc[topic] = zlib.crc32(payload)
             index.apply(topic.decode(), decode_batch(payload), seq)
@@ -122,14 +125,14 @@ async def run(batches: int, blocks: int, rate: float, streams: int = 1, *, one_s
         return sum((index.last_seq(e) or 0) for e in ids)
 
     tasks: list[asyncio.Task[None]] = []
+    stop: Callable[[], None] | None = None
+    errors: list[Exception] = []
     try:
         ports = [int(p) for p in proc.stdout.readline().split()]
         if one_socket:
             for e in ids:
                 index.open(e)
-            stop = _one_socket(ctx, index, ports)
-            tasks.append(asyncio.create_task(asyncio.Event().wait()))   # cancelled at the end, as the subscribers are
-            tasks[0].add_done_callback(lambda _: stop())
+            stop = _one_socket(ctx, index, ports, errors)
         else:
             tasks = [asyncio.create_task(KvEventSubscriber("m", e, KvEventsSource(publisher=f"tcp://127.0.0.1:{port}",
                                                                                   topic=""), index, ctx, ticks=ticks).run())
@@ -141,7 +144,7 @@ async def run(batches: int, blocks: int, rate: float, streams: int = 1, *, one_s
             await asyncio.sleep(0.001)
         cpu0, main0, first = time.process_time(), time.thread_time(), applied()
         deadline = time.monotonic() + 60 + batches / rate
-        while (index.last_seq(ids[0]) or 0) < last and time.monotonic() < deadline:
+        while (index.last_seq(ids[0]) or 0) < last and time.monotonic() < deadline and not errors:
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.1)   # the other streams' last batches
         cpu_s, main_s = time.process_time() - cpu0, time.thread_time() - main0
@@ -149,7 +152,11 @@ async def run(batches: int, blocks: int, rate: float, streams: int = 1, *, one_s
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if errors:
+            raise errors[0]
     finally:
+        if stop is not None:
+            stop()
         proc.kill()
         proc.wait()
         ctx.destroy(linger=0)

@@ -89,18 +89,16 @@ def _patch() -> None:
     kv_index.ExactIndex.apply = _timed("index_apply", kv_index.ExactIndex.apply)
     kv_index.ExactIndex.match = _timed("match", kv_index.ExactIndex.match)
     proxy.parse_request = _timed("parse_request", proxy.parse_request)
-    decode = _timed("decode", kv_subscriber.decode_batch)
+    if os.environ.get("FLEET_CPU_PROBE_SKIP_DECODE") == "1":
+        from router.kv_events import EventBatch
+
+        decode = lambda payload: EventBatch(0.0, [], None)  # noqa: E731  (receipt only: nothing decoded)
+    else:
+        decode = _timed("decode", kv_subscriber.decode_batch)
 
     def decode_counted(payload: bytes):
         PAYLOAD_BYTES[0] += len(payload)
         return decode(payload)
-
-    if os.environ.get("FLEET_CPU_PROBE_SKIP_DECODE") == "1":
-        from router.kv_events import EventBatch
-
-        def decode_counted(payload: bytes):  # noqa: F811  (the receipt-only variant)
-            PAYLOAD_BYTES[0] += len(payload)
-            return EventBatch(0.0, [], None)
 
     kv_subscriber.decode_batch = decode_counted
 
