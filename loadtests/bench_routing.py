@@ -40,7 +40,11 @@ H100 figures.
 
 **Prefix-cache hit rate.** After each target's replay every replica's
 `vllm:prefix_cache_hits_total` and `vllm:prefix_cache_queries_total` are read and summed: the
-share of prompt tokens the fleet found in its prefix caches.
+share of prompt tokens the fleet found in its prefix caches. The replicas run with
+``--enable-prompt-tokens-details``, so a Fleet router also counts, per answered request, what the
+engine held (`fleet_router_prefix_cache_hits_total`) beside what its policy predicted there
+(`fleet_router_prefix_cache_predicted_hits_total`); their ratio over the routers is printed as
+"predicted / actual hits" (1.00: the routers' view of the caches is the engines' own).
 
 Usage:
     python -m loadtests.bench_routing --trace code [--replicas 8] [--load 0.8] \\
@@ -58,6 +62,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -75,6 +80,7 @@ from loadtests.routing_faults import KV_SERIES, scrape
 from loadtests.stats import summarize
 
 REPO = Path(__file__).resolve().parent.parent
+PREDICTED_SERIES = re.compile(r"^fleet_router_prefix_cache_(hits|predicted_hits)_total")
 TRACES = REPO / "loadtests" / "traces"
 TRACE_FILES = {"code": TRACES / "azure-llm-2023" / "code.csv", "conv": TRACES / "azure-llm-2023" / "conv.csv",
                "mooncake": TRACES / "mooncake-fast25" / "synthetic_trace.jsonl"}
@@ -274,7 +280,9 @@ def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
 def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     kind, policy, n_routers = parse_target(target, args.routers)
     kv_events, with_peers = target_options(target, args)
-    extra = ["--slowdown", str(slowdown)] if slowdown != 1.0 else []
+    # Every usage object says what the prefix cache held, which Fleet's routers count beside
+    # their prediction (fleet_router_prefix_cache_{hits,predicted_hits}_total).
+    extra = ["--enable-prompt-tokens-details", *(["--slowdown", str(slowdown)] if slowdown != 1.0 else [])]
     if args.max_model_len is not None:
         extra += ["--max-model-len", str(args.max_model_len)]
     kv_ports = KvEventPorts(args.replicas, args.sim_processes) if kv_events else None
@@ -301,6 +309,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             router_cpu_s = sum(cpu_s(proc.pid) for proc, _ in routers) - cpu0
             hits, queries = prefix_cache_tokens(sims.urls)
             kv_seen = [scrape(base, KV_SERIES) for _, base in routers] if kv_ports and kind == "fleet" else []
+            predicted = [scrape(base, PREDICTED_SERIES) for _, base in routers] if kind == "fleet" else []
         finally:
             for proc, _ in routers:
                 proc.terminate()
@@ -316,6 +325,11 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
              "streams_live": sum(v for k, v in m.items() if k.startswith("fleet_router_kv_stream_live"))}
             for m in kv_seen]
     summary["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+    if predicted:   # the routers' view against the engines' own account, over the same requests
+        seen = {name: sum(v for m in predicted for k, v in m.items() if k.startswith(name))
+                for name in ("fleet_router_prefix_cache_hits_total", "fleet_router_prefix_cache_predicted_hits_total")}
+        actual, expected = seen["fleet_router_prefix_cache_hits_total"], seen["fleet_router_prefix_cache_predicted_hits_total"]
+        summary["predicted_over_actual_hits"] = expected / actual if actual else None
     summary["router_cpu_ms_per_request"] = 1e3 * router_cpu_s / max(1, len(records))
     summary["wall_s"] = wall_s
     return summary
@@ -383,6 +397,8 @@ def main() -> None:
         print(f"  {target_label(target, args.routers, s)}: TTFT p50 {s['ttft_s']['p50']:.3f} s p99 {s['ttft_s']['p99']:.3f} s, "
               f"e2e p50 {s['e2e_s']['p50']:.2f} s p99 {s['e2e_s']['p99']:.2f} s, prefix-cache hits "
               f"{100 * s['prefix_cache_hit_rate']:.1f}%, failed {s['failed']}"
+              + (f", predicted / actual hits {s['predicted_over_actual_hits']:.2f}"
+                 if s.get("predicted_over_actual_hits") is not None else "")
               + (f", KV events seen per router {s['kv_events_seen']}" if "kv_events_seen" in s else ""), flush=True)
 
     slo = f"within {args.ttft_slo_s:g} s TTFT" if args.ttft_slo_s is not None else None

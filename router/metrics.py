@@ -161,7 +161,8 @@ class EndpointMetrics:
         self._ejections: dict[str, Counter] = {}   # by reason, made at the first ejection
         self._requests: dict[int, Counter | _Discard] | None = None  # made at bind: pools of 10,000
         self._errors: dict[str, Counter | _Discard] | None = None  # allocate nothing per endpoint
-        self._tokens: tuple[Counter | _Discard, ...] = (_DISCARD, _DISCARD, _DISCARD)  # prompt, generated, no usage
+        # prompt, generated, no usage, prefix-cache hits, predicted hits
+        self._tokens: tuple[Counter | _Discard, ...] = (_DISCARD,) * 5
 
     def bind(self) -> None:
         """Create this endpoint's series (no-op once bound or after `forget`)."""
@@ -177,7 +178,9 @@ class EndpointMetrics:
         self._requests = {}
         model_version = (labels[0], labels[2])
         self._tokens = (m.prompt_tokens.labels(*model_version), m.generation_tokens.labels(*model_version),
-                        m.responses_without_usage.labels(*model_version))  # fmt: skip
+                        m.responses_without_usage.labels(*model_version),
+                        m.prefix_cache_hits.labels(*model_version),
+                        m.prefix_cache_predicted_hits.labels(*model_version))  # fmt: skip
         self.bound = True
 
     def requests(self, code: int) -> Counter | _Discard:
@@ -204,17 +207,24 @@ class EndpointMetrics:
             child = self._ejections[reason] = self._metrics.endpoint_ejections.labels(*self.labels, reason)
         child.inc()
 
-    def count_tokens(self, tokens: TokenCount) -> None:
+    def count_tokens(self, tokens: TokenCount, predicted_cached: int = 0) -> None:
         """Add one answered request's tokens (`router.tokens`) to its model and version's counters.
         Those series are shared by the version's endpoints: `forget` leaves them (the pool's
-        deletion removes them, `RouterMetrics.forget_pool`)."""
-        prompt, generated, without_usage = self._tokens
+        deletion removes them, `RouterMetrics.forget_pool`).
+
+        `predicted_cached`: the prompt tokens the routing policy expected this endpoint to hold
+        (`RouteRequest.cached_tokens`). It is counted only when the usage says what the engine
+        held (`tokens.cached`), so the hit and predicted-hit counters cover the same requests."""
+        prompt, generated, without_usage, hits, predicted = self._tokens
         if tokens.prompt is not None:
             prompt.inc(tokens.prompt)
         if tokens.generated:
             generated.inc(tokens.generated)
         if not tokens.from_usage:
             without_usage.inc()
+        if tokens.cached is not None:
+            hits.inc(tokens.cached)
+            predicted.inc(predicted_cached)
 
     def forget(self) -> None:
         """Remove every series this endpoint created; later records go nowhere."""
@@ -235,7 +245,7 @@ class EndpointMetrics:
         self._ejections = {}
         self.first_byte = self.ttft = self.tpot = self.e2e = self.first_token_timeouts = _DISCARD
         self._requests = self._errors = None
-        self._tokens = (_DISCARD, _DISCARD, _DISCARD)
+        self._tokens = (_DISCARD,) * 5
 
 
 _ScrapeView = tuple[Mapping[str, Sequence[LiveEndpoint]], Mapping[str, Mapping[str, object]], float]
@@ -531,6 +541,24 @@ class RouterMetrics:
             model_version,
             registry=r,
         )
+        self.prefix_cache_hits = Counter(
+            "fleet_router_prefix_cache_hits",
+            "Prompt tokens the engine found in its prefix cache, for answered (< 400) requests whose "
+            "usage says so (usage.prompt_tokens_details.cached_tokens: vLLM's "
+            "--enable-prompt-tokens-details). As vllm:prefix_cache_hits_total, counted at the router, "
+            "per model and version (router.tokens).",
+            model_version,
+            registry=r,
+        )
+        self.prefix_cache_predicted_hits = Counter(
+            "fleet_router_prefix_cache_predicted_hits",
+            "Prompt tokens the routing policy expected the chosen endpoint to hold in its prefix cache "
+            "(kv-aware, cache-aware; 0 for policies that do not predict), for the same requests as "
+            "fleet_router_prefix_cache_hits_total: their ratio is how well the router's view of the "
+            "caches matches the engines' (1: exact; above: the router believes more is cached).",
+            model_version,
+            registry=r,
+        )
         self.state_write_errors = Counter(
             "fleet_router_state_write_errors",
             "Failed writes of the router's models file (the models it serves, kept so a restarted "
@@ -602,7 +630,7 @@ class RouterMetrics:
     def forget_pool(self, model: str) -> None:
         """Remove the pool-level series of a deleted pool."""
         for family in (self.retries, self.rejected, self.queue_time, self.prompt_tokens, self.generation_tokens,
-                       self.responses_without_usage):  # fmt: skip
+                       self.responses_without_usage, self.prefix_cache_hits, self.prefix_cache_predicted_hits):  # fmt: skip
             family.remove_by_labels({"model": model})
 
     async def render_off_loop(self, accept_header: str = "") -> tuple[bytes, str]:

@@ -364,7 +364,7 @@ class Proxy:
                                                   endpoint.prefill_tokens, stream=stream, max_tokens=max_tokens,
                                                   budget=self._budget)  # fmt: skip
                 may_retry = retries_left > 0 and len(tried) < len(pool.ready)
-                retry = await self._attempt(endpoint, request.prefill_tokens, target, body, headers, send, watch,
+                retry = await self._attempt(endpoint, request, target, body, headers, send, watch,
                                             arrival_s, pool, timeout_s, may_retry)  # fmt: skip
                 if retry is None:
                     return  # the client got its response (or is gone)
@@ -449,7 +449,7 @@ class Proxy:
             shared.rejected(self._clock())
         await send_json(send, status, body, extra_headers)
 
-    async def _attempt(self, endpoint: EndpointState, prefill_tokens: int, target: str, body: bytes,
+    async def _attempt(self, endpoint: EndpointState, request: RouteRequest, target: str, body: bytes,
                        headers: list[tuple[str, str]], send: Send, watch: ClientWatch, arrival_s: float,
                        pool: Pool, timeout_s: float | None, may_retry: bool) -> _Retry | None:  # fmt: skip
         """Send the request to `{endpoint.url}{target}` (path and query) and relay the answer;
@@ -470,10 +470,14 @@ class Proxy:
         time to first token and time per output token (`router.sse`). The model's windowed stats
         get the client-side latencies, from ``arrival_s``: TTFT (first byte; < 400 only), TPOT and
         end-to-end, stamped at completion. A finished request frees its slot: the next request
-        waiting in the admission queue is woken. `prefill_tokens` (the prompt tokens the policy
-        expects the endpoint to compute) count as its queued prefill work until the first byte
-        (`EndpointState.start` / `first_byte` / `finish`).
+        waiting in the admission queue is woken. The request's `prefill_tokens` (the prompt tokens
+        the policy expects the endpoint to compute) count as its queued prefill work until the
+        first byte (`EndpointState.start` / `first_byte` / `finish`); its `cached_tokens` (what the
+        policy expects the endpoint to hold) are counted beside the engine's own figure when the
+        usage gives one (`EndpointMetrics.count_tokens`).
         """
+        prefill_tokens = request.prefill_tokens
+        predicted_cached = request.cached_tokens
         m = endpoint.metrics
         assert m is not None  # endpoints of a PoolTable always have their metrics
         if not m.bound:
@@ -539,7 +543,8 @@ class Proxy:
                                                             first_chunk, first_chunk_s, timeout_s)  # fmt: skip
                     completed = first_byte_s is not None
                 elif length is not None:
-                    completed = await self._relay_whole(endpoint, m, resp, status, relay, send, watch)
+                    completed = await self._relay_whole(endpoint, m, resp, status, relay, send, watch,
+                                                        predicted_cached)  # fmt: skip
                     first_byte_s = headers_s
                 else:
                     first_byte_s = await self._relay_stream(endpoint, m, resp, status, relay, send, watch, None, first,
@@ -547,7 +552,7 @@ class Proxy:
                     completed = first_byte_s is not None
                 end_s = clock()
                 if sse is not None and status < 400:
-                    m.count_tokens(stream_tokens(sse))   # tokens in and out for cost (router.tokens)
+                    m.count_tokens(stream_tokens(sse), predicted_cached)   # tokens in and out (router.tokens)
                 ok = completed and status < 500
                 self._count_outcome(pool, endpoint, m, Outcome.SUCCESS if ok else
                                     _outcome_of(status) if status >= 500 else Outcome.GATEWAY_FAILURE, end_s)
@@ -637,8 +642,9 @@ class Proxy:
 
     async def _relay_whole(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse,
                            status: int, headers: list[tuple[bytes, bytes]], send: Send,
-                           watch: ClientWatch) -> bool:  # fmt: skip
-        """Relay a sized, non-streamed body in one piece; False if the endpoint failed."""
+                           watch: ClientWatch, predicted_cached: int) -> bool:  # fmt: skip
+        """Relay a sized, non-streamed body in one piece; False if the endpoint failed.
+        `predicted_cached`: the policy's expected prefix-cache hit here, for the token counters."""
         try:
             data = await resp.read()
         except _UPSTREAM_ERRORS as exc:
@@ -646,7 +652,7 @@ class Proxy:
             return False
         headers.append((b"content-length", str(len(data)).encode()))
         if status < 400:
-            m.count_tokens(body_tokens(data))   # tokens in and out for cost (router.tokens)
+            m.count_tokens(body_tokens(data), predicted_cached)   # tokens in and out (router.tokens)
         watch.finishing = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})

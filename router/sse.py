@@ -48,6 +48,7 @@ _TOKEN_EVENT = re.compile(
 )
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _find_tokens = _TOKEN_EVENT.findall
 
 
@@ -57,12 +58,14 @@ class SseRelay:
     Attributes: `first_token_s` / `last_token_s` (router-clock seconds of the first and last
     read that brought a text-carrying event; None before one), `token_events` (events carrying
     text), `usage_tokens` (the last `usage.completion_tokens` seen; None without a usage chunk),
-    `usage_prompt_tokens` (its `usage.prompt_tokens`, for `router.tokens`), `aligned` (True while
+    `usage_prompt_tokens` (its `usage.prompt_tokens`, for `router.tokens`), `usage_cached_tokens`
+    (its `usage.prompt_tokens_details.cached_tokens`: vLLM's ``--enable-prompt-tokens-details``;
+    None without it), `aligned` (True while
     everything relayed so far ended on an event boundary).
     """
 
     __slots__ = ("_pending", "first_token_s", "last_token_s", "token_events", "usage_tokens", "usage_prompt_tokens",
-                 "aligned")  # fmt: skip
+                 "usage_cached_tokens", "aligned")  # fmt: skip
 
     def __init__(self) -> None:
         self._pending = b""
@@ -71,6 +74,7 @@ class SseRelay:
         self.token_events = 0
         self.usage_tokens: int | None = None
         self.usage_prompt_tokens: int | None = None
+        self.usage_cached_tokens: int | None = None
         self.aligned = True
 
     def feed(self, chunk: bytes, now_s: float) -> bytes:
@@ -118,6 +122,9 @@ class SseRelay:
                 prompt = _PROMPT_TOKENS.findall(events)
                 if prompt:
                     self.usage_prompt_tokens = int(prompt[-1])
+                cached = _CACHED_TOKENS.findall(events)
+                if cached:
+                    self.usage_cached_tokens = int(cached[-1])
 
     def rest(self) -> bytes:
         """What is still held back (at the end of a stream that finished cleanly: relay it)."""

@@ -21,6 +21,11 @@ Where the figures come from, in order:
    `fleet_router_responses_without_usage_total`, so a dashboard can say how much of the token
    figure is estimated.
 
+The usage's ``prompt_tokens_details.cached_tokens`` (OpenAI's field; vLLM fills it with
+``--enable-prompt-tokens-details``: the prompt tokens its prefix cache held) is read too, for
+`fleet_router_prefix_cache_hits_total` and the policy's prediction beside it
+(`EndpointMetrics.count_tokens`).
+
 A whole body without usage (not an OpenAI completion) counts no tokens, only as without usage.
 The usage is read with byte-level regular expressions, not a JSON parse, as in `router.sse`: in
 JSON text ``"prompt_tokens":`` can only appear unescaped as a key. The last match wins (a body
@@ -36,17 +41,21 @@ from router.sse import SseRelay
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 @dataclass(frozen=True, slots=True)
 class TokenCount:
     """Tokens of one response. ``prompt``: prompt tokens, None when the response had no usage
     (not counted). ``generated``: output tokens. ``from_usage``: both came from the engine's
-    usage object (False: ``generated`` is the stream's text-carrying event count, or 0)."""
+    usage object (False: ``generated`` is the stream's text-carrying event count, or 0).
+    ``cached``: prompt tokens the engine found in its prefix cache
+    (``usage.prompt_tokens_details.cached_tokens``), None when the usage does not say."""
 
     prompt: int | None
     generated: int
     from_usage: bool
+    cached: int | None = None
 
 
 def _last(pattern: re.Pattern[bytes], data: bytes) -> int | None:
@@ -62,12 +71,13 @@ def body_tokens(body: bytes) -> TokenCount:
     prompt = _last(_PROMPT_TOKENS, body)
     if prompt is None:
         return TokenCount(None, 0, False)
-    return TokenCount(prompt, _last(_COMPLETION_TOKENS, body) or 0, True)
+    cached = _last(_CACHED_TOKENS, body) if b'"cached_tokens"' in body else None
+    return TokenCount(prompt, _last(_COMPLETION_TOKENS, body) or 0, True, cached)
 
 
 def stream_tokens(sse: SseRelay) -> TokenCount:
     """Tokens of a relayed SSE stream: its usage chunk when it had one, else the text-carrying
     events as generated tokens and no prompt tokens (module docstring)."""
     if sse.usage_tokens is not None and sse.usage_prompt_tokens is not None:
-        return TokenCount(sse.usage_prompt_tokens, sse.usage_tokens, True)
+        return TokenCount(sse.usage_prompt_tokens, sse.usage_tokens, True, sse.usage_cached_tokens)
     return TokenCount(None, sse.output_tokens(), False)

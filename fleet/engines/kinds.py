@@ -90,8 +90,12 @@ class EngineKind(Registered, registry=ENGINE_KINDS):
                 kv_events: KvEventsBind | None = None) -> list[str]:  # fmt: skip
         """argv of one replica serving ``launch`` from ``model`` (`model_argument`) on ``host:port``:
         `entry`, vLLM's server flags (``--kv-events-config`` when ``kv_events`` is given and
-        ``spec.engine.args`` has none of its own), then ``spec.engine.args``."""
+        ``spec.engine.args`` has none of its own; ``--enable-prompt-tokens-details``, so each
+        usage object says how much of the prompt the prefix cache held, which the router counts
+        beside its own prediction: `fleet_router_prefix_cache_hits_total`), then
+        ``spec.engine.args``."""
         own = kv_events is not None and not has_kv_events_flag(launch.args)
+        details = PROMPT_TOKENS_DETAILS_FLAG not in launch.args
         return [
             *self.entry(model),
             "--served-model-name", launch.served_model_name,
@@ -100,8 +104,13 @@ class EngineKind(Registered, registry=ENGINE_KINDS):
             "--tensor-parallel-size", str(launch.tensor_parallel_size),
             *(["--enable-sleep-mode"] if launch.sleep_mode else []),
             *(["--kv-events-config", kv_events.config_json()] if own else []),
+            *([PROMPT_TOKENS_DETAILS_FLAG] if details else []),
             *launch.args,
         ]  # fmt: skip
+
+
+PROMPT_TOKENS_DETAILS_FLAG = "--enable-prompt-tokens-details"
+"""vLLM's flag (vllm/entrypoints/launchers/cli_args.py) that fills ``usage.prompt_tokens_details.cached_tokens``."""
 
 
 @dataclass(frozen=True)

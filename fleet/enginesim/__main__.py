@@ -5,7 +5,8 @@ OpenAI server (``--model``, ``--served-model-name``, ``--host``, ``--port``,
 ``--tensor-parallel-size``), the vLLM flags the simulator models (``--max-model-len``,
 ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``,
 ``--num-gpu-blocks-override``, ``--[no-]enable-prefix-caching``, ``--kv-events-config``: KV cache
-events on vLLM's wire, `fleet.enginesim.kvpublish`), the simulator's own
+events on vLLM's wire, `fleet.enginesim.kvpublish`; ``--enable-prompt-tokens-details``: the
+prefix-cache hit in each usage object), the simulator's own
 (``--profile``, ``--seed``, ``--startup-delay-s``, fault switches, ``--replicas``,
 ``--ports-file``; ``--tokenizer DIR``, vLLM's flag too, tokenizes with a model's real tokenizer); other vLLM flags (``--enforce-eager``, ``--gpu-memory-utilization``, ...) are
 accepted and ignored with a note, so a deployment can switch between ``vllm`` and ``sim``
@@ -58,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-config", default=None,
                    help="vLLM's KV events config (JSON: enable_kv_cache_events, publisher, endpoint, replay_endpoint, "
                         "buffer_steps, hwm, topic); replica i of --replicas offsets the ports by i.")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="As vLLM's: the usage object carries prompt_tokens_details.cached_tokens "
+                        "(prompt tokens found in the prefix cache).")
     p.add_argument("--replicas", type=int, default=1, help="Replicas in this process, on consecutive ports.")
     p.add_argument("--ports-file", default=None, help="Write the bound ports as JSON here.")
     p.add_argument("--tokenizer", default=None,
@@ -90,6 +94,7 @@ def options_from_args(argv: list[str]) -> tuple[SimEngineOptions, list[str]]:
         startup_delay_s=args.startup_delay_s, faults=faults, mean_output_tokens=args.mean_output_tokens,
         config_overrides={k: v for k, v in overrides.items() if v is not None}, ports_file=args.ports_file,
         sleep_mode=args.enable_sleep_mode, wake_s=args.wake_s, kv_events=kv_events, tokenizer=args.tokenizer,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
     )  # fmt: skip
     return opts, ignored
 

@@ -65,6 +65,7 @@ class SimEngineOptions:
     wake_s: float | None = None        # None: from the profile's weight bytes per GPU
     kv_events: KvEventsConfig | None = None   # vLLM's --kv-events-config; replica i offsets its ports by i
     tokenizer: str | None = None       # a model directory: its real tokenizer (fleet.enginesim.realtokens)
+    prompt_tokens_details: bool = False   # vLLM's --enable-prompt-tokens-details
 
     def replica_settings(self) -> list[ReplicaSettings]:
         """Settings of each replica. Raises OptionsError."""
@@ -86,7 +87,7 @@ class SimEngineOptions:
                               mean_output_tokens=self.mean_output_tokens, sleep_mode=self.sleep_mode,
                               wake_s=self.wake_s if self.wake_s is not None
                               else wake_time_s(profile.weight_bytes_per_gpu), kv_events=self.kv_events,
-                              tokens=real)  # fmt: skip
+                              tokens=real, prompt_tokens_details=self.prompt_tokens_details)  # fmt: skip
         return [one] * self.replicas
 
 

@@ -78,6 +78,8 @@ class ReplicaSettings:
             by ``i``); None or disabled: no events.
         tokens: a model's real tokenizer (``--tokenizer DIR``, `fleet.enginesim.realtokens`); None:
             the simulator's word tokenizer (`fleet.enginesim.tokens`).
+        prompt_tokens_details: the usage object carries ``prompt_tokens_details.cached_tokens``
+            (the prompt tokens found in the prefix cache), as vLLM's ``--enable-prompt-tokens-details``.
     """
 
     profile: Profile
@@ -91,6 +93,7 @@ class ReplicaSettings:
     wake_s: float = 0.0
     kv_events: KvEventsConfig | None = None
     tokens: RealTokens | None = field(default=None, compare=False)
+    prompt_tokens_details: bool = False
 
 
 class ApiError(Exception):
@@ -479,10 +482,15 @@ class SimReplica:
     def _fingerprint(self) -> str:
         return f"fleet-sim-{self.profile.name}"
 
-    @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                "completion_tokens": completion_tokens}  # fmt: skip
+    def _usage(self, prompt_tokens: int, fr: FinishedRequest) -> dict[str, Any]:
+        """OpenAI's usage object as vLLM fills it (`UsageInfo`, vllm/entrypoints/openai/protocol.py);
+        ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``."""
+        completion_tokens = fr.num_output_tokens
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                                 "completion_tokens": completion_tokens}  # fmt: skip
+        if self.settings.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": fr.num_cached_prompt_tokens}
+        return usage
 
     async def _whole(self, live: _Live, prompt_tokens: int, chat: bool) -> web.Response:
         while True:
@@ -502,7 +510,7 @@ class SimReplica:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr.finish_reason,
                       "stop_reason": None}
         doc.update(choices=[choice], system_fingerprint=self._fingerprint(),
-                   usage=self._usage(prompt_tokens, fr.num_output_tokens))
+                   usage=self._usage(prompt_tokens, fr))
         return web.json_response(doc)
 
     async def _stream(self, request: web.Request, live: _Live, prompt_tokens: int, chat: bool,
@@ -546,7 +554,7 @@ class SimReplica:
         else:
             await send(self._chunk(head, chat, "", fr.finish_reason))
         if include_usage:
-            await send({**head, "choices": [], "usage": self._usage(prompt_tokens, fr.num_output_tokens),
+            await send({**head, "choices": [], "usage": self._usage(prompt_tokens, fr),
                         "system_fingerprint": self._fingerprint()})  # fmt: skip
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -263,3 +263,15 @@ def test_kv_events_can_be_switched_off_moved_or_left_to_the_engine_args():
                      ({"kvEvents": {"port": 5558}}, "must differ"), ({"kvEvents": []}, "kvEvents")):  # fmt: skip
         with pytest.raises(ValueError, match=key):
             EnginePodSettings.from_json(json.dumps(bad))
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sim"])
+def test_engines_report_their_prefix_cache_hit_in_usage_unless_the_args_already_ask(kind):
+    # --enable-prompt-tokens-details: the router counts the engine's hit beside its prediction.
+    command = pod_manifest(_want(_gpu(kind=kind)), fleet_id="f", owner=None, settings=SETTINGS)["spec"]["containers"][0]["command"]
+    assert command.count("--enable-prompt-tokens-details") == 1
+    own = _dep(model={"name": "tiny", "source": "hf://org/tiny"}, engine={
+        "kind": kind, "image": "vllm:1", "args": ["--enable-prompt-tokens-details"]},
+        resources={"accelerator": "gpu", "tensorParallelSize": 1})  # fmt: skip
+    command = pod_manifest(_want(own), fleet_id="f", owner=None, settings=SETTINGS)["spec"]["containers"][0]["command"]
+    assert command.count("--enable-prompt-tokens-details") == 1 and command[-1] == "--enable-prompt-tokens-details"

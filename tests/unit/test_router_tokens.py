@@ -12,6 +12,7 @@ from aiohttp import web
 
 from router.metrics import RouterMetrics
 from router.pool import PoolTable
+from router.prompt_blocks import ROUTER_BLOCK_TOKENS, route_request
 from router.spec import PoolSpec
 from router.sse import SseRelay
 from router.tokens import TokenCount, body_tokens, stream_tokens
@@ -44,6 +45,15 @@ def test_a_whole_body_counts_its_usage() -> None:
     embeddings = json.dumps({"data": [], "usage": {"prompt_tokens": 5, "total_tokens": 5}}).encode()
     assert body_tokens(embeddings) == TokenCount(5, 0, True)
     assert body_tokens(b'{"choices": [{"text": "ok"}]}') == TokenCount(None, 0, False)
+    cached = json.dumps({"usage": {**USAGE, "prompt_tokens_details": {"cached_tokens": 5}}}).encode()
+    assert body_tokens(cached) == TokenCount(7, 3, True, cached=5)
+
+
+def test_a_stream_reads_the_cached_tokens_of_its_usage_chunk() -> None:
+    usage = {**USAGE, "prompt_tokens_details": {"cached_tokens": 6}}
+    sse = relay(text_event("a"), event({"choices": [], "usage": usage}), b"data: [DONE]\n\n")
+    assert stream_tokens(sse) == TokenCount(7, 3, True, cached=6)
+    assert stream_tokens(relay(text_event("a"), event({"choices": [], "usage": USAGE}))).cached is None
 
 
 def test_a_stream_with_a_usage_chunk_counts_the_usage_not_the_events() -> None:
@@ -117,3 +127,49 @@ async def test_error_answers_count_no_tokens() -> None:
         async with client.post("/v1/completions", json=completion()) as resp:
             assert resp.status == 400
     assert counter_value(app, "fleet_router_responses_without_usage_total", model="m", version="") == 0
+
+
+@pytest.mark.asyncio
+async def test_the_proxy_counts_the_engines_prefix_cache_hits_beside_the_policys_prediction() -> None:
+    # The engine says what its prefix cache held (usage.prompt_tokens_details.cached_tokens); the
+    # router counts it beside what kv-aware expected there, over the same answers only.
+    answers = iter([{"cached_tokens": 0}, {"cached_tokens": 900}, None])
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.json_response({"choices": [{"text": "ok"}],
+                                  "usage": {**USAGE, "prompt_tokens_details": next(answers)}})  # fmt: skip
+
+    prompt = " ".join(f"w{i}" for i in range(4000))   # many router blocks, the same each time
+    async with FakeEngine(handler=handler) as engine, router() as (app, client):
+        await put_pool(client, "m", [{"id": "e0", "url": engine.url, "version": "v1"}], policy="kv-aware")
+        for _ in range(3):
+            async with client.post("/v1/completions", json=completion(prompt=prompt)) as resp:
+                assert resp.status == 200
+    labels = {"model": "m", "version": "v1"}
+    assert counter_value(app, "fleet_router_prefix_cache_hits_total", **labels) == 900
+    predicted = counter_value(app, "fleet_router_prefix_cache_predicted_hits_total", **labels)
+    # The first answer was predicted cold (0); the second, every whole router block of the prompt
+    # the first left there; the third (no details) is in neither counter, though kv-aware
+    # predicted the same hit for it.
+    blocks = route_request(completion(prompt=prompt), None, hash_blocks=True).block_hashes
+    assert predicted == len(blocks) * ROUTER_BLOCK_TOKENS > 0
+    assert counter_value(app, "fleet_router_prompt_tokens_total", **labels) == 3 * 7
+
+
+def test_hit_and_predicted_counters_cover_the_same_answers() -> None:
+    metrics = RouterMetrics()
+    table = PoolTable(metrics, time.time)
+    pool = table.put("m", PoolSpec.model_validate({"endpoints": [
+        {"id": "e0", "url": "http://10.0.0.1:8000", "version": "v1"}]}))
+    m = pool.endpoints[0].metrics
+    assert m is not None
+    m.bind()
+    m.count_tokens(TokenCount(7, 3, True, cached=4), predicted_cached=6)
+    m.count_tokens(TokenCount(7, 3, True), predicted_cached=6)    # the usage does not say: neither
+    get = metrics.registry.get_sample_value
+    labels = {"model": "m", "version": "v1"}
+    assert get("fleet_router_prefix_cache_hits_total", labels) == 4
+    assert get("fleet_router_prefix_cache_predicted_hits_total", labels) == 6
+    metrics.forget_pool("m")
+    assert get("fleet_router_prefix_cache_hits_total", labels) is None

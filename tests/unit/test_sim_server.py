@@ -84,6 +84,25 @@ async def test_completion_counts_tokens_and_reports_usage_like_vllm():
     assert doc["system_fingerprint"] == "fleet-sim-test-fast"
 
 
+async def test_prompt_tokens_details_report_the_prefix_cache_hit_as_vllm_does():
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, the prompt
+    # tokens found in the prefix cache (whole 16-token blocks), in whole and streamed answers.
+    prompt = list(range(100, 100 + 100))
+    async with replica(prompt_tokens_details=True) as (r, c):
+        usages = []
+        for stream in (False, True):
+            body = {"prompt": prompt, "max_tokens": 2, "stream": stream, "stream_options": {"include_usage": True}}
+            if not stream:
+                del body["stream_options"]
+            async with c.post("/v1/completions", json=body) as resp:
+                usages.append((await resp.json())["usage"] if not stream else (await sse(resp))[-2][1]["usage"])
+    assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}      # cold cache
+    assert usages[1]["prompt_tokens_details"] == {"cached_tokens": 96}     # 6 full blocks of the first
+    async with replica() as (r, c):   # off (vLLM's default): no details
+        async with c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as resp:
+            assert "prompt_tokens_details" not in (await resp.json())["usage"]
+
+
 async def test_chat_completion_and_token_id_prompts():
     async with replica() as (r, c):
         chat = {"messages": [{"role": "user", "content": "hello " * 5}], "max_tokens": 3}
