@@ -189,6 +189,13 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
                      (Query(f"sum by (replica) (rate(vllm:prefix_cache_hits_total{{{ENGINE}}}[{RATE}]))\n"
                             f"/ sum by (replica) (rate(vllm:prefix_cache_queries_total{{{ENGINE}}}[{RATE}]))",
                             "{{replica}}"),)),
+            PanelDef("Router's cache view: predicted / found prefix hits", "Prompt tokens the routing policy "
+                     "expected the chosen replica to hold over those the engine found in its prefix cache "
+                     "(usage.prompt_tokens_details.cached_tokens), per model: 1 is an exact view, above 1 the "
+                     "router believes more is cached than is (a lagging or stale view).", "short",
+                     (Query(f"sum by (model) (rate(fleet_router_prefix_cache_predicted_hits_total{{{ROUTER_MODEL}}}"
+                            f"[{RATE}]))\n/ sum by (model) (rate(fleet_router_prefix_cache_hits_total"
+                            f"{{{ROUTER_MODEL}}}[{RATE}]))", "{{model}}"),)),
             PanelDef("Preemptions", "Requests preempted per second (KV cache exhausted), per replica.", "ops",
                      (Query(f"sum by (replica) (rate(vllm:num_preemptions_total{{{ENGINE}}}[{RATE}]))",
                             "{{replica}}"),)),
