@@ -325,6 +325,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
              "streams_live": sum(v for k, v in m.items() if k.startswith("fleet_router_kv_stream_live"))}
             for m in kv_seen]
     summary["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+    summary["prefix_cache_tokens"] = {"hits": hits, "queries": queries}   # over every replica
     if predicted:   # the routers' view against the engines' own account, over the same requests
         seen = {name: sum(v for m in predicted for k, v in m.items() if k.startswith(name))
                 for name in ("fleet_router_prefix_cache_hits_total", "fleet_router_prefix_cache_predicted_hits_total")}

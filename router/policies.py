@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 from router.prefix_index import PrefixIndex
 from router.endpoint import EndpointState
 from router.kv_index import StreamState
-from router.prompt_blocks import ROUTER_BLOCK_TOKENS, RouteRequest
+from router.prompt_blocks import BYTES_PER_TOKEN, ROUTER_BLOCK_TOKENS, RouteRequest
 from router.registry import Registered, Registry
 
 if TYPE_CHECKING:
@@ -408,13 +408,23 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         return _mix64(_mix64(key & _MASK64) ^ h)
 
 
+CACHE_AWARE_TREE_CHARS = 33_554_432
+"""vllm-router's ``--max-tree-size`` default: the characters of prompt text its `cache_aware` tree
+keeps per worker before its periodic eviction (every ``--eviction-interval-secs``, 120 s) trims
+the least recently used (vllm-router 0.1.17, the `bench` extra's version: ``vllm-router --help``).
+`CacheAware` keeps it as prompt tokens at `router.prompt_blocks.BYTES_PER_TOKEN` characters each:
+8.4M tokens, so over a benchmark's minutes the tree forgets nothing and "the smallest tree" is the
+worker that was sent the least distinct prompt text."""
+
+
 class CacheAware(RoutingPolicy, name="cache-aware"):
     """vLLM's router's (and SGLang's router's) `cache_aware`, kept as a baseline: the endpoint
     holding the longest prefix of the request while loads are balanced, else the least loaded.
 
-    Source: vllm-project/router `src/policies/cache_aware.rs` (from sglang-router), defaults
-    `cache_threshold` 0.5, `balance_abs_threshold` 32, `balance_rel_threshold` 1.5. With `load`
-    this router's requests in flight per endpoint:
+    Source: vllm-project/router `src/policies/cache_aware.rs` (from sglang-router), with the
+    defaults of the vllm-router the benchmarks run (0.1.17, ``vllm-router --help``):
+    `cache_threshold` 0.3, `balance_abs_threshold` 64, `balance_rel_threshold` 1.5, and a tree of
+    `CACHE_AWARE_TREE_CHARS` per worker. With `load` this router's requests in flight per endpoint:
 
     1. Imbalanced (`max - min > balance_abs_threshold` and `max > balance_rel_threshold x min`):
        the least loaded endpoint.
@@ -423,8 +433,11 @@ class CacheAware(RoutingPolicy, name="cache-aware"):
     3. Else the endpoint whose prefix tree is smallest (most room for new prefixes).
 
     Its view of the caches is this policy's own `PrefixIndex` of the prompts it routed (the
-    approximate tree); it reads neither KV events nor other routers' load. Every prompt's blocks
-    are recorded at the chosen endpoint.
+    approximate tree, `CACHE_AWARE_TREE_CHARS` per endpoint: it outlives the engines' caches, as
+    vllm-router's does, so it predicts hits the engine has evicted); it reads neither KV events
+    nor other routers' load. Every prompt's blocks are recorded at the chosen endpoint. Memory:
+    up to ~130,000 router blocks per endpoint (about 30 MB each), reached only after 8.4M
+    distinct prompt tokens were sent to it.
 
     Raises:
         ValueError: `cache_threshold` outside [0, 1], a negative absolute threshold or a
@@ -433,9 +446,9 @@ class CacheAware(RoutingPolicy, name="cache-aware"):
 
     uses_prompt_blocks = True
 
-    def __init__(self, *, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
+    def __init__(self, *, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5,
-                 cache_tokens_per_endpoint: int = DEFAULT_CACHE_TOKENS_PER_ENDPOINT) -> None:  # fmt: skip
+                 cache_tokens_per_endpoint: int = CACHE_AWARE_TREE_CHARS // BYTES_PER_TOKEN) -> None:  # fmt: skip
         super().__init__()
         if not 0.0 <= cache_threshold <= 1.0 or balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
             raise ValueError("need 0 <= cache_threshold <= 1, balance_abs_threshold >= 0, balance_rel_threshold >= 1")

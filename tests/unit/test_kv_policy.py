@@ -98,22 +98,40 @@ def test_a_cached_prefix_does_not_hold_against_a_deep_queue() -> None:
 
 
 def test_cache_aware_baseline_follows_vllm_router() -> None:
-    """vllm-router's `cache_aware`: the longest prefix over half the prompt wins while loads are
-    balanced, whatever the queue; a new prompt goes to the smallest tree; imbalance (diff > 32
-    and ratio > 1.5) sends to the least loaded."""
+    """vllm-router's `cache_aware` with its defaults (0.1.17): the longest prefix over 30% of the
+    prompt wins while loads are balanced, whatever the queue; a new prompt goes to the smallest
+    tree; imbalance (diff > 64 and ratio > 1.5) sends to the least loaded."""
     policy = make_policy("cache-aware")
     assert isinstance(policy, CacheAware)
     a, b, c = endpoints("a", "b", "c")
     first = policy.choose([a, b, c], request(prompt(1, 40)), NOW_S)
-    for _ in range(20):
-        first.start(10_000)                                             # deep queue, balance still within 32
+    for _ in range(60):
+        first.start(10_000)                                             # deep queue, balance still within 64
     r = request(prompt(1, 40, turn=1))
     assert policy.choose([a, b, c], r, NOW_S) is first and r.cached_tokens == 40 * ROUTER_BLOCK_TOKENS
     fresh = policy.choose([a, b, c], request(prompt(2, 10)), NOW_S)
     assert fresh is not first                                           # the smallest tree (empty) takes it
-    for _ in range(20):
-        first.start(10_000)                                             # 40 against 0: imbalanced
+    # 40 of 100 blocks held (40%: over the 0.3 threshold, under half) still follows the prefix.
+    longer = request(prompt(1, 40, turn=3) + [7_000_000 + j for j in range(60 * ROUTER_BLOCK_TOKENS)])
+    assert policy.choose([a, b, c], longer, NOW_S) is first
+    for _ in range(10):
+        first.start(10_000)                                             # 71 against 0: imbalanced
     assert policy.choose([a, b, c], request(prompt(1, 40, turn=2)), NOW_S) not in (first, fresh)
+
+
+def test_cache_aware_smallest_tree_counts_what_was_sent_not_what_an_engine_could_hold() -> None:
+    """The tree outlives an engine's cache (vllm-router's per-worker budget of 33.5M characters):
+    after more distinct prompt tokens than one engine holds, the endpoint sent the most is still
+    the larger tree, so new prompts go elsewhere (an engine-sized tree would hold both full,
+    tie, and alternate)."""
+    policy = CacheAware()
+    a, b = endpoints("a", "b")
+    for conversation in range(10):                                      # 640k tokens to a, 448k to b:
+        policy.index.record("a", request(prompt(100 + conversation, 1000)).block_hashes)
+    for conversation in range(7):                                       # both over one H100's 432k
+        policy.index.record("b", request(prompt(200 + conversation, 1000)).block_hashes)
+    assert policy.index.blocks("a") == 10_000 and policy.index.blocks("b") == 7_000
+    assert [policy.choose([a, b], request(prompt(300 + k, 10)), NOW_S) for k in range(2)] == [b, b]
 
 
 def test_load_counts_prefill_tokens_and_decoding_requests_not_request_counts() -> None:
