@@ -87,18 +87,28 @@ endpoint holding the prefix (`DEFAULT_PREFIX_LOAD_BOUND`) 8 gave 16.6% / 65.6% a
 Prompts that share nothing (Azure `conv`) route as before: the term is then the same on every
 endpoint."""
 
-DEFAULT_PREFIX_LOAD_BOUND = 4.0
-"""`kv-aware`'s load bound (`DEFAULT_LOAD_BOUND`) for an endpoint that holds more than half of
-the request's prompt (vllm-router's `cache_aware` stays with such a prefix, `cache_threshold`
-0.5, until 32 more requests run on one worker than another): it may take requests until it holds
-this factor of the mean in flight, where others stop at 1.5x. At 1.5 a conversation's turn left
+DEFAULT_PREFIX_LOAD_BOUND = 6.0
+"""`kv-aware`'s load bound (`DEFAULT_LOAD_BOUND`) for an endpoint that holds more than
+`DEFAULT_PREFIX_SHARE` of the request's prompt (vllm-router's `cache_aware` stays with such a
+prefix, `--cache-threshold` 0.3, until 64 more requests run on one worker than another): it may
+take requests until it holds this factor of the mean in flight, where others stop at 1.5x. At 1.5 a conversation's turn left
 its 15k-token prefix once its home held 1.5x the mean, and redid the prefill elsewhere; the cost
 (queued prefill tokens) still weighs the wait there. Tuned with `DEFAULT_MISS_TOKEN_WEIGHT` on the
 same two Mooncake windows (two routers, KV events, the peers' load): 1.5 gave 15.4% / 54.9% hits,
 p99 TTFT 2.74 s / 2.49 s, e2e p50 2.96 s / 0.88 s; 4 gave 16.6% / 65.6%, 2.73 s / 2.32 s,
 2.86 s / 0.65 s; 3 gave 64.5% hits on the second window, 100 (no bound) 66.0%. `cache-aware`
 there: 15.7% / 67.7% hits, 4.59 s / 2.44 s, 3.91 s / 0.70 s (docs/routing.md). Finite, so a
-prefix every request shares still spills."""
+prefix every request shares still spills. Raised from 4 to 6 with `DEFAULT_PREFIX_SHARE` (0.5 ->
+0.3), when the simulator's `cache-aware` got vllm-router's real defaults (docs/routing.md, "A
+prefix from 30% of the prompt"): 6, 8 and 16 route alike there, 4 binds."""
+
+DEFAULT_PREFIX_SHARE = 0.3
+"""Share of the prompt an endpoint must hold for `DEFAULT_PREFIX_LOAD_BOUND`, not
+`DEFAULT_LOAD_BOUND`, to apply to it: vllm-router's `cache_aware` `--cache-threshold` default
+(0.1.17). Tuned with the prefix bound on Mooncake seconds 300-600 and 900-1,100 (two routers, KV
+events, the peers' load, 80% and 90% load): at 0.5 (before) 16.6% / 65.6% hits at 80% and 15.8% /
+63.9% at 90%; at 0.3 with the bound 6, 16.6% / 66.2% and 15.8% / 66.5%, p99 TTFT the same or
+lower (2.41 s against 2.59 s on the second window at 90%); 0.2 and 0.1 gave 65.1% there."""
 
 ROUTING_POLICIES: Registry[RoutingPolicy] = Registry("routing policy")
 """The routing policies by name (`router.registry`): a pool's `policy` must be one of them."""
@@ -266,8 +276,9 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     1. **Bounded load** (Mirrokni et al. 2018, see `DEFAULT_LOAD_BOUND`): endpoints with
        `ceil(load_bound x (in flight + 1) / n)` or more requests in flight are left out, so a
        popular prefix spills over to other endpoints instead of piling onto one; an endpoint
-       holding more than half of the prompt is left out only from `prefix_load_bound` x the
-       mean (`DEFAULT_PREFIX_LOAD_BOUND`), so a conversation stays with its prefix longer.
+       holding more than `prefix_share` of the prompt (`DEFAULT_PREFIX_SHARE`) is left out only
+       from `prefix_load_bound` x the mean (`DEFAULT_PREFIX_LOAD_BOUND`), so a conversation stays
+       with its prefix longer.
     2. The cheapest of the rest wins if some endpoint is believed to hold a prefix of the
        request (affinity earned by the cache).
     3. Otherwise (a new conversation, or a prompt shorter than one block) the request's
@@ -285,11 +296,12 @@ class KvAware(RoutingPolicy, name="kv-aware"):
 
     Args:
         cache_tokens_per_endpoint: prompt tokens remembered per endpoint (LRU beyond).
-        load_bound, decode_token_weight, affinity_slack, miss_token_weight, prefix_load_bound:
-            see the module constants.
+        load_bound, decode_token_weight, affinity_slack, miss_token_weight, prefix_load_bound,
+            prefix_share: see the module constants.
 
     Raises:
-        ValueError: `load_bound` <= 1, `prefix_load_bound` < `load_bound`, a negative weight or
+        ValueError: `load_bound` <= 1, `prefix_load_bound` < `load_bound`, `prefix_share`
+            outside [0, 1], a negative weight or
             slack, or `miss_token_weight` < 1.
     """
 
@@ -300,8 +312,12 @@ class KvAware(RoutingPolicy, name="kv-aware"):
                  load_bound: float = DEFAULT_LOAD_BOUND, decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT,
                  affinity_slack: float = DEFAULT_AFFINITY_SLACK,
                  miss_token_weight: float = DEFAULT_MISS_TOKEN_WEIGHT,
-                 prefix_load_bound: float = DEFAULT_PREFIX_LOAD_BOUND) -> None:  # fmt: skip
+                 prefix_load_bound: float = DEFAULT_PREFIX_LOAD_BOUND,
+                 prefix_share: float = DEFAULT_PREFIX_SHARE) -> None:  # fmt: skip
         super().__init__()
+        if not 0.0 <= prefix_share <= 1.0:
+            raise ValueError(f"prefix_share must be within [0, 1], got {prefix_share}")
+        self.prefix_share = prefix_share
         if load_bound <= 1.0:
             raise ValueError(f"load_bound must be > 1, got {load_bound}")
         if prefix_load_bound < load_bound:
@@ -372,9 +388,10 @@ class KvAware(RoutingPolicy, name="kv-aware"):
                 hits[e.id] = believed
         if n > 1:
             cap = math.ceil(self.load_bound * (total + 1) / n)
-            cap_held = math.ceil(self.prefix_load_bound * (total + 1) / n)   # holds over half the prompt
+            cap_held = math.ceil(self.prefix_load_bound * (total + 1) / n)   # holds over prefix_share of it
+            held_from = self.prefix_share * prompt
             pairs = [(e, load) for e, load in zip(candidates, loads)
-                     if load[0] < (cap_held if 2 * hits[e.id] > prompt else cap)] or list(zip(candidates, loads))
+                     if load[0] < (cap_held if hits[e.id] > held_from else cap)] or list(zip(candidates, loads))
         else:
             pairs = list(zip(candidates, loads))
         weight = self.decode_token_weight

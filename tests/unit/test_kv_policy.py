@@ -189,6 +189,21 @@ def test_an_endpoint_holding_the_prefix_takes_up_to_the_looser_bound_then_it_spi
         KvAware(load_bound=2.0, prefix_load_bound=1.5)
 
 
+@pytest.mark.parametrize(("prefix_share", "stays"), [(0.3, True), (0.5, False)])
+def test_the_looser_bound_applies_from_prefix_share_of_the_prompt(prefix_share: float, stays: bool) -> None:
+    """An endpoint holding 40% of the prompt keeps its turn past 1.5x the mean at the default
+    share (0.3, vllm-router's cache_threshold), and loses it when the share asked is half."""
+    policy = KvAware(load_bound=1.5, prefix_load_bound=3.0, prefix_share=prefix_share)
+    a, b, c, d = eps = endpoints("a", "b", "c", "d")
+    policy.index.record("a", request(prompt(5, 40)).block_hashes)   # 40 of the next prompt's 100 blocks
+    a.start(0)
+    a.start(0)                                                      # 2 in flight: ceil(1.5 x 3 / 4) = 2
+    r = request(prompt(5, 40, turn=1) + [8_000_000 + j for j in range(60 * ROUTER_BLOCK_TOKENS)])
+    assert (policy.choose(eps, r, NOW_S) is a) is stays
+    with pytest.raises(ValueError, match="prefix_share"):
+        KvAware(prefix_share=1.5)
+
+
 def test_new_conversations_go_by_rendezvous_hash_and_spread() -> None:
     policy = KvAware()
     eps = endpoints(*"abcdefgh")
