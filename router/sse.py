@@ -46,9 +46,10 @@ guarantee of ending on an event boundary."""
 _TOKEN_EVENT = re.compile(
     rb'"(?:text|content|reasoning_content|reasoning)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{'
 )
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+# The usage object's counts (OpenAI's keys), read by byte pattern here and in `router.tokens`.
+USAGE_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+USAGE_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+USAGE_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')   # prompt_tokens_details
 _find_tokens = _TOKEN_EVENT.findall
 
 
@@ -116,13 +117,13 @@ class SseRelay:
             self.last_token_s = now_s
             self.token_events += n
         if b'"completion_tokens"' in events:
-            found = _COMPLETION_TOKENS.findall(events)
+            found = USAGE_COMPLETION_TOKENS.findall(events)
             if found:
                 self.usage_tokens = int(found[-1])
-                prompt = _PROMPT_TOKENS.findall(events)
+                prompt = USAGE_PROMPT_TOKENS.findall(events)
                 if prompt:
                     self.usage_prompt_tokens = int(prompt[-1])
-                cached = _CACHED_TOKENS.findall(events)
+                cached = USAGE_CACHED_TOKENS.findall(events)
                 if cached:
                     self.usage_cached_tokens = int(cached[-1])
 

@@ -37,11 +37,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from router.sse import SseRelay
-
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+from router.sse import USAGE_CACHED_TOKENS, USAGE_COMPLETION_TOKENS, USAGE_PROMPT_TOKENS, SseRelay
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +64,11 @@ def body_tokens(body: bytes) -> TokenCount:
     an embeddings answer has no ``completion_tokens``: 0 generated)."""
     if b'"prompt_tokens"' not in body:
         return TokenCount(None, 0, False)
-    prompt = _last(_PROMPT_TOKENS, body)
+    prompt = _last(USAGE_PROMPT_TOKENS, body)
     if prompt is None:
         return TokenCount(None, 0, False)
-    cached = _last(_CACHED_TOKENS, body) if b'"cached_tokens"' in body else None
-    return TokenCount(prompt, _last(_COMPLETION_TOKENS, body) or 0, True, cached)
+    cached = _last(USAGE_CACHED_TOKENS, body) if b'"cached_tokens"' in body else None
+    return TokenCount(prompt, _last(USAGE_COMPLETION_TOKENS, body) or 0, True, cached)
 
 
 def stream_tokens(sse: SseRelay) -> TokenCount:
