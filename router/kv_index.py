@@ -33,6 +33,13 @@ engine would have evicted it. The engine's own cache is smaller than the cap in 
 so the cap binds only when removals were lost; the index is bounded by cap x endpoints whatever
 the traffic (loadtests/bench_router_memory.py `--policy-stream N --kv-events`).
 
+**What the router sent, not yet stored** (`expect`). The engine reports a prompt's blocks only
+once it has scheduled the prompt's prefill, and the report reaches the router a tick later; in
+between, a second request sharing the prefix would see it nowhere. So the policy may tell the
+index what it sent where: those blocks count as held there (`match` with `now_s`) until the
+engine's `BlockStored` for each arrives, its view is cleared, or the claim expires. This is the
+one part of the index that is this router's own account, not the engines'.
+
 **Liveness** (`state`): an endpoint's view is LIVE when its stream is up (`stream_up`) and the
 view is complete: it was built from a known-empty cache (`reset(known_empty=True)`: a fresh
 publisher replayed from seq 0, or an `AllBlocksCleared`) or declared rebuilt (`rebuilt`) after
@@ -47,6 +54,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from itertools import accumulate
 
 from router.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -93,6 +101,11 @@ class _View:
         self.orphan_blocks = 0   # ... left out because their parent was not in the view
 
 
+def _chain(parent_key: int, block: tuple[int, ...]) -> int:
+    """The router key of `block` (its token ids) below `parent_key`, as `_stored` and `match` chain them."""
+    return hash((parent_key, block))
+
+
 def engine_hash(h: bytes | int) -> int:
     """An engine block hash as the index keys it: ints as they are (vLLM's int mode is already the
     low 64 bits), bytes reduced to their low 64 bits (what vLLM's int mode would have sent)."""
@@ -122,6 +135,9 @@ class ExactIndex:
         self._free_slots: list[int] = []
         # (LIVE, LIVE or REBUILDING): block tokens -> mask of those endpoints (cached; None: to derive)
         self._masks: tuple[dict[int, int], dict[int, int]] | None = None
+        # router key -> {endpoint bit: until_s}: blocks this router sent for prefill, not yet stored (`expect`)
+        self._expected: dict[int, dict[int, float]] = {}
+        self._expect_calls = 0
 
     # ----- stream facts (the subscriber, or the trace simulator) ----------------------------------------
 
@@ -228,9 +244,14 @@ class ExactIndex:
         view.stored_blocks += len(hashes)
         ids = tuple(tokens)   # slices of a tuple are tuples: one copy, not two per block
         start = 0
+        expected = self._expected
         for h in hashes:
             key = hash((key, ids[start:start + size]))
             start += size
+            if expected:
+                waiting = expected.get(key)
+                if waiting is not None and waiting.pop(bit, None) is not None and not waiting:
+                    del expected[key]
             eh = h if type(h) is int else int.from_bytes(h[-8:], "big")  # engine_hash, inlined
             old = blocks.get(eh)
             if old is None:
@@ -246,6 +267,59 @@ class ExactIndex:
         for _ in range(excess):
             _, old_key = blocks.popitem(last=False)
             self._drop_holder(old_key, bit)
+
+    # ----- what this router sent (not the engines' account) ------------------------------------------
+
+    def expect(self, endpoint_id: str, token_ids: Sequence[int], until_s: float, now_s: float) -> int:
+        """This router sent a prompt of `token_ids` to `endpoint_id`: its whole blocks count as held
+        there (`match` with `now_s`) until the engine reports each one stored (a `BlockStored`;
+        from then on the engine's own account answers, evictions included) or until `until_s`,
+        whichever comes first. It covers the time the prompt waits and prefills, when the engine
+        has not stored it yet and the next request sharing its prefix would otherwise go
+        elsewhere and compute it again (docs/routing.md, "Prefixes on their way").
+
+        Keys are chained with the endpoint's block size (known from its events); an endpoint
+        without one, or a prompt shorter than a block, expects nothing. Returns the blocks
+        expected. Memory: one entry per block of each prompt sent and not yet stored, dropped
+        when stored or expired (expired entries are swept every 256 calls); `now_s`: the
+        caller's clock, for that sweep."""
+        view = self._views.get(endpoint_id)
+        size = view.block_tokens if view is not None else None
+        self._expect_calls += 1
+        if self._expect_calls % 256 == 0:
+            self._sweep_expected(now_s)
+        if view is None or size is None or len(token_ids) < size:
+            return 0
+        expected = self._expected
+        holders = self._holders
+        bit = view.bit
+        keys = accumulate(zip(*[iter(token_ids)] * size), _chain, initial=KEY_ROOT)   # whole blocks
+        next(keys)
+        count = 0
+        for key in keys:
+            count += 1
+            if holders.get(key, 0) & bit:
+                continue   # the engine's account already holds it
+            waiting = expected.get(key)
+            if waiting is None:
+                expected[key] = {bit: until_s}
+            elif waiting.get(bit, until_s) <= until_s:
+                waiting[bit] = until_s
+        return count
+
+    def expected_blocks(self) -> int:
+        """(router key, endpoint) pairs expected and not yet stored (`expect`), expired ones included
+        until the next sweep."""
+        return sum(len(waiting) for waiting in self._expected.values())
+
+    def _sweep_expected(self, now_s: float) -> None:
+        expected = self._expected
+        for key in list(expected):
+            waiting = expected[key]
+            for bit in [b for b, until_s in waiting.items() if until_s < now_s]:
+                del waiting[bit]
+            if not waiting:
+                del expected[key]
 
     # ----- reading ----------------------------------------------------------------------------------
 
@@ -269,7 +343,7 @@ class ExactIndex:
         view = self._views.get(endpoint_id)
         return view is not None and view.connected and view.complete
 
-    def match(self, token_ids: Sequence[int], *, rebuilding: bool = False) -> dict[str, int]:
+    def match(self, token_ids: Sequence[int], *, rebuilding: bool = False, now_s: float | None = None) -> dict[str, int]:
         """Leading prompt tokens each live endpoint holds: endpoint id -> tokens (> 0 only; whole
         blocks of that endpoint's block size). O(matched blocks) per block size in use: the
         prompt is hashed only as far as some endpoint still matches.
@@ -277,10 +351,26 @@ class ExactIndex:
         `rebuilding`: also answer for REBUILDING endpoints, from the blocks their engines stored
         since the view was dropped: a subset of what they hold (a prefix cached before the resync
         and never stored again is missing, and so is every block stored below it), so such an
-        answer is a lower bound, where a LIVE endpoint's is exact."""
+        answer is a lower bound, where a LIVE endpoint's is exact.
+
+        `now_s`: also count the blocks this router sent there and the engine has not stored yet
+        (`expect`, while unexpired at `now_s`); None: the engines' account alone."""
         holders = self._holders
-        if not holders or not token_ids:
+        expected = self._expected if now_s is not None else None
+        if not token_ids or not (holders or expected):
             return {}
+        if expected:
+            def holders_of(key: int) -> int:
+                mask = holders.get(key, 0)
+                waiting = expected.get(key)
+                if waiting:
+                    for bit, until_s in waiting.items():
+                        if until_s >= now_s:
+                            mask |= bit
+                return mask
+        else:
+            def holders_of(key: int) -> int:
+                return holders.get(key, 0)
         live = self._by_size(rebuilding)
         out: dict[str, int] = {}
         by_bit = self._by_bit
@@ -290,7 +380,7 @@ class ExactIndex:
             if n < size:
                 continue
             key = hash((KEY_ROOT, tuple(token_ids[:size])))
-            alive &= holders.get(key, 0)
+            alive &= holders_of(key)
             if not alive:
                 continue
             if ids is None:
@@ -298,7 +388,7 @@ class ExactIndex:
             depth = size
             for start in range(size, n - size + 1, size):
                 key = hash((key, ids[start:start + size]))
-                still = alive & holders.get(key, 0)
+                still = alive & holders_of(key)
                 dropped = alive & ~still
                 while dropped:
                     low = dropped & -dropped
@@ -386,10 +476,19 @@ class ExactIndex:
         return view
 
     def _clear(self, view: _View) -> None:
+        """Empty the view, and drop what this router expected there (`expect`): the engine's cache
+        was reset or the view is rebuilt, so a claim of prompts sent before is not to be trusted."""
         bit = view.bit
         for key in view.blocks.values():
             self._drop_holder(key, bit)
         view.blocks.clear()
+        expected = self._expected
+        if expected:
+            for key in [k for k, waiting in expected.items() if bit in waiting]:
+                waiting = expected[key]
+                del waiting[bit]
+                if not waiting:
+                    del expected[key]
 
     def _drop_holder(self, key: int, bit: int) -> None:
         mask = self._holders.get(key, 0) & ~bit

@@ -110,6 +110,14 @@ events, the peers' load, 80% and 90% load): at 0.5 (before) 16.6% / 65.6% hits a
 63.9% at 90%; at 0.3 with the bound 6, 16.6% / 66.2% and 15.8% / 66.5%, p99 TTFT the same or
 lower (2.41 s against 2.59 s on the second window at 90%); 0.2 and 0.1 gave 65.1% there."""
 
+DEFAULT_PENDING_S = 10.0
+"""How long `kv-aware` counts a prompt it sent as held at its endpoint before the engine reports
+the blocks stored (`router.kv_index.ExactIndex.expect`): the entry goes as soon as the engine's
+`BlockStored` arrives, so this cap only ends the claims of prompts that never store (failed or
+cancelled while queued). Above the p99 TTFT of every benchmark run on the Mooncake trace (2.4-4.4
+s, docs/benchmarks.md). Measured in the trace simulator with a time-only expiry, 1-15 s routed
+alike; 0 turns the overlay off (docs/routing.md, "Prefixes on their way")."""
+
 ROUTING_POLICIES: Registry[RoutingPolicy] = Registry("routing policy")
 """The routing policies by name (`router.registry`): a pool's `policy` must be one of them."""
 
@@ -260,7 +268,10 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     else what the router believes (`router.prefix_index.PrefixIndex`, fed with every prompt this
     policy routed, which also covers the time before an endpoint's events arrive); while `e`'s
     view rebuilds after a resync (`StreamState.REBUILDING`: it holds what `e` stored since, a lower
-    bound), the larger of the two:
+    bound), the larger of the two. On a live or rebuilding view, a prompt this router sent to `e`
+    within `pending_s` whose blocks the engine has not reported stored yet counts as held
+    there (`ExactIndex.expect`: it is being prefilled, and the next request sharing its prefix
+    finds it cached by the time it is admitted):
 
         cost(e) = miss_token_weight x (prompt_tokens - cached(e))   # what e would prefill for it
                 + e.prefill_tokens                     # prefill queued on e (not yet past TTFT)
@@ -297,12 +308,12 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     Args:
         cache_tokens_per_endpoint: prompt tokens remembered per endpoint (LRU beyond).
         load_bound, decode_token_weight, affinity_slack, miss_token_weight, prefix_load_bound,
-            prefix_share: see the module constants.
+            prefix_share, pending_s: see the module constants (`pending_s` 0: no claims of
+            prompts sent and not yet stored).
 
     Raises:
         ValueError: `load_bound` <= 1, `prefix_load_bound` < `load_bound`, `prefix_share`
-            outside [0, 1], a negative weight or
-            slack, or `miss_token_weight` < 1.
+            outside [0, 1], a negative weight, slack or `pending_s`, or `miss_token_weight` < 1.
     """
 
     uses_prompt_blocks = True
@@ -313,8 +324,12 @@ class KvAware(RoutingPolicy, name="kv-aware"):
                  affinity_slack: float = DEFAULT_AFFINITY_SLACK,
                  miss_token_weight: float = DEFAULT_MISS_TOKEN_WEIGHT,
                  prefix_load_bound: float = DEFAULT_PREFIX_LOAD_BOUND,
-                 prefix_share: float = DEFAULT_PREFIX_SHARE) -> None:  # fmt: skip
+                 prefix_share: float = DEFAULT_PREFIX_SHARE,
+                 pending_s: float = DEFAULT_PENDING_S) -> None:  # fmt: skip
         super().__init__()
+        if pending_s < 0:
+            raise ValueError(f"pending_s must be >= 0, got {pending_s}")
+        self.pending_s = pending_s
         if not 0.0 <= prefix_share <= 1.0:
             raise ValueError(f"prefix_share must be within [0, 1], got {prefix_share}")
         self.prefix_share = prefix_share
@@ -372,7 +387,9 @@ class KvAware(RoutingPolicy, name="kv-aware"):
             total += load[0]
         exact = self.exact
         token_ids = request.token_ids
-        held = exact.match(token_ids, rebuilding=True) if exact is not None and token_ids else None
+        pending = self.pending_s > 0
+        held = (exact.match(token_ids, rebuilding=True, now_s=now_s if pending else None)
+                if exact is not None and token_ids else None)  # fmt: skip
         hits: dict[str, int] = {}
         for e in candidates:
             believed = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
@@ -413,6 +430,8 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         else:
             chosen = self._rotate([e for e, c in zip(eligible, costs) if c == best])
         request.cached_tokens = hits[chosen.id]
+        if held is not None and pending:
+            exact.expect(chosen.id, token_ids, now_s + self.pending_s, now_s)  # type: ignore[union-attr,arg-type]
         if hashes:
             self.index.record(chosen.id, hashes)
         return chosen

@@ -144,7 +144,67 @@ def test_retain_and_slots_are_reused() -> None:
     assert index.endpoints() == ["b", "c"] and index.match(ids) == {"b": 2 * BS, "c": 2 * BS}
 
 
+def test_blocks_sent_for_prefill_count_until_the_engine_reports_them_stored() -> None:
+    """`expect`: a prompt the router sent is held there (with `now_s`) until its BlockStored
+    arrives; from then on the engine's account answers, so a later eviction is seen."""
+    engine, index = Engine(), ExactIndex()
+    index.open("a")
+    index.apply("a", batch(engine.stored(prompt(1, base=5000))))   # the block size becomes known
+    ids = prompt(6)
+    assert index.expect("a", ids, until_s=10.0, now_s=0.0) == 6 and index.expected_blocks() == 6
+    assert index.match(ids, now_s=1.0) == {"a": 6 * BS}
+    assert index.match(ids) == {}                                  # the engines' account alone
+    assert index.match(ids, now_s=10.5) == {}                      # the claim expired
+    index.apply("a", batch(engine.stored(ids[:4 * BS])))           # the engine stored 4 of the 6
+    assert index.expected_blocks() == 2
+    assert index.match(ids, now_s=1.0) == {"a": 6 * BS}
+    index.apply("a", batch(BlockRemoved(engine.hashes(ids)[2:4])))  # ... and evicted 2 of those
+    assert index.match(ids, now_s=1.0) == {"a": 2 * BS}            # the claim does not cover them
+
+
+def test_claims_are_dropped_with_the_view_and_swept_when_expired() -> None:
+    engine, index = Engine(), ExactIndex()
+    for e in ("a", "b"):
+        index.open(e)
+        index.apply(e, batch(engine.stored(prompt(1, base=5000))))
+    ids = prompt(3)
+    index.expect("a", ids, until_s=10.0, now_s=0.0)
+    index.expect("b", ids, until_s=10.0, now_s=0.0)
+    assert index.match(ids, now_s=0.0) == {"a": 3 * BS, "b": 3 * BS}
+    index.apply("a", batch(AllBlocksCleared()))                    # the engine's cache was reset
+    index.forget("b")
+    assert index.match(ids, now_s=0.0) == {} and index.expected_blocks() == 0
+    assert index.expect("c", ids, until_s=10.0, now_s=0.0) == 0     # block size not known yet
+    index.expect("a", ids, until_s=1.0, now_s=0.0)
+    for _ in range(256):                                           # every 256th call sweeps
+        index.expect("a", prompt(0), until_s=99.0, now_s=5.0)
+    assert index.expected_blocks() == 0
+
+
 # ----- kv-aware on the exact index -----------------------------------------------------------------
+
+
+def test_kv_aware_sends_a_shared_prefix_where_it_is_being_prefilled() -> None:
+    """Two requests sharing a prompt, the second before the engine reported the first's blocks:
+    it follows the first (which will have stored them), though that endpoint is busier; with
+    `pending_s=0` it goes to the idle one and computes the prefix again."""
+    engine = Engine()
+    for pending_s, follows in ((10.0, True), (0.0, False)):
+        index = ExactIndex()
+        policy = KvAware(affinity_slack=0.0, pending_s=pending_s)
+        policy.use_exact_index(index)
+        a, b = (EndpointState(i, f"http://127.0.0.1/{i}") for i in ("a", "b"))
+        for e in ("a", "b"):
+            index.open(e)
+            index.apply(e, batch(engine.stored(prompt(1, base=5000))))
+        ids = prompt(40)
+        first = route_request({"prompt": ids, "max_tokens": 4})
+        where = policy.choose([a, b], first, 0.0)
+        where.start(first.prefill_tokens)                           # as the proxy does
+        second = route_request({"prompt": ids + [7, 8, 9], "max_tokens": 4})
+        chosen = policy.choose([a, b], second, 0.5)
+        assert (chosen is where) is follows
+        assert second.cached_tokens == (40 * BS if follows else 0)
 
 
 def test_kv_aware_routes_by_the_engines_events_where_the_stream_is_live() -> None:
@@ -174,9 +234,10 @@ def test_kv_aware_routes_by_the_engines_events_where_the_stream_is_live() -> Non
 def test_kv_aware_takes_the_larger_of_a_rebuilding_view_and_its_own_history() -> None:
     """After a resync the view holds what the engine stored since (a lower bound): where it knows
     more than this router's routing history (the other router's placements) it wins; where it
-    knows less (a prefix cached before the resync), the history does."""
+    knows less (a prefix cached before the resync), the history does. (No claims of prompts sent
+    and not yet stored, `pending_s=0`: this test sends the same prompt at one instant.)"""
     engine, index = Engine(), ExactIndex()
-    policy = KvAware(affinity_slack=0.0)
+    policy = KvAware(affinity_slack=0.0, pending_s=0.0)
     policy.use_exact_index(index)
     a, b = (EndpointState(i, f"http://127.0.0.1/{i}") for i in ("a", "b"))
     for e in ("a", "b"):
