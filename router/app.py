@@ -41,7 +41,7 @@ from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.engine_poll import EnginePoller
 from router.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender, ReportPoster
 from router.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, DiscoveryMetrics, PeerDiscovery
-from router.peer_datagram import DatagramMetrics, DatagramTally, PeerDatagrams
+from router.peer_datagram import DatagramMetrics, DatagramTally, PeerDatagrams, decode_claim
 from router.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report, report_order
 from router.pool import PoolTable
 from router.remembered import ModelsFile
@@ -399,6 +399,15 @@ def create_app(
         def peer_datagram(body: bytes) -> None:
             peer_report(loads_bounded(body, PEER_REPORT_DEPTH), datagram=True)
 
+        def peer_claim(body: bytes) -> None:
+            """A peer's claim (`router.peer_datagram.decode_claim`) into the pool's KV view."""
+            model, endpoint_id, keys, ttl_s = decode_claim(body)
+            if pools.get(model) is None:
+                return
+            now_s = clock()
+            kv_streams.index(model).expect_keys(endpoint_id, keys, now_s + ttl_s, now_s)
+            datagram_metrics.claims_received.inc()
+
         def peer_state() -> dict[str, object]:
             now_s = clock()
             targets = [u.removesuffix(PEER_LOAD_PATH) for u in sender.urls]
@@ -406,7 +415,8 @@ def create_app(
                     "live": view.peers(now_s), "load": view.totals(now_s)}
 
         channel_metrics = PeerMetrics(metrics.registry, lambda: len(view.peers(clock())))
-        datagrams = PeerDatagrams(admin_token, peer_datagram, DatagramMetrics(metrics.registry))
+        datagram_metrics = DatagramMetrics(metrics.registry)
+        datagrams = PeerDatagrams(admin_token, peer_datagram, datagram_metrics, peer_claim)
     api = _build_api(pools, metrics, admin_token, peer_report, models_file, peer_state)
     app = RouterApp(pools, metrics, proxy, api, admin_token)
     app.models_file = models_file
@@ -418,6 +428,7 @@ def create_app(
         app.peer_sender = sender
         app.peer_datagrams = datagrams
         proxy.on_load_change(sender.notify)   # a report goes out within peer_interval_s of each change
+        proxy.on_claim(lambda model, claim: sender.send_claim(model, claim, clock()))
         if peers_dns is not None:
             app.peer_discovery = PeerDiscovery(
                 peers_dns[0], peers_dns[1], self_addresses,

@@ -53,8 +53,9 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import accumulate
+from typing import NamedTuple
 
 from router.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -68,6 +69,15 @@ while they arrive the view is the engine's own size (27,000 blocks: ~6 MiB)."""
 
 KEY_ROOT = 0x6B76_E7E4_7EED
 """The parent key of a prompt's first block (any fixed int: keys must agree across routers)."""
+
+class Claim(NamedTuple):
+    """Blocks a router sent to an endpoint for prefill and claimed there (`ExactIndex.expect`):
+    what its peers are told, so that they too send the next request sharing the prefix there."""
+
+    endpoint_id: str
+    keys: list[int]    # router keys, in prompt order (the view's blocks left out)
+    until_s: float     # the claim's end, on the claiming router's clock
+
 
 class StreamState(enum.Enum):
     """What the index knows of one endpoint's KV event stream (derived in `ExactIndex.state`)."""
@@ -270,42 +280,56 @@ class ExactIndex:
 
     # ----- what this router sent (not the engines' account) ------------------------------------------
 
-    def expect(self, endpoint_id: str, token_ids: Sequence[int], until_s: float, now_s: float) -> int:
+    def expect(self, endpoint_id: str, token_ids: Sequence[int], until_s: float, now_s: float) -> list[int]:
         """This router sent a prompt of `token_ids` to `endpoint_id`: its whole blocks count as held
         there (`match` with `now_s`) until the engine reports each one stored (a `BlockStored`;
-        from then on the engine's own account answers, evictions included) or until `until_s`,
-        whichever comes first. It covers the time the prompt waits and prefills, when the engine
-        has not stored it yet and the next request sharing its prefix would otherwise go
-        elsewhere and compute it again (docs/routing.md, "Prefixes on their way").
+        from then on the engine's own account answers, evictions included), the view is cleared,
+        or `until_s`, whichever comes first. It covers the time the prompt waits and prefills,
+        when the engine has not stored it yet and the next request sharing its prefix would
+        otherwise go elsewhere and compute it again (docs/routing.md, "Prefixes on their way").
 
         Keys are chained with the endpoint's block size (known from its events); an endpoint
-        without one, or a prompt shorter than a block, expects nothing. Returns the blocks
-        expected. Memory: one entry per block of each prompt sent and not yet stored, dropped
-        when stored or expired (expired entries are swept every 256 calls); `now_s`: the
-        caller's clock, for that sweep."""
+        without one, or a prompt shorter than a block, claims nothing. Returns the keys claimed
+        (those the view did not hold), in prompt order: what the router's peers are told
+        (`expect_keys`). `now_s`: the caller's clock, for the sweep of expired claims (every
+        256 calls). Memory: one entry per block claimed and not yet stored or expired."""
         view = self._views.get(endpoint_id)
         size = view.block_tokens if view is not None else None
-        self._expect_calls += 1
-        if self._expect_calls % 256 == 0:
-            self._sweep_expected(now_s)
         if view is None or size is None or len(token_ids) < size:
-            return 0
+            self._count_expect(now_s)
+            return []
+        keys = accumulate(zip(*[iter(token_ids)] * size), _chain, initial=KEY_ROOT)   # whole blocks
+        next(keys)
+        return self.expect_keys(endpoint_id, keys, until_s, now_s)
+
+    def expect_keys(self, endpoint_id: str, keys: Iterable[int], until_s: float, now_s: float) -> list[int]:
+        """Claim router `keys` at `endpoint_id` until `until_s`, as `expect` does for a prompt: how a
+        peer router's claim (the keys its `expect` returned) is taken. Keys the view holds are
+        skipped; nothing is claimed at an endpoint the index has not seen (its bit would be
+        another endpoint's later). Returns the keys claimed."""
+        self._count_expect(now_s)
+        view = self._views.get(endpoint_id)
+        if view is None:
+            return []
         expected = self._expected
         holders = self._holders
         bit = view.bit
-        keys = accumulate(zip(*[iter(token_ids)] * size), _chain, initial=KEY_ROOT)   # whole blocks
-        next(keys)
-        count = 0
+        claimed = []
         for key in keys:
-            count += 1
             if holders.get(key, 0) & bit:
                 continue   # the engine's account already holds it
+            claimed.append(key)
             waiting = expected.get(key)
             if waiting is None:
                 expected[key] = {bit: until_s}
             elif waiting.get(bit, until_s) <= until_s:
                 waiting[bit] = until_s
-        return count
+        return claimed
+
+    def _count_expect(self, now_s: float) -> None:
+        self._expect_calls += 1
+        if self._expect_calls % 256 == 0:
+            self._sweep_expected(now_s)
 
     def expected_blocks(self) -> int:
         """(router key, endpoint) pairs expected and not yet stored (`expect`), expired ones included

@@ -32,7 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from router.background import BackgroundLoop, wake
 from router.endpoint import EndpointState
-from router.peer_datagram import PeerDatagrams, datagram_address
+from router.kv_index import Claim
+from router.peer_datagram import PeerDatagrams, datagram_address, encode_claim
 from router.peer_load import DEFAULT_PEER_INTERVAL_S, load_fingerprint, own_report
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,18 @@ class PeerSender:
             self._peers = [known.get(u) or _Peer(u) for u in urls]
             if self._wake is not None:
                 wake(self._wake)
+
+    def send_claim(self, model: str, claim: Claim, now_s: float) -> None:
+        """Send `claim` (made by `model`'s policy at this dispatch, `now_s` on the clock its
+        `until_s` is on) at once to every peer reached by datagrams (`router.peer_datagram`):
+        only a datagram, never HTTP. No-op without a datagram socket."""
+        datagrams = self._datagrams
+        if datagrams is None or not self._peers:
+            return
+        body = encode_claim(model, claim.endpoint_id, claim.keys, claim.until_s - now_s)
+        for peer in self._peers:
+            if peer.address is not None:
+                datagrams.send_claim(peer.address, body)
 
     async def start(self) -> None:
         """Open the poster's session (a `ReportPoster`) and start sending (no-op if started)."""

@@ -22,7 +22,16 @@ for one datagram (`MAX_DATAGRAM_BYTES`) and peers named by host name rather than
 HTTP only. Reports carry ``boot`` and ``seq`` (`router.peer_load`), so a late datagram never
 replaces a newer report.
 
-**Wire.** ``HMAC-SHA256(key, body) || body``: 32 bytes of MAC, then the report's JSON. The key is
+**Claims.** The same socket carries each dispatch's claim (`router.kv_index.Claim`: the blocks
+of a prompt sent for prefill that the engine has not reported stored), sent at once to every
+peer with an address (`router.peer_channel.PeerSender.send_claim`) and taken into the pool's KV
+view (`ExactIndex.expect_keys`), so that a peer too sends the next request sharing the prefix
+where it is being computed (docs/routing.md, "Prefixes on their way"). A claim is a hint: it has
+no HTTP path. Its keys are Python's hash of a tuple of ints, the same in every router process of
+one Python version (the router image's).
+
+**Wire.** ``HMAC-SHA256(key, body) || body``: 32 bytes of MAC, then the report's JSON (or a claim,
+`encode_claim`). The key is
 derived from the admin token (`datagram_key`): only a holder of the token can send a report, as
 only a holder can post one. A datagram that is short, badly signed, not JSON or not a report is
 dropped and counted (``fleet_router_peer_datagrams_rejected_total{reason}``).
@@ -34,9 +43,12 @@ import asyncio
 import hashlib
 import hmac
 import ipaddress
+import json
 import logging
+import sys
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter
@@ -48,8 +60,53 @@ MAX_DATAGRAM_BYTES = 60_000
 """Largest datagram sent (MAC included): under UDP's 65,507-byte payload limit over IPv4. A report
 of about 1,500 endpoints fits; a larger one goes over HTTP."""
 
-REJECT_REASONS = ("short", "signature", "report")
+REJECT_REASONS = ("short", "signature", "report", "claim")
 """`reason` label values of `fleet_router_peer_datagrams_rejected_total`."""
+
+CLAIM_MARK = b"K"
+"""First byte of a claim's body (a load report's is ``{``)."""
+
+MAX_CLAIM_TTL_S = 60.0
+"""Longest a claim taken from a peer lasts, whatever its ``ttl_s`` says."""
+
+
+def encode_claim(model: str, endpoint_id: str, keys: Sequence[int], ttl_s: float) -> bytes:
+    """A claim's body (`router.kv_index.Claim`): ``K``, a JSON head ``{"model", "endpoint",
+    "ttl_s"}``, a newline, then the router keys as signed 64-bit little-endian ints, in prompt
+    order. Keys beyond what one datagram holds (~7,400: a 118,000-token prompt at 16-token
+    blocks) are left out, the last first."""
+    head = json.dumps({"model": model, "endpoint": endpoint_id, "ttl_s": round(max(0.0, ttl_s), 3)},
+                      separators=(",", ":")).encode()  # fmt: skip
+    room = (MAX_DATAGRAM_BYTES - MAC_BYTES - len(CLAIM_MARK) - len(head) - 1) // 8
+    packed = array("q", keys[:room])
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return CLAIM_MARK + head + b"\n" + packed.tobytes()
+
+
+def decode_claim(body: bytes) -> tuple[str, str, list[int], float]:
+    """(model, endpoint id, keys, ttl in seconds, at most `MAX_CLAIM_TTL_S`) of a claim's body.
+
+    Raises:
+        ValueError: not a claim (mark, head or key bytes malformed).
+    """
+    if not body.startswith(CLAIM_MARK):
+        raise ValueError("not a claim")
+    head, sep, packed = body[len(CLAIM_MARK):].partition(b"\n")
+    try:
+        doc = json.loads(head)
+    except ValueError as err:
+        raise ValueError(f"claim head: {err}") from None
+    if not sep or len(packed) % 8 or not isinstance(doc, dict):
+        raise ValueError("claim: no head, or keys not 8 bytes each")
+    model, endpoint_id, ttl_s = doc.get("model"), doc.get("endpoint"), doc.get("ttl_s")
+    if not isinstance(model, str) or not isinstance(endpoint_id, str) or not isinstance(ttl_s, (int, float)):
+        raise ValueError("claim head: model and endpoint must be strings, ttl_s a number")
+    keys = array("q")
+    keys.frombytes(packed)
+    if sys.byteorder == "big":
+        keys.byteswap()
+    return model, endpoint_id, keys.tolist(), min(max(0.0, float(ttl_s)), MAX_CLAIM_TTL_S)
 
 
 def datagram_key(admin_token: str) -> bytes:
@@ -127,20 +184,32 @@ class DatagramMetrics:
                                 ["reason"], registry=registry)  # fmt: skip
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
+        self.claims_sent = Counter("fleet_router_peer_claims_sent",
+                                   "Claims of prompts this router sent to an endpoint for prefill "
+                                   "(router.kv_index.Claim) sent to a peer router as a UDP datagram.",
+                                   registry=registry)  # fmt: skip
+        self.claims_received = Counter("fleet_router_peer_claims_received",
+                                       "Claims taken from peer routers into a pool's KV view "
+                                       "(router.kv_index.ExactIndex.expect_keys).", registry=registry)  # fmt: skip
 
 
 class PeerDatagrams(asyncio.DatagramProtocol):
-    """This router's UDP socket for load reports: receives (into `on_report`) and sends.
+    """This router's UDP socket for load reports and claims: receives (into `on_report`,
+    `on_claim`) and sends.
 
     Args:
         admin_token: the admin API's token (the MAC key is derived from it).
         on_report: takes a report's body (JSON bytes); raises ValueError for a bad one.
         metrics: where datagrams are counted.
+        on_claim: takes a claim's body (`decode_claim`); raises ValueError for a bad one. None:
+            claims are dropped.
     """
 
-    def __init__(self, admin_token: str, on_report: Callable[[bytes], None], metrics: DatagramMetrics) -> None:
+    def __init__(self, admin_token: str, on_report: Callable[[bytes], None], metrics: DatagramMetrics,
+                 on_claim: Callable[[bytes], None] | None = None) -> None:  # fmt: skip
         self._key = datagram_key(admin_token)
         self._on_report = on_report
+        self._on_claim = on_claim
         self.metrics = metrics
         self._transport: asyncio.DatagramTransport | None = None
 
@@ -170,6 +239,15 @@ class PeerDatagrams(asyncio.DatagramProtocol):
         self.metrics.sent.inc()
         return True
 
+    def send_claim(self, address: tuple[str, int], body: bytes) -> bool:
+        """Send one claim (`encode_claim`); False when the socket is not open. A claim is a hint:
+        it has no HTTP path, and one lost is a prefix the peer may compute twice."""
+        if self._transport is None or len(body) + MAC_BYTES > MAX_DATAGRAM_BYTES:
+            return False
+        self._transport.sendto(seal(self._key, body), address)
+        self.metrics.claims_sent.inc()
+        return True
+
     # ----- asyncio.DatagramProtocol ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -183,6 +261,13 @@ class PeerDatagrams(asyncio.DatagramProtocol):
             body = unseal(self._key, data)
         except ValueError as err:
             self.metrics.rejected.labels(str(err)).inc()
+            return
+        if body.startswith(CLAIM_MARK):
+            try:
+                if self._on_claim is not None:
+                    self._on_claim(body)
+            except ValueError:
+                self.metrics.rejected.labels("claim").inc()
             return
         try:
             self._on_report(body)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from router.prefix_index import PrefixIndex
 from router.endpoint import EndpointState
-from router.kv_index import StreamState
+from router.kv_index import Claim, StreamState
 from router.prompt_blocks import BYTES_PER_TOKEN, ROUTER_BLOCK_TOKENS, RouteRequest
 from router.registry import Registered, Registry
 
@@ -430,8 +430,13 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         else:
             chosen = self._rotate([e for e, c in zip(eligible, costs) if c == best])
         request.cached_tokens = hits[chosen.id]
+        claim = None
         if held is not None and pending:
-            exact.expect(chosen.id, token_ids, now_s + self.pending_s, now_s)  # type: ignore[union-attr,arg-type]
+            until_s = now_s + self.pending_s
+            keys = exact.expect(chosen.id, token_ids, until_s, now_s)  # type: ignore[union-attr,arg-type]
+            if keys:
+                claim = Claim(chosen.id, keys, until_s)
+        request.claim = claim
         if hashes:
             self.index.record(chosen.id, hashes)
         return chosen

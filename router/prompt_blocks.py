@@ -37,6 +37,10 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.kv_index import Claim
 
 ROUTER_BLOCK_TOKENS = 64
 """Token ids per router block (4 of vLLM's default 16-token KV blocks)."""
@@ -78,6 +82,9 @@ class RouteRequest:
             prompt tokenized with the pool's own tokenizer (`router.tokenize`, set by the proxy;
             `prompt_tokens` is then their count); None when neither is known. What the exact
             index (`router.kv_index.ExactIndex.match`) matches.
+        claim: written by `kv-aware`: the blocks it claimed at the chosen endpoint while the
+            engine prefills them (`router.kv_index.Claim`), which the proxy passes on to the
+            router's peers; None when nothing was claimed.
     """
 
     block_hashes: tuple[int, ...] = ()
@@ -86,6 +93,7 @@ class RouteRequest:
     session_key: str | None = None
     cached_tokens: int = 0
     token_ids: Sequence[int] | None = None
+    claim: Claim | None = None
 
     @property
     def prefill_tokens(self) -> int:

@@ -62,6 +62,7 @@ from router.asgi_io import (
 from router.deadline import FirstTokenBudget, first_token_timeout_s
 from router.metrics import EndpointMetrics, RouterMetrics
 from router.endpoint import DEFAULT_FAILURE_COOLDOWN_S, EndpointState
+from router.kv_index import Claim
 from router.outlier import Outcome
 from router.pool import Pool, PoolShared, PoolTable
 from router.prompt_blocks import SESSION_HEADER, RouteRequest, route_request
@@ -242,11 +243,18 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         self.tokenizers = tokenizers if tokenizers is not None else PoolTokenizers()
         self._load_changed: Callable[[], None] = _nothing
+        self._claimed: Callable[[str, Claim], None] | None = None
 
     def on_load_change(self, notify: Callable[[], None]) -> None:
         """Call `notify()` whenever an endpoint's load as this router sent it changes (dispatch,
         first byte, finish): the peer channel's sender (`router.peer_channel.PeerSender.notify`)."""
         self._load_changed = notify
+
+    def on_claim(self, claimed: Callable[[str, Claim], None]) -> None:
+        """Call `claimed(model, claim)` at each dispatch whose policy claimed the prompt's blocks
+        at the endpoint (`RouteRequest.claim`): the peer channel's sender
+        (`router.peer_channel.PeerSender.send_claim`)."""
+        self._claimed = claimed
 
     async def start(self) -> None:
         """Open the upstream client session (no connection limit, keep-alive)."""
@@ -486,6 +494,8 @@ class Proxy:
         shared = pool.shared
         endpoint.start(prefill_tokens)
         self._load_changed()
+        if request.claim is not None and self._claimed is not None:
+            self._claimed(pool.model, request.claim)
         first = [prefill_tokens]   # emptied when the first byte releases the prefill charge
         clock = self._clock
         start_s = clock()

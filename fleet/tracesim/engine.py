@@ -97,7 +97,7 @@ from fleet.tracesim.results import RequestLog, SimResult, TickRecord
 from fleet.tracesim.workload import Workload, prompt_ids
 from router.engine_load import DEFAULT_MAX_AGE_S, EngineLoadView
 from router.kv_events import EventBatch
-from router.kv_index import ExactIndex
+from router.kv_index import Claim, ExactIndex
 from router.policies import make_policy as make_routing_policy
 from router.pool import Pool, PoolShared
 from router.prompt_blocks import RouteRequest, route_request
@@ -128,7 +128,13 @@ to READY: the ~3 s llm-d's fast-model-actuation work reports for waking 64 GiB o
 (quoted in issue 24), not scaled down for an 8B model's 16 GB: a conservative figure."""
 
 # Event kinds, in the order they run when they fall on the same virtual instant.
-_STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK, _SAMPLE, _PEER, _KV_BATCH = range(9)
+_STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK, _SAMPLE, _PEER, _KV_BATCH, _CLAIM = range(10)
+
+PEER_CLAIM_DELAY_S = 0.001
+"""Modelled seconds from a router's dispatch to its peers taking the dispatch's claim
+(`router.kv_index.Claim`): the live router sends it at once, as one datagram on the peer channel
+(`router.peer_channel.PeerSender.send_claim`), so a LAN hop and a loop turn, not the load
+reports' 10 ms."""
 
 LOAD_SIGNALS = ("own", "engine", "engine-waiting", "engine-prefill", "peers")
 """What a router knows of the load other routers sent (`SimConfig.load_signal`)."""
@@ -329,6 +335,8 @@ class Simulation:
                     self._on_peer(payload)  # type: ignore[arg-type]
                 elif kind == _KV_BATCH:
                     self._on_kv_batch(payload)  # type: ignore[arg-type]
+                elif kind == _CLAIM:
+                    self._on_claim(payload, now_s)  # type: ignore[arg-type]
                 elif kind == _READY:
                     self._on_ready(payload, now_s)  # type: ignore[arg-type]
                 elif kind == _DRAIN_TIMEOUT:
@@ -417,6 +425,8 @@ class Simulation:
         k = self._router_of[i]
         replica.endpoints[k].start(route.prefill_tokens)
         self._tell_peers(replica, k, (1, 1, route.prefill_tokens), now_s)
+        if route.claim is not None and self.config.load_signal == "peers" and self.config.routers > 1:
+            self._push(now_s + PEER_CLAIM_DELAY_S, _CLAIM, (k, route.claim))
         if self.config.shared_view:
             for other, routing in enumerate(self.routings):
                 if other != k:
@@ -475,6 +485,13 @@ class Simulation:
                 endpoint.others_prefilling += prefilling
                 endpoint.others_prefill_tokens += tokens
                 endpoint.others_until_s = math.inf
+
+    def _on_claim(self, payload: tuple[int, Claim], now_s: float) -> None:
+        """Router ``k``'s claim reaches the other routers (what the live router's peers do with it)."""
+        k, claim = payload
+        for j, index in enumerate(self.exact_indexes):
+            if j != k:
+                index.expect_keys(claim.endpoint_id, claim.keys, claim.until_s, now_s)
 
     def _on_kv_batch(self, payload: tuple[str, EventBatch, int]) -> None:
         """One engine step's KV cache events reach every router (its subscriber's `apply`)."""

@@ -111,3 +111,80 @@ def test_two_routers_exchange_load_reports() -> None:
         for proc in procs:
             proc.wait(timeout=30)
         silent.close()
+
+
+def test_a_prompt_sent_for_prefill_is_claimed_at_both_routers(tmp_path: Path) -> None:
+    """Two `python -m router --peers` processes and a simulated engine publishing its KV events
+    (`--kv-events-config`): once the routers' views know the engine's block size, a new prompt
+    sent through router 0 is claimed at the engine (`router.kv_index.ExactIndex.expect`) and the
+    claim reaches router 1 as a signed datagram (`router.peer_datagram.encode_claim`), which
+    takes it into its own view; the engine's stored blocks then show in both views."""
+    pub, replay, ports = free_port(), free_port(), [free_port(), free_port()]
+    ports_file = tmp_path / "engine.json"
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": ""}
+    engine = subprocess.Popen([sys.executable, "-m", "fleet.enginesim", "--model", "sim://h100-llama-8b",
+                               "--served-model-name", "m", "--port", "0", "--ports-file", str(ports_file),
+                               "--kv-events-config", json.dumps(config)],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    procs = [subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(ports[i]),
+                               "--peers", bases[1 - i], "--router-id", f"r{i}"],
+                              env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": TOKEN}, cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+             for i in (0, 1)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().startswith("fleet router listening")
+        deadline = time.monotonic() + 60
+        while not (ports_file.exists() and ports_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        engine_url = json.loads(ports_file.read_text())["urls"][0]
+        kv = {"publisher": f"tcp://127.0.0.1:{pub}", "replay": f"tcp://127.0.0.1:{replay}"}
+        pool = json.dumps({"policy": "kv-aware", "endpoints": [{"id": "e0", "url": engine_url, "kv_events": kv}]})
+        for base in bases:
+            req = urllib.request.Request(f"{base}/admin/v1/pools/m", data=pool.encode(), method="PUT",
+                                         headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+            urllib.request.urlopen(req, timeout=10).close()
+
+        def complete(base: str, ids: list[int]) -> None:
+            req = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode())
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert resp.status == 200
+
+        def stream_live_and_events(base: str) -> bool:
+            return (metric(base, 'fleet_router_kv_stream_live{endpoint="e0",model="m"}') == 1.0
+                    and (metric(base, 'fleet_router_kv_events_total{endpoint="e0",model="m"}') or 0) >= 1)
+
+        deadline = time.monotonic() + 60
+        while True:   # the engine stores a first prompt: both views learn its block size
+            complete(bases[0], list(range(1000, 1064)))
+            if all(stream_live_and_events(b) for b in bases) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert all(stream_live_and_events(b) for b in bases)
+        assert metric(bases[1], "fleet_router_peer_claims_received_total") in (None, 0.0)
+        complete(bases[0], list(range(5000, 5064)))   # a new prompt: 4 blocks of 16 claimed at e0
+        deadline = time.monotonic() + 20
+        while (metric(bases[1], "fleet_router_peer_claims_received_total") or 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (metric(bases[0], "fleet_router_peer_claims_sent_total") or 0) >= 1
+        assert (metric(bases[1], "fleet_router_peer_claims_received_total") or 0) >= 1
+        assert metric(bases[1], 'fleet_router_peer_datagrams_rejected_total{reason="claim"}') == 0.0
+
+        def blocks(base: str) -> float:
+            return metric(base, 'fleet_router_kv_index_blocks{endpoint="e0",model="m"}') or 0
+
+        deadline = time.monotonic() + 20
+        while min(blocks(b) for b in bases) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [blocks(b) for b in bases] == [8.0, 8.0]   # both prompts' blocks, from the engine's events
+    finally:
+        for proc in [*procs, engine]:
+            proc.terminate()
+        for proc in [*procs, engine]:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()

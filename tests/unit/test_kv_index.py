@@ -151,7 +151,8 @@ def test_blocks_sent_for_prefill_count_until_the_engine_reports_them_stored() ->
     index.open("a")
     index.apply("a", batch(engine.stored(prompt(1, base=5000))))   # the block size becomes known
     ids = prompt(6)
-    assert index.expect("a", ids, until_s=10.0, now_s=0.0) == 6 and index.expected_blocks() == 6
+    claimed = index.expect("a", ids, until_s=10.0, now_s=0.0)
+    assert len(claimed) == 6 and index.expected_blocks() == 6
     assert index.match(ids, now_s=1.0) == {"a": 6 * BS}
     assert index.match(ids) == {}                                  # the engines' account alone
     assert index.match(ids, now_s=10.5) == {}                      # the claim expired
@@ -174,7 +175,7 @@ def test_claims_are_dropped_with_the_view_and_swept_when_expired() -> None:
     index.apply("a", batch(AllBlocksCleared()))                    # the engine's cache was reset
     index.forget("b")
     assert index.match(ids, now_s=0.0) == {} and index.expected_blocks() == 0
-    assert index.expect("c", ids, until_s=10.0, now_s=0.0) == 0     # block size not known yet
+    assert index.expect("c", ids, until_s=10.0, now_s=0.0) == []    # block size not known yet
     index.expect("a", ids, until_s=1.0, now_s=0.0)
     for _ in range(256):                                           # every 256th call sweeps
         index.expect("a", prompt(0), until_s=99.0, now_s=5.0)
