@@ -37,8 +37,9 @@ the traffic (loadtests/bench_router_memory.py `--policy-stream N --kv-events`).
 once it has scheduled the prompt's prefill, and the report reaches the router a tick later; in
 between, a second request sharing the prefix would see it nowhere. So the policy may tell the
 index what it sent where: those blocks count as held there (`match` with `now_s`) until the
-engine's `BlockStored` for each arrives, its view is cleared, or the claim expires. This is the
-one part of the index that is this router's own account, not the engines'.
+engine's `BlockStored` for each arrives, its view is cleared, or the claim expires. Its peer
+routers are told of each claim (`Claim`, taken with `expect_keys`; `router.peer_datagram`). This
+is the one part of the index that is the routers' own account, not the engines'.
 
 **Liveness** (`state`): an endpoint's view is LIVE when its stream is up (`stream_up`) and the
 view is complete: it was built from a known-empty cache (`reset(known_empty=True)`: a fresh
@@ -289,8 +290,8 @@ class ExactIndex:
         otherwise go elsewhere and compute it again (docs/routing.md, "Prefixes on their way").
 
         Keys are chained with the endpoint's block size (known from its events); an endpoint
-        without one, or a prompt shorter than a block, claims nothing. Returns the keys claimed
-        (those the view did not hold), in prompt order: what the router's peers are told
+        without one, or a prompt shorter than a block, claims nothing. Returns the keys newly claimed
+        (neither held nor claimed there already), in prompt order: what the router's peers are told
         (`expect_keys`). `now_s`: the caller's clock, for the sweep of expired claims (every
         256 calls). Memory: one entry per block claimed and not yet stored or expired."""
         view = self._views.get(endpoint_id)
@@ -306,7 +307,8 @@ class ExactIndex:
         """Claim router `keys` at `endpoint_id` until `until_s`, as `expect` does for a prompt: how a
         peer router's claim (the keys its `expect` returned) is taken. Keys the view holds are
         skipped; nothing is claimed at an endpoint the index has not seen (its bit would be
-        another endpoint's later). Returns the keys claimed."""
+        another endpoint's later). Returns the keys newly claimed (a key claimed there already
+        only has its claim extended, and is left out)."""
         self._count_expect(now_s)
         view = self._views.get(endpoint_id)
         if view is None:
@@ -318,12 +320,17 @@ class ExactIndex:
         for key in keys:
             if holders.get(key, 0) & bit:
                 continue   # the engine's account already holds it
-            claimed.append(key)
             waiting = expected.get(key)
             if waiting is None:
                 expected[key] = {bit: until_s}
-            elif waiting.get(bit, until_s) <= until_s:
+            else:
+                before = waiting.get(bit)
+                if before is not None:
+                    if before < until_s:
+                        waiting[bit] = until_s   # claimed again: it lasts longer, and is not news
+                    continue
                 waiting[bit] = until_s
+            claimed.append(key)
         return claimed
 
     def _count_expect(self, now_s: float) -> None:

@@ -182,6 +182,25 @@ def test_claims_are_dropped_with_the_view_and_swept_when_expired() -> None:
     assert index.expected_blocks() == 0
 
 
+def test_a_peers_claim_is_taken_by_key_and_skips_what_the_view_holds() -> None:
+    """`expect` returns the keys it claimed (the ones the view did not hold); another router's
+    index takes them with `expect_keys` and matches the prompt there, until the engine stores it."""
+    engine = Engine()
+    sender, receiver = ExactIndex(), ExactIndex()
+    ids = prompt(6)
+    for index in (sender, receiver):
+        index.open("a")
+        index.apply("a", batch(engine.stored(ids[:2 * BS])))      # the prompt's first 2 blocks are held
+    claimed = sender.expect("a", ids, until_s=10.0, now_s=0.0)
+    assert len(claimed) == 4
+    assert receiver.match(ids, now_s=0.0) == {"a": 2 * BS}
+    assert receiver.expect_keys("a", claimed, until_s=10.0, now_s=0.0) == claimed
+    assert receiver.match(ids, now_s=0.0) == {"a": 6 * BS} and receiver.match(ids) == {"a": 2 * BS}
+    assert receiver.expect_keys("z", claimed, until_s=10.0, now_s=0.0) == []   # an endpoint it has not seen
+    receiver.apply("a", batch(engine.stored(ids, first_block=2)))
+    assert receiver.expected_blocks() == 0 and receiver.match(ids) == {"a": 6 * BS}
+
+
 # ----- kv-aware on the exact index -----------------------------------------------------------------
 
 
@@ -206,6 +225,12 @@ def test_kv_aware_sends_a_shared_prefix_where_it_is_being_prefilled() -> None:
         chosen = policy.choose([a, b], second, 0.5)
         assert (chosen is where) is follows
         assert second.cached_tokens == (40 * BS if follows else 0)
+        if follows:   # the first request's claim, for the peers; the second's prompt is claimed already
+            assert first.claim is not None and first.claim.endpoint_id == where.id
+            assert len(first.claim.keys) == 40 and first.claim.until_s == 10.0
+            assert second.claim is None
+        else:
+            assert first.claim is None and second.claim is None
 
 
 def test_kv_aware_routes_by_the_engines_events_where_the_stream_is_live() -> None:

@@ -12,9 +12,10 @@ from prometheus_client import CollectorRegistry
 
 from router.endpoint import EndpointState
 from router.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender, datagrams_taken
-from router.peer_datagram import (MAC_BYTES, MAX_DATAGRAM_BYTES, DatagramMetrics, DatagramTally, PeerDatagrams,
-                                  datagram_address,
-                                  datagram_key, seal, unseal)  # fmt: skip
+from router.kv_index import Claim
+from router.peer_datagram import (MAC_BYTES, MAX_CLAIM_TTL_S, MAX_DATAGRAM_BYTES, DatagramMetrics, DatagramTally,
+                                  PeerDatagrams, datagram_address, datagram_key, decode_claim, encode_claim, seal,
+                                  unseal)  # fmt: skip
 from router.peer_load import PeerLoadView, parse_report, report_order
 
 
@@ -226,3 +227,64 @@ async def test_the_sender_wakes_for_a_change_and_otherwise_only_for_the_heartbea
         assert posted[2] - posted[1] >= HEARTBEAT_S * 0.9   # not every interval_s
     finally:
         await sender.close()
+
+
+def test_a_claim_round_trips_and_a_malformed_one_is_refused() -> None:
+    keys = [0, 1, -1, 2**63 - 1, -(2**63), 123456789]
+    body = encode_claim("m", "e0", keys, 9.5)
+    assert decode_claim(body) == ("m", "e0", keys, 9.5)
+    assert decode_claim(encode_claim("m", "e0", keys, 3600.0))[3] == MAX_CLAIM_TTL_S
+    assert decode_claim(encode_claim("m", "e0", keys, -1.0))[3] == 0.0
+    huge = encode_claim("m", "e0", list(range(10_000)), 1.0)   # more keys than a datagram holds
+    assert len(huge) + MAC_BYTES <= MAX_DATAGRAM_BYTES and decode_claim(huge)[2] == list(range(len(decode_claim(huge)[2])))
+    for bad in (b'{"router":"r"}', b"K" + b"{}" + b"\n", b'K{"model":"m","endpoint":"e0","ttl_s":1}\nabc',
+                b'Knot json\n', b'K{"model":1,"endpoint":"e0","ttl_s":1}\n', b'K{"model":"m","endpoint":"e0","ttl_s":1}'):
+        with pytest.raises(ValueError):
+            decode_claim(bad)
+
+
+async def test_claims_travel_beside_reports_on_the_same_socket() -> None:
+    reports: list[bytes] = []
+    claims: list[tuple] = []
+    registry = CollectorRegistry()
+    receiver = PeerDatagrams("tok", reports.append, DatagramMetrics(registry),
+                             on_claim=lambda body: claims.append(decode_claim(body)))  # fmt: skip
+    sender = PeerDatagrams("tok", reports.append, DatagramMetrics(CollectorRegistry()))
+    await receiver.start("127.0.0.1", 0)
+    await sender.start("127.0.0.1", 0)
+    port = receiver._transport.get_extra_info("sockname")[1]  # type: ignore[union-attr]
+    try:
+        assert sender.send_claim(("127.0.0.1", port), encode_claim("m", "e0", [7, 8], 5.0))
+        assert sender.send_claim(("127.0.0.1", port), b"K{broken")
+        assert sender.send(("127.0.0.1", port), b'{"router":"a"}')
+
+        def rejected() -> float:
+            return registry.get_sample_value("fleet_router_peer_datagrams_rejected_total", {"reason": "claim"}) or 0
+
+        deadline = asyncio.get_running_loop().time() + 10
+        while (not claims or rejected() < 1 or not reports) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert claims == [("m", "e0", [7, 8], 5.0)] and reports == [b'{"router":"a"}'] and rejected() == 1
+        assert sender.metrics.claims_sent._value.get() == 2   # type: ignore[attr-defined]
+    finally:
+        receiver.close()
+        sender.close()
+
+
+async def test_the_sender_sends_a_claim_at_once_to_the_peers_it_reaches_by_datagram() -> None:
+    class ClaimRecorder(Recorder):
+        def send_claim(self, address: tuple[str, int], body: bytes) -> bool:
+            self.sent.append((address, body))
+            return True
+
+    datagrams = ClaimRecorder()
+
+    async def post(url: str, body: bytes) -> int:
+        return 0
+
+    sender = PeerSender("me", ["http://10.0.0.5:8081", "http://router-b.svc:8081"], dict, post,
+                        PeerMetrics(CollectorRegistry(), lambda: 0), datagrams=datagrams)  # type: ignore[arg-type]
+    sender.send_claim("m", Claim("e0", [1, 2, 3], until_s=105.0), now_s=100.0)
+    assert [(a, decode_claim(b)) for a, b in datagrams.sent] == [(("10.0.0.5", 8081), ("m", "e0", [1, 2, 3], 5.0))]
+    PeerSender("me", ["http://10.0.0.5:8081"], dict, post, PeerMetrics(CollectorRegistry(), lambda: 0)).send_claim(
+        "m", Claim("e0", [1], 1.0), 0.0)   # no datagram socket: nothing to send, no error

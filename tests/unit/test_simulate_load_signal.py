@@ -104,3 +104,26 @@ def test_every_router_reads_the_engines_kv_events(delay_s: float) -> None:
     approximate, exact = prediction_error(False), prediction_error(True)
     assert approximate > 0.1   # two routers guess where the other put a conversation
     assert exact < 0.02        # the engines' account: what the engine finds, but for a batch in flight
+
+
+@pytest.mark.parametrize("signal", ["peers", "own"])
+def test_a_routers_claim_reaches_the_other_router_with_the_peers_load(signal: str) -> None:
+    """One replica, requests alternating between the routers: a first prompt through router 0
+    warms the views (its events teach the engine's block size, which a claim needs); then a prompt
+    through router 1, and the same prompt through router 0 50 ms later, before the engine's events
+    (0.5 s late) show it stored. With the peer channel router 0 has router 1's claim and expects
+    the whole prompt cached; on its own load it expects nothing."""
+    warm = TraceRequest(0.0, 256, 4, None, (7, 8), 128)
+    first = TraceRequest(2.0, 1024, 4, None, tuple(range(100, 108)), 128)
+    second = TraceRequest(2.05, 1024, 4, None, tuple(range(100, 108)), 128)
+    cfg = SimConfig(profile=PREFILL, autoscaling=AutoscalingSpec(policy="fixed"), bounds=ReplicaBounds(1, 1, 1),
+                    routing_policy="kv-aware", routers=2, load_signal=signal, load_interval_s=0.01,
+                    kv_events=True, kv_events_delay_s=0.5)  # fmt: skip
+    sim = Simulation(cfg, Workload.from_trace(Trace("claims", (warm, first, second)), PREFILL))
+    sim.run()
+    log = sim.log
+    assert not any(log.failed) and log.predicted_cached_tokens[1] == 0
+    if signal == "peers":
+        assert log.predicted_cached_tokens[2] == 1024
+    else:
+        assert log.predicted_cached_tokens[2] == 0
