@@ -81,6 +81,9 @@ from loadtests.stats import summarize
 
 REPO = Path(__file__).resolve().parent.parent
 PREDICTED_SERIES = re.compile(r"^fleet_router_prefix_cache_(hits|predicted_hits)_total")
+RESILIENCE_SERIES = re.compile(r"^fleet_router_(retries|first_token_timeouts|endpoint_ejections)_total")
+"""What Fleet's routers did besides routing once: retries, first-token deadlines missed, ejections
+(each moves a request, or the next ones, off the endpoint the policy chose)."""
 TRACES = REPO / "loadtests" / "traces"
 TRACE_FILES = {"code": TRACES / "azure-llm-2023" / "code.csv", "conv": TRACES / "azure-llm-2023" / "conv.csv",
                "mooncake": TRACES / "mooncake-fast25" / "synthetic_trace.jsonl"}
@@ -310,6 +313,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             hits, queries = prefix_cache_tokens(sims.urls)
             kv_seen = [scrape(base, KV_SERIES) for _, base in routers] if kv_ports and kind == "fleet" else []
             predicted = [scrape(base, PREDICTED_SERIES) for _, base in routers] if kind == "fleet" else []
+            resilience = [scrape(base, RESILIENCE_SERIES) for _, base in routers] if kind == "fleet" else []
         finally:
             for proc, _ in routers:
                 proc.terminate()
@@ -331,6 +335,10 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                 for name in ("fleet_router_prefix_cache_hits_total", "fleet_router_prefix_cache_predicted_hits_total")}
         actual, expected = seen["fleet_router_prefix_cache_hits_total"], seen["fleet_router_prefix_cache_predicted_hits_total"]
         summary["predicted_over_actual_hits"] = expected / actual if actual else None
+    if resilience:   # summed over the routers, all labels
+        summary["router_resilience"] = {
+            name: sum(v for m in resilience for k, v in m.items() if k.startswith(f"fleet_router_{name}_total"))
+            for name in ("retries", "first_token_timeouts", "endpoint_ejections")}
     summary["router_cpu_ms_per_request"] = 1e3 * router_cpu_s / max(1, len(records))
     summary["wall_s"] = wall_s
     return summary
