@@ -71,6 +71,7 @@ while they arrive the view is the engine's own size (27,000 blocks: ~6 MiB)."""
 KEY_ROOT = 0x6B76_E7E4_7EED
 """The parent key of a prompt's first block (any fixed int: keys must agree across routers)."""
 
+
 class Claim(NamedTuple):
     """Blocks a router sent to an endpoint for prefill and claimed there (`ExactIndex.expect`):
     what its peers are told, so that they too send the next request sharing the prefix there."""
