@@ -82,6 +82,8 @@ from loadtests.stats import summarize
 REPO = Path(__file__).resolve().parent.parent
 PREDICTED_SERIES = re.compile(r"^fleet_router_prefix_cache_(hits|predicted_hits)_total")
 RESILIENCE_SERIES = re.compile(r"^fleet_router_(retries|first_token_timeouts|endpoint_ejections)_total")
+ENDPOINT_REQUESTS_SERIES = re.compile(r"^fleet_router_requests_total\{")
+ENDPOINT_LABEL = re.compile(r'endpoint="([^"]*)"')
 """What Fleet's routers did besides routing once: retries, first-token deadlines missed, ejections
 (each moves a request, or the next ones, off the endpoint the policy chose)."""
 TRACES = REPO / "loadtests" / "traces"
@@ -314,6 +316,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             kv_seen = [scrape(base, KV_SERIES) for _, base in routers] if kv_ports and kind == "fleet" else []
             predicted = [scrape(base, PREDICTED_SERIES) for _, base in routers] if kind == "fleet" else []
             resilience = [scrape(base, RESILIENCE_SERIES) for _, base in routers] if kind == "fleet" else []
+            answered = [scrape(base, ENDPOINT_REQUESTS_SERIES) for _, base in routers] if kind == "fleet" else []
         finally:
             for proc, _ in routers:
                 proc.terminate()
@@ -339,6 +342,14 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
         summary["router_resilience"] = {
             name: sum(v for m in resilience for k, v in m.items() if k.startswith(f"fleet_router_{name}_total"))
             for name in ("retries", "first_token_timeouts", "endpoint_ejections")}
+    if answered:   # requests each endpoint answered, summed over the routers (where the policy sent them)
+        per_endpoint: dict[str, float] = {}
+        for m in answered:
+            for k, v in m.items():
+                found = ENDPOINT_LABEL.search(k)
+                if found:
+                    per_endpoint[found.group(1)] = per_endpoint.get(found.group(1), 0) + v
+        summary["requests_per_endpoint"] = dict(sorted(per_endpoint.items()))
     summary["router_cpu_ms_per_request"] = 1e3 * router_cpu_s / max(1, len(records))
     summary["wall_s"] = wall_s
     return summary
