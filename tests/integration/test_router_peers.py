@@ -52,17 +52,22 @@ def others_in_flight(base: str) -> float:
     return peers(base)["load"].get("m", {}).get("e0", [0])[0]
 
 
+def peer_routers(ports: list[int], bases: list[str]) -> list[subprocess.Popen]:
+    """Two `python -m router` processes on `ports`, each with the other as its `--peers`."""
+    return [subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(ports[i]),
+                              "--peers", bases[1 - i], "--router-id", f"r{i}"],
+                             env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": TOKEN}, cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+            for i in (0, 1)]
+
+
 def test_two_routers_exchange_load_reports() -> None:
     silent = socket.socket()   # accepts connections (the backlog) and never answers
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)
     ports = [free_port(), free_port()]
     bases = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = [subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(ports[i]),
-                               "--peers", bases[1 - i], "--router-id", f"r{i}"],
-                              env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": TOKEN}, cwd=REPO,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-             for i in (0, 1)]
+    procs = peer_routers(ports, bases)
     try:
         for proc in procs:
             assert proc.stdout is not None and proc.stdout.readline().startswith("fleet router listening")
@@ -128,11 +133,7 @@ def test_a_prompt_sent_for_prefill_is_claimed_at_both_routers(tmp_path: Path) ->
                                "--kv-events-config", json.dumps(config)],
                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     bases = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = [subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(ports[i]),
-                               "--peers", bases[1 - i], "--router-id", f"r{i}"],
-                              env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": TOKEN}, cwd=REPO,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-             for i in (0, 1)]
+    procs = peer_routers(ports, bases)
     try:
         for proc in procs:
             assert proc.stdout is not None and proc.stdout.readline().startswith("fleet router listening")
