@@ -43,7 +43,7 @@ from autoscaler.spec import AutoscalingSpec
 from fleet.enginesim.profiles import get_profile
 from fleet.tracesim.engine import SimConfig, Simulation
 from fleet.tracesim.results import nearest_rank
-from fleet.tracesim.workload import Workload, replica_capacity_per_s
+from fleet.tracesim.workload import Workload, jitter_arrivals, replica_capacity_per_s
 from fleet.tracesim.traces import load_trace
 from router.policies import make_policy
 
@@ -114,7 +114,10 @@ def main() -> None:
                         help="comma-separated load signals, each `name[:interval_ms]`: own, engine, engine-prefill, "
                              "peers (SimConfig.load_signal)")
     parser.add_argument("--ttft-slo-s", type=float, default=2.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the prompts' token ids, and the arrival jitter's draw")
+    parser.add_argument("--arrival-jitter-ms", type=float, default=0.0,
+                        help="delay each arrival by a uniform draw below this (ms, seeded by --seed), so close "
+                             "arrivals may swap as in a live replay; 0 (default): the trace's order")
     parser.add_argument("--policies", default="round-robin,least-outstanding,latency-aware,kv-aware",
                         help="comma-separated; ';' separates policies that carry parameters")
     parser.add_argument("--json-out", type=Path)
@@ -124,7 +127,8 @@ def main() -> None:
     base = Workload.from_trace(load_trace(args.trace).window(args.start_s, args.window_s), profile)
     capacity = replica_capacity_per_s(base.trace, profile)
     speedup = args.load * args.replicas * capacity / base.trace.mean_rate_per_s()
-    workload = replace(base, trace=base.trace.compressed(speedup), speedup=speedup)
+    trace = jitter_arrivals(base.trace.compressed(speedup), args.arrival_jitter_ms / 1000, args.seed)
+    workload = replace(base, trace=trace, speedup=speedup)
     print(f"{args.trace.name}: {len(workload.requests)} requests ({base.clipped} clipped to {profile.config.max_model_len} "
           f"tokens), one replica {capacity:.3f} req/s saturated, speedup x{speedup:.3f} -> "
           f"{workload.trace.mean_rate_per_s():.2f} req/s on {args.replicas} replicas ({args.load:.0%} load), "

@@ -98,7 +98,7 @@ class _View:
     """One endpoint's blocks and stream facts."""
 
     __slots__ = ("bit", "blocks", "block_tokens", "connected", "complete", "last_seq", "events", "skipped_blocks",
-                 "stored_blocks", "orphan_blocks")
+                 "stored_blocks", "orphan_blocks", "claims")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
@@ -111,6 +111,7 @@ class _View:
         self.skipped_blocks = 0
         self.stored_blocks = 0   # blocks of BlockStored events entered in the view (since it was created)
         self.orphan_blocks = 0   # ... left out because their parent was not in the view
+        self.claims = 0   # (key, this endpoint) entries in `ExactIndex._expected`: claimed, not yet stored
 
 
 def _chain(parent_key: int, block: tuple[int, ...]) -> int:
@@ -262,8 +263,10 @@ class ExactIndex:
             start += size
             if expected:
                 waiting = expected.get(key)
-                if waiting is not None and waiting.pop(bit, None) is not None and not waiting:
-                    del expected[key]
+                if waiting is not None and waiting.pop(bit, None) is not None:
+                    view.claims -= 1
+                    if not waiting:
+                        del expected[key]
             eh = h if type(h) is int else int.from_bytes(h[-8:], "big")  # engine_hash, inlined
             old = blocks.get(eh)
             if old is None:
@@ -332,6 +335,7 @@ class ExactIndex:
                     continue
                 waiting[bit] = until_s
             claimed.append(key)
+        view.claims += len(claimed)
         return claimed
 
     def _count_expect(self, now_s: float) -> None:
@@ -346,10 +350,13 @@ class ExactIndex:
 
     def _sweep_expected(self, now_s: float) -> None:
         expected = self._expected
+        views = self._views
+        by_bit = self._by_bit
         for key in list(expected):
             waiting = expected[key]
             for bit in [b for b, until_s in waiting.items() if until_s < now_s]:
                 del waiting[bit]
+                views[by_bit[bit]].claims -= 1
             if not waiting:
                 del expected[key]
 
@@ -464,6 +471,23 @@ class ExactIndex:
         view = self._views.get(endpoint_id)
         return (view.stored_blocks, view.orphan_blocks) if view is not None else (0, 0)
 
+    def placed_blocks(self, endpoint_id: str) -> int:
+        """Blocks of new prompt content the endpoint has taken: the blocks its engine reported
+        stored since the endpoint was first seen (`store_counts`, never decreasing: evictions do
+        not take them back), plus the blocks claimed there and not stored yet (`expect`, this
+        router's and its peers' claims). `kv-aware` sends a new conversation to the endpoint
+        with the fewest (`DEFAULT_NEW_PREFIX_SLACK` in `router.policies`), as `cache_aware` sends
+        it to its smallest tree; every router reads the same engines' events, so they agree.
+        0 for an unknown endpoint."""
+        view = self._views.get(endpoint_id)
+        return view.stored_blocks + view.claims if view is not None else 0
+
+    def claimed_blocks(self, endpoint_id: str) -> int:
+        """Blocks claimed at the endpoint (`expect`, `expect_keys`) and neither stored, cleared nor
+        swept yet (expired claims count until the next sweep); 0 for an unknown endpoint."""
+        view = self._views.get(endpoint_id)
+        return view.claims if view is not None else 0
+
     def __len__(self) -> int:
         """Entries held, summed over endpoints (the memory bound's unit)."""
         return sum(len(v.blocks) for v in self._views.values())
@@ -521,6 +545,7 @@ class ExactIndex:
                 del waiting[bit]
                 if not waiting:
                     del expected[key]
+        view.claims = 0
 
     def _drop_holder(self, key: int, bit: int) -> None:
         mask = self._holders.get(key, 0) & ~bit

@@ -80,6 +80,24 @@ def scale_rate(trace: Trace, k: int, seed: int = 0) -> Trace:
     return Trace(trace.name, tuple(out))
 
 
+def jitter_arrivals(trace: Trace, max_s: float, seed: int = 0) -> Trace:
+    """Every arrival later by a seeded uniform draw in ``[0, max_s)`` seconds, re-sorted: arrivals
+    closer than ``max_s`` may swap, as they do when a live replay's requests race to the router
+    (loadtests/sim_routing.py ``--arrival-jitter-ms``). A routing policy's hits on the Mooncake
+    trace move by a few tenths of a point with the order (docs/routing.md, "New conversations
+    where the least was stored"), so comparisons average over draws. ``max_s`` 0: the trace as it is.
+
+    Raises ValueError for a negative ``max_s``."""
+    if max_s < 0:
+        raise ValueError(f"arrival jitter must be >= 0 s, got {max_s}")
+    if max_s == 0:
+        return trace
+    rng = random.Random(seed)
+    moved = [replace(r, arrival_s=r.arrival_s + rng.random() * max_s) for r in trace.requests]
+    moved.sort(key=lambda r: r.arrival_s)
+    return Trace(trace.name, tuple(moved))
+
+
 def prompt_ids(index: int, r: TraceRequest, seed: int = 0) -> list[int]:
     """``r.prompt_tokens`` token ids: the prefix blocks first (``r.prefix_block_tokens`` ids
     each, which depend on the block id and the seed only, so equal leading blocks hit the

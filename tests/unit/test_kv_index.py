@@ -201,6 +201,38 @@ def test_a_peers_claim_is_taken_by_key_and_skips_what_the_view_holds() -> None:
     assert receiver.expected_blocks() == 0 and receiver.match(ids) == {"a": 6 * BS}
 
 
+def test_placed_blocks_are_the_blocks_stored_plus_the_claims_not_yet_stored() -> None:
+    """`placed_blocks`: every block the engine reported stored (evictions do not take it back)
+    and every claim, this router's or a peer's, until it is stored, cleared or swept."""
+    engine, index = Engine(), ExactIndex()
+    for e in ("a", "b"):
+        index.open(e)
+    index.apply("a", batch(engine.stored(prompt(2, base=5000))))
+    index.apply("b", batch(engine.stored(prompt(1, base=6000))))
+    assert (index.placed_blocks("a"), index.placed_blocks("b"), index.placed_blocks("z")) == (2, 1, 0)
+    ids = prompt(6)
+    index.expect("b", ids, until_s=10.0, now_s=0.0)
+    assert index.placed_blocks("b") == 7 and index.claimed_blocks("b") == 6
+    index.expect("b", ids, until_s=12.0, now_s=1.0)                 # claimed again: not counted twice
+    assert index.placed_blocks("b") == 7
+    index.apply("b", batch(engine.stored(ids[:4 * BS])))            # 4 of the 6 stored: claim to store
+    assert index.placed_blocks("b") == 7 and index.claimed_blocks("b") == 2
+    index.apply("b", batch(BlockRemoved(engine.hashes(ids)[:4])))   # evicted: still placed there
+    assert index.placed_blocks("b") == 7
+    peer = prompt(3, base=9000)
+    other = ExactIndex()                                            # a peer's claim arrives as keys
+    other.open("a")
+    other.apply("a", batch(engine.stored(prompt(1, base=5000))))
+    keys = other.expect("a", peer, until_s=5.0, now_s=0.0)
+    assert index.expect_keys("a", keys, until_s=5.0, now_s=0.0) == keys
+    assert index.placed_blocks("a") == 5 and index.claimed_blocks("a") == 3
+    for _ in range(256):                                            # expired claims go at the sweep
+        index.expect("a", prompt(0), until_s=99.0, now_s=6.0)
+    assert index.claimed_blocks("a") == 0 and index.placed_blocks("a") == 2
+    index.apply("b", batch(AllBlocksCleared()))                     # a cleared view drops its claims
+    assert index.claimed_blocks("b") == 0 and index.placed_blocks("b") == 5
+
+
 # ----- kv-aware on the exact index -----------------------------------------------------------------
 
 
@@ -296,3 +328,60 @@ def test_kv_aware_without_token_ids_uses_the_approximate_index() -> None:
     again = route_request({"prompt": text})
     assert again.token_ids is None
     assert policy.choose([a, b], again, 0.0) is first and again.cached_tokens > 0
+
+
+def _new_conversation_pool(stored: dict[str, int]) -> tuple[ExactIndex, list[EndpointState]]:
+    """An exact index whose endpoints' engines stored `stored[e]` blocks of unrelated prompts."""
+    engine, index = Engine(), ExactIndex()
+    for n, (e, blocks) in enumerate(stored.items()):
+        index.open(e)
+        index.apply(e, batch(engine.stored(prompt(blocks, base=100_000 * (n + 1), tail=0))))
+    return index, [EndpointState(e, f"http://127.0.0.1/{e}") for e in stored]
+
+
+def test_kv_aware_starts_a_new_conversation_where_the_engines_stored_least() -> None:
+    """With the events live, a prompt no endpoint holds goes to the endpoint whose engine has
+    taken the fewest blocks (among those near the cheapest), whatever its hash; every router
+    reading the same events chooses alike; its claim counts at once, so the next new
+    conversation goes elsewhere."""
+    ids = prompt(20)
+    chosen = []
+    for _ in range(2):   # two routers, each with its own index of the same events
+        index, endpoints = _new_conversation_pool({"a": 9, "b": 3, "c": 6})
+        policy = KvAware()
+        policy.use_exact_index(index)
+        chosen.append(policy.choose(endpoints, route_request({"prompt": ids, "max_tokens": 4}), 0.0).id)
+    assert chosen == ["b", "b"]
+    assert index.placed_blocks("b") == 3 + 20
+    nxt = policy.choose(endpoints, route_request({"prompt": prompt(20, base=50_000), "max_tokens": 4}), 0.0)
+    assert nxt.id == "c"
+
+
+def test_kv_aware_new_conversation_keeps_load_and_session_and_needs_live_views() -> None:
+    """The fewest-blocks choice is only among endpoints within `new_prefix_slack` of the
+    cheapest; a session key keeps the rendezvous choice; an endpoint without a live view
+    makes the rendezvous choice decide."""
+    ids = prompt(20)
+    index, (a, b) = _new_conversation_pool({"a": 9, "b": 3})
+    policy = KvAware()
+    policy.use_exact_index(index)
+    b.start(20 * BS)      # b holds less but has a whole prompt queued: outside the slack
+    assert policy.choose([a, b], route_request({"prompt": ids, "max_tokens": 4}), 0.0) is a
+
+    def rendezvous(endpoints: list[EndpointState], request) -> str:
+        return KvAware().choose(endpoints, request, 0.0).id   # no exact view: the rendezvous choice
+
+    sessions = {f"user-{i}": prompt(20, base=1000 * i) for i in range(1, 40)}
+    index, endpoints = _new_conversation_pool({"a": 9, "b": 3})
+    policy = KvAware()
+    policy.use_exact_index(index)
+    picks = [policy.choose(endpoints, route_request({"prompt": p, "max_tokens": 4}, s), 0.0).id for s, p in sessions.items()]
+    expected = [rendezvous(endpoints, route_request({"prompt": p, "max_tokens": 4}, s)) for s, p in sessions.items()]
+    assert picks == expected and set(picks) == {"a", "b"}   # by session hash, not by the blocks stored
+    index, endpoints = _new_conversation_pool({"a": 9, "b": 3})
+    index.stream_down("b")
+    policy = KvAware()
+    policy.use_exact_index(index)
+    firsts = [prompt(20, base=1000 * i) for i in range(1, 40)]
+    picks = {policy.choose(endpoints, route_request({"prompt": p, "max_tokens": 4}), 0.0).id for p in firsts}
+    assert picks == {"a", "b"}                      # by hash of the first block, as before

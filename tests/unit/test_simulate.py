@@ -20,6 +20,7 @@ from fleet.tracesim.results import RequestLog, SimResult, TickRecord
 from fleet.tracesim.workload import (
     FleetSizing,
     Workload,
+    jitter_arrivals,
     replica_capacity_per_s,
     scale_rate,
 )
@@ -183,6 +184,23 @@ def test_rate_scale_keeps_the_time_axis_and_multiplies_every_gap() -> None:
         assert sum(a.arrival_s <= t < b.arrival_s for t in times) == 3
     with pytest.raises(ValueError, match="rate scale"):
         scale_rate(base, 0)
+
+
+def test_arrival_jitter_delays_each_arrival_by_less_than_its_bound_and_swaps_only_close_ones() -> None:
+    base = Trace("t", tuple(TraceRequest(t, 64 + i, 8) for i, t in enumerate([0.0, 0.001, 0.002, 1.0, 2.0, 2.004])))
+    moved = jitter_arrivals(base, 0.01, seed=3)
+    times = [r.arrival_s for r in moved.requests]
+    assert times == sorted(times) and len(times) == len(base.requests)
+    by_prompt = {r.prompt_tokens: r.arrival_s for r in moved.requests}
+    assert all(0 <= by_prompt[r.prompt_tokens] - r.arrival_s < 0.01 for r in base.requests)
+    order = [r.prompt_tokens for r in moved.requests]
+    assert set(order[:3]) == {64, 65, 66} and order[3] == 67 and set(order[4:]) == {68, 69}
+    draws = {tuple(r.prompt_tokens for r in jitter_arrivals(base, 0.01, seed=s).requests) for s in range(20)}
+    assert len(draws) > 1                                  # close arrivals do swap
+    assert jitter_arrivals(base, 0.01, seed=3) == moved    # the same draw for the same seed
+    assert jitter_arrivals(base, 0.0) is base
+    with pytest.raises(ValueError, match="jitter"):
+        jitter_arrivals(base, -0.001)
 
 
 def test_contenders_share_everything_but_the_policy() -> None:
