@@ -128,7 +128,7 @@ hashing placed a conversation by a hash of its first block (a lottery: the simul
 the hits by up to 1.3 points). In the trace simulator (Mooncake tuning windows, two routers, KV
 events, the peers' load, 80% and 90%, six draws of token ids and arrival order; docs/routing.md,
 "New conversations where the least was stored"): prefix-cache hits the same as before (30.80%
-against 30.74%, `cache-aware` 30.76%), p99 TTFT lower in each of the six window-load cells
+against 30.73%, `cache-aware` 30.76%), p99 TTFT lower in each of the six window-load cells
 (by 1-8%). 0.05 routes Azure `code` and `conv` as before (p99 TTFT 6.528 s and 0.346 s); 0.1
 found as many hits but cost `code` 1.5% of p99 TTFT."""
 
