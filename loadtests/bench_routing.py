@@ -82,10 +82,12 @@ from loadtests.stats import summarize
 REPO = Path(__file__).resolve().parent.parent
 PREDICTED_SERIES = re.compile(r"^fleet_router_prefix_cache_(hits|predicted_hits)_total")
 RESILIENCE_SERIES = re.compile(r"^fleet_router_(retries|first_token_timeouts|endpoint_ejections)_total")
-ENDPOINT_REQUESTS_SERIES = re.compile(r"^fleet_router_requests_total\{")
-ENDPOINT_LABEL = re.compile(r'endpoint="([^"]*)"')
 """What Fleet's routers did besides routing once: retries, first-token deadlines missed, ejections
 (each moves a request, or the next ones, off the endpoint the policy chose)."""
+ENDPOINT_REQUESTS_SERIES = re.compile(r"^fleet_router_requests_total\{")
+ENDPOINT_LABEL = re.compile(r'endpoint="([^"]*)"')
+"""Requests each endpoint answered, from the routers' `fleet_router_requests_total{endpoint=...}`:
+where the policy sent them (`requests_per_endpoint` in the summary)."""
 TRACES = REPO / "loadtests" / "traces"
 TRACE_FILES = {"code": TRACES / "azure-llm-2023" / "code.csv", "conv": TRACES / "azure-llm-2023" / "conv.csv",
                "mooncake": TRACES / "mooncake-fast25" / "synthetic_trace.jsonl"}

@@ -482,12 +482,6 @@ class ExactIndex:
         view = self._views.get(endpoint_id)
         return view.stored_blocks + view.claims if view is not None else 0
 
-    def claimed_blocks(self, endpoint_id: str) -> int:
-        """Blocks claimed at the endpoint (`expect`, `expect_keys`) and neither stored, cleared nor
-        swept yet (expired claims count until the next sweep); 0 for an unknown endpoint."""
-        view = self._views.get(endpoint_id)
-        return view.claims if view is not None else 0
-
     def __len__(self) -> int:
         """Entries held, summed over endpoints (the memory bound's unit)."""
         return sum(len(v.blocks) for v in self._views.values())

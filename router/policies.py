@@ -425,6 +425,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         held = (exact.match(token_ids, rebuilding=True, now_s=now_s if pending else None)
                 if exact is not None and token_ids else None)  # fmt: skip
         hits: dict[str, int] = {}
+        viewed: set[str] = set()   # endpoints with an exact view (live or rebuilding)
         for e in candidates:
             believed = min(prompt, matched.get(e.id, 0) * ROUTER_BLOCK_TOKENS)
             if held is None:
@@ -433,8 +434,10 @@ class KvAware(RoutingPolicy, name="kv-aware"):
             state = exact.state(e.id)  # type: ignore[union-attr]
             if state is StreamState.LIVE:
                 hits[e.id] = min(prompt, held.get(e.id, 0))
+                viewed.add(e.id)
             elif state is StreamState.REBUILDING:   # a lower bound: what either view knows is held
                 hits[e.id] = max(believed, min(prompt, held.get(e.id, 0)))
+                viewed.add(e.id)
             else:
                 hits[e.id] = believed
         if n > 1:
@@ -460,7 +463,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         key = request.affinity_key()
         chosen = None
         if held is not None and request.session_key is None and max(hits.values()) <= self.prefix_share * prompt:
-            chosen = self._new_conversation(eligible, costs, best + self.new_prefix_slack * prompt, key)
+            chosen = self._new_conversation(eligible, costs, best + self.new_prefix_slack * prompt, key, viewed)
         if chosen is None:
             if key is not None and not any(hits.values()):
                 limit = best + self.affinity_slack * prompt
@@ -480,17 +483,17 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         return chosen
 
     def _new_conversation(self, eligible: Sequence[EndpointState], costs: Sequence[float], limit: float,
-                          key: int | None) -> EndpointState | None:  # fmt: skip
+                          key: int | None, viewed: set[str]) -> EndpointState | None:  # fmt: skip
         """Of the `eligible` endpoints costing at most `limit`, the one that has taken the fewest
         blocks (`ExactIndex.placed_blocks`; ties by rendezvous on `key`, else in turn): step 3 of
-        the class docstring with the engines' events live. None if one of them has no exact view
-        (its count would be stale), and the rendezvous choice decides."""
+        the class docstring with the engines' events live. None if one of them is not in
+        `viewed` (no exact view: its count would be stale), and the rendezvous choice decides."""
         exact = self.exact
         near: list[EndpointState] = []
         placed: list[int] = []
         for e, c in zip(eligible, costs):
             if c <= limit:
-                if exact.state(e.id) not in _EXACT_STATES:  # type: ignore[union-attr]
+                if e.id not in viewed:
                     return None
                 near.append(e)
                 placed.append(exact.placed_blocks(e.id))  # type: ignore[union-attr]
@@ -507,8 +510,6 @@ class KvAware(RoutingPolicy, name="kv-aware"):
             h = self._endpoint_hash[endpoint_id] = _mix64(zlib.crc32(endpoint_id.encode()))
         return _mix64(_mix64(key & _MASK64) ^ h)
 
-
-_EXACT_STATES = (StreamState.LIVE, StreamState.REBUILDING)
 
 CACHE_AWARE_TREE_CHARS = 33_554_432
 """vllm-router's ``--max-tree-size`` default: the characters of prompt text its `cache_aware` tree

@@ -201,6 +201,11 @@ def test_a_peers_claim_is_taken_by_key_and_skips_what_the_view_holds() -> None:
     assert receiver.expected_blocks() == 0 and receiver.match(ids) == {"a": 6 * BS}
 
 
+def claimed(index: ExactIndex, endpoint_id: str) -> int:
+    """Blocks claimed at the endpoint and not stored: what `placed_blocks` adds to the stored ones."""
+    return index.placed_blocks(endpoint_id) - index.store_counts(endpoint_id)[0]
+
+
 def test_placed_blocks_are_the_blocks_stored_plus_the_claims_not_yet_stored() -> None:
     """`placed_blocks`: every block the engine reported stored (evictions do not take it back)
     and every claim, this router's or a peer's, until it is stored, cleared or swept."""
@@ -212,11 +217,11 @@ def test_placed_blocks_are_the_blocks_stored_plus_the_claims_not_yet_stored() ->
     assert (index.placed_blocks("a"), index.placed_blocks("b"), index.placed_blocks("z")) == (2, 1, 0)
     ids = prompt(6)
     index.expect("b", ids, until_s=10.0, now_s=0.0)
-    assert index.placed_blocks("b") == 7 and index.claimed_blocks("b") == 6
+    assert index.placed_blocks("b") == 7 and claimed(index, "b") == 6
     index.expect("b", ids, until_s=12.0, now_s=1.0)                 # claimed again: not counted twice
     assert index.placed_blocks("b") == 7
     index.apply("b", batch(engine.stored(ids[:4 * BS])))            # 4 of the 6 stored: claim to store
-    assert index.placed_blocks("b") == 7 and index.claimed_blocks("b") == 2
+    assert index.placed_blocks("b") == 7 and claimed(index, "b") == 2
     index.apply("b", batch(BlockRemoved(engine.hashes(ids)[:4])))   # evicted: still placed there
     assert index.placed_blocks("b") == 7
     peer = prompt(3, base=9000)
@@ -225,12 +230,12 @@ def test_placed_blocks_are_the_blocks_stored_plus_the_claims_not_yet_stored() ->
     other.apply("a", batch(engine.stored(prompt(1, base=5000))))
     keys = other.expect("a", peer, until_s=5.0, now_s=0.0)
     assert index.expect_keys("a", keys, until_s=5.0, now_s=0.0) == keys
-    assert index.placed_blocks("a") == 5 and index.claimed_blocks("a") == 3
+    assert index.placed_blocks("a") == 5 and claimed(index, "a") == 3
     for _ in range(256):                                            # expired claims go at the sweep
         index.expect("a", prompt(0), until_s=99.0, now_s=6.0)
-    assert index.claimed_blocks("a") == 0 and index.placed_blocks("a") == 2
+    assert claimed(index, "a") == 0 and index.placed_blocks("a") == 2
     index.apply("b", batch(AllBlocksCleared()))                     # a cleared view drops its claims
-    assert index.claimed_blocks("b") == 0 and index.placed_blocks("b") == 5
+    assert claimed(index, "b") == 0 and index.placed_blocks("b") == 5
 
 
 # ----- kv-aware on the exact index -----------------------------------------------------------------
@@ -383,5 +388,6 @@ def test_kv_aware_new_conversation_keeps_load_and_session_and_needs_live_views()
     policy = KvAware()
     policy.use_exact_index(index)
     firsts = [prompt(20, base=1000 * i) for i in range(1, 40)]
-    picks = {policy.choose(endpoints, route_request({"prompt": p, "max_tokens": 4}), 0.0).id for p in firsts}
-    assert picks == {"a", "b"}                      # by hash of the first block, as before
+    picks = [policy.choose(endpoints, route_request({"prompt": p, "max_tokens": 4}), 0.0).id for p in firsts]
+    expected = [rendezvous(endpoints, route_request({"prompt": p, "max_tokens": 4})) for p in firsts]
+    assert picks == expected and set(picks) == {"a", "b"}   # by hash of the first block, as before
