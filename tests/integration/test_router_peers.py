@@ -15,6 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "peers-admin-token"
 
@@ -29,6 +31,15 @@ def metric(base: str, name: str) -> float | None:
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
         m = re.search(rf"^{re.escape(name)} (\S+)$", resp.read().decode(), re.M)
     return float(m.group(1)) if m else None
+
+
+def answered_by(base: str, endpoint: str) -> float:
+    """Requests the router sent to `endpoint` that it answered 200 (`fleet_router_requests_total`)."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "fleet_router_requests_total" and s.labels.get("endpoint") == endpoint
+               and s.labels.get("code") == "200")  # fmt: skip
 
 
 def hang(base: str) -> None:
@@ -185,6 +196,98 @@ def test_a_prompt_sent_for_prefill_is_claimed_at_both_routers(tmp_path: Path) ->
         for proc in [*procs, engine]:
             proc.terminate()
         for proc in [*procs, engine]:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def test_two_routers_place_new_conversations_where_the_engines_stored_least(tmp_path: Path) -> None:
+    """Two simulated engines publishing their KV events and two `python -m router --peers`
+    processes, requests alternating between the routers (as behind a Kubernetes Service). Each
+    new conversation (a prompt no engine holds) goes to the endpoint whose engine has stored the
+    fewest blocks (`router.policies.KvAware`, step 3; `router.kv_index.ExactIndex.placed_blocks`),
+    whichever router takes it: with prompts of one length, sent one after another, the second of
+    each pair goes to the engine the first did not, so the engines' stored blocks never differ by
+    more than one prompt. Placing by the prompt's hash alone (the rule before) sends these eight
+    prompts 3 / 5, the first three to one engine (checked by breaking the rule)."""
+    engines, urls, kvs = [], [], []
+    for i in (0, 1):
+        pub, replay = free_port(), free_port()
+        ports_file = tmp_path / f"engine{i}.json"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                  "replay_endpoint": f"tcp://*:{replay}", "topic": ""}
+        engines.append(subprocess.Popen([sys.executable, "-m", "fleet.enginesim", "--model", "sim://h100-llama-8b",
+                                         "--served-model-name", "m", "--port", "0", "--ports-file", str(ports_file),
+                                         "--kv-events-config", json.dumps(config)],
+                                        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+        kvs.append({"publisher": f"tcp://127.0.0.1:{pub}", "replay": f"tcp://127.0.0.1:{replay}"})
+    ports = [free_port(), free_port()]
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    procs = peer_routers(ports, bases)
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().startswith("fleet router listening")
+        for i in (0, 1):
+            ports_file = tmp_path / f"engine{i}.json"
+            deadline = time.monotonic() + 60
+            while not (ports_file.exists() and ports_file.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            urls.append(json.loads(ports_file.read_text())["urls"][0])
+        pool = json.dumps({"policy": "kv-aware",
+                           "endpoints": [{"id": f"e{i}", "url": urls[i], "kv_events": kvs[i]} for i in (0, 1)]})
+        for base in bases:
+            req = urllib.request.Request(f"{base}/admin/v1/pools/m", data=pool.encode(), method="PUT",
+                                         headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+            urllib.request.urlopen(req, timeout=10).close()
+
+        def complete(base: str, ids: list[int]) -> None:
+            req = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode())
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert resp.status == 200
+
+        def blocks(base: str) -> list[float]:
+            return [metric(base, f'fleet_router_kv_index_blocks{{endpoint="e{i}",model="m"}}') or 0 for i in (0, 1)]
+
+        def live(base: str) -> bool:
+            return all(metric(base, f'fleet_router_kv_stream_live{{endpoint="e{i}",model="m"}}') == 1.0
+                       for i in (0, 1))  # fmt: skip
+
+        def settle(want: float) -> None:
+            """Until both routers' views hold `want` blocks in all (the engines' events arrived)."""
+            deadline = time.monotonic() + 30
+            while not all(sum(blocks(b)) == want for b in bases) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert [sum(blocks(b)) for b in bases] == [want, want]
+
+        deadline = time.monotonic() + 60
+        while not all(live(b) for b in bases) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(live(b) for b in bases)
+        # Each engine stores one 4-block prompt sent to it directly: both views learn the block size.
+        for i in (0, 1):
+            req = urllib.request.Request(f"{urls[i]}/v1/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "m", "prompt": list(range(100 + 64 * i, 164 + 64 * i)),
+                                                          "max_tokens": 1}).encode())  # fmt: skip
+            urllib.request.urlopen(req, timeout=60).close()
+        settle(8)
+        held = 8
+        for n in range(8):   # eight new conversations of 64 tokens (4 blocks), alternating routers
+            complete(bases[n % 2], list(range(5000 + 64 * n, 5064 + 64 * n)))
+            held += 4
+            settle(held)
+            counts = blocks(bases[0])
+            assert blocks(bases[1]) == counts   # both routers read the same engines
+            assert abs(counts[0] - counts[1]) <= 4, f"after prompt {n}: {counts}"
+            if n % 2:
+                assert counts[0] == counts[1], f"after prompt {n}: {counts}"
+        answered = [sum(answered_by(b, f"e{i}") for b in bases) for i in (0, 1)]
+        assert answered == [4.0, 4.0]   # the engines' direct prompts went past the routers
+    finally:
+        for proc in [*procs, *engines]:
+            proc.terminate()
+        for proc in [*procs, *engines]:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
