@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from autoscaler.policy import ReplicaBounds
+from autoscaler.spec import AutoscalingSpec
 from fleet.tracesim.traces import TraceRequest
 from loadtests.bench_routing import AlternatingSender, KvEventPorts, parse_target, target_label, target_options
 from loadtests.faultload import FaultLoad
@@ -168,3 +170,35 @@ def test_kv_event_ports_follow_the_simulators_offset_per_replica() -> None:
                                                       f"tcp://127.0.0.1:{ports.pub[1]}"]
     assert target_label("fleet:kv-aware@2", 1, {"kv_events": True, "peers": True}) == \
         "fleet:kv-aware, 2 routers, KV events, peers"
+
+
+def test_the_scale_up_run_adds_one_replica_at_the_join() -> None:
+    """`loadtests/sim_scale_up.py`: the pool runs one replica short until `--join-s`, then the
+    last replica joins and takes requests only once it is ready."""
+    from dataclasses import replace as replaced
+
+    from fleet.enginesim.profiles import get_profile
+    from fleet.tracesim.engine import SimConfig, Simulation
+    from fleet.tracesim.traces import load_trace
+    from fleet.tracesim.workload import Workload
+    from loadtests.sim_scale_up import TRACE, JoinAt, run
+    from router.policies import KvAware
+
+    profile = get_profile("h100-llama-8b").with_overrides(max_model_len=32768)
+    base = Workload.from_trace(load_trace(TRACE).window(600, 20), profile)
+    workload = replaced(base, trace=base.trace.compressed(2.0), speedup=2.0)
+    args = argparse.Namespace(replicas=3, join_s=4.0, startup_s=1.0, seed=0)
+    JoinAt.at_s = args.join_s
+    row = run("fewest stored", KvAware, workload, profile, args)
+    assert row["failed"] == 0 and row["after_requests"] > 0
+    assert 0 < row["joined_share"] <= 1
+    # The same run, read request by request: nothing reaches replica 2 before the join plus its start-up.
+    cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy=JoinAt.name), bounds=ReplicaBounds(2, 3, 2),
+                    routing_policy="kv-aware", routers=2, load_signal="peers", load_interval_s=0.01, kv_events=True,
+                    warm_startup_s=1.0, cold_startup_s=1.0)  # fmt: skip
+    sim = Simulation(cfg, workload)
+    sim.routings = [KvAware(), KvAware()]
+    sim.routing = sim.routings[0]
+    log = sim.run().requests
+    joined = [log.dispatch_s[i] for i in range(len(log)) if log.replica[i] == 2]
+    assert joined and min(joined) >= args.join_s + 1.0
