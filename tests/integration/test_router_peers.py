@@ -63,30 +63,81 @@ def others_in_flight(base: str) -> float:
     return peers(base)["load"].get("m", {}).get("e0", [0])[0]
 
 
-def peer_routers(ports: list[int], bases: list[str]) -> list[subprocess.Popen]:
-    """Two `python -m router` processes on `ports`, each with the other as its `--peers`."""
-    return [subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(ports[i]),
-                              "--peers", bases[1 - i], "--router-id", f"r{i}"],
-                             env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": TOKEN}, cwd=REPO,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
-            for i in (0, 1)]
+def peer_routers() -> tuple[list[subprocess.Popen], list[str]]:
+    """Two `python -m router` processes, each with the other as its `--peers`, once both listen:
+    the processes and their base URLs (both stopped again if either fails to start)."""
+    ports = [free_port(), free_port()]
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    procs = [subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(ports[i]),
+                               "--peers", bases[1 - i], "--router-id", f"r{i}"],
+                              env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": TOKEN}, cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+             for i in (0, 1)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().startswith("fleet router listening")
+    except BaseException:
+        stop(procs)
+        raise
+    return procs, bases
+
+
+def start_engine(ports_file: Path) -> tuple[subprocess.Popen, dict[str, str]]:
+    """A simulated engine (`python -m fleet.enginesim`) publishing its KV events on vLLM's wire;
+    returns it and the `kv_events` addresses of its pool entry. Its URL: `engine_url(ports_file)`."""
+    pub, replay = free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": ""}
+    engine = subprocess.Popen([sys.executable, "-m", "fleet.enginesim", "--model", "sim://h100-llama-8b",
+                               "--served-model-name", "m", "--port", "0", "--ports-file", str(ports_file),
+                               "--kv-events-config", json.dumps(config)],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return engine, {"publisher": f"tcp://127.0.0.1:{pub}", "replay": f"tcp://127.0.0.1:{replay}"}
+
+
+def engine_url(ports_file: Path) -> str:
+    """The URL a simulated engine wrote to its `--ports-file` (waits up to 60 s for it)."""
+    deadline = time.monotonic() + 60
+    while not (ports_file.exists() and ports_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return json.loads(ports_file.read_text())["urls"][0]
+
+
+def put_pool(bases: list[str], endpoints: list[dict]) -> None:
+    """`PUT /admin/v1/pools/m` (`kv-aware`, these endpoints) on every router."""
+    pool = json.dumps({"policy": "kv-aware", "endpoints": endpoints}).encode()
+    for base in bases:
+        req = urllib.request.Request(f"{base}/admin/v1/pools/m", data=pool, method="PUT",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+        urllib.request.urlopen(req, timeout=10).close()
+
+
+def complete(base: str, ids: list[int]) -> None:
+    """A one-token completion of the token-id prompt `ids` through `base`; must answer 200."""
+    req = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Terminate `procs`, then wait for each (killed after 30 s)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def test_two_routers_exchange_load_reports() -> None:
     silent = socket.socket()   # accepts connections (the backlog) and never answers
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)
-    ports = [free_port(), free_port()]
-    bases = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = peer_routers(ports, bases)
+    procs, bases = peer_routers()
     try:
-        for proc in procs:
-            assert proc.stdout is not None and proc.stdout.readline().startswith("fleet router listening")
-        pool = json.dumps({"policy": "kv-aware", "endpoints": [{"id": "e0", "url": "http://127.0.0.1:9"}]}).encode()
-        for base in bases:
-            req = urllib.request.Request(f"{base}/admin/v1/pools/m", data=pool, method="PUT",
-                                         headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
-            urllib.request.urlopen(req, timeout=10).close()
+        put_pool(bases, [{"id": "e0", "url": "http://127.0.0.1:9"}])
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if all(metric(b, "fleet_router_peers_live") == 1.0 for b in bases):
@@ -99,12 +150,7 @@ def test_two_routers_exchange_load_reports() -> None:
         # A request through each router to an endpoint that accepts and never answers stays in flight: the
         # proxy says the load changed, the report goes as a signed datagram (router.peer_datagram), and each
         # router sees the other's request on e0.
-        silent_pool = json.dumps({"policy": "kv-aware",
-                                  "endpoints": [{"id": "e0", "url": f"http://127.0.0.1:{silent.getsockname()[1]}"}]})
-        for base in bases:
-            req = urllib.request.Request(f"{base}/admin/v1/pools/m", data=silent_pool.encode(), method="PUT",
-                                         headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
-            urllib.request.urlopen(req, timeout=10).close()
+        put_pool(bases, [{"id": "e0", "url": f"http://127.0.0.1:{silent.getsockname()[1]}"}])
         hanging = [threading.Thread(target=hang, args=(base,), daemon=True) for base in bases]
         for thread in hanging:
             thread.start()
@@ -122,10 +168,7 @@ def test_two_routers_exchange_load_reports() -> None:
             time.sleep(0.1)
         assert [peers(b)["datagrams_confirmed"] for b in bases] == [[bases[1]], [bases[0]]]
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=30)
+        stop(procs)
         silent.close()
 
 
@@ -135,35 +178,10 @@ def test_a_prompt_sent_for_prefill_is_claimed_at_both_routers(tmp_path: Path) ->
     sent through router 0 is claimed at the engine (`router.kv_index.ExactIndex.expect`) and the
     claim reaches router 1 as a signed datagram (`router.peer_datagram.encode_claim`), which
     takes it into its own view; the engine's stored blocks then show in both views."""
-    pub, replay, ports = free_port(), free_port(), [free_port(), free_port()]
-    ports_file = tmp_path / "engine.json"
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-              "replay_endpoint": f"tcp://*:{replay}", "topic": ""}
-    engine = subprocess.Popen([sys.executable, "-m", "fleet.enginesim", "--model", "sim://h100-llama-8b",
-                               "--served-model-name", "m", "--port", "0", "--ports-file", str(ports_file),
-                               "--kv-events-config", json.dumps(config)],
-                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    bases = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = peer_routers(ports, bases)
+    procs, bases = peer_routers()
+    engine, kv = start_engine(tmp_path / "engine.json")
     try:
-        for proc in procs:
-            assert proc.stdout is not None and proc.stdout.readline().startswith("fleet router listening")
-        deadline = time.monotonic() + 60
-        while not (ports_file.exists() and ports_file.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        engine_url = json.loads(ports_file.read_text())["urls"][0]
-        kv = {"publisher": f"tcp://127.0.0.1:{pub}", "replay": f"tcp://127.0.0.1:{replay}"}
-        pool = json.dumps({"policy": "kv-aware", "endpoints": [{"id": "e0", "url": engine_url, "kv_events": kv}]})
-        for base in bases:
-            req = urllib.request.Request(f"{base}/admin/v1/pools/m", data=pool.encode(), method="PUT",
-                                         headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
-            urllib.request.urlopen(req, timeout=10).close()
-
-        def complete(base: str, ids: list[int]) -> None:
-            req = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
-                                         data=json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode())
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                assert resp.status == 200
+        put_pool(bases, [{"id": "e0", "url": engine_url(tmp_path / "engine.json"), "kv_events": kv}])
 
         def stream_live_and_events(base: str) -> bool:
             return (metric(base, 'fleet_router_kv_stream_live{endpoint="e0",model="m"}') == 1.0
@@ -193,13 +211,7 @@ def test_a_prompt_sent_for_prefill_is_claimed_at_both_routers(tmp_path: Path) ->
             time.sleep(0.1)
         assert [blocks(b) for b in bases] == [8.0, 8.0]   # both prompts' blocks, from the engine's events
     finally:
-        for proc in [*procs, engine]:
-            proc.terminate()
-        for proc in [*procs, engine]:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop([*procs, engine])
 
 
 def test_two_routers_place_new_conversations_where_the_engines_stored_least(tmp_path: Path) -> None:
@@ -211,41 +223,11 @@ def test_two_routers_place_new_conversations_where_the_engines_stored_least(tmp_
     each pair goes to the engine the first did not, so the engines' stored blocks never differ by
     more than one prompt. Placing by the prompt's hash alone (the rule before) sends these eight
     prompts 3 / 5, the first three to one engine (checked by breaking the rule)."""
-    engines, urls, kvs = [], [], []
-    for i in (0, 1):
-        pub, replay = free_port(), free_port()
-        ports_file = tmp_path / f"engine{i}.json"
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                  "replay_endpoint": f"tcp://*:{replay}", "topic": ""}
-        engines.append(subprocess.Popen([sys.executable, "-m", "fleet.enginesim", "--model", "sim://h100-llama-8b",
-                                         "--served-model-name", "m", "--port", "0", "--ports-file", str(ports_file),
-                                         "--kv-events-config", json.dumps(config)],
-                                        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
-        kvs.append({"publisher": f"tcp://127.0.0.1:{pub}", "replay": f"tcp://127.0.0.1:{replay}"})
-    ports = [free_port(), free_port()]
-    bases = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = peer_routers(ports, bases)
+    procs, bases = peer_routers()
+    engines, kvs = zip(*(start_engine(tmp_path / f"engine{i}.json") for i in (0, 1)))
     try:
-        for proc in procs:
-            assert proc.stdout is not None and proc.stdout.readline().startswith("fleet router listening")
-        for i in (0, 1):
-            ports_file = tmp_path / f"engine{i}.json"
-            deadline = time.monotonic() + 60
-            while not (ports_file.exists() and ports_file.read_text()) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            urls.append(json.loads(ports_file.read_text())["urls"][0])
-        pool = json.dumps({"policy": "kv-aware",
-                           "endpoints": [{"id": f"e{i}", "url": urls[i], "kv_events": kvs[i]} for i in (0, 1)]})
-        for base in bases:
-            req = urllib.request.Request(f"{base}/admin/v1/pools/m", data=pool.encode(), method="PUT",
-                                         headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
-            urllib.request.urlopen(req, timeout=10).close()
-
-        def complete(base: str, ids: list[int]) -> None:
-            req = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
-                                         data=json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode())
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                assert resp.status == 200
+        urls = [engine_url(tmp_path / f"engine{i}.json") for i in (0, 1)]
+        put_pool(bases, [{"id": f"e{i}", "url": urls[i], "kv_events": kvs[i]} for i in (0, 1)])
 
         def blocks(base: str) -> list[float]:
             return [metric(base, f'fleet_router_kv_index_blocks{{endpoint="e{i}",model="m"}}') or 0 for i in (0, 1)]
@@ -285,10 +267,4 @@ def test_two_routers_place_new_conversations_where_the_engines_stored_least(tmp_
         answered = [sum(answered_by(b, f"e{i}") for b in bases) for i in (0, 1)]
         assert answered == [4.0, 4.0]   # the engines' direct prompts went past the routers
     finally:
-        for proc in [*procs, *engines]:
-            proc.terminate()
-        for proc in [*procs, *engines]:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop([*procs, *engines])
