@@ -37,12 +37,16 @@ from router.policies import KvAware
 TRACE = Path(__file__).resolve().parent / "traces" / "mooncake-fast25" / "synthetic_trace.jsonl"
 
 
-class JoinAt(ScalingPolicy, name="sim-scale-up-join-at"):
-    """``bounds.initial`` replicas until ``JoinAt.at_s``, ``bounds.max`` from then on (this
-    script's scale-up; registered only in its own process)."""
+class JoinAt(ScalingPolicy):
+    """``bounds.initial`` replicas until `at_s` (virtual seconds), ``bounds.max`` from then on: this
+    script's scale-up. Not registered (no ``name``), so it never shows among the policies a
+    deployment may name; `run` puts it in place of the simulation's ``fixed`` policy."""
 
     default_interval_s = 1.0
-    at_s = 60.0
+
+    def __init__(self, spec: AutoscalingSpec, bounds: ReplicaBounds, at_s: float) -> None:
+        super().__init__(spec, bounds)
+        self.at_s = at_s
 
     def decide(self, ctx: ScalingContext) -> ScalingDecision:
         n = self.bounds.max if ctx.now_s >= self.at_s else self.bounds.initial
@@ -59,12 +63,13 @@ class RendezvousNewConversations(KvAware):
 
 def run(label: str, policy: type[KvAware], workload: Workload, profile: Profile, args: argparse.Namespace) -> dict:
     """One row: two routers of `policy`, a replica joining at ``args.join_s``."""
-    cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy=JoinAt.name),
+    cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy="fixed"),
                     bounds=ReplicaBounds(args.replicas - 1, args.replicas, args.replicas - 1),
                     routing_policy="kv-aware", seed=args.seed, name=label, routers=2, load_signal="peers",
                     load_interval_s=0.01, kv_events=True, warm_startup_s=args.startup_s,
                     cold_startup_s=args.startup_s)  # fmt: skip
     sim = Simulation(cfg, workload)
+    sim.policy = JoinAt(cfg.autoscaling, cfg.bounds, args.join_s)
     sim.routings = [policy() for _ in range(2)]
     sim.routing = sim.routings[0]
     result = sim.run()
@@ -93,7 +98,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.replicas < 2 or args.join_s < 0 or args.startup_s < 0:
         parser.error("--replicas must be >= 2, --join-s and --startup-s >= 0")
-    JoinAt.at_s = args.join_s
     profile = get_profile("h100-llama-8b").with_overrides(max_model_len=32768)
     base = Workload.from_trace(load_trace(args.trace).window(args.start_s, args.window_s), profile)
     speedup = args.load * args.replicas * replica_capacity_per_s(base.trace, profile) / base.trace.mean_rate_per_s()

@@ -188,15 +188,15 @@ def test_the_scale_up_run_adds_one_replica_at_the_join() -> None:
     base = Workload.from_trace(load_trace(TRACE).window(600, 20), profile)
     workload = replaced(base, trace=base.trace.compressed(2.0), speedup=2.0)
     args = argparse.Namespace(replicas=3, join_s=4.0, startup_s=1.0, seed=0)
-    JoinAt.at_s = args.join_s
     row = run("fewest stored", KvAware, workload, profile, args)
     assert row["failed"] == 0 and row["after_requests"] > 0
     assert 0 < row["joined_share"] <= 1
     # The same run, read request by request: nothing reaches replica 2 before the join plus its start-up.
-    cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy=JoinAt.name), bounds=ReplicaBounds(2, 3, 2),
+    cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy="fixed"), bounds=ReplicaBounds(2, 3, 2),
                     routing_policy="kv-aware", routers=2, load_signal="peers", load_interval_s=0.01, kv_events=True,
                     warm_startup_s=1.0, cold_startup_s=1.0)  # fmt: skip
     sim = Simulation(cfg, workload)
+    sim.policy = JoinAt(cfg.autoscaling, cfg.bounds, args.join_s)
     sim.routings = [KvAware(), KvAware()]
     sim.routing = sim.routings[0]
     log = sim.run().requests
