@@ -8,7 +8,7 @@ starts far below the others. This script measures what that does: the pool start
 joins ``--join-s`` virtual seconds in (ready ``--startup-s`` later). It runs two routers on the
 engines' KV events and each other's load (`peers`, 10 ms) with `kv-aware` as shipped, and again
 with new conversations placed by rendezvous hashing on the first block (the rule before, for
-comparison: the same policy object with its new-conversation step switched off), and prints per
+comparison: `kv-aware` with its new-conversation step switched off, a subclass), and prints per
 row: p99 TTFT and prefix-cache hits over all requests and over those that arrived after the join,
 and the joining replica's share of those requests (1 / ``--replicas`` is its fair share).
 
