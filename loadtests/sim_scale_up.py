@@ -29,7 +29,7 @@ from autoscaler.policy import ReplicaBounds, ScalingContext, ScalingDecision, Sc
 from autoscaler.spec import AutoscalingSpec
 from fleet.enginesim.profiles import Profile, get_profile
 from fleet.tracesim.engine import SimConfig, Simulation
-from fleet.tracesim.results import nearest_rank
+from fleet.tracesim.results import SimResult, nearest_rank
 from fleet.tracesim.traces import load_trace
 from fleet.tracesim.workload import Workload, replica_capacity_per_s
 from router.policies import KvAware
@@ -61,8 +61,10 @@ class RendezvousNewConversations(KvAware):
         return None
 
 
-def run(label: str, policy: type[KvAware], workload: Workload, profile: Profile, args: argparse.Namespace) -> dict:
-    """One row: two routers of `policy`, a replica joining at ``args.join_s``."""
+def simulate(label: str, policy: type[KvAware], workload: Workload, profile: Profile,
+             args: argparse.Namespace) -> SimResult:  # fmt: skip
+    """Replay `workload` through two routers of `policy`, ``args.replicas - 1`` replicas and one
+    more joining at ``args.join_s`` (ready ``args.startup_s`` later)."""
     cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy="fixed"),
                     bounds=ReplicaBounds(args.replicas - 1, args.replicas, args.replicas - 1),
                     routing_policy="kv-aware", seed=args.seed, name=label, routers=2, load_signal="peers",
@@ -72,7 +74,13 @@ def run(label: str, policy: type[KvAware], workload: Workload, profile: Profile,
     sim.policy = JoinAt(cfg.autoscaling, cfg.bounds, args.join_s)
     sim.routings = [policy() for _ in range(2)]
     sim.routing = sim.routings[0]
-    result = sim.run()
+    return sim.run()
+
+
+def run(label: str, policy: type[KvAware], workload: Workload, profile: Profile, args: argparse.Namespace) -> dict:
+    """One row (`simulate`): p99 TTFT and hits, over all requests and those after the join, and
+    the joining replica's share of the latter."""
+    result = simulate(label, policy, workload, profile, args)
     log = result.requests
     after = [i for i, a in enumerate(log.arrival_s) if a >= args.join_s]
     ttfts = sorted(log.first_token_s[i] - log.arrival_s[i] for i in after if not math.isnan(log.first_token_s[i]))

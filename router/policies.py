@@ -467,7 +467,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         if chosen is None:
             if key is not None and not any(hits.values()):
                 limit = best + self.affinity_slack * prompt
-                chosen = max((e for e, c in zip(eligible, costs) if c <= limit), key=lambda e: self._weight(key, e.id))
+                chosen = self._rendezvous(key, [e for e, c in zip(eligible, costs) if c <= limit])
             else:
                 chosen = self._rotate([e for e, c in zip(eligible, costs) if c == best])
         request.cached_tokens = hits[chosen.id]
@@ -501,7 +501,11 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         ties = [e for e, n in zip(near, placed) if n == fewest]
         if key is None or len(ties) == 1:
             return self._rotate(ties)
-        return max(ties, key=lambda e: self._weight(key, e.id))
+        return self._rendezvous(key, ties)
+
+    def _rendezvous(self, key: int, endpoints: Sequence[EndpointState]) -> EndpointState:
+        """The endpoint of highest rendezvous weight for `key` (`_weight`; non-empty `endpoints`)."""
+        return max(endpoints, key=lambda e: self._weight(key, e.id))
 
     def _weight(self, key: int, endpoint_id: str) -> int:
         """Rendezvous weight of `endpoint_id` for `key`: the same in every router process."""

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from autoscaler.policy import ReplicaBounds
-from autoscaler.spec import AutoscalingSpec
 from fleet.tracesim.traces import TraceRequest
 from loadtests.bench_routing import AlternatingSender, KvEventPorts, parse_target, target_label, target_options
 from loadtests.faultload import FaultLoad
@@ -178,10 +176,9 @@ def test_the_scale_up_run_adds_one_replica_at_the_join() -> None:
     from dataclasses import replace as replaced
 
     from fleet.enginesim.profiles import get_profile
-    from fleet.tracesim.engine import SimConfig, Simulation
     from fleet.tracesim.traces import load_trace
     from fleet.tracesim.workload import Workload
-    from loadtests.sim_scale_up import TRACE, JoinAt, run
+    from loadtests.sim_scale_up import TRACE, run, simulate
     from router.policies import KvAware
 
     profile = get_profile("h100-llama-8b").with_overrides(max_model_len=32768)
@@ -192,13 +189,6 @@ def test_the_scale_up_run_adds_one_replica_at_the_join() -> None:
     assert row["failed"] == 0 and row["after_requests"] > 0
     assert 0 < row["joined_share"] <= 1
     # The same run, read request by request: nothing reaches replica 2 before the join plus its start-up.
-    cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy="fixed"), bounds=ReplicaBounds(2, 3, 2),
-                    routing_policy="kv-aware", routers=2, load_signal="peers", load_interval_s=0.01, kv_events=True,
-                    warm_startup_s=1.0, cold_startup_s=1.0)  # fmt: skip
-    sim = Simulation(cfg, workload)
-    sim.policy = JoinAt(cfg.autoscaling, cfg.bounds, args.join_s)
-    sim.routings = [KvAware(), KvAware()]
-    sim.routing = sim.routings[0]
-    log = sim.run().requests
+    log = simulate("fewest stored", KvAware, workload, profile, args).requests
     joined = [log.dispatch_s[i] for i in range(len(log)) if log.replica[i] == 2]
     assert joined and min(joined) >= args.join_s + 1.0
