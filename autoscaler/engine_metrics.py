@@ -2,9 +2,9 @@
 
 Owns `EngineSample` and `parse_engine_metrics`. Called by `fleet.controller.autoscaling` on each scrape
 of a READY replica (the text comes from `warmup.client.EngineClient.metrics`); the trace
-simulator builds `EngineSample`s directly. Parsing uses prometheus-client's own text parser
-(`prometheus_client.parser.text_string_to_metric_families`) on the lines of the wanted
-families only, so a 600-line vLLM exposition costs a fraction of a full parse.
+simulator builds `EngineSample`s directly. Parsing is the router's
+(`router.engine_load.metric_families`: prometheus-client's own text parser on the lines of the
+wanted families only, so a 600-line vLLM exposition costs a fraction of a full parse).
 
 Series (names and labels as vLLM 0.32 exports them, `vllm/v1/metrics/loggers.py`; the
 fixture `tests/data/vllm-0.32-metrics-busy.txt` is a real scrape):
@@ -21,9 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from autoscaler.histograms import CumulativeHistogram
+from router.engine_load import metric_families
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -50,19 +49,6 @@ class EngineSample:
     queue_time: CumulativeHistogram | None = None
 
 
-def _wanted_lines(text: str) -> str:
-    keep = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(maxsplit=3)
-            name = parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE") else ""
-        else:
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.startswith(FAMILIES):
-            keep.append(line)
-    return "\n".join(keep) + "\n"
-
-
 def parse_engine_metrics(text: str, model_name: str | None = None) -> EngineSample:
     """The autoscaler's series from an engine's `/metrics` ``text``.
 
@@ -74,9 +60,9 @@ def parse_engine_metrics(text: str, model_name: str | None = None) -> EngineSamp
     hist_sum = hist_count = 0.0
     seen_hist = False
     try:
-        families = list(text_string_to_metric_families(_wanted_lines(text)))
-    except (ValueError, TypeError, IndexError) as err:
-        raise EngineMetricsError(f"cannot parse /metrics: {err}") from err
+        families = metric_families(text, FAMILIES)
+    except ValueError as err:
+        raise EngineMetricsError(str(err)) from err
     for family in families:
         for s in family.samples:
             if model_name is not None and s.labels.get("model_name", model_name) != model_name:

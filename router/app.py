@@ -185,9 +185,9 @@ class RouterApp:
         await self.api(scope, receive_read_body, send)
 
     async def _peer_load(self, body: bytes, send: Send) -> None:
-        """`POST /admin/v1/peer-load` without FastAPI: every peer posts here up to every 10 ms
-        while its load changes (`router.peer_channel`), and FastAPI's routing and request objects
-        cost more than taking the report. Answers as the FastAPI route (router/admin.py) does:
+        """`POST /admin/v1/peer-load` without FastAPI: every peer posts here its heartbeat (every
+        250 ms, or every second once it knows its datagrams arrive: `router.peer_channel`), and
+        FastAPI's routing and request objects cost more than taking the report. Answers as the FastAPI route (router/admin.py) does:
         200 ``{"datagrams": N}`` (the sender's datagrams taken so far, `router.peer_datagram.
         DatagramTally`), or 422 ``{"detail": ...}`` for a bad report."""
         assert self.peer_report is not None

@@ -1,8 +1,9 @@
 """The load the engines report, combined with this router's own: what other routers sent.
 
 Owns `EngineLoad` (one sample of an engine's load), `parse_engine_load` (read it from vLLM's
-Prometheus `/metrics` text) and `EngineLoadView` (turn a sample into an estimate of the load
-other routers put on the endpoint, kept in `router.endpoint.EndpointState.others_*`). Called by
+Prometheus `/metrics` text, through `metric_families`, which the autoscaler's scrape shares) and
+`EngineLoadView` (turn a sample into an estimate of the load other routers put on the endpoint,
+kept in `router.endpoint.EndpointState.others_*`). Called by
 `router.engine_poll.EnginePoller` (live: each endpoint's `/metrics` polled every
 `DEFAULT_POLL_INTERVAL_S`) and by the trace simulator (`fleet.tracesim.engine`, samples of the
 simulated engines at the same interval, in virtual time); `router.policies.KvAware` reads the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.endpoint import EndpointState
@@ -87,7 +89,16 @@ class EngineLoad:
     prefilling: float | None = None
 
 
-def _wanted_lines(text: str) -> str:
+def metric_families(text: str, names: tuple[str, ...]) -> list[Metric]:
+    """The families of the Prometheus exposition `text` whose names start with one of `names` (so
+    a histogram's ``_bucket``, ``_sum`` and ``_count`` lines come with it), parsed by
+    prometheus-client's text parser (`prometheus_client.parser.text_string_to_metric_families`)
+    fed only their lines: a 600-line vLLM exposition parses in well under a millisecond. Shared
+    with the autoscaler's scrape (`autoscaler.engine_metrics`).
+
+    Raises:
+        ValueError: the wanted lines do not parse ("cannot parse /metrics: ...").
+    """
     keep = []
     for line in text.splitlines():
         if line.startswith("#"):
@@ -95,15 +106,17 @@ def _wanted_lines(text: str) -> str:
             name = parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE") else ""
         else:
             name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in _FAMILIES:
+        if name.startswith(names):
             keep.append(line)
-    return "\n".join(keep) + "\n"
+    try:
+        return list(text_string_to_metric_families("\n".join(keep) + "\n"))
+    except (ValueError, TypeError, IndexError) as err:
+        raise ValueError(f"cannot parse /metrics: {err}") from err
 
 
 def parse_engine_load(text: str, model_name: str | None = None) -> EngineLoad:
-    """The load gauges of a vLLM `/metrics` exposition (prometheus-client's text parser, fed
-    only the lines of the three wanted families, so a 600-line exposition parses in well under
-    a millisecond).
+    """The load gauges of a vLLM `/metrics` exposition (`metric_families` of the three wanted
+    families).
 
     ``model_name``: keep only samples labelled with it (None: all).
 
@@ -112,9 +125,9 @@ def parse_engine_load(text: str, model_name: str | None = None) -> EngineLoad:
     """
     values: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_CACHE_USAGE: []}
     try:
-        families = list(text_string_to_metric_families(_wanted_lines(text)))
-    except (ValueError, TypeError, IndexError) as err:
-        raise EngineLoadError(f"cannot parse /metrics: {err}") from err
+        families = metric_families(text, _FAMILIES)
+    except ValueError as err:
+        raise EngineLoadError(str(err)) from err
     for family in families:
         for s in family.samples:
             if s.name != family.name or family.name not in values:
