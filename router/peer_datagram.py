@@ -53,6 +53,8 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter
 
+from router.jsonlimit import loads_bounded
+
 log = logging.getLogger(__name__)
 
 MAC_BYTES = 32
@@ -65,6 +67,10 @@ REJECT_REASONS = ("short", "signature", "report", "claim")
 
 CLAIM_MARK = b"K"
 """First byte of a claim's body (a load report's is ``{``)."""
+
+CLAIM_HEAD_DEPTH = 2
+"""Deepest nesting a claim's JSON head may have (it is one flat object): a deeper one is refused
+before `json.loads` recurses into it."""
 
 MAX_CLAIM_TTL_S = 60.0
 """Longest a claim taken from a peer lasts, whatever its ``ttl_s`` says."""
@@ -94,7 +100,7 @@ def decode_claim(body: bytes) -> tuple[str, str, list[int], float]:
         raise ValueError("not a claim")
     head, sep, packed = body[len(CLAIM_MARK):].partition(b"\n")
     try:
-        doc = json.loads(head)
+        doc = loads_bounded(head, CLAIM_HEAD_DEPTH)
     except ValueError as err:
         raise ValueError(f"claim head: {err}") from None
     if not sep or len(packed) % 8 or not isinstance(doc, dict):

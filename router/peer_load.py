@@ -26,6 +26,7 @@ again only refreshes its age. Both are optional (a report without them is taken 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from router.endpoint import EndpointState
@@ -43,7 +44,8 @@ DEFAULT_PEER_MAX_AGE_S = 1.0
 interval): past it the peer is taken to be gone (its requests fail with it)."""
 
 MAX_REPORT_ENDPOINTS = 100_000
-"""Most endpoints one report may carry (a larger one is refused: `ValueError`)."""
+"""Most pools and endpoints one report may carry, counted together (a larger one is refused:
+`ValueError`)."""
 
 Load = tuple[int, int, float]   # in flight, prefilling, prefill tokens
 
@@ -88,7 +90,8 @@ def parse_report(doc: object) -> tuple[str, dict[str, dict[str, Load]]]:
     """(router id, model -> endpoint id -> load) of a report document.
 
     Raises:
-        ValueError: not a report (shape, types, negative numbers, too many endpoints).
+        ValueError: not a report (shape, types, negative or non-finite numbers, too many pools and
+            endpoints).
     """
     if not isinstance(doc, dict) or not isinstance(doc.get("router"), str) or not isinstance(doc.get("pools"), dict):
         raise ValueError("a peer load report is {router: str, pools: {model: {endpoint: [n, n, tokens]}}}")
@@ -97,14 +100,15 @@ def parse_report(doc: object) -> tuple[str, dict[str, dict[str, Load]]]:
     for model, endpoints in doc["pools"].items():
         if not isinstance(endpoints, dict):
             raise ValueError(f"pool {model!r}: endpoints must be a mapping")
-        count += len(endpoints)
+        count += 1 + len(endpoints)   # a pool counts too: empty pools cost the receiver as much
         if count > MAX_REPORT_ENDPOINTS:
-            raise ValueError(f"a report carries at most {MAX_REPORT_ENDPOINTS} endpoints")
+            raise ValueError(f"a report carries at most {MAX_REPORT_ENDPOINTS} pools and endpoints")
         loads: dict[str, Load] = {}
         for endpoint_id, load in endpoints.items():
             if (not isinstance(load, list) or len(load) != 3
-                    or not all(type(x) in (int, float) and x >= 0 for x in load)):  # fmt: skip
-                raise ValueError(f"endpoint {endpoint_id!r}: load must be [in_flight, prefilling, prefill_tokens] >= 0")
+                    or not all(type(x) in (int, float) and 0 <= x < math.inf for x in load)):  # fmt: skip
+                raise ValueError(f"endpoint {endpoint_id!r}: load must be [in_flight, prefilling, prefill_tokens], "
+                                 "finite and >= 0")  # fmt: skip
             loads[endpoint_id] = (int(load[0]), int(load[1]), float(load[2]))
         pools[model] = loads
     return doc["router"], pools

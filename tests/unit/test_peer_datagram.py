@@ -238,7 +238,8 @@ def test_a_claim_round_trips_and_a_malformed_one_is_refused() -> None:
     huge = encode_claim("m", "e0", list(range(10_000)), 1.0)   # more keys than a datagram holds
     assert len(huge) + MAC_BYTES <= MAX_DATAGRAM_BYTES and decode_claim(huge)[2] == list(range(len(decode_claim(huge)[2])))
     for bad in (b'{"router":"r"}', b"K" + b"{}" + b"\n", b'K{"model":"m","endpoint":"e0","ttl_s":1}\nabc',
-                b'Knot json\n', b'K{"model":1,"endpoint":"e0","ttl_s":1}\n', b'K{"model":"m","endpoint":"e0","ttl_s":1}'):
+                b'Knot json\n', b'K{"model":1,"endpoint":"e0","ttl_s":1}\n', b'K{"model":"m","endpoint":"e0","ttl_s":1}',
+                b"K" + b"[" * 60_000 + b"\n"):   # nested past the recursion limit: refused, not RecursionError
         with pytest.raises(ValueError):
             decode_claim(bad)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import aiohttp
 import pytest
@@ -14,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from router.app import create_app
 from router.endpoint import EndpointState
 from router.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender, SendFailed
-from router.peer_load import PeerLoadView, load_fingerprint, own_report, parse_report
+from router.peer_load import MAX_REPORT_ENDPOINTS, PeerLoadView, load_fingerprint, own_report, parse_report
 from router.spec import PoolSpec
 from tests.support.router import running_app
 
@@ -33,10 +34,18 @@ def test_a_report_round_trips() -> None:
 @pytest.mark.parametrize("doc", [None, [], {"router": 1, "pools": {}}, {"router": "r", "pools": {"m": []}},
                                  {"router": "r", "pools": {"m": {"a": [1, 2]}}},
                                  {"router": "r", "pools": {"m": {"a": [1, -2, 3]}}},
-                                 {"router": "r", "pools": {"m": {"a": [1, "2", 3]}}}])  # fmt: skip
+                                 {"router": "r", "pools": {"m": {"a": [1, "2", 3]}}},
+                                 {"router": "r", "pools": {"m": {"a": [math.inf, 0, 0]}}},   # int() would overflow
+                                 {"router": "r", "pools": {"m": {"a": [1, 0, math.nan]}}}])  # fmt: skip
 def test_bad_reports_are_refused(doc: object) -> None:
     with pytest.raises(ValueError):
         parse_report(doc)
+
+
+def test_a_report_of_many_empty_pools_counts_against_the_limit() -> None:
+    with pytest.raises(ValueError, match="pools and endpoints"):
+        parse_report({"router": "r", "pools": {f"m{i}": {} for i in range(MAX_REPORT_ENDPOINTS + 1)}})
+    assert parse_report({"router": "r", "pools": {"m": {}}}) == ("r", {"m": {}})
 
 
 def test_the_view_sums_fresh_peers_and_drops_quiet_ones() -> None:
