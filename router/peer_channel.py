@@ -14,8 +14,9 @@ Started and stopped by `router.app.RouterApp`'s lifespan when the router has pee
 (`python -m router --peers URL,...`).
 
 A send that fails (connect error, timeout, non-2xx) is counted by reason and not retried: the
-next report, `interval_s` later, replaces it (reports are snapshots). A round never waits
-longer than `timeout_s` on a peer, and a slow round delays the next rather than stacking them.
+next report, `interval_s` later, replaces it (reports are snapshots). A round does not wait for
+its posts, and a peer has at most one post in flight: a peer that stops answering (each post
+gives up after `timeout_s`) delays no other peer's reports, and its posts do not stack up.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def datagrams_taken(answer: bytes) -> int | None:
 class _Peer:
     """What the sender keeps per peer (seconds on the loop's clock)."""
 
-    __slots__ = ("url", "address", "posted_s", "datagram_s", "taken", "confirmed")
+    __slots__ = ("url", "address", "posted_s", "datagram_s", "taken", "confirmed", "post")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -131,6 +132,11 @@ class _Peer:
         self.datagram_s = -float("inf")        # the last datagram
         self.taken = 0                         # its last answer's count of our datagrams
         self.confirmed = False                 # that count grew at the last answer
+        self.post: asyncio.Task[None] | None = None   # the post in flight (at most one)
+
+    def posting(self) -> bool:
+        """Whether a post to this peer is still in flight."""
+        return self.post is not None and not self.post.done()
 
     def heartbeat_due_s(self) -> float:
         """When this peer is next owed a report if nothing changes."""
@@ -190,6 +196,7 @@ class PeerSender:
         self.urls: list[str] = []
         self._peers: list[_Peer] = []
         self._dirty = True   # the load may have changed since the last round (`notify`)
+        self._posts: set[asyncio.Task[None]] = set()   # posts in flight, to every peer (`close` cancels them)
         self._wake: asyncio.Future[None] | None = None
         self.set_peers(peers)
 
@@ -237,8 +244,11 @@ class PeerSender:
         self._background.start()
 
     async def close(self) -> None:
-        """Stop sending and close the poster's session."""
+        """Stop sending, cancel the posts in flight and close the poster's session."""
         await self._background.stop()
+        for task in list(self._posts):
+            task.cancel()
+        await asyncio.gather(*self._posts, return_exceptions=True)
         if isinstance(self._post, ReportPoster):
             await self._post.close()
 
@@ -251,7 +261,7 @@ class PeerSender:
             started = loop.time()
             self._dirty = False
             try:
-                await self.send_once(started)
+                self._round(started)   # its posts go on as tasks: a peer that does not answer holds up no round
             except Exception:  # the loop survives its parts
                 log.exception("peer load report round failed")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
@@ -266,13 +276,21 @@ class PeerSender:
                     self._wake = None
 
     async def send_once(self, now_s: float | None = None) -> None:
-        """One round (`now_s`: the loop's clock, seconds). A changed report goes to every peer as
-        a datagram where it can (`router.peer_datagram`), else over HTTP; a peer owed its
-        heartbeat gets the latest report, changed or not, over HTTP if it has not confirmed our
-        datagrams (then with a datagram beside it, which its answer will count) or if its
-        `HTTP_HEARTBEAT_S` is up, else as a datagram. HTTP sends run concurrently."""
+        """One round (`now_s`: the loop's clock, seconds), and wait for its posts. A changed report
+        goes to every peer as a datagram where it can (`router.peer_datagram`), else over HTTP; a
+        peer owed its heartbeat gets the latest report, changed or not, over HTTP if it has not
+        confirmed our datagrams (then with a datagram beside it, which its answer will count) or if
+        its `HTTP_HEARTBEAT_S` is up, else as a datagram. A peer with a post still in flight gets
+        no other post: the report goes as a datagram where it can, else waits for a later round.
+        HTTP sends run concurrently. The sender's own loop runs the same round without waiting."""
+        posts = self._round(now_s)
+        if posts:
+            await asyncio.wait(posts)
+
+    def _round(self, now_s: float | None = None) -> list[asyncio.Task[None]]:
+        """`send_once`'s round: the datagrams sent, the posts started (returned, not awaited)."""
         if not self._peers:
-            return
+            return []
         if now_s is None:
             now_s = asyncio.get_running_loop().time()
         endpoints = self._endpoints()
@@ -284,13 +302,13 @@ class PeerSender:
             self._last_body, self._last_load = json.dumps(report, separators=(",", ":")).encode(), load
         body = self._last_body
         datagrams = self._datagrams
-        posts: list[_Peer] = []
+        posts: list[asyncio.Task[None]] = []
         for peer in self._peers:
             if not changed and now_s < peer.heartbeat_due_s():
                 continue
-            if now_s - peer.posted_s >= (HTTP_HEARTBEAT_S if peer.confirmed else HEARTBEAT_S):
-                peer.posted_s = now_s
-                posts.append(peer)
+            busy = peer.posting()
+            if not busy and now_s - peer.posted_s >= (HTTP_HEARTBEAT_S if peer.confirmed else HEARTBEAT_S):
+                posts.append(self._start_post(peer, body, now_s))
                 if not peer.confirmed and peer.address is not None and datagrams is not None:
                     if datagrams.send(peer.address, body):   # a probe: the post's answer counts it
                         peer.datagram_s = now_s
@@ -298,17 +316,25 @@ class PeerSender:
             if peer.address is not None and datagrams is not None and datagrams.send(peer.address, body):
                 peer.datagram_s = now_s
                 self.metrics.sent.inc()
-            else:
-                peer.posted_s = now_s
-                posts.append(peer)
-        if posts:
-            await asyncio.gather(*(self._send(peer, body) for peer in posts))
+            elif not busy:
+                posts.append(self._start_post(peer, body, now_s))
+        return posts
+
+    def _start_post(self, peer: _Peer, body: bytes, now_s: float) -> asyncio.Task[None]:
+        peer.posted_s = now_s
+        task = peer.post = asyncio.get_running_loop().create_task(self._send(peer, body))
+        self._posts.add(task)
+        task.add_done_callback(self._posts.discard)
+        return task
 
     async def _send(self, peer: _Peer, body: bytes) -> None:
         try:
             taken = await self._post(peer.url, body)
         except SendFailed as err:
             self.metrics.errors.labels(err.reason).inc()
+            return
+        except Exception:  # a task of its own: nothing above it would log this
+            log.exception("peer load report to %s failed", peer.url)
             return
         self.metrics.sent.inc()
         if taken is None:

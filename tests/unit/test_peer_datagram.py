@@ -195,6 +195,43 @@ def test_a_report_order_is_both_fields_or_neither() -> None:
             report_order(bad)
 
 
+async def test_a_peer_that_never_answers_holds_up_no_other_peers_reports() -> None:
+    """Posts to 10.0.0.2 hang (a deleted pod's address that drops packets: the real poster gives
+    up after its timeout, this one never does); 10.0.0.3's changes still go out as datagrams, one
+    per change, and 10.0.0.2 is never posted to twice at once."""
+    hung = asyncio.Event()
+    posted: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    async def post(url: str, body: bytes) -> int:
+        posted.append(url)
+        if "10.0.0.2" in url:
+            await hung.wait()
+        return 0
+
+    a = endpoint("a")
+    datagrams = Recorder()
+    sender = PeerSender("me", ["http://10.0.0.2:8081", "http://10.0.0.3:8081"], lambda: {"m": (a,)}, post,
+                        PeerMetrics(CollectorRegistry(), lambda: 0), interval_s=0.01,
+                        datagrams=datagrams)  # type: ignore[arg-type]  # fmt: skip
+    fast = ("10.0.0.3", 8081)
+    await sender.start()
+    try:
+        deadline = loop.time() + 10
+        for n in range(1, 6):
+            a.start(n)                                  # a change, and the proxy says so
+            sender.notify()
+            while sum(1 for addr, _ in datagrams.sent if addr == fast) < n + 1 and loop.time() < deadline:
+                await asyncio.sleep(0.005)              # the first round's probe, then one per change
+        assert sum(1 for addr, _ in datagrams.sent if addr == fast) >= 6
+        while sum(1 for url in posted if "10.0.0.3" in url) < 2 and loop.time() < deadline:
+            await asyncio.sleep(0.01)                   # a heartbeat later: 10.0.0.3 posted to again,
+        assert sum(1 for url in posted if "10.0.0.3" in url) >= 2
+        assert sum(1 for url in posted if "10.0.0.2" in url) == 1   # 10.0.0.2 not, its post still in flight
+    finally:
+        await sender.close()                            # cancels the hung post
+
+
 async def test_the_sender_wakes_for_a_change_and_otherwise_only_for_the_heartbeat() -> None:
     """A peer whose answers carry no count (a router from before it) never confirms: every
     heartbeat goes over HTTP, with a probe datagram beside it; a change goes as a datagram at once."""
