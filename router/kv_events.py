@@ -137,14 +137,14 @@ def decode_batch(payload: bytes) -> EventBatch:
 
     Raises:
         KvEventDecodeError: not msgpack, not ``[ts, events(, rank)]``, or an event with a
-            missing or mistyped field (block hashes must be bytes or int, token ids a list,
-            block size a positive int).
+            missing or mistyped field (block hashes must be bytes or int, token ids a list of
+            ints, block size a positive int), or one nested past the recursion limit.
     """
     if payload[:1] and payload[0] in _FIXARRAY_2_OR_3:
         try:
             wire = _FAST.decode(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            pass   # not the current form exactly: the general path reads it or says what is wrong
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            pass   # not the current form exactly (or nested too deep): the general path reads it or says why
         else:
             return EventBatch(wire.ts, wire.events, wire.data_parallel_rank)
     return _decode_any(payload)
@@ -154,6 +154,8 @@ def _decode_any(payload: bytes) -> EventBatch:
     """`decode_batch` for every form (older vLLM's arrays, unknown event types), checked in Python."""
     try:
         doc = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except RecursionError:
+        raise KvEventDecodeError("payload nested deeper than the decoder's recursion limit") from None
     except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
         raise KvEventDecodeError(f"payload is not msgpack: {exc}") from None
     if not isinstance(doc, list) or len(doc) not in (2, 3):
@@ -239,8 +241,8 @@ def _event(raw: object, i: int) -> KvCacheEvent | None:
         if parent is not None and type(parent) not in (bytes, int):
             raise KvEventDecodeError(f"event {i}: parent_block_hash must be bytes, int or nil, got {_kind(parent)}")
         tokens = doc.get("token_ids")
-        if not isinstance(tokens, list):
-            raise KvEventDecodeError(f"event {i}: token_ids must be a list, got {_kind(tokens)}")
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise KvEventDecodeError(f"event {i}: token_ids must be a list of ints, got {_kind(tokens)}")
         size = doc.get("block_size")
         if type(size) is not int or size < 1:
             raise KvEventDecodeError(f"event {i}: block_size must be a positive int, got {size!r}")

@@ -42,8 +42,11 @@ applies batch ``last + 1`` and, on anything else, asks the replay socket:
 A stream that disconnects (the publisher's process is gone or stopped: ZMTP heartbeats,
 `HEARTBEAT_TIMEOUT_MS`) is DOWN until it reconnects; libzmq reconnects with exponential
 backoff (`RECONNECT_IVL_MS` to `RECONNECT_IVL_MAX_MS`). A payload that does not decode is
-counted and makes the view REBUILDING; nothing a publisher sends stops the subscriber, and an
-unexpected error restarts it after a backoff.
+counted and makes the view REBUILDING (so does one that decodes but cannot be applied); nothing a
+publisher sends stops the subscriber, and an unexpected error restarts it after a backoff. A
+reconnected stream is LIVE again only once the replay has caught it up. After an empty replay
+buffer the view expects seq 0 next: a later seq means seq 0 was published before the
+subscription took (ZMQ's slow joiner), and is replayed.
 
 **Limits.** One publisher per endpoint (a data-parallel engine publishes one stream per DP
 rank on consecutive ports; give each rank its own endpoint). A publisher that restarted and
@@ -222,6 +225,7 @@ class KvEventSubscriber:
         self._replay_timeout_s = replay_timeout_s
         self._ticks = ticks if ticks is not None else DrainTicks()
         self._last_seq: int | None = None      # seq of the last batch applied; None: take the next as base
+        self._from_zero = False   # the buffer was empty: the next batch must be seq 0 (else one was missed)
         self._recent: OrderedDict[int, int] = OrderedDict()   # seq -> CRC-32 of its payload
         self._rebuild_at: float | None = None
         self._rebuild_mark = (0, 0)   # the index's store counts at the last rebuild check (`_check_rebuilt`)
@@ -369,8 +373,10 @@ class KvEventSubscriber:
     async def _on_monitor(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self._index.stream_up(self.endpoint_id)
+            # Up once caught up: while the replay runs the view lacks what was missed (or, if the
+            # engine restarted, still holds what its cache lost), so the approximate index routes.
             await self._sync(reconnect=True)
+            self._index.stream_up(self.endpoint_id)
         elif event == zmq.EVENT_DISCONNECTED:
             self._index.stream_down(self.endpoint_id)
 
@@ -411,6 +417,8 @@ class KvEventSubscriber:
             if seq == 0:   # the publisher's first batch: its engine's cache was empty before it
                 self._index.reset(self.endpoint_id, known_empty=True)
                 self._rebuild_at = None
+            elif self._from_zero:
+                return False   # seq 0 was published before this subscription took: replay it
             elif not self._index.state(self.endpoint_id).exact() and self._rebuild_at is None:
                 self._rebuild_from_now()   # a partial view: checked after rebuild_s
             self._apply(seq, payload)
@@ -506,6 +514,7 @@ class KvEventSubscriber:
             self._last_seq = None
             self._recent.clear()
             self._rebuild_at = None
+            self._from_zero = True
 
     def _resync(self, reason: str) -> None:
         self._count_resync(reason)
@@ -525,6 +534,7 @@ class KvEventSubscriber:
         """Drop the view; it rebuilds from the stream and is checked for trust after `rebuild_s`."""
         self._index.reset(self.endpoint_id, known_empty=False)
         self._last_seq = None
+        self._from_zero = False   # a partial view takes any batch as its start
         self._recent.clear()
         self._rebuild_from_now()
 
@@ -551,9 +561,11 @@ class KvEventSubscriber:
                  min(self._rebuild_s, REBUILD_RECHECK_S))  # fmt: skip
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        self._from_zero = False
         try:
             batch = decode_batch(payload)
-        except KvEventDecodeError as exc:
+            applied = self._index.apply(self.endpoint_id, batch, seq)
+        except Exception as exc:  # KvEventDecodeError, or what a batch that decoded still breaks in apply
             self._count_error("decode")
             self.bad_payloads += 1
             if self.bad_payloads & (self.bad_payloads - 1) == 0:   # the 1st, 2nd, 4th, 8th...: no log flood
@@ -561,8 +573,6 @@ class KvEventSubscriber:
                             seq, self.bad_payloads, exc)  # fmt: skip
             self._resync("bad_payload")
             applied = 0
-        else:
-            applied = self._index.apply(self.endpoint_id, batch, seq)
         self._applied += applied
         self._last_seq = seq
         recent = self._recent

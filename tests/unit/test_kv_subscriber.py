@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -46,6 +47,7 @@ class Publisher:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.replays = 0
+        self.gate: asyncio.Event | None = None   # set: replay answers wait for it
         self._task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     @property
@@ -67,6 +69,8 @@ class Publisher:
         while True:
             client, _, start = await self.replay.recv_multipart()
             self.replays += 1
+            if self.gate is not None:
+                await self.gate.wait()
             first = int.from_bytes(start, "big")
             for seq, data in list(self.buffer):
                 if seq >= first:
@@ -271,6 +275,76 @@ async def test_a_bad_payload_is_counted_and_never_stops_the_subscriber(ctx: zmq.
     assert get("fleet_router_kv_event_errors_total", {**labels, "reason": "decode"}) == 1
     assert get("fleet_router_kv_event_errors_total", {**labels, "reason": "frames"}) == 1
     assert get("fleet_router_kv_event_resyncs_total", {**labels, "reason": "bad_payload"}) == 1
+    await pub.close()
+
+
+async def test_a_batch_nested_too_deep_or_with_bad_token_ids_is_counted_and_the_stream_goes_on(
+        ctx: zmq.asyncio.Context) -> None:
+    """Two batches that used to escape the decoder (a RecursionError; token ids that are lists,
+    which broke the index's apply): each is counted and skipped, and the next batch is applied,
+    where they used to restart the subscriber, which then replayed the same batch again."""
+    pub = Publisher(ctx)
+    metrics = RouterMetrics()
+    index = ExactIndex()
+    sub = KvEventSubscriber("m", "e", pub.source, index, ctx, metrics.bind_kv("m", "e"))
+    event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+             "block_size": BS, "extra_keys": 0}  # fmt: skip
+    plain = msgpack.packb([1.0, [event], None])
+    marker = msgpack.packb("extra_keys") + b"\x00"
+    deep = plain.replace(marker, msgpack.packb("extra_keys") + b"\x91" * 5000 + b"\x90")
+    lists = msgpack.packb([1.0, [{**event, "token_ids": [[7]]}], None])
+    async with following(sub):
+        await eventually(lambda: index.live("e"))
+        await asyncio.sleep(0.2)
+        await pub.publish(deep)
+        await pub.publish(lists)
+        await pub.publish(stored(100, 1))
+        await eventually(lambda: index.blocks("e") == 1)
+        assert sub.bad_payloads == 2 and index.last_seq("e") == 2
+    labels = {"model": "m", "endpoint": "e"}
+    assert metrics.registry.get_sample_value("fleet_router_kv_event_errors_total", {**labels, "reason": "decode"}) == 2
+    await pub.close()
+
+
+async def test_a_reconnected_stream_is_live_only_once_the_replay_caught_it_up(ctx: zmq.asyncio.Context) -> None:
+    pub = Publisher(ctx)
+    index = ExactIndex()
+    sub = KvEventSubscriber("m", "e", pub.source, index, ctx)
+    async with following(sub):
+        await eventually(lambda: index.live("e"))
+        await asyncio.sleep(0.2)
+        await pub.publish(stored(100, 1))
+        await eventually(lambda: index.blocks("e") == 1)
+        ports, buffer, seq = (pub.pub_port, pub.replay_port), pub.buffer, pub.seq
+        await pub.close()
+        await eventually(lambda: index.state("e") is StreamState.DOWN)
+        pub = Publisher(ctx, *ports)
+        pub.buffer, pub.seq = buffer, seq
+        pub.gate = asyncio.Event()                         # the replay answer is slow to come
+        await pub.publish(stored(100, 1, parent=101, first_hash=1), drop=True)   # missed while cut
+        await eventually(lambda: pub.replays >= 1, 15.0)   # reconnected, catching up
+        await asyncio.sleep(0.1)
+        assert index.state("e") is StreamState.DOWN        # not trusted while it lacks the missed batch
+        pub.gate.set()
+        await eventually(lambda: index.live("e") and index.blocks("e") == 2)
+        assert sub.resyncs == 0
+    await pub.close()
+
+
+async def test_a_first_batch_lost_before_the_subscription_took_is_replayed(ctx: zmq.asyncio.Context) -> None:
+    """The replay buffer was empty at first contact; seq 0 then went out before the subscription
+    reached the publisher (ZMQ's slow joiner) and the stream's first batch is seq 1: the
+    subscriber replays from 0 instead of starting an "exact" view without seq 0's blocks."""
+    pub = Publisher(ctx)
+    index = ExactIndex()
+    sub = KvEventSubscriber("m", "e", pub.source, index, ctx)
+    async with following(sub):
+        await eventually(lambda: index.live("e") and pub.replays >= 1)   # the empty buffer, answered
+        await asyncio.sleep(0.2)
+        await pub.publish(stored(100, 1), drop=True)                       # seq 0, lost
+        await pub.publish(stored(100, 1, parent=101, first_hash=1))        # seq 1, below it
+        await eventually(lambda: index.blocks("e") == 2)
+        assert index.live("e") and index.match(ids(100, 2)) == {"e": 2 * BS} and sub.resyncs == 0
     await pub.close()
 
 
