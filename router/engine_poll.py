@@ -9,8 +9,10 @@ stopped by `router.app.RouterApp`'s lifespan; reads the pools from `router.pool.
 
 A poll that fails (connect error, timeout, non-200, a text without vLLM's gauges) is counted by
 reason and changes nothing: the endpoint's estimate expires `max_age_s` after its last good
-sample and `kv-aware` then counts only this router's own load there. A round never waits longer
-than `timeout_s` on any endpoint, and a slow round delays the next rather than stacking them.
+sample and `kv-aware` then counts only this router's own load there. A round does not wait for
+its polls, and an endpoint has at most one poll in flight: an engine that stops answering (a
+stalled engine whose `/metrics` hangs until `timeout_s`) delays no other endpoint's samples, and
+its polls do not stack up.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ DEFAULT_POLL_TIMEOUT_S = 0.5
 few milliseconds; its exposition is ~40 KB)."""
 
 MAX_CONCURRENT_POLLS = 64
-"""Most `/metrics` polls in flight at once: a pool of thousands of endpoints is polled in slower
-rounds (a round lasts as long as its polls take) instead of in one burst."""
+"""Most `/metrics` polls in flight at once: a pool of thousands of endpoints is polled less often
+(an endpoint whose poll still waits for a slot is not polled again) instead of in one burst."""
 
 POLL_ERROR_REASONS = ("connect", "timeout", "status", "parse")
 """`reason` label values of `fleet_router_engine_load_poll_errors_total`."""
@@ -154,6 +156,7 @@ class EnginePoller:
         self.metrics = PollMetrics(registry, self.ages)
         self._background = BackgroundLoop("engine-load-poller", self._run)
         self._slots: asyncio.Semaphore | None = None
+        self._polling: dict[str, asyncio.Task[None]] = {}   # endpoint URL -> its poll in flight
 
     def ages(self) -> dict[str, float]:
         """Per model: seconds since the oldest good sample among its polled endpoints."""
@@ -172,8 +175,13 @@ class EnginePoller:
         self._background.start()
 
     async def close(self) -> None:
-        """Stop polling and close the fetcher's session."""
+        """Stop polling, cancel the polls in flight and close the fetcher's session."""
         await self._background.stop()
+        polls = list(self._polling.values())
+        for task in polls:
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        self._polling.clear()
         if self._fetcher is not None:
             await self._fetcher.close()
 
@@ -182,18 +190,36 @@ class EnginePoller:
         while True:
             started = loop.time()
             try:
-                await self.poll_once()
+                self._round()   # its polls go on as tasks: an engine that does not answer holds up no round
             except Exception:  # the loop survives its parts (docs/STYLE: loops survive)
                 log.exception("engine load poll round failed")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
     async def poll_once(self) -> None:
-        """One round: poll every endpoint to poll now, concurrently (at most `MAX_CONCURRENT_POLLS`)."""
+        """One round, and wait for its polls: poll every endpoint to poll now that has no poll in
+        flight, concurrently (at most `MAX_CONCURRENT_POLLS`). The poller's own loop runs the same
+        round without waiting."""
+        polls = self._round()
+        if polls:
+            await asyncio.wait(polls)
+
+    def _round(self) -> list[asyncio.Task[None]]:
+        """`poll_once`'s round: the polls started (returned, not awaited)."""
         endpoints = [e for group in self._endpoints().values() for e in group]
-        if endpoints:
-            if self._slots is None:
-                self._slots = asyncio.Semaphore(MAX_CONCURRENT_POLLS)
-            await asyncio.gather(*(self._poll(e, self._slots) for e in endpoints))
+        polling = self._polling
+        for url in [u for u, task in polling.items() if task.done()]:
+            del polling[url]
+        if not endpoints:
+            return []
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(MAX_CONCURRENT_POLLS)
+        loop = asyncio.get_running_loop()
+        started = []
+        for e in endpoints:
+            if e.url not in polling:
+                task = polling[e.url] = loop.create_task(self._poll(e, self._slots))
+                started.append(task)
+        return started
 
     async def _poll(self, endpoint: EndpointState, slots: asyncio.Semaphore) -> None:
         async with slots:
@@ -202,6 +228,9 @@ class EnginePoller:
                 text = await self._fetch(endpoint.url + "/metrics")
             except PollFailed as err:
                 self.metrics.errors.labels(err.reason).inc()
+                return
+            except Exception:  # a task of its own: nothing above it would log this
+                log.exception("engine load poll of %s failed", endpoint.url)
                 return
         try:
             sample = parse_engine_load(text)

@@ -5,6 +5,7 @@ router.engine_poll, router.policies.KvAware)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -181,7 +182,9 @@ def test_the_poller_runs_until_closed() -> None:
     async def main() -> None:
         poller = EnginePoller(lambda: {"m": (e,)}, lambda: 0.0, CollectorRegistry(), fetch=fetch, interval_s=0.01)
         await poller.start()
-        await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 10
+        while len(fetch.urls) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         await poller.close()
         polled = len(fetch.urls)
         await asyncio.sleep(0.03)
@@ -191,6 +194,35 @@ def test_the_poller_runs_until_closed() -> None:
     assert e.others_in_flight == 10
     with pytest.raises(ValueError):
         EnginePoller(dict, lambda: 0.0, CollectorRegistry(), fetch=fetch, interval_s=0)
+
+
+def test_an_engine_that_never_answers_holds_up_no_other_endpoints_samples() -> None:
+    """The stalled engine's /metrics hangs (the real fetcher gives up after its timeout, this one
+    never does): the other endpoint is still polled every round, and the stalled one is never
+    polled twice at once."""
+    good, stalled = endpoint("good"), endpoint("stalled")
+    fetch = FakeFetch({"http://good/metrics": BUSY})
+
+    async def main() -> None:
+        hung = asyncio.Event()
+
+        async def poll(url: str) -> str:
+            if "stalled" in url:
+                fetch.urls.append(url)
+                await hung.wait()
+            return await fetch(url)
+
+        poller = EnginePoller(lambda: {"m": (good, stalled)}, lambda: 0.0, CollectorRegistry(), fetch=poll,
+                              interval_s=0.01)  # fmt: skip
+        await poller.start()
+        deadline = time.monotonic() + 10
+        while fetch.urls.count("http://good/metrics") < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await poller.close()                              # cancels the hung poll
+        assert fetch.urls.count("http://good/metrics") >= 5
+        assert fetch.urls.count("http://stalled/metrics") == 1
+
+    asyncio.run(main())
 
 
 def test_only_pools_whose_policy_reads_the_load_are_polled() -> None:
