@@ -70,7 +70,8 @@ def first_token_timeout_s(pool_timeout_s: float | None, prompt_tokens: int, queu
     `pool_timeout_s`: the pool's `first_token_timeout_s` (None: the default formula of the module
     docstring); `prompt_tokens`: the request's prompt tokens (`RouteRequest.prompt_tokens`);
     `queued_prefill_tokens`: prefill tokens already waiting at the endpoint; `max_tokens`: the
-    request's `max_tokens` / `max_completion_tokens` when it sets one.
+    request's `max_tokens` / `max_completion_tokens` when it sets one (one too large for a float:
+    no deadline).
     """
     if pool_timeout_s is not None:
         first_s = pool_timeout_s
@@ -80,4 +81,7 @@ def first_token_timeout_s(pool_timeout_s: float | None, prompt_tokens: int, queu
         return first_s
     if max_tokens is None:
         return None
-    return first_s + max_tokens * budget.decode_s_per_token
+    try:
+        return first_s + max_tokens * budget.decode_s_per_token
+    except OverflowError:   # a max_tokens past a float's range (JSON ints are unbounded): no deadline,
+        return None         # and the engine answers 400

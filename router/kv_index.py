@@ -303,8 +303,11 @@ class ExactIndex:
         if view is None or size is None or len(token_ids) < size:
             self._count_expect(now_s)
             return []
-        keys = accumulate(zip(*[iter(token_ids)] * size), _chain, initial=KEY_ROOT)   # whole blocks
-        next(keys)
+        try:   # whole blocks; a client's "token ids" holding a list or a dict claim nothing
+            keys = list(accumulate(zip(*[iter(token_ids)] * size), _chain, initial=KEY_ROOT))[1:]
+        except TypeError:
+            self._count_expect(now_s)
+            return []
         return self.expect_keys(endpoint_id, keys, until_s, now_s)
 
     def expect_keys(self, endpoint_id: str, keys: Iterable[int], until_s: float, now_s: float) -> list[int]:
@@ -393,7 +396,17 @@ class ExactIndex:
         answer is a lower bound, where a LIVE endpoint's is exact.
 
         `now_s`: also count the blocks this router sent there and the engine has not stored yet
-        (`expect`, while unexpired at `now_s`); None: the engines' account alone."""
+        (`expect`, while unexpired at `now_s`); None: the engines' account alone.
+
+        Token ids are not checked one by one (the proxy passes a client's token-id prompt as
+        parsed): one that holds something unhashable (a list, a dict) matches nothing, and the
+        engine answers the request 400."""
+        try:
+            return self._match(token_ids, rebuilding, now_s)
+        except TypeError:
+            return {}
+
+    def _match(self, token_ids: Sequence[int], rebuilding: bool, now_s: float | None) -> dict[str, int]:
         holders = self._holders
         expected = self._expected if now_s is not None else None
         if not token_ids or not (holders or expected):

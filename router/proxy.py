@@ -137,21 +137,27 @@ class StreamStalled(aiohttp.ClientPayloadError):
 
 
 class _StreamIdle:
-    """Cuts a relayed stream that stays silent for `idle_s` (loop-clock seconds) after it began: one
-    timer per stream, re-armed only when it fires early, so a chunk costs one clock read
-    (`last_s = loop.time()`), not a timer."""
+    """Cuts a relayed stream whose engine stays silent for `idle_s` (loop-clock seconds) after it
+    began: one timer per stream, re-armed only when it fires early, so a chunk costs two clock
+    reads (`last_s = loop.time()` when it arrives and when the client has taken it), not a timer.
+    While a chunk is being sent (`sending`) the time is the client's, not the engine's: a client
+    slow to read never cuts a stream, nor counts against the endpoint."""
 
-    __slots__ = ("last_s", "idle_s", "fired", "_content", "_loop", "_handle")
+    __slots__ = ("last_s", "idle_s", "fired", "sending", "_content", "_loop", "_handle")
 
     def __init__(self, content: aiohttp.StreamReader, idle_s: float) -> None:
         self._loop = asyncio.get_running_loop()
         self._content = content
         self.idle_s = idle_s
         self.fired = False
+        self.sending = False
         self.last_s = self._loop.time()
         self._handle = self._loop.call_at(self.last_s + idle_s, self._check)
 
     def _check(self) -> None:
+        if self.sending:   # waiting on the client: look again a whole idle period after it took the chunk
+            self._handle = self._loop.call_at(self._loop.time() + self.idle_s, self._check)
+            return
         due_s = self.last_s + self.idle_s
         if self._loop.time() >= due_s:
             self.fired = True
@@ -524,6 +530,10 @@ class Proxy:
                 if isinstance(exc, TimeoutError) and within.expired():
                     return self._stalled(endpoint, m, resp, pool, arrival_s, start_s, timeout_s)
                 return await self._upstream_failed(endpoint, m, resp, send, watch, pool, arrival_s, start_s, exc)
+            except BaseException:   # cancelled (the client left) after the head, before the first chunk:
+                if resp is not None:   # nothing else would close it, and the engine would go on generating
+                    resp.close()
+                raise
             headers_s = clock()
             completed = False
             retry: _Retry | None = None
@@ -732,7 +742,12 @@ class Proxy:
                 self._load_changed()
                 chunk = sse.feed(first_chunk, first_chunk_s) if sse is not None else first_chunk
                 if chunk:
+                    if idle is not None:
+                        idle.sending = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if idle is not None:
+                        idle.last_s = loop_time()
+                        idle.sending = False
             async for chunk in resp.content.iter_any():
                 if idle is not None:
                     idle.last_s = loop_time()
@@ -749,7 +764,12 @@ class Proxy:
                     first_byte_s = clock()
                     endpoint.first_byte(first.pop())
                     self._load_changed()
+                if idle is not None:
+                    idle.sending = True   # a client slow to read is not a silent engine
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if idle is not None:
+                    idle.last_s = loop_time()
+                    idle.sending = False
         except _UPSTREAM_ERRORS as exc:
             endpoint.record_failure(clock())
             m.error("interrupted").inc()

@@ -182,6 +182,20 @@ def test_claims_are_dropped_with_the_view_and_swept_when_expired() -> None:
     assert index.expected_blocks() == 0
 
 
+def test_token_ids_holding_something_unhashable_match_and_claim_nothing() -> None:
+    """A client's token-id prompt is passed on as parsed: a list inside it must not raise out of
+    the policy (a router 500 where the engine answers 400)."""
+    engine, index = Engine(), ExactIndex()
+    index.open("a")
+    ids = prompt(3)
+    index.apply("a", batch(engine.stored(ids)))
+    bad = ids[:5] + [[1]] + ids[6:]
+    assert index.match(bad) == {} and index.match(bad, rebuilding=True, now_s=0.0) == {}
+    assert index.expect("a", bad + prompt(2, base=900), until_s=10.0, now_s=0.0) == []
+    assert index.expected_blocks() == 0 and index.placed_blocks("a") == 3   # no claim half-made
+    assert index.match(ids) == {"a": 3 * BS}
+
+
 def test_a_peers_claim_is_taken_by_key_and_skips_what_the_view_holds() -> None:
     """`expect` returns the keys it claimed (the ones the view did not hold); another router's
     index takes them with `expect_keys` and matches the prompt there, until the engine stores it."""

@@ -410,6 +410,9 @@ async def test_the_router_follows_a_published_pool_and_routes_on_the_engines_eve
         for _ in range(3):
             async with client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2}) as resp:
                 assert (await resp.json())["served_by"] == "b"
+        bad = prompt[:4] + [[1]] + prompt[5:]              # not token ids: the engine's to refuse, not a router 500
+        async with client.post("/v1/completions", json={"model": "m", "prompt": bad, "max_tokens": 2}) as resp:
+            assert resp.status == 200, await resp.text()
         async with client.get("/metrics") as resp:
             text = await resp.text()
         assert 'fleet_router_kv_stream_live{endpoint="b",model="m"} 1.0' in text

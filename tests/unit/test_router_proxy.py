@@ -367,6 +367,42 @@ async def test_client_disconnect_while_waiting_for_headers_closes_upstream() -> 
         assert (state.in_flight, state.errors_total) == (0, 0)
 
 
+async def test_client_disconnect_after_the_head_before_the_first_chunk_closes_upstream() -> None:
+    """The engine answers the head of a streamed reply and then sends nothing (still prefilling):
+    the router holds the head until the first chunk, and a client that leaves meanwhile must not
+    leave the engine's connection open (the engine would generate for nobody)."""
+    head_sent = asyncio.Event()
+    upstream_closed = asyncio.Event()
+
+    async def head_then_silence(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD)
+        await writer.drain()
+        head_sent.set()
+        await reader.read()  # returns b"" once the router closes the connection
+        upstream_closed.set()
+
+    async with raw_upstream(head_then_silence) as (url, _), router() as (app, client):
+        await put_pool(client, "m", [{"id": "prefilling", "url": url}])
+        pending = asyncio.create_task(client.post("/v1/completions", json=completion(stream=True)))
+        await asyncio.wait_for(head_sent.wait(), WAIT_S)
+        pending.cancel()  # the client gives up: aiohttp drops its connection to the router
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
+        await asyncio.wait_for(upstream_closed.wait(), WAIT_S)
+        state = app.pools.get("m").endpoints[0]  # type: ignore[union-attr]
+        assert (state.in_flight, state.errors_total) == (0, 0)
+
+
+async def test_a_huge_max_tokens_is_relayed_to_the_engine_not_a_router_error() -> None:
+    """A non-streamed request's deadline grows with max_tokens; one past a float's range gets no
+    deadline (the engine answers it) instead of an OverflowError (a 500 from the router)."""
+    async with FakeEngine("e0") as engine, router() as (_, client):
+        await put_pool(client, "m", [{"id": "e0", "url": engine.url}])
+        body = b'{"model": "m", "prompt": "hi", "max_tokens": 1' + b"0" * 400 + b"}"
+        async with client.post("/v1/completions", data=body, headers={"content-type": "application/json"}) as resp:
+            assert resp.status == 200, await resp.text()
+
+
 # --- read-only endpoints ----------------------------------------------------------------
 
 

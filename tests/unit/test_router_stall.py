@@ -247,6 +247,56 @@ async def test_gaps_between_tokens_shorter_than_the_deadline_pass_and_a_silent_s
         assert value(app, "fleet_router_endpoint_errors_total", model="m", endpoint="a", reason="interrupted") == 1
 
 
+async def test_a_client_slow_to_read_never_cuts_a_stream_the_engine_keeps_sending() -> None:
+    """The engine sends 32 MB of events at once; the client takes the first and then reads nothing
+    for three times the deadline, so the router waits on the client to drain its socket. The idle
+    limit is the engine's silence, not the client's: the whole stream arrives and the endpoint
+    is not blamed."""
+    event = b"data: " + json.dumps({"choices": [{"index": 0, "text": "x" * (32 << 10)}]}).encode() + b"\n\n"
+
+    async def flood(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(1024):
+            await resp.write(event)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async with FakeEngine("a", handler=flood) as a, router() as (app, client):
+        await put_pool(client, [("a", a.url)], first_token_timeout_s=DEADLINE_S)
+        async with client.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}) as r:
+            first = await r.content.readuntil(b"\n\n")
+            await asyncio.sleep(DEADLINE_S * 3)           # the client, not reading (the stimulus, not a wait)
+            rest = await r.content.read()
+        text = (first + rest).decode()
+        assert r.status == 200 and text.count("data: ") == 1025 and text.endswith("data: [DONE]\n\n")
+        assert "upstream_interrupted" not in text
+        assert value(app, "fleet_router_endpoint_errors_total", model="m", endpoint="a", reason="interrupted") == 0
+
+
+async def test_a_stream_silent_after_half_an_event_is_cut() -> None:
+    """Half an event (held back by the relay until its end) and then silence: still the engine's
+    silence, cut within the deadline, not waited out."""
+    release = asyncio.Event()
+
+    async def half_then_silence(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "0"}]}\n\n')
+        await asyncio.sleep(DEADLINE_S / 4)               # a read of its own, after the first token
+        await resp.write(b'data: {"choices": [{"index": 0, "te')
+        await release.wait()
+        return resp
+
+    async with FakeEngine("a", handler=half_then_silence) as a, router() as (app, client):
+        await put_pool(client, [("a", a.url)], first_token_timeout_s=DEADLINE_S)
+        with contextlib.suppress(aiohttp.ClientPayloadError):
+            async with client.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}) as r:
+                await r.read()
+        assert value(app, "fleet_router_endpoint_errors_total", model="m", endpoint="a", reason="interrupted") == 1
+        release.set()
+
+
 # --- the engine simulator's stall fault, through the router ----------------------------------
 
 FAST = Profile(
