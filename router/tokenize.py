@@ -233,9 +233,11 @@ class PromptTokenizer:
             texts = _texts(message.get("content"))
             if role == "system":
                 texts = _without_billing_header(texts)
-            # A tool result's text parts are joined even for templates that take parts (vLLM).
+            # A tool result's text parts are joined even for templates that take parts (vLLM). Joined
+            # parts leave out the empty ones, as vLLM's parse does (`if parse_res:`); parts kept as
+            # dicts keep them.
             content: object = ([{"type": "text", "text": t} for t in texts] if self.content_parts and role != "tool"
-                               else "\n".join(texts))  # fmt: skip
+                               else "\n".join(t for t in texts if t))  # fmt: skip
             turn: dict[str, Any] = {"role": role, "content": content}
             if role == "assistant":
                 calls = message.get("tool_calls")
@@ -294,15 +296,29 @@ class PromptTokenizer:
         if doc.get("continue_final_message"):
             raise UnsupportedPrompt("continue_final_message")
         generation = doc.get("add_generation_prompt")
-        kwargs = doc.get("chat_template_kwargs")
         text = self.render_chat(messages, add_generation_prompt=generation if isinstance(generation, bool) else True,
-                                template_kwargs=kwargs if isinstance(kwargs, Mapping) else None)  # fmt: skip
+                                template_kwargs=_template_kwargs(doc))  # fmt: skip
         if special is True or self.segments is None:
             return self.encode(text, special is True)
         try:
             return self.segments.encode(text)   # the history's pieces from before: only new messages cost
         except Exception as exc:  # tokenizers raises plain Exception
             raise ValueError(f"tokenizer refused the text: {exc}") from None
+
+
+def _template_kwargs(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat template's variables from a request, as vLLM 0.32 builds them
+    (vllm/entrypoints/openai/chat_completion/protocol.py, `ChatCompletionRequest.build_chat_params`):
+    ``chat_template_kwargs``, then ``reasoning_effort`` when set (not "auto"), and with it
+    ``enable_thinking`` (effort not "none") unless the request's kwargs name it."""
+    given = doc.get("chat_template_kwargs")
+    kwargs = dict(given) if isinstance(given, Mapping) else {}
+    effort = doc.get("reasoning_effort")
+    if effort is not None and effort != "auto":
+        if "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = effort != "none"
+        kwargs["reasoning_effort"] = effort
+    return kwargs
 
 
 def _texts(content: object) -> list[str]:
@@ -529,8 +545,9 @@ def load_tokenizer(source: str) -> PromptTokenizer:
 
 
 def prompt_chars(doc: Mapping[str, Any]) -> int:
-    """Characters of a body's prompt (text, the first of a batch) or of its messages' string
-    contents: what decides between tokenizing on the loop and in a thread. Cheap (no copy)."""
+    """Characters of a body's prompt (text, the first of a batch) or of what its messages give the
+    chat template (text content and parts, an assistant's reasoning, tool-call arguments given as
+    text): what decides between tokenizing on the loop and in a thread. Cheap (no copy)."""
     prompt = doc.get("prompt")
     if isinstance(prompt, str):
         return len(prompt)
@@ -540,11 +557,23 @@ def prompt_chars(doc: Mapping[str, Any]) -> int:
     total = 0
     if isinstance(messages, list):
         for m in messages:
-            content = m.get("content") if isinstance(m, Mapping) else None
+            if not isinstance(m, Mapping):
+                continue
+            content = m.get("content")
             if isinstance(content, str):
                 total += len(content)
             elif isinstance(content, list):
-                total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
+                for p in content:
+                    text = p.get("text") if isinstance(p, Mapping) else p
+                    total += len(text) if isinstance(text, str) else 0
+            reasoning = m.get("reasoning")
+            total += len(reasoning) if isinstance(reasoning, str) else 0
+            calls = m.get("tool_calls")
+            if isinstance(calls, list):
+                for call in calls:
+                    function = call.get("function") if isinstance(call, Mapping) else None
+                    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+                    total += len(arguments) if isinstance(arguments, str) else 0
     return total
 
 

@@ -118,6 +118,52 @@ def test_text_parts_are_joined_with_a_newline_as_vllm_does(tokenizer_dir: Path) 
     assert tok.prompt_token_ids({"messages": messages}) == vllm_chat_ids(tokenizer_dir, parsed)
 
 
+def test_empty_text_parts_are_left_out_as_vllm_does(tokenizer_dir: Path) -> None:
+    tok = load_tokenizer(str(tokenizer_dir))
+    messages = [{"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}, ""]}]
+    parsed = [{"role": "user", "content": "hi"}]   # vLLM keeps a parse result only if it is truthy
+    assert tok.prompt_token_ids({"messages": messages}) == vllm_chat_ids(tokenizer_dir, parsed)
+
+
+# A template that reads the reasoning variables vLLM passes (Qwen3 and Gemma read enable_thinking).
+THINKING_TEMPLATE = (
+    "{{ bos_token }}{% if enable_thinking is defined and not enable_thinking %}<|system|>\nno think\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if reasoning_effort is defined %}[effort {{ reasoning_effort }}]{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(tokenizer_dir: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "thinking"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((tokenizer_dir / name).read_bytes())
+    (directory / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    tok = load_tokenizer(str(directory))
+    messages = [{"role": "user", "content": "x"}]
+    # vLLM 0.32 (ChatCompletionRequest.build_chat_params): the request's kwargs, reasoning_effort,
+    # and enable_thinking = effort != "none" unless the kwargs name it.
+    cases = [({"reasoning_effort": "none"}, {"enable_thinking": False, "reasoning_effort": "none"}),
+             ({"reasoning_effort": "high"}, {"enable_thinking": True, "reasoning_effort": "high"}),
+             ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+              {"enable_thinking": True, "reasoning_effort": "none"}),
+             ({}, {})]  # fmt: skip
+    for request, template_kwargs in cases:
+        assert tok.prompt_token_ids({"messages": messages, **request}) == vllm_chat_ids(directory, messages,
+                                                                                       **template_kwargs)
+    assert tok.prompt_token_ids({"messages": messages, "reasoning_effort": "none"}) != tok.prompt_token_ids(
+        {"messages": messages})
+
+
+def test_the_loop_or_thread_choice_counts_what_the_template_renders() -> None:
+    long = "r" * 5000
+    assert prompt_chars({"messages": [{"role": "assistant", "content": "ok", "reasoning": long}]}) >= 5000
+    assert prompt_chars({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": long}}]}]}) >= 5000  # fmt: skip
+    assert prompt_chars({"messages": [{"role": "user", "content": ["a" * 3000, {"type": "text", "text": 7}]}]}) == 3000
+
+
 def test_completion_text_gets_the_special_tokens_vllm_adds(tokenizer_dir: Path) -> None:
     tok = load_tokenizer(str(tokenizer_dir))
     reference = hf(tokenizer_dir)
