@@ -33,6 +33,10 @@ MIXED = [
 ]  # fmt: skip
 
 
+# An empty text part: left out where parts are joined into a string, kept where the template takes parts.
+EMPTY_PART = [{"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}]}]
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from fleet.engines.tinymodel import make_tiny_tokenizer
@@ -68,7 +72,7 @@ def vllm_chat_ids(directory: Path, messages: list[dict[str, Any]]) -> list[int]:
 
 
 @pytest.mark.parametrize("template", ["plain", "parts"])
-@pytest.mark.parametrize("messages", [*CONVERSATIONS, MIXED], ids=lambda m: f"{len(m)}-messages")
+@pytest.mark.parametrize("messages", [*CONVERSATIONS, MIXED, EMPTY_PART], ids=lambda m: f"{len(m)}-messages")
 def test_chat_ids_equal_vllms(dirs: dict[str, Path], template: str, messages: list[dict[str, Any]]) -> None:
     if template == "plain" and any("tool_calls" in m for m in messages):
         pytest.skip("the tiny model's template cannot render an assistant turn without content")
