@@ -346,45 +346,26 @@ async def test_client_disconnect_mid_stream_closes_upstream_and_frees_slot() -> 
         assert counter_value(app, "fleet_router_requests_in_flight", model="m", endpoint="slow") == 0
 
 
-async def test_client_disconnect_while_waiting_for_headers_closes_upstream() -> None:
-    request_seen = asyncio.Event()
+@pytest.mark.parametrize("head", [False, True], ids=["before-the-head", "after-the-head"])
+async def test_client_disconnect_before_the_first_chunk_closes_upstream(head: bool) -> None:
+    """The engine sends nothing, or the head of a streamed reply and then nothing (still
+    prefilling; the router holds the head until the first chunk): a client that leaves meanwhile
+    must not leave the engine's connection open (the engine would generate for nobody)."""
+    waiting = asyncio.Event()
     upstream_closed = asyncio.Event()
 
-    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request_seen.set()
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if head:
+            writer.write(SSE_HEAD)
+            await writer.drain()
+        waiting.set()
         await reader.read()  # returns b"" once the router closes the connection
         upstream_closed.set()
 
-    async with raw_upstream(never_answer) as (url, _), router() as (app, client):
+    async with raw_upstream(silent) as (url, _), router() as (app, client):
         await put_pool(client, "m", [{"id": "stuck", "url": url}])
-        pending = asyncio.create_task(client.post("/v1/completions", json=completion()))
-        await asyncio.wait_for(request_seen.wait(), WAIT_S)
-        pending.cancel()  # the client gives up: aiohttp drops its connection to the router
-        with contextlib.suppress(asyncio.CancelledError):
-            await pending
-        await asyncio.wait_for(upstream_closed.wait(), WAIT_S)
-        state = app.pools.get("m").endpoints[0]  # type: ignore[union-attr]
-        assert (state.in_flight, state.errors_total) == (0, 0)
-
-
-async def test_client_disconnect_after_the_head_before_the_first_chunk_closes_upstream() -> None:
-    """The engine answers the head of a streamed reply and then sends nothing (still prefilling):
-    the router holds the head until the first chunk, and a client that leaves meanwhile must not
-    leave the engine's connection open (the engine would generate for nobody)."""
-    head_sent = asyncio.Event()
-    upstream_closed = asyncio.Event()
-
-    async def head_then_silence(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(SSE_HEAD)
-        await writer.drain()
-        head_sent.set()
-        await reader.read()  # returns b"" once the router closes the connection
-        upstream_closed.set()
-
-    async with raw_upstream(head_then_silence) as (url, _), router() as (app, client):
-        await put_pool(client, "m", [{"id": "prefilling", "url": url}])
-        pending = asyncio.create_task(client.post("/v1/completions", json=completion(stream=True)))
-        await asyncio.wait_for(head_sent.wait(), WAIT_S)
+        pending = asyncio.create_task(client.post("/v1/completions", json=completion(stream=head)))
+        await asyncio.wait_for(waiting.wait(), WAIT_S)
         pending.cancel()  # the client gives up: aiohttp drops its connection to the router
         with contextlib.suppress(asyncio.CancelledError):
             await pending

@@ -53,6 +53,13 @@ async def put_pool(client: aiohttp.ClientSession, endpoints: list[tuple[str, str
         assert resp.status == 200, await resp.text()
 
 
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    """A streamed reply's head, sent (200 text/event-stream, as vLLM sends it before its first token)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    return resp
+
+
 class Hanging:
     """An engine that sends the response head (streamed: 200 text/event-stream, as vLLM does before
     its first token) and then nothing while `stalled`, and answers at once when not; counts the
@@ -67,8 +74,7 @@ class Hanging:
         body = await request.json()
         self.requests += 1
         if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
+            resp = await open_sse(request)
             if not self.stalled:
                 await resp.write(b'data: {"served_by": "hanging", "choices": []}\n\ndata: [DONE]\n\n')
                 return resp
@@ -221,8 +227,7 @@ async def test_gaps_between_tokens_shorter_than_the_deadline_pass_and_a_silent_s
     gaps_s = [DEADLINE_S / 2, DEADLINE_S / 2, DEADLINE_S * 3]
 
     async def slow_stream(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await open_sse(request)
         gaps = gaps_s if (await request.json()).get("cut") else gaps_s[:2]
         for i, gap_s in enumerate(gaps):
             await resp.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': str(i)}]})}\n\n".encode())
@@ -255,8 +260,7 @@ async def test_a_client_slow_to_read_never_cuts_a_stream_the_engine_keeps_sendin
     event = b"data: " + json.dumps({"choices": [{"index": 0, "text": "x" * (32 << 10)}]}).encode() + b"\n\n"
 
     async def flood(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await open_sse(request)
         for _ in range(1024):
             await resp.write(event)
         await resp.write(b"data: [DONE]\n\n")
@@ -280,8 +284,7 @@ async def test_a_stream_silent_after_half_an_event_is_cut() -> None:
     release = asyncio.Event()
 
     async def half_then_silence(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await open_sse(request)
         await resp.write(b'data: {"choices": [{"index": 0, "text": "0"}]}\n\n')
         await asyncio.sleep(DEADLINE_S / 4)               # a read of its own, after the first token
         await resp.write(b'data: {"choices": [{"index": 0, "te')
