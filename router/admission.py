@@ -22,7 +22,10 @@ from collections import deque
 
 
 class AdmissionQueue:
-    """FIFO of futures, one per waiting request; `len()` counts the requests waiting now."""
+    """FIFO of futures, one per waiting request; `len()` counts the requests waiting now and not
+    yet woken. A woken waiter no longer counts: it has a slot coming, so a slot freed before it
+    runs goes to the next waiter or, if none is left, to the next arrival (`has_waiters` false),
+    instead of a wake-up that finds nobody and leaves the slot idle while requests queue."""
 
     __slots__ = ("_waiters", "_waiting")
 
@@ -60,7 +63,8 @@ class AdmissionQueue:
                 self.wake(1)
             raise
         finally:
-            self._waiting -= 1
+            if future.cancelled() or not future.done():   # left unwoken (`wake` uncounted the woken)
+                self._waiting -= 1
         return True
 
     def wake(self, n: int = 1) -> int:
@@ -71,6 +75,7 @@ class AdmissionQueue:
             future = waiters.popleft()
             if not future.done():
                 future.set_result(None)
+                self._waiting -= 1
                 woken += 1
         return woken
 

@@ -389,6 +389,12 @@ class Proxy:
                     break
                 else:
                     retries_left -= 1
+                # Retry on the pool as it is now: the controller may have drained or removed
+                # endpoints since the request came in (endpoints that stay are the same objects).
+                current = self._pools.get(model)
+                if current is None:
+                    break   # deleted meanwhile: nothing to retry on
+                pool = current
                 # A retry has waited its turn already: it may exceed the admission limit.
                 next_endpoint = pool.pick(request, self._clock(), tried, within_limit=False, key=key)
                 if next_endpoint is None:

@@ -122,6 +122,22 @@ async def test_full_endpoints_queue_requests_first_come_first_served_and_measure
     assert app.metrics.registry.get_sample_value("fleet_router_queue_time_seconds_sum", {"model": "m"}) == 8.0
 
 
+async def test_a_woken_waiter_no_longer_counts_so_a_second_freed_slot_is_not_lost() -> None:
+    """Two slots free before the one waiter woken by the first runs: the second finds no unwoken
+    waiter, so it stays free for the next arrival (which sees no queue) instead of being given to
+    a waiter already woken, while that arrival queues for a wake-up that never comes."""
+    from router.admission import AdmissionQueue
+
+    queue = AdmissionQueue()
+    w1 = asyncio.create_task(queue.wait(WAIT_S))
+    await until(queue.has_waiters)
+    assert queue.wake(1) == 1
+    assert not queue.has_waiters() and len(queue) == 0 and queue.wake(1) == 0
+    assert await w1
+    w2 = asyncio.create_task(queue.wait(0.01))          # one that times out unwoken leaves the count too
+    assert not await w2 and len(queue) == 0
+
+
 async def test_a_new_endpoint_takes_the_queued_request_at_once() -> None:
     clock, engine = Clock(), GatedEngine()
     async with FakeEngine(handler=engine.handler) as e0, FakeEngine("e1") as e1, router(clock) as (app, client):

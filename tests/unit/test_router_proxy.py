@@ -75,6 +75,15 @@ async def raw_upstream(script: Script) -> AsyncIterator[tuple[str, list[int]]]:
         await server.wait_closed()
 
 
+async def until_true(condition: Callable[[], bool]) -> None:
+    """Wait (polling, with a deadline) until `condition` holds."""
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(poll(), WAIT_S)
+
+
 SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
@@ -382,6 +391,39 @@ async def test_a_huge_max_tokens_is_relayed_to_the_engine_not_a_router_error() -
         body = b'{"model": "m", "prompt": "hi", "max_tokens": 1' + b"0" * 400 + b"}"
         async with client.post("/v1/completions", data=body, headers={"content-type": "application/json"}) as resp:
             assert resp.status == 200, await resp.text()
+
+
+async def test_a_retry_goes_only_to_endpoints_still_ready_in_the_pool_as_it_is_now() -> None:
+    """The first attempt answers 500 after the controller drained one endpoint and removed
+    another: the retry may not go to either (the removed one's pod may be gone already), so with
+    none left the engine's 500 is relayed."""
+    first: list[str] = []
+    release = asyncio.Event()
+
+    def engine(name: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            first.append(name)
+            if len(first) == 1:
+                await release.wait()
+                return web.json_response({"error": {"message": "boom"}}, status=500)
+            return web.json_response({"served_by": name, "choices": [{"text": "ok"}]})
+        return handle
+
+    async with FakeEngine("a", handler=engine("a")) as a, FakeEngine("b", handler=engine("b")) as b, \
+            FakeEngine("c", handler=engine("c")) as c, router() as (app, client):  # fmt: skip
+        urls = {"a": a.url, "b": b.url, "c": c.url}
+        await put_pool(client, "m", [{"id": n, "url": u} for n, u in urls.items()])
+        pending = asyncio.create_task(client.post("/v1/completions", json=completion()))
+        await until_true(lambda: len(first) == 1)
+        kept = first[0]
+        drained = next(n for n in urls if n != kept)   # and the third is removed
+        await put_pool(client, "m", [{"id": kept, "url": urls[kept]},
+                                     {"id": drained, "url": urls[drained], "draining": True}])  # fmt: skip
+        release.set()
+        resp = await asyncio.wait_for(pending, WAIT_S)
+        assert resp.status == 500 and first == [kept]
+        resp.release()
 
 
 # --- read-only endpoints ----------------------------------------------------------------
