@@ -64,6 +64,11 @@ class KvEventsSource(BaseModel):
         return url
 
 
+MAX_ENDPOINT_WEIGHT = 1_000_000.0
+"""Largest endpoint weight a pool document may give: weights are relative, and a bound keeps their
+sum finite (a larger one is refused with the field named, where its sum overflowed into a 500)."""
+
+
 class EndpointSpec(BaseModel):
     """One engine endpoint of a pool."""
 
@@ -88,8 +93,10 @@ class EndpointSpec(BaseModel):
     weight: float = Field(
         default=1.0,
         ge=0.0,
+        le=MAX_ENDPOINT_WEIGHT,
         description="Traffic weight: a revision (version) gets the sum of its ready endpoints' weights as its "
-        "share of requests when the pool holds more than one version (router.split); ignored otherwise.",
+        "share of requests when the pool holds more than one version (router.split); ignored otherwise. "
+        f"At most {MAX_ENDPOINT_WEIGHT:g} (the controller's weights are percentages).",
     )
     draining: bool = Field(default=False, description="True: send no new requests; in-flight ones finish.")
     kv_events: KvEventsSource | None = Field(

@@ -86,6 +86,20 @@ async def test_unknown_policy_is_422_naming_known_policies() -> None:
     assert "fastest" in text and "latency-aware" in text and "least-outstanding" in text and "round-robin" in text
 
 
+async def test_a_weight_too_large_is_422_naming_the_field_and_changes_nothing() -> None:
+    async with router() as (_, client):
+        good = {"policy": "round-robin", "endpoints": [{"id": "a", "url": "http://127.0.0.1:9", "version": "v1"},
+                                                       {"id": "b", "url": "http://127.0.0.1:9", "version": "v2"}]}
+        await put(client, "m", good)
+        bad = {**good, "endpoints": [{**e, "weight": 1e308, "draining": e["id"] == "b"} for e in good["endpoints"]]}
+        async with client.put("/admin/v1/pools/m", json=bad, headers=AUTH) as resp:
+            assert resp.status == 422
+            assert "weight" in await resp.text()
+        async with client.get("/admin/v1/pools", headers=AUTH) as resp:
+            endpoints = (await resp.json())["pools"]["m"]["endpoints"]
+    assert [(e["id"], e["weight"], e["draining"]) for e in endpoints] == [("a", 1.0, False), ("b", 1.0, False)]
+
+
 async def test_pool_listing_and_update_keep_stats_of_unchanged_endpoints() -> None:
     async with FakeEngine("a") as a, FakeEngine("b") as b, FakeEngine("c") as c, router() as (_, client):
         await put(client, "org/model", {"policy": "round-robin", "endpoints": [
