@@ -90,11 +90,11 @@ class EngineKind(Registered, registry=ENGINE_KINDS):
                 kv_events: KvEventsBind | None = None) -> list[str]:  # fmt: skip
         """argv of one replica serving ``launch`` from ``model`` (`model_argument`) on ``host:port``:
         `entry`, vLLM's server flags (``--kv-events-config`` when ``kv_events`` is given and
-        ``spec.engine.args`` has none of its own; ``--enable-prompt-tokens-details``, so each
+        `fleet_kv_events` allows it; ``--enable-prompt-tokens-details``, so each
         usage object says how much of the prompt the prefix cache held, which the router counts
         beside its own prediction: `fleet_router_prefix_cache_hits_total`), then
         ``spec.engine.args``."""
-        own = kv_events is not None and not has_kv_events_flag(launch.args)
+        own = kv_events is not None and fleet_kv_events(launch.args)
         details = PROMPT_TOKENS_DETAILS_FLAG not in launch.args
         return [
             *self.entry(model),
@@ -133,10 +133,46 @@ class KvEventsBind:
                           separators=(",", ":"))  # fmt: skip
 
 
+_KV_EVENTS_FLAGS = ("--kv-events-config", "--kv_events_config")
+_DATA_PARALLEL_FLAGS = ("--data-parallel-size", "--data_parallel_size", "-dp")
+
+
 def has_kv_events_flag(args: Sequence[str]) -> bool:
-    """``spec.engine.args`` configure KV events themselves (``--kv-events-config``): the backend
-    leaves them alone and publishes no addresses for the replica."""
-    return any(a == "--kv-events-config" or a.startswith("--kv-events-config=") for a in args)
+    """``spec.engine.args`` configure KV events themselves, in any spelling vLLM's parser takes
+    (its `FlexibleArgumentParser`): ``--kv-events-config`` or ``--kv_events_config``, its value
+    after ``=`` or as the next argument, or one field of it (``--kv-events-config.buffer_steps
+    50000``). A ``--config`` YAML file is not read."""
+    return any(a == flag or a.startswith((flag + "=", flag + ".")) for a in args for flag in _KV_EVENTS_FLAGS)
+
+
+def data_parallel_size(args: Sequence[str]) -> int:
+    """The ``--data-parallel-size`` (``-dp``) ``spec.engine.args`` give vLLM; 1 when they give
+    none, or none that reads as an int (vLLM then refuses the args itself)."""
+    size = 1
+    for i, a in enumerate(args):
+        if a in _DATA_PARALLEL_FLAGS and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(tuple(flag + "=" for flag in _DATA_PARALLEL_FLAGS)):
+            value = a.split("=", 1)[1]
+        else:
+            continue
+        try:
+            size = int(value)
+        except ValueError:
+            pass
+    return size
+
+
+def fleet_kv_events(args: Sequence[str]) -> bool:
+    """Whether Fleet configures the engine's KV events (``--kv-events-config``) and publishes
+    their addresses for the router: not when ``spec.engine.args`` configure them
+    (`has_kv_events_flag`: the backend leaves them alone), nor for a data-parallel engine. vLLM
+    offsets both of its ports by the data-parallel rank (vllm/distributed/kv_events.py
+    `offset_endpoint_port`), so rank 1's PUB port is rank 0's replay port and its engine core
+    fails to bind (and an ``ipc://`` address, which the local backend uses, fails outright); and
+    each rank's stream would need an endpoint of its own in the router (router/kv_subscriber.py,
+    "Limits"). Such replicas are routed on the approximate view."""
+    return not has_kv_events_flag(args) and data_parallel_size(args) <= 1
 
 
 def engine_kinds() -> list[str]:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
-from fleet.engines.kinds import KvEventsBind, get_engine, has_kv_events_flag
+from fleet.engines.kinds import KvEventsBind, fleet_kv_events, get_engine
 from fleet.inventory.gfd import GFD_PRODUCT
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -438,7 +438,7 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
     model = files.model
     engine = get_engine(spec.engine.kind)
     launch = dep.engine_launch(want.base_dir)
-    kv = settings.kv_events and not has_kv_events_flag(spec.engine.args)
+    kv = settings.kv_events and fleet_kv_events(spec.engine.args)
     bind = KvEventsBind(f"tcp://*:{settings.kv_events_port}", f"tcp://*:{settings.kv_replay_port}") if kv else None
     argv = engine.command(launch, model, "0.0.0.0", ENGINE_PORT, bind)
     flags = argv[len(engine.entry(model)):]

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
 from fleet.local.failsoft import WriteErrors, log_or_devnull
 from fleet.local.procs import LocalProcesses, ProcessRecord, find_marked, read_log_tail, start_ticks
-from fleet.engines.kinds import KvEventsBind, get_engine, has_kv_events_flag
+from fleet.engines.kinds import KvEventsBind, fleet_kv_events, get_engine
 from fleet.inventory import Inventory, NodeInventory
 from fleet.local.state import FLEET_ID_ENV, write_atomically
 
@@ -186,7 +186,7 @@ class LocalBackend:
                               "this backend has no weight cache")  # fmt: skip
         model = None if remote else engine_model(want)
         log_path = self.log_dir / f"{rid}.log"
-        kv_events = None if has_kv_events_flag(dep.spec.engine.args) else self._kv_events_addresses(rid)
+        kv_events = self._kv_events_addresses(rid) if fleet_kv_events(dep.spec.engine.args) else None
         record = _Record(rid, dep.name, want.spec_hash, want.placement.nodes[0], self.host, self._free_port(),
                          str(log_path), caching=remote, placement=want.placement.to_dict(),
                          kv_events=kv_events)  # fmt: skip

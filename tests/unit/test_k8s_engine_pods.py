@@ -259,6 +259,17 @@ def test_kv_events_can_be_switched_off_moved_or_left_to_the_engine_args():
         resources={"accelerator": "gpu", "tensorParallelSize": 1})  # fmt: skip
     command = pod_manifest(_want(own), fleet_id="f", owner=None, settings=SETTINGS)["spec"]["containers"][0]["command"]
     assert command.count("--kv-events-config") == 1 and command[-1] == '{"enable_kv_cache_events": false}'
+    # Another spelling vLLM's parser takes is the args' own config too; a data-parallel engine
+    # publishes on ports offset per rank (rank 1 would bind rank 0's replay port): no Fleet config.
+    for args in (["--kv_events_config.buffer_steps", "50000"], ["--data-parallel-size", "2"], ["-dp=4"]):
+        dep = _dep(model={"name": "tiny", "source": "hf://org/tiny"}, engine={"kind": "vllm", "image": "vllm:1",
+                   "args": args}, resources={"accelerator": "gpu", "tensorParallelSize": 1})  # fmt: skip
+        pod = pod_manifest(_want(dep), fleet_id="f", owner=None, settings=SETTINGS)
+        engine = pod["spec"]["containers"][0]
+        assert "--kv-events-config" not in engine["command"] and [p["containerPort"] for p in engine["ports"]] == [8000]
+        pod["status"] = {"phase": "Running", "podIP": "10.1.2.3",
+                         "containerStatuses": [{"name": "engine", "imageID": "x", "state": {"running": {}}}]}
+        assert pod_facts(pod).kv_events is None
     for bad, key in (({"kvEvents": {"port": 8000}}, "kvEvents.port"), ({"kvEvents": {"replayPort": 0}}, "replayPort"),
                      ({"kvEvents": {"port": 5558}}, "must differ"), ({"kvEvents": []}, "kvEvents")):  # fmt: skip
         with pytest.raises(ValueError, match=key):

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from fleet.controller.reconcile import Controller
-from fleet.engines.kinds import ModelUnavailable, SimEngine, get_engine
+from fleet.engines.kinds import EngineLaunch, KvEventsBind, ModelUnavailable, SimEngine, get_engine
 from fleet.inventory import Inventory, NodeInventory
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.spec import SpecError, load_deployments, parse_document
@@ -86,3 +86,21 @@ def test_the_example_sim_fleet_is_valid():
     (ld,) = load_deployments([REPO / "examples" / "sim-fleet.yaml"])
     assert ld.deployment.spec.engine.kind == "sim"
     preflight([ld], CPU, {})
+
+
+def test_fleet_configures_kv_events_unless_the_args_do_or_the_engine_is_data_parallel():
+    from fleet.engines.kinds import data_parallel_size, fleet_kv_events, has_kv_events_flag
+
+    for own in (["--kv-events-config", "{}"], ["--kv-events-config={}"], ["--kv_events_config", "{}"],
+                ["--kv-events-config.buffer_steps", "50000"], ["--kv_events_config.topic=x"]):  # fmt: skip
+        assert has_kv_events_flag(own) and not fleet_kv_events(own)
+    assert not has_kv_events_flag(["--kv-events-configs", "{}"])   # another flag, not a spelling of it
+    sizes = {(): 1, ("--data-parallel-size", "2"): 2, ("-dp", "4"): 4, ("--data_parallel_size=3",): 3,
+             ("-dp",): 1, ("-dp", "two"): 1, ("--tensor-parallel-size", "2"): 1}  # fmt: skip
+    for args, size in sizes.items():
+        assert data_parallel_size(list(args)) == size
+        assert fleet_kv_events(list(args)) is (size == 1)
+    bind = KvEventsBind("tcp://*:5557", "tcp://*:5558")
+    for args, flagged in ((("-dp", "2"), False), ((), True)):
+        launch = EngineLaunch(served_model_name="m", source="/m", local_path=None, tensor_parallel_size=1, args=args)
+        assert ("--kv-events-config" in get_engine("vllm").command(launch, "m", "0.0.0.0", 8000, bind)) is flagged
