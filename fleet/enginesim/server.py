@@ -166,6 +166,7 @@ class SimReplica:
         self._on_dead = on_dead
         self._live: dict[str, _Live] = {}
         self._wake = asyncio.Event()
+        self._cache_resets = 0   # prefix cache resets so far (`_sleep`): a step's events from before one are void
         self._running = asyncio.Event()   # cleared while the stall fault holds the engine
         if not settings.faults.stall:
             self._running.set()
@@ -280,6 +281,7 @@ class SimReplica:
                 await self._wake.wait()
                 continue
             start_s = max(self.now_s(), last_end_s)
+            resets = self._cache_resets
             try:
                 result = self.model.step(start_s)
             except Exception as err:  # noqa: BLE001 - a model bug fails its requests, not the replica
@@ -302,7 +304,10 @@ class SimReplica:
             else:
                 await asyncio.sleep(0)  # let handlers run between back-to-back steps
             self._deliver(result)
-            if result.kv_events:
+            # A reset while the step ran (POST /sleep) already published AllBlocksCleared: the
+            # step's blocks are gone with it, and publishing them after it would tell subscribers
+            # of blocks the engine no longer holds.
+            if result.kv_events and resets == self._cache_resets:
                 self._publish_kv(list(result.kv_events))
 
     def _publish_kv(self, events: list) -> None:
@@ -637,6 +642,7 @@ class SimReplica:
         if not self.sleep.asleep:
             self._fail_all("request aborted: the engine was put to sleep")
             self.model.reset_prefix_cache()
+            self._cache_resets += 1
             self._publish_kv(self.model.take_kv_events())
             self.sleep.sleep(level, self.now_s())
             log.info("replica %d (port %d) asleep at level %d", self.index, self.port, level)

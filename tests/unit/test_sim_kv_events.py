@@ -222,6 +222,38 @@ async def test_sleep_clears_the_cache_with_all_blocks_cleared(tmp_path):
         assert r.model.pool.cached_hashes() == set()
 
 
+@pytest.mark.asyncio
+async def test_a_sleep_during_a_step_voids_that_steps_events(tmp_path):
+    """POST /sleep lands while a step runs (its events taken, its duration not yet over): the
+    AllBlocksCleared it publishes must stay last, not be followed by the step's BlockStored for
+    blocks the reset dropped (a subscriber's view would hold blocks the engine does not)."""
+    seen: list = []
+    async with _replica(tmp_path, sinks=(lambda seq, b: seen.append(b),)) as (r, client, sub, ctx, kv):
+        stepped, delivered = asyncio.Event(), asyncio.Event()
+        step, deliver = r.model.step, r._deliver
+
+        def step_and_tell(start_s):
+            result = step(start_s)
+            if result.kv_events:
+                stepped.set()
+            return result
+
+        def deliver_and_tell(result):
+            deliver(result)
+            if stepped.is_set():
+                delivered.set()
+
+        r.model.step, r._deliver = step_and_tell, deliver_and_tell
+        pending = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x " * 40, "max_tokens": 2}))
+        await asyncio.wait_for(stepped.wait(), 5)          # the step ran; the driver waits out its duration
+        await r._sleep(type("Req", (), {"query": {"level": "1"}})())
+        await asyncio.wait_for(delivered.wait(), 5)        # the driver went on past that step
+        (await pending).release()
+        events = [e for batch in seen for e in batch.events]
+        assert isinstance(events[-1], AllBlocksCleared)
+        assert r.model.pool.cached_hashes() == set()
+
+
 def test_the_command_line_takes_the_flag():
     from fleet.enginesim.__main__ import options_from_args
 
