@@ -198,6 +198,8 @@ class Pool:
             return None
         if self.split is not None:
             candidates = self.split.narrow(candidates, key)
+            if not candidates:
+                return None   # only revisions of weight 0 left (router.split)
         for endpoint in candidates:
             if endpoint.unavailable_until_s > now_s or endpoint.ejected_until_s:
                 return self.policy.choose(self._available(candidates, now_s), request, now_s)

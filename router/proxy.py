@@ -453,9 +453,13 @@ class Proxy:
             front = True  # the slot went to a retry: wait again, first in line
         shared.gave_up(arrival_s, self._clock())   # the wait so far is a queue-time sample
         watch.finishing = True
-        await self._reject(send, 503, model, error_body(
-            f"model {model!r}: no endpoint slot freed within {pool.queue_timeout_s:g} s; retry later",
-            type_="server_error", code="queue_timeout"), self._retry_after, shared)  # fmt: skip
+        if self._pools.get(model) is None:   # deleted while the request waited
+            message, code = f"model {model!r} was removed while the request waited; retry later", "no_ready_endpoint"
+        else:
+            message, code = f"model {model!r}: no endpoint slot freed within {pool.queue_timeout_s:g} s; retry later", \
+                "queue_timeout"  # fmt: skip
+        await self._reject(send, 503, model, error_body(message, type_="server_error", code=code),
+                           self._retry_after, shared)  # fmt: skip
         return None
 
     def _count_rejection(self, model: str, status: int) -> None:

@@ -11,7 +11,8 @@ Weights: a revision's weight is the sum of the `weight`s of its ready (non-drain
 in the pool document (`router.spec.EndpointSpec.weight`); the controller gives each endpoint of
 a revision ``revision weight / its endpoints``. A pool whose ready endpoints all serve one
 version is not split (every pool without a rollout: weights are then ignored, as before).
-A revision of weight 0 gets no new requests (a rolled-back canary: in-flight ones finish).
+A revision of weight 0 gets no new requests, not even when the others are full or tried (a
+rolled-back canary: in-flight ones finish).
 
 Choice:
 
@@ -101,11 +102,16 @@ class RevisionSplit:
         return best_v
 
     def narrow(self, candidates: Sequence[EndpointState], key: str | None = None) -> Sequence[EndpointState]:
-        """The candidates of the chosen revision; all ``candidates`` when none of them serves
-        it (its endpoints are full, cooling down or already tried: serving beats the split)."""
+        """The candidates of the chosen revision; when none of them serves it (its endpoints are
+        full, cooling down or already tried: serving beats the split), the candidates of every
+        revision of weight above 0. Never one of weight 0 (a rolled-back canary, a revision being
+        replaced): with nothing else left the result is empty, and the request waits or fails."""
         version = self.choose(key)
         chosen = [e for e in candidates if e.version == version]
-        return chosen or candidates
+        if chosen:
+            return chosen
+        weighted = {v for v, w in zip(self.versions, self.weights) if w > 0}
+        return [e for e in candidates if e.version in weighted]
 
     def shares(self) -> dict[str, float]:
         """Version -> its share of requests (0..1), for the admin API."""

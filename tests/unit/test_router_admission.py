@@ -186,6 +186,26 @@ async def test_queue_full_and_queue_timeout_are_503_with_retry_after() -> None:
     assert engine.seen == ["a"]
 
 
+async def test_a_request_waiting_when_its_pool_is_deleted_is_told_so() -> None:
+    clock, engine = Clock(), GatedEngine()
+    async with FakeEngine(handler=engine.handler) as e0, router(clock) as (app, client):
+        await put_pool(client, [{"id": "e0", "url": e0.url}], max_concurrency_per_endpoint=1)
+        queue = app.pools.get("m").shared.queue  # type: ignore[union-attr]
+        try:
+            a = asyncio.create_task(complete(client, "a"))
+            await until(lambda: engine.seen == ["a"])
+            b = asyncio.create_task(complete(client, "b"))
+            await until(lambda: len(queue) == 1)
+            async with client.delete("/admin/v1/pools/m", headers=AUTH) as resp:
+                assert resp.status in (200, 204)
+            status, body = await b
+            assert status == 503 and body["error"]["code"] == "no_ready_endpoint"
+            assert "removed" in body["error"]["message"]
+        finally:
+            engine.release_all()
+        await a
+
+
 async def test_a_client_that_leaves_the_queue_does_not_lose_the_slot() -> None:
     clock, engine = Clock(), GatedEngine()
     async with FakeEngine(handler=engine.handler) as e0, router(clock) as (app, client):

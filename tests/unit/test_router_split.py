@@ -95,9 +95,15 @@ def test_raising_the_canary_weight_moves_only_stable_keys_to_the_canary():
 
 
 def test_a_revision_of_weight_zero_gets_no_new_requests():
-    pool = Pool("m", make_policy("least-outstanding"), endpoints({"stable": (2, 100.0), "canary": (2, 0.0)}), 0.0)
+    eps = endpoints({"stable": (2, 100.0), "canary": (2, 0.0)})
+    pool = Pool("m", make_policy("least-outstanding"), eps, 0.0, limit=1)
     assert shares(pool, 1000) == {"stable": 100.0}
     assert {pool.pick(REQ, 0.0, key=f"k{i}").version for i in range(1000)} == {"stable"}
+    # Not even as a fall-back: with the stable endpoints full or tried the request waits or fails
+    # rather than go to a rolled-back canary.
+    eps[0].in_flight = eps[1].in_flight = 1
+    assert pool.pick(REQ, 0.0) is None
+    assert pool.pick(REQ, 0.0, tried=eps[:2], within_limit=False) is None
 
 
 def test_one_version_or_all_weights_zero_is_not_split():
