@@ -78,6 +78,16 @@ async def until(condition: Callable[[], bool]) -> None:
     await asyncio.wait_for(poll(), WAIT_S)
 
 
+async def slot_taken_and_one_queued(client: aiohttp.ClientSession, engine: GatedEngine,
+                                    queue: Any) -> tuple[asyncio.Task, asyncio.Task]:  # fmt: skip
+    """Request "a" takes the pool's only slot (held at the engine) and "b" waits in the queue."""
+    a = asyncio.create_task(complete(client, "a"))
+    await until(lambda: engine.seen == ["a"])
+    b = asyncio.create_task(complete(client, "b"))
+    await until(lambda: len(queue) == 1)
+    return a, b
+
+
 async def stats(client: aiohttp.ClientSession, window_s: float = 30.0) -> dict[str, Any]:
     async with client.get(f"/admin/v1/stats?window_s={window_s}", headers=AUTH) as resp:
         assert resp.status == 200
@@ -90,10 +100,7 @@ async def test_full_endpoints_queue_requests_first_come_first_served_and_measure
         await put_pool(client, [{"id": "e0", "url": e0.url}], max_concurrency_per_endpoint=1)
         queue = app.pools.get("m").shared.queue  # type: ignore[union-attr]
         try:
-            a = asyncio.create_task(complete(client, "a"))
-            await until(lambda: engine.seen == ["a"])
-            b = asyncio.create_task(complete(client, "b"))
-            await until(lambda: len(queue) == 1)
+            a, b = await slot_taken_and_one_queued(client, engine, queue)
             c = asyncio.create_task(complete(client, "c"))
             await until(lambda: len(queue) == 2)
             snap = await stats(client)
@@ -144,10 +151,7 @@ async def test_a_new_endpoint_takes_the_queued_request_at_once() -> None:
         await put_pool(client, [{"id": "e0", "url": e0.url}], max_concurrency_per_endpoint=1)
         queue = app.pools.get("m").shared.queue  # type: ignore[union-attr]
         try:
-            a = asyncio.create_task(complete(client, "a"))
-            await until(lambda: engine.seen == ["a"])
-            b = asyncio.create_task(complete(client, "b"))
-            await until(lambda: len(queue) == 1)
+            a, b = await slot_taken_and_one_queued(client, engine, queue)
             # A replica joins (the controller scaled up): the waiting request goes to it.
             await put_pool(client, [{"id": "e0", "url": e0.url}, {"id": "e1", "url": e1.url}],
                            max_concurrency_per_endpoint=1)
@@ -166,10 +170,7 @@ async def test_queue_full_and_queue_timeout_are_503_with_retry_after() -> None:
                        max_queue_length=1, queue_timeout_s=0.2)
         queue = app.pools.get("m").shared.queue  # type: ignore[union-attr]
         try:
-            a = asyncio.create_task(complete(client, "a"))
-            await until(lambda: engine.seen == ["a"])
-            b = asyncio.create_task(complete(client, "b"))
-            await until(lambda: len(queue) == 1)
+            a, b = await slot_taken_and_one_queued(client, engine, queue)
             clock.now_s += 7.0  # router time while b waits (the 0.2 s timeout runs in real time)
             async with client.post("/v1/completions", json={"model": "m", "prompt": "c"}) as resp:
                 assert resp.status == 503 and resp.headers["Retry-After"]
@@ -192,10 +193,7 @@ async def test_a_request_waiting_when_its_pool_is_deleted_is_told_so() -> None:
         await put_pool(client, [{"id": "e0", "url": e0.url}], max_concurrency_per_endpoint=1)
         queue = app.pools.get("m").shared.queue  # type: ignore[union-attr]
         try:
-            a = asyncio.create_task(complete(client, "a"))
-            await until(lambda: engine.seen == ["a"])
-            b = asyncio.create_task(complete(client, "b"))
-            await until(lambda: len(queue) == 1)
+            a, b = await slot_taken_and_one_queued(client, engine, queue)
             async with client.delete("/admin/v1/pools/m", headers=AUTH) as resp:
                 assert resp.status in (200, 204)
             status, body = await b
@@ -212,10 +210,7 @@ async def test_a_client_that_leaves_the_queue_does_not_lose_the_slot() -> None:
         await put_pool(client, [{"id": "e0", "url": e0.url}], max_concurrency_per_endpoint=1)
         queue = app.pools.get("m").shared.queue  # type: ignore[union-attr]
         try:
-            a = asyncio.create_task(complete(client, "a"))
-            await until(lambda: engine.seen == ["a"])
-            b = asyncio.create_task(complete(client, "b"))
-            await until(lambda: len(queue) == 1)
+            a, b = await slot_taken_and_one_queued(client, engine, queue)
             b.cancel()  # the client gives up while queued
             with contextlib.suppress(asyncio.CancelledError):
                 await b
