@@ -11,7 +11,7 @@ export of decisions).
 
 Callers: `fleet.controller.autoscaling` (the loop of `fleet up`: scrapes, decides, calls
 `Controller.set_desired`) and the trace simulator, which runs the same policy objects in
-virtual time. Imports only `router` (`router.registry`, `router.specbase`) and itself; nothing of
+virtual time. Imports only `router` (`fleet.base.registry`, `fleet.base.spec`) and itself; nothing of
 `fleet` (docs/architecture.md).
 
 Importing the package imports the built-in policies (`policy`, `baselines`, `standby`), so that the registry

@@ -3,7 +3,7 @@
 Owns `EngineSample` and `parse_engine_metrics`. Called by `fleet.controller.autoscaling` on each scrape
 of a READY replica (the text comes from `warmup.client.EngineClient.metrics`); the trace
 simulator builds `EngineSample`s directly. Parsing is the router's
-(`router.engine_load.metric_families`: prometheus-client's own text parser on the lines of the
+(`router.signals.engine_load.metric_families`: prometheus-client's own text parser on the lines of the
 wanted families only, so a 600-line vLLM exposition costs a fraction of a full parse).
 
 Series (names and labels as vLLM 0.32 exports them, `vllm/v1/metrics/loggers.py`; the
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from autoscaler.histograms import CumulativeHistogram
-from router.engine_load import metric_families
+from router.signals.engine_load import metric_families
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"

@@ -72,7 +72,7 @@ from typing import ClassVar
 from autoscaler.signals import Signals
 from autoscaler.spec import SCALING_POLICIES, AutoscalingSpec
 from autoscaler.startup import StartupEstimate
-from router.registry import Registered
+from fleet.base.registry import Registered
 
 
 MIN_TTFT_SAMPLES = 10

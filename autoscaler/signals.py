@@ -2,14 +2,14 @@
 
 Owns `Signals` (the snapshot a policy reads) and `DeploymentSignals`, which keeps the engine
 scrapes of one deployment's replicas and combines them with the router's windowed statistics
-(`router.stats.ModelStats.snapshot`, fetched over `GET /admin/v1/stats`) into `Signals`.
+(`router.stats.windows.ModelStats.snapshot`, fetched over `GET /admin/v1/stats`) into `Signals`.
 Called by `fleet.controller.autoscaling` each autoscaler interval, and by the trace simulator with
 simulated scrapes and a `ModelStats` it records into in virtual time.
 
 Definitions (seconds unless named otherwise):
 
 - ``queue_time_s``: mean time a request waited before it first ran, over the window = the
-  router's mean queue time (arrival until dispatch, `router.stats`) + the engines' mean
+  router's mean queue time (arrival until dispatch, `router.stats.windows`) + the engines' mean
   `vllm:request_queue_time_seconds` (time WAITING in the scheduler). A mean of a sum is the
   sum of the means, so this is exact whichever of the two queues holds the requests; the
   engine mean is sum / count of the histogram's increase over the window (exact, no buckets).

@@ -20,11 +20,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from router.registry import Registry
-from router.specbase import FieldError, SpecModel
+from fleet.base.registry import Registry
+from fleet.base.spec import FieldError, SpecModel
 
 SCALING_POLICIES: Registry = Registry("autoscaling policy")
-"""The scaling policies by name (`router.registry`): `spec.autoscaling.policy` must be one. The
+"""The scaling policies by name (`fleet.base.registry`): `spec.autoscaling.policy` must be one. The
 policies register themselves (`autoscaler.policy`, `autoscaler.baselines`,
 `autoscaler.standby`); the package imports them all (autoscaler/__init__.py), so the registry is
 complete before any spec is parsed."""

@@ -29,8 +29,8 @@ from fleet.engines.cuda import CudaVersion, format_cuda, image_cuda, parse_cuda_
 from fleet.engines.kinds import ENGINE_KINDS, EngineLaunch
 from fleet.rollout.spec import RolloutSpec
 from fleet.sources import SourceError, parse_source
-from router.policies import ROUTING_POLICIES
-from router.specbase import FieldError, SpecModel
+from router.pools.policies import ROUTING_POLICIES
+from fleet.base.spec import FieldError, SpecModel
 from warmup.plan import WarmupPlan
 
 API_VERSION = "fleet.inference.dev/v1alpha1"

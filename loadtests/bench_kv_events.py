@@ -1,8 +1,8 @@
-"""Router CPU per KV event batch: one `router.kv_subscriber.KvEventSubscriber` following a publisher
+"""Router CPU per KV event batch: one `router.signals.kv_subscriber.KvEventSubscriber` following a publisher
 in another process, as a router follows an engine.
 
 The publisher (a subprocess, so that its CPU is not counted) sends `--batches` batches on vLLM's
-wire (`router.kv_events.encode_batch`, PUB frames topic/seq/payload), spread round-robin over
+wire (`router.kv.events.encode_batch`, PUB frames topic/seq/payload), spread round-robin over
 `--streams` PUB sockets (one per simulated engine), `--rate` per second on each: each batch stores
 `--blocks` 16-token blocks continuing its stream's chain and, once a stream holds 4,096 blocks,
 evicts its oldest as many with one `BlockRemoved` each, as vLLM reports evictions (so removals
@@ -35,15 +35,15 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from router.kv_events import decode_batch
-from router.kv_index import ExactIndex
-from router.kv_subscriber import DRAIN_INTERVAL_S, RCVHWM, DrainTicks, KvEventSubscriber
-from router.spec import KvEventsSource
+from router.kv.events import decode_batch
+from router.kv.exact_index import ExactIndex
+from router.signals.kv_subscriber import DRAIN_INTERVAL_S, RCVHWM, DrainTicks, KvEventSubscriber
+from router.pools.spec import KvEventsSource
 
 PUBLISHER = r'''
 import collections, random, sys, time
 import zmq
-from router.kv_events import BlockRemoved, BlockStored, batch_of, encode_batch
+from router.kv.events import BlockRemoved, BlockStored, batch_of, encode_batch
 batches, blocks, rate, streams = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 ctx = zmq.Context()
 pubs = [ctx.socket(zmq.PUB) for _ in range(streams)]

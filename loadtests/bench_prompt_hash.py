@@ -2,18 +2,18 @@
 
 For prompts of several lengths in the three forms the proxy sees (token ids, text, chat
 messages), times `json.loads` of the body (the proxy parses every body anyway), then
-`router.prompt_blocks.route_request` on the parsed body (block hashes, token estimate, session
-key), then one `kv-aware` decision (`router.policies.KvAware.choose`: index match, scoring over
+`router.kv.prompt_blocks.route_request` on the parsed body (block hashes, token estimate, session
+key), then one `kv-aware` decision (`router.pools.policies.KvAware.choose`: index match, scoring over
 8 endpoints, recording the blocks), then tokenization with the pool's tokenizer
-(`router.tokenize.PromptTokenizer.prompt_token_ids`: the chat template and `tokenizers`, what a
+(`router.kv.tokenize.PromptTokenizer.prompt_token_ids`: the chat template and `tokenizers`, what a
 pool with `tokenizer` adds for text and chat; token-id prompts need none): a prompt seen for the
 first time, and the next turn of a chat whose earlier turn was tokenized before (its history's
-pieces remembered, `router.token_segments`; a 40-token reply and a 40-token question added). Process CPU time, best
+pieces remembered, `router.kv.token_segments`; a 40-token reply and a 40-token question added). Process CPU time, best
 of `--repeats` runs of `--n` calls. Prompt lengths are counted in tokens of that tokenizer (the
 generated tiny model's by default, `fleet.engines.tinymodel.make_tiny_tokenizer`; `--tokenizer
 DIR` for another model's).
 
-Then, for `router.tokenize.OFFLOAD_CHARS` and the GIL: the wall time of a round trip to a worker
+Then, for `router.kv.tokenize.OFFLOAD_CHARS` and the GIL: the wall time of a round trip to a worker
 thread (`run_in_executor` of a no-op) against the time to tokenize texts of several sizes, and how
 much a pure-Python loop on the main thread still gets done while a worker thread tokenizes long
 prompts with `Tokenizer.encode` (holds the GIL) or `encode_batch_fast` (releases it).
@@ -33,10 +33,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from router.endpoint import EndpointState
-from router.policies import KvAware
-from router.prompt_blocks import route_request
-from router.tokenize import PromptTokenizer, load_tokenizer
+from router.pools.endpoint import EndpointState
+from router.pools.policies import KvAware
+from router.kv.prompt_blocks import route_request
+from router.kv.tokenize import PromptTokenizer, load_tokenizer
 
 _WORDS = ("the scheduler inside each engine builds a batch at every step prefill processes prompt tokens of new "
           "requests decode produces one token for every running sequence chunked splits long prompts so that "

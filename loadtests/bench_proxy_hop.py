@@ -110,7 +110,7 @@ def role_fastapi_httpx(backend_urls: list[str]) -> None:
     from fastapi.responses import StreamingResponse
     from starlette.background import BackgroundTask
 
-    from router.server import ListeningServer
+    from router.http.server import ListeningServer
 
     app = FastAPI()
     urls = itertools.cycle([f"{u}/v1/completions" for u in backend_urls])
@@ -141,7 +141,7 @@ def role_bare_asgi(backend_urls: list[str]) -> None:
     import aiohttp
     import uvicorn
 
-    from router.server import ListeningServer
+    from router.http.server import ListeningServer
 
     urls = itertools.cycle([f"{u}/v1/completions" for u in backend_urls])
     session: list[aiohttp.ClientSession] = []

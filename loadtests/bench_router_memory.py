@@ -22,10 +22,10 @@ the traced Python memory (tracemalloc) every N/10 prompts.
 an engine-like prefix cache (`--engine-blocks` blocks of 16 tokens, LRU eviction; 27,000 is
 the H100 8B-model profile of fleet/enginesim/profiles.py) that stores every prompt routed to it
 and evicts the least recently used blocks beyond its size; each request's `BlockStored` and
-`BlockRemoved` go through the wire codec (`router.kv_events.encode_batch` / `decode_batch`)
-into the pool's `router.kv_index.ExactIndex`, which `kv-aware` consults (every stream live).
+`BlockRemoved` go through the wire codec (`router.kv.events.encode_batch` / `decode_batch`)
+into the pool's `router.kv.exact_index.ExactIndex`, which `kv-aware` consults (every stream live).
 `--kv-lose-removals` drops every `BlockRemoved` (a stream that loses them): the index is then
-held by its own per-endpoint cap (`router.kv_index.DEFAULT_MAX_BLOCKS_PER_ENDPOINT`).
+held by its own per-endpoint cap (`router.kv.exact_index.DEFAULT_MAX_BLOCKS_PER_ENDPOINT`).
 
 Usage: python -m loadtests.bench_router_memory [--seconds 120] [--concurrency 32]
        python -m loadtests.bench_router_memory --policy kv-aware --distinct-prompts
@@ -88,8 +88,8 @@ class EngineCache:
         self.salt = salt
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
-    def run(self, ids: list[int], ts: float):  # -> router.kv_events.EventBatch
-        from router.kv_events import BlockRemoved, BlockStored, EventBatch
+    def run(self, ids: list[int], ts: float):  # -> router.kv.events.EventBatch
+        from router.kv.events import BlockRemoved, BlockStored, EventBatch
 
         size = ENGINE_BLOCK_TOKENS
         parent: int | None = None
@@ -125,12 +125,12 @@ def policy_stream(n: int, prompt_tokens: int, trace_memory: bool, *, kv_events: 
     engines publish KV events into the pool's exact index (module docstring)."""
     import tracemalloc
 
-    from router.kv_events import EventBatch, decode_batch, encode_batch
-    from router.kv_index import ExactIndex
-    from router.metrics import RouterMetrics
-    from router.pool import PoolTable
-    from router.prompt_blocks import route_request
-    from router.spec import PoolSpec
+    from router.kv.events import EventBatch, decode_batch, encode_batch
+    from router.kv.exact_index import ExactIndex
+    from router.stats.metrics import RouterMetrics
+    from router.pools.pool import PoolTable
+    from router.kv.prompt_blocks import route_request
+    from router.pools.spec import PoolSpec
 
     table = PoolTable(RouterMetrics(), wall_clock=time.time, clock=time.perf_counter)
     pool = table.put("bench", PoolSpec.model_validate(

@@ -2,7 +2,7 @@
 
 Each row replays one trace window through a fixed fleet of `--replicas` simulated replicas
 (`fleet.tracesim.engine.Simulation`, autoscaling `fixed`) with one routing policy: the very
-policy objects of `router.policies` that the router runs, fed `RouteRequest`s built by the
+policy objects of `router.pools.policies` that the router runs, fed `RouteRequest`s built by the
 router's own `route_request` from the token-id prompts the engine models get. Load is set as
 `loadtests/bench_routing.py` sets it: one replica's capacity on the window's request mix is
 measured with the engine model, and arrivals are compressed so the fleet runs at `--load`.
@@ -45,7 +45,7 @@ from fleet.tracesim.engine import SimConfig, Simulation
 from fleet.tracesim.results import nearest_rank
 from fleet.tracesim.workload import Workload, jitter_arrivals, replica_capacity_per_s
 from fleet.tracesim.traces import load_trace
-from router.policies import make_policy
+from router.pools.policies import make_policy
 
 
 def make_variant(spec: str):

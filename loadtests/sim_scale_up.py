@@ -1,7 +1,7 @@
 """A replica joining a loaded pool, in the trace simulator: where `kv-aware` sends new conversations.
 
 `kv-aware` sends a new conversation to the endpoint whose engine has stored the fewest blocks
-since the router first saw it (`router.kv_index.ExactIndex.placed_blocks`; docs/routing.md, "New
+since the router first saw it (`router.kv.exact_index.ExactIndex.placed_blocks`; docs/routing.md, "New
 conversations where the least was stored"). That count only grows, so a replica that joins late
 starts far below the others. This script measures what that does: the pool starts with
 ``--replicas - 1`` simulated replicas, offered load sized for ``--replicas``, and one more replica
@@ -32,7 +32,7 @@ from fleet.tracesim.engine import SimConfig, Simulation
 from fleet.tracesim.results import SimResult, nearest_rank
 from fleet.tracesim.traces import load_trace
 from fleet.tracesim.workload import Workload, replica_capacity_per_s
-from router.policies import KvAware
+from router.pools.policies import KvAware
 
 TRACE = Path(__file__).resolve().parent / "traces" / "mooncake-fast25" / "synthetic_trace.jsonl"
 

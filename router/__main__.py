@@ -2,9 +2,9 @@
 
 Reads the admin API's bearer token from the environment variable
 `FLEET_ROUTER_ADMIN_TOKEN` (exit status 2 if it is unset or empty) and calls
-`router.server.serve`; `--models-file PATH` keeps the served models there
-(`router.remembered`); `--peers URL,...` / `--peers-dns NAME:PORT` the peer routers it shares
-its load with (`router.peer_channel`, `router.peer_discovery`). Prints one line once listening.
+`router.http.server.serve`; `--models-file PATH` keeps the served models there
+(`router.http.remembered`); `--peers URL,...` / `--peers-dns NAME:PORT` the peer routers it shares
+its load with (`router.signals.peer_channel`, `router.signals.peer_discovery`). Prints one line once listening.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import argparse
 import os
 from pathlib import Path
 
-from router.engine_load import DEFAULT_POLL_INTERVAL_S
-from router.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, parse_dns_target
-from router.peer_load import DEFAULT_PEER_INTERVAL_S
-from router.server import serve
+from router.signals.engine_load import DEFAULT_POLL_INTERVAL_S
+from router.signals.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, parse_dns_target
+from router.signals.peer_load import DEFAULT_PEER_INTERVAL_S
+from router.http.server import serve
 
 TOKEN_ENV = "FLEET_ROUTER_ADMIN_TOKEN"
 POD_IP_ENV = "FLEET_POD_IP"
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a DNS name whose A/AAAA records are the other routers (in Kubernetes a headless "
                              "Service of the router pods) and the port of their admin API: resolved every "
                              f"{DEFAULT_PEER_DNS_INTERVAL_S:g} s, the routers found are peers as with --peers, "
-                             "this router's --pod-ip left out (router.peer_discovery; default: none)")
+                             "this router's --pod-ip left out (router.signals.peer_discovery; default: none)")
     parser.add_argument("--pod-ip", default=os.environ.get(POD_IP_ENV, ""),
                         help=f"this router's own address(es), comma-separated, left out of what --peers-dns finds "
                              f"(default: ${POD_IP_ENV}, the downward API's status.podIP in the chart)")

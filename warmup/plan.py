@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from router.specbase import FieldError, SpecModel
+from fleet.base.spec import FieldError, SpecModel
 
 
 class WarmupRequest(SpecModel):

@@ -97,7 +97,7 @@ def _registry_constraints() -> dict[str, tuple[str, ...]]:
     from autoscaler.policy import policy_names as autoscaling_policies
     from fleet.engines.kinds import engine_kinds
     from fleet.spec import _DNS_LABEL, _MIG_PROFILE
-    from router.policies import policy_names as routing_policies
+    from router.pools.policies import policy_names as routing_policies
 
     return {
         "metadata.name": (f"pattern `{_DNS_LABEL.pattern}` (a DNS-1123 label)",),

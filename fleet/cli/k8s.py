@@ -131,7 +131,7 @@ def router_pod(
     import os
 
     from fleet.k8s.routerpod import serve_router_pod
-    from router.peer_discovery import parse_dns_target
+    from router.signals.peer_discovery import parse_dns_target
 
     token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN", "")
     if not token:

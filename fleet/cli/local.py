@@ -2,7 +2,7 @@
 
 Owns their arguments, help texts and the rendering of results; the work is done by `fleet.spec`,
 `fleet.local.up` (run and stop the fleet), `fleet.local.state` (what `fleet up` recorded) and
-`router.server`. Registered on the `fleet` app by `fleet.cli`.
+`router.http.server`. Registered on the `fleet` app by `fleet.cli`.
 """
 
 from __future__ import annotations
@@ -503,7 +503,7 @@ def router(
 
     The admin token is read from $FLEET_ROUTER_ADMIN_TOKEN.
     """
-    from router.server import serve
+    from router.http.server import serve
 
     token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN")
     if not token:

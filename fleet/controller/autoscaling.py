@@ -64,7 +64,7 @@ started cold (the node had to pull or copy them); otherwise warm."""
 
 class RouterStatsSource(Protocol):
     async def stats(self, window_s: float) -> dict[str, dict]:
-        """Model name -> `router.stats.ModelStats.snapshot` over the last ``window_s``."""
+        """Model name -> `router.stats.windows.ModelStats.snapshot` over the last ``window_s``."""
         ...
 
 

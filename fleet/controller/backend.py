@@ -62,7 +62,7 @@ class ReplicaFacts:
     replaces it, as it does a replica whose placement names an unhealthy device. ``kv_events``:
     where a subscriber reaches the engine's KV cache events (vLLM's ``--kv-events-config``, which
     the backend gave it): ``{"publisher": address, "replay": address or None, "topic": str}``
-    (`router.spec.KvEventsSource`); None when the engine publishes none.
+    (`router.pools.spec.KvEventsSource`); None when the engine publishes none.
     """
 
     replica_id: str

@@ -4,7 +4,7 @@ Owns `PoolSink` (the router admin API as the controller sees it: `fleet.controll
 on one machine, `fleet.k8s.routers` fanning out to router pods on Kubernetes) and `PoolPublisher`,
 a collaborator of `fleet.controller.reconcile.Controller` that works on its
 `fleet.controller.targets.FleetRecords`: once per tick (`publish`, the last step of
-`Controller.reconcile_once`) it writes each deployment's pool (`router.spec.PoolSpec`: the
+`Controller.reconcile_once`) it writes each deployment's pool (`router.pools.spec.PoolSpec`: the
 replicas that passed warm-up, their revision's label and weight, DRAINING ones marked draining;
 where the router gets the model's tokenizer, `tokenizer_source`)
 where it changed since the last write, and drains the pool of each retired deployment through
@@ -27,7 +27,7 @@ from fleet.controller.targets import DeploymentRecord, FleetRecords
 from fleet.rollout.revisions import endpoint_weights, revision_label
 from fleet.sources import parse_source
 from fleet.spec import LoadedDeployment
-from router.spec import EndpointSpec, KvEventsSource, PoolSpec
+from router.pools.spec import EndpointSpec, KvEventsSource, PoolSpec
 
 log = logging.getLogger("fleet.controller")
 
@@ -38,7 +38,7 @@ TOKENIZER_RECHECK_S = 60.0
 
 
 def tokenizer_source(ld: LoadedDeployment) -> str | None:
-    """Where the router gets the deployment's tokenizer (`router.spec.PoolSpec.tokenizer`): the
+    """Where the router gets the deployment's tokenizer (`router.pools.spec.PoolSpec.tokenizer`): the
     directory holding its tokenizer.json on this machine (the model's own directory for a path or
     ``file://`` source, this machine's weight-cache entry for an ``hf://`` one); else, for an
     ``hf://`` source, the source itself (``hf://org/name@revision``: the router fetches the
@@ -57,7 +57,7 @@ def tokenizer_source(ld: LoadedDeployment) -> str | None:
 
 class PoolSink(Protocol):
     """Where the controller publishes each model's pool: the router's admin API. The pool document
-    is `router.spec.PoolSpec`, the one definition the router parses."""
+    is `router.pools.spec.PoolSpec`, the one definition the router parses."""
 
     async def put_pool(self, model: str, pool: PoolSpec) -> None:
         """Replace the pool of ``model``. Raises on failure (retried next tick)."""

@@ -2,8 +2,8 @@
 
 Owns `RouterAdminClient` (httpx, bearer token), the real `fleet.controller.pools.PoolSink`, the
 autoscaler's source of router statistics (`stats`) and the canary analysis' source of
-per-revision samples (`revision_samples`, a `fleet.rollout.revisions.AnalysisSource`). The pool document is `router.spec.PoolSpec`,
-defined once and parsed by the router itself. The API itself is served by `router.admin`.
+per-revision samples (`revision_samples`, a `fleet.rollout.revisions.AnalysisSource`). The pool document is `router.pools.spec.PoolSpec`,
+defined once and parsed by the router itself. The API itself is served by `router.http.admin`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 
 from fleet.rollout.revisions import RequestSample
-from router.spec import PoolSpec
+from router.pools.spec import PoolSpec
 
 
 KEEPALIVE_EXPIRY_S = 4.0
@@ -56,7 +56,7 @@ class RouterAdminClient:
         return r.json()["pools"]
 
     async def stats(self, window_s: float) -> dict[str, dict]:
-        """Windowed statistics per model (`GET /admin/v1/stats`; `router.stats.ModelStats.snapshot`)."""
+        """Windowed statistics per model (`GET /admin/v1/stats`; `router.stats.windows.ModelStats.snapshot`)."""
         r = await self._request("GET", "/admin/v1/stats", params={"window_s": window_s})
         if r.status_code != 200:
             raise RouterAdminError(f"GET stats: HTTP {r.status_code}: {r.text[:300]}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from fleet.controller.lifecycle import Replica
 from fleet.rollout.revisions import Revisions
 from fleet.spec import LoadedDeployment
-from router.spec import PoolSpec
+from router.pools.spec import PoolSpec
 
 STATE_FORMAT = 2
 """Version of the snapshot layout (`FleetRecords.snapshot`); a snapshot of another version is not read back."""

@@ -5,7 +5,7 @@ kind needs of a deployment: built by `fleet.spec.InferenceDeployment.engine_laun
 kind, where its model comes from (`model_argument`), whether it can run here (`preflight`) and
 the command line of one replica (`command`). Called by the spec (to reject unknown kinds), by
 `fleet up`'s preflight and by the backends (`fleet.local.backend`, `fleet.k8s.pods`). Kinds
-register by name (`router.registry`): `vllm` (the real engine) and `sim` (the engine SIMULATOR,
+register by name (`fleet.base.registry`): `vllm` (the real engine) and `sim` (the engine SIMULATOR,
 `fleet.enginesim`, for tests and fleets without GPUs). Imports nothing of `fleet` but the engine
 simulator's option parsing, so the spec can name the kinds without a cycle.
 """
@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.registry import Registered, Registry
+from fleet.base.registry import Registered, Registry
 
 ENGINE_KINDS: Registry[EngineKind] = Registry("engine kind")
-"""The engine kinds by name (`router.registry`): `spec.engine.kind` must be one."""
+"""The engine kinds by name (`fleet.base.registry`): `spec.engine.kind` must be one."""
 
 
 class ModelUnavailable(Exception):
@@ -170,7 +170,7 @@ def fleet_kv_events(args: Sequence[str]) -> bool:
     offsets both of its ports by the data-parallel rank (vllm/distributed/kv_events.py
     `offset_endpoint_port`), so rank 1's PUB port is rank 0's replay port and its engine core
     fails to bind (and an ``ipc://`` address, which the local backend uses, fails outright); and
-    each rank's stream would need an endpoint of its own in the router (router/kv_subscriber.py,
+    each rank's stream would need an endpoint of its own in the router (router/signals/kv_subscriber.py,
     "Limits"). Such replicas are routed on the approximate view."""
     return not has_kv_events_flag(args) and data_parallel_size(args) <= 1
 

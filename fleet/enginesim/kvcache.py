@@ -13,7 +13,7 @@ LRU queue of free blocks, and the map from block hash to cached block. Mirrors v
   raises its reference count.
 
 KV cache events (vLLM's ``--kv-events-config``): with an ``on_event`` callback the pool reports
-what enters and leaves its prefix cache as `router.kv_events` objects, when vLLM's `BlockPool`
+what enters and leaves its prefix cache as `router.kv.events` objects, when vLLM's `BlockPool`
 queues them (vllm/v1/core/block_pool.py):
 
 - `BlockStored` when full blocks of a request become cached (`cache_blocks`: one event per call,
@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from router.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvCacheEvent
+from router.kv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvCacheEvent
 
 _ROOT_HASH = 0x5EED
 _U64 = (1 << 64) - 1

@@ -7,7 +7,7 @@ vllm/config/kv_events.py) and `KvEventPublisher`, which numbers each batch, keep
 sends it as vLLM's `ZmqEventPublisher` does (vllm/distributed/kv_events.py):
 
 - PUB multipart ``(topic, seq as 8 bytes big-endian, msgpack payload)``, seq from 0 per replica;
-  the payload is `router.kv_events.encode_batch` of one engine step's events;
+  the payload is `router.kv.events.encode_batch` of one engine step's events;
 - a ROUTER replay socket: a request ``(b"", start_seq 8 bytes)`` is answered with
   ``(b"", topic, seq, payload)`` for every buffered batch with seq >= start_seq, then
   ``(b"", b"", END_SEQ, b"")`` with END_SEQ = -1 as 8 signed bytes (``_service_replay``).
@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from router.kv_events import END_SEQ, EventBatch, encode_batch
+from router.kv.events import END_SEQ, EventBatch, encode_batch
 
 log = logging.getLogger("fleet.enginesim")
 

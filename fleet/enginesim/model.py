@@ -31,7 +31,7 @@ vllm/v1/core/sched/scheduler.py in vLLM 0.32):
    and free their blocks.
 
 With ``kv_events`` on, each step also carries the KV cache events it caused
-(`StepResult.kv_events`: `router.kv_events` objects, in vLLM's order within a step, see
+(`StepResult.kv_events`: `router.kv.events` objects, in vLLM's order within a step, see
 `fleet.enginesim.kvcache`), which vLLM publishes as one `KVEventBatch` per step at the step's end
 (vllm/v1/core/sched/scheduler.py ``update_from_output``): the HTTP shell publishes them on vLLM's
 wire and a trace simulator hands them to its routers' indexes directly (`kv_event_batch`).
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from fleet.enginesim.cost import StepCost, StepFeatures
 from fleet.enginesim.kvcache import BlockPool, block_hashes
-from router.kv_events import EventBatch, KvCacheEvent
+from router.kv.events import EventBatch, KvCacheEvent
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class SimEngineOptions:
 
 def _real_tokens(directory: str) -> RealTokens:
     """The real tokenizer in ``directory``, loaded once for every replica. Raises OptionsError."""
-    from router.tokenize import TokenizerError, load_tokenizer
+    from router.kv.tokenize import TokenizerError, load_tokenizer
 
     try:
         return RealTokens(load_tokenizer(directory))

@@ -51,7 +51,7 @@ from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from fleet.enginesim.profiles import Profile
 from fleet.enginesim.realtokens import RealTokens
 from fleet.enginesim.sleep import SleepState, parse_level
-from router.kv_events import EventBatch
+from router.kv.events import EventBatch
 
 log = logging.getLogger("fleet.enginesim")
 

@@ -30,7 +30,7 @@ from fleet.engines.cuda import format_cuda, parse_cuda_version
 from fleet.inventory.mig import MigSlot, check_geometry, fit_geometry, mig_model_for
 from fleet.inventory.model import CLOCK_EVENT_BITS, Gpu, GpuHealth, Inventory, MigInstance, NodeInventory, clock_event_names
 from fleet.spec import format_errors
-from router.specbase import FieldError, SpecModel
+from fleet.base.spec import FieldError, SpecModel
 
 API_VERSION = "fleet.inference.dev/v1alpha1"
 KIND = "Inventory"

@@ -148,7 +148,7 @@ def _registry_enums(spec: dict[str, Any]) -> None:
     from autoscaler.policy import policy_names as autoscaling_policies
     from fleet.engines.kinds import engine_kinds
     from fleet.spec import _MIG_PROFILE
-    from router.policies import policy_names as routing_policies
+    from router.pools.policies import policy_names as routing_policies
 
     props = spec["properties"]
     props["engine"]["properties"]["kind"]["enum"] = engine_kinds()

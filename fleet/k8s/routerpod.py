@@ -1,13 +1,13 @@
 """The router as a Kubernetes pod: the OpenAI API on one port, the admin API on another.
 
 Owns `serve_router_pod` (`fleet router-pod`, what the chart's router Deployment runs). The
-router's app (`router.app.create_app`) serves ``/v1`` and ``/admin/v1`` on one port; in a
+router's app (`router.http.app.create_app`) serves ``/v1`` and ``/admin/v1`` on one port; in a
 cluster the public Service must never carry the admin API, so this process serves the same app
 twice, from one event loop and one pool table: on ``port`` with every ``/admin`` path answered
 404 (`PublicOnly`), and on ``admin_port`` in full (the operator pushes pools there; the chart's
 NetworkPolicy option admits only the operator and the other router pods to it: with
 ``--peers-dns`` the router pods post their load to each other's admin port,
-`router.peer_discovery`). Called by `fleet.cli.k8s`.
+`router.signals.peer_discovery`). Called by `fleet.cli.k8s`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import uvicorn
 
-from router.app import create_app
-from router.server import CLIENT_KEEPALIVE_S
+from router.http.app import create_app
+from router.http.server import CLIENT_KEEPALIVE_S
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -67,7 +67,7 @@ async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: s
     ``stop`` is set (None: until SIGINT/SIGTERM). ``peers_dns``: (headless Service name, peers'
     admin port) of the other router pods, which this one shares its load with (``pod_ip``, its
     own address, left out; ``router_id``, its id in its reports: the pod name;
-    `router.peer_discovery`). Raises ValueError when the ports are equal or the token is empty."""
+    `router.signals.peer_discovery`). Raises ValueError when the ports are equal or the token is empty."""
     if port == admin_port:
         raise ValueError(f"--admin-port must differ from --port ({port}): the admin API never shares the public port")
     app = create_app(admin_token, peers_dns=peers_dns, self_addresses=[pod_ip] if pod_ip else [],

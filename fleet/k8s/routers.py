@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from fleet.controller.router_admin import RouterAdminClient, RouterAdminError
-from router.spec import PoolSpec
+from router.pools.spec import PoolSpec
 
 log = logging.getLogger("fleet.k8s.routers")
 
@@ -133,7 +133,7 @@ _LATENCIES = ("queue_time_s", "ttft_s", "e2e_s")
 
 
 def merge_router_stats(per_router: list[dict[str, dict]]) -> dict[str, dict]:
-    """Per-model statistics of several routers (`router.stats.ModelStats.snapshot` each) as one.
+    """Per-model statistics of several routers (`router.stats.windows.ModelStats.snapshot` each) as one.
 
     Counts and rates add up; a latency's ``samples`` add up and its ``mean`` is the
     sample-weighted mean (both exact); ``p50``/``p90``/``p99``/``max`` are the largest of the

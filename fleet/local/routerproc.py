@@ -37,7 +37,7 @@ class RouterStartError(Exception):
 
 
 ROUTER_MODELS_FILE = "router-models.json"
-"""The router's models file in the state directory, beside ``admin-token`` (`router.remembered`):
+"""The router's models file in the state directory, beside ``admin-token`` (`router.http.remembered`):
 a restarted router answers 503 + Retry-After for the models it lists until they are published again."""
 
 

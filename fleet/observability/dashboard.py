@@ -48,7 +48,7 @@ QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999))
 RATE = "$__rate_interval"
 
 ROUTER_EP = 'model=~"$model", endpoint=~"$replica", version=~"$version(@.*)?"'
-"""Router per-endpoint series (router/metrics.py `ENDPOINT_LABELS`: requests, time to first
+"""Router per-endpoint series (router/stats/metrics.py `ENDPOINT_LABELS`: requests, time to first
 token / byte, time per output token, end-to-end latency). The router's ``version`` is
 ``<revision>@<serving hash>`` (`fleet.rollout.revisions.revision_label`: two revisions may share a model
 revision), the variable's values are revisions (``fleet_replicas``, the engines' targets): the
@@ -63,7 +63,7 @@ GPUS_HELD = f"rate(fleet_gpu_seconds_allocated_total{{{DEPLOYMENT}}}[{RATE}])"
 rate (fleet/observability/discovery.py `ControllerStateCollector`)."""
 ROUTER_TOKENS = (f"sum by (deployment) (sum by (model) (rate(fleet_router_generation_tokens_total{{{ROUTER_MODEL}}}"
                  f"[{RATE}]))\n* on (model) group_right fleet_deployment_info{{{DEPLOYMENT}}})")
-"""Output tokens per second by deployment: the router's counter (per model, router/tokens.py) joined to
+"""Output tokens per second by deployment: the router's counter (per model, router/protocol/tokens.py) joined to
 the deployment serving that model through ``fleet_deployment_info{deployment, model} = 1``."""
 
 
@@ -215,7 +215,7 @@ def _rows(slo: SLO) -> list[tuple[str, list[PanelDef]]]:
             PanelDef("Cost per 1M output tokens (USD)", "Cost per hour (every GPU the deployment holds, "
                      "standby and starting included) over the output tokens it delivered per hour, per million. "
                      "Tokens: the router's fleet_router_generation_tokens_total (the engine's usage; a stream "
-                     "without a usage chunk by its text events, router/tokens.py), so the engines' warm-up "
+                     "without a usage chunk by its text events, router/protocol/tokens.py), so the engines' warm-up "
                      "requests are not counted; its model is the deployment's (fleet_deployment_info).",
                      "currencyUSD", (Query(f"sum by (deployment) ({GPUS_HELD}\n* on (product) group_left "
                                            f"fleet_gpu_price_usd_per_hour)\n/ ({ROUTER_TOKENS} * 3600 / 1e6)",

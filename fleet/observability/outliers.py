@@ -1,7 +1,7 @@
 """What the router's outlier detection says of each endpoint, for `fleet status`.
 
 Owns `outlier_notes` (pure: the router's `GET /admin/v1/pools` answer -> one line per endpoint
-that is ejected or stalling; the fields are `router.outlier.OutlierState.snapshot`'s) and
+that is ejected or stalling; the fields are `router.pools.outlier.OutlierState.snapshot`'s) and
 `read_outlier_notes` (the one I/O seam: that GET with the admin bearer token, a short timeout,
 and `{}` when the router cannot be asked). Called by `fleet.cli.local.status`.
 """
@@ -21,7 +21,7 @@ REASONS = {
     "gateway": "502/503/504 or connection failures",
     "5xx": "5xx answers",
 }
-"""Words for `router.outlier.Outcome` values, the reasons of an ejection."""
+"""Words for `router.pools.outlier.Outcome` values, the reasons of an ejection."""
 
 
 def outlier_notes(pools: Mapping[str, Any]) -> dict[str, str]:

@@ -8,7 +8,7 @@ the 5xx counters) and `run_top` (the refresh loop under `rich.live.Live`). Calle
 ``read`` and the admin token), so this module knows nothing of the state directory's layout.
 
 Columns: replicas by state (from state.json), request rate, TTFT p50 / p99 (the router's
-windowed nearest-rank quantiles, `router.stats`), TPOT p99 (streamed replies), queue time p99, errors/s (5xx from endpoints plus the
+windowed nearest-rank quantiles, `router.stats.windows`), TPOT p99 (streamed replies), queue time p99, errors/s (5xx from endpoints plus the
 router's own rejections, from counter deltas between two frames), the last scaling decision
 and the rollout step (when the state has one). The router's statistics are per model; every
 version of a deployment shows its model's figures until the router reports them per version.
@@ -93,7 +93,7 @@ def build_rows(state: Mapping[str, Any], stats: Mapping[str, Mapping[str, Any]],
 
     Args:
         state: state.json (`fleet.controller.reconcile.Controller.snapshot` plus `fleet up`'s extras).
-        stats: ``GET /admin/v1/stats`` ``models`` (`router.stats.ModelStats.snapshot` per model).
+        stats: ``GET /admin/v1/stats`` ``models`` (`router.stats.windows.ModelStats.snapshot` per model).
         errors_per_s: 5xx/s per model (None where unknown, e.g. the first frame).
         now_unix: the wall clock now, to age the state's controller clock (``clock_s`` was
             read at ``updated_at_unix``).

@@ -50,16 +50,16 @@ from fleet.placement.shapes import (
 )
 from fleet.placement.slots import Slot, SlotIndex, assign, gpu_slots, mig_slots
 from fleet.sources import redact_source
-from router.registry import Registered, Registry
+from fleet.base.registry import Registered, Registry
 
 DEFAULT_STRATEGY = "fleet"
 
 PLACEMENT_STRATEGIES: Registry[PlacementStrategy] = Registry("placement strategy")
-"""The placement strategies by name (`router.registry`)."""
+"""The placement strategies by name (`fleet.base.registry`)."""
 
 
 class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
-    """Base class of placement strategies; subclasses register with ``name=...`` (`router.registry`)."""
+    """Base class of placement strategies; subclasses register with ``name=...`` (`fleet.base.registry`)."""
 
     # ----- hooks: how candidates are ranked (pure) ----------------------------------------------
 

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from fleet.rollout.spec import METRICS, AnalysisSpec, MetricCheck
-from router.stats import nearest_rank
+from router.stats.windows import nearest_rank
 
 
 class Verdict(enum.Enum):

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 from fleet.rollout.analysis import AnalysisRun, CheckResult, SideSamples, Verdict, analyse
 from fleet.rollout.spec import AnalysisSpec
-from router.registry import Registered, Registry
-from router.stats import nearest_rank
+from fleet.base.registry import Registered, Registry
+from router.stats.windows import nearest_rank
 
 JUDGES: Registry[Judge] = Registry("judge")
-"""The judges by name (`router.registry`)."""
+"""The judges by name (`fleet.base.registry`)."""
 
 
 class Judge(Registered, registry=JUDGES):
     """Judges one window: ``judge(canary, stable, from_s, to_s) -> AnalysisRun``. Subclasses
-    register with ``name=...`` (`router.registry`)."""
+    register with ``name=...`` (`fleet.base.registry`)."""
 
     def __init__(self, spec: AnalysisSpec, threshold_s: float | None = None) -> None:
         self.spec = spec

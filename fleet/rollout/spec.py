@@ -29,7 +29,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from router.specbase import FieldError, SpecModel
+from fleet.base.spec import FieldError, SpecModel
 
 METRICS: dict[str, tuple[str, float | None]] = {
     "ttftP50": ("ttft_s", 0.50),

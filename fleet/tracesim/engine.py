@@ -10,11 +10,11 @@ same config and workload give the same result. This is a SIMULATOR: the engines 
 
 What runs for real (the live objects, fed in virtual time):
 
-- routing: `router.pool.Pool.pick` with the policy object of `router.policies.make_policy`,
-  for a `router.prompt_blocks.RouteRequest` built by `route_request` from the very token-id
+- routing: `router.pools.pool.Pool.pick` with the policy object of `router.pools.policies.make_policy`,
+  for a `router.kv.prompt_blocks.RouteRequest` built by `route_request` from the very token-id
   prompt the engine model gets (as the proxy builds it from the body), over
-  `router.endpoint.EndpointState`s whose load (`start`, `first_byte` at the first token,
-  `finish`) and first-byte EWMA (`EndpointState.record_first_byte`) are updated where `router.proxy`
+  `router.pools.endpoint.EndpointState`s whose load (`start`, `first_byte` at the first token,
+  `finish`) and first-byte EWMA (`EndpointState.record_first_byte`) are updated where `router.request.proxy`
   updates them; draining endpoints stay in the pool marked draining, as the controller
   publishes them. With ``routers`` > 1, that many independent routers (each its own policy
   object and its own endpoint states, seeing only its own requests) take the requests in
@@ -24,20 +24,20 @@ What runs for real (the live objects, fed in virtual time):
   router knows of the load the others sent (docs/routing.md, "A shared load signal"): nothing
   (``own``, as before); the engines' load sampled every ``load_interval_s`` by each router
   (``engine``: `vllm:num_requests_waiting` / `running`, through the router's own
-  `router.engine_load.EngineLoadView`, the others' requests taken to look like the router's own;
+  `router.signals.engine_load.EngineLoadView`, the others' requests taken to look like the router's own;
   ``engine-waiting``: split into prefilling and decoding by the engine's waiting share;
   ``engine-prefill``: plus the engine's queued prefill
   tokens, which vLLM does not export); or every other router's dispatches, first tokens and
   finishes, ``load_interval_s`` late (``peers``: a peer channel with that delay; the live
-  channel, `router.peer_load`, sends snapshots every 10 ms, so its information is at most
+  channel, `router.signals.peer_load`, sends snapshots every 10 ms, so its information is at most
   that old). With
   ``kv_events`` every simulated engine makes vLLM's KV cache events (`EngineModel(kv_events=True)`:
-  one `router.kv_events.EventBatch` per step) and every router's `kv-aware` consumes the same
-  stream through its own `router.kv_index.ExactIndex` (`RoutingPolicy.use_exact_index`), each
+  one `router.kv.events.EventBatch` per step) and every router's `kv-aware` consumes the same
+  stream through its own `router.kv.exact_index.ExactIndex` (`RoutingPolicy.use_exact_index`), each
   batch applied ``kv_events_delay_s`` after the step that made it: the objects the live router's
   subscribers feed;
-- router statistics: one `router.stats.ModelStats` recorded by the proxy's own recording code
-  (`router.pool.PoolShared`: `arrived`, `dispatched`, `gave_up`, `rejected`, `completed`) at
+- router statistics: one `router.stats.windows.ModelStats` recorded by the proxy's own recording code
+  (`router.pools.pool.PoolShared`: `arrived`, `dispatched`, `gave_up`, `rejected`, `completed`) at
   the proxy's points (arrival; queue time at dispatch or at a queue timeout; client-side TTFT
   and end-to-end latency stamped at completion; rejections);
 - autoscaling: the deployment's `autoscaler.policy` object, asked every ``policy.interval_s``
@@ -55,7 +55,7 @@ What is modelled (docs/autoscaling.md, "The trace simulator"):
   the least advanced replicas go first (STARTING before READY), newest first; a STARTING one stops at once, a READY one drains (no new
   requests, its in-flight requests finish, then it stops; after ``drain_timeout_s`` the rest
   are aborted and count as failed).
-- Admission, as `router.proxy` does it: without ``max_concurrency_per_endpoint`` a request
+- Admission, as `router.request.proxy` does it: without ``max_concurrency_per_endpoint`` a request
   goes to the endpoint the policy picks, or gets a 503 when no replica is READY. With it,
   first come first served: a request waits in the router while every READY replica is full (a
   freed slot or a joining replica takes the head of the queue), at most ``max_queue_length``
@@ -95,14 +95,14 @@ from fleet.controller.scale import scale_step
 from fleet.tracesim.replica import NodePool, SimReplica
 from fleet.tracesim.results import RequestLog, SimResult, TickRecord
 from fleet.tracesim.workload import Workload, prompt_ids
-from router.engine_load import DEFAULT_MAX_AGE_S, EngineLoadView
-from router.kv_events import EventBatch
-from router.kv_index import Claim, ExactIndex
-from router.policies import make_policy as make_routing_policy
-from router.pool import Pool, PoolShared
-from router.prompt_blocks import RouteRequest, route_request
-from router.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S
-from router.stats import ModelStats
+from router.signals.engine_load import DEFAULT_MAX_AGE_S, EngineLoadView
+from router.kv.events import EventBatch
+from router.kv.exact_index import Claim, ExactIndex
+from router.pools.policies import make_policy as make_routing_policy
+from router.pools.pool import Pool, PoolShared
+from router.kv.prompt_blocks import RouteRequest, route_request
+from router.pools.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S
+from router.stats.windows import ModelStats
 
 DEFAULT_WARM_STARTUP_S = 60.0
 """Modelled placement-to-READY on a warm node (image and weights on the node), seconds: 52 s
@@ -132,8 +132,8 @@ _STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK, _SAMPLE, _PEER,
 
 PEER_CLAIM_DELAY_S = 0.001
 """Modelled seconds from a router's dispatch to its peers taking the dispatch's claim
-(`router.kv_index.Claim`): the live router sends it at once, as one datagram on the peer channel
-(`router.peer_channel.PeerSender.send_claim`), so a LAN hop and a loop turn, not the load
+(`router.kv.exact_index.Claim`): the live router sends it at once, as one datagram on the peer channel
+(`router.signals.peer_channel.PeerSender.send_claim`), so a LAN hop and a loop turn, not the load
 reports' 10 ms."""
 
 LOAD_SIGNALS = ("own", "engine", "engine-waiting", "engine-prefill", "peers")
@@ -361,7 +361,7 @@ class Simulation:
             standby_cost_s=sum(r.standby_s(horizon_s) for r in self.replicas), wakes=self._wakes,
         )  # fmt: skip
 
-    # ----- requests (router.proxy's admission) ------------------------------------------
+    # ----- requests (router.request.proxy's admission) ------------------------------------------
 
     def _on_arrival(self, i: int, now_s: float) -> None:
         self.shared.arrived(now_s)

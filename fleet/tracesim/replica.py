@@ -3,7 +3,7 @@
 Owns `SimReplica` (one replica, in the controller's lifecycle states
 (`fleet.controller.lifecycle.ReplicaStatus`: STARTING, READY, DRAINING, STANDBY, TERMINATED;
 the states before STARTING pass in no time here): its
-`fleet.enginesim.model.EngineModel`, its `router.endpoint.EndpointState` as the router sees it, the ids
+`fleet.enginesim.model.EngineModel`, its `router.pools.endpoint.EndpointState` as the router sees it, the ids
 of the requests dispatched to it, the engine's cumulative `vllm:request_queue_time_seconds`
 histogram, and when it was placed, became READY and stopped) and `NodePool` (where replicas
 start, and whether warm). Used only by `fleet.tracesim.engine`, which drives every
@@ -28,8 +28,8 @@ from autoscaler.histograms import CumulativeHistogram
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.enginesim.metrics import REQUEST_LATENCY_BUCKETS
 from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
-from router.endpoint import EndpointState
-from router.engine_load import EngineLoad
+from router.pools.endpoint import EndpointState
+from router.signals.engine_load import EngineLoad
 
 QUEUE_TIME_BOUNDS: tuple[float, ...] = (*REQUEST_LATENCY_BUCKETS, float("inf"))
 """Bucket bounds (seconds) of `vllm:request_queue_time_seconds` (vLLM 0.32,
@@ -128,7 +128,7 @@ class SimReplica:
         )  # fmt: skip
 
     def load_sample(self, with_prefill: bool = False) -> EngineLoad:
-        """The engine's load as a router polling `/metrics` reads it (`router.engine_load`);
+        """The engine's load as a router polling `/metrics` reads it (`router.signals.engine_load`);
         ``with_prefill`` adds the queued prefill tokens and requests (vLLM does not export them)."""
         engine = self.engine
         tokens = requests = None

@@ -10,8 +10,8 @@ failed requests). Filled by `fleet.tracesim.engine`; read by `fleet simulate`, t
 Definitions:
 
 - TTFT: arrival at the router until the first token reached the client (router queue +
-  engine queue + prefill), as `router.stats` measures it live. Percentiles are nearest-rank
-  over the requests that got a first token (`router.stats.nearest_rank`); failed requests
+  engine queue + prefill), as `router.stats.windows` measures it live. Percentiles are nearest-rank
+  over the requests that got a first token (`router.stats.windows.nearest_rank`); failed requests
   (503 from the router, cut off at a drain timeout) have no TTFT, are counted apart, and
   count as outside the SLO.
 - Share within SLO: requests with TTFT <= ``ttft_slo_s`` / all requests (failed included).
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoscaler.policy import ScalingDecision
-from router.stats import nearest_rank as _nearest_rank
+from router.stats.windows import nearest_rank as _nearest_rank
 
 
 def nearest_rank(sorted_values: list[float], q: float) -> float | None:
     """The q-quantile (0 < q <= 1) of ascending values by nearest rank, as the router computes
-    it (`router.stats.nearest_rank`); None when there are none."""
+    it (`router.stats.windows.nearest_rank`); None when there are none."""
     return _nearest_rank(sorted_values, q) if sorted_values else None
 
 

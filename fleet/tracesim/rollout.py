@@ -9,8 +9,8 @@ against every variant on one workload). Called by `fleet simulate-rollout` (flee
 No I/O, no clock: the same config and workload give the same outcome. This is a SIMULATOR: the
 engines are `fleet.enginesim` latency models, not vLLM.
 
-What runs for real: `router.pool.Pool.pick` with its revision split (`router.split`) and the
-routing policy; per-request records in `router.revision_stats.RequestLog`, turned into each
+What runs for real: `router.pools.pool.Pool.pick` with its revision split (`router.pools.split`) and the
+routing policy; per-request records in `router.stats.request_log.RequestLog`, turned into each
 revision's samples by `fleet.rollout.revisions.side_samples` (the controller's code path, replicas' first
 seconds after READY left out); `rollout.machine.CanaryMachine` (steps, weights, failure limit,
 promote or roll back) and `rollout.machine.replica_targets` (replicas per revision); the judges
@@ -40,14 +40,14 @@ from fleet.controller.lifecycle import ReplicaStatus
 from fleet.controller.scale import scale_step
 from fleet.tracesim.replica import SimReplica
 from fleet.tracesim.workload import Workload, prompt_ids
-from router.prompt_blocks import route_request
+from router.kv.prompt_blocks import route_request
 from fleet.rollout.analysis import SideSamples
 from fleet.rollout.judges import make_judge
 from fleet.rollout.machine import CanaryMachine, RolloutPhase, replica_targets
 from fleet.rollout.spec import RolloutSpec
-from router.policies import make_policy
-from router.pool import Pool, PoolShared
-from router.stats import ModelStats, nearest_rank
+from router.pools.policies import make_policy
+from router.pools.pool import Pool, PoolShared
+from router.stats.windows import ModelStats, nearest_rank
 
 _STEP_END, _WAKE, _READY, _CONTROL = range(4)
 CONTROL_INTERVAL_S = 1.0

@@ -5,13 +5,13 @@ In a process whose command line runs ``router`` (any other process is left alone
 with a counter of calls and of the calling thread's CPU time (`time.thread_time`), two seconds
 after start-up (the modules are imported by then):
 
-- ``tick``: `router.kv_subscriber.DrainTicks._tick`, the shared drain tick (includes what follows);
+- ``tick``: `router.signals.kv_subscriber.DrainTicks._tick`, the shared drain tick (includes what follows);
 - ``read_in_order``: `KvEventSubscriber._read_in_order`, the socket reads of a drain (includes
   ``apply``);
 - ``apply``: `KvEventSubscriber._apply`, one batch (includes ``decode`` and ``index_apply``);
-- ``decode``: `router.kv_events.decode_batch` as the subscriber calls it (with its payload bytes);
-- ``index_apply``: `router.kv_index.ExactIndex.apply`;
-- ``match``: `ExactIndex.match`; ``parse_request``: `router.asgi_io.parse_request` as the proxy
+- ``decode``: `router.kv.events.decode_batch` as the subscriber calls it (with its payload bytes);
+- ``index_apply``: `router.kv.exact_index.ExactIndex.apply`;
+- ``match``: `ExactIndex.match`; ``parse_request``: `router.request.asgi_io.parse_request` as the proxy
   calls it (the request body's JSON);
 - ``gc<N>``: the cyclic garbage collector's collections of generation N (`gc.callbacks`: the
   collecting thread's CPU from start to stop), wherever they ran (inside the wrapped calls too).
@@ -78,9 +78,9 @@ def _patch() -> None:
     import gc
 
     gc.callbacks.append(_gc_timed)
-    import router.kv_index as kv_index
-    import router.kv_subscriber as kv_subscriber
-    import router.proxy as proxy
+    import router.kv.exact_index as kv_index
+    import router.signals.kv_subscriber as kv_subscriber
+    import router.request.proxy as proxy
 
     sub = kv_subscriber.KvEventSubscriber
     kv_subscriber.DrainTicks._tick = _timed("tick", kv_subscriber.DrainTicks._tick)
@@ -90,7 +90,7 @@ def _patch() -> None:
     kv_index.ExactIndex.match = _timed("match", kv_index.ExactIndex.match)
     proxy.parse_request = _timed("parse_request", proxy.parse_request)
     if os.environ.get("FLEET_CPU_PROBE_SKIP_DECODE") == "1":
-        from router.kv_events import EventBatch
+        from router.kv.events import EventBatch
 
         decode = lambda payload: EventBatch(0.0, [], None)  # noqa: E731  (receipt only: nothing decoded)
     else:

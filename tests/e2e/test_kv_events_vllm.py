@@ -1,4 +1,4 @@
-"""Real vLLM (CPU build) publishes KV cache events that `router.kv_events` decodes: one replica of
+"""Real vLLM (CPU build) publishes KV cache events that `router.kv.events` decodes: one replica of
 the generated tiny model started by `fleet up`'s local backend (so with the ``--kv-events-config``
 Fleet gives it: ipc:// sockets in the state directory), two prompts sharing a prefix, a subscriber
 that joins after the first one and fetches the batch it missed from the replay socket.
@@ -25,7 +25,7 @@ from fleet.local.procs import start_ticks
 from fleet.placement import get_strategy
 from fleet.placement.shapes import PlacementRequest
 from fleet.spec import load_deployments
-from router.kv_events import END_SEQ, BlockStored, decode_batch
+from router.kv.events import END_SEQ, BlockStored, decode_batch
 
 NODE = NodeInventory(name="local", cpu_cores=(0, 1))
 START_TIMEOUT_S = 420.0

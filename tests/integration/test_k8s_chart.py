@@ -81,7 +81,7 @@ def test_admin_api_never_on_the_public_service():
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     container = router["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: (p["containerPort"], p["protocol"]) for p in container["ports"]}
-    # the peers' UDP load reports share the admin port's number (router/peer_datagram.py)
+    # the peers' UDP load reports share the admin port's number (router/signals/peer_datagram.py)
     assert ports == {"http": (8080, "TCP"), "admin": (9090, "TCP"), "peer-load": (9090, "UDP")}
     assert "--admin-port=9090" in container["args"] and container["args"][0] == "router-pod"
     for svc in kinds["Service"]:
@@ -192,7 +192,7 @@ def _router_peers(*extra: str) -> tuple[list[str], dict[str, dict], dict | None]
 
 def test_routers_find_each_other_through_a_headless_service():
     """With more than one router replica (the default 2) each router pod resolves a headless
-    Service of the Ready router pods and posts its load to their admin port (router.peer_discovery)."""
+    Service of the Ready router pods and posts its load to their admin port (router.signals.peer_discovery)."""
     args, env, service = _router_peers()
     assert args[:4] == ["router-pod", "--host=0.0.0.0", "--port=8080", "--admin-port=9090"]
     assert args[4:7] == ["--peers-dns=fleet-router-peers.fleet.svc:9090", "--pod-ip=$(FLEET_POD_IP)",

@@ -1,5 +1,5 @@
 """vLLM's own KV event classes and publisher against the router's codec and subscriber: vLLM's msgspec
-encoding decodes with router.kv_events and the other way round; vLLM's `ZmqEventPublisher` (PUB and
+encoding decodes with router.kv.events and the other way round; vLLM's `ZmqEventPublisher` (PUB and
 replay ROUTER, in this process) feeds a router subscriber, the batch published before it subscribed
 served by the replay socket. Skipped without vLLM (importing it starts processes, so this is not a unit test)."""
 
@@ -12,10 +12,10 @@ import time
 import pytest
 import zmq.asyncio
 
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
-from router.kv_index import ExactIndex, StreamState
-from router.kv_subscriber import KvEventSubscriber
-from router.spec import KvEventsSource
+from router.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from router.kv.exact_index import ExactIndex, StreamState
+from router.signals.kv_subscriber import KvEventSubscriber
+from router.pools.spec import KvEventsSource
 
 SHA = bytes(range(32))
 

@@ -1,5 +1,5 @@
 """A KV event publisher in another process, stopped and resumed (SIGSTOP / SIGCONT): the router's
-subscriber (router.kv_subscriber) marks the stream down within the ZMTP heartbeat timeout, so
+subscriber (router.signals.kv_subscriber) marks the stream down within the ZMTP heartbeat timeout, so
 `kv-aware` falls back to its approximate index for that endpoint, and catches up by replay when it
 resumes, with the batches published just before the stop and none lost."""
 
@@ -14,13 +14,13 @@ import time
 
 import zmq.asyncio
 
-from router.kv_index import ExactIndex, StreamState
-from router.kv_subscriber import HEARTBEAT_TIMEOUT_MS, KvEventSubscriber
-from router.spec import KvEventsSource
+from router.kv.exact_index import ExactIndex, StreamState
+from router.signals.kv_subscriber import HEARTBEAT_TIMEOUT_MS, KvEventSubscriber
+from router.pools.spec import KvEventsSource
 
 PUBLISHER = r"""
 import sys, time, zmq
-from router.kv_events import BlockStored, EventBatch, END_SEQ, encode_batch, seq_frame
+from router.kv.events import BlockStored, EventBatch, END_SEQ, encode_batch, seq_frame
 ctx = zmq.Context()
 pub = ctx.socket(zmq.PUB); pub.bind("tcp://127.0.0.1:0")
 rep = ctx.socket(zmq.ROUTER); rep.bind("tcp://127.0.0.1:0")

@@ -194,7 +194,7 @@ async def test_the_engine_publishes_kv_events_where_its_facts_say_and_adoption_k
     import zmq
     import zmq.asyncio
 
-    from router.kv_events import BlockStored, decode_batch
+    from router.kv.events import BlockStored, decode_batch
 
     first = LocalBackend(tmp_path, "fleet-kv", NODE)
     await first.ensure(_sim_want(tmp_path))

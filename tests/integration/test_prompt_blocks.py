@@ -1,4 +1,4 @@
-"""router.prompt_blocks across processes: the block hashes and affinity keys are the same in every
+"""router.kv.prompt_blocks across processes: the block hashes and affinity keys are the same in every
 interpreter, whatever its hash seed (tests/unit/test_prompt_blocks.py: the rest)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 def test_hashes_are_the_same_in_every_process() -> None:
     """Two routers must compute the same blocks: no dependence on PYTHONHASHSEED."""
-    code = ("import json; from router.prompt_blocks import route_request; "
+    code = ("import json; from router.kv.prompt_blocks import route_request; "
             "print(json.dumps([list(route_request(d, s).block_hashes) + [route_request(d, s).affinity_key()] "
             "for d, s in [({'prompt': 'abc ' * 300}, None), ({'prompt': list(range(300))}, None), "
             "({'messages': [{'role': 'user', 'content': 'hello ' * 100}]}, 'sess-1')]]))")  # fmt: skip

@@ -1,8 +1,8 @@
 """The router's deadlines in real time: hostile requests get a 4xx within the body and head
 timeouts while good ones are served, and the deadlines bound receiving a request, not idle or
-answering time (router.server, router.app); a router process killed and restarted answers 503,
-not 404, for the models it served (router.remembered); an engine simulator's 413 reaches the
-client in OpenAI's format (router.errors). In-process router on loopback (one test runs `python -m
+answering time (router.http.server, router.http.app); a router process killed and restarted answers 503,
+not 404, for the models it served (router.http.remembered); an engine simulator's 413 reaches the
+client in OpenAI's format (router.protocol.errors). In-process router on loopback (one test runs `python -m
 router`); the rest of the hostile cases, and the helpers used here, are in
 tests/unit/test_router_hostile.py."""
 
@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from router.metrics import UNKNOWN_MODEL
-from router.asgi_io import MAX_REFLECTED_CHARS
+from router.stats.metrics import UNKNOWN_MODEL
+from router.request.asgi_io import MAX_REFLECTED_CHARS
 from tests.support.router import FakeEngine
 from tests.support.waits import async_wait_until
 from tests.unit.test_router_hostile import AUTH, SHORT_S, TOKEN, WAIT_S, error_of, good_traffic, put_pool, raw_exchange, rejected, router, status_of  # the subject's helpers live in its unit file

@@ -1,13 +1,13 @@
 """Replacing a pool of thousands of bound endpoints removes exactly its metric series
-(router.metrics, router.pool): a scale case, kept out of the unit tier for its run time; the rest
+(router.stats.metrics, router.pools.pool): a scale case, kept out of the unit tier for its run time; the rest
 is in tests/unit/test_router_metrics.py."""
 
 from __future__ import annotations
 
 import time
 
-from router.metrics import RouterMetrics
-from router.pool import PoolTable
+from router.stats.metrics import RouterMetrics
+from router.pools.pool import PoolTable
 from tests.unit.test_router_metrics import endpoint_samples, spec  # the unit file's helpers
 
 

@@ -1,5 +1,5 @@
 """`python -m router --peers`: two router processes tell each other the load they sent
-(router.peer_channel, router.peer_load), seen in their metrics."""
+(router.signals.peer_channel, router.signals.peer_load), seen in their metrics."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def test_two_routers_exchange_load_reports() -> None:
             assert (metric(base, "fleet_router_peer_reports_received_total") or 0) >= 1
             assert (metric(base, "fleet_router_peer_reports_sent_total") or 0) >= 1
         # A request through each router to an endpoint that accepts and never answers stays in flight: the
-        # proxy says the load changed, the report goes as a signed datagram (router.peer_datagram), and each
+        # proxy says the load changed, the report goes as a signed datagram (router.signals.peer_datagram), and each
         # router sees the other's request on e0.
         put_pool(bases, [{"id": "e0", "url": f"http://127.0.0.1:{silent.getsockname()[1]}"}])
         hanging = [threading.Thread(target=hang, args=(base,), daemon=True) for base in bases]
@@ -175,8 +175,8 @@ def test_two_routers_exchange_load_reports() -> None:
 def test_a_prompt_sent_for_prefill_is_claimed_at_both_routers(tmp_path: Path) -> None:
     """Two `python -m router --peers` processes and a simulated engine publishing its KV events
     (`--kv-events-config`): once the routers' views know the engine's block size, a new prompt
-    sent through router 0 is claimed at the engine (`router.kv_index.ExactIndex.expect`) and the
-    claim reaches router 1 as a signed datagram (`router.peer_datagram.encode_claim`), which
+    sent through router 0 is claimed at the engine (`router.kv.exact_index.ExactIndex.expect`) and the
+    claim reaches router 1 as a signed datagram (`router.signals.peer_datagram.encode_claim`), which
     takes it into its own view; the engine's stored blocks then show in both views."""
     procs, bases = peer_routers()
     engine, kv = start_engine(tmp_path / "engine.json")
@@ -218,7 +218,7 @@ def test_two_routers_place_new_conversations_where_the_engines_stored_least(tmp_
     """Two simulated engines publishing their KV events and two `python -m router --peers`
     processes, requests alternating between the routers (as behind a Kubernetes Service). Each
     new conversation (a prompt no engine holds) goes to the endpoint whose engine has stored the
-    fewest blocks (`router.policies.KvAware`, step 3; `router.kv_index.ExactIndex.placed_blocks`),
+    fewest blocks (`router.pools.policies.KvAware`, step 3; `router.kv.exact_index.ExactIndex.placed_blocks`),
     whichever router takes it: with prompts of one length, sent one after another, the second of
     each pair goes to the engine the first did not, so the engines' stored blocks never differ by
     more than one prompt. Placing by the prompt's hash alone (the rule before) sends these eight

@@ -1,5 +1,5 @@
 """`python -m router --peers-dns NAME:PORT`: routers find each other by name and share the load
-they send (router.peer_discovery, router.peer_channel), as the chart's router pods do through a
+they send (router.signals.peer_discovery, router.signals.peer_channel), as the chart's router pods do through a
 headless Service, here on loopback with a simulated engine (`python -m fleet.enginesim`).
 
 Two loopback addresses stand for two pods: router A listens on 127.0.0.2:P, router B on

@@ -28,7 +28,7 @@ from tests.support.waits import wait_until
 
 MODEL = "llama-8b-sim"
 DEADLINE_S = 1.0          # routing.firstTokenTimeoutSeconds
-BASE_EJECTION_S = 30.0    # router.outlier's default (Envoy's base_ejection_time)
+BASE_EJECTION_S = 30.0    # router.pools.outlier's default (Envoy's base_ejection_time)
 
 
 def write_fleet(tmp_path: Path) -> Path:

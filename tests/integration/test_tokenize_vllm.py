@@ -1,4 +1,4 @@
-"""router.tokenize gives the token ids vLLM's own code computes (vLLM 0.32, CPU build, imported
+"""router.kv.tokenize gives the token ids vLLM's own code computes (vLLM 0.32, CPU build, imported
 in process: ~10 s), on the generated tiny model's tokenizer and on a template in vLLM's "openai"
 content format.
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from router.tokenize import load_tokenizer
+from router.kv.tokenize import load_tokenizer
 from tests.unit.test_router_tokenize import CONVERSATIONS, PARTS_TEMPLATE
 
 pytest.importorskip("transformers")

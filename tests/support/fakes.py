@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
 from fleet.engines.kinds import KvEventsBind, get_engine
 from fleet.inventory import Inventory, NodeInventory
-from router.spec import EndpointSpec, PoolSpec
+from router.pools.spec import EndpointSpec, PoolSpec
 from warmup.client import EngineRequestError
 
 

@@ -20,12 +20,12 @@ from typing import Any
 
 from aiohttp import web
 
-from router.server import ListeningServer, uvicorn_config
+from router.http.server import ListeningServer, uvicorn_config
 
 
 @contextlib.asynccontextmanager
 async def running_app(app: Any, host: str = "127.0.0.1", **server: Any) -> AsyncIterator[str]:
-    """Serve the ASGI `app` with the router's server settings (`router.server.uvicorn_config`:
+    """Serve the ASGI `app` with the router's server settings (`router.http.server.uvicorn_config`:
     httptools with the request-head guard, lifespan on) on a free port of `host`; yield its base
     URL (`http://host:port`); shut it down on exit (at most 5 s grace). `server`: further
     arguments of `uvicorn_config` (e.g. `head_timeout_s`)."""

@@ -1,5 +1,5 @@
 """The controller names where the router gets the model's tokenizer in its pool
-(`router.spec.PoolSpec.tokenizer`): the model's own directory for a path or file:// source when it
+(`router.pools.spec.PoolSpec.tokenizer`): the model's own directory for a path or file:// source when it
 holds tokenizer.json, the hub source itself for an hf:// model this machine has not cached (a
 router pod fetches the tokenizer files), nothing for sim:// or a directory without one; a miss
 or a hub source is looked for again only after TOKENIZER_RECHECK_S."""

@@ -1,6 +1,6 @@
 """The shared load signal: vLLM's load gauges parsed, the estimate of what other routers sent,
-kv-aware reading it while fresh, and the poller that feeds it (router.engine_load,
-router.engine_poll, router.policies.KvAware)."""
+kv-aware reading it while fresh, and the poller that feeds it (router.signals.engine_load,
+router.signals.engine_poll, router.pools.policies.KvAware)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.endpoint import EndpointState
-from router.engine_load import EngineLoad, EngineLoadError, EngineLoadView, parse_engine_load
-from router.engine_poll import EnginePoller, PollFailed
-from router.policies import KvAware
-from router.prompt_blocks import route_request
+from router.pools.endpoint import EndpointState
+from router.signals.engine_load import EngineLoad, EngineLoadError, EngineLoadView, parse_engine_load
+from router.signals.engine_poll import EnginePoller, PollFailed
+from router.pools.policies import KvAware
+from router.kv.prompt_blocks import route_request
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -226,8 +226,8 @@ def test_an_engine_that_never_answers_holds_up_no_other_endpoints_samples() -> N
 
 
 def test_only_pools_whose_policy_reads_the_load_are_polled() -> None:
-    from router.app import create_app
-    from router.spec import PoolSpec
+    from router.http.app import create_app
+    from router.pools.spec import PoolSpec
 
     app = create_app("token", engine_load_interval_s=0.25)
     assert app.poller is not None and app.poller.interval_s == 0.25

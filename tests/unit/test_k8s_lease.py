@@ -12,7 +12,7 @@ import pytest
 
 from fleet.k8s.client import LEASES, PODS, ApiError, Conflict
 from fleet.k8s.lease import FencedKube, FencedPoolSink, LeaderElector, LeaseKeeper, NotLeader
-from router.spec import PoolSpec
+from router.pools.spec import PoolSpec
 from tests.support.fakes import FakeClock, FakePoolSink
 from tests.support.fake_kube import FakeKube
 

@@ -95,7 +95,7 @@ async def test_router_pod_finds_its_peers_by_name():
             assert asyncio.get_running_loop().time() < deadline, "router pod did not start"
             await asyncio.sleep(0.05)
         assert r.json()["router"] == "fleet-router-abc" and r.json()["targets"] == [f"http://127.0.0.1:{admin_port}"]
-    # the peers' load datagrams are received on UDP at the admin port's number (router/peer_datagram.py)
+    # the peers' load datagrams are received on UDP at the admin port's number (router/signals/peer_datagram.py)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, pytest.raises(OSError):
         udp.bind(("127.0.0.1", admin_port))
     stop.set()

@@ -63,7 +63,7 @@ def test_a_restarted_router_container_is_new_again_and_a_failed_sync_is_retried(
 
 async def test_no_router_means_a_failed_publish():
     from fleet.controller.router_admin import RouterAdminError
-    from router.spec import PoolSpec
+    from router.pools.spec import PoolSpec
 
     fan = RouterFanout(lambda: [], 9090, "t")
     with pytest.raises(RouterAdminError, match="no router pod"):

@@ -1,4 +1,4 @@
-"""The KV event wire codec (router.kv_events): round trip, vLLM's older array form, refusals of bad
+"""The KV event wire codec (router.kv.events): round trip, vLLM's older array form, refusals of bad
 payloads. Against vLLM's own msgspec classes: tests/integration/test_kv_events_vllm.py."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from router.kv_events import (
+from router.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

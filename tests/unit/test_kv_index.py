@@ -1,6 +1,6 @@
-"""The exact block index (router.kv_index.ExactIndex): keys chained over token ids match a prompt's
+"""The exact block index (router.kv.exact_index.ExactIndex): keys chained over token ids match a prompt's
 ids, removal, AllBlocksCleared, the per-endpoint bound, stream states, what is left out; and
-`kv-aware` routing on it (router.policies.KvAware) where an endpoint's stream is live."""
+`kv-aware` routing on it (router.pools.policies.KvAware) where an endpoint's stream is live."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import hashlib
 
 import pytest
 
-from router.endpoint import EndpointState
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from router.kv_index import ExactIndex, StreamState
-from router.policies import KvAware
-from router.prompt_blocks import route_request
+from router.pools.endpoint import EndpointState
+from router.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.kv.exact_index import ExactIndex, StreamState
+from router.pools.policies import KvAware
+from router.kv.prompt_blocks import route_request
 
 BS = 16
 

@@ -1,16 +1,16 @@
 """The `kv-aware` routing policy: cost scoring, bounded load, rendezvous affinity, two routers
-agreeing (router.policies.KvAware). Time is passed in (`now_s`); nothing reads a clock."""
+agreeing (router.pools.policies.KvAware). Time is passed in (`now_s`); nothing reads a clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.metrics import RouterMetrics
-from router.policies import DEFAULT_DECODE_TOKEN_WEIGHT, DEFAULT_MISS_TOKEN_WEIGHT, CacheAware, KvAware, make_policy
-from router.endpoint import EndpointState
-from router.pool import PoolTable
-from router.prompt_blocks import ROUTER_BLOCK_TOKENS, RouteRequest, route_request
-from router.spec import PoolSpec
+from router.stats.metrics import RouterMetrics
+from router.pools.policies import DEFAULT_DECODE_TOKEN_WEIGHT, DEFAULT_MISS_TOKEN_WEIGHT, CacheAware, KvAware, make_policy
+from router.pools.endpoint import EndpointState
+from router.pools.pool import PoolTable
+from router.kv.prompt_blocks import ROUTER_BLOCK_TOKENS, RouteRequest, route_request
+from router.pools.spec import PoolSpec
 
 NOW_S = 1000.0
 

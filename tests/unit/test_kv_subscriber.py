@@ -1,9 +1,9 @@
-"""The KV event subscriber (router.kv_subscriber) against a real pyzmq publisher in this process,
+"""The KV event subscriber (router.signals.kv_subscriber) against a real pyzmq publisher in this process,
 speaking vLLM's protocol (PUB frames topic/seq/payload, a replay ROUTER answering from a buffer
 and ending with END_SEQ, as vllm/distributed/kv_events.py `ZmqEventPublisher`): first contact,
 a gap served by replay, a publisher restart forcing a resync, a stream cut and resumed, a replay
 buffer that no longer covers the gap, a bad payload; and the subscribers following the pools
-(router.pool.PoolTable with router.kv_subscriber.KvEventStreams), with their metrics."""
+(router.pools.pool.PoolTable with router.signals.kv_subscriber.KvEventStreams), with their metrics."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.kv_events import END_SEQ, BlockStored, EventBatch, encode_batch, seq_frame
-from router.kv_index import ExactIndex, StreamState
-from router.kv_subscriber import QUIET_TICKS, DrainTicks, KvEventStreams, KvEventSubscriber
-from router.metrics import RouterMetrics
-from router.pool import PoolTable
-from router.spec import KvEventsSource, PoolSpec
+from router.kv.events import END_SEQ, BlockStored, EventBatch, encode_batch, seq_frame
+from router.kv.exact_index import ExactIndex, StreamState
+from router.signals.kv_subscriber import QUIET_TICKS, DrainTicks, KvEventStreams, KvEventSubscriber
+from router.stats.metrics import RouterMetrics
+from router.pools.pool import PoolTable
+from router.pools.spec import KvEventsSource, PoolSpec
 
 BS = 4
 
@@ -246,7 +246,7 @@ async def test_a_rebuilding_view_is_not_trusted_while_the_engine_stores_below_pr
     async with following(sub):
         await eventually(lambda: index.live("e"))
         await asyncio.sleep(0.2)
-        caplog.set_level(logging.INFO, logger="router.kv_subscriber")
+        caplog.set_level(logging.INFO, logger="router.signals.kv_subscriber")
         await outrun_the_replay_buffer(pub, sub, index, stored(900, 1, parent=77))   # below a prefix never seen
         assert index.state("e") is StreamState.REBUILDING
         now[0] = 31.0
@@ -386,7 +386,7 @@ async def test_subscribers_follow_the_pools(ctx: zmq.asyncio.Context) -> None:
 async def test_the_router_follows_a_published_pool_and_routes_on_the_engines_events(ctx: zmq.asyncio.Context) -> None:
     import aiohttp
 
-    from router.app import create_app
+    from router.http.app import create_app
     from tests.support.router import FakeEngine, running_app
 
     token = "t0ken"

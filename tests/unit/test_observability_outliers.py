@@ -9,9 +9,9 @@ import time
 import pytest
 
 from fleet.observability.outliers import outlier_notes, read_outlier_notes
-from router.app import create_app
-from router.outlier import Outcome
-from router.spec import PoolSpec
+from router.http.app import create_app
+from router.pools.outlier import Outcome
+from router.pools.spec import PoolSpec
 from tests.support.router import dead_endpoint, running_app
 
 TOKEN = "test-admin-token"

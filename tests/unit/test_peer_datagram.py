@@ -1,6 +1,6 @@
 """The peer channel's UDP path: signed datagrams between two routers' sockets on loopback, the
 sender's choice of datagram or HTTP, and the ordering that keeps a late datagram from replacing
-a newer report (router.peer_datagram, router.peer_channel, router.peer_load)."""
+a newer report (router.signals.peer_datagram, router.signals.peer_channel, router.signals.peer_load)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.endpoint import EndpointState
-from router.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender, datagrams_taken
-from router.kv_index import Claim
-from router.peer_datagram import (MAC_BYTES, MAX_CLAIM_TTL_S, MAX_DATAGRAM_BYTES, DatagramMetrics, DatagramTally,
+from router.pools.endpoint import EndpointState
+from router.signals.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender, datagrams_taken
+from router.kv.exact_index import Claim
+from router.signals.peer_datagram import (MAC_BYTES, MAX_CLAIM_TTL_S, MAX_DATAGRAM_BYTES, DatagramMetrics, DatagramTally,
                                   PeerDatagrams, datagram_address, datagram_key, decode_claim, encode_claim, seal,
                                   unseal)  # fmt: skip
-from router.peer_load import PeerLoadView, parse_report, report_order
+from router.signals.peer_load import PeerLoadView, parse_report, report_order
 
 
 def endpoint(id: str, in_flight: int = 0) -> EndpointState:

@@ -1,4 +1,4 @@
-"""Peer routers found by DNS (router.peer_discovery): the set arithmetic, the discovery's rounds
+"""Peer routers found by DNS (router.signals.peer_discovery): the set arithmetic, the discovery's rounds
 over a fake resolver (peers added and removed, a name without records, a failed resolution), the
 sender taking the new set, and a router resolving ``localhost`` to its peer on loopback
 (`GET /admin/v1/peers`)."""
@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.app import create_app
-from router.endpoint import EndpointState
-from router.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender
-from router.peer_discovery import (
+from router.http.app import create_app
+from router.pools.endpoint import EndpointState
+from router.signals.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender
+from router.signals.peer_discovery import (
     DiscoveryMetrics,
     NoRecords,
     PeerDiscovery,
@@ -23,7 +23,7 @@ from router.peer_discovery import (
     peer_urls,
     resolve_addresses,
 )
-from router.spec import PoolSpec
+from router.pools.spec import PoolSpec
 from tests.support.router import running_app
 
 

@@ -1,5 +1,5 @@
 """Routers that tell each other the load they sent: reports, their sum per endpoint, the sender,
-and two routers on loopback exchanging them (router.peer_load, router.peer_channel, the admin
+and two routers on loopback exchanging them (router.signals.peer_load, router.signals.peer_channel, the admin
 API's POST /admin/v1/peer-load)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.app import create_app
-from router.endpoint import EndpointState
-from router.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender, SendFailed
-from router.peer_load import MAX_REPORT_ENDPOINTS, PeerLoadView, load_fingerprint, own_report, parse_report
-from router.spec import PoolSpec
+from router.http.app import create_app
+from router.pools.endpoint import EndpointState
+from router.signals.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics, PeerSender, SendFailed
+from router.signals.peer_load import MAX_REPORT_ENDPOINTS, PeerLoadView, load_fingerprint, own_report, parse_report
+from router.pools.spec import PoolSpec
 from tests.support.router import running_app
 
 

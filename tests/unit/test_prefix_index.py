@@ -1,10 +1,10 @@
-"""The router's approximate view of each endpoint's prefix cache (router.prefix_index)."""
+"""The router's approximate view of each endpoint's prefix cache (router.kv.prefix_index)."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.prefix_index import PrefixIndex
+from router.kv.prefix_index import PrefixIndex
 
 
 def test_match_counts_leading_blocks_per_endpoint() -> None:

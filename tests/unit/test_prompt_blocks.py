@@ -1,11 +1,11 @@
-"""What the router reads from a request body before routing it (router.prompt_blocks). That the
+"""What the router reads from a request body before routing it (router.kv.prompt_blocks). That the
 hashes are the same in every process is in tests/integration/test_prompt_blocks.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.prompt_blocks import (
+from router.kv.prompt_blocks import (
     DEFAULT_OUTPUT_TOKENS,
     MAX_SESSION_KEY_CHARS,
     ROUTER_BLOCK_TOKENS,
@@ -96,8 +96,8 @@ def test_prefill_tokens_follow_the_policys_cache_estimate() -> None:
 
 
 def test_without_block_hashing_the_counts_stay_and_no_hash_is_made(monkeypatch):
-    import router.prompt_blocks as pb
-    from router.policies import make_policy
+    import router.kv.prompt_blocks as pb
+    from router.pools.policies import make_policy
 
     doc = {"prompt": "x" * 5000, "max_tokens": 7, "user": "u"}
     full = pb.route_request(doc)

@@ -1,4 +1,4 @@
-"""One registry helper for every kind of named implementation (router/registry.py), and the five
+"""One registry helper for every kind of named implementation (fleet/base/registry.py), and the five
 kinds that use it: unknown names are refused naming the kind and the known names, a name is taken
 once, and an unnamed intermediate class is not registered."""
 
@@ -10,8 +10,8 @@ from autoscaler.spec import SCALING_POLICIES
 from fleet.engines.kinds import ENGINE_KINDS
 from fleet.placement.strategies import PLACEMENT_STRATEGIES
 from fleet.rollout.judges import JUDGES
-from router.policies import ROUTING_POLICIES
-from router.registry import Registered, Registry
+from router.pools.policies import ROUTING_POLICIES
+from fleet.base.registry import Registered, Registry
 
 
 def test_names_register_once_and_unnamed_classes_stay_out() -> None:

@@ -1,4 +1,4 @@
-"""The admin API over real HTTP: auth, pool replacement, draining (router.admin, router.pool)."""
+"""The admin API over real HTTP: auth, pool replacement, draining (router.http.admin, router.pools.pool)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.app import RouterApp, create_app
+from router.http.app import RouterApp, create_app
 from tests.support.router import FakeEngine, running_app
 
 pytestmark = pytest.mark.asyncio

@@ -1,6 +1,6 @@
 """The admission queue and the windowed stats over real loopback sockets: a request that finds
 every endpoint at its concurrency limit waits in the router, first come first served, and its
-wait is the router's queue time (router.admission, router.proxy, router.admin /stats)."""
+wait is the router's queue time (router.pools.admission, router.request.proxy, router.http.admin /stats)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.app import RouterApp, create_app
+from router.http.app import RouterApp, create_app
 from tests.support.router import FakeEngine, running_app
 
 pytestmark = pytest.mark.asyncio
@@ -133,7 +133,7 @@ async def test_a_woken_waiter_no_longer_counts_so_a_second_freed_slot_is_not_los
     """Two slots free before the one waiter woken by the first runs: the second finds no unwoken
     waiter, so it stays free for the next arrival (which sees no queue) instead of being given to
     a waiter already woken, while that arrival queues for a wake-up that never comes."""
-    from router.admission import AdmissionQueue
+    from router.pools.admission import AdmissionQueue
 
     queue = AdmissionQueue()
     w1 = asyncio.create_task(queue.wait(WAIT_S))

@@ -1,7 +1,7 @@
 """Errors in OpenAI's format: engine errors of every shape vLLM (and its HTTP stack) sends are
 relayed as `{"error": {"message", "type", "param", "code"}}` with the status kept, and error
-events inside an SSE stream too (router.errors); nesting-depth checks of JSON text
-(router.jsonlimit)."""
+events inside an SSE stream too (router.protocol.errors); nesting-depth checks of JSON text
+(router.protocol.jsonlimit)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from router.errors import MAX_MESSAGE_CHARS, error_body, relayed_error, relayed_stream_errors
-from router.jsonlimit import JsonTooDeep, depth_exceeds, loads_bounded
+from router.protocol.errors import MAX_MESSAGE_CHARS, error_body, relayed_error, relayed_stream_errors
+from router.protocol.jsonlimit import JsonTooDeep, depth_exceeds, loads_bounded
 
 
 def fields(raw: bytes) -> dict[str, Any]:

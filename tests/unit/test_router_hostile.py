@@ -1,6 +1,6 @@
 """The router under hostile input: every case answered with a 4xx in bounded time, in OpenAI's
 error format, counted in the rejection metrics under a bounded label, while good requests keep
-being served (router.app, router.admin, router.proxy, router.server, router.spec).
+being served (router.http.app, router.http.admin, router.request.proxy, router.http.server, router.pools.spec).
 
 Real loopback sockets, in-process router; raw sockets where a client must misbehave at the HTTP
 level. Waits are on conditions with a deadline (`WAIT_S`), never on sleeps.
@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.app import MAX_ADMIN_BODY_BYTES, RouterApp, create_app
-from router.metrics import UNKNOWN_MODEL
+from router.http.app import MAX_ADMIN_BODY_BYTES, RouterApp, create_app
+from router.stats.metrics import UNKNOWN_MODEL
 from tests.support.router import FakeEngine, running_app
 
 pytestmark = pytest.mark.asyncio
@@ -223,9 +223,9 @@ async def test_a_bug_is_answered_500_in_openai_format(monkeypatch: pytest.Monkey
         raise RuntimeError("a bug")
 
     async with router() as (app, client, _):
-        monkeypatch.setattr("router.proxy.parse_request", broken)
+        monkeypatch.setattr("router.request.proxy.parse_request", broken)
         monkeypatch.setattr(app.pools, "stats", broken)
-        monkeypatch.setattr("router.app.read_body", broken)   # the admin guard, before FastAPI
+        monkeypatch.setattr("router.http.app.read_body", broken)   # the admin guard, before FastAPI
         for method, path in (("POST", "/v1/completions"), ("GET", "/admin/v1/stats"), ("PUT", "/admin/v1/pools/m")):
             async with client.request(method, path, json={"model": "m", "prompt": "x"}, headers=AUTH) as resp:
                 assert resp.status == 500, path
@@ -265,7 +265,7 @@ async def test_an_endpoint_failing_before_its_answer_is_complete_counts_as_a_rej
         await server.wait_closed()
 
 
-# --- a restarted router: 503, not 404, for the models it served (router.remembered) ---------
+# --- a restarted router: 503, not 404, for the models it served (router.http.remembered) ---------
 
 
 async def test_a_restarted_router_answers_503_for_the_models_it_served_until_they_are_published(

@@ -1,5 +1,5 @@
 """The proxy feeds `kv-aware` what it needs: prompt blocks, session keys, and each endpoint's
-queued prefill tokens until the first byte (router.proxy, router.pool). Real loopback sockets;
+queued prefill tokens until the first byte (router.request.proxy, router.pools.pool). Real loopback sockets;
 synchronisation by events, never by sleeping."""
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Series lifecycle of the router's per-endpoint metrics and the bounded rejection labels
-(router.metrics, router.pool): no I/O, a fresh registry per test."""
+(router.stats.metrics, router.pools.pool): no I/O, a fresh registry per test."""
 
 from __future__ import annotations
 
 import time
 
-from router.metrics import UNKNOWN_MODEL, RouterMetrics
-from router.pool import PoolTable
-from router.spec import PoolSpec
+from router.stats.metrics import UNKNOWN_MODEL, RouterMetrics
+from router.pools.pool import PoolTable
+from router.pools.spec import PoolSpec
 
 
 def endpoint_samples(metrics: RouterMetrics, model: str) -> list[str]:

@@ -1,16 +1,16 @@
-"""Outlier ejection (router.outlier) and the first-token deadline (router.deadline) on fake time,
-and how `router.pool.Pool.pick` leaves ejected endpoints out."""
+"""Outlier ejection (router.pools.outlier) and the first-token deadline (router.request.deadline) on fake time,
+and how `router.pools.pool.Pool.pick` leaves ejected endpoints out."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.deadline import FirstTokenBudget, first_token_timeout_s
-from router.endpoint import EndpointState
-from router.outlier import OutlierDetector, OutlierSettings, Outcome
-from router.policies import make_policy
-from router.pool import Pool
-from router.prompt_blocks import RouteRequest
+from router.request.deadline import FirstTokenBudget, first_token_timeout_s
+from router.pools.endpoint import EndpointState
+from router.pools.outlier import OutlierDetector, OutlierSettings, Outcome
+from router.pools.policies import make_policy
+from router.pools.pool import Pool
+from router.kv.prompt_blocks import RouteRequest
 
 
 def endpoints(n: int) -> list[EndpointState]:

@@ -1,12 +1,12 @@
-"""Routing policies on hand-built endpoint states: no I/O, no clock (router.policies)."""
+"""Routing policies on hand-built endpoint states: no I/O, no clock (router.pools.policies)."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.policies import DEFAULT_POLICY, DEFAULT_STALE_AFTER_S, RoutingPolicy, make_policy, policy_names
-from router.endpoint import EndpointState
-from router.prompt_blocks import RouteRequest
+from router.pools.policies import DEFAULT_POLICY, DEFAULT_STALE_AFTER_S, RoutingPolicy, make_policy, policy_names
+from router.pools.endpoint import EndpointState
+from router.kv.prompt_blocks import RouteRequest
 
 
 def endpoint(id_: str, in_flight: int = 0, ewma_first_byte_s: float | None = None, last_sample_s: float | None = None

@@ -1,15 +1,15 @@
-"""Pool specs, pool replacement, endpoint stats and candidate filtering (router.spec, router.pool)."""
+"""Pool specs, pool replacement, endpoint stats and candidate filtering (router.pools.spec, router.pools.pool)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from router.metrics import RouterMetrics
-from router.prompt_blocks import RouteRequest
-from router.endpoint import EWMA_ALPHA, FAILURE_PENALTY_S, EndpointState
-from router.pool import PoolTable
-from router.spec import PoolSpec
+from router.stats.metrics import RouterMetrics
+from router.kv.prompt_blocks import RouteRequest
+from router.pools.endpoint import EWMA_ALPHA, FAILURE_PENALTY_S, EndpointState
+from router.pools.pool import PoolTable
+from router.pools.spec import PoolSpec
 
 REQ = RouteRequest()
 """A request with no prompt blocks: the policies route it on load alone."""

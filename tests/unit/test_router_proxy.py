@@ -1,6 +1,6 @@
 """The request path over real loopback sockets: router (uvicorn, in-process) in front of
 fake engines (aiohttp.web or raw asyncio servers). Synchronisation is by events, never by
-sleeping (router.proxy, router.app)."""
+sleeping (router.request.proxy, router.http.app)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.app import RouterApp, create_app
+from router.http.app import RouterApp, create_app
 from tests.support.router import FakeEngine, dead_endpoint, running_app
 
 pytestmark = pytest.mark.asyncio
@@ -170,7 +170,7 @@ async def test_upstream_errors_are_relayed_not_retried() -> None:
     async with FakeEngine("bad", status=500) as bad, FakeEngine("good") as good, router() as (app, client):
         await put_pool(client, "m", [{"id": "bad", "url": bad.url}])
         async with client.post("/v1/completions", json=completion()) as resp:
-            assert resp.status == 500  # relayed, in OpenAI's error format (router.errors.relayed_error)
+            assert resp.status == 500  # relayed, in OpenAI's error format (router.protocol.errors.relayed_error)
             assert (await resp.json())["error"]["type"] == "server_error" and len(bad.requests) == 1
         await put_pool(client, "m", [{"id": "bad", "url": bad.url}, {"id": "good", "url": good.url}])
         bad.status = 422

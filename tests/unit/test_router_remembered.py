@@ -1,5 +1,5 @@
-"""The models a router serves, kept on disk (router.remembered), and what a restarted router does
-with them (router.pool.PoolTable.awaiting): 503 instead of 404 for each until the control plane
+"""The models a router serves, kept on disk (router.http.remembered), and what a restarted router does
+with them (router.pools.pool.PoolTable.awaiting): 503 instead of 404 for each until the control plane
 speaks for it, on fake time. The end-to-end restart over HTTP is in test_router_hostile.py."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from router.metrics import RouterMetrics
-from router.pool import AWAIT_AFTER_HEARD_S, PoolTable
-from router.remembered import FILE_VERSION, ModelsFile, write_atomically
-from router.spec import PoolSpec
+from router.stats.metrics import RouterMetrics
+from router.pools.pool import AWAIT_AFTER_HEARD_S, PoolTable
+from router.http.remembered import FILE_VERSION, ModelsFile, write_atomically
+from router.pools.spec import PoolSpec
 from tests.support.waits import async_wait_until
 
 WAIT_S = 10.0
@@ -92,14 +92,14 @@ def test_an_unreadable_file_is_logged_and_ignored(tmp_path: Path, content: bytes
                                                   caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     path = tmp_path / "router-models.json"
     path.write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="router.remembered"):
+    with caplog.at_level(logging.WARNING, logger="router.http.remembered"):
         assert ModelsFile(path, list).read() == []
     assert "router-models.json" in caplog.text and "no remembered model" in caplog.text
 
 
 def test_a_file_that_cannot_be_read_at_all_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "router-models.json").mkdir()   # reading it raises IsADirectoryError
-    with caplog.at_level(logging.WARNING, logger="router.remembered"):
+    with caplog.at_level(logging.WARNING, logger="router.http.remembered"):
         assert ModelsFile(tmp_path / "router-models.json", list).read() == []
     assert "cannot read" in caplog.text
 
@@ -122,7 +122,7 @@ def test_a_failed_write_is_counted_logged_once_and_retried_until_it_succeeds(
         await asyncio.wait_for(file.flushed(), WAIT_S)
         return file
 
-    with caplog.at_level(logging.WARNING, logger="router.remembered"):
+    with caplog.at_level(logging.WARNING, logger="router.http.remembered"):
         file = asyncio.run(scenario())
     assert len(counted) == 3 and file.failures == 0
     assert json.loads(path.read_text())["models"] == ["m"]
@@ -136,7 +136,7 @@ def test_a_crash_mid_write_leaves_the_old_file(tmp_path: Path, monkeypatch: pyte
     def crash(*args: object) -> None:
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr("router.remembered.os.replace", crash)
+    monkeypatch.setattr("router.http.remembered.os.replace", crash)
     with pytest.raises(OSError):
         write_atomically(path, b'{"version": 1, "models": ["new"]}')
     assert ModelsFile(path, list).read() == ["old"]

@@ -1,4 +1,4 @@
-"""Per-revision request records (router.revision_stats) through the real proxy: TTFT and TPOT of
+"""Per-revision request records (router.stats.request_log) through the real proxy: TTFT and TPOT of
 streamed replies only, failures counted, the window, the admin endpoint and the controller's
 client (`fleet.controller.router_admin.RouterAdminClient.revision_samples`)."""
 
@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 
 from fleet.controller.router_admin import RouterAdminClient, RouterAdminError
-from router.app import create_app
-from router.revision_stats import RequestLog
+from router.http.app import create_app
+from router.stats.request_log import RequestLog
 from tests.support.router import FakeEngine, running_app
 
 TOKEN = "t"
@@ -53,7 +53,7 @@ async def test_the_proxy_records_each_request_by_revision_and_the_client_reads_t
                     await client.revision_samples("none", 60.0)
             finally:
                 await client.aclose()
-    # The canary's non-streamed 500 was retried on stable (router.proxy: a 5xx before anything was
+    # The canary's non-streamed 500 was retried on stable (router.request.proxy: a 5xx before anything was
     # sent): the canary's failure is a row, and so is the retry's success.
     assert len(rows) == 5 and len(samples) == 5
     by_version: dict[str, list] = {}

@@ -1,4 +1,4 @@
-"""The per-request split between revisions (router.split via router.pool.Pool.pick): exact shares
+"""The per-request split between revisions (router.pools.split via router.pools.pool.Pool.pick): exact shares
 over 10,000 requests for every routing policy, sticky keys that always land on the same revision,
 weight 0, fallback, counters kept across pool replacements, the sticky key's sources, and the
 whole path through the proxy with a sticky header."""
@@ -12,14 +12,14 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.app import create_app
-from router.metrics import RouterMetrics
-from router.policies import make_policy, policy_names
-from router.endpoint import EndpointState
-from router.pool import Pool, PoolTable
-from router.spec import EndpointSpec, PoolSpec
-from router.prompt_blocks import route_request
-from router.split import RevisionSplit, sticky_key
+from router.http.app import create_app
+from router.stats.metrics import RouterMetrics
+from router.pools.policies import make_policy, policy_names
+from router.pools.endpoint import EndpointState
+from router.pools.pool import Pool, PoolTable
+from router.pools.spec import EndpointSpec, PoolSpec
+from router.kv.prompt_blocks import route_request
+from router.pools.split import RevisionSplit, sticky_key
 from tests.support.router import FakeEngine, running_app
 
 N = 10_000

@@ -1,4 +1,4 @@
-"""No request waits on a stalled engine (router.proxy with router.deadline and router.outlier): over
+"""No request waits on a stalled engine (router.request.proxy with router.request.deadline and router.pools.outlier): over
 real loopback sockets, a router in front of fake engines that hang after sending their response
 head (as vLLM does when its engine core makes no progress) or answer 5xx, and in front of engine
 SIMULATOR replicas one of which is stalled (its `stall` fault: no step, `/health` still 200)."""
@@ -20,7 +20,7 @@ from fleet.enginesim.cost import StepCost
 from fleet.enginesim.model import EngineConfig
 from fleet.enginesim.profiles import Profile
 from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket
-from router.app import RouterApp, create_app
+from router.http.app import RouterApp, create_app
 from tests.support.router import FakeEngine, running_app
 
 pytestmark = pytest.mark.asyncio
@@ -178,7 +178,7 @@ async def test_a_non_streamed_request_gets_its_decode_time_on_top_of_the_deadlin
             assert r.status == 200 and doc["served_by"] == "b"
         assert hang.requests == 1
         hang.done.set()
-        assert DEADLINE_S + 0.2 <= max(took) < DEADLINE_S + 0.2 + 0.5   # + 1 token x 0.2 s (router.deadline)
+        assert DEADLINE_S + 0.2 <= max(took) < DEADLINE_S + 0.2 + 0.5   # + 1 token x 0.2 s (router.request.deadline)
 
 
 async def test_a_5xx_is_retried_on_another_endpoint_and_relayed_in_openai_shape_when_it_cannot_be() -> None:

@@ -1,5 +1,5 @@
 """Windowed router statistics on a fake clock: nearest-rank percentiles, sliding windows, ring
-overflow, per-second rates (router.stats)."""
+overflow, per-second rates (router.stats.windows)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from router.metrics import RouterMetrics
-from router.pool import PoolTable
-from router.spec import PoolSpec
-from router.stats import LatencySummary, ModelStats, RateWindow, SampleWindow, nearest_rank
+from router.stats.metrics import RouterMetrics
+from router.pools.pool import PoolTable
+from router.pools.spec import PoolSpec
+from router.stats.windows import LatencySummary, ModelStats, RateWindow, SampleWindow, nearest_rank
 
 
 def test_nearest_rank_matches_the_definition() -> None:

@@ -1,4 +1,4 @@
-"""router.tokenize against what vLLM computes, on the generated tiny model's tokenizer.
+"""router.kv.tokenize against what vLLM computes, on the generated tiny model's tokenizer.
 
 vLLM 0.32 tokenizes a completion's text with the model's Hugging Face tokenizer
 (``add_special_tokens`` from the request, default true) and a chat with transformers'
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from router.prompt_blocks import route_request
-from router.tokenize import (
+from router.kv.prompt_blocks import route_request
+from router.kv.tokenize import (
     ChatTemplateError,
     PoolTokenizers,
     TokenizerError,
@@ -305,7 +305,7 @@ async def test_pool_tokenizers_load_off_the_loop_and_count(tokenizer_dir: Path, 
         assert _sample(tokenizers, registry, "fleet_router_prompt_tokenizations_total", outcome="unsupported") == 1
 
         missing = str(tmp_path / "absent")
-        with caplog.at_level(logging.WARNING, logger="router.tokenize"):
+        with caplog.at_level(logging.WARNING, logger="router.kv.tokenize"):
             assert await tokenizers.wait_loaded(missing) is None
         assert "no such directory" in caplog.text and "approximate" in caplog.text
         assert tokenizers.error(missing).reason == "missing"  # type: ignore[union-attr]
@@ -362,7 +362,7 @@ def test_route_request_token_ids_for_id_prompts_only() -> None:
 
 async def test_proxy_fills_token_ids_from_the_pools_tokenizer(tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                               tier_guards: Any) -> None:  # fmt: skip
-    from router.policies import KvAware
+    from router.pools.policies import KvAware
     from tests.support.router import FakeEngine
     from tests.unit.test_router_proxy import AUTH, router
 
@@ -395,7 +395,7 @@ async def test_proxy_fills_token_ids_from_the_pools_tokenizer(tokenizer_dir: Pat
     assert seen[2].token_ids == [5, 6, 7]
 
 
-# ----- chat prompts: the history's pieces are not tokenized again (router.token_segments) -------------
+# ----- chat prompts: the history's pieces are not tokenized again (router.kv.token_segments) -------------
 
 def test_segment_cache_gives_the_whole_encodes_ids_and_reuses_the_history(tokenizer_dir: Path) -> None:
     tok = load_tokenizer(str(tokenizer_dir))
@@ -415,7 +415,7 @@ def test_segment_cache_gives_the_whole_encodes_ids_and_reuses_the_history(tokeni
 def test_segment_cache_is_bounded_and_refuses_tokenizers_it_cannot_split(tokenizer_dir: Path) -> None:
     import re
 
-    from router.token_segments import SegmentCache, _regex_of
+    from router.kv.token_segments import SegmentCache, _regex_of
 
     description = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     raw = load_tokenizer(str(tokenizer_dir)).tokenizer
@@ -434,9 +434,9 @@ def test_segment_cache_is_bounded_and_refuses_tokenizers_it_cannot_split(tokeniz
 
 
 def test_kv_aware_wants_token_ids_while_an_exact_view_is_live() -> None:
-    from router.kv_events import BlockStored, EventBatch
-    from router.kv_index import ExactIndex
-    from router.policies import KvAware, RoundRobin
+    from router.kv.events import BlockStored, EventBatch
+    from router.kv.exact_index import ExactIndex
+    from router.pools.policies import KvAware, RoundRobin
 
     assert not RoundRobin().wants_token_ids()
     policy = KvAware()

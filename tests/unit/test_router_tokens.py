@@ -1,4 +1,4 @@
-"""Tokens in and out per model and version (router.tokens, router.metrics): read from the
+"""Tokens in and out per model and version (router.protocol.tokens, router.stats.metrics): read from the
 engine's usage object when there is one, from the stream's text events when not; the proxy
 counts them over real loopback sockets in front of a fake engine answering as vLLM does."""
 
@@ -10,12 +10,12 @@ import time
 import pytest
 from aiohttp import web
 
-from router.metrics import RouterMetrics
-from router.pool import PoolTable
-from router.prompt_blocks import ROUTER_BLOCK_TOKENS, route_request
-from router.spec import PoolSpec
-from router.sse import SseRelay
-from router.tokens import TokenCount, body_tokens, stream_tokens
+from router.stats.metrics import RouterMetrics
+from router.pools.pool import PoolTable
+from router.kv.prompt_blocks import ROUTER_BLOCK_TOKENS, route_request
+from router.pools.spec import PoolSpec
+from router.protocol.sse import SseRelay
+from router.protocol.tokens import TokenCount, body_tokens, stream_tokens
 from tests.unit.test_router_proxy import completion, counter_value, put_pool, router
 from tests.support.router import FakeEngine
 

@@ -1,5 +1,5 @@
 """`fleet up`'s router is started with its models file beside the admin token, and a deliberate
-stop removes the file (fleet.local.routerproc, router.remembered). Fake processes: nothing is
+stop removes the file (fleet.local.routerproc, router.http.remembered). Fake processes: nothing is
 started."""
 
 from __future__ import annotations

@@ -179,7 +179,7 @@ def test_the_scale_up_run_adds_one_replica_at_the_join() -> None:
     from fleet.tracesim.traces import load_trace
     from fleet.tracesim.workload import Workload
     from loadtests.sim_scale_up import TRACE, run, simulate
-    from router.policies import KvAware
+    from router.pools.policies import KvAware
 
     profile = get_profile("h100-llama-8b").with_overrides(max_model_len=32768)
     base = Workload.from_trace(load_trace(TRACE).window(600, 20), profile)

@@ -20,7 +20,7 @@ from fleet.enginesim.kvpublish import KvEventPublisher, KvEventsConfig, KvEvents
 from fleet.enginesim.model import Arrival, EngineConfig, EngineModel, run_virtual
 from fleet.enginesim.profiles import Profile
 from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket
-from router.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
+from router.kv.events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
 
 BS = 4
 

@@ -1,5 +1,5 @@
 """What each simulated router knows of the load the others sent (SimConfig.load_signal): the
-engines' load sampled through `router.engine_load.EngineLoadView`, or a peer channel with a
+engines' load sampled through `router.signals.engine_load.EngineLoadView`, or a peer channel with a
 delay; and the engines' KV cache events read by every router's exact index (fleet.tracesim.engine)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Routing policies inside the trace simulator: the same policy objects as the router, fed the
 same `RouteRequest`s, with one or several routers; prefix-cache hits and the load the
-endpoints' states carry (fleet.tracesim.engine with router.policies)."""
+endpoints' states carry (fleet.tracesim.engine with router.pools.policies)."""
 
 from __future__ import annotations
 

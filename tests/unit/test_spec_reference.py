@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from fleet.cli import app
 from fleet.cli.explain import HEADER, UnknownField, lookup, reference_markdown, spec_fields, undocumented
 from fleet.k8s.crd import spec_schema
-from router.specbase import SpecModel
+from fleet.base.spec import SpecModel
 
 REPO = Path(__file__).resolve().parents[2]
 REFERENCE = REPO / "docs" / "spec-reference.md"

@@ -1,0 +1,9 @@
+"""The base every Fleet package builds on; it imports nothing of Fleet's.
+
+`spec` holds `SpecModel` and `FieldError`, the pydantic base of every YAML document and spec
+section (camelCase fields, unknown fields refused, errors that name the field); `registry` holds
+`Registry`, the one helper by which implementations of a kind register by name (routing and
+scaling policies, placement strategies, engine kinds, rollout judges). The data plane
+(`router/`), the scaling policies (`autoscaler/`) and the warm-up gate (`warmup/`) import these
+two modules and nothing else of `fleet/` (docs/architecture.md).
+"""

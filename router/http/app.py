@@ -1,0 +1,440 @@
+"""The router's ASGI application: a raw dispatcher in front of a FastAPI app.
+
+Owns `create_app` and `RouterApp`. `RouterApp` sends `POST /v1/completions` and
+`POST /v1/chat/completions` straight to `router.request.proxy.Proxy` (the hot path: no framework
+routing, validation or middleware) and everything else to a FastAPI app: `GET /v1/models`,
+`GET /health`, `GET /metrics` and the admin API (`router.http.admin`). It handles the ASGI
+lifespan itself, opening and closing the proxy's client session.
+
+Admin requests are guarded here, before FastAPI sees them: the bearer token is checked from the
+request head (401 without reading a byte of the body), then the body is read, at most
+`MAX_ADMIN_BODY_BYTES` (413 otherwise, the connection closed; the server bounds the time it may
+take, `router.http.server.RequestGuardProtocol`), and handed to FastAPI from memory. Every error
+answer, FastAPI's included (unknown path 404, 405, 422, an unexpected 500 on any path), is in
+OpenAI's error format and counted in `fleet_router_rejected_requests_total`. With a models file
+(`create_app(models_path=...)`, `router.http.remembered`) the models it lists start as awaited: 503,
+not 404, until the control plane speaks for them.
+Called by `router.http.server.serve` (uvicorn) and by tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.protocol.jsonlimit import loads_bounded
+from router.http.admin import ADMIN_PREFIX, PEER_REPORT_DEPTH, admin_router, validation_message
+from router.protocol.errors import error_body, error_type
+from router.signals.kv_subscriber import KvEventStreams
+from router.stats.metrics import RouterMetrics
+from router.pools.endpoint import DEFAULT_FAILURE_COOLDOWN_S
+from router.signals.engine_poll import EnginePoller
+from router.signals.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender, ReportPoster
+from router.signals.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, DiscoveryMetrics, PeerDiscovery
+from router.signals.peer_datagram import DatagramMetrics, DatagramTally, PeerDatagrams, decode_claim
+from router.signals.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report, report_order
+from router.pools.pool import PoolTable
+from router.http.remembered import ModelsFile
+from router.kv.tokenize import PoolTokenizers
+from router.request.asgi_io import CLOSE, PROXIED_PATHS, BodyTooLarge, Message, Receive, Scope, Send, read_body, reflect, send_json
+from router.request.proxy import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_AFTER_S, Proxy
+
+log = logging.getLogger(__name__)
+
+MAX_ADMIN_BODY_BYTES = 16 * 1024 * 1024
+"""Largest admin request body (bytes; 413 above). A pool document of 10,000 endpoints is about
+0.8 MB, so this leaves room for the largest pool `router.pools.spec` accepts at typical id and URL
+lengths while keeping what an admin request can make the router hold small."""
+
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                408: "timeout_error", 413: "invalid_request_error", 422: "invalid_request_error"}  # fmt: skip
+_ERROR_CODES = {400: "bad_request", 401: "invalid_admin_token", 404: "not_found", 405: "method_not_allowed",
+                408: "request_timeout", 413: "request_too_large", 422: "invalid_document"}  # fmt: skip
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The request's Content-Length (None without one, e.g. a chunked body; -1 if malformed)."""
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.strip().isdigit() else -1
+    return None
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    length = _declared_length(headers)
+    return (length is not None and length != 0) or any(name == b"transfer-encoding" for name, _ in headers)
+
+
+class RouterApp:
+    """ASGI app of the router. Attributes: `pools` (`PoolTable`), `metrics`
+    (`RouterMetrics`), `proxy` (`Proxy`), `api` (the FastAPI sub-app), `models_file`
+    (`router.http.remembered.ModelsFile`, or None)."""
+
+    models_file: ModelsFile | None = None
+    poller: EnginePoller | None = None
+    """Polls the engines' load for `kv-aware` pools (`router.signals.engine_poll`); None: off."""
+    peer_sender: PeerSender | None = None
+    """Sends this router's load to its peers (`router.signals.peer_channel`); None: no peers."""
+    peer_discovery: PeerDiscovery | None = None
+    peer_datagrams: PeerDatagrams | None = None
+    """The peers' load reports over UDP (`router.signals.peer_datagram`), opened by `listening`; None: no peers."""
+    """Keeps `peer_sender`'s peers equal to what `--peers-dns` resolves to; None: no DNS peers."""
+    peer_report: Callable[[object], int] | None = None
+    """Takes a peer's load report (`router.signals.peer_load`); None: no peers (FastAPI answers 404)."""
+
+    def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
+                 admin_token: str) -> None:  # fmt: skip
+        if not admin_token:
+            raise ValueError("admin_token must not be empty")
+        self.pools = pools
+        self.metrics = metrics
+        self.proxy = proxy
+        self.api = api
+        self._expected_auth = b"bearer " + admin_token.encode()
+
+    async def listening(self, host: str, port: int) -> None:
+        """The admin API is bound to `host:port` (`router.http.server.ListeningServer`,
+        `fleet.k8s.routerpod`): open the peers' UDP socket on the same port number
+        (`router.signals.peer_datagram`); no-op without peers."""
+        if self.peer_datagrams is not None and not self.peer_datagrams.open:
+            await self.peer_datagrams.start(host, port)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            if path in PROXIED_PATHS:
+                if scope["method"] == "POST":
+                    await self._guarded(self.proxy, scope, receive, send)
+                else:
+                    self.metrics.reject("", 405, False)
+                    body = error_body(f"method {scope['method']} is not allowed; use POST", code="method_not_allowed")
+                    await send_json(send, 405, body, [(b"allow", b"POST")])
+            elif path.startswith(ADMIN_PREFIX):
+                await self._guarded(self._admin, scope, receive, send)
+            else:
+                await self.api(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+    async def _guarded(self, handler: Callable[[Scope, Receive, Send], Awaitable[None]], scope: Scope,
+                       receive: Receive, send: Send) -> None:  # fmt: skip
+        """Run `handler`; an exception escaping it is a bug, not a client error: 500 in OpenAI's
+        format if the response has not begun (uvicorn's own 500 is plain text)."""
+        try:
+            await handler(scope, receive, send)
+        except Exception:
+            log.exception("router error on %s", scope["path"])
+            self.metrics.reject("", 500, False)
+            with contextlib.suppress(Exception):  # the response had begun: the server closes it
+                await send_json(send, 500, error_body("internal router error", type_="server_error",
+                                                      code="internal_error"))  # fmt: skip
+
+    def on_server_reject(self, status: int) -> None:
+        """Count an error the HTTP server answered before the app saw the request (a request head
+        too slow or too large: `router.http.server.RequestGuardProtocol`)."""
+        self.metrics.reject("", status, False)
+
+    async def _admin(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the token from the head, read the body within bounds, then hand over to FastAPI."""
+        headers = scope["headers"]
+        authorization = b""
+        for name, value in headers:
+            if name == b"authorization":
+                authorization = value
+                break
+        scheme, _, token = authorization.partition(b" ")
+        if not secrets.compare_digest(scheme.lower() + b" " + token.strip(), self._expected_auth):
+            await self._refuse(send, 401, "missing or invalid admin bearer token",
+                               [(b"www-authenticate", b"Bearer"), *(CLOSE if _has_body(headers) else [])])
+            return
+        if (_declared_length(headers) or 0) > MAX_ADMIN_BODY_BYTES:
+            await self._refuse(send, 413, f"admin request body exceeds {MAX_ADMIN_BODY_BYTES} bytes", CLOSE)
+            return
+        try:
+            body = await read_body(receive, MAX_ADMIN_BODY_BYTES)
+        except BodyTooLarge:
+            await self._refuse(send, 413, f"admin request body exceeds {MAX_ADMIN_BODY_BYTES} bytes", CLOSE)
+            return
+        if body is None:
+            return  # the client is gone
+        if self.peer_report is not None and scope["path"] == PEER_LOAD_PATH and scope["method"] == "POST":
+            await self._peer_load(body, send)
+            return
+        replayed = False
+
+        async def receive_read_body() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.api(scope, receive_read_body, send)
+
+    async def _peer_load(self, body: bytes, send: Send) -> None:
+        """`POST /admin/v1/peer-load` without FastAPI: every peer posts here its heartbeat (every
+        250 ms, or every second once it knows its datagrams arrive: `router.signals.peer_channel`), and
+        FastAPI's routing and request objects cost more than taking the report. Answers as the FastAPI route (router/http/admin.py) does:
+        200 ``{"datagrams": N}`` (the sender's datagrams taken so far, `router.signals.peer_datagram.
+        DatagramTally`), or 422 ``{"detail": ...}`` for a bad report."""
+        assert self.peer_report is not None
+        try:
+            taken = self.peer_report(loads_bounded(body, PEER_REPORT_DEPTH))
+        except ValueError as err:   # JsonTooDeep is one
+            await send_json(send, 422, json.dumps({"detail": f"bad peer load report: {err}"}).encode())
+            return
+        await send_json(send, 200, b'{"datagrams":%d}' % taken)
+
+    async def _refuse(self, send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+        self.metrics.reject("", status, False)
+        await send_json(send, status, error_body(message, type_=_ERROR_TYPES[status], code=_ERROR_CODES[status]),
+                        headers)  # fmt: skip
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.proxy.start()
+                    if self.poller is not None:
+                        await self.poller.start()
+                    if self.peer_discovery is not None:
+                        await self.peer_discovery.start()
+                    if self.peer_sender is not None:
+                        await self.peer_sender.start()
+                    if self.kv_streams is not None:
+                        await self.kv_streams.start()
+                except Exception as exc:  # report to the server instead of crashing the lifespan task
+                    log.exception("router startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.poller is not None:
+                    await self.poller.close()
+                if self.peer_discovery is not None:
+                    await self.peer_discovery.close()
+                if self.peer_sender is not None:
+                    await self.peer_sender.close()
+                if self.peer_datagrams is not None:
+                    self.peer_datagrams.close()
+                if self.kv_streams is not None:
+                    await self.kv_streams.close()
+                await self.proxy.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str, peer_report: Callable[[object], int] | None,
+               models_file: ModelsFile | None = None,
+               peer_state: Callable[[], dict[str, object]] | None = None) -> FastAPI:  # fmt: skip
+    api = FastAPI(title="Fleet router", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """FastAPI's own errors (unknown path, method, the admin API's 404) in OpenAI's format."""
+        status = exc.status_code
+        metrics.reject("", status, False)
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if status == 404 and message == "Not Found":
+            message = f"no such path: {request.method} {reflect(request.url.path)}"
+        body = error_body(message, type_=_ERROR_TYPES.get(status, error_type(status)),
+                          code=getattr(exc, "code", None) or _ERROR_CODES.get(status))  # fmt: skip
+        headers = dict(exc.headers or {})
+        headers["content-type"] = "application/json"
+        return Response(content=body, status_code=status, headers=headers)
+
+    @api.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        """An unexpected error (a bug): 500 in OpenAI's format; the server logs the traceback."""
+        metrics.reject("", 500, False)
+        body = error_body("internal router error", type_="server_error", code="internal_error")
+        return Response(content=body, status_code=500, media_type="application/json")
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        """422 naming each bad field and why, without echoing the (possibly huge or non-finite) input."""
+        metrics.reject("", 422, False)
+        body = error_body(validation_message(exc.errors()), code="invalid_document")
+        return Response(content=body, status_code=422, media_type="application/json")
+
+    @api.get("/v1/models")
+    async def list_models() -> dict[str, object]:
+        """OpenAI model list: every model that has a pool (draining or empty ones too)."""
+        data = [
+            {"id": model, "object": "model", "created": int(pool.created_s), "owned_by": "fleet"}
+            for model, pool in sorted(pools.pools().items())
+        ]
+        return {"object": "list", "data": data}
+
+    @api.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness of the router process itself (not of any engine)."""
+        return {"status": "ok"}
+
+    @api.get("/ready")
+    async def ready() -> Response:
+        """Readiness for traffic: 200 once the control plane has published every pool to this
+        router (`POST /admin/v1/synced`), 503 before. A restarted router pod knows no pool; as
+        Ready it would answer 404 for every model (the chart's readiness probe reads this)."""
+        if pools.synced:
+            return Response(content=b'{"status":"ready"}', media_type="application/json")
+        body = error_body("not ready: waiting for the control plane to publish the pools", type_="server_error",
+                          code="not_synced")  # fmt: skip
+        return Response(content=body, status_code=503, media_type="application/json", headers={"retry-after": "2"})
+
+    @api.get("/metrics")
+    async def prometheus_metrics(request: Request) -> Response:
+        """Prometheus exposition of the router's registry (format negotiated from Accept)."""
+        body, content_type = await metrics.render_off_loop(request.headers.get("accept", ""))
+        return Response(content=body, headers={"content-type": content_type})
+
+    api.include_router(admin_router(pools, admin_token, models_file, peer_report, peer_state))
+    return api
+
+
+def create_app(
+    admin_token: str,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    wall_clock: Callable[[], float] = time.time,
+    registry: CollectorRegistry | None = None,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    retry_after_s: int = DEFAULT_RETRY_AFTER_S,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    read_timeout_s: float | None = None,
+    failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
+    models_path: Path | None = None,
+    engine_load_interval_s: float | None = None,
+    peers: Sequence[str] = (),
+    router_id: str = "",
+    peer_interval_s: float = DEFAULT_PEER_INTERVAL_S,
+    peers_dns: tuple[str, int] | None = None,
+    self_addresses: Sequence[str] = (),
+    peer_dns_interval_s: float = DEFAULT_PEER_DNS_INTERVAL_S,
+) -> RouterApp:
+    """Build the router's ASGI app with no pools (a controller PUTs them).
+
+    `admin_token`: bearer token of the admin API (non-empty, else ValueError).
+    `clock`: monotonic seconds for every latency measurement, the windowed stats and the
+    policies' `now_s`.
+    `wall_clock`: epoch seconds, only for `created` in `GET /v1/models`.
+    `registry`: Prometheus registry to register on (default: a fresh one, never the global).
+    `max_attempts`: endpoints tried per request on connection failures (capped by the
+    pool's ready endpoints). `retry_after_s`: the Retry-After of a 503 (seconds).
+    `connect_timeout_s` / `read_timeout_s`: upstream timeouts (None: unlimited).
+    `failure_cooldown_s`: how long an endpoint is skipped after a connection failure.
+    `models_path`: the router's models file (`router.http.remembered`): the models it lists answer
+    503 + Retry-After, not 404, until the control plane publishes or deletes their pools, and
+    the file is kept up to date; None: no file.
+    `engine_load_interval_s`: seconds between polls of each `kv-aware` endpoint's `/metrics` for
+    its load (`router.signals.engine_poll`; `router.signals.engine_load.DEFAULT_POLL_INTERVAL_S` measured best);
+    None: no polling (each router counts only its own load, unless it has peers).
+    `peers`: base URLs of the other routers in front of the same pools: every `peer_interval_s`
+    this router posts its load to each (`router.signals.peer_channel`) and counts theirs in `kv-aware`
+    (`router.signals.peer_load`); with peers the engines are not polled. `router_id`: this router's id in
+    its reports (default: a random one).
+    `peers_dns`: (name, port) whose addresses are the other routers, resolved every
+    `peer_dns_interval_s` (`router.signals.peer_discovery`; in Kubernetes a headless Service of the router
+    pods, port their admin API), this router's `self_addresses` (its pod IP) left out; the peers
+    found are sent to besides `peers`.
+    The time a request's head and body may take to arrive is bounded by the server
+    (`router.http.server.uvicorn_config`).
+    """
+    if not admin_token:
+        raise ValueError("admin_token must not be empty")
+    metrics = RouterMetrics(registry)
+    models_file = None
+    remembered: list[str] = []
+    if models_path is not None:
+        def listed() -> list[str]:
+            return pools.models() + pools.awaited()   # an awaited model stays listed until settled
+
+        models_file = ModelsFile(models_path, listed, on_write_error=metrics.state_write_errors.inc)
+        remembered = models_file.read()
+        if remembered:
+            log.info("models served before the restart (503 until published again): %s", ", ".join(remembered))
+    kv_streams = KvEventStreams(metrics)
+    pools = PoolTable(metrics, wall_clock, clock, remembered, kv_streams)
+    proxy = Proxy(
+        pools,
+        metrics,
+        clock,
+        max_attempts=max_attempts,
+        retry_after_s=retry_after_s,
+        connect_timeout_s=connect_timeout_s,
+        read_timeout_s=read_timeout_s,
+        failure_cooldown_s=failure_cooldown_s,
+        tokenizers=PoolTokenizers(metrics.registry),
+    )
+    peer_report = peer_state = None
+    has_peers = bool(peers) or peers_dns is not None
+    if has_peers:
+        view = PeerLoadView(router_id or secrets.token_hex(8))
+
+        tally = DatagramTally()
+
+        def peer_report(doc: object, datagram: bool = False) -> int:
+            """Take a report; the datagrams taken from its sender so far (the HTTP answer)."""
+            peer_id, loads = parse_report(doc)
+            if view.receive(peer_id, loads, pools.load_endpoints(), clock(), report_order(doc)):
+                channel_metrics.received.inc()
+            if datagram:
+                tally.add(peer_id)
+            return tally.count(peer_id)
+
+        def peer_datagram(body: bytes) -> None:
+            peer_report(loads_bounded(body, PEER_REPORT_DEPTH), datagram=True)
+
+        def peer_claim(body: bytes) -> None:
+            """A peer's claim (`router.signals.peer_datagram.decode_claim`) into the pool's KV view."""
+            model, endpoint_id, keys, ttl_s = decode_claim(body)
+            if pools.get(model) is None:
+                return
+            now_s = clock()
+            kv_streams.index(model).expect_keys(endpoint_id, keys, now_s + ttl_s, now_s)
+            datagram_metrics.claims_received.inc()
+
+        def peer_state() -> dict[str, object]:
+            now_s = clock()
+            targets = [u.removesuffix(PEER_LOAD_PATH) for u in sender.urls]
+            return {"router": view.self_id, "targets": targets, "datagrams_confirmed": sender.confirmed(),
+                    "live": view.peers(now_s), "load": view.totals(now_s)}
+
+        channel_metrics = PeerMetrics(metrics.registry, lambda: len(view.peers(clock())))
+        datagram_metrics = DatagramMetrics(metrics.registry)
+        datagrams = PeerDatagrams(admin_token, peer_datagram, datagram_metrics, peer_claim)
+    api = _build_api(pools, metrics, admin_token, peer_report, models_file, peer_state)
+    app = RouterApp(pools, metrics, proxy, api, admin_token)
+    app.models_file = models_file
+    app.peer_report = peer_report
+    if has_peers:
+        static = list(peers)
+        sender = PeerSender(view.self_id, static, pools.load_endpoints, ReportPoster(admin_token),
+                            channel_metrics, peer_interval_s, datagrams)  # fmt: skip
+        app.peer_sender = sender
+        app.peer_datagrams = datagrams
+        proxy.on_load_change(sender.notify)   # a report goes out within peer_interval_s of each change
+        proxy.on_claim(lambda model, claim: sender.send_claim(model, claim, clock()))
+        if peers_dns is not None:
+            app.peer_discovery = PeerDiscovery(
+                peers_dns[0], peers_dns[1], self_addresses,
+                lambda found: sender.set_peers(static + [u for u in found if u not in static]),
+                DiscoveryMetrics(metrics.registry), clock=clock, interval_s=peer_dns_interval_s)
+    elif engine_load_interval_s is not None:
+        app.poller = EnginePoller(pools.load_endpoints, clock, metrics.registry, interval_s=engine_load_interval_s)
+    app.kv_streams = kv_streams
+    return app
