@@ -167,7 +167,7 @@ class StandbyPoolSpec(SpecModel):
         "keeps one sleeper while it holds any burst (autoscaler.standby.StandbyPolicy). 0: off. 3600 was chosen on "
         "Azure code and conv and four days of the synthetic daily trace (seeds 7 and 8) by a rule fixed before the "
         "runs; with it `standby` met a held-out day, 99.5 % within 2 s at 0.93x the best fixed fleet "
-        "(docs/benchmarks.md, issue 24's held-out rounds 3 and 4).",
+        "(docs/benchmarks.md, \"Standby on a held-out day\").",
     )  # fmt: skip
 
 

@@ -51,8 +51,8 @@ as the bursts need:
   day 4 of seed 7 of the synthetic daily trace: between bursts of 450-607 requests a minute the
   policy stepped down to 1-2 READY replicas, and the next burst met those; the one sleeper on
   Azure `code`: the floor's 4 awake replicas had taken every sleeper's place, and its first burst
-  larger than the floor met 4 READY replicas and none asleep (docs/benchmarks.md, issue 24's
-  held-out sections).
+  larger than the floor met 4 READY replicas and none asleep (docs/benchmarks.md, "Standby on a
+  held-out day").
 
 Everything else (targets, trend, load floor, probe, stabilisation, rate limits) is Fleet's
 policy unchanged. Pure and clock-injected like every policy: its state is the pool, the
@@ -82,8 +82,7 @@ WAKE_EARLY_FRACTION = 0.3
 this fraction of its target while the load floor (load over the capacity per replica confirmed
 sustainable, `FleetPolicy`) asks for more replicas than are targeted. Below it the floor alone,
 a lower bound of capacity, over-asks on a steady load (measured on `conv`: woken at 0.1x target
-every five minutes); chosen on `code` (0.5: too late for the onset of its bursts, 98.6 % within
-the TTFT target against 99.8 %; docs/benchmarks.md)."""
+every five minutes); chosen on `code`, where 0.5 wakes too late for the onset of its bursts."""
 
 
 class DecayingPeak:

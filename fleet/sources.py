@@ -1,10 +1,14 @@
 """Model sources: what `spec.model.source` strings mean, and the list of files each one names.
 
-Owns `parse_source` (a string to a `LocalSource`, `HttpSource` or `HubSource`), the
-`ModelPlan` a remote source resolves to (files with their URL, size and digest, and a pinned
-revision), and the http(s) manifest format (`write_manifest` builds one). Called by
-`fleet.agent.cache.WeightCache` and `fleet cache`; network I/O happens only in `resolve`, through
-an injected `httpx.Client` (http) or `huggingface_hub` (hub).
+Owns the one typed parse of a source string, `ModelSource.parse` (its `Scheme` and what the
+callers ask of it: is it remote, does the node weight cache fetch it, its directory on this
+machine), `parse_source` (a source the weight cache reads, as a `LocalSource`, `HttpSource` or
+`HubSource`), the `ModelPlan` a remote source resolves to (files with their URL, size and
+digest, and a pinned revision), and the http(s) manifest format (`write_manifest` builds one).
+Called by the spec (`fleet.spec.ModelSpec`), the backends (`fleet.local.backend`,
+`fleet.k8s.pod_weights`), `fleet.models.read`, `fleet.placement.shapes`, `fleet.agent.cache.WeightCache`
+and `fleet cache`; network I/O happens only in `resolve`, through an injected `httpx.Client`
+(http) or `huggingface_hub` (hub).
 
 Source strings (docs/node-agent.md has the full description):
 
@@ -20,17 +24,23 @@ Source strings (docs/node-agent.md has the full description):
   repository, read through `huggingface_hub` (`HfApi.model_info(files_metadata=True)` for the
   file list, LFS sha256 and git blob ids; the revision pinned to the commit it names), from
   ``HF_ENDPOINT`` when set (mirrors) with the token `huggingface_hub.get_token()` finds
-  (``HF_TOKEN``, then the token file).
+  (``HF_TOKEN``, then the token file);
+- ``s3://bucket/key``: accepted by the spec and refused by the weight cache, which has no S3
+  fetcher (`parse_source` says "unsupported scheme");
+- ``sim://PROFILE``: an engine-simulator profile (`fleet.enginesim.profiles`), with
+  ``engine.kind: sim`` only; no weights.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import posixpath
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urljoin
@@ -38,11 +48,122 @@ from urllib.parse import quote, urljoin
 MANIFEST_NAME = "fleet-manifest.json"
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# An S3 bucket name: letters, digits, '.', '-' and '_' (AWS allows a subset; S3-compatible stores differ).
+_S3_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class SourceError(ValueError):
     """A source string that cannot be used, or a remote source that cannot be resolved
     (unreachable, unknown repository or revision, bad manifest). The message names the source."""
+
+
+class Scheme(str, Enum):
+    """The scheme of a model source; a bare path is ``FILE``."""
+
+    FILE = "file"
+    HF = "hf"
+    S3 = "s3"
+    HTTP = "http"
+    HTTPS = "https"
+    SIM = "sim"
+
+    def remote(self) -> bool:
+        """The weights are not on this machine: a backend needs the node weight cache (or, for
+        ``hf`` on Kubernetes without one, the engine's own download)."""
+        return self in (Scheme.HF, Scheme.S3, Scheme.HTTP, Scheme.HTTPS)
+
+    def cached(self) -> bool:
+        """The node weight cache (`fleet.agent.cache`) fetches sources of this scheme."""
+        return self in (Scheme.HF, Scheme.HTTP, Scheme.HTTPS)
+
+
+SCHEME_PREFIXES = tuple(f"{s.value}://" for s in Scheme)
+"""Every scheme a source may name, as written (``file://``, ``hf://``, ...): error messages list them."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A `spec.model.source` string, parsed. Pure; build one with `ModelSource.parse`.
+
+    ``text``: the source as written; ``scheme``; ``location``: what the scheme names (``FILE``: the
+    path as written, ``file://`` removed, maybe relative; ``HF``: the repository id ``org/name``;
+    ``S3``: ``bucket/key``; ``HTTP(S)``: the URL; ``SIM``: the profile name); ``revision``: the hub
+    revision after ``@`` (``HF`` only; None when the source names none).
+    """
+
+    text: str
+    scheme: Scheme
+    location: str
+    revision: str | None = None
+
+    @staticmethod
+    def parse(text: str) -> ModelSource:
+        """Parse ``text`` (surrounding blanks ignored). Raises SourceError naming the source and the
+        reason: an unknown scheme (with the known ones), ``file://`` with a relative path, a
+        malformed hub repository or empty revision, an http(s) URL that names no manifest, an
+        ``s3://`` source without a valid bucket and key, ``sim://`` without a profile."""
+        return _parse_cached(text)
+
+    @property
+    def remote(self) -> bool:
+        """See `Scheme.remote`."""
+        return self.scheme.remote()
+
+    @property
+    def cached(self) -> bool:
+        """See `Scheme.cached`."""
+        return self.scheme.cached()
+
+    def local_path(self, base_dir: Path | None = None) -> Path | None:
+        """The weights directory on this machine (``~`` expanded, a relative path resolved against
+        ``base_dir``, the YAML file's directory; default the current one), or None for a remote
+        or simulated source. Reads the file system only to resolve a relative path."""
+        return _resolve_path(self.location, base_dir) if self.scheme is Scheme.FILE else None
+
+
+def _resolve_path(location: str, base_dir: Path | None) -> Path:
+    path = Path(location).expanduser()
+    return path if path.is_absolute() else ((base_dir or Path.cwd()) / path).resolve()
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_cached(text: str) -> ModelSource:
+    s = text.strip()
+    prefix, sep, rest = s.partition("://")
+    if not sep:
+        if not s:
+            raise SourceError(f"{text!r}: empty; give a path or one of {', '.join(SCHEME_PREFIXES)}")
+        return ModelSource(text, Scheme.FILE, s)
+    try:
+        scheme = Scheme(prefix)
+    except ValueError:
+        raise SourceError(f"unsupported scheme {prefix + '://'!r} in {text!r}; use a path or one of "
+                          f"{', '.join(SCHEME_PREFIXES)}") from None  # fmt: skip
+    if scheme is Scheme.FILE:
+        if not rest.startswith("/"):
+            raise SourceError(f"{text!r}: a file:// source needs an absolute path (file:///abs/dir)")
+        return ModelSource(text, scheme, rest)
+    if scheme is Scheme.HF:
+        repo, at, revision = rest.partition("@")
+        if not _HF_REPO.match(repo) or (at and not revision):
+            raise SourceError(f"{text!r}: expected hf://org/name or hf://org/name@revision")
+        return ModelSource(text, scheme, repo, revision or None)
+    if scheme is Scheme.S3:
+        bucket, _, key = rest.partition("/")
+        if not _S3_BUCKET.match(bucket) or not key.strip("/"):
+            raise SourceError(f"{text!r}: expected s3://bucket/key (a bucket name, then the key of the model's "
+                              "directory)")  # fmt: skip
+        return ModelSource(text, scheme, rest)
+    if scheme is Scheme.SIM:
+        if not rest:
+            raise SourceError(f"{text!r}: expected sim://PROFILE (an engine-simulator profile)")
+        return ModelSource(text, scheme, rest)
+    url = s if not s.endswith("/") else s + MANIFEST_NAME
+    if not url.split("?", 1)[0].endswith(".json"):
+        raise SourceError(
+            f"{text!r}: an http(s) source names a manifest (a .json file) or a directory ending in '/' "
+            f"that holds {MANIFEST_NAME}; see docs/node-agent.md")
+    return ModelSource(text, scheme, url)
 
 
 @dataclass(frozen=True)
@@ -198,35 +319,22 @@ def hub_endpoint() -> str:
 
 
 def parse_source(source: str, base_dir: Path | None = None) -> Source:
-    """Parse a `spec.model.source` string. Pure.
+    """Parse a `spec.model.source` string the weight cache reads (`ModelSource.parse`, then the
+    form the cache resolves). Pure.
 
     ``base_dir`` resolves a relative path (the YAML file's directory; default the current one).
-    Raises SourceError naming the source and the reason.
+    Raises SourceError naming the source and the reason (``unsupported scheme`` for ``s3://`` and
+    ``sim://``, which the cache does not read).
     """
-    s = source.strip()
-    if s.startswith("hf://"):
-        rest = s[len("hf://"):]
-        repo, _, revision = rest.partition("@")
-        if not _HF_REPO.match(repo) or (("@" in rest) and not revision):
-            raise SourceError(f"{source!r}: expected hf://org/name or hf://org/name@revision")
-        return HubSource(repo, revision or "main")
-    if s.startswith(("http://", "https://")):
-        url = s if not s.endswith("/") else s + MANIFEST_NAME
-        if not url.split("?", 1)[0].endswith(".json"):
-            raise SourceError(
-                f"{source!r}: an http(s) source names a manifest (a .json file) or a directory ending in '/' "
-                f"that holds {MANIFEST_NAME}; see docs/node-agent.md")
-        return HttpSource(url)
-    if s.startswith("file://"):
-        s = s[len("file://"):]
-        if not s.startswith("/"):
-            raise SourceError(f"{source!r}: a file:// source needs an absolute path (file:///abs/dir)")
-    elif "://" in s:
-        raise SourceError(f"{source!r}: unsupported scheme; use a path, file://, http(s):// or hf://")
-    path = Path(s).expanduser()
-    if not path.is_absolute():
-        path = ((base_dir or Path.cwd()) / path).resolve()
-    return LocalSource(path)
+    src = ModelSource.parse(source)
+    if src.scheme is Scheme.HF:
+        return HubSource(src.location, src.revision or "main")
+    if src.scheme in (Scheme.HTTP, Scheme.HTTPS):
+        return HttpSource(src.location)
+    if src.scheme is not Scheme.FILE:
+        raise SourceError(f"{source!r}: unsupported scheme for the weight cache ({src.scheme.value}:// has no "
+                          "fetcher); use a path, file://, http(s):// or hf://")  # fmt: skip
+    return LocalSource(_resolve_path(src.location, base_dir))
 
 
 def _check_relative(path: str, where: str) -> str:

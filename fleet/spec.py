@@ -1,10 +1,11 @@
 """The `InferenceDeployment` document a model owner writes, and loading it from YAML.
 
-Owns the pydantic models of the spec (apiVersion, kind, metadata, spec: model, engine,
-resources, replicas, routing, warmup; `autoscaling` is `autoscaler.spec.AutoscalingSpec`,
-`rollout` is `rollout.spec.RolloutSpec`), the
-YAML loader for one or many files with several documents each, and the error format: every
-problem names its file, document, field path and reason
+Owns the pydantic models of the spec (apiVersion, kind, metadata, spec: model, resources,
+replicas, standby, routing, prePull; `engine` is `fleet.engines.spec.EngineSpec`, `warmup`
+`warmup.plan.WarmupPlan`, `autoscaling` `autoscaler.spec.AutoscalingSpec`, `rollout`
+`fleet.rollout.spec.RolloutSpec`), the YAML loader for one or many files with several
+documents each, and the error format: every problem names its file, document, field path and
+reason
 (``quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)``).
 
 Called by the CLI (`fleet validate`, `fleet up`) and the controller. Nothing is started from a
@@ -25,37 +26,18 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from autoscaler.spec import AutoscalingSpec
-from fleet.engines.cuda import CudaVersion, format_cuda, image_cuda, parse_cuda_version
 from fleet.engines.kinds import ENGINE_KINDS, EngineLaunch
+from fleet.engines.spec import EngineSpec
 from fleet.rollout.spec import RolloutSpec
-from fleet.sources import SourceError, parse_source
+from fleet.sources import ModelSource, Scheme, SourceError
 from router.pools.policies import ROUTING_POLICIES
+from fleet.base.names import DNS_LABEL, MIG_PROFILE
 from fleet.base.spec import FieldError, SpecModel
 from warmup.plan import WarmupPlan
 
 API_VERSION = "fleet.inference.dev/v1alpha1"
 KIND = "InferenceDeployment"
 
-# Kubernetes DNS-1123 label: the deployment name becomes part of replica ids, pod names and
-# metric labels (kubernetes.io/docs/concepts/overview/working-with-objects/names).
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-# NVIDIA MIG profile names, e.g. 1g.10gb, 3g.40gb, 1g.20gb+me (MIG user guide, "Supported profiles").
-_MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb(\+me)?$")
-# sim:// names an engine-simulator profile (engine.kind: sim only; see fleet.enginesim.profiles).
-_SOURCE_SCHEMES = ("file://", "hf://", "s3://", "http://", "https://", "sim://")
-# Engine flags Fleet sets itself from the spec and placement; a user value would conflict.
-_RESERVED_ENGINE_ARGS = {
-    "--host": "is set by Fleet",
-    "--port": "is set by Fleet (ports are allocated per replica)",
-    "--model": "comes from spec.model.source",
-    "--served-model-name": "comes from spec.model.name",
-    "--tensor-parallel-size": "comes from spec.resources.tensorParallelSize",
-    "-tp": "comes from spec.resources.tensorParallelSize",
-}
-_RESERVED_ENGINE_ENV = {
-    "CUDA_VISIBLE_DEVICES": "set by placement (GPU or MIG UUIDs)",
-    "VLLM_CPU_OMP_THREADS_BIND": "set by placement (CPU cores)",
-}
 
 
 class Metadata(SpecModel):
@@ -69,7 +51,7 @@ class Metadata(SpecModel):
     @field_validator("name")
     @classmethod
     def _dns_label(cls, v: str) -> str:
-        if not _DNS_LABEL.match(v):
+        if not DNS_LABEL.match(v):  # the name becomes part of replica ids, pod names and metric labels
             raise ValueError(
                 f"{v!r} is not a DNS-1123 label (lower-case letters, digits and '-', "
                 "starting and ending with a letter or digit)"
@@ -93,108 +75,24 @@ class ModelSpec(SpecModel):
 
     @field_validator("source")
     @classmethod
-    def _scheme(cls, v: str) -> str:
-        if "://" in v and not v.startswith(_SOURCE_SCHEMES):
-            raise ValueError(f"unsupported scheme in {v!r}; use a path or one of {', '.join(_SOURCE_SCHEMES)}")
-        if v.startswith(("hf://", "http://", "https://")):   # the weight cache's forms (docs/node-agent.md)
-            try:
-                parse_source(v)
-            except SourceError as err:
-                raise ValueError(str(err)) from None
+    def _parses(cls, v: str) -> str:
+        try:
+            ModelSource.parse(v)
+        except SourceError as err:
+            raise ValueError(str(err)) from None
         return v
 
+    @property
+    def parsed_source(self) -> ModelSource:
+        """``source`` parsed (`fleet.sources.ModelSource`; validated when the spec was)."""
+        return ModelSource.parse(self.source)
+
     def local_path(self, base_dir: Path) -> Path | None:
-        """The weights directory on this machine, or None for a remote source.
+        """The weights directory on this machine, or None for a remote or simulated source.
 
         A relative path is resolved against ``base_dir`` (the YAML file's directory).
         """
-        src = self.source
-        if src.startswith("file://"):
-            src = src[len("file://"):]
-        elif "://" in src:
-            return None
-        path = Path(src).expanduser()
-        return path if path.is_absolute() else (base_dir / path).resolve()
-
-
-class EngineSpec(SpecModel):
-    kind: str = Field(
-        "vllm",
-        description="Engine kind; `vllm` runs vLLM's OpenAI-compatible server, `sim` the engine simulator "
-        "(same API and metrics, modelled latencies, no GPU).",
-    )
-    image: str | None = Field(
-        None, description="Container image (Kubernetes backend). The local backend runs the installed engine."
-    )
-    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = Field(
-        "IfNotPresent",
-        description="The engine pods' imagePullPolicy (Kubernetes backend). `IfNotPresent` (default): the "
-        "image Fleet pre-pulled onto the node is the one every replica of a revision runs, and a replacement "
-        "starts while the registry is down (Kubernetes' own default for `:latest` or no tag is `Always`, which "
-        "asks the registry at every pod start and can give replicas of one revision different contents: pin "
-        "a digest to change what runs). `Always`: asked at every start (pre-pull still fetches the layers). "
-        "`Never`: the image must already be on the node; nothing is pulled.",
-    )  # fmt: skip
-    args: list[str] = Field(default_factory=list, description="Extra engine command-line arguments.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the engine.")
-    startup_timeout_seconds: float = Field(
-        900.0, gt=0,
-        description="Seconds from launch until /health must answer before the replica is FAILED. "
-        "Large models on GPUs can take ~10 minutes to load (docs/anchors.md).",
-    )
-    cuda_version: str | None = Field(
-        None,
-        description="The CUDA version the engine was built with, e.g. \"12.8\" (quote it). Placement skips "
-        "nodes whose NVIDIA driver cannot run it (docs/placement.md#driver-and-cuda-compatibility). Unset: "
-        "known vLLM images (vllm/vllm-openai:vX.Y.Z, tags ending -cu129 / -cu130, nvidia/cuda:X.Y.Z-...) "
-        "give it; otherwise no driver check.",
-    )  # fmt: skip
-    cuda_compatibility: Literal["minor-version", "backward"] = Field(
-        "minor-version",
-        description="Which of NVIDIA's CUDA compatibility rules placement counts on. `minor-version` "
-        "(default): a driver at or above the minimum of the CUDA major (12.x: 525.60.13, 13.x: 580) runs any "
-        "minor of it. `backward`: the driver's own CUDA version must be at least cudaVersion (consumer GPUs, "
-        "or drivers off NVIDIA's long-term branches, under the NVIDIA Container Toolkit).",
-    )  # fmt: skip
-
-    @field_validator("cuda_version", mode="before")
-    @classmethod
-    def _cuda_version(cls, v: object) -> str | None:
-        if v is None:
-            return None
-        if isinstance(v, float):   # YAML reads an unquoted 12.8 as a number
-            v = repr(v)
-        try:
-            return format_cuda(parse_cuda_version(v.strip() if isinstance(v, str) else v))
-        except ValueError as err:
-            raise ValueError(str(err)) from None
-
-    @property
-    def cuda(self) -> tuple[CudaVersion, str] | None:
-        """The CUDA the engine needs and where that came from: ``engine.cudaVersion``, else the
-        image's (`fleet.engines.cuda.image_cuda`); None for the engine simulator, or when unknown."""
-        if self.kind == "sim":
-            return None
-        if self.cuda_version:
-            return parse_cuda_version(self.cuda_version), "engine.cudaVersion"
-        known = image_cuda(self.image)
-        return (known, f"image {self.image}") if known else None
-
-    @field_validator("kind")
-    @classmethod
-    def _known_kind(cls, v: str) -> str:
-        return ENGINE_KINDS.check(v)
-
-    @model_validator(mode="after")
-    def _reserved(self) -> EngineSpec:
-        for i, arg in enumerate(self.args):
-            flag = arg.split("=", 1)[0]
-            if flag in _RESERVED_ENGINE_ARGS:
-                raise FieldError(f"args[{i}]", f"{flag!r} {_RESERVED_ENGINE_ARGS[flag]}; remove it")
-        for key in self.env:
-            if key in _RESERVED_ENGINE_ENV:
-                raise FieldError(f"env.{key}", f"is {_RESERVED_ENGINE_ENV[key]}; remove it")
-        return self
+        return self.parsed_source.local_path(base_dir)
 
 
 class ResourcesSpec(SpecModel):
@@ -241,7 +139,7 @@ class ResourcesSpec(SpecModel):
     @field_validator("mig_profile")
     @classmethod
     def _mig_name(cls, v: str | None) -> str | None:
-        if v is not None and not _MIG_PROFILE.match(v):
+        if v is not None and not MIG_PROFILE.match(v):
             raise ValueError(f"{v!r} is not a MIG profile name such as 1g.10gb or 3g.40gb")
         return v
 
@@ -444,7 +342,7 @@ class DeploymentSpec(SpecModel):
 
     @model_validator(mode="after")
     def _sim_source_needs_sim_engine(self) -> DeploymentSpec:
-        if self.model.source.startswith("sim://") and self.engine.kind != "sim":
+        if self.model.parsed_source.scheme is Scheme.SIM and self.engine.kind != "sim":
             raise FieldError(
                 "model.source",
                 f"{self.model.source!r} names an engine-simulator profile; it needs engine.kind: sim "

@@ -48,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fleet.agent.cache import WeightCache  # noqa: E402
 from fleet.sources import write_manifest  # noqa: E402
 from fleet.agent.transfer import (  # noqa: E402
-    CHUNK_BYTES, WRITE_BYTES, WRITEBACK_BYTES, HttpTransfer, start_writeback,
+    CHUNK_BYTES, WRITE_BYTES, WRITEBACK_BYTES, start_writeback,
 )
+from fleet.agent.transports import HttpTransfer  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 

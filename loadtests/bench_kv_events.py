@@ -13,7 +13,7 @@ the last. What it isolates is the per-message cost (wake-ups, socket reads) agai
 per-block cost (decode, index); docs/benchmarks.md, "Router CPU with KV events".
 
 ``--one-socket`` measures a receive path the router does not have, to size it before building it
-(docs/routing.md, "What is left"): each stream publishes under its endpoint's topic, and one SUB
+(docs/routing.md, "What it does not do"): each stream publishes under its endpoint's topic, and one SUB
 socket connected to every publisher is drained on a `DRAIN_INTERVAL_S` loop timer, each message
 sequence-checked, its CRC-32 kept, decoded and applied by topic: no monitor sockets, no task per
 stream, no replay (a gap raises).
@@ -37,7 +37,8 @@ import zmq.asyncio
 
 from router.kv.events import decode_batch
 from router.kv.exact_index import ExactIndex
-from router.signals.kv_subscriber import DRAIN_INTERVAL_S, RCVHWM, DrainTicks, KvEventSubscriber
+from router.signals.drain_ticks import DRAIN_INTERVAL_S, DrainTicks
+from router.signals.kv_subscriber import RCVHWM, KvEventSubscriber
 from router.pools.spec import KvEventsSource
 
 PUBLISHER = r'''

@@ -16,9 +16,9 @@ while the admin calls ran: how long the pool update kept the router from serving
 that takes longer than `--timeout-s` is reported as such and the run stops (the router is
 killed).
 
-Before the data-plane hardening of the router, replacing or deleting a pool cost time
-quadratic in its endpoints (each leaving endpoint scanned every metric series); see
-docs/benchmarks.md ("The router under hostile input and large pools") for the figures before and after.
+Replacing or deleting a pool costs time linear in its endpoints (a leaving endpoint's metric
+series are removed by key, never by scanning every series); docs/benchmarks.md ("The router under
+hostile input and large pools") has today's figures.
 
 Usage: python -m loadtests.bench_pool_update [--sizes 1000,10000] [--timeout-s 120]
 """

@@ -5,7 +5,7 @@ messages), times `json.loads` of the body (the proxy parses every body anyway), 
 `router.kv.prompt_blocks.route_request` on the parsed body (block hashes, token estimate, session
 key), then one `kv-aware` decision (`router.pools.policies.KvAware.choose`: index match, scoring over
 8 endpoints, recording the blocks), then tokenization with the pool's tokenizer
-(`router.kv.tokenize.PromptTokenizer.prompt_token_ids`: the chat template and `tokenizers`, what a
+(`router.kv.prompt_tokenizer.PromptTokenizer.prompt_token_ids`: the chat template and `tokenizers`, what a
 pool with `tokenizer` adds for text and chat; token-id prompts need none): a prompt seen for the
 first time, and the next turn of a chat whose earlier turn was tokenized before (its history's
 pieces remembered, `router.kv.token_segments`; a 40-token reply and a 40-token question added). Process CPU time, best
@@ -36,7 +36,8 @@ from pathlib import Path
 from router.pools.endpoint import EndpointState
 from router.pools.policies import KvAware
 from router.kv.prompt_blocks import route_request
-from router.kv.tokenize import PromptTokenizer, load_tokenizer
+from router.kv.prompt_tokenizer import PromptTokenizer
+from router.kv.tokenizer_files import load_tokenizer
 
 _WORDS = ("the scheduler inside each engine builds a batch at every step prefill processes prompt tokens of new "
           "requests decode produces one token for every running sequence chunked splits long prompts so that "

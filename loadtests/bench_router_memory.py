@@ -128,7 +128,7 @@ def policy_stream(n: int, prompt_tokens: int, trace_memory: bool, *, kv_events: 
     from router.kv.events import EventBatch, decode_batch, encode_batch
     from router.kv.exact_index import ExactIndex
     from router.stats.metrics import RouterMetrics
-    from router.pools.pool import PoolTable
+    from router.pools.pool import Pool, PoolTable
     from router.kv.prompt_blocks import route_request
     from router.pools.spec import PoolSpec
 
@@ -140,7 +140,7 @@ def policy_stream(n: int, prompt_tokens: int, trace_memory: bool, *, kv_events: 
     engines: dict[str, EngineCache] = {}
     seqs: dict[str, int] = {}
     if kv_events:
-        pool.policy.use_exact_index(exact)
+        pool = Pool(pool.model, pool.policy, pool.endpoints, pool.created_s, pool.shared, kv_view=exact)
         for i, endpoint in enumerate(pool.endpoints):
             exact.open(endpoint.id)
             engines[endpoint.id] = EngineCache(engine_blocks, salt=i)

@@ -1,5 +1,5 @@
 """A SYNTHETIC multi-day trace with a daily cycle, made from a real one: the held-out trace of
-issue 24's proof (docs/benchmarks.md, "Standby and forecast: issue 24's table").
+the standby policy's proof (docs/benchmarks.md, "Standby on a held-out day (simulated)").
 
 No multi-day LLM trace ships with Fleet (only the one-hour Azure 2023 `code` and `conv` and
 Mooncake, loadtests/traces/), so this builds one and says plainly what is real and what is not:

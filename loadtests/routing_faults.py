@@ -1,4 +1,4 @@
-"""Fault runs of the routing tier (issue 21): a stalled engine, a killed router, a cut KV event
+"""Fault runs of the routing tier: a stalled engine, a killed router, a cut KV event
 stream, each under open-loop streamed load through two Fleet routers in front of SIMULATED
 replicas (`fleet.enginesim`, one process per replica so that one can be stopped alone).
 

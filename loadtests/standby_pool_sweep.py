@@ -1,6 +1,6 @@
 """One `standby` run on a trace with a given standby-pool setting (`autoscaler.spec.StandbyPoolSpec`):
-how the pool's defaults were chosen on Azure `code` and `conv` (docs/benchmarks.md, issue 24's
-table). Same deployment, simulator and allowance (2) as `fleet simulate ... --policies standby
+how the pool's defaults were chosen on Azure `code` and `conv` (docs/benchmarks.md, "Standby on a held-out
+day (simulated)"). Same deployment, simulator and allowance (2) as `fleet simulate ... --policies standby
 --standby-max 2`; prints one line: share within the TTFT target, p99 TTFT, replica-hours (of which
 standby), scaling actions, wake-ups.
 
@@ -9,7 +9,7 @@ standby), scaling actions, wake-ups.
 
 ``--initial none``: the deployment's maximum before any burst. ``--forecast`` runs
 `standby-forecast` (``--history`` files prime it, as `fleet simulate --history`; ``--bound``:
-`autoscaler.spec.ForecastSpec.bound`). How issue 24's held-out day was tuned on day 3
+`autoscaler.spec.ForecastSpec.bound`). How the held-out day's settings were tuned on day 3
 (docs/benchmarks.md)::
 
     python -m loadtests.standby_pool_sweep /tmp/daily/day-3.jsonl --forecast --history /tmp/daily/day-1.jsonl \

@@ -5,8 +5,9 @@ shape a Kubernetes DaemonSet runs). It owns:
 
 - the weight cache (`fleet.agent.cache.WeightCache`): a content-addressed store of model files
   fetched from the sources in `fleet.sources` (local path / ``file://``, ``http(s)://``
-  manifests, ``hf://org/name@revision``) by `fleet.agent.transfer` (resumable, verified,
-  retried with tenacity);
+  manifests, ``hf://org/name@revision``) into the store by `fleet.agent.cache_fill`, one file
+  at a time by `fleet.agent.transfer` (resumable, verified, retried with tenacity) over the
+  transports of `fleet.agent.transports`;
 - GPU health (`fleet.agent.health.GpuHealthChecker` over `fleet.agent.nvml_health`, Xid
   classification in `fleet.agent.xid`) and the pure quarantine decision
   (`fleet.agent.quarantine.QuarantinePolicy`);

@@ -2,8 +2,12 @@
 
 Owns `WeightCache` (``ensure`` a model, ``lookup`` whether it is warm, ``pin`` / ``unpin`` the
 models running replicas use, ``entries`` / ``remove`` / ``verify`` for `fleet cache`, LRU
-eviction to a byte budget) and the store's layout on disk. Called by `fleet.cli.agent` and, once
-integrated, by the controller's CACHING step (docs/node-agent.md, "Integration").
+eviction to a byte budget), `cached_hub_dir` (a hub source's cached directory, for reading its
+config offline) and the store's layout on disk. Called by `fleet cache` (`fleet.cli.agent`), the
+node agent (`fleet.agent.runner`, `fleet.agent.pins`), the local backend's CACHING step
+(`fleet.local.backend`, `fleet up`) and the controller (`cached_hub_dir`). Filling an entry
+(the files a model lacks, fetched and committed) is `fleet.agent.cache_fill.EntryFill`'s; the
+locks, records and errors are fleet/agent/cache_files.py's.
 
 Layout under ``root`` (every write is a temporary name renamed into place)::
 
@@ -34,27 +38,23 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import re
 import shutil
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from fleet.sources import (
-    HttpSource, HubSource, LocalSource, ModelPlan, RemoteFile, SourceError, parse_source,
+    HttpSource, HubSource, LocalSource, ModelPlan, ModelSource, Scheme, SourceError, parse_source,
 )
-from fleet.agent.transfer import (
-    CHUNK_BYTES, HttpTransfer, HubTransfer, RetryPolicy, Transfer, fetch_file,
+from fleet.agent.cache_files import (
+    CacheError, InsufficientSpace, blob_path, flock, read_json, sha256_file, stale_files, unlink_blob, write_json,
 )
-
-Progress = Callable[[int, int], None]
-"""``progress(done_bytes, total_bytes)``: called while a model is being cached."""
+from fleet.agent.cache_fill import EntryFill, Progress
+from fleet.agent.transfer import RetryPolicy
+from fleet.agent.transports import HttpTransfer, HubTransfer, Transfer
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -67,12 +67,19 @@ def default_cache_root() -> Path:
     return base / "fleet" / "weights"
 
 
-class CacheError(RuntimeError):
-    """A model that cannot be cached; the message names the model (and the path or size)."""
-
-
-class InsufficientSpace(CacheError):
-    """Not enough free disk, or not enough byte budget after evicting every unpinned model."""
+def cached_hub_dir(source: str, root: Path | None = None) -> Path | None:
+    """The directory of the hub source ``source`` (``hf://org/name[@revision]``) in the weight
+    cache at ``root`` (default `default_cache_root`), or None: not a hub source, no cache there,
+    not cached, or unreadable. No network (`WeightCache.lookup`). Called by
+    `fleet.controller.model_memory` (a model's config, read offline) and `fleet.controller.pools`
+    (the tokenizer's directory)."""
+    try:
+        if ModelSource.parse(source).scheme is not Scheme.HF:
+            return None
+        root = root or default_cache_root()
+        return WeightCache(root).lookup(source) if root.is_dir() else None
+    except (OSError, ValueError):   # SourceError is a ValueError
+        return None
 
 
 @dataclass(frozen=True)
@@ -97,42 +104,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n} B"
-
-
-@contextmanager
-def _flock(path: Path, on_wait: Callable[[], None] | None = None, poll_s: float = 0.2) -> Iterator[None]:
-    """Exclusive flock on ``path`` (released when the holder exits, even by a crash).
-
-    Each call opens its own file description, so threads of one process exclude each other too.
-    While waiting, ``on_wait()`` runs every ``poll_s`` seconds.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if on_wait is not None:
-                    on_wait()
-                time.sleep(poll_s)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, doc: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 class WeightCache:
@@ -160,10 +131,11 @@ class WeightCache:
         self._transfers = dict(transfers or {})
         for d in ("blobs", "models", "refs", "partial", "pins", "locks"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
+        self._fill = EntryFill(self.root, retry, self.parallel_files, self._make_room, clock)
 
     # -- paths -------------------------------------------------------------------------------
     def _blob(self, sha: str) -> Path:
-        return self.root / "blobs" / sha
+        return blob_path(self.root, sha)
 
     def _record_path(self, key: str) -> Path:
         return self.root / "models" / f"{key}.json"
@@ -203,20 +175,7 @@ class WeightCache:
         return src
 
     def _record(self, key: str) -> dict | None:
-        return _read_json(self._record_path(key))
-
-    def _stale_files(self, record: dict) -> list[dict]:
-        """Files whose blob is missing or whose size / mtime differ from the record (a stat each)."""
-        stale = []
-        for f in record["files"]:
-            try:
-                st = self._blob(f["sha256"]).stat()
-            except OSError:
-                stale.append(f)
-                continue
-            if st.st_size != f["size"] or st.st_mtime_ns != f["mtime_ns"]:
-                stale.append(f)
-        return stale
+        return read_json(self._record_path(key))
 
     def lookup(self, source: str, revision: str | None = None) -> Path | None:
         """The directory of ``source`` if it is cached and its files pass the stat check, else
@@ -225,12 +184,12 @@ class WeightCache:
         src = self._source(source, revision)
         if isinstance(src, LocalSource):
             return src.path if src.path.is_dir() else None
-        ref = _read_json(self._ref_path(src.canonical))
+        ref = read_json(self._ref_path(src.canonical))
         if not ref:
             return None
         key = self.key_for(src.identity, ref["revision"])
         record = self._record(key)
-        if record is None or not (self.root / "models" / key).is_dir() or self._stale_files(record):
+        if record is None or not (self.root / "models" / key).is_dir() or stale_files(self.root, record):
             return None
         return self.root / "models" / key
 
@@ -240,7 +199,7 @@ class WeightCache:
         warm for placement (`fleet.placement.shapes.PlacementRequest.is_warm`). No network."""
         out = set()
         for ref_path in (self.root / "refs").glob("*.json"):
-            ref = _read_json(ref_path)
+            ref = read_json(ref_path)
             if not ref or "source" not in ref:
                 continue
             try:
@@ -254,7 +213,7 @@ class WeightCache:
         """Every cached model, least recently used first."""
         out = []
         for rec_path in (self.root / "models").glob("*.json"):
-            rec = _read_json(rec_path)
+            rec = read_json(rec_path)
             if not rec:
                 continue
             key = rec_path.name[: -len(".json")]
@@ -277,7 +236,7 @@ class WeightCache:
             return float(rec.get("created_s", 0.0))
 
     def _touch(self, key: str) -> None:
-        _write_json(self.root / "models" / f"{key}.used", self.clock())
+        write_json(self.root / "models" / f"{key}.used", self.clock())
 
     # -- pins --------------------------------------------------------------------------------
     def pin(self, key: str, holder: str) -> None:
@@ -285,7 +244,7 @@ class WeightCache:
 
         Raises KeyError when no such model is cached.
         """
-        with _flock(self.root / "locks" / f"{key}.lock"):
+        with flock(self.root / "locks" / f"{key}.lock"):
             if self._record(key) is None:
                 raise KeyError(f"no cached model {key!r}")
             self._pin_locked(key, holder)
@@ -343,7 +302,7 @@ class WeightCache:
             return cached
         key = self.key_for(src.identity, plan.revision)
         waiting = self._waiter(key, plan, progress)
-        with _flock(self.root / "locks" / f"{key}.lock", on_wait=waiting):
+        with flock(self.root / "locks" / f"{key}.lock", on_wait=waiting):
             path = self._ensure_locked(src.canonical, src.identity, key, plan, progress)
             if pin_as:
                 self._pin_locked(key, pin_as)
@@ -356,7 +315,7 @@ class WeightCache:
         path = self.root / "partial" / key / "progress.json"
 
         def report() -> None:
-            doc = _read_json(path)
+            doc = read_json(path)
             if doc:
                 progress(int(doc["done"]), int(doc["total"]))
         return report
@@ -367,147 +326,35 @@ class WeightCache:
         record = self._record(key)
         known: dict[str, str] = {}
         if record is not None and model_dir.is_dir():
-            if self._repair(record):
-                _write_json(self._record_path(key), record)
+            if self._fill.repair(record):
+                write_json(self._record_path(key), record)
             known = {f["path"]: f["sha256"] for f in record["files"]}
-            if not self._stale_files(record):
+            if not stale_files(self.root, record):
                 self._finish(canonical, key, plan)
                 if progress:
                     progress(plan.total_bytes, plan.total_bytes)
                 return model_dir
         for _ in range(3):   # a blob evicted by another process meanwhile is fetched on the next pass
-            fetched = self._fetch_missing(key, plan, progress, known)
+            fetched = self._fill.fetch_missing(key, plan, self._transfer(plan.transfer), progress, known)
             if all(self._blob(sha).is_file() for sha in fetched.values()):
                 break
         else:
             raise CacheError(f"{canonical}: blobs kept disappearing while caching it (eviction race)")
-        self._commit(identity, key, plan, fetched)
+        self._fill.commit(identity, key, plan, fetched)
         self._finish(canonical, key, plan)
         return model_dir
 
     def _finish(self, canonical: str, key: str, plan: ModelPlan) -> None:
-        _write_json(self._ref_path(canonical), {"source": canonical, "revision": plan.revision})
+        write_json(self._ref_path(canonical), {"source": canonical, "revision": plan.revision})
         self._touch(key)
         shutil.rmtree(self.root / "partial" / key, ignore_errors=True)
-
-    def _repair(self, record: dict) -> bool:
-        """Re-hash blobs whose stat changed; delete those whose content changed too. Returns
-        whether ``record`` was updated (a blob touched but unchanged gets its new mtime)."""
-        updated = False
-        for f in self._stale_files(record):
-            blob = self._blob(f["sha256"])
-            if not blob.is_file():
-                continue
-            if _sha256_file(blob) == f["sha256"]:
-                f["mtime_ns"] = blob.stat().st_mtime_ns
-                updated = True
-            else:
-                _unlink_blob(blob)
-        return updated
-
-    def _present(self, rf: RemoteFile, known: dict[str, str]) -> str | None:
-        """The sha256 of ``rf`` when its blob is already in the store: by the digest the source
-        lists, or (size-only files) by the digest this entry recorded when it was verified."""
-        sha = rf.sha256 or known.get(rf.path)
-        if not sha:
-            return None
-        try:
-            size = self._blob(sha).stat().st_size
-        except OSError:
-            return None
-        return sha if rf.size is None or size == rf.size else None
-
-    def _fetch_missing(self, key: str, plan: ModelPlan, progress: Progress | None,
-                       known: dict[str, str]) -> dict[str, str]:
-        """Fetch every file of ``plan`` not in the store; returns {path: sha256}."""
-        partial = self.root / "partial" / key
-        partial.mkdir(parents=True, exist_ok=True)
-        done: dict[str, str] = {}
-        missing: list[RemoteFile] = []
-        for rf in plan.files:
-            sha = self._present(rf, known)
-            if sha:
-                done[rf.path] = sha
-            else:
-                missing.append(rf)
-        present_bytes = sum(rf.size or 0 for rf in plan.files if rf.path in done)
-        parts = {rf.path: partial / f"{hashlib.sha256(rf.path.encode()).hexdigest()[:24]}.part" for rf in missing}
-        in_parts = sum(p.stat().st_size for p in parts.values() if p.is_file())
-        need = sum(rf.size or 0 for rf in missing) - in_parts
-        self._make_room(plan, key, max(need, 0))
-        meter = _Meter(present_bytes, plan.total_bytes, progress, partial / "progress.json")
-        transfer = self._transfer(plan.transfer)
-
-        def one(rf: RemoteFile) -> tuple[str, str]:
-            try:
-                got = fetch_file(rf, parts[rf.path], transfer, plan.headers, meter.add, self.retry)
-            except Exception as err:
-                raise CacheError(f"{plan.source}: {rf.path}: {err}") from err
-            return rf.path, got.sha256
-
-        fetched: dict[str, str] = {}
-        errors: list[CacheError] = []
-        try:
-            with ThreadPoolExecutor(min(self.parallel_files, max(1, len(missing))),
-                                    thread_name_prefix="fleet-cache") as pool:
-                futures = [pool.submit(one, rf) for rf in sorted(missing, key=lambda r: -(r.size or 0))]
-                for fut in futures:
-                    try:
-                        path, sha = fut.result()
-                        fetched[path] = sha
-                    except CacheError as err:
-                        errors.append(err)
-        finally:
-            meter.close()
-        # Made durable once all are fetched (the kernel has been writing them back meanwhile, as
-        # for any download), then renamed into the store: a blob is never a torn file.
-        for path, sha in fetched.items():
-            part, blob = parts[path], self._blob(sha)
-            if blob.is_file():
-                part.unlink(missing_ok=True)
-                continue
-            fd = os.open(part, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.chmod(part, 0o444)
-            os.replace(part, blob)
-        if errors:   # the files that were fetched are in the store: the next attempt skips them
-            raise errors[0]
-        done.update(fetched)
-        return done
-
-    def _commit(self, identity: str, key: str, plan: ModelPlan, shas: dict[str, str]) -> None:
-        """Write the symlink directory and the entry record (renamed into place: a crash leaves
-        either the old entry or the new one)."""
-        models = self.root / "models"
-        for stale in models.glob(f".{key}.*.tmp"):   # left by a process that crashed here (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = models / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-        files = []
-        for rf in plan.files:
-            sha = shas[rf.path]
-            link = tmp / rf.path
-            link.parent.mkdir(parents=True, exist_ok=True)
-            blob = self._blob(sha)
-            os.symlink(os.path.relpath(blob, start=(models / key / rf.path).parent), link)
-            st = blob.stat()
-            files.append({"path": rf.path, "sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-        final = models / key
-        self._record_path(key).unlink(missing_ok=True)   # not usable while it is rebuilt
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_json(self._record_path(key), {
-            "source": identity, "revision": plan.revision, "files": files, "created_s": self.clock()})
 
     # -- space -------------------------------------------------------------------------------
     def _make_room(self, plan: ModelPlan, key: str, need: int) -> None:
         """Evict LRU unpinned models until ``need`` more bytes fit the budget and the disk.
 
         Raises InsufficientSpace naming the model, the bytes and the path."""
-        with _flock(self.root / "locks" / "store.lock"):
+        with flock(self.root / "locks" / "store.lock"):
             while True:
                 used = self.blob_bytes() + self._partial_bytes(exclude=key)
                 free = self._disk_usage(self.root).free
@@ -556,7 +403,7 @@ class WeightCache:
     def _enforce_budget(self, keep: str | None = None) -> None:
         if self.budget_bytes is None:
             return
-        with _flock(self.root / "locks" / "store.lock"):
+        with flock(self.root / "locks" / "store.lock"):
             while self.blob_bytes() > self.budget_bytes and self._evict_one(keep=keep):
                 pass
 
@@ -592,12 +439,12 @@ class WeightCache:
         still = self._referenced_blobs()
         for f in rec["files"]:
             if f["sha256"] not in still:
-                _unlink_blob(self._blob(f["sha256"]))
+                unlink_blob(self._blob(f["sha256"]))
 
     def _referenced_blobs(self) -> set[str]:
         out = set()
         for rec_path in (self.root / "models").glob("*.json"):
-            rec = _read_json(rec_path)
+            rec = read_json(rec_path)
             out.update(f["sha256"] for f in (rec or {}).get("files", []))
         return out
 
@@ -608,7 +455,7 @@ class WeightCache:
         """
         # Lock order everywhere: the entry's lock, then the store's (ensure holds its entry's
         # lock when it makes room under the store's).
-        with _flock(self.root / "locks" / f"{key}.lock"), _flock(self.root / "locks" / "store.lock"):
+        with flock(self.root / "locks" / f"{key}.lock"), flock(self.root / "locks" / "store.lock"):
             if self._record(key) is None:
                 raise KeyError(f"no cached model {key!r}")
             holders = self.pinned_by(key)
@@ -622,65 +469,15 @@ class WeightCache:
     def verify(self, key: str) -> list[str]:
         """Re-hash every file of ``key``; delete blobs whose content is wrong (the next ``ensure``
         fetches them again). Returns the paths found corrupt. Raises KeyError."""
-        with _flock(self.root / "locks" / f"{key}.lock"):
+        with flock(self.root / "locks" / f"{key}.lock"):
             rec = self._record(key)
             if rec is None:
                 raise KeyError(f"no cached model {key!r}")
             bad = []
             for f in rec["files"]:
                 blob = self._blob(f["sha256"])
-                if not blob.is_file() or _sha256_file(blob) != f["sha256"]:
+                if not blob.is_file() or sha256_file(blob) != f["sha256"]:
                     bad.append(f["path"])
-                    _unlink_blob(blob)
+                    unlink_blob(blob)
             return bad
 
-
-class _Meter:
-    """Bytes done / total of one model across its file threads, mirrored every 0.25 s into
-    progress.json (by a daemon thread, until ``close``) for processes waiting on the download."""
-
-    def __init__(self, done: int, total: int, progress: Progress | None, path: Path) -> None:
-        self.done, self.total = done, total
-        self.progress, self.path = progress, path
-        self.lock = threading.Lock()
-        self.closed = threading.Event()
-        self._write()
-        self.thread = threading.Thread(target=self._mirror, name="fleet-cache-progress", daemon=True)
-        self.thread.start()
-        self.add(0)
-
-    def add(self, n: int) -> None:
-        with self.lock:
-            self.done += n
-            if self.progress is not None:
-                self.progress(self.done, self.total)
-
-    def _write(self) -> None:
-        try:
-            _write_json(self.path, {"done": self.done, "total": self.total})
-        except OSError:
-            pass   # the directory is gone: the download finished or was evicted
-
-    def _mirror(self) -> None:
-        while not self.closed.wait(0.25):
-            self._write()
-
-    def close(self) -> None:
-        self.closed.set()
-        self.thread.join()
-        self._write()
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK_BYTES * 4):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _unlink_blob(blob: Path) -> None:
-    try:
-        blob.unlink()
-    except FileNotFoundError:
-        pass

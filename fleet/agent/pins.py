@@ -1,7 +1,7 @@
 """Weight-cache pins of engine pods that are gone, released.
 
 On Kubernetes an engine pod's init container pins the model it fetched for the pod
-(`fleet cache pull --holder $(POD_UID)`, fleet/k8s/pods.py), so eviction never takes weights a
+(`fleet cache pull --holder $(POD_UID)`, fleet/k8s/pod_weights.py), so eviction never takes weights a
 running engine reads. Nothing in the pod unpins when it goes (the engine's image has no Fleet),
 so the node agent does: `DepartedPodPins.step` compares the pins whose holder is a pod UID with
 the pods the kubelet's device checkpoint lists now (`fleet.agent.device_checkpoint`).

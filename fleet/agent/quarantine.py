@@ -4,9 +4,9 @@ give them back. Pure: state in, state and decisions out, time from the injected 
 Owns `QuarantineConfig`, `QuarantineState` (and its JSON form: `QuarantineState.to_json`,
 `QuarantineState.from_json`; the runner keeps it in a file so a restart forgets nothing),
 `Decision` and `QuarantinePolicy.decide`. Called by
-`fleet.agent.runner.NodeAgent` every check (and, once integrated, by the controller over the
-findings of every node, so the cap is fleet-wide). Acting on a decision (placement skipping the
-target, draining the replicas on it) is the caller's.
+`fleet.agent.runner.NodeAgent` every check, on its own node's findings (the cap's base is the
+fleet's GPU count the agent is given, else its node's). Acting on a decision (placement skipping
+the target, draining the replicas on it) is the caller's.
 
 Rules (docs/node-agent.md, "Quarantine"):
 - a *fault* finding quarantines its target at once; a *degraded* condition when it has been seen

@@ -146,7 +146,7 @@ class NodeAgent:
         decisions: list[Decision] = []
         try:
             decisions = self._health()
-        except Exception as err:   # the loop survives its parts (STYLE.md 9)
+        except Exception as err:   # the loop survives its parts
             self.metrics.errors.labels(self.node).inc()
             self.last_error = f"health: {type(err).__name__}: {err}"
             log.exception("node agent %s: health step failed", self.node)
@@ -196,7 +196,7 @@ class NodeAgent:
                                                    self.fleet_gpus if self.fleet_gpus is not None else gpus)
         if self.state_path is not None and self.state != before:
             try:
-                save_state(self.state_path, self.state)   # before acting on it (STYLE.md 2)
+                save_state(self.state_path, self.state)   # before acting on it
             except OSError as err:
                 self.metrics.errors.labels(self.node).inc()
                 self.last_error = f"state: cannot write {self.state_path}: {err}"

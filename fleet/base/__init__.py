@@ -3,7 +3,8 @@
 `spec` holds `SpecModel` and `FieldError`, the pydantic base of every YAML document and spec
 section (camelCase fields, unknown fields refused, errors that name the field); `registry` holds
 `Registry`, the one helper by which implementations of a kind register by name (routing and
-scaling policies, placement strategies, engine kinds, rollout judges). The data plane
-(`router/`), the scaling policies (`autoscaler/`) and the warm-up gate (`warmup/`) import these
-two modules and nothing else of `fleet/` (docs/architecture.md).
+scaling policies, placement strategies, engine kinds, rollout judges); `names` holds the name
+patterns several documents check (a DNS-1123 label, a MIG profile). The data plane (`router/`),
+the scaling policies (`autoscaler/`) and the warm-up gate (`warmup/`) import these modules and
+nothing else of `fleet/` (docs/architecture.md).
 """

@@ -101,9 +101,9 @@ def cache_pull(
 
     Prints the directory an engine is given. Exit code 1 when it cannot be cached (the error names
     the model, the size and the path), 2 for a bad source string. An engine pod's init container
-    runs it with ``--link`` (its model path) and ``--holder`` (its pod uid): fleet/k8s/pods.py.
+    runs it with ``--link`` (its model path) and ``--holder`` (its pod uid): fleet/k8s/pod_weights.py.
     """
-    from fleet.agent.cache import CacheError
+    from fleet.agent.cache_files import CacheError
     from fleet.sources import SourceError
 
     cache = _cache(root, budget)
@@ -141,7 +141,8 @@ def cache_rm(
     root: Root = None,
 ) -> None:
     """Remove cached models (files other models share stay). Exit code 1 if one is pinned or unknown."""
-    from fleet.agent.cache import CacheError, human_bytes
+    from fleet.agent.cache import human_bytes
+    from fleet.agent.cache_files import CacheError
 
     cache = _cache(root)
     failed = False

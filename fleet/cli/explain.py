@@ -96,13 +96,13 @@ def _article(type_name: str) -> str:
 def _registry_constraints() -> dict[str, tuple[str, ...]]:
     from autoscaler.policy import policy_names as autoscaling_policies
     from fleet.engines.kinds import engine_kinds
-    from fleet.spec import _DNS_LABEL, _MIG_PROFILE
+    from fleet.base.names import DNS_LABEL, MIG_PROFILE
     from router.pools.policies import policy_names as routing_policies
 
     return {
-        "metadata.name": (f"pattern `{_DNS_LABEL.pattern}` (a DNS-1123 label)",),
+        "metadata.name": (f"pattern `{DNS_LABEL.pattern}` (a DNS-1123 label)",),
         "spec.engine.kind": ("one of: " + ", ".join(f"`{k}`" for k in engine_kinds()),),
-        "spec.resources.migProfile": (f"pattern `{_MIG_PROFILE.pattern}`",),
+        "spec.resources.migProfile": (f"pattern `{MIG_PROFILE.pattern}`",),
         "spec.routing.policy": ("one of: " + ", ".join(f"`{k}`" for k in sorted(routing_policies())),),
         "spec.autoscaling.policy": ("one of: " + ", ".join(f"`{k}`" for k in sorted(autoscaling_policies())),),
     }

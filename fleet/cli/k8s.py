@@ -78,7 +78,8 @@ def operator(
     """
     import asyncio
 
-    from fleet.k8s.operator import OperatorSettings, run_operator
+    from fleet.k8s.operator import OperatorSettings
+    from fleet.k8s.operator_process import run_operator
 
     settings = OperatorSettings(
         namespace=namespace, router_admin_url=router_admin_url, router_selector=router_selector,
@@ -102,7 +103,7 @@ def operator(
             raise typer.Exit(2) from None
         settings = replace(settings, prices=tuple(sorted(prices.gpu_hour_usd.items())))
     try:
-        from fleet.k8s.pods import EnginePodSettings
+        from fleet.k8s.pod_settings import EnginePodSettings
 
         EnginePodSettings.from_json(engine_pod_json)
     except ValueError as err:

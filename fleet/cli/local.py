@@ -116,7 +116,8 @@ def up(
     store = StateStore(state_dir or default_state_dir())
     if detach:
         raise typer.Exit(_detach(files, store, port=port, host=host, metrics_port=metrics_port, prices=prices))
-    from fleet.local.up import PreflightError, run_up
+    from fleet.local.preflight import PreflightError
+    from fleet.local.up import run_up
 
     if metrics_port is None:
         metrics_port = port + 1

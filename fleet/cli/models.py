@@ -4,21 +4,21 @@ Owns `model_check` (a loaded deployment -> what validate prints about its model:
 vLLM accepts for it, and whether each ``spec.resources.gpuProduct`` / MIG profile holds the
 weights and one ``max_model_len`` sequence per GPU, naming needed vs available), `advice_table`
 and `advice_json` (the shapes that fit, their concurrency, the cheapest for a target). The work
-is `fleet.models`; this module reads files through `fleet.models.read` and renders. Called by
+is `fleet.models`; the model is read by `fleet.controller.model_memory.memory_need_or_reason`
+(the reading the controller and `fleet up`'s preflight share); this module renders. Called by
 `fleet.cli.local` (validate) and `fleet.cli.placement` (plan).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from rich.table import Table
 
+from fleet.controller.model_memory import memory_need_or_reason
 from fleet.models.advise import ShapeAdvice, cheapest, common_product, mig_memory_mib
 from fleet.models.facts import GIB, tp_problem
-from fleet.models.memory import EngineArgError, MemoryNeed
-from fleet.models.read import ModelSourceError, memory_need
+from fleet.models.memory import MemoryNeed
 from fleet.spec import LoadedDeployment
 
 
@@ -36,34 +36,11 @@ def _products(ld: LoadedDeployment) -> tuple[str, ...]:
     return ld.deployment.spec.resources.gpu_products
 
 
-def read_need(ld: LoadedDeployment) -> tuple[MemoryNeed | None, str | None]:
-    """(the deployment's `MemoryNeed` or None, why it is not known when the model could not be
-    read). Bad engine flags are reported, never raised."""
-    try:
-        return memory_need(ld.deployment, ld.base_dir, _weight_cache_dir(ld.deployment.spec.model.source)), None
-    except (ModelSourceError, EngineArgError) as err:
-        return None, str(err)
-
-
-def _weight_cache_dir(source: str) -> Path | None:
-    """The hub source's directory in Fleet's weight cache on this machine (`fleet cache pull`
-    put it there), or None: read offline instead of asking the hub."""
-    if not source.startswith("hf://"):
-        return None
-    from fleet.agent.cache import WeightCache, default_cache_root
-
-    root = default_cache_root()
-    try:
-        return WeightCache(root).lookup(source) if root.is_dir() else None
-    except (OSError, ValueError):
-        return None
-
-
 def model_check(ld: LoadedDeployment) -> ModelCheck:
     """The model's checks for ``fleet validate`` (module docstring). A model that cannot be read
     (remote and offline, no config.json) is a note, not a failure: `fleet up` checks the weights."""
     where = f"{ld.path}[{ld.index}] spec"
-    need, why = read_need(ld)
+    need, why = memory_need_or_reason(ld)
     if need is None:
         return ModelCheck(notes=[f"model not checked: {why}"] if why else [])
     out = ModelCheck(need)

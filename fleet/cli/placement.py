@@ -73,7 +73,7 @@ def plan(
 
     Exit code 0 when every replica fits, 1 when some do not, 2 on invalid input.
     """
-    from fleet.cli.models import read_need
+    from fleet.controller.model_memory import memory_need_or_reason
     from fleet.placement import PlacementRequest, get_strategy
 
     loaded = load_or_exit(files)
@@ -93,7 +93,7 @@ def plan(
     for ld in loaded:
         dep = ld.deployment
         count = dep.spec.replicas.desired_at_start if replicas is None else replicas
-        need, _ = read_need(ld)
+        need, _ = memory_need_or_reason(ld)
         request = PlacementRequest.for_deployment(dep, count, all_or_nothing=all_or_nothing, memory=need)
         result = placer.place_replicas(request, inv.inventory, held)
         for p in result.placements:
@@ -110,7 +110,8 @@ def plan(
 def _advise(loaded, inventory: Path | None, target: float, prices: list[str], as_json: bool,
             all_shapes: bool) -> None:
     """`fleet plan --advise`: print each deployment's shape table; exits (0 when a shape fits each)."""
-    from fleet.cli.models import advice_json, advice_table, read_need
+    from fleet.cli.models import advice_json, advice_table
+    from fleet.controller.model_memory import memory_need_or_reason
     from fleet.models.advise import COMMON_GPU_PRODUCTS, advise, cheapest, products_of
 
     by_product: dict[str, float] = {}
@@ -126,7 +127,7 @@ def _advise(loaded, inventory: Path | None, target: float, prices: list[str], as
     products = products_of(_load_inventory(inventory).inventory) if inventory else COMMON_GPU_PRODUCTS
     docs, ok = [], True
     for ld in loaded:
-        need, why = read_need(ld)
+        need, why = memory_need_or_reason(ld)
         if need is None:
             err_console.print(f"{ld.deployment.name}: no advice: {why or 'the model is simulated or not read'}",
                               highlight=False, markup=False)

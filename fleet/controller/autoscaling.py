@@ -1,4 +1,4 @@
-"""The autoscaler loop of `fleet up`: gather signals, ask each deployment's policy, set targets.
+"""The autoscaler loop of the control plane: gather signals, ask each deployment's policy, set targets.
 
 Owns `AutoscalerLoop`. Every tick it finds the deployments whose policy is due (each policy
 has its own `interval_s`), reads the router's windowed statistics once (`RouterStatsSource`:
@@ -19,7 +19,8 @@ them every `HISTORY_SAVE_S` and when it stops.
 Side effects go through the injected router, engine API, clocks and store, so tests drive the loop
 on fake time with the fakes of tests/support/fakes.py. Each part of a step has its own error handling:
 an unreachable router or engine leaves that signal unmeasured (None) for this decision.
-Called by `fleet.local.up`.
+Built by `fleet.control_plane.ControlPlane.autoscaler` for `fleet.local.up` (which runs it as a
+task) and `fleet.k8s.operator` (which steps it in its tick).
 """
 
 from __future__ import annotations
@@ -137,6 +138,19 @@ class AutoscalerLoop:
                 name, spec.model.name, policy, DeploymentSignals(a.window_seconds),
                 StartupTracker(a.warm_startup_seconds, a.cold_startup_seconds),
             )  # fmt: skip
+
+    def carry_over(self, old: AutoscalerLoop, changed: set[str]) -> None:
+        """Keep what ``old`` (the loop this one replaces, over the same controller) learnt: the
+        whole state (signal windows, start-up estimates, next due time) of each deployment both
+        scale and ``changed`` does not name; for a changed one, its policy's arrival history alone
+        (a new policy keeps the forecast's seasons)."""
+        for name, kept in old.scaled.items():
+            if name in self.scaled and name not in changed:
+                self.scaled[name] = kept
+            elif name in self.scaled and kept.primed:
+                fresh = self.scaled[name]
+                fresh.policy.prime(kept.policy.history())
+                fresh.primed = True
 
     @property
     def slow_step_s(self) -> float:

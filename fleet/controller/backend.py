@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class ReplicaWant:
     """One replica the controller wants running.
 
-    ``spec_hash`` identifies what it serves (`fleet.spec.serving_hash`): a backend labels the
+    ``spec_hash`` identifies what it serves (`fleet.spec.LoadedDeployment.serving_hash`): a backend labels the
     replica with it, and a restarted controller adopts a running replica only when it matches.
     ``base_dir`` is the directory of the deployment file (relative model paths).
     """

@@ -3,7 +3,7 @@
 Owns `Drainer`, a collaborator of `fleet.controller.reconcile.Controller` over its
 `fleet.controller.targets.FleetRecords`:
 
-- `drain_unhealthy` (called from the controller's `_scale` step): replicas holding a GPU or MIG
+- `drain_unhealthy` (the scale step, `fleet.controller.resize.Resizer`): replicas holding a GPU or MIG
   instance that the inventory reports unhealthy or quarantined, or that the backend reports
   ``sick``, are asked to drain; the scale step replaces them.
 - `drain_and_stop` (the controller's `_drain_and_stop` step): a DRAINING replica that served is
@@ -13,7 +13,7 @@ Owns `Drainer`, a collaborator of `fleet.controller.reconcile.Controller` over i
   backend is asked to stop or kill.
 
 The controller's inventory, facts and clock time are passed in; cancelling a replica's warm-up
-is the controller's (``cancel_warmup``).
+is `fleet.controller.health.HealthKeeper`'s (``cancel_warmup``).
 """
 
 from __future__ import annotations

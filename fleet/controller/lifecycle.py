@@ -66,7 +66,7 @@ class Replica:
     deployment: str
     revision: str
     created_at_s: float
-    spec_hash: str = ""                    # what it serves (`fleet.spec.serving_hash`); adoption checks it
+    spec_hash: str = ""                    # what it serves (`fleet.spec.LoadedDeployment.serving_hash`); adoption checks it
     # Facts, in the order they usually happen.
     placed_at_s: float | None = None
     assignment: str | None = None          # human-readable devices, e.g. "cpu:0" or "gpu:GPU-1a2b..."

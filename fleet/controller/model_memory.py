@@ -1,10 +1,13 @@
-"""The memory one replica of each deployment spec needs, for the controller's placement requests.
+"""The memory one replica of a deployment spec needs: the one place it is read, for the
+controller's placement requests, `fleet up`'s preflight and the `fleet` CLI.
 
-Owns `ModelMemory`: per serving spec (`fleet.spec.LoadedDeployment.serving_hash`) the
-`fleet.models.memory.MemoryNeed` of one replica, read once and kept, and `read_memory_need`, the
-reader it uses unless given another (`fleet.models.read.memory_need`; an ``hf://`` source is read
-from this machine's weight cache when `fleet cache pull` or the local backend put it there, else
-from the hub through `huggingface_hub`: ``config.json`` and the safetensors index alone). The
+Owns `read_memory_need` (`fleet.models.read.memory_need` of a deployment; an ``hf://`` source is
+read from this machine's weight cache when `fleet cache pull` or the local backend put it there,
+else from the hub through `huggingface_hub`: ``config.json`` and the safetensors index alone),
+`memory_need_or_reason` (the same, errors reported: `fleet.local.preflight`, `fleet.cli.models`,
+`fleet.cli.placement`), and `ModelMemory`: per serving spec
+(`fleet.spec.LoadedDeployment.serving_hash`) the `fleet.models.memory.MemoryNeed` of one
+replica, read once and kept, through `read_memory_need` unless given another reader. The
 controller (`fleet.controller.launch.Launcher.placement_request`) asks `ModelMemory.need`
 for every scale-up; placement then skips the products and MIG profiles that cannot hold the model
 and explains why (`fleet.placement.explain.memory_reason`), so a deployment whose model fits no
@@ -34,9 +37,8 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-
-from fleet.models.memory import MemoryNeed
+from fleet.models.memory import EngineArgError, MemoryNeed
+from fleet.models.read import ModelSourceError, memory_need
 from fleet.spec import LoadedDeployment
 
 log = logging.getLogger("fleet.controller")
@@ -53,26 +55,31 @@ Reader = Callable[[LoadedDeployment], "MemoryNeed | None"]
 """A deployment spec -> the memory one replica needs, or None (nothing to check). May raise."""
 
 
-def read_memory_need(ld: LoadedDeployment) -> MemoryNeed | None:
-    """The default `Reader`: `fleet.models.read.memory_need` of ``ld``, reading an ``hf://``
-    source from this machine's weight cache (`fleet.agent.cache.WeightCache.lookup`) when it holds
-    it, else from the hub. Blocking (files, network): `ModelMemory` runs it in a thread for
-    ``hf://`` sources. Raises ModelSourceError or EngineArgError."""
-    from fleet.models.read import memory_need
+def read_memory_need(ld: LoadedDeployment, *, hub: bool = True) -> MemoryNeed | None:
+    """The memory one replica of ``ld`` needs per GPU, the one reading of it that the controller
+    (the default `Reader`), `fleet up`'s preflight (`fleet.local.preflight`) and the `fleet` CLI
+    (`fleet validate`, `fleet plan`) share: `fleet.models.read.memory_need` of the deployment,
+    an ``hf://`` source read from this machine's weight cache when it holds it
+    (`fleet.agent.cache.cached_hub_dir`), else from the hub, or not at all with ``hub=False``
+    (None: weights not on this machine yet). None also for the engine simulator, a CPU replica
+    and sources Fleet does not read. Blocking (files, network): `ModelMemory` runs it in a thread
+    for ``hf://`` sources. Raises ModelSourceError or EngineArgError."""
+    from fleet.agent.cache import cached_hub_dir
 
-    return memory_need(ld.deployment, ld.base_dir, _weight_cache_dir(ld.deployment.spec.model.source))
-
-
-def _weight_cache_dir(source: str) -> Path | None:
-    if not source.startswith("hf://"):
+    source = ld.deployment.spec.model.source
+    cached = cached_hub_dir(source)
+    if cached is None and not hub and ld.deployment.spec.model.parsed_source.remote:
         return None
-    from fleet.agent.cache import WeightCache, default_cache_root
+    return memory_need(ld.deployment, ld.base_dir, cached)
 
+
+def memory_need_or_reason(ld: LoadedDeployment, *, hub: bool = True) -> tuple[MemoryNeed | None, str | None]:
+    """`read_memory_need` that reports instead of raising: (the need or None, why it is not known
+    when the model or its engine flags could not be read, else None)."""
     try:
-        root = default_cache_root()
-        return WeightCache(root).lookup(source) if root.is_dir() else None
-    except (OSError, ValueError):
-        return None
+        return read_memory_need(ld, hub=hub), None
+    except (ModelSourceError, EngineArgError) as err:
+        return None, str(err)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

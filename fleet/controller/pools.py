@@ -21,8 +21,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Protocol
 
+from fleet.agent.cache import cached_hub_dir
 from fleet.controller.lifecycle import Replica, ReplicaStatus
-from fleet.controller.model_memory import _weight_cache_dir
 from fleet.controller.targets import DeploymentRecord, FleetRecords
 from fleet.rollout.revisions import endpoint_weights, revision_label
 from fleet.sources import parse_source
@@ -47,7 +47,7 @@ def tokenizer_source(ld: LoadedDeployment) -> str | None:
     system."""
     source = ld.deployment.spec.model.source
     local = ld.deployment.spec.model.local_path(ld.base_dir)
-    directory = local if local is not None else _weight_cache_dir(source)
+    directory = local if local is not None else cached_hub_dir(source)
     if directory is not None and (Path(directory) / "tokenizer.json").is_file():
         return str(directory)
     if source.startswith("hf://"):

@@ -6,16 +6,19 @@ asked to run, warmed, admitted to the router, drained, stopped and replaced, ove
 keeps (`fleet.controller.targets.FleetRecords`: per deployment the persisted target and the
 bookkeeping around it, the replica records of `fleet.controller.lifecycle`), and `start`, which
 hands the previous controller's state to `fleet.controller.restart.Adoption`. Also owned here:
-its settings (`ControllerSettings`), the tick itself (`reconcile_once`, `run`, `shutdown`),
-observing the backend, health probes, warm-ups, the scale step, failures with backoff, and the
-snapshot it persists.
+its settings (`ControllerSettings`), the tick itself (`reconcile_once` and its steps, `run`,
+`shutdown`), failures with backoff (`_fail`), and the snapshot it persists.
 
 Collaborators (plain objects over the same records, each in its own module; none imports this
-one): `fleet.controller.launch.Launcher` (placement and launch), `fleet.controller.drain.Drainer`
+one): `fleet.controller.observe.FactRecorder` (the backend's facts into the records),
+`fleet.controller.health.HealthKeeper` (health probes and warm-ups),
+`fleet.controller.resize.Resizer` (the scale step: replicas created and drained toward the
+targets), `fleet.controller.launch.Launcher` (placement and launch), `fleet.controller.drain.Drainer`
 (replicas on sick devices drained, draining replicas stopped), `fleet.controller.pools.PoolPublisher`
-(the router's pools), `fleet.controller.report.TransitionReport` (status transitions for
-``on_event``, the history kept), `fleet.controller.preemption.Preemptor`,
-`fleet.controller.model_memory.ModelMemory` and the rollout driver below.
+(the router's pools), `fleet.controller.standby.StandbyKeeper` (sleeping standby replicas),
+`fleet.controller.report.TransitionReport` (status transitions for ``on_event``, the history
+kept), `fleet.controller.preemption.Preemptor`, `fleet.controller.model_memory.ModelMemory` and
+the rollout driver below.
 
 Every side effect goes through an injected wrapper: `Backend` (runs replicas: local processes,
 later pods; `fleet.controller.backend`), `EngineAPI` (engine HTTP), `PoolSink` (router admin API,
@@ -41,31 +44,31 @@ from __future__ import annotations
 import asyncio
 import time
 import logging
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from fleet.controller.backend import Backend, ReplicaFacts
 from fleet.controller.drain import Drainer
+from fleet.controller.health import HealthKeeper
 from fleet.controller.launch import Launcher
 from fleet.controller.lifecycle import Replica, ReplicaStatus
 from fleet.controller.model_memory import ModelMemory, Reader
+from fleet.controller.observe import FactRecorder
 from fleet.controller.pools import PoolPublisher, PoolSink
 from fleet.controller.preemption import Preemptor
 from fleet.controller.report import ReplicaEvent, TransitionReport
+from fleet.controller.resize import Resizer
 from fleet.controller.restart import Adoption
 from fleet.controller.rollouts import RolloutDriver
-from fleet.controller.scale import scale_step
 from fleet.controller.standby import StandbyKeeper
 from fleet.controller.targets import STATE_FORMAT, DeploymentRecord, FleetRecords
 from fleet.inventory import Inventory
-from fleet.placement import PlacementStrategy, ReplicaPlacement, get_strategy
+from fleet.placement import PlacementStrategy, get_strategy
 from fleet.placement.preemption import DEFAULT_HOLD_OFF_S
 from fleet.rollout.revisions import AnalysisSource
 from fleet.spec import LoadedDeployment
 from warmup.client import EngineAPI
-from warmup.run import WarmupResult, readiness_gate, run_warmup
 
 log = logging.getLogger("fleet.controller")
 
@@ -102,8 +105,10 @@ class Controller:
     `fleet.controller.rollouts.RolloutDriver`) and, once at `start`, the take-over from a previous
     controller (`fleet.controller.restart.Adoption`). ``memory_reader`` says what one replica of a
     spec needs per GPU (`fleet.controller.model_memory`; default: read from the model's files or
-    the hub), which every placement request carries once known. Three steps of the tick are a
-    collaborator's: placement and launch (``self.launcher``), drain and stop (``self.drainer``),
+    the hub), which every placement request carries once known. The tick's steps are the
+    collaborators' work: recording the backend's facts (``self.fact_recorder``), health probes and
+    warm-ups (``self.health``), the scale step (``self.resizer``), placement and launch
+    (``self.launcher``), drain and stop (``self.drainer``), standby replicas (``self.standby``),
     pool publishing (``self.pools``); transitions and history are ``self.report``'s."""
 
     def __init__(
@@ -137,25 +142,33 @@ class Controller:
         self.rollouts = RolloutDriver(self.records, clock, analysis_source,
                                       on_rollout_event or (lambda deployment, line: None))  # fmt: skip
         self.preemption = Preemptor(self.records, self.placer, self.settings.preemption_hold_off_s)
-        self._warmups: dict[str, asyncio.Task[WarmupResult]] = {}
         self._wake = asyncio.Event()
         self._waiting: dict[str, str] = {}          # replica id -> why it is still PENDING
-        self._last_probe_s: dict[str, float] = {}
         self._facts: dict[str, ReplicaFacts] = {}
         self.tick_count = 0
         self._tick_deadline = float("inf")
         # The memory a replica of each spec needs, for placement (read once; hf:// in a thread).
         self.model_memory = ModelMemory(clock, memory_reader, on_known=self.wake)
+        self.health = HealthKeeper(self.records, engine_api=engine_api, clock=clock,
+                                   health_timeout_s=self.settings.health_timeout_s,
+                                   ready_health_interval_s=self.settings.ready_health_interval_s,
+                                   unhealthy_threshold=self.settings.unhealthy_threshold, fail=self._fail,
+                                   wake=self.wake)  # fmt: skip
         self.launcher = Launcher(self.records, backend=backend, placer=self.placer, preemption=self.preemption,
                                  model_memory=self.model_memory, waiting=self._waiting, clock=clock,
                                  save=self._save, fail=self._fail)  # fmt: skip
         self.drainer = Drainer(self.records, backend=backend, pool_sink=pool_sink,
                                drain_timeout_s=self.settings.drain_timeout_s, stop_grace_s=self.settings.stop_grace_s,
-                               clock=clock, save=self._save, cancel_warmup=self._cancel_warmup)  # fmt: skip
+                               clock=clock, save=self._save, cancel_warmup=self.health.cancel_warmup)  # fmt: skip
+        self.fact_recorder = FactRecorder(self.records, backend=backend, log_tail_lines=self.settings.log_tail_lines,
+                                          fail=self._fail, cancel_warmup=self.health.cancel_warmup)  # fmt: skip
         self.pools = PoolPublisher(self.records, pool_sink)
         self.standby = StandbyKeeper(self.records, engine_api=engine_api, pool_sink=pool_sink, clock=clock,
                                      drain_timeout_s=self.settings.drain_timeout_s, save=self._save,
-                                     start_warmup=self._start_warmup, fail=self._fail, wake=self.wake)  # fmt: skip
+                                     start_warmup=self.health.start_warmup, fail=self._fail,
+                                     wake=self.wake)  # fmt: skip
+        self.resizer = Resizer(self.records, drainer=self.drainer, standby=self.standby, launcher=self.launcher,
+                               placer=self.placer)
         self.report = TransitionReport(self.records, self._waiting, self.settings.history_per_deployment)
 
     # ----- what the controller keeps ---------------------------------------------------------
@@ -197,8 +210,7 @@ class Controller:
     def abandon(self) -> None:
         """This controller is being dropped (the operator lost its Lease): cancel its warm-up
         tasks; replicas and records are left as they are for the next controller to adopt."""
-        for rid in list(self._warmups):
-            self._cancel_warmup(rid)
+        self.health.cancel_all()
         self.standby.cancel()
         self.model_memory.close()
 
@@ -346,7 +358,7 @@ class Controller:
         while not stop.is_set():
             try:
                 await self.reconcile_once()
-            except Exception:  # noqa: BLE001 - the loop survives its parts (STYLE.md 9)
+            except Exception:  # noqa: BLE001 - the loop survives its parts
                 log.exception("reconcile tick failed")
             if after_tick is not None:
                 try:
@@ -376,7 +388,7 @@ class Controller:
             await self.reconcile_once()
             await self._sleep(interval_s)
         await self.kill_all()
-        for task in self._warmups.values():
+        for task in self.health.warmups.values():
             task.cancel()
         await self.reconcile_once()
 
@@ -385,177 +397,22 @@ class Controller:
     async def _observe(self) -> None:
         now = self.clock()
         self.inventory = await self.backend.inventory()
-        self._facts = facts = await self.backend.observe()
-        for r in self.replicas.values():
-            f = facts.get(r.id)
-            if not r.engine_alive:
-                if f is not None and f.exited and r.exited_at_s is not None:
-                    await self.backend.forget(r.id)
-                continue
-            if f is None:
-                f = ReplicaFacts(r.id, r.deployment, r.spec_hash, r.node or "", exited=True,
-                                 exit_reason="the backend has no record of it")  # fmt: skip
-            r.node, r.endpoint, r.detail, r.kv_events = f.node, f.endpoint, dict(f.detail), f.kv_events
-            if f.image_present and r.image_ready_at_s is None:
-                r.image_ready_at_s = now
-            if f.weights_present and r.weights_ready_at_s is None:
-                r.weights_ready_at_s = now
-            if not f.exited:
-                continue
-            r.exited_at_s, r.exit_code = now, f.exit_code
-            self._cancel_warmup(r.id)
-            if r.stop_requested_at_s is not None:
-                continue
-            tail = await self.backend.log_tail(r.id, self.settings.log_tail_lines)
-            why = f.exit_reason or "engine exited"
-            if r.healthy_at_s is None:
-                self._fail(r, ReplicaStatus.FAILED_START, f"{why} before /health passed", tail)
-            else:
-                self._fail(r, ReplicaStatus.FAILED_CRASHED, why, tail)
-        for rid, f in facts.items():  # owned, unknown (a record lost or trimmed): stop it, or forget it once gone
-            if rid not in self.replicas:
-                if f.running:
-                    await self.backend.stop(rid)
-                elif f.exited:
-                    await self.backend.forget(rid)
+        self._facts = await self.backend.observe()
+        await self.fact_recorder.record(self._facts, now)
 
     async def _probe_health(self) -> None:
-        now = self.clock()
-        probes: list[Replica] = []
-        for r in self.replicas.values():
-            if not r.engine_alive or r.failure or r.stop_requested_at_s is not None or r.endpoint is None:
-                continue
-            status = r.status
-            if status is ReplicaStatus.STARTING:
-                timeout_s = self._dep(r).spec.engine.startup_timeout_seconds
-                since_s = max(r.launched_at_s, r.weights_ready_at_s or r.launched_at_s)
-                if now - since_s > timeout_s:
-                    self._fail(r, ReplicaStatus.FAILED_START, f"/health did not pass within {timeout_s:g} s of start")
-                    continue
-                probes.append(r)
-            elif status is ReplicaStatus.READY:
-                if now - self._last_probe_s.get(r.id, float("-inf")) >= self.settings.ready_health_interval_s:
-                    probes.append(r)
-        if not probes:
-            return
-        results = await asyncio.gather(
-            *(self.engine_api.health(r.endpoint, self.settings.health_timeout_s) for r in probes)
-        )
-        now = self.clock()
-        for r, ok in zip(probes, results):
-            self._last_probe_s[r.id] = now
-            if r.status is ReplicaStatus.STARTING:
-                if ok:
-                    r.healthy_at_s = now
-                    self._start_warmup(r)
-            elif ok:
-                r.consecutive_health_failures = 0
-            else:
-                r.consecutive_health_failures += 1
-                if r.consecutive_health_failures >= self.settings.unhealthy_threshold:
-                    self._fail(r, ReplicaStatus.FAILED_UNHEALTHY,
-                               f"/health failed {r.consecutive_health_failures} times in a row")
-
-    def _start_warmup(self, r: Replica) -> None:
-        dep = self._dep(r)
-        r.warmup_started_at_s = self.clock()
-        task = asyncio.get_running_loop().create_task(
-            run_warmup(self.engine_api, r.endpoint, dep.spec.model.name, dep.spec.warmup, self.clock),
-            name=f"warmup-{r.id}",
-        )
-        task.add_done_callback(lambda _: self.wake())  # a passed replica joins the pool without waiting a tick
-        self._warmups[r.id] = task
+        await self.health.probe()
 
     async def _collect_warmups(self) -> None:
-        now = self.clock()
-        for rid, task in list(self._warmups.items()):
-            if not task.done():
-                continue
-            del self._warmups[rid]
-            r = self.replicas[rid]
-            if task.cancelled() or r.status is not ReplicaStatus.WARMING:
-                continue
-            exc = task.exception()
-            result = task.result() if exc is None else WarmupResult(False, 0, reason=f"warm-up crashed: {exc!r}")
-            if readiness_gate(r.healthy_at_s is not None, result):
-                r.warmup_passed_at_s = now
-                self.deployments[r.deployment].failures_in_row = 0
-            else:
-                self._fail(r, ReplicaStatus.FAILED_WARMUP, result.reason or "warm-up failed")
+        await self.health.collect_warmups()
 
     async def _step_rollouts(self) -> None:
         if await self.rollouts.step():
             self._save()   # decided: persisted before the scale step acts on the new weights
 
     async def _scale(self) -> None:
-        now = self.clock()
-        changed = self.drainer.drain_unhealthy(now, self.inventory, self._facts)
-        for r in self.replicas.values():  # stopping, or deployments no longer declared: everything goes
-            if ((self.stopping or r.deployment not in self.deployments)
-                    and (r.status.counts_toward_desired() or r.status.standby())):
-                r.drain_requested_at_s, changed = now, True
-        order = list(ReplicaStatus)
-        created = {rid: i for i, rid in enumerate(self.replicas)}  # insertion = creation order
-        for name, ds in self.deployments.items():
-            if self.stopping:
-                break
-            active = [r for r in self.records.of_deployment(name)
-                      if r.status.counts_toward_desired() and not r.standby_refill]
-            targets = ds.revs.targets(ds.desired)
-            for h, want in targets.items():
-                step = scale_step([r for r in active if r.spec_hash == h], want, lambda r: created[r.id],
-                                  self._drain_preference)
-                if step.create or step.drain:
-                    step = self.standby.shape(ds, h, step, now)
-                    changed = True
-                if step.create and now >= ds.next_create_at_s:
-                    for _ in range(step.create):
-                        self._create_replica(ds, h, now)
-                    changed = True
-                for r in step.drain:   # the least advanced first, the newest first among equals
-                    r.drain_requested_at_s = now
-                    changed = True
-            # Older revisions serve until the current ones have the READY replicas to replace them
-            # (a rolled-back one goes at once); the least advanced go first.
-            older = [r for r in active if r.spec_hash not in targets]
-            current = [r for r in active if r.spec_hash in targets]
-            if ds.loaded.deployment.spec.rollout.surge:
-                current = [r for r in current if r.status is ReplicaStatus.READY]
-            keep = max(0, ds.desired - len(current))   # without surge, older replicas make room at once
-            by_value = sorted(older, key=lambda r: (r.spec_hash in ds.revs.rolled_back, -order.index(r.status),
-                                                    created[r.id]))  # fmt: skip
-            for i, r in enumerate(by_value):
-                if i >= keep or r.spec_hash in ds.revs.rolled_back:
-                    r.drain_requested_at_s = now
-                    changed = True
-            refill = self.standby.refill_and_trim(ds, set(targets), ds.revs.stable, now)
-            if refill and now >= ds.next_create_at_s:
-                for _ in range(refill):
-                    self._create_replica(ds, ds.revs.stable, now).standby_refill = True
-                changed = True
-        if changed:
+        if self.resizer.step(self.clock(), self.inventory, self._facts):
             self._save()  # decided: persisted before anything acts on it
-
-    def _drain_preference(self, equals: list[Replica], n: int) -> list[Replica]:
-        """Which ``n`` of ``equals`` (replicas of one revision and status, newest first) to drain:
-        the placer's choice (`PlacementStrategy.drain_order`: ``fleet`` frees NVLink domains
-        whole) when each holds a placement, else the newest."""
-        if any(r.placement is None for r in equals):
-            return equals[:n]
-        oldest_first = equals[::-1]
-        placements = [ReplicaPlacement.from_dict(r.placement) for r in oldest_first]
-        in_use = Counter(d for a in self.launcher.holding().values() for d in a.devices)
-        in_use.update(d for p in placements for d in p.devices if not in_use[d])
-        return [oldest_first[i] for i in self.placer.drain_order(placements, n, self.inventory, in_use)]
-
-    def _create_replica(self, ds: DeploymentRecord, spec_hash: str, now: float) -> Replica:
-        ld = ds.revs.specs[spec_hash]
-        dep = ld.deployment
-        rid = f"{dep.name}-{ds.next_index}"
-        ds.next_index += 1
-        r = self.replicas[rid] = Replica(id=rid, deployment=dep.name, revision=dep.spec.model.revision,
-                                         created_at_s=now, spec_hash=spec_hash)  # fmt: skip
-        return r
 
     def next_replica_warm(self, deployment: str) -> bool:
         """Whether one more replica of ``deployment``'s serving spec, placed now, would start warm:
@@ -581,16 +438,12 @@ class Controller:
 
     # ----- helpers ------------------------------------------------------------------------
 
-    def _dep(self, r: Replica):
-        ds = self.deployments[r.deployment]
-        return ds.revs.specs.get(r.spec_hash, ds.loaded).deployment
-
     def _fail(self, r: Replica, status: ReplicaStatus, reason: str, log_tail: list[str] | None = None) -> None:
         if r.failure is not None:
             return
         now = self.clock()
         r.fail(status, reason, now, log_tail or [])
-        self._cancel_warmup(r.id)
+        self.health.cancel_warmup(r.id)
         ds = self.deployments.get(r.deployment)
         if ds is None:
             return
@@ -599,11 +452,6 @@ class Controller:
         delay_s = min(self.settings.backoff_base_s * 2 ** (ds.failures_in_row - 1), self.settings.backoff_max_s)
         ds.next_create_at_s = now + delay_s
         log.warning("replica %s %s: %s (replacement in %.0f s)", r.id, status.value, reason, delay_s)
-
-    def _cancel_warmup(self, rid: str) -> None:
-        task = self._warmups.pop(rid, None)
-        if task is not None:
-            task.cancel()
 
     def _emit_transitions(self) -> None:
         for event in self.report.transitions(self.clock()):

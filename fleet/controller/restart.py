@@ -1,7 +1,7 @@
 """The controller's start: read the previous controller's state back and adopt what still runs.
 
 Owns `Adoption`, a collaborator of `fleet.controller.reconcile.Controller` that takes over from
-the controller that wrote the last snapshot (`fleet.controller.targets.FleetRecords.snapshot`,
+the controller that wrote the last snapshot (`fleet.controller.reconcile.Controller.snapshot`,
 format `STATE_FORMAT`): targets restored, replicas still running with today's serving hash
 adopted without a restart, the rest marked exited, drained or stopped (`take_over` says which).
 It works on the controller's `FleetRecords` and its `Backend`; the controller calls it once from

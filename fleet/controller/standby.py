@@ -16,7 +16,7 @@ revision's replicas in STANDBY (`fleet.controller.lifecycle.ReplicaStatus.STANDB
   STANDBY; a STANDBY replica still awake gets ``POST /sleep?level=1`` once the router reports no
   request in flight on it (or the drain timeout passed: vLLM aborts what is left); a woken one
   gets ``POST /wake_up`` in a task (answered once the weights are back), then its warm-up runs
-  (the controller's ``start_warmup``); a failed call fails the replica with the engine's reason.
+  (`fleet.controller.health.HealthKeeper.start_warmup`); a failed call fails the replica with the engine's reason.
 
 Everything it decides is a fact on the replica record (``slept_at_s``, ``sleep_sent_at_s``,
 ``woke_at_s``), so a restarted controller carries on: a ``/sleep`` or ``/wake_up`` sent twice is

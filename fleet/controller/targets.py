@@ -11,9 +11,9 @@ rollout driver (`fleet.controller.rollouts`) share. Pure data; no I/O.
 
 A new target is persisted before anything acts on it (Ray Serve keeps its
 ``DeploymentTargetState`` apart from its bookkeeping the same way): the controller writes the
-whole snapshot (`FleetRecords.snapshot`, format `STATE_FORMAT`) after deciding and before asking
-the backend to start or stop anything, and a restarted controller reads the targets back first
-(`DeploymentRecord.restore`).
+whole snapshot (`fleet.controller.reconcile.Controller.snapshot`, format `STATE_FORMAT`) after
+deciding and before asking the backend to start or stop anything, and a restarted controller
+reads the targets back first (`DeploymentRecord.restore`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from fleet.spec import LoadedDeployment
 from router.pools.spec import PoolSpec
 
 STATE_FORMAT = 2
-"""Version of the snapshot layout (`FleetRecords.snapshot`); a snapshot of another version is not read back."""
+"""Version of the snapshot layout (`fleet.controller.reconcile.Controller.snapshot`); a snapshot of
+another version is not read back."""
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Owns `CudaVersion` (major, minor), `parse_cuda_version` (``"12.8"``, ``12080`` as
 ``cudaDriverGetVersion`` / ``nvmlSystemGetCudaDriverVersion`` return it, ``(12, 8)``) and
 `image_cuda`, the CUDA toolkit an engine container image was built with, or None when Fleet
-does not know it. Called by the spec (`fleet.spec.EngineSpec.cuda_need`), the inventory sources
+does not know it. Called by the spec (`fleet.engines.spec.EngineSpec.cuda`), the inventory sources
 (`fleet.inventory.nvml`, `fleet.inventory.gfd`, `fleet.inventory.file`) and placement
 (`fleet.placement.compat`). Pure.
 

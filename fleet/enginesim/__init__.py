@@ -17,6 +17,9 @@ Layers, each importing only the ones above it:
 - `fleet.enginesim.metrics`: vLLM's metric names, labels and buckets over prometheus-client.
 - `fleet.enginesim.faults`: fault switches for reliability tests.
 - `fleet.enginesim.kvpublish`: KV cache events on vLLM's wire (``--kv-events-config``, PUB and replay sockets).
-- `fleet.enginesim.server`: the asyncio/aiohttp shell serving many replicas per process.
+- `fleet.enginesim.api`: vLLM's request checks and error documents.
+- `fleet.enginesim.responses`: vLLM's response documents and SSE streams.
+- `fleet.enginesim.server`: `SimReplica`, the asyncio/aiohttp shell of one replica.
+- `fleet.enginesim.runner`: the process: options, ports, many replicas until a signal.
 - `fleet.enginesim.__main__`: the vLLM-compatible single-replica command line (`engine.kind: sim`).
 """

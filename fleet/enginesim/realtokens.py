@@ -1,7 +1,7 @@
 """Tokens of the engine SIMULATOR with a model's real tokenizer (``--tokenizer DIR``).
 
 Owns `RealTokens`: prompts become the token ids vLLM computes for them, through the very code the
-router matches KV events with (`router.kv.tokenize.PromptTokenizer`: tokenizer.json with
+router matches KV events with (`router.kv.prompt_tokenizer.PromptTokenizer`: tokenizer.json with
 ``add_special_tokens`` true for completions, the chat template rendered as transformers does and
 tokenized without special tokens for chat), so a simulated engine and the router name the same
 blocks. Output tokens are words of the tokenizer's own vocabulary that are one token each and
@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleet.enginesim.tokens import PromptError
-from router.kv.tokenize import ChatTemplateError, PromptTokenizer, UnsupportedPrompt
+from router.kv.chat_template import ChatTemplateError, UnsupportedPrompt
+from router.kv.prompt_tokenizer import PromptTokenizer
 
 MAX_OUTPUT_WORDS = 4096
 """Vocabulary entries kept as output words (the first ones found, in id order)."""

@@ -1,24 +1,32 @@
 """Starting a process of SIMULATED engine replicas: options, ports, start-up lines, exit code.
 
 Owns `SimEngineOptions` (everything `fleet sim-engine` and ``python -m fleet.enginesim`` accept),
-`resolve_profile` (``--profile`` or a ``sim://NAME`` model source), and `run` (bind every port,
-print one line per replica, write the ports file, serve until a signal). Called by `fleet.cli`
-and `fleet.enginesim.__main__`.
+`resolve_profile` (``--profile`` or a ``sim://NAME`` model source), `run` (bind every port,
+print one line per replica, write the ports file, serve until a signal), and the process around
+the replicas: `bind_socket`, `serve_replicas` (start every `SimReplica`, run until SIGINT/SIGTERM
+or until every replica has died of a fault) and `write_ports_file`. Called by `fleet.cli` and
+`fleet.enginesim.__main__`; tests bind sockets with `bind_socket`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleet.enginesim.faults import FaultPlan
 from fleet.enginesim.kvpublish import KvEventsConfig
 from fleet.enginesim.profiles import DEFAULT_PROFILE, Profile, get_profile
 from fleet.enginesim.realtokens import RealTokens
 from fleet.enginesim.sleep import wake_time_s
-from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket, serve_replicas, write_ports_file
+from fleet.enginesim.server import ReplicaSettings, SimReplica
 
 SIM_SCHEME = "sim://"
 
@@ -93,7 +101,7 @@ class SimEngineOptions:
 
 def _real_tokens(directory: str) -> RealTokens:
     """The real tokenizer in ``directory``, loaded once for every replica. Raises OptionsError."""
-    from router.kv.tokenize import TokenizerError, load_tokenizer
+    from router.kv.tokenizer_files import TokenizerError, load_tokenizer
 
     try:
         return RealTokens(load_tokenizer(directory))
@@ -151,3 +159,75 @@ def run(options: SimEngineOptions, out: Callable[[str], None] = print) -> int:
         sys.stdout.flush()
 
     return asyncio.run(serve_replicas(settings, sockets, host=options.host, on_ready=on_ready))
+
+
+# ----- many replicas in one process ------------------------------------------------------
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0 = a free port), not listening yet. Raises OSError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_replicas(
+    settings: list[ReplicaSettings],
+    sockets: list[socket.socket],
+    *,
+    host: str,
+    on_ready: Callable[[list[SimReplica]], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Serve one replica per (settings, bound socket) until SIGINT/SIGTERM (or ``stop``).
+
+    Returns the process exit code: 0 after a signal, 1 when every replica died of a fault.
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    dead: set[int] = set()
+
+    def on_dead(replica: SimReplica, reason: str) -> None:
+        dead.add(replica.index)
+        print(f"replica {replica.index} http://{host}:{replica.port} {replica.state}: {reason}", flush=True)
+        if len(dead) == len(replicas):
+            stop.set()
+
+    replicas = [SimReplica(s, index=i, on_dead=on_dead) for i, s in enumerate(settings)]
+    starts = [asyncio.create_task(r.start(sock)) for r, sock in zip(replicas, sockets)]
+    try:
+        await asyncio.gather(*starts)
+        if on_ready is not None:
+            on_ready(replicas)
+        await stop.wait()
+    finally:
+        for t in starts:
+            t.cancel()
+        await asyncio.gather(*(r.close() for r in replicas), return_exceptions=True)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+    return 1 if replicas and len(dead) == len(replicas) else 0
+
+
+def write_ports_file(path: str, host: str, ports: list[int], kv_events: list[KvEventsConfig] | None = None) -> None:
+    """Write ``{"ports": [...], "urls": [...], "pid": ...}`` atomically (for scripts and tests);
+    with ``kv_events`` (one config per replica) also ``"kv_events": [{"endpoint", "replay_endpoint",
+    "topic"}, ...]`` as configured."""
+    doc: dict[str, Any] = {"pid": os.getpid(), "simulator": True, "ports": ports,
+                           "urls": [f"http://{host}:{port}" for port in ports]}  # fmt: skip
+    if kv_events is not None:
+        doc["kv_events"] = [{"endpoint": k.endpoint, "replay_endpoint": k.replay_endpoint, "topic": k.topic}
+                            for k in kv_events]  # fmt: skip
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)

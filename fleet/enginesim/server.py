@@ -1,10 +1,11 @@
 """The HTTP shell of the engine SIMULATOR: many simulated vLLM replicas in one asyncio process.
 
-Owns `SimReplica` (one replica: an aiohttp application on its own port, a task that advances
-its `EngineModel` on real time, request handlers) and `serve_replicas` (bind every port, start
-every replica, run until SIGINT/SIGTERM or until every replica has died of a fault). Called by
-the `fleet sim-engine` command and by ``python -m fleet.enginesim`` (`engine.kind: sim`); tests run
-`SimReplica` in-process.
+Owns `ReplicaSettings` and `SimReplica` (one replica: an aiohttp application on its own port, a
+task that advances its `EngineModel` on real time, the request handlers, sleep and wake, fault
+switches). The request checks and error documents are `fleet.enginesim.api`, the response
+documents and SSE streams `fleet.enginesim.responses`. `fleet.enginesim.runner` serves many
+replicas in one process (the `fleet sim-engine` command and ``python -m fleet.enginesim``,
+`engine.kind: sim`); tests run `SimReplica` in-process.
 
 The surface is vLLM's OpenAI server (0.32): ``POST /v1/completions`` and
 ``/v1/chat/completions`` (JSON, or SSE with ``stream``; ``stream_options.include_usage``;
@@ -31,8 +32,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import signal
 import socket
 import time
 import uuid
@@ -44,12 +43,14 @@ from typing import Any
 from aiohttp import web
 
 from fleet.enginesim import tokens
+from fleet.enginesim.api import ApiError, http_errors_as_json, output_limits, read_body
 from fleet.enginesim.faults import FaultPlan
 from fleet.enginesim.kvpublish import KvEventPublisher, KvEventsConfig
 from fleet.enginesim.metrics import ReplicaMetrics
-from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
+from fleet.enginesim.model import EngineModel, StepResult
 from fleet.enginesim.profiles import Profile
 from fleet.enginesim.realtokens import RealTokens
+from fleet.enginesim.responses import LiveRequest, ResponseWriter
 from fleet.enginesim.sleep import SleepState, parse_level
 from router.kv.events import EventBatch
 
@@ -96,48 +97,6 @@ class ReplicaSettings:
     prompt_tokens_details: bool = False
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def response(self, kind: str | None = None) -> web.Response:
-        """vLLM's error document (`ErrorResponse`: `{"error": {"message", "type", "param", "code"}}`,
-        `code` the numeric status); `kind` overrides the `type` derived from the status."""
-        kind = kind or {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
-        return web.json_response(
-            {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}},
-            status=self.status,
-        )
-
-
-@web.middleware
-async def http_errors_as_json(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """aiohttp's own errors (a body over `client_max_size`: 413; unknown path 404; 405) in vLLM's
-    JSON shape, as vLLM's `http_exception_handler` answers FastAPI's: `type` the status' phrase,
-    `code` the status (aiohttp's are `text/plain`)."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
-        return ApiError(exc.status, message or exc.reason).response(HTTPStatus(exc.status).phrase)
-
-
-@dataclass(eq=False)
-class _Live:
-    """A request being served: what the handler waits on."""
-
-    request_id: str
-    api_id: str                       # what clients see, random like vLLM's
-    output_ids: list[int]
-    max_tokens: int
-    arrival_s: float
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    last_token_s: float = 0.0
-
-
 class SimReplica:
     """One simulated replica. ``await start(sock)`` serves on a bound socket; ``await close()``.
 
@@ -162,9 +121,12 @@ class SimReplica:
                                  kv_events=self.kv_publisher is not None)  # fmt: skip
         self.metrics = ReplicaMetrics(settings.served_model_name, settings.profile.config.max_model_len,
                                       settings.profile.name)  # fmt: skip
+        token_text = settings.tokens.token_text if settings.tokens is not None else tokens.token_text
+        self.responses = ResponseWriter(settings.served_model_name, f"fleet-sim-{settings.profile.name}",
+                                        token_text, settings.prompt_tokens_details)  # fmt: skip
         self._clock = clock
         self._on_dead = on_dead
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._wake = asyncio.Event()
         self._cache_resets = 0   # prefix cache resets so far (`_sleep`): a step's events from before one are void
         self._running = asyncio.Event()   # cleared while the stall fault holds the engine
@@ -348,34 +310,9 @@ class SimReplica:
 
     # ----- requests -------------------------------------------------------------------
 
-    def _admit(self, prompt_ids: list[int], body: dict[str, Any], default_max_tokens: int | None) -> _Live:
+    def _admit(self, prompt_ids: list[int], body: dict[str, Any], default_max_tokens: int | None) -> LiveRequest:
         cfg = self.profile.config
-        if not prompt_ids:
-            raise ApiError(400, "The prompt is empty; send at least one token.", "prompt")
-        if len(prompt_ids) >= cfg.max_model_len:
-            raise ApiError(400, (
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, your request has "
-                f"{len(prompt_ids)} input tokens. Please reduce the length of the input messages."), "input_tokens")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
-        if max_tokens is None:
-            max_tokens = cfg.max_model_len - len(prompt_ids)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
-        if max_tokens > cfg.max_model_len:
-            raise ApiError(400, (
-                f"max_tokens={max_tokens} cannot be greater than max_model_len={cfg.max_model_len}. "
-                f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})"), "max_tokens")
-        if len(prompt_ids) + max_tokens > cfg.max_model_len:
-            raise ApiError(400, (
-                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                f"context length is {cfg.max_model_len} tokens and your request has {len(prompt_ids)} input "
-                f"tokens ({max_tokens} > {cfg.max_model_len} - {len(prompt_ids)})."), "max_tokens")
-        n = body.get("n", 1)
-        if n != 1:
-            raise ApiError(400, "the simulator supports n=1 only", "n")
-        min_tokens = body.get("min_tokens", 0) or 0
-        if not isinstance(min_tokens, int) or min_tokens < 0 or min_tokens > max_tokens:
-            raise ApiError(400, f"min_tokens must be an integer in 0..max_tokens, got {min_tokens!r}", "min_tokens")
+        max_tokens, min_tokens = output_limits(prompt_ids, body, cfg.max_model_len, default_max_tokens)
         seed = body.get("seed")
         seed = self.settings.seed if not isinstance(seed, int) else seed
         out_len, reason = max_tokens, "length"
@@ -394,25 +331,12 @@ class SimReplica:
                                    finish_reason=reason)  # fmt: skip
         except ValueError as err:
             raise ApiError(400, str(err)) from None
-        live = _Live(rid, uuid.uuid4().hex[:16], output_ids, max_tokens, now_s)
+        live = LiveRequest(rid, uuid.uuid4().hex[:16], output_ids, max_tokens, now_s)
         self._live[rid] = live
         self.metrics.request_received(max_tokens, 1)
         self.metrics.gauges(self.model.stats())
         self._wake.set()
         return live
-
-    async def _read_body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise ApiError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.settings.served_model_name:
-            raise ApiError(404, (f"The model `{model}` does not exist. Valid aliases: "
-                                 f"{self.settings.served_model_name}."), "model")  # fmt: skip
-        return body
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -424,13 +348,13 @@ class SimReplica:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
-        live: _Live | None = None
+        live: LiveRequest | None = None
         try:
             if self.sleep.asleep:
                 return ApiError(503, "The model is sleeping (vLLM sleep mode); POST /wake_up wakes it.").response(
                     HTTPStatus.SERVICE_UNAVAILABLE.phrase)
             try:
-                body = await self._read_body(request)
+                body = await read_body(request, self.settings.served_model_name)
                 real = self.settings.tokens
                 if chat:
                     prompt_ids = real.encode_chat(body) if real else tokens.encode_chat(body.get("messages"))
@@ -448,9 +372,9 @@ class SimReplica:
                 return err.response()
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                response = await self._stream(request, live, len(prompt_ids), chat, include_usage)
+                response = await self.responses.stream(request, live, len(prompt_ids), chat, include_usage)
             else:
-                response = await self._whole(live, len(prompt_ids), chat)
+                response = await self.responses.whole(live, len(prompt_ids), chat)
                 await response.prepare(request)
                 await response.write_eof()
             self._answered()
@@ -472,108 +396,6 @@ class SimReplica:
             # A moment after the answer is written, so the N-th response reaches its client.
             asyncio.get_running_loop().call_later(0.01, self.crash, f"fault switch: crash after {limit} request(s)")
 
-    def _head(self, live: _Live, chat: bool) -> dict[str, Any]:
-        return {
-            "id": ("chatcmpl-" if chat else "cmpl-") + live.api_id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.settings.served_model_name,
-        }
-
-    def _token_text(self, token: int) -> str:
-        real = self.settings.tokens
-        return real.token_text(token) if real is not None else tokens.token_text(token)
-
-    def _fingerprint(self) -> str:
-        return f"fleet-sim-{self.profile.name}"
-
-    def _usage(self, prompt_tokens: int, fr: FinishedRequest) -> dict[str, Any]:
-        """OpenAI's usage object as vLLM fills it (`UsageInfo`, vllm/entrypoints/openai/protocol.py);
-        ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``."""
-        completion_tokens = fr.num_output_tokens
-        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                                 "completion_tokens": completion_tokens}  # fmt: skip
-        if self.settings.prompt_tokens_details:
-            usage["prompt_tokens_details"] = {"cached_tokens": fr.num_cached_prompt_tokens}
-        return usage
-
-    async def _whole(self, live: _Live, prompt_tokens: int, chat: bool) -> web.Response:
-        while True:
-            kind, payload = await live.events.get()
-            if kind == "error":
-                return ApiError(500, payload).response()
-            if kind == "done":
-                fr: FinishedRequest = payload
-                break
-        text = "".join(self._token_text(t) for t in live.output_ids[:fr.num_output_tokens])
-        doc = self._head(live, chat)
-        if chat:
-            doc["object"] = "chat.completion"
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "logprobs": None, "finish_reason": fr.finish_reason, "stop_reason": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr.finish_reason,
-                      "stop_reason": None}
-        doc.update(choices=[choice], system_fingerprint=self._fingerprint(),
-                   usage=self._usage(prompt_tokens, fr))
-        return web.json_response(doc)
-
-    async def _stream(self, request: web.Request, live: _Live, prompt_tokens: int, chat: bool,
-                      include_usage: bool) -> web.StreamResponse:  # fmt: skip
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        head = self._head(live, chat)
-
-        async def send(doc: dict[str, Any]) -> None:
-            await resp.write(b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n")
-
-        # vLLM sends a chat stream's role chunk with its first output, not at once
-        # (chat_completion_stream_generator, vLLM 0.32's vllm/entrypoints/openai/chat_completion/serving.py): an engine that
-        # stalls before the first token sends nothing but the response head.
-        role_sent = not chat
-        emitted = 0
-        while True:
-            kind, payload = await live.events.get()
-            if not role_sent and kind != "error":
-                role_sent = True
-                await send({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]})  # fmt: skip
-            if kind == "token":
-                # The last token is sent with the finish reason, as vLLM does.
-                if payload + 1 >= len(live.output_ids):
-                    continue
-                emitted = payload + 1
-                text = self._token_text(live.output_ids[payload])
-                await send(self._chunk(head, chat, text, None))
-                continue
-            if kind == "error":
-                await send({"error": {"message": payload, "type": "InternalServerError", "param": None, "code": 500}})
-                await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
-                return resp
-            fr: FinishedRequest = payload
-            break
-        if fr.num_output_tokens > emitted:
-            text = "".join(self._token_text(t) for t in live.output_ids[emitted:fr.num_output_tokens])
-            await send(self._chunk(head, chat, text, fr.finish_reason))
-        else:
-            await send(self._chunk(head, chat, "", fr.finish_reason))
-        if include_usage:
-            await send({**head, "choices": [], "usage": self._usage(prompt_tokens, fr),
-                        "system_fingerprint": self._fingerprint()})  # fmt: skip
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    @staticmethod
-    def _chunk(head: dict[str, Any], chat: bool, text: str, finish_reason: str | None) -> dict[str, Any]:
-        if chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if finish_reason is not None:
-            choice["stop_reason"] = None
-        return {**head, "choices": [choice]}
 
     # ----- other routes -----------------------------------------------------------------
 
@@ -668,74 +490,3 @@ class SimReplica:
     async def _is_sleeping(self, request: web.Request) -> web.Response:
         return web.json_response({"is_sleeping": self.sleep.asleep})
 
-
-# ----- many replicas in one process ------------------------------------------------------
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (0 = a free port), not listening yet. Raises OSError."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
-
-
-async def serve_replicas(
-    settings: list[ReplicaSettings],
-    sockets: list[socket.socket],
-    *,
-    host: str,
-    on_ready: Callable[[list[SimReplica]], None] | None = None,
-    stop: asyncio.Event | None = None,
-) -> int:
-    """Serve one replica per (settings, bound socket) until SIGINT/SIGTERM (or ``stop``).
-
-    Returns the process exit code: 0 after a signal, 1 when every replica died of a fault.
-    """
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    dead: set[int] = set()
-
-    def on_dead(replica: SimReplica, reason: str) -> None:
-        dead.add(replica.index)
-        print(f"replica {replica.index} http://{host}:{replica.port} {replica.state}: {reason}", flush=True)
-        if len(dead) == len(replicas):
-            stop.set()
-
-    replicas = [SimReplica(s, index=i, on_dead=on_dead) for i, s in enumerate(settings)]
-    starts = [asyncio.create_task(r.start(sock)) for r, sock in zip(replicas, sockets)]
-    try:
-        await asyncio.gather(*starts)
-        if on_ready is not None:
-            on_ready(replicas)
-        await stop.wait()
-    finally:
-        for t in starts:
-            t.cancel()
-        await asyncio.gather(*(r.close() for r in replicas), return_exceptions=True)
-        for sock in sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
-    return 1 if replicas and len(dead) == len(replicas) else 0
-
-
-def write_ports_file(path: str, host: str, ports: list[int], kv_events: list[KvEventsConfig] | None = None) -> None:
-    """Write ``{"ports": [...], "urls": [...], "pid": ...}`` atomically (for scripts and tests);
-    with ``kv_events`` (one config per replica) also ``"kv_events": [{"endpoint", "replay_endpoint",
-    "topic"}, ...]`` as configured."""
-    doc: dict[str, Any] = {"pid": os.getpid(), "simulator": True, "ports": ports,
-                           "urls": [f"http://{host}:{port}" for port in ports]}  # fmt: skip
-    if kv_events is not None:
-        doc["kv_events"] = [{"endpoint": k.endpoint, "replay_endpoint": k.replay_endpoint, "topic": k.topic}
-                            for k in kv_events]  # fmt: skip
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)

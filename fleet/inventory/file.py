@@ -30,12 +30,11 @@ from fleet.engines.cuda import format_cuda, parse_cuda_version
 from fleet.inventory.mig import MigSlot, check_geometry, fit_geometry, mig_model_for
 from fleet.inventory.model import CLOCK_EVENT_BITS, Gpu, GpuHealth, Inventory, MigInstance, NodeInventory, clock_event_names
 from fleet.spec import format_errors
+from fleet.base.names import MIG_PROFILE
 from fleet.base.spec import FieldError, SpecModel
 
 API_VERSION = "fleet.inference.dev/v1alpha1"
 KIND = "Inventory"
-# NVIDIA MIG profile names, e.g. 1g.10gb, 3g.40gb, 1g.10gb+me (MIG user guide, "Supported profiles").
-_MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb(\+me)?$")
 # Kubernetes node names are DNS-1123 subdomains.
 _DRIVER_VERSION = re.compile(r"^\d+(\.\d+){1,2}$")
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -77,7 +76,7 @@ class MigInstanceSpec(SpecModel):
     @field_validator("profile")
     @classmethod
     def _mig_name(cls, v: str) -> str:
-        if not _MIG_PROFILE.match(v):
+        if not MIG_PROFILE.match(v):
             raise ValueError(f"{v!r} is not a MIG profile name such as 1g.10gb or 3g.40gb")
         return v
 

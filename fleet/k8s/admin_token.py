@@ -2,7 +2,7 @@
 
 Owns `AdminTokenSource` (where the operator takes the token from, read from its environment) and
 `ensure_admin_token` (get the Secret; create it with a random token when it is the operator's own
-and missing; read the token out of it). Called once by `fleet.k8s.operator.run_operator` at start.
+and missing; read the token out of it). Called once by `fleet.k8s.operator_process.run_operator` at start.
 
 Why the operator and not the chart makes the Secret: a chart that renders a random token
 (`randAlphaNum`, with `lookup` to keep it) renders a different one on every `helm template`,

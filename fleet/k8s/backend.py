@@ -57,8 +57,10 @@ from fleet.inventory.gfd import LabelKeys, image_aliases, node_from_k8s, node_im
 from fleet.inventory.gpu_health import ANNOTATION as GPU_HEALTH, GpuHealthFacts, QuarantinedGpu, parse_gpu_health
 from fleet.k8s.client import EVENTS, NODES, PODS, ApiError, Conflict, Kube
 from fleet.k8s.prepull import Pull, PrePuller, PrePullPolicy, is_pull_pod
+from fleet.k8s.pod_facts import group_facts
+from fleet.k8s.pod_settings import EnginePodSettings
 from fleet.k8s.pods import ANNOTATION_PLACEMENT, LABEL_DEPLOYMENT, LABEL_FLEET, LABEL_MANAGED_BY, LABEL_REPLICA, \
-    MANAGED_BY, EnginePodSettings, group_facts, label_value, pod_group  # fmt: skip
+    MANAGED_BY, label_value, pod_group  # fmt: skip
 
 log = logging.getLogger("fleet.k8s.backend")
 

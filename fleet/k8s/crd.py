@@ -56,7 +56,7 @@ _STATUS_SCHEMA: dict[str, Any] = {
                                     "FAILED_*)."},
         "revisions": {"type": "object", "additionalProperties": {"type": "integer"},
                       "description": "Live replicas by spec.model.revision."},
-        "servingHash": {"type": "string", "description": "What the current replicas serve (fleet.spec.serving_hash)."},
+        "servingHash": {"type": "string", "description": "What the current replicas serve (fleet.spec.LoadedDeployment.serving_hash)."},
         "nextIndex": {"type": "integer", "description": "Index of the next replica id (<name>-<index>)."},
         "preemptions": {
             "type": "array",
@@ -147,14 +147,14 @@ def _registry_enums(spec: dict[str, Any]) -> None:
     ``kubectl apply``); the MIG profile gets its pattern."""
     from autoscaler.policy import policy_names as autoscaling_policies
     from fleet.engines.kinds import engine_kinds
-    from fleet.spec import _MIG_PROFILE
+    from fleet.base.names import MIG_PROFILE
     from router.pools.policies import policy_names as routing_policies
 
     props = spec["properties"]
     props["engine"]["properties"]["kind"]["enum"] = engine_kinds()
     props["routing"]["properties"]["policy"]["enum"] = sorted(routing_policies())
     props["autoscaling"]["properties"]["policy"]["enum"] = sorted(autoscaling_policies())
-    props["resources"]["properties"]["migProfile"]["pattern"] = _MIG_PROFILE.pattern
+    props["resources"]["properties"]["migProfile"]["pattern"] = MIG_PROFILE.pattern
 
 
 def spec_schema() -> dict[str, Any]:

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.base.names import MIG_PROFILE_IN_TEXT
 from fleet.inventory.gfd import LabelKeys, format_nvlink_domains
 from fleet.inventory.gpu_health import ANNOTATION as GPU_HEALTH_ANNOTATION
 from fleet.inventory.gpu_health import GpuHealthFacts, QuarantinedGpu, gpu_health_value, parse_gpu_health
@@ -62,7 +63,6 @@ _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 __all__ = ["CACHED_ANNOTATION", "CUDA_DRIVER_VERSION_LABEL", "DRIVER_VERSION_LABEL", "GPU_HEALTH_ANNOTATION",
            "NVLINK_DOMAINS_LABEL", "GpuHealthFacts", "NodeFacts",
            "NodeFactsPublisher", "QuarantinedGpu", "cached_value", "node_facts", "node_facts_patch", "parse_gpu_health"]
-_MIG_PROFILE = re.compile(r"\b([1-7]g\.[0-9]+gb(?:\+me)?)\b")
 MAX_VALUE_CHARS = 64 * 1024
 """The cached annotation's longest value (the API server caps all annotations of an object at 256 KiB)."""
 
@@ -121,7 +121,7 @@ def node_facts(status: Mapping[str, Any], devices: Iterable[Mapping[str, Any]],
         for m in d.get("mig_instances") or []:
             if isinstance(m.get("uuid"), str):
                 gpu_of[m["uuid"]] = (int(d["index"]), d["uuid"], m["uuid"])
-                found = _MIG_PROFILE.search(str(m.get("name") or ""))
+                found = MIG_PROFILE_IN_TEXT.search(str(m.get("name") or ""))
                 if found:
                     profiles[m["uuid"]] = found.group(1)
     held: dict[str, set[str]] = {}       # device id -> pods given that very device

@@ -2,8 +2,10 @@
 `fleet up` runs, with the Kubernetes backend as its replica backend.
 
 Owns `Operator` (informers on InferenceDeployments, this fleet's pods, nodes and router pods;
-leader election; the loop; status, events, finalizers) and `run_operator` (the process: client,
-router fan-out, /healthz and /metrics, signals).
+leader election; the loop; status, events, finalizers) and `OperatorSettings`; the process around
+it (client, router fan-out, /healthz and /metrics, signals) is `fleet.k8s.operator_process`. The controller, the autoscaler loop and the
+control-plane metrics are built by `fleet.control_plane.ControlPlane`, the assembly `fleet up`
+uses too.
 
 The Lease (`fleet.k8s.lease`) is renewed every ``retry_period_s`` on a thread of its own
 (`LeaseKeeper`), so no tick delays a renewal; the operator acts only while `LeaderElector.holds`
@@ -39,19 +41,15 @@ every ``resync_s``. The reconcile logic is the controller's; this module adds no
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
-import os
-import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Direction
+from fleet.control_plane import ControlPlane, ControlPlaneMetrics
 from fleet.controller.autoscaling import AutoscalerLoop
 from fleet.k8s.arrival_history import ConfigMapHistoryStore
 from fleet.controller.reconcile import Controller, ControllerSettings, ReplicaEvent
@@ -59,10 +57,10 @@ from fleet.k8s.backend import KubernetesBackend
 from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, NODES, PODS, ApiError, Kube
 from fleet.k8s.informer import Informer
 from fleet.k8s.lease import FencedKube, FencedPoolSink, LeaderElector, LeaseKeeper
-from fleet.k8s.pods import ANNOTATION_READY_AT, LABEL_DEPLOYMENT, EnginePodSettings
+from fleet.k8s.pod_settings import EnginePodSettings
+from fleet.k8s.pods import ANNOTATION_READY_AT, LABEL_DEPLOYMENT
 from fleet.k8s.status import decision_event, deployment_status, event_object, invalid_status, snapshot_from_cluster
 from fleet.controller.lifecycle import ReplicaStatus
-from fleet.observability.discovery import ControllerStateCollector
 from fleet.spec import API_VERSION, KIND, LoadedDeployment, SpecError, parse_document
 
 log = logging.getLogger("fleet.k8s.operator")
@@ -140,7 +138,6 @@ class Operator:
         self.pool_sink = FencedPoolSink(pool_sink, self.elector.holds)
         self.clock = clock
         self.monotonic = monotonic
-        self.controller_settings = controller_settings
         self.wake = asyncio.Event()
         self.spec_changed = asyncio.Event()   # an InferenceDeployment changed: skip the gap between ticks
         on_change = self._on_change
@@ -162,10 +159,16 @@ class Operator:
         self._events: list[ReplicaEvent] = []
         self._decisions: list[tuple[str, object]] = []
         self.autoscaler: AutoscalerLoop | None = None
-        self.arrival_history = ConfigMapHistoryStore(kube, namespace, f"{settings.lease_name}-arrival-history",
-                                                     settings.service_account)  # fmt: skip
-        self.autoscaler_metrics = AutoscalerMetrics()
-        self.controller_metrics = ControllerStateCollector(dict(settings.prices))   # fleet_replicas etc., as `fleet up`
+        # The controller and autoscaler, built as `fleet up` builds them (fleet/control_plane.py); the
+        # metrics (fleet_autoscaler_*, fleet_replicas etc.) outlive each controller.
+        self.plane = ControlPlane(
+            backend=self.backend, engine_api=engine_api, pool_sink=self.pool_sink, clock=clock, wall_clock=clock,
+            analysis_source=self.pool_sink if hasattr(self.pool_sink, "revision_samples") else None,
+            stats_source=self.pool_sink if hasattr(self.pool_sink, "stats") else None,
+            settings=controller_settings, metrics=ControlPlaneMetrics(dict(settings.prices)),
+            history=ConfigMapHistoryStore(kube, namespace, f"{settings.lease_name}-arrival-history",
+                                          settings.service_account),
+            on_event=self._events.append, on_decision=self._on_decision)  # fmt: skip
         self._parsed: dict[str, tuple] = {}            # name -> (generation key, ClusterDeployment, spec JSON)
         self._finalizing: dict[str, str] = {}          # name -> uid our finalizer was added to
         self._dirty: set[str] = set()                  # deployments whose status to recompute this tick
@@ -352,16 +355,12 @@ class Operator:
         previous = self.controller.snapshot() if self.controller is not None else \
             snapshot_from_cluster(crs, list(self.pods.objects.values()))  # fmt: skip
         self._drop_controller()
-        controller = Controller(list(loaded.values()), backend=self.backend, engine_api=self.engine_api,
-                                pool_sink=self.pool_sink, clock=self.clock, settings=self.controller_settings,
-                                on_event=self._events.append,
-                                analysis_source=self.pool_sink if hasattr(self.pool_sink, "revision_samples") else None)
+        controller = self.plane.controller(list(loaded.values()))
         await controller.start(previous)
         for ld in loaded.values():
             self._declared_replicas(controller, ld)
         self.controller, self._declared = controller, declared
-        self.autoscaler = None
-        self._new_autoscaler(set(loaded))
+        self.autoscaler = self.plane.autoscaler(controller)
         adopted = sum(1 for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive)
         log.info("running %d deployment(s); %d running replica(s) adopted", len(loaded), adopted)
 
@@ -392,7 +391,7 @@ class Operator:
         self._declared = declared
         if self.autoscaler is not None and any(n in self.autoscaler.scaled for n in touched) or \
                 any(loaded[n].deployment.spec.autoscaling is not None for n in (*added, *changed)):
-            self._new_autoscaler(touched)
+            self.autoscaler = self.plane.autoscaler(c, replacing=self.autoscaler, changed=touched)
         log.info("deployments: %d added, %d updated, %d removed (%d running)", len(added), len(changed),
                  len(removed), len(c.deployments))  # fmt: skip
         return True
@@ -404,27 +403,6 @@ class Operator:
         if spec.autoscaling is None and controller.deployments[ld.deployment.name].desired != \
                 spec.replicas.desired_at_start:
             controller.set_desired(ld.deployment.name, spec.replicas.desired_at_start, "spec.replicas")
-
-    def _new_autoscaler(self, touched: set[str]) -> None:
-        """An autoscaler over the running controller's deployments; the state (signal windows,
-        start-up estimates, next due time) of those not in ``touched`` carries over."""
-        c = self.controller
-        if c is None or not hasattr(self.pool_sink, "stats") or \
-                not any(ds.loaded.deployment.spec.autoscaling is not None for ds in c.deployments.values()):
-            self.autoscaler = None
-            return
-        old = self.autoscaler
-        self.autoscaler = AutoscalerLoop(c, router=self.pool_sink, engine_api=self.engine_api, clock=self.clock,
-                                         metrics=self.autoscaler_metrics, on_decision=self._on_decision,
-                                         history=self.arrival_history, wall_clock=self.clock)  # fmt: skip
-        if old is not None:
-            for name, kept in old.scaled.items():
-                if name in self.autoscaler.scaled and name not in touched:
-                    self.autoscaler.scaled[name] = kept
-                elif name in self.autoscaler.scaled and kept.primed:   # a new policy keeps the arrival history
-                    fresh = self.autoscaler.scaled[name]
-                    fresh.policy.prime(kept.policy.history())
-                    fresh.primed = True
 
     def _parse(self, cr: dict) -> ClusterDeployment:
         """`fleet.spec.parse_document` of a resource, cached by generation and labels (a tick
@@ -565,149 +543,3 @@ class Operator:
             await self.kube.create(EVENTS, self.namespace, body)
         except ApiError as err:
             log.debug("event not recorded: %s", err)
-
-
-# ----- the process ----------------------------------------------------------------------------
-
-
-def _own_namespace() -> str | None:
-    try:
-        return Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip() or None
-    except OSError:
-        return None
-
-
-CONTROLLER_METRICS_EVERY_S = 5.0
-"""Seconds a rendering of the controller's series on /metrics is served again (see `_serve_health`)."""
-
-
-async def _serve_health(operator: Operator, port: int, controller_metrics_every_s: float = CONTROLLER_METRICS_EVERY_S):
-    """/healthz (the process runs; says whether it leads) and /metrics (Prometheus text: the
-    operator's own gauges and, while it leads, the autoscaler's `fleet_autoscaler_*` and the
-    controller's `fleet_replicas` / `fleet_deployment_*` / `fleet_replica_failures_total` from
-    `fleet.observability.discovery.ControllerStateCollector`, the series `fleet up` exports,
-    which the chart's dashboard and PrometheusRule read). A standby exports neither the
-    autoscaler's nor the controller's series (an operator that lost the Lease would export
-    stale ones): summed over operators, they count the leader's once."""
-    from aiohttp import web
-    from prometheus_client import CollectorRegistry, Gauge, generate_latest
-
-    registry = CollectorRegistry()
-    leader = Gauge("fleet_operator_leader", "1 while this operator holds the Lease.", registry=registry)
-    ticks = Gauge("fleet_operator_reconcile_ticks", "Reconcile ticks run since start.", registry=registry)
-    tick_s = Gauge("fleet_operator_last_reconcile_seconds", "Duration of the last reconcile tick.", registry=registry)
-    longest_tick = Gauge("fleet_operator_longest_reconcile_seconds", "Longest reconcile tick since start.",
-                         registry=registry)  # fmt: skip
-    stall = Gauge("fleet_operator_longest_event_loop_stall_seconds", "Longest time the operator's event loop was "
-                  "held (a 0.1 s timer's longest delay) since start.", registry=registry)  # fmt: skip
-    renew_gap = Gauge("fleet_operator_longest_lease_renewal_gap_seconds", "Longest time between two renewals of "
-                      "the Lease while held, since start (must stay below the renew deadline).", registry=registry)
-    events = Gauge("fleet_operator_watch_events", "Watch events handled since start, by informer.", ["informer"],
-                   registry=registry)  # fmt: skip
-    controller_registry = CollectorRegistry()
-    controller_registry.register(operator.controller_metrics)  # type: ignore[arg-type]  # duck-typed Collector
-    # The controller's series (fleet_replicas by deployment, version and state: ~20,000 at 1,000
-    # deployments, ~0.5 s to render) are rendered off the event loop, at most every
-    # CONTROLLER_METRICS_EVERY_S; scrapes in between get that rendering (Prometheus scrapes every
-    # 15-30 s). The operator's own series above are always fresh.
-    controller_body = {"at_s": float("-inf"), "body": b""}
-    rendering = asyncio.Lock()
-
-    async def healthz(request):
-        return web.json_response({"ok": True, "leader": operator.elector.holds(), "identity": operator.identity})
-
-    async def metrics(request):
-        leader.set(1 if operator.elector.holds() else 0)
-        ticks.set(operator.ticks)
-        tick_s.set(operator.last_tick_s)
-        longest_tick.set(operator.longest_tick_s)
-        stall.set(operator.longest_loop_stall_s)
-        renew_gap.set(operator.elector.longest_renewal_gap_s)
-        for i in operator.informers():
-            events.labels(i.name).set(i.events_handled)
-        body = generate_latest(registry)
-        if operator.controller is not None and operator.elector.holds():
-            async with rendering:
-                now = time.monotonic()
-                if now - controller_body["at_s"] >= controller_metrics_every_s:
-                    operator.controller_metrics.update(operator.controller.snapshot())   # on the loop: consistent
-                    controller_body["body"] = await asyncio.to_thread(
-                        lambda: generate_latest(operator.autoscaler_metrics.registry) + generate_latest(controller_registry))
-                    controller_body["at_s"] = now
-            body += controller_body["body"]
-        return web.Response(body=body, content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "0.0.0.0", port).start()
-    return runner
-
-
-async def run_operator(settings: OperatorSettings) -> int:
-    """`fleet operator` until SIGINT/SIGTERM; returns the exit code (2: no cluster configuration
-    or no admin token; 1: the API refused reading or making the token's Secret). The router admin
-    token: `fleet.k8s.admin_token.AdminTokenSource` from the environment."""
-    from fleet.k8s.admin_token import AdminTokenError, AdminTokenSource
-    from fleet.k8s.client import KubeClient
-    from fleet.k8s.routers import RouterFanout
-    from warmup.client import EngineClient
-
-    logging.basicConfig(level=os.environ.get("FLEET_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per engine probe is noise
-    try:
-        token_source = AdminTokenSource.from_env(os.environ)
-    except AdminTokenError as err:
-        log.error("%s", err)
-        return 2
-    try:
-        kube = KubeClient.load()
-    except Exception as err:  # noqa: BLE001 - kubernetes.config.ConfigException and file errors
-        log.error("no cluster configuration (in-cluster service account or kubeconfig): %s", err)
-        return 2
-    namespace = settings.namespace or _own_namespace() or "default"
-    settings = dataclasses.replace(settings, service_account=settings.service_account or token_source.owner_service_account)
-    try:
-        token = await token_source.resolve(kube, namespace)
-    except (AdminTokenError, ApiError) as err:
-        log.error("router admin token: %s", err)
-        kube.close()
-        return 2 if isinstance(err, AdminTokenError) else 1
-    identity = settings.identity or socket.gethostname()
-    selector = settings.router_selector if settings.router_selector not in ("", "none") else None
-    router_pods = Informer(kube, PODS, namespace, selector, name="router-pods") if selector else None
-    fanout = RouterFanout(lambda: list(router_pods.objects.values()) if router_pods else [],
-                          settings.router_admin_port, token, static_urls=(settings.router_admin_url,))  # fmt: skip
-    engine_api = EngineClient()
-    operator = Operator(kube, settings, namespace=namespace, identity=identity, engine_api=engine_api,
-                        pool_sink=fanout, router_pods=router_pods)  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    runner = await _serve_health(operator, settings.metrics_port) if settings.metrics_port else None
-
-    async def republish_on_new_router() -> None:
-        while not stop.is_set():
-            if fanout.routers_changed():
-                operator.wake.set()   # the tick publishes every pool to it, then marks it synced
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
-
-    watcher = loop.create_task(republish_on_new_router())
-    log.info("fleet operator %s watching namespace %s", identity, namespace)
-    try:
-        await operator.run(stop)
-    finally:
-        watcher.cancel()
-        await fanout.aclose()
-        await engine_api.aclose()
-        if runner is not None:
-            await runner.cleanup()
-        kube.close()
-    return 0

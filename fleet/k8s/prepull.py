@@ -10,7 +10,7 @@ tenacity's wait and stop strategies) and `PrePuller` (the policy's decisions sen
 tests/unit/test_k8s_prepull.py against the fake cluster and the stand-in kubelet that pulls
 (fleet/testing/k8s/kubelet.py).
 
-Why short-lived pods and not the CRI socket (issue 13, "Image pre-pull"): a pod needs nothing
+Why short-lived pods and not the CRI socket (docs/kubernetes.md has the user's view): a pod needs nothing
 but the API server the operator already talks to; it works with any container runtime
 (containerd, CRI-O, a Kata or gVisor runtime class: the pod uses the engine pods' runtime
 class, so the image lands in the store the engine will read); the kubelet's own pull
@@ -54,7 +54,8 @@ import tenacity
 
 from fleet.inventory.gfd import image_aliases, node_images
 from fleet.k8s.client import PODS, Kube
-from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, MANAGED_BY, EnginePodSettings, label_value
+from fleet.k8s.pod_settings import EnginePodSettings
+from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, MANAGED_BY, label_value
 
 log = logging.getLogger("fleet.k8s.prepull")
 

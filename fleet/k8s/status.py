@@ -17,8 +17,9 @@ from typing import Any
 from fleet.controller.reconcile import Controller, ReplicaEvent
 from fleet.controller.targets import STATE_FORMAT
 from fleet.controller.lifecycle import ReplicaStatus
+from fleet.k8s.pod_facts import pod_facts
 from fleet.k8s.pods import (ANNOTATION_MODEL, ANNOTATION_PLACEMENT, ANNOTATION_READY_AT, LABEL_DEPLOYMENT,
-                            LABEL_GANG_ROLE, LABEL_REPLICA, LABEL_REVISION, LABEL_SPEC_HASH, pod_facts)  # fmt: skip
+                            LABEL_GANG_ROLE, LABEL_REPLICA, LABEL_REVISION, LABEL_SPEC_HASH)  # fmt: skip
 from fleet.placement import ReplicaPlacement
 
 PREEMPTIONS_IN_STATUS = 5

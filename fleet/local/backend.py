@@ -61,8 +61,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleet.local.backend")
 
 REPLICA_ID_ENV = "FLEET_REPLICA_ID"
-REMOTE_SCHEMES = ("http://", "https://", "hf://")
-"""Model sources the node's weight cache fetches (`fleet.agent.cache`); others are local paths."""
 CACHE_LISTING_TTL_S = 10.0
 """How long the node's list of cached sources is reused before the cache is read again."""
 DEPLOYMENT_ENV = "FLEET_DEPLOYMENT"
@@ -180,7 +178,7 @@ class LocalBackend:
             raise LaunchError(f"engine image not present: {problem}")
         if dep.spec.engine.image is not None:   # the installed engine stands for the image here
             self._images |= {dep.spec.engine.image}
-        remote = dep.spec.model.source.startswith(REMOTE_SCHEMES)
+        remote = dep.spec.model.parsed_source.remote   # fetched into the node's weight cache
         if remote and self.weights is None:
             raise LaunchError(f"weights not present: spec.model.source {dep.spec.model.source!r} is remote and "
                               "this backend has no weight cache")  # fmt: skip
@@ -256,7 +254,7 @@ class LocalBackend:
     async def _cache_then_start(self, want: ReplicaWant) -> None:
         """Fetch the replica's weights into the node's cache (pinned for it), then start its
         engine on the cached directory; a failure ends the replica with the reason."""
-        from fleet.agent.cache import CacheError
+        from fleet.agent.cache_files import CacheError
         from fleet.sources import SourceError
 
         rid, source = want.replica_id, want.deployment.spec.model.source

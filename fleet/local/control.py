@@ -168,7 +168,7 @@ class ControlServer:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self.handle_pending()
-            except Exception:  # noqa: BLE001 - the control channel survives its parts (STYLE.md 9)
+            except Exception:  # noqa: BLE001 - the control channel survives its parts
                 log.exception("control channel: handling requests failed")
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)

@@ -1,15 +1,19 @@
 """`fleet up` and `fleet down`: run deployments on this machine until told to stop, survive
 the controller's own crash, and stop everything in order.
 
-Owns the embedded runtime: preflight checks (run once; nothing starts unless every deployment
-can), taking over from a previous controller on the same state directory (its router and its
-replicas are adopted, not restarted: `fleet.controller.reconcile.Controller.start`), the router process
-and its supervision (`fleet.local.routerproc`: restarted, with every pool published again, if it
-dies), the controller loop, the control channel (`fleet.local.control`: `fleet apply`, `fleet rollout`),
-the autoscaler loop (`fleet.controller.autoscaling`) and its Prometheus
-endpoint, the node agent's thread and its /metrics (a target of its own in the file_sd file,
-`fleet.observability.discovery`), progress output, signal handling and the orderly shutdown (pools drained, in-flight
-requests finished, engines stopped, router last). `run_down` is `fleet down` for a fleet whose
+Owns the embedded runtime: the pre-flight checks run once (`fleet.local.preflight`: nothing
+starts unless every deployment can), taking over from a previous controller on the same state
+directory (its router and its replicas are adopted, not restarted:
+`fleet.controller.reconcile.Controller.start`), the router process and its supervision
+(`fleet.local.routerproc`: restarted, with every pool published again, if it dies), the control
+channel (`fleet.local.control`: `fleet apply`, `fleet rollout`), the node agent's thread and its
+/metrics (a target of its own in the file_sd file, `fleet.observability.discovery`), the
+controller loop, the autoscaler loop run as a task, the control plane's Prometheus endpoint,
+progress output (`fleet.local.progress`), signal handling and the orderly shutdown (pools
+drained, in-flight requests finished, engines stopped, router last). The controller, the
+autoscaler loop and the metrics are built by `fleet.control_plane.ControlPlane`, the assembly the
+operator uses too; this module hands it the local backend, the router's admin API and the state
+store. `run_down` is `fleet down` for a fleet whose
 controller is gone: it adopts what still runs and shuts it down the same way. Called by
 `fleet.cli`.
 
@@ -30,192 +34,46 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from prometheus_client import start_http_server
 from rich.console import Console
 
-from autoscaler.metrics import AutoscalerMetrics
-from autoscaler.policy import Direction, ScalingDecision
-from fleet.controller.arrival_history import ARRIVAL_HISTORY_FILE, FileHistoryStore
-from fleet.controller.autoscaling import AutoscalerLoop
 from fleet.agent.cache import WeightCache, default_cache_root
 from fleet.agent.quarantine import QuarantineConfig, QuarantinePolicy
-from fleet.models.memory import EngineArgError, MemoryNeed
-from fleet.models.read import ModelSourceError, memory_need
 from fleet.agent.runner import NodeAgent, local_health_checker, serve as serve_agent
-from fleet.sources import SourceError, parse_source
-from fleet.local.backend import REMOTE_SCHEMES, LocalBackend
-from fleet.local.control import ControlServer
+from fleet.control_plane import ControlPlane, ControlPlaneMetrics
+from fleet.controller.arrival_history import ARRIVAL_HISTORY_FILE, FileHistoryStore
+from fleet.controller.autoscaling import AutoscalerLoop
 from fleet.controller.reconcile import Controller, ControllerSettings, ReplicaEvent
-from fleet.engines.kinds import ModelUnavailable, get_engine
-from fleet.inventory import Inventory, discover_local
-from fleet.controller.lifecycle import ReplicaStatus
-from fleet.observability.discovery import LocalObservability
-from fleet.placement import PlacementRequest, get_strategy
-from fleet.rollout.metrics import RolloutCollector
+from fleet.inventory import NodeInventory, discover_local
+from fleet.local.backend import LocalBackend
+from fleet.local.control import ControlServer
 from fleet.local.failsoft import WRITE_ERRORS, FailSoftStream, WriteErrors, same_file
+from fleet.local.preflight import preflight
+from fleet.local.progress import ProgressPrinter
 from fleet.local.rebuild import pooled_endpoint_ids, rebuild_snapshot
 from fleet.local.routerproc import RouterProcess, RouterStartError, marked_router, recorded_url
-from fleet.spec import LoadedDeployment
 from fleet.local.state import StateStore, StateUnreadable
+from fleet.observability.discovery import LocalObservability
+from fleet.rollout.metrics import RolloutCollector
+from fleet.spec import LoadedDeployment
 from warmup.client import EngineClient
 
 log = logging.getLogger("fleet.local.up")
-
-_STYLE = {
-    ReplicaStatus.READY: "bold green",
-    ReplicaStatus.STANDBY: "cyan",
-    ReplicaStatus.DRAINING: "yellow",
-    ReplicaStatus.TERMINATED: "dim",
-}
 
 AGENT_INTERVAL_S = 30.0
 """How often the node agent checks GPU health in `fleet up` (Xid events are drained every second between)."""
 
 ROUTER_CHECK_INTERVAL_S = 0.25
 """How often `fleet up` checks that the router process still runs (a dead router is restarted)."""
-
-
-class PreflightError(Exception):
-    """A deployment cannot run on this machine; ``problems`` lists why, one per line."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on now, or None. Binds with SO_REUSEADDR, as the
-    router's server (uvicorn) does, so sockets in TIME-WAIT after a previous run do not count."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as err:
-            return f"{host}:{port} is not free: {err.strerror}"
-    return None
-
-
-def _local_memory_need(ld: LoadedDeployment) -> MemoryNeed | None:
-    """What one replica of ``ld`` needs per GPU (`fleet.models`), for weights on this machine; None
-    for remote sources (not fetched yet) or a model whose config cannot be read."""
-    if ld.deployment.spec.model.source.startswith(REMOTE_SCHEMES):
-        return None
-    try:
-        return memory_need(ld.deployment, ld.base_dir)
-    except (ModelSourceError, EngineArgError):
-        return None
-
-
-def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[str, tuple[str, int]]) -> None:
-    """Check everything that would make `fleet up` half-start: each deployment's engine is
-    installed, its weights are present and a replica fits the inventory (and, for weights on this
-    machine, a GPU of it holds the model: `fleet.models.memory.MemoryNeed`; and a GPU node's NVIDIA
-    driver can run the engine's CUDA: `fleet.placement.compat`); each named port
-    (``{"router": (host, port)}``) is free. Raises PreflightError listing every problem."""
-    problems = []
-    placer = get_strategy()
-    for ld in loaded:
-        dep = ld.deployment
-        where = f"{ld.path}[{ld.index}] ({dep.name})"
-        engine = get_engine(dep.spec.engine.kind)
-        problem = engine.preflight()
-        if problem:
-            problems.append(f"{where} spec.engine.kind: {problem}")
-        if dep.spec.model.source.startswith(REMOTE_SCHEMES):   # fetched into the weight cache at start
-            try:
-                parse_source(dep.spec.model.source, ld.base_dir)
-            except SourceError as err:
-                problems.append(f"{where} spec.model.source: {err}")
-        else:
-            try:
-                engine.model_argument(dep.engine_launch(ld.base_dir))
-            except ModelUnavailable as err:
-                problems.append(f"{where} spec.model.source: {err}")
-        request = PlacementRequest.for_deployment(dep, 1, memory=_local_memory_need(ld))   # driver/CUDA too
-        unfit = placer.fits_at_all(request.shape, inventory, memory=request.memory, cuda=request.cuda)
-        if unfit is not None:
-            problems.append(f"{where} spec.resources: cannot place a replica on this machine: {unfit.reason}")
-    for what, (host, port) in ports.items():
-        problem = port_problem(host, port)
-        if problem:
-            problems.append(f"{what} port {problem}")
-    if problems:
-        raise PreflightError(problems)
-
-
-class ProgressPrinter:
-    """Prints each replica transition, and a reminder every ``every_s`` for slow phases."""
-
-    def __init__(self, console: Console, clock, every_s: float = 15.0) -> None:
-        self.console = console
-        self.clock = clock
-        self.every_s = every_s
-        self._last_note_s: dict[str, float] = {}
-        self._all_ready_said = False
-
-    def say(self, text: str, style: str = "") -> None:
-        self.console.print(f"{time.strftime('%H:%M:%S')} {text}", style=style, highlight=False)
-
-    def event(self, e: ReplicaEvent) -> None:
-        style = "bold red" if e.new.failed() else _STYLE.get(e.new, "cyan")
-        self.console.print(
-            f"{time.strftime('%H:%M:%S')} {e.replica_id:<20} [{style}]{e.new.value:<16}[/] {e.detail}",
-            highlight=False,
-        )
-        self._last_note_s[e.replica_id] = e.at_s
-
-    def decision(self, deployment: str, d: ScalingDecision) -> None:
-        """One line per scale-up or scale-down decision (holds are logged, not printed)."""
-        if d.direction is Direction.HOLD:
-            return
-        style = "bold magenta" if d.direction is Direction.UP else "magenta"
-        self.console.print(
-            f"{time.strftime('%H:%M:%S')} {deployment:<20} [{style}]SCALE {d.direction.value.upper():<10}[/] "
-            f"{d.previous} -> {d.desired} replica(s): {d.reason}: {d.detail}",
-            highlight=False,
-        )
-
-    def failure_details(self, controller: Controller, e: ReplicaEvent) -> None:
-        r = controller.replicas.get(e.replica_id)
-        if r is None or r.failure is None or not r.failure.log_tail:
-            return
-        self.console.print(f"    last engine log lines ({r.detail.get('log', '-')}):", style="dim", highlight=False)
-        for line in r.failure.log_tail[-8:]:
-            self.console.print(f"    | {line}", style="dim", highlight=False, markup=False)
-
-    def tick(self, controller: Controller, router_url: str) -> None:
-        now = self.clock()
-        for r in controller.replicas.values():
-            status = r.status
-            if status not in (ReplicaStatus.PENDING, ReplicaStatus.PULLING, ReplicaStatus.CACHING,
-                              ReplicaStatus.STARTING, ReplicaStatus.WARMING):
-                continue
-            if now - self._last_note_s.get(r.id, now) >= self.every_s:
-                self._last_note_s[r.id] = now
-                since_s = now - (r.launched_at_s or r.created_at_s)
-                log_path = r.detail.get("log")
-                where = f" (log: {log_path})" if log_path and status is ReplicaStatus.STARTING else ""
-                if status is ReplicaStatus.CACHING:
-                    where = f": {r.detail.get('cache', '')}"
-                self.say(f"{r.id:<20} still {status.value} after {since_s:.0f} s{where}", style="dim")
-        want = 0 if controller.stopping else sum(ds.desired for ds in controller.deployments.values())
-        ready = sum(1 for r in controller.replicas.values() if r.status is ReplicaStatus.READY)
-        if want and ready == want and not self._all_ready_said:
-            self._all_ready_said = True
-            self.console.print(
-                f"[bold green]All {ready} replica(s) READY.[/] OpenAI API: {router_url}/v1  "
-                "(Ctrl-C or `fleet down` to stop)", highlight=False,
-            )
-        elif ready < want:
-            self._all_ready_said = False
 
 
 async def _supervise_router(router: RouterProcess, controller: Controller, stop: asyncio.Event,
@@ -253,6 +111,40 @@ async def _supervise_router(router: RouterProcess, controller: Controller, stop:
             pass
 
 
+@dataclass
+class _Machine:
+    """What `fleet up` makes on this machine before the pre-flight checks; none of it runs yet:
+    the node's inventory, the weight cache, the node agent (None without NVIDIA GPUs, and why),
+    the local backend and the router process (adopted when a previous controller left one)."""
+
+    node: NodeInventory
+    weights: WeightCache
+    agent: NodeAgent | None
+    agent_off: str | None
+    backend: LocalBackend
+    router: RouterProcess
+    adopting_router: bool
+
+    @classmethod
+    def make(cls, store: StateStore, host: str, port: int) -> _Machine:
+        node = discover_local()
+        weights = WeightCache(default_cache_root())
+        agent, agent_off = _node_agent(node, weights, store)
+        backend = LocalBackend(store.root, store.fleet_id(), node, weights=weights, agent=agent,
+                               write_errors=store.write_errors)  # fmt: skip
+        if agent is not None:
+            agent.serving = backend.gpu_replicas   # the usage series' deployment / replica labels
+        router = RouterProcess(store, host, port)
+        return cls(node, weights, agent, agent_off, backend, router, router.recorded() is not None)
+
+    def ports(self, host: str, port: int, metrics_port: int | None) -> dict[str, tuple[str, int]]:
+        """The ports `fleet up` will listen on (an adopted router's is in use already)."""
+        ports = {} if self.adopting_router else {"router": (host, port)}
+        if metrics_port:
+            ports["metrics"] = (host, metrics_port)
+        return ports
+
+
 async def run_up(
     loaded: list[LoadedDeployment],
     *,
@@ -269,7 +161,7 @@ async def run_up(
 
     Takes over from a previous controller of ``store`` when there was one (its router and
     replicas are adopted); when its state file cannot be read, from what the other records say
-    (`fleet.local.rebuild`). ``metrics_port``: where the autoscaler's Prometheus metrics are
+    (`fleet.local.rebuild`). ``metrics_port``: where the control plane's Prometheus metrics are
     served (on ``host``; None or 0: not served). ``fail_soft_output``: stdout and stderr are
     replaced by `fleet.local.failsoft.FailSoftStream` while it runs (a copy goes to
     ``logs/fleet-up.log``, the log of `fleet logs controller`). ``prices``: USD per GPU-hour by
@@ -280,163 +172,224 @@ async def run_up(
     ends this process with 1 and leaves them serving, for the next `fleet up` to adopt.
 
     Raises:
-        PreflightError: when any deployment cannot run here (nothing has been started).
+        fleet.local.preflight.PreflightError: when any deployment cannot run here (nothing has been
+            started).
         fleet.local.state.AlreadyRunning: when another `fleet up` holds the state directory.
     """
     store.acquire()
-    errors = store.write_errors
-    unreadable: StateUnreadable | None = None
     try:
         try:
-            previous = store.read()
+            previous, unreadable = store.read(), None
         except StateUnreadable as err:
             previous, unreadable = None, err
-        node = discover_local()
-        weights = WeightCache(default_cache_root())
-        agent, agent_off = _node_agent(node, weights, store)
-        backend = LocalBackend(store.root, store.fleet_id(), node, weights=weights, agent=agent, write_errors=errors)
-        if agent is not None:
-            agent.serving = backend.gpu_replicas   # the usage series' deployment / replica labels
-        router = RouterProcess(store, host, port)
-        adopting_router = router.recorded() is not None
-        ports = {} if adopting_router else {"router": (host, port)}
-        if metrics_port:
-            ports["metrics"] = (host, metrics_port)
-        preflight(loaded, await backend.inventory(), ports)
+        machine = _Machine.make(store, host, port)
+        preflight(loaded, await machine.backend.inventory(), machine.ports(host, port, metrics_port))
     except BaseException:
         store.release()
         raise
-    restore_output = _fail_soft_output(errors, store.log_dir / "fleet-up.log") if fail_soft_output else (lambda: None)
-    clock = time.monotonic
-    store.set_extra(pid=os.getpid(), router_url=router.url, phase="starting", log_dir=str(store.log_dir))
-    console.print(f"Node: {node.describe()}", highlight=False)
-    console.print(f"State and logs: {store.root}; weight cache: {weights.root}", highlight=False)
-    console.print(f"Node agent: GPU health checks {'on' if agent else f'off ({agent_off})'}", highlight=False)
-    agent_stop = threading.Event()
-    metrics_server = agent_server = None
-    engine_api = EngineClient()
-    stop = asyncio.Event()
-    asked = asyncio.Event()        # SIGINT/SIGTERM: the one way to drain and stop the data plane
-    interrupted = False            # KeyboardInterrupt or cancellation before the handlers were in place
-    controller: Controller | None = None
+    restore_output = (_fail_soft_output(store.write_errors, store.log_dir / "fleet-up.log") if fail_soft_output
+                      else (lambda: None))  # fmt: skip
+    up = _Up(loaded, machine, store, console, host=host, metrics_port=metrics_port, settings=settings, prices=prices)
     try:
-        if adopting_router and await router.adopt():
-            console.print(f"Router adopted on {router.url} (pid {router.record.pid}): it kept serving",
-                          highlight=False)  # fmt: skip
-        else:
-            try:
-                await router.start()
-            except RouterStartError as err:
-                console.print(f"[red]{err}[/]", highlight=False)
-                return 1
-            console.print(f"Router listening on {router.url} (log: {router.log_path})", highlight=False)
-        if unreadable is not None:
-            console.print(f"[bold yellow]{unreadable}[/]: taking over from replicas.json, the engines' fleet-id "
-                          "markers and the router's pools", highlight=False)  # fmt: skip
-            previous = await _rebuild(loaded, backend, router, store, clock())
-
-        progress = ProgressPrinter(console, clock)
-        if agent is not None:
-            agent.on_decision = lambda d: progress.say(f"{d.target:<20} {d.action.upper()}: {d.reason}",
-                                                       style="bold yellow")  # fmt: skip
-            threading.Thread(target=_supervised_thread, args=(agent.run, (AGENT_INTERVAL_S, agent_stop), agent_stop,
-                                                              "node agent"), name="node-agent", daemon=True).start()  # fmt: skip
-            # Its own target (job fleet-node-agent), as the DaemonSet's pod is on Kubernetes; any free port.
-            agent_server = serve_agent(agent, host, 0)
-            console.print(f"Node agent metrics (GPU health, quarantine) on http://{host}:"
-                          f"{agent_server.server_address[1]}/metrics", highlight=False)  # fmt: skip
-
-        def on_event(e: ReplicaEvent) -> None:
-            store.append_event({"replica": e.replica_id, "deployment": e.deployment,
-                                "from": e.old.value if e.old else None, "to": e.new.value, "detail": e.detail})  # fmt: skip
-            progress.event(e)
-            if e.new.failed():
-                progress.failure_details(controller, e)
-
-        controller = Controller(
-            loaded, backend=backend, engine_api=engine_api, pool_sink=router.admin, clock=clock,
-            state_sink=store, settings=settings, on_event=on_event, analysis_source=router.admin,
-            on_rollout_event=lambda name, line: progress.say(f"{name:<20} ROLLOUT {line}", style="bold blue"),
-        )
-        await controller.start(previous)
-        _never_reuse_ids(controller, store)
-        adopted = [r.id for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive]
-        if adopted:
-            console.print(f"Adopted {len(adopted)} running replica(s) of the previous controller: {', '.join(adopted)}",
-                          highlight=False)  # fmt: skip
-        _install_signal_handlers(stop, asked, console, controller)
-        loop = asyncio.get_running_loop()
-        control = ControlServer(store.root, controller, progress.say, errors)   # `fleet apply`, `fleet rollout`
-        tasks = [loop.create_task(_keep_running("router supervisor", lambda: _supervise_router(
-                     router, controller, stop, progress), stop), name="router-supervisor"),
-                 loop.create_task(_keep_running("control channel", lambda: control.run(stop), stop),
-                                  name="control")]  # fmt: skip
-        autoscaler_metrics = AutoscalerMetrics()
-        autoscaler_metrics.registry.register(RolloutCollector(controller))   # fleet_rollout_* (fleet.rollout.metrics)
-        autoscaler_metrics.registry.register(errors)   # fleet_control_write_errors_total (fleet.local.failsoft)
-        observability = LocalObservability(
-            store.root, router.url, metrics_port and f"http://{host}:{metrics_port}", registry=autoscaler_metrics.registry,
-            node_agent_url=agent_server and f"http://{host}:{agent_server.server_address[1]}", prices=prices)  # fmt: skip
-        if metrics_port:
-            metrics_server, _ = start_http_server(metrics_port, addr=host, registry=autoscaler_metrics.registry)
-            console.print(f"Controller, autoscaler and rollout metrics on http://{host}:{metrics_port}/metrics",
-                          highlight=False)  # fmt: skip
-        if any(ld.deployment.spec.autoscaling is not None for ld in loaded):
-            autoscaler = AutoscalerLoop(controller, router=router.admin, engine_api=engine_api, clock=clock,
-                                        metrics=autoscaler_metrics, on_decision=progress.decision,
-                                        history=FileHistoryStore(store.root / ARRIVAL_HISTORY_FILE))  # fmt: skip
-            tasks.append(loop.create_task(_keep_running("autoscaler", lambda: autoscaler.run(stop), stop),
-                                          name="autoscaler"))  # fmt: skip
-        store.set_extra(phase="running")
-
-        def after_tick() -> None:
-            progress.tick(controller, router.url)
-            try:
-                observability.tick(controller.snapshot())
-            except WRITE_ERRORS as err:
-                errors.failed("observability", err)
-
-        await controller.run(stop, interval_s=1.0, after_tick=after_tick)
-        for task, result in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True)):
-            if isinstance(result, BaseException):   # each returns once `stop` is set; none should raise
-                log.error("%s ended with %r", task.get_name(), result)
-        console.print("Draining: replicas leave the router, in-flight requests finish, engines stop...")
-        store.set_extra(phase="stopping")
-        await controller.shutdown()
-        observability.stopped()  # Prometheus: nothing left to scrape
-        return 0
-    except Exception as err:
-        if asked.is_set():
-            raise
-        log.exception("fleet up failed")
-        console.print(f"[bold red]fleet up failed: {err!r}.[/] The router and the engines keep serving; "
-                      "`fleet up` again adopts them, `fleet down` stops them.", highlight=False)  # fmt: skip
-        return 1
-    except BaseException:
-        interrupted = True
-        raise
+        return await up.serve(previous, unreadable)
     finally:
-        teardown = asked.is_set() or interrupted
-        stop.set()
-        agent_stop.set()
+        await up.close()
+        restore_output()
+
+
+class _Up:
+    """One `fleet up` on a `_Machine` that passed the pre-flight checks: `serve` starts the router,
+    the node agent and the control plane (`fleet.control_plane.ControlPlane`), runs the controller
+    loop until SIGINT/SIGTERM and drains; `close` stops what must stop and releases the state
+    directory."""
+
+    def __init__(self, loaded: list[LoadedDeployment], machine: _Machine, store: StateStore, console: Console, *,
+                 host: str, metrics_port: int | None, settings: ControllerSettings | None,
+                 prices: dict[str, float] | None) -> None:  # fmt: skip
+        self.loaded = loaded
+        self.machine = machine
+        self.router = machine.router
+        self.store = store
+        self.console = console
+        self.host = host
+        self.metrics_port = metrics_port
+        self.settings = settings
+        self.prices = prices
+        self.clock = time.monotonic
+        self.progress = ProgressPrinter(console, self.clock)
+        self.engine_api = EngineClient()
+        self.stop = asyncio.Event()
+        self.asked = asyncio.Event()     # SIGINT/SIGTERM: the one way to drain and stop the data plane
+        self.interrupted = False         # KeyboardInterrupt or cancellation before the handlers were in place
+        self.agent_stop = threading.Event()
+        self.servers: list[ThreadingHTTPServer] = []   # the metrics and node agent endpoints
+        self.controller: Controller | None = None
+
+    async def serve(self, previous: dict | None, unreadable: StateUnreadable | None) -> int:
+        """Start, run until SIGINT/SIGTERM, drain; 0, or 1 when the router would not start or the
+        control plane failed (the data plane keeps serving)."""
+        try:
+            self._announce()
+            if not await self._start_router():
+                return 1
+            if unreadable is not None:
+                self.console.print(f"[bold yellow]{unreadable}[/]: taking over from replicas.json, the engines' "
+                                   "fleet-id markers and the router's pools", highlight=False)  # fmt: skip
+                previous = await _rebuild(self.loaded, self.machine.backend, self.router, self.store, self.clock())
+            agent_url = self._start_node_agent()
+            plane = self._control_plane()
+            self.controller = controller = plane.controller(self.loaded)
+            await controller.start(previous)
+            _never_reuse_ids(controller, self.store)
+            adopted = [r.id for r in controller.replicas.values() if r.adopted_at_s is not None and r.engine_alive]
+            if adopted:
+                self.console.print(f"Adopted {len(adopted)} running replica(s) of the previous controller: "
+                                   f"{', '.join(adopted)}", highlight=False)  # fmt: skip
+            _install_signal_handlers(self.stop, self.asked, self.console, controller)
+            observability = self._serve_metrics(plane.metrics, agent_url)
+            tasks = self._start_tasks(plane.autoscaler(controller))
+            self.store.set_extra(phase="running")
+            await controller.run(self.stop, interval_s=1.0, after_tick=lambda: self._after_tick(observability))
+            for task, result in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True)):
+                if isinstance(result, BaseException):   # each returns once `stop` is set; none should raise
+                    log.error("%s ended with %r", task.get_name(), result)
+            self.console.print("Draining: replicas leave the router, in-flight requests finish, engines stop...")
+            self.store.set_extra(phase="stopping")
+            await controller.shutdown()
+            observability.stopped()  # Prometheus: nothing left to scrape
+            return 0
+        except Exception as err:
+            if self.asked.is_set():
+                raise
+            log.exception("fleet up failed")
+            self.console.print(f"[bold red]fleet up failed: {err!r}.[/] The router and the engines keep serving; "
+                               "`fleet up` again adopts them, `fleet down` stops them.", highlight=False)  # fmt: skip
+            return 1
+        except BaseException:
+            self.interrupted = True
+            raise
+
+    def _announce(self) -> None:
+        m = self.machine
+        self.store.set_extra(pid=os.getpid(), router_url=self.router.url, phase="starting",
+                             log_dir=str(self.store.log_dir))  # fmt: skip
+        self.console.print(f"Node: {m.node.describe()}", highlight=False)
+        self.console.print(f"State and logs: {self.store.root}; weight cache: {m.weights.root}", highlight=False)
+        self.console.print(f"Node agent: GPU health checks {'on' if m.agent else f'off ({m.agent_off})'}",
+                           highlight=False)  # fmt: skip
+
+    async def _start_router(self) -> bool:
+        """Adopt the router a previous controller left, else start one; False when it would not start."""
+        router = self.router
+        if self.machine.adopting_router and await router.adopt():
+            self.console.print(f"Router adopted on {router.url} (pid {router.record.pid}): it kept serving",
+                               highlight=False)  # fmt: skip
+            return True
+        try:
+            await router.start()
+        except RouterStartError as err:
+            self.console.print(f"[red]{err}[/]", highlight=False)
+            return False
+        self.console.print(f"Router listening on {router.url} (log: {router.log_path})", highlight=False)
+        return True
+
+    def _start_node_agent(self) -> str | None:
+        """Run the node agent on its thread and serve its /metrics (a target of its own, job
+        fleet-node-agent, as the DaemonSet's pod is on Kubernetes; any free port); its URL, or
+        None without an agent."""
+        agent = self.machine.agent
+        if agent is None:
+            return None
+        agent.on_decision = lambda d: self.progress.say(f"{d.target:<20} {d.action.upper()}: {d.reason}",
+                                                        style="bold yellow")  # fmt: skip
+        threading.Thread(target=_supervised_thread, args=(agent.run, (AGENT_INTERVAL_S, self.agent_stop),
+                                                          self.agent_stop, "node agent"),
+                         name="node-agent", daemon=True).start()  # fmt: skip
+        server = serve_agent(agent, self.host, 0)
+        self.servers.append(server)
+        url = f"http://{self.host}:{server.server_address[1]}"
+        self.console.print(f"Node agent metrics (GPU health, quarantine) on {url}/metrics", highlight=False)
+        return url
+
+    def _control_plane(self) -> ControlPlane:
+        """The controller's and autoscaler's inputs on this machine (`fleet.control_plane`)."""
+        admin = self.router.admin
+        return ControlPlane(
+            backend=self.machine.backend, engine_api=self.engine_api, pool_sink=admin, analysis_source=admin,
+            stats_source=admin, state_sink=self.store, clock=self.clock, settings=self.settings,
+            history=FileHistoryStore(self.store.root / ARRIVAL_HISTORY_FILE), metrics=ControlPlaneMetrics(self.prices),
+            on_event=self._on_event, on_decision=self.progress.decision,
+            on_rollout_event=lambda name, line: self.progress.say(f"{name:<20} ROLLOUT {line}", style="bold blue"),
+        )  # fmt: skip
+
+    def _on_event(self, e: ReplicaEvent) -> None:
+        self.store.append_event({"replica": e.replica_id, "deployment": e.deployment,
+                                 "from": e.old.value if e.old else None, "to": e.new.value, "detail": e.detail})
+        self.progress.event(e)
+        if e.new.failed() and self.controller is not None:
+            self.progress.failure_details(self.controller, e)
+
+    def _serve_metrics(self, metrics: ControlPlaneMetrics, agent_url: str | None) -> LocalObservability:
+        """Add `fleet up`'s own series to the control plane's registry (rollouts, failed writes),
+        serve it on ``metrics_port`` when set, and keep the file_sd file that points Prometheus at
+        it (`fleet.observability.discovery.LocalObservability`)."""
+        host, port = self.host, self.metrics_port
+        metrics.registry.register(RolloutCollector(self.controller))   # fleet_rollout_* (fleet.rollout.metrics)
+        metrics.registry.register(self.store.write_errors)   # fleet_control_write_errors_total (fleet.local.failsoft)
+        if port:
+            server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+            self.servers.append(server)
+            self.console.print(f"Controller, autoscaler and rollout metrics on http://{host}:{port}/metrics",
+                               highlight=False)  # fmt: skip
+        return LocalObservability(self.store.root, self.router.url, port and f"http://{host}:{port}",
+                                  node_agent_url=agent_url, collector=metrics.controller_state)  # fmt: skip
+
+    def _start_tasks(self, autoscaler: AutoscalerLoop | None) -> list[asyncio.Task]:
+        """The router's supervisor, the control channel (`fleet apply`, `fleet rollout`) and the
+        autoscaler when one is built, each restarted should it fail (`_keep_running`)."""
+        controller, stop = self.controller, self.stop
+        assert controller is not None
+        control = ControlServer(self.store.root, controller, self.progress.say, self.store.write_errors)
+        loops = {"router-supervisor": ("router supervisor",
+                                       lambda: _supervise_router(self.router, controller, stop, self.progress)),
+                 "control": ("control channel", lambda: control.run(stop))}  # fmt: skip
+        if autoscaler is not None:
+            loops["autoscaler"] = ("autoscaler", lambda: autoscaler.run(stop))
+        loop = asyncio.get_running_loop()
+        return [loop.create_task(_keep_running(what, run, stop), name=name) for name, (what, run) in loops.items()]
+
+    def _after_tick(self, observability: LocalObservability) -> None:
+        assert self.controller is not None
+        self.progress.tick(self.controller, self.router.url)
+        try:
+            observability.tick(self.controller.snapshot())
+        except WRITE_ERRORS as err:
+            self.store.write_errors.failed("observability", err)
+
+    async def close(self) -> None:
+        """Stop the loops, the node agent and the HTTP servers; after SIGINT/SIGTERM (or an
+        interrupt) the router and every engine too, else leave them serving; record the phase
+        and the last snapshot; release the state directory."""
+        teardown = self.asked.is_set() or self.interrupted
+        self.stop.set()
+        self.agent_stop.set()
+        agent, router, store = self.machine.agent, self.router, self.store
         if agent is not None and agent.checker is not None:
             agent.checker.reader.close()
-        for server in (metrics_server, agent_server):
-            if server is not None:
-                server.shutdown()
-                server.server_close()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
         if teardown:
             await router.stop()
-            backend.kill_all()   # belt and braces: nothing started by this fleet outlives an orderly stop
+            self.machine.backend.kill_all()   # belt and braces: nothing started by this fleet outlives an orderly stop
         elif router.admin is not None:
             await router.admin.aclose()   # the router keeps serving
-        await engine_api.aclose()
+        await self.engine_api.aclose()
         store.set_extra(phase="stopped" if teardown else "exited")
-        if controller is not None:
-            store.save(controller.snapshot(), force=True)
+        if self.controller is not None:
+            store.save(self.controller.snapshot(), force=True)
         store.release()
-        console.print("Stopped." if teardown else "Exited; the router and engines still run.")
-        restore_output()
+        self.console.print("Stopped." if teardown else "Exited; the router and engines still run.")
 
 
 async def run_down(store: StateStore, console: Console, settings: ControllerSettings | None = None) -> int:
@@ -472,9 +425,9 @@ async def run_down(store: StateStore, console: Console, settings: ControllerSett
         if backend.live_process_count() == 0 and router_record is None:
             return 1
         engine_api = EngineClient()
-        controller = Controller([], backend=backend, engine_api=engine_api, pool_sink=router.admin
-                                if router_answers else _NoRouter(), clock=time.monotonic,
-                                state_sink=store, settings=settings)  # fmt: skip
+        controller = ControlPlane(backend=backend, engine_api=engine_api, clock=time.monotonic, state_sink=store,
+                                  pool_sink=router.admin if router_answers else _NoRouter(),
+                                  settings=settings).controller([])  # fmt: skip
         previous = state if unreadable is None else await _rebuild([], backend, router if router_answers else None,
                                                                     store, time.monotonic())  # fmt: skip
         await controller.start(previous)

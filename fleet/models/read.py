@@ -13,7 +13,7 @@ What is read:
   repository with no index gives its weight bytes as the sizes the hub lists for its
   ``*.safetensors`` files (``model_info(files_metadata=True)``). No weights are downloaded.
 
-Sources with nothing to read (``sim://``, http manifests) give None. `memory_need` puts the facts
+Sources with nothing to read (``sim://``, ``s3://``, http manifests) give None. `memory_need` puts the facts
 together with a deployment's engine arguments and TP size. Called by `fleet validate` and
 `fleet plan` (`fleet.cli`), never by the controller's loop (network I/O).
 """
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from fleet.models.facts import ModelConfigError, ModelFacts, facts_from_config, safetensors_header, safetensors_weight_bytes
 from fleet.models.memory import EngineMemorySettings, MemoryNeed
-from fleet.sources import HubSource, LocalSource, SourceError, hub_endpoint, parse_source
+from fleet.sources import HubSource, ModelSource, Scheme, SourceError, hub_endpoint
 
 if TYPE_CHECKING:
     from fleet.spec import InferenceDeployment
@@ -43,23 +43,24 @@ class ModelSourceError(ValueError):
 
 def read_model_facts(source: str, base_dir: Path | None = None, cached_dir: Path | None = None) -> ModelFacts | None:
     """The facts of the model at ``source`` (a `spec.model.source` string), or None for a source
-    Fleet does not read (``sim://``, http(s) manifests).
+    Fleet does not read (``sim://``, ``s3://``, http(s) manifests).
 
     ``base_dir`` resolves a relative path (the YAML file's directory); ``cached_dir`` is the
     source's directory in Fleet's weight cache when the caller found one
     (`fleet.agent.cache.WeightCache.lookup`), read instead of the hub.
     Raises ModelSourceError naming the source.
     """
-    if source.startswith("sim://"):
-        return None
     try:
-        src = parse_source(source, base_dir)
+        src = ModelSource.parse(source)
     except SourceError as err:
         raise ModelSourceError(str(err)) from None
-    if isinstance(src, LocalSource):
-        return facts_from_dir(src.path, source)
-    if isinstance(src, HubSource):
-        return facts_from_dir(cached_dir, source) if cached_dir is not None else _facts_from_hub(src)
+    local = src.local_path(base_dir)
+    if local is not None:
+        return facts_from_dir(local, source)
+    if src.scheme is Scheme.HF:
+        if cached_dir is not None:
+            return facts_from_dir(cached_dir, source)
+        return _facts_from_hub(HubSource(src.location, src.revision or "main"))
     return None
 
 

@@ -48,7 +48,7 @@ QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999))
 RATE = "$__rate_interval"
 
 ROUTER_EP = 'model=~"$model", endpoint=~"$replica", version=~"$version(@.*)?"'
-"""Router per-endpoint series (router/stats/metrics.py `ENDPOINT_LABELS`: requests, time to first
+"""Router per-endpoint series (router/stats/metric_families.py `ENDPOINT_LABELS`: requests, time to first
 token / byte, time per output token, end-to-end latency). The router's ``version`` is
 ``<revision>@<serving hash>`` (`fleet.rollout.revisions.revision_label`: two revisions may share a model
 revision), the variable's values are revisions (``fleet_replicas``, the engines' targets): the

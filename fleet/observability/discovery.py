@@ -308,12 +308,13 @@ class LocalObservability:
 
     def __init__(self, state_dir: Path, router_url: str, controller_url: str | None,
                  registry: CollectorRegistry | None = None, node_agent_url: str | None = None,
-                 prices: Mapping[str, float] | None = None) -> None:  # fmt: skip
+                 prices: Mapping[str, float] | None = None,
+                 collector: ControllerStateCollector | None = None) -> None:  # fmt: skip
         self.router_url = router_url
         self.controller_url = controller_url
         self.node_agent_url = node_agent_url
         self.writer = FileSDWriter(targets_path(state_dir))
-        self.collector = ControllerStateCollector(prices)
+        self.collector = collector or ControllerStateCollector(prices)   # given: registered by its owner
         if registry is not None:
             registry.register(self.collector)  # type: ignore[arg-type]  # duck-typed Collector
 

@@ -12,7 +12,7 @@ within `SLO.ttft_threshold_s` for `SLO.ttft_objective` of them; requests answere
 (the router's own 502/503/504 rejections included) for `SLO.availability_objective`. A sized
 (non-streamed) reply has no time to first token apart from its whole answer, so it counts in the
 availability SLO only. The threshold must be one of the histogram's bucket bounds
-(router/stats/metrics.py `TTFT_BUCKETS_S`): a ratio read from buckets is exact only there.
+(router/stats/metric_families.py `TTFT_BUCKETS_S`): a ratio read from buckets is exact only there.
 
 Alerts follow the multiwindow, multi-burn-rate recipe of Google's SRE workbook, chapter 5
 ("Alerting on SLOs", table 5-8): page when 2 % of a 30-day budget burns in 1 h (burn rate 14.4,
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from router.stats.metrics import TTFT_BUCKETS_S
+from router.stats.metric_families import TTFT_BUCKETS_S
 
 WINDOWS = ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
 """Windows of the recorded error ratios (the burn-rate alerts' long and short windows)."""

@@ -3,7 +3,8 @@
 Modules: `shapes` (request, plan and their parts), `slots` (free capacity and its index),
 `freeindex` (free capacity kept across calls per inventory, and `DeviceUse`, the in-use map
 that tells it what changed),
-`strategies` (the registry, the shared decision, the ``fleet`` and ``first-fit`` strategies),
+`strategies` (the registry, the shared decision, the ``first-fit`` strategy), `fleet_strategy`
+(the default ``fleet`` strategy), `candidates` (the eligible nodes and the GPU product of a request),
 `gangs` (replicas wider than a node), `explain` (reasons by node class), `mig_advice`
 (repartition plans), `cpu` (CPU replicas). The controller, `fleet up` and `fleet plan` call
 `get_strategy(name).place_replicas(request, inventory, in_use) -> PlacementPlan`.
@@ -20,10 +21,10 @@ from fleet.placement.shapes import (
     ReplicaShape,
     Unplaceable,
 )
+from fleet.placement.fleet_strategy import FleetStrategy
 from fleet.placement.strategies import (
     DEFAULT_STRATEGY,
     FirstFitStrategy,
-    FleetStrategy,
     PlacementStrategy,
     get_strategy,
     strategy_names,

@@ -1,8 +1,8 @@
 """Free capacity kept across placement calls: `DeviceUse` and the per-inventory `FreeIndex`.
 
-A placement call used to derive every slot (NVLink domain or MIG GPU) of a product from the
-in-use map, then rank them all: O(GPUs) per call, ~45 ms on 10,000 nodes x 8 GPUs even for one
-replica. Here the free units of each slot live in an index kept with the `Inventory` object
+Deriving every slot (NVLink domain or MIG GPU) of a product from the in-use map and ranking them
+all is O(GPUs) per placement call, ~45 ms on 10,000 nodes x 8 GPUs even for one replica. Instead
+the free units of each slot live in an index kept with the `Inventory` object
 (like `fleet.placement.slots.product_table`: by identity, with a weak reference, dropped with
 the inventory) and brought up to date from what changed in the in-use map since the last call:
 

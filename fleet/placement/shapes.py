@@ -148,7 +148,7 @@ WARM = 3
 
 @functools.lru_cache(maxsize=4096)
 def canonical_source(source: str) -> str:
-    """``spec.model.source`` as caches report it (`fleet.sources.Source.canonical`), or
+    """``spec.model.source`` as caches report it (the ``canonical`` of `fleet.sources.parse_source`), or
     as written when it is no cacheable source (``sim://``, a relative path)."""
     if "://" not in source and not source.startswith("/"):
         return source

@@ -12,7 +12,7 @@ absolute p99 threshold on it judges the prompt mix, not the canary. Canary and s
 same mix at the same time (the split is per request), so comparing TTFT and TPOT quantiles side
 by side cancels load and mix; absolute limits remain available per metric.
 
-Verdicts (issue 12): a check is inconclusive when either side has fewer than
+Verdicts: a check is inconclusive when either side has fewer than
 ``minSamplesPerSide`` samples of its metric (never a pass, never a failure) and an error when
 a side's samples are unavailable (the signal could not be read; never a failure). A run fails
 when any check fails; else it is an error when any check is; else inconclusive when any check

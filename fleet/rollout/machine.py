@@ -6,7 +6,7 @@ controller's state file) and `CanaryMachine` (the pure transitions over it: `sta
 replicas each revision gets for a deployment size and weight) and `replica_targets`. Called by the controller on every
 tick and by the trace simulator in virtual time; no I/O, no clock (the caller passes ``now_s``).
 
-Semantics (issue 12):
+Semantics (docs/rollouts.md has the user's view):
 
 - A weight step waits until the canary has as many READY replicas as that weight needs
   (`split_replicas`), then sets the weight: a revision gets traffic only once it is warm. Pause

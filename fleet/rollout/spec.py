@@ -15,7 +15,7 @@ is promoted (a final weight of 100 is implied after the last step).
 
 Defaults and their sources: an analysis every 60 s over at least 50 requests per side; canary
 p99 TTFT <= 1.2 x stable, p99 TPOT <= 1.1 x stable, error rate <= stable + 0.5 percentage
-points (the limits of the issue that asked for this, issue 12), and median TPOT <= 1.1 x stable
+points (the limits Fleet's rollout requirements set), and median TPOT <= 1.1 x stable
 (a slower decode shifts every request's TPOT; the median shows it with far fewer samples than
 the p99, which over a minute's requests is close to their maximum: the trace simulator's
 +30 % TPOT canary passed the p99 check alone, docs/benchmarks.md "Canary rollouts in the trace

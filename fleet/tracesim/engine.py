@@ -1,9 +1,12 @@
-"""The trace simulator's discrete-event loop: a trace through the real router policy and the real
-autoscaler policy, over simulated engines, in virtual time.
+"""The trace simulator's autoscaling simulation: a trace through the real router policy and the
+real autoscaler policy, over simulated engines, in virtual time.
 
-Owns `SimConfig` (what is simulated: profile, autoscaling spec and bounds, routing, start-up
-model, SLO) and `Simulation` (the event loop). Called by `fleet.tracesim.compare` and
-`fleet simulate`; reads `fleet.tracesim.workload` for the requests and fills
+Owns `Simulation` (its handlers on the shared event loop, `fleet.tracesim.events`: arrivals,
+admission, engine steps, start-up, drain, standby, autoscaler ticks) for a
+`fleet.tracesim.config.SimConfig` (what is simulated: profile, autoscaling spec and bounds,
+routing, start-up model, SLO; re-exported here with its defaults). What routers know of each
+other and of the engines is `fleet.tracesim.router_views`'. Called by `fleet.tracesim.compare`
+and `fleet simulate`; reads `fleet.tracesim.workload` for the requests and fills
 `fleet.tracesim.results`. No I/O, no clock, no sleeping: every time is a virtual second, and the
 same config and workload give the same result. This is a SIMULATOR: the engines are
 `fleet.enginesim` latency models, not vLLM.
@@ -12,9 +15,9 @@ What runs for real (the live objects, fed in virtual time):
 
 - routing: `router.pools.pool.Pool.pick` with the policy object of `router.pools.policies.make_policy`,
   for a `router.kv.prompt_blocks.RouteRequest` built by `route_request` from the very token-id
-  prompt the engine model gets (as the proxy builds it from the body), over
+  prompt the engine model gets (as `router.request.prepare` builds it from the body), over
   `router.pools.endpoint.EndpointState`s whose load (`start`, `first_byte` at the first token,
-  `finish`) and first-byte EWMA (`EndpointState.record_first_byte`) are updated where `router.request.proxy`
+  `finish`) and first-byte EWMA (`EndpointState.record_first_byte`) are updated where `router.request.attempt`
   updates them; draining endpoints stay in the pool marked draining, as the controller
   publishes them. With ``routers`` > 1, that many independent routers (each its own policy
   object and its own endpoint states, seeing only its own requests) take the requests in
@@ -22,7 +25,7 @@ What runs for real (the live objects, fed in virtual time):
   placement (`RoutingPolicy.learn`), which is what each would learn from the engines' KV cache
   events: the upper bound of what an exact, shared view gives. ``load_signal`` says what each
   router knows of the load the others sent (docs/routing.md, "A shared load signal"): nothing
-  (``own``, as before); the engines' load sampled every ``load_interval_s`` by each router
+  (``own``: only its own requests); the engines' load sampled every ``load_interval_s`` by each router
   (``engine``: `vllm:num_requests_waiting` / `running`, through the router's own
   `router.signals.engine_load.EngineLoadView`, the others' requests taken to look like the router's own;
   ``engine-waiting``: split into prefilling and decoding by the engine's waiting share;
@@ -33,21 +36,21 @@ What runs for real (the live objects, fed in virtual time):
   that old). With
   ``kv_events`` every simulated engine makes vLLM's KV cache events (`EngineModel(kv_events=True)`:
   one `router.kv.events.EventBatch` per step) and every router's `kv-aware` consumes the same
-  stream through its own `router.kv.exact_index.ExactIndex` (`RoutingPolicy.use_exact_index`), each
+  stream through its own `router.kv.exact_index.ExactIndex` (its pool's `Pool.kv_view`), each
   batch applied ``kv_events_delay_s`` after the step that made it: the objects the live router's
-  subscribers feed;
-- router statistics: one `router.stats.windows.ModelStats` recorded by the proxy's own recording code
+  subscribers feed (`fleet.tracesim.router_views`);
+- router statistics: one `router.stats.windows.ModelStats` recorded by the request path's own recording code
   (`router.pools.pool.PoolShared`: `arrived`, `dispatched`, `gave_up`, `rejected`, `completed`) at
-  the proxy's points (arrival; queue time at dispatch or at a queue timeout; client-side TTFT
+  the request path's points (arrival; queue time at dispatch or at a queue timeout; client-side TTFT
   and end-to-end latency stamped at completion; rejections);
 - autoscaling: the deployment's `autoscaler.policy` object, asked every ``policy.interval_s``
   with `autoscaler.signals.DeploymentSignals` over simulated scrapes of every READY replica
-  (`SimReplica.sample`: gauges and the cumulative `vllm:request_queue_time_seconds`
+  (`VirtualReplica.sample`: gauges and the cumulative `vllm:request_queue_time_seconds`
   histogram) and the router snapshot, and an `autoscaler.startup.StartupTracker` fed with the
   start-ups it observed (never told the modelled times);
 - engines: one `fleet.enginesim.model.EngineModel` per replica, stepped as `run_virtual` steps it.
 
-What is modelled (docs/autoscaling.md, "The trace simulator"):
+What is modelled (docs/autoscaling.md, "Running a policy in virtual time (the trace simulator)"):
 
 - Start-up: a replica asked for at t becomes READY at t + the warm or the cold start-up time
   (`fleet.tracesim.replica.NodePool`). The initial replicas are READY at 0 s.
@@ -77,166 +80,41 @@ What is modelled (docs/autoscaling.md, "The trace simulator"):
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
-from autoscaler.policy import ReplicaBounds, ScalingContext, ScalingPolicy, make_policy
+from autoscaler.policy import ScalingContext, ScalingPolicy, make_policy
 from autoscaler.signals import DeploymentSignals
-from autoscaler.spec import AutoscalingSpec
 from autoscaler.startup import StartupTracker
 from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
-from fleet.enginesim.profiles import Profile
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.controller.scale import scale_step
-from fleet.tracesim.replica import NodePool, SimReplica
+from fleet.tracesim.config import (
+    DEFAULT_COLD_STARTUP_S,
+    DEFAULT_TTFT_SLO_S,
+    DEFAULT_WAKE_S,
+    DEFAULT_WARM_STARTUP_S,
+    DRAIN_TIMEOUT_S,
+    LOAD_SIGNALS,
+    SimConfig,
+)
+from fleet.tracesim.events import FIRST_OWN_KIND, READY, EngineStepper, EventLoop
+from fleet.tracesim.replica import NodePool, VirtualReplica
 from fleet.tracesim.results import RequestLog, SimResult, TickRecord
+from fleet.tracesim.router_views import PEER_CLAIM_DELAY_S, RouterViews
 from fleet.tracesim.workload import Workload, prompt_ids
-from router.signals.engine_load import DEFAULT_MAX_AGE_S, EngineLoadView
-from router.kv.events import EventBatch
-from router.kv.exact_index import Claim, ExactIndex
 from router.pools.policies import make_policy as make_routing_policy
 from router.pools.pool import Pool, PoolShared
 from router.kv.prompt_blocks import RouteRequest, route_request
-from router.pools.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TIMEOUT_S
 from router.stats.windows import ModelStats
 
-DEFAULT_WARM_STARTUP_S = 60.0
-"""Modelled placement-to-READY on a warm node (image and weights on the node), seconds: 52 s
-measured for one 8B pod with node-local weights (docs/anchors.md), plus warm-up."""
+_DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK = range(FIRST_OWN_KIND, FIRST_OWN_KIND + 3)
+"""This simulator's event kinds (after `fleet.tracesim.events`' shared ones and before
+`fleet.tracesim.router_views`' four), in the order they run at one virtual instant."""
 
-DEFAULT_COLD_STARTUP_S = 600.0
-"""Modelled placement-to-READY on a cold node, seconds: image pull (~30 GB vLLM images take
-minutes) and weights copied first; "a 4-GPU model load can take about 10 minutes" (same
-notes). The same figure as `spec.autoscaling.coldStartupSeconds`' default."""
-
-DRAIN_TIMEOUT_S = 120.0
-"""A draining replica's requests still running after this many seconds are aborted
-(`fleet.controller.reconcile.ControllerSettings.drain_timeout_s`' default)."""
-
-DEFAULT_TTFT_SLO_S = 2.0
-"""The TTFT SLO the share is measured against, seconds: MLPerf Inference's server-scenario
-limit for Llama 3.1 8B (and Llama 2 70B), `llama3_1-8b.Server.ttft_latency = 2000` at the 99th
-percentile in mlcommons/inference loadgen/mlperf.conf. The interactive scenario's is 0.5 s."""
-
-DEFAULT_WAKE_S = 3.0
-"""Modelled seconds from a wake-up asked for (vLLM `POST /wake_up` after `POST /sleep?level=1`)
-to READY: the ~3 s llm-d's fast-model-actuation work reports for waking 64 GiB of weights
-(quoted in issue 24), not scaled down for an 8B model's 16 GB: a conservative figure."""
-
-# Event kinds, in the order they run when they fall on the same virtual instant.
-_STEP_END, _WAKE, _READY, _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK, _SAMPLE, _PEER, _KV_BATCH, _CLAIM = range(10)
-
-PEER_CLAIM_DELAY_S = 0.001
-"""Modelled seconds from a router's dispatch to its peers taking the dispatch's claim
-(`router.kv.exact_index.Claim`): the live router sends it at once, as one datagram on the peer channel
-(`router.signals.peer_channel.PeerSender.send_claim`), so a LAN hop and a loop turn, not the load
-reports' 10 ms."""
-
-LOAD_SIGNALS = ("own", "engine", "engine-waiting", "engine-prefill", "peers")
-"""What a router knows of the load other routers sent (`SimConfig.load_signal`)."""
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """One simulated deployment.
-
-    ``profile``: the simulated replica (`fleet.enginesim.profiles`); ``autoscaling``: the policy
-    and its parameters (`autoscaler.spec.AutoscalingSpec`); ``bounds``: spec.replicas;
-    ``routing_policy``, ``max_concurrency_per_endpoint``, ``max_queue_length``,
-    ``queue_timeout_s``: spec.routing; ``warm_startup_s`` / ``cold_startup_s``: modelled
-    start-up times in seconds (the policy's own estimates start from the spec's
-    ``warmStartupSeconds`` / ``coldStartupSeconds`` and follow what it observes);
-    ``warm_nodes``: node slots that hold image and weights at the start (default
-    ``bounds.max``: every replica the policy may ask for starts warm); ``slowdown``: factor on
-    every engine step; ``ttft_slo_s``: the SLO the share is measured against (seconds);
-    ``drain_timeout_s``: see `DRAIN_TIMEOUT_S`; ``seed``: token ids; ``name``: the row's label;
-    ``standby_max``: most STANDBY replicas kept (0: standby off; module docstring);
-    ``wake_s``: modelled seconds from wake-up to READY (`DEFAULT_WAKE_S`); ``history``: arrival
-    rates before the trace, (bin start in seconds before 0, requests/s), given to the policy once
-    (`ScalingPolicy.prime`: the forecast of `standby` learns from them);
-    ``load_signal`` (one of `LOAD_SIGNALS`) and ``load_interval_s`` (seconds between engine load
-    samples, or the peer channel's delay): what each router knows of the others' load (module
-    docstring); ``kv_events``: the engines' KV cache events reach every router's exact index,
-    ``kv_events_delay_s`` after the step that made them (module docstring).
-
-    Raises ValueError for an unknown ``load_signal``, a negative ``load_interval_s`` (or 0 for an
-    engine signal), start-up times outside ``0 <= warm <= cold``, a negative
-    ``warm_nodes``, ``standby_max`` or ``wake_s``, or a non-positive ``ttft_slo_s``,
-    ``slowdown`` or ``drain_timeout_s``.
-    """
-
-    profile: Profile
-    autoscaling: AutoscalingSpec
-    bounds: ReplicaBounds
-    routing_policy: str = "kv-aware"
-    max_concurrency_per_endpoint: int | None = None
-    max_queue_length: int = DEFAULT_MAX_QUEUE_LENGTH
-    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
-    warm_startup_s: float = DEFAULT_WARM_STARTUP_S
-    cold_startup_s: float = DEFAULT_COLD_STARTUP_S
-    warm_nodes: int | None = None
-    slowdown: float = 1.0
-    ttft_slo_s: float = DEFAULT_TTFT_SLO_S
-    drain_timeout_s: float = DRAIN_TIMEOUT_S
-    seed: int = 0
-    name: str = ""
-    model: str = "sim-model"
-    routers: int = 1
-    shared_view: bool = False
-    standby_max: int = 0
-    wake_s: float = DEFAULT_WAKE_S
-    load_signal: str = "own"
-    load_interval_s: float = 0.1
-    kv_events: bool = False
-    kv_events_delay_s: float = 0.0
-    history: tuple[tuple[float, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.load_signal not in LOAD_SIGNALS:
-            raise ValueError(f"load_signal must be one of {', '.join(LOAD_SIGNALS)}, got {self.load_signal!r}")
-        if self.kv_events_delay_s < 0:
-            raise ValueError(f"kv_events_delay_s must be >= 0, got {self.kv_events_delay_s}")
-        if self.load_interval_s < 0 or (self.load_interval_s == 0 and self.load_signal.startswith("engine")):
-            raise ValueError(f"load_interval_s must be > 0 (>= 0 for peers), got {self.load_interval_s}")
-        if self.standby_max < 0 or self.wake_s < 0:
-            raise ValueError(f"standby_max and wake_s must be >= 0, got {self.standby_max} and {self.wake_s} s")
-        if self.routers < 1:
-            raise ValueError(f"routers must be >= 1, got {self.routers}")
-        if self.routers > 1 and self.max_concurrency_per_endpoint is not None:
-            raise ValueError("routers > 1 is simulated without max_concurrency_per_endpoint (no shared admission queue)")
-        if not 0 <= self.warm_startup_s <= self.cold_startup_s:
-            raise ValueError(f"need 0 <= warm start-up <= cold start-up, got {self.warm_startup_s} s and "
-                             f"{self.cold_startup_s} s")  # fmt: skip
-        if self.warm_nodes is not None and self.warm_nodes < 0:
-            raise ValueError(f"warm_nodes must be >= 0, got {self.warm_nodes}")
-        if self.ttft_slo_s <= 0 or self.slowdown <= 0 or self.drain_timeout_s <= 0:
-            raise ValueError("ttft_slo_s, slowdown and drain_timeout_s must be > 0")
-
-    @property
-    def label(self) -> str:
-        return self.name or self.autoscaling.policy
-
-    def params(self) -> dict[str, Any]:
-        """JSON-ready description of this configuration (for the results file)."""
-        return {
-            "profile": self.profile.name, "policy": self.autoscaling.policy,
-            "autoscaling": self.autoscaling.to_document() if self.autoscaling.policy != "fixed" else None,
-            "replicas": {"min": self.bounds.min, "max": self.bounds.max, "initial": self.bounds.initial},
-            "routing": {"policy": self.routing_policy, "routers": self.routers, "shared_view": self.shared_view,
-                        "load_signal": self.load_signal, "load_interval_s": self.load_interval_s,
-                        "kv_events": self.kv_events, "kv_events_delay_s": self.kv_events_delay_s,
-                        "max_concurrency_per_endpoint": self.max_concurrency_per_endpoint,
-                        "max_queue_length": self.max_queue_length, "queue_timeout_s": self.queue_timeout_s},
-            "startup": {"warm_s": self.warm_startup_s, "cold_s": self.cold_startup_s,
-                        "warm_nodes": self.bounds.max if self.warm_nodes is None else self.warm_nodes},
-            "slowdown": self.slowdown, "ttft_slo_s": self.ttft_slo_s, "drain_timeout_s": self.drain_timeout_s,
-            "seed": self.seed, "standby": {"max": self.standby_max, "wake_s": self.wake_s},
-            "history_s": -self.history[0][0] if self.history else 0.0,
-        }  # fmt: skip
+__all__ = ["DEFAULT_COLD_STARTUP_S", "DEFAULT_TTFT_SLO_S", "DEFAULT_WAKE_S", "DEFAULT_WARM_STARTUP_S",
+           "DRAIN_TIMEOUT_S", "LOAD_SIGNALS", "PEER_CLAIM_DELAY_S", "SimConfig", "Simulation"]  # fmt: skip
 
 
 class Simulation:
@@ -262,28 +140,24 @@ class Simulation:
         self.shared = PoolShared(self.stats)
         self.routings = [make_routing_policy(config.routing_policy) for _ in range(config.routers)]
         self.routing = self.routings[0]
-        estimate = "waiting" if config.load_signal == "engine-waiting" else "mix"
-        self.load_views = [EngineLoadView(max(DEFAULT_MAX_AGE_S, 10 * config.load_interval_s), estimate)
-                           for _ in range(config.routers)]  # fmt: skip
-        self.exact_indexes = [ExactIndex() for _ in range(config.routers)] if config.kv_events else []
-        self._kv_seq: dict[str, int] = {}               # replica -> sequence number of its last batch
         self._routes: dict[int, RouteRequest] = {}      # request -> what its router saw (until it ends)
         self._prompts: dict[int, list[int]] = {}        # request -> token ids, until dispatched
         self._router_of = bytearray(len(workload.requests))
         self._prefilling = bytearray(len(workload.requests))   # 1 until the first token
         self.nodes = NodePool(config.bounds.max if config.warm_nodes is None else config.warm_nodes)
-        self.replicas: list[SimReplica] = []
+        self.replicas: list[VirtualReplica] = []
         self.desired = config.bounds.initial
         self.log = RequestLog([r.arrival_s for r in workload.requests])
         self.ticks: list[TickRecord] = []
-        self._heap: list[tuple[float, int, int, object]] = []
-        self._seq = 0
+        self.loop = EventLoop()
+        self.engines = EngineStepper(self.loop, self._on_step)
+        self.views = RouterViews(config, self.loop, self.replicas, lambda: self._done < len(self.log))
+        self.load_views, self.exact_indexes = self.views.load_views, self.views.exact_indexes
         self._queue: deque[int] = deque()   # request indexes waiting in the router (lazy deletion)
         self._queued = 0
         self._waiting = bytearray(len(self.log))   # 1 while request i is in the router queue
         self._done = 0
-        self._steps = 0
-        self._by_endpoint: dict[str, SimReplica] = {}
+        self._by_endpoint: dict[str, VirtualReplica] = {}
         self._startups: list[tuple[str, bool, float]] = []
         self._wakes: list[tuple[str, float]] = []
         self.standby_target = 0
@@ -293,9 +167,14 @@ class Simulation:
 
     # ----- events -----------------------------------------------------------------------
 
-    def _push(self, at_s: float, kind: int, payload: object) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (at_s, kind, self._seq, payload))
+    def _register_handlers(self) -> None:
+        """Register this simulation's handlers on its event loop (the engines' own are the
+        `EngineStepper`'s)."""
+        on = self.loop.on
+        on(READY, self._on_ready)
+        on(_DRAIN_TIMEOUT, self._on_drain_timeout)
+        on(_QUEUE_TIMEOUT, self._on_queue_timeout)
+        on(_TICK, self._on_tick)
 
     def run(self) -> SimResult:
         """Replay the whole workload; return the result.
@@ -304,52 +183,27 @@ class Simulation:
         if self._ran:
             raise RuntimeError("a Simulation runs once")
         self._ran = True
-        for routing, index in zip(self.routings, self.exact_indexes):   # the routers' policies, as run
-            routing.use_exact_index(index)
+        self._register_handlers()
         for _ in range(self.config.bounds.initial):
             self._add_replica(0.0, ready_now=True)
         self._rebuild_pool()
-        self._push(0.0, _TICK, None)
-        if self.config.load_signal.startswith("engine"):
-            for k in range(self.config.routers):   # routers poll out of phase, as independent processes do
-                self._push(self.config.load_interval_s * (k + 1) / self.config.routers, _SAMPLE, k)
-        reqs = self.workload.requests
-        n = len(reqs)
-        heap = self._heap
-        i = 0
-        now_s = 0.0
-        next_progress_s = self.progress_every_s
-        while self._done < n:
-            next_arrival_s = reqs[i].arrival_s if i < n else math.inf
-            if heap and heap[0][0] <= next_arrival_s:
-                now_s, kind, _, payload = heapq.heappop(heap)
-                if kind == _STEP_END:
-                    self._on_step_end(payload, now_s)  # type: ignore[arg-type]
-                elif kind == _WAKE:
-                    self._on_wake(payload, now_s)  # type: ignore[arg-type]
-                elif kind == _TICK:
-                    self._on_tick(now_s)
-                elif kind == _SAMPLE:
-                    self._on_sample(payload, now_s)  # type: ignore[arg-type]
-                elif kind == _PEER:
-                    self._on_peer(payload)  # type: ignore[arg-type]
-                elif kind == _KV_BATCH:
-                    self._on_kv_batch(payload)  # type: ignore[arg-type]
-                elif kind == _CLAIM:
-                    self._on_claim(payload, now_s)  # type: ignore[arg-type]
-                elif kind == _READY:
-                    self._on_ready(payload, now_s)  # type: ignore[arg-type]
-                elif kind == _DRAIN_TIMEOUT:
-                    self._on_drain_timeout(payload, now_s)  # type: ignore[arg-type]
-                else:
-                    self._on_queue_timeout(payload, now_s)  # type: ignore[arg-type]
-            else:
-                now_s = next_arrival_s
-                self._on_arrival(i, now_s)
-                i += 1
-            if self.progress is not None and now_s >= next_progress_s:
-                self.progress(now_s, self._done, n)
-                next_progress_s = now_s + self.progress_every_s
+        self.loop.push(0.0, _TICK)
+        self.views.start()
+        n = len(self.workload.requests)
+        after_each = None
+        if self.progress is not None:
+            progress, next_progress_s = self.progress, self.progress_every_s
+
+            def after_each(now_s: float) -> None:
+                nonlocal next_progress_s
+                if now_s >= next_progress_s:
+                    progress(now_s, self._done, n)
+                    next_progress_s = now_s + self.progress_every_s
+
+        now_s = self.loop.run(lambda: self._done >= n, arrivals=self.log.arrival_s, on_arrival=self._on_arrival,
+                              after_each=after_each)  # fmt: skip
+        if self._done < n:
+            raise RuntimeError(f"the simulation stalled at {now_s} s with {n - self._done} of {n} requests open")
         if self.progress is not None:
             self.progress(now_s, self._done, n)
         horizon_s = self.workload.duration_s
@@ -357,7 +211,7 @@ class Simulation:
             name=self.config.label, policy=self.config.autoscaling.policy, ttft_slo_s=self.config.ttft_slo_s,
             requests=self.log, ticks=self.ticks, horizon_s=horizon_s, end_s=now_s,
             replica_cost_s=sum(r.cost_s(horizon_s) for r in self.replicas), startups=self._startups,
-            params=self.config.params(), steps=self._steps,
+            params=self.config.params(), steps=self.engines.steps,
             standby_cost_s=sum(r.standby_s(horizon_s) for r in self.replicas), wakes=self._wakes,
         )  # fmt: skip
 
@@ -383,7 +237,7 @@ class Simulation:
             self._queue.append(i)
             self._waiting[i] = 1
             self._queued += 1
-            self._push(now_s + pool.queue_timeout_s, _QUEUE_TIMEOUT, i)
+            self.loop.push(now_s + pool.queue_timeout_s, _QUEUE_TIMEOUT, i)
 
     def _admit_waiting(self, now_s: float) -> None:
         """Dispatch queued requests, oldest first, while an endpoint has a free slot."""
@@ -420,17 +274,11 @@ class Simulation:
         self.log.end_s[i] = now_s
         self._done += 1
 
-    def _dispatch(self, i: int, replica: SimReplica, now_s: float) -> None:
+    def _dispatch(self, i: int, replica: VirtualReplica, now_s: float) -> None:
         route = self._routes[i]
         k = self._router_of[i]
         replica.endpoints[k].start(route.prefill_tokens)
-        self._tell_peers(replica, k, (1, 1, route.prefill_tokens), now_s)
-        if route.claim is not None and self.config.load_signal == "peers" and self.config.routers > 1:
-            self._push(now_s + PEER_CLAIM_DELAY_S, _CLAIM, (k, route.claim))
-        if self.config.shared_view:
-            for other, routing in enumerate(self.routings):
-                if other != k:
-                    routing.learn(replica.id, route.block_hashes)
+        self.views.dispatched(replica, k, route, self.routings, now_s)
         self._prefilling[i] = 1
         log = self.log
         log.dispatch_s[i] = now_s
@@ -441,10 +289,9 @@ class Simulation:
         rid = str(i)
         replica.in_flight_ids.add(rid)
         replica.engine.add_request(rid, self._prompts.pop(i), r.output_tokens, now_s)
-        if not replica.busy:
-            self._step(replica, now_s)
+        self.engines.poke(replica, now_s)
 
-    def _first_token(self, replica: SimReplica, i: int, now_s: float) -> None:
+    def _first_token(self, replica: VirtualReplica, i: int, now_s: float) -> None:
         """Request ``i`` emitted its first token: its prefill charge leaves the endpoint's load
         (where the proxy calls `EndpointState.first_byte`)."""
         if self._prefilling[i]:
@@ -452,64 +299,20 @@ class Simulation:
             k = self._router_of[i]
             tokens = self._routes[i].prefill_tokens
             replica.endpoints[k].first_byte(tokens)
-            self._tell_peers(replica, k, (0, -1, -tokens), now_s)
+            self.views.tell_peers(replica, k, (0, -1, -tokens), now_s)
 
-    def _release(self, replica: SimReplica, i: int, now_s: float) -> None:
+    def _release(self, replica: VirtualReplica, i: int, now_s: float) -> None:
         """Request ``i`` left ``replica``: its router's endpoint state forgets it."""
         route = self._routes.pop(i)
         k = self._router_of[i]
         replica.endpoints[k].finish(route.prefill_tokens, not self._prefilling[i])
         if self._prefilling[i]:
-            self._tell_peers(replica, k, (-1, -1, -route.prefill_tokens), now_s)
+            self.views.tell_peers(replica, k, (-1, -1, -route.prefill_tokens), now_s)
         else:
-            self._tell_peers(replica, k, (-1, 0, 0), now_s)
+            self.views.tell_peers(replica, k, (-1, 0, 0), now_s)
         self._prefilling[i] = 0
 
-    # ----- what routers know of each other's load (SimConfig.load_signal) --------------
-
-    def _tell_peers(self, replica: SimReplica, k: int, delta: tuple[int, int, int], now_s: float) -> None:
-        """Router ``k`` changed its load on ``replica`` by (in flight, prefilling, prefill
-        tokens): with ``peers``, the other routers hear of it ``load_interval_s`` later."""
-        if self.config.load_signal != "peers" or self.config.routers == 1:
-            return
-        if self.config.load_interval_s > 0:
-            self._push(now_s + self.config.load_interval_s, _PEER, (replica, k, delta))
-        else:
-            self._on_peer((replica, k, delta))
-
-    def _on_peer(self, payload: tuple[SimReplica, int, tuple[int, int, int]]) -> None:
-        replica, k, (in_flight, prefilling, tokens) = payload
-        for j, endpoint in enumerate(replica.endpoints):
-            if j != k:
-                endpoint.others_in_flight += in_flight
-                endpoint.others_prefilling += prefilling
-                endpoint.others_prefill_tokens += tokens
-                endpoint.others_until_s = math.inf
-
-    def _on_claim(self, payload: tuple[int, Claim], now_s: float) -> None:
-        """Router ``k``'s claim reaches the other routers (what the live router's peers do with it)."""
-        k, claim = payload
-        for j, index in enumerate(self.exact_indexes):
-            if j != k:
-                index.expect_keys(claim.endpoint_id, claim.keys, claim.until_s, now_s)
-
-    def _on_kv_batch(self, payload: tuple[str, EventBatch, int]) -> None:
-        """One engine step's KV cache events reach every router (its subscriber's `apply`)."""
-        replica_id, batch, seq = payload
-        for index in self.exact_indexes:
-            index.apply(replica_id, batch, seq)
-
-    def _on_sample(self, k: int, now_s: float) -> None:
-        """Router ``k`` reads every READY or DRAINING replica's load (its `/metrics` poll)."""
-        view = self.load_views[k]
-        with_prefill = self.config.load_signal == "engine-prefill"
-        for r in self.replicas:
-            if r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING):
-                view.observe(r.endpoints[k], r.load_sample(with_prefill), now_s)
-        if self._done < len(self.log):
-            self._push(now_s + self.config.load_interval_s, _SAMPLE, k)
-
-    def _finish(self, replica: SimReplica, fr: FinishedRequest, now_s: float) -> None:
+    def _finish(self, replica: VirtualReplica, fr: FinishedRequest, now_s: float) -> None:
         i = int(fr.request_id)
         log = self.log
         endpoint = replica.endpoints[self._router_of[i]]
@@ -528,34 +331,11 @@ class Simulation:
 
     # ----- engines ----------------------------------------------------------------------
 
-    def _step(self, replica: SimReplica, now_s: float) -> None:
-        """Start the replica's next engine step at ``now_s`` if it has work (`SimReplica.step`)."""
-        result = replica.step(now_s)
-        if isinstance(result, StepResult):
-            self._steps += 1
-            self._push(result.end_s, _STEP_END, (replica, result))
-        elif result is not None:
-            self._push(result, _WAKE, replica)
-
-    def _on_wake(self, replica: SimReplica, now_s: float) -> None:
-        if replica.wake_at_s != now_s:
-            return  # superseded by an earlier wake-up
-        replica.wake_at_s = None
-        if not replica.busy and replica.status is not ReplicaStatus.TERMINATED:
-            self._step(replica, now_s)
-
-    def _on_step_end(self, payload: tuple[SimReplica, StepResult], now_s: float) -> None:
-        replica, result = payload
-        replica.busy = False
-        if replica.status is ReplicaStatus.TERMINATED:
-            return  # stopped at its drain timeout while this step ran; its requests were aborted then
-        if self.exact_indexes and result.kv_events:
-            self._kv_seq[replica.id] = seq = self._kv_seq.get(replica.id, -1) + 1
-            payload = (replica.id, result.kv_event_batch(), seq)
-            if self.config.kv_events_delay_s > 0:
-                self._push(now_s + self.config.kv_events_delay_s, _KV_BATCH, payload)
-            else:
-                self._on_kv_batch(payload)
+    def _on_step(self, replica: VirtualReplica, result: StepResult, now_s: float) -> bool:
+        """A step of ``replica``'s engine ended (`fleet.tracesim.events.EngineStepper`): its KV
+        cache events go out, first tokens and finished requests are recorded, a drained replica
+        stops, waiting requests take freed slots. Returns whether the engine steps on."""
+        self.views.stepped(replica, result, now_s)
         for rid, token in result.emitted.items():
             if token == 0:
                 self._first_token(replica, int(rid), now_s)
@@ -564,39 +344,36 @@ class Simulation:
                 self._finish(replica, fr, now_s)
             if replica.status is ReplicaStatus.DRAINING and not replica.in_flight_ids:
                 self._stop(replica, now_s)
-                return
+                return False
             if self._queued:
                 self._admit_waiting(now_s)
-        if not replica.busy:
-            self._step(replica, now_s)
+        return True
 
     # ----- replicas (fleet.controller.reconcile's lifecycle) ---------------------------------------
 
-    def _add_replica(self, now_s: float, ready_now: bool = False) -> SimReplica:
+    def _add_replica(self, now_s: float, ready_now: bool = False) -> VirtualReplica:
         cfg = self.config
         slot, warm = self.nodes.take()
         index = len(self.replicas)
         startup_s = 0.0 if ready_now else (cfg.warm_startup_s if warm else cfg.cold_startup_s)
         engine = EngineModel(cfg.profile.config, cfg.profile.cost, slowdown=cfg.slowdown, kv_events=cfg.kv_events)
-        replica = SimReplica(f"{cfg.model}-{index}", index, engine, now_s, now_s + startup_s, warm, slot, cfg.routers)
+        replica = VirtualReplica(f"{cfg.model}-{index}", index, engine, now_s, now_s + startup_s, warm, slot,
+                                 cfg.routers)  # fmt: skip
         self.replicas.append(replica)
         self._by_endpoint[replica.id] = replica
-        for index in self.exact_indexes:   # its stream starts with the engine: empty, complete
-            index.open(replica.id)
+        self.views.opened(replica.id)
         if ready_now:
-            replica.status = ReplicaStatus.READY
+            replica.record_ready(now_s)
             self.nodes.became_ready(slot)
         else:
-            self._push(replica.ready_at_s, _READY, replica)
+            self.loop.push(replica.ready_at_s, READY, replica)
         return replica
 
-    def _on_ready(self, replica: SimReplica, now_s: float) -> None:
+    def _on_ready(self, replica: VirtualReplica, now_s: float) -> None:
         if replica.status is not ReplicaStatus.STARTING or replica.ready_at_s != now_s:
             return  # stopped (or put back to sleep) while starting
         if replica.woken:
-            replica.woken = False
-            self._wakes.append((replica.id, now_s - replica.drain_s))  # type: ignore[operator]
-            replica.drain_s = None
+            self._wakes.append((replica.id, now_s - replica.woke_s))  # type: ignore[operator]
         else:
             self.nodes.became_ready(replica.node)
             self.startup.observe(replica.id, replica.warm, now_s - replica.created_s)
@@ -604,42 +381,35 @@ class Simulation:
         if replica.for_standby:
             self._sleep(replica, now_s)
             return
-        replica.status = ReplicaStatus.READY
+        replica.record_ready(now_s)
         self._rebuild_pool()
         if self._queued:
             self._admit_waiting(now_s)
 
-    def _sleep(self, replica: SimReplica, now_s: float) -> None:
+    def _sleep(self, replica: VirtualReplica, now_s: float) -> None:
         """Put ``replica`` (loaded, nothing in flight) to sleep: STANDBY, keeping its node slot."""
-        replica.status = ReplicaStatus.STANDBY
-        replica.for_standby = replica.to_standby = replica.woken = False
-        replica.drain_s = None
-        replica.standby_spans.append([now_s, None])
+        replica.record_sleep(now_s)
 
-    def _wake(self, replica: SimReplica, now_s: float) -> None:
-        """Wake a STANDBY replica: STARTING, READY ``wake_s`` later (``drain_s`` holds the ask)."""
-        replica.standby_spans[-1][1] = now_s
-        replica.status = ReplicaStatus.STARTING
-        replica.woken = True
-        replica.drain_s = now_s
+    def _wake(self, replica: VirtualReplica, now_s: float) -> None:
+        """Wake a STANDBY replica: STARTING, READY ``wake_s`` later."""
+        replica.record_wake(now_s)
         replica.ready_at_s = now_s + self.config.wake_s
-        self._push(replica.ready_at_s, _READY, replica)
+        self.loop.push(replica.ready_at_s, READY, replica)
 
-    def _drain(self, replica: SimReplica, now_s: float) -> None:
+    def _drain(self, replica: VirtualReplica, now_s: float) -> None:
         if replica.status is ReplicaStatus.STARTING:
             if replica.woken:
                 self._sleep(replica, now_s)  # still loaded: back to sleep
             else:
                 self._stop(replica, now_s)
             return
-        replica.status = ReplicaStatus.DRAINING
-        replica.drain_s = now_s
+        replica.record_drain(now_s)
         if not replica.in_flight_ids:
             self._stop(replica, now_s)
             return
-        self._push(now_s + self.config.drain_timeout_s, _DRAIN_TIMEOUT, replica)
+        self.loop.push(now_s + self.config.drain_timeout_s, _DRAIN_TIMEOUT, replica)
 
-    def _on_drain_timeout(self, replica: SimReplica, now_s: float) -> None:
+    def _on_drain_timeout(self, replica: VirtualReplica, now_s: float) -> None:
         if replica.status is not ReplicaStatus.DRAINING:
             return
         for rid in sorted(replica.in_flight_ids, key=int):
@@ -653,18 +423,14 @@ class Simulation:
         replica.in_flight_ids.clear()
         self._stop(replica, now_s)
 
-    def _stop(self, replica: SimReplica, now_s: float) -> None:
+    def _stop(self, replica: VirtualReplica, now_s: float) -> None:
         """A drained replica stops, or goes to sleep when it was drained into the standby pool."""
         if replica.to_standby and replica.status is ReplicaStatus.DRAINING:
             self._sleep(replica, now_s)
             self._rebuild_pool()
             return
-        if replica.standby_spans and replica.standby_spans[-1][1] is None:
-            replica.standby_spans[-1][1] = now_s
-        replica.status = ReplicaStatus.TERMINATED
-        replica.stopped_s = now_s
-        for index in self.exact_indexes:
-            index.forget(replica.id)
+        replica.record_stop(now_s)
+        self.views.stopped(replica.id)
         self.nodes.release(replica.node)
         self._rebuild_pool()
 
@@ -680,7 +446,8 @@ class Simulation:
                     r.endpoints[k].draining = r.status is ReplicaStatus.DRAINING
                     endpoints.append(r.endpoints[k])
             pools.append(Pool(cfg.model, routing, endpoints, 0.0, self.shared, limit=cfg.max_concurrency_per_endpoint,
-                              max_queue_length=cfg.max_queue_length, queue_timeout_s=cfg.queue_timeout_s))  # fmt: skip
+                              max_queue_length=cfg.max_queue_length, queue_timeout_s=cfg.queue_timeout_s,
+                              kv_view=self.views.kv_view(k)))  # fmt: skip
         return pools
 
     def _rebuild_pool(self) -> None:
@@ -690,7 +457,7 @@ class Simulation:
 
     # ----- the autoscaler (fleet.controller.autoscaling's step) -------------------------------------
 
-    def _on_tick(self, now_s: float) -> None:
+    def _on_tick(self, _: object, now_s: float) -> None:
         ready = [r for r in self.replicas if r.status is ReplicaStatus.READY]
         # Counted in the target: a replica starting only to refill the standby pool is not.
         starting = sum(1 for r in self.replicas if r.status is ReplicaStatus.STARTING and not r.for_standby)
@@ -719,7 +486,7 @@ class Simulation:
                                      counts[ReplicaStatus.DRAINING], decision,
                                      counts[ReplicaStatus.STANDBY]))  # fmt: skip
         if self._done < len(self.log):
-            self._push(now_s + self.policy.interval_s, _TICK, None)
+            self.loop.push(now_s + self.policy.interval_s, _TICK)
 
     def _reconcile(self, now_s: float) -> None:
         """The controller's scale step (`fleet.controller.scale.scale_step`, the same function):

@@ -3,7 +3,8 @@ GPUs of an inventory, in virtual time, through the very objects the controller u
 
 Owns `SimDeployment` (one deployment: priority, preemptibility, shape, its minimum and desired
 replica counts over time, how many of its starts crash), `PreemptionSimConfig`,
-`PreemptionSimulation` (the loop) and `PreemptionOutcome` (what happened), and
+`PreemptionSimulation` (one tick event on the shared loop, `fleet.tracesim.events`) and
+`PreemptionOutcome` (what happened), and
 `demo_config` (the scenario of docs/placement.md: a chat deployment's minimum rises on a full
 8-GPU node held by a batch and a scratch deployment, and its first replicas crash on start).
 
@@ -11,9 +12,10 @@ What runs for real, as in the controller (`fleet.controller.reconcile`, `fleet.c
 the scale step (`fleet.controller.scale.scale_step`), placement (`fleet.placement.get_strategy`:
 `place_replicas` over a real `fleet.inventory.Inventory`, devices held off added to ``in_use``),
 the preemption policy (`fleet.placement.preemption.PreemptionPolicy.decide`) and the hold-offs
-(`fleet.placement.preemption.HoldOffs`). Modelled: a placed replica is READY ``startup_s`` later,
-(the replicas placed at 0 s are READY at once),
-unless it is one of the deployment's first ``crash_starts`` starts (it fails ``crash_after_s``
+(`fleet.placement.preemption.HoldOffs`); each replica is the controller's own record
+(`fleet.controller.lifecycle.Replica`), its status derived from the facts recorded in it.
+Modelled: a placed replica is READY ``startup_s`` later (the replicas placed at 0 s are READY
+at once), unless it is one of the deployment's first ``crash_starts`` starts (it fails ``crash_after_s``
 after placement, and the next replica is created ``backoff_s`` later); a READY replica asked to
 go drains for ``drain_s`` (its in-flight requests), one not yet READY stops at once. Not
 modelled: requests and the router (the request-level simulator is `fleet.tracesim.engine`).
@@ -27,14 +29,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.controller.lifecycle import ReplicaStatus
+from fleet.controller.lifecycle import Replica, ReplicaStatus
 from fleet.controller.scale import scale_step
+from fleet.tracesim.events import FIRST_OWN_KIND, EventLoop
 from fleet.inventory import Gpu, Inventory, NodeInventory
 from fleet.placement import PlacementRequest, ReplicaPlacement, ReplicaShape, get_strategy
 from fleet.placement.preemption import DEFAULT_HOLD_OFF_S, Holder, HoldOffs, PreemptionPolicy, Standing
 
 _PROGRESS = {s: i for i, s in enumerate(ReplicaStatus)}
 _HOLDING = (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.DRAINING)
+_TICK = FIRST_OWN_KIND
 
 
 @dataclass(frozen=True)
@@ -84,16 +88,43 @@ class PreemptionSimConfig:
 
 @dataclass
 class _Replica:
-    id: str
-    deployment: str
+    """One replica of the scenario: ``record``, the controller's record of what happened to it
+    (its `status` derives from the facts recorded there), and the scenario's plan for it:
+    ``index`` (creation order over all deployments), ``placement`` (its devices), when it is
+    due READY, when it crashes on start, when its drain ends (virtual seconds)."""
+
+    record: Replica
     index: int
-    created_s: float
-    status: ReplicaStatus = ReplicaStatus.PENDING
     placement: ReplicaPlacement | None = None
     ready_at_s: float | None = None
     crash_at_s: float | None = None
     drain_until_s: float | None = None
-    preempted_for: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def deployment(self) -> str:
+        return self.record.deployment
+
+    @property
+    def status(self) -> ReplicaStatus:
+        return self.record.status
+
+    def place(self, placement: ReplicaPlacement, t_s: float) -> None:
+        """Placed on ``placement`` and launched; image and weights are on the node at once."""
+        r = self.record
+        self.placement = placement
+        r.placed_at_s = r.launched_at_s = r.image_ready_at_s = r.weights_ready_at_s = t_s
+
+    def ready(self, t_s: float) -> None:
+        """Healthy and warmed up: READY."""
+        self.record.healthy_at_s = self.record.warmup_passed_at_s = t_s
+
+    def stop(self, t_s: float) -> None:
+        """Asked to stop and gone: TERMINATED."""
+        self.record.stop_requested_at_s = self.record.exited_at_s = t_s
 
 
 @dataclass
@@ -140,33 +171,39 @@ class PreemptionSimulation:
                                "flaps": 0, "time_to_minimum_s": None} for d in config.deployments}  # fmt: skip
         self._rose_at: dict[str, float] = {}
         self._freed: dict[str, tuple[float, int, str]] = {}   # device -> (when, priority, deployment) it was freed for
+        self.loop = EventLoop()
+        self.loop.on(_TICK, self._tick)
 
     def run(self) -> PreemptionOutcome:
-        c = self.config
-        t = 0.0
-        while t <= c.duration_s:
-            self._advance(t)
-            self._scale(t)
-            self._place(t)
-            self._measure(t)
-            t += c.tick_s
+        """Run the scenario from 0 s to ``duration_s``, one tick every ``tick_s``."""
+        self.loop.push(0.0, _TICK)
+        self.loop.run(lambda: False)
         stats = {name: dict(s) for name, s in self.stats.items()}
         return PreemptionOutcome(stats, sum(s["preempted"] for s in stats.values()),
                                  sum(s["flaps"] for s in stats.values()), list(self.events))  # fmt: skip
 
     # ----- one tick -----------------------------------------------------------------------------
 
+    def _tick(self, _: object, t: float) -> None:
+        """The controller's steps at ``t``, in its order; the next tick follows ``tick_s`` later."""
+        self._advance(t)
+        self._scale(t)
+        self._place(t)
+        self._measure(t)
+        if t + self.config.tick_s <= self.config.duration_s:
+            self.loop.push(t + self.config.tick_s, _TICK)
+
     def _advance(self, t: float) -> None:
         for st in self.states.values():
             for r in st.replicas:
                 if r.status is ReplicaStatus.STARTING and r.crash_at_s is not None and t >= r.crash_at_s:
-                    r.status = ReplicaStatus.FAILED_START
+                    r.record.fail(ReplicaStatus.FAILED_START, "crashed on start", t)
                     st.next_create_s = t + self.config.backoff_s
                     self.events.append((t, f"{r.id} crashed on start ({', '.join(r.placement.devices)} free)"))
                 elif r.status is ReplicaStatus.STARTING and r.ready_at_s is not None and t >= r.ready_at_s:
-                    r.status = ReplicaStatus.READY
-                elif r.status is ReplicaStatus.DRAINING and t >= r.drain_until_s:
-                    r.status = ReplicaStatus.TERMINATED
+                    r.ready(t)
+                elif r.status is ReplicaStatus.DRAINING and t >= r.drain_until_s:  # type: ignore[operator]
+                    r.stop(t)
 
     def _scale(self, t: float) -> None:
         for name, st in self.states.items():
@@ -174,17 +211,17 @@ class PreemptionSimulation:
             step = scale_step(active, st.spec.want_at(t), lambda r: r.index)   # the controller's scale step
             if step.create and t >= st.next_create_s:
                 for _ in range(step.create):
-                    st.replicas.append(_Replica(f"{name}-{st.next_index}", name, self._next(), t))
+                    st.replicas.append(_Replica(Replica(f"{name}-{st.next_index}", name, "sim", t), self._next()))
                     st.next_index += 1
             for r in step.drain:
                 self._drain(r, t)
 
     def _drain(self, r: _Replica, t: float, preempted_for: str | None = None) -> None:
-        r.preempted_for = preempted_for
+        r.record.preempted_for = preempted_for
         if r.status is ReplicaStatus.READY:
-            r.status, r.drain_until_s = ReplicaStatus.DRAINING, t + self.config.drain_s
+            r.record.drain_requested_at_s, r.drain_until_s = t, t + self.config.drain_s
         else:
-            r.status = ReplicaStatus.TERMINATED   # never served: stops at once, frees its devices now
+            r.stop(t)   # never served: stops at once, frees its devices now
 
     def _holding(self) -> dict[str, _Replica]:
         return {r.id: r for st in self.states.values() for r in st.replicas if r.status in _HOLDING}
@@ -204,9 +241,10 @@ class PreemptionSimulation:
             blocked = self.holds.blocked(name, spec.priority, t)
             plan = self.placer.place_replicas(request, c.inventory, in_use + blocked)
             for r, p in zip(waiting, plan.placements):
-                r.status, r.placement, r.ready_at_s = ReplicaStatus.STARTING, p, t + c.startup_s
+                r.place(p, t)
+                r.ready_at_s = t + c.startup_s
                 if t == 0:
-                    r.status = ReplicaStatus.READY      # the fleet as it runs when the scenario starts
+                    r.ready(t)      # the fleet as it runs when the scenario starts
                 if st.crashes_left > 0:
                     st.crashes_left -= 1
                     r.crash_at_s = t + c.crash_after_s
@@ -233,7 +271,7 @@ class PreemptionSimulation:
             return
         holders = [Holder(r.id, r.deployment, r.placement, _PROGRESS[r.status], r.index)
                    for r in holding.values() if r.status.counts_toward_desired()]  # fmt: skip
-        freeing = [d for r in holding.values() if r.preempted_for == name and r.status is ReplicaStatus.DRAINING
+        freeing = [d for r in holding.values() if r.record.preempted_for == name and r.status is ReplicaStatus.DRAINING
                    for d in r.placement.devices]  # fmt: skip
         decision = self.policy.decide(request, standings[name], self.config.inventory, in_use, holders, standings,
                                       freeing)  # fmt: skip

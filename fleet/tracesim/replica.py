@@ -1,15 +1,17 @@
 """Simulated replicas of the trace simulator: lifecycle, engine, router endpoint, scrapes, nodes.
 
-Owns `SimReplica` (one replica, in the controller's lifecycle states
-(`fleet.controller.lifecycle.ReplicaStatus`: STARTING, READY, DRAINING, STANDBY, TERMINATED;
-the states before STARTING pass in no time here): its
-`fleet.enginesim.model.EngineModel`, its `router.pools.endpoint.EndpointState` as the router sees it, the ids
-of the requests dispatched to it, the engine's cumulative `vllm:request_queue_time_seconds`
-histogram, and when it was placed, became READY and stopped) and `NodePool` (where replicas
-start, and whether warm). Used only by `fleet.tracesim.engine`, which drives every
-transition; nothing here schedules events.
+Owns `VirtualReplica` (one replica in virtual time: its `fleet.enginesim.model.EngineModel`, its
+`router.pools.endpoint.EndpointState` as the router sees it, the ids of the requests dispatched
+to it, the engine's cumulative `vllm:request_queue_time_seconds` histogram, and the facts of its
+life: placed, READY, drain asked, asleep, woken, stopped) and `NodePool` (where replicas start,
+and whether warm). Its status is derived from those facts, in the precedence the controller's
+record uses (`fleet.controller.lifecycle.Replica.status`): STARTING, READY, DRAINING, STANDBY,
+TERMINATED; the states before STARTING pass in no time here. Used by `fleet.tracesim.engine`
+and `fleet.tracesim.rollout`, which record the facts; nothing here schedules events. (The
+HTTP engine simulator's replica is `fleet.enginesim.server.SimReplica`, a process-level
+server, not this.)
 
-Start-up model (docs/autoscaling.md, "The trace simulator"): a replica asked for at t is
+Start-up model (docs/autoscaling.md, "Running a policy in virtual time"): a replica asked for at t is
 placed at t on a free node slot and becomes READY at t + the warm or the cold start-up time;
 warm when the node already holds the engine image and the weights. ``NodePool(warm)``: node
 slots of one replica each, the first ``warm`` of them warm; a replica takes the free warm slot
@@ -36,21 +38,29 @@ QUEUE_TIME_BOUNDS: tuple[float, ...] = (*REQUEST_LATENCY_BUCKETS, float("inf"))
 vllm/v1/metrics/buckets.py, as `fleet.enginesim.metrics` exports them)."""
 
 
-class SimReplica:
-    """One simulated replica. ``created_s``: placed (its cost starts); ``ready_at_s``: when
-    it becomes (or became) READY; ``drain_s``: drain asked; ``stopped_s``: TERMINATED (cost
-    ends); ``warm``: started on a warm node; ``node``: its slot in the `NodePool`.
+class VirtualReplica:
+    """One simulated replica. Plan: ``created_s``: placed (its cost starts); ``ready_at_s``:
+    when it is due READY (placement or wake-up plus the modelled time); ``warm``: started on a
+    warm node; ``node``: its slot in the `NodePool`; ``for_standby``: started only to refill the
+    standby pool (sleeps once READY); ``to_standby``: draining into the standby pool (sleeps
+    instead of stopping).
 
-    The engine is stepped by the simulator: ``busy`` while a step runs, ``wake_at_s`` when a
-    wake-up for requests still in the engine's admission is scheduled. ``in_flight_ids``: the
-    requests dispatched here and not finished (what a drain timeout aborts). The queue-time
-    histogram is observed when a request finishes, as vLLM (and the HTTP simulator,
-    `fleet.enginesim.metrics`) observe it.
+    Facts, recorded by the simulator through the ``record_*`` methods (virtual seconds; None:
+    not happened): ``ready_s``: became READY since it was placed or last woken; ``drain_s``:
+    drain asked since then (going to sleep clears both); ``woke_s``: wake-up asked (latest); ``stopped_s``:
+    stopped (cost ends); ``standby_spans``: [asleep from, to or None]. `status` derives from
+    them (module docstring).
+
+    The engine is stepped by the simulator (`fleet.tracesim.events.EngineStepper`): ``busy``
+    while a step runs, ``wake_at_s`` when a wake-up for requests still in the engine's
+    admission is scheduled. ``in_flight_ids``: the requests dispatched here and not finished
+    (what a drain timeout aborts). The queue-time histogram is observed when a request
+    finishes, as vLLM (and the HTTP simulator, `fleet.enginesim.metrics`) observe it.
     """
 
     __slots__ = ("_qt_count", "_qt_counts", "_qt_sum", "busy", "created_s", "drain_s", "endpoint", "endpoints",
-                 "engine", "for_standby", "id", "in_flight_ids", "index", "node", "ready_at_s", "standby_spans",
-                 "status", "stopped_s", "to_standby", "wake_at_s", "warm", "woken")  # fmt: skip
+                 "engine", "for_standby", "id", "in_flight_ids", "index", "node", "ready_at_s", "ready_s",
+                 "standby_spans", "stopped_s", "to_standby", "wake_at_s", "warm", "woke_s")  # fmt: skip
 
     def __init__(self, replica_id: str, index: int, engine: EngineModel, created_s: float, ready_at_s: float,
                  warm: bool, node: int, routers: int = 1) -> None:  # fmt: skip
@@ -61,26 +71,72 @@ class SimReplica:
         # requests in flight, as independent router processes do.
         self.endpoints = [EndpointState(replica_id, f"sim://{replica_id}") for _ in range(routers)]
         self.endpoint = self.endpoints[0]
-        self.status = ReplicaStatus.STARTING
         self.created_s = created_s
         self.ready_at_s = ready_at_s
+        self.ready_s: float | None = None
         self.drain_s: float | None = None
+        self.woke_s: float | None = None
         self.stopped_s: float | None = None
+        self.standby_spans: list[list[float | None]] = []
         self.warm = warm
         self.node = node
         self.busy = False
         self.wake_at_s: float | None = None
         self.in_flight_ids: set[str] = set()
-        # Standby (docs/autoscaling.md, "Standby replicas"): started only to refill the standby
-        # pool (sleeps once READY); draining into the pool (sleeps instead of stopping); STARTING
-        # because it was woken (READY after the wake-up time); [asleep from, to or None].
         self.for_standby = False
         self.to_standby = False
-        self.woken = False
-        self.standby_spans: list[list[float | None]] = []
         self._qt_counts = [0] * len(QUEUE_TIME_BOUNDS)
         self._qt_sum = 0.0
         self._qt_count = 0
+
+    # ----- facts and the status derived from them --------------------------------------------
+
+    @property
+    def status(self) -> ReplicaStatus:
+        """Derived from the recorded facts, latest stage first: stopped, asleep, drain asked,
+        READY, else STARTING (placed, or woken and not READY again yet)."""
+        if self.stopped_s is not None:
+            return ReplicaStatus.TERMINATED
+        if self.standby_spans and self.standby_spans[-1][1] is None:
+            return ReplicaStatus.STANDBY
+        if self.drain_s is not None:
+            return ReplicaStatus.DRAINING
+        if self.ready_s is not None:
+            return ReplicaStatus.READY
+        return ReplicaStatus.STARTING
+
+    @property
+    def woken(self) -> bool:
+        """STARTING because it was woken from STANDBY (READY at ``ready_at_s``, its wake-up time)."""
+        return self.woke_s is not None and self.status is ReplicaStatus.STARTING
+
+    def record_ready(self, now_s: float) -> None:
+        """It passed its start-up (or wake-up) and serves."""
+        self.ready_s = now_s
+
+    def record_drain(self, now_s: float) -> None:
+        """It was asked to drain: no new requests, in-flight ones finish."""
+        self.drain_s = now_s
+
+    def record_sleep(self, now_s: float) -> None:
+        """It went to sleep (loaded, nothing in flight): STANDBY, holding its node slot, until
+        woken. It serves again only once READY after a wake-up; its standby intentions are met."""
+        self.standby_spans.append([now_s, None])
+        self.ready_s = self.drain_s = None
+        self.for_standby = self.to_standby = False
+
+    def record_wake(self, now_s: float) -> None:
+        """It was asked to wake (a STANDBY replica): STARTING until READY again."""
+        self.standby_spans[-1][1] = now_s
+        self.woke_s = now_s
+
+    def record_stop(self, now_s: float) -> None:
+        """It stopped (from any state): TERMINATED, its cost ends."""
+        if self.standby_spans and self.standby_spans[-1][1] is None:
+            self.standby_spans[-1][1] = now_s
+        self.stopped_s = now_s
+
+    # ----- the engine ------------------------------------------------------------------------
 
     def step(self, now_s: float) -> StepResult | float | None:
         """Start the engine's next step at ``now_s`` if it has work (as `run_virtual` steps it).
@@ -151,7 +207,7 @@ class SimReplica:
         return total
 
     def __repr__(self) -> str:
-        return f"SimReplica({self.id}, {self.status.value}, in_flight={self.endpoint.in_flight})"
+        return f"VirtualReplica({self.id}, {self.status.value}, in_flight={self.endpoint.in_flight})"
 
 
 class NodePool:

@@ -4,8 +4,9 @@ analysis or a baseline, driven by the real rollout state machine, in virtual tim
 
 Owns `CanaryVariant` (how the canary's engine differs: prefill or decode steps slower, a share of
 requests answered with errors, or no traffic reaching it), `VARIANTS`, `RolloutSimConfig`,
-`RolloutOutcome` and `RolloutSimulation` (the event loop), and `run_experiment` (every judge
-against every variant on one workload). Called by `fleet simulate-rollout` (fleet.cli.rollout).
+`RolloutOutcome` and `RolloutSimulation` (its handlers on the shared event loop,
+`fleet.tracesim.events`), and `run_experiment` (every judge against every variant on one
+workload). Called by `fleet simulate-rollout` (fleet.cli.rollout).
 No I/O, no clock: the same config and workload give the same outcome. This is a SIMULATOR: the
 engines are `fleet.enginesim` latency models, not vLLM.
 
@@ -26,7 +27,6 @@ that share of its requests with an error at once (chosen by a hash of the reques
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from dataclasses import dataclass, field
@@ -38,7 +38,8 @@ from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from fleet.enginesim.profiles import Profile
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.controller.scale import scale_step
-from fleet.tracesim.replica import SimReplica
+from fleet.tracesim.events import FIRST_OWN_KIND, READY, EngineStepper, EventLoop
+from fleet.tracesim.replica import VirtualReplica
 from fleet.tracesim.workload import Workload, prompt_ids
 from router.kv.prompt_blocks import route_request
 from fleet.rollout.analysis import SideSamples
@@ -49,7 +50,7 @@ from router.pools.policies import make_policy
 from router.pools.pool import Pool, PoolShared
 from router.stats.windows import ModelStats, nearest_rank
 
-_STEP_END, _WAKE, _READY, _CONTROL = range(4)
+_CONTROL = FIRST_OWN_KIND
 CONTROL_INTERVAL_S = 1.0
 """Virtual seconds between two controller ticks (`fleet up` reconciles every second)."""
 
@@ -154,19 +155,17 @@ class RolloutSimulation:
         self.judge = make_judge(config.judge, config.rollout.analysis, config.threshold_s)
         self.shared = PoolShared(ModelStats(0.0))
         self.routing = make_policy(config.routing_policy)
-        self.replicas: list[SimReplica] = []
+        self.replicas: list[VirtualReplica] = []
         self.version: dict[str, str] = {}
         self.state = None
         self.revs = Revisions({}, "stable")
-        self._heap: list[tuple[float, int, int, object]] = []
-        self._seq = 0
+        self.loop = EventLoop()
+        self.engines = EngineStepper(self.loop, self._on_step)
+        self.loop.on(READY, self._on_ready)
+        self.loop.on(_CONTROL, lambda _, now_s: self._control(now_s))
         self.canary_requests = self.canary_failed = self.requests = self.failed = 0
         self._prefill: dict[str, int] = {}   # request id -> prefill tokens charged to its endpoint
         self.pool = self._make_pool()
-
-    def _push(self, at_s: float, kind: int, payload: object) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (at_s, kind, self._seq, payload))
 
     def run(self, until_s: float | None = None) -> RolloutOutcome:
         """Replay until the rollout is decided, ``max_rollout_s`` after it started, the trace
@@ -175,33 +174,11 @@ class RolloutSimulation:
         for _ in range(cfg.replicas):
             self._add("stable", 0.0, ready_now=True)
         self._make_pool()
-        self._push(cfg.rollout_start_s, _CONTROL, None)
-        reqs = self.workload.requests
+        self.loop.push(cfg.rollout_start_s, _CONTROL)
         horizon_s = cfg.rollout_start_s + cfg.max_rollout_s if until_s is None else until_s
-        i, now_s = 0, 0.0
-        while self.state is None or not self.state.phase.terminal():
-            next_arrival_s = reqs[i].arrival_s if i < len(reqs) else math.inf
-            if not self._heap and next_arrival_s == math.inf:
-                break
-            if self._heap and self._heap[0][0] <= next_arrival_s:
-                now_s, kind, _, payload = heapq.heappop(self._heap)
-                if now_s > horizon_s:
-                    break
-                if kind == _STEP_END:
-                    self._on_step_end(payload, now_s)  # type: ignore[arg-type]
-                elif kind == _WAKE:
-                    self._on_wake(payload, now_s)  # type: ignore[arg-type]
-                elif kind == _READY:
-                    payload.status = ReplicaStatus.READY  # type: ignore[union-attr]
-                    self._make_pool()
-                else:
-                    self._control(now_s)
-            else:
-                now_s = next_arrival_s
-                if now_s > horizon_s:
-                    break
-                self._arrive(i, now_s)
-                i += 1
+        self.loop.run(lambda: self.state is not None and self.state.phase.terminal(),
+                      arrivals=[r.arrival_s for r in self.workload.requests], on_arrival=self._arrive,
+                      horizon_s=horizon_s)  # fmt: skip
         st = self.state
         decided = st is not None and st.phase.terminal()
         decision = ("promoted" if st.phase is RolloutPhase.PROMOTED else "rolled back") if decided else "undecided"  # type: ignore[union-attr]
@@ -214,7 +191,7 @@ class RolloutSimulation:
 
     # ----- replicas and the pool -------------------------------------------------------------
 
-    def _add(self, version: str, now_s: float, ready_now: bool = False) -> SimReplica:
+    def _add(self, version: str, now_s: float, ready_now: bool = False) -> VirtualReplica:
         cfg, v = self.cfg, self.cfg.variant
         cost = cfg.profile.cost
         if version == "canary" and (v.prefill_factor != 1.0 or v.decode_factor != 1.0):
@@ -222,14 +199,19 @@ class RolloutSimulation:
         index = len(self.replicas)
         engine = EngineModel(cfg.profile.config, cost)  # type: ignore[arg-type]
         ready_at_s = now_s if ready_now else now_s + cfg.canary_startup_s
-        r = SimReplica(f"{version}-{index}", index, engine, now_s, ready_at_s, True, index)
+        r = VirtualReplica(f"{version}-{index}", index, engine, now_s, ready_at_s, True, index)
         r.endpoint.version = version
-        r.status = ReplicaStatus.READY if ready_now else ReplicaStatus.STARTING
         self.replicas.append(r)
         self.version[r.id] = version
-        if not ready_now:
-            self._push(ready_at_s, _READY, r)
+        if ready_now:
+            r.record_ready(now_s)
+        else:
+            self.loop.push(ready_at_s, READY, r)
         return r
+
+    def _on_ready(self, r: VirtualReplica, now_s: float) -> None:
+        r.record_ready(now_s)
+        self._make_pool()
 
     def _make_pool(self) -> Pool:
         members = [r for r in self.replicas if r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING)
@@ -270,10 +252,9 @@ class RolloutSimulation:
         self._prefill[str(i)] = route.prefill_tokens
         r.in_flight_ids.add(str(i))
         r.engine.add_request(str(i), ids, req.output_tokens, now_s)
-        if not r.busy:
-            self._step(r, now_s)
+        self.engines.poke(r, now_s)
 
-    def _finish(self, r: SimReplica, fr: FinishedRequest, now_s: float) -> None:
+    def _finish(self, r: VirtualReplica, fr: FinishedRequest, now_s: float) -> None:
         r.endpoint.finish(self._prefill.pop(fr.request_id, 0), False)
         r.in_flight_ids.discard(fr.request_id)
         ok = fr.finish_reason != "abort" and fr.first_token_s is not None
@@ -287,30 +268,15 @@ class RolloutSimulation:
                              first_token_s=fr.first_token_s if ok else None, tpot_s=tpot,
                              e2e_s=fr.e2e_s if ok else None, failed=not ok)  # fmt: skip
         if r.status is ReplicaStatus.DRAINING and r.endpoint.in_flight == 0:
-            r.status = ReplicaStatus.TERMINATED
+            r.record_stop(now_s)
             self._make_pool()
 
-    def _step(self, r: SimReplica, now_s: float) -> None:
-        result = r.step(now_s)   # as the autoscaling simulator steps it (`SimReplica.step`)
-        if isinstance(result, StepResult):
-            self._push(result.end_s, _STEP_END, (r, result))
-        elif result is not None:
-            self._push(result, _WAKE, r)
-
-    def _on_wake(self, r: SimReplica, now_s: float) -> None:
-        if r.wake_at_s != now_s:
-            return
-        r.wake_at_s = None
-        if not r.busy:
-            self._step(r, now_s)
-
-    def _on_step_end(self, payload: tuple[SimReplica, StepResult], now_s: float) -> None:
-        r, result = payload
-        r.busy = False
+    def _on_step(self, r: VirtualReplica, result: StepResult, now_s: float) -> bool:
+        """A step of ``r``'s engine ended (`fleet.tracesim.events.EngineStepper`): its finished
+        requests leave; the engine steps on."""
         for fr in result.finished:
             self._finish(r, fr, now_s)
-        if not r.busy:
-            self._step(r, now_s)
+        return True
 
     # ----- the controller's rollout step -------------------------------------------------------
 
@@ -336,9 +302,11 @@ class RolloutSimulation:
             for _ in range(step.create):
                 self._add(version, now_s)
             for r in step.drain:
-                r.status = ReplicaStatus.DRAINING if r.endpoint.in_flight else ReplicaStatus.TERMINATED
+                r.record_drain(now_s)
+                if not r.endpoint.in_flight:
+                    r.record_stop(now_s)   # nothing in flight: stops at once
         self._make_pool()
-        self._push(now_s + CONTROL_INTERVAL_S, _CONTROL, None)
+        self.loop.push(now_s + CONTROL_INTERVAL_S, _CONTROL)
 
     def _analyse(self, now_s: float):
         st = self.state

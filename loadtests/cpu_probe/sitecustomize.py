@@ -5,14 +5,14 @@ In a process whose command line runs ``router`` (any other process is left alone
 with a counter of calls and of the calling thread's CPU time (`time.thread_time`), two seconds
 after start-up (the modules are imported by then):
 
-- ``tick``: `router.signals.kv_subscriber.DrainTicks._tick`, the shared drain tick (includes what follows);
+- ``tick``: `router.signals.drain_ticks.DrainTicks._tick`, the shared drain tick (includes what follows);
 - ``read_in_order``: `KvEventSubscriber._read_in_order`, the socket reads of a drain (includes
   ``apply``);
 - ``apply``: `KvEventSubscriber._apply`, one batch (includes ``decode`` and ``index_apply``);
 - ``decode``: `router.kv.events.decode_batch` as the subscriber calls it (with its payload bytes);
 - ``index_apply``: `router.kv.exact_index.ExactIndex.apply`;
-- ``match``: `ExactIndex.match`; ``parse_request``: `router.request.asgi_io.parse_request` as the proxy
-  calls it (the request body's JSON);
+- ``match``: `ExactIndex.match`; ``parse_request``: `router.request.asgi_io.parse_request` as the parse step
+  (`router.request.parse`) calls it (the request body's JSON);
 - ``gc<N>``: the cyclic garbage collector's collections of generation N (`gc.callbacks`: the
   collecting thread's CPU from start to stop), wherever they ran (inside the wrapped calls too).
 
@@ -27,7 +27,7 @@ sequence and keeps its CRC-32 as always, but decodes and applies nothing. What s
 spends over one without events is what receiving the engines' streams costs, before any block
 is looked at (its routing then sees empty views: a measurement, never a way to run).
 The wrappers cost ~1 us per call, counted inside the wrapped figures. Not for production: a
-measuring aid for docs/benchmarks.md, "Router CPU: where it goes".
+measuring aid for docs/benchmarks.md, "Router CPU with KV events".
 
 Usage:
     PYTHONPATH=loadtests/cpu_probe .venv/bin/python -m loadtests.bench_routing --trace mooncake \\
@@ -79,16 +79,17 @@ def _patch() -> None:
 
     gc.callbacks.append(_gc_timed)
     import router.kv.exact_index as kv_index
+    import router.signals.drain_ticks as drain_ticks
     import router.signals.kv_subscriber as kv_subscriber
-    import router.request.proxy as proxy
+    import router.request.parse as parse
 
     sub = kv_subscriber.KvEventSubscriber
-    kv_subscriber.DrainTicks._tick = _timed("tick", kv_subscriber.DrainTicks._tick)
+    drain_ticks.DrainTicks._tick = _timed("tick", drain_ticks.DrainTicks._tick)
     sub._read_in_order = _timed("read_in_order", sub._read_in_order)
     sub._apply = _timed("apply", sub._apply)
     kv_index.ExactIndex.apply = _timed("index_apply", kv_index.ExactIndex.apply)
     kv_index.ExactIndex.match = _timed("match", kv_index.ExactIndex.match)
-    proxy.parse_request = _timed("parse_request", proxy.parse_request)
+    parse.parse_request = _timed("parse_request", parse.parse_request)
     if os.environ.get("FLEET_CPU_PROBE_SKIP_DECODE") == "1":
         from router.kv.events import EventBatch
 

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.protocol.jsonlimit import loads_bounded
 from router.http.admin import ADMIN_PREFIX, PEER_REPORT_DEPTH, admin_router, validation_message
 from router.protocol.errors import error_body, error_type
-from router.signals.kv_subscriber import KvEventStreams
+from router.signals.kv_streams import KvEventStreams
 from router.stats.metrics import RouterMetrics
 from router.pools.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.signals.engine_poll import EnginePoller

@@ -14,7 +14,7 @@ leaves the old list or the new one, never half of one. A failed write (a full di
 directory) is logged, counted in `fleet_router_state_write_errors_total`, and retried with
 backoff until it succeeds or the set changes again; serving never waits on it. An unreadable file
 (missing, garbled, the wrong shape) is logged and ignored: the router then starts knowing no
-model, as it did before the file existed. Document: `{"version": 1, "models": [name, ...]}`.
+model, as a router started without a models file does. Document: `{"version": 1, "models": [name, ...]}`.
 """
 
 from __future__ import annotations

@@ -376,8 +376,8 @@ class ExactIndex:
 
     def any_live(self, *, rebuilding: bool = False) -> bool:
         """Whether `match` answers for some endpoint (one LIVE, or with `rebuilding` also one
-        REBUILDING, with a block size known): what `KvAware.wants_token_ids` asks before the proxy
-        tokenizes a prompt."""
+        REBUILDING, with a block size known): what `router.pools.pool.Pool.wants_token_ids` asks
+        before `router.request.prepare` tokenizes a prompt."""
         return bool(self._by_size(rebuilding))
 
     def live(self, endpoint_id: str) -> bool:
@@ -398,7 +398,7 @@ class ExactIndex:
         `now_s`: also count the blocks this router sent there and the engine has not stored yet
         (`expect`, while unexpired at `now_s`); None: the engines' account alone.
 
-        Token ids are not checked one by one (the proxy passes a client's token-id prompt as
+        Token ids are not checked one by one (the request path passes a client's token-id prompt as
         parsed): one that holds something unhashable (a list, a dict) matches nothing, and the
         engine answers the request 400."""
         try:

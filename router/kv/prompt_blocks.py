@@ -1,8 +1,8 @@
 """What the router knows about one request before routing it: its prompt's blocks and size.
 
 Owns `RouteRequest` (the request as routing policies see it), `route_request` (built from a
-parsed completion or chat body and the request headers, on the proxy's hot path) and the two
-block hashers, `token_id_block_hashes` and `text_block_hashes`. Called by `router.request.proxy` for
+parsed completion or chat body and the request headers, on the request path's hot path) and the two
+block hashers, `token_id_block_hashes` and `text_block_hashes`. Called by `router.request.prepare` for
 every request and by the trace simulator (`fleet.tracesim.engine`) with the same token-id
 prompts it hands the engine models, so both feed `router.pools.policies` the same way.
 
@@ -76,15 +76,16 @@ class RouteRequest:
         session_key: `x-session-id` header, else the OpenAI `user` field; None without either.
         cached_tokens: written by the policy that routed the request: the prompt tokens it
             expects the chosen endpoint to find in its prefix cache (0 if it does not know).
-            `prefill_tokens` follows from it; the proxy charges that to the endpoint's load.
+            `prefill_tokens` follows from it; `router.request.attempt` charges that to the
+            endpoint's load.
         token_ids: the prompt's token ids as the engine computes them, for matching against the
             engines' KV events: a token-id prompt's ids (the first of a batch), or a text or chat
-            prompt tokenized with the pool's own tokenizer (`router.kv.tokenize`, set by the proxy;
-            `prompt_tokens` is then their count); None when neither is known. What the exact
-            index (`router.kv.exact_index.ExactIndex.match`) matches.
+            prompt tokenized with the pool's own tokenizer (`router.kv.tokenize`, set by
+            `router.request.prepare`; `prompt_tokens` is then their count); None when neither is
+            known. What the exact index (`router.kv.exact_index.ExactIndex.match`) matches.
         claim: written by `kv-aware`: the blocks it claimed at the chosen endpoint while the
-            engine prefills them (`router.kv.exact_index.Claim`), which the proxy passes on to the
-            router's peers; None when nothing was claimed.
+            engine prefills them (`router.kv.exact_index.Claim`), which `router.request.attempt`
+            passes on to the router's peers; None when nothing was claimed.
     """
 
     block_hashes: tuple[int, ...] = ()
@@ -188,7 +189,7 @@ def route_request(doc: Mapping, session_header: str | None = None, hash_blocks: 
     `messages` a chat. Output tokens: `max_completion_tokens`, else `max_tokens`, else
     `DEFAULT_OUTPUT_TOKENS`. ``hash_blocks`` False: no block hashes (the pool's policy does not
     read them; the token counts are still made). `RouteRequest.token_ids` is set for token-id
-    prompts only (the list as parsed, not copied or checked element by element); the proxy
+    prompts only (the list as parsed, not copied or checked element by element); `router.request.prepare`
     fills it for text and chat from the pool's tokenizer. Never raises: a field of an
     unexpected type contributes nothing.
     """

@@ -1,7 +1,7 @@
 """Tokenizing a chat prompt again costs only its new messages: token ids of the text between special
 tokens, remembered.
 
-Owns `SegmentCache`, which `router.kv.tokenize.PromptTokenizer` uses for rendered chat prompts.
+Owns `SegmentCache`, which `router.kv.prompt_tokenizer.PromptTokenizer` uses for rendered chat prompts.
 A multi-turn conversation sends its whole history with every turn, and the history is most of a
 long prompt: turn n+1 is turn n's messages, the reply and a new message. Tokenizing it from scratch
 costs time linear in the whole prompt (docs/benchmarks.md, "Tokenizing in the router": tens of

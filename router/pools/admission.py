@@ -9,10 +9,10 @@ and a replica that joins the pool takes the queued requests at once, where reque
 sent to a saturated engine would have stayed behind that engine's own queue.
 
 `router.pools.pool.PoolTable` keeps one queue per model across pool replacements and wakes waiters
-when a new pool has free slots; `router.request.proxy` waits here and wakes the next waiter whenever a
-request leaves a ready endpoint. Single event loop, no locks: a woken waiter re-checks for a
-slot and, having lost it (a retry took it), waits again at the head of the queue. New arrivals
-queue behind existing waiters, so the order is first come, first served.
+when a new pool has free slots; `router.request.proxy` waits here and `router.request.attempt` wakes
+the next waiter whenever a request leaves a ready endpoint. Single event loop, no locks: a woken
+waiter re-checks for a slot and, having lost it (a retry took it), waits again at the head of the
+queue. New arrivals queue behind existing waiters, so the order is first come, first served.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """One engine endpoint as the router sees it: identity from the pool spec, live load and latency.
 
 Owns `EndpointState` and the constants of its latency estimate (`EWMA_ALPHA`,
-`FAILURE_PENALTY_S`, `DEFAULT_FAILURE_COOLDOWN_S`). The proxy (`router.request.proxy`) updates it at
-dispatch, first byte and finish; routing policies (`router.pools.policies`) and the revision split
+`FAILURE_PENALTY_S`, `DEFAULT_FAILURE_COOLDOWN_S`). The request path updates it at dispatch,
+first byte and finish (`router.request.attempt`, `router.request.relay`); routing policies (`router.pools.policies`) and the revision split
 (`router.pools.split`) read it; pools (`router.pools.pool`) hold it. The trace simulator updates the same
 objects at the same points. Pure: times are passed in.
 """
 
 from __future__ import annotations
 
-from router.stats.metrics import EndpointMetrics
+from router.stats.endpoint_metrics import EndpointMetrics
 from router.pools.outlier import OutlierState
 
 EWMA_ALPHA = 0.3
@@ -47,15 +47,17 @@ class EndpointState:
     flight that have no first byte yet: queued prefill work) and `prefilling` (how many
     requests those are; `in_flight - prefilling` are decoding), kept by `start`, `first_byte`
     and `finish`. `metrics` holds the endpoint's Prometheus children
-    (`router.stats.metrics.EndpointMetrics`; None outside a `PoolTable`).
+    (`router.stats.endpoint_metrics.EndpointMetrics`; None outside a `PoolTable`).
 
     The load other routers sent (docs/routing.md, "Two routers"): `others_in_flight`,
     `others_prefilling` and `others_prefill_tokens` estimate the requests in flight, those not
     yet past their first token, and their prompt tokens to prefill, that reached the engine from
     anywhere but this router, as of the engine's latest load sample (`router.signals.engine_load`);
     `others_until_s` (router-clock seconds) is when that estimate goes stale (0: none). The
-    fields are written only by `router.signals.engine_load.EngineLoadView` (or the trace simulator's
-    peer channel) and read by `kv-aware`.
+    fields are written only here, through `set_others_load` and `forget_others_load`: the signal
+    that estimates them hands its figures over (`router.signals.peer_load.PeerLoadView` from the
+    peers' reports, `router.signals.engine_load.EngineLoadView` from the engines' load, or the
+    trace simulator's peer channel); `kv-aware` reads them.
 
     Outlier ejection: `outlier` holds its outlier counters and ejection (`router.pools.outlier.OutlierState`); `ejected_until_s` (router-clock
     seconds, 0.0 when in service) mirrors the ejection's end for the picking loop
@@ -118,6 +120,19 @@ class EndpointState:
         self.in_flight -= 1
         if not got_first_byte:
             self.first_byte(prefill_tokens)
+
+    def set_others_load(self, in_flight: int, prefilling: int, prefill_tokens: float, until_s: float) -> None:
+        """The load other routers sent here is now `in_flight` requests, `prefilling` of them not
+        past their first token, with `prefill_tokens` prompt tokens to prefill; the estimate holds
+        until `until_s` (router-clock seconds)."""
+        self.others_in_flight = in_flight
+        self.others_prefilling = prefilling
+        self.others_prefill_tokens = prefill_tokens
+        self.others_until_s = until_s
+
+    def forget_others_load(self) -> None:
+        """No estimate of the others' load any more (its source is gone): own load only."""
+        self.set_others_load(0, 0, 0.0, 0.0)
 
     def record_first_byte(self, first_byte_s: float, now_s: float) -> None:
         """Fold one time-to-first-byte sample (seconds) into the EWMA (see `EWMA_ALPHA`)."""

@@ -4,7 +4,7 @@ Owns `OutlierSettings` (thresholds and times, Envoy's defaults where Envoy has o
 (what one attempt against an endpoint came to), `OutlierState` (one endpoint's counters and
 ejection, held by `router.pools.endpoint.EndpointState.outlier`) and `OutlierDetector` (the policy:
 `record` an outcome, `release` ejections that ended). `router.pools.pool.Pool` owns a detector and
-calls it; `router.request.proxy` reports each attempt's outcome through `Pool.record_outcome`; the
+calls it; `router.request.attempt` reports each attempt's outcome through `Pool.record_outcome`; the
 trace simulator can call the same objects in virtual time. Pure: every time is passed in.
 
 The algorithm is Envoy's consecutive-failure outlier detection (envoyproxy.io, "Outlier

@@ -4,7 +4,7 @@ Owns the `RoutingPolicy` base class, the registry of policies by name, and the b
 policies. Called by `router.pools.pool.Pool.pick` on the request path (once per attempt) and by
 anything that wants to replay routing decisions in virtual time (the trace simulator).
 
-Policies decide, the proxy acts: a policy reads the request (`router.kv.prompt_blocks.RouteRequest`:
+Policies decide, the request path acts: a policy reads the request (`router.kv.prompt_blocks.RouteRequest`:
 its prompt's block hashes, token counts, session key) and the live stats of the candidate
 endpoints (`in_flight`, `prefill_tokens`, `prefilling`, `ewma_first_byte_s`, `last_sample_s`) and
 returns one of them. It does no I/O and never reads a clock; the caller passes `now_s`
@@ -12,10 +12,12 @@ returns one of them. It does no I/O and never reads a clock; the caller passes `
 breaking ties and, for `kv-aware`, its view of each endpoint's prefix cache
 (`router.kv.prefix_index.PrefixIndex`).
 
-Every policy has the same signature, `choose(candidates, request, now_s) -> EndpointState`
-(the request joined the signature for every policy at once when `kv-aware` came), and
-registers under a name with `class Foo(RoutingPolicy, name="foo")`. `on_endpoints(ids)` tells
-a policy which endpoints its pool has now, so per-endpoint state of departed ones is dropped.
+Every policy has the same signature, `choose(candidates, request, now_s, kv_view) -> EndpointState`
+(`kv_view`: the engines' own account of their KV caches, `router.kv.exact_index.ExactIndex`, which
+the pool owns and hands to every policy alike; None when no endpoint of the pool publishes KV
+events), and registers under a name with `class Foo(RoutingPolicy, name="foo")`.
+`on_endpoints(ids)` tells a policy which endpoints its pool has now, so per-endpoint state of
+departed ones is dropped.
 """
 
 from __future__ import annotations
@@ -75,46 +77,46 @@ simulator); with two routers it keeps more conversations where they were (prefix
 DEFAULT_MISS_TOKEN_WEIGHT = 16.0
 """Queued prefill tokens that one prompt token an endpoint would have to prefill (not cached
 there) is worth in `kv-aware`'s cost. At weight 1 the cost is this request's own wait, so a
-conversation left its cached prefix for an idle endpoint as soon as the queue in front of its
-cache exceeded the prefix; but the redone prefill is work the whole fleet pays for (every
-request queued or decoding on the new endpoint waits through it, and its blocks evict others'
-prefixes there), which the greedy wait does not count. Tuned in the trace simulator on Mooncake
-seconds 300-600 and 900 to the trace's end with two routers on KV events and the peers' load
-(docs/routing.md, "Valuing a cached prefix"): weight 1 gave 10.1% / 47.7% prefix-cache hits and
-p99 TTFT 3.23 s / 2.87 s; 4 gave 15.5% / 57.5% and 2.73 s / 2.32 s. With the looser bound for an
-endpoint holding the prefix (`DEFAULT_PREFIX_LOAD_BOUND`) 8 gave 16.6% / 65.6% and 2.73 s /
-2.32 s against 15.7% / 65.5% and 2.94 s / 2.35 s at 4 (6: the same as 8 on the first window).
-Prompts that share nothing (Azure `conv`) route as before: the term is then the same on every
-endpoint. Raised from 8 to 16 with `DEFAULT_PREFIX_LOAD_BOUND` (6 -> 16), averaged over the
-simulator's seeds 0-2 (docs/routing.md, "Tuning over seeds")."""
+conversation leaves its cached prefix for an idle endpoint as soon as the queue in front of its
+cache exceeds the prefix; but the redone prefill is work the whole fleet pays for (every request
+queued or decoding on the new endpoint waits through it, and its blocks evict others' prefixes
+there), which the greedy wait does not count. 16 (with `DEFAULT_PREFIX_LOAD_BOUND` 16) is the
+trace simulator's choice on Mooncake seconds 300-600 and 900 to the trace's end, two routers on
+KV events and the peers' load (docs/routing.md, "How the defaults were chosen"): weight 1 gives
+10.1% / 47.7% prefix-cache hits and p99 TTFT 3.23 s / 2.87 s, weight 4 15.5% / 57.5% and
+2.73 s / 2.32 s; averaged over the simulator's seeds 0-2, weight 16 with bound 16 finds 67.8%
+hits on seconds 900-1,100 at 80% and 90% load against 67.2% / 67.3% for weight 8 with bound 6
+(`cache-aware`: 67.7%), p99 TTFT within 2%. Prompts that share nothing (Azure `conv`) route the
+same at any weight: the term is then the same on every endpoint."""
 
 DEFAULT_PREFIX_LOAD_BOUND = 16.0
 """`kv-aware`'s load bound (`DEFAULT_LOAD_BOUND`) for an endpoint that holds more than
 `DEFAULT_PREFIX_SHARE` of the request's prompt (vllm-router's `cache_aware` stays with such a
 prefix, `--cache-threshold` 0.3, until 64 more requests run on one worker than another): it may
-take requests until it holds this factor of the mean in flight, where others stop at 1.5x. At 1.5 a conversation's turn left
-its 15k-token prefix once its home held 1.5x the mean, and redid the prefill elsewhere; the cost
-(queued prefill tokens) still weighs the wait there. Tuned with `DEFAULT_MISS_TOKEN_WEIGHT` on the
-same two Mooncake windows (two routers, KV events, the peers' load): 1.5 gave 15.4% / 54.9% hits,
-p99 TTFT 2.74 s / 2.49 s, e2e p50 2.96 s / 0.88 s; 4 gave 16.6% / 65.6%, 2.73 s / 2.32 s,
-2.86 s / 0.65 s; 3 gave 64.5% hits on the second window, 100 (no bound) 66.0%. `cache-aware`
-there: 15.7% / 67.7% hits, 4.59 s / 2.44 s, 3.91 s / 0.70 s (docs/routing.md). Finite, so a
-prefix every request shares still spills. Raised from 4 to 6 with `DEFAULT_PREFIX_SHARE` (0.5 ->
-0.3), when the simulator's `cache-aware` got vllm-router's real defaults (docs/routing.md, "A
-prefix from 30% of the prompt"): 6, 8 and 16 route alike there, 4 binds. Raised to 16 with
-`DEFAULT_MISS_TOKEN_WEIGHT` 16 when the tuning averaged the simulator's seeds 0-2 (the prompts'
-token ids, so every tie broken by hash): hits +0.5 points on seconds 900-1,100 at 80% and 90%
-(67.2% -> 67.8%, 67.3% -> 67.8%, where `cache-aware` finds 67.7%), within 0.1 on seconds 300-600,
-p99 TTFT within 2%; Azure `code` and `conv` route as before (docs/routing.md, "Tuning over
-seeds")."""
+take requests until it holds this factor of the mean in flight, where others stop at
+`DEFAULT_LOAD_BOUND` (1.5). Under the general bound a conversation's turn leaves its 15k-token
+prefix once its home holds 1.5x the mean, and redoes the prefill elsewhere; the cost (queued
+prefill tokens) still weighs the wait there. Finite, so a prefix every request shares still
+spills. Tuned with `DEFAULT_MISS_TOKEN_WEIGHT` in the trace simulator on the same two Mooncake
+windows (two routers, KV events, the peers' load; docs/routing.md, "How the defaults were
+chosen"): the general bound alone (1.5) gives 15.4% / 54.9% hits, p99 TTFT 2.74 s / 2.49 s, e2e
+p50 2.96 s / 0.88 s; 4 gives 16.6% / 65.6%, 2.73 s / 2.32 s, 2.86 s / 0.65 s; 100 (no bound)
+66.0% hits on the second window; `cache-aware` there 15.7% / 67.7%, 4.59 s / 2.44 s, 3.91 s /
+0.70 s. With `DEFAULT_PREFIX_SHARE` 0.3, bounds of 6, 8 and 16 route alike and 4 binds; averaged
+over the simulator's seeds 0-2 (the prompts' token ids, so every tie broken by hash), 16 with
+weight 16 finds 0.5 points more hits than 6 with weight 8 on seconds 900-1,100 at 80% and 90%
+load (67.8% against 67.2% and 67.3%; `cache-aware` 67.7%), within 0.1 point on seconds 300-600,
+p99 TTFT within 2%, and routes Azure `code` and `conv` the same."""
 
 DEFAULT_PREFIX_SHARE = 0.3
 """Share of the prompt an endpoint must hold for `DEFAULT_PREFIX_LOAD_BOUND`, not
 `DEFAULT_LOAD_BOUND`, to apply to it: vllm-router's `cache_aware` `--cache-threshold` default
-(0.1.17). Tuned with the prefix bound on Mooncake seconds 300-600 and 900-1,100 (two routers, KV
-events, the peers' load, 80% and 90% load): at 0.5 (before) 16.6% / 65.6% hits at 80% and 15.8% /
-63.9% at 90%; at 0.3 with the bound 6, 16.6% / 66.2% and 15.8% / 66.5%, p99 TTFT the same or
-lower (2.41 s against 2.59 s on the second window at 90%); 0.2 and 0.1 gave 65.1% there."""
+(0.1.17), so both stay with a prefix from the same share. In the trace simulator on Mooncake
+seconds 300-600 and 900-1,100 (two routers, KV events, the peers' load, 80% and 90% load;
+docs/routing.md, "How the defaults were chosen"), 0.3 with a prefix bound of 6 gives 16.6% /
+66.2% hits at 80% and 15.8% / 66.5% at 90%, against 16.6% / 65.6% and 15.8% / 63.9% for 0.5
+with a bound of 4, p99 TTFT the same or lower (2.41 s against 2.59 s on the second window at
+90%); 0.2 and 0.1 give 65.1% there."""
 
 DEFAULT_NEW_PREFIX_SLACK = 0.05
 """Where `kv-aware` starts a new conversation while the engines' KV events are live: a prompt no
@@ -124,21 +126,22 @@ blocks its engine reported stored, plus blocks claimed there and not yet stored)
 cost is within this fraction of the prompt's tokens of the cheapest. It is `cache_aware`'s third
 rule (the worker with the smallest tree: the least distinct prompt text sent), read from the
 engines' own account, so every router sees the same counts and places alike, where rendezvous
-hashing placed a conversation by a hash of its first block (a lottery: the simulator's seeds moved
-the hits by up to 1.3 points). In the trace simulator (Mooncake tuning windows, two routers, KV
+hashing would place a conversation by a hash of its first block (a lottery: the simulator's seeds
+move its hits by up to 1.3 points). In the trace simulator (Mooncake tuning windows, two routers, KV
 events, the peers' load, 80% and 90%, six draws of token ids and arrival order; docs/routing.md,
-"New conversations where the least was stored"): prefix-cache hits the same as before (30.80%
-against 30.73%, `cache-aware` 30.76%), p99 TTFT lower in each of the six window-load cells
-(by 1-8%). 0.05 routes Azure `code` and `conv` as before (p99 TTFT 6.528 s and 0.346 s); 0.1
-found as many hits but cost `code` 1.5% of p99 TTFT."""
+"How the defaults were chosen" and "Today's defaults against `cache-aware`"): prefix-cache hits
+the same as placing by rendezvous hashing (30.80% against 30.73%, `cache-aware` 30.76%), p99 TTFT
+lower in each of the six window-load cells (by 1-8%). At 0.05 Azure `code` and `conv` route as
+they do by rendezvous hashing (p99 TTFT 6.528 s and 0.346 s); 0.1 finds as many hits but costs
+`code` 1.5% of p99 TTFT."""
 
 DEFAULT_PENDING_S = 10.0
 """How long `kv-aware` counts a prompt it sent as held at its endpoint before the engine reports
 the blocks stored (`router.kv.exact_index.ExactIndex.expect`): the entry goes as soon as the engine's
 `BlockStored` arrives, so this cap only ends the claims of prompts that never store (failed or
 cancelled while queued). Above the p99 TTFT of every benchmark run on the Mooncake trace (2.4-4.4
-s, docs/benchmarks.md). Measured in the trace simulator with a time-only expiry, 1-15 s routed
-alike; 0 turns the overlay off (docs/routing.md, "Prefixes on their way")."""
+s, docs/benchmarks.md). Measured in the trace simulator with a time-only expiry, 1-15 s route
+alike; 0 turns the overlay off (docs/routing.md, "How the defaults were chosen")."""
 
 ROUTING_POLICIES: Registry[RoutingPolicy] = Registry("routing policy")
 """The routing policies by name (`fleet.base.registry`): a pool's `policy` must be one of them."""
@@ -152,27 +155,28 @@ class RoutingPolicy(Registered, registry=ROUTING_POLICIES):
     """
 
     uses_prompt_blocks: ClassVar[bool] = False
+    """Whether `choose` reads `RouteRequest.block_hashes`; when a pool's policy does not,
+    `router.request.prepare` does not hash prompts (the hashing is the dearest part of building a
+    request's view)."""
     uses_engine_load: ClassVar[bool] = False
     """Whether the policy reads `EndpointState.others_*` (the router then polls the pool's
     engines for their load: `router.signals.engine_poll`)."""
-    """Whether `choose` reads `RouteRequest.block_hashes`; when no policy of a pool does, the
-    proxy does not hash prompts (the hashing is the dearest part of building a request's view)."""
+    uses_token_ids: ClassVar[bool] = False
+    """Whether `choose` reads `RouteRequest.token_ids` with a live `kv_view`: the pool then asks
+    for text and chat prompts to be tokenized while some endpoint's view is live
+    (`router.pools.pool.Pool.wants_token_ids`; the dearest step of a request's view,
+    docs/benchmarks.md, "Tokenizing in the router")."""
 
     def __init__(self) -> None:
         self._turn = 0
 
-    def wants_token_ids(self) -> bool:
-        """Whether `choose` would read `RouteRequest.token_ids` now (say, an exact view of some
-        endpoint's KV cache from its events is live). When it would not, the proxy does not
-        tokenize text and chat prompts with the pool's tokenizer, the dearest step of a request's
-        view (docs/benchmarks.md, "Tokenizing in the router"). Default: never."""
-        return False
-
-    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float,
+               kv_view: ExactIndex | None = None) -> EndpointState:  # fmt: skip
         """Return the endpoint that should serve `request`.
 
         `candidates` is non-empty and holds only ready (non-draining, not yet tried)
-        endpoints; `now_s` is the router clock in seconds. A policy may set
+        endpoints; `now_s` is the router clock in seconds; `kv_view` the pool's exact view of the
+        engines' KV caches (`router.kv.exact_index.ExactIndex`; None: none). A policy may set
         `request.cached_tokens` (what it expects the chosen endpoint to have cached). Must
         not do I/O.
         """
@@ -185,11 +189,6 @@ class RoutingPolicy(Registered, registry=ROUTING_POLICIES):
     def learn(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
         """Another source says `endpoint_id` now holds the prompt blocks `block_hashes` (a
         peer router's placement, or the engine's KV events). Default: ignored."""
-
-    def use_exact_index(self, index: ExactIndex | None) -> None:
-        """Route on `index`, the engines' own account of their KV caches (`router.kv.exact_index`), for
-        the endpoints whose event stream is live; None: no exact view. Called when a pool is
-        (re)built and by the trace simulator. Default: ignored."""
 
     def _rotate(self, ties: Sequence[EndpointState]) -> EndpointState:
         """Pick among equally good endpoints in turn, so ties spread load evenly. A single
@@ -234,14 +233,16 @@ def _fewest_in_flight(candidates: Sequence[EndpointState]) -> list[EndpointState
 class RoundRobin(RoutingPolicy, name="round-robin"):
     """Each candidate in turn, ignoring load and latency."""
 
-    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float,
+               kv_view: ExactIndex | None = None) -> EndpointState:  # fmt: skip
         return self._rotate(candidates)
 
 
 class LeastOutstanding(RoutingPolicy, name="least-outstanding"):
     """The candidate with the fewest requests in flight through this router; ties rotate."""
 
-    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float,
+               kv_view: ExactIndex | None = None) -> EndpointState:  # fmt: skip
         return self._rotate(_fewest_in_flight(candidates))
 
 
@@ -259,7 +260,8 @@ class LatencyAware(RoutingPolicy, name="latency-aware"):
         super().__init__()
         self.stale_after_s = stale_after_s
 
-    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float,
+               kv_view: ExactIndex | None = None) -> EndpointState:  # fmt: skip
         ties = _fewest_in_flight(candidates)
         if len(ties) == 1:
             return ties[0]
@@ -285,7 +287,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
     the work already queued there, under a bound on load; ties go by rendezvous hash.
 
     For each candidate `e`, with `cached(e)` the request's leading prompt tokens `e` holds: from
-    the engines' own KV events (`router.kv.exact_index.ExactIndex`, handed in with `use_exact_index`)
+    the engines' own KV events (`router.kv.exact_index.ExactIndex`, the pool's `kv_view`)
     when `e`'s event stream is live and the request carries token ids (`RouteRequest.token_ids`),
     else what the router believes (`router.kv.prefix_index.PrefixIndex`, fed with every prompt this
     policy routed, which also covers the time before an endpoint's events arrive); while `e`'s
@@ -348,6 +350,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
 
     uses_prompt_blocks = True
     uses_engine_load = True
+    uses_token_ids = True
 
     def __init__(self, *, cache_tokens_per_endpoint: int = DEFAULT_CACHE_TOKENS_PER_ENDPOINT,
                  load_bound: float = DEFAULT_LOAD_BOUND, decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT,
@@ -382,16 +385,6 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         self.decode_token_weight = decode_token_weight
         self.affinity_slack = affinity_slack
         self._endpoint_hash: dict[str, int] = {}
-        self.exact: ExactIndex | None = None
-
-    def use_exact_index(self, index: ExactIndex | None) -> None:
-        self.exact = index
-
-    def wants_token_ids(self) -> bool:
-        """While some endpoint's event stream is live (or rebuilding) in the exact index: then a
-        text or chat prompt is worth tokenizing (`router.kv.tokenize`), else the approximate view decides."""
-        exact = self.exact
-        return exact is not None and exact.any_live(rebuilding=True)
 
     def learn(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
         if block_hashes:
@@ -402,7 +395,8 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         for endpoint_id in [e for e in self._endpoint_hash if e not in endpoint_ids]:
             del self._endpoint_hash[endpoint_id]
 
-    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float,
+               kv_view: ExactIndex | None = None) -> EndpointState:  # fmt: skip
         hashes = request.block_hashes
         matched = self.index.match(hashes) if hashes else {}
         prompt = request.prompt_tokens
@@ -419,7 +413,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
                 load = (e.in_flight, e.prefilling, e.prefill_tokens)
             loads.append(load)
             total += load[0]
-        exact = self.exact
+        exact = kv_view
         token_ids = request.token_ids
         pending = self.pending_s > 0
         held = (exact.match(token_ids, rebuilding=True, now_s=now_s if pending else None)
@@ -463,7 +457,8 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         key = request.affinity_key()
         chosen = None
         if held is not None and request.session_key is None and max(hits.values()) <= self.prefix_share * prompt:
-            chosen = self._new_conversation(eligible, costs, best + self.new_prefix_slack * prompt, key, viewed)
+            chosen = self._new_conversation(eligible, costs, best + self.new_prefix_slack * prompt, key, viewed,
+                                            exact)  # type: ignore[arg-type]
         if chosen is None:
             if key is not None and not any(hits.values()):
                 limit = best + self.affinity_slack * prompt
@@ -483,12 +478,11 @@ class KvAware(RoutingPolicy, name="kv-aware"):
         return chosen
 
     def _new_conversation(self, eligible: Sequence[EndpointState], costs: Sequence[float], limit: float,
-                          key: int | None, viewed: set[str]) -> EndpointState | None:  # fmt: skip
+                          key: int | None, viewed: set[str], exact: ExactIndex) -> EndpointState | None:  # fmt: skip
         """Of the `eligible` endpoints costing at most `limit`, the one that has taken the fewest
-        blocks (`ExactIndex.placed_blocks`; ties by rendezvous on `key`, else in turn): step 3 of
+        blocks (`exact.placed_blocks`; ties by rendezvous on `key`, else in turn): step 3 of
         the class docstring with the engines' events live. None if one of them is not in
         `viewed` (no exact view: its count would be stale), and the rendezvous choice decides."""
-        exact = self.exact
         near: list[EndpointState] = []
         placed: list[int] = []
         for e, c in zip(eligible, costs):
@@ -496,7 +490,7 @@ class KvAware(RoutingPolicy, name="kv-aware"):
                 if e.id not in viewed:
                     return None
                 near.append(e)
-                placed.append(exact.placed_blocks(e.id))  # type: ignore[union-attr]
+                placed.append(exact.placed_blocks(e.id))
         fewest = min(placed)
         ties = [e for e, n in zip(near, placed) if n == fewest]
         if key is None or len(ties) == 1:
@@ -567,7 +561,8 @@ class CacheAware(RoutingPolicy, name="cache-aware"):
     def on_endpoints(self, endpoint_ids: Collection[str]) -> None:
         self.index.retain(endpoint_ids)
 
-    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float) -> EndpointState:
+    def choose(self, candidates: Sequence[EndpointState], request: RouteRequest, now_s: float,
+               kv_view: ExactIndex | None = None) -> EndpointState:  # fmt: skip
         hashes = request.block_hashes
         loads = [e.in_flight for e in candidates]
         low, high = min(loads), max(loads)

@@ -1,12 +1,13 @@
 """Live routing state: the endpoints of each model's pool and their measured stats.
 
-Owns `Pool` (one model's endpoints, its policy instance and admission limit),
-`PoolShared` (what a model's successive pools share: windowed statistics, admission queue,
-queue-time metric) and `PoolTable` (all pools by model name). `router.http.admin` replaces pools
-through `PoolTable.put/delete` and reads `PoolTable.stats`; `router.request.proxy` reads
-`PoolTable.get`, picks with `Pool.pick` and records into the chosen `EndpointState` and the
-pool's `PoolShared`. Nothing here does I/O; times are passed in, except that `PoolTable`
-stamps new pools with its injected clocks.
+Owns `Pool` (one model's endpoints, its policy instance and admission limit), `PoolShared` (what a
+model's successive pools share: windowed statistics, admission queue, queue-time metric) and
+`PoolTable` (all pools by model name). `router.http.admin` replaces pools through
+`PoolTable.put/delete` and reads `PoolTable.stats`; `router.request.proxy` reads `PoolTable.get` and
+picks with `Pool.pick`; `router.request.prepare` asks the pool what its policy needs of a request
+(`Pool.hashes_prompts`, `Pool.wants_token_ids`); `router.request.attempt` records into the chosen
+`EndpointState` and the pool's `PoolShared`. Nothing here does I/O; times are passed in, except that
+`PoolTable` stamps new pools with its injected clocks.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ then is one it no longer serves."""
 
 
 class KvStreams(Protocol):
-    """Where the pools' KV event streams are followed (`router.signals.kv_subscriber.KvEventStreams`)."""
+    """Where the pools' KV event streams are followed (`router.signals.kv_streams.KvEventStreams`)."""
 
     def index(self, model: str) -> ExactIndex:
         """`model`'s exact block index."""
@@ -72,7 +73,7 @@ class PoolShared:
         self.split = SplitState()
         self.requests = RequestLog()
 
-    # ----- recording one request: the proxy (router.request.proxy) and the trace simulators
+    # ----- recording one request: the request path (router.request.attempt) and the trace simulators
     # (fleet.tracesim.engine, fleet.tracesim.rollout) call these at the same points, so the
     # statistics the autoscaler and the canary analysis read are recorded by one piece of code.
     # Times are clock seconds (the router's injected clock, or virtual seconds).
@@ -128,21 +129,26 @@ class PoolShared:
 class Pool:
     """The endpoints serving one model and the policy instance that chooses among them.
 
-    `endpoints` holds all endpoints (draining ones too), `ready` the non-draining ones, in
-    spec order. `split` divides requests between the revisions (versions) of the ready
-    endpoints by weight before the policy chooses (`router.pools.split`; None with one version);
-    `sticky_key` names the request key that keeps a user on one revision (None: none);
-    `tokenizer` the directory of the model's tokenizer (`router.kv.tokenize`; None: none). `limit` is the most requests one endpoint gets at once (None: no limit, no
-    admission queue); `max_queue_length` and `queue_timeout_s` bound the admission queue.
-    `first_token_timeout_s` (None: the default, `router.request.deadline`) and `max_retries` bound the
-    wait for a first token and the retries after a stall or a 5xx (`router.request.proxy`); `outlier`
-    ejects endpoints that stall or fail in a row (`router.pools.outlier`; `record_outcome`).
-    A pool is replaced, never edited, when its spec changes.
+    `endpoints` holds all endpoints (draining ones too), `ready` the non-draining ones, in spec
+    order. `split` divides requests between the revisions (versions) of the ready endpoints by
+    weight before the policy chooses (`router.pools.split`; None with one version); `sticky_key`
+    names the request key that keeps a user on one revision (None: none); `tokenizer` the directory
+    of the model's tokenizer (`router.kv.tokenize`; None: none). `limit` is the most requests one
+    endpoint gets at once (None: no limit, no admission queue); `max_queue_length` and
+    `queue_timeout_s` bound the admission queue. `first_token_timeout_s` (None: the default,
+    `router.request.deadline`) and `max_retries` bound the wait for a first token and the retries
+    after a stall or a 5xx (`router.request.proxy`, `router.request.attempt`); `outlier` ejects
+    endpoints that stall or fail in a row (`router.pools.outlier`; `record_outcome`). `kv_view` is
+    the model's exact view of the engines' KV caches (`router.kv.exact_index.ExactIndex`, fed by
+    `router.signals.kv_subscriber`; None when no endpoint publishes KV events): the pool hands it to
+    its policy at every pick. What the policy needs of a request is the pool's to say:
+    `hashes_prompts` (it reads block hashes) and `wants_token_ids()`. A pool is replaced, never
+    edited, when its spec changes.
     """
 
     __slots__ = ("model", "policy", "endpoints", "ready", "created_s", "shared", "limit",
                  "max_queue_length", "queue_timeout_s", "split", "sticky_key", "tokenizer", "first_token_timeout_s",
-                 "max_retries", "outlier")  # fmt: skip
+                 "max_retries", "outlier", "kv_view", "hashes_prompts")  # fmt: skip
 
     def __init__(
         self,
@@ -160,6 +166,7 @@ class Pool:
         first_token_timeout_s: float | None = None,
         max_retries: int = DEFAULT_MAX_RETRIES,
         outlier: OutlierDetector | None = None,
+        kv_view: ExactIndex | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
@@ -176,7 +183,17 @@ class Pool:
         self.first_token_timeout_s = first_token_timeout_s
         self.max_retries = max_retries
         self.outlier = outlier if outlier is not None else OutlierDetector()
+        self.kv_view = kv_view
+        self.hashes_prompts = policy.uses_prompt_blocks
         policy.on_endpoints({e.id for e in self.endpoints})
+
+    def wants_token_ids(self) -> bool:
+        """Whether a text or chat prompt is worth tokenizing with the pool's `tokenizer` now: its
+        policy reads token ids (`RoutingPolicy.uses_token_ids`) and some endpoint's event stream
+        is live (or rebuilding) in `kv_view`. Otherwise the approximate view decides, and
+        `router.request.prepare` does not tokenize (`router.kv.tokenize`)."""
+        view = self.kv_view
+        return view is not None and self.policy.uses_token_ids and view.any_live(rebuilding=True)
 
     def pick(self, request: RouteRequest, now_s: float, tried: Collection[EndpointState] = (), *,
              within_limit: bool = True, key: str | None = None) -> EndpointState | None:  # fmt: skip
@@ -202,8 +219,8 @@ class Pool:
                 return None   # only revisions of weight 0 left (router.pools.split)
         for endpoint in candidates:
             if endpoint.unavailable_until_s > now_s or endpoint.ejected_until_s:
-                return self.policy.choose(self._available(candidates, now_s), request, now_s)
-        return self.policy.choose(candidates, request, now_s)
+                return self.policy.choose(self._available(candidates, now_s), request, now_s, self.kv_view)
+        return self.policy.choose(candidates, request, now_s, self.kv_view)
 
     def _available(self, candidates: Sequence[EndpointState], now_s: float) -> Sequence[EndpointState]:
         """`candidates` without ejected and cooling-down endpoints, with the fall-backs `pick` names."""
@@ -247,8 +264,8 @@ class PoolTable:
     admission queue) carries over. `wall_clock` (seconds since the epoch) only stamps
     `Pool.created_s` for `GET /v1/models`; `clock` (the router's monotonic clock, seconds)
     marks when a model's statistics begin. `kv_streams` (None: none) is told which endpoints of
-    each pool publish KV cache events (`EndpointSpec.kv_events`), and a pool with any hands its
-    model's exact index to the policy (`RoutingPolicy.use_exact_index`).
+    each pool publish KV cache events (`EndpointSpec.kv_events`), and a pool with any gets its
+    model's exact index as its `Pool.kv_view`.
     """
 
     def __init__(self, metrics: RouterMetrics, wall_clock: Callable[[], float],
@@ -328,7 +345,7 @@ class PoolTable:
         endpoints lose their metric series (and a kept endpoint whose version changed its
         series of the old version); their in-flight requests finish normally. Linear in the
         endpoints of the old and new pools: series are created at an endpoint's first request
-        and removed by their exact label sets (`router.stats.metrics.EndpointMetrics`).
+        and removed by their exact label sets (`router.stats.endpoint_metrics.EndpointMetrics`).
         Raises `KeyError` for an unknown policy name (`PoolSpec` validation prevents it).
         """
         self._heard(model)
@@ -370,15 +387,16 @@ class PoolTable:
             shared = PoolShared(ModelStats(self._clock()), self._metrics.bind_model(model))
         settings = spec.outlier_detection.settings()
         outlier = old.outlier if old is not None and old.outlier.settings == settings else OutlierDetector(settings)
-        pool = Pool(model, policy, endpoints, created_s, shared, limit=spec.max_concurrency_per_endpoint,
-                    max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s,
-                    sticky_key=spec.sticky_key, tokenizer=spec.tokenizer, first_token_timeout_s=spec.first_token_timeout_s,
-                    max_retries=spec.max_retries, outlier=outlier)  # fmt: skip
-        self._pools[model] = pool
+        kv_view = None
         if self._kv_streams is not None:
             sources = {e.id: e.kv_events for e in spec.endpoints if e.kv_events is not None}
             self._kv_streams.put(model, sources)
-            policy.use_exact_index(self._kv_streams.index(model) if sources else None)
+            kv_view = self._kv_streams.index(model) if sources else None
+        pool = Pool(model, policy, endpoints, created_s, shared, limit=spec.max_concurrency_per_endpoint,
+                    max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s,
+                    sticky_key=spec.sticky_key, tokenizer=spec.tokenizer, first_token_timeout_s=spec.first_token_timeout_s,
+                    max_retries=spec.max_retries, outlier=outlier, kv_view=kv_view)  # fmt: skip
+        self._pools[model] = pool
         # Waiting requests take the slots the new pool has (all of them if the limit is gone).
         free = pool.free_slots()
         if free == math.inf:

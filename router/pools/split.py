@@ -10,7 +10,7 @@ nowhere else. Pure: no I/O, no clock.
 Weights: a revision's weight is the sum of the `weight`s of its ready (non-draining) endpoints
 in the pool document (`router.pools.spec.EndpointSpec.weight`); the controller gives each endpoint of
 a revision ``revision weight / its endpoints``. A pool whose ready endpoints all serve one
-version is not split (every pool without a rollout: weights are then ignored, as before).
+version is not split (every pool without a rollout: weights are then ignored).
 A revision of weight 0 gets no new requests, not even when the others are full or tried (a
 rolled-back canary: in-flight ones finish).
 
@@ -126,7 +126,8 @@ STICKY_KEY_PATTERN = r"^(header:[A-Za-z0-9-]{1,128}|body:user)$"
 def sticky_key(source: str | None, headers: Iterable[tuple[bytes, bytes]], doc: object) -> str | None:
     """The request's sticky key per ``source`` (`STICKY_KEY_PATTERN`; None: no stickiness), or
     None when the request carries none. ``headers``: ASGI (lower-case name, value) byte pairs;
-    ``doc``: the request body as the proxy parsed it (its ``user`` field for ``body:user``)."""
+    ``doc``: the request body as `router.request.parse` parsed it (its ``user`` field for
+    ``body:user``)."""
     if source is None:
         return None
     if source.startswith("header:"):

@@ -2,8 +2,9 @@
 
 Owns `error_body` (the router's own errors: `{"error": {"message", "type", "param", "code"}}`),
 `relayed_error` (an engine's error answer rewritten to that shape, its status kept),
-`relayed_stream_errors` (the same for error events inside an SSE stream), and the status-to-type
-and status-to-code tables both use. Called by `router.request.proxy` (request path), `router.http.app` and
+`relayed_stream_errors` (the same for error events inside an SSE stream), and the status-to-type and
+status-to-code tables both use. Called by the request path (`router.request.refuse`,
+`router.request.attempt`, `router.request.relay`, `router.request.asgi_io`), `router.http.app` and
 `router.http.server` (errors before the proxy), and `router.protocol.sse` (error events). No I/O.
 
 OpenAI's error document has exactly four fields: `message` (text), `type` (a snake_case class:

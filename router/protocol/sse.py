@@ -1,15 +1,16 @@
 """The router's view of a streamed (SSE) completion: whole events only, and when tokens arrived.
 
-Owns `SseRelay`, one per streamed response with `Content-Type: text/event-stream`. `router.request.proxy`
-feeds it each chunk read from the engine and relays what `feed` returns: every complete event,
-holding back a trailing partial one until its end arrives. Because the client never holds half
-an event, a stream the engine cuts off can still end with a well-formed error event (`ERROR_TAIL`
-in `router.request.proxy`) that OpenAI clients raise as an error, instead of a truncated body.
+Owns `SseRelay`, one per streamed response with `Content-Type: text/event-stream`, made by
+`router.request.attempt.Attempts`. `router.request.relay.Relay` feeds it each chunk read from the
+engine and relays what `feed` returns: every complete event, holding back a trailing partial one
+until its end arrives. Because the client never holds half an event, a stream the engine cuts off
+can still end with a well-formed error event (`stream_error_tail` in `router.request.relay`) that
+OpenAI clients raise as an error, instead of a truncated body.
 
 While relaying it notes, on the router clock, when the first and the last event carrying
 generated text arrived and how many such events there were, and reads `usage.completion_tokens`
 (and `prompt_tokens`, for the token counters of `router.protocol.tokens`) when the stream carries a usage
-chunk (`stream_options.include_usage`). `router.request.proxy` turns that
+chunk (`stream_options.include_usage`). `router.request.attempt` turns that
 into the time to first token and the time per output token:
 
     TPOT = (last token event's arrival - first token event's arrival) / (output tokens - 1)

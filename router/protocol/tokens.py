@@ -1,8 +1,9 @@
 """Tokens in and out of one answered request, as the router counts them for cost.
 
-Owns `TokenCount` and the two readers `router.request.proxy` calls once per answered (< 400) request:
-`body_tokens` for a whole (non-streamed) JSON body and `stream_tokens` for an SSE stream relayed
-through `router.protocol.sse.SseRelay`. `router.stats.metrics.EndpointMetrics.count_tokens` adds the result to
+Owns `TokenCount` and the two readers the request path calls once per answered (< 400) request:
+`body_tokens` for a whole (non-streamed) JSON body (`router.request.relay`) and `stream_tokens` for
+an SSE stream (`router.request.attempt`) relayed through `router.protocol.sse.SseRelay`.
+`router.stats.endpoint_metrics.EndpointMetrics.count_tokens` adds the result to
 `fleet_router_prompt_tokens_total` and `fleet_router_generation_tokens_total` (model, version),
 named after vLLM's `vllm:prompt_tokens_total` / `vllm:generation_tokens_total`
 (vllm/v1/metrics/loggers.py).

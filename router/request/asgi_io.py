@@ -1,11 +1,11 @@
 """The client side of the request path: ASGI message I/O and the cheap checks of a request.
 
-Owns what `router.request.proxy.Proxy` and `router.http.app` do with the client's connection before and
-after routing: the ASGI types, `read_body` (bounded; `BodyTooLarge`), `send_json`,
-`check_request` / `parse_request` (the JSON checks routing needs, errors in OpenAI's shape:
-`router.protocol.errors.error_body`), `reflect` (what an error may echo of client input) and
-`ClientWatch` (cancels a request whose client went away). No routing, no upstream I/O.
-Hot path: keep it cheap (docs/benchmarks.md, "The router against `vllm-router`").
+Owns what `router.request.proxy.Proxy`, `router.request.parse` and `router.http.app` do with the
+client's connection before and after routing: the ASGI types, `read_body` (bounded; `BodyTooLarge`),
+`send_json`, `check_request` / `parse_request` (the JSON checks routing needs, errors in OpenAI's
+shape: `router.protocol.errors.error_body`), `reflect` (what an error may echo of client input) and
+`ClientWatch` (cancels a request whose client went away). No routing, no upstream I/O. Hot path:
+keep it cheap (docs/benchmarks.md, "The router against `vllm-router`").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The first-token deadline of one attempt: how long the router waits for an engine's first token.
 
 Owns `FirstTokenBudget` (the defaults and the formula) and `first_token_timeout_s`. Called by
-`router.request.proxy` once per attempt; the trace simulator may call it too. Pure.
+`router.request.proxy.Proxy` once per attempt; the trace simulator may call it too. Pure.
 
 What the deadline covers: from dispatching the request to an endpoint until the first body
 chunk of a streamed (SSE) answer, which for vLLM is its first token (vLLM's OpenAI server sends
@@ -11,8 +11,9 @@ vllm/entrypoints/openai/chat_completion/serving.py);
 for a non-streamed answer, until its response head, which vLLM sends when generation is done,
 so the deadline of a non-streamed request adds `max_tokens x decode_s_per_token` (and there is
 none when the request sets no `max_tokens`: the engine may then generate up to its context).
-An attempt past its deadline is given up: `router.request.proxy` closes it, counts a stall against the
-endpoint (`router.pools.outlier`) and, while nothing was sent to the client, retries elsewhere.
+An attempt past its deadline is given up: `router.request.attempt.Attempts` closes it and counts a
+stall against the endpoint (`router.pools.outlier`), and, while nothing was sent to the client,
+`router.request.proxy.Proxy` retries elsewhere.
 
 The pool's `first_token_timeout_s` (`router.pools.spec.PoolSpec`, from a deployment's
 `routing.firstTokenTimeoutSeconds`) is used as it is when set. Unset, the deadline is the

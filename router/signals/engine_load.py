@@ -3,7 +3,7 @@
 Owns `EngineLoad` (one sample of an engine's load), `parse_engine_load` (read it from vLLM's
 Prometheus `/metrics` text, through `metric_families`, which the autoscaler's scrape shares) and
 `EngineLoadView` (turn a sample into an estimate of the load other routers put on the endpoint,
-kept in `router.pools.endpoint.EndpointState.others_*`). Called by
+handed to `router.pools.endpoint.EndpointState.set_others_load`). Called by
 `router.signals.engine_poll.EnginePoller` (live: each endpoint's `/metrics` polled every
 `DEFAULT_POLL_INTERVAL_S`) and by the trace simulator (`fleet.tracesim.engine`, samples of the
 simulated engines at the same interval, in virtual time); `router.pools.policies.KvAware` reads the
@@ -53,7 +53,7 @@ without peers (`router.signals.peer_load` does better)."""
 DEFAULT_MAX_AGE_S = 1.0
 """Seconds after a sample during which its estimate of other routers' load is used: ten
 polls at the default interval. Past it (the endpoint stopped answering `/metrics`) `kv-aware`
-counts only this router's own load, as before the shared signal existed."""
+counts only this router's own load, as a router without the shared signal does."""
 
 DEFAULT_MEAN_PREFILL_TOKENS = 1024.0
 """Prefill tokens assumed per prefilling request before this router has seen any of its own
@@ -151,7 +151,7 @@ engine reports only counts: ``mix``, in the proportions of this router's own req
 class EngineLoadView:
     """One router's estimate of the load other routers put on each endpoint (module docstring).
 
-    `observe(endpoint, sample, now_s)` writes `endpoint.others_*` from an engine sample taken
+    `observe(endpoint, sample, now_s)` sets `endpoint.others_*` from an engine sample taken
     now (router-clock seconds) and this router's own load on the endpoint at that instant;
     `forget(endpoint)` drops the estimate. Keeps EWMAs (`MEAN_PREFILL_ALPHA`) of this router's
     own requests in flight: the share still prefilling, and the prefill tokens per request.
@@ -196,14 +196,9 @@ class EngineLoadView:
         else:
             prefilling = round(others * sample.waiting / engine) if engine > 0 else 0
             tokens = prefilling * self.tokens_per_prefilling
-        endpoint.others_in_flight = others
-        endpoint.others_prefilling = prefilling
-        endpoint.others_prefill_tokens = tokens
-        endpoint.others_until_s = now_s + self.max_age_s
+        endpoint.set_others_load(others, prefilling, tokens, now_s + self.max_age_s)
 
     @staticmethod
     def forget(endpoint: EndpointState) -> None:
         """Drop the estimate for `endpoint` (its engine is unreachable, or it left the pool)."""
-        endpoint.others_in_flight = endpoint.others_prefilling = 0
-        endpoint.others_prefill_tokens = 0.0
-        endpoint.others_until_s = 0.0
+        endpoint.forget_others_load()

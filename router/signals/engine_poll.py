@@ -2,7 +2,7 @@
 
 Owns `EnginePoller` (one asyncio task per router: every `interval_s`, a `GET /metrics` to each
 endpoint of every pool whose policy reads the engines' load, parsed by
-`router.signals.engine_load.parse_engine_load` and folded into the endpoint's `EndpointState.others_*` by
+`router.signals.engine_load.parse_engine_load` and turned into the endpoint's `EndpointState.others_*` by
 one `router.signals.engine_load.EngineLoadView`), `EngineMetricsFetcher` (the thin aiohttp wrapper that
 does the I/O, replaced by a fake in tests) and the poller's Prometheus series. Started and
 stopped by `router.http.app.RouterApp`'s lifespan; reads the pools from `router.pools.pool.PoolTable`.

@@ -1,21 +1,16 @@
-"""The router's subscribers to its endpoints' KV cache event streams.
+"""One endpoint's KV cache event stream, followed by the router.
 
-Owns `KvEventSubscriber` (one endpoint's stream: a ZMQ SUB socket, replay requests on a DEALER,
-the sequence bookkeeping) and `KvEventStreams` (a subscriber per endpoint of every pool whose
-`router.pools.spec.EndpointSpec.kv_events` names a publisher, and each model's `router.kv.exact_index.
-ExactIndex`). `router.pools.pool.PoolTable` tells `KvEventStreams` of every pool put or deleted;
-`router.http.app` starts it with the app's lifespan and closes it at shutdown. Everything runs on the
-router's event loop. Waking up costs far more than a batch does (an event-loop turn and pyzmq's
-futures: ~300 us of CPU per message on the 2-core dev machine against ~5 us per block applied,
-docs/benchmarks.md "Router CPU with KV events"), so the subscribers do not wake per message: all
-of a router's subscribers drain their sockets together on one shared tick (`DrainTicks`, every
-`DRAIN_INTERVAL_S`), reading every queued message with non-blocking reads and applying it in
-order; batches that arrive in order are applied in the tick's own timer callback, and a
-subscriber's task wakes only for the rest (a gap, a connection event, more than `BURST` batches
-at once, between which it yields to the loop). A subscriber whose socket stayed empty for
-`QUIET_TICKS` ticks stops ticking and waits on its socket's file descriptor instead (an idle
-router does not wake), then drains at the next tick. The view thus lags the engine by at most
-one tick beyond the wire.
+Owns `KvEventSubscriber` (a ZMQ SUB socket, replay requests on a DEALER, the sequence
+bookkeeping), which applies one endpoint's stream to its model's `router.kv.exact_index.ExactIndex`.
+Made, started and stopped by `router.signals.kv_streams.KvEventStreams`; runs on the router's event
+loop. A subscriber does not wake per message: it drains its socket on the tick all of a router's
+subscribers share (`router.signals.drain_ticks.DrainTicks`), reading every queued message with
+non-blocking reads and applying it in order; batches that arrive in order are applied in the
+tick's own timer callback, and the subscriber's task wakes only for the rest (a gap, a connection
+event, more than `BURST` batches at once, between which it yields to the loop). A subscriber whose
+socket stayed empty for `QUIET_TICKS` ticks stops ticking and waits on its socket's file
+descriptor instead (an idle router does not wake), then drains at the next tick. The view thus
+lags the engine by at most one tick beyond the wire.
 
 **Sequence protocol** (vllm/distributed/kv_events.py, `ZmqEventPublisher`; `router.kv.events`):
 every batch carries the publisher's sequence number (0, 1, ... from its start). A subscriber
@@ -64,17 +59,18 @@ import logging
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from router.signals.background import wake
 from router.kv.events import END_SEQ, SEQ_BYTES, KvEventDecodeError, decode_batch, parse_seq, seq_frame
 from router.kv.exact_index import ExactIndex
-from router.stats.metrics import KvEndpointMetrics, RouterMetrics
 from router.pools.spec import KvEventsSource
+from router.signals.background import wake
+from router.signals.drain_ticks import DrainTicks
+from router.stats.endpoint_metrics import KvEndpointMetrics
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +107,6 @@ RCVHWM = 100_000
 BURST = 64
 """Messages handled back to back before the subscriber yields to the event loop."""
 
-DRAIN_INTERVAL_S = 0.02
-"""Seconds between two drains of the subscribers' sockets (the shared `DrainTicks`): the most a
-batch waits in the socket after it arrived. Against the 10 ms peer-load interval
-(`router.signals.peer_load.DEFAULT_PEER_INTERVAL_S`) and the seconds between a conversation's turns, a
-20 ms older view changes few decisions; it makes a router with 8 busy streams wake 50 times a
-second for them instead of once per batch (hundreds). 50 ms saved no CPU measurably on the
-Mooncake window (docs/benchmarks.md, "Router CPU with KV events"), so the fresher view stays."""
-
 QUIET_TICKS = 5
 """Ticks a subscriber's socket may stay empty before it waits on the socket instead of ticking."""
 
@@ -134,67 +122,6 @@ RESTART_BACKOFF_S = (0.5, 30.0)
 """First and longest pause (seconds) before a subscriber that failed unexpectedly starts again."""
 
 
-class DrainTicks:
-    """A tick every `interval_s` seconds, shared by a router's subscribers so that they wake
-    together: `wait()` returns a future resolved at the next tick (one loop timer per tick,
-    however many wait). Runs on the running event loop's clock.
-
-    A waiter may pass `poll`, a plain function the tick calls in its timer callback instead of
-    waking the waiter's task: True means it did the tick's work itself and waits for the next
-    tick (the future stays pending), False wakes the task. A router's subscribers drain their
-    in-order batches that way, so a tick costs one timer callback, not a task step per stream
-    (docs/benchmarks.md, "Router CPU with KV events"). An exception from `poll` is set on its
-    future (its task raises it); the other waiters are not affected.
-
-    Raises:
-        ValueError: `interval_s` < 0.
-    """
-
-    def __init__(self, interval_s: float = DRAIN_INTERVAL_S) -> None:
-        if interval_s < 0:
-            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
-        self.interval_s = interval_s
-        self.ticks = 0
-        self._waiters: list[tuple[asyncio.Future[None], Callable[[], bool] | None]] = []
-        self._armed = False
-
-    def wait(self, poll: Callable[[], bool] | None = None) -> asyncio.Future[None]:
-        """A future resolved at the next tick, or at the first tick whose `poll()` returns False
-        (cancelling it cancels no one else's wait)."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append((fut, poll))
-        self._arm(loop)
-        return fut
-
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        if not self._armed:
-            self._armed = True
-            loop.call_later(self.interval_s, self._tick, loop)
-
-    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._armed = False
-        waiters, self._waiters = self._waiters, []
-        self.ticks += 1
-        for fut, poll in waiters:
-            if fut.done():
-                continue   # cancelled
-            if poll is None:
-                fut.set_result(None)
-                continue
-            try:
-                keep = poll()
-            except Exception as exc:  # the subscriber's task restarts it; the other streams go on
-                fut.set_exception(exc)
-                continue
-            if keep and not fut.done():
-                self._waiters.append((fut, poll))
-            elif not fut.done():
-                fut.set_result(None)
-        if self._waiters:
-            self._arm(loop)
-
-
 class KvEventSubscriber:
     """The KV event stream of one endpoint, applied to `index` under `endpoint_id`.
 
@@ -207,7 +134,7 @@ class KvEventSubscriber:
         clock: monotonic seconds (the rebuild deadline).
         rebuild_s, replay_timeout_s: see `DEFAULT_REBUILD_S`, `DEFAULT_REPLAY_TIMEOUT_S`.
         ticks: when to drain the socket (`DrainTicks`, shared by a router's subscribers; None:
-            a tick of its own every `DRAIN_INTERVAL_S`).
+            a tick of its own every `router.signals.drain_ticks.DRAIN_INTERVAL_S`).
     """
 
     def __init__(self, model: str, endpoint_id: str, source: KvEventsSource, index: ExactIndex,
@@ -615,120 +542,3 @@ class KvEventSubscriber:
 
 class _ReplayFailed(Exception):
     """The replay socket did not answer in time, or answered something else."""
-
-
-class KvEventStreams:
-    """A `KvEventSubscriber` per endpoint with a `kv_events` source, and an `ExactIndex` per model.
-
-    `put(model, sources)` / `delete(model)` say which endpoints of a model publish where
-    (called by `router.pools.pool.PoolTable`); subscribers start and stop to match, on the running
-    event loop (before `start`, only the wish is recorded). An endpoint whose source changed
-    gets a new subscriber and an empty view. `close` stops them all.
-    """
-
-    def __init__(self, metrics: RouterMetrics | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 rebuild_s: float = DEFAULT_REBUILD_S, replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
-                 drain_interval_s: float = DRAIN_INTERVAL_S) -> None:  # fmt: skip
-        self._metrics = metrics
-        self._ticks = DrainTicks(drain_interval_s)
-        self._clock = clock
-        self._rebuild_s = rebuild_s
-        self._replay_timeout_s = replay_timeout_s
-        self._ctx: zmq.asyncio.Context | None = None
-        self._wanted: dict[str, dict[str, KvEventsSource]] = {}
-        self._running: dict[tuple[str, str], tuple[KvEventSubscriber, asyncio.Task[None], KvEndpointMetrics | None]] = {}
-        self._indexes: dict[str, ExactIndex] = {}
-        self._started = False
-        if metrics is not None:
-            metrics.watch_kv_streams(self)
-
-    def index(self, model: str) -> ExactIndex:
-        """`model`'s exact index (made on first use; kept while the model has a pool)."""
-        index = self._indexes.get(model)
-        if index is None:
-            index = self._indexes[model] = ExactIndex()
-        return index
-
-    def put(self, model: str, sources: Mapping[str, KvEventsSource]) -> None:
-        """`model`'s endpoints that publish KV events are now `sources` (endpoint id -> source)."""
-        self._wanted[model] = dict(sources)
-        index = self._indexes.get(model)
-        if index is not None:
-            index.retain(sources)
-        self._reconcile()
-
-    def delete(self, model: str) -> None:
-        """`model` has no pool any more: stop its subscribers and drop its index."""
-        self._wanted.pop(model, None)
-        self._indexes.pop(model, None)
-        self._reconcile()
-
-    def subscriber(self, model: str, endpoint_id: str) -> KvEventSubscriber | None:
-        """The running subscriber of one endpoint (None if none)."""
-        entry = self._running.get((model, endpoint_id))
-        return entry[0] if entry is not None else None
-
-    async def start(self) -> None:
-        """Start the subscribers wished so far (the app's lifespan startup)."""
-        self._started = True
-        self._reconcile()
-
-    async def close(self) -> None:
-        """Stop every subscriber and close the ZMQ context (the app's lifespan shutdown)."""
-        self._started = False
-        tasks = [self._stop(key) for key in list(self._running)]
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
-
-    def kv_rows(self) -> list[tuple[str, str, bool, int]]:
-        """(model, endpoint, live, blocks held) of every wished stream (the scrape-time gauges)."""
-        rows = []
-        for model, sources in sorted(self._wanted.items()):
-            index = self._indexes.get(model)
-            for endpoint_id in sorted(sources):
-                if index is None:
-                    rows.append((model, endpoint_id, False, 0))
-                else:
-                    rows.append((model, endpoint_id, index.live(endpoint_id), index.blocks(endpoint_id)))
-        return rows
-
-    def _reconcile(self) -> None:
-        """Start and stop subscribers to match the wish; needs the running loop (else waits for `start`)."""
-        if not self._started:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        for key, (subscriber, _, _) in list(self._running.items()):
-            model, endpoint_id = key
-            if self._wanted.get(model, {}).get(endpoint_id) != subscriber.source:
-                self._stop(key)
-                index = self._indexes.get(model)
-                if index is not None:
-                    index.forget(endpoint_id)
-        if self._ctx is None and any(self._wanted.values()):
-            self._ctx = zmq.asyncio.Context()
-        for model, sources in self._wanted.items():
-            for endpoint_id, source in sources.items():
-                key = (model, endpoint_id)
-                if key in self._running:
-                    continue
-                assert self._ctx is not None
-                metrics = self._metrics.bind_kv(model, endpoint_id) if self._metrics is not None else None
-                subscriber = KvEventSubscriber(model, endpoint_id, source, self.index(model), self._ctx, metrics,
-                                               clock=self._clock, rebuild_s=self._rebuild_s,
-                                               replay_timeout_s=self._replay_timeout_s, ticks=self._ticks)  # fmt: skip
-                task = loop.create_task(subscriber.run(), name=f"kv-events:{model}/{endpoint_id}")
-                self._running[key] = (subscriber, task, metrics)
-
-    def _stop(self, key: tuple[str, str]) -> asyncio.Task[None]:
-        _, task, metrics = self._running.pop(key)
-        task.cancel()
-        if metrics is not None:
-            metrics.forget()
-        return task

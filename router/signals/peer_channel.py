@@ -73,7 +73,7 @@ class SendFailed(Exception):
 
 class Poster(Protocol):
     """Posts `body` (JSON) to `url` and returns the ``datagrams`` count of the answer (None if it
-    carries none: a router from before the count); raises `SendFailed`. The only I/O the sender
+    carries none: a router that does not count datagrams); raises `SendFailed`. The only I/O the sender
     does besides datagrams."""
 
     def __call__(self, url: str, body: bytes) -> Awaitable[int | None]: ...
@@ -201,9 +201,10 @@ class PeerSender:
         self.set_peers(peers)
 
     def notify(self) -> None:
-        """This router's load changed (the proxy calls this at every dispatch, first byte and
-        finish): the next round runs as soon as `interval_s` after the last allows. Without
-        calls, rounds run only at the `HEARTBEAT_S` posts."""
+        """This router's load changed (`router.request.attempt` and `router.request.relay` call
+        this at every dispatch, first byte and finish, through
+        `router.request.proxy.Proxy.on_load_change`): the next round runs as soon as `interval_s`
+        after the last allows. Without calls, rounds run only at the `HEARTBEAT_S` posts."""
         self._dirty = True
         if self._wake is not None:
             wake(self._wake)

@@ -9,8 +9,8 @@ each changed report on it (`send`); reports that arrive go to the same handler a
 
 **Why.** A report over HTTP cost ~320 us of the sender's CPU (aiohttp) and ~215 us of the
 receiver's, measured on the 2-core dev machine (docs/benchmarks.md, "Router CPU with KV events"):
-with two routers changing their load three times per request that was ~2.8 ms of router CPU per
-request. A datagram costs a `sendto` and an HMAC on each side.
+with two routers changing their load three times per request that is ~2.8 ms of router CPU per
+request on HTTP alone. A datagram costs a `sendto` and an HMAC on each side.
 
 **What stays on HTTP.** The sender also posts its latest report over HTTP, every
 `router.signals.peer_channel.HEARTBEAT_S` to a peer that has not confirmed it takes this router's

@@ -1,10 +1,10 @@
 """Routers that tell each other the load they sent: the peer channel's reports and their sum.
 
 Owns `own_report` (what one router tells its peers: its own load on every endpoint of its
-`kv-aware` pools) and `PeerLoadView` (the latest report of each peer, summed into each
-endpoint's `router.pools.endpoint.EndpointState.others_*`). Called by `router.peer_poll.PeerSender`
-(which sends this router's report to every peer every `DEFAULT_PEER_INTERVAL_S`) and by the
-admin API's `POST /admin/v1/peer-load` (which hands a peer's report to `receive`); the trace
+`kv-aware` pools) and `PeerLoadView` (the latest report of each peer, summed per endpoint and
+handed to `router.pools.endpoint.EndpointState.set_others_load`). Called by
+`router.signals.peer_channel.PeerSender` (which sends this router's report to every peer every
+`DEFAULT_PEER_INTERVAL_S`) and by the admin API's `POST /admin/v1/peer-load` (which hands a peer's report to `receive`); the trace
 simulator's ``peers`` load signal is the same exchange in virtual time. Pure: no I/O, times are
 passed in.
 
@@ -115,7 +115,8 @@ def parse_report(doc: object) -> tuple[str, dict[str, dict[str, Load]]]:
 
 
 class PeerLoadView:
-    """The latest report of each peer router, summed per endpoint into `EndpointState.others_*`.
+    """The latest report of each peer router, summed per endpoint into `EndpointState.others_*`
+    (through `EndpointState.set_others_load`).
 
     `receive(router_id, pools, endpoints, now_s)` stores a peer's report (router-clock seconds
     `now_s`) and rewrites the others' load of the endpoints it names, from every peer whose
@@ -186,6 +187,5 @@ class PeerLoadView:
                         prefilling += load[1]
                         tokens += load[2]
                         oldest_s = min(oldest_s, at_s)
-                e.others_in_flight, e.others_prefilling, e.others_prefill_tokens = in_flight, prefilling, tokens
-                e.others_until_s = oldest_s + self.max_age_s
+                e.set_others_load(in_flight, prefilling, tokens, oldest_s + self.max_age_s)
         return True

@@ -2,8 +2,8 @@
 
 Owns `RequestLog`, a bounded ring of finished requests (router clock time, the endpoint's
 version and id, TTFT, TPOT, end-to-end, queue time, failed or not) kept in the model's
-`router.pools.pool.PoolShared` across pool replacements. `router.request.proxy`
-records one entry per request that reached an endpoint; `router.http.admin`
+`router.pools.pool.PoolShared` across pool replacements. `router.request.attempt`
+records one entry per attempt that reached an endpoint; `router.http.admin`
 (`GET /admin/v1/revisions/{model}`) returns the entries of a window, and the controller builds
 each revision's samples from them (`fleet.rollout.revisions.side_samples`), leaving out a replica's first
 seconds after READY. Nothing here does I/O or reads a clock.

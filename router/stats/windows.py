@@ -1,11 +1,13 @@
 """Windowed request statistics of each model: arrival rate, queue time, TTFT, TPOT, end-to-end latency.
 
-Owns the two window primitives and `ModelStats`, the per-model bundle the request path records
-into. `router.pools.pool.PoolTable` keeps one `ModelStats` per model across pool replacements;
-`router.request.proxy` records into it; `router.http.admin` (`GET /admin/v1/stats`) and `router.stats.metrics`
-(scrape-time gauges) read `ModelStats.snapshot`. The autoscaler reads those snapshots over the
-admin API, and the trace simulator records into the very same objects in virtual time.
-Nothing here does I/O or reads a clock: every call takes `now_s` (seconds on the router clock).
+Owns the two window primitives and `ModelStats`, the per-model bundle the request path records into.
+`router.pools.pool.PoolTable` keeps one `ModelStats` per model across pool replacements; the request
+path records into it (`router.request.proxy`: arrival, dispatch, a wait given up;
+`router.request.attempt`: completion); `router.http.admin` (`GET /admin/v1/stats`) and
+`router.stats.metrics` (scrape-time gauges) read `ModelStats.snapshot`. The autoscaler reads those
+snapshots over the admin API, and the trace simulator records into the very same objects in virtual
+time. Nothing here does I/O or reads a clock: every call takes `now_s` (seconds on the router
+clock).
 
 Method (what the numbers mean):
 

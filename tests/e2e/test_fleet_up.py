@@ -133,5 +133,5 @@ def test_replica_that_cannot_start_fails_with_reason_while_the_other_keeps_servi
     down = fleet.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
     fleet.proc.wait(timeout=60)
-    wait_until(lambda: not fleet.leftover_pids(), 60, 0.1, "the processes `fleet up` started to be gone")
+    wait_until(lambda: not fleet.leftover_pids(), 60, interval_s=0.1, what="the processes `fleet up` started to be gone")
     assert fleet.leftover_pids() == []

@@ -12,10 +12,10 @@ import asyncio
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from fleet.controller.backend import ReplicaWant
@@ -26,6 +26,7 @@ from fleet.placement import get_strategy
 from fleet.placement.shapes import PlacementRequest
 from fleet.spec import load_deployments
 from router.kv.events import END_SEQ, BlockStored, decode_batch
+from tests.support.waits import async_wait_until, zmq_connected
 
 NODE = NodeInventory(name="local", cpu_cores=(0, 1))
 START_TIMEOUT_S = 420.0
@@ -62,17 +63,16 @@ async def test_vllm_publishes_block_stored_with_the_prompts_tokens_and_replays_a
     try:
         kv = facts.kv_events
         assert kv and kv["publisher"].startswith("ipc://") and kv["replay"].startswith("ipc://")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
+        log_tail = [""]
+
+        async def healthy() -> bool:
             f = (await backend.observe())["kv-0"]
             assert not f.exited, f"vLLM exited: {f.exit_reason}: {await backend.log_tail('kv-0', 30)}"
-            try:
-                if httpx.get(f"{facts.endpoint}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, await backend.log_tail("kv-0", 30)
-            await asyncio.sleep(1)
+            log_tail[0] = await backend.log_tail("kv-0", 30)
+            return httpx.get(f"{facts.endpoint}/health", timeout=5).status_code == 200
+
+        await async_wait_until(healthy, START_TIMEOUT_S, interval_s=1.0, what="vLLM to answer /health",
+                               explain=lambda: log_tail[0], ignoring=(httpx.HTTPError,))
 
         shared = [(7 * i) % 2000 + 10 for i in range(256)]
         first = shared + list(range(1000, 1050))            # 306 tokens
@@ -81,8 +81,7 @@ async def test_vllm_publishes_block_stored_with_the_prompts_tokens_and_replays_a
 
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(kv["publisher"])
-        await asyncio.sleep(1.0)                             # the SUB's connection is up
+        await zmq_connected(sub, kv["publisher"])            # the SUB's connection is up
         await asyncio.to_thread(_complete, facts.endpoint, second)
         batches: dict[int, bytes] = {}
         while not any(isinstance(e, BlockStored) for p in batches.values() for e in decode_batch(p).events):
@@ -119,9 +118,7 @@ async def test_vllm_publishes_block_stored_with_the_prompts_tokens_and_replays_a
     finally:
         ctx.destroy(linger=0)
         await backend.stop("kv-0")
-        for _ in range(100):
-            if start_ticks(pid) is None:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            os.killpg(pid, signal.SIGKILL)
+        try:
+            await async_wait_until(lambda: start_ticks(pid) is None, 10, interval_s=0.1, what=f"vLLM ({pid}) to exit")
+        except pytest.fail.Exception:
+            os.killpg(pid, signal.SIGKILL)         # still running after 10 s: killed, as cleanup, not a verdict

@@ -44,7 +44,7 @@ def _operator(tmp: Path, kubeconfig: Path, identity: str, **env: str) -> tuple[s
 async def _stop(proc: subprocess.Popen) -> int:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
-    await async_wait_until(lambda: proc.poll() is not None, timeout_s=30, message="the operator to exit")
+    await async_wait_until(lambda: proc.poll() is not None, timeout_s=30, what="the operator to exit")
     return proc.returncode
 
 
@@ -79,16 +79,16 @@ async def test_the_operator_makes_the_secret_once_and_a_restart_reads_it(tmp_pat
         first, log_a = _operator(tmp_path, kubeconfig, "op-a", **chart_env)
         procs.append(first)
         made = await async_wait_until(lambda: api.store.objects.get((SECRETS.plural, NS, NAME)), timeout_s=60,
-                                      message="the operator to make the Secret", explain=log_a.read_text)  # fmt: skip
+                                      what="the operator to make the Secret", explain=log_a.read_text)  # fmt: skip
         rv = made["metadata"]["resourceVersion"]
         await async_wait_until(lambda: "watching namespace" in log_a.read_text(), timeout_s=60,
-                               message="the first operator to start", explain=log_a.read_text)  # fmt: skip
+                               what="the first operator to start", explain=log_a.read_text)  # fmt: skip
         assert "router admin token" not in log_a.read_text()   # no error logged
         assert await _stop(first) == 0
         second, log_b = _operator(tmp_path, kubeconfig, "op-b", **chart_env)
         procs.append(second)
         await async_wait_until(lambda: "watching namespace" in log_b.read_text(), timeout_s=60,
-                               message="the second operator to start", explain=log_b.read_text)  # fmt: skip
+                               what="the second operator to start", explain=log_b.read_text)  # fmt: skip
         assert second.poll() is None
         assert api.store.get(SECRETS, NS, NAME)["metadata"]["resourceVersion"] == rv   # read, not rewritten
         assert await _stop(second) == 0
@@ -96,7 +96,7 @@ async def test_the_operator_makes_the_secret_once_and_a_restart_reads_it(tmp_pat
         third, log_c = _operator(tmp_path, kubeconfig, "op-c", FLEET_ROUTER_ADMIN_SECRET="mine",
                                  FLEET_ROUTER_ADMIN_SECRET_CREATE="false")  # fmt: skip
         procs.append(third)
-        await async_wait_until(lambda: third.poll() is not None, timeout_s=60, message="the operator to give up",
+        await async_wait_until(lambda: third.poll() is not None, timeout_s=60, what="the operator to give up",
                                explain=log_c.read_text)  # fmt: skip
         assert third.returncode == 2
         assert "Secret fleet/mine (router.adminToken.existingSecret) does not exist" in log_c.read_text()

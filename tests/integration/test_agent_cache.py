@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from fleet.testing.hub_server import HubRepo
 from tests.support.weights import file_gets as _file_gets, make_cache as _cache
+from tests.support.waits import wait_until
 from tests.support.weights import manifest_source as _manifest_source, model_files as _files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,15 +26,12 @@ def _kill_mid_download(root: Path, source: str, part_bytes: int) -> int:
     proc = subprocess.Popen([sys.executable, "-c", code, str(root), source], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        deadline = time.monotonic() + 60
-        parts = []
-        while time.monotonic() < deadline:
-            parts = [p for p in (root / "partial").rglob("*.part") if p.stat().st_size >= part_bytes]
-            if parts:
-                break
+
+        def parts_at_the_hold_point() -> list[Path]:
             assert proc.poll() is None, "the downloading process exited early"
-            time.sleep(0.05)
-        assert parts, "the download never reached the hold point"
+            return [p for p in (root / "partial").rglob("*.part") if p.stat().st_size >= part_bytes]
+
+        parts = wait_until(parts_at_the_hold_point, 60, what="the download to reach the hold point")
     finally:
         proc.kill()
         proc.wait(30)
@@ -74,9 +71,7 @@ def test_two_processes_asking_at_once_cause_one_download(hub, tmp_path):
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
              for _ in range(2)]
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not hub.log.file_gets("model.safetensors"):
-            time.sleep(0.02)
+        wait_until(lambda: hub.log.file_gets("model.safetensors"), 60, what="the first download to begin")
         hub.release.set()
         outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     finally:

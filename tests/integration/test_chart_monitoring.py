@@ -16,7 +16,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -29,6 +28,7 @@ from fleet.observability.dashboard import render_dashboard
 from fleet.observability.discovery import JOB_CONTROLLER, JOB_ENGINE, JOB_NODE_AGENT, JOB_ROUTER, file_sd_groups
 from fleet.observability.rules import rules_document
 from tests.support.helm import REPO, helm_binary, render
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.skipif(helm_binary() is None, reason="helm not installed: run `bash .ci/helm.sh`")
 
@@ -161,17 +161,15 @@ def test_prometheus_attaches_the_labels_the_dashboard_filters_on(tmp_path: Path)
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        targets: dict[str, dict] = {}
-        deadline = time.monotonic() + 60
-        while len(targets) < len(files) and time.monotonic() < deadline:
-            try:
-                active = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=2).json()["data"]["activeTargets"]
-                targets = {t["scrapePool"]: t["labels"] for t in active}
-            except (httpx.HTTPError, KeyError, ValueError):
-                pass
-            if len(targets) < len(files):
-                time.sleep(0.3)
-        assert len(targets) == len(files), (tmp_path / "prometheus.log").read_text()
+
+        def every_target() -> dict[str, dict]:
+            active = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=2).json()["data"]["activeTargets"]
+            targets = {t["scrapePool"]: t["labels"] for t in active}
+            return targets if len(targets) == len(files) else {}
+
+        targets = wait_until(every_target, 60, interval_s=0.3, what=f"Prometheus to list {len(files)} targets",
+                             explain=(tmp_path / "prometheus.log").read_text,
+                             ignoring=(httpx.HTTPError, KeyError, ValueError))
         [local] = file_sd_groups({"replicas": [{"id": "chat-3", "deployment": "chat", "revision": revision,
                                                 "status": "READY", "endpoint": "http://127.0.0.1:9"}]}, None)  # fmt: skip
         assert {k: v for k, v in targets["engine"].items() if k != "instance" and k != "endpoint"} == local["labels"]

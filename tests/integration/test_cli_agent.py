@@ -42,10 +42,11 @@ def test_node_agent_loop_serves_status_and_stops_on_sigterm(tmp_path):
     import socket
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     import httpx
+
+    from tests.support.waits import wait_until
 
     repo = Path(__file__).resolve().parents[2]
     with socket.socket() as s:
@@ -57,18 +58,15 @@ def test_node_agent_loop_serves_status_and_stops_on_sigterm(tmp_path):
          "--status-file", str(tmp_path / "status.json")],
         cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        status = None
-        while time.monotonic() < deadline:
-            try:
-                status = httpx.get(f"http://127.0.0.1:{port}/status", timeout=2).json()
-                if status.get("checked_at_s"):
-                    break
-            except httpx.HTTPError:
-                pass
+
+        def checked() -> dict | None:
             assert proc.poll() is None, proc.stderr.read().decode()
-            time.sleep(0.1)
-        assert status and status["node"] == "n2" and status["checked_at_s"]
+            status = httpx.get(f"http://127.0.0.1:{port}/status", timeout=2).json()
+            return status if status.get("checked_at_s") else None
+
+        status = wait_until(checked, 60, interval_s=0.1, what="the node agent's first check in its /status",
+                            ignoring=(httpx.HTTPError,))
+        assert status["node"] == "n2"
         assert json.loads((tmp_path / "status.json").read_text())["node"] == "n2"
         assert "fleet_weight_cache_models" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
         proc.send_signal(signal.SIGTERM)

@@ -23,6 +23,7 @@ Needs root (mount namespaces, running containers as their user) and Linux; skips
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -86,7 +87,7 @@ class Load:
             while not self._stop.is_set():
                 urls = self.routers()
                 if not urls:
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.2)   # the load's pace while no router is ready, not a wait
                     continue
                 url = urls[i % len(urls)]
                 i += 1
@@ -107,7 +108,7 @@ class Load:
                     lost = broken and url == self.killed_router   # its process died with the request
                     (self.lost_in_killed_router if lost else self.failed_before_streaming).append(
                         f"{url}: {type(err).__name__}: {err}")
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)   # the load's pace: about 20 requests a second
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -168,8 +169,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
                 lines.append(f"--- {d.name}/{f.name}\n{f.read_text(errors='replace')[-2500:]}")
         return "\n".join(lines)
 
-    async def until(cond, timeout_s: float, what: str):
-        return await async_wait_until(cond, timeout_s, interval_s=0.25, message=what, explain=why)
+    box_wait = functools.partial(async_wait_until, interval_s=0.25, explain=why)   # the box is slow to change
 
     def router_urls() -> list[str]:
         return [f"http://{p['status']['podIP']}:8080" for p in pods("app.kubernetes.io/component=router")
@@ -217,10 +217,10 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
                       for n, o in nodes.items()}  # fmt: skip
             return labels == {"cpu-1": None, "sxm-8": "0-7", "nvl-4": "0-1;2-3", "mig-1": "none"}
 
-        await until(lambda: len([p for p in pods("app.kubernetes.io/component=agent") if ready(p)]) == 3, 120,
-                    "a ready node agent on each of the 3 GPU nodes")
-        await until(facts_published, 60, "NVLink domains published on every GPU node by its agent")
-        await until(lambda: len(router_urls()) == 2, 120, "2 ready router pods")
+        await box_wait(lambda: len([p for p in pods("app.kubernetes.io/component=agent") if ready(p)]) == 3, 120,
+                       what="a ready node agent on each of the 3 GPU nodes")
+        await box_wait(facts_published, 60, what="NVLink domains published on every GPU node by its agent")
+        await box_wait(lambda: len(router_urls()) == 2, 120, what="2 ready router pods")
         mark("agents up, node facts published, routers ready")
 
         # ---- deployments: TP=2 on NVLink pairs, MIG, TP=1 on SXM ---------------------------------
@@ -234,7 +234,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
         await kube.create(INFERENCE_DEPLOYMENTS, NS, _cr("chat-sxm", "chat-sxm", "hf://org/sxm", {
             "gpuProduct": "NVIDIA H100 80GB HBM3"}, 2, rollout=canary))
         for model in ("chat-nvl", "small-mig", "chat-sxm"):
-            await until(lambda m=model: served(m), 300, f"{model} served through both router pods")
+            await box_wait(lambda m=model: served(m), 300, what=f"{model} served through both router pods")
         mark("3 deployments served through 2 router pods")
 
         async def kv_streams_live() -> bool:
@@ -268,7 +268,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
                                      json={"model": model, "prompt": long_prompt, "max_tokens": 2}) as r:  # fmt: skip
                     assert r.status == 200, await r.text()
         await async_wait_until(kv_streams_live, 60, interval_s=0.25,
-                               message="every router pod following every engine pod's KV event stream",
+                               what="every router pod following every engine pod's KV event stream",
                                explain=lambda: f"{json.dumps(kv_rows, indent=1)}\n{why()}")  # fmt: skip
         for f in tokenizer:   # the node's weight cache once (the whole repository), each router pod once
             assert len(hub.log.file_gets(f"org/chat/resolve/{rev}/{f}")) == 3, f
@@ -303,7 +303,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
         # ---- Xid 79 on a GPU of a serving replica: quarantined, drained, replaced --------------
         load = Load(router_urls, "chat-sxm")
         load.start()
-        await until(lambda: load.ok >= 10, 60, "traffic flowing to chat-sxm")
+        await box_wait(lambda: load.ok >= 10, 60, what="traffic flowing to chat-sxm")
         victim = sorted(engine_pods("chat-sxm"), key=lambda p: p["metadata"]["name"])[0]
         (bad_uuid,) = devices_of(victim)
         bad_index = next(d["index"] for d in json.loads(box.nodes["sxm-8"].nvml_state.read_text())["devices"]
@@ -315,15 +315,16 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
             value = (node["metadata"].get("annotations") or {}).get("fleet.inference.dev/gpu-health")
             return bool(value) and any(q["index"] == bad_index for q in json.loads(value)["quarantined"])
 
-        await until(quarantined, 60, f"GPU {bad_index} of sxm-8 quarantined in the node's gpu-health annotation")
-        await until(lambda: victim["metadata"]["name"] not in {p["metadata"]["name"] for p in pods()}, 180,
-                    f"replica {victim['metadata']['name']} on the quarantined GPU drained")
+        await box_wait(quarantined, 60,
+                       what=f"GPU {bad_index} of sxm-8 quarantined in the node's gpu-health annotation")
+        await box_wait(lambda: victim["metadata"]["name"] not in {p["metadata"]["name"] for p in pods()}, 180,
+                       what=f"replica {victim['metadata']['name']} on the quarantined GPU drained")
 
         def replaced() -> bool:
             live = [p for p in engine_pods("chat-sxm") if ready(p)]
             return len(live) == 2 and all(bad_uuid not in devices_of(p) for p in live)
 
-        await until(replaced, 180, "chat-sxm back to 2 ready replicas, none on the quarantined GPU")
+        await box_wait(replaced, 180, what="chat-sxm back to 2 ready replicas, none on the quarantined GPU")
         mark(f"Xid 79 on sxm-8 GPU {bad_index}: quarantined, drained, replaced")
 
         # ---- a canary rollout promotes ------------------------------------------------------------
@@ -336,7 +337,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
             return len(live) == 2 and all(p["metadata"]["labels"].get("fleet.inference.dev/revision") == "v2"
                                           and ready(p) for p in live)  # fmt: skip
 
-        await until(promoted, 300, "the canary of chat-sxm v2 promoted (2 ready v2 replicas, no v1)")
+        await box_wait(promoted, 300, what="the canary of chat-sxm v2 promoted (2 ready v2 replicas, no v1)")
         mark("canary v2 promoted")
 
         # ---- kill -9: the operator, an agent, a router pod ---------------------------------------
@@ -355,20 +356,20 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
             return {p["metadata"]["uid"] for p in pods("app.kubernetes.io/managed-by=fleet-operator")}
 
         # the rollout's last v1 pod may still be going: the operator's adoption is judged on what stays
-        await until(lambda: not any(p["metadata"].get("deletionTimestamp")
-                                    for p in pods("app.kubernetes.io/managed-by=fleet-operator")), 60,
-                    "no engine pod being deleted before the kills")  # fmt: skip
+        await box_wait(lambda: not any(p["metadata"].get("deletionTimestamp")
+                                       for p in pods("app.kubernetes.io/managed-by=fleet-operator")), 60,
+                       what="no engine pod being deleted before the kills")  # fmt: skip
         before = engines()
         op = kill9("app.kubernetes.io/component=operator", "operator")
-        await until(lambda: restarted(op, "operator"), 120, "the operator restarted after kill -9")
+        await box_wait(lambda: restarted(op, "operator"), 120, what="the operator restarted after kill -9")
         agent = kill9("app.kubernetes.io/component=agent", "agent", node="sxm-8")
-        await until(lambda: restarted(agent, "agent"), 120, "the sxm-8 agent restarted after kill -9")
+        await box_wait(lambda: restarted(agent, "agent"), 120, what="the sxm-8 agent restarted after kill -9")
         assert quarantined(), "the quarantine did not survive the agent's restart"
         load.killed_router = f"http://{pods('app.kubernetes.io/component=router')[0]['status']['podIP']}:8080"
         router = kill9("app.kubernetes.io/component=router", "router")
-        await until(lambda: restarted(router, "router"), 120, "a router pod restarted after kill -9")
-        await until(lambda: served("chat-sxm"), 120, "chat-sxm served through both routers after the kills")
-        await until(lambda: served("chat-nvl"), 60, "chat-nvl served through both routers after the kills")
+        await box_wait(lambda: restarted(router, "router"), 120, what="a router pod restarted after kill -9")
+        await box_wait(lambda: served("chat-sxm"), 120, what="chat-sxm served through both routers after the kills")
+        await box_wait(lambda: served("chat-nvl"), 60, what="chat-nvl served through both routers after the kills")
         after = engines()
         assert after == before, f"the restarted operator replaced engine pods instead of adopting them\n{why()}"
         mark("kill -9 of operator, agent and router: adopted, served")
@@ -393,10 +394,10 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
                     pass
             return not pods("app.kubernetes.io/managed-by=fleet-operator")
 
-        await until(deployments_gone, 180, "the deployments and their engine pods gone")
+        await box_wait(deployments_gone, 180, what="the deployments and their engine pods gone")
         assert not box.denied, f"requests outside a Role's rights: {box.denied}"
         box.helm_uninstall()
-        await until(lambda: not pods(), 120, "every pod gone after uninstall")
+        await box_wait(lambda: not pods(), 120, what="every pod gone after uninstall")
         left = [k for k in box.store.objects if k[0] not in ("nodes", "events", "customresourcedefinitions",
                                                             "leases")]  # fmt: skip
         assert not left, f"left after uninstall: {left}"

@@ -85,9 +85,9 @@ async def _install_crd(kube: KubeClient, crd: dict) -> None:
         conditions = ((await kube.get(CRDS, None, CRD_NAME)).get("status") or {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
-    await async_wait_until(established, timeout_s=30, message=f"CRD {CRD_NAME} Established")
+    await async_wait_until(established, timeout_s=30, what=f"CRD {CRD_NAME} Established")
     # Established is the CRD's condition; the endpoint answers a moment later.
-    await async_wait_until(lambda: _lists(kube), timeout_s=30, message="the custom resource endpoint")
+    await async_wait_until(lambda: _lists(kube), timeout_s=30, what="the custom resource endpoint")
 
 
 async def _lists(kube: KubeClient) -> bool:
@@ -356,7 +356,7 @@ async def test_a_finalizer_holds_a_delete_until_it_is_removed(kube):
         except NotFound:
             return True
 
-    await async_wait_until(gone, timeout_s=10, message=f"{name} deleted once its finalizer went")
+    await async_wait_until(gone, timeout_s=10, what=f"{name} deleted once its finalizer went")
 
 
 async def test_list_filters_by_label_selector(kube):

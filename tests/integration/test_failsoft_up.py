@@ -4,13 +4,14 @@ new `fleet up` takes over from the replica records, the processes' markers and t
 pools, adopting every engine and the router with the same pids under load, never reusing an id;
 `fleet logs controller` reads a foreground `fleet up`; `fleet down` of a dead controller with no
 state and no router record stops everything. Real processes over engine SIMULATOR replicas.
-The full fault table of issue 22 (full disk, closed output, ...): docs/crash-safety.md."""
+The full fault table (full disk, closed output, ...): docs/crash-safety.md."""
 
 from __future__ import annotations
 
 import json
 
-from tests.integration.test_fault_injection import Load, kill9, wait, write_fleet
+from tests.integration.test_fault_injection import Load, kill9, write_fleet
+from tests.support.faults import wait_s
 from tests.support.fleet_up import all_ready, engines, router_pid, stop_cleanly
 
 TRUNCATED = '{"format": 3, "replicas": [{"id": "sim-ch'
@@ -31,7 +32,8 @@ def test_a_truncated_state_file_is_named_and_what_runs_is_adopted_not_stopped(si
         assert status.returncode == 1 and "state.json is unreadable: not JSON" in status.stderr, status
         assert "Engines running: sim-chat-0, sim-chat-1" in status.stdout and "Router running" in status.stdout
         second = sim_fleet_up([f], port=first.port)
-        adopt_s = wait("the new controller to adopt", lambda: all_ready(second, 2) and "Adopted 2" in second.output())
+        adopt_s = wait_s("the new controller to adopt", lambda: all_ready(second, 2) and "Adopted 2" in second.output(),
+                         120.0, second)
         load.wait_for_more(40, "load after the take-over")
     assert load.failed == [], load.failed[:10]
     assert engines(state_dir) == before and router_pid(state_dir) == router_before   # nothing restarted

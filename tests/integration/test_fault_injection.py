@@ -21,6 +21,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.support.faults import wait_s
 from tests.support.fleet_up import FleetUp, all_ready, engines, router_pid, stop_cleanly
 from tests.support.waits import wait_until
 from tests.support.load import OpenLoopLoad
@@ -52,16 +53,6 @@ def Load(url: str) -> OpenLoopLoad:
     return OpenLoopLoad(url, MODEL)
 
 
-def wait(what: str, predicate, timeout_s: float = 120.0) -> float:
-    """Seconds until ``predicate()`` held; fails the test after ``timeout_s``."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(0.1)
-    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
-
-
 def kill9(fleet: FleetUp) -> None:
     fleet.track_descendants()
     os.kill(fleet.proc.pid, signal.SIGKILL)
@@ -83,7 +74,8 @@ def test_kill_9_of_the_controller_while_serving_fails_no_request_and_a_restart_a
         status = first.cli("status")
         assert "The controller is not running, but 3 engine(s)" in status.stdout, status.stdout
         second = sim_fleet_up([f], port=first.port)
-        adopt_s = wait("the new controller to adopt", lambda: all_ready(second, 3) and "Adopted 3" in second.output())
+        adopt_s = wait_s("the new controller to adopt", lambda: all_ready(second, 3) and "Adopted 3" in second.output(),
+                         120)
         load.wait_for_more(40, "load after the adoption")
     assert load.failed == [], load.failed[:10]
     assert engines(state_dir) == before                  # same processes: nothing was restarted
@@ -122,10 +114,10 @@ def test_kill_9_of_the_router_fails_requests_only_while_it_is_down(sim_fleet_up,
         old = router_pid(state_dir)
         killed_at = time.monotonic()
         os.kill(old, signal.SIGKILL)
-        back_s = wait("the router to be back", lambda: (router_pid(state_dir) or old) != old
-                      and "pools published again" in fleet.output(), timeout_s=60)  # fmt: skip
-        wait_until(lambda: len([r for r in load.results if r[0] > killed_at + back_s + 1.0]) >= 40, 120, 0.05,
-                   "40 requests sent a second after the router was back answered")
+        back_s = wait_s("the router to be back", lambda: (router_pid(state_dir) or old) != old
+                        and "pools published again" in fleet.output(), 60)  # fmt: skip
+        wait_until(lambda: len([r for r in load.results if r[0] > killed_at + back_s + 1.0]) >= 40, 120,
+                   what="40 requests sent a second after the router was back answered")
     after = [r for r in load.results if r[0] > killed_at + back_s + 1.0]
     assert after and all(outcome == "ok" for _, outcome in after)
     failed_window_s = (max(t for t, _ in load.failed) - min(t for t, _ in load.failed)) if load.failed else 0.0

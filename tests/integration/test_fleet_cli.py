@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
 from fleet.cli.local import _pid_alive
+from tests.support.waits import wait_until
 
 
 def test_pid_alive_treats_a_zombie_as_gone() -> None:
     proc = subprocess.Popen(["true"])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _pid_alive(proc.pid):
-        time.sleep(0.05)  # `true` exits at once and stays a zombie until wait()
-    assert not _pid_alive(proc.pid)
+    # `true` exits at once and stays a zombie until wait()
+    wait_until(lambda: not _pid_alive(proc.pid), 30, what=f"`true` ({proc.pid}) to count as gone")
     assert proc.poll() == 0   # it really was a zombie we had not reaped
     assert _pid_alive(os.getpid())

@@ -376,7 +376,7 @@ def test_engine_pods_get_the_node_cache_fleets_image_and_resource_sizing():
     is the agent's hostCachePath (none without the agent), the init container runs Fleet's image."""
     import json
 
-    from fleet.k8s.pods import EnginePodSettings
+    from fleet.k8s.pod_settings import EnginePodSettings
 
     def settings(*extra):
         op = next(d for d in _by_kind(render(extra=extra))["Deployment"] if d["metadata"]["name"] == "fleet-operator")
@@ -396,7 +396,9 @@ def test_engine_pods_publish_kv_events_on_the_charts_ports():
     and the ports are the chart's, and the schema refuses a port the engine's HTTP server holds."""
     import json
 
-    from fleet.k8s.pods import EnginePodSettings, pod_facts, pod_manifest
+    from fleet.k8s.pod_facts import pod_facts
+    from fleet.k8s.pod_settings import EnginePodSettings
+    from fleet.k8s.pods import pod_manifest
     from tests.unit.test_k8s_backend import _dep, _want
 
     def settings(*extra):

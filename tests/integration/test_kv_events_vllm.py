@@ -10,12 +10,15 @@ import socket
 import time
 
 import pytest
+import zmq
 import zmq.asyncio
 
-from router.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from router.kv.events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch,
+                              encode_batch)
 from router.kv.exact_index import ExactIndex, StreamState
 from router.signals.kv_subscriber import KvEventSubscriber
 from router.pools.spec import KvEventsSource
+from tests.support.waits import async_wait_until
 
 SHA = bytes(range(32))
 
@@ -58,11 +61,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def eventually(check, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
+async def replayable(ctx: zmq.asyncio.Context, replay_port: int) -> int:
+    """How many batches the publisher's replay socket serves from seq 0 (vLLM's replay protocol:
+    a DEALER sends an empty frame and the start seq; batches come back, then END_SEQ)."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+    try:
+        await dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        n = 0
+        while (await asyncio.wait_for(dealer.recv_multipart(), 10))[2] != END_SEQ:
+            n += 1
+        return n
+    finally:
+        dealer.close(linger=0)
 
 
 async def test_vllm_publisher_feeds_the_subscriber_and_replays_what_came_before() -> None:
@@ -80,17 +91,20 @@ async def test_vllm_publisher_feeds_the_subscriber_and_replays_what_came_before(
             block_size=16, lora_id=None, medium="GPU", lora_name=None)])
 
     publisher.publish(stored(1, 1, None))       # before the router subscribes: reached by replay from 0
-    await asyncio.sleep(0.3)
-    index = ExactIndex()
     ctx = zmq.asyncio.Context()
+    # publish() only queues the batch: wait until the publisher's thread has sent and buffered it
+    await async_wait_until(lambda: replayable(ctx, replay_port), 10, interval_s=0.05,
+                           what="seq 0 in the publisher's replay buffer")
+    index = ExactIndex()
     source = KvEventsSource(publisher=f"tcp://127.0.0.1:{pub_port}", replay=f"tcp://127.0.0.1:{replay_port}",
                             topic="kv")
     subscriber = KvEventSubscriber("m", "e0", source, index, ctx)
     task = asyncio.create_task(subscriber.run())
     try:
-        await eventually(lambda: index.live("e0") and index.blocks("e0") == 1)
+        await async_wait_until(lambda: index.live("e0") and index.blocks("e0") == 1, 10,
+                               what="the replayed batch applied and the stream live")
         publisher.publish(stored(2, 2, 1))
-        await eventually(lambda: index.blocks("e0") == 3)
+        await async_wait_until(lambda: index.blocks("e0") == 3, 10, what="the live batch applied")
         assert index.match(ids) == {"e0": 48} and subscriber.resyncs == 0
         assert index.state("e0") is StreamState.LIVE
     finally:

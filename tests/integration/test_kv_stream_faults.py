@@ -17,6 +17,7 @@ import zmq.asyncio
 from router.kv.exact_index import ExactIndex, StreamState
 from router.signals.kv_subscriber import HEARTBEAT_TIMEOUT_MS, KvEventSubscriber
 from router.pools.spec import KvEventsSource
+from tests.support.waits import async_wait_until
 
 PUBLISHER = r"""
 import sys, time, zmq
@@ -39,15 +40,8 @@ while True:
     buffer.append((seq, data))
     pub.send_multipart([b"", seq_frame(seq), data])
     seq += 1
-    time.sleep(0.05)
+    time.sleep(0.05)   # the publisher's pace: a batch every 50 ms
 """
-
-
-async def eventually(check, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_stopped_publisher_is_down_within_the_heartbeat_timeout_and_caught_up_when_resumed() -> None:
@@ -61,14 +55,17 @@ async def test_a_stopped_publisher_is_down_within_the_heartbeat_timeout_and_caug
         source = KvEventsSource(publisher=f"tcp://127.0.0.1:{pub_port}", replay=f"tcp://127.0.0.1:{replay_port}")
         subscriber = KvEventSubscriber("m", "e", source, index, ctx)
         task = asyncio.create_task(subscriber.run())
-        await eventually(lambda: index.live("e") and index.blocks("e") > 5, 10.0)
+        await async_wait_until(lambda: index.live("e") and index.blocks("e") > 5, 10, interval_s=0.05,
+                               what="the stream live with more than 5 blocks")
         os.kill(proc.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        await eventually(lambda: index.state("e") is StreamState.DOWN, 10.0)
+        await async_wait_until(lambda: index.state("e") is StreamState.DOWN, 10, interval_s=0.05,
+                               what="the stopped publisher's stream down")
         assert time.monotonic() - stopped_at < HEARTBEAT_TIMEOUT_MS / 1000 + 3
         held = index.blocks("e")
         os.kill(proc.pid, signal.SIGCONT)
-        await eventually(lambda: index.live("e") and index.blocks("e") > held + 5, 20.0)
+        await async_wait_until(lambda: index.live("e") and index.blocks("e") > held + 5, 20, interval_s=0.05,
+                               what="the resumed stream live and 5 more blocks applied")
         seq = index.last_seq("e")
         assert seq is not None and index.blocks("e") == seq + 1    # every batch applied, none lost
         assert subscriber.resyncs == 0

@@ -22,7 +22,7 @@ from fleet.placement import get_strategy
 from fleet.placement.shapes import PlacementRequest
 from fleet.inventory import Inventory
 from fleet.spec import load_deployments
-from tests.support.waits import wait_until
+from tests.support.waits import async_wait_until, wait_until, zmq_connected
 
 NODE = NodeInventory(name="local", cpu_cores=(0, 1))
 
@@ -206,19 +206,14 @@ async def test_the_engine_publishes_kv_events_where_its_facts_say_and_adoption_k
     try:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(kv["publisher"])
+        await zmq_connected(sub, kv["publisher"])      # the SUB's connection is up before the first batch
         async with aiohttp.ClientSession(facts.endpoint) as client:
             async def healthy() -> bool:
-                try:
-                    async with client.get("/health") as resp:
-                        return resp.status == 200
-                except aiohttp.ClientError:
-                    return False
-            for _ in range(200):
-                if await healthy():
-                    break
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)     # the SUB's connection is up before the first batch
+                async with client.get("/health") as resp:
+                    return resp.status == 200
+
+            await async_wait_until(healthy, 30, interval_s=0.05, what="the engine healthy",
+                                   ignoring=(aiohttp.ClientError,))
             async with client.post("/v1/completions", json={"prompt": "hello " * 300, "max_tokens": 2}) as resp:
                 assert resp.status == 200
         _, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 10)

@@ -67,14 +67,14 @@ async def test_the_agent_publishes_node_facts_and_keeps_an_xid_79_quarantine_acr
 
     try:
         agent = start(1)
-        facts = await async_wait_until(health, 60, message="the gpu-health annotation", explain=explain)
+        facts = await async_wait_until(health, 60, what="the gpu-health annotation", explain=explain)
         assert node_obj()["metadata"]["labels"][NVLINK_DOMAINS_LABEL] == "none"   # from NVML: no NVLink
         assert facts.health_checks and facts.quarantined == () and facts.allocations == {"pod-uid-1": (1,)}
         assert agent.poll() is None
 
         inject_xid(state, sick, 79)
         facts = await async_wait_until(lambda: (h := health()) and h.quarantined and h, 60,
-                                       message="GPU 1 quarantined in the annotation", explain=explain)
+                                       what="GPU 1 quarantined in the annotation", explain=explain)
         [q] = facts.quarantined
         assert (q.index, q.uuid, q.mig, q.pods) == (1, sick, None, ("pod-uid-1",))
         assert "Xid 79" in q.reason and "past the cap" in q.reason
@@ -85,7 +85,7 @@ async def test_the_agent_publishes_node_facts_and_keeps_an_xid_79_quarantine_acr
         agent.wait(30)
         api.store.patch(NODES, None, NODE, {"metadata": {"annotations": {GPU_HEALTH_ANNOTATION: None}}})
         agent = start(2)                                               # the Xid is not delivered again
-        facts = await async_wait_until(health, 60, message="the annotation written again after the restart",
+        facts = await async_wait_until(health, 60, what="the annotation written again after the restart",
                                        explain=explain)
         [again] = facts.quarantined
         assert again == q and agent.poll() is None

@@ -47,6 +47,7 @@ from fleet.observability.promql import grafana_to_promql
 from fleet.observability.rules import alerts, recording_rules, render_rules
 from tests.support.fleet_up import REPO, FleetUp, free_port
 from tests.support.fake_gpu_fleet import BUSY_PERCENT, FAULTY_GPU, XID
+from tests.support.waits import wait_until
 
 MODEL = "llama-8b-sim"
 DEPLOYMENT = "chat"
@@ -157,14 +158,12 @@ class Stack:
 
 
 def _wait(what: str, predicate, timeout_s: float = TIMEOUT_S, fleet: FleetUp | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if fleet is not None and fleet.proc.poll() is not None:
-            pytest.fail(f"`fleet up` exited while waiting for {what}:\n{fleet.output()}")
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}" + (f"\n{fleet.output()}" if fleet else ""))
+    """`tests.support.waits.wait_until`, polling every 0.5 s; with ``fleet``, `FleetUp.wait_for`
+    (which fails at once if `fleet up` exits, and shows its replicas and output)."""
+    if fleet is not None:
+        fleet.wait_for(what, predicate, timeout_s)
+    else:
+        wait_until(predicate, timeout_s, interval_s=0.5, what=what)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +225,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         if os.environ.get("FLEET_DASHBOARD_PNG"):  # docs/observability/README.md's figure: more minutes of load
             from loadtests.plot_dashboard import plot_dashboard
 
-            time.sleep(float(os.environ.get("FLEET_DASHBOARD_SECONDS", "150")))
+            time.sleep(float(os.environ.get("FLEET_DASHBOARD_SECONDS", "150")))   # the minutes of load the figure shows
             load.close()
             time.sleep(30)  # the quiet after the burst
             plot_dashboard(prom_url, s.started_unix - 20, time.time(), Path(os.environ["FLEET_DASHBOARD_PNG"]))
@@ -242,15 +241,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             fleet.kill_everything()
 
 
-def _missing(stack: Stack, queries: list[tuple[str, str]], deadline_s: float) -> list[tuple[str, str]]:
-    """Queries still without data at the deadline (each is retried until it has some)."""
+def _wait_for_data(stack: Stack, queries: list[tuple[str, str]], timeout_s: float, what: str) -> None:
+    """Wait until every query has data (each is retried, every second, until it has some); on a
+    timeout the failure lists the ``what`` still without data, with their queries."""
     pending = list(queries)
-    deadline = time.monotonic() + deadline_s
-    while pending and time.monotonic() < deadline:
-        pending = [(name, q) for name, q in pending if not stack.has_data(q)]
-        if pending:
-            time.sleep(1.0)
-    return pending
+
+    def all_have_data() -> bool:
+        pending[:] = [(name, q) for name, q in pending if not stack.has_data(q)]
+        return not pending
+
+    wait_until(all_have_data, timeout_s, interval_s=1.0, what=f"data for every one of the {what}",
+               explain=lambda: f"{what} without data:\n" + "\n".join(f"  {t}: {q}" for t, q in pending))
 
 
 def test_the_targets_carry_deployment_version_and_replica_labels(stack: Stack) -> None:
@@ -275,8 +276,7 @@ def test_the_targets_carry_deployment_version_and_replica_labels(stack: Stack) -
 def test_every_dashboard_panel_query_returns_data(stack: Stack) -> None:
     queries = [(title, grafana_to_promql(expr, rate_interval=RATE_INTERVAL))
                for title, expr in panel_queries(build_dashboard())]  # fmt: skip
-    missing = _missing(stack, queries, deadline_s=90)
-    assert not missing, "panels without data:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
+    _wait_for_data(stack, queries, 90, "panels")
 
 
 def test_the_node_agent_quarantines_the_faulty_gpu_and_prometheus_sees_it(stack: Stack) -> None:
@@ -304,8 +304,7 @@ def test_every_panel_returns_data_with_one_value_of_each_variable_selected(stack
     selected = {"deployment": DEPLOYMENT, "model": MODEL, "version": "v1", "replica": ready[0], "node": "local"}
     queries = [(title, grafana_to_promql(expr, selected, rate_interval=RATE_INTERVAL))
                for title, expr in panel_queries(build_dashboard())]  # fmt: skip
-    missing = _missing(stack, queries, deadline_s=60)
-    assert not missing, f"panels without data for {selected}:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
+    _wait_for_data(stack, queries, 60, f"panels for {selected}")
 
 
 def test_every_template_variable_has_values(stack: Stack) -> None:
@@ -327,8 +326,7 @@ def test_every_alert_rule_evaluates_and_its_signals_return_data(stack: Stack) ->
         stack.query_range(a.expr)  # parses and evaluates (data only when it fires)
     signals = [(f"alert {a.name}", q) for a in alerts() for q in a.data_exprs]
     signals += [(f"record {r.record}", r.record) for r in recording_rules()]
-    missing = _missing(stack, signals, deadline_s=90)
-    assert not missing, "rules without data:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
+    _wait_for_data(stack, signals, 90, "rules")
     # Prometheus loaded the very rules and evaluates them without error.
     groups = httpx.get(f"{stack.prom_url}/api/v1/rules", timeout=10).json()["data"]["groups"]
     health = {r.get("name"): (r["health"], r.get("lastError", "")) for g in groups for r in g["rules"]}
@@ -404,8 +402,7 @@ def test_the_cost_row_has_sensible_figures(stack: Stack) -> None:
                                                          if row == "Cost and GPU use" for p in panels)
                     for expr in _cost_panel(title)]  # fmt: skip
     assert len(cost_queries) >= 6
-    missing = _missing(stack, cost_queries, deadline_s=90)
-    assert not missing, "cost panels without data:\n" + "\n".join(f"  {t}: {q}" for t, q in missing)
+    _wait_for_data(stack, cost_queries, 90, "cost panels")
 
     def values(expr: str) -> list[float]:
         return [float(v) for s in stack.query_range(expr) for _, v in s["values"] if math.isfinite(float(v))]

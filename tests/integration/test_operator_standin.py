@@ -10,6 +10,7 @@ warm-up again); delete the resource and everything goes (drained through the rou
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from fleet.k8s.client import EVENTS, INFERENCE_DEPLOYMENTS, LEASES, NODES, PODS,
 from fleet.k8s.routerpod import serve_router_pod
 from fleet.testing.k8s.apiserver import APIServerStandIn, KubeletStandIn
 from fleet.testing.k8s.nodes import node
+from tests.support.waits import async_wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NS = "fleet"
@@ -45,17 +47,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _until(cond, timeout_s: float, what: str, why=lambda: ""):
-    """Wait until ``await cond()`` is truthy; fail naming ``what`` (and ``why()``) at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        value = await cond()
-        if value:
-            return value
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{why()}")
-        await asyncio.sleep(0.1)
+# Waits on processes polled over HTTP: ten polls a second.
+standin_wait = functools.partial(async_wait_until, interval_s=0.1)
 
 
 class Operator:
@@ -115,24 +108,24 @@ async def test_operator_against_the_api_server_stand_in(tmp_path):
         return r.status_code == 200 and r.json()["choices"][0]["text"] != ""
 
     try:
-        await _until(lambda: _ok(http, f"http://127.0.0.1:{port}/health"), 30, "the router")
+        await standin_wait(lambda: _ok(http, f"http://127.0.0.1:{port}/health"), 30, what="the router")
         ops.append(Operator(tmp_path, kubeconfig, admin_url, "op-a"))
         # kubectl apply: the same document `fleet up` takes
         await kube.create(INFERENCE_DEPLOYMENTS, NS, CR)
-        await _until(lambda: served(2), 90, "2 replicas served through the router", why)
+        await standin_wait(lambda: served(2), 90, what="2 replicas served through the router", explain=why)
         # the engine image was pre-pulled onto the node once, by a pod that is gone again
         assert kubelet.puller.pulls == {("node-a", "fleet:standin"): 1}
         assert any(n.startswith("prepull-node-a-") for n in kubelet.seen_pods)
         assert not [n for n in await pods() if n.startswith("prepull-")]
-        st = await _until(lambda: _status_with(status, 2), 30, "status readyReplicas 2", why)
+        st = await standin_wait(lambda: _status_with(status, 2), 30, what="status readyReplicas 2", explain=why)
         cond = {c["type"]: c["status"] for c in st["conditions"]}
         assert cond == {"Ready": "True", "Progressing": "False", "Degraded": "False"}
         assert sorted(await pods()) == ["sim-chat-0", "sim-chat-1"]
 
         # scale
         await kube.patch(INFERENCE_DEPLOYMENTS, NS, "sim-chat", {"spec": {"replicas": {"initial": 3}}})
-        await _until(lambda: served(3), 60, "3 replicas served after scaling", why)
-        await _until(lambda: _status_with(status, 3), 30, "status readyReplicas 3", why)
+        await standin_wait(lambda: served(3), 60, what="3 replicas served after scaling", explain=why)
+        await standin_wait(lambda: _status_with(status, 3), 30, what="status readyReplicas 3", explain=why)
 
         # an engine dies (kill -9 of its process: the pod fails): replaced, served by 3 again
         kubelet.procs[(NS, "sim-chat-0")].kill()
@@ -141,7 +134,7 @@ async def test_operator_against_the_api_server_stand_in(tmp_path):
             names = set(await pods())
             return "sim-chat-0" not in names and "sim-chat-3" in names and await served(3)
 
-        await _until(replaced, 60, "the failed replica replaced and served", why)
+        await standin_wait(replaced, 60, what="the failed replica replaced and served", explain=why)
         events = [e for e in store.list(EVENTS, NS, None)[0] if e["involvedObject"]["name"] == "sim-chat"]
         assert any(e["reason"] == "ReplicaFailedCrashed" and e["type"] == "Warning" for e in events)
         before = {n: p["metadata"]["uid"] for n, p in (await pods()).items()}
@@ -149,7 +142,7 @@ async def test_operator_against_the_api_server_stand_in(tmp_path):
 
         # kill -9 the operator; another one waits for the Lease, then adopts
         os.killpg(ops[0].proc.pid, signal.SIGKILL)
-        await _until(lambda: _exited(ops[0]), 10, "op-a to die")
+        await standin_wait(lambda: _exited(ops[0]), 10, what="op-a to die")
         metrics_port = _free_port()
         ops.append(Operator(tmp_path, kubeconfig, admin_url, "op-b", metrics_port=metrics_port))
 
@@ -157,10 +150,10 @@ async def test_operator_against_the_api_server_stand_in(tmp_path):
             lease = await kube.get(LEASES, NS, "fleet-operator")
             return lease["spec"].get("holderIdentity") == "op-b"
 
-        await _until(b_leads, 60, "op-b to take the Lease", why)
-        await _until(lambda: _logged(ops[1], "running 1 deployment(s); 3 running replica(s) adopted"), 30,
-                     "op-b to adopt the 3 replicas", why)
-        await _until(lambda: served(3), 30, "3 replicas still served under op-b", why)
+        await standin_wait(b_leads, 60, what="op-b to take the Lease", explain=why)
+        await standin_wait(lambda: _logged(ops[1], "running 1 deployment(s); 3 running replica(s) adopted"), 30,
+                           what="op-b to adopt the 3 replicas", explain=why)
+        await standin_wait(lambda: served(3), 30, what="3 replicas still served under op-b", explain=why)
         assert {n: p["metadata"]["uid"] for n, p in (await pods()).items()} == before   # no pod replaced
         assert kubelet.started == started                                                # no process restarted
 
@@ -187,10 +180,10 @@ async def test_operator_against_the_api_server_stand_in(tmp_path):
             models = (await http.get(f"http://127.0.0.1:{port}/v1/models")).json()["data"]
             return not await pods() and not models
 
-        await _until(all_gone, 60, "the resource, its pods and its pool to go", why)
+        await standin_wait(all_gone, 60, what="the resource, its pods and its pool to go", explain=why)
         assert all(p.returncode is not None for p in kubelet.procs.values())
         ops[1].proc.send_signal(signal.SIGTERM)   # an orderly stop: exits 0, gives the Lease up
-        await _until(lambda: _exited(ops[1]), 30, "op-b to exit on SIGTERM", why)
+        await standin_wait(lambda: _exited(ops[1]), 30, what="op-b to exit on SIGTERM", explain=why)
         assert ops[1].proc.returncode == 0, ops[1].log()
         assert (await kube.get(LEASES, NS, "fleet-operator"))["spec"]["holderIdentity"] == ""
         for o in ops:

@@ -120,7 +120,8 @@ async def test_a_router_killed_and_restarted_answers_503_not_404_until_its_pools
         try:
             async with aiohttp.ClientSession(base, timeout=timeout) as client:
                 await put_pool(client, "m", [{"id": "e", "url": engine.url}])
-                await async_wait_until(lambda: models_file.exists() and "m" in models_file.read_text(), WAIT_S)
+                await async_wait_until(lambda: models_file.exists() and "m" in models_file.read_text(), WAIT_S,
+                                       what="the router to write the pool to its models file")
             proc.kill()   # kill -9: no shutdown of any kind
             proc.wait(timeout=WAIT_S)
             proc, base = start()

@@ -11,11 +11,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.waits import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "peers-admin-token"
@@ -97,9 +98,8 @@ def start_engine(ports_file: Path) -> tuple[subprocess.Popen, dict[str, str]]:
 
 def engine_url(ports_file: Path) -> str:
     """The URL a simulated engine wrote to its `--ports-file` (waits up to 60 s for it)."""
-    deadline = time.monotonic() + 60
-    while not (ports_file.exists() and ports_file.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: ports_file.exists() and ports_file.read_text(), 60, interval_s=0.1,
+               what=f"the engine to write {ports_file.name}")
     return json.loads(ports_file.read_text())["urls"][0]
 
 
@@ -138,13 +138,9 @@ def test_two_routers_exchange_load_reports() -> None:
     procs, bases = peer_routers()
     try:
         put_pool(bases, [{"id": "e0", "url": "http://127.0.0.1:9"}])
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if all(metric(b, "fleet_router_peers_live") == 1.0 for b in bases):
-                break
-            time.sleep(0.2)
+        wait_until(lambda: all(metric(b, "fleet_router_peers_live") == 1.0 for b in bases), 20, interval_s=0.2,
+                   what="each router to see its peer live")
         for base in bases:
-            assert metric(base, "fleet_router_peers_live") == 1.0
             assert (metric(base, "fleet_router_peer_reports_received_total") or 0) >= 1
             assert (metric(base, "fleet_router_peer_reports_sent_total") or 0) >= 1
         # A request through each router to an endpoint that accepts and never answers stays in flight: the
@@ -154,18 +150,14 @@ def test_two_routers_exchange_load_reports() -> None:
         hanging = [threading.Thread(target=hang, args=(base,), daemon=True) for base in bases]
         for thread in hanging:
             thread.start()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not all(metric(b, "fleet_router_peer_datagrams_sent_total")
-                                                      and others_in_flight(b) >= 1 for b in bases):  # fmt: skip
-            time.sleep(0.1)
+        wait_until(lambda: all(metric(b, "fleet_router_peer_datagrams_sent_total") and others_in_flight(b) >= 1
+                               for b in bases), 20, interval_s=0.1,
+                   what="each router to send a datagram and see the other's request in flight")  # fmt: skip
         for base in bases:
-            assert (metric(base, "fleet_router_peer_datagrams_sent_total") or 0) >= 1
-            assert others_in_flight(base) >= 1
             assert metric(base, 'fleet_router_peer_datagrams_rejected_total{reason="signature"}') == 0.0
         # Each peer's answers count the datagrams it took, so each router's heartbeat has moved to UDP.
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not all(peers(b)["datagrams_confirmed"] for b in bases):
-            time.sleep(0.1)
+        wait_until(lambda: all(peers(b)["datagrams_confirmed"] for b in bases), 20, interval_s=0.1,
+                   what="each router's datagrams confirmed by its peer")
         assert [peers(b)["datagrams_confirmed"] for b in bases] == [[bases[1]], [bases[0]]]
     finally:
         stop(procs)
@@ -187,28 +179,23 @@ def test_a_prompt_sent_for_prefill_is_claimed_at_both_routers(tmp_path: Path) ->
             return (metric(base, 'fleet_router_kv_stream_live{endpoint="e0",model="m"}') == 1.0
                     and (metric(base, 'fleet_router_kv_events_total{endpoint="e0",model="m"}') or 0) >= 1)
 
-        deadline = time.monotonic() + 60
-        while True:   # the engine stores a first prompt: both views learn its block size
+        def first_prompt_seen() -> bool:   # the engine stores a first prompt: both views learn its block size
             complete(bases[0], list(range(1000, 1064)))
-            if all(stream_live_and_events(b) for b in bases) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert all(stream_live_and_events(b) for b in bases)
+            return all(stream_live_and_events(b) for b in bases)
+
+        wait_until(first_prompt_seen, 60, interval_s=0.2, what="both routers' views live with the engine's events")
         assert metric(bases[1], "fleet_router_peer_claims_received_total") in (None, 0.0)
         complete(bases[0], list(range(5000, 5064)))   # a new prompt: 4 blocks of 16 claimed at e0
-        deadline = time.monotonic() + 20
-        while (metric(bases[1], "fleet_router_peer_claims_received_total") or 0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: (metric(bases[1], "fleet_router_peer_claims_received_total") or 0) >= 1, 20,
+                   interval_s=0.1, what="router 1 to receive router 0's claim")
         assert (metric(bases[0], "fleet_router_peer_claims_sent_total") or 0) >= 1
-        assert (metric(bases[1], "fleet_router_peer_claims_received_total") or 0) >= 1
         assert metric(bases[1], 'fleet_router_peer_datagrams_rejected_total{reason="claim"}') == 0.0
 
         def blocks(base: str) -> float:
             return metric(base, 'fleet_router_kv_index_blocks{endpoint="e0",model="m"}') or 0
 
-        deadline = time.monotonic() + 20
-        while min(blocks(b) for b in bases) < 8 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: min(blocks(b) for b in bases) >= 8, 20, interval_s=0.1,
+                   what="8 blocks in both routers' views")
         assert [blocks(b) for b in bases] == [8.0, 8.0]   # both prompts' blocks, from the engine's events
     finally:
         stop([*procs, engine])
@@ -238,15 +225,12 @@ def test_two_routers_place_new_conversations_where_the_engines_stored_least(tmp_
 
         def settle(want: float) -> None:
             """Until both routers' views hold `want` blocks in all (the engines' events arrived)."""
-            deadline = time.monotonic() + 30
-            while not all(sum(blocks(b)) == want for b in bases) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert [sum(blocks(b)) for b in bases] == [want, want]
+            wait_until(lambda: all(sum(blocks(b)) == want for b in bases), 30, interval_s=0.1,
+                       what=f"{want:g} blocks in both routers' views",
+                       explain=lambda: f"blocks per router: {[blocks(b) for b in bases]}")
 
-        deadline = time.monotonic() + 60
-        while not all(live(b) for b in bases) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert all(live(b) for b in bases)
+        wait_until(lambda: all(live(b) for b in bases), 60, interval_s=0.2,
+                   what="both routers following both engines' KV event streams")
         # Each engine stores one 4-block prompt sent to it directly: both views learn the block size.
         for i in (0, 1):
             req = urllib.request.Request(f"{urls[i]}/v1/completions", headers={"Content-Type": "application/json"},

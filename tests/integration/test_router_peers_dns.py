@@ -18,11 +18,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.support.waits import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "peers-dns-admin-token"
@@ -62,20 +63,6 @@ def _call(url: str, method: str = "GET", body: dict | None = None, timeout_s: fl
     return json.loads(raw) if raw else None
 
 
-def _wait(check, timeout_s: float = 30.0, what: str = "") -> object:
-    deadline = time.monotonic() + timeout_s
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except OSError as err:
-            last = err
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}: last {last!r}")
-
-
 def test_routers_found_by_name_share_the_load_sent_to_an_engine(tmp_path: Path) -> None:
     port = _port_free_on_both()
     ports_file = tmp_path / "engine.json"
@@ -92,9 +79,10 @@ def test_routers_found_by_name_share_the_load_sent_to_an_engine(tmp_path: Path) 
         for proc in routers.values():
             assert proc.stdout is not None and proc.stdout.readline().startswith("fleet router listening")
         a, b = f"http://127.0.0.2:{port}", f"http://127.0.0.1:{port}"
-        engine_url = _wait(lambda: ports_file.exists() and json.loads(ports_file.read_text())["urls"][0],
-                           what="the engine's ports file")  # fmt: skip
-        _wait(lambda: urllib.request.urlopen(f"{engine_url}/health", timeout=5).status == 200, what="engine health")
+        engine_url = wait_until(lambda: ports_file.exists() and json.loads(ports_file.read_text())["urls"][0],
+                                what="the engine's ports file")  # fmt: skip
+        wait_until(lambda: urllib.request.urlopen(f"{engine_url}/health", timeout=5).status == 200,
+                   what="engine health", ignoring=(OSError,))
         pool = {"policy": "kv-aware", "endpoints": [{"id": "e0", "url": engine_url}]}
         for base in (a, b):
             _call(f"{base}/admin/v1/pools/m", "PUT", pool)
@@ -113,14 +101,15 @@ def test_routers_found_by_name_share_the_load_sent_to_an_engine(tmp_path: Path) 
         clients = [threading.Thread(target=complete) for _ in range(3)]
         for c in clients:
             c.start()
-        seen = _wait(lambda: (_call(f"{b}/admin/v1/peers")["load"].get("m", {}).get("e0") or [0])[0] >= 1 and
-                     _call(f"{b}/admin/v1/peers"), timeout_s=20, what="B to see A's load")  # fmt: skip
+        seen = wait_until(lambda: (_call(f"{b}/admin/v1/peers")["load"].get("m", {}).get("e0") or [0])[0] >= 1 and
+                          _call(f"{b}/admin/v1/peers"), 20, what="B to see A's load", ignoring=(OSError,))  # fmt: skip
         assert seen["live"] == ["a"]
         in_flight, _, prefill_tokens = seen["load"]["m"]["e0"]
         assert 1 <= in_flight <= 3 and prefill_tokens >= 0
         for c in clients:
             c.join(60)
-        _wait(lambda: _call(f"{b}/admin/v1/peers")["load"]["m"]["e0"][0] == 0, what="A's load to fall back")
+        wait_until(lambda: _call(f"{b}/admin/v1/peers")["load"]["m"]["e0"][0] == 0, what="A's load to fall back",
+                   ignoring=(OSError,))
         with urllib.request.urlopen(f"{b}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         assert "fleet_router_peers_live 1.0" in text and "fleet_router_peers_discovered 0.0" in text

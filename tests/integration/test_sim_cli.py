@@ -7,38 +7,38 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.support.waits import wait_until
 
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = [sys.executable, "-c", "from fleet.cli import app; app()"]
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
-        if proc.poll() is not None:
-            raise AssertionError(f"exited early with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
-        time.sleep(0.05)
-    raise AssertionError(f"{path} never appeared")
+def ports_of(path: Path, proc: subprocess.Popen, timeout_s: float = 20.0) -> dict:
+    """The ports file ``proc`` writes, once it is there; fails at once if ``proc`` exits first."""
+
+    def written() -> bool:
+        if proc.poll() is not None and not path.exists():
+            pytest.fail(f"exited early with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+        return path.exists()
+
+    wait_until(written, timeout_s, what=f"{path} to appear")
+    return json.loads(path.read_text())
 
 
 def get(url: str) -> tuple[int, bytes]:
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                return r.status, r.read()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    """Status and body of ``url``, retried while the server does not answer yet (up to 20 s)."""
+
+    def answer() -> tuple[int, bytes]:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read()
+
+    return wait_until(answer, 20, what=f"an answer from {url}", ignoring=(OSError,))
 
 
 def test_fleet_sim_engine_serves_several_replicas_and_stops_on_sigterm(tmp_path):
@@ -47,7 +47,7 @@ def test_fleet_sim_engine_serves_several_replicas_and_stops_on_sigterm(tmp_path)
                              "--profile", "h100-llama-8b", "--model-name", "m"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        doc = wait_for(ports_file, proc)
+        doc = ports_of(ports_file, proc)
         assert doc["simulator"] is True and len(set(doc["ports"])) == 3
         for url in doc["urls"]:
             assert get(f"{url}/health")[0] == 200
@@ -85,7 +85,7 @@ def test_a_one_replica_process_exits_1_when_it_crashes(tmp_path):
                              "--crash-after-requests", "1"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        url = wait_for(ports_file, proc)["urls"][0]
+        url = ports_of(ports_file, proc)["urls"][0]
         get(f"{url}/health")
         req = urllib.request.Request(f"{url}/v1/completions", data=b'{"prompt": "x", "max_tokens": 2}',
                                      headers={"Content-Type": "application/json"})  # fmt: skip

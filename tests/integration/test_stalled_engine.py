@@ -117,13 +117,13 @@ def test_a_stalled_engine_delays_no_request_past_the_deadline_and_one_retry(sim_
     stalled_id, other_id = sorted(replicas)
     stalled_url = replicas[stalled_id]["endpoint"]
     with TimedLoad(fleet.router_url) as load:
-        wait_until(lambda: len(load.results) >= 20, 60, message="20 requests before the stall")
+        wait_until(lambda: len(load.results) >= 20, 60, what="20 requests before the stall")
         r = httpx.post(f"{stalled_url}/sim/faults", json={"stall": True}, timeout=5)
         assert r.json()["stall"] is True
         stalled_at = time.monotonic()
         assert httpx.get(f"{stalled_url}/health", timeout=5).status_code == 200   # it still looks healthy
         wait_until(lambda: len([x for x in load.results if x[0] > stalled_at + 1]) >= 60, 60,
-                   message="60 requests answered after the stall began")
+                   what="60 requests answered after the stall began")
         # The requests it held were given up by the router: the engine aborted them.
         state = httpx.get(f"{stalled_url}/sim/state", timeout=5).json()
         assert state["stalled"] and state["running"] + state["waiting"] == 0, state
@@ -132,7 +132,7 @@ def test_a_stalled_engine_delays_no_request_past_the_deadline_and_one_retry(sim_
         answered_before = state["answered"]
         httpx.post(f"{stalled_url}/sim/faults", json={"stall": False}, timeout=5)
         back = wait_until(lambda: httpx.get(f"{stalled_url}/sim/state", timeout=5).json()["answered"]
-                          > answered_before, BASE_EJECTION_S + 30, 0.2, "the replica serving again")
+                          > answered_before, BASE_EJECTION_S + 30, interval_s=0.2, what="the replica serving again")
         back_after_s = time.monotonic() - stalled_at
         assert back
     during = [x for x in load.results if x[0] >= stalled_at]

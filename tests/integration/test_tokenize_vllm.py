@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from router.kv.tokenize import load_tokenizer
+from router.kv.tokenizer_files import load_tokenizer
 from tests.unit.test_router_tokenize import CONVERSATIONS, PARTS_TEMPLATE
 
 pytest.importorskip("transformers")

@@ -40,7 +40,7 @@ class FakeKube:
         self._enter("watch")
         w = self.store.subscribe(res, namespace, resource_version, label_selector)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = loop.time() + timeout_s   # not a wait: the API server's own watch timeout, as it ends a watch
         try:
             while True:
                 left = deadline - loop.time()

@@ -21,9 +21,11 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 import yaml
 
 from tests.support.fleet_up import REPO, STOP_TIMEOUT_S, FleetUp, engines, router_pid
+from tests.support.waits import wait_until
 
 MODEL = "llama-8b-sim"
 ROWS_ENV = "FLEET_FAULT_ROWS"
@@ -256,9 +258,7 @@ def kill_9_router(state_dir: Path) -> float:
     pid = router_pid(state_dir)
     assert pid is not None, f"no router recorded in {state_dir}"
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not _exited(pid):
-        time.sleep(0.005)
+    wait_until(lambda: _exited(pid), 30, interval_s=0.005, what=f"the killed router {pid} to be gone")
     return time.monotonic()
 
 
@@ -299,27 +299,29 @@ def _cmdline(pid: int) -> str:
 
 
 def wait_s(what: str, predicate, timeout_s: float, fleet: FleetUp | None = None) -> float:
-    """Seconds until ``predicate()`` held (polled every 0.1 s); AssertionError naming ``what``
-    (and the fleet's replicas and last output lines) after ``timeout_s``, or as soon as
-    ``fleet``'s `fleet up` has exited."""
-    start = time.monotonic()
-    exited = False
-    while time.monotonic() - start < timeout_s:
+    """Seconds until ``predicate()`` held (polled every 0.1 s through `tests.support.waits.wait_until`);
+    fails the test naming ``what`` (and the fleet's replicas and last output lines) after
+    ``timeout_s``, or as soon as ``fleet``'s `fleet up` has exited."""
+
+    def context() -> str:
+        if fleet is None:
+            return ""
+        return (f"replicas {({k: v['status'] for k, v in fleet.replicas().items()})}; `fleet up` "
+                f"{'runs' if fleet.proc.poll() is None else f'exited {fleet.proc.returncode}'}; its output ends:\n"
+                + "\n".join(fleet.output().splitlines()[-25:]))  # fmt: skip
+
+    def holds() -> bool:
         if predicate():
-            return time.monotonic() - start
+            return True
         if fleet is not None:
             fleet.track_descendants()
             if fleet.proc.poll() is not None:
-                exited = True
-                break
-        time.sleep(0.1)
-    context = ""
-    if fleet is not None:
-        context = (f"; replicas {({k: v['status'] for k, v in fleet.replicas().items()})}; `fleet up` "
-                   f"{'runs' if fleet.proc.poll() is None else f'exited {fleet.proc.returncode}'}; its output ends:\n"
-                   + "\n".join(fleet.output().splitlines()[-25:]))  # fmt: skip
-    why = "`fleet up` exited while waiting" if exited else f"timed out after {timeout_s:g} s waiting"
-    raise AssertionError(f"{why} for {what}{context}")
+                pytest.fail(f"`fleet up` exited while waiting for {what}; {context()}")
+        return False
+
+    start = time.monotonic()
+    wait_until(holds, timeout_s, interval_s=0.1, what=what, explain=context)
+    return time.monotonic() - start
 
 
 # ----- the row -------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 
 from fleet.local.backend import FLEET_ID_ENV, REPLICA_ID_ENV
 from fleet.local.procs import find_marked
+from tests.support.waits import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL_DIR = REPO / "examples" / "models" / "tiny-llama"   # where the quickstart expects it
@@ -82,19 +82,23 @@ class FleetUp:
 
     def wait_for(self, what: str, predicate: Callable[[], bool], timeout_s: float,
                  explain: Callable[[], object] | None = None) -> None:
-        """Poll ``predicate`` until it holds or ``timeout_s`` passes; on a timeout the failure
-        names ``what``, the replicas, what ``explain()`` returns (when given) and the output."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Poll ``predicate`` every 0.5 s (`tests.support.waits.wait_until`) until it holds or
+        ``timeout_s`` passes; on a timeout the failure names ``what``, the replicas, what
+        ``explain()`` returns (when given) and the output. Fails at once if `fleet up` exits."""
+
+        def holds() -> bool:
             self.track_descendants()
             if predicate():
-                return
+                return True
             if self.proc.poll() is not None:
                 pytest.fail(f"`fleet up` exited with {self.proc.returncode} while waiting for {what}:\n{self.output()}")
-            time.sleep(0.5)
-        context = f"\n{explain()}" if explain is not None else ""
-        pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; replicas: "
-                    f"{ {k: v['status'] for k, v in self.replicas().items()} }{context}\n{self.output()}")
+            return False
+
+        def context() -> str:
+            extra = f"\n{explain()}" if explain is not None else ""
+            return f"replicas: { {k: v['status'] for k, v in self.replicas().items()} }{extra}\n{self.output()}"
+
+        wait_until(holds, timeout_s, interval_s=0.5, what=what, explain=context)
 
     def status_of(self, replica_id: str) -> str | None:
         return self.replicas().get(replica_id, {}).get("status")

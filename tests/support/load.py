@@ -76,8 +76,8 @@ class OpenLoopLoad:
         """Wait until ``n`` more requests than now have an outcome (of any kind): the load ran
         through ``what``, however slow the machine; fails naming ``what`` after ``timeout_s``."""
         target = len(self.results) + n
-        wait_until(lambda: len(self.results) >= target, timeout_s, 0.05,
-                   f"{n} more requests answered ({what}); {len(self.results)} before")
+        wait_until(lambda: len(self.results) >= target, timeout_s,
+                   what=f"{n} more requests answered ({what}); {len(self.results)} before")
 
 
 def StreamedLoad(url: str, model: str, rate_per_s: float = 8.0, max_tokens: int = 24) -> OpenLoopLoad:

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from fleet.agent.cache import CacheError, InsufficientSpace
+from fleet.agent.cache_files import CacheError, InsufficientSpace
 from fleet.sources import SourceError
 from fleet.agent.transfer import RetryPolicy
 from tests.support.fakes import FakeClock
+from tests.support.waits import wait_until
 from fleet.testing.hub_server import HubRepo, HubServer
 from tests.support.weights import file_gets as _file_gets, make_cache as _cache
 from tests.support.weights import manifest_source as _manifest_source, model_files as _files
@@ -125,9 +125,7 @@ def test_eight_concurrent_callers_cause_one_download(hub, tmp_path):
     threads = [threading.Thread(target=ask) for _ in range(8)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and len(hub.log.file_gets("model.safetensors")) < 1:
-        time.sleep(0.02)
+    wait_until(lambda: hub.log.file_gets("model.safetensors"), 30, what="the first download to begin")
     hub.release.set()
     for t in threads:
         t.join(60)
@@ -143,17 +141,15 @@ def test_a_process_waiting_on_another_s_download_sees_its_progress(hub, tmp_path
     seen: list[tuple[int, int]] = []
     first = threading.Thread(target=lambda: _cache(tmp_path, parallel_files=1).ensure(source))
     first.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not list((tmp_path / "cache" / "partial").rglob("progress.json")):
-        time.sleep(0.02)
+    wait_until(lambda: list((tmp_path / "cache" / "partial").rglob("progress.json")), 30,
+               what="the first download's progress file")
     second = threading.Thread(target=lambda: _cache(tmp_path).ensure(source, progress=lambda d, t: seen.append((d, t))))
     second.start()
-    while time.monotonic() < deadline and not any(0 < d < t for d, t in seen):
-        time.sleep(0.02)
+    wait_until(lambda: any(0 < d < t for d, t in seen), 30, what="the second process to see progress short of done",
+               explain=lambda: f"progress seen: {seen}")
     hub.release.set()
     first.join(60)
     second.join(60)
-    assert any(0 < d < t for d, t in seen), seen
     assert len(hub.log.file_gets("m4/model.safetensors")) == 1
 
 

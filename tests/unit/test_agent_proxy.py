@@ -1,6 +1,6 @@
 """The weight cache's http(s) sources through a forward proxy taken from the environment
 (``http_proxy`` / ``https_proxy`` / ``no_proxy``), as curl and httpx take it: the manifest
-(httpx) and the files (fleet.agent.transfer.HttpTransfer) both go through it. The proxy is a
+(httpx) and the files (fleet.agent.transports.HttpTransfer) both go through it. The proxy is a
 stand-in (tests/support/forward_proxy.py); https runs against the local hub server with a certificate
 from a test CA (trustme), TLS end to end through the proxy's CONNECT tunnel."""
 
@@ -14,7 +14,8 @@ import trustme
 
 from fleet.agent.cache import WeightCache
 from fleet.sources import write_manifest
-from fleet.agent.transfer import FetchRefused, HttpTransfer, RetryPolicy
+from fleet.agent.transfer import RetryPolicy
+from fleet.agent.transports import FetchRefused, HttpTransfer
 from tests.support.forward_proxy import ForwardProxy
 from fleet.testing.hub_server import HubServer
 

@@ -16,9 +16,9 @@ import pytest
 from fleet.agent import transfer
 from fleet.sources import RemoteFile
 from fleet.agent.transfer import (
-    CHUNK_BYTES, WRITE_BYTES, RetryPolicy, VerificationError, _BufferPool, _Hasher, _HashingWriter,
-    fetch_file, hash_inline,
+    CHUNK_BYTES, WRITE_BYTES, RetryPolicy, _BufferPool, _Hasher, _HashingWriter, fetch_file, hash_inline,
 )
+from fleet.agent.transports import VerificationError
 
 FAST = RetryPolicy(attempts=2, initial_s=0.0, max_s=0.0)
 

@@ -240,7 +240,7 @@ async def test_a_finished_warmup_wakes_the_loop_instead_of_waiting_for_the_next_
     loop_task = asyncio.create_task(h.c.run(stop, interval_s=3600))   # no timed tick within the test
     await asyncio.sleep(0)
     h.engines.gate.set()
-    await async_wait_until(lambda: h.status()["chat-0"] is S.READY, 30, 0.01, "chat-0 READY after its warm-up")
+    await async_wait_until(lambda: h.status()["chat-0"] is S.READY, 30, what="chat-0 READY after its warm-up")
     assert h.pool_ids() == ["chat-0"]
     stop.set()
     h.c.wake()

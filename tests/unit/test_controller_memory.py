@@ -212,7 +212,7 @@ async def test_a_hub_model_too_big_waits_with_the_reason_after_its_first_read(tm
 
 
 def test_fleet_up_preflight_refuses_an_engine_no_driver_can_run(tmp_path):
-    from fleet.local.up import PreflightError, preflight
+    from fleet.local.preflight import PreflightError, preflight
 
     f = write_deployment(tmp_path, replicas=1, engine={"kind": "vllm", "cudaVersion": "13.0"},
                          resources={"accelerator": "gpu", "tensorParallelSize": 1})
@@ -235,3 +235,32 @@ def test_asked_outside_an_event_loop_a_hub_source_is_not_read(tmp_path):
     [ld] = load_deployments([gpu_deployment(tmp_path, None, source="hf://org/x")])
     memory = ModelMemory(FakeClock(), reader)
     assert memory.need(ld) is None and calls == []   # the controller's next tick starts the read
+
+
+def test_fleet_up_preflight_reads_the_need_where_the_controller_does_and_never_asks_the_hub(tmp_path, monkeypatch):
+    """One reading of the memory need (fleet/controller/model_memory.py): a hub model in this
+    machine's weight cache is read from there by the preflight as by the controller, and refused
+    when no GPU holds it; one not cached is not read before anything starts (no hub call)."""
+    from fleet.controller.model_memory import memory_need_or_reason, read_memory_need
+    from fleet.local.preflight import PreflightError, preflight
+
+    cached = tmp_path / "weight-cache" / "org--big"
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text((CONFIGS / "llama-3.1-70b-instruct.json").read_text())
+    monkeypatch.setattr("fleet.agent.cache.cached_hub_dir", lambda source, root=None:
+                        cached if source == "hf://org/big" else None)  # fmt: skip
+    asked = []
+    monkeypatch.setattr("fleet.models.read._facts_from_hub", lambda src: asked.append(src) or None)
+    inv = cluster(node("gpu-box", n=2))
+    [big] = load_deployments([gpu_deployment(tmp_path, None, source="hf://org/big")])
+    with pytest.raises(PreflightError) as err:
+        preflight([big], inv, {})
+    [problem] = [p for p in err.value.problems if "spec.resources" in p]
+    assert "model does not fit" in problem, problem
+    assert read_memory_need(big) == memory_need_or_reason(big, hub=False)[0] is not None   # the controller's reading
+    [other] = load_deployments([gpu_deployment(tmp_path, None, source="hf://org/other")])
+    try:
+        preflight([other], inv, {})
+    except PreflightError as err:   # the engine may be missing here; the model is not read
+        assert not [p for p in err.problems if "spec.resources" in p], err.problems
+    assert memory_need_or_reason(other, hub=False) == (None, None) and asked == []

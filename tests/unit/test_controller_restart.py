@@ -49,7 +49,7 @@ class Machine(ControllerHarness):
 
     async def restart(self, files: list[Path] | None = None) -> Controller:
         """`kill -9` of the controller, then a new one on the same state."""
-        for task in list(self.c._warmups.values()):
+        for task in list(self.c.health.warmups.values()):
             task.cancel()
         self.c = self.controller(files)
         await self.c.start(self.sink.last)

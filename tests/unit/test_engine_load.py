@@ -5,7 +5,6 @@ router.signals.engine_poll, router.pools.policies.KvAware)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from router.signals.engine_load import EngineLoad, EngineLoadError, EngineLoadVi
 from router.signals.engine_poll import EnginePoller, PollFailed
 from router.pools.policies import KvAware
 from router.kv.prompt_blocks import route_request
+from tests.support.waits import async_wait_until
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -182,12 +182,10 @@ def test_the_poller_runs_until_closed() -> None:
     async def main() -> None:
         poller = EnginePoller(lambda: {"m": (e,)}, lambda: 0.0, CollectorRegistry(), fetch=fetch, interval_s=0.01)
         await poller.start()
-        deadline = time.monotonic() + 10
-        while len(fetch.urls) < 3 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: len(fetch.urls) >= 3, 10, what="three polls")
         await poller.close()
         polled = len(fetch.urls)
-        await asyncio.sleep(0.03)
+        await asyncio.sleep(0.03)      # three poll intervals: the case under test is that no poll comes
         assert len(fetch.urls) == polled >= 3
 
     asyncio.run(main())
@@ -215,11 +213,9 @@ def test_an_engine_that_never_answers_holds_up_no_other_endpoints_samples() -> N
         poller = EnginePoller(lambda: {"m": (good, stalled)}, lambda: 0.0, CollectorRegistry(), fetch=poll,
                               interval_s=0.01)  # fmt: skip
         await poller.start()
-        deadline = time.monotonic() + 10
-        while fetch.urls.count("http://good/metrics") < 5 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: fetch.urls.count("http://good/metrics") >= 5, 10,
+                               what="five polls of the good endpoint")
         await poller.close()                              # cancels the hung poll
-        assert fetch.urls.count("http://good/metrics") >= 5
         assert fetch.urls.count("http://stalled/metrics") == 1
 
     asyncio.run(main())

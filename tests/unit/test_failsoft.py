@@ -22,6 +22,7 @@ from fleet.local.failsoft import FailSoftStream, WriteErrors
 from fleet.local.state import StateStore, StateUnreadable
 from tests.support.fakes import FakeClock
 from tests.support.controller import write_deployment
+from tests.support.waits import async_wait_until
 from tests.unit.test_controller_restart import Machine
 
 
@@ -275,11 +276,13 @@ async def test_the_router_supervisor_survives_a_failed_write_and_republishes_aft
     said = []
     progress = type("P", (), {"say": lambda self, text, style="": said.append(text)})()
     task = asyncio.get_running_loop().create_task(up_module._supervise_router(router, controller, stop, progress))
-    deadline = asyncio.get_running_loop().time() + 10
-    while router.admin.synced < 1 or router.checks < 4:
+
+    def republished() -> bool:
         assert not task.done(), task.exception()
-        assert asyncio.get_running_loop().time() < deadline, (router.checks, router.admin.synced)
-        await asyncio.sleep(0.01)
+        return router.admin.synced >= 1 and router.checks >= 4
+
+    await async_wait_until(republished, 10, what="the pools published again after four checks",
+                           explain=lambda: f"checks {router.checks}, synced {router.admin.synced}")
     stop.set()
     await asyncio.wait_for(task, timeout=10)
     assert controller.forgotten == 1 and router.admin.synced == 1
@@ -331,10 +334,12 @@ async def test_a_loop_that_raises_is_started_again_until_stop():
         await stop.wait()
 
     task = asyncio.get_running_loop().create_task(up_module._keep_running("control channel", loop_body, stop, 0.0))
-    deadline = asyncio.get_running_loop().time() + 10
-    while len(runs) < 3:
-        assert asyncio.get_running_loop().time() < deadline and not task.done()
-        await asyncio.sleep(0.01)
+
+    def ran_three_times() -> bool:
+        assert not task.done(), task.exception()
+        return len(runs) >= 3
+
+    await async_wait_until(ran_three_times, 10, what="the loop run a third time after two broken pipes")
     stop.set()
     await asyncio.wait_for(task, timeout=10)
     assert len(runs) == 3

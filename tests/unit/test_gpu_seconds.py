@@ -113,7 +113,7 @@ async def test_the_operator_exports_the_prices_the_chart_gives_it() -> None:
         op = Operator(env.kube, OperatorSettings(engine_image="fleet:1", prices=((H100, 4.916),)), namespace=NS,
                       identity="op-a", engine_api=env.engines, pool_sink=env.pools)  # fmt: skip
         registry = CollectorRegistry()
-        registry.register(op.controller_metrics)  # type: ignore[arg-type]
+        registry.register(op.plane.metrics.controller_state)  # type: ignore[arg-type]
         assert _scrape(registry)[("fleet_gpu_price_usd_per_hour", (("product", H100),))] == 4.916
     finally:
         await env.close()

@@ -1,5 +1,5 @@
-"""The Kubernetes backend (fleet/k8s/backend.py, fleet/k8s/pods.py): pods built from replicas
-(GPU and MIG requests, node binding, labels, owner references, probes), inventory from Node
+"""The Kubernetes backend (fleet/k8s/backend.py, fleet/k8s/pods.py, fleet/k8s/pod_facts.py):
+pods built from replicas (GPU and MIG requests, node binding, labels, owner references, probes), inventory from Node
 objects and GFD labels, and the real `Controller` running replicas as pods on the in-repo fake
 of the cluster wrapper (tests/support/fake_kube.py): start, warm, pool, scale down with a drain, a deleted
 or evicted pod replaced, pods adopted by a new controller. The raw client is made to fail."""
@@ -16,8 +16,9 @@ from fleet.controller.backend import LaunchError, ReplicaWant
 from fleet.controller.reconcile import Controller, ControllerSettings
 from fleet.k8s.backend import KubernetesBackend, node_usable
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS
-from fleet.k8s.pods import (ANNOTATION_PLACEMENT, LABEL_DEPLOYMENT, LABEL_REPLICA, LABEL_SPEC_HASH,
-                            EnginePodSettings, pod_facts, pod_manifest)  # fmt: skip
+from fleet.k8s.pod_facts import pod_facts
+from fleet.k8s.pod_settings import EnginePodSettings
+from fleet.k8s.pods import ANNOTATION_PLACEMENT, LABEL_DEPLOYMENT, LABEL_REPLICA, LABEL_SPEC_HASH, pod_manifest
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.placement import ReplicaPlacement
 from fleet.placement.shapes import Assignment

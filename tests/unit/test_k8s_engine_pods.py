@@ -1,5 +1,5 @@
-"""Engine pods read the node weight cache and request CPU and memory (fleet/k8s/pods.py): the
-`weights` init container and its volumes, the command it runs (run here in-process against the
+"""Engine pods read the node weight cache and request CPU and memory (fleet/k8s/pod_weights.py,
+fleet/k8s/pod_resources.py): the `weights` init container and its volumes, the command it runs (run here in-process against the
 local hub stand-in: the linked path resolves to readable files inside the mounted cache root,
 and the entry is pinned for the pod), `hf://org/name@rev` as `--revision` without a cache,
 the resource formula, QoS never BestEffort, and the chart-shaped settings."""
@@ -17,8 +17,11 @@ from typer.testing import CliRunner
 from fleet.agent.cache import WeightCache
 from fleet.cli import app
 from fleet.controller.backend import LaunchError
-from fleet.k8s.pods import MODEL_LINK, EnginePodSettings, EngineResources, device_memory_gib, engine_resources, \
-    pod_facts, pod_group, pod_manifest  # fmt: skip
+from fleet.k8s.pod_facts import pod_facts
+from fleet.k8s.pod_resources import device_memory_gib, engine_resources
+from fleet.k8s.pod_settings import EnginePodSettings, EngineResources
+from fleet.k8s.pod_weights import MODEL_LINK
+from fleet.k8s.pods import pod_group, pod_manifest
 from fleet.placement import ReplicaPlacement
 from fleet.placement.shapes import Assignment
 from fleet.controller.backend import ReplicaWant

@@ -9,6 +9,7 @@ import pytest
 
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, PODS, Conflict, Gone, NotFound
 from tests.support.fake_kube import FakeKube, forbid_raw_client
+from tests.support.waits import async_wait_until
 from fleet.testing.k8s.store import ObjectStore, merge_patch, parse_selector, selector_matches
 
 NS = "ns"
@@ -82,7 +83,7 @@ async def test_watch_delivers_live_events():
                 return
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0)
+    await async_wait_until(lambda: kube.store.watchers, 10, what="the watch to be open")   # events from now on are live
     await kube.create(PODS, NS, _pod("a"))
     await kube.patch(PODS, NS, "a", {"metadata": {"labels": {"y": "1"}}})
     await asyncio.wait_for(task, 5)

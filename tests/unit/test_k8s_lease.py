@@ -153,7 +153,7 @@ def test_the_keeper_renews_while_the_event_loop_thread_is_busy():
     keeper = LeaseKeeper(elector, retry_period_s=0.01, on_change=lambda: changes.append(elector.is_leader))
     keeper.start()
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10  # not a wait: this loop spins without a sleep, the case under test
         while elector.renewals < 5:       # a "tick" that never yields: pure Python holding the GIL
             assert time.monotonic() < deadline, "the keeper did not renew"
         assert elector.holds() and changes == [True]

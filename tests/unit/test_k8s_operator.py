@@ -287,16 +287,16 @@ async def test_operator_metrics_serve_its_gauges_and_the_autoscalers():
 
     import httpx
 
-    from fleet.k8s.operator import _serve_health
+    from fleet.k8s.operator_process import serve_health
 
     env = Env()
     op = env.operator("op-a")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    runner = await _serve_health(op, port)
+    runner = await serve_health(op, port)
     try:
-        op.autoscaler_metrics.desired.labels("chat").set(3)
+        op.plane.metrics.autoscaler.desired.labels("chat").set(3)
         async with httpx.AsyncClient() as c:
             text = (await c.get(f"http://127.0.0.1:{port}/metrics")).text
             health = (await c.get(f"http://127.0.0.1:{port}/healthz")).json()
@@ -304,7 +304,7 @@ async def test_operator_metrics_serve_its_gauges_and_the_autoscalers():
         assert "fleet_autoscaler_desired_replicas" not in text   # not leading: its last decisions may be stale
         assert health == {"ok": True, "leader": False, "identity": "op-a"}
         await _serving(env, op)
-        op.autoscaler_metrics.desired.labels("chat").set(3)
+        op.plane.metrics.autoscaler.desired.labels("chat").set(3)
         async with httpx.AsyncClient() as c:
             text = (await c.get(f"http://127.0.0.1:{port}/metrics")).text
         assert "fleet_operator_leader 1.0" in text
@@ -329,14 +329,14 @@ async def test_controller_series_are_rendered_at_most_every_few_seconds():
 
     import httpx
 
-    from fleet.k8s.operator import _serve_health
+    from fleet.k8s.operator_process import serve_health
 
     env = Env()
     op = env.operator("op-a")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    runner = await _serve_health(op, port, controller_metrics_every_s=3600)
+    runner = await serve_health(op, port, controller_metrics_every_s=3600)
     try:
         await _serving(env, op)
         renders = []
@@ -364,20 +364,20 @@ async def test_operator_metrics_export_the_controller_series_fleet_up_exports():
 
     import httpx
 
-    from fleet.k8s.operator import _serve_health
+    from fleet.k8s.operator_process import serve_health
     from fleet.testing.k8s.kubelet import terminate_pod
 
     env = Env()
     op, standby = env.operator("op-a"), env.operator("op-b")
     # one terminal replica kept in the snapshot: a failure must be counted on the tick it happens
-    op.controller_settings = ControllerSettings(backoff_base_s=0.01, stop_grace_s=30, history_per_deployment=1)
+    op.plane.settings = ControllerSettings(backoff_base_s=0.01, stop_grace_s=30, history_per_deployment=1)
     ports = []
     for _ in range(2):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    runners = [await _serve_health(op, ports[0], controller_metrics_every_s=0),
-               await _serve_health(standby, ports[1], controller_metrics_every_s=0)]
+    runners = [await serve_health(op, ports[0], controller_metrics_every_s=0),
+               await serve_health(standby, ports[1], controller_metrics_every_s=0)]
     try:
         await _serving(env, op)
         await env.start_informers(standby)

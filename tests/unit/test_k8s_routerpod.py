@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from fleet.k8s.routerpod import PublicOnly, serve_router_pod
+from tests.support.waits import async_wait_until
 
 
 def _free_port() -> int:
@@ -40,15 +41,12 @@ async def test_router_pod_serves_admin_on_its_own_port_only():
     task = asyncio.create_task(serve_router_pod("127.0.0.1", port, admin_port, "tok", stop=stop))
     auth = {"Authorization": "Bearer tok"}
     async with httpx.AsyncClient(timeout=5) as c:
-        deadline = asyncio.get_running_loop().time() + 20
-        while True:
-            try:
-                if (await c.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert asyncio.get_running_loop().time() < deadline, "router pod did not start"
-            await asyncio.sleep(0.05)
+
+        async def healthy() -> bool:
+            return (await c.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+
+        await async_wait_until(healthy, 20, interval_s=0.05, what="the router pod to start",
+                               ignoring=(httpx.TransportError,))
         pool = {"endpoints": [{"id": "e1", "url": "http://127.0.0.1:1"}]}
         assert (await c.put(f"http://127.0.0.1:{port}/admin/v1/pools/m", json=pool, headers=auth)).status_code == 404
         r = await c.put(f"http://127.0.0.1:{admin_port}/admin/v1/pools/m", json=pool, headers=auth)
@@ -84,16 +82,13 @@ async def test_router_pod_finds_its_peers_by_name():
                                                 peers_dns=("localhost", admin_port), pod_ip="127.0.0.2",
                                                 router_id="fleet-router-abc"))  # fmt: skip
     async with httpx.AsyncClient(timeout=5) as c:
-        deadline = asyncio.get_running_loop().time() + 20
-        while True:
-            try:
-                r = await c.get(f"http://127.0.0.1:{admin_port}/admin/v1/peers", headers={"Authorization": "Bearer tok"})
-                if r.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert asyncio.get_running_loop().time() < deadline, "router pod did not start"
-            await asyncio.sleep(0.05)
+
+        async def peers() -> httpx.Response | None:
+            r = await c.get(f"http://127.0.0.1:{admin_port}/admin/v1/peers", headers={"Authorization": "Bearer tok"})
+            return r if r.status_code == 200 else None
+
+        r = await async_wait_until(peers, 20, interval_s=0.05, what="the router pod to start",
+                                   ignoring=(httpx.TransportError,))
         assert r.json()["router"] == "fleet-router-abc" and r.json()["targets"] == [f"http://127.0.0.1:{admin_port}"]
     # the peers' load datagrams are received on UDP at the admin port's number (router/signals/peer_datagram.py)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, pytest.raises(OSError):

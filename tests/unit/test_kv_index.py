@@ -12,6 +12,7 @@ from router.pools.endpoint import EndpointState
 from router.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.kv.exact_index import ExactIndex, StreamState
 from router.pools.policies import KvAware
+from router.pools.pool import Pool
 from router.kv.prompt_blocks import route_request
 
 BS = 16
@@ -263,17 +264,16 @@ def test_kv_aware_sends_a_shared_prefix_where_it_is_being_prefilled() -> None:
     for pending_s, follows in ((10.0, True), (0.0, False)):
         index = ExactIndex()
         policy = KvAware(affinity_slack=0.0, pending_s=pending_s)
-        policy.use_exact_index(index)
         a, b = (EndpointState(i, f"http://127.0.0.1/{i}") for i in ("a", "b"))
         for e in ("a", "b"):
             index.open(e)
             index.apply(e, batch(engine.stored(prompt(1, base=5000))))
         ids = prompt(40)
         first = route_request({"prompt": ids, "max_tokens": 4})
-        where = policy.choose([a, b], first, 0.0)
+        where = policy.choose([a, b], first, 0.0, index)
         where.start(first.prefill_tokens)                           # as the proxy does
         second = route_request({"prompt": ids + [7, 8, 9], "max_tokens": 4})
-        chosen = policy.choose([a, b], second, 0.5)
+        chosen = policy.choose([a, b], second, 0.5, index)
         assert (chosen is where) is follows
         assert second.cached_tokens == (40 * BS if follows else 0)
         if follows:   # the first request's claim, for the peers; the second's prompt is claimed already
@@ -287,7 +287,6 @@ def test_kv_aware_sends_a_shared_prefix_where_it_is_being_prefilled() -> None:
 def test_kv_aware_routes_by_the_engines_events_where_the_stream_is_live() -> None:
     engine, index = Engine(), ExactIndex()
     policy = KvAware(affinity_slack=0.0)
-    policy.use_exact_index(index)
     a, b = (EndpointState(i, f"http://127.0.0.1/{i}") for i in ("a", "b"))
     ids = prompt(40)
     for e in ("a", "b"):
@@ -295,17 +294,17 @@ def test_kv_aware_routes_by_the_engines_events_where_the_stream_is_live() -> Non
     index.apply("b", batch(engine.stored(ids)))            # b's engine says it holds the prompt
     r = route_request({"prompt": ids, "max_tokens": 4})
     assert r.token_ids is ids
-    assert policy.choose([a, b], r, 0.0) is b and r.cached_tokens == 40 * BS
+    assert policy.choose([a, b], r, 0.0, index) is b and r.cached_tokens == 40 * BS
     # b's stream goes down: its approximate view (what this policy routed there) applies again.
     index.stream_down("b")
     r2 = route_request({"prompt": ids, "max_tokens": 4})
-    assert policy.choose([a, b], r2, 0.0) is b and r2.cached_tokens == (40 * BS // 64) * 64
+    assert policy.choose([a, b], r2, 0.0, index) is b and r2.cached_tokens == (40 * BS // 64) * 64
     # The engine evicted the blocks: with the stream live, the exact view wins over the routing history.
     index.stream_up("b")
     index.apply("b", batch(AllBlocksCleared()))
     index.apply("a", batch(engine.stored(ids[:10 * BS])))
     r3 = route_request({"prompt": ids, "max_tokens": 4})
-    assert policy.choose([a, b], r3, 0.0) is a and r3.cached_tokens == 10 * BS
+    assert policy.choose([a, b], r3, 0.0, index) is a and r3.cached_tokens == 10 * BS
 
 
 def test_kv_aware_takes_the_larger_of_a_rebuilding_view_and_its_own_history() -> None:
@@ -315,7 +314,6 @@ def test_kv_aware_takes_the_larger_of_a_rebuilding_view_and_its_own_history() ->
     and not yet stored, `pending_s=0`: this test sends the same prompt at one instant.)"""
     engine, index = Engine(), ExactIndex()
     policy = KvAware(affinity_slack=0.0, pending_s=0.0)
-    policy.use_exact_index(index)
     a, b = (EndpointState(i, f"http://127.0.0.1/{i}") for i in ("a", "b"))
     for e in ("a", "b"):
         index.open(e)
@@ -323,30 +321,29 @@ def test_kv_aware_takes_the_larger_of_a_rebuilding_view_and_its_own_history() ->
     ids = prompt(40)
     index.apply("b", batch(engine.stored(ids)))            # stored since: another router's placement
     r = route_request({"prompt": ids, "max_tokens": 4})
-    assert policy.wants_token_ids()
-    assert policy.choose([a, b], r, 0.0) is b and r.cached_tokens == 40 * BS
+    assert Pool("m", policy, [a, b], 0.0, kv_view=index).wants_token_ids()
+    assert policy.choose([a, b], r, 0.0, index) is b and r.cached_tokens == 40 * BS
     # b's view loses the prompt's tail (evicted), the head stays: 10 blocks in the view; this
     # router's history (it just sent the prompt to b) believes the whole prompt is there.
     index.apply("b", batch(BlockRemoved(engine.hashes(ids)[10:])))
     r2 = route_request({"prompt": ids, "max_tokens": 4})
-    assert policy.choose([a, b], r2, 0.0) is b and r2.cached_tokens == (40 * BS // 64) * 64
+    assert policy.choose([a, b], r2, 0.0, index) is b and r2.cached_tokens == (40 * BS // 64) * 64
     # Once b's view is LIVE again it is exact: 10 blocks, not the history's 40.
     index.rebuilt("b")
     r3 = route_request({"prompt": ids, "max_tokens": 4})
-    assert policy.choose([a, b], r3, 0.0) is b and r3.cached_tokens == 10 * BS
+    assert policy.choose([a, b], r3, 0.0, index) is b and r3.cached_tokens == 10 * BS
 
 
 def test_kv_aware_without_token_ids_uses_the_approximate_index() -> None:
     index = ExactIndex()
     index.open("a")
     policy = KvAware()
-    policy.use_exact_index(index)
     a, b = (EndpointState(i, f"http://127.0.0.1/{i}") for i in ("a", "b"))
     text = "x" * 4096
-    first = policy.choose([a, b], route_request({"prompt": text}), 0.0)
+    first = policy.choose([a, b], route_request({"prompt": text}), 0.0, index)
     again = route_request({"prompt": text})
     assert again.token_ids is None
-    assert policy.choose([a, b], again, 0.0) is first and again.cached_tokens > 0
+    assert policy.choose([a, b], again, 0.0, index) is first and again.cached_tokens > 0
 
 
 def _new_conversation_pool(stored: dict[str, int]) -> tuple[ExactIndex, list[EndpointState]]:
@@ -368,11 +365,10 @@ def test_kv_aware_starts_a_new_conversation_where_the_engines_stored_least() -> 
     for _ in range(2):   # two routers, each with its own index of the same events
         index, endpoints = _new_conversation_pool({"a": 9, "b": 3, "c": 6})
         policy = KvAware()
-        policy.use_exact_index(index)
-        chosen.append(policy.choose(endpoints, route_request({"prompt": ids, "max_tokens": 4}), 0.0).id)
+        chosen.append(policy.choose(endpoints, route_request({"prompt": ids, "max_tokens": 4}), 0.0, index).id)
     assert chosen == ["b", "b"]
     assert index.placed_blocks("b") == 3 + 20
-    nxt = policy.choose(endpoints, route_request({"prompt": prompt(20, base=50_000), "max_tokens": 4}), 0.0)
+    nxt = policy.choose(endpoints, route_request({"prompt": prompt(20, base=50_000), "max_tokens": 4}), 0.0, index)
     assert nxt.id == "c"
 
 
@@ -383,9 +379,8 @@ def test_kv_aware_new_conversation_keeps_load_and_session_and_needs_live_views()
     ids = prompt(20)
     index, (a, b) = _new_conversation_pool({"a": 9, "b": 3})
     policy = KvAware()
-    policy.use_exact_index(index)
     b.start(20 * BS)      # b holds less but has a whole prompt queued: outside the slack
-    assert policy.choose([a, b], route_request({"prompt": ids, "max_tokens": 4}), 0.0) is a
+    assert policy.choose([a, b], route_request({"prompt": ids, "max_tokens": 4}), 0.0, index) is a
 
     def rendezvous(endpoints: list[EndpointState], request) -> str:
         return KvAware().choose(endpoints, request, 0.0).id   # no exact view: the rendezvous choice
@@ -393,15 +388,13 @@ def test_kv_aware_new_conversation_keeps_load_and_session_and_needs_live_views()
     sessions = {f"user-{i}": prompt(20, base=1000 * i) for i in range(1, 40)}
     index, endpoints = _new_conversation_pool({"a": 9, "b": 3})
     policy = KvAware()
-    policy.use_exact_index(index)
-    picks = [policy.choose(endpoints, route_request({"prompt": p, "max_tokens": 4}, s), 0.0).id for s, p in sessions.items()]
+    picks = [policy.choose(endpoints, route_request({"prompt": p, "max_tokens": 4}, s), 0.0, index).id for s, p in sessions.items()]
     expected = [rendezvous(endpoints, route_request({"prompt": p, "max_tokens": 4}, s)) for s, p in sessions.items()]
     assert picks == expected and set(picks) == {"a", "b"}   # by session hash, not by the blocks stored
     index, endpoints = _new_conversation_pool({"a": 9, "b": 3})
     index.stream_down("b")
     policy = KvAware()
-    policy.use_exact_index(index)
     firsts = [prompt(20, base=1000 * i) for i in range(1, 40)]
-    picks = [policy.choose(endpoints, route_request({"prompt": p, "max_tokens": 4}), 0.0).id for p in firsts]
+    picks = [policy.choose(endpoints, route_request({"prompt": p, "max_tokens": 4}), 0.0, index).id for p in firsts]
     expected = [rendezvous(endpoints, route_request({"prompt": p, "max_tokens": 4})) for p in firsts]
     assert picks == expected and set(picks) == {"a", "b"}   # by hash of the first block, as before

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("router", "autoscaler", "warmup", "fleet", "loadtests", "tests")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("fleet.base",),                                # the spec base and the registry helper every package uses
+    ("fleet.base",),                                # the spec base, the registry helper, the name patterns
     ("router.protocol",),                           # the data plane, room by room: OpenAI errors, SSE, usage, JSON
     ("router.stats",),                              # windowed statistics, request log, Prometheus metrics
     ("router.kv",),                                 # KV events, exact and approximate indexes, tokenizer
@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("router",),                                    # router/__init__.py, router/__main__.py
     ("autoscaler", "warmup"),                       # pure scaling policies; the warm-up gate
     ("fleet.enginesim",),                           # the engine SIMULATOR (its own process)
-    ("fleet.engines",),                             # engine kinds, vllm serve, the tiny model
+    ("fleet.engines",),                             # engine kinds, the spec's engine section, vllm serve, the tiny model
     ("fleet.sources", "fleet.rollout.spec", "fleet.pricing"),   # model sources; the rollout section of the spec; GPU prices
     ("fleet.spec",),                                # the InferenceDeployment document
     ("fleet.inventory",),                           # nodes, GPUs, MIG, NVLink domains
@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fleet.placement", "fleet.rollout", "fleet.agent"),   # pure placement and rollout policies; the node agent
     ("fleet.controller",),                          # the reconcile loop and its collaborators
     ("fleet.observability",),                       # dashboards, rules, discovery, fleet top
+    ("fleet.control_plane",),                       # the one assembly of controller, autoscaler and metrics
     ("fleet.local", "fleet.k8s", "fleet.tracesim"),  # the two runtimes; the trace simulator
     ("fleet.cli",),                                 # the command line
     ("fleet",),                                     # fleet/__init__.py, fleet/__main__.py

@@ -182,7 +182,7 @@ def test_plan_advise_refuses_a_bad_price(tmp_path):
 
 
 def test_fleet_up_preflight_refuses_a_local_model_too_big_for_the_gpus(tmp_path):
-    from fleet.local.up import PreflightError, preflight
+    from fleet.local.preflight import PreflightError, preflight
     from fleet.spec import load_deployments
 
     inv = cluster(node("gpu-box", n=2))

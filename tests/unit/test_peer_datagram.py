@@ -17,6 +17,7 @@ from router.signals.peer_datagram import (MAC_BYTES, MAX_CLAIM_TTL_S, MAX_DATAGR
                                   PeerDatagrams, datagram_address, datagram_key, decode_claim, encode_claim, seal,
                                   unseal)  # fmt: skip
 from router.signals.peer_load import PeerLoadView, parse_report, report_order
+from tests.support.waits import async_wait_until
 
 
 def endpoint(id: str, in_flight: int = 0) -> EndpointState:
@@ -71,9 +72,8 @@ async def test_two_sockets_exchange_signed_reports_and_drop_the_rest() -> None:
         def rejected(reason: str) -> float:
             return registry.get_sample_value("fleet_router_peer_datagrams_rejected_total", {"reason": reason}) or 0
 
-        deadline = asyncio.get_running_loop().time() + 10
-        while (rejected("signature") < 1 or rejected("report") < 1) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: rejected("signature") >= 1 and rejected("report") >= 1, 10,
+                               what="a datagram rejected for its signature and one for its report")
         assert got == [b'{"router":"a"}']
         assert rejected("signature") == 1 and rejected("report") == 1
     finally:
@@ -201,7 +201,6 @@ async def test_a_peer_that_never_answers_holds_up_no_other_peers_reports() -> No
     per change, and 10.0.0.2 is never posted to twice at once."""
     hung = asyncio.Event()
     posted: list[str] = []
-    loop = asyncio.get_running_loop()
 
     async def post(url: str, body: bytes) -> int:
         posted.append(url)
@@ -217,16 +216,15 @@ async def test_a_peer_that_never_answers_holds_up_no_other_peers_reports() -> No
     fast = ("10.0.0.3", 8081)
     await sender.start()
     try:
-        deadline = loop.time() + 10
         for n in range(1, 6):
             a.start(n)                                  # a change, and the proxy says so
             sender.notify()
-            while sum(1 for addr, _ in datagrams.sent if addr == fast) < n + 1 and loop.time() < deadline:
-                await asyncio.sleep(0.005)              # the first round's probe, then one per change
-        assert sum(1 for addr, _ in datagrams.sent if addr == fast) >= 6
-        while sum(1 for url in posted if "10.0.0.3" in url) < 2 and loop.time() < deadline:
-            await asyncio.sleep(0.01)                   # a heartbeat later: 10.0.0.3 posted to again,
-        assert sum(1 for url in posted if "10.0.0.3" in url) >= 2
+            # the first round's probe, then one per change
+            await async_wait_until(lambda: sum(1 for addr, _ in datagrams.sent if addr == fast) >= n + 1, 10,
+                                   what=f"{n + 1} datagrams to 10.0.0.3")
+        # a heartbeat later: 10.0.0.3 posted to again,
+        await async_wait_until(lambda: sum(1 for url in posted if "10.0.0.3" in url) >= 2, 10,
+                               what="a second post to 10.0.0.3")
         assert sum(1 for url in posted if "10.0.0.2" in url) == 1   # 10.0.0.2 not, its post still in flight
     finally:
         await sender.close()                            # cancels the hung post
@@ -248,19 +246,16 @@ async def test_the_sender_wakes_for_a_change_and_otherwise_only_for_the_heartbea
                         datagrams=datagrams)  # type: ignore[arg-type]  # fmt: skip
     await sender.start()
     try:
-        deadline = loop.time() + 10
-        while not posted and loop.time() < deadline:    # the first round posts over HTTP, and probes
-            await asyncio.sleep(0.005)
-        assert posted and len(datagrams.sent) == 1
+        await async_wait_until(lambda: posted, 10, what="the first round's post")   # over HTTP, and a probe
+        assert len(datagrams.sent) == 1
         a.start(10)                                     # a change, and the proxy says so
         sender.notify()
-        while len(datagrams.sent) < 2 and loop.time() < deadline:
-            await asyncio.sleep(0.005)
+        await async_wait_until(lambda: len(datagrams.sent) >= 2, 10, what="the change sent as a datagram")
         assert len(datagrams.sent) == 2 and len(posted) == 1
         assert loop.time() - posted[0] < HEARTBEAT_S    # went before the heartbeat was due
-        while len(posted) < 3 and loop.time() < deadline:   # no change: only the heartbeats, over HTTP
-            await asyncio.sleep(0.01)
-        assert len(posted) >= 3 and len(datagrams.sent) - 1 - len(posted) in (0, 1)   # a probe per post
+        # no change: only the heartbeats, over HTTP
+        await async_wait_until(lambda: len(posted) >= 3, 10, what="two heartbeat posts")
+        assert len(datagrams.sent) - 1 - len(posted) in (0, 1)   # a probe per post
         assert posted[2] - posted[1] >= HEARTBEAT_S * 0.9   # not every interval_s
     finally:
         await sender.close()
@@ -299,9 +294,8 @@ async def test_claims_travel_beside_reports_on_the_same_socket() -> None:
         def rejected() -> float:
             return registry.get_sample_value("fleet_router_peer_datagrams_rejected_total", {"reason": "claim"}) or 0
 
-        deadline = asyncio.get_running_loop().time() + 10
-        while (not claims or rejected() < 1 or not reports) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: claims and rejected() >= 1 and reports, 10,
+                               what="a claim, a rejected claim and a report received")
         assert claims == [("m", "e0", [7, 8], 5.0)] and reports == [b'{"router":"a"}'] and rejected() == 1
         assert sender.metrics.claims_sent._value.get() == 2   # type: ignore[attr-defined]
     finally:

@@ -25,6 +25,7 @@ from router.signals.peer_discovery import (
 )
 from router.pools.spec import PoolSpec
 from tests.support.router import running_app
+from tests.support.waits import async_wait_until
 
 
 def test_peer_urls_leave_out_this_router_and_duplicates() -> None:
@@ -94,10 +95,7 @@ async def test_discovery_runs_every_interval_and_survives_a_broken_resolver() ->
                               resolve=resolve, interval_s=0.01)  # fmt: skip
     await discovery.start()
     assert changes == [["http://10.0.0.1:1"]]      # the first resolution is done before start returns
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if calls >= 4:
-            break
+    await async_wait_until(lambda: calls >= 4, 10, what="four resolutions, one of them failed")
     await discovery.close()
     assert calls >= 4 and changes[-1] == [f"http://10.0.0.{calls}:1"]
 
@@ -152,10 +150,7 @@ async def test_a_router_finds_its_peer_by_name_and_leaves_itself_out() -> None:
             auth = {"authorization": f"Bearer {token}"}
             sender.pools.get("m").endpoints[0].start(3000)   # type: ignore[union-attr]
             e_b = receiver.pools.get("m").endpoints[0]       # type: ignore[union-attr]
-            for _ in range(200):
-                await asyncio.sleep(0.02)
-                if e_b.others_in_flight == 1:
-                    break
+            await async_wait_until(lambda: e_b.others_in_flight == 1, 10, what="b to see a's request")
             assert (e_b.others_in_flight, e_b.others_prefill_tokens) == (1, 3000.0)
             async with client.get(base_a + "/admin/v1/peers", headers=auth) as r:
                 assert (await r.json())["targets"] == [base_b]

@@ -4,7 +4,6 @@ API's POST /admin/v1/peer-load)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
@@ -18,6 +17,7 @@ from router.signals.peer_channel import HEARTBEAT_S, PEER_LOAD_PATH, PeerMetrics
 from router.signals.peer_load import MAX_REPORT_ENDPOINTS, PeerLoadView, load_fingerprint, own_report, parse_report
 from router.pools.spec import PoolSpec
 from tests.support.router import running_app
+from tests.support.waits import async_wait_until
 
 
 def endpoint(id: str, in_flight: int = 0, prefilling: int = 0, prefill_tokens: int = 0) -> EndpointState:
@@ -96,11 +96,8 @@ async def test_the_sender_posts_to_every_peer_and_counts_failures() -> None:
 
     sender._endpoints = changing
     await sender.start()
-    deadline = asyncio.get_running_loop().time() + 10
-    while len(posted) < 4 and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: len(posted) >= 4, 10, what="four rounds posted")
     await sender.close()
-    assert len(posted) >= 4
     with pytest.raises(ValueError):
         PeerSender("me", [], dict, post, metrics, interval_s=0)
 
@@ -119,10 +116,7 @@ async def test_two_routers_on_loopback_see_each_others_load() -> None:
         e0 = apps[0].pools.get("m").endpoints[0]  # type: ignore[union-attr]
         e1 = apps[1].pools.get("m").endpoints[0]  # type: ignore[union-attr]
         e0.start(4000)                            # router 0 dispatches a long prompt
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if e1.others_in_flight == 1:
-                break
+        await async_wait_until(lambda: e1.others_in_flight == 1, 10, what="router 1 to see router 0's request")
         assert (e1.others_in_flight, e1.others_prefilling, e1.others_prefill_tokens) == (1, 1, 4000.0)
         assert e0.others_in_flight == 0
         reached_fastapi: list[str] = []
@@ -135,11 +129,7 @@ async def test_two_routers_on_loopback_see_each_others_load() -> None:
         apps[1].api = counting  # type: ignore[assignment]
         received = apps[1].metrics.registry.get_sample_value("fleet_router_peer_reports_received_total")
         e0.finish(4000, got_first_byte=False)     # a change: router 0 reports it
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if e1.others_in_flight == 0:
-                break
-        assert e1.others_in_flight == 0
+        await async_wait_until(lambda: e1.others_in_flight == 0, 10, what="router 1 to see router 0's request end")
         assert apps[1].metrics.registry.get_sample_value("fleet_router_peer_reports_received_total") > received
         async with aiohttp.ClientSession() as client:
             async with client.post(base1 + PEER_LOAD_PATH, data=b"{}", headers={"authorization": f"Bearer {token}"}) as r:

@@ -24,7 +24,7 @@ from fleet.k8s.node_facts import (CUDA_DRIVER_VERSION_LABEL, DRIVER_VERSION_LABE
                                   node_facts, node_facts_patch)  # fmt: skip
 from fleet.placement import PlacementRequest, ReplicaShape, get_strategy
 from fleet.placement.compat import CudaNeed, driver_cuda, incompatibility, node_reason
-from fleet.placement.strategies import _eligible
+from fleet.placement.candidates import eligible_nodes
 from fleet.spec import parse_document
 from fleet.testing.fake_nvml import FakePynvml, nvswitch_8gpu, real_h100_snapshot
 from fleet.testing.k8s.nodes import node as k8s_node
@@ -181,11 +181,11 @@ def test_engine_cuda_version_overrides_the_image_and_the_simulator_needs_none():
 def test_the_eligible_view_is_kept_per_inventory_so_slot_tables_are_reused():
     inv = cluster(node("old-0", **OLD), node("new-0", **NEW))
     request = PlacementRequest(ReplicaShape(gpu_product=H100), cuda=CudaNeed((13, 0)))
-    view, skipped = _eligible(request, inv)
+    view, skipped = eligible_nodes(request, inv)
     assert [n.name for n in view.nodes] == ["new-0"] and skipped[0].nodes == ("old-0",)
-    assert _eligible(request, inv)[0] is view                              # same object: tables reused
-    assert _eligible(PlacementRequest(ReplicaShape(gpu_product=H100), cuda=CudaNeed((12, 8))), inv)[0] is inv
-    assert _eligible(PlacementRequest(ReplicaShape(gpu_product=H100)), inv)[0] is inv
+    assert eligible_nodes(request, inv)[0] is view                              # same object: tables reused
+    assert eligible_nodes(PlacementRequest(ReplicaShape(gpu_product=H100), cuda=CudaNeed((12, 8))), inv)[0] is inv
+    assert eligible_nodes(PlacementRequest(ReplicaShape(gpu_product=H100)), inv)[0] is inv
 
 
 def test_fleet_plan_says_which_nodes_it_skipped_and_why(tmp_path: Path):

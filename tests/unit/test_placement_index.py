@@ -10,7 +10,7 @@ from collections import Counter
 from fleet.inventory.model import GpuHealth
 from fleet.placement import PlacementRequest, ReplicaShape
 from fleet.placement.freeindex import DeviceUse, free_state
-from fleet.placement.strategies import FleetStrategy
+from fleet.placement.fleet_strategy import FleetStrategy
 from tests.support.inventories import A100_80, H100, cluster, node
 
 MIG_GEOMETRIES = [[("3g.40gb", 0), ("3g.40gb", 4)], [("1g.10gb", s) for s in range(7)],

@@ -217,7 +217,8 @@ def test_fleet_incremental_ranking_picks_what_ranking_every_group_picks():
     # existing replicas, partly used nodes: the same plan, replica for replica.
     import random
 
-    from fleet.placement.strategies import FleetStrategy, GroupRanking
+    from fleet.placement.fleet_strategy import FleetStrategy
+    from fleet.placement.strategies import GroupRanking
 
     class EveryGroup(FleetStrategy):
         def ranking(self, ctx):

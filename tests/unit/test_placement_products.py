@@ -1,6 +1,6 @@
 """Ordered GPU products: ``spec.resources.gpuProduct`` may list acceptable products in order of
 preference; every replica of one revision runs on one of them (fleet/spec.py ResourcesSpec,
-fleet/placement/shapes.py ReplicaShape, fleet/placement/strategies.py _choose_product), and the
+fleet/placement/shapes.py ReplicaShape, fleet/placement/candidates.py choose_product), and the
 Kubernetes engine pod selects the chosen product (fleet/k8s/pods.py product_selector)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import yaml
 
 from fleet.controller.backend import ReplicaWant
 from fleet.k8s.crd import spec_schema
-from fleet.k8s.pods import EnginePodSettings, pod_manifest
+from fleet.k8s.pod_settings import EnginePodSettings
+from fleet.k8s.pods import pod_manifest
 from fleet.placement import PlacementRequest, ReplicaPlacement, ReplicaShape, get_strategy
 from fleet.placement.shapes import Assignment
 from fleet.spec import LoadedDeployment, SpecError, parse_document

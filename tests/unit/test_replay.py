@@ -15,6 +15,7 @@ from fleet.tracesim.traces import Trace, TraceRequest
 from loadtests.replay import HttpSender, Outcome, PromptBuilder, main, replay, summarize_run
 from tests.support.router import dead_endpoint
 from tests.support.fakes import FakeClock
+from tests.support.waits import async_wait_until
 
 
 async def test_requests_go_out_at_trace_times_even_while_earlier_ones_hang() -> None:
@@ -35,10 +36,8 @@ async def test_requests_go_out_at_trace_times_even_while_earlier_ones_hang() -> 
 
     task = asyncio.create_task(replay(trace, send, clock, sleep,
                                       on_progress=lambda sent, done, n: in_flight_seen.append(n)))
-    for _ in range(10_000):                      # bounded: a closed-loop replayer would never get there
-        if len(dispatched) == 4:
-            break
-        await asyncio.sleep(0)
+    # a closed-loop replayer would never get there: it waits on the answers, held until the end
+    await async_wait_until(lambda: len(dispatched) == 4, 10, interval_s=0, what="four requests dispatched")
     assert dispatched == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 3.5)]   # open loop: no waiting on answers
     assert in_flight_seen[-1] == 4
     release.set()

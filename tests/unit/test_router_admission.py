@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -15,6 +15,7 @@ from aiohttp import web
 
 from router.http.app import RouterApp, create_app
 from tests.support.router import FakeEngine, running_app
+from tests.support.waits import async_wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -70,21 +71,13 @@ async def complete(client: aiohttp.ClientSession, prompt: str) -> tuple[int, dic
         return resp.status, await resp.json()
 
 
-async def until(condition: Callable[[], bool]) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), WAIT_S)
-
-
 async def slot_taken_and_one_queued(client: aiohttp.ClientSession, engine: GatedEngine,
                                     queue: Any) -> tuple[asyncio.Task, asyncio.Task]:  # fmt: skip
     """Request "a" takes the pool's only slot (held at the engine) and "b" waits in the queue."""
     a = asyncio.create_task(complete(client, "a"))
-    await until(lambda: engine.seen == ["a"])
+    await async_wait_until(lambda: engine.seen == ["a"], WAIT_S, what='engine.seen == ["a"]')
     b = asyncio.create_task(complete(client, "b"))
-    await until(lambda: len(queue) == 1)
+    await async_wait_until(lambda: len(queue) == 1, WAIT_S, what="len(queue) == 1")
     return a, b
 
 
@@ -102,18 +95,20 @@ async def test_full_endpoints_queue_requests_first_come_first_served_and_measure
         try:
             a, b = await slot_taken_and_one_queued(client, engine, queue)
             c = asyncio.create_task(complete(client, "c"))
-            await until(lambda: len(queue) == 2)
+            await async_wait_until(lambda: len(queue) == 2, WAIT_S, what="len(queue) == 2")
             snap = await stats(client)
             assert (snap["in_flight"], snap["queued"], snap["arrivals"]) == (1, 2, 3)
 
             clock.now_s += 3.0  # b and c have waited 3 s when a finishes
             engine.gate("a").set()
             assert (await a)[0] == 200
-            await until(lambda: engine.seen == ["a", "b"])  # b, not c: first come, first served
+            await async_wait_until(lambda: engine.seen == ["a", "b"], WAIT_S,  # b, not c: first come, first served
+                                   what='engine.seen == ["a", "b"]')
             assert len(queue) == 1
             clock.now_s += 2.0
             engine.gate("b").set()
-            await until(lambda: engine.seen == ["a", "b", "c"])
+            await async_wait_until(lambda: engine.seen == ["a", "b", "c"], WAIT_S,
+                                   what='engine.seen == ["a", "b", "c"]')
             engine.gate("c").set()
             assert [(await t)[0] for t in (b, c)] == [200, 200]
         finally:
@@ -137,7 +132,7 @@ async def test_a_woken_waiter_no_longer_counts_so_a_second_freed_slot_is_not_los
 
     queue = AdmissionQueue()
     w1 = asyncio.create_task(queue.wait(WAIT_S))
-    await until(queue.has_waiters)
+    await async_wait_until(queue.has_waiters, WAIT_S, what="queue.has_waiters()")
     assert queue.wake(1) == 1
     assert not queue.has_waiters() and len(queue) == 0 and queue.wake(1) == 0
     assert await w1
@@ -214,7 +209,7 @@ async def test_a_client_that_leaves_the_queue_does_not_lose_the_slot() -> None:
             b.cancel()  # the client gives up while queued
             with contextlib.suppress(asyncio.CancelledError):
                 await b
-            await until(lambda: len(queue) == 0)
+            await async_wait_until(lambda: len(queue) == 0, WAIT_S, what="len(queue) == 0")
             engine.gate("a").set()
             assert (await a)[0] == 200
             engine.gate("d").set()

@@ -1,6 +1,7 @@
 """The router under hostile input: every case answered with a 4xx in bounded time, in OpenAI's
 error format, counted in the rejection metrics under a bounded label, while good requests keep
-being served (router.http.app, router.http.admin, router.request.proxy, router.http.server, router.pools.spec).
+being served (router.http.app, router.http.admin, router.request.parse, router.request.refuse,
+router.http.server, router.pools.spec).
 
 Real loopback sockets, in-process router; raw sockets where a client must misbehave at the HTTP
 level. Waits are on conditions with a deadline (`WAIT_S`), never on sleeps.
@@ -23,6 +24,7 @@ from aiohttp import web
 from router.http.app import MAX_ADMIN_BODY_BYTES, RouterApp, create_app
 from router.stats.metrics import UNKNOWN_MODEL
 from tests.support.router import FakeEngine, running_app
+from tests.support.waits import async_wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -90,15 +92,11 @@ async def good_traffic(client: aiohttp.ClientSession, model: str) -> AsyncIterat
     task = asyncio.create_task(loop())
     try:
         yield statuses
-        await asyncio.wait_for(_until(lambda: len(statuses) >= 3), WAIT_S)  # it did run alongside
+        # it did run alongside
+        await async_wait_until(lambda: len(statuses) >= 3, WAIT_S, what="3 good requests answered")
     finally:
         stop.set()
         await asyncio.wait_for(task, WAIT_S)
-
-
-async def _until(condition: Any) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
 
 
 # --- the hostile cases of the issue, with good traffic flowing --------------------------
@@ -223,7 +221,7 @@ async def test_a_bug_is_answered_500_in_openai_format(monkeypatch: pytest.Monkey
         raise RuntimeError("a bug")
 
     async with router() as (app, client, _):
-        monkeypatch.setattr("router.request.proxy.parse_request", broken)
+        monkeypatch.setattr("router.request.parse.parse_request", broken)
         monkeypatch.setattr(app.pools, "stats", broken)
         monkeypatch.setattr("router.http.app.read_body", broken)   # the admin guard, before FastAPI
         for method, path in (("POST", "/v1/completions"), ("GET", "/admin/v1/stats"), ("PUT", "/admin/v1/pools/m")):

@@ -1,5 +1,6 @@
 """The proxy feeds `kv-aware` what it needs: prompt blocks, session keys, and each endpoint's
-queued prefill tokens until the first byte (router.request.proxy, router.pools.pool). Real loopback sockets;
+queued prefill tokens until the first byte (router.request.prepare, router.request.attempt,
+router.pools.pool). Real loopback sockets;
 synchronisation by events, never by sleeping."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from tests.support.router import FakeEngine
+from tests.support.waits import async_wait_until
 from tests.unit.test_router_proxy import WAIT_S, put_pool, router
 
 pytestmark = pytest.mark.asyncio
@@ -55,10 +57,7 @@ async def test_prefill_tokens_count_until_the_first_byte_then_only_the_request()
         first.set()
         await asyncio.wait_for(first_sent.wait(), WAIT_S)
 
-        async def released() -> None:
-            while state.prefilling:
-                await asyncio.sleep(0.005)   # polling a condition with a deadline, not sleeping for it
-        await asyncio.wait_for(released(), WAIT_S)
+        await async_wait_until(lambda: not state.prefilling, WAIT_S, what="the prefill to be released")
         assert (state.in_flight, state.prefill_tokens) == (1, 0)
         finish.set()
         assert "[DONE]" in await asyncio.wait_for(task, WAIT_S)

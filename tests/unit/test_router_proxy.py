@@ -16,6 +16,7 @@ from aiohttp import web
 
 from router.http.app import RouterApp, create_app
 from tests.support.router import FakeEngine, dead_endpoint, running_app
+from tests.support.waits import async_wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -73,15 +74,6 @@ async def raw_upstream(script: Script) -> AsyncIterator[tuple[str, list[int]]]:
     finally:
         server.close()
         await server.wait_closed()
-
-
-async def until_true(condition: Callable[[], bool]) -> None:
-    """Wait (polling, with a deadline) until `condition` holds."""
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), WAIT_S)
 
 
 SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -415,7 +407,7 @@ async def test_a_retry_goes_only_to_endpoints_still_ready_in_the_pool_as_it_is_n
         urls = {"a": a.url, "b": b.url, "c": c.url}
         await put_pool(client, "m", [{"id": n, "url": u} for n, u in urls.items()])
         pending = asyncio.create_task(client.post("/v1/completions", json=completion()))
-        await until_true(lambda: len(first) == 1)
+        await async_wait_until(lambda: len(first) == 1, WAIT_S, what="len(first) == 1")
         kept = first[0]
         drained = next(n for n in urls if n != kept)   # and the third is removed
         await put_pool(client, "m", [{"id": kept, "url": urls[kept]},

@@ -1,5 +1,5 @@
-"""No request waits on a stalled engine (router.request.proxy with router.request.deadline and router.pools.outlier): over
-real loopback sockets, a router in front of fake engines that hang after sending their response
+"""No request waits on a stalled engine (router.request.proxy and router.request.attempt with
+router.request.deadline and router.pools.outlier): over real loopback sockets, a router in front of fake engines that hang after sending their response
 head (as vLLM does when its engine core makes no progress) or answer 5xx, and in front of engine
 SIMULATOR replicas one of which is stalled (its `stall` fault: no step, `/health` still 200)."""
 
@@ -19,7 +19,8 @@ from aiohttp import web
 from fleet.enginesim.cost import StepCost
 from fleet.enginesim.model import EngineConfig
 from fleet.enginesim.profiles import Profile
-from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket
+from fleet.enginesim.runner import bind_socket
+from fleet.enginesim.server import ReplicaSettings, SimReplica
 from router.http.app import RouterApp, create_app
 from tests.support.router import FakeEngine, running_app
 

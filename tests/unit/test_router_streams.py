@@ -1,6 +1,7 @@
 """Streamed replies through the router: whole SSE events, a clean error ending when the engine
 dies mid-stream (read by the `openai` client), and the time to first token / time per output
-token the router measures (router.protocol.sse, router.request.proxy, router.stats.metrics, router.stats.windows).
+token the router measures (router.protocol.sse, router.request.relay, router.request.attempt,
+router.stats.metrics, router.stats.windows).
 
 Time assertions are lower bounds the fake engines guarantee by pacing their events, never
 upper bounds.
@@ -23,7 +24,8 @@ from aiohttp import web
 from fleet.enginesim.cost import StepCost
 from fleet.enginesim.model import EngineConfig
 from fleet.enginesim.profiles import Profile
-from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket
+from fleet.enginesim.runner import bind_socket
+from fleet.enginesim.server import ReplicaSettings, SimReplica
 from router.http.app import RouterApp, create_app
 from router.protocol.sse import MAX_PENDING_BYTES, SseRelay
 from tests.support.router import FakeEngine, running_app

@@ -22,14 +22,9 @@ from typing import Any
 import pytest
 
 from router.kv.prompt_blocks import route_request
-from router.kv.tokenize import (
-    ChatTemplateError,
-    PoolTokenizers,
-    TokenizerError,
-    UnsupportedPrompt,
-    load_tokenizer,
-    prompt_chars,
-)
+from router.kv.chat_template import ChatTemplateError, UnsupportedPrompt
+from router.kv.tokenize import PoolTokenizers, prompt_chars
+from router.kv.tokenizer_files import TokenizerError, load_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' own chat template code")
 
@@ -363,19 +358,20 @@ def test_route_request_token_ids_for_id_prompts_only() -> None:
 async def test_proxy_fills_token_ids_from_the_pools_tokenizer(tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                               tier_guards: Any) -> None:  # fmt: skip
     from router.pools.policies import KvAware
+    from router.pools.pool import Pool
     from tests.support.router import FakeEngine
     from tests.unit.test_router_proxy import AUTH, router
 
     seen: list[Any] = []
     choose = KvAware.choose
 
-    def spy(self: KvAware, endpoints: Any, request: Any, now_s: float) -> Any:
+    def spy(self: KvAware, endpoints: Any, request: Any, now_s: float, kv_view: Any = None) -> Any:
         seen.append(request)
-        return choose(self, endpoints, request, now_s)
+        return choose(self, endpoints, request, now_s, kv_view)
 
     monkeypatch.setattr(KvAware, "choose", spy)
     wants = [False]
-    monkeypatch.setattr(KvAware, "wants_token_ids", lambda self: wants[0])
+    monkeypatch.setattr(Pool, "wants_token_ids", lambda self: wants[0])
     chat = {"model": "m", "messages": CONVERSATIONS[1], "max_tokens": 4}
     async with FakeEngine("e") as engine, router() as (app, client):
         pool = {"policy": "kv-aware", "endpoints": [{"id": "e", "url": engine.url}], "tokenizer": str(tokenizer_dir)}
@@ -433,22 +429,25 @@ def test_segment_cache_is_bounded_and_refuses_tokenizers_it_cannot_split(tokeniz
         "1", "<|a|>x", "2", "<|a|>", "3", "<|b|>", ""]   # leftmost-longest, as tokenizers matches
 
 
-def test_kv_aware_wants_token_ids_while_an_exact_view_is_live() -> None:
+def test_a_kv_aware_pool_wants_token_ids_while_an_exact_view_is_live() -> None:
     from router.kv.events import BlockStored, EventBatch
     from router.kv.exact_index import ExactIndex
+    from router.pools.endpoint import EndpointState
     from router.pools.policies import KvAware, RoundRobin
+    from router.pools.pool import Pool
 
-    assert not RoundRobin().wants_token_ids()
-    policy = KvAware()
-    assert not policy.wants_token_ids()               # no exact index: the approximate view only
+    endpoints = [EndpointState("e", "http://127.0.0.1:1")]
     index = ExactIndex()
-    policy.use_exact_index(index)
-    assert not policy.wants_token_ids()
+    assert not Pool("m", KvAware(), endpoints, 0.0).wants_token_ids()   # no exact index: the approximate view only
+    pool = Pool("m", KvAware(), endpoints, 0.0, kv_view=index)
+    round_robin = Pool("m", RoundRobin(), endpoints, 0.0, kv_view=index)
+    assert not pool.wants_token_ids()
     index.open("e")
     index.apply("e", EventBatch(0.0, [BlockStored([1], None, list(range(16)), 16)]))
-    assert policy.wants_token_ids()                   # a live stream with blocks: ids are worth it
+    assert pool.wants_token_ids()                     # a live stream with blocks: ids are worth it
+    assert not round_robin.wants_token_ids()          # its policy reads no token ids
     index.stream_down("e")
-    assert not policy.wants_token_ids()
+    assert not pool.wants_token_ids()
 
 
 def test_a_hub_source_fetches_the_tokenizer_files_only(tokenizer_dir: Path, tmp_path: Path,

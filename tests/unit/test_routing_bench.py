@@ -19,6 +19,7 @@ from loadtests.faultload import FaultLoad
 from loadtests.replay import Outcome
 from loadtests.routing_faults import Prompts, TcpRelay, event_cut_report, table
 from tests.support.router import FakeEngine, dead_endpoint
+from tests.support.waits import async_wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,7 +70,7 @@ async def test_the_fault_load_takes_routers_in_turn_and_moves_a_refused_try_to_t
         load = FaultLoad(live.url, "m", rate_per_s=40.0, urls=(live.url, dead_url), prompt_for=lambda k: [k, k + 1],
                          timeout_s=5.0)
         load.__enter__()
-        await asyncio.sleep(0.4)
+        await async_wait_until(lambda: len(load.done) >= 4, 30, what="four requests done", explain=load.summary)
         await asyncio.to_thread(load.__exit__, None, None, None)
     dead_sock.close()
     done = load.done

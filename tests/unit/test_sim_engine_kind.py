@@ -13,7 +13,7 @@ from fleet.engines.kinds import EngineLaunch, KvEventsBind, ModelUnavailable, Si
 from fleet.inventory import Inventory, NodeInventory
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.spec import SpecError, load_deployments, parse_document
-from fleet.local.up import PreflightError, preflight
+from fleet.local.preflight import PreflightError, preflight
 from tests.support.fakes import FakeBackend, FakeClock, FakeEngineAPI, FakePoolSink
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,8 +19,10 @@ from fleet.enginesim.kvcache import BlockPool, block_hashes, wire_hash
 from fleet.enginesim.kvpublish import KvEventPublisher, KvEventsConfig, KvEventsConfigError
 from fleet.enginesim.model import Arrival, EngineConfig, EngineModel, run_virtual
 from fleet.enginesim.profiles import Profile
-from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket
+from fleet.enginesim.runner import bind_socket
+from fleet.enginesim.server import ReplicaSettings, SimReplica
 from router.kv.events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
+from tests.support.waits import async_wait_until
 
 BS = 4
 
@@ -182,20 +184,38 @@ async def _complete(client, prompt: str) -> None:
         assert resp.status == 200, await resp.text()
 
 
+async def _subscribed(r: SimReplica, client, sub) -> int:
+    """Wait until the SUB's subscription has reached the replica's PUB (ZMQ's slow joiner: a SUB
+    misses what is sent before then): complete new prompts until a batch reaches the SUB, then
+    read every batch published so far. Returns the seq of the next batch the SUB will read."""
+    probes = iter(range(1_000))
+
+    async def a_batch_arrived() -> bool:
+        await _complete(client, f"probe {next(probes)} " * 16)       # new blocks: a batch is published
+        return bool(await sub.poll(100))
+
+    await async_wait_until(a_batch_arrived, 30, what="the SUB's subscription to reach the replica's PUB")
+    last = -1
+    while last < r.kv_publisher.next_seq - 1:                         # in order, none lost once subscribed
+        _, seq, _ = await asyncio.wait_for(sub.recv_multipart(), 5)
+        last = int.from_bytes(seq, "big")
+    return last + 1
+
+
 @pytest.mark.asyncio
 async def test_a_replica_publishes_each_steps_events_and_replays_them(tmp_path):
     seen: list = []
     async with _replica(tmp_path, sinks=(lambda seq, b: seen.append((seq, b)),)) as (r, client, sub, ctx, kv):
-        await asyncio.sleep(0.2)      # the slow joiner: a SUB misses what is sent before it connected
+        first = await _subscribed(r, client, sub)
         prompt = "the same long system prompt " * 8
         await _complete(client, prompt)
         topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
-        assert topic == b"kv" and int.from_bytes(seq, "big") == 0
+        assert topic == b"kv" and int.from_bytes(seq, "big") == first
         batch = decode_batch(payload)
         stored = [e for e in batch.events if isinstance(e, BlockStored)]
         ids = tokens.encode_prompt(prompt)
         assert stored and stored[0].token_ids == ids[:len(stored[0].token_ids)] and stored[0].block_size == 16
-        assert seen and seen[0][0] == 0 and seen[0][1].events == batch.events   # the in-process sink: same batch
+        assert seen[first][0] == first and seen[first][1].events == batch.events   # the in-process sink: same batch
 
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(kv.replay_endpoint)
@@ -206,13 +226,13 @@ async def test_a_replica_publishes_each_steps_events_and_replays_them(tmp_path):
             if s == END_SEQ:
                 break
             replayed.append((int.from_bytes(s, "big"), p))
-        assert replayed[0] == (0, payload) and len(replayed) == r.kv_publisher.next_seq
+        assert [s for s, _ in replayed] == list(range(r.kv_publisher.next_seq)) and replayed[first] == (first, payload)
 
 
 @pytest.mark.asyncio
 async def test_sleep_clears_the_cache_with_all_blocks_cleared(tmp_path):
     async with _replica(tmp_path) as (r, client, sub, ctx, kv):
-        await asyncio.sleep(0.2)
+        await _subscribed(r, client, sub)
         await _complete(client, "x " * 40)
         await r._sleep(type("Req", (), {"query": {"level": "1"}})())
         kinds = []

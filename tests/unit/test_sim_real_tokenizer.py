@@ -1,5 +1,5 @@
 """The engine simulator with ``--tokenizer DIR``: prompts become the token ids vLLM computes (the
-router's `router.kv.tokenize`, checked against transformers in tests/unit/test_router_tokenize.py),
+router's `router.kv.prompt_tokenizer`, checked against transformers in tests/unit/test_router_tokenize.py),
 so a simulated engine and the router name the same blocks; replies are words that re-tokenize to
 the ids generated; bad directories are option errors. In-process replicas on loopback sockets."""
 
@@ -13,7 +13,7 @@ import pytest
 from fleet.enginesim.__main__ import options_from_args
 from fleet.enginesim.realtokens import RealTokens
 from fleet.enginesim.runner import OptionsError, SimEngineOptions
-from router.kv.tokenize import load_tokenizer
+from router.kv.tokenizer_files import load_tokenizer
 from tests.unit.test_router_tokenize import CONVERSATIONS, tokenizer_dir, vllm_chat_ids  # noqa: F401 - a fixture
 from tests.unit.test_sim_server import replica
 

@@ -19,7 +19,8 @@ from fleet.enginesim.cost import StepCost
 from fleet.enginesim.faults import FaultPlan
 from fleet.enginesim.model import EngineConfig
 from fleet.enginesim.profiles import Profile
-from fleet.enginesim.server import ReplicaSettings, SimReplica, bind_socket
+from fleet.enginesim.runner import bind_socket
+from fleet.enginesim.server import ReplicaSettings, SimReplica
 from tests.support.waits import async_wait_until
 
 pytestmark = pytest.mark.asyncio
@@ -213,7 +214,7 @@ async def test_a_client_that_goes_away_is_aborted_in_the_engine():
         body = {"prompt": "x", "max_tokens": 400, "stream": True}
         async with c.post("/v1/completions", json=body) as resp:
             await resp.content.readline()                  # the first token arrived
-        await async_wait_until(lambda: not r.model.has_work(), 30, 0.01, "the engine to drop the disconnected request")
+        await async_wait_until(lambda: not r.model.has_work(), 30, what="the engine to drop the disconnected request")
         assert not r.model.has_work()
         assert r.model.pool.num_free == FAST.config.num_gpu_blocks
         async with c.get("/metrics") as resp:
@@ -274,7 +275,7 @@ async def test_crash_after_n_requests_answers_n_then_dies():
         for _ in range(2):
             async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
                 assert resp.status == 200
-        await async_wait_until(lambda: r.state == "crashed", 30, 0.01, "the replica to crash after 2 requests")
+        await async_wait_until(lambda: r.state == "crashed", 30, what="the replica to crash after 2 requests")
         assert r.state == "crashed" and "crash after 2" in r.dead_calls[0]
         with pytest.raises(aiohttp.ClientConnectionError):
             async with aiohttp.ClientSession(timeout=WAIT) as fresh:

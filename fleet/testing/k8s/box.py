@@ -45,7 +45,8 @@ from fleet.testing.fake_nvml import inject_xid, write_state
 from fleet.testing.k8s.apiserver import APIServerStandIn
 from fleet.testing.k8s.deviceplugin import DevicePlugin
 from fleet.testing.k8s.kubelet import ImagePuller
-from fleet.testing.k8s.podrunner import REPO, BoxKubelet, BoxNode
+from fleet.testing.k8s.podconfig import REPO, BoxNode
+from fleet.testing.k8s.podrunner import BoxKubelet
 from fleet.testing.k8s.rbac import ADMIN, Authorizer
 from fleet.testing.k8s.resources import by_kind
 from fleet.testing.k8s.store import ObjectStore
