@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from fleet.base.registry import Registry
-from fleet.base.spec import FieldError, SpecModel
+from fleet.base.rules import CrossFieldRule
+from fleet.base.spec import SpecModel
 
 SCALING_POLICIES: Registry = Registry("autoscaling policy")
 """The scaling policies by name (`fleet.base.registry`): `spec.autoscaling.policy` must be one. The
@@ -171,6 +172,11 @@ class StandbyPoolSpec(SpecModel):
     )  # fmt: skip
 
 
+def _scaling(autoscaling: dict) -> dict:
+    """A spec change setting ``autoscaling`` with room to scale (the rules' examples)."""
+    return {"replicas": {"min": 1, "max": 4}, "autoscaling": autoscaling}
+
+
 class AutoscalingSpec(SpecModel):
     """Scale the deployment between `spec.replicas.min` and `spec.replicas.max`."""
 
@@ -240,31 +246,45 @@ class AutoscalingSpec(SpecModel):
     def _known_policy(cls, v: str) -> str:
         return SCALING_POLICIES.check(v)
 
-    @model_validator(mode="after")
-    def _consistent(self) -> AutoscalingSpec:
-        if self.queue_time_target_seconds >= self.ttft_p99_target_seconds:
-            raise FieldError(
-                "queueTimeTargetSeconds",
-                f"must be < ttftP99TargetSeconds ({self.queue_time_target_seconds:g} >= "
-                f"{self.ttft_p99_target_seconds:g}): queue time is part of the time to first token",
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.queueTimeTargetSeconds < self.ttftP99TargetSeconds",
+            holds=lambda a: a.queue_time_target_seconds < a.ttft_p99_target_seconds,
+            field="queueTimeTargetSeconds",
+            message="must be < ttftP99TargetSeconds ({queueTimeTargetSeconds} >= {ttftP99TargetSeconds}): queue time "
+            "is part of the time to first token",
+            breaks=_scaling({"queueTimeTargetSeconds": 3, "ttftP99TargetSeconds": 2}),
+            keeps=(_scaling({"queueTimeTargetSeconds": 1.5, "ttftP99TargetSeconds": 2}),),
+        ),
+        CrossFieldRule(
+            cel="self.coldStartupSeconds >= self.warmStartupSeconds",
+            holds=lambda a: a.cold_startup_seconds >= a.warm_startup_seconds,
+            field="coldStartupSeconds",
+            message="must be >= warmStartupSeconds ({coldStartupSeconds} < {warmStartupSeconds})",
+            breaks=_scaling({"coldStartupSeconds": 10, "warmStartupSeconds": 60}),
+            keeps=(_scaling({"coldStartupSeconds": 60, "warmStartupSeconds": 60}),),
+        ),
+        CrossFieldRule(
+            cel="!has(self.intervalSeconds) || self.intervalSeconds <= self.windowSeconds",
+            holds=lambda a: a.interval_seconds is None or a.interval_seconds <= a.window_seconds,
+            field="intervalSeconds",
+            message="must be <= windowSeconds ({intervalSeconds} > {windowSeconds}): each decision needs fresh samples",
+            breaks=_scaling({"intervalSeconds": 60, "windowSeconds": 30}),
+            keeps=(_scaling({"intervalSeconds": 30, "windowSeconds": 30}),),
+        ),
+        *(
+            CrossFieldRule(
+                cel=f"!has(self.{block}) || self.policy == '{policy}'",
+                holds=lambda a, attr=attr, policy=policy: getattr(a, attr) is None or a.policy == policy,
+                field=block, message=f"applies to policy {policy} only (policy is {{policy}})",
+                breaks=_scaling({"policy": "fleet", block: {}}),
+                keeps=(_scaling({"policy": policy, block: {}}), _scaling({"policy": "fleet", block: None})),
             )
-        if self.cold_startup_seconds < self.warm_startup_seconds:
-            raise FieldError(
-                "coldStartupSeconds",
-                f"must be >= warmStartupSeconds ({self.cold_startup_seconds:g} < {self.warm_startup_seconds:g})",
-            )
-        if self.interval_seconds is not None and self.interval_seconds > self.window_seconds:
-            raise FieldError(
-                "intervalSeconds",
-                f"must be <= windowSeconds ({self.interval_seconds:g} > {self.window_seconds:g}): "
-                "each decision needs fresh samples",
-            )
-        for field, block, policy in (("kpa", self.kpa, "kpa"), ("kedaQueue", self.keda_queue, "keda-queue"),
-                                     ("forecast", self.forecast, "standby"),
-                                     ("standbyPool", self.standby_pool, "standby")):  # fmt: skip
-            if block is not None and self.policy != policy:
-                raise FieldError(field, f"applies to policy {policy} only (policy is {self.policy})")
-        return self
+            for block, attr, policy in (("kpa", "kpa", "kpa"), ("kedaQueue", "keda_queue", "keda-queue"),
+                                        ("forecast", "forecast", "standby"),
+                                        ("standbyPool", "standby_pool", "standby"))
+        ),  # fmt: skip
+    )
 
     @property
     def standby_pool_params(self) -> StandbyPoolSpec:

@@ -6,7 +6,9 @@ replicas, standby, routing, prePull; `engine` is `fleet.engines.spec.EngineSpec`
 `fleet.rollout.spec.RolloutSpec`), the YAML loader for one or many files with several
 documents each, and the error format: every problem names its file, document, field path and
 reason
-(``quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)``).
+(``quickstart.yaml[0] spec.replicas.min: must be <= spec.replicas.max (3 > 2)``). A rule over
+several fields is a `fleet.base.rules.CrossFieldRule` in its section's ``cross_field_rules``: the
+CRD's CEL rule (`fleet.k8s.crd`) comes from the same record, with the same words.
 
 Called by the CLI (`fleet validate`, `fleet up`) and the controller. Nothing is started from a
 document that fails here.
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator
 
 from autoscaler.spec import AutoscalingSpec
 from fleet.engines.kinds import ENGINE_KINDS, EngineLaunch
@@ -32,6 +34,7 @@ from fleet.rollout.spec import RolloutSpec
 from fleet.sources import ModelSource, Scheme, SourceError
 from router.pools.policies import ROUTING_POLICIES
 from fleet.base.names import DNS_LABEL, MIG_PROFILE
+from fleet.base.rules import CrossFieldRule
 from fleet.base.spec import FieldError, SpecModel
 from warmup.plan import WarmupPlan
 
@@ -143,21 +146,39 @@ class ResourcesSpec(SpecModel):
             raise ValueError(f"{v!r} is not a MIG profile name such as 1g.10gb or 3g.40gb")
         return v
 
-    @model_validator(mode="after")
-    def _shape(self) -> ResourcesSpec:
-        if self.accelerator == "cpu":
-            if self.gpu_product or self.mig_profile:
-                field = "gpuProduct" if self.gpu_product else "migProfile"
-                raise FieldError(field, "is a GPU setting; remove it or set accelerator: gpu")
-            if self.tensor_parallel_size != 1:
-                raise FieldError("tensorParallelSize", "must be 1 with accelerator: cpu")
-        if self.mig_profile and self.tensor_parallel_size != 1:
-            raise FieldError(
-                "tensorParallelSize",
-                f"must be 1 with migProfile {self.mig_profile} (got {self.tensor_parallel_size}): "
-                "MIG slices have no NVLink or CUDA IPC, so tensor parallelism across slices is not possible",
-            )
-        return self
+    cross_field_rules = (
+        CrossFieldRule(
+            cel=None, no_cel="the CRD keeps gpuProduct (a name or a list of names) as an untyped value, which "
+            "CEL cannot read",
+            holds=lambda r: r.accelerator != "cpu" or r.gpu_product is None,
+            field="gpuProduct", message="is a GPU setting; remove it or set accelerator: gpu",
+            breaks={"resources": {"accelerator": "cpu", "gpuProduct": "NVIDIA H100 80GB HBM3"}},
+            keeps=({"resources": {"accelerator": "gpu", "gpuProduct": "NVIDIA H100 80GB HBM3"}},),
+        ),
+        CrossFieldRule(
+            cel="self.accelerator != 'cpu' || !has(self.migProfile)",
+            holds=lambda r: r.accelerator != "cpu" or r.mig_profile is None,
+            field="migProfile", message="is a GPU setting; remove it or set accelerator: gpu",
+            breaks={"resources": {"accelerator": "cpu", "migProfile": "1g.10gb"}},
+            keeps=({"resources": {"accelerator": "gpu", "migProfile": "1g.10gb"}},),
+        ),
+        CrossFieldRule(
+            cel="self.accelerator != 'cpu' || self.tensorParallelSize == 1",
+            holds=lambda r: r.accelerator != "cpu" or r.tensor_parallel_size == 1,
+            field="tensorParallelSize", message="must be 1 with accelerator: cpu",
+            breaks={"resources": {"accelerator": "cpu", "tensorParallelSize": 2}},
+            keeps=({"resources": {"accelerator": "cpu", "tensorParallelSize": 1}},),
+        ),
+        CrossFieldRule(
+            cel="!has(self.migProfile) || self.tensorParallelSize == 1",
+            holds=lambda r: r.mig_profile is None or r.tensor_parallel_size == 1,
+            field="tensorParallelSize",
+            message="must be 1 with migProfile {migProfile} (got {tensorParallelSize}): MIG slices have no NVLink "
+            "or CUDA IPC, so tensor parallelism across slices is not possible",
+            breaks={"resources": {"migProfile": "3g.40gb", "tensorParallelSize": 2}},
+            keeps=({"resources": {"migProfile": "3g.40gb", "tensorParallelSize": 1}},),
+        ),
+    )
 
 
 class ReplicasSpec(SpecModel):
@@ -165,15 +186,20 @@ class ReplicasSpec(SpecModel):
     max: int = Field(1, ge=1, le=10_000, description="Most replicas.")
     initial: int | None = Field(None, ge=0, description="Replicas at start; defaults to min.")
 
-    @model_validator(mode="after")
-    def _bounds(self) -> ReplicasSpec:
-        if self.min > self.max:
-            raise FieldError("min", f"must be <= spec.replicas.max ({self.min} > {self.max})")
-        if self.initial is not None and not self.min <= self.initial <= self.max:
-            raise FieldError(
-                "initial", f"must be within spec.replicas.min..max ({self.min}..{self.max}), got {self.initial}"
-            )
-        return self
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.min <= self.max", holds=lambda r: r.min <= r.max,
+            field="min", message="must be <= spec.replicas.max ({min} > {max})",
+            breaks={"replicas": {"min": 3, "max": 2}}, keeps=({"replicas": {"min": 2, "max": 2}},),
+        ),
+        CrossFieldRule(
+            cel="!has(self.initial) || (self.min <= self.initial && self.initial <= self.max)",
+            holds=lambda r: r.initial is None or r.min <= r.initial <= r.max,
+            field="initial", message="must be within spec.replicas.min..max ({min}..{max}), got {initial}",
+            breaks={"replicas": {"min": 1, "max": 2, "initial": 5}},
+            keeps=({"replicas": {"min": 1, "max": 2, "initial": 2}},),
+        ),
+    )
 
     @property
     def desired_at_start(self) -> int:
@@ -316,16 +342,28 @@ class DeploymentSpec(SpecModel):
         "number at once (OpenKruise ImagePullJob's idea). Unset: only the nodes replicas are placed on.",
     )
 
-    @model_validator(mode="after")
-    def _autoscaling_range(self) -> DeploymentSpec:
-        a = self.autoscaling
-        if a is not None and a.policy != "fixed" and self.replicas.min == self.replicas.max:
-            raise FieldError(
-                "replicas.max",
-                f"must be > spec.replicas.min to autoscale (both {self.replicas.max}); "
-                "raise it, or remove spec.autoscaling",
-            )
-        return self
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="!has(self.autoscaling) || self.autoscaling.policy == 'fixed' "
+            "|| (has(self.replicas) && self.replicas.min != self.replicas.max)",
+            holds=lambda d: d.autoscaling is None or d.autoscaling.policy == "fixed"
+            or d.replicas.min != d.replicas.max,
+            field="replicas.max",
+            message="must be > spec.replicas.min to autoscale (both {replicas.max}); raise it, or remove "
+            "spec.autoscaling",
+            breaks={"replicas": {"min": 2, "max": 2}, "autoscaling": {"policy": "fleet"}},
+            keeps=({"replicas": {"min": 2, "max": 2}, "autoscaling": {"policy": "fixed"}},),
+        ),
+        CrossFieldRule(
+            cel="!self.model.source.trim().startsWith('sim://') || (has(self.engine) && self.engine.kind == 'sim')",
+            holds=lambda d: d.model.parsed_source.scheme is not Scheme.SIM or d.engine.kind == "sim",
+            field="model.source",
+            message="'{model.source}' names an engine-simulator profile; it needs engine.kind: sim (got "
+            "'{engine.kind}')",
+            breaks={"model": {"name": "m", "source": "sim://h100-llama-8b"}, "engine": {"kind": "vllm"}},
+            keeps=({"model": {"name": "m", "source": "sim://h100-llama-8b"}, "engine": {"kind": "sim"}},),
+        ),
+    )
 
     @property
     def standby_max(self) -> int:
@@ -339,16 +377,6 @@ class DeploymentSpec(SpecModel):
         """Why this deployment's engine cannot keep standby replicas (`EngineKind.sleep_unsupported`),
         or None."""
         return ENGINE_KINDS.get(self.engine.kind)().sleep_unsupported(self.resources.accelerator)
-
-    @model_validator(mode="after")
-    def _sim_source_needs_sim_engine(self) -> DeploymentSpec:
-        if self.model.parsed_source.scheme is Scheme.SIM and self.engine.kind != "sim":
-            raise FieldError(
-                "model.source",
-                f"{self.model.source!r} names an engine-simulator profile; it needs engine.kind: sim "
-                f"(got {self.engine.kind!r})",
-            )
-        return self
 
 
 class InferenceDeployment(SpecModel):

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from fleet.base.spec import FieldError, SpecModel
+from fleet.base.rules import CrossFieldRule
+from fleet.base.spec import SpecModel
 
 
 class WarmupRequest(SpecModel):
@@ -45,11 +46,15 @@ class WarmupPlan(SpecModel):
         120.0, gt=0, description="Timeout of each warm-up request, in seconds."
     )
 
-    @model_validator(mode="after")
-    def _requests_when_enabled(self) -> WarmupPlan:
-        if self.enabled and not self.requests:
-            raise FieldError("requests", "must list at least one request when warm-up is enabled")
-        return self
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="!self.enabled || !has(self.requests) || size(self.requests) > 0",
+            holds=lambda w: not w.enabled or bool(w.requests),
+            field="requests", message="must list at least one request when warm-up is enabled",
+            breaks={"warmup": {"enabled": True, "requests": []}},
+            keeps=({"warmup": {"enabled": False, "requests": []}}, {"warmup": {"enabled": True}}),
+        ),
+    )
 
     @property
     def total_requests(self) -> int:

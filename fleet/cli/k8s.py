@@ -16,16 +16,26 @@ app = typer.Typer()
 
 
 @app.command("crd")
-def crd() -> None:
+def crd(
+    kube_version: Annotated[Optional[str], typer.Option(
+        help="The Kubernetes it is for, MAJOR.MINOR (default: the newest). Before 1.29 the CEL rules' "
+        "messages name the values' fields instead of rendering them.")] = None,
+) -> None:
     """Print the InferenceDeployment CustomResourceDefinition, generated from Fleet's spec.
 
     The same YAML file `fleet up` reads is what `kubectl apply` takes once this CRD is
     installed: `fleet crd | kubectl apply --server-side -f -`. The Helm chart ships the same
-    text (charts/fleet/files/crd-inferencedeployments.yaml) and upgrades it with the release.
+    text (charts/fleet/files/crd-inferencedeployments*.yaml) and upgrades it with the release.
     """
     from fleet.k8s.crd import crd_yaml
 
-    typer.echo(crd_yaml(), nl=False)
+    version = None
+    if kube_version:
+        major, _, minor = kube_version.removeprefix("v").partition(".")
+        if not (major.isdigit() and minor.split(".")[0].isdigit()):
+            raise typer.BadParameter(f"{kube_version!r} is not MAJOR.MINOR, e.g. 1.28", param_hint="--kube-version")
+        version = (int(major), int(minor.split(".")[0]))
+    typer.echo(crd_yaml(version), nl=False)
 
 
 @app.command("operator")

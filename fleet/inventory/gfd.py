@@ -22,8 +22,8 @@ docs/gpu-feature-discovery/README.md, "Generated Labels"):
 
 GFD reports neither GPU UUIDs nor NVLink topology nor per-GPU health. GPUs get stable
 synthetic ids (``<node>/gpu<i>``; the Kubernetes backend asks for counts, not UUIDs); NVLink
-domains come from Fleet's node label (`LabelKeys.nvlink_domains`, e.g. ``0-7`` or ``0-3;4-7``;
-the node agent writes it from NVML), and are unknown without it; GPUs the NVIDIA device plugin
+domains come from Fleet's node label (`LabelKeys.nvlink_domains`, e.g. ``0-7`` or ``0-3_4-7``;
+the node agent writes it from NVML: `format_nvlink_domains`), and are unknown without it; GPUs the NVIDIA device plugin
 withholds from ``status.allocatable`` are marked unhealthy.
 
 Quarantine (`quarantine_marks`): the node agent's annotation ``fleet.inference.dev/gpu-health``
@@ -88,8 +88,20 @@ class LabelKeys:
     cuda_driver_version: str = "fleet.inference.dev/cuda-driver-version"   # 13.0 (node agent, NVML)
 
 
+NVLINK_LABEL_MAX_CHARS = 63
+"""A label value's longest (Kubernetes `IsValidLabelValue`, apimachinery/pkg/util/validation)."""
+NVLINK_LABEL_MAX_GPUS = 16
+"""The most GPUs a node may have for `format_nvlink_domains` to fit any grouping in a label value:
+16 GPUs written one by one take 37 characters (22 digits, 15 separators); 32 could take 85."""
+_NVLINK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
 def parse_nvlink_domains(value: str) -> tuple[tuple[int, ...], ...]:
-    """``"0-7"`` -> ((0..7),); ``"0-3;4-7"`` -> two domains; ``"0,1;2,3"``; ``"none"`` -> ().
+    """The NVLink domains of a node label value: ``"0-7"`` -> ((0..7),); ``"0-3_4-7"`` -> two
+    domains; ``"0.2-3_5"`` -> ((0, 2, 3), (5,)); ``"none"`` or ``""`` -> () (no GPU shares NVLink).
+    Domains are joined by ``_``, the members of one by ``.``, runs written ``a-b``. The spelling
+    with ``;`` and ``,`` (``"0-1;2-3"``, ``"0,1;2,3"``), which a real API server refuses in a label
+    but a node labelled through a permissive stand-in may carry, reads the same. Pure.
 
     Raises ValueError on anything else.
     """
@@ -97,28 +109,30 @@ def parse_nvlink_domains(value: str) -> tuple[tuple[int, ...], ...]:
     if value in ("", "none"):
         return ()
     domains = []
-    for part in value.split(";"):
+    for part in re.split(r"[_;]", value):
         members: list[int] = []
-        for item in part.split(","):
-            item = item.strip()
-            if re.fullmatch(r"\d+-\d+", item):
-                lo, hi = (int(x) for x in item.split("-"))
-                if hi < lo:
-                    raise ValueError(f"bad range {item!r}")
-                members.extend(range(lo, hi + 1))
-            elif item.isdigit():
-                members.append(int(item))
-            else:
-                raise ValueError(f"bad NVLink domain list {value!r}: expected e.g. '0-7' or '0-3;4-7'")
+        for item in re.split(r"[.,]", part):
+            found = _NVLINK_ITEM.match(item.strip())
+            if found is None:
+                raise ValueError(f"bad NVLink domain list {value!r}: expected e.g. '0-7' or '0-3_4-7'")
+            lo, hi = int(found.group(1)), int(found.group(2) or found.group(1))
+            if hi < lo:
+                raise ValueError(f"bad range {item!r}")
+            members.extend(range(lo, hi + 1))
         domains.append(tuple(sorted(set(members))))
     return tuple(domains)
 
 
 def format_nvlink_domains(domains: Iterable[Iterable[int]]) -> str:
-    """The label value `parse_nvlink_domains` reads back: ``((0..7),)`` -> ``"0-7"``,
-    ``((0, 1), (2, 3))`` -> ``"0-1;2-3"``, ``((0, 2),)`` -> ``"0,2"``, no domain -> ``"none"``
-    (the topology is known: no GPU shares NVLink). Domains sorted by their first GPU, runs of
-    consecutive indices written as ranges. Pure."""
+    """The label value `parse_nvlink_domains` reads back, legal as a Kubernetes label value
+    (alphanumerics, ``-``, ``_``, ``.``; at most `NVLINK_LABEL_MAX_CHARS`): ``((0..7),)`` ->
+    ``"0-7"``, ``((0, 1), (2, 3))`` -> ``"0-1_2-3"``, ``((0, 2),)`` -> ``"0.2"``, no domain ->
+    ``"none"`` (the topology is known: no GPU shares NVLink). Domains sorted by their first GPU,
+    runs of consecutive indices written as ranges. Any grouping of up to `NVLINK_LABEL_MAX_GPUS`
+    GPUs fits. Pure.
+
+    Raises ValueError when the value would be longer than a label value may be.
+    """
     parts = []
     for domain in sorted(tuple(sorted(set(d))) for d in domains if d):
         runs: list[list[int]] = []
@@ -127,8 +141,12 @@ def format_nvlink_domains(domains: Iterable[Iterable[int]]) -> str:
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        parts.append(",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs))
-    return ";".join(parts) or "none"
+        parts.append(".".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs))
+    value = "_".join(parts) or "none"
+    if len(value) > NVLINK_LABEL_MAX_CHARS:
+        raise ValueError(f"NVLink domains {value!r} take {len(value)} characters; a label value holds at most "
+                         f"{NVLINK_LABEL_MAX_CHARS} (any grouping of up to {NVLINK_LABEL_MAX_GPUS} GPUs fits)")
+    return value
 
 
 @functools.lru_cache(maxsize=4096)

@@ -12,9 +12,14 @@ numeric ``exclusiveMinimum``/``exclusiveMaximum`` into OpenAPI v3.0's ``minimum`
 ``exclusiveMinimum: true``, and ``additionalProperties: false`` dropped (Kubernetes prunes
 unknown fields, and ``kubectl apply`` rejects them with server-side field validation).
 
-Cross-field rules (min <= max, MIG needs TP 1, ...) stay in pydantic: the operator validates
-every resource with `fleet.spec.parse_document` and reports a failure in the resource's status
-(condition Ready=False, reason InvalidSpec) with the same message `fleet validate` prints.
+Cross-field rules (min <= max, MIG needs TP 1, ...) are CEL ``x-kubernetes-validations`` on the
+node of the section that declares them, written by `fleet.base.spec.SpecModel` from the same
+`fleet.base.rules.CrossFieldRule` records pydantic enforces: ``kubectl apply`` refuses each with
+the words `fleet validate` prints (Kubernetes 1.25 and later evaluate the rules, 1.29 and later
+render the messages with values, `MESSAGE_EXPRESSIONS_SINCE`; an older server ignores them). The operator still validates every
+resource with `fleet.spec.parse_document` and reports a failure in the resource's status
+(condition Ready=False, reason InvalidSpec), for what CEL cannot say (a model source that does
+not parse, a reserved engine flag) and for servers that skip the rules.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 _KEEP = {
     "type", "description", "properties", "items", "additionalProperties", "required", "enum", "default",
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern",
-    "minItems", "maxItems", "format", "nullable",
+    "minItems", "maxItems", "format", "nullable", "x-kubernetes-validations",
 }  # fmt: skip
 
 _STATUS_SCHEMA: dict[str, Any] = {
@@ -164,8 +169,9 @@ def spec_schema() -> dict[str, Any]:
     defs = full.get("$defs", {})
     spec = _structural(full["properties"]["spec"], defs)
     _registry_enums(spec)
-    spec["description"] = ("The deployment: the same `spec` `fleet up` reads (fleet/spec.py). "
-                           "Cross-field rules are checked by the operator; see status.conditions.")
+    spec["description"] = ("The deployment: the same `spec` `fleet up` reads (fleet/spec.py). Cross-field "
+                           "rules are checked at admission (x-kubernetes-validations) and by the operator; see "
+                           "status.conditions.")
     return {
         "type": "object",
         "description": "A model served by homogeneous replicas behind Fleet's router.",
@@ -180,10 +186,38 @@ def spec_schema() -> dict[str, Any]:
     }
 
 
-def crd_document() -> dict[str, Any]:
+MESSAGE_EXPRESSIONS_SINCE = (1, 29)
+"""The first Kubernetes whose CEL has the strings library's ``format``, which the rules' message
+expressions use (k8s.io/apiserver/pkg/cel/environment/base.go: strings library version 2 from
+1.29, version 0 before); 1.27 and 1.28 refuse a CRD whose messageExpression calls it."""
+
+VALIDATION_RULES_SINCE = (1, 25)
+"""The first Kubernetes that knows ``x-kubernetes-validations`` (beta, on by default, in 1.25).
+An older API server drops the rules from a CRD it stores (checked on 1.20.2:
+tests/integration/test_real_control_plane.py), and a client that validates against its OpenAPI
+(``helm install`` on those versions) refuses the unknown field: that copy carries none."""
+
+CHART_FILES = {None: "crd-inferencedeployments.yaml", (1, 28): "crd-inferencedeployments-before-1.29.yaml",
+               (1, 24): "crd-inferencedeployments-before-1.25.yaml"}
+"""The chart's copies of the CRD under charts/fleet/files/, by the newest Kubernetes each is for
+(None: every version from `MESSAGE_EXPRESSIONS_SINCE` on); charts/fleet/templates/crd.yaml picks
+one by ``.Capabilities.KubeVersion``."""
+
+
+def crd_document(kube_version: tuple[int, int] | None = None) -> dict[str, Any]:
     """The CustomResourceDefinition (apiextensions.k8s.io/v1) as a dict: namespaced, one served
     and stored version, status subresource, and the scale subresource on
-    ``spec.replicas.initial`` (``kubectl scale`` sets the starting size; the autoscaler owns the rest)."""
+    ``spec.replicas.initial`` (``kubectl scale`` sets the starting size; the autoscaler owns the rest).
+
+    ``kube_version`` (major, minor): the Kubernetes it is for; None for the newest. Before
+    `MESSAGE_EXPRESSIONS_SINCE` the CEL rules keep their static ``message`` only (the sentence
+    with the values' fields in angle brackets); before `VALIDATION_RULES_SINCE` there are none (the
+    operator still refuses such a spec, in the resource's status)."""
+    schema = spec_schema()
+    if kube_version is not None and kube_version < VALIDATION_RULES_SINCE:
+        _drop_validation_rules(schema)
+    elif kube_version is not None and kube_version < MESSAGE_EXPRESSIONS_SINCE:
+        _drop_message_expressions(schema)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -197,7 +231,7 @@ def crd_document() -> dict[str, Any]:
                 "name": VERSION,
                 "served": True,
                 "storage": True,
-                "schema": {"openAPIV3Schema": spec_schema()},
+                "schema": {"openAPIV3Schema": schema},
                 "subresources": {"status": {}},
                 "additionalPrinterColumns": [
                     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
@@ -212,7 +246,27 @@ def crd_document() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def crd_yaml() -> str:
-    """The CRD as YAML text (`fleet crd`; charts/fleet/files/crd-inferencedeployments.yaml)."""
-    header = "# Generated by `fleet crd` from fleet/spec.py: do not edit (tests/unit/test_k8s_crd.py checks it).\n"
-    return header + yaml.safe_dump(crd_document(), sort_keys=False, width=120)
+def _drop_validation_rules(node: Any) -> None:
+    if isinstance(node, dict):
+        node.pop("x-kubernetes-validations", None)
+        for child in node.values():
+            _drop_validation_rules(child)
+    elif isinstance(node, list):
+        for child in node:
+            _drop_validation_rules(child)
+
+
+def _drop_message_expressions(node: Any) -> None:
+    if isinstance(node, dict):
+        for rule in node.get("x-kubernetes-validations", []):
+            rule.pop("messageExpression", None)
+        for child in node.values():
+            _drop_message_expressions(child)
+
+
+def crd_yaml(kube_version: tuple[int, int] | None = None) -> str:
+    """The CRD as YAML text (`fleet crd [--kube-version X.Y]`; the chart's `CHART_FILES`)."""
+    command = "fleet crd" + (f" --kube-version {kube_version[0]}.{kube_version[1]}" if kube_version else "")
+    test = "tests/unit/test_k8s_crd.py" if kube_version is None else "tests/unit/test_cross_field_rules.py"
+    header = f"# Generated by `{command}` from fleet/spec.py: do not edit ({test} checks it).\n"
+    return header + yaml.safe_dump(crd_document(kube_version), sort_keys=False, width=120)

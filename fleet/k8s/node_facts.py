@@ -4,8 +4,9 @@ Owns the keys, their values and the one merge patch that writes them:
 
 - label ``fleet.inference.dev/nvlink-domains``: the NVLink domains NVML reports
   (`fleet.inventory.nvml.node_from_nvml` ``.nvlink_domains``), in the form
-  `fleet.inventory.gfd.parse_nvlink_domains` reads (``0-7``, ``0-1;2-3``, ``none``;
-  `fleet.inventory.gfd.format_nvlink_domains` writes it). Left alone when NVML is unavailable;
+  `fleet.inventory.gfd.parse_nvlink_domains` reads (``0-7``, ``0-1_2-3``, ``none``: a legal
+  label value; `fleet.inventory.gfd.format_nvlink_domains` writes it). Left alone when NVML is
+  unavailable or the value would not fit a label (more than 16 GPUs in an awkward grouping);
 - labels ``fleet.inference.dev/driver-version`` (``580.159.04``, NVML ``nvmlSystemGetDriverVersion``)
   and ``fleet.inference.dev/cuda-driver-version`` (``13.0``, NVML ``nvmlSystemGetCudaDriverVersion``
   13000): the NVIDIA driver and the newest CUDA it supports, for clusters without GPU Feature
@@ -151,8 +152,24 @@ def node_facts(status: Mapping[str, Any], devices: Iterable[Mapping[str, Any]],
                             bool(status.get("health_checks", True)))
     driver = driver_version if driver_version and _LABEL_VALUE.match(driver_version) else None
     cuda = f"{cuda_driver_version[0]}.{cuda_driver_version[1]}" if cuda_driver_version else None
-    return NodeFacts(None if nvlink_domains is None else format_nvlink_domains(nvlink_domains),
-                     cached_value(cached_sources), health, driver, cuda)
+    return NodeFacts(_nvlink_value(nvlink_domains), cached_value(cached_sources), health, driver, cuda)
+
+
+def _nvlink_value(domains: tuple[tuple[int, ...], ...] | None) -> str | None:
+    """The NVLink label's value; None (the label left as it is) when unknown or too long for a
+    label value (more GPUs than `fleet.inventory.gfd.NVLINK_LABEL_MAX_GPUS`), which is logged once."""
+    if domains is None:
+        return None
+    try:
+        return format_nvlink_domains(domains)
+    except ValueError as err:
+        if domains not in _UNFIT_DOMAINS:
+            _UNFIT_DOMAINS.add(domains)
+            log.warning("label %s not published: %s", NVLINK_DOMAINS_LABEL, err)
+        return None
+
+
+_UNFIT_DOMAINS: set[tuple[tuple[int, ...], ...]] = set()   # logged already
 
 
 def node_facts_patch(facts: NodeFacts, last: NodeFacts | None = None) -> dict | None:

@@ -16,6 +16,13 @@ read-only at the same path (the entry's files are relative symlinks into ``../..
 only the whole cache root keeps them valid) and serves ``/fleet/model/current`` under
 ``--served-model-name spec.model.name``. Without a cache an ``hf://org/name@rev`` source is
 ``org/name --revision rev`` (vLLM downloads it itself).
+
+The cache's hostPath is ``DirectoryOrCreate``, so a pod never waits in FailedMount: on a node whose
+agent has run, its ``prepare`` step made the directory UID 10001's (charts/fleet/templates/
+agent-daemonset.yaml); on a node without an agent the kubelet creates it root-owned 0755, the
+``weights`` init container (UID 10001) cannot write there and exits 1 with the permission error,
+and the pod fails (``restartPolicy: Never``) with that reason instead of hanging. A path source
+(``/models/m``) stays ``Directory``: a missing model is a mount error, not an empty directory.
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ def _cache_volumes(want: ReplicaWant, settings: EnginePodSettings) -> tuple[tupl
     """(volumes, engine mounts, init containers) of a pod whose weights come from the node cache."""
     spec = want.deployment.spec
     root = settings.weight_cache_path
-    volumes = ({"name": "weight-cache", "hostPath": {"path": root, "type": "Directory"}},
+    volumes = ({"name": "weight-cache", "hostPath": {"path": root, "type": "DirectoryOrCreate"}},
                {"name": "model", "emptyDir": {"sizeLimit": "1Mi"}})  # fmt: skip
     mounts = ({"name": "weight-cache", "mountPath": root, "readOnly": True},
               {"name": "model", "mountPath": MODEL_DIR, "readOnly": True})  # fmt: skip

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from fleet.base.spec import FieldError, SpecModel
+from fleet.base.rules import CrossFieldRule
+from fleet.base.spec import SpecModel
 
 METRICS: dict[str, tuple[str, float | None]] = {
     "ttftP50": ("ttft_s", 0.50),
@@ -44,6 +45,11 @@ METRICS: dict[str, tuple[str, float | None]] = {
 a rate). TTFT is arrival at the router until the first token; TPOT is (last token - first token)
 / (output tokens - 1) of a streamed reply; e2e is arrival until the last byte; the error rate is
 failed requests / requests (a fraction: 0.005 is 0.5 percentage points)."""
+
+def _canary(**rollout: object) -> dict:
+    """A valid canary rollout section with ``rollout`` set in it (the rules' examples)."""
+    return {"strategy": "canary", "steps": [{"weight": 10}], **rollout}
+
 
 MetricName = Literal["ttftP50", "ttftP99", "tpotP50", "tpotP99", "e2eP99", "queueTimeP99", "errorRate"]
 
@@ -66,13 +72,23 @@ class MetricCheck(SpecModel):
     )
     max: float | None = Field(None, ge=0, description="Absolute limit on the canary's value (seconds or fraction).")
 
-    @model_validator(mode="after")
-    def _some_limit(self) -> MetricCheck:
-        if self.max_ratio_to_stable is None and self.max_increase_over_stable is None and self.max is None:
-            raise FieldError("metric", f"{self.metric}: set maxRatioToStable, maxIncreaseOverStable and/or max")
-        if self.metric == "errorRate" and self.max is not None and self.max > 1:
-            raise FieldError("max", f"errorRate is a fraction (0.01 = 1 %), got {self.max}")
-        return self
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="has(self.maxRatioToStable) || has(self.maxIncreaseOverStable) || has(self.max)",
+            holds=lambda m: m.max_ratio_to_stable is not None or m.max_increase_over_stable is not None
+            or m.max is not None,
+            field="metric", message="{metric}: set maxRatioToStable, maxIncreaseOverStable and/or max",
+            breaks={"rollout": _canary(analysis={"metrics": [{"metric": "ttftP99"}]})},
+            keeps=({"rollout": _canary(analysis={"metrics": [{"metric": "ttftP99", "max": 2}]})},),
+        ),
+        CrossFieldRule(
+            cel="self.metric != 'errorRate' || !has(self.max) || self.max <= 1",
+            holds=lambda m: m.metric != "errorRate" or m.max is None or m.max <= 1,
+            field="max", message="errorRate is a fraction (0.01 = 1 %), got {max}",
+            breaks={"rollout": _canary(analysis={"metrics": [{"metric": "errorRate", "max": 5}]})},
+            keeps=({"rollout": _canary(analysis={"metrics": [{"metric": "errorRate", "max": 1}]})},),
+        ),
+    )
 
     @property
     def relative(self) -> bool:
@@ -135,13 +151,15 @@ class RolloutStep(SpecModel):
     pause_seconds: float | None = Field(None, gt=0, le=7 * 86_400, description="Seconds to wait at this step.")
     analysis: StepAnalysis | None = Field(None, description="Wait here until the analysis passes.")
 
-    @model_validator(mode="after")
-    def _exactly_one(self) -> RolloutStep:
-        given = [k for k, v in (("weight", self.weight), ("pauseSeconds", self.pause_seconds),
-                                ("analysis", self.analysis)) if v is not None]  # fmt: skip
-        if len(given) != 1:
-            raise ValueError(f"a step has exactly one of weight, pauseSeconds, analysis; got {given or 'none'}")
-        return self
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="(has(self.weight) ? 1 : 0) + (has(self.pauseSeconds) ? 1 : 0) + (has(self.analysis) ? 1 : 0) == 1",
+            holds=lambda s: [s.weight, s.pause_seconds, s.analysis].count(None) == 2,
+            field="", message="a step has exactly one of weight, pauseSeconds, analysis",
+            breaks={"rollout": _canary(steps=[{"weight": 5, "pauseSeconds": 3}])},
+            keeps=({"rollout": _canary(steps=[{"weight": 5}, {"pauseSeconds": 3}, {"analysis": {}}])},),
+        ),
+    )
 
     @property
     def kind(self) -> str:
@@ -156,11 +174,15 @@ class StickinessSpec(SpecModel):
                                description="Header whose value is the key (case-insensitive).")  # fmt: skip
     request_field: Literal["user"] | None = Field(None, description="Body field whose value is the key: `user`.")
 
-    @model_validator(mode="after")
-    def _exactly_one(self) -> StickinessSpec:
-        if (self.header is None) == (self.request_field is None):
-            raise FieldError("header", "set exactly one of header and requestField")
-        return self
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="has(self.header) != has(self.requestField)",
+            holds=lambda s: (s.header is None) != (s.request_field is None),
+            field="header", message="set exactly one of header and requestField",
+            breaks={"rollout": _canary(stickiness={})},
+            keeps=({"rollout": _canary(stickiness={"header": "x-session-id"})},),
+        ),
+    )
 
 
 class RolloutSpec(SpecModel):
@@ -175,13 +197,25 @@ class RolloutSpec(SpecModel):
         "false, in their place (for a machine or cluster without room for more: a stable replica drains first).",
     )
 
-    @model_validator(mode="after")
-    def _steps(self) -> RolloutSpec:
-        if self.strategy == "replace" and self.steps:
-            raise FieldError("steps", "only with strategy: canary (strategy is replace)")
-        if self.strategy == "canary":
-            if not self.steps:
-                raise FieldError("steps", "required with strategy: canary, e.g. [{weight: 10}, {analysis: {}}]")
-            if self.steps[0].weight is None:
-                raise FieldError("steps[0]", "the first step must set a weight (the canary has none before it)")
-        return self
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.strategy != 'replace' || !has(self.steps) || size(self.steps) == 0",
+            holds=lambda r: r.strategy != "replace" or not r.steps,
+            field="steps", message="only with strategy: canary (strategy is replace)",
+            breaks={"rollout": {"strategy": "replace", "steps": [{"weight": 5}]}},
+            keeps=({"rollout": {"strategy": "replace", "steps": []}}, {"rollout": {"strategy": "replace"}}),
+        ),
+        CrossFieldRule(
+            cel="self.strategy != 'canary' || (has(self.steps) && size(self.steps) > 0)",
+            holds=lambda r: r.strategy != "canary" or bool(r.steps),
+            field="steps", message="required with strategy: canary, e.g. [{weight: 10}, {analysis: {}}]",
+            breaks={"rollout": {"strategy": "canary"}}, keeps=({"rollout": _canary()}, {"rollout": {}}),
+        ),
+        CrossFieldRule(
+            cel="self.strategy != 'canary' || !has(self.steps) || size(self.steps) == 0 || has(self.steps[0].weight)",
+            holds=lambda r: r.strategy != "canary" or not r.steps or r.steps[0].weight is not None,
+            field="steps", message="the first step must set a weight (the canary has none before it)",
+            breaks={"rollout": {"strategy": "canary", "steps": [{"pauseSeconds": 10}]}},
+            keeps=({"rollout": {"strategy": "canary", "steps": [{"weight": 10}, {"pauseSeconds": 10}]}},),
+        ),
+    )

@@ -202,8 +202,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
     try:
         # ---- helm install (rendered), agents up, node facts published --------------------------
         box.preload_image(IMAGE)
-        box.helm_install({
-            "agent": {"enabled": True, "nodeSelector": {"nvidia.com/gpu.present": "true"}},
+        box.helm_install({   # the node agent as the chart's defaults run it: on, on GPU nodes only
             "operator": {"tickSeconds": 0.5},
             "router": {"extraEnv": [{"name": "HF_ENDPOINT", "value": hub.url}]},
             "engine": {"defaultImage": IMAGE, "extraEnv": [{"name": "HF_ENDPOINT", "value": hub.url}],
@@ -215,7 +214,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
             nodes = {n["metadata"]["name"]: n for n in box.store.list(NODES, None, None)[0]}
             labels = {n: (o["metadata"].get("labels") or {}).get("fleet.inference.dev/nvlink-domains")
                       for n, o in nodes.items()}  # fmt: skip
-            return labels == {"cpu-1": None, "sxm-8": "0-7", "nvl-4": "0-1;2-3", "mig-1": "none"}
+            return labels == {"cpu-1": None, "sxm-8": "0-7", "nvl-4": "0-1_2-3", "mig-1": "none"}
 
         await box_wait(lambda: len([p for p in pods("app.kubernetes.io/component=agent") if ready(p)]) == 3, 120,
                        what="a ready node agent on each of the 3 GPU nodes")

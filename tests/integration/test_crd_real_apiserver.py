@@ -29,9 +29,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleet.k8s.client import CRDS, INFERENCE_DEPLOYMENTS, ApiError, Conflict, KubeClient, NotFound
-from fleet.k8s.crd import CRD_NAME, crd_document
-from fleet.spec import InferenceDeployment
+from fleet.base.rules import walk_rules
+from fleet.k8s.client import CRDS, INFERENCE_DEPLOYMENTS, ApiError, Conflict, KubeClient, NotFound, Resource
+from fleet.k8s.crd import CHART_FILES, CRD_NAME, GROUP, KIND, PLURAL, VERSION, crd_document
+from fleet.spec import DeploymentSpec, InferenceDeployment, SpecError, parse_document
 from fleet.testing.k8s.apiext import BUILD_TIMEOUT_S, RealApiExtensions, Unavailable, build, built
 from fleet.testing.k8s.apiserver import APIServerStandIn
 from tests.support.helm import helm_binary, render
@@ -227,9 +228,25 @@ async def test_unknown_fields_are_pruned_not_stored(real):
     assert "gpuMemoryUtilisation" not in created["spec"]["engine"]
 
 
+def _fleet_validate_says(change: dict) -> tuple[str, str]:
+    """The field path and the reason of the one problem `fleet validate` finds in `CR` with
+    ``change`` merged into its spec (what the API server must say too)."""
+    body = copy.deepcopy(CR)
+    body["spec"].update(copy.deepcopy(change))
+    with pytest.raises(SpecError) as refused:
+        parse_document(body)
+    assert len(refused.value.problems) == 1, refused.value.problems
+    path, _, reason = refused.value.problems[0].partition(": ")
+    return path, reason
+
+
 # Each `x-kubernetes-validations` rule of the CRD, keyed by its rule, with a spec change that
-# breaks it and the field the refusal must name. A rule added to the CRD without a case here fails.
-CEL_CASES: dict[str, tuple[dict, str]] = {}
+# breaks it and changes at its boundary that it admits: the examples the rule itself declares
+# (fleet/base/rules.py), so a rule cannot reach the CRD without a case here.
+CEL_CASES: dict[str, tuple[dict, tuple[dict, ...]]] = {
+    rule.cel: (rule.breaks, rule.keeps) for _path, _model, rule in walk_rules(DeploymentSpec, "spec")
+    if rule.cel is not None
+}
 
 
 def _cel_rules(node: object, path: str = "") -> list[tuple[str, str]]:
@@ -243,15 +260,52 @@ def _cel_rules(node: object, path: str = "") -> list[tuple[str, str]]:
     return found
 
 
-async def test_every_cel_rule_of_the_crd_refuses_what_it_should(real):
+async def test_every_cel_rule_of_the_crd_refuses_with_fleet_validates_words(real):
     schema = chart_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     rules = _cel_rules(schema)
+    assert len(rules) == len(CEL_CASES) >= 22
     missing = [rule for _path, rule in rules if rule not in CEL_CASES]
     assert not missing, f"CEL rules without a case in CEL_CASES: {missing}"
-    for rule, (change, field) in CEL_CASES.items():
+    wrong = []
+    for rule, (breaks, keeps) in CEL_CASES.items():
+        path, reason = _fleet_validate_says(breaks)
         with pytest.raises(ApiError) as refused:
-            await real.create(INFERENCE_DEPLOYMENTS, NS, resource(**change))
-        assert refused.value.status == 422 and field in refused.value.message, (rule, refused.value)
+            await real.create(INFERENCE_DEPLOYMENTS, NS, resource(**copy.deepcopy(breaks)))
+        said = refused.value.message
+        # The server names the field and gives the same reason: `<path>: Invalid value: <reason>`.
+        if refused.value.status != 422 or f"{path}: Invalid value: {reason}" not in said:
+            wrong.append(f"{rule}\n  fleet validate: {path}: {reason}\n  API server:     {said}")
+        for boundary in keeps:
+            try:
+                await real.create(INFERENCE_DEPLOYMENTS, NS, resource(**copy.deepcopy(boundary)))
+            except ApiError as err:
+                wrong.append(f"{rule}\n  refused its boundary {boundary}: {err.message}")
+    assert not wrong, "\n".join(wrong)
+
+
+async def test_the_crd_for_kubernetes_before_1_29_says_the_sentences_with_the_fields_named(real):
+    """The chart's copy for 1.25-1.28 (no CEL format() there), installed under a group of its
+    own beside the newest: established, and a refusal gives the sentence with each value's field
+    in angle brackets."""
+    crd = yaml.safe_load((REPO / "charts" / "fleet" / "files" / CHART_FILES[(1, 28)]).read_text())
+    assert "messageExpression" not in yaml.safe_dump(crd)
+    group = f"before-1-29.{GROUP}"
+    crd["metadata"]["name"], crd["spec"]["group"] = f"{PLURAL}.{group}", group
+    await real.create(CRDS, None, crd)
+    old = Resource(group, VERSION, PLURAL, KIND)
+    body = {**resource(replicas={"min": 3, "max": 2}), "apiVersion": f"{group}/{VERSION}"}
+
+    async def refused() -> str:
+        try:
+            await real.create(old, NS, body)
+        except NotFound:
+            return ""   # the endpoint answers a moment after the CRD is created
+        except ApiError as err:
+            return err.message
+        pytest.fail("the CRD for Kubernetes before 1.29 admitted min above max")
+
+    said = await async_wait_until(refused, timeout_s=30, interval_s=0.2, what=f"{PLURAL}.{group} serving")
+    assert "spec.replicas.min: Invalid value: must be <= spec.replicas.max (<min> > <max>)" in said, said
 
 
 async def test_a_token_the_server_does_not_know_is_401_and_none_is_403(real_server):
@@ -345,8 +399,8 @@ async def test_a_finalizer_holds_a_delete_until_it_is_removed(kube):
     held = await kube.get(INFERENCE_DEPLOYMENTS, NS, name)
     assert held["metadata"].get("deletionTimestamp"), "a delete of an object with a finalizer marks it"
     # A spec change is still accepted while deleting (the operator drains then lets go).
-    with_spec = await kube.patch(INFERENCE_DEPLOYMENTS, NS, name, {"spec": {"replicas": {"max": 1}}})
-    assert with_spec["spec"]["replicas"]["max"] == 1
+    with_spec = await kube.patch(INFERENCE_DEPLOYMENTS, NS, name, {"spec": {"replicas": {"max": 3}}})
+    assert with_spec["spec"]["replicas"]["max"] == 3
     await kube.patch(INFERENCE_DEPLOYMENTS, NS, name, {"metadata": {"finalizers": None}})
 
     async def gone() -> bool:

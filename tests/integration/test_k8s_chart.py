@@ -64,9 +64,9 @@ def test_validation_catches_a_broken_manifest():
 
 def test_defaults_render_the_expected_objects():
     kinds = _by_kind(render())
-    assert {k: len(v) for k, v in kinds.items()} == {
-        "CustomResourceDefinition": 1, "ServiceAccount": 1, "Role": 1, "RoleBinding": 1, "ClusterRole": 1,
-        "ClusterRoleBinding": 1, "Deployment": 2, "Service": 4, "PodDisruptionBudget": 1,
+    assert {k: len(v) for k, v in kinds.items()} == {   # the node agent's DaemonSet, account and role too
+        "CustomResourceDefinition": 1, "ServiceAccount": 2, "Role": 1, "RoleBinding": 1, "ClusterRole": 2,
+        "ClusterRoleBinding": 2, "Deployment": 2, "DaemonSet": 1, "Service": 4, "PodDisruptionBudget": 1,
     }
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     assert router["spec"]["replicas"] == 2
@@ -107,8 +107,10 @@ def test_admin_api_never_on_the_public_service():
 
 def test_rbac_is_least_privilege():
     kinds = _by_kind(render())
-    cluster_rules = kinds["ClusterRole"][0]["rules"]
-    assert cluster_rules == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    cluster_rules = {r["metadata"]["name"]: r["rules"] for r in kinds["ClusterRole"]}
+    assert cluster_rules == {   # the operator reads nodes; the node agent patches its own (any: RBAC cannot say which)
+        "fleet-fleet-nodes": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}],
+        "fleet-fleet-agent": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]}
     role = kinds["Role"][0]
     assert role["metadata"]["namespace"] == "fleet"
     resources = {r for rule in role["rules"] for r in rule["resources"]}
@@ -171,6 +173,8 @@ def test_global_registry_extra_objects_and_engine_pod_settings():
     (["--set", "router.adminToken.existingSecret=Not_A_Name"], "existingSecret"),
     (["--set", "router.adminToken.existingSecretKey=a/b"], "existingSecretKey"),
     (["--set", "router.peers.enabled=sometimes"], "enabled"),
+    (["--set", "agent.nodeselector.a=b"], "nodeselector"),
+    (["--set", "agent.runtimeClassName=NVIDIA_runtime"], "runtimeClassName"),
 ])
 
 
@@ -308,11 +312,12 @@ def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings
         "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     [prepare] = ds["initContainers"]
     assert prepare["name"] == "prepare" and prepare["image"] == container["image"]
-    assert prepare["command"] == ["sh", "-c", "mkdir -p /var/lib/fleet/cache /var/lib/fleet/cache/.agent && "
-                                  "chown 10001:10001 /var/lib/fleet/cache /var/lib/fleet/cache/.agent"]
-    assert prepare["securityContext"]["runAsUser"] == 0
-    assert prepare["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
-    assert ds["runtimeClassName"] == "nvidia"
+    assert prepare["command"] == ["sh", "-c", "mkdir -p /var/lib/fleet/cache && chown 10001:10001 /var/lib/fleet/cache"
+                                  " && if [ -d /var/lib/fleet/cache/.agent ]; then chown 10001:10001 "
+                                  "/var/lib/fleet/cache/.agent; fi"]  # fmt: skip
+    assert prepare["securityContext"]["runAsUser"] == 0   # fsGroup does not apply to a hostPath
+    assert prepare["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert "runtimeClassName" not in ds   # the node's default runtime (the GPU Operator's: NVIDIA's)
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["device-plugins"] == {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins",
                                         "readOnly": True}
@@ -335,9 +340,61 @@ def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings
     assert kinds["DaemonSet"][0]["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert "--annotate-node" not in kinds["DaemonSet"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert len(kinds["ClusterRole"]) == 1
-    # no runtime class where the NVIDIA runtime is the node's default
-    kinds = _by_kind(render(extra=("--set", "agent.enabled=true", "--set", "agent.runtimeClassName=")))
-    assert "runtimeClassName" not in kinds["DaemonSet"][0]["spec"]["template"]["spec"]
+    # a runtime class only where the values ask for one
+    kinds = _by_kind(render(extra=("--set", "agent.runtimeClassName=nvidia")))
+    assert kinds["DaemonSet"][0]["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def test_the_node_agent_runs_on_gpu_nodes_by_default_tolerating_their_taint(tmp_path):
+    """A first install: the agent's DaemonSet is rendered without asking, selects GPU Feature
+    Discovery's GPU nodes, tolerates the GPU taint, names no RuntimeClass; engine pods tolerate
+    the taint too (else the operator counts no tainted GPU node usable); the cache hostPath is
+    made when missing. values-gpu-mig.yaml turns the agent on with the nvidia RuntimeClass; one
+    values line runs it on every node."""
+    import json
+
+    def agent_pod(objs: list[dict]) -> dict:
+        [ds] = _by_kind(objs)["DaemonSet"]
+        return ds["spec"]["template"]["spec"]
+
+    objs = render()
+    for obj in objs:
+        if obj["kind"] == "DaemonSet":
+            for kube in ("1.30.0", "1.37.0"):
+                kubernetes_validate.validate(obj, kube, strict=True)
+    pod = agent_pod(objs)
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"] == [GPU_TOLERATION]
+    assert "runtimeClassName" not in pod and "affinity" not in pod
+    assert {v["name"]: v["hostPath"]["type"] for v in pod["volumes"] if "hostPath" in v} == {
+        "cache": "DirectoryOrCreate", "device-plugins": "DirectoryOrCreate"}
+    op = next(d for d in _by_kind(objs)["Deployment"] if d["metadata"]["name"] == "fleet-operator")
+    env = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+    engine = json.loads(env["FLEET_ENGINE_POD_JSON"])
+    assert engine["tolerations"] == [GPU_TOLERATION] and engine["weightCache"]["hostPath"] == "/var/lib/fleet/cache"
+
+    pod = agent_pod(render(VALUES["gpu-mig"]))
+    assert pod["runtimeClassName"] == "nvidia" and pod["tolerations"] == [GPU_TOLERATION]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+    # every node, as values.yaml says: `{}` would merge with the default selector; null removes it
+    every = tmp_path / "every-node.yaml"
+    every.write_text("agent: {nodeSelector: null, tolerations: [{operator: Exists}]}\n")
+    pod = agent_pod(render([every]))
+    assert "nodeSelector" not in pod and pod["tolerations"] == [{"operator": "Exists"}]
+    merged = tmp_path / "empty-selector.yaml"
+    merged.write_text("agent: {nodeSelector: {}}\n")
+    assert agent_pod(render([merged]))["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}]}}}
+    pinned = tmp_path / "affinity.yaml"
+    pinned.write_text(json.dumps({"agent": {"nodeSelector": None, "affinity": affinity}}))
+    pod = agent_pod(render([pinned]))
+    assert pod["affinity"] == affinity and "nodeSelector" not in pod
+    assert "DaemonSet" not in _by_kind(render(extra=("--set", "agent.enabled=false")))
 
 
 def test_prices_reach_the_operator_as_the_files_json_and_the_schema_wants_their_source(tmp_path):
@@ -386,7 +443,8 @@ def test_engine_pods_get_the_node_cache_fleets_image_and_resource_sizing():
     on = settings("--set", "agent.enabled=true", "--set", "engine.resources.guaranteed=true")
     assert on.weight_cache_path == "/var/lib/fleet/cache" and on.fleet_image.endswith("/fleet:0.1.0")
     assert on.resources.guaranteed and on.resources.cpu_per_gpu == 2
-    assert settings().weight_cache_path == ""
+    assert settings().weight_cache_path == "/var/lib/fleet/cache"   # the agent is on by default
+    assert settings("--set", "agent.enabled=false").weight_cache_path == ""
     assert json.loads(json.dumps(settings("--set", "engine.resources.swapSpaceGiB=8").resources.swap_space_gib)) == 8
 
 
@@ -430,3 +488,25 @@ def test_values_schema_refuses_bad_engine_resources():
         proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), *bad], capture_output=True, text=True,
                               timeout=60)  # fmt: skip
         assert proc.returncode != 0 and field in proc.stderr, proc.stderr
+
+
+NEWEST_KUBE = kubernetes_validate.latest_version()   # the newest schemas kubernetes-validate bundles
+
+
+def test_chart_renders_the_apis_of_the_oldest_and_newest_supported_kubernetes():
+    """The chart's stated range (Chart.yaml ``kubeVersion``) starts at 1.20: rendered for 1.20.2,
+    the router's PodDisruptionBudget is policy/v1beta1 (1.20 has no policy/v1; the real 1.20 API
+    server takes every object: tests/integration/test_real_control_plane.py); rendered for the
+    newest Kubernetes kubernetes-validate knows, it is policy/v1 (v1beta1 is gone since 1.25) and
+    every object validates strictly. The same holds for every example values file."""
+    for name, files in VALUES.items():
+        old = {d["kind"]: d for d in render(files, kube_version="1.20.2")}
+        new = render(files, kube_version=NEWEST_KUBE)
+        assert old["PodDisruptionBudget"]["apiVersion"] == "policy/v1beta1", name
+        assert {d["kind"]: d for d in new}["PodDisruptionBudget"]["apiVersion"] == "policy/v1", name
+        for obj in new:
+            kubernetes_validate.validate(obj, NEWEST_KUBE, strict=True)   # raises ValidationError
+    # a cluster older than the range is refused by Helm itself, naming the range
+    proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), "--kube-version", "1.19.16"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and ">=1.20.0-0" in proc.stderr, proc.stderr

@@ -95,12 +95,22 @@ def test_single_strategy_describes_mig_devices_of_identical_gpus():
 
 @pytest.mark.parametrize("value, domains", [
     ("0-7", (tuple(range(8)),)),
+    ("0-3_4-7", ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ("0.1_2.3", ((0, 1), (2, 3))),
+    ("0.2-3_5", ((0, 2, 3), (5,))),
+    ("none", ()),
+    # the spelling with ';' and ',' (refused by a real API server) reads the same
     ("0-3;4-7", ((0, 1, 2, 3), (4, 5, 6, 7))),
     ("0,1;2,3", ((0, 1), (2, 3))),
-    ("none", ()),
 ])
 def test_parse_nvlink_domains(value, domains):
     assert parse_nvlink_domains(value) == domains
+
+
+@pytest.mark.parametrize("value", ["0-1_", "0..1", "1-0", "0-1-2", "a-b", "0 1"])
+def test_parse_nvlink_domains_refuses_what_is_no_domain_list(value):
+    with pytest.raises(ValueError):
+        parse_nvlink_domains(value)
 
 
 def test_malformed_topology_label_names_node_and_label():

@@ -60,7 +60,9 @@ def test_remote_sources_come_from_the_node_cache_through_an_init_container(sourc
                                "--holder", "$(POD_UID)"]
     assert {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}} in init["env"]
     assert init["securityContext"]["runAsUser"] == 10001 and init["securityContext"]["runAsNonRoot"] is True
-    assert {"name": "weight-cache", "hostPath": {"path": CACHE, "type": "Directory"}} in spec["volumes"]
+    # DirectoryOrCreate: on a node without the agent the pod fails its pull (root-owned directory)
+    # instead of waiting in FailedMount for ever
+    assert {"name": "weight-cache", "hostPath": {"path": CACHE, "type": "DirectoryOrCreate"}} in spec["volumes"]
     assert any(v["name"] == "model" and "emptyDir" in v for v in spec["volumes"])
     # the whole cache root, read-only, at the same path: the entry's relative symlinks into ../../blobs resolve
     assert {"name": "weight-cache", "mountPath": CACHE, "readOnly": True} in engine["volumeMounts"]

@@ -6,6 +6,8 @@ credentials stripped (fleet/sources.py `redact_source`) and the NVLink label's f
 from __future__ import annotations
 
 import json
+import random
+import re
 
 import pytest
 
@@ -41,18 +43,53 @@ def test_redact_source_strips_userinfo_query_and_fragment(source, redacted):
 
 
 @pytest.mark.parametrize("snapshot, label", [
-    (nvswitch_8gpu(), "0-7"), (partial_nvlink_8gpu(), "0-3;4-7"), (nvlink_pairs_4gpu(), "0-1;2-3"),
+    (nvswitch_8gpu(), "0-7"), (partial_nvlink_8gpu(), "0-3_4-7"), (nvlink_pairs_4gpu(), "0-1_2-3"),
     (pcie_4gpu(), "none"),
 ])
 def test_the_nvlink_label_is_written_from_nvml_and_reads_back(snapshot, label):
     domains = node_from_nvml(snapshot, "n").nvlink_domains
     assert format_nvlink_domains(domains) == label
     assert parse_nvlink_domains(label) == domains
+    assert LABEL_VALUE.fullmatch(label)
 
 
 def test_format_nvlink_domains_writes_gaps_as_lists():
-    assert format_nvlink_domains([(0, 2, 3), (5,)]) == "0,2-3;5"
+    assert format_nvlink_domains([(0, 2, 3), (5,)]) == "0.2-3_5"
     assert parse_nvlink_domains(format_nvlink_domains([(0, 2, 3)])) == ((0, 2, 3),)
+
+
+# Kubernetes' label value (apimachinery IsValidLabelValue): at most 63 characters.
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+
+
+def _groupings(n: int, rng: random.Random) -> list[tuple[tuple[int, ...], ...]]:
+    """Ways to put GPUs 0..n-1 in NVLink domains: the longest to write (every other GPU, no
+    runs), one GPU per domain, pairs, all in one, and random partitions."""
+    out = [(tuple(range(0, n, 2)), tuple(range(1, n, 2))), tuple((i,) for i in range(n)),
+           tuple((i, i + 1) for i in range(0, n - 1, 2)), (tuple(range(n)),)]
+    for _ in range(200):
+        labels = [rng.randrange(max(1, n // 2)) for _ in range(n)]
+        out.append(tuple(tuple(i for i in range(n) if labels[i] == d) for d in sorted(set(labels))))
+    return out
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 8, 16])
+def test_every_grouping_of_up_to_16_gpus_is_a_legal_label_value_that_reads_back(gpus):
+    for domains in _groupings(gpus, random.Random(gpus)):
+        value = format_nvlink_domains(domains)
+        assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), value
+        assert parse_nvlink_domains(value) == tuple(sorted(domains)), value
+
+
+def test_a_grouping_too_long_for_a_label_is_refused_and_not_published():
+    every_other = (tuple(range(0, 32, 2)), tuple(range(1, 32, 2)))
+    with pytest.raises(ValueError, match=r"take 85 characters; a label value holds at most 63"):
+        format_nvlink_domains(every_other)
+    facts = node_facts({}, [], {}, [], every_other)
+    assert facts.nvlink_domains is None
+    patch = node_facts_patch(facts) or {"metadata": {}}
+    assert NVLINK_DOMAINS_LABEL not in patch["metadata"].get("labels", {})
+    assert node_facts({}, [], {}, [], (tuple(range(32)),)).nvlink_domains == "0-31"   # one run fits
 
 
 CHECKPOINT = {"Data": {"PodDeviceEntries": [

@@ -7,7 +7,9 @@ installed on these machines (docs/kubernetes.md).
 semantics the operator uses through the official client: list and watch (``?watch=true``:
 JSON lines, bookmarks, an ERROR event with code 410 for a too-old resourceVersion), get,
 create, PUT (409 on a stale resourceVersion), JSON merge patch, the status subresource, delete
-with grace periods and finalizers, pod logs; errors as ``Status`` objects.
+with grace periods and finalizers, pod logs; errors as ``Status`` objects. Labels are checked as
+the real server checks them (fleet/testing/k8s/validation.py): a key or value it refuses is 422
+``Invalid`` naming ``metadata.labels``, in its words; nothing else of an object is validated.
 
 `KubeletStandIn` pulls the images of each pod bound to its nodes first (`fleet.testing.k8s.kubelet.ImagePuller`:
 the image lands in ``Node.status.images``; an unpullable one leaves the pod in ErrImagePull;
@@ -37,13 +39,28 @@ from fleet.testing.k8s.kubelet import ImagePuller, run_pod, terminate_pod
 from fleet.testing.k8s.portmap import WildcardPorts
 from fleet.testing.k8s.rbac import Authorizer, RequestAttributes
 from fleet.testing.k8s.store import _RESOURCES, ObjectStore
+from fleet.testing.k8s.validation import check_labels
 
 _BY_PATH = {(r.group, r.version, r.plural): r for r in _RESOURCES}
 
 
 def _status_body(err: ApiError) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": err.message,
+    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": err.message,
             "reason": err.reason, "code": err.status}  # fmt: skip
+    details = getattr(err, "details", None)   # fleet.testing.k8s.validation.Invalid's field causes
+    return {**body, "details": details} if details else body
+
+
+def _check_labels(res: Resource, name: str | None, body: object, patch: bool = False) -> None:
+    """Refuse ``body``'s labels as the real server would (422 Invalid); a merge patch's null
+    values delete labels and are not checked. ``name``: None on create (the body's). Raises ApiError."""
+    meta = body.get("metadata") if isinstance(body, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    labels = meta.get("labels")
+    name = str(meta.get("name") or "") if name is None else name
+    if patch and isinstance(labels, dict):
+        labels = {k: v for k, v in labels.items() if v is not None}
+    check_labels(res.kind, res.group, name, labels)
 
 
 class APIServerStandIn:
@@ -128,7 +145,9 @@ class APIServerStandIn:
                 return web.json_response({"kind": f"{res.kind}List", "apiVersion": res.api_version,
                                           "metadata": {"resourceVersion": rv}, "items": items})  # fmt: skip
             if request.method == "POST":
-                return web.json_response(self.store.create(res, ns, await request.json()), status=201)
+                body = await request.json()
+                _check_labels(res, None, body)
+                return web.json_response(self.store.create(res, ns, body), status=201)
             raise ApiError(405, "MethodNotAllowed", request.method)
         except ApiError as err:
             return web.json_response(_status_body(err), status=err.status)
@@ -146,13 +165,16 @@ class APIServerStandIn:
             if request.method == "GET":
                 return web.json_response(self.store.get(res, ns, name))
             if request.method == "PUT":
-                return web.json_response(self.store.replace(res, ns, name, await request.json()))
+                body = await request.json()
+                _check_labels(res, name, body)
+                return web.json_response(self.store.replace(res, ns, name, body))
             if request.method == "PATCH":
                 if "merge-patch" not in request.content_type:
                     raise ApiError(415, "UnsupportedMediaType", f"{request.content_type}: use merge-patch+json")
                 body = await request.json()
                 if sub == "status":
                     return web.json_response(self.store.patch_status(res, ns, name, body))
+                _check_labels(res, name, body, patch=True)
                 return web.json_response(self.store.patch(res, ns, name, body))
             if request.method == "DELETE":
                 body = await request.json() if request.can_read_body else {}

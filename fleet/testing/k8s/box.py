@@ -16,8 +16,9 @@ STAND-IN for a Kubernetes cluster (none can run on the project's machines: docs/
 
 `NODE_SHAPES` is the box's shape: a CPU node, an 8xH100 SXM node (NVSwitch: one NVLink domain), a node
 of four H100 NVL cards in two NVLink-bridged pairs joined by PCIe, and an H100 cut into MIG
-instances. Node objects carry the labels NVIDIA GPU Feature Discovery writes and the capacity
-the device plugin advertises, and nothing Fleet's node agent publishes (the agent must).
+instances. Node objects carry the labels NVIDIA GPU Feature Discovery writes, the capacity the
+device plugin advertises and, on GPU nodes, the ``nvidia.com/gpu`` NoSchedule taint of GPU node
+pools; nothing Fleet's node agent publishes (the agent must).
 
 `helm_install(values)` renders the chart (``helm template``) and creates every object as an
 admin would (``kubectl apply``); `helm_uninstall` deletes them (the CRD stays, as its
@@ -117,8 +118,9 @@ def _node_object(shape: NodeShape, plugin: DevicePlugin | None) -> dict:
             capacity[res] = str(len(ids))
             if res.startswith("nvidia.com/mig-"):
                 labels[f"{res}.count"] = str(len(ids))
+    taints = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}] if shape.snapshot else []
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": shape.name, "labels": labels},
-            "spec": {}, "status": {"capacity": dict(capacity), "allocatable": dict(capacity),
+            "spec": {"taints": taints}, "status": {"capacity": dict(capacity), "allocatable": dict(capacity),
                                    "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
 
 

@@ -281,7 +281,10 @@ class PodConfig:
             env["NVIDIA_VISIBLE_DEVICES"] = ",".join(ids)
         elif gpu:
             raise ConfigError(f"node {self.node.name} has no {', '.join(gpu)}")
-        gpu_runtime = bool(gpu) or self.pod["spec"].get("runtimeClassName") == "nvidia"
+        # The NVIDIA runtime: asked for by name, or the GPU node's default (the GPU Operator makes it
+        # containerd's default_runtime_name), which reads the container's NVIDIA_VISIBLE_DEVICES.
+        runtime = self.pod["spec"].get("runtimeClassName")
+        gpu_runtime = bool(gpu) or runtime == "nvidia" or (not runtime and "NVIDIA_VISIBLE_DEVICES" in env)
         if gpu_runtime and self.node.nvml_state is not None:
             base_env["PYTHONPATH"] = f"{NVML_DRIVER}:{REPO}"
             base_env["FLEET_FAKE_NVML"] = "/run/fleet-fake-nvml/state.json"

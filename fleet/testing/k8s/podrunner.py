@@ -30,8 +30,10 @@ What it honours, as a kubelet does:
 - resources: requests and limits are recorded per node (``requested``); extended resources
   ``nvidia.com/gpu`` and ``nvidia.com/mig-*`` are allocated by the node's device plugin
   (`fleet.testing.k8s.deviceplugin.DevicePlugin`), which sets NVIDIA_VISIBLE_DEVICES; a container
-  with devices, or a pod of runtime class ``nvidia``, also gets the node's fake NVML (the NVIDIA
-  container runtime's part: `fleet/testing/nvml_driver` on PYTHONPATH, FLEET_FAKE_NVML);
+  with devices, of a pod of runtime class ``nvidia``, or with NVIDIA_VISIBLE_DEVICES and no runtime
+  class (a GPU node's default runtime is NVIDIA's, as the GPU Operator sets it) also gets the
+  node's fake NVML (the NVIDIA container runtime's part: `fleet/testing/nvml_driver` on
+  PYTHONPATH, FLEET_FAKE_NVML);
 - deletion: SIGTERM, SIGKILL after the grace period, devices released, the pod removed.
 
 Deviations, because there is no pod network: each pod gets its own loopback address
