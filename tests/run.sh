@@ -19,40 +19,34 @@ cd "$repo"
 if [ "$#" -eq 0 ]; then
   set -- tests/unit tests/integration tests/e2e   # in this order (pytest keeps it)
 fi
-# The real apiextensions-apiserver of tests/integration/test_crd_real_apiserver.py: built once
-# into ~/.cache/fleet/apiext (Debian unstable's Go sources; ~6.5 min on 2 busy cores), then found in a
-# second. Bounded: past FLEET_APIEXT_BUILD_S (default 420) the layer is skipped this run and the
-# next run goes on from the Go build cache; a failed build is remembered for 6 h. Never fails the run.
+# The real Kubernetes layers of the integration tier, each built once into ~/.cache/fleet/NAME and
+# then found in a second (fleet/testing/k8s/buildcache.py): the apiextensions-apiserver of
+# test_crd_real_apiserver.py (Debian unstable's Go sources; ~6.5 min on 2 busy cores) and the
+# Kubernetes 1.20.2 control plane of test_real_control_plane.py and test_node_labels_real_apiserver.py
+# (Debian bookworm's kubernetes source, apt as root for a deb-src entry and the build dependencies;
+# ~7 min with a cold Go cache). Each is bounded (FLEET_APIEXT_BUILD_S, default 420;
+# FLEET_KUBE_BUILD_S, default 600): past it the layer skips this run and the next run goes on from
+# the Go build cache; a failed build is remembered for 6 h. Never fails the run; FLEET_APIEXT=skip
+# and FLEET_KUBE=skip switch a layer off.
+# real_layer MODULE SWITCH BUDGET_S FOUND_PREFIX UNAVAILABLE_VAR: build or find one layer; when it
+# cannot be had, export UNAVAILABLE_VAR with the build's last line (the test files skip saying it).
+real_layer() {
+  local module="$1" switch="$2" budget_s="$3" found="$4" unavailable="$5" line
+  [ "${!switch:-}" = "skip" ] && return 0
+  line="$(timeout "$(( budget_s + 60 ))" "$repo/.venv/bin/python" -m "fleet.testing.k8s.$module" \
+          build --timeout-s "$budget_s" 2>&1 | tail -n 1)" || true
+  echo "==> $line"
+  case "$line" in
+    "$found"*) ;;   # built or found: "apiextensions-apiserver 0.36.4-1 and etcd ...", "kubernetes v1.20.2 ..."
+    *) export "$unavailable=${line:-the build step printed nothing}" ;;
+  esac
+}
 case " $* " in
   *" tests/integration"*|*" tests "*|*test_crd_real_apiserver*)
-    if [ "${FLEET_APIEXT:-}" != "skip" ]; then
-      apiext="$(timeout "$(( ${FLEET_APIEXT_BUILD_S:-420} + 60 ))" "$repo/.venv/bin/python" -m fleet.testing.k8s.apiext \
-                build --timeout-s "${FLEET_APIEXT_BUILD_S:-420}" 2>&1 | tail -n 1)" || true
-      echo "==> $apiext"
-      case "$apiext" in
-        "apiextensions-apiserver "*) ;;   # built or found: "apiextensions-apiserver 0.36.4-1 and etcd ..."
-        *) export FLEET_APIEXT_UNAVAILABLE="${apiext:-the build step printed nothing}" ;;   # the test file skips
-      esac
-    fi
-    ;;
+    real_layer apiext FLEET_APIEXT "${FLEET_APIEXT_BUILD_S:-420}" "apiextensions-apiserver " FLEET_APIEXT_UNAVAILABLE ;;
 esac
-# The real Kubernetes 1.20.2 control plane of tests/integration/test_real_control_plane.py
-# (kube-apiserver, kube-scheduler, kube-controller-manager over etcd): built once into
-# ~/.cache/fleet/kube from Debian bookworm's kubernetes source (apt as root: a deb-src entry and the
-# build dependencies; ~7 min on 2 busy cores with a cold Go cache), then found in a second. Bounded:
-# past FLEET_KUBE_BUILD_S (default 600) the layer is skipped this run and the next run goes on from
-# the Go build cache; a failed build is remembered for 6 h. Never fails the run.
 case " $* " in
-  *" tests/integration"*|*" tests "*|*test_real_control_plane*)
-    if [ "${FLEET_KUBE:-}" != "skip" ]; then
-      kube="$(timeout "$(( ${FLEET_KUBE_BUILD_S:-600} + 60 ))" "$repo/.venv/bin/python" -m fleet.testing.k8s.kube \
-              build --timeout-s "${FLEET_KUBE_BUILD_S:-600}" 2>&1 | tail -n 1)" || true
-      echo "==> $kube"
-      case "$kube" in
-        "kubernetes v"*) ;;   # built or found: "kubernetes v1.20.2 (1.20.5+really1.20.2-...) and etcd ..."
-        *) export FLEET_KUBE_UNAVAILABLE="${kube:-the build step printed nothing}" ;;   # the test file skips
-      esac
-    fi
-    ;;
+  *" tests/integration"*|*" tests "*|*test_real_control_plane*|*test_node_labels_real_apiserver*)
+    real_layer kube FLEET_KUBE "${FLEET_KUBE_BUILD_S:-600}" "kubernetes v" FLEET_KUBE_UNAVAILABLE ;;
 esac
 exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=15 "$@"

@@ -36,7 +36,9 @@ MONITORING = [REPO / "examples" / "kubernetes" / "values-monitoring.yaml"]
 API = ("monitoring.coreos.com/v1",)
 
 
-def _objects(extra: tuple[str, ...] = ("--set", "agent.enabled=true")) -> dict[tuple[str, str], dict]:
+def _objects(extra: tuple[str, ...] = ()) -> dict[tuple[str, str], dict]:
+    """The chart's objects with the monitoring values (the node agent on: the default) and ``extra``
+    arguments to ``helm template``, by (kind, name)."""
     return {(o["kind"], o["metadata"]["name"]): o for o in render(MONITORING, api_versions=API, extra=extra)}
 
 
@@ -108,7 +110,7 @@ def test_the_service_monitor_and_the_node_agent_pod_monitor_set_fleets_jobs() ->
     assert container["args"][0] == "node-agent" and "--metrics-port=9402" in container["args"]
     assert "--node-name=$(NODE_NAME)" in container["args"]   # series carry the node's name, not the pod's
     kubernetes_validate.validate(ds, "1.30.0", strict=True)
-    assert ("PodMonitor", "fleet-node-agent") not in _objects(extra=())   # no agent, no monitor
+    assert ("PodMonitor", "fleet-node-agent") not in _objects(extra=("--set", "agent.enabled=false"))   # no agent, no monitor
 
 
 def test_the_dashboards_config_map_ships_the_generated_dashboard() -> None:

@@ -14,7 +14,6 @@ Skips, saying why, where the control plane is not built (`tests/run.sh` builds i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import aiohttp
@@ -26,29 +25,17 @@ from fleet.k8s.client import NODES, ApiError
 from fleet.k8s.node_facts import NVLINK_DOMAINS_LABEL, NodeFactsPublisher, node_facts
 from fleet.testing.fake_nvml import nvlink_pairs_4gpu
 from fleet.testing.k8s.apiserver import APIServerStandIn
-from fleet.testing.k8s.kube import RealControlPlane, Unavailable, built
+from fleet.testing.k8s.kube import BUILD_TIMEOUT_S, RealControlPlane
 from fleet.testing.k8s.nodes import node
+from tests.support.real_kube import control_plane as start_control_plane
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + 300)   # the first test may build the control plane
 NODE = "gpu-pairs"
 
 
 @pytest.fixture(scope="module")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealControlPlane]:
-    if os.environ.get("FLEET_KUBE") == "skip":
-        pytest.skip("FLEET_KUBE=skip: the real control plane layer is switched off")
-    binaries = built()
-    if binaries is None:
-        pytest.skip("no real Kubernetes control plane built here "
-                    "(tests/run.sh builds it: python -m fleet.testing.k8s.kube build)")
-    try:
-        plane = RealControlPlane(binaries, tmp_path_factory.mktemp("kube")).__enter__()
-    except Unavailable as err:
-        pytest.skip(f"the real Kubernetes control plane did not start: {err}")
-    try:
-        yield plane
-    finally:
-        plane.__exit__(None, None, None)
+    yield from start_control_plane(tmp_path_factory.mktemp("kube"))
 
 
 REFUSED = [

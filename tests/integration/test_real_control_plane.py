@@ -19,7 +19,6 @@ builds it (minutes). ``FLEET_KUBE=skip`` switches the layer off.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,10 +26,11 @@ import pytest
 
 from fleet.k8s.client import CRDS, NODES, PODS, ApiError, KubeClient
 from fleet.testing.k8s.hollow import HollowNodes
-from fleet.testing.k8s.kube import BUILD_TIMEOUT_S, RealControlPlane, Unavailable, build, built
+from fleet.testing.k8s.kube import BUILD_TIMEOUT_S, RealControlPlane
 from fleet.testing.k8s.nodes import node
 from fleet.testing.k8s.resources import DEPLOYMENTS, SERVICE_ACCOUNTS
 from tests.support.helm import CHART, helm, helm_binary
+from tests.support.real_kube import control_plane as start_control_plane
 from tests.support.waits import async_wait_until
 from tests.unit.test_k8s_chart import VALUES
 
@@ -51,22 +51,7 @@ def _in_own_loop(coro):
 
 @pytest.fixture(scope="module")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealControlPlane]:
-    if os.environ.get("FLEET_KUBE") == "skip":
-        pytest.skip("FLEET_KUBE=skip: the real control plane layer is switched off")
-    if (said := os.environ.get("FLEET_KUBE_UNAVAILABLE")) and built() is None:
-        pytest.skip(f"no real Kubernetes control plane here (tests/run.sh's build step: {said})")
-    try:
-        binaries = build()
-    except Unavailable as err:
-        pytest.skip(f"no real Kubernetes control plane here: {err}")
-    try:
-        plane = RealControlPlane(binaries, tmp_path_factory.mktemp("kube"), nodes=(CPU_NODE, GPU_NODE)).__enter__()
-    except Unavailable as err:
-        pytest.skip(f"the real Kubernetes control plane did not start: {err}")
-    try:
-        yield plane
-    finally:
-        plane.__exit__(None, None, None)
+    yield from start_control_plane(tmp_path_factory.mktemp("kube"), nodes=(CPU_NODE, GPU_NODE))
 
 
 @pytest.fixture(scope="module")

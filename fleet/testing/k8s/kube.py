@@ -25,8 +25,9 @@ Where the binaries come from (no registry ships ``kube-apiserver``; docs/kuberne
   ``.Capabilities.KubeVersion`` there); about 6-7 minutes on 2 cores with a cold Go cache;
 - etcd: Debian's ``etcd-server`` (3.4), copied beside them.
 A step that fails raises `Unavailable` with the step and the tail of its output, remembered for
-`FAILURE_TTL_S` (``FLEET_KUBE_RETRY=1`` retries at once). A build that runs out of time
-(`OutOfTime`) is not remembered: the next one goes on with what the Go build cache kept.
+six hours (``FLEET_KUBE_RETRY=1`` retries at once; fleet/testing/k8s/buildcache.py, shared with
+apiext.py). A build that runs out of time (`OutOfTime`) is not remembered: the next one goes on
+with what the Go build cache kept.
 
 The cache: ``$FLEET_KUBE_CACHE``, else ``$XDG_CACHE_HOME/fleet/kube``, else ``~/.cache/fleet/kube``;
 one directory per Debian source version, of which only ``bin/`` (the five binaries, etcd and
@@ -36,7 +37,6 @@ them until a build succeeds.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -52,7 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet.k8s.client import KubeClient, Resource
-from fleet.testing.k8s.apiext import KEYRING, _debian_mirror, _free_port, _http_ok, _run_group
+from fleet.testing.k8s.buildcache import (KEYRING, OutOfTime, Unavailable, build_once, debian_mirror, free_port,
+                                           http_ok, run_step)
 
 SOURCE_PACKAGE = "kubernetes"
 SUITE = "bookworm"
@@ -62,17 +63,8 @@ REFLECT2 = Path("/usr/share/gocode/src/github.com/modern-go/reflect2")
 COMMANDS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubelet", "kube-proxy")
 SRC_SOURCES = Path("/etc/apt/sources.list.d/debian-src.sources")
 BUILD_TIMEOUT_S = 900.0
-FAILURE_TTL_S = 6 * 3600.0
 
 
-class Unavailable(Exception):
-    """The real control plane cannot be built or run here; ``str(err)`` says why, in one line
-    (the step that failed and the tail of its output)."""
-
-
-class OutOfTime(Unavailable):
-    """The build's time budget ran out. Not remembered as a failure: the Go build cache keeps
-    what was compiled, so the next build goes on from there."""
 
 
 @dataclass(frozen=True)
@@ -108,62 +100,10 @@ def build(cache: Path | None = None, timeout_s: float = BUILD_TIMEOUT_S) -> Bina
     """The binaries, built into ``cache`` (default `cache_dir`) unless an earlier build left
     them there. Every step runs under what is left of ``timeout_s``; a concurrent build of the
     same cache is waited for (file lock). Raises `Unavailable` saying which step failed and why."""
-    cache = cache or cache_dir()
-    if (found := built(cache)) is not None:
-        return found
-    _raise_recent_failure(cache)
-    cache.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    with open(cache / ".lock", "w") as lock:
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise Unavailable(f"another build of {cache} held its lock for {timeout_s:.0f} s") from None
-                time.sleep(1.0)
-        if (found := built(cache)) is not None:   # built while we waited
-            return found
-        _raise_recent_failure(cache)
-        try:
-            return _build(cache, deadline)
-        except OutOfTime:
-            raise
-        except Unavailable as err:
-            (cache / "unavailable.json").write_text(json.dumps({"reason": str(err), "at_s": time.time()}))
-            raise
-        finally:
-            for tree in cache.glob("*/work"):   # the unpacked tree and its GOPATH (1 GB)
-                shutil.rmtree(tree, ignore_errors=True)
+    return build_once(cache or cache_dir(), timeout_s, found=built, make=lambda c, d: _build(c, d),
+                      retry_env="FLEET_KUBE_RETRY", scratch=lambda cache: cache.glob("*/work"))
 
 
-def _raise_recent_failure(cache: Path) -> None:
-    marker = cache / "unavailable.json"
-    if not marker.exists() or os.environ.get("FLEET_KUBE_RETRY") == "1":
-        return
-    failure = json.loads(marker.read_text())
-    age_s = time.time() - failure["at_s"]
-    if age_s < FAILURE_TTL_S:
-        raise Unavailable(f"{failure['reason']} (a build {age_s / 60:.0f} min ago; FLEET_KUBE_RETRY=1 tries again)")
-
-
-def _run(step: str, cmd: list[str], deadline: float, **kw) -> str:
-    """Run ``cmd`` under what is left before ``deadline``; its stdout. Raises `Unavailable`
-    naming ``step`` on failure or a missing program, `OutOfTime` when the time runs out."""
-    left_s = deadline - time.monotonic()
-    if left_s <= 0:
-        raise OutOfTime(f"{step}: no time left of the build's budget")
-    try:
-        proc = _run_group(cmd, left_s, **kw)
-    except subprocess.TimeoutExpired:
-        raise OutOfTime(f"{step}: the build's time budget ran out during this step") from None
-    except FileNotFoundError as err:
-        raise Unavailable(f"{step}: {err.filename} not found") from None
-    if proc.returncode != 0:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
-        raise Unavailable(f"{step}: exit {proc.returncode}: {tail}")
-    return proc.stdout
 
 
 def upstream_version(debian_version: str) -> str:
@@ -209,7 +149,7 @@ def _source_version(deadline: float) -> str:
     and refreshing apt's lists when apt does not know the source yet."""
     def lookup() -> str | None:
         try:
-            uris = _run("apt-get source --print-uris", ["apt-get", "source", "--print-uris", "-qq",
+            uris = run_step("apt-get source --print-uris", ["apt-get", "source", "--print-uris", "-qq",
                                                          f"{SOURCE_PACKAGE}/{SUITE}"], deadline)  # fmt: skip
         except OutOfTime:
             raise
@@ -223,9 +163,9 @@ def _source_version(deadline: float) -> str:
     if not _has_deb_src():
         if os.geteuid() != 0:
             raise Unavailable(f"apt has no deb-src entry for {SUITE} and adding one needs root")
-        SRC_SOURCES.write_text(f"Types: deb-src\nURIs: {_debian_mirror()}\nSuites: {SUITE}\nComponents: main\n"
+        SRC_SOURCES.write_text(f"Types: deb-src\nURIs: {debian_mirror()}\nSuites: {SUITE}\nComponents: main\n"
                                f"Signed-By: {KEYRING}\n")  # fmt: skip
-    _run("apt-get update", ["apt-get", "update", "-qq"], deadline)
+    run_step("apt-get update", ["apt-get", "update", "-qq"], deadline)
     if (version := lookup()) is None:
         raise Unavailable(f"apt-get source: no {SOURCE_PACKAGE} source package in Debian {SUITE}")
     return version
@@ -247,12 +187,12 @@ def _install_build_depends(deadline: float) -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     cmd = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]
     try:
-        _run("apt-get install", cmd, deadline, env=env)
+        run_step("apt-get install", cmd, deadline, env=env)
     except OutOfTime:
         raise
     except Unavailable:
-        _run("apt-get update", ["apt-get", "update", "-qq"], deadline)
-        _run("apt-get install", cmd, deadline, env=env)
+        run_step("apt-get update", ["apt-get", "update", "-qq"], deadline)
+        run_step("apt-get install", cmd, deadline, env=env)
 
 
 def _build(cache: Path, deadline: float) -> Binaries:
@@ -271,7 +211,7 @@ def _build(cache: Path, deadline: float) -> Binaries:
     src.mkdir(parents=True, exist_ok=True)
     dsc = src / f"{SOURCE_PACKAGE}_{debian_version}.dsc"
     if not dsc.exists():
-        _run("apt-get source --download-only", ["apt-get", "source", "--download-only", "-qq",
+        run_step("apt-get source --download-only", ["apt-get", "source", "--download-only", "-qq",
                                                 f"{SOURCE_PACKAGE}/{SUITE}"], deadline, cwd=src)  # fmt: skip
     timed("fetch", t0)
 
@@ -280,7 +220,7 @@ def _build(cache: Path, deadline: float) -> Binaries:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     tree = work / "kubernetes"
-    _run("dpkg-source -x", ["dpkg-source", "--no-check", "-x", str(dsc), str(tree)], deadline, cwd=work)
+    run_step("dpkg-source -x", ["dpkg-source", "--no-check", "-x", str(dsc), str(tree)], deadline, cwd=work)
     reflect2 = tree / "vendor" / "github.com" / "modern-go" / "reflect2"
     gopath = work / "gopath"
     try:
@@ -296,7 +236,7 @@ def _build(cache: Path, deadline: float) -> Binaries:
     env = {"PATH": f"{GO.parent}:/usr/bin:/bin", "HOME": str(work), "GOPATH": str(gopath), "GO111MODULE": "off",
            "CGO_ENABLED": "0", "GOCACHE": str(cache / "gocache"), "GOFLAGS": "", "GOTOOLCHAIN": "local"}  # fmt: skip
     t0 = time.monotonic()
-    _run("make gen_openapi", ["make", "gen_openapi"], deadline, cwd=tree, env=env)
+    run_step("make gen_openapi", ["make", "gen_openapi"], deadline, cwd=tree, env=env)
     timed("gen_openapi", t0)
 
     t0 = time.monotonic()
@@ -304,7 +244,7 @@ def _build(cache: Path, deadline: float) -> Binaries:
     partial = home / "bin.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
-    _run(f"go build {' '.join(COMMANDS)}", [
+    run_step(f"go build {' '.join(COMMANDS)}", [
         str(GO), "build", "-trimpath", "-ldflags", f"-s -w {version_ldflags(version)}", "-o", f"{partial}/",
         *(f"k8s.io/kubernetes/cmd/{c}" for c in COMMANDS)], deadline, env=env)  # fmt: skip
     timed("compile", t0)
@@ -312,12 +252,12 @@ def _build(cache: Path, deadline: float) -> Binaries:
         shutil.copy2("/usr/bin/etcd", partial / "etcd")
     except OSError as err:
         raise Unavailable(f"etcd: {err}") from None
-    stamped = _run("kube-apiserver --version", [str(partial / "kube-apiserver"), "--version"], deadline).strip()
+    stamped = run_step("kube-apiserver --version", [str(partial / "kube-apiserver"), "--version"], deadline).strip()
     if not stamped.endswith(version):
         raise Unavailable(f"version ldflags: kube-apiserver --version says {stamped!r}, not {version}")
-    etcd_version = _run("etcd --version", [str(partial / "etcd"), "--version"], deadline).splitlines()[0]
+    etcd_version = run_step("etcd --version", [str(partial / "etcd"), "--version"], deadline).splitlines()[0]
     info = {"kubernetes": version, "debian_source": debian_version, "suite": SUITE,
-            "go": _run("go version", [str(GO), "version"], deadline).strip(), "etcd": etcd_version,
+            "go": run_step("go version", [str(GO), "version"], deadline).strip(), "etcd": etcd_version,
             "build_s": round(time.monotonic() - started, 1), "steps_s": timings,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     (partial / "build.json").write_text(json.dumps(info, indent=1) + "\n")
@@ -506,7 +446,7 @@ class RealControlPlane:
     def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.start_timeout_s
-        client_port, peer_port, secure_port = _free_port(), _free_port(), _free_port()
+        client_port, peer_port, secure_port = free_port(), free_port(), free_port()
         self.url = f"https://127.0.0.1:{secure_port}"
         self._write_credentials()
         etcd_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
@@ -516,7 +456,7 @@ class RealControlPlane:
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"fleet-test={peer_url}", "--unsafe-no-fsync", "--log-level", "warn",
         ])  # fmt: skip
-        self._wait("etcd", lambda: _http_ok(f"{etcd_url}/health"), deadline)
+        self._wait("etcd", lambda: http_ok(f"{etcd_url}/health"), deadline)
         w = self.workdir
         self._spawn("kube-apiserver", [
             str(self.binaries["kube-apiserver"]), "--etcd-servers", etcd_url,
@@ -528,7 +468,7 @@ class RealControlPlane:
             "--enable-admission-plugins", ",".join(ADMISSION_PLUGINS), "--allow-privileged=true",
             "--profiling=false",
         ])  # fmt: skip
-        self._wait("kube-apiserver", lambda: self.ca_file.exists() and _http_ok(
+        self._wait("kube-apiserver", lambda: self.ca_file.exists() and http_ok(
             f"{self.url}/readyz", ca_file=self.ca_file, token=self.tokens["admin"]), deadline)  # fmt: skip
         self._spawn("kube-scheduler", [
             str(self.binaries["kube-scheduler"]), "--kubeconfig", str(w / "kube-scheduler.kubeconfig"),
