@@ -18,7 +18,8 @@ their structural schema, the immutable fields an update must carry), the CRD's u
 controllers (Deployment -> ReplicaSet on a new pod template, the DaemonSet controller, the
 garbage collector after the uninstall). Stand-ins: ``helm install/upgrade/uninstall`` (the
 test applies the rendered manifests as Helm's client-side apply does: tests/support/
-helm_release.py); the nodes are HOLLOW (fleet/testing/k8s/hollow.py) and no kubelet runs, so
+helm_release.py), since the real Helm refuses the previous chart on 1.20 (the real Helm's install,
+upgrade and uninstall of today's chart on the same control plane: test_helm_real.py); the nodes are HOLLOW (fleet/testing/k8s/hollow.py) and no kubelet runs, so
 pods stay Pending and nothing serves.
 
 Tests read the state one module fixture leaves after install and upgrade, in file order; the

@@ -335,9 +335,8 @@ class RealControlPlane:
                     proc.kill()
                     proc.wait(timeout=10)
         self._procs.clear()
-        for secret in ("etcd", "certs", "tokens.csv", "sa.key", "sa.pub", "kube-scheduler.kubeconfig",
-                       "kube-controller-manager.kubeconfig"):  # fmt: skip
-            path = self.workdir / secret
+        for path in (*(self.workdir / s for s in ("etcd", "certs", "tokens.csv", "sa.key", "sa.pub")),
+                     *self.workdir.glob("*.kubeconfig")):  # fmt: skip
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
     # ----- reading it -----------------------------------------------------------------------------
@@ -391,6 +390,20 @@ class RealControlPlane:
             cfg.api_key_prefix = {"authorization": "Bearer"}
         return KubeClient(client.ApiClient(cfg))
 
+    def kubeconfig(self, user: str = "admin", path: Path | None = None) -> Path:
+        """Write a kubeconfig for ``user`` (a key of ``self.tokens``: ``"admin"`` by default) to
+        ``path`` (default ``<workdir>/<user>.kubeconfig``) and return its path: the API server's URL
+        and CA, the user's bearer token. What ``helm`` and ``kubectl`` take as ``--kubeconfig``.
+        Raises KeyError for a user the token file does not hold."""
+        path = path or self.workdir / f"{user.replace(':', '-')}.kubeconfig"
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fleet-test",
+            "clusters": [{"name": "fleet-test", "cluster": {"server": self.url, "certificate-authority": str(self.ca_file)}}],
+            "users": [{"name": user, "user": {"token": self.tokens[user]}}],
+            "contexts": [{"name": "fleet-test", "context": {"cluster": "fleet-test", "user": user}}],
+        }))  # fmt: skip
+        return path
+
     # ----- starting it ----------------------------------------------------------------------------
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
@@ -435,13 +448,7 @@ class RealControlPlane:
             rows.append(f'{token},{user},{user},"{groups}"' if groups else f"{token},{user},{user}")
         (self.workdir / "tokens.csv").write_text("\n".join(rows) + "\n")
         for component in ("kube-scheduler", "kube-controller-manager"):
-            (self.workdir / f"{component}.kubeconfig").write_text(json.dumps({
-                "apiVersion": "v1", "kind": "Config", "current-context": "fleet-test",
-                "clusters": [{"name": "fleet-test", "cluster": {"server": self.url,
-                                                                "certificate-authority": str(self.ca_file)}}],
-                "users": [{"name": component, "user": {"token": self.tokens[f"system:{component}"]}}],
-                "contexts": [{"name": "fleet-test", "context": {"cluster": "fleet-test", "user": component}}],
-            }))  # fmt: skip
+            self.kubeconfig(f"system:{component}", self.workdir / f"{component}.kubeconfig")
 
     def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
