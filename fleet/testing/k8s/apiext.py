@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet.k8s.client import KubeClient
-from fleet.testing.k8s.buildcache import (KEYRING, OutOfTime, Unavailable, build_once, debian_mirror, free_port,
-                                           http_ok, run_group, run_step)
+from fleet.testing.k8s.buildcache import (KEYRING, OutOfTime, Unavailable, build_command, build_once, debian_mirror,
+                                           free_port, http_ok, run_group, run_step)
 
 SOURCE_PACKAGE = "golang-k8s-apiextensions-apiserver-dev"
 IMPORT_PATH = "k8s.io/apiextensions-apiserver"
@@ -428,27 +428,13 @@ class RealApiExtensions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fleet.testing.k8s.apiext build [--timeout-s S]``: build (or find) the binaries
-    and print where they are, or why they cannot be had. Exit 0 either way: a missing layer is a
-    skip, not a failure (``--strict``: exit 1 then)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m fleet.testing.k8s.apiext")
-    parser.add_argument("command", choices=["build"])
-    parser.add_argument("--timeout-s", type=float, default=BUILD_TIMEOUT_S)
-    parser.add_argument("--strict", action="store_true", help="exit 1 when the binaries cannot be had")
-    args = parser.parse_args(argv)
-    started = time.monotonic()
-    try:
-        binaries = build(timeout_s=args.timeout_s)
-    except Unavailable as err:
-        print(f"apiextensions-apiserver: unavailable ({time.monotonic() - started:.0f} s): {err}")
-        return 1 if args.strict else 0
-    info = binaries.info
-    print(f"apiextensions-apiserver {info.get('apiextensions')} and etcd {info.get('etcd')} in "
-          f"{binaries.apiserver.parent} (built in {info.get('build_s')} s {info.get('steps_s')}; "
-          f"found in {time.monotonic() - started:.1f} s)")
-    return 0
+    """``python -m fleet.testing.k8s.apiext build [--timeout-s S] [--strict]``
+    (`fleet.testing.k8s.buildcache.build_command`)."""
+    return build_command(
+        argv, prog="python -m fleet.testing.k8s.apiext", layer="apiextensions-apiserver",
+        build=lambda timeout_s: build(timeout_s=timeout_s), timeout_s=BUILD_TIMEOUT_S, info=lambda b: b.info,
+        describe=lambda b: f"apiextensions-apiserver {b.info.get('apiextensions')} and etcd {b.info.get('etcd')} "
+                           f"in {b.apiserver.parent}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ small helpers their processes need (a free loopback port, an HTTP readiness prob
 Debian mirror).
 
 Owns `Unavailable` and `OutOfTime` (why a layer cannot be had here, in one line), `build_once`,
-`raise_recent_failure`,
+`raise_recent_failure`, `build_command` (the ``python -m ... build`` both layers answer),
 `run_step`, `run_group`, `debian_mirror`, `free_port` and `http_ok`. Used by
 fleet/testing/k8s/apiext.py (the apiextensions-apiserver 0.36 over etcd) and
 fleet/testing/k8s/kube.py (Kubernetes 1.20.2's control plane); each keeps what differs: its
@@ -91,6 +91,32 @@ def build_once(cache: Path, timeout_s: float, *, found: Callable[[Path], T | Non
         finally:
             for tree in scratch(cache):
                 shutil.rmtree(tree, ignore_errors=True)
+
+
+def build_command(argv: list[str] | None, *, prog: str, layer: str, build: Callable[[float], T],
+                  timeout_s: float, describe: Callable[[T], str], info: Callable[[T], dict]) -> int:  # fmt: skip
+    """``python -m PROG build [--timeout-s S] [--strict]``: ``build(timeout_s)`` (or find) a layer
+    and print, as the last line, where it is (``describe(binaries)``, then how long its build took
+    and how long finding it took, from ``info(binaries)``'s ``build_s`` and ``steps_s``) or why it
+    cannot be had (``LAYER: unavailable (N s): reason``). tests/run.sh reads that line. Exit 0
+    either way: a missing layer is a skip, not a failure (``--strict``: exit 1 then)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("command", choices=["build"])
+    parser.add_argument("--timeout-s", type=float, default=timeout_s)
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the binaries cannot be had")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    try:
+        binaries = build(args.timeout_s)
+    except Unavailable as err:
+        print(f"{layer}: unavailable ({time.monotonic() - started:.0f} s): {err}")
+        return 1 if args.strict else 0
+    facts = info(binaries)
+    print(f"{describe(binaries)} (built in {facts.get('build_s')} s {facts.get('steps_s')}; "
+          f"found in {time.monotonic() - started:.1f} s)")
+    return 0
 
 
 def raise_recent_failure(cache: Path, retry_env: str) -> None:

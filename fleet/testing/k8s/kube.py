@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet.k8s.client import KubeClient, Resource
-from fleet.testing.k8s.buildcache import (KEYRING, OutOfTime, Unavailable, build_once, debian_mirror, free_port,
-                                           http_ok, run_step)
+from fleet.testing.k8s.buildcache import (KEYRING, OutOfTime, Unavailable, build_command, build_once, debian_mirror,
+                                           free_port, http_ok, run_step)
 
 SOURCE_PACKAGE = "kubernetes"
 SUITE = "bookworm"
@@ -493,27 +493,13 @@ class RealControlPlane:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fleet.testing.k8s.kube build [--timeout-s S]``: build (or find) the binaries
-    and print where they are, or why they cannot be had, as the last line. Exit 0 either way: a
-    missing layer is a skip, not a failure (``--strict``: exit 1 then)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m fleet.testing.k8s.kube")
-    parser.add_argument("command", choices=["build"])
-    parser.add_argument("--timeout-s", type=float, default=BUILD_TIMEOUT_S)
-    parser.add_argument("--strict", action="store_true", help="exit 1 when the binaries cannot be had")
-    args = parser.parse_args(argv)
-    started = time.monotonic()
-    try:
-        binaries = build(timeout_s=args.timeout_s)
-    except Unavailable as err:
-        print(f"kubernetes control plane: unavailable ({time.monotonic() - started:.0f} s): {err}")
-        return 1 if args.strict else 0
-    info = binaries.info
-    print(f"kubernetes {info.get('kubernetes')} ({info.get('debian_source')}) and {info.get('etcd')} in "
-          f"{binaries.bin_dir} (built in {info.get('build_s')} s {info.get('steps_s')}; "
-          f"found in {time.monotonic() - started:.1f} s)")
-    return 0
+    """``python -m fleet.testing.k8s.kube build [--timeout-s S] [--strict]``
+    (`fleet.testing.k8s.buildcache.build_command`)."""
+    return build_command(
+        argv, prog="python -m fleet.testing.k8s.kube", layer="kubernetes control plane",
+        build=lambda timeout_s: build(timeout_s=timeout_s), timeout_s=BUILD_TIMEOUT_S, info=lambda b: b.info,
+        describe=lambda b: f"kubernetes {b.info.get('kubernetes')} ({b.info.get('debian_source')}) and "
+                           f"{b.info.get('etcd')} in {b.bin_dir}")  # fmt: skip
 
 
 if __name__ == "__main__":
