@@ -41,7 +41,8 @@ from pathlib import Path
 from autoscaler.policy import ReplicaBounds
 from autoscaler.spec import AutoscalingSpec
 from fleet.enginesim.profiles import get_profile
-from fleet.tracesim.engine import SimConfig, Simulation
+from fleet.tracesim.config import SimConfig
+from fleet.tracesim.engine import Simulation
 from fleet.tracesim.results import nearest_rank
 from fleet.tracesim.workload import Workload, jitter_arrivals, replica_capacity_per_s
 from fleet.tracesim.traces import load_trace

@@ -28,7 +28,8 @@ from pathlib import Path
 from autoscaler.policy import ReplicaBounds, ScalingContext, ScalingDecision, ScalingPolicy
 from autoscaler.spec import AutoscalingSpec
 from fleet.enginesim.profiles import Profile, get_profile
-from fleet.tracesim.engine import SimConfig, Simulation
+from fleet.tracesim.config import SimConfig
+from fleet.tracesim.engine import Simulation
 from fleet.tracesim.results import SimResult, nearest_rank
 from fleet.tracesim.traces import load_trace
 from fleet.tracesim.workload import Workload, replica_capacity_per_s

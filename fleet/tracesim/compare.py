@@ -39,7 +39,8 @@ from typing import Any
 from autoscaler.policy import ReplicaBounds
 from autoscaler.spec import AutoscalingSpec, ForecastSpec
 from fleet.enginesim.profiles import Profile, get_profile
-from fleet.tracesim.engine import SimConfig, Simulation
+from fleet.tracesim.config import SimConfig
+from fleet.tracesim.engine import Simulation
 from fleet.tracesim.results import SimResult
 from fleet.tracesim.workload import FleetSizing, Workload
 from fleet.spec import InferenceDeployment

@@ -15,7 +15,8 @@ from fleet.enginesim.cost import StepCost
 from fleet.enginesim.model import EngineConfig
 from fleet.enginesim.profiles import Profile
 from fleet.tracesim.compare import COMPARE, contender
-from fleet.tracesim.engine import SimConfig, Simulation
+from fleet.tracesim.config import SimConfig
+from fleet.tracesim.engine import Simulation
 from fleet.tracesim.results import RequestLog, SimResult, TickRecord
 from fleet.tracesim.workload import (
     FleetSizing,

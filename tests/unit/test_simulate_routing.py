@@ -13,7 +13,8 @@ from autoscaler.spec import AutoscalingSpec
 from fleet.enginesim.cost import StepCost
 from fleet.enginesim.model import EngineConfig
 from fleet.enginesim.profiles import Profile
-from fleet.tracesim.engine import SimConfig, Simulation
+from fleet.tracesim.config import SimConfig
+from fleet.tracesim.engine import Simulation
 from fleet.tracesim.workload import Workload
 from fleet.tracesim.traces import Trace, TraceRequest
 

@@ -11,7 +11,7 @@ from autoscaler.policy import ReplicaBounds
 from autoscaler.spec import AutoscalingSpec
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.tracesim.compare import contender
-from fleet.tracesim.engine import SimConfig
+from fleet.tracesim.config import SimConfig
 from tests.unit.test_simulate import ONE_TO_SIX, config, fleet_spec, simulate
 
 

@@ -54,8 +54,6 @@ SUITE = "unstable"
 BUILD_TIMEOUT_S = 900.0
 
 
-
-
 @dataclass(frozen=True)
 class Binaries:
     """``apiserver`` and ``etcd``: paths of the built executables; ``info``: build.json

@@ -65,8 +65,6 @@ SRC_SOURCES = Path("/etc/apt/sources.list.d/debian-src.sources")
 BUILD_TIMEOUT_S = 900.0
 
 
-
-
 @dataclass(frozen=True)
 class Binaries:
     """``bin_dir``: the directory of `COMMANDS` and ``etcd``; ``info``: its build.json
