@@ -215,7 +215,11 @@ class KubeClient:
             method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"])
         return self.api.call_api(_method, url, header_params=headers, body=body, _request_timeout=timeout_s)
 
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        """One request, BLOCKING the calling thread (what every async method runs in a worker
+        thread): ``path`` from `Resource.path`, ``query`` a list of pairs, ``body`` JSON-able,
+        ``content_type`` (default ``application/json``). Returns the decoded body (None when
+        empty). Raises `ApiError` (or a subclass) on a non-2xx answer."""
         resp = self._send(method, path, **kw)
         data = resp.read()
         if not 200 <= resp.status < 300:
@@ -223,26 +227,31 @@ class KubeClient:
         return json.loads(data) if data else None
 
     async def _call(self, method: str, path: str, **kw: Any) -> Any:
-        return await asyncio.to_thread(self._json, method, path, **kw)
+        return await asyncio.to_thread(self.request, method, path, **kw)
 
     # ----- Kube -------------------------------------------------------------------------------
 
-    async def list(self, res: Resource, namespace: str | None = None,
-                   label_selector: str | None = None) -> tuple[list[dict], str]:  # fmt: skip
-        data = await self._call("GET", res.path(namespace), query=_query(labelSelector=label_selector))
+    async def list(self, res: Resource, namespace: str | None = None, label_selector: str | None = None,
+                   field_selector: str | None = None) -> tuple[list[dict], str]:  # fmt: skip
+        """`Kube.list`; ``field_selector`` as the API takes it (``spec.nodeName=NODE``)."""
+        data = await self._call("GET", res.path(namespace), query=_query(labelSelector=label_selector,
+                                                                         fieldSelector=field_selector))
         kind = res.kind
         items = [{"apiVersion": res.api_version, "kind": kind, **o} for o in data.get("items", [])]
         return items, data.get("metadata", {}).get("resourceVersion", "")
 
     async def watch(self, res: Resource, namespace: str | None, resource_version: str,
-                    label_selector: str | None = None, timeout_s: float = 300.0) -> AsyncIterator[WatchEvent]:  # fmt: skip
+                    label_selector: str | None = None, timeout_s: float = 300.0,
+                    field_selector: str | None = None) -> AsyncIterator[WatchEvent]:  # fmt: skip
+        """`Kube.watch`; ``field_selector`` as in `list`."""
         from kubernetes.watch.watch import iter_resp_lines
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
         query = _query(watch=True, allowWatchBookmarks=True, resourceVersion=resource_version,
-                       labelSelector=label_selector, timeoutSeconds=int(timeout_s))  # fmt: skip
+                       labelSelector=label_selector, fieldSelector=field_selector,
+                       timeoutSeconds=int(timeout_s))  # fmt: skip
 
         def hand(item: object) -> None:
             with contextlib.suppress(RuntimeError):   # the consumer's loop closed before the watch ended

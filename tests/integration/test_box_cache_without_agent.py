@@ -25,6 +25,7 @@ from fleet.k8s.pods import pod_manifest
 from fleet.testing.k8s.kubelet import ImagePuller
 from fleet.testing.k8s.nodes import node
 from fleet.testing.k8s.podconfig import BoxNode
+from fleet.testing.k8s.kubelet_api import StoreKubeletApi
 from fleet.testing.k8s.podrunner import BoxKubelet
 from fleet.testing.k8s.store import ObjectStore
 from tests.integration.test_cluster_box import _can_run_containers
@@ -44,7 +45,7 @@ async def test_an_engine_pod_on_a_node_without_the_agent_fails_its_pull_instead_
     store.create(NODES, None, node("cpu-1", cpu=8, images=[IMAGE]))
     root = tmp_path / "nodes" / "cpu-1"
     root.mkdir(parents=True)
-    kubelet = BoxKubelet(store, {"cpu-1": BoxNode("cpu-1", root)}, tmp_path, token_for=lambda ns, sa: "",
+    kubelet = BoxKubelet(StoreKubeletApi(store), {"cpu-1": BoxNode("cpu-1", root)}, tmp_path, token_for=lambda ns, sa: "",
                          ca_pem=b"", api_port=1, puller=ImagePuller())  # fmt: skip
     settings = EnginePodSettings(default_image=IMAGE, weight_cache_path=CACHE, fleet_image=IMAGE)
     want = _want(_dep(model={"name": "tiny", "source": "hf://org/tiny@v2"}), node_name="cpu-1")

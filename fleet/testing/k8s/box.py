@@ -41,12 +41,13 @@ from typing import Any
 import yaml
 
 from fleet.inventory.gfd import image_aliases
-from fleet.k8s.client import CRDS, NODES, ApiError, KubeClient
+from fleet.k8s.client import CRDS, NODES, ApiError, KubeClient, Resource
 from fleet.testing.fake_nvml import inject_xid, write_state
 from fleet.testing.k8s.apiserver import APIServerStandIn
 from fleet.testing.k8s.deviceplugin import DevicePlugin
 from fleet.testing.k8s.kubelet import ImagePuller
 from fleet.testing.k8s.podconfig import REPO, BoxNode
+from fleet.testing.k8s.kubelet_api import StoreKubeletApi
 from fleet.testing.k8s.podrunner import BoxKubelet
 from fleet.testing.k8s.rbac import ADMIN, Authorizer
 from fleet.testing.k8s.resources import by_kind
@@ -105,7 +106,21 @@ NODE_SHAPES = (
 )
 
 
-def _node_object(shape: NodeShape, plugin: DevicePlugin | None) -> dict:
+def prepare_node(shape: NodeShape, root: Path) -> BoxNode:
+    """Node ``shape``'s machine under ``root``: on a GPU shape, its fake NVML state file (what the
+    node's ``pynvml`` stand-in reads) and its device plugin."""
+    root.mkdir(parents=True, exist_ok=True)
+    node = BoxNode(shape.name, root)
+    if shape.snapshot is not None:
+        node.nvml_state = root / "run" / "nvidia" / "state.json"
+        node.nvml_state.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(node.nvml_state.parent, 0o755)
+        write_state(node.nvml_state, copy.deepcopy(shape.snapshot))
+        node.plugin = DevicePlugin(shape.name, node.nvml_state, root)
+    return node
+
+
+def node_object(shape: NodeShape, plugin: DevicePlugin | None) -> dict:
     """The Node as the kubelet registers it and GPU Feature Discovery labels it."""
     labels = {"kubernetes.io/hostname": shape.name, "kubernetes.io/os": "linux"}
     capacity = {"cpu": str(shape.cpu), "memory": "256Gi", "pods": "110"}
@@ -187,16 +202,10 @@ class ClusterInABox:
         for shape in NODE_SHAPES:
             root = self.work / "nodes" / shape.name
             root.mkdir(parents=True, exist_ok=True)
-            node = BoxNode(shape.name, root)
-            if shape.snapshot is not None:
-                node.nvml_state = root / "run" / "nvidia" / "state.json"
-                node.nvml_state.parent.mkdir(parents=True, exist_ok=True)
-                os.chmod(node.nvml_state.parent, 0o755)
-                write_state(node.nvml_state, copy.deepcopy(shape.snapshot))
-                node.plugin = DevicePlugin(shape.name, node.nvml_state, root)
+            node = prepare_node(shape, root)
             self.nodes[shape.name] = node
-            self.store.create(NODES, None, _node_object(shape, node.plugin))
-        self.kubelet = BoxKubelet(self.store, self.nodes, self.work, token_for=self.authorizer.service_account_token,
+            self.store.create(NODES, None, node_object(shape, node.plugin))
+        self.kubelet = BoxKubelet(StoreKubeletApi(self.store), self.nodes, self.work, token_for=self.authorizer.service_account_token,
                                   ca_pem=ca_pem, api_port=self.api.port, puller=ImagePuller())  # fmt: skip
         self.kubelet.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self.workloads.run(self._stop)))
@@ -276,6 +285,29 @@ class ClusterInABox:
         self.rendered = docs
         return docs
 
+    def helm_upgrade(self, values: dict, namespace: str = "fleet", release: str = "fleet") -> list[dict]:
+        """Render with ``values`` and apply, as ``helm upgrade`` does: changed objects replaced,
+        new ones created, those the new rendering drops deleted (unless kept). Raises ApiError."""
+        docs = self.render(values, namespace, release)
+        new = {(d["kind"], d["metadata"]["name"]) for d in docs}
+        for doc in docs:
+            res = by_kind(doc["apiVersion"], doc["kind"])
+            ns = namespace if res.namespaced else None
+            try:
+                self.store.get(res, ns, doc["metadata"]["name"])
+            except ApiError:
+                self.store.create(res, ns, doc)
+                continue
+            if res is not CRDS:
+                self.store.replace(res, ns, doc["metadata"]["name"], doc)
+        for doc in self.rendered:
+            keep = (doc["metadata"].get("annotations") or {}).get("helm.sh/resource-policy") == "keep"
+            if (doc["kind"], doc["metadata"]["name"]) not in new and not keep:
+                res = by_kind(doc["apiVersion"], doc["kind"])
+                self.store.delete(res, namespace if res.namespaced else None, doc["metadata"]["name"])
+        self.rendered = docs
+        return docs
+
     def helm_uninstall(self, namespace: str = "fleet") -> None:
         """Delete what `helm_install` created, except objects marked ``helm.sh/resource-policy: keep``."""
         for doc in reversed(self.rendered):
@@ -286,6 +318,21 @@ class ClusterInABox:
                 self.store.delete(res, namespace if res.namespaced else None, doc["metadata"]["name"])
             except ApiError:
                 pass
+
+    # ----- reading it (the surface tests/support/journey.py uses on both clusters) ---------------
+
+    def list(self, res: Resource, namespace: str | None, selector: str | None = None) -> tuple[list[dict], str]:
+        """Objects and the list's resourceVersion."""
+        return self.store.list(res, namespace, selector)
+
+    def get(self, res: Resource, namespace: str | None, name: str) -> dict:
+        """One object. Raises NotFound."""
+        return self.store.get(res, namespace, name)
+
+    def leftovers(self, namespace: str) -> list[str]:
+        """``plural/name`` of every object left but Nodes, Events, CRDs and Leases."""
+        return sorted(f"{plural}/{name}" for plural, _ns, name in self.store.objects
+                      if plural not in ("nodes", "events", "customresourcedefinitions", "leases"))  # fmt: skip
 
     # ----- faults -------------------------------------------------------------------------------
 

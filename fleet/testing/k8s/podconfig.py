@@ -25,7 +25,7 @@ from fleet.k8s.client import ApiError
 from fleet.testing.k8s.deviceplugin import DevicePlugin
 from fleet.testing.k8s.portmap import WildcardPorts
 from fleet.testing.k8s.resources import CONFIGMAPS, SECRETS, SERVICE_ACCOUNTS
-from fleet.testing.k8s.store import ObjectStore
+from fleet.testing.k8s.kubelet_api import KubeletApi
 
 REPO = Path(__file__).resolve().parents[3]
 NVML_DRIVER = REPO / "fleet" / "testing" / "nvml_driver"
@@ -59,19 +59,20 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 class PodConfig:
     """The configuration of one pod's containers on ``node`` at address ``ip`` (files under
-    ``pod_dir``). ``store``: the API server's objects (Secrets, ConfigMaps, ServiceAccounts);
+    ``pod_dir``). ``api``: the API server as the node sees it (Secrets, ConfigMaps, ServiceAccounts:
+    `fleet.testing.k8s.kubelet_api.KubeletApi`);
     ``token_for(ns, sa)``: the service-account token; ``ca_pem``: the API server's CA;
     ``api_port``: where KUBERNETES_SERVICE_PORT points; ``ports``: the pod's wildcard-bind relays
     (argv rewritten through them)."""
 
-    def __init__(self, pod: dict, *, node: BoxNode, ip: str, pod_dir: Path, store: ObjectStore,
+    def __init__(self, pod: dict, *, node: BoxNode, ip: str, pod_dir: Path, api: KubeletApi,
                  token_for: Callable[[str, str], str], ca_pem: bytes, api_port: int,
                  ports: WildcardPorts) -> None:  # fmt: skip
         self.pod = pod
         self.node = node
         self.ip = ip
         self.dir = pod_dir
-        self.store = store
+        self.api = api
         self.token_for = token_for
         self.ca_pem = ca_pem
         self.api_port = api_port
@@ -95,7 +96,7 @@ class PodConfig:
 
     def _key_ref(self, res, ref: dict) -> str | None:
         try:
-            obj = self.store.get(res, self.ns, ref["name"])
+            obj = self.api.get(res, self.ns, ref["name"])
         except ApiError:
             if ref.get("optional"):
                 return None
@@ -116,7 +117,7 @@ class PodConfig:
         for src in c.get("envFrom") or []:
             for res, key in ((SECRETS, "secretRef"), (CONFIGMAPS, "configMapRef")):
                 if key in src:
-                    obj = self.store.get(res, self.ns, src[key]["name"])
+                    obj = self.api.get(res, self.ns, src[key]["name"])
                     data = obj.get("data") or {}
                     env.update({src.get("prefix", "") + k: base64.b64decode(v).decode() if res is SECRETS else v
                                 for k, v in data.items()})  # fmt: skip
@@ -184,7 +185,7 @@ class PodConfig:
                 path = self.dir / "volumes" / name
                 path.mkdir(parents=True, exist_ok=True)
                 try:
-                    obj = self.store.get(res, self.ns, ref_name)
+                    obj = self.api.get(res, self.ns, ref_name)
                 except ApiError:
                     if src.get("optional"):
                         obj = {}
@@ -208,13 +209,18 @@ class PodConfig:
         self._volumes = out
         return out
 
-    def _service_account_dir(self) -> Path | None:
+    def _service_account_dir(self, c: dict) -> Path | None:
+        """The token directory this kubelet makes, unless the pod opts out or a volume is mounted
+        there already (on a real 1.20 API server the ServiceAccount admission plugin adds the
+        token Secret's volume and its mount to every container)."""
         spec = self.pod["spec"]
         sa = spec.get("serviceAccountName") or "default"
         if spec.get("automountServiceAccountToken") is False:
             return None
+        if any(m.get("mountPath", "").rstrip("/") == SA_DIR for m in c.get("volumeMounts") or []):
+            return None
         try:
-            sa_obj = self.store.get(SERVICE_ACCOUNTS, self.ns, sa)
+            sa_obj = self.api.get(SERVICE_ACCOUNTS, self.ns, sa)
         except ApiError:
             if sa != "default":
                 raise ConfigError(f'serviceaccount "{sa}" not found') from None
@@ -257,7 +263,7 @@ class PodConfig:
                 raise ConfigError(f"volume {m['name']!r} not found")
             source = volumes[m["name"]] / m["subPath"] if m.get("subPath") else volumes[m["name"]]
             mounts.append({"source": str(source), "target": m["mountPath"], "readOnly": bool(m.get("readOnly"))})
-        sa = self._service_account_dir()
+        sa = self._service_account_dir(spec)
         if sa is not None:
             mounts.append({"source": str(sa), "target": SA_DIR, "readOnly": True})
         base_env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOSTNAME": self.name,

@@ -61,7 +61,8 @@ from fleet.k8s.client import PODS, ApiError
 from fleet.testing.k8s.kubelet import ImagePuller
 from fleet.testing.k8s.podconfig import REPO, BoxNode, ConfigError, PodConfig
 from fleet.testing.k8s.portmap import WildcardPorts
-from fleet.testing.k8s.store import ObjectStore, now_iso
+from fleet.testing.k8s.kubelet_api import KubeletApi
+from fleet.testing.k8s.store import now_iso
 
 log = logging.getLogger("fleet.testing.kubelet")
 
@@ -97,16 +98,18 @@ class PodRunner:
         self.init_done: list[dict] = []
         self.deleting = asyncio.Event()
         self.task: asyncio.Task | None = None
-        self.config = PodConfig(pod, node=node, ip=ip, pod_dir=self.dir, store=kubelet.store,
+        self.api = kubelet.api.for_node(node.name)
+        self.config = PodConfig(pod, node=node, ip=ip, pod_dir=self.dir, api=self.api,
                                 token_for=kubelet.token_for, ca_pem=kubelet.ca_pem, api_port=kubelet.api_port,
                                 ports=self.ports)  # fmt: skip
         self.phase = "Pending"
+        self.restarts: set[asyncio.Task] = set()   # containers' restarts waiting out their back-off
 
     # ----- status -------------------------------------------------------------------------------
 
     def _status(self, patch: dict) -> None:
         try:
-            self.kubelet.store.patch_status(PODS, self.ns, self.name, {"status": patch})
+            self.api.patch_status(PODS, self.ns, self.name, {"status": patch})
         except ApiError:
             pass
 
@@ -139,6 +142,8 @@ class PodRunner:
         try:
             await self._run()
         except asyncio.CancelledError:
+            for t in self.restarts:   # a restart due after the kubelet stops must not start a process
+                t.cancel()
             await self._kill_all(0)
             raise
         except Exception:
@@ -155,7 +160,7 @@ class PodRunner:
             if self.deleting.is_set():
                 return await self._finish()
             try:
-                pulled = self.kubelet.puller.sync(self.kubelet.store, self.ns, self.name)
+                pulled = self.kubelet.puller.sync(self.api, self.ns, self.name)
             except ApiError:
                 return
             if pulled == "pulled":
@@ -227,7 +232,7 @@ class PodRunner:
                     if restart:
                         wait = backoff.get(c.name, 0.5)
                         backoff[c.name] = min(wait * 2, 5.0)
-                        asyncio.create_task(self._restart_later(c, wait))
+                        self.restarts.add(asyncio.create_task(self._restart_later(c, wait)))
             if changed:
                 exited = [c.last_exit for c in self.containers if c.proc is not None and c.proc.returncode is not None]
                 if len(exited) == len(self.containers) and (policy == "Never" or (policy == "OnFailure" and
@@ -239,16 +244,24 @@ class PodRunner:
             await self._wait(0.1)
 
     async def _restart_later(self, c: _Container, wait_s: float) -> None:
-        await self._wait(wait_s)
-        if self.deleting.is_set():
-            return
-        c.restarts += 1
-        c.last_exit = None
-        await self._start(c)
-        self._report()
+        try:
+            await self._wait(wait_s)
+            if self.deleting.is_set():
+                return
+            c.restarts += 1
+            exited = c.proc
+            await self._start(c)
+            if c.proc is not exited:   # only now: `_supervise` takes an exited proc without last_exit as a new exit
+                c.last_exit = None
+            self._report()
+        finally:
+            self.restarts.discard(asyncio.current_task())
 
     def _grace(self) -> float:
-        meta = self.kubelet.store.objects.get((PODS.plural, self.ns, self.name), {}).get("metadata", {})
+        try:
+            meta = self.api.get(PODS, self.ns, self.name).get("metadata", {})
+        except ApiError:
+            meta = {}
         return float(meta.get("deletionGracePeriodSeconds", self.pod["spec"].get("terminationGracePeriodSeconds", 30)))
 
     async def _kill_all(self, grace_s: float) -> None:
@@ -270,10 +283,15 @@ class PodRunner:
                 await p.wait()
 
     async def _finish(self) -> None:
+        for t in list(self.restarts):
+            t.cancel()
         await self._kill_all(0)
         logs = "".join(c.log_path.read_text(errors="replace") for c in self.containers if c.log_path)
-        self.kubelet.store.logs[(self.ns, self.name)] = logs
-        self.kubelet.store.finish_delete(PODS, self.ns, self.name)
+        self.api.save_logs(self.ns, self.name, logs)
+        try:
+            self.api.finish_delete(PODS, self.ns, self.name)
+        except ApiError as err:
+            log.warning("pod %s/%s: the final delete was refused: %s", self.ns, self.name, err)
 
     # ----- one container ------------------------------------------------------------------------
 
@@ -369,13 +387,21 @@ class PodRunner:
 
 
 class BoxKubelet:
-    """The kubelet of every node of the box (see the module docstring): watches pods, runs those
-    bound to its nodes. ``token_for(ns, sa)``: the service-account token a pod gets;
-    ``ca_pem``: the API server's CA; ``api_port``: where KUBERNETES_SERVICE_PORT points."""
+    """The kubelet of every node of the box, or of hollow nodes on a real control plane (see the
+    module docstring): watches pods, runs those bound to its nodes. ``api``: the API server as
+    the nodes see it (`fleet.testing.k8s.kubelet_api`: the box's store, or a real API server with
+    each node's identity); ``token_for(ns, sa)``: the service-account token a pod gets when its
+    spec mounts none (the real ServiceAccount admission plugin of 1.20 adds the token Secret's
+    volume itself); ``ca_pem``: the API server's CA; ``api_port``: where KUBERNETES_SERVICE_PORT
+    points; ``pod_subnet``: the first two octets of pod addresses (``127.0``: loopback; a real
+    API server refuses loopback Endpoints, so hollow nodes use a range bound on ``lo``:
+    fleet/testing/k8s/hollow.py)."""
 
-    def __init__(self, store: ObjectStore, nodes: dict[str, BoxNode], work: Path, *, token_for, ca_pem: bytes,
-                 api_port: int, puller: ImagePuller | None = None, probe_scale: float = 0.2) -> None:  # fmt: skip
-        self.store = store
+    def __init__(self, api: KubeletApi, nodes: dict[str, BoxNode], work: Path, *, token_for, ca_pem: bytes,
+                 api_port: int, puller: ImagePuller | None = None, probe_scale: float = 0.2,
+                 pod_subnet: str = "127.0") -> None:  # fmt: skip
+        self.api = api
+        self.pod_subnet = pod_subnet
         self.nodes = nodes
         self.work = work
         self.token_for = token_for
@@ -390,7 +416,7 @@ class BoxKubelet:
 
     def _next_ip(self) -> str:
         self._ip += 1
-        return f"127.0.{1 + self._ip // 250}.{2 + self._ip % 250}"
+        return f"{self.pod_subnet}.{1 + self._ip // 250}.{2 + self._ip % 250}"
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch())
@@ -413,13 +439,8 @@ class BoxKubelet:
         return {c.name: c.proc.pid for c in (r.containers if r else []) if c.proc and c.proc.returncode is None}
 
     async def _watch(self) -> None:
-        w = self.store.subscribe(PODS, None, "0", None)
-        try:
-            while True:
-                type_, pod = await w.queue.get()
-                self._sync(type_, pod)
-        finally:
-            self.store.unsubscribe(w)
+        async for type_, pod in self.api.pod_events(self.nodes):
+            self._sync(type_, pod)
 
     def _sync(self, type_: str, pod: dict) -> None:
         meta = pod["metadata"]
@@ -433,11 +454,10 @@ class BoxKubelet:
             return
         if r is None:
             if meta.get("deletionTimestamp"):
-                self.store.finish_delete(PODS, meta["namespace"], meta["name"])
+                self.api.for_node(node.name).finish_delete(PODS, meta["namespace"], meta["name"])
                 return
             r = PodRunner(self, node, pod, self._next_ip())
             self.runners[meta["uid"]] = r
             r.task = asyncio.get_running_loop().create_task(r.run(), name=f"pod-{meta['name']}")
         elif meta.get("deletionTimestamp"):
             r.deleting.set()
-
