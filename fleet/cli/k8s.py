@@ -1,8 +1,9 @@
 """`fleet crd` and `fleet operator`: Fleet on Kubernetes, from the command line.
 
 Owns the two commands' arguments and help; the work is done by `fleet.k8s.crd` (the CRD from
-the pydantic spec) and `fleet.k8s.operator` (the operator loop). Registered on the `fleet` app by
-`fleet.cli`. The `kubernetes` client is imported only by `fleet operator`.
+the pydantic spec), `fleet.k8s.operator` (the operator loop) and `fleet.k8s.routerpod` (the router
+pod). Registered on the `fleet` app by `fleet.cli`. The `kubernetes` client is imported only by
+`fleet operator` and by `fleet router-pod --peers-endpoints`.
 """
 
 from __future__ import annotations
@@ -127,11 +128,17 @@ def router_pod(
     port: Annotated[int, typer.Option(help="Port of the OpenAI API (the public Service's target).")] = 8080,
     admin_port: Annotated[int, typer.Option(help="Port of the admin API (the operator's pool updates).")] = 9090,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    peers_endpoints: Annotated[str, typer.Option(
+        help="SERVICE:PORT: the other router pods are the ready addresses of this Service's Endpoints (a "
+             "Service in the pod's namespace: $POD_NAMESPACE, else the service account's namespace file), read "
+             "through the Kubernetes API with the pod's service account (RBAC: get on that Endpoints object); "
+             "PORT: their admin port. They share their load (docs/routing.md, 'A shared load signal'). Empty: "
+             "none.")] = "",
     peers_dns: Annotated[str, typer.Option(
-        help="NAME:PORT of the other router pods (a headless Service; PORT: their admin port): they share "
-             "their load (docs/routing.md, 'A shared load signal'). Empty: none.")] = "",
+        help="NAME:PORT of the other router pods found by DNS instead (a headless Service where cluster DNS "
+             "answers; PORT: their admin port). Empty: none.")] = "",
     pod_ip: Annotated[str, typer.Option(envvar="FLEET_POD_IP",
-                                        help="This pod's IP, left out of what --peers-dns finds.")] = "",
+                                        help="This pod's IP, left out of the peers found.")] = "",
     router_id: Annotated[str, typer.Option(envvar="FLEET_POD_NAME",
                                            help="This router's id in its load reports (the pod name).")] = "",
 ) -> None:
@@ -141,6 +148,7 @@ def router_pod(
     import asyncio
     import os
 
+    from fleet.k8s.peer_endpoints import parse_endpoints_target
     from fleet.k8s.routerpod import serve_router_pod
     from router.signals.peer_discovery import parse_dns_target
 
@@ -149,10 +157,10 @@ def router_pod(
         typer.echo("FLEET_ROUTER_ADMIN_TOKEN is not set: the admin API needs a token.", err=True)
         raise typer.Exit(2)
     try:
-        target = parse_dns_target(peers_dns) if peers_dns else None
-        asyncio.run(serve_router_pod(host, port, admin_port, token, peers_dns=target, pod_ip=pod_ip,
-                                     router_id=router_id))  # fmt: skip
+        dns = parse_dns_target(peers_dns) if peers_dns else None
+        endpoints = parse_endpoints_target(peers_endpoints) if peers_endpoints else None
+        asyncio.run(serve_router_pod(host, port, admin_port, token, peers_dns=dns, pod_ip=pod_ip,
+                                     router_id=router_id, peers_endpoints=endpoints))  # fmt: skip
     except ValueError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
-

@@ -5,9 +5,11 @@ router's app (`router.http.app.create_app`) serves ``/v1`` and ``/admin/v1`` on 
 cluster the public Service must never carry the admin API, so this process serves the same app
 twice, from one event loop and one pool table: on ``port`` with every ``/admin`` path answered
 404 (`PublicOnly`), and on ``admin_port`` in full (the operator pushes pools there; the chart's
-NetworkPolicy option admits only the operator and the other router pods to it: with
-``--peers-dns`` the router pods post their load to each other's admin port,
-`router.signals.peer_discovery`). Called by `fleet.cli.k8s`.
+NetworkPolicy option admits only the operator and the other router pods to it: the router pods
+post their load to each other's admin port, `router.signals.peer_discovery`). The peers are found
+through the router-peers Service's Endpoints (``--peers-endpoints``: `fleet.k8s.peer_endpoints`,
+read with the pod's service account, injected here into the router's `PeerDiscovery`) or by DNS
+(``--peers-dns``). Called by `fleet.cli.k8s`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from typing import Any
 
 import uvicorn
 
+from fleet.k8s.client import KubeClient
+from fleet.k8s.peer_endpoints import EndpointsPeers, pod_namespace
 from router.http.app import create_app
 from router.http.server import CLIENT_KEEPALIVE_S
+from router.signals.peer_discovery import resolve_addresses
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -62,16 +67,49 @@ def _config(app, host: str, port: int, lifespan: str, log_level: str) -> uvicorn
 async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: str,
                            log_level: str = "warning", stop: asyncio.Event | None = None,
                            peers_dns: tuple[str, int] | None = None, pod_ip: str = "",
-                           router_id: str = "") -> None:  # fmt: skip
+                           router_id: str = "", peers_endpoints: tuple[str, int] | None = None,
+                           kube: KubeClient | None = None) -> None:  # fmt: skip
     """Serve the OpenAI API on ``host:port`` and the admin API on ``host:admin_port`` until
-    ``stop`` is set (None: until SIGINT/SIGTERM). ``peers_dns``: (headless Service name, peers'
-    admin port) of the other router pods, which this one shares its load with (``pod_ip``, its
-    own address, left out; ``router_id``, its id in its reports: the pod name;
-    `router.signals.peer_discovery`). Raises ValueError when the ports are equal or the token is empty."""
+    ``stop`` is set (None: until SIGINT/SIGTERM). The other router pods, which this one shares
+    its load with (``pod_ip``, its own address, left out; ``router_id``, its id in its reports:
+    the pod name; `router.signals.peer_discovery`), are found through ``peers_endpoints``
+    ((Service name in the pod's namespace, peers' admin port): the Service's Endpoints, read with
+    ``kube``, by default `KubeClient.load`, the pod's service account; the namespace from
+    `fleet.k8s.peer_endpoints.pod_namespace`) or ``peers_dns`` ((headless Service's DNS name,
+    peers' admin port)); at most one of the two.
+
+    Raises:
+        ValueError: the ports are equal, both peer sources are given, or (with
+            ``peers_endpoints``) the pod's namespace or API credentials are missing.
+    """
     if port == admin_port:
         raise ValueError(f"--admin-port must differ from --port ({port}): the admin API never shares the public port")
-    app = create_app(admin_token, peers_dns=peers_dns, self_addresses=[pod_ip] if pod_ip else [],
-                     router_id=router_id)  # fmt: skip
+    if peers_dns is not None and peers_endpoints is not None:
+        raise ValueError("--peers-dns and --peers-endpoints are two ways to find the same peers: give one")
+    resolve, target, own_kube = resolve_addresses, peers_dns, None
+    if peers_endpoints is not None:
+        namespace = pod_namespace()
+        if kube is None:
+            from kubernetes.config import ConfigException
+
+            try:
+                kube = own_kube = KubeClient.load()
+            except ConfigException as err:
+                raise ValueError(f"--peers-endpoints: no Kubernetes API credentials (the pod's service account "
+                                 f"token, else a kubeconfig): {err}") from None
+        resolve, target = EndpointsPeers(kube, namespace), peers_endpoints
+    try:
+        await _serve(host, port, admin_port, log_level, stop,
+                     create_app(admin_token, peers_dns=target, self_addresses=[pod_ip] if pod_ip else [],
+                                router_id=router_id, peers_resolve=resolve))  # fmt: skip
+    finally:
+        if own_kube is not None:
+            own_kube.close()
+
+
+async def _serve(host: str, port: int, admin_port: int, log_level: str,
+                 stop: asyncio.Event | None, app) -> None:  # fmt: skip
+    """Serve ``app`` twice: in full on ``admin_port``, `PublicOnly` on ``port``."""
     admin = _QuietServer(_config(app, host, admin_port, "on", log_level))
     public = _QuietServer(_config(PublicOnly(app), host, port, "off", log_level))
     loop = asyncio.get_running_loop()

@@ -40,7 +40,8 @@ from router.stats.metrics import RouterMetrics
 from router.pools.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.signals.engine_poll import EnginePoller
 from router.signals.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender, ReportPoster
-from router.signals.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, DiscoveryMetrics, PeerDiscovery
+from router.signals.peer_discovery import (DEFAULT_PEER_DNS_INTERVAL_S, DiscoveryMetrics, PeerDiscovery, Resolver,
+                                           resolve_addresses)
 from router.signals.peer_datagram import DatagramMetrics, DatagramTally, PeerDatagrams, decode_claim
 from router.signals.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report, report_order
 from router.pools.pool import PoolTable
@@ -325,6 +326,7 @@ def create_app(
     peers_dns: tuple[str, int] | None = None,
     self_addresses: Sequence[str] = (),
     peer_dns_interval_s: float = DEFAULT_PEER_DNS_INTERVAL_S,
+    peers_resolve: Resolver = resolve_addresses,
 ) -> RouterApp:
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
@@ -350,7 +352,8 @@ def create_app(
     `peers_dns`: (name, port) whose addresses are the other routers, resolved every
     `peer_dns_interval_s` (`router.signals.peer_discovery`; in Kubernetes a headless Service of the router
     pods, port their admin API), this router's `self_addresses` (its pod IP) left out; the peers
-    found are sent to besides `peers`.
+    found are sent to besides `peers`. `peers_resolve`: how the name becomes addresses (DNS by
+    default; a router pod passes `fleet.k8s.peer_endpoints.EndpointsPeers`, the Service's Endpoints).
     The time a request's head and body may take to arrive is bounded by the server
     (`router.http.server.uvicorn_config`).
     """
@@ -433,7 +436,8 @@ def create_app(
             app.peer_discovery = PeerDiscovery(
                 peers_dns[0], peers_dns[1], self_addresses,
                 lambda found: sender.set_peers(static + [u for u in found if u not in static]),
-                DiscoveryMetrics(metrics.registry), clock=clock, interval_s=peer_dns_interval_s)
+                DiscoveryMetrics(metrics.registry), resolve=peers_resolve, clock=clock,
+                interval_s=peer_dns_interval_s)
     elif engine_load_interval_s is not None:
         app.poller = EnginePoller(pools.load_endpoints, clock, metrics.registry, interval_s=engine_load_interval_s)
     app.kv_streams = kv_streams

@@ -1,22 +1,26 @@
-"""Peer routers found by DNS: the addresses of a name, resolved every few seconds, as peer URLs.
+"""Peer routers found by name: the addresses of a name, resolved every few seconds, as peer URLs.
 
-Owns `PeerDiscovery` (one asyncio task per router: every `interval_s` it resolves ``NAME``,
-turns the addresses into the base URLs of the peer routers, ``http://ADDRESS:PORT``, this
-router's own addresses left out, and hands the set to `router.signals.peer_channel.PeerSender.set_peers`
-when it changed), the pure set arithmetic (`peer_urls`, `parse_dns_target`), the default resolver
-(`resolve_addresses`: the event loop's ``getaddrinfo``, which runs in the loop's thread pool, off
-the event loop) and the discovery's Prometheus series. Started and stopped by
-`router.http.app.RouterApp`'s lifespan when the router has ``--peers-dns NAME:PORT``.
+Owns `PeerDiscovery` (one asyncio task per router: every `interval_s` it resolves ``NAME``
+through a `Resolver`, turns the addresses into the base URLs of the peer routers,
+``http://ADDRESS:PORT``, this router's own addresses left out, and hands the set to
+`router.signals.peer_channel.PeerSender.set_peers` when it changed), the pure set arithmetic
+(`peer_urls`, `parse_dns_target`), the DNS resolver (`resolve_addresses`: the event loop's
+``getaddrinfo``, which runs in the loop's thread pool, off the event loop) and the discovery's
+Prometheus series. Started and stopped by `router.http.app.RouterApp`'s lifespan when the router
+has ``--peers-dns NAME:PORT`` (DNS) or, in a router pod, ``--peers-endpoints SERVICE:PORT``
+(the resolver `fleet.k8s.peer_endpoints.EndpointsPeers` reads the Service's Endpoints through the
+Kubernetes API; injected by `fleet.k8s.routerpod`, since router/ imports nothing of Kubernetes).
 
-In Kubernetes ``NAME`` is a headless Service selecting the router pods (the chart's
+With DNS, ``NAME`` is a headless Service selecting the router pods (the chart's
 ``<release>-router-peers``, publishNotReadyAddresses false): its A/AAAA records are the pod IPs
 of the Ready router pods, so a router joins its peers' sets once it is Ready and leaves them when
 it is not (at most `interval_s` plus the DNS cache's TTL later; CoreDNS answers with TTL 30 s by
-default for a headless Service, "cache 30" in its Corefile). A name with no records (NXDOMAIN,
-or no address: every router pod unready) is an empty peer set; any other resolution error keeps
-the last set, counted in ``fleet_router_peer_dns_errors_total``: a DNS outage does not cut the
-peer channel. Peers that stop answering drop out of the load sum anyway
-(`router.signals.peer_load.DEFAULT_PEER_MAX_AGE_S`).
+default for a headless Service, "cache 30" in its Corefile). The Endpoints resolver reads the same
+facts at their source, without cluster DNS. A name with no records (NXDOMAIN, no address, no
+Endpoints object: `NoRecords`) is an empty peer set; any other resolution error (`OSError`) keeps
+the last set, counted in ``fleet_router_peer_dns_errors_total`` and logged once while it lasts:
+an outage of the name service does not cut the peer channel. Peers that stop answering drop out
+of the load sum anyway (`router.signals.peer_load.DEFAULT_PEER_MAX_AGE_S`).
 """
 
 from __future__ import annotations
@@ -111,13 +115,13 @@ class DiscoveryMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.discovered = Gauge("fleet_router_peers_discovered",
-                                "Peer routers found by the last resolution of --peers-dns (this router left out; "
-                                "router.signals.peer_discovery).", registry=registry)  # fmt: skip
+                                "Peer routers found by the last resolution of --peers-dns or --peers-endpoints (this router "
+                                "left out; router.signals.peer_discovery).", registry=registry)  # fmt: skip
         self.errors = Counter("fleet_router_peer_dns_errors",
-                              "Resolutions of --peers-dns that failed (the last peer set is kept).",
+                              "Resolutions of --peers-dns or --peers-endpoints that failed (the last peer set is kept).",
                               registry=registry)  # fmt: skip
         self.duration = Gauge("fleet_router_peer_dns_duration_seconds",
-                              "Seconds the last resolution of --peers-dns took.", registry=registry)  # fmt: skip
+                              "Seconds the last resolution of --peers-dns or --peers-endpoints took.", registry=registry)  # fmt: skip
 
 
 class PeerDiscovery:
@@ -129,7 +133,8 @@ class PeerDiscovery:
         on_change: called with the new sorted peer URLs whenever the set changes (and once after
             the first resolution).
         metrics: where resolutions are counted.
-        resolve: the I/O (`resolve_addresses`; tests pass a fake).
+        resolve: the I/O (`resolve_addresses`: DNS; `fleet.k8s.peer_endpoints.EndpointsPeers`: a
+            Service's Endpoints; tests pass a fake).
         clock: monotonic seconds, for the duration metric.
         interval_s: seconds between the starts of two resolutions (`DEFAULT_PEER_DNS_INTERVAL_S`).
 
@@ -152,6 +157,7 @@ class PeerDiscovery:
         self.interval_s = interval_s
         self.peers: list[str] | None = None
         """The current peer URLs; None before the first successful resolution."""
+        self._last_error: str | None = None
         self._background = BackgroundLoop("peer-dns-discovery", self._run)
 
     async def start(self) -> None:
@@ -189,10 +195,13 @@ class PeerDiscovery:
             addresses = []
         except OSError as err:
             self.metrics.errors.inc()
-            log.warning("resolving peers at %s failed (keeping %d peers): %s", self.host, len(self.peers or ()), err)
+            if str(err) != self._last_error:   # a lasting failure is logged once, each new one again
+                log.warning("resolving peers at %s failed (keeping %d peers): %s", self.host, len(self.peers or ()), err)
+            self._last_error = str(err)
             return self.peers
         finally:
             self.metrics.duration.set(clock() - started)
+        self._last_error = None
         peers = peer_urls(addresses, self.port, self.self_addresses)
         if peers != self.peers:
             if self.peers is not None:

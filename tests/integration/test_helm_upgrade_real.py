@@ -244,7 +244,8 @@ def test_the_previous_chart_refuses_1_20_and_installs_what_1_20_serves(previous_
 def test_every_object_of_the_new_render_is_accepted_and_dropped_ones_deleted(upgraded, control_plane):
     """Real: the API server takes every write of the upgrade (an error would have raised in the
     fixture) and keeps each object as today's chart renders it. The upgrade creates what is new
-    (the node agent's DaemonSet, ServiceAccount and RBAC; the policy/v1beta1 budget), deletes the
+    (the node agent's DaemonSet, ServiceAccount and RBAC; the router pods' ServiceAccount, Role and
+    RoleBinding for their peers' Endpoints; the policy/v1beta1 budget), deletes the
     two NetworkPolicies the new values dropped, and leaves no other object of the release."""
     up: Applied = upgraded["upgrade"]
     new, old = upgraded["new"], upgraded["old"]
@@ -252,7 +253,7 @@ def test_every_object_of_the_new_render_is_accepted_and_dropped_ones_deleted(upg
     previous = {_key(d) for d in old}
     assert set(up.created) == {_key(d) for d in new if _key(d) not in previous} | _keys(new, "PodDisruptionBudget")
     assert {k[1] for k in up.created} == {"DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                                          "PodDisruptionBudget"}, up.created  # fmt: skip
+                                          "Role", "RoleBinding", "PodDisruptionBudget"}, up.created  # fmt: skip
     assert up.kept == [] and up.skipped == {}
 
     async def check() -> list[str]:
@@ -309,13 +310,13 @@ def test_live_inference_deployments_keep_their_spec(upgraded, control_plane):
 
 async def test_deployments_roll_where_the_pod_template_changed(upgraded, control_plane):
     """Real: the controller-manager makes a new ReplicaSet for each Deployment whose pod template
-    the new chart changed (the operator: its engine settings carry the GPU toleration) and none
-    for one it did not change (the router); the DaemonSet controller wants the agent on the one
+    the new chart changed (the operator: its engine settings carry the GPU toleration; the
+    router: its own ServiceAccount and --peers-endpoints) and none for one it did not change; the DaemonSet controller wants the agent on the one
     GPU node (GPU Feature Discovery's label) and not on the CPU node. Stand-in: the nodes."""
     old = {d["metadata"]["name"]: d for d in upgraded["old"] if d["kind"] == "Deployment"}
     new = {d["metadata"]["name"]: d for d in upgraded["new"] if d["kind"] == "Deployment"}
     changed = {n for n in new if _missing(new[n]["spec"]["template"], old[n]["spec"]["template"])}
-    assert changed == {"fleet-operator"}, changed
+    assert changed == {"fleet-operator", "fleet-router"}, changed
     kube = control_plane.client()
     try:
         async def rolled() -> dict:

@@ -65,7 +65,7 @@ def test_validation_catches_a_broken_manifest():
 def test_defaults_render_the_expected_objects():
     kinds = _by_kind(render())
     assert {k: len(v) for k, v in kinds.items()} == {   # the node agent's DaemonSet, account and role too
-        "CustomResourceDefinition": 1, "ServiceAccount": 2, "Role": 1, "RoleBinding": 1, "ClusterRole": 2,
+        "CustomResourceDefinition": 1, "ServiceAccount": 3, "Role": 2, "RoleBinding": 2, "ClusterRole": 2,
         "ClusterRoleBinding": 2, "Deployment": 2, "DaemonSet": 1, "Service": 4, "PodDisruptionBudget": 1,
     }
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
@@ -85,7 +85,7 @@ def test_admin_api_never_on_the_public_service():
     assert ports == {"http": (8080, "TCP"), "admin": (9090, "TCP"), "peer-load": (9090, "UDP")}
     assert "--admin-port=9090" in container["args"] and container["args"][0] == "router-pod"
     for svc in kinds["Service"]:
-        if svc["metadata"]["name"] == "fleet-router-peers":   # headless: DNS records only, no proxy
+        if svc["metadata"]["name"] == "fleet-router-peers":   # headless: Endpoints (and DNS records), no proxy
             assert svc["spec"]["clusterIP"] == "None"
             continue
         assert all(p["targetPort"] != "admin" and p["port"] != 9090 for p in svc["spec"]["ports"]), svc
@@ -111,7 +111,11 @@ def test_rbac_is_least_privilege():
     assert cluster_rules == {   # the operator reads nodes; the node agent patches its own (any: RBAC cannot say which)
         "fleet-fleet-nodes": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}],
         "fleet-fleet-agent": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]}
-    role = kinds["Role"][0]
+    roles = {r["metadata"]["name"]: r for r in kinds["Role"]}
+    # the router pods: get on their peers Service's Endpoints (by name), nothing else (router-rbac.yaml)
+    assert roles["fleet-router"]["rules"] == [{"apiGroups": [""], "resources": ["endpoints"],
+                                               "resourceNames": ["fleet-router-peers"], "verbs": ["get"]}]  # fmt: skip
+    role = roles["fleet-operator"]
     assert role["metadata"]["namespace"] == "fleet"
     resources = {r for rule in role["rules"] for r in rule["resources"]}
     assert resources == {"inferencedeployments", "inferencedeployments/status", "inferencedeployments/finalizers",
@@ -194,27 +198,37 @@ def _router_peers(*extra: str) -> tuple[list[str], dict[str, dict], dict | None]
     return container["args"], {e["name"]: e for e in container["env"]}, services.get("fleet-router-peers")
 
 
-def test_routers_find_each_other_through_a_headless_service():
-    """With more than one router replica (the default 2) each router pod resolves a headless
-    Service of the Ready router pods and posts its load to their admin port (router.signals.peer_discovery)."""
+def _router_pod_spec(*extra: str) -> dict:
+    kinds = _by_kind(render(extra=extra))
+    return next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")["spec"]["template"]["spec"]
+
+
+def test_routers_find_each_other_through_the_peers_services_endpoints():
+    """With more than one router replica (the default 2) each router pod reads the Endpoints of a
+    Service of the Ready router pods through the API, with a token of its own service account,
+    and posts its load to their admin port (fleet/k8s/peer_endpoints.py, router.signals.peer_discovery)."""
     args, env, service = _router_peers()
     assert args[:4] == ["router-pod", "--host=0.0.0.0", "--port=8080", "--admin-port=9090"]
-    assert args[4:7] == ["--peers-dns=fleet-router-peers.fleet.svc:9090", "--pod-ip=$(FLEET_POD_IP)",
+    assert args[4:7] == ["--peers-endpoints=fleet-router-peers:9090", "--pod-ip=$(FLEET_POD_IP)",
                          "--router-id=$(FLEET_POD_NAME)"]  # fmt: skip
     assert env["FLEET_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env["FLEET_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    spec = _router_pod_spec()
+    assert spec["serviceAccountName"] == "fleet-router" and spec["automountServiceAccountToken"] is True
     assert service is not None
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is False
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
                                            "app.kubernetes.io/component": "router"}  # fmt: skip
     assert service["spec"]["ports"] == [{"name": "admin", "port": 9090, "targetPort": "admin", "protocol": "TCP"}]
-    # one router: nobody to share with (auto), unless asked
+    # one router: nobody to share with (auto), unless asked; without peers no API token at all
     args, env, service = _router_peers("--set", "router.replicas=1")
-    assert not any(a.startswith("--peers-dns") for a in args) and "FLEET_POD_IP" not in env and service is None
+    assert not any(a.startswith("--peers") for a in args) and "FLEET_POD_IP" not in env and service is None
+    spec = _router_pod_spec("--set", "router.replicas=1")
+    assert "serviceAccountName" not in spec and spec["automountServiceAccountToken"] is False
     args, _, service = _router_peers("--set", "router.replicas=1", "--set", "router.peers.enabled=true")
     assert "--pod-ip=$(FLEET_POD_IP)" in args and service is not None
     args, _, service = _router_peers("--set", "router.peers.enabled=false")
-    assert not any(a.startswith("--peers-dns") for a in args) and service is None
+    assert not any(a.startswith("--peers") for a in args) and service is None
 
 
 def test_values_schema_passes_through_kubernetes_fields():

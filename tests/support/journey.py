@@ -10,7 +10,8 @@ or `fleet.testing.k8s.realbox.RealClusterInABox`: both give ``kube``, ``nodes``,
 ``work``, ``list``, ``get``, ``helm_install``, ``helm_upgrade``, ``helm_uninstall``,
 ``preload_image``, ``inject_xid``, ``leftovers`` and ``denied``.
 
-Journey: install -> agents up on every GPU node, node facts accepted -> a TP=2 ``hf://...@rev``
+Journey: install -> agents up on every GPU node, node facts accepted, the two router pods each
+finding the other in the Endpoints of the router-peers Service -> a TP=2 ``hf://...@rev``
 deployment on the NVL node, a MIG one, and a TP=1 one on the SXM node, served through two router
 pods -> TP=2 replicas each on one NVLink pair (never across PCIe), MIG on a 3g.40gb slice ->
 weights fetched once per node, engines started from the node cache -> KV event streams followed ->
@@ -23,6 +24,7 @@ delete, uninstall, nothing left. Any request outside a Role's rights fails it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import json
 import os
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import aiohttp
 
-from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, NotFound
+from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, SECRETS, NotFound
 from tests.support.waits import async_wait_until
 
 NS = "fleet"
@@ -205,6 +207,24 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
         await box_wait(facts_published, 60, what="NVLink domains published on every GPU node by its agent")
         await box_wait(lambda: len(router_urls()) == 2, 120, what="2 ready router pods")
         mark("agents up, node facts published, routers ready")
+
+        async def peers_found() -> bool:
+            """Each router pod sends its load to the other's admin port, found in the Endpoints of
+            the router-peers Service (fleet/k8s/peer_endpoints.py; GET /admin/v1/peers: targets)."""
+            ips = sorted(p["status"]["podIP"] for p in pods("app.kubernetes.io/component=router") if ready(p))
+            secret = box.get(SECRETS, NS, "fleet-router-admin")
+            auth = {"Authorization": f"Bearer {base64.b64decode(secret['data']['token']).decode()}"}
+            async with aiohttp.ClientSession() as http:
+                for ip in ips:
+                    async with http.get(f"http://{ip}:9090/admin/v1/peers", headers=auth) as r:
+                        peer_targets[ip] = (await r.json())["targets"] if r.status == 200 else [r.status]
+            return len(ips) == 2 and all(peer_targets[ip] == [f"http://{other}:9090"] for ip in ips
+                                         for other in ips if other != ip)  # fmt: skip
+
+        peer_targets: dict[str, list] = {}
+        await async_wait_until(peers_found, 60, interval_s=0.5, what="each router pod's peer set holding the other",
+                               explain=lambda: f"{peer_targets}\n{why()}")  # fmt: skip
+        mark("router pods found each other through the router-peers Service's Endpoints")
 
         # ---- deployments: TP=2 on NVLink pairs, MIG, TP=1 on SXM ---------------------------------
         canary = {"strategy": "canary", "steps": [{"weight": 50}, {"analysis": {"passes": 1}}],

@@ -6,7 +6,8 @@ STAND-IN for a Kubernetes cluster (none can run on the project's machines: docs/
 - the API server stand-in (fleet/testing/k8s/apiserver.py) over HTTPS with its own CA, enforcing
   RBAC per service account (fleet/testing/k8s/rbac.py): the chart's Roles decide what each
   component may do, and every refusal is kept (``denied``);
-- the controllers and scheduler (fleet/testing/k8s/workloads.py);
+- the controllers and scheduler (fleet/testing/k8s/workloads.py), and the endpoints controller
+  (fleet/testing/k8s/endpoints.py);
 - one kubelet for all nodes (fleet/testing/k8s/podrunner.py): each pod's containers run as local
   processes in their own mount namespace, as their securityContext's user, with their volumes
   (hostPath under the node's own root directory), env, Secrets, service-account token (the real
@@ -45,6 +46,7 @@ from fleet.k8s.client import CRDS, NODES, ApiError, KubeClient, Resource
 from fleet.testing.fake_nvml import inject_xid, write_state
 from fleet.testing.k8s.apiserver import APIServerStandIn
 from fleet.testing.k8s.deviceplugin import DevicePlugin
+from fleet.testing.k8s.endpoints import EndpointsController
 from fleet.testing.k8s.kubelet import ImagePuller
 from fleet.testing.k8s.podconfig import REPO, BoxNode
 from fleet.testing.k8s.kubelet_api import StoreKubeletApi
@@ -209,6 +211,7 @@ class ClusterInABox:
                                   ca_pem=ca_pem, api_port=self.api.port, puller=ImagePuller())  # fmt: skip
         self.kubelet.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self.workloads.run(self._stop)))
+        self._tasks.append(asyncio.get_running_loop().create_task(EndpointsController(self.store).run(self._stop)))
         self._tasks.append(asyncio.get_running_loop().create_task(self._device_health()))
         self.kube = self.client(self.admin_token)
 

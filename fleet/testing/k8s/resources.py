@@ -44,6 +44,8 @@ CONFIGMAPS = next(r for r in BOX_RESOURCES if r.plural == "configmaps")
 SERVICE_ACCOUNTS = next(r for r in BOX_RESOURCES if r.plural == "serviceaccounts")
 DEPLOYMENTS = next(r for r in BOX_RESOURCES if r.plural == "deployments")
 DAEMONSETS = next(r for r in BOX_RESOURCES if r.plural == "daemonsets")
+SERVICES = next(r for r in BOX_RESOURCES if r.plural == "services")
+ENDPOINTS = next(r for r in BOX_RESOURCES if r.plural == "endpoints")   # fleet/testing/k8s/endpoints.py writes them
 
 
 def by_kind(api_version: str, kind: str) -> Resource:
