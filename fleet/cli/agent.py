@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from fleet.agent.device_checkpoint import DEFAULT_CHECKPOINT
+from fleet.agent.pod_devices import DEFAULT_SOCKET as _POD_RESOURCES_SOCKET
 from fleet.cli.common import console, err_console
 
 
@@ -211,9 +211,9 @@ def node_agent(
         "(label fleet.inference.dev/nvlink-domains), the cached model sources without credentials "
         "(annotation fleet.inference.dev/cached) and the quarantined GPUs with the pods holding them "
         "(annotation fleet.inference.dev/gpu-health); in-cluster service account or kubeconfig.")] = False,
-    device_checkpoint: Annotated[Path, typer.Option(
-        "--device-checkpoint", help="The kubelet's device-manager checkpoint: which pods hold which GPUs "
-        "(with --annotate-node; a missing file is no allocation).")] = DEFAULT_CHECKPOINT,
+    pod_resources_socket: Annotated[Path, typer.Option(
+        "--pod-resources-socket", help="The kubelet's PodResources API socket: which pods hold which GPUs "
+        "(with --annotate-node; root only on a real kubelet; no socket: no allocation known).")] = _POD_RESOURCES_SOCKET,
     state_dir: Annotated[Optional[Path], typer.Option(
         "--state-dir", help="Where the quarantine state is kept across restarts (quarantine.json). "
         "Default: <cache root>/.agent.")] = None,
@@ -256,7 +256,7 @@ def node_agent(
         err_console.print(f"[red]{err}[/]", highlight=False)
         raise typer.Exit(2) from None
     cache = _cache(root, budget)
-    publish = _node_facts_publisher(name, device_checkpoint) if annotate_node else None
+    publish = _node_facts_publisher(name, pod_resources_socket) if annotate_node else None
     checker, why = local_health_checker(name, time.time)
     if checker is None:
         err_console.print(f"{why}: GPU health checks are off on this node.", highlight=False)
@@ -293,34 +293,37 @@ def node_agent(
             checker.reader.close()
 
 
-def _node_facts_publisher(node: str, device_checkpoint: Path):
-    """The ``on_step`` work of --annotate-node: ``publish(status, checker, cache)`` writes this
-    node's facts (`fleet.k8s.node_facts`) when they changed, and releases the cache pins of
-    engine pods that left the node (`fleet.agent.pins`). Exits 2 without a cluster configuration."""
-    from fleet.agent.device_checkpoint import CheckpointReader
+def _node_facts_publisher(node: str, pod_resources_socket: Path):
+    """The ``on_step`` work of --annotate-node: ``publish(status, checker, cache)`` asks the
+    kubelet which pods hold which GPUs (`fleet.agent.pod_devices`, their uids from the API server:
+    `fleet.k8s.node_facts.PodUids`), writes this node's facts (`fleet.k8s.node_facts`) when they
+    changed, and releases the cache pins of engine pods that left the node (`fleet.agent.pins`).
+    Exits 2 without a cluster configuration."""
+    from fleet.agent.pod_devices import PodDevicesReader
     from fleet.k8s.client import KubeClient
-    from fleet.k8s.node_facts import NodeFactsPublisher, node_facts
+    from fleet.k8s.node_facts import NodeFactsPublisher, PodUids, node_facts
 
     try:
-        publisher = NodeFactsPublisher(KubeClient.load(), node)
+        kube = KubeClient.load()
+        publisher = NodeFactsPublisher(kube, node)
     except Exception as err:  # noqa: BLE001 - kubernetes.config.ConfigException and file errors
         err_console.print(f"[red]--annotate-node: no cluster configuration (in-cluster service account or "
                           f"kubeconfig): {err}[/]", highlight=False)
         raise typer.Exit(2) from None
     from fleet.agent.pins import DepartedPodPins
 
-    allocations = CheckpointReader(device_checkpoint)
+    devices, uids = PodDevicesReader(pod_resources_socket), PodUids(kube)
     pins = DepartedPodPins(time.time)
 
     def publish(status: dict, checker, cache) -> None:
         reading = (checker.last_reading if checker is not None else None) or {}
         reader = checker.reader if checker is not None else None
         domains = reader.nvlink_domains if reader is not None else None
-        held = allocations.read()
+        held, complete = uids.resolve_sync(devices.read())
         publisher.publish_sync(node_facts(status, reading.get("devices", []), held, cache.cached_sources(), domains,
                                           reader.driver_version if reader is not None else None,
                                           reader.cuda_driver_version if reader is not None else None))
-        for key, uid in pins.step(cache, held if allocations.error is None else None):
+        for key, uid in pins.step(cache, held if complete and not devices.stale else None):
             err_console.print(f"weight cache {key}: released the pin of pod {uid} (gone from this node)",
                               highlight=False)
     return publish
