@@ -1,9 +1,10 @@
 """Which pods hold which NVIDIA devices on this node: the kubelet's PodResources API, asked.
 
 Owns `DEFAULT_SOCKET`, `PodResourcesError`, `nvidia_allocations` (pure over one ``List``
-answer), `list_pod_devices` (one ``List`` call, time-bounded) and `PodDevicesReader` (each
-agent step's reading, the last good answer kept). Called by `fleet node-agent --annotate-node`
-(fleet/cli/agent.py), which resolves each pod's uid (`fleet.k8s.node_facts.PodUids`) and hands
+answer), `list_pod_devices` (one ``List`` call, time-bounded), `PodDevicesReader` (each
+step's reading, the last good answer kept) and the relay file: `write_relay_file`, written by
+``fleet pod-devices`` in a root container beside the agent, and `RelayFileReader`, the agent's
+reading of it. Called by `fleet node-agent --annotate-node` (fleet/cli/agent.py), which resolves each pod's uid (`fleet.k8s.node_facts.PodUids`) and hands
 the allocations to `fleet.k8s.node_facts.node_facts` (the pods on a quarantined GPU, the GPUs
 each pod holds) and `fleet.agent.pins.DepartedPodPins` (the weight-cache pins of pods gone).
 
@@ -15,12 +16,21 @@ its umask) owned by root: only uid 0 can connect (pkg/kubelet/kubelet.go ``setup
 pkg/kubelet/util/util_unix.go ``CreateListener``). Device ids are what the device plugin
 advertises: GPU UUIDs (``GPU-...``) and MIG UUIDs (``MIG-...``) with NVIDIA's device plugin and
 ``DEVICE_ID_STRATEGY=uuid``.
+
+Why a relay: the agent shares the weight cache with the engine pods' init containers as uid
+10001 (fleet/k8s/pod_weights.py); run as root, it would create cache directories and lock files
+those cannot write. So on Kubernetes a second container of the agent's pod runs as root with no
+capability, mounts only the PodResources directory, asks the kubelet (``fleet pod-devices``) and
+writes the answer into a volume the two share; the agent (``--pod-devices-file``) reads it.
+Where the agent itself runs as root, it asks the socket directly (``--pod-resources-socket``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -115,4 +125,66 @@ class PodDevicesReader:
         if reason is not None and reason != self.reason:
             log.warning("kubelet PodResources: %s", reason)
         self.reason = reason
+        return self.last
+
+
+# ----- the relay's file: the answer handed from a root container to the agent's user -----------
+
+RELAY_MAX_AGE_S = 90.0
+"""A relay file older than this is stale (its writer stopped): 3 of the chart's 30 s intervals."""
+
+
+def write_relay_file(path: Path, reader: PodDevicesReader, now_s: float) -> None:
+    """Write ``reader``'s last answer to ``path`` (JSON, 0644, replaced atomically):
+    ``{"askedS": <Unix s>, "stale": bool, "reason": str | null, "pods": [{"namespace": ..., "name":
+    ..., "devices": [...]}]}``. `RelayFileReader` reads it. Raises OSError when it cannot be written."""
+    doc = {"askedS": now_s, "stale": reader.stale, "reason": reader.reason,
+           "pods": [{"namespace": ns, "name": name, "devices": list(ids)} for (ns, name), ids in reader.last.items()]}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, sort_keys=True))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def parse_relay_file(text: str, where: str) -> tuple[Allocations, float, bool, str | None]:
+    """``(allocations, askedS, stale, reason)`` of a relay file's text. Raises ValueError naming
+    ``where`` and the field. Pure."""
+    try:
+        doc = json.loads(text)
+        asked_s, pods = float(doc["askedS"]), doc["pods"]
+        allocations = {(str(p["namespace"]), str(p["name"])): tuple(str(i) for i in p["devices"]) for p in pods}
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{where}: not a pod-devices relay file ({type(err).__name__}: {err})") from None
+    return allocations, asked_s, bool(doc.get("stale")), doc.get("reason")
+
+
+class RelayFileReader:
+    """`PodDevicesReader`'s interface (``read``, ``last``, ``reason``, ``stale``) over the file
+    `write_relay_file` keeps (``fleet pod-devices``, the chart's root container beside the
+    agent): stale when the file is missing, unreadable, older than ``max_age_s`` or says so."""
+
+    def __init__(self, path: Path, clock: Callable[[], float], max_age_s: float = RELAY_MAX_AGE_S) -> None:
+        self.path = Path(path)
+        self.clock = clock
+        self.max_age_s = max_age_s
+        self.last: Allocations = {}
+        self.reason: str | None = None
+        self.stale = True
+
+    def read(self) -> Allocations:
+        """The allocations the file holds, or the last good ones. Never raises."""
+        try:
+            allocations, asked_s, stale, reason = parse_relay_file(self.path.read_text(), str(self.path))
+        except (OSError, ValueError) as err:
+            reason, stale = f"{getattr(err, 'strerror', None) or err}: GPU allocations as last read", True
+            if isinstance(err, FileNotFoundError):
+                reason = f"{self.path}: no answer from the kubelet relayed yet"
+        else:
+            self.last = allocations
+            age_s = self.clock() - asked_s
+            if age_s > self.max_age_s:
+                reason, stale = f"{self.path}: last answer {age_s:.0f} s old (the relay stopped?)", True
+        if reason is not None and reason != self.reason:
+            log.warning("kubelet PodResources: %s", reason)
+        self.reason, self.stale = reason, stale
         return self.last

@@ -2,10 +2,12 @@
 over a real unix socket in tmp_path, served by the kubelet stand-in's gRPC server
 (fleet/testing/k8s/podresources.py) from the device plugin stand-in's allocations
 (fleet/testing/k8s/deviceplugin.py): whole GPUs and MIG devices read, other resources dropped,
-a missing socket read as no allocation, a dead or hanging server as the last good answer."""
+a missing socket read as no allocation, a dead or hanging server as the last good answer; the
+relay file a root container keeps for the agent (``fleet pod-devices``, `RelayFileReader`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import socket
@@ -17,13 +19,15 @@ from pathlib import Path
 import pytest
 
 from fleet.agent.pod_devices import (
-    PodDevicesReader, PodResourcesError, is_nvidia_resource, list_pod_devices, nvidia_allocations,
+    PodDevicesReader, PodResourcesError, RelayFileReader, is_nvidia_resource, list_pod_devices, nvidia_allocations,
+    parse_relay_file, write_relay_file,
 )
 from fleet.agent.podresources_api import api_pb2
 from fleet.testing.fake_nvml import device, mig_h100, write_state
 from fleet.testing.k8s.deviceplugin import DevicePlugin
 from fleet.testing.k8s.podconfig import BoxNode
 from fleet.testing.k8s.podresources import SOCKET, PodResourcesServer, list_response, serve_pod_resources
+from tests.support.fakes import FakeClock
 
 WHOLE = "GPU-00000001-0000-0000-0000-000000000000"
 
@@ -144,3 +148,36 @@ def test_a_path_too_long_for_a_unix_socket_is_refused_naming_it(tmp_path):
 def test_a_node_without_a_device_plugin_serves_nothing(tmp_path):
     with pytest.raises(ValueError, match="cpu-a: no device plugin"):
         serve_pod_resources(BoxNode("cpu-a", tmp_path))
+
+
+def test_the_relay_hands_the_answer_to_the_agent_through_a_file(node, served, short_tmp):
+    from typer.testing import CliRunner
+
+    from fleet.cli import app
+
+    node.plugin.allocate("uid-1", "engine", "nvidia.com/gpu", 1, pod=("fleet", "r-1"))
+    out = short_tmp / "pod-devices.json"
+    clock = FakeClock(1_764_000_000.0)
+    agent_side = RelayFileReader(out, clock, max_age_s=90.0)
+    assert agent_side.read() == {} and agent_side.stale and "no answer" in agent_side.reason
+    result = CliRunner().invoke(app, ["pod-devices", "--once", "--out", str(out),
+                                      "--pod-resources-socket", str(served.socket)])
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    asked_s = json.loads(out.read_text())["askedS"]
+    clock.advance(asked_s + 1.0 - clock())
+    assert agent_side.read() == {("fleet", "r-1"): (WHOLE,)} and not agent_side.stale and agent_side.reason is None
+    clock.advance(90.0)                                        # the relay stopped: its answer kept, stale
+    assert agent_side.read() == {("fleet", "r-1"): (WHOLE,)} and agent_side.stale and "91 s old" in agent_side.reason
+    out.write_text('{"askedS": 1, "pods": [{"name": "x"}]}')
+    assert agent_side.read() == {("fleet", "r-1"): (WHOLE,)} and agent_side.stale and "KeyError" in agent_side.reason
+
+
+def test_the_relay_file_says_what_the_kubelet_did_not_answer(node, short_tmp):
+    reader = PodDevicesReader(short_tmp / "none.sock")
+    reader.read()
+    write_relay_file(short_tmp / "f.json", reader, 100.0)
+    allocations, asked_s, stale, reason = parse_relay_file((short_tmp / "f.json").read_text(), "f.json")
+    assert (allocations, asked_s, stale) == ({}, 100.0, False) and "no kubelet PodResources socket" in reason
+    with pytest.raises(ValueError, match="f.json: not a pod-devices relay file"):
+        parse_relay_file("[]", "f.json")
