@@ -1,12 +1,13 @@
 """Which pods hold which NVIDIA devices on this node: the kubelet's PodResources API, asked.
 
 Owns `DEFAULT_SOCKET`, `PodResourcesError`, `nvidia_allocations` (pure over one ``List``
-answer), `list_pod_devices` (one ``List`` call, time-bounded), `PodDevicesReader` (each
-step's reading, the last good answer kept) and the relay file: `write_relay_file`, written by
+answer), `list_pod_devices` (one ``List`` call, time-bounded), `PodDevicesReader` (each step's
+reading, the last good answer kept) and the relay file: `write_relay_file`, written by
 ``fleet pod-devices`` in a root container beside the agent, and `RelayFileReader`, the agent's
-reading of it. Called by `fleet node-agent --annotate-node` (fleet/cli/agent.py), which resolves each pod's uid (`fleet.k8s.node_facts.PodUids`) and hands
-the allocations to `fleet.k8s.node_facts.node_facts` (the pods on a quarantined GPU, the GPUs
-each pod holds) and `fleet.agent.pins.DepartedPodPins` (the weight-cache pins of pods gone).
+reading of it. Called by `fleet node-agent --annotate-node` (fleet/cli/agent.py), which resolves each
+pod's uid (`fleet.k8s.node_facts.PodUids`) and hands the allocations to
+`fleet.k8s.node_facts.node_facts` (the pods on a quarantined GPU, the GPUs each pod holds) and
+`fleet.agent.pins.DepartedPodPins` (the weight-cache pins of pods gone).
 
 The API is the kubelet's gRPC service ``v1.PodResourcesLister`` on the unix socket
 ``/var/lib/kubelet/pod-resources/kubelet.sock`` (Kubernetes pkg/kubelet/apis/podresources,

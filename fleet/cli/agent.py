@@ -213,7 +213,8 @@ def node_agent(
         "(annotation fleet.inference.dev/gpu-health); in-cluster service account or kubeconfig.")] = False,
     pod_resources_socket: Annotated[Path, typer.Option(
         "--pod-resources-socket", help="The kubelet's PodResources API socket: which pods hold which GPUs "
-        "(with --annotate-node; root only on a real kubelet; no socket: no allocation known).")] = _POD_RESOURCES_SOCKET,
+        "(with --annotate-node; root only on a real kubelet; no socket: no allocation known).")
+    ] = _POD_RESOURCES_SOCKET,
     pod_devices_file: Annotated[Optional[Path], typer.Option(
         "--pod-devices-file", help="Read which pods hold which GPUs from this file, kept by `fleet pod-devices` "
         "(a root container beside an agent that is not root), instead of the socket.")] = None,

@@ -31,12 +31,13 @@ Owns the keys, their values and the one merge patch that writes them:
   no NVML.
 
 Agent side: `node_facts` (pure: the agent's status, its last NVML reading, the pods' allocations
--> `NodeFacts`), `PodUids` (namespace and name -> uid, one GET per pod newly listed), `node_facts_patch` (pure: what changed since the last publish, as one
-JSON merge patch) and `NodeFactsPublisher` (patches the Node through `fleet.k8s.client.Kube` when
-something changed, nothing otherwise; a failure is retried at the next step). Used by
+-> `NodeFacts`), `PodUids` (namespace and name -> uid, one GET per pod newly listed),
+`node_facts_patch` (pure: what changed since the last publish, as one JSON merge patch) and
+`NodeFactsPublisher` (patches the Node through `fleet.k8s.client.Kube` when something changed,
+nothing otherwise; a failure is retried at the next step). Used by
 `fleet node-agent --annotate-node` (fleet/cli/agent.py), which runs in the chart's DaemonSet with
-its node's name from the downward API and a service account that may get and patch nodes and get
-pods, nothing else (charts/fleet/templates/agent-daemonset.yaml).
+its node's name from the downward API and a service account that may get and patch nodes and
+get pods, nothing else (charts/fleet/templates/agent-daemonset.yaml).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ CUDA_DRIVER_VERSION_LABEL = LabelKeys().cuda_driver_version
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 __all__ = ["CACHED_ANNOTATION", "CUDA_DRIVER_VERSION_LABEL", "DRIVER_VERSION_LABEL", "GPU_HEALTH_ANNOTATION",
            "NVLINK_DOMAINS_LABEL", "GpuHealthFacts", "NodeFacts",
-           "NodeFactsPublisher", "PodUids", "QuarantinedGpu", "cached_value", "node_facts", "node_facts_patch", "parse_gpu_health"]
+           "NodeFactsPublisher", "PodUids", "QuarantinedGpu", "cached_value", "node_facts", "node_facts_patch",
+           "parse_gpu_health"]
 MAX_VALUE_CHARS = 64 * 1024
 """The cached annotation's longest value (the API server caps all annotations of an object at 256 KiB)."""
 

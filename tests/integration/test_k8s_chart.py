@@ -111,7 +111,7 @@ def test_rbac_is_least_privilege():
     assert cluster_rules == {   # the operator reads nodes; the node agent patches its own (any: RBAC cannot say which)
         "fleet-fleet-nodes": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}],
         "fleet-fleet-agent": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},   # and gets
-                              {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}   # the uids of its GPU pods
+                              {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}   # its GPU pods' uids
     role = kinds["Role"][0]
     assert role["metadata"]["namespace"] == "fleet"
     resources = {r for rule in role["rules"] for r in rule["resources"]}
@@ -334,7 +334,8 @@ def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings
         "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     assert {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in relay["volumeMounts"]} == {
         "pod-resources": ("/var/lib/kubelet/pod-resources", True), "pod-devices": ("/run/fleet/pod-devices", False)}
-    assert volumes["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "DirectoryOrCreate"}
+    assert volumes["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources",
+                                                    "type": "DirectoryOrCreate"}
     assert volumes["pod-devices"]["emptyDir"]["medium"] == "Memory"
     assert ds["serviceAccountName"] == "fleet-agent" and ds["automountServiceAccountToken"] is True
     agent_role = next(r for r in kinds["ClusterRole"] if r["metadata"]["name"].endswith("-agent"))
