@@ -81,11 +81,17 @@ def nvidia_allocations(response: api_pb2.ListPodResourcesResponse) -> Allocation
 def list_pod_devices(socket: Path = DEFAULT_SOCKET, timeout_s: float = TIMEOUT_S) -> Allocations:
     """One ``List`` call on the kubelet's socket, within ``timeout_s`` seconds (connecting
     included). Raises `FileNotFoundError` when no socket is at ``socket`` and
-    `PodResourcesError` when the call fails (refused, permission, deadline exceeded) or the
+    `PodResourcesError` when the call fails (refused, permission, deadline exceeded), the
+    directory is closed to this user (the kubelet's is root's, 0750) or the
     path is longer than a unix socket's (107 bytes, ``sun_path``)."""
     path = os.path.abspath(socket)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no kubelet PodResources socket")
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no kubelet PodResources socket") from None
+    except PermissionError:
+        raise PodResourcesError(f"{path}: permission denied (uid {os.getuid()}): only root reaches the "
+                                f"kubelet's socket") from None
     if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
         raise PodResourcesError(f"{path}: longer than a unix socket's path ({MAX_SOCKET_PATH_BYTES} bytes)")
     import grpc
