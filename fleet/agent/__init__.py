@@ -13,8 +13,9 @@ shape a Kubernetes DaemonSet runs). It owns:
   (`fleet.agent.quarantine.QuarantinePolicy`);
 - the periodic runner with Prometheus metrics and the quarantine state file
   (`fleet.agent.runner.NodeAgent`);
-- which pod holds which GPU, from the kubelet's device-manager checkpoint
-  (`fleet.agent.device_checkpoint`), for the node facts `fleet.k8s.node_facts` publishes.
+- which pod holds which GPU, from the kubelet's PodResources API (`fleet.agent.pod_devices`,
+  its proto in `fleet.agent.podresources_api`), for the node facts `fleet.k8s.node_facts`
+  publishes and the weight-cache pins of departed pods (`fleet.agent.pins`).
 
 Callers: `fleet.cli.agent` (``fleet cache``, ``fleet node-agent``); the controller integrates
 through the interfaces described in docs/node-agent.md. Nothing here imports the controller.

@@ -4,12 +4,13 @@ On Kubernetes an engine pod's init container pins the model it fetched for the p
 (`fleet cache pull --holder $(POD_UID)`, fleet/k8s/pod_weights.py), so eviction never takes weights a
 running engine reads. Nothing in the pod unpins when it goes (the engine's image has no Fleet),
 so the node agent does: `DepartedPodPins.step` compares the pins whose holder is a pod UID with
-the pods the kubelet's device checkpoint lists now (`fleet.agent.device_checkpoint`).
+the pods the kubelet's PodResources API lists now with NVIDIA devices (`fleet.agent.pod_devices`,
+each pod's uid got by `fleet.k8s.node_facts.PodUids`).
 
-A holder is released when the checkpoint was read and does not list it, and either this agent
+A holder is released when the kubelet answered and does not list it, and either this agent
 saw it listed before (the pod held GPUs and left), or its pin is older than
 ``orphan_after_s`` (a pod that left while no agent ran). An engine pod without GPUs never
-appears in the checkpoint: its pin lasts ``orphan_after_s`` (the model is then only evictable,
+appears there: its pin lasts ``orphan_after_s`` (the model is then only evictable,
 fetched again if needed). Pure apart from the cache it is given; time from the injected clock.
 """
 
@@ -32,8 +33,8 @@ class DepartedPodPins:
 
     def step(self, cache: WeightCache, allocations: Mapping[str, object] | None) -> list[tuple[str, str]]:
         """Release the pins of departed pods; returns ``[(cache key, pod uid)]`` released.
-        ``allocations``: the checkpoint's ``{pod uid: devices}``, None when it could not be read
-        (then nothing is released)."""
+        ``allocations``: ``{pod uid: devices}`` of the pods holding GPUs now, None when the
+        kubelet gave no answer or a pod's uid is unknown (then nothing is released)."""
         if allocations is None:
             return []
         current = set(allocations)

@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from fleet.agent.device_checkpoint import DEFAULT_CHECKPOINT
+from fleet.agent.pod_devices import DEFAULT_SOCKET as _POD_RESOURCES_SOCKET
 from fleet.cli.common import console, err_console
 
 
@@ -211,9 +211,13 @@ def node_agent(
         "(label fleet.inference.dev/nvlink-domains), the cached model sources without credentials "
         "(annotation fleet.inference.dev/cached) and the quarantined GPUs with the pods holding them "
         "(annotation fleet.inference.dev/gpu-health); in-cluster service account or kubeconfig.")] = False,
-    device_checkpoint: Annotated[Path, typer.Option(
-        "--device-checkpoint", help="The kubelet's device-manager checkpoint: which pods hold which GPUs "
-        "(with --annotate-node; a missing file is no allocation).")] = DEFAULT_CHECKPOINT,
+    pod_resources_socket: Annotated[Path, typer.Option(
+        "--pod-resources-socket", help="The kubelet's PodResources API socket: which pods hold which GPUs "
+        "(with --annotate-node; root only on a real kubelet; no socket: no allocation known).")
+    ] = _POD_RESOURCES_SOCKET,
+    pod_devices_file: Annotated[Optional[Path], typer.Option(
+        "--pod-devices-file", help="Read which pods hold which GPUs from this file, kept by `fleet pod-devices` "
+        "(a root container beside an agent that is not root), instead of the socket.")] = None,
     state_dir: Annotated[Optional[Path], typer.Option(
         "--state-dir", help="Where the quarantine state is kept across restarts (quarantine.json). "
         "Default: <cache root>/.agent.")] = None,
@@ -256,7 +260,7 @@ def node_agent(
         err_console.print(f"[red]{err}[/]", highlight=False)
         raise typer.Exit(2) from None
     cache = _cache(root, budget)
-    publish = _node_facts_publisher(name, device_checkpoint) if annotate_node else None
+    publish = _node_facts_publisher(name, pod_resources_socket, pod_devices_file) if annotate_node else None
     checker, why = local_health_checker(name, time.time)
     if checker is None:
         err_console.print(f"{why}: GPU health checks are off on this node.", highlight=False)
@@ -293,37 +297,74 @@ def node_agent(
             checker.reader.close()
 
 
-def _node_facts_publisher(node: str, device_checkpoint: Path):
-    """The ``on_step`` work of --annotate-node: ``publish(status, checker, cache)`` writes this
-    node's facts (`fleet.k8s.node_facts`) when they changed, and releases the cache pins of
-    engine pods that left the node (`fleet.agent.pins`). Exits 2 without a cluster configuration."""
-    from fleet.agent.device_checkpoint import CheckpointReader
+def _node_facts_publisher(node: str, pod_resources_socket: Path, pod_devices_file: Path | None):
+    """The ``on_step`` work of --annotate-node: ``publish(status, checker, cache)`` asks the
+    kubelet which pods hold which GPUs (`fleet.agent.pod_devices`, their uids from the API server:
+    `fleet.k8s.node_facts.PodUids`), writes this node's facts (`fleet.k8s.node_facts`) when they
+    changed, and releases the cache pins of engine pods that left the node (`fleet.agent.pins`).
+    Exits 2 without a cluster configuration."""
+    from fleet.agent.pod_devices import PodDevicesReader, RelayFileReader
     from fleet.k8s.client import KubeClient
-    from fleet.k8s.node_facts import NodeFactsPublisher, node_facts
+    from fleet.k8s.node_facts import NodeFactsPublisher, PodUids, node_facts
 
     try:
-        publisher = NodeFactsPublisher(KubeClient.load(), node)
+        kube = KubeClient.load()
+        publisher = NodeFactsPublisher(kube, node)
     except Exception as err:  # noqa: BLE001 - kubernetes.config.ConfigException and file errors
         err_console.print(f"[red]--annotate-node: no cluster configuration (in-cluster service account or "
                           f"kubeconfig): {err}[/]", highlight=False)
         raise typer.Exit(2) from None
     from fleet.agent.pins import DepartedPodPins
 
-    allocations = CheckpointReader(device_checkpoint)
+    devices = (RelayFileReader(pod_devices_file, time.time) if pod_devices_file is not None
+               else PodDevicesReader(pod_resources_socket))
+    uids = PodUids(kube)
     pins = DepartedPodPins(time.time)
 
     def publish(status: dict, checker, cache) -> None:
         reading = (checker.last_reading if checker is not None else None) or {}
         reader = checker.reader if checker is not None else None
         domains = reader.nvlink_domains if reader is not None else None
-        held = allocations.read()
+        held, complete = uids.resolve_sync(devices.read())
         publisher.publish_sync(node_facts(status, reading.get("devices", []), held, cache.cached_sources(), domains,
                                           reader.driver_version if reader is not None else None,
                                           reader.cuda_driver_version if reader is not None else None))
-        for key, uid in pins.step(cache, held if allocations.error is None else None):
+        for key, uid in pins.step(cache, held if complete and not devices.stale else None):
             err_console.print(f"weight cache {key}: released the pin of pod {uid} (gone from this node)",
                               highlight=False)
     return publish
+
+
+@app.command("pod-devices")
+def pod_devices(
+    out: Annotated[Path, typer.Option("--out", help="The file to keep the answer in (JSON, replaced atomically).")],
+    pod_resources_socket: Annotated[Path, typer.Option(
+        "--pod-resources-socket", help="The kubelet's PodResources API socket (root only on a real kubelet).")
+    ] = _POD_RESOURCES_SOCKET,
+    interval_s: Annotated[float, typer.Option("--interval-s", min=0.1, help="Seconds between questions.")] = 30.0,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", min=0.1, help="Deadline of one question, seconds.")] = 10.0,
+    once: Annotated[bool, typer.Option("--once", help="Ask once, write the file and exit.")] = False,
+) -> None:
+    """Ask the kubelet which pods hold which NVIDIA devices (its PodResources API) every
+    --interval-s and keep the answer in --out for `fleet node-agent --pod-devices-file`: the
+    chart runs it as root, with no capability, in a container beside the agent
+    (fleet/agent/pod_devices.py says why)."""
+    from fleet.agent.pod_devices import PodDevicesReader, write_relay_file
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    reader = PodDevicesReader(pod_resources_socket, timeout_s)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while True:
+        reader.read()
+        try:
+            write_relay_file(out, reader, time.time())
+        except OSError as err:
+            err_console.print(f"[red]--out {out}: {err.strerror or err}[/]", highlight=False)
+            raise typer.Exit(1) from None
+        if once or stop.wait(interval_s):
+            return
 
 
 app.add_typer(cache_app)

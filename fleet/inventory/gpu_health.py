@@ -15,9 +15,9 @@ The value (JSON, written by the agent only when it changes)::
      "allocations": {"<pod uid>": [0, 1]}, "healthChecks": true}
 
 ``index`` is the NVML GPU index; ``pods`` (the pods holding that GPU or MIG instance) and
-``allocations`` (GPU indexes per pod) come from the kubelet's device-manager checkpoint
-(``/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint``), which says which devices the
-device plugin gave each pod. An optional ``profile`` (``3g.40gb``) on a MIG entry lets placement
+``allocations`` (GPU indexes per pod) come from the kubelet's PodResources API
+(``/var/lib/kubelet/pod-resources/kubelet.sock``, `fleet.agent.pod_devices`), which says which
+devices the device plugin gave each pod. An optional ``profile`` (``3g.40gb``) on a MIG entry lets placement
 leave out a slice of the right size.
 """
 

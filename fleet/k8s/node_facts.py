@@ -25,16 +25,19 @@ Owns the keys, their values and the one merge patch that writes them:
   "profile": "3g.40gb" (MIG only), "reason": "...", "sinceS": 1764000000.0, "pods": ["<pod uid>"]}],
   "allocations": {"<pod uid>": [0, 1]}, "healthChecks": true}``. ``index`` is the NVML GPU index
   (of the parent GPU for a MIG instance); ``pods`` and ``allocations`` come from the kubelet's
-  device-manager checkpoint (`fleet.agent.device_checkpoint`); ``healthChecks`` is false when the
-  agent has no NVML.
+  PodResources API (`fleet.agent.pod_devices`), which names pods by namespace and name: `PodUids`
+  gets each one's uid from the API server, so the operator matches its own pods by uid (a pod
+  made again under the same name is another pod); ``healthChecks`` is false when the agent has
+  no NVML.
 
-Agent side: `node_facts` (pure: the agent's status, its last NVML reading, the checkpoint's
-allocations -> `NodeFacts`), `node_facts_patch` (pure: what changed since the last publish, as one
-JSON merge patch) and `NodeFactsPublisher` (patches the Node through `fleet.k8s.client.Kube` when
-something changed, nothing otherwise; a failure is retried at the next step). Used by
+Agent side: `node_facts` (pure: the agent's status, its last NVML reading, the pods' allocations
+-> `NodeFacts`), `PodUids` (namespace and name -> uid, one GET per pod newly listed),
+`node_facts_patch` (pure: what changed since the last publish, as one JSON merge patch) and
+`NodeFactsPublisher` (patches the Node through `fleet.k8s.client.Kube` when something changed,
+nothing otherwise; a failure is retried at the next step). Used by
 `fleet node-agent --annotate-node` (fleet/cli/agent.py), which runs in the chart's DaemonSet with
-its node's name from the downward API and a service account that may get and patch nodes, nothing
-else (charts/fleet/templates/agent-daemonset.yaml).
+its node's name from the downward API and a service account that may get and patch nodes and
+get pods, nothing else (charts/fleet/templates/agent-daemonset.yaml).
 """
 
 from __future__ import annotations
@@ -44,14 +47,17 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleet.base.names import MIG_PROFILE_IN_TEXT
 from fleet.inventory.gfd import LabelKeys, format_nvlink_domains
 from fleet.inventory.gpu_health import ANNOTATION as GPU_HEALTH_ANNOTATION
 from fleet.inventory.gpu_health import GpuHealthFacts, QuarantinedGpu, gpu_health_value, parse_gpu_health
-from fleet.k8s.client import NODES, Kube
+from fleet.k8s.client import NODES, PODS, Kube, NotFound
 from fleet.sources import redact_source
+
+if TYPE_CHECKING:   # the operator imports this module too, and needs no gRPC
+    from fleet.agent.pod_devices import Allocations, PodKey
 
 log = logging.getLogger("fleet.node_agent")
 
@@ -63,7 +69,8 @@ CUDA_DRIVER_VERSION_LABEL = LabelKeys().cuda_driver_version
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 __all__ = ["CACHED_ANNOTATION", "CUDA_DRIVER_VERSION_LABEL", "DRIVER_VERSION_LABEL", "GPU_HEALTH_ANNOTATION",
            "NVLINK_DOMAINS_LABEL", "GpuHealthFacts", "NodeFacts",
-           "NodeFactsPublisher", "QuarantinedGpu", "cached_value", "node_facts", "node_facts_patch", "parse_gpu_health"]
+           "NodeFactsPublisher", "PodUids", "QuarantinedGpu", "cached_value", "node_facts", "node_facts_patch",
+           "parse_gpu_health"]
 MAX_VALUE_CHARS = 64 * 1024
 """The cached annotation's longest value (the API server caps all annotations of an object at 256 KiB)."""
 
@@ -107,7 +114,7 @@ def node_facts(status: Mapping[str, Any], devices: Iterable[Mapping[str, Any]],
     """The facts of one agent step. ``status``: `fleet.agent.runner.NodeAgent.status` (its
     ``quarantined`` and ``health_checks``); ``devices``: the last NVML reading's devices
     (`fleet.agent.nvml_health.NvmlHealthReader.read`: ``index``, ``uuid``, ``mig_instances``);
-    ``allocations``: ``{pod uid: device ids}`` (`fleet.agent.device_checkpoint`); a MIG
+    ``allocations``: ``{pod uid: device ids}`` (`fleet.agent.pod_devices`, `PodUids`); a MIG
     instance's ``name`` gives its ``profile`` when it has one; device ids not
     on this node's NVML are left out. ``nvlink_domains``: None when NVML is unavailable. A
     quarantine of the whole node (NVML failed) names no GPU and is not listed.
@@ -223,3 +230,39 @@ class NodeFactsPublisher:
         except Exception as err:  # noqa: BLE001 - the agent's loop survives; the next step retries
             log.warning("cannot write node facts on node %s: %s", self.node, err)
             return False
+
+
+class PodUids:
+    """The uid of each pod the PodResources API names (``(namespace, name)``), got from the API
+    server once per pod while it stays listed (a GET of the pod; the agent's service account may
+    get pods). A name listed again after it left is got again."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.known: dict[PodKey, str] = {}
+        self.gets = 0
+
+    async def resolve(self, allocations: Allocations) -> tuple[dict[str, tuple[str, ...]], bool]:
+        """``({pod uid: device ids}, complete)``: a pod the API server does not have (404: gone)
+        is left out; one whose GET failed otherwise is left out too and makes ``complete``
+        False (the weight-cache pins are then left alone: `fleet.agent.pins`). Never raises."""
+        self.known = {key: uid for key, uid in self.known.items() if key in allocations}
+        out, complete = {}, True
+        for key, ids in allocations.items():
+            if key not in self.known:
+                try:
+                    self.gets += 1
+                    pod = await self.kube.get(PODS, key[0], key[1])
+                except NotFound:
+                    continue
+                except Exception as err:  # noqa: BLE001 - the next step asks again
+                    log.warning("cannot get pod %s/%s (its GPUs go unnamed this step): %s", *key, err)
+                    complete = False
+                    continue
+                self.known[key] = str(pod["metadata"]["uid"])
+            out[self.known[key]] = ids
+        return out, complete
+
+    def resolve_sync(self, allocations: Allocations) -> tuple[dict[str, tuple[str, ...]], bool]:
+        """`resolve` from the agent's own thread (no event loop runs there)."""
+        return asyncio.run(self.resolve(allocations))

@@ -37,10 +37,10 @@ def test_the_charts_pods_need_the_levels_the_docs_state():
     assert level(pods["fleet-router"]) == "restricted", violations(pods["fleet-router"], "restricted")
     agent = pods["fleet-agent"]
     assert level(agent) == "privileged"
-    assert violations(agent, "baseline") == ["hostPath volume 'cache'", "hostPath volume 'device-plugins'"]
+    assert violations(agent, "baseline") == ["hostPath volume 'cache'", "hostPath volume 'pod-resources'"]
     without_host_paths = copy.deepcopy(agent)
     without_host_paths["volumes"] = [v for v in agent["volumes"] if "hostPath" not in v]
-    assert level(without_host_paths) == "baseline"   # the root `prepare` container (CHOWN) alone
+    assert level(without_host_paths) == "baseline"   # the root `prepare` (CHOWN) and `pod-devices` containers alone
 
 
 def test_engine_and_pre_pull_pods_need_the_levels_the_docs_state():

@@ -110,7 +110,8 @@ def test_rbac_is_least_privilege():
     cluster_rules = {r["metadata"]["name"]: r["rules"] for r in kinds["ClusterRole"]}
     assert cluster_rules == {   # the operator reads nodes; the node agent patches its own (any: RBAC cannot say which)
         "fleet-fleet-nodes": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}],
-        "fleet-fleet-agent": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]}
+        "fleet-fleet-agent": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},   # and gets
+                              {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}   # its GPU pods' uids
     roles = {r["metadata"]["name"]: r for r in kinds["Role"]}
     # the router pods: get on their peers Service's Endpoints (by name), nothing else (router-rbac.yaml)
     assert roles["fleet-router"]["rules"] == [{"apiGroups": [""], "resources": ["endpoints"],
@@ -316,7 +317,7 @@ def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings
     assert container["args"][0] == "node-agent"
     assert {"--root=/var/lib/fleet/cache", "--annotate-node", "--node-name=$(NODE_NAME)", "--host=$(POD_IP)",
             "--state-dir=/var/lib/fleet/cache/.agent",
-            "--device-checkpoint=/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"} <= set(container["args"])
+            "--pod-devices-file=/run/fleet/pod-devices/pod-devices.json"} <= set(container["args"])
     env = {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
     assert env == {"NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP", "NVIDIA_VISIBLE_DEVICES": "all",
                    "NVIDIA_DRIVER_CAPABILITIES": "utility"}
@@ -333,14 +334,27 @@ def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings
     assert prepare["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert "runtimeClassName" not in ds   # the node's default runtime (the GPU Operator's: NVIDIA's)
     mounts = {m["name"]: m for m in container["volumeMounts"]}
-    assert mounts["device-plugins"] == {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins",
-                                        "readOnly": True}
+    assert set(mounts) == {"cache", "tmp", "pod-devices"} and mounts["pod-devices"]["readOnly"] is True
     volumes = {v["name"]: v for v in ds["volumes"]}
-    assert volumes["device-plugins"]["hostPath"]["path"] == "/var/lib/kubelet/device-plugins"
     assert "emptyDir" in volumes[mounts["tmp"]["name"]]   # the only writable place beside the cache
+    # The kubelet's PodResources socket is root's: a root container with no capability asks it and
+    # hands the answer over; it mounts nothing else.
+    relay = ds["containers"][1]
+    assert relay["name"] == "pod-devices" and relay["image"] == container["image"]
+    assert relay["args"] == ["pod-devices", "--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock",
+                             "--out=/run/fleet/pod-devices/pod-devices.json", "--interval-s=10"]
+    assert relay["securityContext"] == {
+        "runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    assert {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in relay["volumeMounts"]} == {
+        "pod-resources": ("/var/lib/kubelet/pod-resources", True), "pod-devices": ("/run/fleet/pod-devices", False)}
+    assert volumes["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources",
+                                                    "type": "DirectoryOrCreate"}
+    assert volumes["pod-devices"]["emptyDir"]["medium"] == "Memory"
     assert ds["serviceAccountName"] == "fleet-agent" and ds["automountServiceAccountToken"] is True
     agent_role = next(r for r in kinds["ClusterRole"] if r["metadata"]["name"].endswith("-agent"))
-    assert agent_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    assert agent_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+                                   {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]
     binding = next(b for b in kinds["ClusterRoleBinding"] if b["metadata"]["name"].endswith("-agent"))
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "fleet-agent", "namespace": "fleet"}]
     op = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-operator")
@@ -353,6 +367,8 @@ def test_the_agent_annotates_its_node_with_least_privilege_and_pre_pull_settings
     kinds = _by_kind(render(extra=("--set", "agent.enabled=true", "--set", "agent.annotateNode=false")))
     assert kinds["DaemonSet"][0]["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert "--annotate-node" not in kinds["DaemonSet"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [c["name"] for c in kinds["DaemonSet"][0]["spec"]["template"]["spec"]["containers"]] == ["agent"]
+    assert {v["name"] for v in kinds["DaemonSet"][0]["spec"]["template"]["spec"]["volumes"]} == {"cache", "tmp"}
     assert len(kinds["ClusterRole"]) == 1
     # a runtime class only where the values ask for one
     kinds = _by_kind(render(extra=("--set", "agent.runtimeClassName=nvidia")))
@@ -384,7 +400,7 @@ def test_the_node_agent_runs_on_gpu_nodes_by_default_tolerating_their_taint(tmp_
     assert pod["tolerations"] == [GPU_TOLERATION]
     assert "runtimeClassName" not in pod and "affinity" not in pod
     assert {v["name"]: v["hostPath"]["type"] for v in pod["volumes"] if "hostPath" in v} == {
-        "cache": "DirectoryOrCreate", "device-plugins": "DirectoryOrCreate"}
+        "cache": "DirectoryOrCreate", "pod-resources": "DirectoryOrCreate"}
     op = next(d for d in _by_kind(objs)["Deployment"] if d["metadata"]["name"] == "fleet-operator")
     env = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
     engine = json.loads(env["FLEET_ENGINE_POD_JSON"])

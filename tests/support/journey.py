@@ -313,13 +313,18 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
                          if d["uuid"] == bad_uuid)  # fmt: skip
         box.inject_xid("sxm-8", bad_index, 79)
 
-        def quarantined() -> bool:
+        def quarantined() -> list[str] | None:
+            """The pods the gpu-health annotation names on the bad GPU, once it is quarantined."""
             node = box.get(NODES, None, "sxm-8")
             value = (node["metadata"].get("annotations") or {}).get("fleet.inference.dev/gpu-health")
-            return bool(value) and any(q["index"] == bad_index for q in json.loads(value)["quarantined"])
+            hits = [q for q in json.loads(value)["quarantined"] if q["index"] == bad_index] if value else []
+            return hits[0]["pods"] if hits else None
 
-        await box_wait(quarantined, 60,
-                       what=f"GPU {bad_index} of sxm-8 quarantined in the node's gpu-health annotation")
+        named = await box_wait(quarantined, 60,
+                               what=f"GPU {bad_index} of sxm-8 quarantined in the node's gpu-health annotation")
+        # The agent named the victim: from the kubelet's PodResources socket (its only source of
+        # which pod holds which GPU), the uid got from the API server.
+        assert named == [victim["metadata"]["uid"]] and box.pod_resources["sxm-8"].calls > 0
         await box_wait(lambda: victim["metadata"]["name"] not in {p["metadata"]["name"] for p in pods()}, 180,
                        what=f"replica {victim['metadata']['name']} on the quarantined GPU drained")
 
@@ -379,7 +384,7 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
         await box_wait(lambda: restarted(op, "operator"), 120, what="the operator restarted after kill -9")
         agent = kill9("app.kubernetes.io/component=agent", "agent", node="sxm-8")
         await box_wait(lambda: restarted(agent, "agent"), 120, what="the sxm-8 agent restarted after kill -9")
-        assert quarantined(), "the quarantine did not survive the agent's restart"
+        assert quarantined() is not None, "the quarantine did not survive the agent's restart"
         load.killed_router = f"http://{pods('app.kubernetes.io/component=router')[0]['status']['podIP']}:8080"
         router = kill9("app.kubernetes.io/component=router", "router")
         await box_wait(lambda: restarted(router, "router"), 120, what="a router pod restarted after kill -9")

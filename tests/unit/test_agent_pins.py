@@ -1,6 +1,7 @@
 """Pins of engine pods that left the node are released by the agent (fleet/agent/pins.py):
-pods listed by the kubelet's device checkpoint keep theirs; one seen and then gone loses its pin
-at once, one never seen only after ``orphan_after_s``; an unreadable checkpoint releases nothing;
+pods the kubelet's PodResources API lists with GPUs keep theirs; one seen and then gone loses its
+pin at once, one never seen only after ``orphan_after_s``; no answer from the kubelet (or a pod
+whose uid is unknown) releases nothing;
 holders that are no pod UID (a `fleet up` replica id) are never touched."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def test_departed_pods_lose_their_pins(hub, tmp_path):  # noqa: F811
         cache.pin(key, holder)
     pins = DepartedPodPins(clock, orphan_after_s=3600)
 
-    assert pins.step(cache, None) == []                          # checkpoint unreadable: nothing
+    assert pins.step(cache, None) == []                          # no answer from the kubelet: nothing
     assert pins.step(cache, {GPU_POD: ("GPU-0",)}) == []          # LEFT_EARLY/CPU_POD: pinned just now
     assert set(cache.pinned_by(key)) == {GPU_POD, LEFT_EARLY, CPU_POD, "replica-a"}
     assert pins.step(cache, {}) == [(key, GPU_POD)]               # seen, then gone: released at once

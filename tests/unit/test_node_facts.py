@@ -1,5 +1,5 @@
 """The node facts the agent publishes (fleet/k8s/node_facts.py): values, the merge patch, the
-operator's parser; the kubelet's device checkpoint (fleet/agent/device_checkpoint.py); the
+operator's parser; the pods' uids behind the PodResources API's names (`PodUids`); the
 credentials stripped (fleet/sources.py `redact_source`) and the NVLink label's format
 (fleet/inventory/gfd.py `format_nvlink_domains`). The Kubernetes wrapper is the in-repo fake."""
 
@@ -11,16 +11,13 @@ import re
 
 import pytest
 
-from fleet.agent.device_checkpoint import (
-    CheckpointError, CheckpointReader, parse_device_checkpoint, read_device_checkpoint,
-)
 from fleet.inventory.gfd import format_nvlink_domains, node_from_k8s, parse_nvlink_domains
 from fleet.inventory.nvml import node_from_nvml
-from fleet.k8s.client import NODES
+from fleet.k8s.client import NODES, PODS, ApiError
 from fleet.inventory.gpu_health import gpu_health_value
 from fleet.k8s.node_facts import (
     CACHED_ANNOTATION, GPU_HEALTH_ANNOTATION, NVLINK_DOMAINS_LABEL, GpuHealthFacts, NodeFacts, NodeFactsPublisher,
-    QuarantinedGpu, cached_value, node_facts, node_facts_patch, parse_gpu_health,
+    PodUids, QuarantinedGpu, cached_value, node_facts, node_facts_patch, parse_gpu_health,
 )
 from fleet.sources import redact_source
 from fleet.testing.fake_nvml import mig_h100, nvlink_pairs_4gpu, nvswitch_8gpu, partial_nvlink_8gpu, pcie_4gpu
@@ -92,44 +89,43 @@ def test_a_grouping_too_long_for_a_label_is_refused_and_not_published():
     assert node_facts({}, [], {}, [], (tuple(range(32)),)).nvlink_domains == "0-31"   # one run fits
 
 
-CHECKPOINT = {"Data": {"PodDeviceEntries": [
-    {"PodUID": "pod-a", "ContainerName": "engine", "ResourceName": "nvidia.com/gpu",
-     "DeviceIDs": {"-1": ["GPU-00000002-0000-0000-0000-000000000000", "GPU-00000003-0000-0000-0000-000000000000"]},
-     "AllocResp": ""},
-    {"PodUID": "pod-b", "ContainerName": "engine", "ResourceName": "nvidia.com/gpu",
-     "DeviceIDs": {"0": ["GPU-00000000-0000-0000-0000-000000000000"]}, "AllocResp": ""},
-    {"PodUID": "pod-c", "ContainerName": "x", "ResourceName": "example.com/fpga", "DeviceIDs": {"0": ["f0"]}},
-    {"PodUID": "pod-d", "ContainerName": "engine", "ResourceName": "nvidia.com/gpu",
-     "DeviceIDs": ["GPU-00000001-0000-0000-0000-000000000000"]},   # the older (v1) list
-], "RegisteredDevices": {"nvidia.com/gpu": []}}, "Checksum": 12345}
+# {pod uid: device ids}, as `PodUids` hands them on (fleet/agent/pod_devices.py reads the kubelet).
+ALLOCATIONS = {
+    "pod-a": ("GPU-00000002-0000-0000-0000-000000000000", "GPU-00000003-0000-0000-0000-000000000000"),
+    "pod-b": ("GPU-00000000-0000-0000-0000-000000000000",),
+    "pod-d": ("GPU-00000001-0000-0000-0000-000000000000",),
+}
 
 
-def test_the_device_checkpoint_lists_each_pods_nvidia_devices(tmp_path):
-    path = tmp_path / "kubelet_internal_checkpoint"
-    assert read_device_checkpoint(path) == {}                       # no file: no allocation
-    path.write_text(json.dumps(CHECKPOINT))
-    assert read_device_checkpoint(path) == {
-        "pod-a": ("GPU-00000002-0000-0000-0000-000000000000", "GPU-00000003-0000-0000-0000-000000000000"),
-        "pod-b": ("GPU-00000000-0000-0000-0000-000000000000",),
-        "pod-d": ("GPU-00000001-0000-0000-0000-000000000000",),
-    }
+def _pod(kube: FakeKube, name: str) -> str:
+    """Create pod ``fleet/<name>``; its uid (the store gives one)."""
+    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"namespace": "fleet", "name": name}}
+    return kube.store.create(PODS, "fleet", body)["metadata"]["uid"]
 
 
-@pytest.mark.parametrize("text, message", [("{", "not JSON"), ("[]", "PodDeviceEntries"), ('{"Data": {}}', "PodDeviceEntries")])
-def test_a_bad_checkpoint_is_refused_naming_the_file(text, message):
-    with pytest.raises(CheckpointError, match=message):
-        parse_device_checkpoint(text, "/x/kubelet_internal_checkpoint")
+def test_pod_uids_are_got_once_per_listed_pod_and_a_gone_pod_is_left_out():
+    kube = FakeKube()
+    uid1, uid2 = _pod(kube, "r-1"), _pod(kube, "r-2")
+    uids = PodUids(kube)
+    listed = {("fleet", "r-1"): ("GPU-1",), ("fleet", "r-2"): ("GPU-2",), ("fleet", "gone"): ("GPU-3",)}
+    assert uids.resolve_sync(listed) == ({uid1: ("GPU-1",), uid2: ("GPU-2",)}, True)
+    assert kube.calls["get"] == 3
+    assert uids.resolve_sync(listed)[0] == {uid1: ("GPU-1",), uid2: ("GPU-2",)}
+    assert kube.calls["get"] == 4                       # only the pod the API server did not have, again
+    # r-1 leaves the listing and comes back as another pod of the same name: got again
+    kube.store.delete(PODS, "fleet", "r-1")
+    assert uids.resolve_sync({("fleet", "r-2"): ("GPU-2",)}) == ({uid2: ("GPU-2",)}, True)
+    uid9 = _pod(kube, "r-1")
+    assert uid9 != uid1 and uids.resolve_sync({("fleet", "r-1"): ("GPU-1",)}) == ({uid9: ("GPU-1",)}, True)
 
 
-def test_the_checkpoint_reader_keeps_the_last_good_reading(tmp_path):
-    path = tmp_path / "cp"
-    path.write_text(json.dumps(CHECKPOINT))
-    reader = CheckpointReader(path)
-    good = reader.read()
-    path.write_text("{torn")
-    assert reader.read() == good and "not JSON" in reader.error
-    path.unlink()
-    assert reader.read() == {} and reader.error is None
+def test_a_failed_get_leaves_the_pod_out_and_the_answer_incomplete():
+    kube = FakeKube()
+    uid = _pod(kube, "r-1")
+    kube.fail_next["get"] = ApiError(403, "Forbidden", "pods is forbidden")
+    uids = PodUids(kube)
+    assert uids.resolve_sync({("fleet", "r-1"): ("GPU-1",)}) == ({}, False)
+    assert uids.resolve_sync({("fleet", "r-1"): ("GPU-1",)}) == ({uid: ("GPU-1",)}, True)
 
 
 def _status(*quarantined):
@@ -140,9 +136,8 @@ def _status(*quarantined):
 def test_node_facts_name_the_quarantined_gpu_and_the_pods_holding_it():
     snap = nvswitch_8gpu()
     uuid = snap["devices"][3]["uuid"]
-    allocations = parse_device_checkpoint(json.dumps(CHECKPOINT))
     facts = node_facts(_status((uuid, "xid: Xid 79: GPU has fallen off the bus (gpu_lost)"), ("node", "NVML failed")),
-                       snap["devices"], {**allocations, "pod-gone": ("GPU-not-on-this-node",)},
+                       snap["devices"], {**ALLOCATIONS, "pod-gone": ("GPU-not-on-this-node",)},
                        ["https://u:p@h/m/?sig=1", "hf://org/m@main"], node_from_nvml(snap, "n").nvlink_domains)
     assert facts.nvlink_domains == "0-7"
     assert facts.cached == "hf://org/m@main,https://h/m/"

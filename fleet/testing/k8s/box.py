@@ -13,7 +13,8 @@ STAND-IN for a Kubernetes cluster (none can run on the project's machines: docs/
   (hostPath under the node's own root directory), env, Secrets, service-account token (the real
   in-cluster configuration path of the ``kubernetes`` client), probes and restart policy;
 - per GPU node, a fake NVML state file (what the node's ``pynvml`` stand-in,
-  fleet/testing/nvml_driver, reads) and a device plugin (fleet/testing/k8s/deviceplugin.py).
+  fleet/testing/nvml_driver, reads), a device plugin (fleet/testing/k8s/deviceplugin.py) and the
+  kubelet's PodResources socket answering from it (fleet/testing/k8s/podresources.py).
 
 `NODE_SHAPES` is the box's shape: a CPU node, an 8xH100 SXM node (NVSwitch: one NVLink domain), a node
 of four H100 NVL cards in two NVLink-bridged pairs joined by PCIe, and an H100 cut into MIG
@@ -50,6 +51,7 @@ from fleet.testing.k8s.endpoints import EndpointsController
 from fleet.testing.k8s.kubelet import ImagePuller
 from fleet.testing.k8s.podconfig import REPO, BoxNode
 from fleet.testing.k8s.kubelet_api import StoreKubeletApi
+from fleet.testing.k8s.podresources import PodResourcesServer, serve_pod_resources
 from fleet.testing.k8s.podrunner import BoxKubelet
 from fleet.testing.k8s.rbac import ADMIN, Authorizer
 from fleet.testing.k8s.resources import by_kind
@@ -185,6 +187,7 @@ class ClusterInABox:
         self.kubelet: BoxKubelet | None = None
         self.kube: KubeClient | None = None
         self.rendered: list[dict] = []
+        self.pod_resources: dict[str, PodResourcesServer] = {}   # GPU node -> its kubelet's PodResources
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -205,6 +208,8 @@ class ClusterInABox:
             root = self.work / "nodes" / shape.name
             root.mkdir(parents=True, exist_ok=True)
             node = prepare_node(shape, root)
+            if node.plugin is not None:
+                self.pod_resources[shape.name] = serve_pod_resources(node)
             self.nodes[shape.name] = node
             self.store.create(NODES, None, node_object(shape, node.plugin))
         self.kubelet = BoxKubelet(StoreKubeletApi(self.store), self.nodes, self.work, token_for=self.authorizer.service_account_token,
@@ -241,6 +246,8 @@ class ClusterInABox:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.kubelet is not None:
             await self.kubelet.stop()
+        for server in self.pod_resources.values():
+            server.stop()
         if self.kube is not None:
             self.kube.close()
         await self.api.stop()

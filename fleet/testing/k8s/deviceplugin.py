@@ -7,9 +7,9 @@ devices as ``nvidia.com/mig-<profile>`` (the plugin's ``mixed`` strategy), by UU
 DEVICE_ID_STRATEGY=uuid). `allocate` picks devices as the plugin's preferred allocation does for
 whole GPUs (go-gpuallocator's best-effort policy: a set inside one NVLink domain when one has
 room, the fullest such domain first), never an unhealthy or allocated device, and records the
-allocation in the kubelet's device-manager checkpoint
-(``<node root>/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint``, the kubelet's v2
-JSON format), which Fleet's node agent reads.
+allocation with the pod's namespace and name, which the node's PodResources server answers
+from as the kubelet's device manager does (fleet/testing/k8s/podresources.py, what Fleet's node
+agent asks).
 
 Health, as the real plugin: an Xid in the state file's ``xid_events`` other than the ones it
 ignores (13, 31, 43, 45, 68, 109: application errors) marks the GPU (and its MIG devices)
@@ -19,20 +19,18 @@ unhealthy; `allocatable` then leaves it out.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from fleet.inventory.nvml import node_from_nvml
 
 IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
-CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 
 
 class DevicePlugin:
     def __init__(self, node: str, state_path: Path, node_root: Path) -> None:
         self.node = node
         self.state_path = state_path
-        self.checkpoint = node_root / CHECKPOINT
+        self.node_root = node_root
         snapshot = json.loads(state_path.read_text())
         inv = node_from_nvml(snapshot, node)
         by_index = {d["index"]: d["uuid"] for d in snapshot["devices"]}
@@ -49,8 +47,8 @@ class DevicePlugin:
                 self.gpus.append(uuid)
         self.domains: list[list[str]] = [[by_index[i] for i in d] for d in (inv.nvlink_domains or ())]
         self.allocations: dict[tuple[str, str], tuple[str, list[str]]] = {}   # (pod uid, container) -> (res, ids)
+        self.pods: dict[str, tuple[str, str]] = {}   # pod uid -> (namespace, name)
         self.unhealthy: set[str] = set()
-        self._write_checkpoint()
 
     def resources(self) -> dict[str, list[str]]:
         out = {"nvidia.com/gpu": list(self.gpus)} if self.gpus else {}
@@ -79,8 +77,10 @@ class DevicePlugin:
     def _used(self) -> set[str]:
         return {i for _res, ids in self.allocations.values() for i in ids}
 
-    def allocate(self, pod_uid: str, container: str, resource: str, count: int) -> list[str] | None:
-        """``count`` devices of ``resource`` for the container, or None when too few are free."""
+    def allocate(self, pod_uid: str, container: str, resource: str, count: int,
+                 pod: tuple[str, str] = ("", "")) -> list[str] | None:
+        """``count`` devices of ``resource`` for the container of the pod ``pod_uid`` (``pod``:
+        its namespace and name), or None when too few are free."""
         self.refresh_health()
         ids = self.resources().get(resource, [])
         free = [i for i in ids if i not in self._used() and i not in self.unhealthy]
@@ -93,20 +93,19 @@ class DevicePlugin:
             if fits:
                 chosen = min(fits, key=len)[:count]
         self.allocations[(pod_uid, container)] = (resource, chosen)
-        self._write_checkpoint()
+        self.pods[pod_uid] = pod
         return chosen
 
     def release(self, pod_uid: str) -> None:
         for key in [k for k in self.allocations if k[0] == pod_uid]:
             del self.allocations[key]
-        self._write_checkpoint()
+        self.pods.pop(pod_uid, None)
 
-    def _write_checkpoint(self) -> None:
-        entries = [{"PodUID": uid, "ContainerName": c, "ResourceName": res, "DeviceIDs": {"-1": ids},
-                    "AllocResp": ""} for (uid, c), (res, ids) in sorted(self.allocations.items())]  # fmt: skip
-        doc = {"Data": {"PodDeviceEntries": entries, "RegisteredDevices": self.resources()}, "Checksum": 0}
-        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
-        tmp.write_text(json.dumps(doc))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, self.checkpoint)
+    def pod_devices(self) -> list[tuple[str, str, str, str, list[str]]]:
+        """``[(namespace, name, container, resource, device ids)]`` of every allocation, by pod
+        and container: what the kubelet's PodResources ``List`` reports."""
+        out, pods = [], self.pods.copy()       # copies: the kubelet's thread allocates meanwhile
+        for (uid, container), (resource, ids) in sorted(self.allocations.copy().items()):
+            namespace, name = pods.get(uid, ("", uid))
+            out.append((namespace, name, container, resource, list(ids)))
+        return out

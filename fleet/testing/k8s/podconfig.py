@@ -278,7 +278,7 @@ class PodConfig:
             if ids is None:
                 ids = []
                 for res, n in sorted(gpu.items()):
-                    got = self.node.plugin.allocate(self.uid, name, res, n)
+                    got = self.node.plugin.allocate(self.uid, name, res, n, pod=(self.ns, self.name))
                     if got is None:
                         raise ConfigError(f"UnexpectedAdmissionError: allocate failed due to requested number of "
                                           f"devices unavailable for {res}. Requested: {n}")

@@ -9,7 +9,8 @@ controllers, the scheduler's placement (taints, node selectors, resource fit), t
 garbage-collector controllers, service-account tokens; the chart installed, upgraded and
 uninstalled by the real ``helm`` (v4). Stand-ins: the kubelet (containers are local processes in
 their own mount namespace, as in the box), each GPU node's device plugin and fake NVML
-(fleet/testing/k8s/box.py `NODE_SHAPES`, the same four nodes), no kube-proxy (Service ClusterIPs do
+(fleet/testing/k8s/box.py `NODE_SHAPES`, the same four nodes) with its kubelet's PodResources
+socket (fleet/testing/k8s/podresources.py), no kube-proxy (Service ClusterIPs do
 not answer) and no cluster DNS. Pod addresses are 10.244.x.y, a range bound on ``lo`` while the
 cluster runs (a real API server refuses loopback addresses in Endpoints).
 
@@ -39,6 +40,7 @@ from fleet.testing.k8s.kube import RealControlPlane
 from fleet.testing.k8s.kubelet import ImagePuller
 from fleet.testing.k8s.kubelet_api import ServerKubeletApi
 from fleet.testing.k8s.podconfig import REPO, BoxNode
+from fleet.testing.k8s.podresources import PodResourcesServer, serve_pod_resources
 from fleet.testing.k8s.podrunner import BoxKubelet
 
 POD_NETWORK = "10.244.0.1/16"
@@ -64,6 +66,7 @@ class RealClusterInABox:
         self.kube: KubeClient = plane.client()
         self.nodes: dict[str, BoxNode] = {}
         self.kubelet: BoxKubelet | None = None
+        self.pod_resources: dict[str, PodResourcesServer] = {}   # GPU node -> its kubelet's PodResources
         self._clients: dict[str, KubeClient] = {}
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -79,6 +82,8 @@ class RealClusterInABox:
         for shape in NODE_SHAPES:
             node = prepare_node(shape, self.work / "nodes" / shape.name)
             self.nodes[shape.name] = node
+            if node.plugin is not None:
+                self.pod_resources[shape.name] = serve_pod_resources(node)
             client = self._clients[shape.name] = self.plane.client(self.plane.tokens[f"system:node:{shape.name}"])
             await client.create(NODES, None, node_object(shape, node.plugin))
             self._tasks.append(asyncio.create_task(heartbeat(client, shape.name, self._stop, interval_s=5.0)))
@@ -97,6 +102,8 @@ class RealClusterInABox:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for server in self.pod_resources.values():
+            server.stop()
         for c in [*self._clients.values(), self.kube]:
             c.close()
         if self._network_added:
