@@ -7,7 +7,8 @@ Owns `HealthKeeper`, a collaborator of `fleet.controller.reconcile.Controller` o
   (``Replica.unschedulable``, its pod's ``PodScheduled`` False) fails (FAILED_START, with the
   scheduler's words) once ``engine.startupTimeoutSeconds`` has passed since launch; the
   controller replaces it as any replica that failed to start, and the deployment's placements
-  avoid that node for as long again (`fleet.controller.targets.DeploymentRecord.refused_nodes`). STARTING replicas are probed
+  avoid that node for as long again (`fleet.controller.targets.DeploymentRecord.refused_nodes`).
+  STARTING replicas are probed
   every tick and fail (FAILED_START) once ``engine.startupTimeoutSeconds`` has passed since
   launch (or since the weights were on the node, whichever is later) without a passed
   ``/health``; the first

@@ -8,7 +8,8 @@ budget), records where each goes, has the controller persist that, then asks the
 each one (`Backend.ensure`). A replica placement leaves unplaced waits with the reason
 (``waiting``, shown by `fleet status`); below its deployment's minimum, lower-priority replicas
 are preempted for it (`fleet.controller.preemption.Preemptor`). A deployment's placements leave
-out the nodes where the scheduler lately refused one of its replicas (`without_refused`). It also answers whether the next
+out the nodes where the scheduler lately refused one of its replicas (`without_refused`). It
+also answers whether the next
 replica of a deployment would start warm (`next_replica_warm`, read by the autoscaler). The
 controller's inventory and clock time are passed in; persisting and failing a replica are the
 controller's (``save``, ``fail``).

@@ -20,8 +20,8 @@ from fleet.controller.backend import ReplicaFacts
 from fleet.k8s.pod_settings import ENGINE_PORT
 from fleet.k8s.pod_weights import WEIGHTS_CONTAINER
 from fleet.k8s.pods import (
-    ANNOTATION_NODE, ENGINE_CONTAINER, KV_EVENTS_PORT_NAME, KV_REPLAY_PORT_NAME, LABEL_DEPLOYMENT, LABEL_GANG_INDEX, LABEL_GANG_SIZE,
-    LABEL_REPLICA, LABEL_SPEC_HASH,
+    ANNOTATION_NODE, ENGINE_CONTAINER, KV_EVENTS_PORT_NAME, KV_REPLAY_PORT_NAME, LABEL_DEPLOYMENT, LABEL_GANG_INDEX,
+    LABEL_GANG_SIZE, LABEL_REPLICA, LABEL_SPEC_HASH,
 )
 
 _IMAGE_PROBLEMS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
@@ -41,7 +41,7 @@ def pod_node(pod: dict) -> str:
 def pod_unschedulable(pod: dict) -> str | None:
     """The scheduler's message while it cannot place ``pod`` (its ``PodScheduled`` condition
     False with reason ``Unschedulable``, as kube-scheduler writes it: ``0/4 nodes are available:
-    1 Insufficient nvidia.com/gpu, 3 node(s) didn't match node selector.``); None otherwise
+    1 Insufficient nvidia.com/gpu, 3 node(s) didn't match Pod's node affinity.``); None otherwise
     (bound, not yet tried, or no message)."""
     if (pod.get("spec") or {}).get("nodeName"):
         return None
@@ -137,7 +137,9 @@ def group_facts(pods: list[dict]) -> ReplicaFacts:
     missing = [i for i in range(size) if i not in by_index]
     detail = {**facts.detail, "members": str(size)}
     refused = next(((i, f) for i, f in zip(sorted(by_index), members) if f.unschedulable), None)
-    unschedulable = f"gang member {refused[0]} on node {refused[1].node}: {refused[1].unschedulable}" if refused else None
+    unschedulable = None
+    if refused:
+        unschedulable = f"gang member {refused[0]} on node {refused[1].node}: {refused[1].unschedulable}"
     if refused and "scheduling" not in detail:
         detail["scheduling"] = f"the scheduler cannot place {unschedulable}"
     if leader is None or exited or missing:

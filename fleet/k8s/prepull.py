@@ -36,7 +36,8 @@ compared after Docker's normalisation, `fleet.inventory.gfd.image_aliases`) or w
 pre-pull pod reports the image (the node's list lags by a status update, and the kubelet
 reports at most 50 images). A pull fails on ErrImagePull, ImagePullBackOff, InvalidImageName,
 ErrImageNeverPull (the container's ``waiting.reason``), a pod the node rejected or the scheduler
-cannot place (``PodScheduled`` False, ``Unschedulable``), a pod that vanished, or ``timeout_s`` without a result; the pod is deleted and the next attempt waits
+cannot place (``PodScheduled`` False, ``Unschedulable``), a pod that vanished, or ``timeout_s``
+without a result; the pod is deleted and the next attempt waits
 ``wait(attempt)`` (tenacity: ``wait_exponential``); after ``stop`` says stop, the replicas
 waiting on it are failed with the node and the reason (the controller replaces them with its
 own backoff), and a later want starts again after the last wait.

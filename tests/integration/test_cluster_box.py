@@ -33,6 +33,7 @@ import aiohttp
 import pytest
 
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, NotFound
+from fleet.k8s.pods import node_affinity
 from tests.support.waits import async_wait_until
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -285,6 +286,8 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
         assert mig["spec"]["nodeName"] == "mig-1"
         assert devices_of(mig)[0] in box.nodes["mig-1"].plugin.mig["3g.40gb"]
         assert {p["spec"]["nodeName"] for p in engine_pods("chat-sxm")} == {"sxm-8"}
+        for p in [*nvl, mig]:   # pinned by node affinity, bound by the scheduler stand-in
+            assert p["spec"]["affinity"] == node_affinity(p["spec"]["nodeName"])
 
         # weights: once per node, and the engines run from the node cache
         for f in weights:

@@ -18,7 +18,8 @@ from fleet.k8s.backend import KubernetesBackend, node_usable
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS
 from fleet.k8s.pod_facts import pod_facts, pod_node
 from fleet.k8s.pod_settings import EnginePodSettings
-from fleet.k8s.pods import ANNOTATION_NODE, ANNOTATION_PLACEMENT, node_affinity, LABEL_DEPLOYMENT, LABEL_REPLICA, LABEL_SPEC_HASH, pod_manifest
+from fleet.k8s.pods import (ANNOTATION_NODE, ANNOTATION_PLACEMENT, LABEL_DEPLOYMENT, LABEL_REPLICA, LABEL_SPEC_HASH,
+                            node_affinity, pod_manifest)
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.placement import ReplicaPlacement
 from fleet.placement.shapes import Assignment
@@ -397,7 +398,7 @@ def test_an_unbound_pod_is_on_the_node_it_is_pinned_to_and_says_why_the_schedule
         default_image="fleet:1"))
     f = pod_facts(pod)
     assert f.node == "gpu-b" and f.detail["node"] == "gpu-b" and f.unschedulable is None
-    message = "0/2 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) didn't match node selector."
+    message = "0/2 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) didn't match Pod's node affinity."
     pod["status"] = {"phase": "Pending", "conditions": [
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]}
     f = pod_facts(pod)
@@ -411,7 +412,8 @@ FOREIGN = {"metadata": {"name": "someone-elses"}, "spec": {"nodeName": "cpu-a", 
 
 
 async def test_a_pod_the_scheduler_refuses_is_reported_then_replaced_off_that_node():
-    cl = Cluster(_dep(replicas={"min": 1, "max": 1}), nodes=(node("cpu-a", cpu=4, images=["fleet:1"]), node("cpu-b", cpu=4, images=["fleet:1"])))
+    nodes = (node("cpu-a", cpu=4, images=["fleet:1"]), node("cpu-b", cpu=4, images=["fleet:1"]))
+    cl = Cluster(_dep(replicas={"min": 1, "max": 1}), nodes=nodes)
     cl.store.create(PODS, NS, FOREIGN)          # a pod Fleet did not make holds every core of cpu-a
     await cl.c.start(None)
     await cl.tick()
@@ -419,7 +421,7 @@ async def test_a_pod_the_scheduler_refuses_is_reported_then_replaced_off_that_no
     schedule(cl.store)
     pod = cl.pods()["chat-0"]
     assert "nodeName" not in pod["spec"]
-    message = "0/2 nodes are available: 1 Insufficient cpu, 1 node(s) didn't match node selector."
+    message = "0/2 nodes are available: 1 Insufficient cpu, 1 node(s) didn't match Pod's node affinity."
     await cl.tick()
     r = cl.c.replicas["chat-0"]
     assert r.unschedulable == message and message in r.detail["scheduling"] and not r.status.failed()

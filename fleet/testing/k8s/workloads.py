@@ -9,17 +9,18 @@ small as the chart's workloads need.
 - a DaemonSet keeps one pod on every node its nodeSelector and tolerations admit;
 - the scheduler (`schedule`, also called alone by unit tests and by the kubelet stand-in of
   fleet/testing/k8s/apiserver.py) binds each unbound pod to a node that passes kube-scheduler's
-  filters, in the order v1.20's default plugins run them (pkg/scheduler/framework/plugins):
-  NodeUnschedulable (cordoned), NodeResourcesFit (cpu, memory, pods and extended resources such
-  as ``nvidia.com/gpu`` requested against the Node's ``status.allocatable`` minus the requests
-  of the pods bound there and not ended), NodeAffinity (``nodeSelector`` and the required node
-  affinity: ``matchFields`` on ``metadata.name``, ``matchExpressions`` on labels with In, NotIn,
-  Exists, DoesNotExist, Gt, Lt) and TaintToleration (NoSchedule and NoExecute taints). Among the
+  filters, in the order v1.20's default plugins run them (pkg/scheduler/algorithmprovider/
+  registry.go; the first that fails gives the node's reason): NodeUnschedulable (cordoned),
+  TaintToleration (NoSchedule and NoExecute taints), NodeAffinity (``nodeSelector`` and the
+  required node affinity: ``matchFields`` on ``metadata.name``, ``matchExpressions`` on labels
+  with In, NotIn, Exists, DoesNotExist, Gt, Lt) and NodeResourcesFit (cpu, memory, pods and
+  extended resources such as ``nvidia.com/gpu`` requested against the Node's
+  ``status.allocatable`` minus the requests of the pods bound there and not ended). Among the
   nodes that pass, pods asking for no GPU go to CPU nodes first, and the pods of one owner
   spread. A bound pod gets ``PodScheduled`` True; a pod no node takes stays Pending with
   ``PodScheduled`` False, reason ``Unschedulable`` and the scheduler's message
-  (``0/3 nodes are available: 1 Insufficient nvidia.com/gpu, 2 node(s) didn't match node
-  selector.``, pkg/scheduler/core ``FitError``).
+  (``0/3 nodes are available: 1 Insufficient nvidia.com/gpu, 2 node(s) didn't match Pod's node
+  affinity.``, pkg/scheduler/core/generic_scheduler.go ``FitError.Error``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from fleet.testing.k8s.resources import DAEMONSETS, DEPLOYMENTS
 from fleet.testing.k8s.store import ObjectStore, now_iso
 
 UNSCHEDULABLE = "node(s) were unschedulable"                 # NodeUnschedulable's ErrReasonUnschedulable
-NOT_SELECTED = "node(s) didn't match node selector"          # NodeAffinity's ErrReason (v1.20)
+NOT_SELECTED = "node(s) didn't match Pod's node affinity"    # NodeAffinity's ErrReasonPod
 TOO_MANY_PODS = "Too many pods"                              # NodeResourcesFit
 
 
@@ -155,17 +156,15 @@ def unfit(pod_spec: dict, node: dict, used: Counter, pods_on: int) -> list[str]:
     filter that fails, in v1.20's plugin order (see the module docstring)."""
     if (node.get("spec") or {}).get("unschedulable"):
         return [UNSCHEDULABLE]
-    if short := _insufficient(pod_requests(pod_spec), node, used, pods_on):
-        return short
-    if not selects(pod_spec, node):
-        return [NOT_SELECTED]
     if (taint := _untolerated(pod_spec, node)) is not None:
         return [f"node(s) had taint {{{taint.get('key')}: {taint.get('value', '')}}}, that the pod didn't tolerate"]
-    return []
+    if not selects(pod_spec, node):
+        return [NOT_SELECTED]
+    return _insufficient(pod_requests(pod_spec), node, used, pods_on)
 
 
 def fit_error(nodes: int, reasons: Counter) -> str:
-    """The scheduler's message for a pod no node takes (pkg/scheduler/core ``FitError.Error``:
+    """The scheduler's message for a pod no node takes (pkg/scheduler/core/generic_scheduler.go ``FitError.Error``:
     the reasons counted over nodes, sorted as strings)."""
     parts = sorted(f"{count} {reason}" for reason, count in reasons.items())
     return f"0/{nodes} nodes are available: {', '.join(parts)}."
