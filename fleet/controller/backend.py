@@ -63,6 +63,10 @@ class ReplicaFacts:
     where a subscriber reaches the engine's KV cache events (vLLM's ``--kv-events-config``, which
     the backend gave it): ``{"publisher": address, "replay": address or None, "topic": str}``
     (`router.pools.spec.KvEventsSource`); None when the engine publishes none.
+    ``unschedulable``: the scheduler's words while it cannot place the replica (a pod's
+    ``PodScheduled`` condition False, reason ``Unschedulable``: ``0/4 nodes are available: 1
+    Insufficient nvidia.com/gpu, ...``); None when placed or not known. The controller fails
+    the replica once its start deadline passes with this set (`fleet.controller.health`).
     """
 
     replica_id: str
@@ -80,6 +84,7 @@ class ReplicaFacts:
     detail: dict[str, str] = field(default_factory=dict)
     sick: str | None = None
     kv_events: dict[str, str | None] | None = None
+    unschedulable: str | None = None
 
 
 class LaunchError(Exception):

@@ -3,9 +3,15 @@
 Owns `HealthKeeper`, a collaborator of `fleet.controller.reconcile.Controller` over its
 `fleet.controller.targets.FleetRecords`:
 
-- `probe` (the controller's `_probe_health` step): STARTING replicas are probed every tick and
-  fail (FAILED_START) once ``engine.startupTimeoutSeconds`` has passed since launch (or since
-  the weights were on the node, whichever is later) without a passed ``/health``; the first
+- `probe` (the controller's `_probe_health` step): a replica the scheduler cannot place
+  (``Replica.unschedulable``, its pod's ``PodScheduled`` False) fails (FAILED_START, with the
+  scheduler's words) once ``engine.startupTimeoutSeconds`` has passed since launch; the
+  controller replaces it as any replica that failed to start, and the deployment's placements
+  avoid that node for as long again (`fleet.controller.targets.DeploymentRecord.refused_nodes`).
+  STARTING replicas are probed
+  every tick and fail (FAILED_START) once ``engine.startupTimeoutSeconds`` has passed since
+  launch (or since the weights were on the node, whichever is later) without a passed
+  ``/health``; the first
   passed probe records ``healthy_at_s`` and starts the warm-up. READY replicas are probed every
   ``ready_health_interval_s`` and fail (FAILED_UNHEALTHY) after ``unhealthy_threshold`` failed
   probes in a row.
@@ -66,7 +72,12 @@ class HealthKeeper:
         now = self.clock()
         probes: list[Replica] = []
         for r in self.records.replicas.values():
-            if not r.engine_alive or r.failure or r.stop_requested_at_s is not None or r.endpoint is None:
+            if not r.engine_alive or r.failure or r.stop_requested_at_s is not None:
+                continue
+            if r.unschedulable:
+                self._unschedulable_deadline(r, now)
+                continue
+            if r.endpoint is None:
                 continue
             status = r.status
             if status is ReplicaStatus.STARTING:
@@ -99,6 +110,18 @@ class HealthKeeper:
                 if r.consecutive_health_failures >= self.unhealthy_threshold:
                     self._fail(r, ReplicaStatus.FAILED_UNHEALTHY,
                                f"/health failed {r.consecutive_health_failures} times in a row", [])  # fmt: skip
+
+    def _unschedulable_deadline(self, r: Replica, now: float) -> None:
+        """Fail ``r`` (FAILED_START) once the scheduler has refused it past its start deadline
+        (``engine.startupTimeoutSeconds`` since launch): the controller places a replacement,
+        which avoids ``r``'s node for as long again (`DeploymentRecord.refused_nodes`)."""
+        timeout_s = self._deployment(r).spec.engine.startup_timeout_seconds
+        if now - (r.launched_at_s or now) <= timeout_s:
+            return
+        self._fail(r, ReplicaStatus.FAILED_START, f"the scheduler could not place it on node {r.node or '?'} "
+                   f"within {timeout_s:g} s of launch: {r.unschedulable}", [])  # fmt: skip
+        if r.node and r.deployment in self.records.deployments:
+            self.records.deployments[r.deployment].refused_nodes[r.node] = now + timeout_s
 
     def start_warmup(self, r: Replica) -> None:
         """Run ``r``'s warm-up (its spec's ``warmup``) as a task; its end wakes the controller."""

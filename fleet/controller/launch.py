@@ -7,7 +7,9 @@ each deployment's PENDING replicas (one decision per scale-up, oldest first, wit
 budget), records where each goes, has the controller persist that, then asks the backend to run
 each one (`Backend.ensure`). A replica placement leaves unplaced waits with the reason
 (``waiting``, shown by `fleet status`); below its deployment's minimum, lower-priority replicas
-are preempted for it (`fleet.controller.preemption.Preemptor`). It also answers whether the next
+are preempted for it (`fleet.controller.preemption.Preemptor`). A deployment's placements leave
+out the nodes where the scheduler lately refused one of its replicas (`without_refused`). It
+also answers whether the next
 replica of a deployment would start warm (`next_replica_warm`, read by the autoscaler). The
 controller's inventory and clock time are passed in; persisting and failing a replica are the
 controller's (``save``, ``fail``).
@@ -153,7 +155,8 @@ class Launcher:
             ld = self.records.deployments[name].revs.specs[spec_hash]
             request = self.placement_request(ld, len(waiting), holding)   # the whole scale-up: one decision
             blocked = self.preemption.blocked(name, now)   # freed for a higher priority: held off
-            plan = self.placer.place_replicas(request, inventory, in_use + blocked if blocked else in_use)
+            nodes, avoided = self.without_refused(name, inventory, now)
+            plan = self.placer.place_replicas(request, nodes, in_use + blocked if blocked else in_use)
             # Devices a draining replica of this deployment still holds free up soon: a new replica
             # waits for them rather than share a device now (two CPU engines on one core starve
             # each other; a canary in place of a stable replica must not start on a shared one).
@@ -169,7 +172,8 @@ class Launcher:
                 r.placed_at_s, r.assignment, r.placement = now, placement.label, placement.to_dict()
                 to_launch.append((r, placement))
             if unplaced := waiting[len(plan.placements):]:
-                self._wait_or_preempt(name, ld, unplaced, plan.explain(), holding, inventory, in_use + blocked, now)
+                why = plan.explain() + (f"; avoiding {avoided}" if avoided else "")
+                self._wait_or_preempt(name, ld, unplaced, why, holding, nodes, in_use + blocked, now)
         placed_now = {r.id for r, _ in to_launch}
         for r in placed:  # placed before a crash, never started: start now
             if r.status is ReplicaStatus.PLACED and r.placement is not None and r.drain_requested_at_s is None \
@@ -195,6 +199,18 @@ class Launcher:
                 r.exited_at_s = now
                 self._fail(r, ReplicaStatus.FAILED_START, f"backend error: {err!r}", [])
         return True
+
+    def without_refused(self, name: str, inventory: Inventory, now: float) -> tuple[Inventory, str]:
+        """``inventory`` less the nodes where the scheduler refused a replica of deployment
+        ``name`` lately (`fleet.controller.targets.DeploymentRecord.refused_nodes`; expired
+        entries dropped), and a note naming them ("" when none is avoided: ``inventory`` itself)."""
+        refused = self.records.deployments[name].refused_nodes
+        for node in [n for n, until_s in refused.items() if until_s <= now]:
+            del refused[node]
+        if not refused:
+            return inventory, ""
+        kept = Inventory(tuple(n for n in inventory.nodes if n.name not in refused))
+        return kept, f"node(s) {', '.join(sorted(refused))}, where the scheduler refused a replica of {name}"
 
     def _wait_or_preempt(self, name: str, ld: LoadedDeployment, unplaced: list[Replica], why: str,
                          holding: dict[str, ReplicaPlacement], inventory: Inventory, in_use: Counter[str],

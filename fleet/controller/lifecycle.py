@@ -78,6 +78,7 @@ class Replica:
     endpoint: str | None = None            # http://host:port of its engine, from the backend
     kv_events: dict | None = None          # its KV event addresses (`ReplicaFacts.kv_events`), from the backend
     detail: dict[str, str] = field(default_factory=dict)   # backend specifics for people (pid, port, log)
+    unschedulable: str | None = None       # the scheduler's words while it cannot place it (ReplicaFacts)
     adopted_at_s: float | None = None      # a restarted controller found it running and kept it
     healthy_at_s: float | None = None
     warmup_started_at_s: float | None = None

@@ -4,8 +4,9 @@ Owns `FactRecorder`, a collaborator of `fleet.controller.reconcile.Controller` o
 `fleet.controller.targets.FleetRecords`, called by the controller's `_observe` step with the
 backend's `fleet.controller.backend.ReplicaFacts` of the tick:
 
-- a live replica takes its node, endpoint, detail and KV event endpoints from its facts, and
-  records when its image and its weights were first present;
+- a live replica takes its node, endpoint, detail, KV event endpoints and the scheduler's
+  refusal (``unschedulable``) from its facts, and records when its image and its weights were
+  first present;
 - one that exited records when and its exit code, its warm-up is cancelled, and unless it was
   asked to stop it fails: FAILED_START before ``/health`` passed, FAILED_CRASHED after, with the
   last ``log_tail_lines`` lines of its log; a replica the backend has no record of has exited;
@@ -51,6 +52,7 @@ class FactRecorder:
                 f = ReplicaFacts(r.id, r.deployment, r.spec_hash, r.node or "", exited=True,
                                  exit_reason="the backend has no record of it")  # fmt: skip
             r.node, r.endpoint, r.detail, r.kv_events = f.node, f.endpoint, dict(f.detail), f.kv_events
+            r.unschedulable = f.unschedulable
             if f.image_present and r.image_ready_at_s is None:
                 r.image_ready_at_s = now
             if f.weights_present and r.weights_ready_at_s is None:

@@ -69,7 +69,9 @@ class DeploymentRecord:
     autoscaler's last decision, JSON-ready (`fleet status`); ``standby_wanted``: the standby
     replicas the autoscaler's policy last asked to keep (`autoscaler.policy.ScalingDecision.standby`;
     None: it named none, so ``spec.standby.maxReplicas`` is kept; not persisted: the policy's next
-    decision names it again).
+    decision names it again); ``refused_nodes``: node -> controller clock seconds until which its
+    placements avoid the node, because the scheduler refused a replica there past its start
+    deadline (`fleet.controller.health`; not persisted).
     """
 
     loaded: LoadedDeployment
@@ -81,6 +83,7 @@ class DeploymentRecord:
     last_pool: PoolSpec | None = None
     last_scaling: dict | None = None
     standby_wanted: int | None = None
+    refused_nodes: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, ld: LoadedDeployment) -> DeploymentRecord:

@@ -57,7 +57,7 @@ from fleet.inventory.gfd import LabelKeys, image_aliases, node_from_k8s, node_im
 from fleet.inventory.gpu_health import ANNOTATION as GPU_HEALTH, GpuHealthFacts, QuarantinedGpu, parse_gpu_health
 from fleet.k8s.client import EVENTS, NODES, PODS, ApiError, Conflict, Kube
 from fleet.k8s.prepull import Pull, PrePuller, PrePullPolicy, is_pull_pod
-from fleet.k8s.pod_facts import group_facts
+from fleet.k8s.pod_facts import group_facts, pod_node
 from fleet.k8s.pod_settings import EnginePodSettings
 from fleet.k8s.pods import ANNOTATION_PLACEMENT, LABEL_DEPLOYMENT, LABEL_FLEET, LABEL_MANAGED_BY, LABEL_REPLICA, \
     MANAGED_BY, label_value, pod_group  # fmt: skip
@@ -220,7 +220,7 @@ class KubernetesBackend:
         out: dict[str, dict[str, tuple[str, ...]]] = {}
         for pod in await self.pods.items():
             meta = pod["metadata"]
-            node = (pod.get("spec") or {}).get("nodeName")
+            node = pod_node(pod)
             if node not in nodes or is_pull_pod(pod) or not meta.get("uid"):
                 continue
             try:
@@ -249,8 +249,8 @@ class KubernetesBackend:
         """``f`` with ``sick`` when a pod of the replica holds a quarantined device, and the
         NVLink span of a tensor-parallel pod checked (a Warning Event once per pod)."""
         for pod in pods:
-            meta, spec = pod["metadata"], pod.get("spec") or {}
-            obj = nodes.get(spec.get("nodeName") or "")
+            meta = pod["metadata"]
+            obj = nodes.get(pod_node(pod))
             uid = meta.get("uid")
             if obj is None or not uid:
                 continue
@@ -297,7 +297,7 @@ class KubernetesBackend:
                                           detail={"pod": rid, "phase": "Pending"})  # fmt: skip
         image = pods[0]["spec"]["containers"][0]["image"]
         pulls = want.deployment.spec.engine.image_pull_policy != "Never"   # Never: the node must hold it
-        if self.prepuller is not None and pulls and not self._image_on(image, [p["spec"]["nodeName"] for p in pods]):
+        if self.prepuller is not None and pulls and not self._image_on(image, [pod_node(p) for p in pods]):
             self._awaiting[rid] = (want.deployment.name, image, pods)   # observe() pre-pulls, then creates
             return
         self._launch(rid, pods)
@@ -364,7 +364,7 @@ class KubernetesBackend:
         for rid, pods in groups.items():
             # Facts change only when one of the replica's pods or its node changes: computed
             # again then, reused otherwise (a tick at 10,000 pods must not re-derive them all).
-            nodes_of = sorted({(p.get("spec") or {}).get("nodeName") or "" for p in pods})
+            nodes_of = sorted({pod_node(p) for p in pods})
             key = (tuple(sorted((p["metadata"].get("uid"), p["metadata"].get("resourceVersion")) for p in pods)),
                    tuple((n, (by_name.get(n) or {}).get("metadata", {}).get("resourceVersion")) for n in nodes_of),
                    rid in self._created)  # fmt: skip
@@ -382,7 +382,7 @@ class KubernetesBackend:
             cache[rid] = (key, f)
             if f.exited and rid in self._created and "missing" in (f.exit_reason or ""):
                 continue   # a gang whose members are still being created (or not yet seen): pending
-            lost = sorted({(p.get("spec") or {}).get("nodeName") for p in pods} - nodes - {None, ""})
+            lost = sorted({pod_node(p) for p in pods} - nodes - {""})
             if lost and not f.exited:   # a node object is gone: the node is lost
                 f = replace(f, running=False, exited=True, endpoint=None,
                             exit_reason=f"node {lost[0]} was lost (its Node object is gone)")
@@ -475,20 +475,20 @@ class KubernetesBackend:
                     wanted[key] = limit if wanted.get(key, limit) is not None else None
         for _dep, image, pods in self._awaiting.values():
             for pod in pods:
-                wanted[(pod["spec"]["nodeName"], image)] = None
+                wanted[(pod_node(pod), image)] = None
         plan = await self.prepuller.reconcile(wanted, node_objs, pull_pods)
         now = self.clock()
         policy = self.prepuller.policy
         for rec in plan.failed:
             deployments = {d for d, image, pods in self._awaiting.values()
-                           if image == rec.image and any(p["spec"]["nodeName"] == rec.node for p in pods)}
+                           if image == rec.image and any(pod_node(p) == rec.node for p in pods)}
             deployments |= {d for d, (image, _s, _l) in self._pre_pull.items()
                             if image == rec.image and rec.node in selected.get(d, ())}
             for name in sorted(deployments):
                 await self._event(name, "ImagePullFailed", rec.describe(now))
         names = {n["metadata"]["name"] for n in node_objs}
         for rid, (_dep, image, pods) in list(self._awaiting.items()):
-            nodes = [p["spec"]["nodeName"] for p in pods]
+            nodes = [pod_node(p) for p in pods]
             lost = [n for n in nodes if n not in names]
             pending = self._created.get(rid)
             if lost and pending is not None:

@@ -8,9 +8,12 @@ label value). No API calls: `fleet.k8s.backend` sends what this builds; `fleet.k
 Pure functions; tests/unit/test_k8s_backend.py calls them with literals.
 
 A replica is one Pod: ``restartPolicy: Never`` (replacing a failed replica is the controller's
-decision, with its backoff, as with the local backend), bound to the node Fleet's placement
-chose with ``spec.nodeName`` (the scheduler is bypassed; the kubelet still admits the pod
-against its device plugins, node selector and taints), GPUs requested as
+decision, with its backoff, as with the local backend), pinned to the node Fleet's placement
+chose by a required node affinity on the node's name (`node_affinity`, as the DaemonSet
+controller pins its pods: pkg/controller/daemon/util ``ReplaceDaemonSetPodNodeNameNodeAffinity``)
+and bound by the scheduler, which admits it against what every pod on the node requests, Fleet's
+or not, and its taints; the chosen node is also the annotation ``fleet.inference.dev/node``
+(`ANNOTATION_NODE`), so the pod's node is known before it is bound. GPUs requested as
 ``nvidia.com/gpu: <TP>``, a MIG instance as ``nvidia.com/mig-<profile>: 1`` (device plugin's
 ``mixed`` strategy; ``single``: ``nvidia.com/gpu: 1``), ``/health`` as readiness, liveness and
 startup probe (the startup probe allows ``spec.engine.startupTimeoutSeconds``). Which GPU of the
@@ -54,6 +57,7 @@ LABEL_GANG_INDEX = "fleet.inference.dev/gang-index"    # 0 (leader) .. size-1
 LABEL_GANG_SIZE = "fleet.inference.dev/gang-size"
 RAY_PORT = 6379
 ANNOTATION_PLACEMENT = "fleet.inference.dev/placement"
+ANNOTATION_NODE = "fleet.inference.dev/node"            # the node placement chose (the pod is pinned to it)
 ANNOTATION_MODEL = "fleet.inference.dev/model"          # spec.model.name (the router pool it serves)
 ANNOTATION_READY_AT = "fleet.inference.dev/ready-at"    # Unix seconds its warm-up passed (operator writes it)
 ANNOTATION_REVISION = "fleet.inference.dev/revision"    # spec.model.revision as written (the label is sanitised)
@@ -74,6 +78,21 @@ _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]")
 def label_value(text: str) -> str:
     """A string as a label value (<= 63 characters of [A-Za-z0-9_.-], alphanumeric at both ends)."""
     return _LABEL_VALUE.sub("-", text)[:63].strip("-_.") or "none"
+
+
+def node_affinity(node: str) -> dict[str, Any]:
+    """The pod ``affinity`` that lets the scheduler bind a pod to ``node`` and nowhere else: a
+    required node affinity term matching the field ``metadata.name`` (the DaemonSet controller's
+    pin since Kubernetes 1.12, pkg/controller/daemon/util ``ReplaceDaemonSetPodNodeNameNodeAffinity``)."""
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+
+def pin_to_node(pod: dict[str, Any], node: str) -> dict[str, Any]:
+    """``pod`` (a manifest) pinned to ``node``: its node affinity and `ANNOTATION_NODE` set; returned."""
+    pod["spec"]["affinity"] = node_affinity(node)
+    pod["metadata"].setdefault("annotations", {})[ANNOTATION_NODE] = node
+    return pod
 
 
 def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
@@ -150,7 +169,6 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
             "controller": True, "blockOwnerDeletion": True,
         }]  # fmt: skip
     pod_spec: dict[str, Any] = {
-        "nodeName": want.placement.nodes[0],
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": settings.termination_grace_period_s,
         "enableServiceLinks": False,
@@ -171,7 +189,8 @@ def pod_manifest(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
                        ("imagePullSecrets", settings.image_pull_secrets)):  # fmt: skip
         if value:
             pod_spec[key] = value
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+    return pin_to_node({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec},
+                       want.placement.nodes[0])
 
 
 def product_selector(want: ReplicaWant) -> str | None:
@@ -179,8 +198,8 @@ def product_selector(want: ReplicaWant) -> str | None:
     placement chose for its revision (`fleet.placement.shapes.ReplicaPlacement.product`, spelled
     as the node's GPU Feature Discovery label spells it, since the Kubernetes inventory is read
     from that label). Every replica of a revision runs on one product (``gpuProduct`` may list
-    several); the pod is bound by ``nodeName``, and the kubelet refuses it if the node's label no
-    longer names that product. None for MIG and CPU replicas (GFD's ``single`` MIG strategy
+    several); the pod is pinned to its node, and the scheduler leaves it Pending if the node's
+    label no longer names that product. None for MIG and CPU replicas (GFD's ``single`` MIG strategy
     relabels the product) and for a product that is no label value."""
     product = want.placement.product
     resources = want.deployment.spec.resources
@@ -238,7 +257,7 @@ def pod_group(want: ReplicaWant, *, fleet_id: str, owner: dict | None,
     for index, member in enumerate(members[1:], start=1):
         worker = json.loads(json.dumps(leader))
         worker["metadata"]["name"] = member_name(want.replica_id, index)
-        worker["spec"]["nodeName"] = member.node
+        pin_to_node(worker, member.node)
         worker["spec"].pop("hostname")
         worker["spec"].pop("subdomain")
         wc = worker["spec"]["containers"][0]

@@ -21,7 +21,8 @@ needs a hostPath mount of the socket, a privileged DaemonSet, per-runtime socket
 Fleet's own copy of the credential logic: more privilege and more code for the same pull.
 
 The pod: one container, the engine image, ``imagePullPolicy: IfNotPresent``, command ``true``,
-``restartPolicy: Never``, bound to the node with ``nodeName``, the engine pods' tolerations,
+``restartPolicy: Never``, pinned to the node as engine pods are (`fleet.k8s.pods.pin_to_node`:
+a required node affinity on its name; the scheduler binds it), the engine pods' tolerations,
 node selector, runtime class, service account and pull secrets, tiny requests, no GPU. What
 counts is the pull, not the command: the kubelet pulls before it creates the container, so a
 container that then fails to start (an image without ``true``: distroless, scratch) still
@@ -34,8 +35,9 @@ Facts, not guesses: a (node, image) is present when ``Node.status.images`` lists
 compared after Docker's normalisation, `fleet.inventory.gfd.image_aliases`) or when its
 pre-pull pod reports the image (the node's list lags by a status update, and the kubelet
 reports at most 50 images). A pull fails on ErrImagePull, ImagePullBackOff, InvalidImageName,
-ErrImageNeverPull (the container's ``waiting.reason``), a pod the node rejected, a pod that
-vanished, or ``timeout_s`` without a result; the pod is deleted and the next attempt waits
+ErrImageNeverPull (the container's ``waiting.reason``), a pod the node rejected or the scheduler
+cannot place (``PodScheduled`` False, ``Unschedulable``), a pod that vanished, or ``timeout_s``
+without a result; the pod is deleted and the next attempt waits
 ``wait(attempt)`` (tenacity: ``wait_exponential``); after ``stop`` says stop, the replicas
 waiting on it are failed with the node and the reason (the controller replaces them with its
 own backoff), and a later want starts again after the last wait.
@@ -55,7 +57,8 @@ import tenacity
 from fleet.inventory.gfd import image_aliases, node_images
 from fleet.k8s.client import PODS, Kube
 from fleet.k8s.pod_settings import EnginePodSettings
-from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, MANAGED_BY, label_value
+from fleet.k8s.pod_facts import pod_node, pod_unschedulable
+from fleet.k8s.pods import LABEL_FLEET, LABEL_MANAGED_BY, MANAGED_BY, label_value, pin_to_node
 
 log = logging.getLogger("fleet.k8s.prepull")
 
@@ -88,7 +91,6 @@ def pull_pod_manifest(node: str, image: str, *, fleet_id: str, settings: EngineP
                       attempt: int = 0) -> dict[str, Any]:  # fmt: skip
     """The pod that pulls ``image`` onto ``node`` (see the module docstring for its shape)."""
     spec: dict[str, Any] = {
-        "nodeName": node,
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": 0,
         "enableServiceLinks": False,
@@ -104,7 +106,7 @@ def pull_pod_manifest(node: str, image: str, *, fleet_id: str, settings: EngineP
                        ("imagePullSecrets", settings.image_pull_secrets)):  # fmt: skip
         if value:
             spec[key] = value
-    return {
+    return pin_to_node({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {
             "name": pull_pod_name(node, image, attempt),
@@ -113,7 +115,7 @@ def pull_pod_manifest(node: str, image: str, *, fleet_id: str, settings: EngineP
             "annotations": {ANNOTATION_PREPULL_IMAGE: image},
         },
         "spec": spec,
-    }  # fmt: skip
+    }, node)  # fmt: skip
 
 
 class PodPull(Enum):
@@ -136,6 +138,8 @@ def pod_pull_state(pod: dict) -> tuple[PodPull, str]:
         return PodPull.PULLED, ""
     if status.get("phase") == "Succeeded":
         return PodPull.PULLED, ""
+    if (refused := pod_unschedulable(pod)) is not None:
+        return PodPull.FAILED, f"the scheduler cannot place it on node {pod_node(pod)}: {refused}"
     if status.get("phase") == "Failed":   # rejected by the node before any container (OutOfpods, admission)
         why = status.get("reason") or "Failed"
         return PodPull.FAILED, f"pod rejected by the node: {why}: {status.get('message', '')}".rstrip(": ")
@@ -326,7 +330,7 @@ class PrePuller:
             if pod["metadata"].get("deletionTimestamp") or pod["metadata"]["name"] in self._deleting:
                 continue
             image = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_PREPULL_IMAGE)
-            node = (pod.get("spec") or {}).get("nodeName")
+            node = pod_node(pod)
             if image and node:
                 pods[(node, image)] = pod
         self._deleting &= names

@@ -17,7 +17,7 @@ from typing import Any
 from fleet.controller.reconcile import Controller, ReplicaEvent
 from fleet.controller.targets import STATE_FORMAT
 from fleet.controller.lifecycle import ReplicaStatus
-from fleet.k8s.pod_facts import pod_facts
+from fleet.k8s.pod_facts import pod_facts, pod_node
 from fleet.k8s.pods import (ANNOTATION_MODEL, ANNOTATION_PLACEMENT, ANNOTATION_READY_AT, LABEL_DEPLOYMENT,
                             LABEL_GANG_ROLE, LABEL_REPLICA, LABEL_REVISION, LABEL_SPEC_HASH)  # fmt: skip
 from fleet.placement import ReplicaPlacement
@@ -70,8 +70,12 @@ def deployment_status(controller: Controller, name: str, generation: int, previo
                     f"{len(in_progress)} replica(s) starting or draining")
     else:
         progress = ("Stable", "no replica is starting or draining")
+    refused = [r for r in live if r.unschedulable]
     if waiting:
         degraded = (True, "Unplaceable", waiting[0])
+    elif refused:
+        degraded = (True, "Unschedulable", f"{refused[0].id}: the scheduler cannot place it on node "
+                    f"{refused[0].node or '?'}: {refused[0].unschedulable}")
     elif failed_recently:
         last = max((r for r in records if r.failure), key=lambda r: r.failure.at_s, default=None)
         why = f"{last.id}: {last.failure.status.value}: {last.failure.reason}" if last else "a replica failed"
@@ -187,7 +191,7 @@ def snapshot_from_cluster(crs: list[dict], pods: list[dict]) -> dict[str, Any]:
         record: dict[str, Any] = {
             "id": rid, "deployment": dep, "revision": labels.get(LABEL_REVISION, "?"), "created_at_s": created,
             "spec_hash": labels.get(LABEL_SPEC_HASH, ""), "placed_at_s": created, "assignment": label,
-            "placement": placement, "launched_at_s": created, "node": (pod.get("spec") or {}).get("nodeName"),
+            "placement": placement, "launched_at_s": created, "node": pod_node(pod) or None,
         }  # fmt: skip
         if facts.image_present:
             record["image_ready_at_s"] = record["weights_ready_at_s"] = created

@@ -35,6 +35,7 @@ from pathlib import Path
 import aiohttp
 
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, SECRETS, NotFound
+from fleet.k8s.pods import node_affinity
 from tests.support.waits import async_wait_until
 
 NS = "fleet"
@@ -289,6 +290,8 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
         assert mig["spec"]["nodeName"] == "mig-1"
         assert devices_of(mig)[0] in box.nodes["mig-1"].plugin.mig["3g.40gb"]
         assert {p["spec"]["nodeName"] for p in engine_pods("chat-sxm")} == {"sxm-8"}
+        for p in [*nvl, mig]:   # pinned by node affinity, bound by the scheduler (the real one, or the box's)
+            assert "nodeName" in p["spec"] and p["spec"]["affinity"] == node_affinity(p["spec"]["nodeName"])
 
         # weights: once per node, and the engines run from the node cache
         for f in weights:

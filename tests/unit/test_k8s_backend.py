@@ -16,9 +16,10 @@ from fleet.controller.backend import LaunchError, ReplicaWant
 from fleet.controller.reconcile import Controller, ControllerSettings
 from fleet.k8s.backend import KubernetesBackend, node_usable
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS
-from fleet.k8s.pod_facts import pod_facts
+from fleet.k8s.pod_facts import pod_facts, pod_node
 from fleet.k8s.pod_settings import EnginePodSettings
-from fleet.k8s.pods import ANNOTATION_PLACEMENT, LABEL_DEPLOYMENT, LABEL_REPLICA, LABEL_SPEC_HASH, pod_manifest
+from fleet.k8s.pods import (ANNOTATION_NODE, ANNOTATION_PLACEMENT, LABEL_DEPLOYMENT, LABEL_REPLICA, LABEL_SPEC_HASH,
+                            node_affinity, pod_manifest)
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.placement import ReplicaPlacement
 from fleet.placement.shapes import Assignment
@@ -28,6 +29,7 @@ from tests.support.fakes import FakeClock, FakePoolSink
 from tests.support.fake_kube import FakeKube
 from fleet.testing.k8s.kubelet import evict_pod, finish_deletions, image_pull_backoff, run_pod, terminate_pod
 from fleet.testing.k8s.nodes import node
+from fleet.testing.k8s.workloads import schedule
 
 NS = "fleet"
 
@@ -63,7 +65,10 @@ def test_gpu_pod_requests_tp_gpus_on_the_placed_node():
                        settings=EnginePodSettings(shm_size="8Gi"))
     spec = pod["spec"]
     c = spec["containers"][0]
-    assert spec["nodeName"] == "gpu-a" and spec["restartPolicy"] == "Never"
+    assert "nodeName" not in spec and spec["restartPolicy"] == "Never"      # the scheduler binds it ...
+    assert spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-a"]}]}]}
+    assert pod["metadata"]["annotations"][ANNOTATION_NODE] == "gpu-a" and pod_node(pod) == "gpu-a"   # ... there
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "2"}
     assert c["command"][:3] == ["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct"]
     assert c["command"][c["command"].index("--tensor-parallel-size") + 1] == "2"
@@ -233,7 +238,9 @@ class Cluster(ControllerHarness):
         return {p["metadata"]["name"]: p for p in self.store.list(PODS, NS, None)[0]}
 
     def kubelet_runs_everything(self) -> None:
-        """Pending pods start: a pod IP each, and their engines answer /health."""
+        """The scheduler stand-in binds pending pods; they start: a pod IP each, and their
+        engines answer /health."""
+        schedule(self.store)
         for name, pod in self.pods().items():
             if (pod.get("status") or {}).get("phase") in (None, "Pending"):
                 ip = f"10.0.0.{self.next_ip}"
@@ -263,7 +270,8 @@ async def test_replicas_run_as_pods_warm_and_join_the_pool():
     await cl.tick()
     pods = cl.pods()
     assert sorted(pods) == ["chat-0", "chat-1"]
-    assert {p["spec"]["nodeName"] for p in pods.values()} <= {"cpu-a", "cpu-b"}
+    assert {pod_node(p) for p in pods.values()} <= {"cpu-a", "cpu-b"}
+    assert not any(p["spec"].get("nodeName") for p in pods.values())   # the scheduler has not run yet
     assert all(p["metadata"]["ownerReferences"][0]["uid"] == cl.owners["chat"]["metadata"]["uid"]
                for p in pods.values())
     assert set(cl.status().values()) == {S.CACHING}     # the nodes list the image; no container yet
@@ -375,14 +383,62 @@ async def test_a_refused_pod_create_fails_the_start_with_the_reason():
 
 async def test_a_lost_node_replaces_its_replicas_elsewhere():
     cl = await _ready_cluster(_dep())
-    lost = cl.pods()["chat-0"]["spec"]["nodeName"]
+    lost = pod_node(cl.pods()["chat-0"])
     cl.store.finish_delete(NODES, None, lost)       # the node object goes (the node was removed or died)
     await cl.tick()
     r = cl.c.replicas["chat-0"]
     assert r.status is S.FAILED_CRASHED and f"node {lost} was lost" in r.failure.reason
     await cl.tick(seconds=11)       # backoff after up to two failures in a row (5 s, 10 s)
     new = [p for n, p in cl.pods().items() if n not in ("chat-0", "chat-1")]
-    assert new and all(p["spec"]["nodeName"] != lost for p in new)
+    assert new and all(pod_node(p) != lost for p in new)
+
+
+def test_an_unbound_pod_is_on_the_node_it_is_pinned_to_and_says_why_the_scheduler_refuses_it():
+    pod = pod_manifest(_want(_dep(), node_name="gpu-b"), fleet_id="fleet", owner=OWNER, settings=EnginePodSettings(
+        default_image="fleet:1"))
+    f = pod_facts(pod)
+    assert f.node == "gpu-b" and f.detail["node"] == "gpu-b" and f.unschedulable is None
+    message = "0/2 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) didn't match Pod's node affinity."
+    pod["status"] = {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]}
+    f = pod_facts(pod)
+    assert f.unschedulable == message and message in f.detail["scheduling"] and not f.exited
+    pod["spec"]["nodeName"] = "gpu-c"          # bound (a node name wins over the pin)
+    assert pod_facts(pod).node == "gpu-c" and pod_facts(pod).unschedulable is None
+
+
+FOREIGN = {"metadata": {"name": "someone-elses"}, "spec": {"nodeName": "cpu-a", "containers": [
+    {"name": "c", "image": "x", "resources": {"requests": {"cpu": "4"}}}]}}
+
+
+async def test_a_pod_the_scheduler_refuses_is_reported_then_replaced_off_that_node():
+    nodes = (node("cpu-a", cpu=4, images=["fleet:1"]), node("cpu-b", cpu=4, images=["fleet:1"]))
+    cl = Cluster(_dep(replicas={"min": 1, "max": 1}), nodes=nodes)
+    cl.store.create(PODS, NS, FOREIGN)          # a pod Fleet did not make holds every core of cpu-a
+    await cl.c.start(None)
+    await cl.tick()
+    assert pod_node(cl.pods()["chat-0"]) == "cpu-a"          # placement sees 4 free cores there
+    schedule(cl.store)
+    pod = cl.pods()["chat-0"]
+    assert "nodeName" not in pod["spec"]
+    message = "0/2 nodes are available: 1 Insufficient cpu, 1 node(s) didn't match Pod's node affinity."
+    await cl.tick()
+    r = cl.c.replicas["chat-0"]
+    assert r.unschedulable == message and message in r.detail["scheduling"] and not r.status.failed()
+    from fleet.k8s.status import deployment_status
+
+    degraded = {c["type"]: c for c in deployment_status(cl.c, "chat", 1, None, 0.0)["conditions"]}["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "Unschedulable") and message in degraded["message"]
+    timeout_s = cl.c.deployments["chat"].loaded.deployment.spec.engine.startup_timeout_seconds
+    await cl.tick(seconds=timeout_s + 1)       # the start deadline of a replica that does not start
+    r = cl.c.replicas["chat-0"]
+    assert r.status is S.FAILED_START and "the scheduler could not place it on node cpu-a" in r.failure.reason
+    assert message in r.failure.reason
+    await cl.tick(n=2, seconds=6)               # the backoff, then a replacement
+    assert "chat-0" not in cl.pods() and pod_node(cl.pods()["chat-1"]) == "cpu-b"   # not the refused node
+    cl.kubelet_runs_everything()
+    await cl.tick(n=3)
+    assert cl.status()["chat-1"] is S.READY and cl.pods()["chat-1"]["spec"]["nodeName"] == "cpu-b"
 
 
 # ----- multi-node replicas (gangs) ------------------------------------------------------------------
@@ -405,7 +461,9 @@ def test_a_gang_is_a_leader_pod_and_worker_pods_over_ray():
     pods = pod_group(_gang_want(_gang_dep()), fleet_id="f", owner=OWNER, settings=EnginePodSettings())
     leader, worker = pods
     assert [p["metadata"]["name"] for p in pods] == ["chat-0", "chat-0-w1"]
-    assert [p["spec"]["nodeName"] for p in pods] == ["gpu-a", "gpu-b"]
+    assert [pod_node(p) for p in pods] == ["gpu-a", "gpu-b"]     # each member pinned to its own node
+    assert [p["spec"]["affinity"] for p in pods] == [node_affinity("gpu-a"), node_affinity("gpu-b")]
+    assert not any("nodeName" in p["spec"] for p in pods)
     assert [p["metadata"]["labels"][LABEL_GANG_ROLE] for p in pods] == ["leader", "worker"]
     assert all(p["metadata"]["labels"][LABEL_REPLICA] == "chat-0" for p in pods)
     lc, wc = leader["spec"]["containers"][0], worker["spec"]["containers"][0]

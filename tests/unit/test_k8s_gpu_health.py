@@ -12,6 +12,7 @@ from fleet.inventory.gfd import node_from_k8s
 from fleet.inventory.gpu_health import ANNOTATION, GpuHealthFacts, QuarantinedGpu, gpu_health_value, \
     parse_gpu_health  # fmt: skip
 from fleet.k8s.client import EVENTS, NODES
+from fleet.k8s.pod_facts import pod_node
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.placement import ReplicaPlacement
 from fleet.testing.k8s.nodes import node
@@ -96,7 +97,7 @@ async def _annotate(cl: Cluster, name: str, facts: GpuHealthFacts) -> None:
 async def test_a_pod_on_a_quarantined_gpu_is_drained_and_replaced_off_it():
     cl = await _ready(node("gpu-a", gpus=2, images=["fleet:1"]), node("gpu-b", gpus=2, images=["fleet:1"]))
     pods = cl.pods()
-    victim = next(p for p in pods.values() if p["spec"]["nodeName"] == "gpu-a")
+    victim = next(p for p in pods.values() if pod_node(p) == "gpu-a")
     rid = victim["metadata"]["name"]
     # the device plugin gave it physical GPU 1, whatever synthetic id Fleet placed it on
     q = QuarantinedGpu(index=1, uuid="GPU-1", reason="xid: Xid 79", pods=(victim["metadata"]["uid"],))

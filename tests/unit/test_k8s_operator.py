@@ -19,6 +19,7 @@ from tests.support.controller import ControllerHarness
 from tests.support.fakes import FakePoolSink
 from tests.support.fake_kube import FakeKube
 from fleet.testing.k8s.kubelet import finish_deletions, run_pod
+from fleet.testing.k8s.workloads import schedule
 from fleet.testing.k8s.nodes import node
 from tests.unit.test_k8s_backend import EndpointEngines
 
@@ -73,6 +74,7 @@ class Env(ControllerHarness):
         await super().tick(n, seconds=0.0)
 
     def kubelet(self) -> None:
+        schedule(self.store)   # the scheduler stand-in binds the pods first
         for pod in self.store.list(PODS, NS, None)[0]:
             if (pod.get("status") or {}).get("phase") in (None, "Pending"):
                 ip = f"10.1.0.{self.next_ip}"

@@ -30,6 +30,9 @@ from tests.support.controller import ControllerHarness
 from tests.support.fakes import FakeClock, FakePoolSink
 from tests.support.fake_kube import FakeKube
 from fleet.testing.k8s.kubelet import ImagePuller, run_pod
+from fleet.testing.k8s.workloads import schedule
+from fleet.k8s.pod_facts import pod_node
+from fleet.k8s.pods import node_affinity
 from fleet.testing.k8s.nodes import node
 
 NS = "fleet"
@@ -89,7 +92,9 @@ class Env(ControllerHarness):
         await self.backend.drain_creates()     # then the warm-up tasks run (`settle`)
 
     def kubelet(self) -> None:
-        """One kubelet pass: pending pods pull their images; engine pods whose images are there run."""
+        """The scheduler stand-in binds what it can, then one kubelet pass: pending pods pull
+        their images; engine pods whose images are there run."""
+        schedule(self.store)
         for name, pod in self.pods().items():
             if (pod.get("status") or {}).get("phase") not in (None, "Pending"):
                 continue
@@ -132,7 +137,9 @@ def test_the_pre_pull_pod_is_a_valid_short_lived_pod_like_the_engine_pods(kube):
     kubernetes_validate.validate(pod, kube, strict=True)
     spec = pod["spec"]
     c = spec["containers"][0]
-    assert spec["nodeName"] == "gpu-node-a.example.com" and spec["restartPolicy"] == "Never"
+    assert "nodeName" not in spec and spec["restartPolicy"] == "Never"     # the scheduler binds it, pinned:
+    assert spec["affinity"] == node_affinity("gpu-node-a.example.com")
+    assert pod_node(pod) == "gpu-node-a.example.com"
     assert c["image"] == IMAGE and c["imagePullPolicy"] == "IfNotPresent" and c["command"] == ["true"]
     assert "nvidia.com/gpu" not in c["resources"]["limits"]
     assert spec["tolerations"] == tolerations and spec["nodeSelector"] == {"pool": "gpu"}
@@ -217,7 +224,7 @@ async def test_the_image_is_pre_pulled_before_the_engine_pod_is_created():
     pulls = env.pull_pods()
     assert len(pulls) == 1 and env.engine_pods() == {}
     pull = next(iter(pulls.values()))
-    assert pull["spec"]["nodeName"] == "cpu-a" and pull["spec"]["containers"][0]["image"] == IMAGE
+    assert pod_node(pull) == "cpu-a" and pull["spec"]["containers"][0]["image"] == IMAGE
     assert env.status() == {"chat-0": S.PULLING}
     assert env.c.replicas["chat-0"].detail["cache"].startswith(f"pulling image {IMAGE} onto node cpu-a")
     await env.tick(seconds=5)
@@ -304,7 +311,7 @@ async def test_a_replica_stopped_while_pulling_never_gets_a_pod_and_left_over_pu
     env.store.create(PODS, NS, pull_pod_manifest("gone", IMAGE, fleet_id="fleet", settings=env.backend.settings))
     await env.c.start(None)
     await env.tick()
-    assert [p["spec"]["nodeName"] for p in env.pull_pods().values()] in (["cpu-a"], ["cpu-b"])
+    assert [pod_node(p) for p in env.pull_pods().values()] in (["cpu-a"], ["cpu-b"])
     env.c.set_desired("chat", 0)
     await env.tick(n=2)
     assert env.status() == {"chat-0": S.TERMINATED}
@@ -343,7 +350,7 @@ async def test_the_backend_places_on_the_warm_node_and_creates_its_pod_at_once()
                                                               annotations={ANNOTATION: SOURCE})])  # fmt: skip
     await env.c.start(None)
     await env.tick()
-    assert env.created_pods() == ["chat-0"] and env.engine_pods()["chat-0"]["spec"]["nodeName"] == "b-warm"
+    assert env.created_pods() == ["chat-0"] and pod_node(env.engine_pods()["chat-0"]) == "b-warm"
 
 
 def test_bad_pre_pull_settings_name_the_key():
@@ -389,11 +396,12 @@ async def test_the_operator_pre_pulls_a_resources_image_onto_the_nodes_its_selec
         pulled_at = []
         for _ in range(6):
             await env.tick(op)
-            pulls = {p["spec"]["nodeName"] for p in env.store.list(PODS, NS, None)[0] if is_pull_pod(p)}
+            pulls = {pod_node(p) for p in env.store.list(PODS, NS, None)[0] if is_pull_pod(p)}
+            schedule(env.store)
             assert len(pulls) <= 1                                  # maxParallel
             for p in env.store.list(PODS, NS, None)[0]:
                 if is_pull_pod(p) and puller.sync(env.store, NS, p["metadata"]["name"]) == "pulled":
-                    pulled_at.append(p["spec"]["nodeName"])
+                    pulled_at.append(pod_node(p))
         assert sorted(pulled_at) == ["g0", "g1"]                   # the operator's default image, not cpu-a
         assert {n for n, image in puller.pulls} == {"g0", "g1"} and {i for _, i in puller.pulls} == {"fleet:1"}
         assert not [p for p in env.store.list(PODS, NS, None)[0] if is_pull_pod(p)]
@@ -407,14 +415,14 @@ async def test_a_replica_waiting_for_its_image_on_a_lost_node_fails_and_is_repla
     env.store.patch(NODES, None, "cpu-b", {"spec": {"unschedulable": True}})
     await env.c.start(None)
     await env.tick()
-    assert [p["spec"]["nodeName"] for p in env.pull_pods().values()] == ["cpu-a"]
+    assert [pod_node(p) for p in env.pull_pods().values()] == ["cpu-a"]
     env.store.patch(NODES, None, "cpu-b", {"spec": {"unschedulable": False}})
     env.store.delete(NODES, None, "cpu-a")
     await env.tick()
     r = env.c.replicas["chat-0"]
     assert r.status is S.FAILED_START and "node cpu-a was lost" in r.failure.reason
     await env.tick(seconds=6)
-    assert env.pull_pods() == {} and env.engine_pods()["chat-1"]["spec"]["nodeName"] == "cpu-b"
+    assert env.pull_pods() == {} and pod_node(env.engine_pods()["chat-1"]) == "cpu-b"
 
 
 async def test_the_stand_in_kubelet_pulls_in_steps_and_fails_unpullable_images():
@@ -423,11 +431,14 @@ async def test_the_stand_in_kubelet_pulls_in_steps_and_fails_unpullable_images()
     puller = ImagePuller(steps=3, unpullable={"nope:1"})
     kube.store.create(PODS, NS, pull_pod_manifest("n1", IMAGE, fleet_id="fleet", settings=EnginePodSettings()))
     name = pull_pod_name("n1", IMAGE)
+    assert puller.sync(kube.store, NS, name) == "unbound"        # until the scheduler binds it
+    schedule(kube.store)
     assert [puller.sync(kube.store, NS, name) for _ in range(3)] == ["pulling", "pulling", "pulled"]
     assert pod_pull_state(kube.store.get(PODS, NS, name))[0] is PodPull.PULLED
     assert image_aliases(IMAGE) <= node_images(kube.store.get(NODES, None, "n1"))
     kube.store.create(PODS, NS, pull_pod_manifest("n1", "nope:1", fleet_id="fleet", settings=EnginePodSettings()))
     bad = pull_pod_name("n1", "nope:1")
+    schedule(kube.store)
     assert puller.sync(kube.store, NS, bad) == "failed"
     assert pod_pull_state(kube.store.get(PODS, NS, bad))[0] is PodPull.FAILED
     assert puller.pulls == {("n1", IMAGE): 1}
@@ -440,7 +451,7 @@ async def test_a_selector_wide_pull_that_fails_is_an_event_on_its_deployment_onl
               puller=ImagePuller(unpullable={IMAGE}))  # fmt: skip
     env.backend.set_pre_pull([ld.deployment, other.deployment])
     await env.backend.observe()
-    assert [p["spec"]["nodeName"] for p in env.pull_pods().values()] == ["g0"]
+    assert [pod_node(p) for p in env.pull_pods().values()] == ["g0"]
     env.kubelet()
     env.clock.advance(1)
     await env.backend.observe()

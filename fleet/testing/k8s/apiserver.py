@@ -13,7 +13,8 @@ the real server checks them (fleet/testing/k8s/validation.py): a key or value it
 
 `KubeletStandIn` pulls the images of each pod bound to its nodes first (`fleet.testing.k8s.kubelet.ImagePuller`:
 the image lands in ``Node.status.images``; an unpullable one leaves the pod in ErrImagePull;
-a pre-pull pod then completes), then runs each pod bound to its nodes (``spec.nodeName``) as a local process: the
+a pre-pull pod then completes), then runs each pod bound to its nodes (``spec.nodeName``) as a local process (an
+unbound pod is first bound by the scheduler stand-in's pass, `fleet.testing.k8s.workloads.schedule`): the
 pod's engine command (the engine SIMULATOR, ``engine.kind: sim``) with the image's ``python``
 replaced by this interpreter and ``--host`` by the pod's IP, a loopback address of its own
 (127.0.0.N, port 8000 as in a real pod; a ZMQ wildcard bind ``tcp://*:P`` is relayed from it,
@@ -38,6 +39,7 @@ from fleet.k8s.prepull import is_pull_pod
 from fleet.testing.k8s.kubelet import ImagePuller, run_pod, terminate_pod
 from fleet.testing.k8s.portmap import WildcardPorts
 from fleet.testing.k8s.rbac import Authorizer, RequestAttributes
+from fleet.testing.k8s.workloads import schedule
 from fleet.testing.k8s.store import _RESOURCES, ObjectStore
 from fleet.testing.k8s.validation import check_labels
 
@@ -264,6 +266,9 @@ class KubeletStandIn:
     async def _sync(self, pod: dict) -> None:
         meta = pod["metadata"]
         key = (meta["namespace"], meta["name"])
+        if not (pod.get("spec") or {}).get("nodeName") and not meta.get("deletionTimestamp"):
+            schedule(self.store)   # no scheduler runs beside this kubelet: the stand-in's pass binds it
+            return
         if (pod.get("spec") or {}).get("nodeName") not in self.nodes:
             return
         self.seen_pods.add(meta["name"])

@@ -131,8 +131,10 @@ class PodRunner:
         ready = all(c.ready for c in self.containers)
         self._status({"phase": self.phase, "podIP": self.ip, "hostIP": "127.0.0.1",
                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"},
+                                     {"type": "ContainersReady", "status": "True" if ready else "False"},
                                      {"type": "Initialized", "status": "True" if len(self.init_done) ==
-                                      len(self.pod["spec"].get("initContainers") or []) else "False"}],
+                                      len(self.pod["spec"].get("initContainers") or []) else "False"},
+                                     {"type": "PodScheduled", "status": "True"}],   # bound here, so scheduled
                       "containerStatuses": self._container_statuses(),
                       "initContainerStatuses": self.init_done})  # fmt: skip
 
