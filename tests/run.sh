@@ -22,8 +22,8 @@ fi
 # The real Kubernetes layers of the integration tier, each built once into ~/.cache/fleet/NAME and
 # then found in a second (fleet/testing/k8s/buildcache.py): the apiextensions-apiserver of
 # test_crd_real_apiserver.py (Debian unstable's Go sources; ~6.5 min on 2 busy cores) and the
-# Kubernetes 1.20.2 control plane of test_real_control_plane.py, test_node_labels_real_apiserver.py,
-# test_helm_upgrade_real.py and test_helm_real.py (Debian bookworm's kubernetes source, apt as root
+# Kubernetes 1.20.2 control plane of the tests named *_real_* and *_real.py (the user's journey on
+# it: test_real_cluster_journey.py) (Debian bookworm's kubernetes source, apt as root
 # for a deb-src entry and the build dependencies; ~7 min with a cold Go cache). Each is bounded
 # (FLEET_APIEXT_BUILD_S, default 420; FLEET_KUBE_BUILD_S, default 600): past it the layer skips this
 # run and the next run goes on from the Go build cache; a failed build is remembered for 6 h. Never
@@ -46,7 +46,7 @@ case " $* " in
     real_layer apiext FLEET_APIEXT "${FLEET_APIEXT_BUILD_S:-420}" "apiextensions-apiserver " FLEET_APIEXT_UNAVAILABLE ;;
 esac
 case " $* " in
-  *" tests/integration"*|*" tests "*|*test_real_control_plane*|*test_node_labels_real_apiserver*|*test_helm_upgrade_real*|*test_helm_real*)
+  *" tests/integration"*|*" tests "*|*_real_*|*_real.py*)
     real_layer kube FLEET_KUBE "${FLEET_KUBE_BUILD_S:-600}" "kubernetes v" FLEET_KUBE_UNAVAILABLE ;;
 esac
 exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=15 "$@"
