@@ -90,9 +90,16 @@ class ListSource:
 
 def node_usable(node: dict, settings: EnginePodSettings) -> str | None:
     """Why engine pods cannot be placed on ``node``, or None: not Ready, cordoned, the engine
-    node selector does not match, or a NoSchedule/NoExecute taint is not tolerated."""
+    node selector does not match, a NoSchedule/NoExecute taint is not tolerated, or, with the node
+    weight cache on (``weightCache.hostPath``), no node agent runs there: it publishes
+    ``fleet.inference.dev/gpu-health`` on every node it runs on, even without GPUs, and without it
+    the cache directory is not the engine pods' to write (`fleet.k8s.pod_weights`), no GPU is
+    health-checked and no NVLink domain is known."""
     spec = node.get("spec") or {}
     labels = node["metadata"].get("labels") or {}
+    annotations = node["metadata"].get("annotations") or {}
+    if settings.weight_cache_path and GPU_HEALTH not in annotations:
+        return "no Fleet node agent on it (no weight cache: the chart's agent.nodeSelector leaves it out)"
     ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
     if ready and ready[0].get("status") != "True":
         return "not Ready"

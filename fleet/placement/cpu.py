@@ -3,8 +3,10 @@
 Owns `place_cpu`: each replica takes ``cpuCores`` cores of one node, free ones first; when
 every core is taken, CPU replicas share the least-used cores (a CPU core, unlike a GPU, can be
 time-shared) and the assignment says so. A node where the replica gets its cores to itself goes
-first, then a warmer node (`PlacementRequest.warmth`: it holds the weights, the image), then
-the node with the most free cores. Called by
+first, then a node without GPUs (a GPU node's cores feed its GPU replicas: their engines'
+scheduler and tokenizer threads, the host side of every transfer), then a warmer node
+(`PlacementRequest.warmth`: it holds the weights, the image), then the node with the most free
+cores. Called by
 `PlacementStrategy.place_replicas`. Pure.
 """
 
@@ -25,8 +27,8 @@ def place_cpu(request: PlacementRequest, inventory: Inventory, held: Counter[str
 
     free = {n.name: sum(1 for c in n.cpu_cores if not held[f"cpu:{c}"]) for n in nodes}   # kept as we place
 
-    def rank(n) -> tuple[bool, int, int]:
-        return free[n.name] >= need, warm[n.name], free[n.name]
+    def rank(n) -> tuple[bool, bool, int, int]:
+        return free[n.name] >= need, not n.gpus, warm[n.name], free[n.name]
 
     placements = []
     for _ in range(request.count if nodes else 0):

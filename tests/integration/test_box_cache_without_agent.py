@@ -28,6 +28,7 @@ from fleet.testing.k8s.podconfig import BoxNode
 from fleet.testing.k8s.kubelet_api import StoreKubeletApi
 from fleet.testing.k8s.podrunner import BoxKubelet
 from fleet.testing.k8s.store import ObjectStore
+from fleet.testing.k8s.workloads import schedule
 from tests.integration.test_cluster_box import _can_run_containers
 from tests.support.waits import async_wait_until
 from tests.unit.test_k8s_backend import _dep, _want
@@ -55,6 +56,7 @@ async def test_an_engine_pod_on_a_node_without_the_agent_fails_its_pull_instead_
     try:
         store.create(PODS, "fleet", pod)
         name = pod["metadata"]["name"]
+        assert schedule(store) == {("fleet", name): "cpu-1"}   # the scheduler stand-in binds it (node affinity)
 
         def current() -> dict:
             return store.get(PODS, "fleet", name)

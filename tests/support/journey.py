@@ -12,8 +12,8 @@ or `fleet.testing.k8s.realbox.RealClusterInABox`: both give ``kube``, ``nodes``,
 
 Journey: install -> agents up on every GPU node, node facts accepted, the two router pods each
 finding the other in the Endpoints of the router-peers Service -> a TP=2 ``hf://...@rev``
-deployment on the NVL node, a MIG one, and a TP=1 one on the SXM node, served through two router
-pods -> TP=2 replicas each on one NVLink pair (never across PCIe), MIG on a 3g.40gb slice ->
+deployment on the NVL node, a MIG one, a TP=1 one on the SXM node and a CPU one, served through
+two router pods -> TP=2 replicas each on one NVLink pair (never across PCIe), MIG on a 3g.40gb slice ->
 weights fetched once per node, engines started from the node cache -> KV event streams followed ->
 an Xid 79 on a GPU of the SXM node: quarantined, its replica drained and replaced on another GPU,
 no request failed before streaming -> a canary rollout promotes -> ``helm upgrade`` rolls the
@@ -39,6 +39,7 @@ from fleet.k8s.pods import node_affinity
 from tests.support.waits import async_wait_until
 
 NS = "fleet"
+DEPLOYMENTS = ("chat-nvl", "small-mig", "chat-sxm")   # on GPUs; "tiny-cpu" beside them on the CPU node
 IMAGE = "ghcr.io/inference-fleet/fleet:0.1.0"
 
 
@@ -150,6 +151,9 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
             cs = [(c["name"], list(c["state"])[0], c.get("restartCount")) for c in
                   (p.get("status") or {}).get("containerStatuses") or []]  # fmt: skip
             lines.append(f"{p['metadata']['name']} on {p['spec'].get('nodeName')}: {phase(p)} {cs}")
+        for d in box.list(INFERENCE_DEPLOYMENTS, NS)[0]:
+            status = d.get("status") or {}
+            lines.append(f"{d['metadata']['name']}: {status.get('replicas')} {status.get('conditions')}")
         for d in sorted((box.work / "pods").glob("*")):
             for f in d.glob("*.log"):
                 lines.append(f"--- {d.name}/{f.name}\n{f.read_text(errors='replace')[-2500:]}")
@@ -188,7 +192,8 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
     try:
         # ---- helm install (rendered), agents up, node facts published --------------------------
         box.preload_image(IMAGE)
-        values = {   # the node agent as the chart's defaults run it: on, on GPU nodes only
+        values = {   # the node agent on every node, as docs/kubernetes.md says a CPU replica needs
+            "agent": {"nodeSelector": None, "tolerations": [{"operator": "Exists"}]},
             "operator": {"tickSeconds": 0.5},
             "router": {"extraEnv": [{"name": "HF_ENDPOINT", "value": hub.url}]},
             "engine": {"defaultImage": IMAGE, "extraEnv": [{"name": "HF_ENDPOINT", "value": hub.url}],
@@ -203,8 +208,8 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
                       for n, o in nodes.items()}  # fmt: skip
             return labels == {"cpu-1": None, "sxm-8": "0-7", "nvl-4": "0-1_2-3", "mig-1": "none"}
 
-        await box_wait(lambda: len([p for p in pods("app.kubernetes.io/component=agent") if ready(p)]) == 3, 120,
-                       what="a ready node agent on each of the 3 GPU nodes")
+        await box_wait(lambda: len([p for p in pods("app.kubernetes.io/component=agent") if ready(p)]) == 4, 120,
+                       what="a ready node agent on each of the 4 nodes (the CPU node: weight cache, no NVML)")
         await box_wait(facts_published, 60, what="NVLink domains published on every GPU node by its agent")
         await box_wait(lambda: len(router_urls()) == 2, 120, what="2 ready router pods")
         mark("agents up, node facts published, routers ready")
@@ -237,9 +242,15 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
                                                          {"migProfile": "3g.40gb"}, 1))  # fmt: skip
         await kube.create(INFERENCE_DEPLOYMENTS, NS, _cr("chat-sxm", "chat-sxm", "hf://org/sxm", {
             "gpuProduct": "NVIDIA H100 80GB HBM3"}, 2, rollout=canary))
-        for model in ("chat-nvl", "small-mig", "chat-sxm"):
+        await kube.create(INFERENCE_DEPLOYMENTS, NS, _cr("tiny-cpu", "tiny-cpu", "hf://org/small",
+                                                         {"accelerator": "cpu", "cpuCores": 2}, 1))  # fmt: skip
+        for model in (*DEPLOYMENTS, "tiny-cpu"):
             await box_wait(lambda m=model: served(m), 300, what=f"{model} served through both router pods")
-        mark("3 deployments served through 2 router pods")
+        (cpu,) = engine_pods("tiny-cpu")   # on the CPU node, no GPU asked for
+        asked = cpu["spec"]["containers"][0]["resources"]
+        assert cpu["spec"]["nodeName"] == "cpu-1", (cpu["spec"]["nodeName"], asked)
+        assert not any(k.startswith("nvidia.com/") for k in asked.get("requests", {})), asked
+        mark("4 deployments (TP=2 NVLink, MIG, TP=1, CPU) served through 2 router pods")
 
         async def kv_streams_live() -> bool:
             """Every router pod follows every engine pod's KV event stream (the engine's PUB socket
@@ -352,6 +363,9 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
         mark("canary v2 promoted")
 
         # ---- helm upgrade: the operator's Deployment rolls; the new operator adopts every engine ---
+        await box_wait(lambda: not any(p["metadata"].get("deletionTimestamp")
+                                       for p in pods("app.kubernetes.io/managed-by=fleet-operator")), 60,
+                       what="the rollout's last v1 pod gone before the upgrade")  # fmt: skip
         live_engines = {p["metadata"]["uid"] for p in pods("app.kubernetes.io/managed-by=fleet-operator")}
         old_operator = {p["metadata"]["uid"] for p in pods("app.kubernetes.io/component=operator")}
         box.helm_upgrade({**values, "operator": {**values["operator"], "logLevel": "debug"}})
@@ -405,11 +419,11 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
               f"{load.refused} refused connections retried", flush=True)
 
         # ---- delete: nothing left ----------------------------------------------------------------
-        for name in ("chat-nvl", "small-mig", "chat-sxm"):
+        for name in (*DEPLOYMENTS, "tiny-cpu"):
             await kube.delete(INFERENCE_DEPLOYMENTS, NS, name)
 
         async def deployments_gone() -> bool:
-            for name in ("chat-nvl", "small-mig", "chat-sxm"):
+            for name in (*DEPLOYMENTS, "tiny-cpu"):
                 try:
                     await kube.get(INFERENCE_DEPLOYMENTS, NS, name)
                     return False

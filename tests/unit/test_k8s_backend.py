@@ -182,6 +182,17 @@ def test_inventory_from_nodes_and_gfd_labels():
     assert "engine node selector" in node_usable(node("x"), EnginePodSettings(node_selector={"pool": "gpu"}))
 
 
+def test_with_the_node_cache_a_node_without_the_agent_takes_no_replica():
+    """The weight cache lives where the node agent runs (its gpu-health annotation says it runs,
+    GPUs or not): elsewhere the cache directory is not the engine pods' and the pod would fail."""
+    cached = EnginePodSettings(weight_cache_path="/var/lib/fleet/cache")
+    agentless = node("cpu-b")
+    with_agent = node("cpu-a", annotations={"fleet.inference.dev/gpu-health": '{"quarantined": []}'})
+    assert "no Fleet node agent" in node_usable(agentless, cached)
+    assert node_usable(with_agent, cached) is None
+    assert node_usable(agentless, EnginePodSettings()) is None   # no cache: vLLM fetches its weights itself
+
+
 # ----- the real controller on the fake cluster -------------------------------------------------------
 
 

@@ -211,6 +211,16 @@ def test_cpu_replicas_take_free_cores_then_share():
     assert "2 CPU cores, need 4" in refused.explain()
 
 
+def test_cpu_replicas_go_to_nodes_without_gpus_while_those_have_free_cores():
+    """A GPU node's cores feed its GPU replicas: a CPU replica takes a GPU-free node's cores even
+    when the GPU node has more free, and goes to the GPU node only once the others are full."""
+    from fleet.inventory.model import NodeInventory
+    inv = cluster(node("gpu-node", 8, cpu_cores=tuple(range(64))), NodeInventory("cpu-node", cpu_cores=(0, 1, 2, 3)))
+    plan = place(inv, ReplicaShape(accelerator="cpu", cpu_cores=2), count=3)
+    assert [p.nodes for p in plan.placements] == [("cpu-node",), ("cpu-node",), ("gpu-node",)]
+    assert all(p.exclusive for p in plan.placements)
+
+
 def test_fleet_incremental_ranking_picks_what_ranking_every_group_picks():
     # FleetStrategy keeps rank_groups incrementally (_ShareRanking); GroupRanking ranks every
     # group at every pick. Racks shared by warm and cold nodes, zones and racks missing,
