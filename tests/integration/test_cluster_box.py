@@ -50,6 +50,7 @@ async def test_the_users_journey_on_the_cluster_in_a_box(tmp_path):
     box = ClusterInABox(tmp_path / "box", image=IMAGE)
     await box.start()
     try:
-        await users_journey(box, tmp_path)
+        steps = await users_journey(box, tmp_path)
+        assert steps[-1][0] == "deleted and uninstalled: nothing left", steps   # the journey ran to its end
     finally:
         await box.stop()

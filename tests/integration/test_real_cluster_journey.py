@@ -43,6 +43,7 @@ async def test_the_users_journey_on_a_real_control_plane(control_plane: RealCont
     box = RealClusterInABox(control_plane, tmp_path / "box", helm_binary(), image=IMAGE)
     await box.start()
     try:
-        await users_journey(box, tmp_path)
+        steps = await users_journey(box, tmp_path)
+        assert steps[-1][0] == "deleted and uninstalled: nothing left", steps   # the journey ran to its end
     finally:
         await box.stop()

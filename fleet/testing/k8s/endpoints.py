@@ -27,6 +27,7 @@ import asyncio
 from fleet.k8s.client import PODS, ApiError
 from fleet.testing.k8s.resources import ENDPOINTS, SERVICES
 from fleet.testing.k8s.store import ObjectStore, parse_selector, selector_matches
+from fleet.testing.k8s.workloads import sync_every
 
 HEADLESS_LABEL = "service.kubernetes.io/headless"
 
@@ -99,12 +100,7 @@ class EndpointsController:
 
     async def run(self, stop: asyncio.Event) -> None:
         """`sync` every ``period_s`` until ``stop`` is set."""
-        while not stop.is_set():
-            self.sync()
-            try:
-                await asyncio.wait_for(stop.wait(), self.period_s)
-            except asyncio.TimeoutError:
-                pass
+        await sync_every(self.sync, self.period_s, stop)
 
     def sync(self) -> None:
         """One pass over every Service and every Endpoints object."""

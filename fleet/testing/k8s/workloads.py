@@ -26,12 +26,14 @@ small as the chart's workloads need.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import json
 import uuid
 
 from collections import Counter
+from collections.abc import Callable
 
 from kubernetes.utils.quantity import parse_quantity
 
@@ -241,6 +243,14 @@ def _unschedulable(store: ObjectStore, ns: str, name: str, pod: dict, message: s
         pass
 
 
+async def sync_every(sync: Callable[[], None], period_s: float, stop: asyncio.Event) -> None:
+    """A stand-in controller's loop: ``sync()`` every ``period_s`` seconds until ``stop`` is set."""
+    while not stop.is_set():
+        sync()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), period_s)
+
+
 class Workloads:
     def __init__(self, store: ObjectStore, period_s: float = 0.2) -> None:
         self.store = store
@@ -248,12 +258,7 @@ class Workloads:
         self.created = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            self.sync()
-            try:
-                await asyncio.wait_for(stop.wait(), self.period_s)
-            except asyncio.TimeoutError:
-                pass
+        await sync_every(self.sync, self.period_s, stop)
 
     def _pods_of(self, owner: dict) -> list[dict]:
         uid = owner["metadata"]["uid"]
