@@ -11,8 +11,8 @@ uninstalled by the real ``helm`` (v4). Stand-ins: the kubelet (containers are lo
 their own mount namespace, as in the box), each GPU node's device plugin and fake NVML
 (fleet/testing/k8s/box.py `NODE_SHAPES`, the same four nodes) with its kubelet's PodResources
 socket (fleet/testing/k8s/podresources.py), no kube-proxy (Service ClusterIPs do
-not answer) and no cluster DNS. Pod addresses are 10.244.x.y, a range bound on ``lo`` while the
-cluster runs (a real API server refuses loopback addresses in Endpoints).
+not answer) and no cluster DNS. Pod addresses are 10.244.x.y (`POD_NETWORKS`), a range bound on
+``lo`` while the cluster runs (a real API server refuses loopback addresses in Endpoints).
 
 Owns `RealClusterInABox` (the same surface the journey uses on `ClusterInABox`: ``kube``,
 ``nodes``, ``kubelet``, `list`, `get`, `helm_install`, `helm_uninstall`, `preload_image`,
@@ -43,8 +43,10 @@ from fleet.testing.k8s.podconfig import REPO, BoxNode
 from fleet.testing.k8s.podresources import PodResourcesServer, serve_pod_resources
 from fleet.testing.k8s.podrunner import BoxKubelet
 
-POD_NETWORK = "10.244.0.1/16"
-"""Bound on ``lo`` while the cluster runs: every 10.244.x.y is then a local address a pod can bind."""
+POD_NETWORKS = ("10.244", *(f"10.{b}" for b in range(246, 255)))
+"""The first two octets of the pod networks a cluster may take (10.245 is the real node's bridge,
+fleet/testing/k8s/realnode.py): the first that no other cluster of this machine holds is bound on
+``lo`` as a /16 while the cluster runs, so every address in it is local and a pod can bind it."""
 
 KEPT_IN_NAMESPACE = {("ServiceAccount", "default"), ("ConfigMap", "kube-root-ca.crt")}
 """What Kubernetes itself keeps in every namespace (plus the default ServiceAccount's token Secret)."""
@@ -71,13 +73,14 @@ class RealClusterInABox:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._network_added = False
+        self.pod_network = ""   # bound on lo by `start` (`POD_NETWORKS`)
 
     # ----- life ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Bind the pod network, register the nodes as themselves, start their heartbeats, device
-        health and the kubelet. Raises ApiError when the API server refuses a node,
-        subprocess.CalledProcessError when the pod network cannot be bound."""
+        health and the kubelet. Raises ApiError when the API server refuses a node, RuntimeError
+        when no pod network can be bound."""
         self._bind_pod_network()
         for shape in NODE_SHAPES:
             node = prepare_node(shape, self.work / "nodes" / shape.name)
@@ -90,7 +93,8 @@ class RealClusterInABox:
         api = ServerKubeletApi(self._clients)
         port = urlparse(self.plane.url).port or 443
         self.kubelet = BoxKubelet(api, self.nodes, self.work, token_for=self._token, ca_pem=self.plane.ca_file.read_bytes(),
-                                  api_port=port, puller=ImagePuller(), pod_subnet="10.244")  # fmt: skip
+                                  api_port=port, puller=ImagePuller(),
+                                  pod_subnet=self.pod_network.rsplit(".", 2)[0])  # fmt: skip
         self.kubelet.start()
         self._tasks.append(asyncio.create_task(self._device_health()))
 
@@ -107,13 +111,24 @@ class RealClusterInABox:
         for c in [*self._clients.values(), self.kube]:
             c.close()
         if self._network_added:
-            subprocess.run(["ip", "addr", "del", POD_NETWORK, "dev", "lo"], capture_output=True)
+            subprocess.run(["ip", "addr", "del", self.pod_network, "dev", "lo"], capture_output=True)
 
     def _bind_pod_network(self) -> None:
-        done = subprocess.run(["ip", "addr", "add", POD_NETWORK, "dev", "lo"], capture_output=True, text=True)
-        if done.returncode != 0 and "File exists" not in done.stderr:
-            raise subprocess.CalledProcessError(done.returncode, done.args, done.stdout, done.stderr)
-        self._network_added = True
+        """Take the first of `POD_NETWORKS` that ``lo`` does not hold (another cluster of this
+        machine may run at the same time). Raises RuntimeError with ``ip``'s words when none can be
+        bound."""
+        held = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "lo"], capture_output=True, text=True).stdout
+        errors = []
+        for prefix in POD_NETWORKS:
+            if f" {prefix}." in held:
+                continue
+            network = f"{prefix}.0.1/16"
+            done = subprocess.run(["ip", "addr", "add", network, "dev", "lo"], capture_output=True, text=True)
+            if done.returncode == 0:
+                self.pod_network, self._network_added = network, True
+                return
+            errors.append(f"{network}: {done.stderr.strip()}")
+        raise RuntimeError(f"no pod network could be bound on lo: {'; '.join(errors) or 'all are taken'}")
 
     def _token(self, namespace: str, service_account: str) -> str:
         """A ServiceAccount's token from its Secret (only asked for a pod whose spec mounts none)."""
