@@ -5,8 +5,10 @@ with umoci, its commands run with ``chroot`` as the image's user on a read-only 
 (tests/support/image_bundle.py).
 
 Real here: the images' bytes (the very archives a node imports), the runtime config umoci derives
-from them (user, args, environment), Python and Fleet inside the image. Not here: namespaces
-beyond mounts and PIDs, cgroups, capabilities, seccomp (the real node's tests).
+from them (user, args, environment), Python and Fleet inside the image; and where Debian's
+containerd 1.6 and runc are installed, a private containerd (tests/support/containerd.py) that
+imports each archive and runs both images read-only. Not here: the kubelet, CRI, seccomp and
+capabilities as a pod sets them (the real node's tests).
 
 Skips, saying why, when an image cannot be built here (no root, no apt, PyPI or Debian
 unreachable) or umoci is missing. `tests/run.sh` builds both before the tiers (``python -m
@@ -19,13 +21,14 @@ from __future__ import annotations
 import json
 import os
 import tarfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from fleet.testing.k8s.buildcache import Unavailable
 from fleet.testing.k8s.images import BUILD_TIMEOUT_S, FLEET_TAG, PAUSE_TAG, Image, built, fleet_image, pause_image
+from tests.support.containerd import PrivateContainerd
 from tests.support.image_bundle import Bundle, image_env, run_in, unpack
 
 pytestmark = pytest.mark.timeout(2 * BUILD_TIMEOUT_S + 120)
@@ -63,6 +66,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Image, Bundle]:
 def pause(tmp_path_factory: pytest.TempPathFactory) -> tuple[Image, Bundle]:
     image = _image(pause_image)
     return image, _bundle(image, tmp_path_factory.mktemp("pause-image"))
+
+
+@pytest.fixture(scope="module")
+def containerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateContainerd]:
+    try:
+        with PrivateContainerd(tmp_path_factory.mktemp("containerd"), f"fleet-image-{os.getpid()}") as daemon:
+            yield daemon
+    except Unavailable as err:
+        pytest.skip(str(err))
 
 
 def _docker_tags(archive: Path) -> list[str]:
@@ -135,3 +147,22 @@ def test_the_pause_image_is_a_static_pause_alone(pause: tuple[Image, Bundle]) ->
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"pause.c v{image.info['pause_tag']}")
     assert _docker_tags(image.docker_archive) == [PAUSE_TAG]
+
+
+@pytest.mark.parametrize("archive", ["oci_archive", "docker_archive"])
+def test_containerd_imports_each_archive_by_name_and_runc_runs_it(
+        fleet: tuple[Image, Bundle], pause: tuple[Image, Bundle], containerd: PrivateContainerd, archive: str) -> None:
+    """containerd 1.6's ``ctr images import`` names both images from either archive (no
+    ``--base-name``), and runc runs them read-only: ``fleet --help`` as uid 10001, ``/pause -v``."""
+    for image in (fleet[0], pause[0]):
+        containerd.ctr("images", "rm", image.name)   # from the other archive's run; absent the first time
+        proc = containerd.ctr("images", "import", str(getattr(image, archive)), timeout_s=300)
+        assert proc.returncode == 0, proc.stderr
+        assert image.name in containerd.ctr("images", "ls", "-q").stdout.split()
+    help_ = containerd.ctr("run", "--rm", "--read-only", FLEET_TAG, f"fleet-help-{archive}")
+    assert help_.returncode == 0, help_.stderr
+    assert "router-pod" in help_.stdout
+    user = containerd.ctr("run", "--rm", "--read-only", FLEET_TAG, f"fleet-id-{archive}", "id", "-u")
+    assert user.stdout.strip() == str(FLEET_UID), user.stderr
+    version = containerd.ctr("run", "--rm", "--read-only", PAUSE_TAG, f"pause-{archive}", "/pause", "-v")
+    assert version.stdout.startswith("pause.c v"), version.stderr
