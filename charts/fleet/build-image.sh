@@ -15,9 +15,9 @@
 #                         docs), committed as localhost/fleet-base:bookworm
 #   --push DEST           push to DEST (docker://... implied; buildah's --creds/--authfile via
 #                         REGISTRY_AUTH_FILE, `buildah login` first)
-#   --oci-archive PATH    write an OCI archive (`ctr images import --base-name REPO PATH`)
-#   --docker-archive PATH write a docker-archive (`docker load`, `ctr images import PATH`)
-#   --root DIR            buildah's storage (its --root; --runroot DIR.run); default: buildah's own
+#   --oci-archive PATH    write an OCI archive (`ctr -n k8s.io images import PATH`, `skopeo copy`)
+#   --docker-archive PATH write a docker-archive (`docker load -i PATH`, `ctr images import PATH`)
+#   --root DIR            buildah's storage in DIR/storage, DIR/run (default: buildah's own)
 #   --timestamp EPOCH_S   created time and file times of the new layers (default: the last commit's
 #                         time, else 0), so two builds of one tree give the same layers' files
 #   --build-arg K=V       passed to buildah (VENV_OPTIONS=--system-site-packages for vLLM's image)
