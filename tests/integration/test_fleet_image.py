@@ -35,7 +35,8 @@ pytestmark = pytest.mark.timeout(2 * BUILD_TIMEOUT_S + 120)
 
 FLEET_UID = 10001
 UNPACKED_LIMIT_BYTES = 600e6   # the image as measured (docs/kubernetes.md "The image") with room to grow
-SITE_PACKAGES = "opt/fleet/lib/python3.11/site-packages"
+SITE_PACKAGES = "opt/fleet/lib/python3.11/site-packages"   # the pinned dependencies
+APP = "opt/fleet-app"                                       # Fleet itself
 
 
 def _image(get: Callable[[], Image]) -> Image:
@@ -89,7 +90,7 @@ def test_fleet_image_runs_fleet_as_uid_10001(fleet: tuple[Image, Bundle]) -> Non
     assert (bundle.config["Entrypoint"], bundle.config["Cmd"]) == (["fleet"], ["--help"])
     assert bundle.config["User"] == f"{FLEET_UID}:{FLEET_UID}"
     assert (bundle.runtime["process"]["user"]["uid"], bundle.runtime["process"]["user"]["gid"]) == (FLEET_UID,) * 2
-    assert image_env(bundle)["PATH"].startswith("/opt/fleet/bin:")
+    assert image_env(bundle)["PATH"].startswith("/opt/fleet-app/bin:/opt/fleet/bin:")
     assert _docker_tags(image.docker_archive) == [FLEET_TAG]
 
 
@@ -117,16 +118,20 @@ def test_the_root_is_read_only_even_to_root(fleet: tuple[Image, Bundle]) -> None
 
 
 def test_the_image_holds_fleet_compiled_and_no_build_tools(fleet: tuple[Image, Bundle]) -> None:
-    """Fleet's packages without the tests' stand-ins (fleet/testing is not in the wheel), no pip or
-    setuptools, and .pyc files Python does not check against their sources (PEP 552 flags 0b01),
-    so a read-only root costs no recompilation at start."""
-    site = fleet[1].rootfs / SITE_PACKAGES
+    """Fleet's packages in /opt/fleet-app without the tests' stand-ins (fleet/testing is not in the
+    wheel), found through a .pth file of the dependencies' environment, which holds no pip or
+    setuptools; .pyc files Python does not check against their sources (PEP 552 flags 0b01), so
+    a read-only root costs no recompilation at start."""
+    app, site = fleet[1].rootfs / APP, fleet[1].rootfs / SITE_PACKAGES
     for package in ("fleet", "router", "warmup", "autoscaler"):
-        assert (site / package / "__init__.py").is_file(), package
-    assert not (site / "fleet" / "testing").exists()
+        assert (app / package / "__init__.py").is_file(), package
+    assert not (app / "fleet" / "testing").exists()
+    assert (site / "fleet-app.pth").read_text().split() == ["/" + APP]
     assert not [p.name for p in site.iterdir() if p.name.startswith(("pip", "setuptools"))]
-    pyc = next((site / "fleet" / "__pycache__").glob("__init__.cpython-311.pyc")).read_bytes()
-    assert int.from_bytes(pyc[4:8], "little") == 0b01
+    assert not (site / "fleet").exists() and not (site / "router").exists()   # Fleet is in its own layer
+    for pyc in (app / "fleet" / "__pycache__" / "__init__.cpython-311.pyc",
+                next((site / "yaml" / "__pycache__").glob("__init__.cpython-311*.pyc"))):  # fmt: skip
+        assert int.from_bytes(pyc.read_bytes()[4:8], "little") == 0b01, pyc
 
 
 def test_the_fleet_image_size(fleet: tuple[Image, Bundle]) -> None:

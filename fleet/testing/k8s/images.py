@@ -11,12 +11,15 @@ the build tools and the cache discipline are fleet/testing/k8s/buildcache.py's (
 entry, a time budget, a failure remembered for six hours; ``FLEET_IMAGE_RETRY=1`` retries at once).
 
 Where each image comes from:
-- Fleet's image: ``bash charts/fleet/build-image.sh --base debian`` (the command a user runs, with
-  their own ``--push``): mmdebstrap makes the base from this machine's Debian mirror, buildah
+- Fleet's image: ``bash charts/fleet/build-image.sh --base debian --timestamp 0`` (the command a
+  user runs, with their own ``--push``; time 0, so that the same inputs give the same bytes
+  whatever the commit): mmdebstrap makes the base from this machine's Debian mirror, buildah
   builds the Dockerfile on it with chroot isolation (PyPI for the pinned wheels of
-  charts/fleet/constraints.txt). Its cache key (`inputs_key`) hashes the Dockerfile, the script,
-  the constraints, .dockerignore, pyproject.toml, README.md and every file the image's packages are built from
-  (fleet/, router/, warmup/, autoscaler/; not fleet/testing/, which the wheel leaves out);
+  charts/fleet/constraints.txt; ``PIP_CERT`` names the CA bundle pip trusts there, behind a proxy
+  that intercepts TLS). Its cache key (`inputs_key`) hashes the Dockerfile, the script, the
+  constraints, .dockerignore, pyproject.toml, README.md and every file the image's packages are
+  built from (fleet/, router/, warmup/, autoscaler/; not fleet/testing/, which the wheel leaves
+  out). The base is made once per buildah storage (``localhost/fleet-base:bookworm``);
 - the pause image: ``build/pause/linux/pause.c`` and its Makefile's TAG from Kubernetes 1.20.2's
   source, Debian bookworm's ``kubernetes`` source package (``apt-get source --download-only``,
   the deb-src entry fleet/testing/k8s/kube.py adds), compiled as that Makefile does (``gcc -Os
@@ -225,7 +228,7 @@ def _build_fleet(cache: Path, entry: Path, deadline: float) -> Image:
     partial.mkdir(parents=True)
     run_step("charts/fleet/build-image.sh", [
         "bash", str(REPO / "charts/fleet/build-image.sh"), "--base", "debian", "--tag", FLEET_TAG,
-        "--root", str(cache / "buildah"), "--oci-archive", str(partial / "image.oci.tar"),
+        "--root", str(cache / "buildah"), "--timestamp", "0", "--oci-archive", str(partial / "image.oci.tar"),
         "--docker-archive", str(partial / "image.docker.tar")], deadline)  # fmt: skip
     return _finish(entry, FLEET_TAG, partial, {"key": entry.name.removeprefix("fleet-"),
                                                "build_s": round(time.monotonic() - started, 1)})
