@@ -61,7 +61,11 @@ if [ "$lock" = 1 ]; then
   "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
     || die "--lock: $python is not Python 3.11, the image's (set PYTHON=python3.11)"
   report="$(mktemp)"; trap 'rm -f "$report"' EXIT
-  "$python" -m pip install --quiet --dry-run --ignore-installed --only-binary :all: --report "$report" "$repo"
+  # PyPI, as the build's pip sees it: this machine's pip configuration files, find-links, extra
+  # indexes and constraints left out (PIP_CERT, a CA bundle, still applies).
+  env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT -u PIP_INDEX_URL PIP_CONFIG_FILE=/dev/null \
+    "$python" -m pip install --quiet --dry-run --ignore-installed --only-binary :all: \
+    --index-url https://pypi.org/simple --report "$report" "$repo"
   {
     echo "# Fleet's runtime dependencies as the image installs them (charts/fleet/Dockerfile), pinned."
     echo "# Written by: bash charts/fleet/build-image.sh --lock   (Python 3.11, Linux x86_64 wheels)"
