@@ -24,6 +24,7 @@ import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,10 @@ NODE = "real-1"
 NS = "default"
 SERVICES = Resource("", "v1", "services", "Service")
 WEB = "web"
+DEFAULT_CAPABILITIES = 0xA80425FB
+"""containerd's default set (pkg/cap ``DefaultCapabilities``, Docker's): CHOWN, DAC_OVERRIDE, FSETID,
+FOWNER, MKNOD, NET_RAW, SETGID, SETUID, SETFCAP, SETPCAP, NET_BIND_SERVICE, SYS_CHROOT, KILL,
+AUDIT_WRITE."""
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +94,8 @@ def _pod(name: str, *, command: str, labels: dict | None = None, probe: bool = F
         container["ports"] = [{"containerPort": 8080}]
         container["readinessProbe"] = {"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}},
-            "spec": {"containers": [container], "restartPolicy": restart, "terminationGracePeriodSeconds": 1}}
+            "spec": {"containers": [container], "restartPolicy": restart, "terminationGracePeriodSeconds": 1,
+                     "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}}}
 
 
 def _ready(kube: KubeClient, name: str) -> dict | None:
@@ -117,13 +123,19 @@ def test_node_registers_and_is_ready_through_the_real_kubelet(node, kube):
 
 def test_a_pod_is_scheduled_started_networked_and_probed(node, kube, web):
     """Real: the scheduler binds the pod to the node, containerd and runc start it from the
-    imported image, the bridge plugin gives it an address in the pod CIDR, the kubelet's httpGet
-    probe passes, and the test reaches ``httpd`` at the pod's IP."""
+    imported image, in its memory cgroup with the pod's limit, with the runtime's default
+    capabilities and seccomp filter; the bridge plugin gives it an address in the pod CIDR, the
+    kubelet's httpGet probe passes, and the test reaches ``httpd`` at the pod's IP."""
     assert web["spec"]["nodeName"] == NODE
     assert ipaddress.ip_address(web["status"]["podIP"]) in ipaddress.ip_network(POD_CIDR)
     status = web["status"]["containerStatuses"][0]
     assert status["containerID"].startswith("containerd://") and status["ready"], status
-    assert node.task_pid(status["containerID"]) > 0
+    pid = node.task_pid(status["containerID"])
+    cid = status["containerID"].removeprefix("containerd://")
+    [memory] = node.cgroup_dir("memory").rglob(cid)
+    assert int((memory / "memory.limit_in_bytes").read_text()) == 64 * 2**20
+    proc = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    assert (int(proc["CapEff"], 16), proc["Seccomp"].strip()) == (DEFAULT_CAPABILITIES, "2"), proc
     assert _get(f"http://{web['status']['podIP']}:8080/").strip() == f"hello from {WEB}"
 
 

@@ -158,6 +158,12 @@ class RealNode:
                 return int(pid)
         raise KeyError(f"no running task {cid} on {self.name}")
 
+    def cgroup_dir(self, controller: str) -> Path:
+        """The node's ``--cgroup-root`` in the cgroup v1 hierarchy of ``controller`` (``memory``,
+        ``pids``, ...): pods' and containers' cgroups are below it. Raises KeyError for a
+        controller not mounted."""
+        return self._cgroup_dirs()[controller]
+
     def leftovers(self) -> list[str]:
         """What of the node is still on the machine (empty after a clean exit): processes it
         started, its cgroups, the bridge, its iptables chains and rules, mounts under its
