@@ -88,7 +88,8 @@ def web(node: RealNode, kube: KubeClient) -> dict:
 
 def _pod(name: str, *, command: str, labels: dict | None = None, probe: bool = False,
          restart: str = "Always") -> dict:  # fmt: skip
-    container = {"name": name, "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", command],
+    container = {"name": name, "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                 "command": ["/bin/sh", "-c", command],
                  "resources": {"requests": {"cpu": "50m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}}}  # fmt: skip
     if probe:
         container["ports"] = [{"containerPort": 8080}]

@@ -81,8 +81,9 @@ class RealNode:
     ``__enter__`` installs what is missing (`PACKAGES`, apt as root), measures whether overlayfs
     mounts here (else the ``native`` snapshotter: ``snapshotter``, and ``overlayfs_refused`` says
     why), starts containerd, imports the pause image, starts the kubelet and waits for the Node to
-    be Ready, then kube-proxy and waits for its first sync; at most ``start_timeout_s``. Raises `Unavailable` saying which part could
-    not run and why (a log's tail). ``timings_s``: seconds from the start to each step.
+    be Ready, then kube-proxy and waits for its first sync; at most ``start_timeout_s``. Raises
+    `Unavailable` saying which part could not run and why (a log's tail). ``timings_s``: seconds
+    from the start to each step.
     ``__exit__`` (idempotent) stops everything and undoes what the module docstring lists;
     `leftovers` says what, if anything, it could not undo."""
 
@@ -131,8 +132,8 @@ class RealNode:
 
     def explain(self, tail_chars: int = 1500) -> str:
         """For a failure message: which processes exited, and each log's tail."""
-        return "\n".join(f"{n}: {'running' if p.poll() is None else f'exited {p.returncode}'}\n{self.log(n, tail_chars)}"
-                         for n, p in self._procs.items() if n != "mountns")  # fmt: skip
+        return "\n".join(f"{n}: {'running' if p.poll() is None else f'exited {p.returncode}'}\n"
+                         f"{self.log(n, tail_chars)}" for n, p in self._procs.items() if n != "mountns")  # fmt: skip
 
     def ctr(self, *args: str, timeout_s: float = 60.0) -> str:
         """``ctr`` against this node's containerd in the CRI's namespace ``k8s.io``; its stdout.
@@ -391,11 +392,10 @@ class RealNode:
     def _remove_cgroups(self) -> None:
         """The cgroups the kubelet and runc made under the node's root, deepest first."""
         for d in set(self._cgroup_dirs().values()):
-            for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) if d.exists() else ():
+            below = [p for p in d.rglob("*") if p.is_dir()] if d.exists() else []
+            for sub in [*sorted(below, key=lambda p: -len(p.parts)), d]:
                 with contextlib.suppress(OSError):
                     sub.rmdir()
-            with contextlib.suppress(OSError):
-                d.rmdir()
 
     def _remove_network(self) -> None:
         """The bridge, and the iptables rules and chains of the kubelet, kube-proxy and the
@@ -455,7 +455,7 @@ def _cgroup_mounts() -> dict[str, str]:
 
 def _node_ip() -> str:
     """The IPv4 address of the default route's interface: the kubelet refuses a loopback node IP."""
-    out = subprocess.run(["ip", "-4", "-j", "route", "get", "1.1.1.1"], capture_output=True, text=True)   # no packet sent
+    out = subprocess.run(["ip", "-4", "-j", "route", "get", "1.1.1.1"], capture_output=True, text=True)   # sends nothing
     routes = json.loads(out.stdout or "[]")
     if not routes or not routes[0].get("prefsrc"):
         raise Unavailable(f"no IPv4 route out of this machine for a node IP: {out.stderr.strip()!r}")
@@ -475,7 +475,8 @@ def _overlay_fails(scratch: Path) -> str | None:
 
 def _has_capability(bit: int) -> bool:
     """Whether this process holds the capability numbered ``bit`` (linux/capability.h)."""
-    return bool(int(re.search(r"^CapEff:\s*(\S+)", Path("/proc/self/status").read_text(), re.M).group(1), 16) >> bit & 1)
+    effective = re.search(r"^CapEff:\s*(\S+)", Path("/proc/self/status").read_text(), re.M).group(1)
+    return bool(int(effective, 16) >> bit & 1)
 
 
 def _sysctl(key: str) -> str | None:

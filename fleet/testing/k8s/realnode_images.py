@@ -88,12 +88,13 @@ def oci_archive(dest: Path, ref: str, files: list[tuple[str, bytes | str | None,
     layer = _tar([(path, content, mode) for path, content, mode in files])
     image_config = json.dumps({"architecture": arch, "os": "linux", "config": config,
                                "rootfs": {"type": "layers", "diff_ids": [_digest(layer)]}}).encode()  # fmt: skip
-    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                           "config": _descriptor("application/vnd.oci.image.config.v1+json", image_config),
-                           "layers": [_descriptor("application/vnd.oci.image.layer.v1.tar", layer)]}).encode()  # fmt: skip
-    entry = {**_descriptor("application/vnd.oci.image.manifest.v1+json", manifest),
-             "platform": {"architecture": arch, "os": "linux"},
-             "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[-1]}}
+    oci = "application/vnd.oci.image"
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": f"{oci}.manifest.v1+json",
+                           "config": _descriptor(f"{oci}.config.v1+json", image_config),
+                           "layers": [_descriptor(f"{oci}.layer.v1.tar", layer)]}).encode()  # fmt: skip
+    entry = {**_descriptor(f"{oci}.manifest.v1+json", manifest), "platform": {"architecture": arch, "os": "linux"},
+             "annotations": {"io.containerd.image.name": ref,
+                             "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[-1]}}  # fmt: skip
     index = json.dumps({"schemaVersion": 2, "manifests": [entry]}).encode()
     blobs = [(f"blobs/sha256/{_digest(b)[7:]}", b, 0o644) for b in (layer, image_config, manifest)]
     partial = dest.with_suffix(".partial")
