@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from fleet.k8s.client import NODES, PODS, KubeClient, NotFound, Resource
+from fleet.testing.k8s.buildcache import free_port
 from fleet.testing.k8s.kube import BUILD_TIMEOUT_S, RealControlPlane
 from fleet.testing.k8s.realnode import POD_CIDR, RealNode, Unavailable
 from fleet.testing.k8s.realnode_images import BUSYBOX_IMAGE, node_images
@@ -42,6 +43,7 @@ NODE = "real-1"
 NS = "default"
 SERVICES = Resource("", "v1", "services", "Service")
 WEB = "web"
+HOST_PORT = free_port()   # the web pod's hostPort (the portmap plugin), free on this machine now
 DEFAULT_CAPABILITIES = 0xA80425FB
 """containerd's default set (pkg/cap ``DefaultCapabilities``, Docker's): CHOWN, DAC_OVERRIDE, FSETID,
 FOWNER, MKNOD, NET_RAW, SETGID, SETUID, SETFCAP, SETPCAP, NET_BIND_SERVICE, SYS_CHROOT, KILL,
@@ -81,18 +83,18 @@ def web(node: RealNode, kube: KubeClient) -> dict:
     assert BUSYBOX_IMAGE in node.import_image(node_images()["busybox"])
     kube.request("POST", PODS.path(NS), body=_pod(WEB, labels={"app": WEB}, command=(
         "mkdir -p /www && echo hello from $(hostname) > /www/index.html && echo serving on 8080 && "
-        "exec httpd -f -v -p 8080 -h /www"), probe=True))  # fmt: skip
+        "exec httpd -f -v -p 8080 -h /www"), probe=True, host_port=HOST_PORT))  # fmt: skip
     return wait_until(lambda: _ready(kube, WEB), timeout_s=120, interval_s=0.5, what="the web pod Ready",
                       explain=node.explain)  # fmt: skip
 
 
-def _pod(name: str, *, command: str, labels: dict | None = None, probe: bool = False,
+def _pod(name: str, *, command: str, labels: dict | None = None, probe: bool = False, host_port: int = 0,
          restart: str = "Always") -> dict:  # fmt: skip
     container = {"name": name, "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
                  "command": ["/bin/sh", "-c", command],
                  "resources": {"requests": {"cpu": "50m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}}}  # fmt: skip
     if probe:
-        container["ports"] = [{"containerPort": 8080}]
+        container["ports"] = [{"containerPort": 8080, "hostPort": host_port} if host_port else {"containerPort": 8080}]
         container["readinessProbe"] = {"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}},
             "spec": {"containers": [container], "restartPolicy": restart, "terminationGracePeriodSeconds": 1,
@@ -126,7 +128,8 @@ def test_a_pod_is_scheduled_started_networked_and_probed(node, kube, web):
     """Real: the scheduler binds the pod to the node, containerd and runc start it from the
     imported image, in its memory cgroup with the pod's limit, with the runtime's default
     capabilities and seccomp filter; the bridge plugin gives it an address in the pod CIDR, the
-    kubelet's httpGet probe passes, and the test reaches ``httpd`` at the pod's IP."""
+    kubelet's httpGet probe passes, and the test reaches ``httpd`` at the pod's IP and at the
+    node's address on the pod's hostPort (the portmap plugin)."""
     assert web["spec"]["nodeName"] == NODE
     assert ipaddress.ip_address(web["status"]["podIP"]) in ipaddress.ip_network(POD_CIDR)
     status = web["status"]["containerStatuses"][0]
@@ -138,6 +141,7 @@ def test_a_pod_is_scheduled_started_networked_and_probed(node, kube, web):
     proc = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
     assert (int(proc["CapEff"], 16), proc["Seccomp"].strip()) == (DEFAULT_CAPABILITIES, "2"), proc
     assert _get(f"http://{web['status']['podIP']}:8080/").strip() == f"hello from {WEB}"
+    assert _get(f"http://{node.node_ip}:{HOST_PORT}/").strip() == f"hello from {WEB}"
 
 
 def test_a_service_answers_through_kube_proxy_from_the_host_and_a_pod(node, kube, web):
