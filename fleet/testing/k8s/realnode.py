@@ -188,7 +188,9 @@ class RealNode:
         deadline = started + self.start_timeout_s
         self._take_lock(deadline)
         _preflight()
-        self._remove_network()   # what a node killed before its exit left
+        self._kill_node_processes()   # what a node of this name killed before its exit left
+        self._remove_cgroups()
+        self._remove_network()
         self._chains_before = _cni_chains()
         install_packages(PACKAGES, deadline)
         binaries = build()
@@ -200,8 +202,8 @@ class RealNode:
         self._sysctls = {k: v for k in SYSCTLS if (v := _sysctl(k)) is not None}
         for key in ("net/ipv4/ip_forward", "net/bridge/bridge-nf-call-iptables"):
             Path("/proc/sys", key).write_text("1\n")
-        self._make_mount_namespace(deadline)
         self._make_cgroup_root()
+        self._make_mount_namespace(deadline)
         self._write_configs()
 
         self._start_containerd(images["pause"], deadline)
@@ -271,10 +273,13 @@ class RealNode:
 
     def _make_cgroup_root(self) -> None:
         """``--cgroup-root`` in every cgroup v1 hierarchy (the kubelet checks it exists), its
-        cpuset given the machine's CPUs and memory nodes."""
+        cpuset given the machine's CPUs and memory nodes, and ``daemons`` below it in the pids
+        hierarchy, where `_spawn` puts every process it starts (so containerd's shims too): all
+        that a node runs is then found in its cgroups, also after a run killed before its exit."""
         dirs = self._cgroup_dirs()
         for d in set(dirs.values()):
             d.mkdir(exist_ok=True)
+        (dirs["pids"] / "daemons").mkdir(exist_ok=True)
         for f in ("cpuset.cpus", "cpuset.mems"):
             (dirs["cpuset"] / f).write_text((dirs["cpuset"].parent / f).read_text())
 
@@ -327,6 +332,7 @@ class RealNode:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)  # fmt: skip
         self._procs[name] = proc
+        (self._cgroup_dirs()["pids"] / "daemons" / "cgroup.procs").write_text(f"{proc.pid}\n")
         return proc
 
     def _wait(self, name: str, ready, deadline: float) -> None:
@@ -363,18 +369,25 @@ class RealNode:
         of the mount namespace (its mounts go with it)."""
         for name in ("kube-proxy", "kubelet"):
             _terminate(self._procs.get(name))
+        self._kill_node_processes()
+        for name in ("containerd", "mountns"):
+            _terminate(self._procs.get(name))
+
+    def _kill_node_processes(self) -> None:
+        """SIGKILL to every process of `_processes` until none is left (at most 5 s)."""
         for _ in range(50):
             if not (pids := self._processes()):
-                break
+                return
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.1)
-        for name in ("containerd", "mountns"):
-            _terminate(self._procs.get(name))
+            for proc in self._procs.values():   # reap the node's own children
+                proc.poll()
 
     def _processes(self) -> list[int]:
-        """PIDs in the node's cgroups, and containerd shims of its socket."""
+        """PIDs in the node's cgroups (its daemons, containerd's shims, the containers), and
+        containerd shims of its socket."""
         root = self._cgroup_dirs().get("pids")
         pids = [int(p) for cg in (root.rglob("cgroup.procs") if root and root.exists() else ())
                 for p in cg.read_text().split()]  # fmt: skip
