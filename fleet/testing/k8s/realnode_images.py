@@ -15,6 +15,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import subprocess
 import tarfile
 import time
@@ -53,8 +54,8 @@ def node_images(cache: Path | None = None) -> dict[str, Path]:
     cache = cache or cache_dir().parent / "realnode"
     cache.mkdir(parents=True, exist_ok=True)
     busybox = Path("/bin/busybox")
-    if not busybox.exists():
-        raise Unavailable("/bin/busybox missing (Debian's busybox-static)")
+    if not busybox.exists() or shutil.which("gcc") is None:
+        raise Unavailable("/bin/busybox (Debian's busybox-static) or gcc missing: the node's images cannot be built")
     gcc = subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     pause_key = hashlib.sha256((PAUSE_C + "".join(gcc)).encode()).hexdigest()[:12]
     pause = cache / f"pause-{pause_key}.tar"
@@ -65,6 +66,8 @@ def node_images(cache: Path | None = None) -> dict[str, Path]:
                  time.monotonic() + 120)  # fmt: skip
         oci_archive(pause, PAUSE_IMAGE, [("pause", binary.read_bytes(), 0o755)],
                     {"Entrypoint": ["/pause"], "User": "65535:65535"})  # fmt: skip
+        binary.unlink()
+        (cache / "pause.c").unlink()
     data = busybox.read_bytes()
     box = cache / f"busybox-{hashlib.sha256(data).hexdigest()[:12]}.tar"
     if not box.exists():
