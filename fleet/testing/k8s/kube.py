@@ -2,12 +2,13 @@
 test_real_control_plane.py): ``kube-apiserver``, ``kube-scheduler`` and ``kube-controller-manager``
 of Kubernetes 1.20.2 over a real etcd, all on 127.0.0.1. Everything above the kubelet is
 Kubernetes' own code here: admission, RBAC and Node authorization, service-account tokens, the
-Deployment -> ReplicaSet -> Pod controllers, the scheduler's resource fit. What it lacks is a
-kubelet: Node objects are registered by the tests (hollow nodes), and no container runs.
+Deployment -> ReplicaSet -> Pod controllers, the scheduler's resource fit. It runs no kubelet:
+the nodes it schedules on are hollow (Node objects the tests register and keep Ready:
+fleet/testing/k8s/hollow.py) or a real kubelet over containerd joins it (fleet/testing/k8s/realnode.py).
 
-Owns `build` (the binaries, built once into a cache directory and reused), `Unavailable` (why
-they cannot be had here, in one line) and `RealControlPlane` (the processes, and a `KubeClient`
-per identity). The nodes it schedules on are hollow: fleet/testing/k8s/hollow.py.
+Owns `build` (the binaries, built once into a cache directory and reused), `install_packages`
+(apt, shared with the real node), `Unavailable` (why they cannot be had here, in one line) and
+`RealControlPlane` (the processes, and a `KubeClient` per identity).
 
 Where the binaries come from (no registry ships ``kube-apiserver``; docs/kubernetes.md):
 - the source: Debian bookworm's ``kubernetes`` source package (``1.20.5+really1.20.2-...``, the
