@@ -416,11 +416,11 @@ class RealNode:
         if Path(f"/sys/class/net/{BRIDGE}").exists():
             subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
         for family in ("iptables", "ip6tables"):
-            for table, what in _iptables_ours(family, self._chains_before):
+            found = _iptables_ours(family, self._chains_before)   # read once: deleting a rule hides its chain
+            for table, what in found:
                 if what.startswith("-A "):
                     subprocess.run([family, "-t", table, "-D", *shlex.split(what)[1:]], capture_output=True)
-            chains = [(table, what[1:]) for table, what in _iptables_ours(family, self._chains_before)
-                      if what.startswith(":")]  # fmt: skip
+            chains = [(table, what[1:]) for table, what in found if what.startswith(":")]
             for flag in ("-F", "-X"):   # every chain emptied before any is deleted: they jump to each other
                 for table, chain in chains:
                     subprocess.run([family, "-t", table, flag, chain], capture_output=True)
@@ -502,7 +502,9 @@ def _iptables_ours(family: str, before: frozenset[str] | None = None) -> list[tu
     of its chains: chains ``KUBE-*`` (the kubelet's and kube-proxy's), the bridge plugin's chains
     of `CNI_NETWORK` (jumped to by rules whose comment names it, or, given ``before`` (the
     `_cni_chains` before the node started), any ``CNI-*`` chain not in it: the plugin's teardown
-    can leave one empty), and every rule jumping to one or carrying that comment."""
+    can leave one empty), any ``CNI-*`` chain jumped to by nothing, portmap's shared
+    ``CNI-HOSTPORT-*`` chains once no port mapping is left in them, and every rule jumping to one
+    or carrying that comment."""
     found: list[tuple[str, str]] = []
     if shutil.which(f"{family}-save") is None:
         return found
@@ -514,6 +516,12 @@ def _iptables_ours(family: str, before: frozenset[str] | None = None) -> list[tu
         ours |= {m.group(1) for r in tagged if (m := re.search(r" -j (CNI-\S+)", r))}
         if before is not None:
             ours |= {c for c in re.findall(r"^:(CNI-\S+)", out, re.M) if f"{family} {table} {c}" not in before}
+        chains = set(re.findall(r"^:(\S+)", out, re.M))
+        targets = {m.group(1) for r in rules if (m := re.search(r" -[jg] (\S+)", r))}
+        ours |= {c for c in chains if c.startswith("CNI-") and c not in targets}   # jumped to by nothing
+        mappings = [r for r in rules if r.split()[1] == "CNI-HOSTPORT-DNAT"]
+        if "CNI-HOSTPORT-DNAT" in chains and all(r in tagged or r.split()[-1] in ours for r in mappings):
+            ours |= {"CNI-HOSTPORT-DNAT", "CNI-HOSTPORT-MASQ", "CNI-HOSTPORT-SETMARK"} & chains
         found += [(table, r) for r in rules if r in tagged or r.split()[1] not in ours and
                   (m := re.search(r" -[jg] (\S+)", r)) and m.group(1) in ours]  # fmt: skip
         found += [(table, f":{c}") for c in sorted(ours)]
