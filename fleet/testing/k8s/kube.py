@@ -2,12 +2,13 @@
 test_real_control_plane.py): ``kube-apiserver``, ``kube-scheduler`` and ``kube-controller-manager``
 of Kubernetes 1.20.2 over a real etcd, all on 127.0.0.1. Everything above the kubelet is
 Kubernetes' own code here: admission, RBAC and Node authorization, service-account tokens, the
-Deployment -> ReplicaSet -> Pod controllers, the scheduler's resource fit. What it lacks is a
-kubelet: Node objects are registered by the tests (hollow nodes), and no container runs.
+Deployment -> ReplicaSet -> Pod controllers, the scheduler's resource fit. It runs no kubelet:
+the nodes it schedules on are hollow (Node objects the tests register and keep Ready:
+fleet/testing/k8s/hollow.py) or a real kubelet over containerd joins it (fleet/testing/k8s/realnode.py).
 
-Owns `build` (the binaries, built once into a cache directory and reused), `Unavailable` (why
-they cannot be had here, in one line) and `RealControlPlane` (the processes, and a `KubeClient`
-per identity). The nodes it schedules on are hollow: fleet/testing/k8s/hollow.py.
+Owns `build` (the binaries, built once into a cache directory and reused), `install_packages`
+(apt, shared with the real node), `Unavailable` (why they cannot be had here, in one line) and
+`RealControlPlane` (the processes, and a `KubeClient` per identity).
 
 Where the binaries come from (no registry ships ``kube-apiserver``; docs/kubernetes.md):
 - the source: Debian bookworm's ``kubernetes`` source package (``1.20.5+really1.20.2-...``, the
@@ -169,16 +170,17 @@ def _source_version(deadline: float) -> str:
     return version
 
 
-def _install_build_depends(deadline: float) -> None:
-    """``apt-get install`` of the `BUILD_DEPENDS` not installed yet (root); one ``apt-get
-    update`` and a second try when the lists are stale."""
+def install_packages(packages: tuple[str, ...], deadline: float) -> None:
+    """``apt-get install`` of the Debian ``packages`` not installed yet (root); one ``apt-get
+    update`` and a second try when the lists are stale. Raises `Unavailable` (not Debian, not
+    root, apt's error) or `OutOfTime` past ``deadline``."""
     try:
-        query = subprocess.run(["dpkg-query", "-W", "-f", "${Package} ${Status}\n", *BUILD_DEPENDS],
+        query = subprocess.run(["dpkg-query", "-W", "-f", "${Package} ${Status}\n", *packages],
                                capture_output=True, text=True)  # fmt: skip
     except FileNotFoundError:
         raise Unavailable("dpkg-query not found: not a Debian machine") from None
     installed = {line.split()[0] for line in query.stdout.splitlines() if line.endswith(" installed")}
-    if not (missing := [p for p in BUILD_DEPENDS if p not in installed]):
+    if not (missing := [p for p in packages if p not in installed]):
         return
     if os.geteuid() != 0:
         raise Unavailable(f"apt-get install {' '.join(missing)}: needs root")
@@ -201,7 +203,7 @@ def _build(cache: Path, deadline: float) -> Binaries:
         timings[step] = round(time.monotonic() - t0, 1)
 
     t0 = time.monotonic()
-    _install_build_depends(deadline)
+    install_packages(BUILD_DEPENDS, deadline)
     debian_version = _source_version(deadline)
     version = upstream_version(debian_version)
     home = cache / debian_version
@@ -294,9 +296,13 @@ class RealControlPlane:
     The API server: HTTPS (its self-signed certificate: ``ca_file``), ``--authorization-mode
     Node,RBAC``, `ADMISSION_PLUGINS`, a token file with one bearer token per identity
     (``tokens``: the admin in ``system:masters``, ``system:kube-scheduler``,
-    ``system:kube-controller-manager``, and ``system:node:NAME`` in ``system:nodes`` for each of
+    ``system:kube-controller-manager``, ``system:kube-proxy`` (bound to the ``system:node-proxier``
+    role by the bootstrap RBAC policy), and ``system:node:NAME`` in ``system:nodes`` for each of
     ``nodes``), and a service-account key pair and issuer, so the controller-manager's token
-    controller mints each ServiceAccount's token Secret. The scheduler and the controller-manager
+    controller mints each ServiceAccount's token Secret. For logs and exec it reaches a kubelet
+    at the Node's InternalIP (``--kubelet-preferred-address-types``) with a client certificate
+    (``system:masters``) signed by ``kubelet_client_ca``, the CA a real kubelet is told to trust
+    (``--client-ca-file``: fleet/testing/k8s/realnode.py). The scheduler and the controller-manager
     run as their own users (the bootstrap RBAC roles decide what they may do), without leader
     election; the controller-manager with ``--use-service-account-credentials`` (each controller
     as its own service account) and ``--node-monitor-grace-period`` of
@@ -311,8 +317,10 @@ class RealControlPlane:
         self.node_monitor_grace_period_s = node_monitor_grace_period_s
         self.url = ""
         self.ca_file = workdir / "certs" / "apiserver.crt"
+        self.kubelet_client_ca = workdir / "certs" / "kubelet-client-ca.crt"
         self.tokens = {user: secrets.token_hex(16) for user in (
-            "admin", "system:kube-scheduler", "system:kube-controller-manager", *(f"system:node:{n}" for n in nodes))}
+            "admin", "system:kube-scheduler", "system:kube-controller-manager", "system:kube-proxy",
+            *(f"system:node:{n}" for n in nodes))}  # fmt: skip
         self._procs: dict[str, subprocess.Popen] = {}
 
     def __enter__(self) -> RealControlPlane:
@@ -447,6 +455,39 @@ class RealControlPlane:
         (self.workdir / "tokens.csv").write_text("\n".join(rows) + "\n")
         for component in ("kube-scheduler", "kube-controller-manager"):
             self.kubeconfig(f"system:{component}", self.workdir / f"{component}.kubeconfig")
+        self._write_kubelet_client_cert()
+
+    def _write_kubelet_client_cert(self) -> None:
+        """``certs/kubelet-client-ca.crt`` (`kubelet_client_ca`) and the API server's client
+        certificate for kubelets signed by it (``certs/kubelet-client.{crt,key}``: CN
+        ``kube-apiserver-kubelet-client``, O ``system:masters``, as kubeadm makes it)."""
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        now = datetime.datetime.now(datetime.timezone.utc)
+        ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fleet-test-kubelet-client-ca")])
+        name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:masters"),
+                          x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver-kubelet-client")])
+
+        def signed(subject: x509.Name, public_key, ca: bool) -> x509.Certificate:
+            return (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(public_key)
+                    .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                    .not_valid_after(now + datetime.timedelta(days=7))
+                    .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+                    .sign(ca_key, hashes.SHA256()))  # fmt: skip
+
+        certs = self.kubelet_client_ca.parent
+        certs.mkdir(parents=True, exist_ok=True)
+        pem = serialization.Encoding.PEM
+        self.kubelet_client_ca.write_bytes(signed(ca_name, ca_key.public_key(), True).public_bytes(pem))
+        (certs / "kubelet-client.crt").write_bytes(signed(name, key.public_key(), False).public_bytes(pem))
+        (certs / "kubelet-client.key").write_bytes(key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
 
     def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -471,7 +512,9 @@ class RealControlPlane:
             "--service-account-key-file", str(w / "sa.pub"), "--service-account-signing-key-file", str(w / "sa.key"),
             "--service-account-issuer", ISSUER, "--service-cluster-ip-range", SERVICE_CIDR,
             "--enable-admission-plugins", ",".join(ADMISSION_PLUGINS), "--allow-privileged=true",
-            "--profiling=false",
+            "--profiling=false", "--kubelet-preferred-address-types", "InternalIP,Hostname",
+            "--kubelet-client-certificate", str(self.kubelet_client_ca.parent / "kubelet-client.crt"),
+            "--kubelet-client-key", str(self.kubelet_client_ca.parent / "kubelet-client.key"),
         ])  # fmt: skip
         self._wait("kube-apiserver", lambda: self.ca_file.exists() and http_ok(
             f"{self.url}/readyz", ca_file=self.ca_file, token=self.tokens["admin"]), deadline)  # fmt: skip
