@@ -157,7 +157,7 @@ class ResourcePlugin(api_pb2_grpc.DevicePluginServicer):
         return OPTIONS
 
     def devices(self) -> list[api_pb2.Device]:
-        """The resource's devices as ``ListAndWatch`` lists them now."""
+        """The resource's devices, each with its health and NUMA node, as ``ListAndWatch`` lists them."""
         unhealthy = self.node.unhealthy()
         out = []
         for i in self.ids:
