@@ -6,7 +6,8 @@ Real here: the kubelet's device manager (registration, ListAndWatch, the Node's 
 allocatable, GetPreferredAllocation and Allocate at admission, its checkpoint), its PodResources
 API (what Fleet's node agent asks, fleet/agent/pod_devices.py), the scheduler placing on
 ``nvidia.com/gpu``, containerd and runc running the pods with the plugin's envs and mounts.
-Stand-ins: the devices (a fake NVML state file of four H100s in two NVLink pairs) and the image
+Stand-ins: the devices (a fake NVML state file of four H100s in two NVLink pairs and one cut into
+two 3g.40gb MIG instances) and the image
 (busybox, built here). Skips, saying why, where the control plane or the node cannot run, and
 where fleet/testing/k8s/realnode.py is not in the tree.
 """
@@ -21,7 +22,7 @@ import pytest
 
 from fleet.agent.pod_devices import list_pod_devices
 from fleet.k8s.client import NODES, PODS, KubeClient, NotFound
-from fleet.testing.fake_nvml import inject_xid, nvlink_pairs_4gpu, write_state
+from fleet.testing.fake_nvml import device, inject_xid, nvlink_pairs_4gpu, write_state
 from fleet.testing.k8s.deviceplugin_grpc import NodeDevicePlugins, serve_device_plugins
 from fleet.testing.k8s.kube import BUILD_TIMEOUT_S, RealControlPlane
 from tests.support.real_kube import control_plane as start_control_plane
@@ -36,6 +37,10 @@ NODE = "gpu-real-1"
 NS = "default"
 SNAPSHOT = nvlink_pairs_4gpu()
 GPU = [d["uuid"] for d in SNAPSHOT["devices"]]          # NVLink pairs: GPU[0]-GPU[1], GPU[2]-GPU[3]
+SNAPSHOT["devices"].append(device(4, uuid="GPU-00000004-0000-0000-0000-000000000000", mig_instances=[
+    {"uuid": f"MIG-4-{j}", "name": "NVIDIA H100 80GB HBM3 MIG 3g.40gb", "gi_id": j + 1, "start": start}
+    for j, start in enumerate((0, 4))]))                 # a fifth H100, cut into two 3g.40gb instances
+MIG = "nvidia.com/mig-3g.40gb"
 PAIRS = [{GPU[0], GPU[1]}, {GPU[2], GPU[3]}]
 
 
@@ -77,8 +82,8 @@ def kube(plane: RealControlPlane) -> Iterator[KubeClient]:
     client.close()
 
 
-def _gpus(kube: KubeClient, field: str) -> str | None:
-    return kube.request("GET", NODES.path(None, NODE))["status"].get(field, {}).get("nvidia.com/gpu")
+def _gpus(kube: KubeClient, field: str, resource: str = "nvidia.com/gpu") -> str | None:
+    return kube.request("GET", NODES.path(None, NODE))["status"].get(field, {}).get(resource)
 
 
 def _pod(name: str, gpus: int) -> dict:
@@ -98,12 +103,13 @@ def _running(kube: KubeClient, name: str) -> dict | None:
 
 
 def test_the_node_advertises_the_plugins_gpus(node, plugins, kube):
-    """Real: the kubelet takes the registration, follows ListAndWatch and reports four
-    ``nvidia.com/gpu`` in the Node's capacity and allocatable (its status loop: about 10 s)."""
+    """Real: the kubelet takes both registrations, follows ListAndWatch and reports four
+    ``nvidia.com/gpu`` and two ``nvidia.com/mig-3g.40gb`` in the Node's capacity and allocatable
+    (its status loop: about 10 s)."""
     assert plugins.registrations == 1 and plugins.errors == []
-    wait_until(lambda: _gpus(kube, "allocatable") == "4", timeout_s=60, interval_s=0.5,
-               what="nvidia.com/gpu: 4 in the Node's allocatable", explain=node.explain)  # fmt: skip
-    assert _gpus(kube, "capacity") == "4"
+    wait_until(lambda: _gpus(kube, "allocatable") == "4" and _gpus(kube, "allocatable", MIG) == "2", timeout_s=60,
+               interval_s=0.5, what="nvidia.com/gpu: 4 and 2 MIG devices allocatable", explain=node.explain)
+    assert _gpus(kube, "capacity") == "4" and _gpus(kube, "capacity", MIG) == "2"
 
 
 def test_a_pair_lands_on_one_nvlink_pair_with_the_fake_nvml_mounted(node, plugins, kube):
@@ -126,7 +132,7 @@ def test_a_pair_lands_on_one_nvlink_pair_with_the_fake_nvml_mounted(node, plugin
     [visible] = [line.split("=", 1)[1] for line in lines if line.startswith("NVIDIA_VISIBLE_DEVICES=")]
     assert set(visible.split(",")) == pair, log
     assert "FLEET_FAKE_NVML=/run/fleet-fake-nvml/state.json" in lines and "pynvml.py" in lines, log
-    assert "4" in lines, log                          # the node's state file, all four devices in it
+    assert "7" in lines, log                          # the node's state file: five GPUs, two MIG devices
 
 
 def test_an_xid_takes_the_gpu_out_of_allocatable(node, plugins, kube):
