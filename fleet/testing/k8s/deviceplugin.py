@@ -5,11 +5,13 @@ the kubelet's device manager.
 `pynvml` stand-in reads, fleet/testing/nvml_driver): whole GPUs as ``nvidia.com/gpu`` and MIG
 devices as ``nvidia.com/mig-<profile>`` (the plugin's ``mixed`` strategy), by UUID (the plugin's
 DEVICE_ID_STRATEGY=uuid). `allocate` picks devices as the plugin's preferred allocation does for
-whole GPUs (go-gpuallocator's best-effort policy: a set inside one NVLink domain when one has
-room, the fullest such domain first), never an unhealthy or allocated device, and records the
-allocation with the pod's namespace and name, which the node's PodResources server answers
-from as the kubelet's device manager does (fleet/testing/k8s/podresources.py, what Fleet's node
-agent asks).
+whole GPUs (`preferred_devices`, go-gpuallocator's best-effort policy: a set inside one NVLink
+domain when one has room, the fullest such domain first), never an unhealthy or allocated
+device, and records the allocation with the pod's namespace and name, which the node's
+PodResources server answers from as the kubelet's device manager does
+(fleet/testing/k8s/podresources.py, what Fleet's node agent asks). The same inventory and
+`preferred_devices` serve a real kubelet over the device-plugin gRPC API
+(fleet/testing/k8s/deviceplugin_grpc.py).
 
 Health, as the real plugin: an Xid in the state file's ``xid_events`` other than the ones it
 ignores (13, 31, 43, 45, 68, 109: application errors) marks the GPU (and its MIG devices)
@@ -19,11 +21,39 @@ unhealthy; `allocatable` then leaves it out.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from fleet.inventory.nvml import node_from_nvml
 
 IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+GPU = "nvidia.com/gpu"
+
+
+def preferred_devices(available: Sequence[str], count: int, domains: Iterable[Sequence[str]] = (),
+                      must_include: Sequence[str] = ()) -> list[str]:
+    """``count`` device ids out of ``available`` as NVIDIA's device plugin prefers them for whole
+    GPUs (go-gpuallocator's best-effort policy, NVIDIA/k8s-device-plugin ``GetPreferredAllocation``):
+    for more than one device, a set inside one NVLink domain (``domains``: lists of GPU ids) that
+    holds every id of ``must_include`` and has room, the fullest such domain first (the one with
+    the fewest available ids); otherwise ``must_include`` then ``available`` in its order. Ids keep
+    the order of the domain or of ``available``. Raises ValueError when ``available`` holds fewer
+    than ``count`` ids or lacks one of ``must_include``, or when ``must_include`` has more than
+    ``count``. Used by `DevicePlugin.allocate` (Fleet's process kubelet) and by the gRPC device
+    plugin's ``GetPreferredAllocation`` (fleet/testing/k8s/deviceplugin_grpc.py)."""
+    free = list(dict.fromkeys(available))
+    must = list(dict.fromkeys(must_include))
+    if len(free) < count:
+        raise ValueError(f"count: {count} devices asked, {len(free)} available")
+    if len(must) > count or not set(must) <= set(free):
+        raise ValueError(f"must_include: {must} must be at most {count} of the available devices {free}")
+    if count > 1:
+        fits = [[i for i in d if i in free] for d in domains]
+        fits = [f for f in fits if len(f) >= count and set(must) <= set(f)]
+        if fits:
+            domain = min(fits, key=len)
+            return must + [i for i in domain if i not in must][:count - len(must)]
+    return must + [i for i in free if i not in must][:count - len(must)]
 
 
 class DevicePlugin:
@@ -51,7 +81,7 @@ class DevicePlugin:
         self.unhealthy: set[str] = set()
 
     def resources(self) -> dict[str, list[str]]:
-        out = {"nvidia.com/gpu": list(self.gpus)} if self.gpus else {}
+        out = {GPU: list(self.gpus)} if self.gpus else {}
         out.update({f"nvidia.com/mig-{p}": list(ids) for p, ids in self.mig.items()})
         return out
 
@@ -86,12 +116,7 @@ class DevicePlugin:
         free = [i for i in ids if i not in self._used() and i not in self.unhealthy]
         if len(free) < count:
             return None
-        chosen = free[:count]
-        if resource == "nvidia.com/gpu" and count > 1:
-            fits = [[i for i in d if i in free] for d in self.domains]
-            fits = [f for f in fits if len(f) >= count]
-            if fits:
-                chosen = min(fits, key=len)[:count]
+        chosen = preferred_devices(free, count, self.domains if resource == GPU else ())
         self.allocations[(pod_uid, container)] = (resource, chosen)
         self.pods[pod_uid] = pod
         return chosen
