@@ -27,6 +27,8 @@ import json
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fleet.base.yaml_text import yaml_problem
+
 
 class PricesError(ValueError):
     """A prices file that cannot be used; the message names the file and the field."""
@@ -74,7 +76,7 @@ def load_prices(path: Path) -> GpuPrices:
     except OSError as err:
         raise PricesError(f"{path}: cannot read: {err.strerror or err}") from None
     except yaml.YAMLError as err:
-        raise PricesError(f"{path}: not YAML: {err}") from None
+        raise PricesError(yaml_problem(str(path), err)) from None
     if not isinstance(data, dict):
         raise PricesError(f"{path}: expected a mapping with source and gpuHourUsd, got {type(data).__name__}")
     try:

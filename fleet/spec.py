@@ -16,6 +16,7 @@ document that fails here.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import json
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from autoscaler.spec import AutoscalingSpec
 from fleet.engines.kinds import ENGINE_KINDS, EngineLaunch
@@ -34,8 +35,9 @@ from fleet.rollout.spec import RolloutSpec
 from fleet.sources import ModelSource, Scheme, SourceError
 from router.pools.policies import ROUTING_POLICIES
 from fleet.base.names import DNS_LABEL, MIG_PROFILE
-from fleet.base.rules import CrossFieldRule
+from fleet.base.rules import CrossFieldRule, sections_in
 from fleet.base.spec import FieldError, SpecModel
+from fleet.base.yaml_text import yaml_problem
 from warmup.plan import WarmupPlan
 
 API_VERSION = "fleet.inference.dev/v1alpha1"
@@ -462,7 +464,7 @@ def format_errors(err: ValidationError, prefix: str = "") -> list[str]:
         elif e["type"] == "value_error" and reason.startswith("Value error, "):
             reason = reason[len("Value error, "):]
         elif e["type"] == "extra_forbidden":
-            reason = "unknown field"
+            reason = "unknown field" + _did_you_mean(loc)
         elif e["type"] == "missing":
             reason = "required field is missing"
         path = ""
@@ -470,6 +472,25 @@ def format_errors(err: ValidationError, prefix: str = "") -> list[str]:
             path += f"[{part}]" if part.isdigit() else (f".{part}" if path else part)
         lines.append(f"{prefix}{path or '(document)'}: {reason}")
     return lines
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    """``"; did you mean 'replicas'?"`` for an unknown field at ``loc`` (a path into an
+    InferenceDeployment) whose name is close to one the section has (difflib's ratio >= 0.6),
+    else ""."""
+    models: list[type[BaseModel]] = [InferenceDeployment]
+    for part in loc[:-1]:
+        if part.isdigit():
+            continue
+        inner: list[type[BaseModel]] = []
+        for m in models:
+            for name, info in m.model_fields.items():
+                if part in (name, info.alias):
+                    inner += [section for section, _ in sections_in(info.annotation)]
+        models = inner
+    known = sorted({info.alias or name for m in models for name, info in m.model_fields.items()})
+    close = difflib.get_close_matches(loc[-1], known, n=1) if loc else []
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def parse_document(doc: Any, where: str = "") -> InferenceDeployment:
@@ -500,9 +521,7 @@ def load_deployments(paths: list[Path]) -> list[LoadedDeployment]:
         try:
             docs = [d for d in yaml.safe_load_all(text)]
         except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-            problems.append(f"{path}: invalid YAML{at}: {getattr(err, 'problem', None) or err}")
+            problems.append(yaml_problem(str(path), err))
             continue
         docs = [d for d in docs if d is not None]
         if not docs:

@@ -32,6 +32,7 @@ from fleet.inventory.model import CLOCK_EVENT_BITS, Gpu, GpuHealth, Inventory, M
 from fleet.spec import format_errors
 from fleet.base.names import MIG_PROFILE
 from fleet.base.spec import FieldError, SpecModel
+from fleet.base.yaml_text import yaml_problem
 
 API_VERSION = "fleet.inference.dev/v1alpha1"
 KIND = "Inventory"
@@ -262,9 +263,7 @@ def load_inventory(path: Path) -> LoadedInventory:
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise InventoryError([f"{path}: invalid YAML{at}: {getattr(err, 'problem', None) or err}"]) from None
+        raise InventoryError([yaml_problem(str(path), err)]) from None
     if len(docs) != 1:
         raise InventoryError([f"{path}: expected one Inventory document, found {len(docs)}"])
     return parse_inventory(docs[0], f"{path} ")

@@ -148,7 +148,7 @@ def test_duplicate_gpu_uuid_across_nodes_is_named():
 def test_file_errors_name_the_file_and_yaml_position(tmp_path):
     f = tmp_path / "inv.yaml"
     f.write_text("apiVersion: fleet.inference.dev/v1alpha1\nkind: Inventory\nnodes: [\n")
-    with pytest.raises(InventoryError, match=r"inv.yaml: invalid YAML \(line 4, column 1\)"):
+    with pytest.raises(InventoryError, match=r"inv.yaml: invalid YAML at line 4, column 1"):
         load_inventory(f)
     with pytest.raises(InventoryError, match="cannot read"):
         load_inventory(tmp_path / "missing.yaml")

@@ -44,7 +44,7 @@ def test_prices_load_and_the_first_priced_product_of_the_preference_is_used(tmp_
     ("source: x\ngpuHourUsd: {}\n", "gpuHourUsd: Dictionary should have at least 1 item"),
     ("source: x\ngpuHourUsd: {a: 1}\nregion: y\n", "region: Extra inputs are not permitted"),
     ("- a\n", "expected a mapping"),
-    ("source: [\n", "not YAML"),
+    ("source: [\n", "invalid YAML at line 2"),
 ])  # fmt: skip
 def test_a_bad_prices_file_is_refused_naming_the_file_and_field(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "prices.yaml"

@@ -127,7 +127,30 @@ def test_yaml_syntax_error_names_line(tmp_path):
     f.write_text("apiVersion: x\nspec: [1, 2\n")
     with pytest.raises(SpecError) as exc:
         load_deployments([f])
-    assert exc.value.problems[0].startswith(f"{f}: invalid YAML (line 3")
+    assert exc.value.problems[0].startswith(f"{f}: invalid YAML at line 3")
+
+
+def test_a_misindented_line_is_shown_with_a_caret_and_named_as_indentation(tmp_path):
+    f = tmp_path / "indent.yaml"
+    f.write_text("kind: InferenceDeployment\nspec:\n  model: {name: chat}\n   replicas: {min: 1}\n")
+    with pytest.raises(SpecError) as exc:
+        load_deployments([f])
+    head, line, caret = exc.value.problems[0].split("\n")
+    assert head.startswith(f"{f}: invalid YAML at line 4, column 4: ") and "indentation" in head
+    assert line.strip() == "replicas: {min: 1}" and caret.index("^") == line.index("r")
+
+
+def test_an_unknown_field_close_to_a_known_one_says_which(tmp_path):
+    doc = {"apiVersion": "fleet.inference.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": "c"},
+           "spec": {"model": {"name": "c", "source": "sim://tiny"}, "replcas": {"min": 1},
+                    "resources": {"acelerator": "cpu"}, "rollout": {"steps": [{"wieght": 5}]}, "zzz": 1}}
+    with pytest.raises(SpecError) as exc:
+        parse_document(doc)
+    said = set(exc.value.problems)
+    assert "spec.replcas: unknown field; did you mean 'replicas'?" in said
+    assert "spec.resources.acelerator: unknown field; did you mean 'accelerator'?" in said
+    assert "spec.rollout.steps[0].wieght: unknown field; did you mean 'weight'?" in said
+    assert "spec.zzz: unknown field" in said   # nothing close: no guess
 
 
 def test_non_mapping_empty_and_missing_files(tmp_path):
