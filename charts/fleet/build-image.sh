@@ -11,8 +11,9 @@
 #   --tag REF             the image's name (default ghcr.io/inference-fleet/fleet:<pyproject version>)
 #   --base IMAGE|debian   the Dockerfile's BASE (default python:3.11-slim, pulled by buildah);
 #                         `debian`: Debian bookworm made here with mmdebstrap from this machine's
-#                         Debian mirror (python3, python3-venv over the Essential set; no apt, no
-#                         docs), committed as localhost/fleet-base:bookworm
+#                         Debian mirror (python3, python3-venv and libstdc++6, which the grpcio and
+#                         pyzmq wheels link, over the Essential set; no apt, no docs), committed as
+#                         localhost/fleet-base:bookworm-<hash of its package list>
 #   --push DEST           push to DEST (docker://... implied; buildah's --creds/--authfile via
 #                         REGISTRY_AUTH_FILE, `buildah login` first)
 #   --oci-archive PATH    write an OCI archive (`ctr -n k8s.io images import PATH`, `skopeo copy`)
@@ -33,7 +34,7 @@ base="docker.io/library/python:3.11-slim"
 push="" oci="" docker_archive="" root="" timestamp="" lock=0 ca_bundle="${PIP_CERT:-}"
 bud_options=()
 suite="bookworm"
-base_packages="python3,python3-venv"
+base_packages="python3,python3-venv,libstdc++6"
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "build-image.sh: $*" >&2; exit 2; }
@@ -98,7 +99,7 @@ if [ -z "$timestamp" ]; then
 fi
 
 if [ "$base" = "debian" ]; then
-  base="localhost/fleet-base:$suite"
+  base="localhost/fleet-base:$suite-$(printf %s "$base_packages" | sha256sum | cut -c1-8)"
   if ! b inspect --type image "$base" >/dev/null 2>&1; then
     command -v mmdebstrap >/dev/null || die "--base debian: mmdebstrap not found (apt-get install mmdebstrap)"
     mirror="${DEBIAN_MIRROR:-$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n 1)}"

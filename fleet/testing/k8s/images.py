@@ -19,7 +19,8 @@ Where each image comes from:
   that intercepts TLS). Its cache key (`inputs_key`) hashes the Dockerfile, the script, the
   constraints, .dockerignore, pyproject.toml, README.md and every file the image's packages are
   built from (fleet/, router/, warmup/, autoscaler/; not fleet/testing/, which the wheel leaves
-  out). The base is made once per buildah storage (``localhost/fleet-base:bookworm``);
+  out). The base is made once per buildah storage and package list
+  (``localhost/fleet-base:bookworm-HASH``, HASH of build-image.sh's ``base_packages``);
 - the pause image: ``build/pause/linux/pause.c`` and its Makefile's TAG from Kubernetes 1.20.2's
   source, Debian bookworm's ``kubernetes`` source package (``apt-get source --download-only``,
   the deb-src entry fleet/testing/k8s/kube.py adds), compiled as that Makefile does (``gcc -Os
