@@ -52,9 +52,10 @@ esac
 # Fleet's image and the pause image (fleet/testing/k8s/images.py: charts/fleet/build-image.sh over a
 # Debian base made here, pause.c of the kubernetes source; apt as root for buildah, mmdebstrap,
 # umoci), cached in ~/.cache/fleet/images by a hash of their inputs; bounded by FLEET_IMAGE_BUILD_S
-# (default 600); FLEET_IMAGE=skip switches them off.
+# (default 600); FLEET_IMAGE=skip switches them off. Used by test_fleet_image.py and
+# test_real_node_journey.py (Fleet's pods on the real node).
 case " $* " in
-  *" tests/integration"*|*" tests "*|*test_fleet_image*)
+  *" tests/integration"*|*" tests "*|*test_fleet_image*|*test_real_node_journey*)
     real_layer images FLEET_IMAGE "${FLEET_IMAGE_BUILD_S:-600}" "fleet image " FLEET_IMAGE_UNAVAILABLE ;;
 esac
 exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=15 "$@"
