@@ -184,9 +184,9 @@ def test_fleet_image_imported_into_the_node(node, image):
 
 def test_helm_install_runs_operator_routers_and_agent_on_the_node(node, kube, plane, helm, tmp_path_factory):
     """The real helm installs the chart; the scheduler binds the operator, two router pods and
-    the agent to the real node; containerd and runc run them from Fleet's image (as the chart's
-    users, read-only root file systems, no capability but the agent's prepare step's CHOWN), the
-    kubelet's probes pass and every pod is Ready."""
+    the agent to the real node; containerd and runc run them from Fleet's image, the kubelet's
+    probes pass and every pod is Ready. A router's process, as the chart's securityContext says:
+    uid 10001, no capability, the runtime's seccomp filter, a read-only root file system."""
     since = time.monotonic()
     values = tmp_path_factory.mktemp("values") / "values.yaml"
     values.write_text(yaml.safe_dump(_values(node)))
@@ -203,6 +203,14 @@ def test_helm_install_runs_operator_routers_and_agent_on_the_node(node, kube, pl
     for p in _pods(kube):
         assert p["spec"]["nodeName"] == NODE
         assert all(c["image"].endswith(FLEET_TAG) for c in p["status"]["containerStatuses"]), p["status"]
+    router = _pods(kube, "app.kubernetes.io/component=router")[0]
+    pid = node.task_pid(_status(router, "router")["containerID"])
+    proc = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    # the image's user, no capability, the runtime's seccomp filter, a read-only root file system
+    assert (proc["Uid"].split()[0], int(proc["CapEff"], 16), proc["Seccomp"].strip()) == ("10001", 0, "2"), proc
+    root_mount = next(line.split() for line in Path(f"/proc/{pid}/mounts").read_text().splitlines()
+                      if line.split()[1] == "/")  # fmt: skip
+    assert "ro" in root_mount[3].split(","), root_mount
     mark("operator, 2 router pods and the agent Ready on the real node", since)
 
 
@@ -332,6 +340,7 @@ def test_delete_and_uninstall_leave_nothing(node, kube, plane, helm):
     kube.request("DELETE", INFERENCE_DEPLOYMENTS.path(NS, MODEL))
     wait_until(lambda: not _pods(kube, f"fleet.inference.dev/deployment={MODEL}"), timeout_s=90, interval_s=0.5,
                what="the engine pod gone", explain=lambda: _why(kube, node))  # fmt: skip
+    mark("deployment deleted: its engine pod gone", since)
     _helm(helm, plane, "uninstall", "fleet", "-n", NS)
     wait_until(lambda: not _pods(kube), timeout_s=120, interval_s=0.5, what="every pod gone after uninstall",
                explain=lambda: _why(kube, node))  # fmt: skip
