@@ -154,7 +154,8 @@ def _why(kube: KubeClient, node: RealNode) -> str:
     """For a failure message: each pod's containers and states, the pods' log tails, the node's."""
     lines = []
     for p in _pods(kube):
-        cs = [(c["name"], c["state"], c.get("restartCount")) for c in (p.get("status") or {}).get("containerStatuses") or []]
+        statuses = (p.get("status") or {}).get("containerStatuses") or []
+        cs = [(c["name"], c["state"], c.get("restartCount")) for c in statuses]
         lines.append(f"{p['metadata']['name']}: {(p.get('status') or {}).get('phase')} {cs}")
     for log in sorted((node.workdir / "host" / "var/log/pods").glob(f"{NS}_*/*/*.log")):
         lines.append(f"--- {log.parent.parent.name}/{log.parent.name}\n{log.read_text(errors='replace')[-1500:]}")
