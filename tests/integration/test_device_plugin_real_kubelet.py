@@ -8,8 +8,7 @@ API (what Fleet's node agent asks, fleet/agent/pod_devices.py), the scheduler pl
 ``nvidia.com/gpu``, containerd and runc running the pods with the plugin's envs and mounts.
 Stand-ins: the devices (a fake NVML state file of four H100s in two NVLink pairs and one cut into
 two 3g.40gb MIG instances) and the image
-(busybox, built here). Skips, saying why, where the control plane or the node cannot run, and
-where fleet/testing/k8s/realnode.py is not in the tree.
+(busybox, built here). Skips, saying why, where the control plane or the node cannot run.
 """
 
 from __future__ import annotations
@@ -25,11 +24,11 @@ from fleet.k8s.client import NODES, PODS, KubeClient, NotFound
 from fleet.testing.fake_nvml import device, inject_xid, nvlink_pairs_4gpu, write_state
 from fleet.testing.k8s.deviceplugin_grpc import NodeDevicePlugins, serve_device_plugins
 from fleet.testing.k8s.kube import BUILD_TIMEOUT_S, RealControlPlane
+from fleet.testing.k8s.realnode_images import BUSYBOX_IMAGE, node_images
 from tests.support.real_kube import control_plane as start_control_plane
+from tests.support.real_kube import real_node
 from tests.support.waits import wait_until
 
-realnode = pytest.importorskip("fleet.testing.k8s.realnode", reason="no real node in this tree")
-realnode_images = pytest.importorskip("fleet.testing.k8s.realnode_images", reason="no real node in this tree")
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + 600)
 
@@ -51,16 +50,9 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealControlPlane
 
 @pytest.fixture(scope="module")
 def node(plane: RealControlPlane, tmp_path_factory: pytest.TempPathFactory):
-    real = realnode.RealNode(plane, NODE, tmp_path_factory.mktemp("node"))
-    try:
-        real.__enter__()
-    except realnode.Unavailable as err:
-        pytest.skip(f"no real node here: {err}")
-    try:
-        real.import_image(realnode_images.node_images()["busybox"])
+    with real_node(plane, NODE, tmp_path_factory.mktemp("node")) as real:
+        real.import_image(node_images()["busybox"])
         yield real
-    finally:
-        real.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +84,7 @@ def _pod(name: str, gpus: int) -> dict:
             "touch /run/fleet-fake-nvml/x || echo read-only; exec sleep 3600")  # fmt: skip
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
             "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
-                "name": "engine", "image": realnode_images.BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                "name": "engine", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
                 "command": ["/bin/sh", "-c", show],
                 "resources": {"requests": {"cpu": "10m"}, "limits": {"memory": "32Mi", "nvidia.com/gpu": gpus}}}]}}
 

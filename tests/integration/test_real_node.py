@@ -31,9 +31,10 @@ import pytest
 from fleet.k8s.client import NODES, PODS, KubeClient, NotFound, Resource
 from fleet.testing.k8s.buildcache import free_port
 from fleet.testing.k8s.kube import BUILD_TIMEOUT_S, RealControlPlane
-from fleet.testing.k8s.realnode import POD_CIDR, RealNode, Unavailable
+from fleet.testing.k8s.realnode import POD_CIDR, RealNode
 from fleet.testing.k8s.realnode_images import BUSYBOX_IMAGE, node_images
 from tests.support.real_kube import control_plane as start_control_plane
+from tests.support.real_kube import real_node
 from tests.support.waits import wait_until
 
 # The first test may build the control plane (minutes) when tests/run.sh has not.
@@ -57,16 +58,9 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealControlPlane
 
 @pytest.fixture(scope="module")
 def node(plane: RealControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
-    real = RealNode(plane, NODE, tmp_path_factory.mktemp("node"))
-    try:
-        real.__enter__()
-    except Unavailable as err:
-        pytest.skip(f"no real node here: {err}")
-    try:
+    with real_node(plane, NODE, tmp_path_factory.mktemp("node")) as real:
         print(f"\nreal node up: {real.timings_s} (snapshotter {real.snapshotter}) {real.overlayfs_refused}")
         yield real
-    finally:
-        real.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ from fleet.testing.k8s.realnode_images import PAUSE_IMAGE
 from tests.support.helm import CHART, helm_binary
 from tests.support.journey import Load
 from tests.support.real_kube import control_plane as start_control_plane
+from tests.support.real_kube import real_node
 from tests.support.waits import async_wait_until, wait_until
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + 900)
@@ -99,17 +100,10 @@ def helm() -> str:
 @pytest.fixture(scope="module")
 def node(plane: RealControlPlane, kube: KubeClient, image, helm,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:  # fmt: skip
-    real = RealNode(plane, NODE, tmp_path_factory.mktemp("node"))
-    try:
-        real.__enter__()
-    except Unavailable as err:
-        pytest.skip(f"no real node here: {err}")
-    try:
-        with ApiServerRoute(plane.url, real.node_ip, kube):
-            print(f"\nreal node up: {real.timings_s}", flush=True)
-            yield real
-    finally:
-        real.__exit__(None, None, None)
+    with real_node(plane, NODE, tmp_path_factory.mktemp("node")) as real, \
+            ApiServerRoute(plane.url, real.node_ip, kube):
+        print(f"\nreal node up: {real.timings_s}", flush=True)
+        yield real
 
 
 def _values(node: RealNode) -> dict:

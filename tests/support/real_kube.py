@@ -1,12 +1,14 @@
 """The real Kubernetes 1.20.2 control plane (fleet/testing/k8s/kube.py) as the integration tests
 take it: started once per test module, or the module skipped saying why.
 
-Owns `control_plane`, the body of the module fixtures of tests/integration/
-test_real_control_plane.py and test_node_labels_real_apiserver.py.
+Owns `control_plane`, the body of the module fixtures of the tests on the real control plane
+(tests/integration/*_real*.py), and `real_node`, a real kubelet node joined to it
+(fleet/testing/k8s/realnode.py) or the module skipped saying why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,3 +40,21 @@ def control_plane(workdir: Path, nodes: tuple[str, ...] = ()) -> Iterator[RealCo
         yield plane
     finally:
         plane.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def real_node(plane: RealControlPlane, name: str, workdir: Path) -> Iterator:
+    """A started `fleet.testing.k8s.realnode.RealNode` called ``name`` (a node ``plane`` issued an
+    identity for) with its state under ``workdir``, stopped afterwards (the machine left as it
+    was); skips the test module with the reason when the node cannot run here."""
+    from fleet.testing.k8s.realnode import RealNode
+
+    node = RealNode(plane, name, workdir)
+    try:
+        node.__enter__()
+    except Unavailable as err:
+        pytest.skip(f"no real node here: {err}")
+    try:
+        yield node
+    finally:
+        node.__exit__(None, None, None)

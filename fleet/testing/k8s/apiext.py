@@ -45,7 +45,7 @@ from pathlib import Path
 
 from fleet.k8s.client import KubeClient
 from fleet.testing.k8s.buildcache import (KEYRING, OutOfTime, Unavailable, build_command, build_once, debian_mirror,
-                                           free_port, http_ok, run_group, run_step)
+                                           free_port, http_ok, run_group, run_step, terminate)
 
 SOURCE_PACKAGE = "golang-k8s-apiextensions-apiserver-dev"
 IMPORT_PATH = "k8s.io/apiextensions-apiserver"
@@ -342,13 +342,7 @@ class RealApiExtensions:
 
     def __exit__(self, *exc) -> None:
         for proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            terminate(proc)
         self._procs.clear()
         if self._core is not None:
             self._core.close()

@@ -183,6 +183,19 @@ def debian_mirror() -> str:
     raise Unavailable("no Debian mirror in /etc/apt sources (this is not a Debian machine?)")
 
 
+def terminate(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """Stop one process of a real layer: SIGTERM, then SIGKILL after ``grace_s`` seconds; nothing
+    for None or a process that has exited."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=grace_s)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the OS's pick)."""
     with socket.socket() as s:

@@ -54,7 +54,7 @@ from pathlib import Path
 
 from fleet.k8s.client import KubeClient, Resource
 from fleet.testing.k8s.buildcache import (KEYRING, OutOfTime, Unavailable, build_command, build_once, debian_mirror,
-                                           free_port, http_ok, run_step)
+                                           free_port, http_ok, run_step, terminate)
 
 SOURCE_PACKAGE = "kubernetes"
 SUITE = "bookworm"
@@ -333,13 +333,7 @@ class RealControlPlane:
 
     def __exit__(self, *exc) -> None:
         for proc in reversed(list(self._procs.values())):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            terminate(proc)
         self._procs.clear()
         for path in (*(self.workdir / s for s in ("etcd", "certs", "tokens.csv", "sa.key", "sa.pub")),
                      *self.workdir.glob("*.kubeconfig")):  # fmt: skip

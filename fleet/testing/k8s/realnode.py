@@ -40,7 +40,7 @@ import time
 import urllib.error
 from pathlib import Path
 
-from fleet.testing.k8s.buildcache import Unavailable, free_port, http_ok, run_step
+from fleet.testing.k8s.buildcache import Unavailable, free_port, http_ok, run_step, terminate
 from fleet.testing.k8s.kube import RealControlPlane, build, install_packages
 from fleet.testing.k8s.realnode_images import PAUSE_IMAGE, node_images
 
@@ -368,10 +368,10 @@ class RealNode:
         node's cgroups and every containerd shim of its socket (SIGKILL), containerd, the holder
         of the mount namespace (its mounts go with it)."""
         for name in ("kube-proxy", "kubelet"):
-            _terminate(self._procs.get(name))
+            terminate(self._procs.get(name))
         self._kill_node_processes()
         for name in ("containerd", "mountns"):
-            _terminate(self._procs.get(name))
+            terminate(self._procs.get(name))
 
     def _kill_node_processes(self) -> None:
         """SIGKILL to every process of `_processes` until none is left (at most 5 s)."""
@@ -536,12 +536,3 @@ def _cni_chains() -> frozenset[str]:
                                          capture_output=True, text=True).stdout, re.M))  # fmt: skip
 
 
-def _terminate(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
