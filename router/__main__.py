@@ -2,7 +2,9 @@
 
 Reads the admin API's bearer token from the environment variable
 `FLEET_ROUTER_ADMIN_TOKEN` (exit status 2 if it is unset or empty) and calls
-`router.http.server.serve`; `--models-file PATH` keeps the served models there
+`router.http.server.serve`; `--fd N` serves a listening socket the parent holds and handed down
+(`fleet up`'s supervisor, fleet/local/routerproc.py: connections wait in its backlog while a
+dead router is replaced); `--models-file PATH` keeps the served models there
 (`router.http.remembered`); `--peers URL,...` / `--peers-dns NAME:PORT` the peer routers it shares
 its load with (`router.signals.peer_channel`, `router.signals.peer_discovery`). Prints one line once listening.
 """
@@ -26,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m router", description="Fleet's OpenAI-compatible request router.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one (default 8080)")
+    parser.add_argument("--fd", type=int, default=None,
+                        help="serve the listening TCP socket inherited as this file descriptor instead of binding "
+                             "--host/--port (default: bind)")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     parser.add_argument("--models-file", type=Path, default=None,
                         help="file that keeps the models the router serves, so that after a restart it answers "
@@ -63,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.error(f"--peers-dns: {err}")
     self_addresses = [a.strip() for a in args.pod_ip.split(",") if a.strip()]
-    serve(args.host, args.port, token, log_level=args.log_level, models_path=args.models_file,
+    if args.fd is not None and args.fd < 0:
+        parser.error(f"--fd must be a file descriptor number >= 0, not {args.fd}")
+    serve(args.host, args.port, token, fd=args.fd, log_level=args.log_level, models_path=args.models_file,
           engine_load_interval_s=interval_s, peers=peers, router_id=args.router_id,
           peer_interval_s=args.peer_interval_ms / 1000, peers_dns=peers_dns, self_addresses=self_addresses)  # fmt: skip
 

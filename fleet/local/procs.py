@@ -102,9 +102,11 @@ class LocalProcesses:
     def __init__(self) -> None:
         self._children: dict[int, subprocess.Popen] = {}
 
-    def spawn(self, argv: list[str], env: dict[str, str], log_path: Path | None) -> ProcessRecord:
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: Path | None,
+              pass_fds: tuple[int, ...] = ()) -> ProcessRecord:  # fmt: skip
         """Start ``argv`` with ``env`` merged over this process's environment, in a new session,
-        output appended to ``log_path``. Raises OSError when it cannot be started."""
+        output appended to ``log_path``; ``pass_fds``: descriptors the process inherits under the
+        same numbers (every other one is closed). Raises OSError when it cannot be started."""
         log = None
         try:
             if log_path is not None:
@@ -113,7 +115,7 @@ class LocalProcesses:
             proc = subprocess.Popen(
                 argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
                 stdout=log if log is not None else subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True,
+                start_new_session=True, close_fds=True, pass_fds=pass_fds,
             )  # fmt: skip
         finally:
             if log is not None:

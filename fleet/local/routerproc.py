@@ -7,6 +7,17 @@ router lives so a new controller can adopt it), and the check that it still answ
 is started as ``python -m router`` in its own session and is not tied to the controller's life:
 while no controller runs it keeps serving the pools it last received. Used by `fleet up` and
 `fleet down` (fleet.local.up).
+
+The listening socket outlives the router process: `RouterProcess` binds it once and hands it to
+every router it starts (``--fd``, inherited), keeping its own copy open. While a dead router is
+replaced, the kernel completes new connections into the socket's backlog and the next router
+accepts them: a client is never refused, only the streams in flight on the dead process are cut.
+(``SO_REUSEPORT`` with an overlap would need the next router up before the old one goes, which a
+crash does not allow, and a dead listener's queued connections are reset with it.) A router
+adopted from a previous controller holds the only copy of its socket; when it dies, the port is
+bound again and handed on from then. The admin token outlives the router process too: a
+restarted router gets the token of the one it replaces (held in memory), so the token file, the
+controller and `fleet status` stay right however full the disk is.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import asyncio
 import json
 import logging
 import secrets
+import socket
 import sys
 import time
 from pathlib import Path
@@ -41,8 +53,20 @@ ROUTER_MODELS_FILE = "router-models.json"
 a restarted router answers 503 + Retry-After for the models it lists until they are published again."""
 
 
+LISTEN_BACKLOG = 2048
+"""Connections the listening socket queues while no router accepts (uvicorn's default backlog):
+at 30 new connections a second, a minute of router restarts."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (``SO_REUSEADDR``, backlog `LISTEN_BACKLOG`).
+    Raises OSError (EADDRINUSE: the port is taken)."""
+    return socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+
+
 class RouterProcess:
-    """The router of the fleet in ``store``, listening on ``host:port``."""
+    """The router of the fleet in ``store``, listening on ``host:port`` through a socket this
+    object holds (port 0: a free one, chosen at the first start)."""
 
     def __init__(self, store: StateStore, host: str, port: int, processes: LocalProcesses | None = None) -> None:
         self.store = store
@@ -58,6 +82,8 @@ class RouterProcess:
         self.starts = 0     # router processes started by this object (the supervisor republishes after each)
         self._unpersisted: str | None = None   # the token of a started router whose files are not written yet
         self._record_lost = False              # router.json was missing or unreadable: found by its marker
+        self.listener: socket.socket | None = None   # bound at the first start, handed to each router
+        self.token: str | None = None          # the admin token of the router in use
 
     # ----- adopt or start -----------------------------------------------------------------
 
@@ -106,6 +132,7 @@ class RouterProcess:
             self.admin = RouterAdminClient(self.url, token)
         else:
             self.admin.set_token(token)
+        self.token = token
         try:
             await self.admin.pools()   # the token is right and the admin API answers
         except Exception as err:  # noqa: BLE001 - any failure: not adoptable
@@ -118,29 +145,47 @@ class RouterProcess:
         return True
 
     async def start(self, timeout_s: float = 30.0) -> None:
-        """Start a new router with a new admin token and wait for /health. Raises RouterStartError.
+        """Start a router on this object's listening socket (bound at the first start) with the
+        admin token of the router it replaces (a new one at the first start), and wait for
+        /health. Raises RouterStartError.
 
         The token and ``router.json`` are written before the wait; a write that fails does not
         stop the router (`persist` writes them later)."""
-        token = secrets.token_urlsafe(32)
+        listener = self._listen()
+        token = self.token or secrets.token_urlsafe(32)
+        self.token = token
         if self.admin is None:
             self.admin = RouterAdminClient(self.url, token)
         else:
             self.admin.set_token(token)   # one client: the controller and autoscaler hold it
         argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.port),
-                "--models-file", str(self.store.root / ROUTER_MODELS_FILE)]
+                "--fd", str(listener.fileno()), "--models-file", str(self.store.root / ROUTER_MODELS_FILE)]
         try:
             env = {"FLEET_ROUTER_ADMIN_TOKEN": token, URL_ENV: self.url}
             fleet_id = self._fleet_id()
             if fleet_id:   # the marker: found again by `marked` when router.json is lost
                 env[ROUTER_MARK_ENV] = fleet_id
-            self.record = self.processes.spawn(argv, env, log_or_devnull(self.log_path, self.store.write_errors,
-                                                                         "router_log"))  # fmt: skip
+            log_path = log_or_devnull(self.log_path, self.store.write_errors, "router_log")
+            self.record = self.processes.spawn(argv, env, log_path, pass_fds=(listener.fileno(),))
         except OSError as err:
             raise RouterStartError(f"cannot start the router: {err.strerror or err}") from err
         self.starts += 1
         self._unpersisted = token
         self.persist()
+        await self._wait_healthy(timeout_s)
+
+    def _listen(self) -> socket.socket:
+        """This object's listening socket, bound now if it is not yet. Raises RouterStartError."""
+        if self.listener is None:
+            try:
+                self.listener = listening_socket(self.host, self.port)
+            except OSError as err:
+                raise RouterStartError(f"cannot listen on {self.host}:{self.port}: {err.strerror or err}") from err
+            self.port = self.listener.getsockname()[1]
+            self.url = f"http://{self.host}:{self.port}"
+        return self.listener
+
+    async def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             alive, code = self.processes.poll(self.record)
@@ -187,7 +232,11 @@ class RouterProcess:
     # ----- stop ---------------------------------------------------------------------------
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after ``grace_s``; forget the record and close the admin client."""
+        """SIGTERM, then SIGKILL after ``grace_s``; close the listening socket, forget the
+        record and close the admin client."""
+        if self.listener is not None:   # new connections are refused from here; the router drains
+            self.listener.close()
+            self.listener = None
         if self.record is not None:
             self.processes.stop(self.record)
             deadline = time.monotonic() + grace_s

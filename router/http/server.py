@@ -63,6 +63,13 @@ MAX_HEADER_FIELDS = 100
 """Most header fields in one request (431 beyond): Apache's `LimitRequestFields` default."""
 
 
+DRAIN_TIMEOUT_S = 30.0
+"""Longest time (seconds) a router told to stop (SIGTERM) waits for its requests in flight to
+finish after it stopped accepting; then they are cut. Shorter than the chart's
+`terminationGracePeriodSeconds` (45 s) less its `preStop` sleep (5 s), so the kubelet's SIGKILL
+never comes first."""
+
+
 class _Refusal(Exception):
     """Raised inside an HTTP parser callback to stop parsing; the protocol answers `args`
     (status, reason phrase, message, code) and closes the connection."""
@@ -336,10 +343,14 @@ def _print_listening(host: str, port: int) -> None:
 def serve(host: str, port: int, admin_token: str, log_level: str = "warning",
           models_path: Path | None = None, engine_load_interval_s: float | None = None,
           peers: Sequence[str] = (), router_id: str = "", peer_interval_s: float = DEFAULT_PEER_INTERVAL_S,
-          peers_dns: tuple[str, int] | None = None, self_addresses: Sequence[str] = ()) -> None:  # fmt: skip
+          peers_dns: tuple[str, int] | None = None, self_addresses: Sequence[str] = (),
+          fd: int | None = None) -> None:  # fmt: skip
     """Serve a fresh router app on `host:port` until SIGINT/SIGTERM.
 
-    `port` 0 binds a free port (the printed line says which). `admin_token` guards
+    `port` 0 binds a free port (the printed line says which). `fd`: a listening TCP socket
+    inherited from the parent, served instead of binding `host:port` (`inherited_listener`).
+    SIGTERM stops accepting and lets the requests in flight finish (uvicorn's graceful
+    shutdown), for at most `DRAIN_TIMEOUT_S`. `admin_token` guards
     `/admin/v1` (non-empty, else ValueError). `log_level` is uvicorn's (e.g. "info").
     `models_path`: the models file (`router.http.remembered`; None: none).
     `engine_load_interval_s`: seconds between engine load polls (`router.signals.engine_poll`; None: off).
@@ -349,4 +360,22 @@ def serve(host: str, port: int, admin_token: str, log_level: str = "warning",
     app = create_app(admin_token, models_path=models_path, engine_load_interval_s=engine_load_interval_s,
                      peers=peers, router_id=router_id, peer_interval_s=peer_interval_s, peers_dns=peers_dns,
                      self_addresses=self_addresses)  # fmt: skip
-    ListeningServer(uvicorn_config(app, host, port, log_level=log_level), _print_listening).run()
+    config = uvicorn_config(app, host, port, log_level=log_level, timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
+    sockets = None if fd is None else [inherited_listener(fd)]
+    ListeningServer(config, _print_listening).run(sockets=sockets)
+
+
+def inherited_listener(fd: int) -> socket.socket:
+    """The listening socket at descriptor `fd` (inherited from the parent; its family read from
+    the socket itself, where uvicorn's own ``fd=`` takes every descriptor for AF_UNIX).
+
+    Raises ValueError naming `--fd` when `fd` is not a listening TCP socket."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as err:
+        raise ValueError(f"--fd {fd}: not an open socket ({err.strerror or err})") from None
+    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6) or not listening:
+        sock.detach()
+        raise ValueError(f"--fd {fd}: not a listening TCP socket")
+    return sock

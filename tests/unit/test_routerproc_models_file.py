@@ -20,7 +20,8 @@ class FakeProcesses(LocalProcesses):
         self.started: list[list[str]] = []
         self.alive = True
 
-    def spawn(self, argv: list[str], env: dict[str, str], log_path: Path | None) -> ProcessRecord:
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: Path | None,
+              pass_fds: tuple[int, ...] = ()) -> ProcessRecord:  # fmt: skip
         self.started.append(argv)
         return ProcessRecord(4242, 1, tuple(argv), str(log_path), 0.0)
 
@@ -38,7 +39,7 @@ def test_the_router_gets_its_models_file_and_a_stop_removes_it(tmp_path: Path, m
     monkeypatch.setattr(RouterAdminClient, "healthy", healthy)
     store = StateStore(tmp_path)
     processes = FakeProcesses()
-    router = RouterProcess(store, "127.0.0.1", 1, processes)
+    router = RouterProcess(store, "127.0.0.1", 0, processes)
 
     async def scenario() -> None:
         await router.start()
