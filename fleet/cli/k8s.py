@@ -141,6 +141,10 @@ def router_pod(
                                         help="This pod's IP, left out of the peers found.")] = "",
     router_id: Annotated[str, typer.Option(envvar="FLEET_POD_NAME",
                                            help="This router's id in its load reports (the pod name).")] = "",
+    drain_timeout_s: Annotated[Optional[float], typer.Option(
+        help="Seconds the requests in flight may take to finish once SIGTERM came (no new connection is "
+             "accepted); then they are cut. Keep it under the pod's terminationGracePeriodSeconds less its "
+             "preStop sleep (the chart does). Default: router.http.server.DRAIN_TIMEOUT_S (30).")] = None,
 ) -> None:
     """Run the router as the chart's router pods do: the OpenAI API on --port, the admin API on
     --admin-port only (404 under /admin on --port). The admin token is read from
@@ -160,7 +164,8 @@ def router_pod(
         dns = parse_dns_target(peers_dns) if peers_dns else None
         endpoints = parse_endpoints_target(peers_endpoints) if peers_endpoints else None
         asyncio.run(serve_router_pod(host, port, admin_port, token, peers_dns=dns, pod_ip=pod_ip,
-                                     router_id=router_id, peers_endpoints=endpoints))  # fmt: skip
+                                     router_id=router_id, peers_endpoints=endpoints,
+                                     **({} if drain_timeout_s is None else {"drain_timeout_s": drain_timeout_s})))  # fmt: skip
     except ValueError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None

@@ -10,6 +10,11 @@ post their load to each other's admin port, `router.signals.peer_discovery`). Th
 through the router-peers Service's Endpoints (``--peers-endpoints``: `fleet.k8s.peer_endpoints`,
 read with the pod's service account, injected here into the router's `PeerDiscovery`) or by DNS
 (``--peers-dns``). Called by `fleet.cli.k8s`.
+
+Told to stop (SIGTERM from the kubelet, after the chart's ``preStop`` sleep has let the Service's
+endpoints drop the pod), the public server stops accepting and its requests in flight finish, up
+to ``drain_timeout_s``; only then does the admin server stop and the app (its upstream sessions)
+shut down, so no stream in flight is cut by the shutdown.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import uvicorn
 from fleet.k8s.client import KubeClient
 from fleet.k8s.peer_endpoints import EndpointsPeers, pod_namespace
 from router.http.app import create_app
-from router.http.server import CLIENT_KEEPALIVE_S
+from router.http.server import CLIENT_KEEPALIVE_S, DRAIN_TIMEOUT_S
 from router.signals.peer_discovery import resolve_addresses
 
 Scope = MutableMapping[str, Any]
@@ -58,19 +63,20 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
-def _config(app, host: str, port: int, lifespan: str, log_level: str) -> uvicorn.Config:
+def _config(app, host: str, port: int, lifespan: str, log_level: str, drain_timeout_s: float) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, loop="none", http="httptools", lifespan=lifespan,
                           access_log=False, log_level=log_level, server_header=False, proxy_headers=False,
-                          timeout_keep_alive=CLIENT_KEEPALIVE_S)  # fmt: skip
+                          timeout_keep_alive=CLIENT_KEEPALIVE_S, timeout_graceful_shutdown=drain_timeout_s)  # fmt: skip
 
 
 async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: str,
                            log_level: str = "warning", stop: asyncio.Event | None = None,
                            peers_dns: tuple[str, int] | None = None, pod_ip: str = "",
                            router_id: str = "", peers_endpoints: tuple[str, int] | None = None,
-                           kube: KubeClient | None = None) -> None:  # fmt: skip
+                           kube: KubeClient | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:  # fmt: skip
     """Serve the OpenAI API on ``host:port`` and the admin API on ``host:admin_port`` until
-    ``stop`` is set (None: until SIGINT/SIGTERM). The other router pods, which this one shares
+    ``stop`` is set (None: until SIGINT/SIGTERM), then drain: no new connection, the requests in
+    flight finish for up to ``drain_timeout_s`` seconds (then they are cut). The other router pods, which this one shares
     its load with (``pod_ip``, its own address, left out; ``router_id``, its id in its reports:
     the pod name; `router.signals.peer_discovery`), are found through ``peers_endpoints``
     ((Service name in the pod's namespace, peers' admin port): the Service's Endpoints, read with
@@ -79,11 +85,13 @@ async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: s
     peers' admin port)); at most one of the two.
 
     Raises:
-        ValueError: the ports are equal, both peer sources are given, or (with
+        ValueError: the ports are equal, ``drain_timeout_s`` is not > 0, both peer sources are given, or (with
             ``peers_endpoints``) the pod's namespace or API credentials are missing.
     """
     if port == admin_port:
         raise ValueError(f"--admin-port must differ from --port ({port}): the admin API never shares the public port")
+    if not drain_timeout_s > 0:
+        raise ValueError(f"--drain-timeout-s must be > 0 seconds, not {drain_timeout_s:g}")
     if peers_dns is not None and peers_endpoints is not None:
         raise ValueError("--peers-dns and --peers-endpoints are two ways to find the same peers: give one")
     resolve, target, own_kube = resolve_addresses, peers_dns, None
@@ -99,7 +107,7 @@ async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: s
                                  f"token, else a kubeconfig): {err}") from None
         resolve, target = EndpointsPeers(kube, namespace), peers_endpoints
     try:
-        await _serve(host, port, admin_port, log_level, stop,
+        await _serve(host, port, admin_port, log_level, stop, drain_timeout_s,
                      create_app(admin_token, peers_dns=target, self_addresses=[pod_ip] if pod_ip else [],
                                 router_id=router_id, peers_resolve=resolve))  # fmt: skip
     finally:
@@ -108,10 +116,11 @@ async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: s
 
 
 async def _serve(host: str, port: int, admin_port: int, log_level: str,
-                 stop: asyncio.Event | None, app) -> None:  # fmt: skip
-    """Serve ``app`` twice: in full on ``admin_port``, `PublicOnly` on ``port``."""
-    admin = _QuietServer(_config(app, host, admin_port, "on", log_level))
-    public = _QuietServer(_config(PublicOnly(app), host, port, "off", log_level))
+                 stop: asyncio.Event | None, drain_timeout_s: float, app) -> None:  # fmt: skip
+    """Serve ``app`` twice: in full on ``admin_port``, `PublicOnly` on ``port``. Stopping drains
+    the public server first; the admin server (which owns the app's lifespan) stops after it."""
+    admin = _QuietServer(_config(app, host, admin_port, "on", log_level, drain_timeout_s))
+    public = _QuietServer(_config(PublicOnly(app), host, port, "off", log_level, drain_timeout_s))
     loop = asyncio.get_running_loop()
     if stop is None:
         stop = asyncio.Event()
@@ -120,7 +129,9 @@ async def _serve(host: str, port: int, admin_port: int, log_level: str,
 
     async def stopper() -> None:
         await stop.wait()
-        admin.should_exit = public.should_exit = True
+        public.should_exit = True
+        if not admin.started:   # stopped while starting: nothing public to drain
+            admin.should_exit = True
 
     stopper_task = loop.create_task(stopper())
     admin_task = loop.create_task(admin.serve())

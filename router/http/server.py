@@ -65,9 +65,9 @@ MAX_HEADER_FIELDS = 100
 
 DRAIN_TIMEOUT_S = 30.0
 """Longest time (seconds) a router told to stop (SIGTERM) waits for its requests in flight to
-finish after it stopped accepting; then they are cut. Shorter than the chart's
-`terminationGracePeriodSeconds` (45 s) less its `preStop` sleep (5 s), so the kubelet's SIGKILL
-never comes first."""
+finish after it stopped accepting; then they are cut. `fleet router-pod --drain-timeout-s` sets
+its own; the chart passes its router pods' `terminationGracePeriodSeconds` less the `preStop`
+sleep less 5 s, so the kubelet's SIGKILL never comes first."""
 
 
 class _Refusal(Exception):

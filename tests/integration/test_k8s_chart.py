@@ -232,6 +232,34 @@ def test_routers_find_each_other_through_the_peers_services_endpoints():
     assert not any(a.startswith("--peers") for a in args) and service is None
 
 
+def _router_deployment(*extra: str) -> dict:
+    return next(d for d in _by_kind(render(extra=extra))["Deployment"] if d["metadata"]["name"] == "fleet-router")
+
+
+def test_a_rolling_restart_of_the_routers_refuses_no_one():
+    """One new router pod before an old one goes, Ready only once it has every pool; the old one
+    keeps accepting through its preStop sleep while its endpoint leaves the Service, then drains
+    its requests in flight (--drain-timeout-s) and is killed only after that bound."""
+    router = _router_deployment()
+    assert router["spec"]["strategy"] == {"type": "RollingUpdate",
+                                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}  # fmt: skip
+    spec = router["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
+    assert spec["terminationGracePeriodSeconds"] == 45 and "--drain-timeout-s=35" in container["args"]
+    spec = _router_deployment("--set", "router.terminationGracePeriodSeconds=20",
+                              "--set", "router.preStopSleepSeconds=3")["spec"]["template"]["spec"]  # fmt: skip
+    container = spec["containers"][0]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "3"]
+    assert spec["terminationGracePeriodSeconds"] == 20 and "--drain-timeout-s=12" in container["args"]
+    for bad, field in ((("--set", "router.preStopSleepSeconds=-1"), "preStopSleepSeconds"),
+                       (("--set", "router.terminationGracePeriodSeconds=5"), "terminationGracePeriodSeconds")):
+        proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), *bad], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert proc.returncode != 0 and field in proc.stderr, proc.stderr
+
+
 def test_values_schema_passes_through_kubernetes_fields():
     objs = render(extra=("--set", "router.resources.limits.nvidia\\.com/gpu=0",
                          "--set", "operator.affinity.nodeAffinity.anything=1"))
