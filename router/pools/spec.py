@@ -12,6 +12,8 @@ are refused, as are pools of more than `MAX_ENDPOINTS_PER_POOL` endpoints. An en
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -109,16 +111,36 @@ class EndpointSpec(BaseModel):
     @field_validator("url")
     @classmethod
     def _check_url(cls, url: str) -> str:
+        """``http(s)://host[:port]``: a host that is an IP address or a DNS name (no space, RFC 1123
+        labels), a port 1-65535, no path, query or fragment. Raises ValueError saying which part."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url must be http(s)://host[:port], got {url!r}")
         if parts.path not in ("", "/") or parts.query or parts.fragment:
             raise ValueError(f"url must have no path, query or fragment, got {url!r}")
+        if not _is_host(parts.hostname):
+            raise ValueError(f"url host {parts.hostname!r} is neither an IP address nor a DNS name, got {url!r}")
         try:
-            parts.port  # noqa: B018 - raises ValueError on a bad port
+            port = parts.port
         except ValueError as exc:
-            raise ValueError(f"url has a bad port: {url!r}") from exc
+            raise ValueError(f"url has a bad port (1-65535): {url!r}") from exc
+        if port == 0:
+            raise ValueError(f"url has a bad port (1-65535): {url!r}")
         return url.rstrip("/")
+
+
+_DNS_NAME = re.compile(r"^(?=.{1,253}\.?$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                       r"(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
+"""A DNS name: dot-separated labels of letters, digits, hyphens (RFC 1123; underscores as some
+service records carry), each at most 63 characters, 253 in all."""
+
+
+def _is_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return bool(_DNS_NAME.match(host))
+    return True
 
 
 _OUTLIER = OutlierSettings()

@@ -212,3 +212,22 @@ async def test_ready_only_after_the_control_plane_says_every_pool_is_published()
             assert resp.status == 200
         async with client.get("/ready") as resp:
             assert resp.status == 200 and (await resp.json())["status"] == "ready"
+
+
+@pytest.mark.parametrize("url, why", [
+    ("http://127.0.0.1 :1", "neither an IP address nor a DNS name"),
+    ("http://127.0.0.1:0", "bad port (1-65535)"),
+    ("http://127.0.0.1:65536", "bad port (1-65535)"),
+    ("http://engine_0..local:8000", "neither an IP address nor a DNS name"),
+    ("ftp://127.0.0.1:21", "http(s)://host[:port]"),
+])
+async def test_an_endpoint_url_that_cannot_be_reached_is_422_naming_the_field(url: str, why: str) -> None:
+    async with router() as (app, client):
+        doc = {"policy": "round-robin", "endpoints": [{"id": "a", "url": url}]}
+        async with client.put("/admin/v1/pools/m", json=doc, headers=AUTH) as resp:
+            assert resp.status == 422
+            text = await resp.text()
+        assert "url" in text and why in text, text
+        assert app.pools.models() == []
+        for good in ("http://127.0.0.1:1", "https://[::1]:65535", "http://chat-0.fleet.svc.cluster.local:8000"):
+            await put(client, "m", {"policy": "round-robin", "endpoints": [{"id": "a", "url": good}]})
