@@ -311,6 +311,36 @@ def test_the_router_record_and_token_are_written_once_the_disk_has_room(tmp_path
 
 
 
+async def test_a_router_restarted_on_a_full_disk_keeps_the_token_the_controller_and_the_file_hold(tmp_path, monkeypatch):
+    """The restarted router gets its predecessor's admin token (held in memory), so the token file
+    that could not be written again, the controller's client and `fleet status` stay right."""
+    from fleet.controller.router_admin import RouterAdminClient
+    from fleet.local.routerproc import RouterProcess
+    from tests.unit.test_routerproc_models_file import FakeProcesses
+
+    async def healthy(self) -> bool:
+        return True
+
+    monkeypatch.setattr(RouterAdminClient, "healthy", healthy)
+    store = StateStore(tmp_path, WriteErrors(FakeClock(0.0)))
+    processes = FakeProcesses()
+    envs = []
+    spawn = processes.spawn
+    processes.spawn = lambda argv, env, log_path, pass_fds=(): envs.append(env) or spawn(argv, env, log_path)
+    router = RouterProcess(store, "127.0.0.1", 0, processes)
+    try:
+        await router.start()
+        token = store.admin_token()
+        router.record = None                        # the router's process is gone
+        monkeypatch.setattr(state_module, "write_atomically", enospc)   # and the disk is full
+        assert await router.ensure_running() is True
+        assert store.write_errors.state("admin_token").errors == 1   # the file was not written again...
+        assert envs[0]["FLEET_ROUTER_ADMIN_TOKEN"] == envs[1]["FLEET_ROUTER_ADMIN_TOKEN"] == token   # ...nor needed
+        assert router.admin._http.headers["Authorization"] == f"Bearer {token}" and store.admin_token() == token
+    finally:
+        await router.stop()
+
+
 def test_a_process_started_on_a_full_disk_logs_to_devnull_rather_than_die(tmp_path, monkeypatch):
     from fleet.local.failsoft import log_or_devnull
 
