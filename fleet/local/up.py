@@ -342,7 +342,8 @@ class _Up:
             self.console.print(f"Controller, autoscaler and rollout metrics on http://{host}:{port}/metrics",
                                highlight=False)  # fmt: skip
         return LocalObservability(self.store.root, self.router.url, port and f"http://{host}:{port}",
-                                  node_agent_url=agent_url, collector=metrics.controller_state)  # fmt: skip
+                                  node_agent_url=agent_url, collector=metrics.controller_state,
+                                  write_errors=self.store.write_errors)  # fmt: skip
 
     def _start_tasks(self, autoscaler: AutoscalerLoop | None) -> list[asyncio.Task]:
         """The router's supervisor, the control channel (`fleet apply`, `fleet rollout`) and the

@@ -17,7 +17,8 @@ the same document `state.json` holds) and never by the controller object itself:
   the last snapshot it was given (scrapes run on another thread; they read the snapshot, never
   the live controller).
 
-`LocalObservability` bundles the writer and the collector; `fleet.local.up` builds one and calls
+`LocalObservability` bundles the writer and the collector (a failed write of the file is counted
+and backed off through `fleet up`'s `fleet.local.failsoft.WriteErrors`, handed in as `WriteAttempts`); `fleet.local.up` builds one and calls
 `tick(snapshot)` after each controller tick. `fleet.cli.observability` (`fleet prometheus-config`)
 reads the file path from `targets_path`.
 
@@ -35,9 +36,9 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -302,18 +303,33 @@ class ControllerStateCollector:
             yield price
 
 
+TARGETS_WRITE = "prometheus_targets"
+"""The write target of the file_sd file in `fleet up`'s failed-write counts (`WriteAttempts`)."""
+
+
+class WriteAttempts(Protocol):
+    """Runs a write unless its target is backing off after a failure, counts and logs a failure
+    once per try (the tries spaced by a doubling backoff) and says when writing works again:
+    `fleet.local.failsoft.WriteErrors`."""
+
+    def attempt(self, target: str, write: Callable[[], object], *, force: bool = False) -> bool: ...
+
+
 class LocalObservability:
     """What `fleet up` does for Prometheus after each tick: keep the file_sd file current and the
-    replica-state metrics fresh."""
+    replica-state metrics fresh. ``write_errors``: where a failed write of the file_sd file is
+    counted and backed off (target `TARGETS_WRITE`); None: each failure is logged."""
 
     def __init__(self, state_dir: Path, router_url: str, controller_url: str | None,
                  registry: CollectorRegistry | None = None, node_agent_url: str | None = None,
                  prices: Mapping[str, float] | None = None,
-                 collector: ControllerStateCollector | None = None) -> None:  # fmt: skip
+                 collector: ControllerStateCollector | None = None,
+                 write_errors: WriteAttempts | None = None) -> None:  # fmt: skip
         self.router_url = router_url
         self.controller_url = controller_url
         self.node_agent_url = node_agent_url
         self.writer = FileSDWriter(targets_path(state_dir))
+        self.write_errors = write_errors
         self.collector = collector or ControllerStateCollector(prices)   # given: registered by its owner
         if registry is not None:
             registry.register(self.collector)  # type: ignore[arg-type]  # duck-typed Collector
@@ -321,16 +337,20 @@ class LocalObservability:
     def stopped(self) -> None:
         """The fleet stopped in order (engines and router gone): leave Prometheus no target, so
         nothing reads as down."""
-        try:
-            self.writer.write([])
-        except OSError as err:
-            log.warning("cannot write Prometheus targets %s: %s", self.writer.path, err)
+        self._write([], force=True)
 
     def tick(self, snapshot: Mapping[str, Any]) -> None:
         """Refresh the metrics and the file_sd file from ``snapshot``; a file that cannot be
-        written is logged (the next tick tries again), never raised into the controller loop."""
+        written is counted and tried again at a later tick once its backoff is over
+        (``write_errors``), never raised into the controller loop."""
         self.collector.update(snapshot)
+        self._write(file_sd_groups(snapshot, self.router_url, self.controller_url, self.node_agent_url))
+
+    def _write(self, groups: list[dict[str, Any]], force: bool = False) -> None:
+        if self.write_errors is not None:
+            self.write_errors.attempt(TARGETS_WRITE, lambda: self.writer.write(groups), force=force)
+            return
         try:
-            self.writer.write(file_sd_groups(snapshot, self.router_url, self.controller_url, self.node_agent_url))
+            self.writer.write(groups)
         except OSError as err:
             log.warning("cannot write Prometheus targets %s: %s", self.writer.path, err)

@@ -161,6 +161,30 @@ def test_tick_writes_the_targets_file_and_survives_an_unwritable_directory(tmp_p
     assert "cannot write Prometheus targets" in caplog.text
 
 
+def test_a_targets_file_that_cannot_be_written_is_logged_once_then_with_backoff_and_its_recovery_said(
+        tmp_path: Path, caplog) -> None:  # fmt: skip
+    from fleet.local.failsoft import WriteErrors
+    from tests.support.fakes import FakeClock
+
+    clock = FakeClock(0.0)
+    errors = WriteErrors(clock)
+    obs = LocalObservability(tmp_path / "state", "http://127.0.0.1:8080", None, write_errors=errors)
+    for _ in range(10):            # ten ticks in the first second, the directory missing
+        obs.tick(SNAPSHOT)
+    warnings = [r.getMessage() for r in caplog.records if "prometheus_targets" in r.getMessage()]
+    assert len(warnings) == 1 and "next try in 1 s" in warnings[0], warnings
+    assert errors.state("prometheus_targets").errors == 1 and errors.state("prometheus_targets").dropped == 9
+    clock.advance(1.0)
+    obs.tick(SNAPSHOT)                     # tried again, failed: the backoff doubles
+    assert errors.state("prometheus_targets").delay_s == 2.0
+    (tmp_path / "state").mkdir()
+    clock.advance(2.0)
+    obs.tick(SNAPSHOT)
+    assert json.loads(targets_path(tmp_path / "state").read_text())
+    assert "writing prometheus_targets works again" in caplog.text
+    assert not errors.state("prometheus_targets").failing
+
+
 def test_the_scrape_config_reads_the_targets_file_and_loads_the_rules(tmp_path: Path) -> None:
     text = prometheus_config(tmp_path / "t.json", scrape_interval="1s", rule_files=[tmp_path / "r.yaml"])
     doc = yaml.safe_load(text)
