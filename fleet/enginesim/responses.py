@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from aiohttp import web
 
 from fleet.enginesim.api import ApiError
 from fleet.enginesim.model import FinishedRequest
+
+log = logging.getLogger("fleet.enginesim.responses")
 
 
 @dataclass(eq=False)
@@ -33,6 +36,7 @@ class LiveRequest:
     arrival_s: float
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_token_s: float = 0.0
+    client_gone: bool = False         # the client went away mid-stream: not an answered request
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,20 @@ class ResponseWriter:
     async def stream(self, request: web.Request, live: LiveRequest, prompt_tokens: int, chat: bool,
                       include_usage: bool) -> web.StreamResponse:  # fmt: skip
         """Stream ``live`` as SSE: a chunk per token as the model emits it, the last with the
-        finish reason, the usage chunk with ``include_usage``, then ``[DONE]``."""
+        finish reason, the usage chunk with ``include_usage``, then ``[DONE]``. A client that
+        went away mid-stream ends it with one debug line (the caller aborts the request in the
+        model), as vLLM aborts a disconnected request without a traceback."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        try:
+            await self._stream_events(resp, live, prompt_tokens, chat, include_usage)
+        except ConnectionResetError as err:   # aiohttp's ClientConnectionResetError: the client is gone
+            live.client_gone = True
+            log.debug("request %s: the client went away mid-stream (%s)", live.request_id, err)
+        return resp
+
+    async def _stream_events(self, resp: web.StreamResponse, live: LiveRequest, prompt_tokens: int, chat: bool,
+                             include_usage: bool) -> None:  # fmt: skip
         head = self.head(live, chat)
 
         async def send(doc: dict[str, Any]) -> None:
@@ -126,7 +141,7 @@ class ResponseWriter:
                 await send({"error": {"message": payload, "type": "InternalServerError", "param": None, "code": 500}})
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
-                return resp
+                return
             fr: FinishedRequest = payload
             break
         if fr.num_output_tokens > emitted:
@@ -139,7 +154,6 @@ class ResponseWriter:
                         "system_fingerprint": self.fingerprint})  # fmt: skip
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-        return resp
 
     @staticmethod
     def chunk(head: dict[str, Any], chat: bool, text: str, finish_reason: str | None) -> dict[str, Any]:

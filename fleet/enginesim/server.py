@@ -377,7 +377,8 @@ class SimReplica:
                 response = await self.responses.whole(live, len(prompt_ids), chat)
                 await response.prepare(request)
                 await response.write_eof()
-            self._answered()
+            if not live.client_gone:
+                self._answered()
             return response
         finally:
             if live is not None and live.request_id in self._live:

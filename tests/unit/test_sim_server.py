@@ -315,3 +315,32 @@ async def test_a_failing_engine_step_fails_its_requests_with_500_and_the_replica
             assert "bug in the model" in (await resp.json())["error"]["message"]
         async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
             assert resp.status == 200
+
+
+async def test_a_client_gone_mid_stream_is_one_debug_line_not_a_traceback(monkeypatch, caplog):
+    """The write that meets the closed connection (aiohttp's ClientConnectionResetError, raised
+    here on the third write) ends the stream quietly; the request is aborted in the engine."""
+    from aiohttp import web
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    writes = []
+    original = web.StreamResponse.write
+
+    async def write(self, data):
+        writes.append(data)
+        if len(writes) == 3:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        return await original(self, data)
+
+    caplog.set_level("DEBUG")
+    async with replica() as (r, c):
+        monkeypatch.setattr(web.StreamResponse, "write", write)
+        body = {"prompt": "x", "max_tokens": 400, "stream": True}
+        async with c.post("/v1/completions", json=body) as resp:
+            await resp.read()                      # the server ends the stream after the failed write
+        monkeypatch.undo()
+        await async_wait_until(lambda: not r.model.has_work(), 30, what="the engine to drop the request")
+        assert r.answered == 0
+    errors = [rec for rec in caplog.records if rec.levelname in ("ERROR", "WARNING") or rec.exc_info]
+    gone = [rec for rec in caplog.records if "went away mid-stream" in rec.getMessage()]
+    assert errors == [] and len(gone) == 1 and gone[0].levelname == "DEBUG", [(x.name, x.getMessage()) for x in caplog.records]
