@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleet.controller.backend import LaunchError, ReplicaFacts, ReplicaWant, engine_model
-from fleet.local.failsoft import WriteErrors, log_or_devnull
+from fleet.local.failsoft import WriteErrors, log_target
 from fleet.local.procs import LocalProcesses, ProcessRecord, find_marked, read_log_tail, start_ticks
 from fleet.engines.kinds import KvEventsBind, fleet_kv_events, get_engine
 from fleet.inventory import Inventory, NodeInventory
@@ -220,10 +220,10 @@ class LocalBackend:
         cores = self.pinned_cores(want)
         if cores and shutil.which("taskset"):
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
-        log_path = Path(record.log_path) if record.log_path else None
+        log_path, relay = Path(record.log_path) if record.log_path else None, False
         if log_path is not None:
-            log_path = log_or_devnull(log_path, self.write_errors, "engine_log")
-        process = self.processes.spawn(argv, env, log_path)
+            log_path, relay = log_target(log_path, self.write_errors, "engine_log")
+        process = self.processes.spawn(argv, env, log_path, relay=relay)
         self._records[rid] = replace(self._records[rid], process=process)
         self._save()
 

@@ -258,22 +258,25 @@ class FailSoftStream:
 
 
 LOG_ROOM_BYTES = 1 << 20
-"""Free space a new process's log needs at its start (see `log_or_devnull`)."""
+"""Free space a new process's log needs at its start (see `log_target`)."""
 
 
-def log_or_devnull(path: Path, errors: WriteErrors, target: str) -> Path | None:
-    """``path`` when its file system has `LOG_ROOM_BYTES` free, else None (the process's output
-    goes to /dev/null, counted under ``target``): an engine or router started while the disk is
-    full would die on its first log line (Python's print raises ENOSPC); serving comes first."""
+def log_target(path: Path, errors: WriteErrors, target: str) -> tuple[Path, bool]:
+    """Where a new process's output goes: ``(path, False)`` when its file system has
+    `LOG_ROOM_BYTES` free; else ``(path, True)``: through the log relay
+    (`fleet.local.logrelay`), counted under ``target``. A process writing its log straight to a
+    full disk would die on its first line (Python's print raises ENOSPC); through the relay it
+    serves, its output is dropped while the disk is full and written again once it has room."""
     try:
         st = os.statvfs(path.parent)
     except OSError:
-        return path
+        return path, False
     if st.f_bavail * st.f_frsize >= LOG_ROOM_BYTES:
         errors.ok(target)
-        return path
-    errors.failed(target, OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {path} (output to /dev/null)"))
-    return None
+        return path, False
+    errors.failed(target, OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {path} (output through the log "
+                                                f"relay until the disk has room)"))  # fmt: skip
+    return path, True
 
 
 def _isatty(fd: int) -> bool:

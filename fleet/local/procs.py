@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -103,23 +104,26 @@ class LocalProcesses:
         self._children: dict[int, subprocess.Popen] = {}
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: Path | None,
-              pass_fds: tuple[int, ...] = ()) -> ProcessRecord:  # fmt: skip
+              pass_fds: tuple[int, ...] = (), relay: bool = False) -> ProcessRecord:  # fmt: skip
         """Start ``argv`` with ``env`` merged over this process's environment, in a new session,
-        output appended to ``log_path``; ``pass_fds``: descriptors the process inherits under the
-        same numbers (every other one is closed). Raises OSError when it cannot be started."""
-        log = None
+        output appended to ``log_path``; ``relay``: through the log relay (`fleet.local.logrelay`,
+        a process of its own reading a pipe: for a log on a full disk) instead of straight.
+        ``pass_fds``: descriptors the process inherits under the same numbers (every other one
+        is closed). Raises OSError when it cannot be started."""
+        out = None
         try:
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
-                log = open(log_path, "ab", buffering=0)
+                out = _relay_pipe(log_path) if relay else os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                                                 0o644)  # fmt: skip
             proc = subprocess.Popen(
                 argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                stdout=log if log is not None else subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                stdout=out if out is not None else subprocess.DEVNULL, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True, pass_fds=pass_fds,
             )  # fmt: skip
         finally:
-            if log is not None:
-                log.close()  # the child holds its own descriptor
+            if out is not None:
+                os.close(out)  # the child holds its own descriptor
         self._children[proc.pid] = proc
         ticks = start_ticks(proc.pid)
         return ProcessRecord(proc.pid, ticks if ticks is not None else -1, tuple(argv),
@@ -166,6 +170,22 @@ class LocalProcesses:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _relay_pipe(log_path: Path) -> int:
+    """Start the log relay of ``log_path`` (its own session: it outlives this process and exits
+    when its input ends) and return the write end of its input pipe. Raises OSError."""
+    r, w = os.pipe()
+    try:
+        subprocess.Popen([sys.executable, "-m", "fleet.local.logrelay", str(log_path)], stdin=r,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                         close_fds=True)  # fmt: skip
+    except OSError:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
+    return w
 
 
 def read_log_tail(path: Path | str | None, lines: int = 20) -> list[str]:

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from fleet.local.failsoft import log_or_devnull
+from fleet.local.failsoft import log_target
 from fleet.local.procs import LocalProcesses, ProcessRecord, find_marked, read_log_tail, start_ticks
 from fleet.controller.router_admin import RouterAdminClient
 from fleet.local.state import StateStore, write_atomically
@@ -165,8 +165,8 @@ class RouterProcess:
             fleet_id = self._fleet_id()
             if fleet_id:   # the marker: found again by `marked` when router.json is lost
                 env[ROUTER_MARK_ENV] = fleet_id
-            log_path = log_or_devnull(self.log_path, self.store.write_errors, "router_log")
-            self.record = self.processes.spawn(argv, env, log_path, pass_fds=(listener.fileno(),))
+            log_path, relay = log_target(self.log_path, self.store.write_errors, "router_log")
+            self.record = self.processes.spawn(argv, env, log_path, pass_fds=(listener.fileno(),), relay=relay)
         except OSError as err:
             raise RouterStartError(f"cannot start the router: {err.strerror or err}") from err
         self.starts += 1

@@ -9,8 +9,10 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -51,6 +53,29 @@ def test_a_process_is_ours_only_while_pid_and_start_time_match(spawned):
     stranger.stop(rec)
     wait_until(lambda: procs.poll(rec)[0] is False)
     assert procs.poll(rec) == (False, -signal.SIGTERM)  # the parent knows the exit code
+
+
+def test_a_process_logging_through_the_relay_survives_a_sigterm_and_its_relay_ends_with_it(tmp_path, spawned):
+    """The output of a process started on a full disk goes through the log relay
+    (fleet/local/logrelay.py): every line reaches the log, a SIGTERM to the process's group
+    leaves the relay reading its last lines, and the relay exits once the process has."""
+    log = tmp_path / "logs" / "router.log"
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *a: (print('draining', flush=True), sys.exit(0)))\n"
+              "print('fleet router listening', flush=True)\n"
+              "time.sleep(60)\n")  # fmt: skip
+    procs = LocalProcesses()
+    rec = procs.spawn([sys.executable, "-c", script], {}, log, relay=True)
+    spawned.append(rec)
+    wait_until(lambda: log.exists() and "listening" in log.read_text(), 30, what="the first line in the log")
+    relays = [p for p in psutil.process_iter(["cmdline"]) if "fleet.local.logrelay" in " ".join(p.info["cmdline"] or [])
+              and str(log) in p.info["cmdline"]]  # fmt: skip
+    assert len(relays) == 1 and relays[0].ppid() == os.getpid()
+    procs.stop(rec)
+    wait_until(lambda: procs.poll(rec)[0] is False, 30, what="the process to exit on SIGTERM")
+    wait_until(lambda: not relays[0].is_running() or relays[0].status() == psutil.STATUS_ZOMBIE, 30,
+               what="the relay to exit once its input ended")  # fmt: skip
+    assert log.read_text() == "fleet router listening\ndraining\n"
 
 
 def test_marked_processes_are_found_by_their_environment(spawned):

@@ -326,7 +326,7 @@ async def test_a_router_restarted_on_a_full_disk_keeps_the_token_the_controller_
     processes = FakeProcesses()
     envs = []
     spawn = processes.spawn
-    processes.spawn = lambda argv, env, log_path, pass_fds=(): envs.append(env) or spawn(argv, env, log_path)
+    processes.spawn = lambda argv, env, log_path, **kw: envs.append(env) or spawn(argv, env, log_path)
     router = RouterProcess(store, "127.0.0.1", 0, processes)
     try:
         await router.start()
@@ -341,17 +341,42 @@ async def test_a_router_restarted_on_a_full_disk_keeps_the_token_the_controller_
         await router.stop()
 
 
-def test_a_process_started_on_a_full_disk_logs_to_devnull_rather_than_die(tmp_path, monkeypatch):
-    from fleet.local.failsoft import log_or_devnull
+def test_a_process_started_on_a_full_disk_logs_through_the_relay_rather_than_die(tmp_path, monkeypatch):
+    from fleet.local.failsoft import log_target
 
     errors = WriteErrors(FakeClock(0.0))
     log = tmp_path / "logs" / "chat-3.log"
     log.parent.mkdir()
-    assert log_or_devnull(log, errors, "engine_log") == log
+    assert log_target(log, errors, "engine_log") == (log, False)
     full = os.statvfs_result((4096, 4096, 1024, 0, 0, 100, 0, 0, 0, 255))
     monkeypatch.setattr(os, "statvfs", lambda path: full)
-    assert log_or_devnull(log, errors, "engine_log") is None
+    assert log_target(log, errors, "engine_log") == (log, True)
     assert errors.state("engine_log").errors == 1 and "ENOSPC" in errors.state("engine_log").last_error
+
+
+def test_the_log_relay_drops_output_while_the_disk_is_full_and_writes_again_once_it_has_room(tmp_path, monkeypatch):
+    """The output of a process started on a full disk (fleet/local/logrelay.py): dropped while
+    writes fail, tried again on the backoff, then written after a line saying what was dropped."""
+    from fleet.local import logrelay
+
+    clock = FakeClock(0.0)
+    log = tmp_path / "router.log"
+    relay = logrelay.LogRelay(log, WriteErrors(clock))
+    real_write = os.write
+    monkeypatch.setattr(logrelay.os, "write", enospc)
+    assert relay.feed(b"fleet router listening on http://127.0.0.1:8080\n") is False
+    assert relay.feed(b"second line\n") is False          # backing off: not even tried
+    assert relay.errors.state("log").errors == 1 and relay.errors.state("log").dropped == 1
+    clock.advance(1.0)
+    assert relay.feed(b"third line\n") is False           # tried again, still full: the backoff doubles
+    assert relay.errors.state("log").delay_s == 2.0
+    monkeypatch.setattr(logrelay.os, "write", real_write)  # the disk has room again
+    assert relay.feed(b"fourth line\n") is False          # not before the backoff ends
+    clock.advance(2.0)
+    assert relay.feed(b"fifth line\n") is True
+    relay.close()
+    dropped = len(b"fleet router listening on http://127.0.0.1:8080\n second line\n third line\n fourth line\n") - 3
+    assert log.read_text() == f"[fleet: {dropped} bytes of output dropped while {log} could not be written]\nfifth line\n"
 
 
 async def test_a_loop_that_raises_is_started_again_until_stop():

@@ -21,7 +21,7 @@ class FakeProcesses(LocalProcesses):
         self.alive = True
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: Path | None,
-              pass_fds: tuple[int, ...] = ()) -> ProcessRecord:  # fmt: skip
+              pass_fds: tuple[int, ...] = (), relay: bool = False) -> ProcessRecord:  # fmt: skip
         self.started.append(argv)
         return ProcessRecord(4242, 1, tuple(argv), str(log_path), 0.0)
 
