@@ -1,7 +1,8 @@
 """The fault table of docs/crash-safety.md: runs the control-plane fault suite
 (tests/integration/test_control_faults.py) and prints one Markdown row per fault: requests
 failed before their stream started out of all sent, streams cut, requests in flight on a killed
-router, retries, and the time to recover, with what each recovery time is measured from.
+router, retries, tries whose connection was refused (rows recorded before that count: —), and the
+time to recover, with what each recovery time is measured from.
 
 ```bash
 flock /tmp/fleet-heavy.lock .venv/bin/python -m loadtests.fault_table            # run the suite, print the table
@@ -35,12 +36,12 @@ ROWS_ENV = "FLEET_FAULT_ROWS"   # read by tests/support/faults.py
 def table(rows: list[dict]) -> str:
     """The Markdown table of ``rows`` (dicts as the suite records them)."""
     lines = ["| fault | failed before streaming / requests | streams cut | lost in flight on the killed router "
-             "| retried (refused, 503) | recovery | measured from |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| retried (refused, 503) | tries refused | recovery | measured from |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         recovery = "—" if r.get("recovery_s") is None else f"{r['recovery_s']:.1f} s"
         lines.append(f"| {r['fault']} | {r['failed']} / {r['requests']} | {r['cut']} | {r.get('lost_in_flight', '—')} "
-                     f"| {r['retried']} | {recovery} | {r['recovery']} |")  # fmt: skip
+                     f"| {r['retried']} | {r.get('refused', '—')} | {recovery} | {r['recovery']} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -51,7 +51,8 @@ class Request:
     ``outcome``: "ok" (a 200 stream ending with ``data: [DONE]``), "failed" (failed before its
     stream started: ``detail`` is the HTTP status or the client error's name) or "cut" (the
     stream started, then broke: ``detail`` says how). ``attempts``: tries made (1 = no retry);
-    ``last_try_at_s``: when the last try was sent; ``router``: the index in ``FaultLoad.urls``
+    ``last_try_at_s``: when the last try was sent; ``refused``: tries whose connection was
+    refused (nothing listened: no router held the socket); ``router``: the index in ``FaultLoad.urls``
     of the router the last try went to (0 with one URL); ``first_byte_at_s``: when the first
     chunk of a 200 stream's body arrived (its first token event), else None."""
 
@@ -63,6 +64,7 @@ class Request:
     ended_at_s: float = 0.0
     router: int = 0
     first_byte_at_s: float | None = None
+    refused: int = 0
 
 
 @dataclass
@@ -113,6 +115,11 @@ class FaultLoad:
     def retried(self) -> list[Request]:
         return [r for r in self.done if r.attempts > 1]
 
+    @property
+    def refused(self) -> int:
+        """Tries whose connection was refused, over every request (retried ones included)."""
+        return sum(r.refused for r in list(self.requests))
+
     def first_ok_try_after(self, at_s: float) -> float | None:
         """When the first try sent after ``at_s`` that succeeded was sent, or None."""
         tries = [r.last_try_at_s for r in self.done if r.outcome == "ok" and r.last_try_at_s > at_s]
@@ -122,7 +129,7 @@ class FaultLoad:
         retried = self.retried
         return (f"{len(self.done)} requests at {self.rate_per_s:g}/s: {len(self.failed)} failed before streaming, "
                 f"{len(self.cut)} streams cut, {len(retried)} retried "
-                f"({sum(r.attempts - 1 for r in retried)} retries)")
+                f"({sum(r.attempts - 1 for r in retried)} retries, {self.refused} tries refused)")
 
     def wait_for_more(self, n: int, what: str, timeout_s: float = 120.0) -> None:
         """Wait until ``n`` more requests than now have an outcome: the load ran through
@@ -195,6 +202,7 @@ class FaultLoad:
                     return None
         except aiohttp.ClientConnectorError as err:     # nothing listens (refused) or no route: never reached anyone
             req.outcome, req.detail = "failed", f"{type(err).__name__}: {err.os_error.strerror or err}"
+            req.refused += isinstance(err.os_error, ConnectionRefusedError)
             return RETRY_DEFAULT_S
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:   # reset or closed before the answer
             req.outcome, req.detail = "failed", type(err).__name__

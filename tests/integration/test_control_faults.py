@@ -4,7 +4,8 @@ has, each under a steady open-loop streamed load, counting every request.
 Rows: the state directory's filesystem full (a tmpfs in a private mount namespace, with
 `fleet up`'s output in it as `fleet up --detach` has it) while a replica crashes, and while the
 router is restarted; `fleet up`'s stdout reader gone; `state.json` truncated under a restart;
-`kill -9` of the router, of a replica's engine, of `fleet up`. Each row asserts that no request
+`kill -9` of the router (30 req/s for 60 s: no connection refused, since `fleet up` holds the
+listening socket), of a replica's engine, of `fleet up`. Each row asserts that no request
 failed before its stream started (the router's own `kill -9`: none but those in flight on it),
 that the fleet is back at full strength within `RECOVERY_DEADLINE_S`, and that `fleet down`
 leaves no engine, router or other process behind.
@@ -251,19 +252,28 @@ def test_fleet_down_from_a_truncated_state_with_no_controller_leaves_nothing(tmp
 # ----- kill -9 of the router, of a replica, of `fleet up` ---------------------------------------
 
 
-def test_router_kill_9_fails_only_the_requests_in_flight_on_it(tmp_path, started, fleet_file):
+ROUTER_KILL_RATE_PER_S = 30.0
+ROUTER_KILL_REQUESTS = 1800
+"""The router kill row's load: 30 streamed completions/s for 60 s, the kill a third of the way in."""
+
+
+def test_router_kill_9_refuses_no_connection_and_fails_only_the_streams_in_flight_on_it(tmp_path, started,
+                                                                                       fleet_file):  # fmt: skip
     fleet = _up(started, FaultFleet([fleet_file], tmp_path / "state"))
     before = engines(fleet.state_dir)
-    with FaultLoad(fleet.router_url, MODEL) as load:
-        load.wait_for_more(40, "load on the fleet before the kill")
+    with FaultLoad(fleet.router_url, MODEL, rate_per_s=ROUTER_KILL_RATE_PER_S) as load:
+        load.wait_for_more(ROUTER_KILL_REQUESTS // 3, "load on the fleet before the kill")
         killed_at = kill_9_router(fleet.state_dir)
         wait_s("a request answered by the restarted router", lambda: load.first_ok_try_after(killed_at),
                RECOVERY_DEADLINE_S, fleet)  # fmt: skip
-        load.wait_for_more(50, "load after the router is back")
-    record_row("router kill -9", load, load.first_ok_try_after(killed_at) - killed_at,
-               "kill -> first request served by the new router",
+        load.wait_for_more(ROUTER_KILL_REQUESTS - len(load.done), "the rest of the 60 s of load")
+    record_row(f"router kill -9 ({ROUTER_KILL_RATE_PER_S:g}/s for 60 s)", load,
+               load.first_ok_try_after(killed_at) - killed_at, "kill -> first request served by the new router",
                lost_in_flight=_in_flight_on_the_router(load, killed_at))  # fmt: skip
+    assert load.refused == 0, f"{load.refused} connections refused while the router restarted; {load.summary()}"
     _assert_only_in_flight_on_the_router_failed(load, killed_at)
+    late_cuts = [r for r in load.cut if r.last_try_at_s > killed_at]
+    assert late_cuts == [], f"streams cut that were sent after the kill: {late_cuts[:5]}"
     assert engines(fleet.state_dir) == before
     down_leaves_nothing(fleet)
 

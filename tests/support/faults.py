@@ -331,7 +331,7 @@ def record_row(fault: str, load, recovery_s: float | None, recovery: str, **extr
     """One row of the fault table: printed as ``FAULT-ROW {json}`` and appended to the file
     named by ``$FLEET_FAULT_ROWS`` (one JSON object a line) when it is set."""
     row = {"fault": fault, "requests": len(load.done), "failed": len(load.failed), "cut": len(load.cut),
-           "retried": len(load.retried), "rate_per_s": load.rate_per_s,
+           "retried": len(load.retried), "refused": load.refused, "rate_per_s": load.rate_per_s,
            "recovery_s": None if recovery_s is None else round(recovery_s, 2), "recovery": recovery,
            "failures": sorted({r.detail for r in load.failed}), **extra}  # fmt: skip
     print(f"\nFAULT-ROW {json.dumps(row)}")
