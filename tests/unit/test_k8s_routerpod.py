@@ -63,6 +63,11 @@ async def test_equal_ports_are_refused():
         await serve_router_pod("127.0.0.1", 8080, 8080, "t")
 
 
+async def test_a_drain_timeout_that_is_not_positive_is_refused_naming_the_option():
+    with pytest.raises(ValueError, match="--drain-timeout-s must be > 0 seconds, not 0"):
+        await serve_router_pod("127.0.0.1", 8080, 9090, "t", drain_timeout_s=0)
+
+
 def test_router_pod_refuses_a_bad_peers_dns_target(monkeypatch):
     from typer.testing import CliRunner
 
