@@ -152,12 +152,10 @@ def _weight_dtype_bytes(cfg: dict, dtype: str) -> float:
     return width if width is not None else DTYPE_BYTES.get(dtype, 2)
 
 
-def facts_from_config(config: dict, source: str = "config.json", tokenizer_max_length: int | None = None) -> ModelFacts:
+def facts_from_config(config: dict, source: str = "config.json") -> ModelFacts:
     """`ModelFacts` of a parsed ``config.json``; weights estimated from the parameter count
     (`fleet.models.read` replaces them by the checkpoint's own bytes when it has them).
 
-    ``tokenizer_max_length``: tokenizer_config.json's ``model_max_length`` where the caller read it
-    (it lowers the maximum length, `fleet.models.maxlen`).
     Raises ModelConfigError naming ``source`` and the field (missing or not an integer).
     """
     if not isinstance(config, dict):
@@ -197,7 +195,7 @@ def facts_from_config(config: dict, source: str = "config.json", tokenizer_max_l
         moe_intermediate_size=moe_inter, sliding_window=window,
         sliding_layers=sliding_layer_count(cfg, model_type, layers) if window else 0,
         quantization=checkpoint_quantization(cfg)[0],
-        max_len=derive_max_len(cfg, model_type, config, tokenizer_max_length),
+        max_len=derive_max_len(cfg, model_type),
     )
     embedding, linear, routed = parameter_parts(cfg, facts, where)
     params = embedding + linear + routed

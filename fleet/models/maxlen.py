@@ -14,13 +14,14 @@ several configs by ``tests/integration/test_vllm_engine_args.py``:
   ``model_max_length``, ``max_target_positions``, ``max_sequence_length``, ``max_seq_length``,
   ``seq_len``; a ``model_max_length`` (Command-R) overrides them all;
 - ``config/model.py`` ``_get_and_verify_max_len``: ``tokenizer_config.json``'s
-  ``model_max_length`` lowers it; none of the keys: 2048 (or the requested length, taken as
-  is); RoPE scaling multiplies it by ``rope_parameters`` / ``rope_scaling`` ``factor``, except
+  ``model_max_length`` lowers it for pooling models with absolute position embeddings only
+  (``ModelConfig.get_and_verify_max_len``; Fleet serves generative models, so it is not read);
+  none of the keys: 2048 (or the requested length, taken as is); RoPE scaling multiplies it by ``rope_parameters`` / ``rope_scaling`` ``factor``, except
   for the types that leave ``max_position_embeddings`` already scaled (``su``, ``longrope``,
   ``llama3``, ``yarn``, ``deepseek_yarn``, ``deepseek_llama_scaling``) and for Gemma 3; unset,
   the length is that maximum (LongRoPE: ``original_max_position_embeddings``); a requested
   length above it is refused ("User-specified max_model_len ... is greater than the derived
-  max_model_len") unless the config's top-level ``model_max_length`` allows it or the engine
+  max_model_len") unless the text config's ``model_max_length`` allows it or the engine
   runs with ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``.
 """
 
@@ -44,7 +45,7 @@ class ModelMaxLen:
     """``limit``: the longest ``--max-model-len`` vLLM accepts (None: no key in the config, any
     length is taken); ``key``: where it comes from, as vLLM names it (``max_position_embeddings=32768``,
     times the RoPE factor where one applies); ``default``: vLLM's ``max_model_len`` when the flag
-    is unset; ``override``: the config's top-level ``model_max_length``, which lets a longer
+    is unset; ``override``: the config's ``model_max_length``, which lets a longer
     request through."""
 
     limit: int | None
@@ -69,11 +70,10 @@ def _number(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def derive_max_len(cfg: dict, model_type: str = "", top: dict | None = None,
-                   tokenizer_max_length: int | None = None) -> ModelMaxLen:
-    """`ModelMaxLen` of the text config ``cfg`` (module docstring); ``top`` is the whole
-    config.json (its ``model_max_length``), ``tokenizer_max_length`` tokenizer_config.json's
-    ``model_max_length`` where the caller read it."""
+def derive_max_len(cfg: dict, model_type: str = "", tokenizer_max_length: int | None = None) -> ModelMaxLen:
+    """`ModelMaxLen` of the text config ``cfg`` (module docstring; ``get_hf_text_config``'s:
+    the language model's part of a multimodal config); ``tokenizer_max_length`` is
+    tokenizer_config.json's ``model_max_length`` where it applies (pooling models)."""
     derived, key = math.inf, None
     for k in MAX_LEN_KEYS:
         v = _number(cfg.get(k))
@@ -101,7 +101,7 @@ def derive_max_len(cfg: dict, model_type: str = "", top: dict | None = None,
     default = int(derived)
     if any(rp["rope_type"] == "longrope" for rp in ropes):
         default = int(cfg.get("original_max_position_embeddings") or derived)
-    override = _number((top or cfg).get("model_max_length"))
+    override = _number(cfg.get("model_max_length"))
     return ModelMaxLen(int(derived), source, default, int(override) if override else None)
 
 

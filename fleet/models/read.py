@@ -4,8 +4,7 @@ Owns `read_model_facts` (source string -> `fleet.models.facts.ModelFacts`) and `
 What is read:
 
 - a local directory (a path or ``file://``), or a hub source's directory in Fleet's weight cache
-  (the caller looks it up: `fleet.agent.cache.WeightCache.lookup`, no network): ``config.json``
-  (and ``tokenizer_config.json``'s ``model_max_length``); the weight bytes from
+  (the caller looks it up: `fleet.agent.cache.WeightCache.lookup`, no network): ``config.json``; the weight bytes from
   ``model.safetensors.index.json`` ``metadata.total_size``, else the headers of the
   ``*.safetensors`` files (the first 8 + N bytes of each: the tensors' ``data_offsets``), else
   parameters x dtype from ``config.json``;
@@ -102,16 +101,6 @@ def _index_total(index: dict, source: str) -> int:
     return total
 
 
-def _tokenizer_max_length(model_dir: Path, source: str) -> int | None:
-    """tokenizer_config.json's ``model_max_length`` (vLLM lowers the model's maximum length to
-    it, `fleet.models.maxlen`), or None when the file or the key is not there."""
-    path = model_dir / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    value = _load_json(path, source).get("model_max_length")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
 def facts_from_dir(model_dir: Path, source: str | None = None) -> ModelFacts:
     """Facts of a model directory (config.json, and the safetensors index or headers).
 
@@ -122,8 +111,7 @@ def facts_from_dir(model_dir: Path, source: str | None = None) -> ModelFacts:
     if not config_path.is_file():
         raise ModelSourceError(f"{source}: no config.json in {model_dir}")
     try:
-        facts = facts_from_config(_load_json(config_path, source), f"{source} config.json",
-                                  _tokenizer_max_length(model_dir, source))
+        facts = facts_from_config(_load_json(config_path, source), f"{source} config.json")
     except ModelConfigError as err:
         raise ModelSourceError(str(err)) from None
     index = model_dir / INDEX_NAME

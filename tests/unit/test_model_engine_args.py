@@ -159,11 +159,3 @@ def test_validate_says_when_no_vllm_is_here_to_check_the_flags(tmp_path):
     assert result.exit_code == 0, result.output
     assert "engine args not checked against vLLM: vLLM is not installed here" in result.output
 
-
-def test_a_local_tokenizer_config_lowers_the_maximum_as_vllm_reads_it(tmp_path):
-    from fleet.models.read import facts_from_dir
-
-    (tmp_path / "config.json").write_text((CONFIGS / "qwen2.5-7b-instruct.json").read_text())
-    assert facts_from_dir(tmp_path).model_max_len.limit == 32768
-    (tmp_path / "tokenizer_config.json").write_text('{"model_max_length": 16384}')
-    assert facts_from_dir(tmp_path).model_max_len.limit == 16384
