@@ -159,3 +159,21 @@ def test_validate_says_when_no_vllm_is_here_to_check_the_flags(tmp_path):
     assert result.exit_code == 0, result.output
     assert "engine args not checked against vLLM: vLLM is not installed here" in result.output
 
+
+
+def test_a_mig_slice_without_gpu_product_is_sized_as_nvml_reports_it_on_an_h100(tmp_path):
+    # Llama 3.1 70B AWQ 4-bit at 2,048 tokens: needs ~35 GiB, more than 38,146 MiB (40 GB, the
+    # profile's name) x 0.92 holds, less than NVML's 40,448 MiB x 0.92.
+    cfg = {**config("llama-3.1-70b-instruct"), "quantization_config": {"quant_method": "awq", "bits": 4}}
+    awq = MemoryNeed(facts_from_config(cfg), EngineMemorySettings(max_model_len=2048), 1)
+    assert awq.fits(38146) is not None and awq.fits(40448) is None
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    f = tmp_path / "dep.yaml"
+    f.write_text("apiVersion: fleet.inference.dev/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: m}\n"
+                 "spec:\n  model: {name: m, source: ./model}\n  engine: {args: [--max-model-len, '2048']}\n"
+                 "  resources: {migProfile: 3g.40gb}\n")
+    result = run("validate", str(f))
+    assert result.exit_code == 0, result.output
+    assert "fits MIG 3g.40gb (sized as on an H100 80GB): " in result.output
