@@ -85,13 +85,13 @@ def _devices(ld: LoadedDeployment, notes: list[str]) -> list[tuple[str, int]]:
     return devices
 
 
-def _engine_problems(ld: LoadedDeployment, need: MemoryNeed | None, out: ModelCheck) -> None:
+def _engine_problems(ld: LoadedDeployment, need: MemoryNeed | None, out: ModelCheck, vllm_check: bool) -> None:
     """The engine's flags through the installed vLLM's parser (`fleet.engines.vllm_args`) and
     ``--max-model-len`` against the model's maximum (`fleet.models.maxlen`), into ``out``."""
     spec = ld.deployment.spec
     where = f"{ld.path}[{ld.index}] spec.engine.args"
     if spec.engine.kind == "vllm":
-        checked = check_engine_args(spec.engine.args)
+        checked = check_engine_args(spec.engine.args, vllm_check)
         out.problems.extend(f"{where}: {p}" for p in checked.problems)
         out.notes.extend(checked.notes)
     if need is not None:
@@ -100,20 +100,21 @@ def _engine_problems(ld: LoadedDeployment, need: MemoryNeed | None, out: ModelCh
             out.problems.append(f"{where}: {problem}")
 
 
-def model_check(ld: LoadedDeployment, paths_on_nodes: bool = False) -> ModelCheck:
+def model_check(ld: LoadedDeployment, paths_on_nodes: bool = False, vllm_check: bool = True) -> ModelCheck:
     """The model's checks for ``fleet validate`` (module docstring). A local model path that does
-    not exist fails (unless ``paths_on_nodes``: `_missing_path`); the engine args vLLM refuses
-    fail, naming the flag (`_engine_problems`); a model that cannot be read otherwise (remote and
-    offline, no config.json) is a note, not a failure: `fleet up` checks the weights."""
+    not exist fails (unless ``paths_on_nodes``: `_missing_path`); the engine args the installed
+    vLLM refuses fail, naming the flag (`_engine_problems`; not asked without ``vllm_check``); a
+    model that cannot be read otherwise (remote and offline, no config.json) is a note, not a
+    failure: `fleet up` checks the weights."""
     where = f"{ld.path}[{ld.index}] spec"
     problems, notes = _missing_path(ld, paths_on_nodes)
     if problems or notes:
         out = ModelCheck(problems=problems, notes=notes)
-        _engine_problems(ld, None, out)
+        _engine_problems(ld, None, out, vllm_check)
         return out
     need, why = memory_need_or_reason(ld)
     out = ModelCheck(need)
-    _engine_problems(ld, need, out)
+    _engine_problems(ld, need, out, vllm_check)
     if need is None:
         out.notes.extend([f"model not checked: {why}"] if why else [])
         return out

@@ -135,11 +135,15 @@ def _field_problems(p: _Parser, dest: str, value: object) -> list[str]:
     return out[:1]
 
 
-def check_engine_args(args: list[str] | tuple[str, ...]) -> EngineArgsCheck:
+def check_engine_args(args: list[str] | tuple[str, ...], ask_vllm: bool = True) -> EngineArgsCheck:
     """What the installed vLLM says of ``args`` (``spec.engine.args``; module docstring). No args:
-    nothing is imported. No vLLM installed: one note saying the flags were not checked."""
+    nothing is imported. No vLLM installed, or ``ask_vllm`` False (`fleet validate
+    --no-vllm-check`): one note saying the flags were not checked."""
     out = EngineArgsCheck()
     if not args:
+        return out
+    if not ask_vllm:
+        out.notes.append("engine args not checked against vLLM (--no-vllm-check)")
         return out
     if not vllm_installed():
         out.notes.append("engine args not checked against vLLM: vLLM is not installed here (fleet validate "

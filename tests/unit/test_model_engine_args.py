@@ -177,3 +177,10 @@ def test_a_mig_slice_without_gpu_product_is_sized_as_nvml_reports_it_on_an_h100(
     result = run("validate", str(f))
     assert result.exit_code == 0, result.output
     assert "fits MIG 3g.40gb (sized as on an H100 80GB): " in result.output
+
+
+def test_no_vllm_check_says_the_flags_were_not_checked(tmp_path):
+    f = _deployment(tmp_path, "qwen2.5-7b-instruct", f'{{gpuProduct: "{H100}", tensorParallelSize: 1}}',
+                    ["--max-model-len", "8192"])
+    result = run("validate", "--no-vllm-check", str(f))
+    assert result.exit_code == 0 and "engine args not checked against vLLM (--no-vllm-check)" in result.output
