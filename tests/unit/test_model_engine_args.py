@@ -184,3 +184,14 @@ def test_no_vllm_check_says_the_flags_were_not_checked(tmp_path):
                     ["--max-model-len", "8192"])
     result = run("validate", "--no-vllm-check", str(f))
     assert result.exit_code == 0 and "engine args not checked against vLLM (--no-vllm-check)" in result.output
+
+
+def test_fleet_up_preflight_refuses_a_max_model_len_vllm_refuses(tmp_path):
+    from fleet.local.preflight import PreflightError, preflight
+    from fleet.spec import load_deployments
+    from tests.support.inventories import cluster, node
+
+    f = _deployment(tmp_path, "qwen2.5-7b-instruct", "{tensorParallelSize: 1}", ["--max-model-len", "65536"])
+    with pytest.raises(PreflightError) as err:
+        preflight(load_deployments([f]), cluster(node("gpu-box", n=1)), {})
+    assert [p for p in err.value.problems if "spec.engine.args: --max-model-len 65,536 is above" in p]
