@@ -74,7 +74,8 @@ class ModelSpec(SpecModel):
         description="Where the weights are: a local path (absolute, or relative to the YAML file), "
         "file:///abs/path, hf://org/name[@revision], or an http(s):// manifest URL (remote sources are fetched "
         "by the node agent's weight cache, docs/node-agent.md); "
-        "with engine.kind sim, sim://PROFILE names a simulator profile instead.",
+        "with engine.kind sim, sim://PROFILE names a simulator profile instead. fleet validate refuses a local "
+        "path that does not exist (--paths-on-nodes: a path that exists only on the GPU nodes).",
     )
     revision: str = Field("v1", min_length=1, max_length=128, description="Version label of these weights.")
 
@@ -112,7 +113,9 @@ class ResourcesSpec(SpecModel):
         "replicas (docs/placement.md#gpu-products). Any product if unset.",
     )  # fmt: skip
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per replica (vLLM tensor parallelism).")
-    mig_profile: str | None = Field(None, description="One MIG instance of this profile per replica, e.g. 3g.40gb.")
+    mig_profile: str | None = Field(None, description="One MIG instance of this profile per replica, e.g. 3g.40gb. "
+                                    "Without gpuProduct, fleet validate sizes it as NVML reports it on an H100 80GB "
+                                    "(3g.40gb: 40,448 MiB).")
     cpu_cores: int = Field(1, ge=1, le=1024, description="CPU cores per replica (accelerator: cpu).")
 
     @field_validator("gpu_product")
@@ -310,7 +313,8 @@ class DeploymentSpec(SpecModel):
         description="How much this deployment matters against others competing for the same GPUs (higher "
         "wins; the range of a Kubernetes PriorityClass value). A deployment below spec.replicas.min whose "
         "replicas cannot be placed preempts replicas of lower-priority deployments: they drain through the "
-        "router, then stop (docs/placement.md, \"Priorities and preemption\"). Equal priorities never preempt.",
+        "router, then stop (docs/placement.md, \"Priorities and preemption\"). Equal priorities never preempt. "
+        "fleet plan lists deployments highest priority first and names the replicas it would preempt, and why.",
     )
     preemptible: bool = Field(
         False,

@@ -28,7 +28,15 @@ app = typer.Typer()
 
 
 @app.command()
-def validate(files: Files) -> None:
+def validate(
+    files: Files,
+    paths_on_nodes: Annotated[bool, typer.Option(
+        "--paths-on-nodes", help="Model paths name directories on the GPU nodes (Kubernetes hostPath), not on this "
+        "machine: a path missing here is noted, not failed.")] = False,
+    vllm_check: Annotated[bool, typer.Option(
+        "--vllm-check/--no-vllm-check", help="Check engine args with the installed vLLM's own parser (its import "
+        "takes seconds; --no-vllm-check notes them as not checked).")] = True,
+) -> None:
     """Check deployment files without starting anything.
 
     Every problem is reported with its file, document index, field path and reason, e.g.
@@ -38,16 +46,26 @@ def validate(files: Files) -> None:
     source; no weights are downloaded): a tensorParallelSize vLLM refuses for it (one that does
     not divide the attention heads), and a gpuProduct or migProfile whose memory cannot hold
     the weights plus one max-model-len sequence per GPU, fail with the numbers (needed vs
-    available per GPU). A model that cannot be read is noted, not failed.
+    available per GPU). Weights count at the dtype vLLM loads them (a quantized checkpoint's
+    own, --quantization's online format), the KV cache at --kv-cache-dtype. A --max-model-len
+    above the model's maximum fails as vLLM refuses it. A local model path that does not exist
+    fails (noted instead with --paths-on-nodes). A model that cannot be read otherwise is noted,
+    not failed.
+
+    The engine args of a vllm deployment go through the installed vLLM's own parser and the
+    range checks of its config classes (an unknown flag, a bad type or choice,
+    --gpu-memory-utilization 1.5 fail, naming the flag); without vLLM installed here they are
+    noted as not checked. Importing vLLM takes seconds (10-40 s on a busy 2-core machine), and only
+    happens when there are args to check; --no-vllm-check skips it.
     Exit code 0 when all documents are valid, 2 otherwise.
     """
     from fleet.cli.models import model_check
 
     loaded = load_or_exit(files)
-    checks = [model_check(ld) for ld in loaded]
+    checks = [model_check(ld, paths_on_nodes, vllm_check) for ld in loaded]
     problems = [p for c in checks for p in c.problems]
     if problems:
-        raise fail_with("Deployment does not fit its shape", problems)
+        raise fail_with("Deployment checks failed", problems)
     for ld, check in zip(loaded, checks):
         d = ld.deployment
         r = d.spec.resources

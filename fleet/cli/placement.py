@@ -57,9 +57,15 @@ def plan(
 ) -> None:
     """Show where each deployment's replicas would run on a declared cluster, and why not.
 
-    Deployments are placed one after another on the same inventory: devices the inventory marks
-    inUse, and those taken by earlier deployments, are not free. Each deployment's replicas are
-    placed in one decision (one GPU product for all of them). For each replica: the node (several
+    Deployments are placed one after another on the same inventory, in file order as the
+    controller places replicas created together: devices the inventory marks inUse, and those
+    taken by earlier deployments, are not free. Each deployment's replicas are placed in one
+    decision (one GPU product for all of them). Then each deployment left below
+    spec.replicas.min, highest spec.priority first, preempts replicas of lower-priority
+    deployments as the controller would (the same policy): the plan names each replica it would
+    preempt and why, and where the preempted deployment's replacements go (or why they wait).
+    Deployments are listed highest priority first. When gpuProduct lists several products and
+    the plan uses a later one, it says why each earlier one was passed over. For each replica: the node (several
     for a gang), the NVLink domain or MIG parent GPU, the devices as CUDA_VISIBLE_DEVICES gets
     them (GPU or MIG UUIDs), and whether the node is warm (engine image and weights in its
     cache list). Nodes whose NVIDIA driver cannot run the engine's CUDA (engine.cudaVersion or
@@ -75,6 +81,7 @@ def plan(
     """
     from fleet.controller.model_memory import memory_need_or_reason
     from fleet.placement import PlacementRequest, get_strategy
+    from fleet.placement.fleet_plan import PlanItem, plan_fleet
 
     loaded = load_or_exit(files)
     if advise:
@@ -88,23 +95,21 @@ def plan(
     except KeyError as err:
         err_console.print(str(err.args[0]))
         raise typer.Exit(2) from None
-    held = Counter(inv.in_use)
-    plans = []
+    items, by_name = [], {}
     for ld in loaded:
-        dep = ld.deployment
-        count = dep.spec.replicas.desired_at_start if replicas is None else replicas
+        spec = ld.deployment.spec
+        count = spec.replicas.desired_at_start if replicas is None else replicas
         need, _ = memory_need_or_reason(ld)
-        request = PlacementRequest.for_deployment(dep, count, all_or_nothing=all_or_nothing, memory=need)
-        result = placer.place_replicas(request, inv.inventory, held)
-        for p in result.placements:
-            held.update(p.devices)
-        plans.append((ld, result))
+        request = PlacementRequest.for_deployment(ld.deployment, count, all_or_nothing=all_or_nothing, memory=need)
+        items.append(PlanItem(ld.deployment.name, request, spec.priority, spec.preemptible, spec.replicas.min))
+        by_name[ld.deployment.name] = ld
+    plans = [(by_name[p.item.name], p) for p in plan_fleet(items, inv.inventory, Counter(inv.in_use), placer)]
     if as_json:
         console.print_json(json.dumps([_plan_json(ld, p, inv.inventory) for ld, p in plans]))
     else:
         for ld, p in plans:
             _print_plan(ld, p, inv.inventory)
-    raise typer.Exit(0 if all(p.complete for _, p in plans) else 1)
+    raise typer.Exit(0 if all(p.plan.complete for _, p in plans) else 1)
 
 
 def _advise(loaded, inventory: Path | None, target: float, prices: list[str], as_json: bool,
@@ -155,9 +160,19 @@ def _advise(loaded, inventory: Path | None, target: float, prices: list[str], as
     raise typer.Exit(0 if ok else 1)
 
 
-def _plan_json(ld, p, inv) -> dict:
+def _victims_json(victims) -> list[dict]:
+    return [{"replica": v.replica_id, "deployment": v.deployment, "reason": v.reason} for v in victims]
+
+
+def _plan_json(ld, item_plan, inv) -> dict:
+    p = item_plan.plan
     return {
         "deployment": ld.deployment.name,
+        "priority": item_plan.item.priority,
+        "preempts": _victims_json(item_plan.preempts),
+        "preemptedBy": _victims_json(item_plan.preempted),
+        "preemption": item_plan.decision or None,
+        "productsSkipped": list(item_plan.products_skipped),
         "requested": p.request.count,
         "placed": len(p.placements),
         "product": p.product,
@@ -178,12 +193,22 @@ def _plan_json(ld, p, inv) -> dict:
     }
 
 
-def _print_plan(ld, p, inv) -> None:
+def _print_plan(ld, item_plan, inv) -> None:
     dep = ld.deployment
+    p = item_plan.plan
     shape = p.request.shape.describe(p.product, p.gang)
     status = "[green]all placed[/]" if p.complete else f"[red]{len(p.placements)} of {p.request.count} placed[/]"
-    console.print(f"[bold]{dep.name}[/] ({ld.path}): {p.request.count} replica(s) of {shape}; "
-                  f"strategy {p.strategy}: {status}", highlight=False, soft_wrap=True)
+    console.print(f"[bold]{dep.name}[/] ({ld.path}, priority {item_plan.item.priority}): {p.request.count} replica(s) "
+                  f"of {shape}; strategy {p.strategy}: {status}", highlight=False, soft_wrap=True)
+    for line in item_plan.products_skipped:
+        console.print(f"  skipped {line}", highlight=False, markup=False, soft_wrap=True)
+    for v in item_plan.preempts:
+        console.print(f"  would preempt {v.replica_id}: {v.reason}", highlight=False, markup=False, soft_wrap=True)
+    for v in item_plan.preempted:
+        console.print(f"  {v.replica_id} would be preempted: {v.reason}", highlight=False, markup=False,
+                      soft_wrap=True)
+    if item_plan.decision and not item_plan.preempts:
+        console.print(f"  no preemption: {item_plan.decision}", highlight=False, markup=False, soft_wrap=True)
     if p.request.cuda is not None:
         console.print(f"  engine needs {p.request.cuda.describe()}; nodes whose driver cannot run it are skipped",
                       highlight=False, markup=False, soft_wrap=True)

@@ -50,7 +50,11 @@ class EngineSpec(SpecModel):
         "a digest to change what runs). `Always`: asked at every start (pre-pull still fetches the layers). "
         "`Never`: the image must already be on the node; nothing is pulled.",
     )  # fmt: skip
-    args: list[str] = Field(default_factory=list, description="Extra engine command-line arguments.")
+    args: list[str] = Field(default_factory=list, description=(
+        "Extra engine command-line arguments. fleet validate checks them with the installed vLLM's own parser and "
+        "config ranges (unknown flags, types, choices, --gpu-memory-utilization in (0, 1]; a note where vLLM is "
+        "not installed), --max-model-len against the model's maximum, and sizes memory from --quantization, "
+        "--kv-cache-dtype, --max-model-len, --gpu-memory-utilization and the batch limits."))
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the engine.")
     startup_timeout_seconds: float = Field(
         900.0, gt=0,

@@ -3,7 +3,9 @@
 Modules: `facts` (``config.json`` and safetensors headers -> `ModelFacts`; the TP sizes vLLM
 accepts), `read` (a ``spec.model.source`` -> facts: local or cached directory, ``hf://`` through
 `huggingface_hub` fetching only ``config.json`` and the safetensors index), `memory` (vLLM's
-memory accounting per GPU: `MemoryNeed.fits`, `MemoryNeed.concurrency`), `advise` (shapes that
+memory accounting per GPU: `MemoryNeed.fits`, `MemoryNeed.concurrency`), `quant` (the bytes
+weights take once loaded: a quantized checkpoint, ``--quantization``'s online formats),
+`maxlen` (the longest ``--max-model-len`` vLLM accepts for the model), `advise` (shapes that
 fit, and the cheapest for a target). Imported by `fleet.cli` and `fleet.placement.shapes`
 (``PlacementRequest.memory``); imports nothing of placement or the controller.
 """

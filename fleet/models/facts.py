@@ -21,6 +21,9 @@ import json
 import struct
 from dataclasses import dataclass, replace
 
+from fleet.models.maxlen import ModelMaxLen, derive_max_len
+from fleet.models.quant import checkpoint_quantization
+
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 
@@ -78,12 +81,24 @@ class ModelFacts:
     moe_intermediate_size: int = 0
     sliding_window: int | None = None  # tokens a sliding-window layer attends to
     sliding_layers: int = 0            # layers with a sliding window (`sliding_layer_count`)
+    quantization: str | None = None    # the checkpoint's quant_method (config.json quantization_config)
+    embedding_parameters: int = 0      # of ``parameters``: embeddings and an untied LM head
+    expert_parameters: int = 0         # of ``parameters``: routed experts
+    max_len: ModelMaxLen | None = None
+    """The longest ``--max-model-len`` vLLM takes and its default (`fleet.models.maxlen`); None:
+    ``max_position_embeddings`` for both (`model_max_len`)."""
 
     @property
     def value_head_size(self) -> int:
         """Bytes-wise width of V beside K per head: 0 for MLA (one latent, no V: vLLM's
         ``MLAAttentionSpec.head_size_v``), else ``head_size``."""
         return 0 if self.mla else self.head_size
+
+    @property
+    def model_max_len(self) -> ModelMaxLen:
+        """`max_len`, or ``max_position_embeddings`` as limit and default where it was not derived."""
+        n = self.max_position_embeddings
+        return self.max_len or ModelMaxLen(n, f"max_position_embeddings={n}", n)
 
     def with_weights(self, weight_bytes: int, source: str) -> ModelFacts:
         return replace(self, weight_bytes=weight_bytes, weight_source=source)
@@ -97,7 +112,7 @@ def _text_config(config: dict) -> tuple[dict, str]:
         sub = config.get(key)
         if isinstance(sub, dict):
             merged = dict(sub)
-            for k in ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings"):
+            for k in ("torch_dtype", "dtype", "quantization_config", "compression_config", "tie_word_embeddings"):
                 if k not in merged and k in config:
                     merged[k] = config[k]
             return merged, f"{key}."
@@ -131,16 +146,10 @@ def _int(cfg: dict, where: str, *keys: str, default: int | None = None) -> int:
 
 
 def _weight_dtype_bytes(cfg: dict, dtype: str) -> float:
-    """Bytes per parameter of the checkpoint: the quantization's bits when quantized (GPTQ/AWQ
-    ``bits``, fp8 checkpoints 1 byte), else the dtype's."""
-    q = cfg.get("quantization_config")
-    if isinstance(q, dict):
-        method = str(q.get("quant_method", "")).lower()
-        if isinstance(q.get("bits"), int):
-            return q["bits"] / 8
-        if method in ("fp8", "fbgemm_fp8", "modelopt") or "fp8" in str(q.get("fmt", "")).lower():
-            return 1
-    return DTYPE_BYTES.get(dtype, 2)
+    """Bytes per parameter of the checkpoint: the quantization's width when quantized
+    (`fleet.models.quant.checkpoint_quantization`), else the dtype's."""
+    _, width = checkpoint_quantization(cfg)
+    return width if width is not None else DTYPE_BYTES.get(dtype, 2)
 
 
 def facts_from_config(config: dict, source: str = "config.json") -> ModelFacts:
@@ -185,9 +194,13 @@ def facts_from_config(config: dict, source: str = "config.json") -> ModelFacts:
         weight_source="config.json", mla=mla, experts=experts, experts_per_token=per_token,
         moe_intermediate_size=moe_inter, sliding_window=window,
         sliding_layers=sliding_layer_count(cfg, model_type, layers) if window else 0,
+        quantization=checkpoint_quantization(cfg)[0],
+        max_len=derive_max_len(cfg, model_type),
     )
-    params = parameter_count(cfg, facts, where)
-    return replace(facts, parameters=params, weight_bytes=int(params * _weight_dtype_bytes(cfg, dtype)))
+    embedding, linear, routed = parameter_parts(cfg, facts, where)
+    params = embedding + linear + routed
+    return replace(facts, parameters=params, weight_bytes=int(params * _weight_dtype_bytes(cfg, dtype)),
+                   embedding_parameters=embedding, expert_parameters=routed)
 
 
 def sliding_layer_count(cfg: dict, model_type: str, layers: int) -> int:
@@ -210,10 +223,15 @@ def sliding_layer_count(cfg: dict, model_type: str, layers: int) -> int:
 
 
 def parameter_count(cfg: dict, facts: ModelFacts, where: str = "") -> int:
-    """Parameters of the language model as a decoder-only transformer: embeddings (and an
-    untied LM head), per layer attention (Q, K, V, O; MLA's low-rank projections) and the MLP
-    (gated: 3 matrices; MoE: every routed expert, shared experts, the router). Norms and
-    biases are left out (< 0.1 %). Vision towers and MTP layers (not loaded by vLLM unless
+    """Parameters of the language model: the sum of `parameter_parts`."""
+    return sum(parameter_parts(cfg, facts, where))
+
+
+def parameter_parts(cfg: dict, facts: ModelFacts, where: str = "") -> tuple[int, int, int]:
+    """(embedding, linear, routed expert) parameters of the language model as a decoder-only
+    transformer: embeddings (and an untied LM head); the linear layers: per layer attention (Q,
+    K, V, O; MLA's low-rank projections), the dense MLP (gated: 3 matrices), shared experts and
+    the router; every routed expert of the MoE layers. Norms and biases are left out (< 0.1 %). Vision towers and MTP layers (not loaded by vLLM unless
     speculative decoding asks) are not counted.
     """
     h, heads, layers = facts.hidden_size, facts.attention_heads, facts.layers
@@ -231,14 +249,15 @@ def parameter_count(cfg: dict, facts: ModelFacts, where: str = "") -> int:
         attn = 2 * h * heads * facts.head_size + 2 * h * facts.kv_heads * facts.head_size
     dense_mlp = 3 * h * facts.intermediate_size
     if not facts.experts:
-        return embed + head + layers * (attn + dense_mlp)
+        return embed + head, layers * (attn + dense_mlp), 0
     dense_layers = min(layers, int(cfg.get("first_k_dense_replace") or 0))
     dense_layers += len(cfg.get("mlp_only_layers") or [])
     shared = int(cfg.get("n_shared_experts") or 0) * 3 * h * facts.moe_intermediate_size
     shared += 3 * h * int(cfg.get("shared_expert_intermediate_size") or 0)
-    moe_mlp = facts.experts * 3 * h * facts.moe_intermediate_size + shared + h * facts.experts
+    routed = facts.experts * 3 * h * facts.moe_intermediate_size
     moe_layers = layers - dense_layers
-    return embed + head + layers * attn + dense_layers * dense_mlp + moe_layers * moe_mlp
+    return (embed + head, layers * attn + dense_layers * dense_mlp + moe_layers * (shared + h * facts.experts),
+            moe_layers * routed)
 
 
 def safetensors_header(data: bytes, name: str = "model.safetensors") -> dict:

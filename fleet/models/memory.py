@@ -2,7 +2,7 @@
 
 Owns `EngineMemorySettings` (the engine arguments that change the sums: ``--gpu-memory-utilization``,
 ``--max-model-len``, ``--kv-cache-dtype``, ``--dtype``, ``--block-size``, ``--enforce-eager``,
-``--max-num-seqs``, ``--max-num-batched-tokens``; read from ``spec.engine.args``) and
+``--max-num-seqs``, ``--max-num-batched-tokens``, ``--quantization``; read from ``spec.engine.args``) and
 `MemoryNeed` (a model at a tensor parallel size: per-GPU weights, KV bytes per token, the
 engine's overheads; `fits` a device or says why not, `concurrency` on a device). Pure. Used by
 `fleet validate`, `fleet plan --advise` (`fleet.models.advise`) and placement's memory filter
@@ -30,7 +30,10 @@ vLLM's accounting (vLLM 0.32, the version Fleet installs; file paths in the vllm
 
 vLLM measures the activation peak, non-torch and CUDA-graph memory at start-up; Fleet cannot, so
 it uses an estimate (`EngineMemorySettings.overhead_bytes`, docs/placement.md says how it is made).
-The weights and the KV cache are exact sums.
+The weights and the KV cache are exact sums: the weights at the bytes vLLM loads them as (a
+quantized checkpoint's own, or ``--quantization``'s online format: `fleet.models.quant`), the
+KV cache at ``--kv-cache-dtype`` (``config/cache.py`` ``CacheDType``: the fp8 kinds 1 byte per
+element, ``auto`` the model's dtype).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import re
 from dataclasses import dataclass, replace
 
 from fleet.models.facts import DTYPE_BYTES, GIB, MIB, ModelFacts, tp_problem
+from fleet.models.quant import online_weight_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 """vLLM 0.32's ``CacheConfig.gpu_memory_utilization`` default (vllm/config/cache.py)."""
@@ -64,8 +68,11 @@ _FLAGS = {
     "--gpu-memory-utilization": "gpu_memory_utilization", "--max-model-len": "max_model_len",
     "--kv-cache-dtype": "kv_cache_dtype", "--dtype": "dtype", "--block-size": "block_size",
     "--max-num-seqs": "max_num_seqs", "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--quantization": "quantization", "-q": "quantization",
 }
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgG]?)$")
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT]?)$")
+_DECIMAL = {"": 1, "k": 1000, "m": 1000 ** 2, "g": 1000 ** 3, "t": 1000 ** 4}
+_BINARY = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
 class EngineArgError(ValueError):
@@ -77,13 +84,14 @@ class EngineMemorySettings:
     """The vLLM arguments that change how much memory a replica needs; None: vLLM's default."""
 
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    max_model_len: int | None = None          # None: the model's max_position_embeddings
+    max_model_len: int | None = None          # None: the model's maximum (ModelFacts.model_max_len)
     kv_cache_dtype: str = "auto"              # auto: the model's dtype
     dtype: str = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
     enforce_eager: bool = False
     max_num_seqs: int | None = None           # None: vLLM's default for the device
     max_num_batched_tokens: int | None = None
+    quantization: str | None = None           # None: the checkpoint's own format
 
     @classmethod
     def from_engine_args(cls, args: list[str] | tuple[str, ...]) -> EngineMemorySettings:
@@ -108,8 +116,11 @@ class EngineMemorySettings:
         return cls(**values)   # type: ignore[arg-type]
 
     def context(self, facts: ModelFacts) -> int:
-        """Tokens of one sequence: ``--max-model-len``, else the model's maximum."""
-        return self.max_model_len or facts.max_position_embeddings
+        """Tokens of one sequence: ``--max-model-len``, else vLLM's default for the model
+        (``ModelFacts.model_max_len.default``)."""
+        if self.max_model_len and self.max_model_len > 0:
+            return self.max_model_len
+        return facts.model_max_len.default
 
     def batch_limits(self, device_memory_mib: int) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens) vLLM's OpenAI server uses on this device when
@@ -123,8 +134,10 @@ class EngineMemorySettings:
 
 
 def _parse(flag: str, value: str) -> object:
-    if flag in ("--kv-cache-dtype", "--dtype"):
+    if flag in ("--kv-cache-dtype", "--dtype", "--quantization", "-q"):
         return value
+    if flag == "--max-model-len" and value.strip().lower() in ("-1", "auto"):
+        return None   # vLLM fits the length to the memory: the model's maximum is the need
     if flag == "--gpu-memory-utilization":
         try:
             v = float(value)
@@ -136,7 +149,8 @@ def _parse(flag: str, value: str) -> object:
     m = _SIZE.match(value.strip())
     if not m:
         raise EngineArgError(f"{flag} {value!r}: not a whole number")
-    n = float(m.group(1)) * {"": 1, "k": 1000, "m": 1000 ** 2, "g": 1000 ** 3}[m.group(2).lower()]
+    suffix = m.group(2)   # vllm/utils/argparse_utils.py human_readable_int: 1k = 1000, 1K = 1024
+    n = float(m.group(1)) * (_BINARY[suffix] if suffix in _BINARY else _DECIMAL[suffix.lower()])
     if n < 1 or n != int(n):
         raise EngineArgError(f"{flag} {value!r}: must be a positive whole number")
     return int(n)
@@ -166,10 +180,22 @@ class MemoryNeed:
         return self.settings.context(self.facts)
 
     @property
+    def loaded_weight_bytes(self) -> int:
+        """The whole model's weights as vLLM holds them: the checkpoint's bytes, or for a
+        full-precision checkpoint under an online ``--quantization`` (``fp8`` and the shorthands
+        of `fleet.models.quant.ONLINE_QUANTIZATION`) its linear layers and routed experts at the
+        method's width. A quantized checkpoint keeps its own format (vLLM's ``get_quant_config``
+        reads the checkpoint's ``quantization_config`` first)."""
+        f, method = self.facts, self.settings.quantization
+        if not method or f.quantization is not None:
+            return f.weight_bytes
+        return online_weight_bytes(f.weight_bytes, f.parameters, f.embedding_parameters, f.expert_parameters, method)
+
+    @property
     def weight_bytes(self) -> int:
-        """The checkpoint's bytes split evenly over TP (vLLM shards every linear layer and the
+        """`loaded_weight_bytes` split evenly over TP (vLLM shards every linear layer and the
         vocabulary; norms are replicated and negligible)."""
-        return math.ceil(self.facts.weight_bytes / self.tensor_parallel_size)
+        return math.ceil(self.loaded_weight_bytes / self.tensor_parallel_size)
 
     @property
     def kv_dtype_bytes(self) -> float:
@@ -288,9 +314,10 @@ class MemoryNeed:
 
     def longest_context(self, device_memory_mib: int) -> int:
         """The longest ``max_model_len`` (whole blocks) whose one sequence fits beside weights and
-        overheads, at most the model's own maximum; 0 when none does."""
+        overheads, at most the model's own maximum (`fleet.models.maxlen`); 0 when none does."""
         budget = self.budget_bytes(device_memory_mib)
-        lo, hi = 0, math.ceil(self.facts.max_position_embeddings / self.settings.block_size)
+        most = self.facts.model_max_len.limit or self.facts.model_max_len.default
+        lo, hi = 0, math.ceil(most / self.settings.block_size)
         while lo < hi:   # blocks of context; needed_bytes grows with it
             mid = (lo + hi + 1) // 2
             trial = replace(self, settings=replace(self.settings, max_model_len=mid * self.settings.block_size))

@@ -6,7 +6,9 @@ that tells it what changed),
 `strategies` (the registry, the shared decision, the ``first-fit`` strategy), `fleet_strategy`
 (the default ``fleet`` strategy), `candidates` (the eligible nodes and the GPU product of a request),
 `gangs` (replicas wider than a node), `explain` (reasons by node class), `mig_advice`
-(repartition plans), `cpu` (CPU replicas). The controller, `fleet up` and `fleet plan` call
+(repartition plans), `cpu` (CPU replicas), `preemption` (priorities: victims and hold-offs),
+`fleet_plan` (several deployments at once with priorities and preemption: `fleet plan`). The
+controller, `fleet up` and `fleet plan` call
 `get_strategy(name).place_replicas(request, inventory, in_use) -> PlacementPlan`.
 """
 

@@ -11,8 +11,11 @@ MIG manager applies it). Candidates, least disruptive first:
 3. an idle whole GPU: enable MIG mode, fill it with the profile.
 
 Every proposed geometry is valid for the GPU's model under `fleet.inventory.mig`'s rules (NVIDIA
-MIG user guide placement tables for H100 80GB, A100 40GB and 80GB). Warm nodes come first
-within a tier; advice stops once it covers the shortfall. Pure.
+MIG user guide placement tables for H100 80GB, A100 40GB and 80GB). When the request carries the
+model's memory need, a GPU whose instance of the profile cannot hold the model (weights and one
+``max_model_len`` sequence, `fleet.placement.explain.memory_reason`) gets no advice: creating
+such instances adds nothing the model can start on. Warm nodes come first within a tier; advice
+stops once it covers the shortfall. Pure.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections import Counter
 
 from fleet.inventory.mig import MigSlot, max_instances, mig_model_for
 from fleet.inventory.model import Inventory, product_key
+from fleet.placement.explain import memory_reason
 from fleet.placement.shapes import MigAdvice, PlacementRequest
 
 
@@ -42,6 +46,8 @@ def advise(request: PlacementRequest, inventory: Inventory, held: Counter[str], 
             model = mig_model_for(gpu.product, gpu.memory_mib)
             if model is None or model.profile(profile) is None:
                 continue
+            if request.memory is not None and memory_reason(request.memory, request.shape, gpu) is not None:
+                continue   # an instance of the profile cannot hold the model: nothing to gain
             ids = {p.name: p.profile_id for p in model.profiles}
 
             def plan(enable: bool, keep, destroy, create) -> MigAdvice:

@@ -51,3 +51,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
 def tier_guards(request: pytest.FixtureRequest) -> UnitTierGuards:
     """The unit tier's guards, active for this test (see tests/support/guards.py)."""
     return request.node.stash[_GUARDS]
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleet validate` asks the installed vLLM's parser (`fleet.engines.vllm_args`); importing
+    vLLM starts processes, so in this tier vLLM counts as not installed (its parser is checked in
+    tests/integration/test_vllm_engine_args.py)."""
+    monkeypatch.setattr("fleet.engines.vllm_args.vllm_installed", lambda: False)

@@ -14,10 +14,22 @@ runner = CliRunner()
 
 
 def test_validate_accepts_the_examples() -> None:
-    result = runner.invoke(app, ["validate", str(REPO / "examples" / "quickstart.yaml"),
-                                 str(REPO / "examples" / "gpu-tp2.yaml")])
+    # Their model paths are made by `fleet make-tiny-model` (quickstart) or live on the GPU nodes.
+    examples = [str(REPO / "examples" / "quickstart.yaml"), str(REPO / "examples" / "gpu-tp2.yaml")]
+    result = runner.invoke(app, ["validate", "--paths-on-nodes", *examples])
     assert result.exit_code == 0, result.output
     assert "ok" in result.output and "tiny-chat" in result.output and "llama-8b-mig" in result.output
+    assert "not checked (--paths-on-nodes)" in result.output
+
+
+def test_validate_refuses_a_model_path_that_does_not_exist(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    f = tmp_path / "d.yaml"
+    f.write_text("apiVersion: fleet.inference.dev/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: x}\n"
+                 f"spec: {{model: {{name: m, source: {missing}}}, resources: {{tensorParallelSize: 1}}}}\n")
+    result = runner.invoke(app, ["validate", str(f)], terminal_width=250)
+    assert result.exit_code == 2, result.output
+    assert f"spec.model.source: '{missing}': no such directory" in result.output
 
 
 def test_validate_names_the_field_and_exits_2(tmp_path: Path) -> None:

@@ -79,3 +79,26 @@ def test_busy_and_unhealthy_gpus_get_no_advice():
     inv = cluster(node("m", n=2, sick={1: GpuHealth(ecc_uncorrected=1)}))
     plan = plan_for(inv, 1, Counter({"GPU-m-0": 1}))
     assert plan.advice == ()
+
+
+def _need(name: str):
+    import json
+    from pathlib import Path
+
+    from fleet.models import EngineMemorySettings, MemoryNeed, facts_from_config
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "data" / "model_configs" / f"{name}.json").read_text())
+    return MemoryNeed(facts_from_config(config), EngineMemorySettings(max_model_len=8192), 1)
+
+
+def test_advice_proposes_only_instances_that_hold_the_model():
+    inv = cluster(node("m", n=2, mig={0: [("3g.40gb", 0), ("3g.40gb", 4)]}))   # GPU 1 whole and idle
+    held = Counter({"MIG-m-0-0": 1, "MIG-m-0-1": 1})
+    small = get_strategy().place_replicas(PlacementRequest(SHAPE, count=1, memory=_need("llama-3.1-8b-instruct")),
+                                          inv, held)
+    assert [a.gpu_index for a in small.advice] == [1] and small.advice[0].gain == 2
+    # Llama 3.1 70B bf16 (131 GiB of weights) on 40,448 MiB instances: nothing to create.
+    big = get_strategy().place_replicas(PlacementRequest(SHAPE, count=1, memory=_need("llama-3.1-70b-instruct")),
+                                        inv, held)
+    assert big.placements == () and big.advice == ()
+    assert "model does not fit MIG 3g.40gb of NVIDIA H100 80GB HBM3 (40448 MiB)" in big.explain()
