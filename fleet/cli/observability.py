@@ -41,7 +41,7 @@ def _slo(ttft_s: float, ttft_objective: float, availability: float):
         raise typer.Exit(2) from None
 
 
-@app.command("prometheus-config")
+@app.command("prometheus-config", short_help="Print a prometheus.yml that scrapes the local fleet.")
 def prometheus_config(
     state_dir: StateDir = None,
     scrape_interval: Annotated[str, typer.Option(help="Prometheus scrape and rule evaluation interval.")] = "15s",
@@ -59,7 +59,7 @@ def prometheus_config(
                             rule_files=[rules.resolve()] if rules else None))  # fmt: skip
 
 
-@app.command("dashboard")
+@app.command("dashboard", short_help="Print the Grafana dashboard JSON.")
 def dashboard(
     ttft_slo_seconds: TtftSlo = 1.0, ttft_objective: TtftObjective = 0.99, availability_objective: Availability = 0.999,
 ) -> None:
@@ -71,7 +71,7 @@ def dashboard(
     sys.stdout.write(render_dashboard(_slo(ttft_slo_seconds, ttft_objective, availability_objective)))
 
 
-@app.command("rules")
+@app.command("rules", short_help="Print the Prometheus rules file: SLO recording rules and alerts.")
 def rules(
     ttft_slo_seconds: TtftSlo = 1.0, ttft_objective: TtftObjective = 0.99, availability_objective: Availability = 0.999,
     kubernetes: Annotated[bool, typer.Option("--kubernetes", help="Add the cluster-only group (operator down): "
@@ -86,7 +86,7 @@ def rules(
     sys.stdout.write(render_rules(_slo(ttft_slo_seconds, ttft_objective, availability_objective), kubernetes=kubernetes))
 
 
-@app.command("top")
+@app.command("top", short_help="Live view of the local fleet: rates, TTFT, TPOT, errors, replicas, rollouts.")
 def top(
     state_dir: StateDir = None,
     interval_s: Annotated[float, typer.Option("--interval-s", min=0.2, help="Seconds between refreshes.")] = 2.0,
