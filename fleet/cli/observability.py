@@ -6,6 +6,7 @@ rules, top). Registered on the `fleet` app by `fleet.cli`.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,6 +17,13 @@ from rich.console import Console
 from fleet.local.state import default_state_dir
 
 _out = Console(width=None if sys.stdout.isatty() else 200, soft_wrap=True)
+
+
+def _top_console() -> Console:
+    """`fleet top`'s output: the terminal's width, or $COLUMNS where set (`COLUMNS=80 fleet top
+    --once | less`), else 200 columns."""
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=None if sys.stdout.isatty() else int(columns) if columns.isdigit() else 200, soft_wrap=True)
 _err = Console(stderr=True)
 
 app = typer.Typer()
@@ -106,4 +114,4 @@ def top(
     except OSError:
         token = ""
     raise typer.Exit(run_top(store.read_or_none, token, where=str(store.root), interval_s=interval_s, window_s=window_s,
-                             once=once, console=_out))  # fmt: skip
+                             once=once, console=_top_console()))  # fmt: skip
