@@ -72,18 +72,20 @@ def describe_scaling(d: Mapping[str, Any], clock_s: float | None) -> str:
 
 
 def describe_rollout(d: Mapping[str, Any]) -> str:
-    """The rollout step of a deployment's state entry, when the controller records one."""
-    r = d.get("rollout")
+    """The rollout step of a deployment's state entry, when the controller records one: its
+    ``revisions.rollout`` (`fleet.rollout.machine.RolloutState.to_dict`: ``Progressing step 1
+    canary 25``), or a ``rollout`` entry of the same shape."""
+    r = d.get("rollout") or (d.get("revisions") or {}).get("rollout")
     if not r:
         return "-"
     if isinstance(r, Mapping):
-        step = r.get("step")
+        step = r.get("step", r.get("step_index"))
         weight = r.get("canary_weight", r.get("weight"))
         parts = [str(r.get("phase") or r.get("state") or "")]
         if step is not None:
             parts.append(f"step {step}")
         if weight is not None:
-            parts.append(f"canary {weight}")
+            parts.append(f"canary {weight:g} %" if isinstance(weight, (int, float)) else f"canary {weight}")
         return " ".join(p for p in parts if p) or "-"
     return str(r)
 

@@ -43,7 +43,7 @@ def test_one_row_per_deployment_and_version_with_the_model_figures() -> None:
     assert (v1.rate_per_s, v1.ttft_p50_s, v1.ttft_p99_s, v1.tpot_p99_s, v1.queue_p99_s) == (12.5, 0.12, 1.5, 0.031, 0.25)
     assert v1.errors_per_s == 0.5 and v1.in_flight == 4 and v1.queued == 2
     assert v1.last_scaling == "=3 35 s ago: queue_time_above_target"  # 100 - 70 + 5 s since the state was written
-    assert v1.rollout == "canary step 2 canary 25"
+    assert v1.rollout == "canary step 2 canary 25 %"
     assert embed.replicas == {} and embed.rate_per_s is None and embed.last_scaling == "-"
 
 
@@ -144,7 +144,7 @@ def test_at_80_and_120_columns_nothing_is_cut_and_every_figure_and_fact_shows() 
             assert word in text, (width, word, text)
         flat = " ".join(text.split())        # the facts under the table wrap at the console's width
         for fact in ("chat v1: 2 READY 1 FAILED (want 3), 4 in flight, 2 queued; scaling =3 35 s ago: "
-                     "queue_time_above_target; rollout canary step 2 canary 25", "chat v2: 1 WARMING (want 3)",
+                     "queue_time_above_target; rollout canary step 2 canary 25 %", "chat v2: 1 WARMING (want 3)",
                      "embed -: none (want 1)"):  # fmt: skip
             assert fact in flat, (width, fact, text)
 
@@ -170,3 +170,10 @@ def test_fleet_top_once_at_columns_80_prints_the_narrow_frame(tmp_path: Path, mo
         table = [line for line in result.output.splitlines() if line.startswith(("┃", "│", "┏", "└"))]
         assert table and all(len(line) <= int(columns) for line in table), result.output
         assert ("chat v1: 2 READY" in result.output) is narrow, result.output
+
+
+def test_the_rollout_column_reads_the_rollout_the_controller_records() -> None:
+    state = json.loads(json.dumps(STATE))
+    del state["deployments"]["chat"]["rollout"]
+    state["deployments"]["chat"]["revisions"] = {"rollout": {"phase": "Progressing", "step_index": 1, "weight": 25.0}}
+    assert build_rows(state, {})[0].rollout == "Progressing step 1 canary 25 %"
