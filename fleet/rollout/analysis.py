@@ -112,10 +112,12 @@ class AnalysisRun:
         return f"{self.verdict.value}" + (": " + "; ".join(c.reason for c in bad) if bad else "")
 
     def shortfall(self, weight: float | None = None) -> str:
-        """What an inconclusive run waits for: the side with the fewest samples, its rate over
-        this window, and the rate that fills a window of the same length (e.g. "canary has 12 of
-        50 samples in this 60 s window (0.20 req/s); 50 per window need 0.83 req/s to the
-        canary, 8.3 req/s in all at weight 10 %"). Empty when no check is inconclusive."""
+        """What an inconclusive run waits for: the side with the fewest samples, the rate they
+        make over this window, and the rate that fills a window of the same length (e.g. "canary
+        has 12 of 50 samples in this 60 s window (0.20 req/s counted); 50 per window need 0.83
+        req/s to the canary, 8.3 req/s in all at weight 10 %"). Requests a replica served in its
+        first ``excludeAfterReadySeconds`` are not counted, so a window that began with a
+        replica's READY counts less than it received. Empty when no check is inconclusive."""
         short = [c for c in self.checks if c.verdict is Verdict.INCONCLUSIVE]
         if not short:
             return ""
@@ -124,8 +126,8 @@ class AnalysisRun:
         have, side, check = min(sides, key=lambda t: t[0] / t[2].needed_samples)
         need = check.needed_samples
         window_s = max(self.to_s - self.from_s, 1e-9)
-        line = (f"{side} has {have} of {need} samples in this {window_s:.0f} s window ({have / window_s:.2f} req/s); "
-                f"{need} per window need {need / window_s:.2f} req/s to the {side}")
+        line = (f"{side} has {have} of {need} samples in this {window_s:.0f} s window ({have / window_s:.2f} req/s "
+                f"counted); {need} per window need {need / window_s:.2f} req/s to the {side}")
         share = None if weight is None else (weight if side == "canary" else 100.0 - weight)
         if share:
             line += f", {need / window_s * 100.0 / share:.1f} req/s in all at weight {weight:g} %"

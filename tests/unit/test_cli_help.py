@@ -40,7 +40,8 @@ def help_of(path: tuple[str, ...], columns: int = 120) -> str:
 
 def option_row(text: str, option: str) -> str:
     """The help row that starts with ``option`` (between the panel's borders)."""
-    rows = [line.strip("│ *") for line in text.splitlines() if re.match(r"│[ *]+" + re.escape(option) + "[ ,]", line)]
+    starts = re.compile(r"│[ *]+" + re.escape(option) + "[ ,]")
+    rows = [line.strip("│ *") for line in text.splitlines() if starts.match(line)]
     assert rows, (option, text)
     return rows[0]
 

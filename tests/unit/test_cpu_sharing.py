@@ -61,7 +61,8 @@ def test_fleet_up_says_it_when_sharing_starts_and_again_when_it_changes():
 
 def test_fleet_status_and_fleet_plan_say_it(tmp_path: Path):
     placements = cpu_plan(3).placements
-    state_replicas = [{"placement": p.to_dict(), "status": s} for p, s in zip(placements, ("READY", "READY", "WARMING"))]
+    states = ("READY", "READY", "WARMING")
+    state_replicas = [{"placement": p.to_dict(), "status": s} for p, s in zip(placements, states)]
     assert _cpu_sharing(state_replicas) == ["cpu (shared) on laptop: 3 replicas on 2 cores, they share CPU time"]
     state_replicas[2]["status"] = "FAILED_CRASHED"
     assert _cpu_sharing(json.loads(json.dumps(state_replicas))) == []

@@ -100,11 +100,11 @@ def test_an_inconclusive_run_says_what_it_waits_for_and_the_rate_that_fills_a_wi
     run = analyse(spec, side(0.2, 0.02, n=12), side(0.2, 0.02, n=108), 0.0, 60.0)
     assert run.verdict is Verdict.INCONCLUSIVE
     said = run.summary(weight=10.0)
-    assert said.startswith("inconclusive: canary has 12 of 50 samples in this 60 s window (0.20 req/s); "
+    assert said.startswith("inconclusive: canary has 12 of 50 samples in this 60 s window (0.20 req/s counted); "
                            "50 per window need 0.83 req/s to the canary, 8.3 req/s in all at weight 10 %"), said
     assert "streamed" in said
     short_stable = analyse(spec, side(0.2, 0.02, n=80), side(0.2, 0.02, n=30), 0.0, 30.0)
-    assert "stable has 30 of 50 samples in this 30 s window (1.00 req/s)" in short_stable.summary(weight=50.0)
+    assert "stable has 30 of 50 samples in this 30 s window (1.00 req/s counted)" in short_stable.summary(weight=50.0)
     assert "3.3 req/s in all at weight 50 %" in short_stable.summary(weight=50.0)
     assert run.shortfall() and not analyse(spec, side(0.2, 0.02), side(0.2, 0.02), 0.0, 60.0).shortfall()
 
