@@ -18,7 +18,13 @@ Headless, from the repository root (router on port 8080 serving `tiny-llama`):
         --host http://127.0.0.1:8080 --csv /tmp/fleet-locust
 
 Environment: `FLEET_MODEL` (default `tiny-llama`), `FLEET_MAX_TOKENS` (default 32),
-`FLEET_WAIT_S` (think time between a user's requests, default 0.5).
+`FLEET_WAIT_S` (think time between a user's requests, default 0.5), `FLEET_USER_RATE` (requests
+per second per user, steady: locust's `constant_throughput`, in place of the think time; the
+whole load is users x rate while one request takes less than 1 / rate seconds). A steady load for
+a canary rollout (docs/rollouts.md; 3 requests in 4 are streamed, 4.5 streamed req/s here):
+
+    FLEET_MODEL=llama-8b-canary FLEET_USER_RATE=0.5 .venv/bin/locust -f loadtests/locustfile.py \
+        --headless -u 12 -r 12 -t 10m --host http://127.0.0.1:8080
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ import json
 import os
 import time
 
-from locust import HttpUser, between, events, task
+from locust import HttpUser, between, constant_throughput, events, task
 
 MODEL = os.environ.get("FLEET_MODEL", "tiny-llama")
 MAX_TOKENS = int(os.environ.get("FLEET_MAX_TOKENS", "32"))
 WAIT_S = float(os.environ.get("FLEET_WAIT_S", "0.5"))
+USER_RATE = float(os.environ.get("FLEET_USER_RATE", "0") or 0)   # requests/s per user; 0: think time instead
+if USER_RATE < 0:
+    raise ValueError(f"FLEET_USER_RATE: must be >= 0 requests per second per user (got {USER_RATE})")
 
 
 def _report(name: str, value_ms: float) -> None:
@@ -42,7 +51,7 @@ def _report(name: str, value_ms: float) -> None:
 class RouterUser(HttpUser):
     # requests-based, not FastHttpUser: geventhttpclient's read(n) waits for n bytes, which
     # would hold back the first SSE event and inflate TTFT (tests/integration/test_locustfile.py).
-    wait_time = between(0.5 * WAIT_S, 1.5 * WAIT_S)
+    wait_time = constant_throughput(USER_RATE) if USER_RATE else between(0.5 * WAIT_S, 1.5 * WAIT_S)
 
     @task(1)
     def completion(self) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every test, in three tiers (tests/conftest.py), cheapest first:
 #   tests/unit         in-process only: no process, no socket but the test's own loopback fixtures,
-#                      no real Kubernetes client (guarded: tests/support/guards.py); ~45 s on 2 cores
+#                      no real Kubernetes client (guarded: tests/support/guards.py); ~4 min on 2 busy cores
 #   tests/integration  real processes on loopback (`fleet up`, the router and the engine SIMULATOR,
 #                      the API-server and hub stand-ins, a real apiextensions-apiserver over etcd
 #                      and a real Kubernetes 1.20 control plane where they build, Prometheus/

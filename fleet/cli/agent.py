@@ -335,7 +335,8 @@ def _node_facts_publisher(node: str, pod_resources_socket: Path, pod_devices_fil
     return publish
 
 
-@app.command("pod-devices")
+@app.command("pod-devices",
+             short_help="Keep a file of which pods hold which NVIDIA devices (the kubelet's PodResources API).")
 def pod_devices(
     out: Annotated[Path, typer.Option("--out", help="The file to keep the answer in (JSON, replaced atomically).")],
     pod_resources_socket: Annotated[Path, typer.Option(

@@ -2,8 +2,8 @@
 
 Owns `console` / `err_console` (rich; 160 columns off a terminal), the `StateDir` and `Files`
 option types, `fail_with` (print problems, exit 2) and `load_or_exit` (deployment files ->
-`fleet.spec.LoadedDeployment` list, or exit 2 naming every problem). Imported by every module of
-`fleet.cli`; imports only `fleet.spec`.
+`fleet.spec.LoadedDeployment` list, or exit 2 naming every problem), and `show_flags_as_flags`
+(applied on import). Imported by every module of `fleet.cli`; imports only `fleet.spec`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,30 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperOption
 
 from fleet.spec import LoadedDeployment, SpecError, load_deployments
+
+
+def show_flags_as_flags() -> None:
+    """Make rich help show a flag (``--once``, ``--help``, a count) without a value type.
+
+    typer 0.29's rich help (`typer.rich_utils._print_options_panel`) prints
+    `TyperOption.display_type_rich` for every option, and that returns the type label for flags
+    too (``--once <bool>``), while its plain help (`TyperOption.get_help_record`) leaves the type
+    out when ``is_flag or count``. This gives the rich help the plain help's rule. Idempotent."""
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "fleet_flags_as_flags", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx) -> str | None:
+        return None if self.is_flag or self.count else shown(self, ctx)
+
+    display_type_rich.fleet_flags_as_flags = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+show_flags_as_flags()
 
 # Off a terminal (pipes, CI logs) rich would wrap at 80 columns; replica lines and tables are wider.
 console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=True)

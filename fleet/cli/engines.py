@@ -85,7 +85,8 @@ def sim_engine(
     raise typer.Exit(run(options, out=lambda line: print(line, flush=True)))
 
 
-@app.command("make-tiny-model")
+@app.command("make-tiny-model",
+             short_help="Generate a tiny Llama model (~7 MB, random weights) that vLLM serves on CPU.")
 def make_tiny_model_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.")],
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,

@@ -123,7 +123,7 @@ def operator(
     raise typer.Exit(asyncio.run(run_operator(settings)))
 
 
-@app.command("router-pod")
+@app.command("router-pod", short_help="Run the router as the chart's router pods do (admin API on its own port).")
 def router_pod(
     port: Annotated[int, typer.Option(help="Port of the OpenAI API (the public Service's target).")] = 8080,
     admin_port: Annotated[int, typer.Option(help="Port of the admin API (the operator's pool updates).")] = 9090,

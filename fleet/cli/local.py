@@ -248,6 +248,15 @@ def _up_pid(store: StateStore, state: dict) -> int | None:
     return pid if _pid_alive(pid) and state.get("phase") not in ("stopped", "exited") else None
 
 
+def _cpu_sharing(replicas: list[dict]) -> list[str]:
+    """`fleet.placement.cpu.cpu_sharing_notes` over the state file's live replicas."""
+    from fleet.placement.cpu import cpu_sharing_notes
+    from fleet.placement.shapes import ReplicaPlacement
+
+    return cpu_sharing_notes(ReplicaPlacement.from_dict(r["placement"]) for r in replicas if r.get("placement")
+                             and r["status"] != "TERMINATED" and not r["status"].startswith("FAILED"))  # fmt: skip
+
+
 @app.command()
 def status(
     state_dir: StateDir = None,
@@ -348,6 +357,8 @@ def status(
             (r.get("detail") or {}).get("pid", "-"), f"{clock_now - r['created_at_s']:.0f} s", detail,
         )
     console.print(table)
+    for note in _cpu_sharing(replicas):
+        console.print(note, style="yellow", highlight=False)
     if len(shown) < len(replicas):
         console.print(f"{len(replicas) - len(shown)} replica(s) that ended over {TERMINAL_SHOWN_S / 60:.0f} min ago "
                       f"not shown (`--all`; every transition: {store.events_path})", style="dim",

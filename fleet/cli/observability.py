@@ -6,6 +6,7 @@ rules, top). Registered on the `fleet` app by `fleet.cli`.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,6 +17,13 @@ from rich.console import Console
 from fleet.local.state import default_state_dir
 
 _out = Console(width=None if sys.stdout.isatty() else 200, soft_wrap=True)
+
+
+def _top_console() -> Console:
+    """`fleet top`'s output: the terminal's width, or $COLUMNS where set (`COLUMNS=80 fleet top
+    --once | less`), else 200 columns."""
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=None if sys.stdout.isatty() else int(columns) if columns.isdigit() else 200, soft_wrap=True)
 _err = Console(stderr=True)
 
 app = typer.Typer()
@@ -41,7 +49,7 @@ def _slo(ttft_s: float, ttft_objective: float, availability: float):
         raise typer.Exit(2) from None
 
 
-@app.command("prometheus-config")
+@app.command("prometheus-config", short_help="Print a prometheus.yml that scrapes the local fleet.")
 def prometheus_config(
     state_dir: StateDir = None,
     scrape_interval: Annotated[str, typer.Option(help="Prometheus scrape and rule evaluation interval.")] = "15s",
@@ -59,7 +67,7 @@ def prometheus_config(
                             rule_files=[rules.resolve()] if rules else None))  # fmt: skip
 
 
-@app.command("dashboard")
+@app.command("dashboard", short_help="Print the Grafana dashboard JSON.")
 def dashboard(
     ttft_slo_seconds: TtftSlo = 1.0, ttft_objective: TtftObjective = 0.99, availability_objective: Availability = 0.999,
 ) -> None:
@@ -71,7 +79,7 @@ def dashboard(
     sys.stdout.write(render_dashboard(_slo(ttft_slo_seconds, ttft_objective, availability_objective)))
 
 
-@app.command("rules")
+@app.command("rules", short_help="Print the Prometheus rules file: SLO recording rules and alerts.")
 def rules(
     ttft_slo_seconds: TtftSlo = 1.0, ttft_objective: TtftObjective = 0.99, availability_objective: Availability = 0.999,
     kubernetes: Annotated[bool, typer.Option("--kubernetes", help="Add the cluster-only group (operator down): "
@@ -86,7 +94,7 @@ def rules(
     sys.stdout.write(render_rules(_slo(ttft_slo_seconds, ttft_objective, availability_objective), kubernetes=kubernetes))
 
 
-@app.command("top")
+@app.command("top", short_help="Live view of the local fleet: rates, TTFT, TPOT, errors, replicas, rollouts.")
 def top(
     state_dir: StateDir = None,
     interval_s: Annotated[float, typer.Option("--interval-s", min=0.2, help="Seconds between refreshes.")] = 2.0,
@@ -106,4 +114,4 @@ def top(
     except OSError:
         token = ""
     raise typer.Exit(run_top(store.read_or_none, token, where=str(store.root), interval_s=interval_s, window_s=window_s,
-                             once=once, console=_out))  # fmt: skip
+                             once=once, console=_top_console()))  # fmt: skip

@@ -81,6 +81,7 @@ def plan(
     """
     from fleet.controller.model_memory import memory_need_or_reason
     from fleet.placement import PlacementRequest, get_strategy
+    from fleet.placement.cpu import cpu_sharing_notes
     from fleet.placement.fleet_plan import PlanItem, plan_fleet
 
     loaded = load_or_exit(files)
@@ -109,6 +110,8 @@ def plan(
     else:
         for ld, p in plans:
             _print_plan(ld, p, inv.inventory)
+        for note in cpu_sharing_notes(r for _, p in plans for r in p.plan.placements):
+            console.print(note, highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(0 if all(p.plan.complete for _, p in plans) else 1)
 
 

@@ -61,7 +61,7 @@ def _send(request: dict, state_dir: Optional[Path], console: Console, err: Conso
     return reply
 
 
-@app.command("apply")
+@app.command("apply", short_help="Hand changed deployments to the running fleet up (validated first).")
 def apply_cmd(files: Annotated[list[Path], typer.Argument(help="Deployment YAML files to apply.")],
               state_dir: StateDir = None) -> None:  # fmt: skip
     """Hand changed deployments to the running `fleet up` (validated first: an invalid file
@@ -101,7 +101,8 @@ for _name in COMMANDS:
 app.add_typer(rollout_app, name="rollout")
 
 
-@app.command("simulate-rollout")
+@app.command("simulate-rollout",
+             short_help="Canary rollouts in the trace SIMULATOR: Fleet's analysis against two baselines.")
 def simulate_rollout(
     trace: Annotated[Path, typer.Argument(help="Request trace (Azure LLM CSV or Fleet JSONL), e.g. "
                                                "loadtests/traces/azure-llm-2023/conv.csv.")],
@@ -188,7 +189,8 @@ def print_rollout(console: Console, status: dict) -> None:
                       f"inconclusive in a row{', ' + ro['reason'] if ro.get('reason') else ''}", highlight=False)  # fmt: skip
         if ro.get("runs"):
             last = ro["runs"][-1]
-            console.print(f"  last analysis: {last['verdict']}", highlight=False)
+            said = last.get("summary") if last["verdict"] == "inconclusive" else None   # what it waits for
+            console.print(f"  last analysis: {said or last['verdict']}", highlight=False, markup=False)
             for c in last["checks"]:
                 console.print(f"    {c['verdict']:<12} {c['reason']}", highlight=False, markup=False)
     for line in (status.get("events") or [])[-5:]:

@@ -1,6 +1,7 @@
 """`fleet up`'s progress output: one line per replica transition and scaling decision, a
-reminder for replicas slow to start, the engine's last log lines when one fails, and the line
-that says every replica is READY.
+reminder for replicas slow to start, the engine's last log lines when one fails, a line when CPU
+replicas come to share cores (`fleet.placement.cpu.cpu_sharing_notes`), and the line that says
+every replica is READY.
 
 Owns `ProgressPrinter`. Called by `fleet.local.up` (the controller's ``on_event``, the
 autoscaler's ``on_decision``, after each tick); prints through a rich `Console`.
@@ -15,6 +16,8 @@ from rich.console import Console
 from autoscaler.policy import Direction, ScalingDecision
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.controller.reconcile import Controller, ReplicaEvent
+from fleet.placement.cpu import cpu_sharing_notes
+from fleet.placement.shapes import ReplicaPlacement
 
 _STYLE = {
     ReplicaStatus.READY: "bold green",
@@ -33,6 +36,7 @@ class ProgressPrinter:
         self.every_s = every_s
         self._last_note_s: dict[str, float] = {}
         self._all_ready_said = False
+        self._sharing_said: list[str] = []
 
     def say(self, text: str, style: str = "") -> None:
         self.console.print(f"{time.strftime('%H:%M:%S')} {text}", style=style, highlight=False)
@@ -64,6 +68,16 @@ class ProgressPrinter:
         for line in r.failure.log_tail[-8:]:
             self.console.print(f"    | {line}", style="dim", highlight=False, markup=False)
 
+    def sharing(self, controller: Controller) -> None:
+        """Say when CPU replicas come to share cores, or share them differently ("cpu (shared)
+        on laptop: 3 replicas on 2 cores, they share CPU time")."""
+        notes = cpu_sharing_notes(ReplicaPlacement.from_dict(r.placement) for r in controller.replicas.values()
+                                  if r.placement is not None and not r.status.terminal())  # fmt: skip
+        for note in notes:
+            if note not in self._sharing_said:
+                self.say(note, style="yellow")
+        self._sharing_said = notes
+
     def tick(self, controller: Controller, router_url: str) -> None:
         now = self.clock()
         for r in controller.replicas.values():
@@ -79,6 +93,7 @@ class ProgressPrinter:
                 if status is ReplicaStatus.CACHING:
                     where = f": {r.detail.get('cache', '')}"
                 self.say(f"{r.id:<20} still {status.value} after {since_s:.0f} s{where}", style="dim")
+        self.sharing(controller)
         want = 0 if controller.stopping else sum(ds.desired for ds in controller.deployments.values())
         ready = sum(1 for r in controller.replicas.values() if r.status is ReplicaStatus.READY)
         if want and ready == want and not self._all_ready_said:

@@ -1,7 +1,9 @@
 """`fleet top`: a live terminal view of a local fleet, per deployment and version.
 
 Owns the view: `TopRow` and `build_rows` (pure: state.json + router statistics -> rows),
-`render` (rows -> a rich Table), `RouterReader` (the one I/O seam: the router's
+`render` / `TopFrame` (rows -> a rich table in the layout that fits the terminal: one line per
+row where it fits, else the figures in a narrow table and the rest on a line per row, readable
+at 80 columns), `RouterReader` (the one I/O seam: the router's
 ``GET /admin/v1/stats`` with the admin token from the state directory, and ``GET /metrics`` for
 the 5xx counters) and `run_top` (the refresh loop under `rich.live.Live`). Called by
 `fleet.cli.observability`, which hands it the local fleet's state (`fleet.local.state.StateStore`:
@@ -23,7 +25,7 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console, Group
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -70,18 +72,20 @@ def describe_scaling(d: Mapping[str, Any], clock_s: float | None) -> str:
 
 
 def describe_rollout(d: Mapping[str, Any]) -> str:
-    """The rollout step of a deployment's state entry, when the controller records one."""
-    r = d.get("rollout")
+    """The rollout step of a deployment's state entry, when the controller records one: its
+    ``revisions.rollout`` (`fleet.rollout.machine.RolloutState.to_dict`: ``Progressing step 1
+    canary 25``), or a ``rollout`` entry of the same shape."""
+    r = d.get("rollout") or (d.get("revisions") or {}).get("rollout")
     if not r:
         return "-"
     if isinstance(r, Mapping):
-        step = r.get("step")
+        step = r.get("step", r.get("step_index"))
         weight = r.get("canary_weight", r.get("weight"))
         parts = [str(r.get("phase") or r.get("state") or "")]
         if step is not None:
             parts.append(f"step {step}")
         if weight is not None:
-            parts.append(f"canary {weight}")
+            parts.append(f"canary {weight:g} %" if isinstance(weight, (int, float)) else f"canary {weight}")
         return " ".join(p for p in parts if p) or "-"
     return str(r)
 
@@ -144,23 +148,78 @@ def _replicas(counts: Mapping[str, int]) -> str:
     return " ".join(f"{counts[s]} {s}" for s in order) or "none"
 
 
-def render(rows: list[TopRow], header: str) -> Group:
-    """The frame: a header line and the table."""
+WIDE_COLUMNS = (("deployment", "left"), ("version", "left"), ("replicas", "left"), ("req/s", "right"),
+                ("TTFT p50", "right"), ("TTFT p99", "right"), ("TPOT p99", "right"), ("queue p99", "right"),
+                ("errors/s", "right"), ("in flight", "right"), ("queued", "right"), ("last scaling", "left"),
+                ("rollout", "left"))  # fmt: skip
+"""The one-line-per-row layout, used where it fits the terminal."""
+
+NARROW_COLUMNS = (("deployment\nversion", "left"), ("ready\n/want", "right"), ("req/s", "right"),
+                  ("TTFT\np50", "right"), ("TTFT\np99", "right"), ("TPOT\np99", "right"), ("queue\np99", "right"),
+                  ("errors\n/s", "right"))  # fmt: skip
+"""The layout for narrow terminals (80 columns): the figures in the table, two-line headers, and
+per row a line below it with the replicas by state, in flight, queued, scaling and rollout."""
+
+
+def render(rows: list[TopRow], header: str) -> TopFrame:
+    """The frame: a header line and the table, in the layout that fits the console (`TopFrame`)."""
+    return TopFrame(rows, header)
+
+
+class TopFrame:
+    """A rich renderable: the wide table (`WIDE_COLUMNS`) where it fits the console's width,
+    else the narrow one (`NARROW_COLUMNS`) with one line of text per row under it, so that no
+    header or value is cut at 80 columns."""
+
+    def __init__(self, rows: list[TopRow], header: str) -> None:
+        self.rows = rows
+        self.header = header
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text(self.header)
+        wide = self.wide()
+        unbounded = options.update_width(100_000)      # the wide table's own width, not clamped to the console
+        if console.measure(wide, options=unbounded).maximum <= options.max_width:
+            yield wide
+            return
+        yield self.narrow()
+        for r in self.rows:
+            yield Text(f"{r.deployment} {r.version}: {_replicas(r.replicas)} (want {r.desired}), "
+                       f"{_num(r.in_flight, '{}')} in flight, {_num(r.queued, '{}')} queued; "
+                       f"scaling {r.last_scaling}; rollout {r.rollout}")  # fmt: skip
+
+    def wide(self) -> Table:
+        table = _table(WIDE_COLUMNS)
+        for r in self.rows:
+            table.add_row(
+                r.deployment, r.version, f"{_replicas(r.replicas)} (want {r.desired})", _num(r.rate_per_s),
+                *_figures(r)[:4], _errors(r), _num(r.in_flight, "{}"), _num(r.queued, "{}"), r.last_scaling,
+                r.rollout,
+            )
+        return table
+
+    def narrow(self) -> Table:
+        table = _table(NARROW_COLUMNS, first_wraps=True)
+        for r in self.rows:
+            table.add_row(f"{r.deployment}\n{r.version}", f"{r.replicas.get('READY', 0)}/{r.desired}",
+                          _num(r.rate_per_s), *_figures(r)[:4], _errors(r))  # fmt: skip
+        return table
+
+
+def _table(columns: tuple[tuple[str, str], ...], first_wraps: bool = False) -> Table:
     table = Table(title=None, expand=False, pad_edge=False)
-    for col, justify in (("deployment", "left"), ("version", "left"), ("replicas", "left"), ("req/s", "right"),
-                         ("TTFT p50", "right"), ("TTFT p99", "right"), ("TPOT p99", "right"),
-                         ("queue p99", "right"), ("errors/s", "right"), ("in flight", "right"),
-                         ("queued", "right"), ("last scaling", "left"), ("rollout", "left")):  # fmt: skip
-        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for r in rows:
-        err = _num(r.errors_per_s, "{:.2f}")
-        table.add_row(
-            r.deployment, r.version, f"{_replicas(r.replicas)} (want {r.desired})", _num(r.rate_per_s),
-            _s(r.ttft_p50_s), _s(r.ttft_p99_s), _s(r.tpot_p99_s), _s(r.queue_p99_s),
-            Text(err, style="red" if r.errors_per_s else ""), _num(r.in_flight, "{}"), _num(r.queued, "{}"),
-            r.last_scaling, r.rollout,
-        )
-    return Group(Text(header), table)
+    for i, (col, justify) in enumerate(columns):
+        wraps = first_wraps and i == 0                 # a long deployment name folds; figures never do
+        table.add_column(col, justify=justify, no_wrap=not wraps, overflow="fold")  # type: ignore[arg-type]
+    return table
+
+
+def _figures(r: TopRow) -> list[str]:
+    return [_s(r.ttft_p50_s), _s(r.ttft_p99_s), _s(r.tpot_p99_s), _s(r.queue_p99_s)]
+
+
+def _errors(r: TopRow) -> Text:
+    return Text(_num(r.errors_per_s, "{:.2f}"), style="red" if r.errors_per_s else "")
 
 
 def server_errors(exposition: str) -> dict[str, float]:
@@ -227,7 +286,7 @@ def run_top(read_state: Callable[[], dict | None], token: str, *, where: str, in
     reader = (reader_factory or RouterReader)(state.get("router_url", "http://127.0.0.1:8080"), token)
     rates = ErrorRates()
 
-    def frame() -> Group:
+    def frame() -> TopFrame:
         current = read_state() or {}
         problem = ""
         stats: dict = {}

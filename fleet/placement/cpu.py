@@ -8,11 +8,15 @@ scheduler and tokenizer threads, the host side of every transfer), then a warmer
 (`PlacementRequest.warmth`: it holds the weights, the image), then the node with the most free
 cores. Called by
 `PlacementStrategy.place_replicas`. Pure.
+
+`cpu_sharing_notes` says, per node, how many CPU replicas share how many cores, for the people
+reading `fleet plan` and `fleet up` (`fleet.cli.placement`, `fleet.local.progress`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 
 from fleet.inventory.model import Inventory
 from fleet.placement.shapes import Assignment, PlacementRequest, ReplicaPlacement
@@ -50,3 +54,22 @@ def place_cpu(request: PlacementRequest, inventory: Inventory, held: Counter[str
         free[node.name] = sum(1 for c in node.cpu_cores if not held[f"cpu:{c}"])
         placements.append(placement)
     return placements
+
+
+def cpu_sharing_notes(placements: Iterable[ReplicaPlacement]) -> list[str]:
+    """One line per node where CPU replicas hold a core more than once, sorted by node: "cpu
+    (shared) on laptop: 5 replicas on 2 cores, they share CPU time". ``placements``: every live
+    replica's placement (GPU and MIG members are ignored). Cores are those the replicas hold: a
+    core is shared only once no core of the node is free (`place_cpu`), so they are all the
+    node's cores then."""
+    replicas: Counter[str] = Counter()
+    holds: Counter[str] = Counter()
+    cores: dict[str, set[str]] = {}
+    for placement in placements:
+        for m in placement.members:
+            if m.devices and all(d.startswith("cpu:") for d in m.devices):
+                replicas[m.node] += 1
+                holds[m.node] += len(m.devices)
+                cores.setdefault(m.node, set()).update(m.devices)
+    return [f"cpu (shared) on {node}: {replicas[node]} replicas on {len(cores[node])} cores, they share CPU time"
+            for node in sorted(replicas) if holds[node] > len(cores[node])]  # fmt: skip

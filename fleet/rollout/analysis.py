@@ -67,7 +67,9 @@ class SideSamples:
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check of one run. ``kind``: ``relative`` (against stable) or ``absolute`` (``max``)."""
+    """One check of one run. ``kind``: ``relative`` (against stable) or ``absolute`` (``max``).
+    Values and limit in seconds (a fraction for ``errorRate``); ``needed_samples``: the fewest
+    samples per side the check counts with (``minSamplesPerSide``)."""
 
     metric: str
     kind: str
@@ -78,11 +80,13 @@ class CheckResult:
     canary_samples: int
     stable_samples: int
     reason: str
+    needed_samples: int = 1   # ``minSamplesPerSide`` of the run
 
     def to_dict(self) -> dict:
         return {"metric": self.metric, "kind": self.kind, "verdict": self.verdict.value, "canary": self.canary,
                 "stable": self.stable, "limit": self.limit, "canary_samples": self.canary_samples,
-                "stable_samples": self.stable_samples, "reason": self.reason}  # fmt: skip
+                "stable_samples": self.stable_samples, "reason": self.reason,
+                "needed_samples": self.needed_samples}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -98,10 +102,37 @@ class AnalysisRun:
         return {"from_s": self.from_s, "to_s": self.to_s, "verdict": self.verdict.value,
                 "checks": [c.to_dict() for c in self.checks]}  # fmt: skip
 
-    def summary(self) -> str:
-        """One line for people: the verdict and each check that did not pass."""
+    def summary(self, weight: float | None = None) -> str:
+        """One line for people: the verdict and each check that did not pass; an inconclusive
+        run says instead what it waits for (`shortfall`), with ``weight`` (the canary's percent)
+        the rate the whole deployment needs too."""
+        if self.verdict is Verdict.INCONCLUSIVE:
+            return f"{self.verdict.value}: {self.shortfall(weight)}"
         bad = [c for c in self.checks if c.verdict is not Verdict.PASS]
         return f"{self.verdict.value}" + (": " + "; ".join(c.reason for c in bad) if bad else "")
+
+    def shortfall(self, weight: float | None = None) -> str:
+        """What an inconclusive run waits for: the side with the fewest samples, the rate they
+        make over this window, and the rate that fills a window of the same length (e.g. "canary
+        has 12 of 50 samples in this 60 s window (0.20 req/s counted); 50 per window need 0.83
+        req/s to the canary, 8.3 req/s in all at weight 10 %"). Requests a replica served in its
+        first ``excludeAfterReadySeconds`` are not counted, so a window that began with a
+        replica's READY counts less than it received. Empty when no check is inconclusive."""
+        short = [c for c in self.checks if c.verdict is Verdict.INCONCLUSIVE]
+        if not short:
+            return ""
+        sides = [(c.canary_samples, "canary", c) for c in short]
+        sides += [(c.stable_samples, "stable", c) for c in short if c.kind == "relative"]
+        have, side, check = min(sides, key=lambda t: t[0] / t[2].needed_samples)
+        need = check.needed_samples
+        window_s = max(self.to_s - self.from_s, 1e-9)
+        line = (f"{side} has {have} of {need} samples in this {window_s:.0f} s window ({have / window_s:.2f} req/s "
+                f"counted); {need} per window need {need / window_s:.2f} req/s to the {side}")
+        share = None if weight is None else (weight if side == "canary" else 100.0 - weight)
+        if share:
+            line += f", {need / window_s * 100.0 / share:.1f} req/s in all at weight {weight:g} %"
+        return line + (" (streamed: TTFT and TPOT come from streamed replies)"
+                       if check.metric.startswith(("ttft", "tpot")) else "")
 
 
 def _check(check: MetricCheck, canary: SideSamples | None, stable: SideSamples | None,
@@ -110,8 +141,8 @@ def _check(check: MetricCheck, canary: SideSamples | None, stable: SideSamples |
     kinds = (["relative"] if check.relative else []) + (["absolute"] if check.max is not None else [])
     if canary is None or (stable is None and check.relative):
         side = "canary" if canary is None else "stable"
-        return [CheckResult(m, k, Verdict.ERROR, None, None, None, 0, 0, f"{m}: {side} samples unavailable")
-                for k in kinds]  # fmt: skip
+        return [CheckResult(m, k, Verdict.ERROR, None, None, None, 0, 0, f"{m}: {side} samples unavailable",
+                            min_samples) for k in kinds]  # fmt: skip
     c_value, c_n = canary.value(m)
     s_value, s_n = stable.value(m) if stable is not None else (None, 0)
     out = []
@@ -119,25 +150,35 @@ def _check(check: MetricCheck, canary: SideSamples | None, stable: SideSamples |
         short = c_n < min_samples or (kind == "relative" and s_n < min_samples)
         if short:
             out.append(CheckResult(m, kind, Verdict.INCONCLUSIVE, c_value, s_value, None, c_n, s_n,
-                                   f"{m}: too few samples (canary {c_n}, stable {s_n}; need {min_samples} each)"))
+                                   f"{m}: too few samples (canary {c_n}, stable {s_n}; need {min_samples} each)",
+                                   min_samples))
             continue
-        assert c_value is not None  # c_n >= min_samples >= 1
-        if kind == "relative":
-            assert s_value is not None
-            limit = check.relative_limit(s_value)
-            what = f"stable {_fmt(m, s_value)}"
-        else:
-            limit = float(check.max)  # type: ignore[arg-type]
-            what = "absolute"
+        assert c_value is not None and (s_value is not None or kind == "absolute")  # n >= min_samples >= 1
+        limit = check.relative_limit(s_value) if kind == "relative" else float(check.max)  # type: ignore[arg-type]
         ok = c_value <= limit or math.isclose(c_value, limit, rel_tol=1e-9, abs_tol=1e-12)
-        verdict = Verdict.PASS if ok else Verdict.FAIL
-        reason = f"{m}: canary {_fmt(m, c_value)} {'<=' if ok else '>'} limit {_fmt(m, limit)} ({what})"
-        out.append(CheckResult(m, kind, verdict, c_value, s_value, limit, c_n, s_n, reason))
+        digits = _digits(m, c_value, limit, ok)
+        what = f"stable {_fmt(m, s_value, digits)}" if kind == "relative" else "absolute"
+        reason = (f"{m}: canary {_fmt(m, c_value, digits)} {'<=' if ok else '>'} limit {_fmt(m, limit, digits)} "
+                  f"({what})")
+        out.append(CheckResult(m, kind, Verdict.PASS if ok else Verdict.FAIL, c_value, s_value, limit, c_n, s_n,
+                               reason, min_samples))  # fmt: skip
     return out
 
 
-def _fmt(metric: str, value: float) -> str:
-    return f"{value * 100:.2f} %" if metric == "errorRate" else f"{value * 1000:.1f} ms"
+def _fmt(metric: str, value: float | None, digits: int) -> str:
+    """Milliseconds (a percent for errorRate) with ``digits`` decimals."""
+    if value is None:
+        return "?"
+    return f"{value * 100:.{digits + 1}f} %" if metric == "errorRate" else f"{value * 1000:.{digits}f} ms"
+
+
+def _digits(metric: str, canary: float, limit: float, ok: bool) -> int:
+    """Decimals that show the comparison the check made: one, or as many more (up to six) as it
+    takes for a canary above its limit not to print equal to it ("9.6 ms > limit 9.6 ms")."""
+    digits = 1
+    while not ok and digits < 6 and _fmt(metric, canary, digits) == _fmt(metric, limit, digits):
+        digits += 1
+    return digits
 
 
 def analyse(spec: AnalysisSpec, canary: SideSamples | None, stable: SideSamples | None,

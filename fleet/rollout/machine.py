@@ -3,7 +3,8 @@
 Owns `RolloutPhase`, `RolloutState` (everything a rollout has decided, JSON round trip for the
 controller's state file) and `CanaryMachine` (the pure transitions over it: `start`, `advance`,
 `analysis_due`, `record`, `pause`, `resume`, `promote`, `abort`), `split_replicas` (how many
-replicas each revision gets for a deployment size and weight) and `replica_targets`. Called by the controller on every
+replicas each revision gets for a deployment size and weight), `replica_targets` and
+`needed_rate_per_s` (the load an analysis window needs). Called by the controller on every
 tick and by the trace simulator in virtual time; no I/O, no clock (the caller passes ``now_s``).
 
 Semantics (docs/rollouts.md has the user's view):
@@ -28,7 +29,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from fleet.rollout.analysis import AnalysisRun, Verdict
-from fleet.rollout.spec import RolloutSpec
+from fleet.rollout.spec import AnalysisSpec, RolloutSpec
 
 RUNS_KEPT = 10
 """Analysis runs kept in `RolloutState.runs` (the newest), for `fleet rollout status`."""
@@ -116,6 +117,21 @@ def load_ratio(total: int, weight: float) -> float | None:
     return (weight / canary) / ((100.0 - weight) / stable)
 
 
+def needed_rate_per_s(analysis: AnalysisSpec, weight: float) -> float:
+    """Requests per second the whole deployment needs so that one analysis window holds
+    ``minSamplesPerSide`` samples on each side at ``weight`` percent: the smaller side gets
+    min(weight, 100 - weight) % of the requests, so
+
+        rate = minSamplesPerSide / (intervalSeconds x min(weight, 100 - weight) / 100)
+
+    (50 samples, 60 s, weight 10 %: 8.3 req/s; at 25 %: 3.3 req/s). TTFT and TPOT samples come
+    only from streamed replies, so it is a rate of streamed requests when those metrics are
+    checked; the first window after a canary replica's READY is shorter by
+    ``excludeAfterReadySeconds`` and needs more."""
+    share = min(weight, 100.0 - weight) / 100.0
+    return analysis.min_samples_per_side / (analysis.interval_seconds * share)
+
+
 class CanaryMachine:
     """Transitions of a `RolloutState` under one `RolloutSpec` (strategy canary). Stateless:
     the same spec, state and inputs always give the same result."""
@@ -141,6 +157,20 @@ class CanaryMachine:
                              f"{'favour' if ratio < 1 else 'penalise'} the canary; multiples of "
                              f"{100 / max(total, 1):g} % compare like with like")  # fmt: skip
         return notes
+
+    def traffic_note(self) -> str:
+        """The load the analysis needs (`needed_rate_per_s` at the weight step that needs the
+        most), as one line for `fleet apply` and docs/rollouts.md."""
+        a = self.spec.analysis
+        weights = [s.weight for s in self.spec.steps if s.weight is not None]
+        if not weights:
+            return ""
+        weight = max(weights, key=lambda w: needed_rate_per_s(a, w))
+        streamed = any(c.metric.startswith(("ttft", "tpot")) for c in a.metrics)
+        return (f"note: the analysis needs at least {needed_rate_per_s(a, weight):.1f} "
+                f"{'streamed ' if streamed else ''}req/s to this deployment, steadily (at weight {weight:g} %: "
+                f"minSamplesPerSide {a.min_samples_per_side} / (intervalSeconds {a.interval_seconds:g} x "
+                f"{min(weight, 100 - weight):g} %)); with less, runs are inconclusive")
 
     def sizing_weight(self, state: RolloutState) -> float:
         """The weight the revisions' replica counts follow: the weight the current weight step is
@@ -190,8 +220,9 @@ class CanaryMachine:
             return []
         a = self.spec.analysis
         state.window_from_s = run.to_s
-        state.runs = (state.runs + [run.to_dict()])[-RUNS_KEPT:]
-        events = [f"analysis {run.summary()}"]
+        summary = run.summary(state.weight)
+        state.runs = (state.runs + [{**run.to_dict(), "summary": summary}])[-RUNS_KEPT:]
+        events = [f"analysis {summary}"]
         if run.verdict is Verdict.PASS:
             state.passes += 1
             state.passes_in_step += 1

@@ -131,7 +131,7 @@ class Revisions:
             machine = CanaryMachine(ld.deployment.spec.rollout)
             self.rollout = machine.start(h, self.stable, now_s)
             return events + [f"canary rollout of {revision_label(ld)} over {revision_label(self.specs[self.stable])}",
-                             *machine.load_notes(total)]
+                             *machine.load_notes(total), *filter(None, [machine.traffic_note()])]
         self.stable, self.canary, self.rollout = h, None, None
         return events + [f"replacing with {revision_label(ld)}"]
 

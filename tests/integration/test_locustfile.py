@@ -37,8 +37,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-@pytest.mark.timeout(120)
-async def test_locust_reports_ttft_and_tpot_measured_on_the_stream(tmp_path: Path) -> None:
+async def run_locust(tmp_path: Path, env: dict[str, str], seconds: int = 6) -> tuple[dict, str]:
+    """Locust headless with two users for ``seconds`` against the fake server: (its stats rows by
+    (type, name), its output)."""
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
@@ -50,15 +51,20 @@ async def test_locust_reports_ttft_and_tpot_measured_on_the_stream(tmp_path: Pat
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "locust", "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless",
-            "-u", "2", "-r", "2", "-t", "6s", "--host", host, "--csv", str(tmp_path / "run"), "--only-summary",
-            env={**os.environ, "FLEET_WAIT_S": "0.05"}, cwd=REPO,
+            "-u", "2", "-r", "2", "-t", f"{seconds}s", "--host", host, "--csv", str(tmp_path / "run"),
+            "--only-summary", env={**os.environ, **env}, cwd=REPO,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=90)
     finally:
         await runner.cleanup()
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
-    text = out.decode(errors="replace")
+    return rows, out.decode(errors="replace")
+
+
+@pytest.mark.timeout(120)
+async def test_locust_reports_ttft_and_tpot_measured_on_the_stream(tmp_path: Path) -> None:
+    rows, text = await run_locust(tmp_path, {"FLEET_WAIT_S": "0.05"})
     for key in (("POST", "completions"), ("POST", "chat (stream)"), ("METRIC", "TTFT"), ("METRIC", "TPOT"),
                 ("METRIC", "E2E (stream)")):
         assert key in rows, (key, sorted(rows), text[-2000:])
@@ -70,3 +76,12 @@ async def test_locust_reports_ttft_and_tpot_measured_on_the_stream(tmp_path: Pat
     assert whole_ms >= TOKENS * GAP_S * 1e3 * 0.9, whole_ms
     assert ttft_ms < whole_ms / 2, (ttft_ms, whole_ms)
     assert 0.5 * GAP_S * 1e3 <= tpot_ms <= 4 * GAP_S * 1e3, tpot_ms
+
+
+@pytest.mark.timeout(120)
+async def test_a_user_rate_sends_a_steady_load_of_users_times_rate(tmp_path: Path) -> None:
+    # 2 users at 1 request/s for 6 s: about 12 requests; with the 0.05 s think time alone the same
+    # users send over 30 (each request takes about 0.25 s).
+    rows, text = await run_locust(tmp_path, {"FLEET_WAIT_S": "0.05", "FLEET_USER_RATE": "1"})
+    sent = sum(int(r["Request Count"]) for (kind, _), r in rows.items() if kind == "POST")
+    assert 6 <= sent <= 16, (sent, text[-2000:])

@@ -150,7 +150,10 @@ async def test_a_good_canary_warms_before_traffic_steps_through_the_weights_and_
     f = Fleet(tmp_path, write(tmp_path))
     await f.up()
     assert f.apply(revision="v2") == ["chat: canary rollout of v2@" + f.c.deployments["chat"].revs.canary[:8]
-                                      + " over v1@" + f.c.deployments["chat"].revs.stable[:8]]
+                                      + " over v1@" + f.c.deployments["chat"].revs.stable[:8]
+                                      + "; note: the analysis needs at least 1.3 streamed req/s to this deployment, "
+                                      "steadily (at weight 25 %: minSamplesPerSide 20 / (intervalSeconds 60 x 25 %)); "
+                                      "with less, runs are inconclusive"]
     assert f.saved["deployments"]["chat"]["revisions"]["canary"] is not None      # persisted before acting
     await f.tick()
     assert f.replicas(S.READY) == {"v1": 4} and f.versions() == {"v1": 100.0}   # the canary is not READY yet

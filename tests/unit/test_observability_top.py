@@ -43,7 +43,7 @@ def test_one_row_per_deployment_and_version_with_the_model_figures() -> None:
     assert (v1.rate_per_s, v1.ttft_p50_s, v1.ttft_p99_s, v1.tpot_p99_s, v1.queue_p99_s) == (12.5, 0.12, 1.5, 0.031, 0.25)
     assert v1.errors_per_s == 0.5 and v1.in_flight == 4 and v1.queued == 2
     assert v1.last_scaling == "=3 35 s ago: queue_time_above_target"  # 100 - 70 + 5 s since the state was written
-    assert v1.rollout == "canary step 2 canary 25"
+    assert v1.rollout == "canary step 2 canary 25 %"
     assert embed.replicas == {} and embed.rate_per_s is None and embed.last_scaling == "-"
 
 
@@ -124,3 +124,56 @@ def test_fleet_top_reads_the_state_directory_and_its_admin_token(tmp_path: Path,
     assert FakeReader.last.url == "http://127.0.0.1:8080" and FakeReader.last.token == "secret"
     missing = CliRunner().invoke(app, ["top", "--once", "--state-dir", str(tmp_path / "none")])
     assert missing.exit_code == 1 and "No fleet state" in missing.output
+
+
+NARROW_HEADERS = ("deployment", "version", "ready", "/want", "req/s", "TTFT", "TPOT", "queue", "p50", "p99", "errors")
+
+
+def frame_at(width: int) -> str:
+    console = Console(record=True, width=width)
+    console.print(render(build_rows(STATE, STATS, {"llama": 0.5}, now_unix=1005.0), "fleet top - running"))
+    return console.export_text()
+
+
+def test_at_80_and_120_columns_nothing_is_cut_and_every_figure_and_fact_shows() -> None:
+    for width in (80, 120):
+        text = frame_at(width)
+        assert "…" not in text and "..." not in text, text
+        assert max(len(line) for line in text.splitlines()) <= width, text
+        for word in (*NARROW_HEADERS, "2/3", "0/3", "120 ms", "1.50 s", "31 ms", "250 ms", "12.5", "0.50"):
+            assert word in text, (width, word, text)
+        flat = " ".join(text.split())        # the facts under the table wrap at the console's width
+        for fact in ("chat v1: 2 READY 1 FAILED (want 3), 4 in flight, 2 queued; scaling =3 35 s ago: "
+                     "queue_time_above_target; rollout canary step 2 canary 25 %", "chat v2: 1 WARMING (want 3)",
+                     "embed -: none (want 1)"):  # fmt: skip
+            assert fact in flat, (width, fact, text)
+
+
+def test_the_wide_layout_keeps_one_line_per_row_where_it_fits() -> None:
+    text = frame_at(220)
+    assert "TTFT p99" in text and "chat v1:" not in text
+    row = next(line for line in text.splitlines() if "v1" in line)
+    assert "2 READY 1 FAILED (want 3)" in row and "queue_time_above_target" in row and "120 ms" in row
+
+
+def test_fleet_top_once_at_columns_80_prints_the_narrow_frame(tmp_path: Path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from fleet.cli import app
+
+    (tmp_path / "state.json").write_text(json.dumps({**STATE, "updated_at_unix": time.time()}))
+    (tmp_path / "admin-token").write_text("secret\n")
+    monkeypatch.setattr("fleet.observability.top.RouterReader", FakeReader)
+    for columns, narrow in (("80", True), ("120", True), ("230", False)):
+        result = CliRunner().invoke(app, ["top", "--once", "--state-dir", str(tmp_path)], env={"COLUMNS": columns})
+        assert result.exit_code == 0, result.output
+        table = [line for line in result.output.splitlines() if line.startswith(("┃", "│", "┏", "└"))]
+        assert table and all(len(line) <= int(columns) for line in table), result.output
+        assert ("chat v1: 2 READY" in result.output) is narrow, result.output
+
+
+def test_the_rollout_column_reads_the_rollout_the_controller_records() -> None:
+    state = json.loads(json.dumps(STATE))
+    del state["deployments"]["chat"]["rollout"]
+    state["deployments"]["chat"]["revisions"] = {"rollout": {"phase": "Progressing", "step_index": 1, "weight": 25.0}}
+    assert build_rows(state, {})[0].rollout == "Progressing step 1 canary 25 %"

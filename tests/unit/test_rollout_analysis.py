@@ -93,3 +93,35 @@ def test_a_queue_time_of_zero_on_stable_uses_the_increase_as_a_floor():
     assert analyse(spec, canary, stable, 0.0, 60.0).verdict is Verdict.PASS
     canary.queue_time_s = [0.3] * 100
     assert analyse(spec, canary, stable, 0.0, 60.0).verdict is Verdict.FAIL
+
+
+def test_an_inconclusive_run_says_what_it_waits_for_and_the_rate_that_fills_a_window():
+    spec = AnalysisSpec(min_samples_per_side=50)
+    run = analyse(spec, side(0.2, 0.02, n=12), side(0.2, 0.02, n=108), 0.0, 60.0)
+    assert run.verdict is Verdict.INCONCLUSIVE
+    said = run.summary(weight=10.0)
+    assert said.startswith("inconclusive: canary has 12 of 50 samples in this 60 s window (0.20 req/s counted); "
+                           "50 per window need 0.83 req/s to the canary, 8.3 req/s in all at weight 10 %"), said
+    assert "streamed" in said
+    short_stable = analyse(spec, side(0.2, 0.02, n=80), side(0.2, 0.02, n=30), 0.0, 30.0)
+    assert "stable has 30 of 50 samples in this 30 s window (1.00 req/s counted)" in short_stable.summary(weight=50.0)
+    assert "3.3 req/s in all at weight 50 %" in short_stable.summary(weight=50.0)
+    assert run.shortfall() and not analyse(spec, side(0.2, 0.02), side(0.2, 0.02), 0.0, 60.0).shortfall()
+
+
+@pytest.mark.parametrize("canary_ms, stable_ms, ratio", [(9.64, 8.0, 1.2), (9.6004, 8.0, 1.2), (20.05, 20.0, 1.0)])
+def test_a_failed_check_prints_its_canary_value_apart_from_its_limit(canary_ms, stable_ms, ratio):
+    spec = AnalysisSpec(min_samples_per_side=5, metrics=[MetricCheck(metric="tpotP99", max_ratio_to_stable=ratio)])
+    run = analyse(spec, side(0.2, canary_ms / 1000, n=10, spread=0), side(0.2, stable_ms / 1000, n=10, spread=0),
+                  0.0, 60.0)
+    check = run.checks[0]
+    assert check.verdict is Verdict.FAIL
+    canary_text, limit_text = check.reason.split(": canary ")[1].split(" (")[0].split(" > limit ")
+    assert canary_text != limit_text, check.reason
+    assert float(canary_text.removesuffix(" ms")) > float(limit_text.removesuffix(" ms"))
+
+
+def test_a_passing_check_keeps_one_decimal():
+    spec = AnalysisSpec(min_samples_per_side=5, metrics=[MetricCheck(metric="tpotP99", max_ratio_to_stable=1.2)])
+    run = analyse(spec, side(0.2, 0.00912, n=10, spread=0), side(0.2, 0.008, n=10, spread=0), 0.0, 60.0)
+    assert run.checks[0].reason == "tpotP99: canary 9.1 ms <= limit 9.6 ms (stable 8.0 ms)"

@@ -215,3 +215,32 @@ def test_load_ratio_and_notes_say_when_canary_replicas_carry_another_load_than_s
     assert notes == ["note: at weight 10 % a canary replica carries 0.33x a stable replica's load (4 replicas), so "
                      "latency comparisons favour the canary; multiples of 25 % compare like with like"]
     assert CanaryMachine(spec()).load_notes(10) == []
+
+
+def test_the_needed_rate_fills_one_window_on_the_smaller_side_and_the_note_names_the_binding_step():
+    from fleet.rollout.machine import needed_rate_per_s
+
+    a = AnalysisSpec(interval_seconds=60, min_samples_per_side=50)
+    assert needed_rate_per_s(a, 10) == pytest.approx(50 / 6)              # 8.3 req/s: the canary gets 10 %
+    assert needed_rate_per_s(a, 25) == pytest.approx(50 / 15)
+    assert needed_rate_per_s(a, 90) == needed_rate_per_s(a, 10)          # stable is the smaller side then
+    note = CanaryMachine(spec()).traffic_note()                          # weights 10 and 50, 10 samples, 60 s
+    assert note == ("note: the analysis needs at least 1.7 streamed req/s to this deployment, steadily (at weight "
+                    "10 %: minSamplesPerSide 10 / (intervalSeconds 60 x 10 %)); with less, runs are inconclusive")
+    # the canary at exactly the needed rate fills a window: the analysis of such a window is not short
+    rate = needed_rate_per_s(a, 25)
+    n = round(rate * 0.25 * 60)
+    full = SideSamples(ttft_s=[0.1] * n, tpot_s=[0.01] * n, e2e_s=[1.0] * n, queue_time_s=[0.0] * n, requests=n)
+    stable = SideSamples(ttft_s=[0.1] * 3 * n, tpot_s=[0.01] * 3 * n, e2e_s=[1.0] * 3 * n, requests=3 * n)
+    assert analyse(a, full, stable, 0.0, 60.0).verdict is Verdict.PASS
+
+
+def test_an_inconclusive_run_is_recorded_with_what_it_waits_for():
+    r = Rollout(spec())
+    r.canary_ready = 1
+    r.tick(0)
+    few = SideSamples(ttft_s=[0.1] * 3, tpot_s=[0.01] * 3, e2e_s=[1.0] * 3, requests=3)
+    many = SideSamples(ttft_s=[0.1] * 40, tpot_s=[0.01] * 40, e2e_s=[1.0] * 40, requests=40)
+    events = r.m.record(r.state, analyse(r.m.spec.analysis, few, many, r.now_s, r.now_s + 60), r.now_s + 60)
+    assert r.state.weight == 10 and events == ["analysis " + r.state.runs[-1]["summary"]]
+    assert "canary has 3 of 10 samples" in events[0] and "in all at weight 10 %" in events[0]
