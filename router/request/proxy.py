@@ -56,10 +56,12 @@ from router.pools.split import sticky_key
 from router.protocol.errors import error_body
 from router.request.asgi_io import CLOSE, DISCONNECT_WATCH_DELAY_S, BodyTooLarge, ClientWatch, Receive, Scope, \
     Send, read_body, send_json
-from router.request.attempt import CONNECT, Attempts, Retry
+from router.request.attempt import CONNECT, MIGRATE, Attempts, Retry
 from router.request.deadline import FirstTokenBudget, first_token_timeout_s
 from router.request.parse import FORWARDED_REQUEST_HEADERS, ParsedRequest, check_forward_headers, parse
+from router.request.migrate import Continuation, Tape, blocker
 from router.request.prepare import add_token_ids, routing_request
+from router.request.relay import StreamPlan, stream_error_tail
 from router.request.refuse import Refusals
 from router.stats.metrics import RouterMetrics
 
@@ -186,6 +188,8 @@ class Proxy:
             return
         if self._attempts.session is None:
             await self.start()
+        limit_s = pool.stream_limits.max_stream_duration_s
+        end_at = None if limit_s is None else asyncio.get_running_loop().time() + limit_s
         watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
         try:
             if endpoint is None:
@@ -193,7 +197,7 @@ class Proxy:
                 if admitted is None:
                     return  # answered 503
                 pool, endpoint = admitted
-            await self._serve(pool, endpoint, request, parsed, key, send, watch, arrival_s)
+            await self._serve(pool, endpoint, request, parsed, key, send, watch, arrival_s, end_at)
         except asyncio.CancelledError:
             if watch.gone:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # we cancelled ourselves
@@ -214,21 +218,27 @@ class Proxy:
         return endpoint
 
     async def _serve(self, pool: Pool, endpoint: EndpointState, request: RouteRequest, parsed: ParsedRequest,
-                     key: str | None, send: Send, watch: ClientWatch, arrival_s: float) -> None:  # fmt: skip
+                     key: str | None, send: Send, watch: ClientWatch, arrival_s: float,
+                     end_at: float | None) -> None:  # fmt: skip
         """Attempt the request on `endpoint` and, while the attempts allow, on others of the pool
-        as it is at each retry (module docstring, step 7); answer the client if none succeeds."""
+        as it is at each retry (module docstring, step 7); answer the client if none succeeds.
+        `end_at`: the request's end (loop-clock seconds, `router.pools.upstream`; None: none)."""
         attempts = min(self._max_attempts, len(pool.ready))
         retries_left = pool.max_retries
         tried = [endpoint]
+        plan = _first_plan(pool, parsed, end_at)
         while True:
             timeout_s = first_token_timeout_s(pool.first_token_timeout_s, request.prompt_tokens,
                                               endpoint.prefill_tokens, stream=parsed.stream,
                                               max_tokens=parsed.max_tokens, budget=self._budget)  # fmt: skip
             may_retry = retries_left > 0 and len(tried) < len(pool.ready)
             retry = await self._attempts.run(endpoint, request, parsed, send, watch, arrival_s, pool, timeout_s,
-                                             may_retry)  # fmt: skip
+                                             may_retry, plan)  # fmt: skip
             if retry is None:
                 return  # the client got its response (or is gone)
+            if retry.kind == MIGRATE:
+                await self._migrate(pool, endpoint, request, parsed, key, send, watch, arrival_s, plan, retry, tried)
+                return
             if retry.kind is CONNECT:
                 if len(tried) >= attempts:
                     break
@@ -251,6 +261,73 @@ class Proxy:
             self._metrics.retries.labels(parsed.model).inc()
         watch.finishing = True
         await self._give_up(send, parsed.model, pool, retry, tried)
+
+    async def _migrate(self, pool: Pool, endpoint: EndpointState, request: RouteRequest, parsed: ParsedRequest,
+                       key: str | None, send: Send, watch: ClientWatch, arrival_s: float, plan: StreamPlan,
+                       retry: Retry, tried: list[EndpointState]) -> None:  # fmt: skip
+        """Continue a stream its engine broke off on another ready endpoint of the same revision,
+        up to the pool's `migration_limit` times (`router.request.migrate`), or end it with an
+        OpenAI error event saying why it was not (logged and counted). Each continuation starts
+        from every token streamed so far."""
+        model, chat = parsed.model, parsed.target.startswith(CHAT_PATH)
+        metrics = self._metrics
+        loop_time = asyncio.get_running_loop().time
+        version = endpoint.version
+        generated = retry.tokens
+        migrations = 0
+        while True:
+            broke_at = loop_time()
+            why = blocker(parsed.doc, chat) if plan.tape is None else None
+            if why is None and migrations >= pool.migration_limit:
+                why = "limit"
+            if why is None and plan.end_at is not None and broke_at >= plan.end_at:
+                why = "limit"
+            continuation = None
+            if why is None:
+                tape = plan.tape
+                assert tape is not None   # no blocker: the first plan has a tape
+                made = Continuation.of(parsed.doc, chat, tape, generated, parsed.max_tokens)
+                if isinstance(made, str):
+                    why = made
+                else:
+                    continuation = made
+            current = self._pools.get(model)
+            next_endpoint = None
+            if continuation is not None and current is not None:
+                pool = current
+                others = [e for e in pool.ready if e.version != version]
+                next_endpoint = pool.pick(request, self._clock(), [*tried, *others], within_limit=False, key=key)
+            if continuation is None or next_endpoint is None:
+                await self._end_broken(send, watch, model, why or "no_endpoint", retry, migrations)
+                return
+            migrations += 1
+            metrics.migrations.labels(model, retry.reason).inc()
+            tried.append(next_endpoint)
+            timeout_s = first_token_timeout_s(pool.first_token_timeout_s, request.prompt_tokens + generated,
+                                              next_endpoint.prefill_tokens, budget=self._budget)  # fmt: skip
+            limits = pool.stream_limits
+            step = StreamPlan(None, limits.min_bytes_per_s, limits.rate_window_s, plan.end_at, plan.tape, continuation)
+            retry = await self._attempts.run(next_endpoint, request, parsed, send, watch, arrival_s, pool, timeout_s,
+                                             False, step)  # type: ignore[assignment]  # fmt: skip
+            if continuation.resumed_at is not None:
+                metrics.migration_time.labels(model).observe(continuation.resumed_at - broke_at)
+            if retry is None:
+                return   # the stream went on to its end (or the client left)
+            if retry.kind != MIGRATE:   # the continuation got no first event: the break stands as it was
+                retry = Retry(MIGRATE, reason="interrupted")
+            generated += retry.tokens
+
+    async def _end_broken(self, send: Send, watch: ClientWatch, model: str, why: str, retry: Retry,
+                          migrations: int) -> None:  # fmt: skip
+        """End a broken stream that is not migrated (again): counted by `why`
+        (`router.request.migrate.UNMIGRATED_REASONS`), logged, and an OpenAI error event saying it."""
+        self._metrics.unmigrated_streams.labels(model, why).inc()
+        log.warning("model %s: a stream broken off (%s) after %d migration(s) is not migrated: %s", model,
+                    retry.reason, migrations, why)  # fmt: skip
+        watch.finishing = True
+        await send({"type": "http.response.body", "more_body": False, "body": stream_error_tail(
+            f"the engine failed mid-stream ({retry.reason}) and the stream was not migrated ({why}); "
+            "the response is incomplete")})  # fmt: skip
 
     async def _give_up(self, send: Send, model: str, pool: Pool, retry: Retry, tried: list[EndpointState]) -> None:
         """No attempt answered and none is left: 504 after a stall, the kept 5xx after one, else
@@ -307,3 +384,22 @@ class Proxy:
         await refusals.reject(send, 503, model, error_body(message, type_="server_error", code=code),
                               refusals.retry_after, shared)  # fmt: skip
         return None
+
+
+CHAT_PATH = "/v1/chat/completions"
+"""The chat completions path (its continuations differ: `router.request.migrate`)."""
+
+
+def _first_plan(pool: Pool, parsed: ParsedRequest, end_at: float | None) -> StreamPlan:
+    """The `StreamPlan` of a request's first attempt (and its retries while nothing reached the
+    client): the pool's stream limits, and a `Tape` when its stream may be migrated (a streamed
+    request of a pool with a `migration_limit`, with nothing that rules it out:
+    `router.request.migrate.blocker`)."""
+    limits = pool.stream_limits
+    plan = StreamPlan(None, limits.min_bytes_per_s, limits.rate_window_s, end_at)
+    if parsed.stream and pool.migration_limit > 0:
+        plan.migrate = True
+        if blocker(parsed.doc, parsed.target.startswith(CHAT_PATH)) is None:
+            plan.tape = Tape()
+    return plan
+
