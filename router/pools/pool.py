@@ -211,7 +211,10 @@ class Pool:
         policy alike. Endpoints cooling down after a connection failure (see
         `DEFAULT_FAILURE_COOLDOWN_S`) and endpoints ejected by outlier detection (`router.pools.outlier`;
         an ejection that is over ends here) are left out unless no other one remains: then the
-        cooling ones are candidates, and if none, the ejected ones (trying beats refusing)."""
+        cooling ones are candidates, and if none, the ejected ones (trying beats refusing). An
+        endpoint in its slow start after an ejection is a candidate for the share of picks its
+        slow-start weight gives (`router.pools.outlier.OutlierDetector.admit`), unless it is the
+        only one left."""
         candidates: Sequence[EndpointState] = self.ready
         limit = self.limit
         if limit is not None and within_limit:
@@ -225,14 +228,17 @@ class Pool:
             if not candidates:
                 return None   # only revisions of weight 0 left (router.pools.split)
         for endpoint in candidates:
-            if endpoint.unavailable_until_s > now_s or endpoint.ejected_until_s:
+            if endpoint.unavailable_until_s > now_s or endpoint.ejected_until_s or endpoint.slow_start_since_s:
                 return self.policy.choose(self._available(candidates, now_s), request, now_s, self.kv_view)
         return self.policy.choose(candidates, request, now_s, self.kv_view)
 
     def _available(self, candidates: Sequence[EndpointState], now_s: float) -> Sequence[EndpointState]:
-        """`candidates` without ejected and cooling-down endpoints, with the fall-backs `pick` names."""
-        release = self.outlier.release
+        """`candidates` without ejected and cooling-down endpoints and the picks slow start keeps
+        from ramping ones, with the fall-backs `pick` names."""
+        release, admit = self.outlier.release, self.outlier.admit
         in_service = [e for e in candidates if not e.ejected_until_s or release(e, now_s)]
+        ramped = [e for e in in_service if not e.slow_start_since_s or admit(e, now_s)]
+        in_service = ramped or in_service
         available = [e for e in in_service if e.unavailable_until_s <= now_s]
         return available or in_service or candidates
 

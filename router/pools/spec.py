@@ -161,6 +161,19 @@ class OutlierDetectionSpec(BaseModel):
         default=_OUTLIER.max_ejection_percent, ge=0, le=100,
         description="Most of the pool's ready endpoints ejected at once, percent (at least one, never the last).",
     )  # fmt: skip
+    slow_start_window_s: float = Field(
+        default=_OUTLIER.slow_start_window_s, ge=0, le=3600,
+        description="Seconds over which an endpoint back from an ejection ramps up to its full share of "
+        "traffic (Envoy's slow_start_window); 0: at once.",
+    )  # fmt: skip
+    slow_start_aggression: float = Field(
+        default=_OUTLIER.slow_start_aggression, gt=0, le=100,
+        description="Shape of the ramp (Envoy's aggression): 1 linear, above 1 faster at first.",
+    )  # fmt: skip
+    slow_start_min_weight_percent: float = Field(
+        default=_OUTLIER.slow_start_min_weight_percent, ge=0, le=100,
+        description="Least share of its traffic a ramping endpoint takes, percent (Envoy's min_weight_percent).",
+    )  # fmt: skip
 
     def settings(self) -> OutlierSettings:
         """The `router.pools.outlier.OutlierSettings` this spec describes."""
