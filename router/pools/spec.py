@@ -203,6 +203,10 @@ class StreamLimitsSpec(BaseModel):
         default=_LIMITS.rate_window_s, gt=0, le=3600,
         description="Seconds over which min_bytes_per_s is measured.",
     )  # fmt: skip
+    max_response_bytes: int = Field(
+        default=_LIMITS.max_response_bytes, ge=1, le=2**40,
+        description="Largest sized (non-streamed) answer relayed, bytes; a larger one fails the attempt.",
+    )  # fmt: skip
 
     def limits(self) -> StreamLimits:
         """The `router.pools.upstream.StreamLimits` this spec describes."""

@@ -18,6 +18,10 @@ cuts a stream, `router.request.proxy` counts migrations). Pure data.
   is 150 bytes or more, so the floor asks for about three tokens per 30 s: an engine trickling
   a byte every 2 s is cut after one window, an engine preempting a request (silent while it
   recomputes) is left to the idle cut (`router.request.relay.StreamIdle`).
+- `max_response_bytes` (64 MiB): the largest sized (non-streamed) answer relayed. An OpenAI
+  completion is some KiB; one with `n` choices and top-20 logprobs over thousands of tokens some
+  MiB; an engine announcing more is broken (a body it should not send), and its answer fails the
+  attempt before any byte goes to the client (retried elsewhere, counted for ejection).
 - `DEFAULT_MIGRATION_LIMIT` (3): the most times one stream moves to another endpoint after its
   engine failed mid-stream (`router.request.migrate`). NVIDIA Dynamo's `--migration-limit`, whose
   documentation says to start with 3 (Dynamo's own default is 0, off; here migration is on
@@ -34,6 +38,8 @@ DEFAULT_MIN_BYTES_PER_S = 16.0
 """Least bytes per second an engine must send once its stream began (module docstring)."""
 DEFAULT_RATE_WINDOW_S = 30.0
 """Seconds over which `min_bytes_per_s` is measured (module docstring)."""
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+"""Largest sized answer relayed (bytes; module docstring)."""
 DEFAULT_MIGRATION_LIMIT = 3
 """Most migrations of one stream (module docstring)."""
 
@@ -42,12 +48,14 @@ DEFAULT_MIGRATION_LIMIT = 3
 class StreamLimits:
     """A pool's limits on one request's upstream answer (module docstring; seconds, bytes/s).
 
-    `max_stream_duration_s` None: no total limit; `min_bytes_per_s` 0: no rate floor. Raises
-    ValueError for a negative rate or a non-positive duration or window."""
+    `max_stream_duration_s` None: no total limit; `min_bytes_per_s` 0: no rate floor;
+    `max_response_bytes`: the largest sized answer. Raises ValueError for a negative rate or a
+    non-positive duration, window or size."""
 
     max_stream_duration_s: float | None = DEFAULT_MAX_STREAM_DURATION_S
     min_bytes_per_s: float = DEFAULT_MIN_BYTES_PER_S
     rate_window_s: float = DEFAULT_RATE_WINDOW_S
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
         if self.max_stream_duration_s is not None and not self.max_stream_duration_s > 0:
@@ -56,3 +64,5 @@ class StreamLimits:
             raise ValueError(f"min_bytes_per_s must be >= 0, got {self.min_bytes_per_s}")
         if not self.rate_window_s > 0:
             raise ValueError(f"rate_window_s must be > 0, got {self.rate_window_s}")
+        if self.max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {self.max_response_bytes}")

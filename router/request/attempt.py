@@ -292,7 +292,7 @@ class Attempts:
                 completed = first_byte_s is not None
             else:
                 whole = await relay.whole(endpoint, m, resp, status, headers, send, watch, request.cached_tokens,
-                                          may_retry)  # fmt: skip
+                                          may_retry, plan.max_response_bytes)  # fmt: skip
                 completed = bool(whole)
                 if whole is None:
                     retry = Retry(Outcome.GATEWAY_FAILURE)

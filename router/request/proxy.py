@@ -397,6 +397,7 @@ def _first_plan(pool: Pool, parsed: ParsedRequest, end_at: float | None) -> Stre
     `router.request.migrate.blocker`)."""
     limits = pool.stream_limits
     plan = StreamPlan(None, limits.min_bytes_per_s, limits.rate_window_s, end_at)
+    plan.max_response_bytes = limits.max_response_bytes
     if parsed.stream and pool.migration_limit > 0:
         plan.migrate = True
         if blocker(parsed.doc, parsed.target.startswith(CHAT_PATH)) is None:

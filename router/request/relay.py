@@ -25,6 +25,7 @@ from collections.abc import Callable
 import aiohttp
 
 from router.pools.endpoint import EndpointState
+from router.pools.upstream import DEFAULT_MAX_RESPONSE_BYTES
 from router.protocol.errors import MAX_ERROR_BODY_BYTES, error_body, relayed_error
 from router.protocol.sse import SseRelay
 from router.protocol.tokens import body_tokens
@@ -148,12 +149,14 @@ nothing more was sent, and the caller continues it on another endpoint or ends i
 class StreamPlan:
     """How one attempt's stream is relayed (`Relay.stream`): its guard's limits (`idle_s`: None,
     no idle cut; `min_bytes_per_s` over `window_s`: 0, no floor; `end_at`: the request's end,
-    loop-clock seconds, None: none; `router.pools.upstream.StreamLimits`), whether a break is the
+    loop-clock seconds, None: none; `router.pools.upstream.StreamLimits`), the largest sized
+    answer (`max_response_bytes`), whether a break is the
     caller's (`migrate`: the pool migrates streams; `Relay.stream` answers `BROKEN`), the `tape`
     its relayed events go to (None: the request is not migrated) and the `continuation` that
     rewrites them (None: a first attempt; `router.request.migrate`)."""
 
-    __slots__ = ("idle_s", "min_bytes_per_s", "window_s", "end_at", "migrate", "tape", "continuation")
+    __slots__ = ("idle_s", "min_bytes_per_s", "window_s", "end_at", "max_response_bytes", "migrate", "tape",
+                 "continuation")  # fmt: skip
 
     def __init__(self, idle_s: float | None = None, min_bytes_per_s: float = 0.0, window_s: float = 1.0,
                  end_at: float | None = None, tape: Tape | None = None,
@@ -162,6 +165,7 @@ class StreamPlan:
         self.min_bytes_per_s = min_bytes_per_s
         self.window_s = window_s
         self.end_at = end_at
+        self.max_response_bytes = DEFAULT_MAX_RESPONSE_BYTES
         self.migrate = continuation is not None
         self.tape = tape
         self.continuation = continuation
@@ -196,7 +200,7 @@ class Relay:
 
     async def whole(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse, status: int,
                     headers: Headers, send: Send, watch: ClientWatch, predicted_cached: int,
-                    may_retry: bool) -> bool | None:  # fmt: skip
+                    may_retry: bool, max_bytes: int) -> bool | None:  # fmt: skip
         """Relay a sized, non-streamed body: True when relayed, False when the endpoint failed and
         the client got a 502 or a truncated body, None when it failed before any byte went to the
         client and `may_retry` (the caller retries elsewhere). `predicted_cached`: the policy's
@@ -208,9 +212,13 @@ class Relay:
         parse, which the hot path cannot afford), has failed before the client saw a byte. A
         larger body is relayed chunk by chunk as it arrives (never held whole: the router's
         memory does not grow with the answer); once its head went out, a cut leaves the client a
-        truncated body."""
+        truncated body. A body announcing more than `max_bytes` fails before any byte is read
+        (`router.pools.upstream`, `max_response_bytes`)."""
         size = resp.content_length or 0
         content = resp.content
+        if size > max_bytes:
+            return await self._failed_before_client(endpoint, m, send, watch, "body",
+                                                    ValueError(f"a body of {size} bytes, over {max_bytes}"), may_retry)
         if size > MAX_BUFFERED_BODY_BYTES:
             return await self._whole_streamed(endpoint, m, resp, status, headers, send, watch, may_retry)
         try:

@@ -207,3 +207,19 @@ async def test_a_request_with_no_head_by_its_max_stream_duration_gets_a_504() ->
         async with client.post("/v1/completions", json=doc) as resp:
             assert resp.status == 504
             assert (await resp.json())["error"]["code"] == "upstream_timeout"
+
+
+async def test_a_body_over_max_response_bytes_fails_the_attempt_before_any_byte() -> None:
+    async def huge(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({**GOOD, "filler": "x" * 4000})
+
+    async with FakeEngine("huge", handler=huge) as big, FakeEngine("good") as good, router() as (app, client):
+        await put_pool(client, "m", [{"id": "huge", "url": big.url}, {"id": "good", "url": good.url}],
+                       policy="round-robin", stream_limits={"max_response_bytes": 1000})  # fmt: skip
+        for _ in range(3):
+            async with client.post("/v1/completions", json=completion()) as resp:
+                assert resp.status == 200 and (await resp.json())["served_by"] == "good"
+        await put_pool(client, "m", [{"id": "huge", "url": big.url}], stream_limits={"max_response_bytes": 1000})
+        async with client.post("/v1/completions", json=completion()) as resp:
+            assert resp.status == 502
