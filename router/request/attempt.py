@@ -184,7 +184,8 @@ class Attempts:
         first = [prefill_tokens]   # emptied when the first byte releases the prefill charge
         start_s = self._clock()
         try:
-            opened = await self._open(endpoint, m, parsed, send, watch, pool, arrival_s, start_s, timeout_s, plan)
+            opened = await self._open(endpoint, m, parsed, send, watch, pool, arrival_s, start_s, timeout_s, plan,
+                                      may_retry)  # fmt: skip
             if type(opened) is not tuple:
                 return opened   # a Retry, or None: the client was answered
             return await self._answer(endpoint, m, opened, first, request, send, watch, pool,
@@ -198,11 +199,13 @@ class Attempts:
 
     async def _open(self, endpoint: EndpointState, m: EndpointMetrics, parsed: ParsedRequest, send: Send,
                     watch: ClientWatch, pool: Pool, arrival_s: float, start_s: float,
-                    timeout_s: float | None, plan: StreamPlan) -> Opened | Retry | None:  # fmt: skip
+                    timeout_s: float | None, plan: StreamPlan, may_retry: bool) -> Opened | Retry | None:  # fmt: skip
         """Post the request and wait, within the first-token deadline, for the response head and,
         for a stream, its first body chunk: `(response, first chunk or None, its clock time)`; a
-        `Retry` (connection failed before any response byte, or the deadline passed), or None
-        when the client was answered (a broken response: 502, an aiohttp timeout: 504)."""
+        `Retry` (connection failed before any response byte, the deadline passed, or, with
+        `may_retry`, the engine failed after its head and before its first chunk: the client got
+        nothing), or None when the client was answered (a broken response: 502, an aiohttp
+        timeout: 504)."""
         assert self.session is not None
         clock = self._clock
         resp: aiohttp.ClientResponse | None = None
@@ -222,7 +225,11 @@ class Attempts:
                     first_chunk_s = clock()
         except _RETRYABLE as exc:
             if resp is not None and plan.continuation is not None:
-                return self._continuation_failed(endpoint, m, resp, pool, arrival_s, start_s, exc)
+                return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s, exc,
+                                         Retry(MIGRATE, reason="interrupted"))  # fmt: skip
+            if resp is not None and may_retry:
+                return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s, exc,
+                                         Retry(Outcome.GATEWAY_FAILURE))  # fmt: skip
             if resp is not None:  # the head came, the body's first read failed: not a connect failure
                 return await self._upstream_failed(endpoint, m, resp, send, watch, pool, arrival_s, start_s, exc)
             now_s = clock()
@@ -235,7 +242,11 @@ class Attempts:
             if isinstance(exc, TimeoutError) and within.expired() and deadline != end_at:
                 return self._stalled(endpoint, m, resp, pool, arrival_s, start_s, timeout_s)
             if plan.continuation is not None:   # the client has its head: no 502/504 can follow
-                return self._continuation_failed(endpoint, m, resp, pool, arrival_s, start_s, exc)
+                return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s, exc,
+                                         Retry(MIGRATE, reason="interrupted"))  # fmt: skip
+            if resp is not None and may_retry and not isinstance(exc, TimeoutError):
+                return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s, exc,
+                                         Retry(Outcome.GATEWAY_FAILURE))  # fmt: skip
             return await self._upstream_failed(endpoint, m, resp, send, watch, pool, arrival_s, start_s, exc)
         except BaseException:   # cancelled (the client left) after the head, before the first chunk:
             if resp is not None:   # nothing else would close it, and the engine would go on generating
@@ -254,8 +265,9 @@ class Attempts:
         `may_retry`, and for a stream to continue elsewhere (`MIGRATE`)."""
         resp, first_chunk, first_chunk_s = opened
         if plan.continuation is not None and (resp.status >= 400 or resp.content_type != "text/event-stream"):
-            return self._continuation_failed(endpoint, m, resp, pool, arrival_s, start_s,
-                                             ValueError(f"a continuation answered {resp.status} {resp.content_type}"))
+            return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s,
+                                     ValueError(f"a continuation answered {resp.status} {resp.content_type}"),
+                                     Retry(MIGRATE, reason="interrupted"))  # fmt: skip
         headers_s = self._clock()
         relay = self.relay
         completed = False
@@ -370,10 +382,12 @@ class Attempts:
                     endpoint.url, timeout_s or 0.0, endpoint.outlier.consecutive_stalls)  # fmt: skip
         return Retry(Outcome.STALL)
 
-    def _continuation_failed(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse | None,
-                             pool: Pool, arrival_s: float, start_s: float, exc: BaseException) -> Retry:  # fmt: skip
-        """A continuation of a migrated stream failed before it relayed an event: counted against
-        the endpoint, and the stream handed back to migrate again or end (`Retry` of kind `MIGRATE`)."""
+    def _handed_back(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse | None,
+                     pool: Pool, arrival_s: float, start_s: float, exc: BaseException,
+                     retry: Retry) -> Retry:  # fmt: skip
+        """An attempt that failed after the engine's head and before anything of it went to the
+        client (a first attempt or a continuation of a migrated stream): counted against the
+        endpoint, and the request handed back as `retry` (to retry, or to migrate again or end)."""
         if resp is not None:
             resp.close()
         now_s = self._clock()
@@ -382,8 +396,9 @@ class Attempts:
         self._count_outcome(pool, endpoint, m, Outcome.GATEWAY_FAILURE, now_s)
         pool.shared.finished(endpoint, arrival_s=arrival_s, dispatch_s=start_s, end_s=now_s, first_token_s=None,
                              tpot_s=None, e2e_s=None, failed=True)  # fmt: skip
-        log.warning("endpoint %s (%s): continuation of a migrated stream failed: %r", endpoint.id, endpoint.url, exc)
-        return Retry(MIGRATE, reason="interrupted")
+        log.warning("endpoint %s (%s): failed before the client got a byte, handed back: %r", endpoint.id,
+                    endpoint.url, exc)  # fmt: skip
+        return retry
 
     async def _upstream_failed(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse | None,
                                send: Send, watch: ClientWatch, pool: Pool, arrival_s: float, start_s: float,

@@ -223,3 +223,22 @@ async def test_a_body_over_max_response_bytes_fails_the_attempt_before_any_byte(
         await put_pool(client, "m", [{"id": "huge", "url": big.url}], stream_limits={"max_response_bytes": 1000})
         async with client.post("/v1/completions", json=completion()) as resp:
             assert resp.status == 502
+
+
+async def test_a_stream_whose_engine_dies_after_its_head_and_before_its_first_event_is_retried() -> None:
+    async def head_only(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        writer.transport.abort()
+
+    async with raw_upstream(head_only) as (dying_url, connections), FakeEngine("good") as good, \
+            router() as (app, client):  # fmt: skip
+        await put_pool(client, "m", [{"id": "dying", "url": dying_url}, {"id": "good", "url": good.url}],
+                       policy="round-robin")  # fmt: skip
+        for _ in range(3):
+            async with client.post("/v1/completions", json=completion(stream=True)) as resp:
+                assert resp.status == 200
+                body = await resp.read()
+                assert b'"served_by": "good"' in body and body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body
+        assert len(connections) >= 1
+        assert counter_value(app, "fleet_router_retries_total", model="m") == len(connections)
