@@ -18,8 +18,10 @@ request path; everything runs on loopback and ends by itself.
 - **error-events**, **trickle**, **huge**: a third endpoint beside two replicas answers 200 with an
   error event inside every stream; or trickles a byte every 2 s after one event; or answers every
   request with a sized 100 MiB body (here the load also sends non-streamed requests, one every
-  0.5 s). Counted: failed and cut requests (and how many came after the first ten seconds), the
-  bad endpoint's ejections, and the router's RSS (start and largest, sampled every 0.5 s).
+  0.5 s; over the router's default `max_response_bytes` they are refused and retried elsewhere,
+  and with ``--max-response-bytes 268435456`` relayed as they arrive). Counted: failed and cut
+  requests (and how many came after the first ten seconds), the bad endpoint's ejections, and
+  the router's RSS (start and largest, sampled every 0.5 s).
 
 Usage (bounded: ``--seconds`` per run, default 60):
     .venv/bin/python -m loadtests.migration_faults [--runs kill,stop,error-events,trickle,huge] \\
@@ -129,7 +131,8 @@ def bad_engine_process(mode: str) -> Iterator[str]:
 
 
 @contextmanager
-def router(urls: list[str], migration_limit: int | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+def router(urls: list[str], migration_limit: int | None = None,
+           stream_limits: dict[str, Any] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port)],
@@ -141,6 +144,8 @@ def router(urls: list[str], migration_limit: int | None = None) -> Iterator[tupl
                                "endpoints": [{"id": f"e{i}", "url": u} for i, u in enumerate(urls)]}  # fmt: skip
         if migration_limit is not None:
             doc["migration_limit"] = migration_limit
+        if stream_limits:
+            doc["stream_limits"] = stream_limits
         put_routing_pool(base, doc)
         yield proc, base
     finally:
@@ -229,8 +234,10 @@ def run_signal(args: argparse.Namespace, kind: str) -> dict[str, Any]:
 
 def run_bad(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """A misbehaving third endpoint (`bad_engine`) beside two replicas."""
+    limits = {"max_response_bytes": args.max_response_bytes} if args.max_response_bytes else None
     with SimFleet(2, profile=args.profile, model=MODEL, processes=2, seed=args.seed) as sims, \
-            bad_engine_process(mode) as bad_url, router([*sims.urls, bad_url]) as (proc, base):  # fmt: skip
+            bad_engine_process(mode) as bad_url, \
+            router([*sims.urls, bad_url], stream_limits=limits) as (proc, base):  # fmt: skip
         stop = threading.Event()
         sized: list[str] = []
         sized_thread = threading.Thread(target=_non_streamed_loop, args=(base, stop, sized), daemon=True)
@@ -261,6 +268,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=30.0, help="streamed requests per second (default 30)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--stop-s", type=float, default=10.0, help="how long the stop run SIGSTOPs (default 10)")
+    parser.add_argument("--max-response-bytes", type=int, default=0,
+                        help="the pool's max_response_bytes (default: the router's, 64 MiB, under the huge answers)")
     parser.add_argument("--profile", default="h100-llama-8b")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", type=Path, default=None)

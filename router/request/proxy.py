@@ -17,15 +17,21 @@ FastAPI app. `Proxy.__call__` runs the steps of a request in order, each owned b
    endpoint full in its admission queue (`router.pools.admission`; 503 when the queue is full or
    the wait times out);
 6. **attempt** it (`attempt`: the first-token deadline, `deadline`; error mapping; outlier
-   ejection through `Pool.record_outcome`) and **relay** the answer (`relay`: status, content
-   type and body; SSE event by event through `router.protocol.sse.SseRelay`, which times the
-   token events; an SSE stream the engine cuts off ends with an OpenAI error event and
-   `data: [DONE]`);
-7. **retry** (here): a connection failure before any response byte goes to an endpoint not yet
-   tried (at most `min(max_attempts, ready endpoints)` attempts, then 502); a stall past the
-   first-token deadline or a 5xx goes to another endpoint while the pool's `max_retries` allow
-   (then 504 `first_token_timeout`, or the 5xx). Once bytes went to the client nothing is retried.
-   A retry picks from the pool as it is then (the controller may have changed it).
+   ejection through `Pool.record_outcome`; an error event inside a 200 stream, a sized body cut
+   off or not a JSON object fail it) and **relay** the answer (`relay`: status, content type and
+   body, a sized body over 1 MiB as it arrives; SSE event by event through
+   `router.protocol.sse.SseRelay`, which times the token events; a stream guarded against
+   silence, a byte rate under the pool's floor and the request's total-time limit,
+   `router.pools.upstream`);
+7. **retry or migrate** (here): a connection failure before any response byte goes to an
+   endpoint not yet tried (at most `min(max_attempts, ready endpoints)` attempts, then 502); a
+   stall past the first-token deadline, a 5xx, or an answer broken before anything reached the
+   client goes to another endpoint while the pool's `max_retries` allow (then 504
+   `first_token_timeout`, the 5xx, or 502). Once bytes went to the client a stream its engine
+   breaks off moves on to another ready endpoint of the same revision, with the prompt and the
+   text streamed so far, up to the pool's `migration_limit` times (`migrate`); one that cannot
+   move ends with an OpenAI error event and `data: [DONE]`, saying why. A retry or migration
+   picks from the pool as it is then (the controller may have changed it).
 
 Each request is recorded in its model's windowed stats (`router.stats.windows`, through
 `router.pools.pool.PoolShared`): arrival, queue time (arrival until dispatch), client-side TTFT,
@@ -291,15 +297,11 @@ class Proxy:
                     why = made
                 else:
                     continuation = made
-            current = self._pools.get(model)
-            next_endpoint = None
-            if continuation is not None and current is not None:
-                pool = current
-                others = [e for e in pool.ready if e.version != version]
-                next_endpoint = pool.pick(request, self._clock(), [*tried, *others], within_limit=False, key=key)
-            if continuation is None or next_endpoint is None:
+            picked = self._same_revision(model, version, request, tried, key) if continuation is not None else None
+            if continuation is None or picked is None:
                 await self._end_broken(send, watch, model, why or "no_endpoint", retry, migrations)
                 return
+            pool, next_endpoint = picked
             migrations += 1
             metrics.migrations.labels(model, retry.reason).inc()
             tried.append(next_endpoint)
@@ -307,15 +309,26 @@ class Proxy:
                                               next_endpoint.prefill_tokens, budget=self._budget)  # fmt: skip
             limits = pool.stream_limits
             step = StreamPlan(None, limits.min_bytes_per_s, limits.rate_window_s, plan.end_at, plan.tape, continuation)
-            retry = await self._attempts.run(next_endpoint, request, parsed, send, watch, arrival_s, pool, timeout_s,
-                                             False, step)  # type: ignore[assignment]  # fmt: skip
+            again = await self._attempts.run(next_endpoint, request, parsed, send, watch, arrival_s, pool, timeout_s,
+                                             False, step)  # fmt: skip
             if continuation.resumed_at is not None:
                 metrics.migration_time.labels(model).observe(continuation.resumed_at - broke_at)
-            if retry is None:
+            if again is None:
                 return   # the stream went on to its end (or the client left)
-            if retry.kind != MIGRATE:   # the continuation got no first event: the break stands as it was
-                retry = Retry(MIGRATE, reason="interrupted")
+            # A continuation that got no first event leaves the break as it was.
+            retry = again if again.kind == MIGRATE else Retry(MIGRATE, reason="interrupted")
             generated += retry.tokens
+
+    def _same_revision(self, model: str, version: str, request: RouteRequest, tried: list[EndpointState],
+                       key: str | None) -> tuple[Pool, EndpointState] | None:  # fmt: skip
+        """The model's pool as it is now and the endpoint its policy picks among the ready ones of
+        revision `version` not in `tried`; None when there is none (or no pool)."""
+        pool = self._pools.get(model)
+        if pool is None:
+            return None
+        others = [e for e in pool.ready if e.version != version]
+        endpoint = pool.pick(request, self._clock(), [*tried, *others], within_limit=False, key=key)
+        return None if endpoint is None else (pool, endpoint)
 
     async def _end_broken(self, send: Send, watch: ClientWatch, model: str, why: str, retry: Retry,
                           migrations: int) -> None:  # fmt: skip
