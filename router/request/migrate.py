@@ -9,18 +9,20 @@ no clock.
 
 What is re-sent. NVIDIA Dynamo's migration (its `Migrator`, `--migration-limit`) re-sends the
 prompt's token ids plus the token ids generated so far. A router in front of vLLM's OpenAI server
-sees text, not ids: vLLM sends ids only when a request asks for them (`return_token_ids`, vLLM
-0.10.2 on), which would change every request's body and answer on the hot path, and a tokenizer
-round trip of the streamed text does not give back the ids the engine sampled. So a continuation
-re-sends text, in the form vLLM's OpenAI server takes to go on from a partial answer:
+sees text, not ids: vLLM sends ids only when a request asks for them (`return_token_ids`:
+"token_ids contains the delta tokens for each chunk", vLLM 0.32's
+vllm/entrypoints/openai/chat_completion/protocol.py), which would change every request's body and
+answer on the hot path, and a tokenizer round trip of the streamed text does not give back the
+ids the engine sampled. So a continuation re-sends text, in the form vLLM's OpenAI server takes
+to go on from a partial answer:
 
 - `/v1/completions` with a text prompt: the prompt is `prompt + text streamed so far`
   (vLLM tokenizes the whole string; OpenAI's and vLLM's `prompt` accepts a string);
 - `/v1/chat/completions`: the messages plus an `assistant` message holding the text streamed so
-  far, with vLLM's `continue_final_message: true` and `add_generation_prompt: false`
-  (vLLM's `ChatCompletionRequest`: "the final message will be open-ended ... allows you to
-  prefill part of the model's response"), so the chat template renders the reply open, as the
-  failed engine had it.
+  far, with vLLM's `continue_final_message: true` and `add_generation_prompt: false` (vLLM 0.32's
+  `ChatCompletionRequest`, the same file: "the final message in the chat is open-ended, without
+  any EOS tokens. The model will continue this message rather than starting a new one"), so the
+  chat template renders the reply open, as the failed engine had it.
 
 Both re-tokenize the streamed text: at the seam the ids may differ from the sampled ones (a word
 split another way), which moves the next token's distribution slightly; the text the client got
