@@ -117,9 +117,12 @@ async def test_vllm_continues_a_migrated_completion_and_chat_stream(tmp_path, ti
                 body = {"model": MODEL, **prompt, "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True,
                         "stream_options": {"include_usage": True}}  # fmt: skip
                 path = "/v1/chat/completions" if chat else "/v1/completions"
-                async with client.post(path, json=body) as resp:   # round-robin: the dying engine first
-                    assert resp.status == 200
-                    raw = await resp.read()
+                served = []
+                for _ in range(2):   # round-robin: one of the two starts on the dying engine
+                    async with client.post(path, json=body) as resp:
+                        assert resp.status == 200
+                        served.append(await resp.read())
+                raw = next(r for r in served if b" once" in r)
                 docs = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
                 assert raw.endswith(b"data: [DONE]\n\n") and not any("error" in d for d in docs), raw[-600:]
                 assert len({d["id"] for d in docs}) == 1
