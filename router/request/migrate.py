@@ -58,10 +58,11 @@ MIGRATION_REASONS = ("interrupted", "stalled")
 process gone), or the stream guard cut it (silent, too slow: `router.request.relay.StreamGuard`)."""
 
 UNMIGRATED_REASONS = ("n", "logprobs", "echo", "suffix", "tools", "structured_output", "prompt_not_text",
-                      "too_long", "limit", "no_endpoint", "nothing_left")  # fmt: skip
+                      "too_long", "limit", "duration", "no_endpoint", "nothing_left")  # fmt: skip
 """`reason` of `fleet_router_unmigrated_streams_total`: the request's field that rules it out
-(module docstring), its tape past `MAX_TAPE_BYTES`, its `migration_limit` spent, no other ready
-endpoint of its revision, or no tokens left to generate."""
+(module docstring), its tape past `MAX_TAPE_BYTES`, its `migration_limit` spent, its
+`max_stream_duration_s` over (`router.pools.upstream`), no other ready endpoint of its revision,
+or no tokens left to generate."""
 
 _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
 _STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",

@@ -287,7 +287,7 @@ class Proxy:
             if why is None and migrations >= pool.migration_limit:
                 why = "limit"
             if why is None and plan.end_at is not None and broke_at >= plan.end_at:
-                why = "limit"
+                why = "duration"
             continuation = None
             if why is None:
                 tape = plan.tape

@@ -139,7 +139,8 @@ class RouterFamilies:
             "fleet_router_unmigrated_streams",
             "Streams broken off mid-way that were not migrated and ended with an error event, by reason: a "
             "request field that rules migration out (n, logprobs, echo, suffix, tools, structured_output, "
-            "prompt_not_text), too_long, limit (migration_limit spent), no_endpoint, nothing_left.",
+            "prompt_not_text), too_long, limit (migration_limit spent), duration (max_stream_duration_s over), "
+            "no_endpoint, nothing_left.",
             ["model", "reason"],
             registry=r,
         )

@@ -185,3 +185,40 @@ def test_a_continuation_with_no_tokens_left_is_not_made() -> None:
     tape = Tape()
     tape.add(text_event(" a", "x"))
     assert Continuation.of({"prompt": "p", "max_tokens": 1}, False, tape, 1, 1) == "nothing_left"
+
+
+async def test_a_stream_moves_at_most_migration_limit_times() -> None:
+    first = [text_event(" one", "cmpl-a")]
+    async with raw_upstream(dying(first)) as (a_url, a_conns), raw_upstream(dying(first)) as (b_url, b_conns), \
+            router() as (app, client):  # fmt: skip
+        await put_pool(client, "m", [{"id": "a", "url": a_url}, {"id": "b", "url": b_url}], policy="round-robin",
+                       migration_limit=1)  # fmt: skip
+        async with client.post("/v1/completions", json=completion(stream=True)) as resp:
+            body = await resp.read()
+        assert (len(a_conns), len(b_conns)) == (1, 1)   # the first attempt and one migration
+        assert "not migrated (limit)" in datas(body)[-1]["error"]["message"]
+        assert counter_value(app, "fleet_router_migrations_total", model="m", reason="interrupted") == 1
+        assert counter_value(app, "fleet_router_unmigrated_streams_total", model="m", reason="limit") == 1
+
+
+async def test_a_stream_that_goes_silent_is_cut_and_migrated() -> None:
+    async def silent_after_one(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(text_event(" one", "cmpl-a"))
+        await asyncio.sleep(30)
+        return resp
+
+    rest = Continuer([text_event(" two", "cmpl-b")])
+    async with FakeEngine("a", handler=silent_after_one) as a, FakeEngine("b", handler=rest.handle) as b, \
+            router() as (app, client):  # fmt: skip
+        await put_pool(client, "m", [{"id": "a", "url": a.url}, {"id": "b", "url": b.url}], policy="round-robin",
+                       first_token_timeout_s=0.3)  # fmt: skip
+        served = []
+        for _ in range(2):
+            async with client.post("/v1/completions", json=completion(stream=True)) as resp:
+                served.append(await resp.read())
+        migrated = next(s for s in served if b" one" in s)
+        assert "".join(d["choices"][0]["text"] for d in datas(migrated)) == " one two"
+        assert counter_value(app, "fleet_router_migrations_total", model="m", reason="stalled") == 1
