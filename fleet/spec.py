@@ -34,6 +34,8 @@ from fleet.engines.spec import EngineSpec
 from fleet.rollout.spec import RolloutSpec
 from fleet.sources import ModelSource, Scheme, SourceError
 from router.pools.policies import ROUTING_POLICIES
+from router.pools.upstream import DEFAULT_MAX_STREAM_DURATION_S, DEFAULT_MIGRATION_LIMIT, DEFAULT_MIN_BYTES_PER_S, \
+    DEFAULT_RATE_WINDOW_S
 from fleet.base.names import DNS_LABEL, MIG_PROFILE
 from fleet.base.rules import CrossFieldRule, sections_in
 from fleet.base.spec import FieldError, SpecModel
@@ -253,6 +255,24 @@ class RoutingSpec(SpecModel):
         1, ge=0, le=10,
         description="Times a request is sent to another replica after a first-token timeout or a 5xx, while "
         "nothing has been streamed to the client.",
+    )
+    migration_limit: int = Field(
+        DEFAULT_MIGRATION_LIMIT, ge=0, le=10,
+        description="Times a stream whose replica failed mid-way goes on from another replica of its revision, "
+        "with the prompt and the text streamed so far (Dynamo's migration_limit; 0: never).",
+    )
+    max_stream_duration_seconds: float | None = Field(
+        DEFAULT_MAX_STREAM_DURATION_S, gt=0, le=86400,
+        description="Longest a request may take in the router, arrival to last byte, retries and migrations "
+        "included (Envoy's max_stream_duration); unset: no limit.",
+    )
+    min_bytes_per_second: float = Field(
+        DEFAULT_MIN_BYTES_PER_S, ge=0, le=1e9,
+        description="Least bytes per second a replica's stream must bring once it began, measured over "
+        "byteRateWindowSeconds; a slower one is cut (and migrated). 0: no floor.",
+    )
+    byte_rate_window_seconds: float = Field(
+        DEFAULT_RATE_WINDOW_S, gt=0, le=3600, description="Seconds over which minBytesPerSecond is measured."
     )
 
     @field_validator("policy")

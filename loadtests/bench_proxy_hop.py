@@ -25,7 +25,7 @@ window divided by the requests served in it), and the same for the backend. Ever
 shares the machine's cores, so figures move from run to run; read the ratios.
 
 Usage: python loadtests/bench_proxy_hop.py [--seconds 10] [--concurrency 8]
-       [--targets router,fastapi-httpx,direct] [--stream-chunks 16 --chunk-gap-ms 2]
+       [--targets router,fastapi-httpx,direct] [--stream-chunks 16 --chunk-gap-ms 2] [--migration-limit 0]
 """
 
 from __future__ import annotations
@@ -238,8 +238,10 @@ def read_line(proc: subprocess.Popen[str], prefix: str) -> str:
     raise RuntimeError(f"process {proc.args!r} exited (rc={proc.wait()}) before printing {prefix!r}")
 
 
-def configure_router(base: str, backend_urls: list[str]) -> None:
-    doc = {"endpoints": [{"id": f"backend-{i}", "url": u} for i, u in enumerate(backend_urls)]}
+def configure_router(base: str, backend_urls: list[str], migration_limit: int | None = None) -> None:
+    doc: dict[str, Any] = {"endpoints": [{"id": f"backend-{i}", "url": u} for i, u in enumerate(backend_urls)]}
+    if migration_limit is not None:
+        doc["migration_limit"] = migration_limit
     request = urllib.request.Request(f"{base}/admin/v1/pools/bench", data=json.dumps(doc).encode(), method="PUT",
                                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
                                               "Content-Type": "application/json"})  # fmt: skip
@@ -256,7 +258,7 @@ def run_target(target: str, backend_pids: list[int], backend_urls: list[str], ar
             proxy = spawn("-m", "router", "--host", "127.0.0.1", "--port", "0",
                           env={"FLEET_ROUTER_ADMIN_TOKEN": ADMIN_TOKEN})  # fmt: skip
             base = read_line(proxy, "listening on").rsplit(" ", 1)[1]
-            configure_router(base, backend_urls)
+            configure_router(base, backend_urls, args.migration_limit)
         elif target == "vllm-router":
             port = free_port()
             proxy = subprocess.Popen(
@@ -310,6 +312,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per target (default 10)")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop workers (default 8)")
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {TARGETS}")
+    parser.add_argument("--migration-limit", type=int, default=None,
+                        help="the router pool's migration_limit (default: the router's; 0 turns migration off)")
     parser.add_argument("--stream-chunks", type=int, default=0,
                         help="0: non-streamed requests (default); N: streamed, N SSE token events each")
     parser.add_argument("--chunk-gap-ms", type=float, default=2.0,

@@ -48,11 +48,13 @@ RETRIED_STATUSES = (429, 503)
 class Request:
     """One request of the load. Times are `time.monotonic` seconds.
 
-    ``outcome``: "ok" (a 200 stream ending with ``data: [DONE]``), "failed" (failed before its
-    stream started: ``detail`` is the HTTP status or the client error's name) or "cut" (the
-    stream started, then broke: ``detail`` says how). ``attempts``: tries made (1 = no retry);
-    ``last_try_at_s``: when the last try was sent; ``refused``: tries whose connection was
-    refused (nothing listened: no router held the socket); ``router``: the index in ``FaultLoad.urls``
+    ``outcome``: "ok" (a 200 stream ending with ``data: [DONE]`` and no error event), "failed"
+    (failed before its stream started: ``detail`` is the HTTP status or the client error's name)
+    or "cut" (the stream started, then broke, or ended with the router's OpenAI error event:
+    ``detail`` says how). ``token_events``: the events carrying text the stream brought.
+    ``attempts``: tries made (1 = no retry); ``last_try_at_s``: when the last try was sent;
+    ``refused``: tries whose connection was refused (nothing listened: no router held the socket);
+    ``router``: the index in ``FaultLoad.urls``
     of the router the last try went to (0 with one URL); ``first_byte_at_s``: when the first
     chunk of a 200 stream's body arrived (its first token event), else None."""
 
@@ -65,6 +67,7 @@ class Request:
     router: int = 0
     first_byte_at_s: float | None = None
     refused: int = 0
+    token_events: int = 0
 
 
 @dataclass
@@ -196,7 +199,8 @@ class FaultLoad:
                     async for chunk in r.content.iter_any():
                         if req.first_byte_at_s is None and chunk:
                             req.first_byte_at_s = time.monotonic()
-                        data = (data + chunk)[-64:]   # the tail: is it data: [DONE]?
+                        req.token_events += chunk.count(b'"text":')
+                        data = (data + chunk)[-1024:]   # the tail: an error event? data: [DONE]?
                 except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                     req.outcome, req.detail = "cut", type(err).__name__
                     return None
@@ -207,7 +211,9 @@ class FaultLoad:
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:   # reset or closed before the answer
             req.outcome, req.detail = "failed", type(err).__name__
             return None
-        if data.rstrip().endswith(b"data: [DONE]"):
+        if b'"error"' in data:
+            req.outcome, req.detail = "cut", "error event"
+        elif data.rstrip().endswith(b"data: [DONE]"):
             req.outcome, req.detail = "ok", ""
         else:
             req.outcome, req.detail = "cut", "no data: [DONE]"

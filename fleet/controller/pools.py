@@ -27,7 +27,7 @@ from fleet.controller.targets import DeploymentRecord, FleetRecords
 from fleet.rollout.revisions import endpoint_weights, revision_label
 from fleet.sources import parse_source
 from fleet.spec import LoadedDeployment
-from router.pools.spec import EndpointSpec, KvEventsSource, PoolSpec
+from router.pools.spec import EndpointSpec, KvEventsSource, PoolSpec, StreamLimitsSpec
 
 log = logging.getLogger("fleet.controller")
 
@@ -117,7 +117,10 @@ class PoolPublisher:
                 max_queue_length=routing.max_queue_length, queue_timeout_s=routing.queue_timeout_seconds,
                 sticky_key=sticky_key, tokenizer=self._tokenizer(ds.loaded),
                 first_token_timeout_s=routing.first_token_timeout_seconds,
-                max_retries=routing.max_retries,
+                max_retries=routing.max_retries, migration_limit=routing.migration_limit,
+                stream_limits=StreamLimitsSpec(max_stream_duration_s=routing.max_stream_duration_seconds,
+                                               min_bytes_per_s=routing.min_bytes_per_second,
+                                               rate_window_s=routing.byte_rate_window_seconds),
             )  # fmt: skip
             if pool != ds.last_pool:
                 changed.append((ds, pool))

@@ -357,7 +357,8 @@ class SimReplica:
                 body = await read_body(request, self.settings.served_model_name)
                 real = self.settings.tokens
                 if chat:
-                    prompt_ids = real.encode_chat(body) if real else tokens.encode_chat(body.get("messages"))
+                    prompt_ids = real.encode_chat(body) if real else tokens.encode_chat(
+                        body.get("messages"), continue_final=body.get("continue_final_message") is True)
                 else:
                     if "prompt" not in body:
                         raise ApiError(400, "prompt: required field is missing", "prompt")

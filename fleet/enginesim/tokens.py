@@ -12,6 +12,8 @@ rules are simple enough for a trace replayer to hit exact lengths:
   prefix really hits the prefix cache.
 - Chat messages become ``<|role|>`` (one token) + content tokens per message, then one
   ``<|assistant|>`` token to open the reply: a single user message of N words is N + 2 tokens.
+  With vLLM's ``continue_final_message`` and a last message of the assistant, no token opens a
+  reply: the generation continues that message (how the router migrates a chat stream).
 - Output tokens are words of a fixed filler vocabulary, each emitted as ``" " + word``. Their
   ids are the ids the tokenizer gives those words, so a client that sends a reply back in the
   next turn (multi-turn chat) hits the blocks the reply filled, as with a real tokenizer.
@@ -92,8 +94,10 @@ def _content_text(content: object, where: str) -> str:
     raise PromptError(f"{where}.content: must be a string or a list of text parts")
 
 
-def encode_chat(messages: Sequence[object]) -> list[int]:
-    """Token ids of a chat: per message ``<|role|>`` + content, then ``<|assistant|>``.
+def encode_chat(messages: Sequence[object], continue_final: bool = False) -> list[int]:
+    """Token ids of a chat: per message ``<|role|>`` + content, then ``<|assistant|>``. With
+    ``continue_final`` (vLLM's ``continue_final_message``, for a chat whose last message is the
+    assistant's partial reply) no ``<|assistant|>`` follows: the reply goes on from that message.
 
     Raises:
         PromptError: empty list, a message that is not an object with a known role.
@@ -110,7 +114,9 @@ def encode_chat(messages: Sequence[object]) -> list[int]:
             raise PromptError(f"{where}.role: must be one of {', '.join(_ROLE_IDS)}, got {role!r}")
         ids.append(_ROLE_IDS[role])
         ids.extend(encode(_content_text(m.get("content"), where)))
-    ids.append(_OPEN_REPLY_ID)
+    last = messages[-1]
+    if not (continue_final and isinstance(last, dict) and last.get("role") == "assistant"):
+        ids.append(_OPEN_REPLY_ID)
     return ids
 
 

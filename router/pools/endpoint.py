@@ -61,7 +61,9 @@ class EndpointState:
 
     Outlier ejection: `outlier` holds its outlier counters and ejection (`router.pools.outlier.OutlierState`); `ejected_until_s` (router-clock
     seconds, 0.0 when in service) mirrors the ejection's end for the picking loop
-    (`router.pools.pool.Pool.pick` leaves ejected endpoints out while others remain).
+    (`router.pools.pool.Pool.pick` leaves ejected endpoints out while others remain), and
+    `slow_start_since_s` (router-clock seconds, 0.0 when not ramping) when its slow start after an
+    ejection began (`router.pools.outlier.OutlierDetector.admit`).
     """
 
     __slots__ = (
@@ -69,7 +71,7 @@ class EndpointState:
         "in_flight", "requests_total", "errors_total", "ewma_first_byte_s", "last_sample_s", "unavailable_until_s",
         "prefill_tokens", "prefilling", "metrics",
         "others_in_flight", "others_prefilling", "others_prefill_tokens", "others_until_s",
-        "outlier", "ejected_until_s",
+        "outlier", "ejected_until_s", "slow_start_since_s",
     )  # fmt: skip
 
     def __init__(
@@ -102,6 +104,7 @@ class EndpointState:
         self.others_until_s = 0.0
         self.outlier = OutlierState()
         self.ejected_until_s = 0.0
+        self.slow_start_since_s = 0.0
 
     def start(self, prefill_tokens: int) -> None:
         """A request is dispatched here, with `prefill_tokens` to compute before its first token."""

@@ -31,6 +31,20 @@ detection" in the architecture overview and `config.cluster.v3.OutlierDetection`
 
 Ejection ends lazily: `release` (called by `Pool.pick` when an ejection is due to end) puts the
 endpoint back; there is no timer.
+
+Slow start after an ejection (Envoy's `slow_start_config` of the round-robin and least-request
+load balancers, envoyproxy.io "Slow start mode"): for `slow_start_window_s` after it returned, an
+endpoint takes `factor` times the share of requests the policy would give it, ramping up as
+Envoy's weight factor does,
+
+    factor = max(min_weight_percent / 100, (max(seconds back, 1) / slow_start_window_s) ^ (1 / aggression))
+
+(`slow_start_weight`; Envoy's defaults `aggression` 1.0, a linear ramp, and `min_weight_percent`
+10), so an engine still slow when its ejection ends does not take full traffic at once. The share
+is kept without randomness (`admit`): each pick it is a candidate for adds `factor` to its credit,
+and it stays a candidate only while the credit reaches one. Envoy sets no window by default (slow
+start off); here it is 30 s, one base ejection time, so that a returning engine gets its traffic
+back over as long as it was out the first time.
 """
 
 from __future__ import annotations
@@ -66,6 +80,9 @@ class OutlierSettings:
     base_ejection_time_s: float = 30.0
     max_ejection_time_s: float = 300.0
     max_ejection_percent: float = 50.0
+    slow_start_window_s: float = 30.0
+    slow_start_aggression: float = 1.0
+    slow_start_min_weight_percent: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("consecutive_5xx", "consecutive_gateway_failure", "consecutive_stalls"):
@@ -76,6 +93,12 @@ class OutlierSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 <= self.max_ejection_percent <= 100.0:
             raise ValueError(f"max_ejection_percent must be in 0..100, got {self.max_ejection_percent}")
+        if self.slow_start_window_s < 0 or not self.slow_start_aggression > 0:
+            raise ValueError("slow_start_window_s must be >= 0 and slow_start_aggression > 0, got "
+                             f"{self.slow_start_window_s} and {self.slow_start_aggression}")  # fmt: skip
+        if not 0.0 <= self.slow_start_min_weight_percent <= 100.0:
+            raise ValueError(f"slow_start_min_weight_percent must be in 0..100, got "
+                             f"{self.slow_start_min_weight_percent}")  # fmt: skip
 
     def max_ejected(self, ready: int) -> int:
         """Most endpoints of a pool with `ready` ready endpoints that may be ejected at once:
@@ -96,10 +119,12 @@ class OutlierState:
     for the picking loop). `ejected_at_s`, `reason`: when and why the latest ejection began
     (reason: `Outcome` value of the failure run that caused it). `ejections_total`,
     `stalls_total`: counts since the endpoint joined the pool. `back_s`: when it last
-    returned to service (the multiplier's decay starts there)."""
+    returned to service (the multiplier's decay and slow start start there). `slow_start_credit`:
+    the share of picks slow start has let it take (`OutlierDetector.admit`)."""
 
     __slots__ = ("consecutive_5xx", "consecutive_gateway_failures", "consecutive_stalls", "multiplier",
-                 "ejected_until_s", "ejected_at_s", "reason", "ejections_total", "stalls_total", "back_s")  # fmt: skip
+                 "ejected_until_s", "ejected_at_s", "reason", "ejections_total", "stalls_total", "back_s",
+                 "slow_start_credit")  # fmt: skip
 
     def __init__(self) -> None:
         self.consecutive_5xx = 0
@@ -112,6 +137,7 @@ class OutlierState:
         self.ejections_total = 0
         self.stalls_total = 0
         self.back_s = 0.0
+        self.slow_start_credit = 0.0
 
     def ejected(self, now_s: float) -> bool:
         """Whether an ejection is in force at `now_s`."""
@@ -137,6 +163,7 @@ class Ejectable(Protocol):
 
     outlier: OutlierState
     ejected_until_s: float
+    slow_start_since_s: float
 
 
 class OutlierDetector:
@@ -201,10 +228,37 @@ class OutlierDetector:
 
     @staticmethod
     def release(endpoint: Ejectable, now_s: float) -> bool:
-        """End `endpoint`'s ejection if it is due at `now_s`; True when it returned to service."""
+        """End `endpoint`'s ejection if it is due at `now_s`; True when it returned to service (its
+        slow start begins: `endpoint.slow_start_since_s`, `admit`)."""
         state = endpoint.outlier
         if state.ejected_until_s == 0.0 or state.ejected_until_s > now_s:
             return False
-        state.back_s = state.ejected_until_s
+        state.back_s = endpoint.slow_start_since_s = state.ejected_until_s
         state.ejected_until_s = endpoint.ejected_until_s = 0.0
+        state.slow_start_credit = 0.0
         return True
+
+    def slow_start_weight(self, endpoint: Ejectable, now_s: float) -> float:
+        """The share (0..1] of its traffic `endpoint` takes at `now_s` (module docstring: Envoy's
+        slow start formula); 1.0 outside a slow-start window."""
+        s, back_s = self.settings, endpoint.outlier.back_s
+        if not back_s or s.slow_start_window_s <= 0 or now_s - back_s >= s.slow_start_window_s:
+            return 1.0
+        time_factor = max(now_s - back_s, 1.0) / s.slow_start_window_s
+        return min(1.0, max(s.slow_start_min_weight_percent / 100.0, time_factor ** (1.0 / s.slow_start_aggression)))
+
+    def admit(self, endpoint: Ejectable, now_s: float) -> bool:
+        """Whether `endpoint`, a candidate of a pick at `now_s`, stays one under slow start: its
+        credit grows by `slow_start_weight` per pick and it stays while the credit reaches one
+        (then spends one); always True outside a slow-start window (which ends here:
+        `endpoint.slow_start_since_s` drops to 0.0)."""
+        weight = self.slow_start_weight(endpoint, now_s)
+        if weight >= 1.0:
+            endpoint.slow_start_since_s = 0.0
+            return True
+        state = endpoint.outlier
+        state.slow_start_credit += weight
+        if state.slow_start_credit >= 1.0:
+            state.slow_start_credit -= 1.0
+            return True
+        return False

@@ -23,6 +23,7 @@ from router.pools.admission import AdmissionQueue
 from router.pools.endpoint import EndpointState
 from router.stats.metrics import RouterMetrics
 from router.pools.outlier import Outcome, OutlierDetector
+from router.pools.upstream import DEFAULT_MIGRATION_LIMIT, StreamLimits
 from router.pools.policies import RoutingPolicy, make_policy
 from router.kv.prompt_blocks import RouteRequest
 from router.pools.spec import DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_MAX_RETRIES, DEFAULT_QUEUE_TIMEOUT_S, PoolSpec
@@ -137,7 +138,9 @@ class Pool:
     endpoint gets at once (None: no limit, no admission queue); `max_queue_length` and
     `queue_timeout_s` bound the admission queue. `first_token_timeout_s` (None: the default,
     `router.request.deadline`) and `max_retries` bound the wait for a first token and the retries
-    after a stall or a 5xx (`router.request.proxy`, `router.request.attempt`); `outlier` ejects
+    after a stall or a 5xx (`router.request.proxy`, `router.request.attempt`); `stream_limits` bound
+    an upstream answer's length and rate and `migration_limit` the times a broken stream moves to
+    another endpoint (`router.pools.upstream`); `outlier` ejects
     endpoints that stall or fail in a row (`router.pools.outlier`; `record_outcome`). `kv_view` is
     the model's exact view of the engines' KV caches (`router.kv.exact_index.ExactIndex`, fed by
     `router.signals.kv_subscriber`; None when no endpoint publishes KV events): the pool hands it to
@@ -148,7 +151,7 @@ class Pool:
 
     __slots__ = ("model", "policy", "endpoints", "ready", "created_s", "shared", "limit",
                  "max_queue_length", "queue_timeout_s", "split", "sticky_key", "tokenizer", "first_token_timeout_s",
-                 "max_retries", "outlier", "kv_view", "hashes_prompts")  # fmt: skip
+                 "max_retries", "stream_limits", "migration_limit", "outlier", "kv_view", "hashes_prompts")  # fmt: skip
 
     def __init__(
         self,
@@ -165,6 +168,8 @@ class Pool:
         tokenizer: str | None = None,
         first_token_timeout_s: float | None = None,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        stream_limits: StreamLimits = StreamLimits(),
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         outlier: OutlierDetector | None = None,
         kv_view: ExactIndex | None = None,
     ) -> None:
@@ -182,6 +187,8 @@ class Pool:
         self.tokenizer = tokenizer
         self.first_token_timeout_s = first_token_timeout_s
         self.max_retries = max_retries
+        self.stream_limits = stream_limits
+        self.migration_limit = migration_limit
         self.outlier = outlier if outlier is not None else OutlierDetector()
         self.kv_view = kv_view
         self.hashes_prompts = policy.uses_prompt_blocks
@@ -204,7 +211,10 @@ class Pool:
         policy alike. Endpoints cooling down after a connection failure (see
         `DEFAULT_FAILURE_COOLDOWN_S`) and endpoints ejected by outlier detection (`router.pools.outlier`;
         an ejection that is over ends here) are left out unless no other one remains: then the
-        cooling ones are candidates, and if none, the ejected ones (trying beats refusing)."""
+        cooling ones are candidates, and if none, the ejected ones (trying beats refusing). An
+        endpoint in its slow start after an ejection is a candidate for the share of picks its
+        slow-start weight gives (`router.pools.outlier.OutlierDetector.admit`), unless it is the
+        only one left."""
         candidates: Sequence[EndpointState] = self.ready
         limit = self.limit
         if limit is not None and within_limit:
@@ -218,14 +228,17 @@ class Pool:
             if not candidates:
                 return None   # only revisions of weight 0 left (router.pools.split)
         for endpoint in candidates:
-            if endpoint.unavailable_until_s > now_s or endpoint.ejected_until_s:
+            if endpoint.unavailable_until_s > now_s or endpoint.ejected_until_s or endpoint.slow_start_since_s:
                 return self.policy.choose(self._available(candidates, now_s), request, now_s, self.kv_view)
         return self.policy.choose(candidates, request, now_s, self.kv_view)
 
     def _available(self, candidates: Sequence[EndpointState], now_s: float) -> Sequence[EndpointState]:
-        """`candidates` without ejected and cooling-down endpoints, with the fall-backs `pick` names."""
-        release = self.outlier.release
+        """`candidates` without ejected and cooling-down endpoints and the picks slow start keeps
+        from ramping ones, with the fall-backs `pick` names."""
+        release, admit = self.outlier.release, self.outlier.admit
         in_service = [e for e in candidates if not e.ejected_until_s or release(e, now_s)]
+        ramped = [e for e in in_service if not e.slow_start_since_s or admit(e, now_s)]
+        in_service = ramped or in_service
         available = [e for e in in_service if e.unavailable_until_s <= now_s]
         return available or in_service or candidates
 
@@ -249,7 +262,7 @@ class Pool:
         return {"policy": self.policy.name, "max_concurrency_per_endpoint": self.limit,
                 "queued": len(self.shared.queue), "split": self.split.shares() if self.split is not None else None,
                 "sticky_key": self.sticky_key, "first_token_timeout_s": self.first_token_timeout_s,
-                "max_retries": self.max_retries}  # fmt: skip
+                "max_retries": self.max_retries, "migration_limit": self.migration_limit}  # fmt: skip
 
     def snapshot(self, now_s: float | None = None) -> dict[str, object]:
         """The pool as `GET /admin/v1/pools` lists it (with `now_s`, each endpoint's outlier state)."""
@@ -395,7 +408,8 @@ class PoolTable:
         pool = Pool(model, policy, endpoints, created_s, shared, limit=spec.max_concurrency_per_endpoint,
                     max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s,
                     sticky_key=spec.sticky_key, tokenizer=spec.tokenizer, first_token_timeout_s=spec.first_token_timeout_s,
-                    max_retries=spec.max_retries, outlier=outlier, kv_view=kv_view)  # fmt: skip
+                    max_retries=spec.max_retries, stream_limits=spec.stream_limits.limits(),
+                    migration_limit=spec.migration_limit, outlier=outlier, kv_view=kv_view)  # fmt: skip
         self._pools[model] = pool
         # Waiting requests take the slots the new pool has (all of them if the limit is gone).
         free = pool.free_slots()

@@ -1,7 +1,7 @@
 """The desired-state documents of the router's admin API: pools and their endpoints.
 
-Owns the pydantic models `EndpointSpec`, `KvEventsSource` and `PoolSpec`, the body of
-Owns the pydantic models `EndpointSpec`, `OutlierDetectionSpec` and `PoolSpec`, the body of
+Owns the pydantic models `EndpointSpec`, `KvEventsSource`, `OutlierDetectionSpec`,
+`StreamLimitsSpec` and `PoolSpec`, the body of
 `PUT /admin/v1/pools/{model}`. Parsed by `router.http.admin`; applied by
 `router.pools.pool.PoolTable.put`; a controller may build them to talk to the router.
 Bad input is rejected here, naming the field (`router.http.admin` turns it into a 422 in OpenAI's
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from router.pools.outlier import OutlierSettings
 from router.pools.policies import DEFAULT_POLICY, ROUTING_POLICIES, policy_names
 from router.pools.split import STICKY_KEY_PATTERN
+from router.pools.upstream import DEFAULT_MIGRATION_LIMIT, StreamLimits
 
 DEFAULT_MAX_QUEUE_LENGTH = 1000
 """Requests that may wait in one model's admission queue (when the queue is on)."""
@@ -182,10 +183,56 @@ class OutlierDetectionSpec(BaseModel):
         default=_OUTLIER.max_ejection_percent, ge=0, le=100,
         description="Most of the pool's ready endpoints ejected at once, percent (at least one, never the last).",
     )  # fmt: skip
+    slow_start_window_s: float = Field(
+        default=_OUTLIER.slow_start_window_s, ge=0, le=3600,
+        description="Seconds over which an endpoint back from an ejection ramps up to its full share of "
+        "traffic (Envoy's slow_start_window); 0: at once.",
+    )  # fmt: skip
+    slow_start_aggression: float = Field(
+        default=_OUTLIER.slow_start_aggression, gt=0, le=100,
+        description="Shape of the ramp (Envoy's aggression): 1 linear, above 1 faster at first.",
+    )  # fmt: skip
+    slow_start_min_weight_percent: float = Field(
+        default=_OUTLIER.slow_start_min_weight_percent, ge=0, le=100,
+        description="Least share of its traffic a ramping endpoint takes, percent (Envoy's min_weight_percent).",
+    )  # fmt: skip
 
     def settings(self) -> OutlierSettings:
         """The `router.pools.outlier.OutlierSettings` this spec describes."""
         return OutlierSettings(**self.model_dump())
+
+
+_LIMITS = StreamLimits()
+
+
+class StreamLimitsSpec(BaseModel):
+    """How long and how slowly an engine may answer one request (`router.pools.upstream`: sources
+    and defaults)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    max_stream_duration_s: float | None = Field(
+        default=_LIMITS.max_stream_duration_s, gt=0, le=86400,
+        description="Longest a request may take, arrival to last byte, retries and migrations included "
+        "(Envoy's max_stream_duration); None: no limit.",
+    )  # fmt: skip
+    min_bytes_per_s: float = Field(
+        default=_LIMITS.min_bytes_per_s, ge=0, le=1e9,
+        description="Least bytes per second a stream must bring, measured over rate_window_s once it began "
+        "(mod_reqtimeout's MinRate); 0: no floor.",
+    )  # fmt: skip
+    rate_window_s: float = Field(
+        default=_LIMITS.rate_window_s, gt=0, le=3600,
+        description="Seconds over which min_bytes_per_s is measured.",
+    )  # fmt: skip
+    max_response_bytes: int = Field(
+        default=_LIMITS.max_response_bytes, ge=1, le=2**40,
+        description="Largest sized (non-streamed) answer relayed, bytes; a larger one fails the attempt.",
+    )  # fmt: skip
+
+    def limits(self) -> StreamLimits:
+        """The `router.pools.upstream.StreamLimits` this spec describes."""
+        return StreamLimits(**self.model_dump())
 
 
 class PoolSpec(BaseModel):
@@ -236,6 +283,15 @@ class PoolSpec(BaseModel):
         description="Times a request is re-sent to another endpoint after a first-token timeout or a 5xx, "
         "while nothing has been sent to the client.",
     )  # fmt: skip
+    migration_limit: int = Field(
+        default=DEFAULT_MIGRATION_LIMIT, ge=0, le=10,
+        description="Times a stream whose engine broke it off mid-way moves on to another ready endpoint of "
+        "its revision (Dynamo's migration_limit; router.request.migrate); 0: never.",
+    )  # fmt: skip
+    stream_limits: StreamLimitsSpec = Field(
+        default_factory=StreamLimitsSpec,
+        description="Total-time limit and byte-rate floor of an engine's answer (router.pools.upstream).",
+    )
     outlier_detection: OutlierDetectionSpec = Field(
         default_factory=OutlierDetectionSpec,
         description="Ejection of endpoints that stall or fail in a row (router.pools.outlier).",

@@ -2,8 +2,8 @@
 
 Owns `error_body` (the router's own errors: `{"error": {"message", "type", "param", "code"}}`),
 `relayed_error` (an engine's error answer rewritten to that shape, its status kept),
-`relayed_stream_errors` (the same for error events inside an SSE stream), and the status-to-type and
-status-to-code tables both use. Called by the request path (`router.request.refuse`,
+`relayed_stream_errors` (the same for error events inside an SSE stream; `has_stream_error` finds
+one), and the status-to-type and status-to-code tables both use. Called by the request path (`router.request.refuse`,
 `router.request.attempt`, `router.request.relay`, `router.request.asgi_io`), `router.http.app` and
 `router.http.server` (errors before the proxy), and `router.protocol.sse` (error events). No I/O.
 
@@ -142,6 +142,12 @@ def relayed_error(status: int, body: bytes, content_type: str | None = None) -> 
 
 
 _ERROR_EVENT = re.compile(rb'(?m)^data: ?(\{"error"[^\r\n]*)')
+
+
+def has_stream_error(events: bytes) -> bool:
+    """Whether the SSE `events` hold an error event (`data: {"error": ...}`, as vLLM ends a stream
+    that failed mid-way)."""
+    return _ERROR_EVENT.search(events) is not None
 
 
 def relayed_stream_errors(events: bytes) -> bytes:

@@ -29,7 +29,9 @@ a key, so `"text":"x` cannot come from inside a string value. Chat's first event
 empty content) and the usage chunk do not count. Events are separated by a blank line (LF LF, or
 CR LF CR LF); a stream using another separator is relayed as it comes once `MAX_PENDING_BYTES`
 pile up, without the clean error ending. An engine's error event (`data: {"error": ...}`, vLLM's
-with a numeric `code`) is relayed in OpenAI's shape (`router.protocol.errors.relayed_stream_errors`).
+with a numeric `code`) is relayed in OpenAI's shape (`router.protocol.errors.relayed_stream_errors`)
+and counted in `error_events`: an engine that answers 200 and then reports a failure inside the
+stream has failed the attempt (`router.request.attempt` counts it for outlier ejection).
 Nothing here does I/O or reads a clock.
 """
 
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import re
 
-from router.protocol.errors import relayed_stream_errors
+from router.protocol.errors import has_stream_error, relayed_stream_errors
 
 MAX_PENDING_BYTES = 1024 * 1024
 """Most bytes held back waiting for the end of one event; beyond that they are relayed as they
@@ -62,12 +64,12 @@ class SseRelay:
     text), `usage_tokens` (the last `usage.completion_tokens` seen; None without a usage chunk),
     `usage_prompt_tokens` (its `usage.prompt_tokens`, for `router.protocol.tokens`), `usage_cached_tokens`
     (its `usage.prompt_tokens_details.cached_tokens`: vLLM's ``--enable-prompt-tokens-details``;
-    None without it), `aligned` (True while
+    None without it), `error_events` (reads that brought an engine's error event), `aligned` (True while
     everything relayed so far ended on an event boundary).
     """
 
     __slots__ = ("_pending", "first_token_s", "last_token_s", "token_events", "usage_tokens", "usage_prompt_tokens",
-                 "usage_cached_tokens", "aligned")  # fmt: skip
+                 "usage_cached_tokens", "error_events", "aligned")  # fmt: skip
 
     def __init__(self) -> None:
         self._pending = b""
@@ -77,6 +79,7 @@ class SseRelay:
         self.usage_tokens: int | None = None
         self.usage_prompt_tokens: int | None = None
         self.usage_cached_tokens: int | None = None
+        self.error_events = 0
         self.aligned = True
 
     def feed(self, chunk: bytes, now_s: float) -> bytes:
@@ -85,7 +88,7 @@ class SseRelay:
         if not self._pending and chunk.endswith(b"\n\n"):  # the usual read: whole events
             self.aligned = True
             self._count(chunk, now_s)
-            return relayed_stream_errors(chunk) if b'"error"' in chunk else chunk
+            return self._errors(chunk) if b'"error"' in chunk else chunk
         data = self._pending + chunk if self._pending else chunk
         cut = data.rfind(b"\n\n")
         if cut >= 0:
@@ -108,7 +111,13 @@ class SseRelay:
             ready, self._pending = data[:cut], data[cut:]
         self.aligned = True
         self._count(ready, now_s)
-        return relayed_stream_errors(ready) if b'"error"' in ready else ready
+        return self._errors(ready) if b'"error"' in ready else ready
+
+    def _errors(self, events: bytes) -> bytes:
+        """`events` with error events rewritten in OpenAI's shape, counted in `error_events`."""
+        if has_stream_error(events):
+            self.error_events += 1
+        return relayed_stream_errors(events)
 
     def _count(self, events: bytes, now_s: float) -> None:
         n = len(_find_tokens(events))

@@ -33,7 +33,7 @@ from router.protocol.tokens import stream_tokens
 from router.request.asgi_io import ClientWatch, Send, send_json
 from router.request.parse import ParsedRequest
 from router.request.refuse import Refusals
-from router.request.relay import UPSTREAM_ERRORS, Relay
+from router.request.relay import BROKEN, UPSTREAM_ERRORS, Relay, StreamPlan, StreamStalled
 from router.stats.endpoint_metrics import EndpointMetrics
 
 log = logging.getLogger(__name__)
@@ -60,17 +60,26 @@ Opened = tuple[aiohttp.ClientResponse, bytes | None, float]
 (response, first body chunk or None, the chunk's clock time)."""
 
 
+MIGRATE = "migrate"
+"""`Retry.kind` of a stream its engine broke off after the client got part of it: the client's
+stream is open, waiting for a continuation (`router.request.migrate`) or its error ending."""
+
+
 class Retry:
-    """An attempt that sent nothing to the client: `kind` (`CONNECT`, or the `router.pools.outlier.Outcome`
-    of a stall or a 5xx) and, for a 5xx, `answer`: (status, OpenAI-shaped body, headers) to relay if
-    the request is not retried."""
+    """An attempt whose client is still waiting: `kind` (`CONNECT`, the `router.pools.outlier.Outcome`
+    of a stall, a 5xx or a broken answer while nothing was sent, or `MIGRATE`) and, for a 5xx,
+    `answer`: (status, OpenAI-shaped body, headers) to relay if the request is not retried. For
+    `MIGRATE`: `reason` (`router.request.migrate.MIGRATION_REASONS`) and `tokens` (the tokens this
+    attempt streamed)."""
 
-    __slots__ = ("kind", "answer")
+    __slots__ = ("kind", "answer", "reason", "tokens")
 
-    def __init__(self, kind: Outcome | str,
-                 answer: tuple[int, bytes, list[tuple[bytes, bytes]]] | None = None) -> None:  # fmt: skip
+    def __init__(self, kind: Outcome | str, answer: tuple[int, bytes, list[tuple[bytes, bytes]]] | None = None,
+                 reason: str = "", tokens: int = 0) -> None:  # fmt: skip
         self.kind = kind
         self.answer = answer
+        self.reason = reason
+        self.tokens = tokens
 
 
 def outcome_of(status: int) -> Outcome:
@@ -129,7 +138,7 @@ class Attempts:
 
     async def run(self, endpoint: EndpointState, request: RouteRequest, parsed: ParsedRequest, send: Send,
                   watch: ClientWatch, arrival_s: float, pool: Pool, timeout_s: float | None,
-                  may_retry: bool) -> Retry | None:  # fmt: skip
+                  may_retry: bool, plan: StreamPlan) -> Retry | None:  # fmt: skip
         """Send the request to `{endpoint.url}{parsed.target}` and relay the answer; a `Retry`
         means nothing has been sent to the client and another endpoint may take it.
 
@@ -138,7 +147,16 @@ class Attempts:
         (`router.request.deadline`; None: no deadline), or, with `may_retry`, when the endpoint answered
         a 5xx (the `Retry` then holds the answer, to relay if no retry happens). In every other
         case the client got a response (relayed, 502/504, or a stream ended by an error event)
-        or is gone. Each attempt's outcome is counted for outlier ejection (`Pool.record_outcome`).
+        or is gone. Each attempt's outcome is counted for outlier ejection (`Pool.record_outcome`):
+        an error event inside a 200 stream, a sized body cut off or not a JSON object fail it.
+
+        `plan` (`router.request.relay.StreamPlan`) sets the stream's guard and the request's end
+        (`end_at`: past it, a 504 `upstream_timeout` before a head, an error event after), and
+        for a continuation of a migrated stream (`plan.continuation`) the body posted instead of
+        the client's; a continuation's client has its response head, so anything but an SSE
+        stream < 400 fails the attempt. A `Retry` of kind `MIGRATE`: the stream broke between
+        two events after the client got part of it (`plan.tape` kept), and is the caller's to
+        continue elsewhere or end (`router.request.relay.stream_error_tail`).
 
         A streamed reply's response head is held back until its first body chunk, so a stall
         before the first token leaves the client untouched. Time to first byte is measured to the
@@ -166,11 +184,12 @@ class Attempts:
         first = [prefill_tokens]   # emptied when the first byte releases the prefill charge
         start_s = self._clock()
         try:
-            opened = await self._open(endpoint, m, parsed, send, watch, pool, arrival_s, start_s, timeout_s)
+            opened = await self._open(endpoint, m, parsed, send, watch, pool, arrival_s, start_s, timeout_s, plan,
+                                      may_retry)  # fmt: skip
             if type(opened) is not tuple:
                 return opened   # a Retry, or None: the client was answered
             return await self._answer(endpoint, m, opened, first, request, send, watch, pool,
-                                      arrival_s, start_s, timeout_s, may_retry)  # fmt: skip
+                                      arrival_s, start_s, timeout_s, may_retry, plan)  # fmt: skip
         finally:
             endpoint.finish(prefill_tokens, not first)
             self.load_changed()
@@ -180,25 +199,37 @@ class Attempts:
 
     async def _open(self, endpoint: EndpointState, m: EndpointMetrics, parsed: ParsedRequest, send: Send,
                     watch: ClientWatch, pool: Pool, arrival_s: float, start_s: float,
-                    timeout_s: float | None) -> Opened | Retry | None:  # fmt: skip
+                    timeout_s: float | None, plan: StreamPlan, may_retry: bool) -> Opened | Retry | None:  # fmt: skip
         """Post the request and wait, within the first-token deadline, for the response head and,
         for a stream, its first body chunk: `(response, first chunk or None, its clock time)`; a
-        `Retry` (connection failed before any response byte, or the deadline passed), or None
-        when the client was answered (a broken response: 502, an aiohttp timeout: 504)."""
+        `Retry` (connection failed before any response byte, the deadline passed, or, with
+        `may_retry`, the engine failed after its head and before its first chunk: the client got
+        nothing), or None when the client was answered (a broken response: 502, an aiohttp
+        timeout: 504)."""
         assert self.session is not None
         clock = self._clock
         resp: aiohttp.ClientResponse | None = None
         first_chunk: bytes | None = None   # a streamed body's first chunk, read within the deadline
         first_chunk_s = 0.0
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        end_at = plan.end_at
+        if end_at is not None and (deadline is None or end_at < deadline):
+            deadline = end_at   # the request's total-time limit comes first (router.pools.upstream)
         within = asyncio.timeout_at(deadline)   # the first-token deadline (router.request.deadline)
+        body = parsed.body if plan.continuation is None else plan.continuation.body
         try:
             async with within:
-                resp = await self.session.post(endpoint.url + parsed.target, data=parsed.body, headers=parsed.headers)
+                resp = await self.session.post(endpoint.url + parsed.target, data=body, headers=parsed.headers)
                 if resp.status < 400 and (resp.content_type == "text/event-stream" or resp.content_length is None):
                     first_chunk = await resp.content.readany()
                     first_chunk_s = clock()
         except _RETRYABLE as exc:
+            if resp is not None and plan.continuation is not None:
+                return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s, exc,
+                                         Retry(MIGRATE, reason="interrupted"))  # fmt: skip
+            if resp is not None and may_retry:
+                return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s, exc,
+                                         Retry(Outcome.GATEWAY_FAILURE))  # fmt: skip
             if resp is not None:  # the head came, the body's first read failed: not a connect failure
                 return await self._upstream_failed(endpoint, m, resp, send, watch, pool, arrival_s, start_s, exc)
             now_s = clock()
@@ -208,8 +239,14 @@ class Attempts:
             log.debug("endpoint %s (%s): connection failed before response: %r", endpoint.id, endpoint.url, exc)
             return Retry(CONNECT)
         except UPSTREAM_ERRORS as exc:
-            if isinstance(exc, TimeoutError) and within.expired():
+            if isinstance(exc, TimeoutError) and within.expired() and deadline != end_at:
                 return self._stalled(endpoint, m, resp, pool, arrival_s, start_s, timeout_s)
+            if plan.continuation is not None:   # the client has its head: no 502/504 can follow
+                return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s, exc,
+                                         Retry(MIGRATE, reason="interrupted"))  # fmt: skip
+            if resp is not None and may_retry and not isinstance(exc, TimeoutError):
+                return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s, exc,
+                                         Retry(Outcome.GATEWAY_FAILURE))  # fmt: skip
             return await self._upstream_failed(endpoint, m, resp, send, watch, pool, arrival_s, start_s, exc)
         except BaseException:   # cancelled (the client left) after the head, before the first chunk:
             if resp is not None:   # nothing else would close it, and the engine would go on generating
@@ -220,11 +257,17 @@ class Attempts:
     async def _answer(self, endpoint: EndpointState, m: EndpointMetrics,
                       opened: Opened, first: list[int],
                       request: RouteRequest, send: Send, watch: ClientWatch, pool: Pool, arrival_s: float,
-                      start_s: float, timeout_s: float | None, may_retry: bool) -> Retry | None:  # fmt: skip
+                      start_s: float, timeout_s: float | None, may_retry: bool,
+                      plan: StreamPlan) -> Retry | None:  # fmt: skip
         """Relay the opened response by its kind (an error body, an SSE stream, a sized body,
         another stream; `router.request.relay.Relay`) and record the attempt (`_record`); a
-        `Retry` for a 5xx kept back while `may_retry`."""
+        `Retry` for a 5xx kept back or a sized body broken before the client got a byte while
+        `may_retry`, and for a stream to continue elsewhere (`MIGRATE`)."""
         resp, first_chunk, first_chunk_s = opened
+        if plan.continuation is not None and (resp.status >= 400 or resp.content_type != "text/event-stream"):
+            return self._handed_back(endpoint, m, resp, pool, arrival_s, start_s,
+                                     ValueError(f"a continuation answered {resp.status} {resp.content_type}"),
+                                     Retry(MIGRATE, reason="interrupted"))  # fmt: skip
         headers_s = self._clock()
         relay = self.relay
         completed = False
@@ -249,11 +292,22 @@ class Attempts:
                     await send_json(send, status, *answer)
             elif content_type == "text/event-stream" or resp.content_length is None:
                 sse = SseRelay() if content_type == "text/event-stream" else None
-                first_byte_s = await relay.stream(endpoint, m, resp, status, headers, send, watch, sse, first,
-                                                  first_chunk, first_chunk_s, timeout_s)  # fmt: skip
+                plan.idle_s = timeout_s
+                relayed = await relay.stream(endpoint, m, resp, status, headers, send, watch, sse, first,
+                                             first_chunk, first_chunk_s, plan)  # fmt: skip
+                if relayed == BROKEN:
+                    assert sse is not None
+                    retry = Retry(MIGRATE, reason="stalled" if isinstance(resp.content.exception(), StreamStalled)
+                                  else "interrupted", tokens=sse.output_tokens())  # fmt: skip
+                    relayed = None
+                first_byte_s = relayed  # type: ignore[assignment]
                 completed = first_byte_s is not None
             else:
-                completed = await relay.whole(endpoint, m, resp, status, headers, send, watch, request.cached_tokens)
+                whole = await relay.whole(endpoint, m, resp, status, headers, send, watch, request.cached_tokens,
+                                          may_retry, plan.max_response_bytes)  # fmt: skip
+                completed = bool(whole)
+                if whole is None:
+                    retry = Retry(Outcome.GATEWAY_FAILURE)
             self._record(endpoint, m, pool, request, status, completed, retry, sse, arrival_s, start_s, first_byte_s)
         finally:
             if completed:
@@ -270,7 +324,11 @@ class Attempts:
         end_s = self._clock()
         if sse is not None and status < 400:
             m.count_tokens(stream_tokens(sse), request.cached_tokens)   # tokens in and out (router.protocol.tokens)
-        ok = completed and status < 500
+        errored = sse is not None and sse.error_events > 0   # a 200 stream that reported a failure inside
+        if errored:
+            endpoint.record_failure(end_s)
+            m.error("interrupted").inc()
+        ok = completed and status < 500 and not errored
         self._count_outcome(pool, endpoint, m, Outcome.SUCCESS if ok else
                             outcome_of(status) if status >= 500 else Outcome.GATEWAY_FAILURE, end_s)  # fmt: skip
         # TTFT (first token, as the client sees it) and TPOT: streamed replies only.
@@ -287,7 +345,7 @@ class Attempts:
                     if tpot is not None:
                         m.tpot.observe(tpot)
             shared.completed(endpoint, arrival_s=arrival_s, dispatch_s=start_s, first_byte_s=first_byte_s,
-                             end_s=end_s, succeeded=status < 400, tpot_s=tpot)  # fmt: skip
+                             end_s=end_s, succeeded=status < 400 and not errored, tpot_s=tpot)  # fmt: skip
         # Per revision, for canary analysis (router.stats.request_log).
         shared.finished(endpoint, arrival_s=arrival_s, dispatch_s=start_s, end_s=end_s,
                         first_token_s=first_token_s, tpot_s=tpot,
@@ -323,6 +381,24 @@ class Attempts:
         log.warning("endpoint %s (%s): no first token within %.1f s (stalls in a row: %d)", endpoint.id,
                     endpoint.url, timeout_s or 0.0, endpoint.outlier.consecutive_stalls)  # fmt: skip
         return Retry(Outcome.STALL)
+
+    def _handed_back(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse | None,
+                     pool: Pool, arrival_s: float, start_s: float, exc: BaseException,
+                     retry: Retry) -> Retry:  # fmt: skip
+        """An attempt that failed after the engine's head and before anything of it went to the
+        client (a first attempt or a continuation of a migrated stream): counted against the
+        endpoint, and the request handed back as `retry` (to retry, or to migrate again or end)."""
+        if resp is not None:
+            resp.close()
+        now_s = self._clock()
+        endpoint.record_failure(now_s)
+        m.error("interrupted").inc()
+        self._count_outcome(pool, endpoint, m, Outcome.GATEWAY_FAILURE, now_s)
+        pool.shared.finished(endpoint, arrival_s=arrival_s, dispatch_s=start_s, end_s=now_s, first_token_s=None,
+                             tpot_s=None, e2e_s=None, failed=True)  # fmt: skip
+        log.warning("endpoint %s (%s): failed before the client got a byte, handed back: %r", endpoint.id,
+                    endpoint.url, exc)  # fmt: skip
+        return retry
 
     async def _upstream_failed(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse | None,
                                send: Send, watch: ClientWatch, pool: Pool, arrival_s: float, start_s: float,

@@ -17,15 +17,21 @@ FastAPI app. `Proxy.__call__` runs the steps of a request in order, each owned b
    endpoint full in its admission queue (`router.pools.admission`; 503 when the queue is full or
    the wait times out);
 6. **attempt** it (`attempt`: the first-token deadline, `deadline`; error mapping; outlier
-   ejection through `Pool.record_outcome`) and **relay** the answer (`relay`: status, content
-   type and body; SSE event by event through `router.protocol.sse.SseRelay`, which times the
-   token events; an SSE stream the engine cuts off ends with an OpenAI error event and
-   `data: [DONE]`);
-7. **retry** (here): a connection failure before any response byte goes to an endpoint not yet
-   tried (at most `min(max_attempts, ready endpoints)` attempts, then 502); a stall past the
-   first-token deadline or a 5xx goes to another endpoint while the pool's `max_retries` allow
-   (then 504 `first_token_timeout`, or the 5xx). Once bytes went to the client nothing is retried.
-   A retry picks from the pool as it is then (the controller may have changed it).
+   ejection through `Pool.record_outcome`; an error event inside a 200 stream, a sized body cut
+   off or not a JSON object fail it) and **relay** the answer (`relay`: status, content type and
+   body, a sized body over 1 MiB as it arrives; SSE event by event through
+   `router.protocol.sse.SseRelay`, which times the token events; a stream guarded against
+   silence, a byte rate under the pool's floor and the request's total-time limit,
+   `router.pools.upstream`);
+7. **retry or migrate** (here): a connection failure before any response byte goes to an
+   endpoint not yet tried (at most `min(max_attempts, ready endpoints)` attempts, then 502); a
+   stall past the first-token deadline, a 5xx, or an answer broken before anything reached the
+   client goes to another endpoint while the pool's `max_retries` allow (then 504
+   `first_token_timeout`, the 5xx, or 502). Once bytes went to the client a stream its engine
+   breaks off moves on to another ready endpoint of the same revision, with the prompt and the
+   text streamed so far, up to the pool's `migration_limit` times (`migrate`); one that cannot
+   move ends with an OpenAI error event and `data: [DONE]`, saying why. A retry or migration
+   picks from the pool as it is then (the controller may have changed it).
 
 Each request is recorded in its model's windowed stats (`router.stats.windows`, through
 `router.pools.pool.PoolShared`): arrival, queue time (arrival until dispatch), client-side TTFT,
@@ -56,10 +62,12 @@ from router.pools.split import sticky_key
 from router.protocol.errors import error_body
 from router.request.asgi_io import CLOSE, DISCONNECT_WATCH_DELAY_S, BodyTooLarge, ClientWatch, Receive, Scope, \
     Send, read_body, send_json
-from router.request.attempt import CONNECT, Attempts, Retry
+from router.request.attempt import CONNECT, MIGRATE, Attempts, Retry
 from router.request.deadline import FirstTokenBudget, first_token_timeout_s
 from router.request.parse import FORWARDED_REQUEST_HEADERS, ParsedRequest, check_forward_headers, parse
+from router.request.migrate import Continuation, Tape, blocker
 from router.request.prepare import add_token_ids, routing_request
+from router.request.relay import StreamPlan, stream_error_tail
 from router.request.refuse import Refusals
 from router.stats.metrics import RouterMetrics
 
@@ -186,6 +194,8 @@ class Proxy:
             return
         if self._attempts.session is None:
             await self.start()
+        limit_s = pool.stream_limits.max_stream_duration_s
+        end_at = None if limit_s is None else asyncio.get_running_loop().time() + limit_s
         watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY_S)
         try:
             if endpoint is None:
@@ -193,7 +203,7 @@ class Proxy:
                 if admitted is None:
                     return  # answered 503
                 pool, endpoint = admitted
-            await self._serve(pool, endpoint, request, parsed, key, send, watch, arrival_s)
+            await self._serve(pool, endpoint, request, parsed, key, send, watch, arrival_s, end_at)
         except asyncio.CancelledError:
             if watch.gone:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # we cancelled ourselves
@@ -214,21 +224,27 @@ class Proxy:
         return endpoint
 
     async def _serve(self, pool: Pool, endpoint: EndpointState, request: RouteRequest, parsed: ParsedRequest,
-                     key: str | None, send: Send, watch: ClientWatch, arrival_s: float) -> None:  # fmt: skip
+                     key: str | None, send: Send, watch: ClientWatch, arrival_s: float,
+                     end_at: float | None) -> None:  # fmt: skip
         """Attempt the request on `endpoint` and, while the attempts allow, on others of the pool
-        as it is at each retry (module docstring, step 7); answer the client if none succeeds."""
+        as it is at each retry (module docstring, step 7); answer the client if none succeeds.
+        `end_at`: the request's end (loop-clock seconds, `router.pools.upstream`; None: none)."""
         attempts = min(self._max_attempts, len(pool.ready))
         retries_left = pool.max_retries
         tried = [endpoint]
+        plan = _first_plan(pool, parsed, end_at)
         while True:
             timeout_s = first_token_timeout_s(pool.first_token_timeout_s, request.prompt_tokens,
                                               endpoint.prefill_tokens, stream=parsed.stream,
                                               max_tokens=parsed.max_tokens, budget=self._budget)  # fmt: skip
             may_retry = retries_left > 0 and len(tried) < len(pool.ready)
             retry = await self._attempts.run(endpoint, request, parsed, send, watch, arrival_s, pool, timeout_s,
-                                             may_retry)  # fmt: skip
+                                             may_retry, plan)  # fmt: skip
             if retry is None:
                 return  # the client got its response (or is gone)
+            if retry.kind == MIGRATE:
+                await self._migrate(pool, endpoint, request, parsed, key, send, watch, arrival_s, plan, retry, tried)
+                return
             if retry.kind is CONNECT:
                 if len(tried) >= attempts:
                     break
@@ -251,6 +267,80 @@ class Proxy:
             self._metrics.retries.labels(parsed.model).inc()
         watch.finishing = True
         await self._give_up(send, parsed.model, pool, retry, tried)
+
+    async def _migrate(self, pool: Pool, endpoint: EndpointState, request: RouteRequest, parsed: ParsedRequest,
+                       key: str | None, send: Send, watch: ClientWatch, arrival_s: float, plan: StreamPlan,
+                       retry: Retry, tried: list[EndpointState]) -> None:  # fmt: skip
+        """Continue a stream its engine broke off on another ready endpoint of the same revision,
+        up to the pool's `migration_limit` times (`router.request.migrate`), or end it with an
+        OpenAI error event saying why it was not (logged and counted). Each continuation starts
+        from every token streamed so far."""
+        model, chat = parsed.model, parsed.target.startswith(CHAT_PATH)
+        metrics = self._metrics
+        loop_time = asyncio.get_running_loop().time
+        version = endpoint.version
+        generated = retry.tokens
+        migrations = 0
+        while True:
+            broke_at = loop_time()
+            why = blocker(parsed.doc, chat) if plan.tape is None else None
+            if why is None and migrations >= pool.migration_limit:
+                why = "limit"
+            if why is None and plan.end_at is not None and broke_at >= plan.end_at:
+                why = "duration"
+            continuation = None
+            if why is None:
+                tape = plan.tape
+                assert tape is not None   # no blocker: the first plan has a tape
+                made = Continuation.of(parsed.doc, chat, tape, generated, parsed.max_tokens)
+                if isinstance(made, str):
+                    why = made
+                else:
+                    continuation = made
+            picked = self._same_revision(model, version, request, tried, key) if continuation is not None else None
+            if continuation is None or picked is None:
+                await self._end_broken(send, watch, model, why or "no_endpoint", retry, migrations)
+                return
+            pool, next_endpoint = picked
+            migrations += 1
+            metrics.migrations.labels(model, retry.reason).inc()
+            tried.append(next_endpoint)
+            timeout_s = first_token_timeout_s(pool.first_token_timeout_s, request.prompt_tokens + generated,
+                                              next_endpoint.prefill_tokens, budget=self._budget)  # fmt: skip
+            limits = pool.stream_limits
+            step = StreamPlan(None, limits.min_bytes_per_s, limits.rate_window_s, plan.end_at, plan.tape, continuation)
+            again = await self._attempts.run(next_endpoint, request, parsed, send, watch, arrival_s, pool, timeout_s,
+                                             False, step)  # fmt: skip
+            if continuation.resumed_at is not None:
+                metrics.migration_time.labels(model).observe(continuation.resumed_at - broke_at)
+            if again is None:
+                return   # the stream went on to its end (or the client left)
+            # A continuation that got no first event leaves the break as it was.
+            retry = again if again.kind == MIGRATE else Retry(MIGRATE, reason="interrupted")
+            generated += retry.tokens
+
+    def _same_revision(self, model: str, version: str, request: RouteRequest, tried: list[EndpointState],
+                       key: str | None) -> tuple[Pool, EndpointState] | None:  # fmt: skip
+        """The model's pool as it is now and the endpoint its policy picks among the ready ones of
+        revision `version` not in `tried`; None when there is none (or no pool)."""
+        pool = self._pools.get(model)
+        if pool is None:
+            return None
+        others = [e for e in pool.ready if e.version != version]
+        endpoint = pool.pick(request, self._clock(), [*tried, *others], within_limit=False, key=key)
+        return None if endpoint is None else (pool, endpoint)
+
+    async def _end_broken(self, send: Send, watch: ClientWatch, model: str, why: str, retry: Retry,
+                          migrations: int) -> None:  # fmt: skip
+        """End a broken stream that is not migrated (again): counted by `why`
+        (`router.request.migrate.UNMIGRATED_REASONS`), logged, and an OpenAI error event saying it."""
+        self._metrics.unmigrated_streams.labels(model, why).inc()
+        log.warning("model %s: a stream broken off (%s) after %d migration(s) is not migrated: %s", model,
+                    retry.reason, migrations, why)  # fmt: skip
+        watch.finishing = True
+        await send({"type": "http.response.body", "more_body": False, "body": stream_error_tail(
+            f"the engine failed mid-stream ({retry.reason}) and the stream was not migrated ({why}); "
+            "the response is incomplete")})  # fmt: skip
 
     async def _give_up(self, send: Send, model: str, pool: Pool, retry: Retry, tried: list[EndpointState]) -> None:
         """No attempt answered and none is left: 504 after a stall, the kept 5xx after one, else
@@ -307,3 +397,23 @@ class Proxy:
         await refusals.reject(send, 503, model, error_body(message, type_="server_error", code=code),
                               refusals.retry_after, shared)  # fmt: skip
         return None
+
+
+CHAT_PATH = "/v1/chat/completions"
+"""The chat completions path (its continuations differ: `router.request.migrate`)."""
+
+
+def _first_plan(pool: Pool, parsed: ParsedRequest, end_at: float | None) -> StreamPlan:
+    """The `StreamPlan` of a request's first attempt (and its retries while nothing reached the
+    client): the pool's stream limits, and a `Tape` when its stream may be migrated (a streamed
+    request of a pool with a `migration_limit`, with nothing that rules it out:
+    `router.request.migrate.blocker`)."""
+    limits = pool.stream_limits
+    plan = StreamPlan(None, limits.min_bytes_per_s, limits.rate_window_s, end_at)
+    plan.max_response_bytes = limits.max_response_bytes
+    if parsed.stream and pool.migration_limit > 0:
+        plan.migrate = True
+        if blocker(parsed.doc, parsed.target.startswith(CHAT_PATH)) is None:
+            plan.tape = Tape()
+    return plan
+

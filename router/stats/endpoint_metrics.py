@@ -22,8 +22,10 @@ ENDPOINT_ERROR_REASONS = ("connect", "timeout", "http_5xx", "interrupted")
 the status line, connect timeout); the request is retried on another endpoint.
 `timeout` - no response headers within the read timeout (504 to the client).
 `http_5xx` - the endpoint answered with a 5xx status (relayed as is).
-`interrupted` - the endpoint failed after its response began (the client sees a truncated
-stream, or a 502 if nothing had been sent to it yet)."""
+`interrupted` - the endpoint failed after its response began: a stream broken off or cut by its
+guard (migrated, or ended with an error event), an error event inside a 200 stream, a sized body
+cut off, not a JSON object or over its size limit (retried while nothing had been sent, else a
+502)."""
 
 
 class _Discard:

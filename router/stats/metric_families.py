@@ -127,6 +127,31 @@ class RouterFamilies:
             [*endpoint, "reason"],
             registry=r,
         )
+        self.migrations = Counter(
+            "fleet_router_migrations",
+            "Streams moved to another endpoint of their revision after their engine broke them off "
+            "mid-stream (router.request.migrate), by why it broke: interrupted (connection reset, engine "
+            "gone, an answer that is not a stream) or stalled (silent, under the byte-rate floor).",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.unmigrated_streams = Counter(
+            "fleet_router_unmigrated_streams",
+            "Streams broken off mid-way that were not migrated and ended with an error event, by reason: a "
+            "request field that rules migration out (n, logprobs, echo, suffix, tools, structured_output, "
+            "prompt_not_text), too_long, limit (migration_limit spent), duration (max_stream_duration_s over), "
+            "no_endpoint, nothing_left.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.migration_time = Histogram(
+            "fleet_router_migration_seconds",
+            "Seconds a migrated stream waited between its engine's failure and its continuation's first "
+            "event: the latency a migration adds.",
+            ["model"],
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
         self.queue_time = Histogram(
             "fleet_router_queue_time_seconds",
             "Seconds from a request's arrival at the router (body read, model known) until its "

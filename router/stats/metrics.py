@@ -79,8 +79,9 @@ class RouterMetrics(RouterFamilies):
 
     def forget_pool(self, model: str) -> None:
         """Remove the pool-level series of a deleted pool."""
-        for family in (self.retries, self.rejected, self.queue_time, self.prompt_tokens, self.generation_tokens,
-                       self.responses_without_usage, self.prefix_cache_hits, self.prefix_cache_predicted_hits):  # fmt: skip
+        for family in (self.retries, self.migrations, self.unmigrated_streams, self.migration_time, self.rejected,
+                       self.queue_time, self.prompt_tokens, self.generation_tokens, self.responses_without_usage,
+                       self.prefix_cache_hits, self.prefix_cache_predicted_hits):  # fmt: skip
             family.remove_by_labels({"model": model})
 
     async def render_off_loop(self, accept_header: str = "") -> tuple[bytes, str]:

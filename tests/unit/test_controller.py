@@ -10,6 +10,7 @@ import pytest
 
 from fleet.inventory import Gpu, NodeInventory
 from fleet.controller.lifecycle import ReplicaStatus as S
+from router.pools.upstream import StreamLimits
 from tests.support.controller import Harness, write_deployment
 from tests.support.waits import async_wait_until
 
@@ -313,3 +314,15 @@ async def test_the_pool_carries_the_first_token_timeout_and_retries_of_the_routi
     await h.tick(n=2)
     pool = h.pools.settings["chat-model"]
     assert (pool.first_token_timeout_s, pool.max_retries) == (7.5, 2)
+
+
+async def test_the_pool_carries_the_migration_limit_and_stream_limits_of_the_routing_spec(tmp_path):
+    routing = {"migrationLimit": 1, "maxStreamDurationSeconds": 600, "minBytesPerSecond": 4,
+               "byteRateWindowSeconds": 20}  # fmt: skip
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1, routing=routing)])
+    await h.tick()
+    h.make_healthy("chat-0")
+    await h.tick(n=2)
+    pool = h.pools.settings["chat-model"]
+    assert pool.migration_limit == 1
+    assert pool.stream_limits.limits() == StreamLimits(max_stream_duration_s=600, min_bytes_per_s=4, rate_window_s=20)

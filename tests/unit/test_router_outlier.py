@@ -112,14 +112,45 @@ def test_bad_settings_are_refused() -> None:
 
 def test_pick_skips_ejected_endpoints_until_their_ejection_ends() -> None:
     eps = endpoints(2)
-    pool = Pool("m", make_policy("round-robin"), eps, 0.0,
-                outlier=OutlierDetector(OutlierSettings(consecutive_stalls=1, base_ejection_time_s=5.0)))
+    settings = OutlierSettings(consecutive_stalls=1, base_ejection_time_s=5.0, slow_start_window_s=0.0)
+    pool = Pool("m", make_policy("round-robin"), eps, 0.0, outlier=OutlierDetector(settings))
     assert pool.record_outcome(eps[0], Outcome.STALL, 0.0)
     request = RouteRequest()
     assert {pool.pick(request, 1.0).id for _ in range(6)} == {"e1"}
     assert pool.pick(request, 1.0, tried=[eps[1]]).id == "e0"   # nothing else left: trying beats refusing
     assert {pool.pick(request, 5.0).id for _ in range(6)} == {"e0", "e1"}   # back after 5 s
     assert eps[0].ejected_until_s == 0.0
+
+
+def test_an_endpoint_back_from_an_ejection_ramps_up_its_share_as_envoy_slow_start() -> None:
+    settings = OutlierSettings(consecutive_stalls=1, base_ejection_time_s=5.0, slow_start_window_s=10.0)
+    detector = OutlierDetector(settings)
+    eps = endpoints(2)
+    pool = Pool("m", make_policy("round-robin"), eps, 0.0, outlier=detector)
+    assert pool.record_outcome(eps[0], Outcome.STALL, 0.0)
+    request = RouteRequest()
+
+    def share_of_e0(now_s: float, picks: int = 200) -> float:
+        return sum(pool.pick(request, now_s).id == "e0" for _ in range(picks)) / picks
+
+    # Its share is the slow-start weight times the half round-robin gives it in full.
+    assert share_of_e0(4.0) == 0.0                                     # ejected
+    assert share_of_e0(5.0) == pytest.approx(0.1 * 0.5, abs=0.02)    # back (released by this pick) ...
+    assert detector.slow_start_weight(eps[0], 5.0) == pytest.approx(0.1)    # ... at min_weight_percent 10
+    assert detector.slow_start_weight(eps[0], 10.0) == pytest.approx(0.5)   # 5 s into a 10 s window
+    assert share_of_e0(10.0) == pytest.approx(0.5 * 0.5, abs=0.03)
+    assert share_of_e0(15.0) == pytest.approx(0.5, abs=0.01)          # the window is over: its full share
+    assert eps[0].slow_start_since_s == 0.0
+    with pytest.raises(ValueError, match="slow_start"):
+        OutlierSettings(slow_start_aggression=0)
+
+
+def test_a_ramping_endpoint_alone_takes_every_request() -> None:
+    eps = endpoints(2)
+    pool = Pool("m", make_policy("round-robin"), eps, 0.0,
+                outlier=OutlierDetector(OutlierSettings(consecutive_stalls=1, base_ejection_time_s=5.0)))
+    assert pool.record_outcome(eps[0], Outcome.STALL, 0.0)
+    assert pool.pick(RouteRequest(), 5.0, tried=[eps[1]]).id == "e0"
 
 
 def test_pick_prefers_a_cooling_endpoint_to_an_ejected_one() -> None:

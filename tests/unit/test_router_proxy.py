@@ -34,9 +34,9 @@ async def router(**kwargs: Any) -> AsyncIterator[tuple[RouterApp, aiohttp.Client
 
 
 async def put_pool(client: aiohttp.ClientSession, model: str, endpoints: list[dict[str, Any]],
-                   policy: str = "latency-aware") -> None:  # fmt: skip
-    async with client.put(f"/admin/v1/pools/{model}", json={"policy": policy, "endpoints": endpoints},
-                          headers=AUTH) as resp:  # fmt: skip
+                   policy: str = "latency-aware", **settings: Any) -> None:  # fmt: skip
+    doc = {"policy": policy, "endpoints": endpoints, **settings}
+    async with client.put(f"/admin/v1/pools/{model}", json=doc, headers=AUTH) as resp:
         assert resp.status == 200, await resp.text()
 
 
@@ -304,7 +304,8 @@ async def test_no_retry_once_upstream_sent_bytes() -> None:
         await put_pool(client, "m", [{"id": "live", "url": live.url}])
         async with client.post("/v1/completions", json=completion()) as resp:
             assert resp.status == 200
-        await put_pool(client, "m", [{"id": "live", "url": live.url}, {"id": "dying", "url": dying_url}])
+        await put_pool(client, "m", [{"id": "live", "url": live.url}, {"id": "dying", "url": dying_url}],
+                       migration_limit=0)  # fmt: skip
 
         async with client.post("/v1/completions", json=completion(stream=True)) as resp:
             assert resp.status == 200

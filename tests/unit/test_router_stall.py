@@ -119,9 +119,10 @@ async def test_a_stalled_engine_is_retried_within_the_deadline_then_ejected_and_
         assert listed["a"]["ejected"] and listed["a"]["ejection_reason"] == "stall"
         assert listed["a"]["stalls_total"] == 2 and 29.0 < listed["a"]["ejected_for_s"] <= 30.0
         assert not listed["b"]["ejected"]
-        # The engine recovers; once the ejection (30 s on the router's clock) is over, a gets its share again.
+        # The engine recovers; once the ejection (30 s on the router's clock) and the slow start after it
+        # (30 s: router.pools.outlier) are over, a gets its whole share again.
         hang.stalled = False
-        clock.skipped += 30.0
+        clock.skipped += 60.0
         served = []
         for _ in range(4):
             async with client.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}) as r:
@@ -355,10 +356,10 @@ async def test_a_stalled_simulated_engine_under_load_fails_no_request_and_is_eje
         assert timeouts == sum(first > DEADLINE_S for _, first, _ in results) >= 2
         # Ejected: the next requests go to b at once.
         assert all(first < DEADLINE_S for _, first, _ in await asyncio.gather(*(one() for _ in range(6))))
-        # Lifted, and the ejection over: a serves again.
+        # Lifted, and the ejection and its slow start over: a serves again.
         async with client.post(f"{urls[0]}/sim/faults", json={"stall": False}) as r:
             assert (await r.json())["stall"] is False
         answered = a.answered
-        clock.skipped += 30.0
+        clock.skipped += 60.0
         await asyncio.gather(*(one() for _ in range(6)))
         assert a.answered > answered
