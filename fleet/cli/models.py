@@ -7,10 +7,12 @@ the rule placement applies in the controller), the TP size vLLM
 accepts for it, and whether each ``spec.resources.gpuProduct`` / MIG profile holds the weights
 (at the dtype vLLM loads them) and one ``max_model_len`` sequence per GPU, naming needed vs
 available), `advice_table`
-and `advice_json` (the shapes that fit, their concurrency, the cheapest for a target). The work
-is `fleet.models`; the model is read by `fleet.controller.model_memory.memory_need_or_reason`
-(the reading the controller and `fleet up`'s preflight share); this module renders. Called by
-`fleet.cli.local` (validate) and `fleet.cli.placement` (plan).
+and `advice_json` (the shapes that fit, their concurrency, the cheapest for a target), and
+`model_problems` (every deployment's `model_check` problems: what `fleet validate` and `fleet
+apply` refuse). The work is `fleet.models`; the model is read by
+`fleet.controller.model_memory.memory_need_or_reason` (the reading the controller and `fleet
+up`'s preflight share); this module renders. Called by `fleet.cli.local` (validate),
+`fleet.cli.rollout` (apply) and `fleet.cli.placement` (plan).
 """
 
 from __future__ import annotations
@@ -141,6 +143,14 @@ def model_check(ld: LoadedDeployment, paths_on_nodes: bool = False, vllm_check: 
                       f"{need.kv_bytes_per_token / 1024:.0f} KiB of KV cache per token per GPU at "
                       f"TP={need.tensor_parallel_size}", *fitting, *misfits])
     return out
+
+
+def model_problems(loaded: list[LoadedDeployment], paths_on_nodes: bool = False,
+                   vllm_check: bool = True) -> tuple[list[ModelCheck], list[str]]:
+    """`model_check` of each deployment, and all their problems in order (empty: every model
+    check passed)."""
+    checks = [model_check(ld, paths_on_nodes, vllm_check) for ld in loaded]
+    return checks, [p for c in checks for p in c.problems]
 
 
 def advice_table(title: str, rows: list[ShapeAdvice], need: MemoryNeed, target: float,
