@@ -35,7 +35,8 @@ def validate(
         "machine: a path missing here is noted, not failed.")] = False,
     vllm_check: Annotated[bool, typer.Option(
         "--vllm-check/--no-vllm-check", help="Check engine args with the installed vLLM's own parser (its import "
-        "takes seconds; --no-vllm-check notes them as not checked).")] = True,
+        "takes seconds the first time; the answer is kept in ~/.cache/fleet/vllm-args; --no-vllm-check notes "
+        "them as not checked).")] = True,
 ) -> None:
     """Check deployment files without starting anything.
 
@@ -56,14 +57,16 @@ def validate(
     range checks of its config classes (an unknown flag, a bad type or choice,
     --gpu-memory-utilization 1.5 fail, naming the flag); without vLLM installed here they are
     noted as not checked. Importing vLLM takes seconds (10-40 s on a busy 2-core machine), and only
-    happens when there are args to check; --no-vllm-check skips it.
+    happens when there are args whose answer is not kept yet: vLLM's answer is kept in
+    ~/.cache/fleet/vllm-args ($XDG_CACHE_HOME/fleet/vllm-args) per installed vLLM and args, so
+    checking the same args again takes no import; --no-vllm-check skips the check.
+    `fleet apply` runs these same checks before it hands a file to the running `fleet up`.
     Exit code 0 when all documents are valid, 2 otherwise.
     """
-    from fleet.cli.models import model_check
+    from fleet.cli.models import model_problems
 
     loaded = load_or_exit(files)
-    checks = [model_check(ld, paths_on_nodes, vllm_check) for ld in loaded]
-    problems = [p for c in checks for p in c.problems]
+    checks, problems = model_problems(loaded, paths_on_nodes, vllm_check)
     if problems:
         raise fail_with("Deployment checks failed", problems)
     for ld, check in zip(loaded, checks):

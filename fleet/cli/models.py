@@ -2,14 +2,17 @@
 
 Owns `model_check` (a loaded deployment -> what validate prints about its model: a local model
 path that does not exist, the engine args the installed vLLM refuses (`fleet.engines.vllm_args`),
-a ``--max-model-len`` above the model's maximum (`fleet.models.maxlen`), the TP size vLLM
+a ``--max-model-len`` above the model's maximum (`fleet.models.memory.MemoryNeed.max_len_problem`,
+the rule placement applies in the controller), the TP size vLLM
 accepts for it, and whether each ``spec.resources.gpuProduct`` / MIG profile holds the weights
 (at the dtype vLLM loads them) and one ``max_model_len`` sequence per GPU, naming needed vs
 available), `advice_table`
-and `advice_json` (the shapes that fit, their concurrency, the cheapest for a target). The work
-is `fleet.models`; the model is read by `fleet.controller.model_memory.memory_need_or_reason`
-(the reading the controller and `fleet up`'s preflight share); this module renders. Called by
-`fleet.cli.local` (validate) and `fleet.cli.placement` (plan).
+and `advice_json` (the shapes that fit, their concurrency, the cheapest for a target), and
+`model_problems` (every deployment's `model_check` problems: what `fleet validate` and `fleet
+apply` refuse). The work is `fleet.models`; the model is read by
+`fleet.controller.model_memory.memory_need_or_reason` (the reading the controller and `fleet
+up`'s preflight share); this module renders. Called by `fleet.cli.local` (validate),
+`fleet.cli.rollout` (apply) and `fleet.cli.placement` (plan).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from fleet.controller.model_memory import memory_need_or_reason
 from fleet.engines.vllm_args import check_engine_args
 from fleet.models.advise import ShapeAdvice, cheapest, common_product, mig_memory_mib
 from fleet.models.facts import GIB, tp_problem
-from fleet.models.maxlen import max_model_len_problem
 from fleet.models.memory import MemoryNeed
 from fleet.spec import LoadedDeployment
 
@@ -87,17 +89,16 @@ def _devices(ld: LoadedDeployment, notes: list[str]) -> list[tuple[str, int]]:
 
 def _engine_problems(ld: LoadedDeployment, need: MemoryNeed | None, out: ModelCheck, vllm_check: bool) -> None:
     """The engine's flags through the installed vLLM's parser (`fleet.engines.vllm_args`) and
-    ``--max-model-len`` against the model's maximum (`fleet.models.maxlen`), into ``out``."""
+    ``--max-model-len`` against the model's maximum (`fleet.models.memory.MemoryNeed.max_len_problem`),
+    into ``out``."""
     spec = ld.deployment.spec
     where = f"{ld.path}[{ld.index}] spec.engine.args"
     if spec.engine.kind == "vllm":
         checked = check_engine_args(spec.engine.args, vllm_check)
         out.problems.extend(f"{where}: {p}" for p in checked.problems)
         out.notes.extend(checked.notes)
-    if need is not None:
-        problem = max_model_len_problem(need.facts.model_max_len, need.settings.max_model_len, spec.engine.env)
-        if problem is not None:
-            out.problems.append(f"{where}: {problem}")
+    if need is not None and (problem := need.max_len_problem) is not None:
+        out.problems.append(f"{where}: {problem}")
 
 
 def model_check(ld: LoadedDeployment, paths_on_nodes: bool = False, vllm_check: bool = True) -> ModelCheck:
@@ -142,6 +143,14 @@ def model_check(ld: LoadedDeployment, paths_on_nodes: bool = False, vllm_check: 
                       f"{need.kv_bytes_per_token / 1024:.0f} KiB of KV cache per token per GPU at "
                       f"TP={need.tensor_parallel_size}", *fitting, *misfits])
     return out
+
+
+def model_problems(loaded: list[LoadedDeployment], paths_on_nodes: bool = False,
+                   vllm_check: bool = True) -> tuple[list[ModelCheck], list[str]]:
+    """`model_check` of each deployment, and all their problems in order (empty: every model
+    check passed)."""
+    checks = [model_check(ld, paths_on_nodes, vllm_check) for ld in loaded]
+    return checks, [p for c in checks for p in c.problems]
 
 
 def advice_table(title: str, rows: list[ShapeAdvice], need: MemoryNeed, target: float,

@@ -136,7 +136,7 @@ def _advise(loaded, inventory: Path | None, target: float, prices: list[str], as
     docs, ok = [], True
     for ld in loaded:
         need, why = memory_need_or_reason(ld)
-        if need is None:
+        if need is None or (why := need.max_len_problem) is not None:   # no shape holds a length vLLM refuses
             err_console.print(f"{ld.deployment.name}: no advice: {why or 'the model is simulated or not read'}",
                               highlight=False, markup=False)
             ok = False

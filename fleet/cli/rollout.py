@@ -3,7 +3,10 @@
 
 Owns the commands' arguments, help and output; the request goes to the running `fleet up`
 through its state directory (`fleet.local.control`), which hands it to the controller
-(`fleet.controller.rollouts`). Registered on the `fleet` app by `fleet.cli`.
+(`fleet.controller.rollouts`). `fleet apply` first runs the checks of `fleet validate` on each
+file (`fleet.cli.models.model_problems`: the model, its fit, ``--max-model-len``, the engine args
+through the installed vLLM's parser), so a spec vLLM would refuse is never handed over.
+Registered on the `fleet` app by `fleet.cli`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from fleet.cli.common import console, err_console
+from fleet.cli.common import console, err_console, fail_with
 from fleet.local.control import ControlError, apply_request, rollout_request, submit
 from fleet.controller.rollouts import COMMANDS
 from fleet.spec import SpecError, load_deployments
@@ -42,11 +45,17 @@ def _running(store: StateStore) -> bool:
     return True
 
 
-def _send(request: dict, state_dir: Optional[Path], console: Console, err: Console) -> dict:
+def _running_store(state_dir: Optional[Path], err: Console) -> StateStore:
+    """The state store of the running `fleet up`; none running: says so and exits 1."""
     store = StateStore(state_dir or default_state_dir())
     if not _running(store):
         err.print(f"[red]No `fleet up` runs with state in {store.root}[/]; start one with `fleet up FILES`.")
         raise typer.Exit(1)
+    return store
+
+
+def _send(request: dict, state_dir: Optional[Path], console: Console, err: Console) -> dict:
+    store = _running_store(state_dir, err)
     try:
         reply = submit(store.root, request, alive=lambda: _running(store))
     except ControlError as e:
@@ -63,14 +72,24 @@ def _send(request: dict, state_dir: Optional[Path], console: Console, err: Conso
 
 @app.command("apply", short_help="Hand changed deployments to the running fleet up (validated first).")
 def apply_cmd(files: Annotated[list[Path], typer.Argument(help="Deployment YAML files to apply.")],
-              state_dir: StateDir = None) -> None:  # fmt: skip
+              state_dir: StateDir = None,
+              vllm_check: Annotated[bool, typer.Option(
+                  "--vllm-check/--no-vllm-check", help="Check engine args with the installed vLLM's own parser, as "
+                  "fleet validate does (--no-vllm-check skips it).")] = True) -> None:  # fmt: skip
     """Hand changed deployments to the running `fleet up` (validated first: an invalid file
     changes nothing and says why).
+
+    The checks are `fleet validate`'s: the spec, then the model (a missing path, a
+    tensorParallelSize or --max-model-len vLLM refuses for it, a GPU that cannot hold it) and
+    the engine args through the installed vLLM's own parser (--no-vllm-check skips that one).
+    Any problem: exit 2, nothing applied.
 
     A change of `spec.model.source`, `spec.model.revision` or `spec.engine` (image, args,
     env) starts a new revision: a canary rollout with `spec.rollout.strategy: canary`,
     else a replacement (new replicas READY first, then the old ones drain). Other changes
     (replicas, autoscaling bounds, routing, rollout settings) apply in place."""
+    from fleet.cli.models import model_problems   # the model readers: loaded for apply alone
+
     try:
         loaded = load_deployments(files)
     except SpecError as e:
@@ -78,6 +97,10 @@ def apply_cmd(files: Annotated[list[Path], typer.Argument(help="Deployment YAML 
         for line in e.problems:
             err_console.print(f"  {line}", markup=False, highlight=False)
         raise typer.Exit(2) from None
+    _running_store(state_dir, err_console)   # before the checks: they may import vLLM
+    _, problems = model_problems(loaded, vllm_check=vllm_check)
+    if problems:
+        raise fail_with("Deployment checks failed; nothing applied", problems)
     _send(apply_request(loaded), state_dir, console, err_console)
 
 

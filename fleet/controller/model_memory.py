@@ -10,9 +10,12 @@ else from the hub through `huggingface_hub`: ``config.json`` and the safetensors
 replica, read once and kept, through `read_memory_need` unless given another reader. The
 controller (`fleet.controller.launch.Launcher.placement_request`) asks `ModelMemory.need`
 for every scale-up; placement then skips the products and MIG profiles that cannot hold the model
-and explains why (`fleet.placement.explain.memory_reason`), so a deployment whose model fits no
-device waits with that reason (``fleet status``, the CRD's ``Degraded`` condition) instead of
-starting replicas that vLLM refuses at start-up.
+and explains why (`fleet.placement.explain.memory_reason`), and places no replica of a spec whose
+``--max-model-len`` vLLM refuses for the model (`fleet.models.memory.MemoryNeed.max_len_problem`,
+the rule ``fleet validate`` and ``fleet up``'s preflight apply), so a deployment whose model fits
+no device, or whose engine would refuse its length, waits with that reason (``fleet status``, the
+CRD's ``Degraded`` condition, reason ``Unplaceable``) instead of starting replicas that vLLM
+refuses at start-up.
 
 Where the need comes from, and when:
 

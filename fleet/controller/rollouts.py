@@ -111,7 +111,8 @@ class RolloutDriver:
         changed = False
         for name, ds in records.deployments.items():
             revs = ds.revs
-            revs.prune({r.spec_hash for r in records.of_deployment(name) if r.engine_alive})
+            # A replica not yet started (PENDING, PLACED) still needs its spec to be placed and launched.
+            revs.prune({r.spec_hash for r in records.of_deployment(name) if not r.status.terminal()})
             machine = revs.machine()
             state = revs.rollout
             if machine is None or state is None or records.stopping:

@@ -14,7 +14,6 @@ import socket
 from fleet.controller.model_memory import memory_need_or_reason
 from fleet.engines.kinds import ModelUnavailable, get_engine
 from fleet.inventory import Inventory
-from fleet.models.maxlen import max_model_len_problem
 from fleet.placement import PlacementRequest, get_strategy
 from fleet.sources import SourceError, parse_source
 from fleet.spec import LoadedDeployment
@@ -46,7 +45,8 @@ def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[
     machine or in its weight cache, a GPU of it holds the model:
     `fleet.controller.model_memory.memory_need_or_reason`; and a GPU node's NVIDIA
     driver can run the engine's CUDA: `fleet.placement.compat`; and its ``--max-model-len`` is
-    one vLLM accepts for the model: `fleet.models.maxlen`); each named port
+    one vLLM accepts for the model: `fleet.models.memory.MemoryNeed.max_len_problem`, named under
+    ``spec.engine.args`` and not again as a placement problem); each named port
     (``{"router": (host, port)}``) is free. Raises PreflightError listing every problem."""
     problems = []
     placer = get_strategy()
@@ -68,9 +68,9 @@ def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[
             except ModelUnavailable as err:
                 problems.append(f"{where} spec.model.source: {err}")
         need, _ = memory_need_or_reason(ld, hub=False)   # unreadable here: the controller tells at placement
-        if need is not None and (too_long := max_model_len_problem(
-                need.facts.model_max_len, need.settings.max_model_len, dep.spec.engine.env)) is not None:
+        if need is not None and (too_long := need.max_len_problem) is not None:
             problems.append(f"{where} spec.engine.args: {too_long}")
+            need = None   # the placement check below: the shape and the driver alone
         request = PlacementRequest.for_deployment(dep, 1, memory=need)   # driver/CUDA too
         unfit = placer.fits_at_all(request.shape, inventory, memory=request.memory, cuda=request.cuda)
         if unfit is not None:

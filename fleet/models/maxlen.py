@@ -2,9 +2,11 @@
 reads it.
 
 Owns `ModelMaxLen` (the derived maximum, the key it came from, vLLM's default when the flag is
-unset), `derive_max_len` (a text config -> `ModelMaxLen`) and `max_model_len_problem` (why vLLM
-refuses a requested ``--max-model-len``, or None). Pure. Called by `fleet.models.facts`
-(``ModelFacts.max_len``) and `fleet.cli.models` (``fleet validate``).
+unset), `derive_max_len` (a text config -> `ModelMaxLen`), `max_model_len_problem` (why vLLM
+refuses a requested ``--max-model-len``, or None) and `allows_long_max_len` (the engine
+environment's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``). Pure. Called by `fleet.models.facts`
+(``ModelFacts.max_len``) and `fleet.models.memory` (``MemoryNeed.max_len_problem``: the one call
+of the rule, read by placement, ``fleet validate`` and ``fleet up``'s preflight).
 
 A port of vLLM 0.32's rule (paths in the vllm package), checked against vLLM's own function on
 several configs by ``tests/integration/test_vllm_engine_args.py``:
@@ -28,6 +30,7 @@ several configs by ``tests/integration/test_vllm_engine_args.py``:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
@@ -105,15 +108,22 @@ def derive_max_len(cfg: dict, model_type: str = "", tokenizer_max_length: int | 
     return ModelMaxLen(int(derived), source, default, int(override) if override else None)
 
 
-def max_model_len_problem(max_len: ModelMaxLen, requested: int | None, env: dict[str, str] | None = None) -> str | None:
+def allows_long_max_len(env: Mapping[str, str] | None) -> bool:
+    """Whether the engine environment ``env`` (``spec.engine.env``) sets
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` to a true value ("1" or "true", any case: vllm/envs.py),
+    with which vLLM takes any ``--max-model-len`` with a warning."""
+    return str((env or {}).get(ALLOW_LONG_ENV, "")).strip().lower() in ("1", "true")
+
+
+def max_model_len_problem(max_len: ModelMaxLen, requested: int | None, allow_long: bool = False) -> str | None:
     """Why vLLM refuses ``--max-model-len requested`` for this model (module docstring), or
-    None. ``env`` is the engine's environment (``spec.engine.env``): ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``
-    set to a true value lets any length through, as vLLM does with a warning."""
+    None. ``allow_long``: the engine runs with ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` set
+    (`allows_long_max_len`), which lets any length through."""
     if requested is None or requested == -1 or max_len.limit is None or requested <= max_len.limit:
         return None
     if max_len.override is not None and requested <= max_len.override:
         return None
-    if str((env or {}).get(ALLOW_LONG_ENV, "")).strip().lower() in ("1", "true"):
+    if allow_long:
         return None
     return (f"--max-model-len {requested:,} is above the model's maximum {max_len.limit:,} ({max_len.key} in "
             f"config.json): vLLM refuses it at start (_get_and_verify_max_len in vllm/config/model.py); lower it, "

@@ -4,9 +4,11 @@ Owns `EngineMemorySettings` (the engine arguments that change the sums: ``--gpu-
 ``--max-model-len``, ``--kv-cache-dtype``, ``--dtype``, ``--block-size``, ``--enforce-eager``,
 ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--quantization``; read from ``spec.engine.args``) and
 `MemoryNeed` (a model at a tensor parallel size: per-GPU weights, KV bytes per token, the
-engine's overheads; `fits` a device or says why not, `concurrency` on a device). Pure. Used by
-`fleet validate`, `fleet plan --advise` (`fleet.models.advise`) and placement's memory filter
-(`fleet.placement.shapes.PlacementRequest.memory`).
+engine's overheads; `fits` a device or says why not, `concurrency` on a device;
+`max_len_problem`: a ``--max-model-len`` vLLM refuses for the model, whatever the device). Pure.
+Used by `fleet validate`, `fleet plan --advise` (`fleet.models.advise`) and placement's memory
+filter (`fleet.placement.shapes.PlacementRequest.memory`; placement refuses every replica of a
+need with a `max_len_problem`: `fleet.placement.strategies.PlacementStrategy.place_replicas`).
 
 vLLM's accounting (vLLM 0.32, the version Fleet installs; file paths in the vllm package):
 
@@ -40,9 +42,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from fleet.models.facts import DTYPE_BYTES, GIB, MIB, ModelFacts, tp_problem
+from fleet.models.maxlen import allows_long_max_len, max_model_len_problem
 from fleet.models.quant import online_weight_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -81,7 +85,10 @@ class EngineArgError(ValueError):
 
 @dataclass(frozen=True)
 class EngineMemorySettings:
-    """The vLLM arguments that change how much memory a replica needs; None: vLLM's default."""
+    """The vLLM arguments that change how much memory a replica needs; None: vLLM's default.
+    ``allow_long_max_model_len``: the engine's environment sets ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``
+    (`fleet.models.maxlen.allows_long_max_len`): a ``--max-model-len`` above the model's maximum
+    is taken."""
 
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_model_len: int | None = None          # None: the model's maximum (ModelFacts.model_max_len)
@@ -92,10 +99,13 @@ class EngineMemorySettings:
     max_num_seqs: int | None = None           # None: vLLM's default for the device
     max_num_batched_tokens: int | None = None
     quantization: str | None = None           # None: the checkpoint's own format
+    allow_long_max_model_len: bool = False
 
     @classmethod
-    def from_engine_args(cls, args: list[str] | tuple[str, ...]) -> EngineMemorySettings:
-        """Read ``spec.engine.args`` (``--flag value`` or ``--flag=value``; others ignored).
+    def from_engine_args(cls, args: list[str] | tuple[str, ...],
+                         env: Mapping[str, str] | None = None) -> EngineMemorySettings:
+        """Read ``spec.engine.args`` (``--flag value`` or ``--flag=value``; others ignored) and
+        ``spec.engine.env`` (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``).
 
         Raises EngineArgError naming the flag for a value that is not a number where one is
         needed, or out of vLLM's range (``--gpu-memory-utilization`` in (0, 1]).
@@ -113,7 +123,7 @@ class EngineMemorySettings:
                     value = args[i]
                 values[_FLAGS[flag]] = _parse(flag, value)
             i += 1
-        return cls(**values)   # type: ignore[arg-type]
+        return cls(**values, allow_long_max_model_len=allows_long_max_len(env))   # type: ignore[arg-type]
 
     def context(self, facts: ModelFacts) -> int:
         """Tokens of one sequence: ``--max-model-len``, else vLLM's default for the model
@@ -178,6 +188,13 @@ class MemoryNeed:
     @property
     def context_tokens(self) -> int:
         return self.settings.context(self.facts)
+
+    @property
+    def max_len_problem(self) -> str | None:
+        """Why vLLM refuses this replica's ``--max-model-len`` for the model, on any device (above
+        the model's maximum: `fleet.models.maxlen.max_model_len_problem`), or None."""
+        return max_model_len_problem(self.facts.model_max_len, self.settings.max_model_len,
+                                     self.settings.allow_long_max_model_len)
 
     @property
     def loaded_weight_bytes(self) -> int:

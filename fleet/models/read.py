@@ -67,7 +67,7 @@ def read_model_facts(source: str, base_dir: Path | None = None, cached_dir: Path
 def memory_need(dep: InferenceDeployment, base_dir: Path | None = None,
                 cached_dir: Path | None = None) -> MemoryNeed | None:
     """The `MemoryNeed` of one replica of ``dep``: its model's facts (`read_model_facts`), its
-    ``spec.engine.args`` (`EngineMemorySettings.from_engine_args`) and its TP size. None for a
+    ``spec.engine.args`` and ``env`` (`EngineMemorySettings.from_engine_args`) and its TP size. None for a
     simulated engine, a CPU replica, or a source Fleet does not read.
 
     Raises ModelSourceError (the model cannot be read) or EngineArgError (a bad engine flag).
@@ -78,7 +78,7 @@ def memory_need(dep: InferenceDeployment, base_dir: Path | None = None,
     facts = read_model_facts(spec.model.source, base_dir, cached_dir)
     if facts is None:
         return None
-    settings = EngineMemorySettings.from_engine_args(spec.engine.args)
+    settings = EngineMemorySettings.from_engine_args(spec.engine.args, spec.engine.env)
     return MemoryNeed(facts, settings, spec.resources.tensor_parallel_size)
 
 

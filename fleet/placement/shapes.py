@@ -173,7 +173,9 @@ class PlacementRequest:
     ``all_or_nothing`` nothing is placed unless all ``count`` replicas fit. ``memory`` (the
     model's `fleet.models.memory.MemoryNeed` at the shape's TP size; None: not known) makes
     placement skip a product or MIG profile whose per-device memory cannot hold the weights and
-    one ``max_model_len`` sequence (`fleet.placement.explain.memory_reason`). ``cuda`` is what the
+    one ``max_model_len`` sequence (`fleet.placement.explain.memory_reason`), and refuse every
+    replica when vLLM refuses its ``--max-model-len`` for the model
+    (`fleet.models.memory.MemoryNeed.max_len_problem`). ``cuda`` is what the
     engine needs of a node's driver (`fleet.placement.compat.CudaNeed`, from ``engine.cudaVersion``
     or the image; None: no driver check): a node whose driver cannot run it takes no replica
     (`node_excluded`). ``fill_shapes`` are the GPUs per replica (TP widths) that other

@@ -89,7 +89,10 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
         Returns:
             A `PlacementPlan`: one `ReplicaPlacement` per placed replica (at most
             ``request.count``; none when ``all_or_nothing`` and not all fit), and when some are
-            left, the reasons by node class and, for MIG shapes, repartition advice.
+            left, the reasons by node class and, for MIG shapes, repartition advice. None
+            placed, with the reason as the plan's note, where no node could ever take one: TP
+            above 1 on MIG, or a ``--max-model-len`` vLLM refuses for the model
+            (``request.memory``'s `fleet.models.memory.MemoryNeed.max_len_problem`).
         """
         shape = request.shape
         if request.count <= 0:
@@ -100,6 +103,8 @@ class PlacementStrategy(Registered, registry=PLACEMENT_STRATEGIES):
             return PlacementPlan(request, strategy=self.name, note=(
                 f"tensor parallel size must be 1 on MIG (got {shape.tensor_parallel_size}): MIG slices have "
                 "no NVLink or CUDA IPC, so tensor parallelism across slices is not possible"))
+        if request.memory is not None and (refused := request.memory.max_len_problem) is not None:
+            return PlacementPlan(request, strategy=self.name, note=refused)
         held: Counter[str] = Counter(in_use or {})
         if shape.kind == "cpu":
             placements = cpu.place_cpu(request, inventory, held)

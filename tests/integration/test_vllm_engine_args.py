@@ -1,11 +1,15 @@
 """`fleet validate` against the installed vLLM (0.32, CPU build, imported in process: ~10 s):
 its own ``vllm serve`` parser and config classes refuse what vLLM refuses, naming the flag
-(fleet/engines/vllm_args.py), and Fleet's port of vLLM's maximum-length rule
-(fleet/models/maxlen.py) answers as vLLM's ``_get_and_verify_max_len`` does on real configs."""
+(fleet/engines/vllm_args.py), the answer is kept and read back by a later process without
+importing vLLM, and Fleet's port of vLLM's maximum-length rule (fleet/models/maxlen.py) answers
+as vLLM's ``_get_and_verify_max_len`` does on real configs. Each test keeps vLLM's answers
+under its own tmp_path (never the user's cache), so each asks the real parser."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -21,6 +25,11 @@ vllm = pytest.importorskip("vllm", reason="the reference is vLLM's own parser an
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "model_configs"
 H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize(("args", "names"), [
@@ -43,6 +52,18 @@ def test_flags_vllm_takes_pass():
                                  "fp8", "--quantization", "fp8", "--enable-prefix-caching", "--max-num-seqs", "64",
                                  "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enforce-eager"])
     assert checked.problems == [] and checked.notes == []
+
+
+def test_a_later_process_reads_the_answer_back_without_importing_vllm(tmp_path):
+    args = ["--gpu-memory-utilization", "1.5", "--max-num-seqs", "64"]
+    asked = check_engine_args(args).problems
+    assert len(asked) == 1 and "--gpu-memory-utilization 1.5" in asked[0]
+    later = subprocess.run([sys.executable, "-c", (
+        "import json, sys\n"
+        "from fleet.engines.vllm_args import check_engine_args\n"
+        f"print(json.dumps([check_engine_args({args!r}).problems, 'vllm' in sys.modules, 'torch' in sys.modules]))")],
+        capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(later.stdout) == [asked, False, False], later.stderr
 
 
 def test_fleet_validate_exits_2_naming_the_flag(tmp_path):

@@ -5,6 +5,7 @@ deployments change nothing; nobody listening is an error, and the request is wit
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -14,6 +15,8 @@ from fleet.cli import app
 from fleet.local.control import ControlError, ControlServer, apply_request, control_dir, rollout_request, submit
 from fleet.spec import load_deployments
 from tests.unit.test_controller_rollout import Fleet, write
+
+CONFIGS = Path(__file__).resolve().parents[1] / "data" / "model_configs"
 
 
 @pytest.fixture(autouse=True)
@@ -91,3 +94,40 @@ def test_fleet_apply_validates_first_and_needs_a_running_fleet(tmp_path):
     assert result.exit_code == 1 and "No `fleet up` runs" in result.output
     result = runner.invoke(app, ["rollout", "pause", "chat", "--state-dir", str(tmp_path / "s")])
     assert result.exit_code == 1 and "No `fleet up` runs" in result.output
+
+
+def test_fleet_apply_runs_the_checks_of_fleet_validate_before_handing_anything_over(tmp_path, monkeypatch):
+    """A spec vLLM would refuse at start (an engine flag its parser refuses, a --max-model-len
+    above the model's maximum) is refused by `fleet apply` as by `fleet validate`, and never
+    reaches the running `fleet up`; --no-vllm-check skips the parser as validate's does."""
+    from fleet.engines import vllm_args
+
+    sent = []
+    monkeypatch.setattr("fleet.cli.rollout._running", lambda store: True)
+    monkeypatch.setattr("fleet.cli.rollout.submit", lambda root, request, alive: sent.append(request) or
+                        {"ok": True, "lines": ["chat: replaced"]})  # fmt: skip
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(vllm_args, "vllm_installed", lambda: True)
+    monkeypatch.setattr(vllm_args, "_ask_vllm", lambda args: ["unrecognized arguments: --swap-space 4 (vLLM 0.32.0's "
+                        "vllm serve parser)"] if "--swap-space" in args else [])  # fmt: skip
+    runner = CliRunner()
+    state = ["--state-dir", str(tmp_path / "s")]
+    flag = write(tmp_path, args=["--swap-space", "4"])
+    result = runner.invoke(app, ["apply", str(flag), *state])
+    assert result.exit_code == 2, result.output
+    assert "nothing applied" in result.output
+    assert "chat.yaml[0] spec.engine.args: unrecognized arguments: --swap-space 4" in result.output
+    assert sent == []
+    result = runner.invoke(app, ["apply", "--no-vllm-check", str(flag), *state])
+    assert result.exit_code == 0 and "chat: replaced" in result.output and len(sent) == 1
+
+    model = tmp_path / "models" / "m"
+    (model / "config.json").write_text((CONFIGS / "qwen2.5-7b-instruct.json").read_text())
+    doc = yaml.safe_load(write(tmp_path, args=["--max-model-len", "65536"]).read_text())
+    doc["spec"]["resources"] = {"accelerator": "gpu", "tensorParallelSize": 1}
+    long = tmp_path / "long.yaml"
+    long.write_text(yaml.safe_dump(doc))
+    result = runner.invoke(app, ["apply", str(long), *state])
+    assert result.exit_code == 2, result.output
+    assert "long.yaml[0] spec.engine.args: --max-model-len 65,536 is above the model's maximum 32,768" in result.output
+    assert len(sent) == 1

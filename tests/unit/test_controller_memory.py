@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fleet.controller.lifecycle import ReplicaStatus as S
 from fleet.controller.reconcile import Controller, ControllerSettings
@@ -264,3 +265,62 @@ def test_fleet_up_preflight_reads_the_need_where_the_controller_does_and_never_a
     except PreflightError as err:   # the engine may be missing here; the model is not read
         assert not [p for p in err.problems if "spec.resources" in p], err.problems
     assert memory_need_or_reason(other, hub=False) == (None, None) and asked == []
+
+
+def long_context_deployment(tmp_path: Path, max_model_len: str, env: dict | None = None) -> Path:
+    """Qwen2.5-7B (``max_position_embeddings`` 32,768) at ``--max-model-len max_model_len``."""
+    (tmp_path / "models" / "m").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "models" / "m" / "config.json").write_text((CONFIGS / "qwen2.5-7b-instruct.json").read_text())
+    return write_deployment(tmp_path, replicas=1, model={"name": "chat-model", "source": "./models/m"},
+                            engine={"args": ["--max-model-len", max_model_len], "env": env or {}},
+                            resources={"accelerator": "gpu", "tensorParallelSize": 1})
+
+
+TOO_LONG = ("--max-model-len 65,536 is above the model's maximum 32,768 (max_position_embeddings=32768 in "
+            "config.json): vLLM refuses it at start (_get_and_verify_max_len in vllm/config/model.py)")
+
+
+async def test_a_max_model_len_vllm_refuses_waits_with_the_reason_as_a_model_too_big_does(tmp_path):
+    # Memory is no obstacle (an H100 holds Qwen2.5-7B at 65,536 tokens): vLLM's length rule is.
+    h = MemoryHarness(tmp_path, [long_context_deployment(tmp_path, "65536")], node("gpu-0", n=2))
+    await h.tick(n=5)
+    assert h.status() == {"chat-0": S.PENDING}
+    assert h.backend.ensure_calls == []   # nothing started for vLLM to refuse
+    why = h.c.waiting_reason("chat-0")
+    assert why.startswith("cannot place 1 of 1 replica (") and TOO_LONG in why, why
+    [row] = h.c.snapshot()["replicas"]   # fleet status
+    assert row["waiting_reason"] == why
+    status = deployment_status(h.c, "chat", 1, None, 0.0)   # the operator's CRD status
+    [degraded] = [c for c in status["conditions"] if c["type"] == "Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "Unplaceable") and TOO_LONG in degraded["message"]
+    # The length vLLM takes, applied to the running controller (fleet apply): placed and started.
+    h.c.apply(load_deployments([long_context_deployment(tmp_path, "32768")]))
+    await h.tick(n=3)
+    started = [rid for rid, s in h.status().items() if s is S.STARTING]
+    assert started and h.backend.ensure_calls == started
+
+
+async def test_vllm_allow_long_max_model_len_in_the_engine_env_lets_the_length_through(tmp_path):
+    f = long_context_deployment(tmp_path, "65536", env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    h = MemoryHarness(tmp_path, [f], node("gpu-0", n=2))
+    await h.tick()
+    assert h.status() == {"chat-0": S.STARTING}
+    assert h.placer.requests[0].memory.context_tokens == 65536
+
+
+async def test_a_refused_length_preempts_nothing(tmp_path):
+    """A deployment below its minimum preempts lower-priority replicas only for a replica that
+    can start: never for one vLLM would refuse."""
+    low = write_deployment(tmp_path, name="batch", replicas=2, priority=0,
+                           resources={"accelerator": "gpu", "tensorParallelSize": 1})
+    f = long_context_deployment(tmp_path, "65536")
+    doc = yaml.safe_load(f.read_text())
+    doc["spec"].update(priority=100, replicas={"min": 1, "max": 2, "initial": 1})
+    f.write_text(yaml.safe_dump(doc))
+    h = MemoryHarness(tmp_path, [low, f], node("gpu-0", n=2))
+    await h.tick(n=5)
+    assert h.status()["batch-0"] is S.STARTING and h.status()["batch-1"] is S.STARTING
+    assert h.status()["chat-0"] is S.PENDING and TOO_LONG in h.c.waiting_reason("chat-0")
+    assert not h.c.preemption.recent
+    assert [r.drain_requested_at_s for r in h.c.replicas.values() if r.deployment == "batch"] == [None, None]
+    assert "would not make room for a replica of chat" in h.c.waiting_reason("chat-0")

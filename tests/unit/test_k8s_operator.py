@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from pathlib import Path
 
 import pytest
 import yaml
@@ -150,6 +151,36 @@ async def test_an_invalid_spec_is_refused_in_its_status():
         assert cond["Ready"]["reason"] == "InvalidSpec"
         assert cond["Ready"]["message"] == "spec.replicas.min: must be <= spec.replicas.max (3 > 2)"
         assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in env.store.list(EVENTS, NS, None)[0])
+    finally:
+        await env.close()
+
+
+async def test_a_max_model_len_vllm_refuses_starts_no_pod_and_says_why_in_degraded(tmp_path):
+    """The operator's path to the placement rule `fleet validate` applies
+    (fleet/models/memory.py ``MemoryNeed.max_len_problem``): a Qwen2.5-7B resource asking for
+    65,536 tokens (the model's maximum is 32,768) gets no pod, and its status says why."""
+    model = tmp_path / "qwen"
+    model.mkdir()
+    configs = Path(__file__).resolve().parents[1] / "data" / "model_configs"
+    (model / "config.json").write_text((configs / "qwen2.5-7b-instruct.json").read_text())
+    kube = FakeKube()
+    kube.store.create(NODES, None, node("gpu-a", cpu=16, gpus=2, images=["fleet:1"]))
+    env = Env(kube)
+    op = env.operator("op-a")
+    try:
+        cr = copy.deepcopy(CR)
+        cr["spec"].update(model={"name": "chat-model", "source": str(model)},
+                          engine={"kind": "vllm", "args": ["--max-model-len", "65536"]},
+                          resources={"accelerator": "gpu", "tensorParallelSize": 1},
+                          replicas={"min": 1, "max": 1, "initial": 1})
+        env.store.create(INFERENCE_DEPLOYMENTS, NS, cr)
+        await env.start_informers(op)
+        await env.tick(op, n=3)
+        assert env.pods() == {}
+        cond = {c["type"]: c for c in env.cr()["status"]["conditions"]}
+        assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == ("True", "Unplaceable")
+        assert "--max-model-len 65,536 is above the model's maximum 32,768" in cond["Degraded"]["message"]
+        assert "vLLM refuses it at start" in cond["Degraded"]["message"]
     finally:
         await env.close()
 

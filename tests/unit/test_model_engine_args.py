@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from fleet.cli import app
 from fleet.models import EngineMemorySettings, MemoryNeed, facts_from_config
 from fleet.models.facts import GIB
-from fleet.models.maxlen import derive_max_len, max_model_len_problem
+from fleet.models.maxlen import allows_long_max_len, derive_max_len, max_model_len_problem
 from tests.support.inventories import H100
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "model_configs"
@@ -90,7 +90,9 @@ def test_max_model_len_above_the_models_maximum_is_refused_as_vllm_refuses_it():
     problem = max_model_len_problem(qwen, 65536)
     assert problem.startswith("--max-model-len 65,536 is above the model's maximum 32,768 "
                               "(max_position_embeddings=32768 in config.json)")
-    assert max_model_len_problem(qwen, 65536, {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}) is None
+    assert max_model_len_problem(qwen, 65536, allow_long=True) is None
+    assert allows_long_max_len({"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "True"})
+    assert not allows_long_max_len({"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0"}) and not allows_long_max_len(None)
 
 
 def test_max_len_follows_vllms_keys_and_rope_scaling():

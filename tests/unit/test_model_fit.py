@@ -175,6 +175,16 @@ def test_plan_skips_the_product_that_cannot_hold_the_model(tmp_path):
     assert plan["placed"] == 1 and plan["product"] != "NVIDIA L40S"
 
 
+def test_plan_refuses_a_max_model_len_vllm_refuses_and_advises_no_shape_for_it(tmp_path):
+    f = _deployment(tmp_path, "qwen2.5-7b-instruct", "{tensorParallelSize: 1}", '["--max-model-len", "65536"]')
+    too_long = "--max-model-len 65,536 is above the model's maximum 32,768"
+    result = run("plan", str(f), "--advise")
+    assert result.exit_code == 1 and f"m: no advice: {too_long}" in result.output, result.output
+    mixed = str(Path(__file__).resolve().parents[2] / "examples" / "inventories" / "small-mixed.yaml")
+    [plan] = json.loads(run("plan", str(f), "--inventory", mixed, "--json").output)
+    assert plan["placed"] == 0 and too_long in plan["explanation"]
+
+
 def test_plan_advise_refuses_a_bad_price(tmp_path):
     f = _deployment(tmp_path, "qwen2.5-7b-instruct", "{tensorParallelSize: 1}")
     result = run("plan", str(f), "--advise", "--price", "NVIDIA L4")
