@@ -23,6 +23,7 @@ the module; the tests run in order, each on the state the one before left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -440,32 +441,32 @@ def test_an_xid_quarantines_the_gpu_and_its_replica_moves(node, kube, nvml_state
 
 def test_delete_and_uninstall_leave_nothing(node, kube, plane, helm):
     """The deployments deleted, ``helm uninstall``: no pod left in the namespace (each pod's
-    seconds to go printed, with its containers' exit codes), no container running in the node's
-    containerd; then the node stops and nothing of it is left on the machine."""
+    seconds to go printed: kubelet 1.20 removes a deleted pod's object only after its container
+    garbage collection, once a minute, has removed the pod's sandbox), no container running in
+    the node's containerd; then the node stops and nothing of it is left on the machine."""
     since = time.monotonic()
     for name in (MODEL, GPU_MODEL):
-        kube.request("DELETE", INFERENCE_DEPLOYMENTS.path(NS, name))
+        with contextlib.suppress(NotFound):   # a run of some tests only (-k) made neither
+            kube.request("DELETE", INFERENCE_DEPLOYMENTS.path(NS, name))
     wait_until(lambda: not _pods(kube, "fleet.inference.dev/deployment"), timeout_s=90, interval_s=0.5,
                what="the engine pods gone", explain=lambda: _why(kube, node))  # fmt: skip
     mark("deployments deleted: their engine pods gone", since)
     _helm(helm, plane, "uninstall", "fleet", "-n", NS)
     uninstalled = time.monotonic()
     gone_s: dict[str, float] = {}
-    last: dict[str, dict] = {}
+    seen: set[str] = set()
 
     def all_gone() -> bool:
-        pods = {p["metadata"]["name"]: p for p in _pods(kube)}
-        last.update(pods)
-        for name in set(last) - set(pods) - set(gone_s):
+        pods = {p["metadata"]["name"] for p in _pods(kube)}
+        seen.update(pods)
+        for name in seen - pods - set(gone_s):
             gone_s[name] = time.monotonic() - uninstalled
         return not pods
 
     wait_until(all_gone, timeout_s=120, interval_s=0.5, what="every pod gone after uninstall",
                explain=lambda: _why(kube, node))  # fmt: skip
     for name, seconds in sorted(gone_s.items(), key=lambda kv: kv[1]):
-        states = [(c["name"], (c.get("state") or {}).get("terminated", {}).get("exitCode"))
-                  for c in (last[name].get("status") or {}).get("containerStatuses") or []]  # fmt: skip
-        print(f"  {name}: gone {seconds:.1f} s after helm uninstall (last seen: {states})", flush=True)
+        print(f"  {name}: gone {seconds:.1f} s after helm uninstall", flush=True)
     wait_until(lambda: "RUNNING" not in node.ctr("tasks", "ls"), timeout_s=30, interval_s=0.5,
                what="no task running in containerd", explain=lambda: node.ctr("tasks", "ls"))  # fmt: skip
     for name in (MODEL, GPU_MODEL):
