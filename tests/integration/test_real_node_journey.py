@@ -41,7 +41,7 @@ from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, KubeClient, Not
 from fleet.testing.fake_nvml import inject_xid, nvlink_pairs_4gpu, write_state
 from fleet.testing.k8s.apiroute import ApiServerRoute
 from fleet.testing.k8s.buildcache import Unavailable
-from fleet.testing.k8s.deviceplugin_grpc import serve_device_plugins
+from fleet.testing.k8s.deviceplugin_grpc import NodeDevicePlugins, serve_device_plugins
 from fleet.testing.k8s.images import FLEET_TAG, built, fleet_image
 from fleet.testing.k8s.kube import BUILD_TIMEOUT_S, RealControlPlane
 from fleet.testing.k8s.realnode import RealNode
@@ -119,14 +119,19 @@ def node(plane: RealControlPlane, kube: KubeClient, image, helm, nvml_state: Pat
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:  # fmt: skip
     with real_node(plane, NODE, tmp_path_factory.mktemp("node"), nvml_state=nvml_state) as real, \
             ApiServerRoute(plane.url, real.node_ip, kube):
-        plugins = serve_device_plugins(nvml_state, real.device_plugin_dir, node=NODE)
-        try:
-            kube.request("PATCH", NODES.path(None, NODE), body={"metadata": {"labels": GFD_LABELS}},
-                         content_type="application/merge-patch+json")  # fmt: skip
-            print(f"\nreal node up: {real.timings_s}", flush=True)
-            yield real
-        finally:
-            plugins.stop()
+        kube.request("PATCH", NODES.path(None, NODE), body={"metadata": {"labels": GFD_LABELS}},
+                     content_type="application/merge-patch+json")  # fmt: skip
+        print(f"\nreal node up: {real.timings_s}", flush=True)
+        yield real
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins(node: RealNode, nvml_state: Path) -> Iterator[NodeDevicePlugins]:
+    """The node's device plugin (``nvidia.com/gpu`` from the state file), registered with its
+    kubelet once the node is up; stopped before the node (`test_delete_and_uninstall_leave_nothing`)."""
+    served = serve_device_plugins(nvml_state, node.device_plugin_dir, node=NODE)
+    yield served
+    served.stop()
 
 
 def _values(node: RealNode) -> dict:
@@ -439,7 +444,7 @@ def test_an_xid_quarantines_the_gpu_and_its_replica_moves(node, kube, nvml_state
     mark("the replica on the quarantined GPU drained and replaced on another GPU, served", since)
 
 
-def test_delete_and_uninstall_leave_nothing(node, kube, plane, helm):
+def test_delete_and_uninstall_leave_nothing(node, kube, plane, helm, plugins):
     """The deployments deleted, ``helm uninstall``: no pod left in the namespace (each pod's
     seconds to go printed: kubelet 1.20 removes a deleted pod's object only after its container
     garbage collection, once a minute, has removed the pod's sandbox), no container running in
@@ -473,7 +478,8 @@ def test_delete_and_uninstall_leave_nothing(node, kube, plane, helm):
         with pytest.raises(NotFound):
             kube.request("GET", INFERENCE_DEPLOYMENTS.path(NS, name))
     mark("deleted and uninstalled: no pod, no container", since)
+    plugins.stop()
     node.__exit__(None, None, None)
     assert node.leftovers() == []
-    mark("node stopped: nothing left on the machine", since)
+    mark(f"node stopped: nothing left on the machine (seconds to stop: {node.stop_timings_s})", since)
     print("\n".join(f"{what}: {s:.1f} s" for what, s in STEPS), flush=True)

@@ -88,8 +88,9 @@ class RealNode:
     `write_state`) makes containerd run runc through the NVIDIA container runtime's stand-in
     (fleet/testing/k8s/nvidia_runtime.py), which gives a container asking for GPUs by
     ``NVIDIA_VISIBLE_DEVICES`` that node's fake NVML; None: plain runc.
-    ``__exit__`` (idempotent) stops everything and undoes what the module docstring lists;
-    `leftovers` says what, if anything, it could not undo."""
+    ``__exit__`` (idempotent) stops everything and undoes what the module docstring lists
+    (``stop_timings_s``: the seconds each of its steps took); `leftovers` says what, if anything,
+    it could not undo."""
 
     def __init__(self, plane: RealControlPlane, name: str, workdir: Path, *, start_timeout_s: float = 240.0,
                  nvml_state: Path | None = None) -> None:  # fmt: skip
@@ -104,6 +105,7 @@ class RealNode:
         self.snapshotter = "overlayfs"
         self.overlayfs_refused = ""
         self.timings_s: dict[str, float] = {}
+        self.stop_timings_s: dict[str, float] = {}
         self._started = 0.0
         self._procs: dict[str, subprocess.Popen] = {}
         self._sysctls: dict[str, str] = {}
@@ -124,8 +126,10 @@ class RealNode:
             return
         for step in (self._stop_processes, self._remove_cgroups, self._remove_network, self._restore_sysctls,
                      self._remove_state):  # fmt: skip
+            started = time.monotonic()
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 step()
+            self.stop_timings_s[step.__name__.lstrip("_")] = round(time.monotonic() - started, 1)
         self._lock.close()
         self._lock = None
 
