@@ -217,6 +217,12 @@ class GpuHealthChecker:
         self.pending_events.extend({**e, "observed_s": now} for e in events)
         return len(events)
 
+    def fault_pending(self) -> bool:
+        """Whether an Xid drained since the last ``check`` is a certain hardware fault of its GPU
+        (`fleet.agent.xid.XidInfo.certain`: 48, 63, 64, 79, 94, 95, 140), which
+        `NodeAgent.run` checks at once instead of a period later. Pure over the pending events."""
+        return any(isinstance(e.get("xid"), int) and classify_xid(e["xid"]).certain for e in self.pending_events)
+
     def check(self) -> list[Finding]:
         now = self.clock()
         try:

@@ -290,15 +290,17 @@ class NodeAgent:
 
     def run(self, interval_s: float, stop: threading.Event) -> None:
         """Step now and every ``interval_s`` seconds until ``stop`` is set; between steps, drain
-        Xid events every ``EVENT_POLL_S`` (`GpuHealthChecker.poll_events`)."""
+        Xid events every ``EVENT_POLL_S`` (`GpuHealthChecker.poll_events`) and step at once when
+        one is a certain hardware fault (`GpuHealthChecker.fault_pending`: an Xid 79 quarantines
+        its GPU within about ``EVENT_POLL_S``, not up to ``interval_s`` later)."""
         while True:
             self.step()
             deadline = time.monotonic() + interval_s
             while (left := deadline - time.monotonic()) > 0:
                 if stop.wait(min(left, EVENT_POLL_S)):
                     return
-                if self.checker is not None:
-                    self.checker.poll_events()
+                if self.checker is not None and self.checker.poll_events() and self.checker.fault_pending():
+                    break
 
 
 def serve(agent: NodeAgent, host: str, port: int) -> ThreadingHTTPServer:

@@ -23,6 +23,7 @@ the module; the tests run in order, each on the state the one before left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -35,9 +36,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fleet.agent.pod_devices import list_pod_devices
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, KubeClient, NotFound, Resource
+from fleet.testing.fake_nvml import inject_xid, nvlink_pairs_4gpu, write_state
 from fleet.testing.k8s.apiroute import ApiServerRoute
 from fleet.testing.k8s.buildcache import Unavailable
+from fleet.testing.k8s.deviceplugin_grpc import NodeDevicePlugins, serve_device_plugins
 from fleet.testing.k8s.images import FLEET_TAG, built, fleet_image
 from fleet.testing.k8s.kube import BUILD_TIMEOUT_S, RealControlPlane
 from fleet.testing.k8s.realnode import RealNode
@@ -53,6 +57,11 @@ pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S + 900)
 NODE = "real-1"
 NS = "fleet"
 MODEL = "tiny-sim"
+GPU_MODEL = "gpu-sim"
+SNAPSHOT = nvlink_pairs_4gpu()   # four H100s, NVLink pairs 0-1 and 2-3
+GFD_LABELS = {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+              "nvidia.com/gpu.count": "4", "nvidia.com/gpu.memory": "81559", "nvidia.com/mig.strategy": "none"}
+"""What NVIDIA GPU Feature Discovery labels the node with (not run here: the test puts them)."""
 SERVICES = Resource("", "v1", "services", "Service")
 GPU_HEALTH = "fleet.inference.dev/gpu-health"
 STEPS: list[tuple[str, float]] = []
@@ -98,12 +107,31 @@ def helm() -> str:
 
 
 @pytest.fixture(scope="module")
-def node(plane: RealControlPlane, kube: KubeClient, image, helm,
+def nvml_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The node's fake NVML state file, in a directory the agent's user (uid 10001) may read."""
+    directory = tmp_path_factory.mktemp("nvml")
+    directory.chmod(0o755)
+    return write_state(directory / "state.json", SNAPSHOT)
+
+
+@pytest.fixture(scope="module")
+def node(plane: RealControlPlane, kube: KubeClient, image, helm, nvml_state: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:  # fmt: skip
-    with real_node(plane, NODE, tmp_path_factory.mktemp("node")) as real, \
+    with real_node(plane, NODE, tmp_path_factory.mktemp("node"), nvml_state=nvml_state) as real, \
             ApiServerRoute(plane.url, real.node_ip, kube):
+        kube.request("PATCH", NODES.path(None, NODE), body={"metadata": {"labels": GFD_LABELS}},
+                     content_type="application/merge-patch+json")  # fmt: skip
         print(f"\nreal node up: {real.timings_s}", flush=True)
         yield real
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins(node: RealNode, nvml_state: Path) -> Iterator[NodeDevicePlugins]:
+    """The node's device plugin (``nvidia.com/gpu`` from the state file), registered with its
+    kubelet once the node is up; stopped before the node (`test_delete_and_uninstall_leave_nothing`)."""
+    served = serve_device_plugins(nvml_state, node.device_plugin_dir, node=NODE)
+    yield served
+    served.stop()
 
 
 def _values(node: RealNode) -> dict:
@@ -160,9 +188,9 @@ def _cluster_ip(kube: KubeClient) -> str:
     return kube.request("GET", SERVICES.path(NS, "fleet-router"))["spec"]["clusterIP"]
 
 
-def _complete(url: str) -> dict:
+def _complete(url: str, model: str = MODEL) -> dict:
     req = urllib.request.Request(f"{url}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 2}).encode())
+                                 data=json.dumps({"model": model, "prompt": "hello", "max_tokens": 2}).encode())
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
 
@@ -209,20 +237,29 @@ def test_helm_install_runs_operator_routers_and_agent_on_the_node(node, kube, pl
     mark("operator, 2 router pods and the agent Ready on the real node", since)
 
 
+def _published(kube: KubeClient) -> dict | None:
+    """The agent's ``fleet.inference.dev/gpu-health`` annotation on the Node, decoded."""
+    value = (kube.request("GET", NODES.path(None, NODE))["metadata"].get("annotations") or {}).get(GPU_HEALTH)
+    return json.loads(value) if value else None
+
+
 def test_agent_publishes_facts_read_from_the_real_kubelet(node, kube):
-    """The agent (a container of the image, uid 10001) publishes its node facts on the Node: no
-    NVML here, so ``healthChecks`` is false; its ``pod-devices`` container (root, no capability)
-    asked the REAL kubelet's PodResources socket and relayed a fresh answer (no reason, not
-    stale) to the agent's file."""
+    """The agent (a container of the image, uid 10001) publishes its node facts on the Node, read
+    through the fake NVML driver the runtime's stand-in mounted (the image carries nothing of
+    fleet/testing): health checks on, the NVLink pairs as Fleet's label; its ``pod-devices``
+    container (root, no capability) asked the REAL kubelet's PodResources socket and relayed a
+    fresh answer (no reason, not stale) to the agent's file."""
     since = time.monotonic()
 
     def published() -> dict | None:
-        value = (kube.request("GET", NODES.path(None, NODE))["metadata"].get("annotations") or {}).get(GPU_HEALTH)
-        return json.loads(value) if value else None
+        facts = _published(kube)
+        return facts if facts and facts["healthChecks"] else None
 
     facts = wait_until(published, timeout_s=60, interval_s=0.5, what=f"the agent's {GPU_HEALTH} on the Node",
-                       explain=lambda: _why(kube, node))  # fmt: skip
-    assert facts["healthChecks"] is False and facts["allocations"] == {} and facts["quarantined"] == [], facts
+                       explain=lambda: f"{_published(kube)}\n{_why(kube, node)}")  # fmt: skip
+    assert facts["allocations"] == {} and facts["quarantined"] == [], facts
+    labels = kube.request("GET", NODES.path(None, NODE))["metadata"]["labels"]
+    assert labels.get("fleet.inference.dev/nvlink-domains") == "0-1_2-3", labels
     (agent,) = _pods(kube, "app.kubernetes.io/component=agent")
     cid = _status(agent, "pod-devices")["containerID"].removeprefix("containerd://")
 
@@ -237,7 +274,7 @@ def test_agent_publishes_facts_read_from_the_real_kubelet(node, kube):
                      what="a fresh PodResources answer relayed by the pod-devices container",
                      explain=lambda: _why(kube, node))  # fmt: skip
     assert doc["pods"] == [] and time.time() - doc["askedS"] < 30, doc
-    mark("agent facts on the Node; PodResources read from the real kubelet", since)
+    mark("agent facts on the Node from the fake NVML; PodResources read from the real kubelet", since)
 
 
 def test_a_sim_deployment_is_served_through_the_router_service(node, kube):
@@ -327,24 +364,122 @@ def test_kill_9_under_load_is_restarted_and_loses_nothing_unstarted(node, kube):
     mark("engine killed, its replica replaced by the operator, served again", since)
 
 
-def test_delete_and_uninstall_leave_nothing(node, kube, plane, helm):
-    """The deployment deleted, ``helm uninstall``: no pod left in the namespace, no container
-    running in the node's containerd; then the node stops and nothing of it is left on the
-    machine."""
+def _gpu_engine(kube: KubeClient) -> dict | None:
+    """The GPU deployment's one live, Ready engine pod, if that is what there is."""
+    live = [p for p in _pods(kube, f"fleet.inference.dev/deployment={GPU_MODEL}")
+            if not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+    return live[0] if len(live) == 1 and _ready(live[0]) else None
+
+
+def _index(uuid: str) -> int:
+    return next(d["index"] for d in SNAPSHOT["devices"] if d["uuid"] == uuid)
+
+
+def test_the_agent_maps_a_gpu_pod_read_through_the_real_podresources(node, kube):
+    """A GPU deployment (one whole H100): the operator places it, the real kubelet admits its pod
+    against ``nvidia.com/gpu`` and the device plugin allocates one GPU; the kubelet's
+    PodResources API names that GPU for the pod, and the agent publishes ``allocations`` with the
+    pod's uid and that GPU's index, read through the real socket by its ``pod-devices``
+    container. The engine container sees that GPU only, through the injected driver."""
     since = time.monotonic()
-    kube.request("DELETE", INFERENCE_DEPLOYMENTS.path(NS, MODEL))
-    wait_until(lambda: not _pods(kube, f"fleet.inference.dev/deployment={MODEL}"), timeout_s=90, interval_s=0.5,
-               what="the engine pod gone", explain=lambda: _why(kube, node))  # fmt: skip
-    mark("deployment deleted: its engine pod gone", since)
-    _helm(helm, plane, "uninstall", "fleet", "-n", NS)
-    wait_until(lambda: not _pods(kube), timeout_s=120, interval_s=0.5, what="every pod gone after uninstall",
+    kube.request("POST", INFERENCE_DEPLOYMENTS.path(NS), body={
+        "apiVersion": "fleet.inference.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": GPU_MODEL},
+        "spec": {"model": {"name": GPU_MODEL, "source": "sim://h100-llama-8b"},
+                 "engine": {"kind": "sim", "args": ["--seed", "1"], "startupTimeoutSeconds": 120},
+                 "resources": {"gpuProduct": "NVIDIA H100 80GB HBM3"}, "replicas": {"min": 1, "max": 1},
+                 "warmup": {"requests": [{"kind": "completion", "prompt": "Hello", "maxTokens": 2}]}}})  # fmt: skip
+    engine = wait_until(lambda: _gpu_engine(kube), timeout_s=150, interval_s=0.5, what=f"the {GPU_MODEL} pod Ready",
+                        explain=lambda: _why(kube, node))  # fmt: skip
+    assert engine["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "1", engine["spec"]
+    (gpu,) = list_pod_devices(node.pod_resources_socket)[(NS, engine["metadata"]["name"])]
+    uid = engine["metadata"]["uid"]
+
+    def mapped() -> dict | None:
+        facts = _published(kube)
+        return facts if facts and facts["allocations"].get(uid) == [_index(gpu)] else None
+
+    facts = wait_until(mapped, timeout_s=60, interval_s=0.5, what=f"the agent's allocations naming {uid} on {gpu}",
+                       explain=lambda: f"{_published(kube)}\n{_why(kube, node)}")  # fmt: skip
+    assert list(facts["allocations"]) == [uid], facts
+    environ = Path(f"/proc/{node.task_pid(_status(engine, engine['spec']['containers'][0]['name'])['containerID'])}"
+                   "/environ").read_bytes().split(b"\0")  # fmt: skip
+    assert f"NVIDIA_VISIBLE_DEVICES={gpu}".encode() in environ, environ
+    answer = _complete(f"http://{_cluster_ip(kube)}", GPU_MODEL)
+    assert answer["choices"][0]["text"], answer
+    mark(f"GPU replica on {gpu}: the agent's allocations name its pod, read from the real PodResources", since)
+
+
+def test_an_xid_quarantines_the_gpu_and_its_replica_moves(node, kube, nvml_state):
+    """Xid 79 on the replica's GPU (appended to the state file): the device plugin reports the
+    GPU unhealthy to the kubelet, the agent quarantines it and names the pod on it (its uid,
+    from the real PodResources), the operator drains the replica and places a new one on another
+    GPU, which serves."""
+    since = time.monotonic()
+    victim = _gpu_engine(kube)
+    assert victim is not None
+    (bad,) = list_pod_devices(node.pod_resources_socket)[(NS, victim["metadata"]["name"])]
+    inject_xid(nvml_state, bad, 79)
+
+    def quarantined() -> list[str] | None:
+        hits = [q for q in (_published(kube) or {}).get("quarantined", []) if q["index"] == _index(bad)]
+        return hits[0]["pods"] if hits else None
+
+    named = wait_until(quarantined, timeout_s=60, interval_s=0.5, what=f"GPU {_index(bad)} quarantined",
+                       explain=lambda: f"{_published(kube)}\n{_why(kube, node)}")  # fmt: skip
+    assert named == [victim["metadata"]["uid"]], named
+    mark(f"Xid 79 on {bad}: quarantined, its pod named", since)
+
+    def replaced() -> dict | None:
+        pod = _gpu_engine(kube)
+        if pod is None or pod["metadata"]["uid"] == victim["metadata"]["uid"]:
+            return None
+        held = list_pod_devices(node.pod_resources_socket).get((NS, pod["metadata"]["name"]), ())
+        return pod if held and bad not in held else None
+
+    wait_until(replaced, timeout_s=180, interval_s=0.5, what=f"{GPU_MODEL} drained and replaced off {bad}",
                explain=lambda: _why(kube, node))  # fmt: skip
+    answer = wait_until(lambda: _complete(f"http://{_cluster_ip(kube)}", GPU_MODEL), timeout_s=60, interval_s=1,
+                        ignoring=(OSError,), what=f"{GPU_MODEL} served by its new replica")  # fmt: skip
+    assert answer["choices"][0]["text"], answer
+    mark("the replica on the quarantined GPU drained and replaced on another GPU, served", since)
+
+
+def test_delete_and_uninstall_leave_nothing(node, kube, plane, helm, plugins):
+    """The deployments deleted, ``helm uninstall``: no pod left in the namespace (each pod's
+    seconds to go printed: kubelet 1.20 removes a deleted pod's object only after its container
+    garbage collection, once a minute, has removed the pod's sandbox), no container running in
+    the node's containerd; then the node stops and nothing of it is left on the machine."""
+    since = time.monotonic()
+    for name in (MODEL, GPU_MODEL):
+        with contextlib.suppress(NotFound):   # a run of some tests only (-k) made neither
+            kube.request("DELETE", INFERENCE_DEPLOYMENTS.path(NS, name))
+    wait_until(lambda: not _pods(kube, "fleet.inference.dev/deployment"), timeout_s=90, interval_s=0.5,
+               what="the engine pods gone", explain=lambda: _why(kube, node))  # fmt: skip
+    mark("deployments deleted: their engine pods gone", since)
+    _helm(helm, plane, "uninstall", "fleet", "-n", NS)
+    uninstalled = time.monotonic()
+    gone_s: dict[str, float] = {}
+    seen: set[str] = set()
+
+    def all_gone() -> bool:
+        pods = {p["metadata"]["name"] for p in _pods(kube)}
+        seen.update(pods)
+        for name in seen - pods - set(gone_s):
+            gone_s[name] = time.monotonic() - uninstalled
+        return not pods
+
+    wait_until(all_gone, timeout_s=120, interval_s=0.5, what="every pod gone after uninstall",
+               explain=lambda: _why(kube, node))  # fmt: skip
+    for name, seconds in sorted(gone_s.items(), key=lambda kv: kv[1]):
+        print(f"  {name}: gone {seconds:.1f} s after helm uninstall", flush=True)
     wait_until(lambda: "RUNNING" not in node.ctr("tasks", "ls"), timeout_s=30, interval_s=0.5,
                what="no task running in containerd", explain=lambda: node.ctr("tasks", "ls"))  # fmt: skip
-    with pytest.raises(NotFound):
-        kube.request("GET", INFERENCE_DEPLOYMENTS.path(NS, MODEL))
+    for name in (MODEL, GPU_MODEL):
+        with pytest.raises(NotFound):
+            kube.request("GET", INFERENCE_DEPLOYMENTS.path(NS, name))
     mark("deleted and uninstalled: no pod, no container", since)
+    plugins.stop()
     node.__exit__(None, None, None)
     assert node.leftovers() == []
-    mark("node stopped: nothing left on the machine", since)
+    mark(f"node stopped: nothing left on the machine (seconds to stop: {node.stop_timings_s})", since)
     print("\n".join(f"{what}: {s:.1f} s" for what, s in STEPS), flush=True)

@@ -43,13 +43,14 @@ def control_plane(workdir: Path, nodes: tuple[str, ...] = ()) -> Iterator[RealCo
 
 
 @contextlib.contextmanager
-def real_node(plane: RealControlPlane, name: str, workdir: Path) -> Iterator:
+def real_node(plane: RealControlPlane, name: str, workdir: Path, **options) -> Iterator:
     """A started `fleet.testing.k8s.realnode.RealNode` called ``name`` (a node ``plane`` issued an
-    identity for) with its state under ``workdir``, stopped afterwards (the machine left as it
-    was); skips the test module with the reason when the node cannot run here."""
+    identity for) with its state under ``workdir`` (``options``: `RealNode`'s, e.g. ``nvml_state``),
+    stopped afterwards (the machine left as it was); skips the test module with the reason when the
+    node cannot run here."""
     from fleet.testing.k8s.realnode import RealNode
 
-    node = RealNode(plane, name, workdir)
+    node = RealNode(plane, name, workdir, **options)
     try:
         node.__enter__()
     except Unavailable as err:

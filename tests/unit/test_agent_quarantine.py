@@ -258,3 +258,31 @@ def test_node_agent_serves_metrics_and_status_over_http():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_certain_xid_between_steps_is_acted_on_at_once_an_application_one_waits(monkeypatch):
+    """`NodeAgent.run` with a period of an hour: an Xid 79 drained between steps makes the next
+    step now (its GPU quarantined), an application Xid (13) waits for the period."""
+    import threading
+
+    from fleet.agent import runner
+    from tests.support.waits import wait_until
+
+    monkeypatch.setattr(runner, "EVENT_POLL_S", 0.01)
+    steps: list[dict] = []
+    fake, agent, _ = _agent(nvswitch_8gpu(), FakeClock(), on_step=steps.append)
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(3600.0, stop), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: len(steps) == 1, 10, what="the first step")
+        fake.inject_xid(2, 13)
+        wait_until(lambda: agent.checker.pending_events, 10, what="the application Xid drained")
+        assert len(steps) == 1 and not agent.checker.fault_pending()
+        fake.inject_xid(5, 79)
+        wait_until(lambda: len(steps) == 2, 10, what="a step at once after the Xid 79")
+        assert [q["gpu"] for q in steps[-1]["quarantined"]] == [fake.snap["devices"][5]["uuid"]], steps[-1]
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()

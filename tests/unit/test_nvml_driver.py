@@ -109,3 +109,23 @@ def test_an_event_wait_with_a_timeout_returns_when_the_file_gets_one(tmp_path):
         timer.join()
     assert (data.device, data.eventData, data.gpuInstanceId) == (2, 94, 3)
     assert json.loads(path.read_text())["xid_events"][0]["xid"] == 94
+
+
+def test_the_driver_needs_nothing_but_the_stdlib():
+    """A container of Fleet's image has no fleet/testing: every import of the driver directory's
+    modules (imports inside functions too) is of the standard library, and pynvml.py finds its
+    implementation by its own path, not by a package import."""
+    import ast
+    import sys
+
+    imported = {}
+    for path in sorted(DRIVER_DIR.glob("*.py")):
+        if path.name == "__init__.py":   # the tests' door into the folder, never on a container's path
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            for name in names:
+                imported.setdefault(name.split(".")[0], set()).add(path.name)
+    assert {"pynvml.py", "fleet_nvml_stand_in.py"} <= {p for ps in imported.values() for p in ps}
+    assert {m: ps for m, ps in imported.items() if m not in sys.stdlib_module_names and m != "__future__"} == {}

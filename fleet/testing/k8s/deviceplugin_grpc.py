@@ -48,6 +48,7 @@ import grpc
 from fleet.testing.fake_nvml import FAKE_NVML_ENV
 from fleet.testing.k8s.deviceplugin import GPU, DevicePlugin, preferred_devices
 from fleet.testing.k8s.deviceplugin_api import api_pb2, api_pb2_grpc
+from fleet.testing.k8s.nvidia_runtime import DRIVER_MOUNT, STATE_MOUNT
 from fleet.testing.nvml_driver import DRIVER_DIR
 
 log = logging.getLogger(__name__)
@@ -61,10 +62,6 @@ KUBELET_SOCKET = "kubelet.sock"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 OPTIONS = api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 """What the plugin registers with and answers ``GetDevicePluginOptions`` with (NVIDIA's plugin)."""
-STATE_MOUNT = "/run/fleet-fake-nvml"
-"""Where a container sees the directory of its node's fake NVML state file."""
-DRIVER_MOUNT = "/usr/local/nvidia/fleet-nvml"
-"""Where a container sees fleet/testing/nvml_driver (the ``pynvml`` stand-in), on its PYTHONPATH."""
 MAX_SOCKET_PATH = 107
 """The longest path a unix socket can have (``sun_path`` is 108 bytes with its NUL)."""
 REGISTER_TIMEOUT_S = 5.0

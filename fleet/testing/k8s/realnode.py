@@ -42,6 +42,7 @@ from pathlib import Path
 
 from fleet.testing.k8s.buildcache import Unavailable, free_port, http_ok, run_step, terminate
 from fleet.testing.k8s.kube import RealControlPlane, build, install_packages
+from fleet.testing.k8s.nvidia_runtime import write_wrapper
 from fleet.testing.k8s.realnode_images import PAUSE_IMAGE, node_images
 
 PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "conntrack", "busybox-static",
@@ -83,13 +84,19 @@ class RealNode:
     why), starts containerd, imports the pause image, starts the kubelet and waits for the Node to
     be Ready, then kube-proxy and waits for its first sync; at most ``start_timeout_s``. Raises
     `Unavailable` saying which part could not run and why (a log's tail). ``timings_s``: seconds
-    from the start to each step.
-    ``__exit__`` (idempotent) stops everything and undoes what the module docstring lists;
-    `leftovers` says what, if anything, it could not undo."""
+    from the start to each step. ``nvml_state``: a fake NVML state file (fleet/testing/fake_nvml.py
+    `write_state`) makes containerd run runc through the NVIDIA container runtime's stand-in
+    (fleet/testing/k8s/nvidia_runtime.py), which gives a container asking for GPUs by
+    ``NVIDIA_VISIBLE_DEVICES`` that node's fake NVML; None: plain runc.
+    ``__exit__`` (idempotent) stops everything and undoes what the module docstring lists
+    (``stop_timings_s``: the seconds each of its steps took); `leftovers` says what, if anything,
+    it could not undo."""
 
-    def __init__(self, plane: RealControlPlane, name: str, workdir: Path, *, start_timeout_s: float = 240.0) -> None:
+    def __init__(self, plane: RealControlPlane, name: str, workdir: Path, *, start_timeout_s: float = 240.0,
+                 nvml_state: Path | None = None) -> None:  # fmt: skip
         self.plane, self.name, self.workdir = plane, name, workdir
         self.start_timeout_s = start_timeout_s
+        self.nvml_state = nvml_state
         self.socket = workdir / "containerd" / "containerd.sock"
         self.cgroup_root = f"/{NODE_CGROUP_PREFIX}-{name}"
         self.device_plugin_dir = workdir / "host" / "var/lib/kubelet/device-plugins"
@@ -98,6 +105,7 @@ class RealNode:
         self.snapshotter = "overlayfs"
         self.overlayfs_refused = ""
         self.timings_s: dict[str, float] = {}
+        self.stop_timings_s: dict[str, float] = {}
         self._started = 0.0
         self._procs: dict[str, subprocess.Popen] = {}
         self._sysctls: dict[str, str] = {}
@@ -118,8 +126,10 @@ class RealNode:
             return
         for step in (self._stop_processes, self._remove_cgroups, self._remove_network, self._restore_sysctls,
                      self._remove_state):  # fmt: skip
+            started = time.monotonic()
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 step()
+            self.stop_timings_s[step.__name__.lstrip("_")] = round(time.monotonic() - started, 1)
         self._lock.close()
         self._lock = None
 
@@ -285,12 +295,16 @@ class RealNode:
 
     def _write_configs(self) -> None:
         """containerd's config (its own root, state and socket; the CRI plugin with the pause
-        image, runc under cgroupfs and the CNI config below) and the CNI network list."""
+        image, runc under cgroupfs, through the NVIDIA runtime's stand-in with ``nvml_state``, and
+        the CNI config below) and the CNI network list."""
         c = self.workdir / "containerd"
         cni = self.workdir / "cni"
         for d in (c, cni):
             d.mkdir(parents=True, exist_ok=True)
         cri = 'plugins."io.containerd.grpc.v1.cri"'
+        runc = shutil.which("runc") or "runc"
+        if self.nvml_state is not None:
+            runc = str(write_wrapper(c / "nvidia-container-runtime", runc, self.nvml_state))
         (c / "config.toml").write_text("\n".join([
             "version = 2", f'root = "{c / "root"}"', f'state = "{c / "state"}"',
             f'[grpc]\naddress = "{self.socket}"', f'[ttrpc]\naddress = "{self.socket}.ttrpc"',
@@ -300,7 +314,7 @@ class RealNode:
             f'restrict_oom_score_adj = {str(not _has_capability(CAP_SYS_RESOURCE)).lower()}',
             f'[{cri}.containerd]\nsnapshotter = "{self.snapshotter}"\ndefault_runtime_name = "runc"',
             f'[{cri}.containerd.runtimes.runc]\nruntime_type = "io.containerd.runc.v2"',
-            f'[{cri}.containerd.runtimes.runc.options]\nSystemdCgroup = false\nBinaryName = "{shutil.which("runc")}"',
+            f'[{cri}.containerd.runtimes.runc.options]\nSystemdCgroup = false\nBinaryName = "{runc}"',
             f'[{cri}.cni]\nbin_dir = "{CNI_BIN_DIR}"\nconf_dir = "{cni}"', "",
         ]))  # fmt: skip
         (cni / "10-fleet-node.conflist").write_text(json.dumps({
