@@ -4,7 +4,8 @@ Reads the admin API's bearer token from the environment variable
 `FLEET_ROUTER_ADMIN_TOKEN` (exit status 2 if it is unset or empty) and calls
 `router.http.server.serve`; `--models-file PATH` keeps the served models there
 (`router.http.remembered`); `--peers URL,...` / `--peers-dns NAME:PORT` the peer routers it shares
-its load with (`router.signals.peer_channel`, `router.signals.peer_discovery`). Prints one line once listening.
+its load with (`router.signals.peer_channel`, `router.signals.peer_discovery`); `--picker HOST:PORT`
+the endpoint picker its pools ask (`router.picker`). Prints one line once listening.
 """
 
 from __future__ import annotations
@@ -50,7 +51,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-interval-ms", type=float, default=DEFAULT_PEER_INTERVAL_S * 1000,
                         help=f"milliseconds between two load reports to each peer (default "
                              f"{DEFAULT_PEER_INTERVAL_S * 1000:g})")
+    parser.add_argument("--picker", default="", metavar="HOST:PORT",
+                        help="the endpoint picker (python -m router.picker) every pool asks for its picks; the "
+                             "router then follows no KV event stream itself (default: none, the router picks alone)")
     args = parser.parse_args(argv)
+    picker = None
+    if args.picker:
+        host, sep, port = args.picker.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--picker: expected HOST:PORT with a port 1-65535, got {args.picker!r}")
+        picker = (host, int(port))
     if args.peer_interval_ms <= 0:
         parser.error("--peer-interval-ms must be > 0")
     token = os.environ.get(TOKEN_ENV, "")
@@ -65,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     self_addresses = [a.strip() for a in args.pod_ip.split(",") if a.strip()]
     serve(args.host, args.port, token, log_level=args.log_level, models_path=args.models_file,
           engine_load_interval_s=interval_s, peers=peers, router_id=args.router_id,
-          peer_interval_s=args.peer_interval_ms / 1000, peers_dns=peers_dns, self_addresses=self_addresses)  # fmt: skip
+          peer_interval_s=args.peer_interval_ms / 1000, peers_dns=peers_dns, self_addresses=self_addresses,
+          picker=picker)  # fmt: skip
 
 
 if __name__ == "__main__":
