@@ -14,6 +14,7 @@ import argparse
 import os
 from pathlib import Path
 
+from router.picker.client import DEFAULT_DEADLINE_S
 from router.signals.engine_load import DEFAULT_POLL_INTERVAL_S
 from router.signals.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, parse_dns_target
 from router.signals.peer_load import DEFAULT_PEER_INTERVAL_S
@@ -54,13 +55,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--picker", default="", metavar="HOST:PORT",
                         help="the endpoint picker (python -m router.picker) every pool asks for its picks; the "
                              "router then follows no KV event stream itself (default: none, the router picks alone)")
+    parser.add_argument("--picker-deadline-ms", type=float, default=DEFAULT_DEADLINE_S * 1000,
+                        help=f"milliseconds to wait for the picker's answer before picking alone (default "
+                             f"{DEFAULT_DEADLINE_S * 1000:g})")
     args = parser.parse_args(argv)
+    if args.picker_deadline_ms <= 0:
+        parser.error("--picker-deadline-ms must be > 0")
     picker = None
     if args.picker:
         host, sep, port = args.picker.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             parser.error(f"--picker: expected HOST:PORT with a port 1-65535, got {args.picker!r}")
-        picker = (host, int(port))
+        picker = (host, int(port), args.picker_deadline_ms / 1000)
     if args.peer_interval_ms <= 0:
         parser.error("--peer-interval-ms must be > 0")
     token = os.environ.get(TOKEN_ENV, "")

@@ -334,7 +334,7 @@ def create_app(
     self_addresses: Sequence[str] = (),
     peer_dns_interval_s: float = DEFAULT_PEER_DNS_INTERVAL_S,
     peers_resolve: Resolver = resolve_addresses,
-    picker: tuple[str, int] | None = None,
+    picker: tuple[str, int] | tuple[str, int, float] | None = None,
 ) -> RouterApp:
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
@@ -362,9 +362,10 @@ def create_app(
     pods, port their admin API), this router's `self_addresses` (its pod IP) left out; the peers
     found are sent to besides `peers`. `peers_resolve`: how the name becomes addresses (DNS by
     default; a router pod passes `fleet.k8s.peer_endpoints.EndpointsPeers`, the Service's Endpoints).
-    `picker`: (host, port) of the endpoint picker (`router.picker`): every pool asks it for its
-    picks, falling back to its own when it does not answer in time, and follows no KV event
-    stream itself; None: none.
+    `picker`: (host, port[, deadline in seconds]) of the endpoint picker (`router.picker`): every
+    pool asks it for its picks, falling back to its own when it does not answer within the
+    deadline (default `router.picker.client.DEFAULT_DEADLINE_S`), and follows no KV event stream
+    itself; None: none.
     The time a request's head and body may take to arrive is bounded by the server
     (`router.http.server.uvicorn_config`).
     """
@@ -382,7 +383,11 @@ def create_app(
         if remembered:
             log.info("models served before the restart (503 until published again): %s", ", ".join(remembered))
     kv_streams = KvEventStreams(metrics)
-    picker_client = PickerClient(*picker, clock=clock, registry=metrics.registry) if picker is not None else None
+    picker_client = None
+    if picker is not None:
+        picker_client = PickerClient(picker[0], picker[1], clock=clock, registry=metrics.registry)
+        if len(picker) > 2:
+            picker_client.deadline_s = picker[2]  # type: ignore[misc]
     pools = PoolTable(metrics, wall_clock, clock, remembered, kv_streams, picker_client)
     proxy = Proxy(
         pools,

@@ -54,12 +54,12 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import accumulate
 from typing import NamedTuple
 
 from router.kv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from router.kv.prompt_keys import KEY_ROOT, PromptKeys, chain_key as _chain
+from router.kv.prompt_keys import KEY_ROOT, PromptKeys, chain_key as _chain, match_keys
 
 DEFAULT_MAX_BLOCKS_PER_ENDPOINT = 262_144
 """Most blocks the index holds per endpoint: 4M tokens at vLLM's 16-token blocks, ten times the
@@ -337,6 +337,18 @@ class ExactIndex:
         view.claims += len(claimed)
         return claimed
 
+    def withdraw(self, endpoint_id: str, keys: Iterable[int]) -> None:
+        """Drop the claims of `keys` at `endpoint_id` (`expect_keys`): the prompt went elsewhere (a
+        pick the router could not wait for, `router.picker.state.PickerState.placed`)."""
+        view = self._views.get(endpoint_id)
+        expected = self._expected
+        for key in keys if view is not None else ():
+            waiting = expected.get(key)
+            if waiting is not None and waiting.pop(view.bit, None) is not None:  # type: ignore[union-attr]
+                view.claims -= 1  # type: ignore[union-attr]
+                if not waiting:
+                    del expected[key]
+
     def _count_expect(self, now_s: float) -> None:
         self._expect_calls += 1
         if self._expect_calls % 256 == 0:
@@ -425,7 +437,7 @@ class ExactIndex:
         by_bit = self._by_bit
         if type(token_ids) is PromptKeys:
             alive = live.get(token_ids.block_tokens, 0)
-            return self._match_keys(token_ids, alive, holders_of, out) if alive else out
+            return match_keys(token_ids, alive, holders_of, by_bit, out) if alive else out
         n = len(token_ids)
         ids: Sequence[int] | None = None   # the prompt as a tuple (slices of a tuple are tuples), made once
         for size, alive in live.items():
@@ -454,28 +466,6 @@ class ExactIndex:
                 low = alive & -alive
                 out[by_bit[low]] = depth
                 alive ^= low
-        return out
-
-    def _match_keys(self, prompt: PromptKeys, alive: int, holders_of: Callable[[int], int],
-                    out: dict[str, int]) -> dict[str, int]:  # fmt: skip
-        """`_match` over a prompt's router keys (`PromptKeys`) for the endpoints of mask `alive`."""
-        by_bit = self._by_bit
-        depth = 0
-        for key in prompt.keys:
-            still = alive & holders_of(key)
-            dropped = (alive & ~still) if depth else 0
-            while dropped:
-                low = dropped & -dropped
-                out[by_bit[low]] = depth
-                dropped ^= low
-            alive = still
-            if not alive:
-                return out
-            depth += prompt.block_tokens
-        while alive:
-            low = alive & -alive
-            out[by_bit[low]] = depth
-            alive ^= low
         return out
 
     def blocks(self, endpoint_id: str) -> int:

@@ -6,9 +6,9 @@ started with `--picker HOST:PORT`; `router.pools.pool.PoolTable` tells it every 
 reports the request's first byte and end (`PickerTicket.first_byte`, `finish`). One TCP connection,
 pipelined (`router.picker.wire`); reconnected with backoff (`RECONNECT_MIN_S` doubling to
 `RECONNECT_MAX_S`); every pool is sent again on each connection. A pick not answered within
-`DEFAULT_DEADLINE_S`, or asked while the connection is down, returns None and the router picks
-for itself (its policy on its own approximate index and load). A ticket answered after its
-deadline is finished at once, so the picker holds no load for it.
+`DEFAULT_DEADLINE_S`, or asked while the connection is down, is the router's own (its policy on
+its own approximate index and load); a late one is reported to the picker (`PLACED`), so the
+picker counts the request's load and claim where it went.
 
 Metrics on the router's registry: `fleet_router_picker_picks_total{outcome}` (`answered`; fell back:
 `timed_out`, `unreachable`, `declined`: the picker has no such pool yet) and `fleet_router_picker_pick_seconds` (round
@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from router.kv.prompt_blocks import RouteRequest
 from router.kv.prompt_keys import prompt_keys
 from router.picker.wire import AnswerFrame, FrameReader, WireError, encode_finish, encode_first_byte, encode_pick, \
-    encode_pool
+    encode_placed, encode_pool
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +121,18 @@ class PickerClient:
         if self._writer is not None:
             self._writer.write(frame)
 
-    async def pick(self, model: str, candidates: Sequence[str], request: RouteRequest) -> tuple[int, PickerTicket] | None:
+    async def pick(self, model: str, candidates: Sequence[str], request: RouteRequest,
+                   fallback: Callable[[], int]) -> tuple[int, PickerTicket | None, bool]:  # fmt: skip
         """Ask the picker which of `candidates` (endpoint ids) serves `request`: (the chosen index,
-        the ticket to report progress on), with `request.cached_tokens` set from the answer;
-        None when the picker is unreachable or late (the caller picks for itself)."""
+        the ticket to report the request's progress on, whether the picker chose). When the
+        picker answers, `request.cached_tokens` is set from its answer. When it is unreachable, or
+        does not know the pool, `fallback()` (the router's own pick, an index into `candidates`)
+        decides and there is no ticket; when it is late, `fallback()` decides and the picker is
+        told where the request went (`PLACED`), so it keeps counting the request's load there."""
         writer = self._writer
         if writer is None:
             self._unreachable.inc()
-            return None
+            return fallback(), None, False
         keys: Sequence[int] = ()
         size = self._block_tokens.get(model, DEFAULT_BLOCK_TOKENS)
         if request.token_ids:
@@ -144,19 +148,23 @@ class PickerClient:
         try:
             answer = await asyncio.wait_for(future, self.deadline_s)
         except TimeoutError:
-            answer = None
-        if answer is None:
-            (self._timed_out if self._connection == connection else self._unreachable).inc()
-            return None
+            self._waiting.pop(ticket, None)   # its answer, when it comes, is dropped
+            self._timed_out.inc()
+            index = fallback()
+            self._send_on(connection, encode_placed(ticket, candidates[index]))
+            return index, PickerTicket(self, ticket, connection), False
+        if answer is None:   # the connection closed meanwhile: the picker released the pick
+            self._unreachable.inc()
+            return fallback(), None, False
         self._rtt.observe(self._clock() - start_s)
         if answer.block_tokens:
             self._block_tokens[model] = answer.block_tokens
         if answer.chosen < 0:   # the picker does not know the pool (yet)
             self._declined.inc()
-            return None
+            return fallback(), None, False
         self._answered.inc()
         request.cached_tokens = answer.cached_tokens
-        return answer.chosen, PickerTicket(self, ticket, connection)
+        return answer.chosen, PickerTicket(self, ticket, connection), True
 
     def _send_on(self, connection: int, frame: bytes) -> None:
         """Write `frame` if the connection it belongs to is still the open one (a ticket of a closed
@@ -202,8 +210,5 @@ class PickerClient:
                 if type(frame) is not AnswerFrame:
                     raise WireError(f"the picker sent a frame of kind {type(frame).__name__}")
                 future = waiting.pop(frame.ticket, None)
-                if future is None or future.done():   # answered after its deadline: release it
-                    if frame.chosen >= 0 and self._writer is not None:
-                        self._writer.write(encode_finish(frame.ticket))
-                    continue
-                future.set_result(frame)
+                if future is not None and not future.done():   # else answered after its deadline: placed
+                    future.set_result(frame)

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from router.picker.state import PickerState
-from router.picker.wire import FINISH, AnswerFrame, FrameReader, PickFrame, PoolFrame, ProgressFrame, WireError, \
-    encode_answer
+from router.picker.wire import FINISH, AnswerFrame, FrameReader, PickFrame, PlacedFrame, PoolFrame, ProgressFrame, \
+    WireError, encode_answer
 from router.pools.spec import KvEventsSource
 from router.signals.kv_streams import KvEventStreams
 
@@ -100,6 +100,8 @@ class PickerService:
                 answers.append(encode_answer(frame.ticket, chosen, cached, block_tokens))
             elif kind is ProgressFrame:
                 state.progress(connection, frame.ticket, finished=frame.kind == FINISH)
+            elif kind is PlacedFrame:
+                state.placed(connection, frame.ticket, frame.endpoint_id, now_s)
             elif kind is PoolFrame:
                 try:
                     state.pool(frame.model, frame.policy, frame.sources)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
-from router.kv.exact_index import ExactIndex
+from router.kv.exact_index import Claim, ExactIndex
 from router.kv.prompt_blocks import RouteRequest
 from router.kv.prompt_keys import PromptKeys
 from router.pools.endpoint import EndpointState
@@ -55,10 +55,13 @@ class PickerPool:
 
 @dataclass(slots=True)
 class _Ticket:
-    """A pick that holds load at its endpoint until the router reports it finished."""
+    """A pick that holds load at its endpoint until the router reports it finished, and the blocks
+    its policy claimed there (`router.kv.exact_index.Claim`; None: none)."""
 
+    pool: PickerPool
     endpoint: EndpointState
     prefill_tokens: int
+    claim: Claim | None
     first_byte: bool = False
 
 
@@ -119,8 +122,24 @@ class PickerState:
         chosen = pool.policy.choose(candidates, request, now_s, pool.view)
         prefill = request.prefill_tokens
         chosen.start(prefill)
-        self._tickets.setdefault(connection, {})[frame.ticket] = _Ticket(chosen, prefill)
+        self._tickets.setdefault(connection, {})[frame.ticket] = _Ticket(pool, chosen, prefill, request.claim)
         return candidates.index(chosen), request.cached_tokens, pool.block_tokens()
+
+    def placed(self, connection: Hashable, ticket: int, endpoint_id: str, now_s: float) -> None:
+        """The router sent the pick's request to `endpoint_id` itself (the answer was late): its load
+        and its claim move there. Unknown tickets are ignored."""
+        tickets = self._tickets.get(connection)
+        held = tickets.get(ticket) if tickets is not None else None
+        if held is None or held.endpoint.id == endpoint_id:
+            return
+        held.endpoint.finish(held.prefill_tokens, False)
+        held.endpoint = held.pool.endpoint(endpoint_id)
+        held.endpoint.start(held.prefill_tokens)
+        claim, view = held.claim, held.pool.view
+        if claim is not None and view is not None:
+            view.withdraw(claim.endpoint_id, claim.keys)
+            keys = view.expect_keys(endpoint_id, claim.keys, claim.until_s, now_s)
+            held.claim = Claim(endpoint_id, keys, claim.until_s) if keys else None
 
     def progress(self, connection: Hashable, ticket: int, *, finished: bool) -> None:
         """The router reports a pick's first byte (`finished` False) or its end; unknown tickets

@@ -15,6 +15,7 @@ its frames on one connection; the picker answers picks in the order it takes the
 | `ANSWER` (3) | picker -> router | ``u32 ticket, i16 chosen candidate (-1: none), u32 cached tokens, u16 block tokens`` (the engines' block size the picker keys by; 0: not known yet) |
 | `FIRST_BYTE` (4) | router -> picker | ``u32 ticket``: the pick's first byte reached the client (its prefill is done) |
 | `FINISH` (5) | router -> picker | ``u32 ticket``: the request left the endpoint (done, failed or cancelled) |
+| `PLACED` (6) | router -> picker | ``u32 ticket, u8 length``, the endpoint id: the answer came too late and the router sent the request there itself; the picker moves the pick's load and claim there |
 
 A pick carries block hashes, never token ids: a 12,000-token prompt is 187 router blocks and 750
 keys of 16-token blocks, about 7.5 KB. Tickets are the router's, unique per connection.
@@ -27,7 +28,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-POOL, PICK, ANSWER, FIRST_BYTE, FINISH = 1, 2, 3, 4, 5
+POOL, PICK, ANSWER, FIRST_BYTE, FINISH, PLACED = 1, 2, 3, 4, 5, 6
 
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest frame either side accepts (bytes): a pick of a 128k-token prompt is about 80 KB."""
@@ -79,6 +80,14 @@ class AnswerFrame:
 
 
 @dataclass(slots=True)
+class PlacedFrame:
+    """Where a router sent a request it picked for itself after the picker's deadline."""
+
+    ticket: int
+    endpoint_id: str
+
+
+@dataclass(slots=True)
 class ProgressFrame:
     """A pick's progress at the router: `FIRST_BYTE` or `FINISH`."""
 
@@ -86,7 +95,7 @@ class ProgressFrame:
     ticket: int
 
 
-Frame = PoolFrame | PickFrame | AnswerFrame | ProgressFrame
+Frame = PoolFrame | PickFrame | AnswerFrame | ProgressFrame | PlacedFrame
 
 
 def _framed(body: bytes) -> bytes:
@@ -132,6 +141,12 @@ def encode_finish(ticket: int) -> bytes:
     return _framed(_TICKET.pack(FINISH, ticket))
 
 
+def encode_placed(ticket: int, endpoint_id: str) -> bytes:
+    """A `PLACED` frame."""
+    endpoint = endpoint_id.encode()
+    return _framed(_TICKET.pack(PLACED, ticket) + bytes((len(endpoint),)) + endpoint)
+
+
 def decode(body: bytes | memoryview) -> Frame:
     """The frame of one body (after its length prefix). Raises `WireError` if it does not decode."""
     try:
@@ -142,6 +157,11 @@ def decode(body: bytes | memoryview) -> Frame:
             return AnswerFrame(*_ANSWER.unpack(body)[1:])
         if kind in (FIRST_BYTE, FINISH):
             return ProgressFrame(kind, _TICKET.unpack(body)[1])
+        if kind == PLACED:
+            at = _TICKET.size
+            if len(body) != at + 1 + body[at]:
+                raise WireError(f"placed frame of {len(body)} bytes")
+            return PlacedFrame(_TICKET.unpack_from(body)[1], bytes(body[at + 1:]).decode())
         if kind == POOL:
             doc = json.loads(bytes(body[1:]))
             return PoolFrame(str(doc["model"]), str(doc["policy"]), dict(doc["sources"]))

@@ -76,9 +76,10 @@ class RemotePicker(Protocol):
         """`model`'s pool: its policy and its endpoints (id -> KV events source document, or None)."""
         ...
 
-    async def pick(self, model: str, candidates: Sequence[str],
-                   request: RouteRequest) -> tuple[int, PickerTicket] | None:  # fmt: skip
-        """The index of the candidate chosen and its ticket; None: pick locally."""
+    async def pick(self, model: str, candidates: Sequence[str], request: RouteRequest,
+                   fallback: Callable[[], int]) -> tuple[int, PickerTicket | None, bool]:  # fmt: skip
+        """(The index of the candidate chosen, its ticket or None, whether the picker chose);
+        `fallback()` is the router's own choice when the picker does not answer in time."""
         ...
 
 

@@ -214,20 +214,21 @@ class Proxy:
     async def _ask_picker(self, pool: Pool, request: RouteRequest, arrival_s: float,
                           key: str | None) -> tuple[EndpointState | None, PickerTicket | None]:  # fmt: skip
         """Step 5 with an endpoint picker (`Pool.picker`): the endpoint it chooses among the pool's
-        candidates, and its ticket (the picker holds the request's load until `finish`); when it
-        does not answer in time, the pool's own policy picks (its approximate view and this
-        router's load) and there is no ticket. The prompt's blocks are recorded as held at the
-        chosen endpoint in the local policy too, so a fall-back pick finds the prefixes."""
+        candidates, and its ticket (the picker holds the request's load until `finish`; None when
+        the picker was unreachable); when it does not answer in time, the pool's own policy picks
+        (its approximate view and this router's load). The prompt's blocks the picker placed are
+        recorded as held there in the local policy too, so a fall-back pick finds the prefixes."""
         candidates = pool.candidates(arrival_s, key=key)
         if candidates is None:
             return None, None
-        answer = await pool.picker.pick(pool.model, [e.id for e in candidates], request)  # type: ignore[union-attr]
-        if answer is None:
-            endpoint = pool.policy.choose(candidates, request, arrival_s, pool.kv_view)
-            ticket = None
-        else:
-            index, ticket = answer
-            endpoint = candidates[index]
+
+        def own_pick() -> int:
+            return candidates.index(pool.policy.choose(candidates, request, arrival_s, pool.kv_view))
+
+        index, ticket, answered = await pool.picker.pick(pool.model, [e.id for e in candidates], request,
+                                                         own_pick)  # type: ignore[union-attr]
+        endpoint = candidates[index]
+        if answered:
             pool.policy.learn(endpoint.id, request.block_hashes)
         pool.shared.dispatched(arrival_s, self._clock())
         return endpoint, ticket

@@ -14,8 +14,9 @@ from router.kv.prompt_keys import prompt_keys
 from router.picker.client import PickerClient
 from router.picker.service import PickerService
 from router.picker.state import PickerState
-from router.picker.wire import (FINISH, AnswerFrame, FrameReader, PickFrame, PoolFrame, ProgressFrame, WireError,
-                                decode, encode_answer, encode_finish, encode_first_byte, encode_pick, encode_pool)
+from router.picker.wire import (FINISH, AnswerFrame, FrameReader, PickFrame, PlacedFrame, PoolFrame, ProgressFrame,
+                                WireError, decode, encode_answer, encode_finish, encode_first_byte, encode_pick,
+                                encode_placed, encode_pool)
 from router.pools.endpoint import EndpointState
 from router.pools.policies import make_policy
 from tests.support.waits import async_wait_until
@@ -32,7 +33,8 @@ def _stored(index: ExactIndex, endpoint_id: str, ids: list[int]) -> None:
 
 def test_pick_frame_round_trips_through_a_split_stream() -> None:
     frame = encode_pick(7, "llama", 12_000, "user-1", ["sim-0", "sim-1"], [1, -2, 2**63 + 5], [3, -4], BS)
-    frames = encode_pool("llama", "kv-aware", {"sim-0": None}) + frame + encode_first_byte(7) + encode_finish(7)
+    frames = (encode_pool("llama", "kv-aware", {"sim-0": None}) + frame + encode_first_byte(7) + encode_finish(7)
+              + encode_placed(7, "sim-1"))
     reader = FrameReader()
     got = [f for i in range(0, len(frames), 5) for f in reader.feed(frames[i:i + 5])]
     assert got[0] == PoolFrame("llama", "kv-aware", {"sim-0": None})
@@ -42,7 +44,7 @@ def test_pick_frame_round_trips_through_a_split_stream() -> None:
         (7, "llama", 12_000, "user-1", ["sim-0", "sim-1"])
     assert pick.block_hashes == (1, 2**64 - 2, 2**63 + 5)   # their low 64 bits
     assert (pick.keys, pick.key_block_tokens) == ((3, -4), BS)
-    assert got[2:] == [ProgressFrame(4, 7), ProgressFrame(FINISH, 7)]
+    assert got[2:] == [ProgressFrame(4, 7), ProgressFrame(FINISH, 7), PlacedFrame(7, "sim-1")]
     assert decode(encode_answer(7, 1, 640, BS)[4:]) == AnswerFrame(7, 1, 640, BS)
     no_session = decode(encode_pick(1, "m", 5, None, ["a"], [], [], BS)[4:])
     assert isinstance(no_session, PickFrame) and no_session.session_key is None
@@ -75,6 +77,25 @@ def test_prompt_keys_match_as_the_token_ids_do() -> None:
 def _pick(ticket: int, prompt: list[int], candidates: list[str], session: str | None = None) -> PickFrame:
     keys = prompt_keys(prompt, BS).keys
     return PickFrame(ticket, "m", len(prompt), session, candidates, tuple(token_id_block_hashes(prompt)), tuple(keys), BS)
+
+
+def test_a_late_pick_moves_its_load_and_claim_where_the_router_sent_it() -> None:
+    index = ExactIndex()
+    state = PickerState(lambda model: index)
+    state.pool("m", "kv-aware", {"e0": {"publisher": "tcp://127.0.0.1:1"}, "e1": {"publisher": "tcp://127.0.0.1:2"}})
+    for e in ("e0", "e1"):
+        index.open(e)
+        _stored(index, e, [9] * BS)   # teaches the block size: claims need it
+    prompt = list(range(300, 300 + 8 * BS))
+    chosen, _, _ = state.pick("r1", _pick(1, prompt, ["e0", "e1"]), 0.0)
+    picked, other = ["e0", "e1"][chosen], ["e0", "e1"][1 - chosen]
+    assert index.match(prompt, now_s=1.0) == {picked: 8 * BS}   # claimed where the picker chose
+    state.placed("r1", 1, other, 0.5)   # the answer was late: the router sent it to the other
+    assert index.match(prompt, now_s=1.0) == {other: 8 * BS}
+    endpoints = state.pools["m"].endpoints
+    assert (endpoints[picked].in_flight, endpoints[other].in_flight) == (0, 1)
+    state.progress("r1", 1, finished=True)
+    assert endpoints[other].in_flight == 0 and endpoints[other].prefill_tokens == 0
 
 
 def test_picks_of_two_routers_share_one_load_and_are_released() -> None:
@@ -127,21 +148,27 @@ async def test_a_router_asks_the_picker_and_falls_back_when_it_is_gone() -> None
         await async_wait_until(lambda: client.connected and "m" in service.state.pools, 10.0,
                                what="the client connected and its pool reached the picker")
         request = RouteRequest(block_hashes=(1, 2), prompt_tokens=128, token_ids=list(range(128)))
-        answers = await asyncio.gather(*(client.pick("m", ["e0", "e1"], request) for _ in range(4)))
+
+        def own_pick() -> int:
+            raise AssertionError("the picker answers: the router does not pick")
+
+        answers = await asyncio.gather(*(client.pick("m", ["e0", "e1"], request, own_pick) for _ in range(4)))
         assert sorted(a[0] for a in answers) == [0, 0, 1, 1]   # pipelined on one connection, decided in turn
+        assert all(answered for _, _, answered in answers)
         assert service.state.in_flight() == 4
-        for _, ticket in answers:
+        for _, ticket, _ in answers:
             ticket.first_byte()
             ticket.finish()
         await async_wait_until(lambda: service.state.in_flight() == 0, 10.0, what="the picks released")
         await service.close()
         await async_wait_until(lambda: not client.connected, 10.0, what="the client saw the picker go")
-        assert await client.pick("m", ["e0", "e1"], request) is None   # unreachable: the router picks alone
+        # unreachable: the router picks alone, and no ticket is held anywhere
+        assert await client.pick("m", ["e0", "e1"], request, lambda: 1) == (1, None, False)
         service = PickerService()
         await service.start("127.0.0.1", client.port)
         await async_wait_until(lambda: client.connected and "m" in service.state.pools, 10.0,
                                what="the client reconnected and sent its pool again")
-        assert (await client.pick("m", ["e0", "e1"], request)) is not None
+        assert (await client.pick("m", ["e0", "e1"], request, own_pick))[2]
     finally:
         await client.close()
         await service.close()
