@@ -31,7 +31,9 @@ docs/routing.md "Endpoint picker") and gives every Fleet router of the target ``
 picker follows the replicas' KV events (so they publish them) and decides every router's picks;
 the routers follow no events and exchange nothing. Router CPU per request then sums the routers
 and the picker (the picker's own share is printed beside); ``--picker-profile PATH`` runs the
-picker under cProfile.
+picker under cProfile; ``--kill-picker-at-s T`` SIGKILLs it T seconds into the replay and starts
+a new one ``--picker-down-s`` later (the failed requests column says what the routers' fallback
+cost).
 
 **Load.** One replica's capacity on this trace's request mix is measured with the simulator's
 pure model in virtual time (every request of the window queued at once; completed requests per
@@ -72,6 +74,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -192,10 +195,11 @@ def target_label(target: str, default_routers: int, summary: dict | None = None)
                            if (summary or {}).get(key))
 
 
-def start_picker(profile: Path | None = None) -> tuple[subprocess.Popen, str]:
+def start_picker(profile: Path | None = None, port: int | None = None) -> tuple[subprocess.Popen, str]:
     """The endpoint picker (`python -m router.picker`, under cProfile into ``profile`` when given),
-    listening: (process, ``HOST:PORT``). Raises RuntimeError if it exits before it listens."""
-    port = free_port()
+    listening on ``port`` (default: a free one): (process, ``HOST:PORT``). Raises RuntimeError if it
+    exits before it listens."""
+    port = port or free_port()
     prof = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
     proc = subprocess.Popen([sys.executable, *prof, "-m", "router.picker", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -204,6 +208,17 @@ def start_picker(profile: Path | None = None) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise RuntimeError(f"the endpoint picker did not start: {line!r}")
     return proc, f"127.0.0.1:{port}"
+
+
+def kill_picker(picker: tuple[subprocess.Popen, str], args, replaced: list) -> None:
+    """``--kill-picker-at-s``: SIGKILL the picker that many seconds into the replay and start a new one
+    on the same port ``--picker-down-s`` later (what `fleet up`'s supervisor does); the new one is
+    appended to ``replaced``."""
+    time.sleep(args.kill_picker_at_s)
+    picker[0].kill()
+    picker[0].wait()
+    time.sleep(args.picker_down_s)
+    replaced.append(start_picker(port=int(picker[1].rpartition(":")[2])))
 
 
 def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = None, peers: list[str] = (),
@@ -326,6 +341,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                   extra_args=extra, extra_args_for=kv_ports.args_for if kv_ports else None) as sims:
         routers: list[tuple[subprocess.Popen, str]] = []
         picker: tuple[subprocess.Popen, str] | None = None
+        killed: list[tuple[subprocess.Popen, str]] = []   # the picker that replaced a killed one
         try:
             if with_picker:
                 picker = start_picker(args.picker_profile)
@@ -346,9 +362,15 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                     return await replay(trace, AlternatingSender(senders))
 
             started = time.monotonic()
+            if picker is not None and args.kill_picker_at_s is not None:
+                killer = threading.Thread(target=kill_picker, args=(picker, args, killed), daemon=True)
+                killer.start()
             records = asyncio.run(go())
             wall_s = time.monotonic() - started
             router_cpu_s = sum(cpu_s(proc.pid) for proc, _ in routers) - cpu0
+            if killed:   # the killed picker's CPU is lost with it: the restarted one's counts from its start
+                picker = killed[0]
+                picker_cpu0 = 0.0
             picker_cpu_s = cpu_s(picker[0].pid) - picker_cpu0 if picker else 0.0
             picker_picks = [scrape(base, PICKER_SERIES) for _, base in routers] if picker else []
             hits, queries = prefix_cache_tokens(sims.urls)
@@ -361,11 +383,13 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                 proc.terminate()
             for proc, _ in routers:
                 proc.wait(timeout=30)
-            if picker is not None:
-                picker[0].terminate()
-                picker[0].wait(timeout=60)   # under cProfile it writes its profile on the way out
+            for proc, _ in ([picker] if picker is not None else []) + killed:
+                proc.terminate()
+                proc.wait(timeout=60)   # under cProfile it writes its profile on the way out
     summary = summarize_run(records, args.ttft_slo_s)
     summary["picker"] = with_picker
+    if killed:
+        summary["picker_killed_at_s"] = args.kill_picker_at_s
     if picker_picks:   # summed over the routers, by outcome
         summary["picker_picks"] = {
             outcome: sum(v for m in picker_picks for k, v in m.items() if f'outcome="{outcome}"' in k)
@@ -437,6 +461,10 @@ def main() -> None:
                              "which follows the replicas' KV events (so --kv-events is on)")
     parser.add_argument("--picker-deadline-ms", type=float, default=5.0,
                         help="the routers' wait for the picker's answer (python -m router --picker-deadline-ms)")
+    parser.add_argument("--kill-picker-at-s", type=float,
+                        help="SIGKILL the endpoint picker this many seconds into each replay, and start a new one "
+                             "--picker-down-s later (the routers pick alone meanwhile)")
+    parser.add_argument("--picker-down-s", type=float, default=5.0)
     parser.add_argument("--picker-profile", type=Path,
                         help="run the endpoint picker under cProfile, writing its profile here")
     parser.add_argument("--json-out", type=Path)
