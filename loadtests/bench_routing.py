@@ -374,7 +374,8 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             picker_cpu_s = cpu_s(picker[0].pid) - picker_cpu0 if picker else 0.0
             picker_picks = [scrape(base, PICKER_SERIES) for _, base in routers] if picker else []
             hits, queries = prefix_cache_tokens(sims.urls)
-            kv_seen = [scrape(base, KV_SERIES) for _, base in routers] if kv_ports and kind == "fleet" and not picker else []
+            kv_seen = ([scrape(base, KV_SERIES) for _, base in routers] if kv_ports and kind == "fleet" and not picker
+                       else [])  # fmt: skip
             predicted = [scrape(base, PREDICTED_SERIES) for _, base in routers] if kind == "fleet" else []
             resilience = [scrape(base, RESILIENCE_SERIES) for _, base in routers] if kind == "fleet" else []
             answered = [scrape(base, ENDPOINT_REQUESTS_SERIES) for _, base in routers] if kind == "fleet" else []

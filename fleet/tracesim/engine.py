@@ -156,7 +156,8 @@ class Simulation:
         self.engines = EngineStepper(self.loop, self._on_step)
         self.views = RouterViews(config, self.loop, self.replicas, lambda: self._done < len(self.log))
         self.load_views, self.exact_indexes = self.views.load_views, self.views.exact_indexes
-        self.picker = SimPicker(config.model, config.routing_policy, self.views.picker_view()) if config.picker else None
+        self.picker = (SimPicker(config.model, config.routing_policy, self.views.picker_view()) if config.picker
+                       else None)  # fmt: skip
         self._queue: deque[int] = deque()   # request indexes waiting in the router (lazy deletion)
         self._queued = 0
         self._waiting = bytearray(len(self.log))   # 1 while request i is in the router queue

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.protocol.jsonlimit import loads_bounded
 from router.http.admin import ADMIN_PREFIX, PEER_REPORT_DEPTH, admin_router, validation_message
 from router.protocol.errors import error_body, error_type
-from router.picker.client import PickerClient
+from router.picker.client import DEFAULT_DEADLINE_S, PickerClient
 from router.signals.kv_streams import KvEventStreams
 from router.stats.metrics import RouterMetrics
 from router.pools.endpoint import DEFAULT_FAILURE_COOLDOWN_S
@@ -385,9 +385,9 @@ def create_app(
     kv_streams = KvEventStreams(metrics)
     picker_client = None
     if picker is not None:
-        picker_client = PickerClient(picker[0], picker[1], clock=clock, registry=metrics.registry)
-        if len(picker) > 2:
-            picker_client.deadline_s = picker[2]  # type: ignore[misc]
+        deadline_s = picker[2] if len(picker) > 2 else DEFAULT_DEADLINE_S  # type: ignore[misc]
+        picker_client = PickerClient(picker[0], picker[1], deadline_s=deadline_s, clock=clock,
+                                     registry=metrics.registry)  # fmt: skip
     pools = PoolTable(metrics, wall_clock, clock, remembered, kv_streams, picker_client)
     proxy = Proxy(
         pools,

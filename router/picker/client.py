@@ -75,7 +75,8 @@ class PickerClient:
     go (None: a private one)."""
 
     def __init__(self, host: str, port: int, *, deadline_s: float = DEFAULT_DEADLINE_S,
-                 clock: Callable[[], float] = time.perf_counter, registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.perf_counter,
+                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
         self.host = host
         self.port = port
         self.deadline_s = deadline_s

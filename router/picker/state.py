@@ -75,7 +75,8 @@ class PickerState:
     """
 
     def __init__(self, index_for: Callable[[str], ExactIndex],
-                 on_sources: Callable[[str, Mapping[str, dict]], None] = lambda model, sources: None) -> None:  # fmt: skip
+                 on_sources: Callable[[str, Mapping[str, dict]], None] = lambda model, sources: None,
+                 ) -> None:  # fmt: skip
         self._index_for = index_for
         self._on_sources = on_sources
         self.pools: dict[str, PickerPool] = {}

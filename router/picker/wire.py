@@ -1,21 +1,28 @@
 """The endpoint picker's wire: length-prefixed binary frames over one TCP connection per router.
 
 Owns the frame kinds, their encoders and decoders (`encode_pool`, `encode_pick`, `encode_answer`,
-`encode_first_byte`, `encode_finish`, `decode`) and `FrameReader` (frames out of a byte stream).
+`encode_first_byte`, `encode_finish`, `encode_placed`, `decode`) and `FrameReader` (frames out of a
+byte stream).
 Written and read by the router's client (`router.picker.client`) and the picker
 (`router.picker.service`). Pure: bytes in, values out.
 
 Every frame is a little-endian ``u32`` length, then a ``u8`` kind and its body. A router pipelines
 its frames on one connection; the picker answers picks in the order it takes them.
 
-| kind | direction | body |
-|---|---|---|
-| `POOL` (1) | router -> picker | JSON: ``{"model", "policy", "sources": {endpoint id: KvEventsSource}}`` |
-| `PICK` (2) | router -> picker | ``u32 ticket, u32 prompt tokens, u16 candidates, u16 router blocks, u16 key block tokens, u32 keys, u16 model bytes, u16 session bytes (0xFFFF: none)``, then the model, the session key, each candidate id (``u8`` length + bytes), the router block hashes (``u64`` each: their low 64 bits, which is all the picker's approximate index and rendezvous hashing read) and the prompt's keys (``i64`` each, `router.kv.prompt_keys.PromptKeys`) |
-| `ANSWER` (3) | picker -> router | ``u32 ticket, i16 chosen candidate (-1: none), u32 cached tokens, u16 block tokens`` (the engines' block size the picker keys by; 0: not known yet) |
-| `FIRST_BYTE` (4) | router -> picker | ``u32 ticket``: the pick's first byte reached the client (its prefill is done) |
-| `FINISH` (5) | router -> picker | ``u32 ticket``: the request left the endpoint (done, failed or cancelled) |
-| `PLACED` (6) | router -> picker | ``u32 ticket, u8 length``, the endpoint id: the answer came too late and the router sent the request there itself; the picker moves the pick's load and claim there |
+- `POOL` (1), router -> picker: JSON ``{"model", "policy", "sources": {endpoint id: KvEventsSource
+  document or null}}``.
+- `PICK` (2), router -> picker: ``u32 ticket, u32 prompt tokens, u16 candidates, u16 router blocks,
+  u16 key block tokens, u32 keys, u16 model bytes, u16 session bytes (0xFFFF: none)``, then the
+  model, the session key, each candidate id (``u8`` length + bytes), the router block hashes
+  (``u64`` each: their low 64 bits, all the picker's approximate index and rendezvous hashing
+  read) and the prompt's keys (``i64`` each, `router.kv.prompt_keys.PromptKeys`).
+- `ANSWER` (3), picker -> router: ``u32 ticket, i16 chosen candidate (-1: none), u32 cached tokens,
+  u16 block tokens`` (the engines' block size the picker keys by; 0: not known yet).
+- `FIRST_BYTE` (4), router -> picker: ``u32 ticket``: the pick's first byte reached the client.
+- `FINISH` (5), router -> picker: ``u32 ticket``: the request left the endpoint (done, failed or
+  cancelled).
+- `PLACED` (6), router -> picker: ``u32 ticket, u8 length``, the endpoint id: the answer came too
+  late and the router sent the request there itself; the picker moves the pick's load and claim.
 
 A pick carries block hashes, never token ids: a 12,000-token prompt is 187 router blocks and 750
 keys of 16-token blocks, about 7.5 KB. Tickets are the router's, unique per connection.

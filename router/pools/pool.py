@@ -218,7 +218,8 @@ class Pool:
     def wants_token_ids(self) -> bool:
         """Whether a text or chat prompt is worth tokenizing with the pool's `tokenizer` now: its
         policy reads token ids (`RoutingPolicy.uses_token_ids`) and the pool asks the endpoint picker
-        (`picker`), or some endpoint's event stream is live (or rebuilding) in `kv_view`. Otherwise the approximate view decides, and
+        (`picker`), or some endpoint's event stream is live (or rebuilding) in `kv_view`.
+        Otherwise the approximate view decides, and
         `router.request.prepare` does not tokenize (`router.kv.tokenize`)."""
         if not self.policy.uses_token_ids:
             return False

@@ -14,7 +14,8 @@ FastAPI app. `Proxy.__call__` runs the steps of a request in order, each owned b
    policy needs);
 5. **admit and pick** (here): the pool's policy picks a ready endpoint (503 + Retry-After if
    none), or the endpoint picker does for a pool that has one (`Pool.picker`, `router.picker.client`;
-   the pool's own policy when it does not answer in time); a pool with a per-endpoint concurrency limit holds a request that finds every ready
+   the pool's own policy when it does not answer in time); a pool with a per-endpoint concurrency
+   limit holds a request that finds every ready
    endpoint full in its admission queue (`router.pools.admission`; 503 when the queue is full or
    the wait times out);
 6. **attempt** it (`attempt`: the first-token deadline, `deadline`; error mapping; outlier

@@ -76,7 +76,8 @@ def test_prompt_keys_match_as_the_token_ids_do() -> None:
 
 def _pick(ticket: int, prompt: list[int], candidates: list[str], session: str | None = None) -> PickFrame:
     keys = prompt_keys(prompt, BS).keys
-    return PickFrame(ticket, "m", len(prompt), session, candidates, tuple(token_id_block_hashes(prompt)), tuple(keys), BS)
+    hashes = tuple(token_id_block_hashes(prompt))
+    return PickFrame(ticket, "m", len(prompt), session, candidates, hashes, tuple(keys), BS)
 
 
 def test_a_late_pick_moves_its_load_and_claim_where_the_router_sent_it() -> None:
@@ -133,7 +134,8 @@ def test_the_picker_decides_as_the_routers_policy_does_on_the_same_facts() -> No
     local = make_policy("kv-aware")
     request = RouteRequest(block_hashes=tuple(token_id_block_hashes(prompt)), prompt_tokens=len(prompt),
                            token_ids=prompt)
-    expected = local.choose([EndpointState("e0", "http://a"), EndpointState("e1", "http://b")], request, 0.0, local_index)
+    endpoints = [EndpointState("e0", "http://a"), EndpointState("e1", "http://b")]
+    expected = local.choose(endpoints, request, 0.0, local_index)
     assert (["e0", "e1"][chosen], cached, block_tokens) == (expected.id, request.cached_tokens, BS)
     assert expected.id == "e1" and cached == 40 * BS
 

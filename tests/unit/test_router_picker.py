@@ -35,8 +35,9 @@ async def test_two_routers_pick_through_the_picker_and_fall_back_without_it() ->
             for app, client in routers:
                 app.picker.deadline_s = WAIT_S   # this test checks the path, not the 5 ms deadline
                 await put_pool(client, "m", [{"id": e.name, "url": e.url} for e in engines], policy="kv-aware")
-            await async_wait_until(lambda: all(app.picker.connected for app, _ in routers) and "m" in service.state.pools,
-                                   WAIT_S, what="both routers connected and the pool reached the picker")
+            await async_wait_until(
+                lambda: all(app.picker.connected for app, _ in routers) and "m" in service.state.pools,
+                WAIT_S, what="both routers connected and the pool reached the picker")
 
             async def ask(k: int, i: int) -> int:
                 body = {"model": "m", "prompt": [i, *PROMPT], "max_tokens": 4, "stream": i % 2 == 0}
