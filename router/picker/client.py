@@ -61,10 +61,10 @@ class PickerTicket:
     def first_byte(self) -> None:
         if not self._sent_first:
             self._sent_first = True
-            self._client._send_on(self._connection, encode_first_byte(self._ticket))
+            self._client.send_on(self._connection, encode_first_byte(self._ticket))
 
     def finish(self) -> None:
-        self._client._send_on(self._connection, encode_finish(self._ticket))
+        self._client.send_on(self._connection, encode_finish(self._ticket))
 
 
 class PickerClient:
@@ -101,6 +101,7 @@ class PickerClient:
 
     @property
     def connected(self) -> bool:
+        """Whether the connection to the picker is open now."""
         return self._writer is not None
 
     def start(self) -> None:
@@ -109,6 +110,7 @@ class PickerClient:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="picker-client")
 
     async def close(self) -> None:
+        """Stop connecting and close the connection."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -152,7 +154,7 @@ class PickerClient:
             self._waiting.pop(ticket, None)   # its answer, when it comes, is dropped
             self._timed_out.inc()
             index = fallback()
-            self._send_on(connection, encode_placed(ticket, candidates[index]))
+            self.send_on(connection, encode_placed(ticket, candidates[index]))
             return index, PickerTicket(self, ticket, connection), False
         if answer is None:   # the connection closed meanwhile: the picker released the pick
             self._unreachable.inc()
@@ -167,7 +169,7 @@ class PickerClient:
         request.cached_tokens = answer.cached_tokens
         return answer.chosen, PickerTicket(self, ticket, connection), True
 
-    def _send_on(self, connection: int, frame: bytes) -> None:
+    def send_on(self, connection: int, frame: bytes) -> None:
         """Write `frame` if the connection it belongs to is still the open one (a ticket of a closed
         connection was released by the picker when it closed)."""
         if connection == self._connection and self._writer is not None:

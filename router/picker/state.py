@@ -82,8 +82,6 @@ class PickerState:
         self.pools: dict[str, PickerPool] = {}
         self._tickets: dict[Hashable, dict[int, _Ticket]] = {}
         self._pool_docs: dict[str, tuple[str, dict]] = {}
-        self.picks = 0
-        self.unanswered = 0
 
     def pool(self, model: str, policy: str, sources: Mapping[str, dict | None]) -> None:
         """A router serves `model` with `policy` over the endpoints `sources` names (id -> its
@@ -111,10 +109,8 @@ class PickerState:
         """Decide one pick: (chosen candidate's index, -1 for none; cached tokens expected there; the
         block size the exact view keys by). The chosen endpoint's load grows by the request
         (`EndpointState.start`) until the connection reports it finished (`progress`) or closes."""
-        self.picks += 1
         pool = self.pools.get(frame.model)
         if pool is None or not frame.candidates:
-            self.unanswered += 1
             return -1, 0, 0
         candidates = [pool.endpoint(c) for c in frame.candidates]
         keys = PromptKeys(frame.keys, frame.key_block_tokens) if frame.keys else None
