@@ -26,6 +26,14 @@ processes. `--peers` gives Fleet's routers of a target each other's URLs (`pytho
 `fleet up` and the Helm chart set them up. Neither changes `vllm-router` targets. A target may
 switch either on for itself with a ``+`` suffix (``fleet:kv-aware+kv-events``,
 ``fleet:kv-aware@2+kv-events+peers``), so rows with and without events run side by side.
+``+picker`` (or ``--picker``) starts one endpoint picker per target (`python -m router.picker`,
+docs/routing.md "Endpoint picker") and gives every Fleet router of the target ``--picker``: the
+picker follows the replicas' KV events (so they publish them) and decides every router's picks;
+the routers follow no events and exchange nothing. Router CPU per request then sums the routers
+and the picker (the picker's own share is printed beside); ``--picker-profile PATH`` runs the
+picker under cProfile; ``--kill-picker-at-s T`` SIGKILLs it T seconds into the replay and starts
+a new one ``--picker-down-s`` later (the failed requests column says what the routers' fallback
+cost).
 
 **Load.** One replica's capacity on this trace's request mix is measured with the simulator's
 pure model in virtual time (every request of the window queued at once; completed requests per
@@ -66,6 +74,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -84,6 +93,9 @@ PREDICTED_SERIES = re.compile(r"^fleet_router_prefix_cache_(hits|predicted_hits)
 RESILIENCE_SERIES = re.compile(r"^fleet_router_(retries|first_token_timeouts|endpoint_ejections)_total")
 """What Fleet's routers did besides routing once: retries, first-token deadlines missed, ejections
 (each moves a request, or the next ones, off the endpoint the policy chose)."""
+PICKER_SERIES = re.compile(r"^fleet_router_picker_(picks_total|pick_seconds_bucket)")
+"""The routers' picks asked of the endpoint picker, by outcome, and the round trips of the answered
+ones (`router.picker.client`)."""
 ENDPOINT_REQUESTS_SERIES = re.compile(r"^fleet_router_requests_total\{")
 ENDPOINT_LABEL = re.compile(r'endpoint="([^"]*)"')
 """Requests each endpoint answered, from the routers' `fleet_router_requests_total{endpoint=...}`:
@@ -135,7 +147,7 @@ def virtual_round_robin(trace: Trace, args, slowdown: float, profile: Profile) -
     return out
 
 
-TARGET_OPTIONS = ("kv-events", "peers")
+TARGET_OPTIONS = ("kv-events", "peers", "picker")
 """What a target may switch on for itself with a ``+`` suffix (``fleet:kv-aware@2+kv-events+peers``),
 beside the run-wide ``--kv-events`` / ``--peers``: rows with and without events in one run."""
 
@@ -161,14 +173,16 @@ def parse_target(target: str, default_routers: int) -> tuple[str, str, int]:
     return kind, policy, routers
 
 
-def target_options(target: str, args) -> tuple[bool, bool]:
-    """(KV events, peers) for ``target``: its own ``+kv-events`` / ``+peers`` or the run-wide flags;
-    both only for Fleet targets (peers only with several routers)."""
+def target_options(target: str, args) -> tuple[bool, bool, bool]:
+    """(KV events, peers, endpoint picker) for ``target``: its own ``+kv-events`` / ``+peers`` /
+    ``+picker`` or the run-wide flags; all only for Fleet targets (peers only with several routers
+    and no picker). The picker follows the engines' KV events, so it switches them on."""
     kind, _, routers = parse_target(target, args.routers)
     options = target.split("+")[1:]
-    kv_events = kind == "fleet" and (bool(args.kv_events) or "kv-events" in options)
-    peers = kind == "fleet" and routers > 1 and (bool(args.peers) or "peers" in options)
-    return kv_events, peers
+    picker = kind == "fleet" and (bool(args.picker) or "picker" in options)
+    kv_events = kind == "fleet" and (bool(args.kv_events) or "kv-events" in options or picker)
+    peers = kind == "fleet" and routers > 1 and not picker and (bool(args.peers) or "peers" in options)
+    return kv_events, peers, picker
 
 
 def target_label(target: str, default_routers: int, summary: dict | None = None) -> str:
@@ -176,22 +190,52 @@ def target_label(target: str, default_routers: int, summary: dict | None = None)
     (what ``summary`` says was on)."""
     kind, policy, routers = parse_target(target, default_routers)
     label = f"{kind}:{policy}, {routers} router{'s' if routers > 1 else ''}"
-    return label + "".join(f", {name}" for key, name in (("kv_events", "KV events"), ("peers", "peers"))
+    return label + "".join(f", {name}" for key, name in (("kv_events", "KV events"), ("peers", "peers"),
+                                                         ("picker", "endpoint picker"))
                            if (summary or {}).get(key))
 
 
+def start_picker(profile: Path | None = None, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """The endpoint picker (`python -m router.picker`, under cProfile into ``profile`` when given),
+    listening on ``port`` (default: a free one): (process, ``HOST:PORT``). Raises RuntimeError if it
+    exits before it listens."""
+    port = port or free_port()
+    prof = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
+    proc = subprocess.Popen([sys.executable, *prof, "-m", "router.picker", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline() if proc.stdout is not None else ""
+    if not line.startswith("picker listening"):
+        proc.kill()
+        raise RuntimeError(f"the endpoint picker did not start: {line!r}")
+    return proc, f"127.0.0.1:{port}"
+
+
+def kill_picker(picker: tuple[subprocess.Popen, str], args, replaced: list) -> None:
+    """``--kill-picker-at-s``: SIGKILL the picker that many seconds into the replay and start a new one
+    on the same port ``--picker-down-s`` later (what `fleet up`'s supervisor does); the new one is
+    appended to ``replaced``."""
+    time.sleep(args.kill_picker_at_s)
+    picker[0].kill()
+    picker[0].wait()
+    time.sleep(args.picker_down_s)
+    replaced.append(start_picker(port=int(picker[1].rpartition(":")[2])))
+
+
 def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = None, peers: list[str] = (),
-                 kv_events: list[dict] | None = None) -> tuple[subprocess.Popen, str]:
+                 kv_events: list[dict] | None = None, picker: str | None = None,
+                 picker_deadline_ms: float = 5.0) -> tuple[subprocess.Popen, str]:
     """One router process of ``kind`` with ``policy`` in front of ``urls``, ready to serve:
-    (process, base URL). A Fleet router is given ``--peers`` (the other routers' base URLs) and
-    each endpoint's ``kv_events`` when given. Raises RuntimeError if it exits before answering
-    /health."""
+    (process, base URL). A Fleet router is given ``--peers`` (the other routers' base URLs),
+    ``--picker`` (the endpoint picker's address) and each endpoint's ``kv_events`` when given.
+    Raises RuntimeError if it exits before answering /health."""
     port = port or free_port()
     base = f"http://127.0.0.1:{port}"
     if kind == "fleet":
         cmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port)]
         if peers:
             cmd += ["--peers", ",".join(peers), "--router-id", f"router-{port}"]
+        if picker:
+            cmd += ["--picker", picker, "--picker-deadline-ms", str(picker_deadline_ms)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env={**os.environ, "FLEET_ROUTER_ADMIN_TOKEN": ADMIN_TOKEN})
         wait_http(f"{base}/health", proc)
@@ -286,7 +330,7 @@ def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
 
 def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     kind, policy, n_routers = parse_target(target, args.routers)
-    kv_events, with_peers = target_options(target, args)
+    kv_events, with_peers, with_picker = target_options(target, args)
     # Every usage object says what the prefix cache held, which Fleet's routers count beside
     # their prediction (fleet_router_prefix_cache_{hits,predicted_hits}_total).
     extra = ["--enable-prompt-tokens-details", *(["--slowdown", str(slowdown)] if slowdown != 1.0 else [])]
@@ -296,13 +340,20 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     with SimFleet(args.replicas, profile=args.profile, model=MODEL, processes=args.sim_processes, seed=args.seed,
                   extra_args=extra, extra_args_for=kv_ports.args_for if kv_ports else None) as sims:
         routers: list[tuple[subprocess.Popen, str]] = []
+        picker: tuple[subprocess.Popen, str] | None = None
+        killed: list[tuple[subprocess.Popen, str]] = []   # the picker that replaced a killed one
         try:
+            if with_picker:
+                picker = start_picker(args.picker_profile)
             ports = [free_port() for _ in range(n_routers)]
             for port in ports:
                 peers = [f"http://127.0.0.1:{q}" for q in ports if q != port] if with_peers else []
                 routers.append(start_router(kind, policy, sims.urls, port=port, peers=peers,
-                                            kv_events=kv_ports.sources() if kv_ports else None))
+                                            kv_events=kv_ports.sources() if kv_ports else None,
+                                            picker=picker[1] if picker else None,
+                                            picker_deadline_ms=args.picker_deadline_ms))
             cpu0 = sum(cpu_s(proc.pid) for proc, _ in routers)
+            picker_cpu0 = cpu_s(picker[0].pid) if picker else 0.0
 
             async def go():
                 async with contextlib.AsyncExitStack() as stack:
@@ -311,11 +362,20 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                     return await replay(trace, AlternatingSender(senders))
 
             started = time.monotonic()
+            if picker is not None and args.kill_picker_at_s is not None:
+                killer = threading.Thread(target=kill_picker, args=(picker, args, killed), daemon=True)
+                killer.start()
             records = asyncio.run(go())
             wall_s = time.monotonic() - started
             router_cpu_s = sum(cpu_s(proc.pid) for proc, _ in routers) - cpu0
+            if killed:   # the killed picker's CPU is lost with it: the restarted one's counts from its start
+                picker = killed[0]
+                picker_cpu0 = 0.0
+            picker_cpu_s = cpu_s(picker[0].pid) - picker_cpu0 if picker else 0.0
+            picker_picks = [scrape(base, PICKER_SERIES) for _, base in routers] if picker else []
             hits, queries = prefix_cache_tokens(sims.urls)
-            kv_seen = [scrape(base, KV_SERIES) for _, base in routers] if kv_ports and kind == "fleet" else []
+            kv_seen = ([scrape(base, KV_SERIES) for _, base in routers] if kv_ports and kind == "fleet" and not picker
+                       else [])  # fmt: skip
             predicted = [scrape(base, PREDICTED_SERIES) for _, base in routers] if kind == "fleet" else []
             resilience = [scrape(base, RESILIENCE_SERIES) for _, base in routers] if kind == "fleet" else []
             answered = [scrape(base, ENDPOINT_REQUESTS_SERIES) for _, base in routers] if kind == "fleet" else []
@@ -324,7 +384,22 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                 proc.terminate()
             for proc, _ in routers:
                 proc.wait(timeout=30)
+            for proc, _ in ([picker] if picker is not None else []) + killed:
+                proc.terminate()
+                proc.wait(timeout=60)   # under cProfile it writes its profile on the way out
     summary = summarize_run(records, args.ttft_slo_s)
+    summary["picker"] = with_picker
+    if killed:
+        summary["picker_killed_at_s"] = args.kill_picker_at_s
+    if picker_picks:   # summed over the routers, by outcome
+        summary["picker_picks"] = {
+            outcome: sum(v for m in picker_picks for k, v in m.items() if f'outcome="{outcome}"' in k)
+            for outcome in ("answered", "timed_out", "unreachable", "declined")}
+        rtt = {le: sum(v for m in picker_picks for k, v in m.items() if f'le="{le}"' in k)
+               for le in ("0.0005", "0.001", "0.005", "+Inf")}
+        summary["picker_rtt_share"] = {f"<= {float(le) * 1e3:g} ms": rtt[le] / rtt["+Inf"] if rtt["+Inf"] else None
+                                       for le in ("0.0005", "0.001", "0.005")}   # of the answered picks
+        summary["picker_cpu_ms_per_request"] = 1e3 * picker_cpu_s / max(1, len(records))
     summary["routers"] = n_routers
     summary["kv_events"] = kv_events
     summary["peers"] = with_peers
@@ -352,7 +427,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                 if found:
                     per_endpoint[found.group(1)] = per_endpoint.get(found.group(1), 0) + v
         summary["requests_per_endpoint"] = dict(sorted(per_endpoint.items()))
-    summary["router_cpu_ms_per_request"] = 1e3 * router_cpu_s / max(1, len(records))
+    summary["router_cpu_ms_per_request"] = 1e3 * (router_cpu_s + picker_cpu_s) / max(1, len(records))
     summary["wall_s"] = wall_s
     return summary
 
@@ -374,7 +449,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--targets", default=DEFAULT_TARGETS,
                         help="comma-separated fleet:<policy> / vllm-router:<policy>, each optionally @N routers and "
-                             "+kv-events / +peers (that target only)")
+                             "+kv-events / +peers / +picker (that target only)")
     parser.add_argument("--routers", type=int, default=1,
                         help="router processes per target, requests alternating between them (default 1)")
     parser.add_argument("--kv-events", action="store_true",
@@ -382,6 +457,17 @@ def main() -> None:
                              "subscribe (each endpoint's kv_events)")
     parser.add_argument("--peers", action="store_true",
                         help="Fleet's routers of one target exchange their load (python -m router --peers)")
+    parser.add_argument("--picker", action="store_true",
+                        help="Fleet's routers of each target ask one endpoint picker (python -m router.picker), "
+                             "which follows the replicas' KV events (so --kv-events is on)")
+    parser.add_argument("--picker-deadline-ms", type=float, default=5.0,
+                        help="the routers' wait for the picker's answer (python -m router --picker-deadline-ms)")
+    parser.add_argument("--kill-picker-at-s", type=float,
+                        help="SIGKILL the endpoint picker this many seconds into each replay, and start a new one "
+                             "--picker-down-s later (the routers pick alone meanwhile)")
+    parser.add_argument("--picker-down-s", type=float, default=5.0)
+    parser.add_argument("--picker-profile", type=Path,
+                        help="run the endpoint picker under cProfile, writing its profile here")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -421,11 +507,13 @@ def main() -> None:
               f"{100 * s['prefix_cache_hit_rate']:.1f}%, failed {s['failed']}"
               + (f", predicted / actual hits {s['predicted_over_actual_hits']:.2f}"
                  if s.get("predicted_over_actual_hits") is not None else "")
-              + (f", KV events seen per router {s['kv_events_seen']}" if "kv_events_seen" in s else ""), flush=True)
+              + (f", KV events seen per router {s['kv_events_seen']}" if "kv_events_seen" in s else "")
+              + (f", picker picks {s['picker_picks']}, picker CPU {s['picker_cpu_ms_per_request']:.2f} ms/request"
+                 if "picker_picks" in s else ""), flush=True)
 
     slo = f"within {args.ttft_slo_s:g} s TTFT" if args.ttft_slo_s is not None else None
     print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |{f' {slo} |' if slo else ''} prefix-cache hits "
-          "| failed | router CPU / request (sum over routers) |")
+          "| failed | router CPU / request (sum over routers and the picker) |")
     print("|---|---|---|---|---|---|---|---|" + ("---|" if slo else ""))
     labelled = [(target_label(t, args.routers, s), s) for t, s in rows]
     for target, s in [("virtual-time reference: ideal round-robin, no router", {**reference, "router_cpu_ms_per_request": None}), *labelled]:

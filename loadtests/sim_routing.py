@@ -75,7 +75,7 @@ def run_row(label: str, factory, workload: Workload, args, profile, signal: str 
                     routing_policy=label.partition(":")[0], ttft_slo_s=args.ttft_slo_s, seed=args.seed,
                     name=label, routers=args.routers, shared_view=args.shared_view,
                     load_signal=load_signal, load_interval_s=interval_s, kv_events=args.kv_events,
-                    kv_events_delay_s=args.kv_events_delay_ms / 1000)  # fmt: skip
+                    kv_events_delay_s=args.kv_events_delay_ms / 1000, picker=args.picker)  # fmt: skip
     sim = Simulation(cfg, workload)
     sim.routings = [factory() for _ in range(args.routers)]
     sim.routing = sim.routings[0]
@@ -89,7 +89,8 @@ def run_row(label: str, factory, workload: Workload, args, profile, signal: str 
     error = sum(abs(p - a) for p, a in zip(log.predicted_cached_tokens, log.cached_tokens))
     e2e_s = sorted(e - a for a, e in zip(log.arrival_s, log.end_s) if not math.isnan(e))
     e2e_p50_s = nearest_rank(e2e_s, 0.5) if e2e_s else math.nan
-    return {"policy": label, "load_signal": signal, "routers": args.routers, "kv_events": args.kv_events, "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s,
+    return {"policy": label, "load_signal": signal, "routers": args.routers, "kv_events": args.kv_events,
+            "picker": args.picker, "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s,
             "e2e_p50_s": e2e_p50_s, "within_slo": s.within_slo,
             "prefix_hit_rate": s.prefix_hit_rate, "predicted_over_actual_hits": predicted / actual if actual else None,
             "prediction_error": error / sum(log.prompt_tokens), "failed": s.failed, "wall_s": wall_s}  # fmt: skip
@@ -111,6 +112,9 @@ def main() -> None:
                         help="the engines' KV cache events reach every router's exact index (SimConfig.kv_events)")
     parser.add_argument("--kv-events-delay-ms", type=float, default=0.0,
                         help="delay from an engine step to its events' arrival at the routers")
+    parser.add_argument("--picker", action="store_true",
+                        help="the routers ask one endpoint picker (SimConfig.picker; it runs the policy by name, "
+                             "without the parameters a policy of --policies carries)")
     parser.add_argument("--load-signals", default="own",
                         help="comma-separated load signals, each `name[:interval_ms]`: own, engine, engine-prefill, "
                              "peers (SimConfig.load_signal)")

@@ -6,7 +6,8 @@ Reads the admin API's bearer token from the environment variable
 (`fleet up`'s supervisor, fleet/local/routerproc.py: connections wait in its backlog while a
 dead router is replaced); `--models-file PATH` keeps the served models there
 (`router.http.remembered`); `--peers URL,...` / `--peers-dns NAME:PORT` the peer routers it shares
-its load with (`router.signals.peer_channel`, `router.signals.peer_discovery`). Prints one line once listening.
+its load with (`router.signals.peer_channel`, `router.signals.peer_discovery`); `--picker HOST:PORT`
+the endpoint picker its pools ask (`router.picker`). Prints one line once listening.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import os
 from pathlib import Path
 
+from router.picker.client import DEFAULT_DEADLINE_S
 from router.signals.engine_load import DEFAULT_POLL_INTERVAL_S
 from router.signals.peer_discovery import DEFAULT_PEER_DNS_INTERVAL_S, parse_dns_target
 from router.signals.peer_load import DEFAULT_PEER_INTERVAL_S
@@ -55,7 +57,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-interval-ms", type=float, default=DEFAULT_PEER_INTERVAL_S * 1000,
                         help=f"milliseconds between two load reports to each peer (default "
                              f"{DEFAULT_PEER_INTERVAL_S * 1000:g})")
+    parser.add_argument("--picker", default="", metavar="HOST:PORT",
+                        help="the endpoint picker (python -m router.picker) every pool asks for its picks; the "
+                             "router then follows no KV event stream itself (default: none, the router picks alone)")
+    parser.add_argument("--picker-deadline-ms", type=float, default=DEFAULT_DEADLINE_S * 1000,
+                        help=f"milliseconds to wait for the picker's answer before picking alone (default "
+                             f"{DEFAULT_DEADLINE_S * 1000:g})")
     args = parser.parse_args(argv)
+    if args.picker_deadline_ms <= 0:
+        parser.error("--picker-deadline-ms must be > 0")
+    picker = None
+    if args.picker:
+        host, sep, port = args.picker.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--picker: expected HOST:PORT with a port 1-65535, got {args.picker!r}")
+        picker = (host, int(port), args.picker_deadline_ms / 1000)
     if args.peer_interval_ms <= 0:
         parser.error("--peer-interval-ms must be > 0")
     token = os.environ.get(TOKEN_ENV, "")
@@ -72,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--fd must be a file descriptor number >= 0, not {args.fd}")
     serve(args.host, args.port, token, fd=args.fd, log_level=args.log_level, models_path=args.models_file,
           engine_load_interval_s=interval_s, peers=peers, router_id=args.router_id,
-          peer_interval_s=args.peer_interval_ms / 1000, peers_dns=peers_dns, self_addresses=self_addresses)  # fmt: skip
+          peer_interval_s=args.peer_interval_ms / 1000, peers_dns=peers_dns, self_addresses=self_addresses,
+          picker=picker)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ app in the order `fleet --help` lists them. The work is done elsewhere: the comm
 | `fleet.cli.agent` | cache ls/pull/rm/verify/manifest, node-agent |
 | `fleet.cli.simulate` | simulate |
 | `fleet.cli.observability` | prometheus-config, dashboard, rules, top |
-| `fleet.cli.k8s` | crd, operator, router-pod |
+| `fleet.cli.k8s` | crd, operator, router-pod, endpoint-picker |
 | `fleet.cli.explain` | explain |
 
 `fleet --help` lists the commands in the panels of `PANELS` (typer's ``rich_help_panel``), in

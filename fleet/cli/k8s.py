@@ -145,6 +145,9 @@ def router_pod(
         help="Seconds the requests in flight may take to finish once SIGTERM came (no new connection is "
              "accepted); then they are cut. Keep it under the pod's terminationGracePeriodSeconds less its "
              "preStop sleep (the chart does). Default: router.http.server.DRAIN_TIMEOUT_S (30).")] = None,
+    picker: Annotated[str, typer.Option(
+        help="HOST:PORT of the endpoint picker every pool asks for its picks (docs/routing.md, 'Endpoint "
+             "picker'); the router then follows no KV event stream itself. Empty: none.")] = "",
 ) -> None:
     """Run the router as the chart's router pods do: the OpenAI API on --port, the admin API on
     --admin-port only (404 under /admin on --port). The admin token is read from
@@ -163,9 +166,26 @@ def router_pod(
     try:
         dns = parse_dns_target(peers_dns) if peers_dns else None
         endpoints = parse_endpoints_target(peers_endpoints) if peers_endpoints else None
+        try:
+            picker_at = parse_dns_target(picker) if picker else None   # NAME:PORT, as the peers' DNS target
+        except ValueError:
+            raise ValueError(f"--picker must be HOST:PORT with a port in 1-65535, got {picker!r}") from None
         asyncio.run(serve_router_pod(host, port, admin_port, token, peers_dns=dns, pod_ip=pod_ip,
-                                     router_id=router_id, peers_endpoints=endpoints,
+                                     router_id=router_id, peers_endpoints=endpoints, picker=picker_at,
                                      **({} if drain_timeout_s is None else {"drain_timeout_s": drain_timeout_s})))  # fmt: skip
     except ValueError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
+
+
+@app.command("endpoint-picker")
+def endpoint_picker(
+    port: Annotated[int, typer.Option(help="Port the routers connect to.")] = 8090,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    log_level: Annotated[str, typer.Option(help="Logging level.")] = "warning",
+) -> None:
+    """Run the endpoint picker as the chart's picker pod does (`python -m router.picker`): the
+    routers started with --picker ask it for every pick (docs/routing.md, 'Endpoint picker')."""
+    from router.picker.__main__ import main
+
+    main(["--host", host, "--port", str(port), "--log-level", log_level])

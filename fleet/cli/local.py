@@ -111,6 +111,9 @@ def up(
     prices: Annotated[Optional[Path], typer.Option(
         "--prices", help="GPU prices (YAML: source, gpuHourUsd: {product: USD per GPU-hour}; fleet/pricing.py), "
         "exported as fleet_gpu_price_usd_per_hour{product} for the dashboard's cost row.")] = None,
+    picker_port: Annotated[int, typer.Option(
+        help="Run the endpoint picker on this port (python -m router.picker; docs/routing.md \"Endpoint picker\") "
+        "and have the router ask it for every pick (0: off, the router picks alone).")] = 0,
     state_dir: StateDir = None,
 ) -> None:
     """Run the deployments on this machine until Ctrl-C or `fleet down`.
@@ -136,7 +139,8 @@ def up(
         raise typer.Exit(2) from None
     store = StateStore(state_dir or default_state_dir())
     if detach:
-        raise typer.Exit(_detach(files, store, port=port, host=host, metrics_port=metrics_port, prices=prices))
+        raise typer.Exit(_detach(files, store, port=port, host=host, metrics_port=metrics_port, prices=prices,
+                                 picker_port=picker_port))
     from fleet.local.preflight import PreflightError
     from fleet.local.up import run_up
 
@@ -145,7 +149,8 @@ def up(
     try:
         code = asyncio.run(run_up(loaded, store=store, console=console, host=host, port=port,
                                   metrics_port=metrics_port or None,
-                                  prices=gpu_prices.gpu_hour_usd if gpu_prices else None))  # fmt: skip
+                                  prices=gpu_prices.gpu_hour_usd if gpu_prices else None,
+                                  picker_port=picker_port or None))  # fmt: skip
     except PreflightError as err:
         err_console.print("[bold red]Cannot start; nothing was started:[/]")
         for line in err.problems:
@@ -158,7 +163,7 @@ def up(
 
 
 def _detach(files: list[Path], store: StateStore, *, port: int, host: str, metrics_port: int | None,
-            prices: Path | None = None) -> int:
+            prices: Path | None = None, picker_port: int = 0) -> int:
     """Start `fleet up` in a new session with its output in ``logs/fleet-up.log``; relay that log
     until every replica is READY, a replica fails, or the background process exits."""
     log_path = store.log_dir / "fleet-up.log"
@@ -169,6 +174,8 @@ def _detach(files: list[Path], store: StateStore, *, port: int, host: str, metri
         argv += ["--metrics-port", str(metrics_port)]
     if prices is not None:
         argv += ["--prices", str(prices.resolve())]
+    if picker_port:
+        argv += ["--picker-port", str(picker_port)]
     offset = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

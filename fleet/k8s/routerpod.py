@@ -73,7 +73,8 @@ async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: s
                            log_level: str = "warning", stop: asyncio.Event | None = None,
                            peers_dns: tuple[str, int] | None = None, pod_ip: str = "",
                            router_id: str = "", peers_endpoints: tuple[str, int] | None = None,
-                           kube: KubeClient | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:  # fmt: skip
+                           kube: KubeClient | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+                           picker: tuple[str, int] | None = None) -> None:  # fmt: skip
     """Serve the OpenAI API on ``host:port`` and the admin API on ``host:admin_port`` until
     ``stop`` is set (None: until SIGINT/SIGTERM), then drain: no new connection, the requests in
     flight finish for up to ``drain_timeout_s`` seconds (then they are cut). The other router pods, which this one shares
@@ -82,7 +83,8 @@ async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: s
     ((Service name in the pod's namespace, peers' admin port): the Service's Endpoints, read with
     ``kube``, by default `KubeClient.load`, the pod's service account; the namespace from
     `fleet.k8s.peer_endpoints.pod_namespace`) or ``peers_dns`` ((headless Service's DNS name,
-    peers' admin port)); at most one of the two.
+    peers' admin port)); at most one of the two. ``picker``: (host, port) of the endpoint picker
+    every pool asks (`router.picker`); None: the router picks alone.
 
     Raises:
         ValueError: the ports are equal, ``drain_timeout_s`` is not > 0, both peer sources are given, or (with
@@ -109,7 +111,7 @@ async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: s
     try:
         await _serve(host, port, admin_port, log_level, stop, drain_timeout_s,
                      create_app(admin_token, peers_dns=target, self_addresses=[pod_ip] if pod_ip else [],
-                                router_id=router_id, peers_resolve=resolve))  # fmt: skip
+                                router_id=router_id, peers_resolve=resolve, picker=picker))  # fmt: skip
     finally:
         if own_kube is not None:
             own_kube.close()

@@ -18,6 +18,9 @@ adopted from a previous controller holds the only copy of its socket; when it di
 bound again and handed on from then. The admin token outlives the router process too: a
 restarted router gets the token of the one it replaces (held in memory), so the token file, the
 controller and `fleet status` stay right however full the disk is.
+Owns `PickerProcess` too: the endpoint picker (``python -m router.picker``, docs/routing.md
+"Endpoint picker") that the router asks for its picks when `fleet up` runs one (``--picker-port``);
+recorded in ``<state dir>/picker.json``, adopted, watched and restarted as the router is.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class RouterProcess:
         self._record_lost = False              # router.json was missing or unreadable: found by its marker
         self.listener: socket.socket | None = None   # bound at the first start, handed to each router
         self.token: str | None = None          # the admin token of the router in use
+        self.picker: str | None = None         # HOST:PORT of the endpoint picker its pools ask (--picker); None: none
 
     # ----- adopt or start -----------------------------------------------------------------
 
@@ -160,6 +164,8 @@ class RouterProcess:
             self.admin.set_token(token)   # one client: the controller and autoscaler hold it
         argv = [sys.executable, "-m", "router", "--host", self.host, "--port", str(self.port),
                 "--fd", str(listener.fileno()), "--models-file", str(self.store.root / ROUTER_MODELS_FILE)]
+        if self.picker is not None:
+            argv += ["--picker", self.picker]
         try:
             env = {"FLEET_ROUTER_ADMIN_TOKEN": token, URL_ENV: self.url}
             fleet_id = self._fleet_id()
@@ -291,3 +297,99 @@ def marked_router(root: Path) -> tuple[str, int] | None:
     for pid, env in sorted(find_marked(ROUTER_MARK_ENV, fleet_id).items()) if fleet_id else ():
         return env.get(URL_ENV, "?"), pid
     return None
+
+
+class PickerProcess:
+    """The endpoint picker of the fleet in ``store``, listening on ``host:port``: started before the
+    router (which is given ``--picker HOST:PORT``), adopted by its record when a previous
+    controller left it running, restarted when it dies (the routers reconnect and send their
+    pools again; until then they pick for themselves), stopped after the router."""
+
+    def __init__(self, store: StateStore, host: str, port: int, processes: LocalProcesses | None = None) -> None:
+        self.store = store
+        self.address = f"{host}:{port}"
+        self.host = host
+        self.port = port
+        self.processes = processes or LocalProcesses()
+        self.record_path = store.root / "picker.json"
+        self.log_path = store.log_dir / "picker.log"
+        self.record: ProcessRecord | None = None
+        self.restarts = 0
+
+    def adopt(self) -> bool:
+        """Take over the recorded picker if it still runs (checked by identity) on this address."""
+        try:
+            d = json.loads(self.record_path.read_text())
+            record = ProcessRecord.from_dict(d["process"]) if d.get("address") == self.address else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        if record is None or not self.processes.is_ours(record):
+            return False
+        self.record = record
+        return True
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Start the picker and wait until it accepts connections. Raises RouterStartError."""
+        argv = [sys.executable, "-m", "router.picker", "--host", self.host, "--port", str(self.port)]
+        try:
+            self.record = self.processes.spawn(argv, {}, log_or_devnull(self.log_path, self.store.write_errors,
+                                                                        "picker_log"))  # fmt: skip
+        except OSError as err:
+            raise RouterStartError(f"cannot start the endpoint picker: {err.strerror or err}") from err
+        text = json.dumps({"address": self.address, "process": self.record.to_dict()})
+        self.store.write_errors.attempt("picker_json", lambda: write_atomically(self.record_path, text, 0o644))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive, code = self.processes.poll(self.record)
+            if not alive:
+                tail = "\n".join(read_log_tail(self.log_path, 15))
+                raise RouterStartError(f"endpoint picker exited with code {code}:\n{tail}")
+            try:
+                _, writer = await asyncio.open_connection(self.host, self.port)
+            except OSError:
+                await asyncio.sleep(0.1)
+                continue
+            writer.close()
+            return
+        raise RouterStartError(f"endpoint picker did not listen within {timeout_s:g} s (log: {self.log_path})")
+
+    def alive(self) -> bool:
+        return self.record is not None and self.processes.poll(self.record)[0]
+
+    async def ensure_running(self) -> bool:
+        """Restart the picker if its process is gone; True when it was. Raises RouterStartError."""
+        if self.alive():
+            return False
+        log.warning("the endpoint picker (pid %s) is gone: restarting it", self.record.pid if self.record else "?")
+        await self.start()
+        self.restarts += 1
+        return True
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``; forget the record."""
+        if self.record is not None:
+            self.processes.stop(self.record)
+            deadline = time.monotonic() + grace_s
+            while self.processes.poll(self.record)[0] and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if self.processes.poll(self.record)[0]:
+                self.processes.kill(self.record)
+            self.record = None
+        try:
+            self.record_path.unlink()
+        except OSError:
+            pass
+
+
+async def stop_recorded_picker(store: StateStore) -> bool:
+    """Stop the endpoint picker recorded in ``store`` if it still runs (`fleet down` with no
+    controller); True when there was one."""
+    try:
+        host, _, port = json.loads((store.root / "picker.json").read_text())["address"].rpartition(":")
+        picker = PickerProcess(store, host, int(port))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    if not picker.adopt():
+        return False
+    await picker.stop()
+    return True

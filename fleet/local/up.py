@@ -60,7 +60,8 @@ from fleet.local.failsoft import WRITE_ERRORS, FailSoftStream, WriteErrors, same
 from fleet.local.preflight import preflight
 from fleet.local.progress import ProgressPrinter
 from fleet.local.rebuild import pooled_endpoint_ids, rebuild_snapshot
-from fleet.local.routerproc import RouterProcess, RouterStartError, marked_router, recorded_url
+from fleet.local.routerproc import PickerProcess, RouterProcess, RouterStartError, marked_router, recorded_url, \
+    stop_recorded_picker
 from fleet.local.state import StateStore, StateUnreadable
 from fleet.observability.discovery import LocalObservability
 from fleet.rollout.metrics import RolloutCollector
@@ -77,16 +78,20 @@ ROUTER_CHECK_INTERVAL_S = 0.25
 
 
 async def _supervise_router(router: RouterProcess, controller: Controller, stop: asyncio.Event,
-                            progress: ProgressPrinter) -> None:  # fmt: skip
+                            progress: ProgressPrinter, picker: PickerProcess | None = None) -> None:  # fmt: skip
     """Restart the router whenever its process is gone and have every pool published again, then
     tell the router it is synced (`POST /admin/v1/synced`: until then it answers 503 + Retry-After
     for the models it served, not 404); write its record and token once the disk takes them
     (`RouterProcess.persist`). Never raises before ``stop``: whatever a check raises is logged and
-    the next check comes (the supervisor outlives its parts, as the controller loop does)."""
+    the next check comes (the supervisor outlives its parts, as the controller loop does). The
+    endpoint picker, when there is one, is restarted the same way (the router reconnects to it)."""
     synced = False                 # the router in use was told it has every pool
     seen_starts = router.starts
     while not stop.is_set():
         try:
+            if picker is not None and await picker.ensure_running():
+                progress.say(f"endpoint picker restarted on {picker.address} (restart {picker.restarts})",
+                             style="yellow")  # fmt: skip
             if await router.ensure_running():
                 progress.say(f"router restarted on {router.url} (restart {router.restarts}); pools published again",
                              style="yellow")  # fmt: skip
@@ -124,9 +129,10 @@ class _Machine:
     backend: LocalBackend
     router: RouterProcess
     adopting_router: bool
+    picker: PickerProcess | None = None
 
     @classmethod
-    def make(cls, store: StateStore, host: str, port: int) -> _Machine:
+    def make(cls, store: StateStore, host: str, port: int, picker_port: int | None = None) -> _Machine:
         node = discover_local()
         weights = WeightCache(default_cache_root())
         agent, agent_off = _node_agent(node, weights, store)
@@ -135,11 +141,15 @@ class _Machine:
         if agent is not None:
             agent.serving = backend.gpu_replicas   # the usage series' deployment / replica labels
         router = RouterProcess(store, host, port)
-        return cls(node, weights, agent, agent_off, backend, router, router.recorded() is not None)
+        picker = PickerProcess(store, host, picker_port) if picker_port else None
+        router.picker = picker.address if picker is not None else None
+        return cls(node, weights, agent, agent_off, backend, router, router.recorded() is not None, picker)
 
     def ports(self, host: str, port: int, metrics_port: int | None) -> dict[str, tuple[str, int]]:
         """The ports `fleet up` will listen on (an adopted router's is in use already)."""
         ports = {} if self.adopting_router else {"router": (host, port)}
+        if self.picker is not None and not self.adopting_router:
+            ports["picker"] = (host, self.picker.port)
         if metrics_port:
             ports["metrics"] = (host, metrics_port)
         return ports
@@ -156,6 +166,7 @@ async def run_up(
     settings: ControllerSettings | None = None,
     fail_soft_output: bool = True,
     prices: dict[str, float] | None = None,
+    picker_port: int | None = None,
 ) -> int:
     """Serve ``loaded`` until SIGINT/SIGTERM; return the process exit code.
 
@@ -166,6 +177,8 @@ async def run_up(
     replaced by `fleet.local.failsoft.FailSoftStream` while it runs (a copy goes to
     ``logs/fleet-up.log``, the log of `fleet logs controller`). ``prices``: USD per GPU-hour by
     product (`fleet.pricing.GpuPrices.gpu_hour_usd`), exported with the controller's metrics.
+    ``picker_port``: run the endpoint picker there (on ``host``) and have the router ask it
+    (`fleet.local.routerproc.PickerProcess`); None: the router picks alone.
 
     Only SIGINT/SIGTERM (Ctrl-C, `fleet down`) drains and stops the replicas and the router. A
     failure of the control plane itself (an exception that escapes despite the fail-soft writes)
@@ -182,7 +195,7 @@ async def run_up(
             previous, unreadable = store.read(), None
         except StateUnreadable as err:
             previous, unreadable = None, err
-        machine = _Machine.make(store, host, port)
+        machine = _Machine.make(store, host, port, picker_port)
         preflight(loaded, await machine.backend.inventory(), machine.ports(host, port, metrics_port))
     except BaseException:
         store.release()
@@ -280,7 +293,15 @@ class _Up:
 
     async def _start_router(self) -> bool:
         """Adopt the router a previous controller left, else start one; False when it would not start."""
-        router = self.router
+        router, picker = self.router, self.machine.picker
+        try:
+            if picker is not None and not picker.adopt():
+                await picker.start()
+                self.console.print(f"Endpoint picker listening on {picker.address} (log: {picker.log_path})",
+                                   highlight=False)  # fmt: skip
+        except RouterStartError as err:
+            self.console.print(f"[red]{err}[/]", highlight=False)
+            return False
         if self.machine.adopting_router and await router.adopt():
             self.console.print(f"Router adopted on {router.url} (pid {router.record.pid}): it kept serving",
                                highlight=False)  # fmt: skip
@@ -352,7 +373,8 @@ class _Up:
         assert controller is not None
         control = ControlServer(self.store.root, controller, self.progress.say, self.store.write_errors)
         loops = {"router-supervisor": ("router supervisor",
-                                       lambda: _supervise_router(self.router, controller, stop, self.progress)),
+                                       lambda: _supervise_router(self.router, controller, stop, self.progress,
+                                                                 self.machine.picker)),
                  "control": ("control channel", lambda: control.run(stop))}  # fmt: skip
         if autoscaler is not None:
             loops["autoscaler"] = ("autoscaler", lambda: autoscaler.run(stop))
@@ -382,6 +404,8 @@ class _Up:
             server.server_close()
         if teardown:
             await router.stop()
+            if self.machine.picker is not None:
+                await self.machine.picker.stop()
             self.machine.backend.kill_all()   # belt and braces: nothing started by this fleet outlives an orderly stop
         elif router.admin is not None:
             await router.admin.aclose()   # the router keeps serving
@@ -437,6 +461,7 @@ async def run_down(store: StateStore, console: Console, settings: ControllerSett
         await controller.shutdown(interval_s=0.2)
         gone = router.record
         await router.stop()
+        await stop_recorded_picker(store)
         await engine_api.aclose()
         store.set_extra(phase="stopped", router_url=url or None, pid=state.get("pid"))
         store.save(controller.snapshot(), force=True)

@@ -66,7 +66,9 @@ class SimConfig:
     ``load_signal`` (one of `LOAD_SIGNALS`) and ``load_interval_s`` (seconds between engine load
     samples, or the peer channel's delay): what each router knows of the others' load (module
     docstring of `fleet.tracesim.engine`); ``kv_events``: the engines' KV cache events reach every
-    router's exact index, ``kv_events_delay_s`` after the step that made them (same docstring).
+    router's exact index, ``kv_events_delay_s`` after the step that made them (same docstring);
+    ``picker``: the routers ask one endpoint picker for every pick (`fleet.tracesim.picker`), which
+    alone keeps an exact index (with ``kv_events``) and every router's load.
 
     Raises ValueError for an unknown ``load_signal``, a negative ``load_interval_s`` (or 0 for an
     engine signal), start-up times outside ``0 <= warm <= cold``, a negative
@@ -98,6 +100,7 @@ class SimConfig:
     load_interval_s: float = 0.1
     kv_events: bool = False
     kv_events_delay_s: float = 0.0
+    picker: bool = False
     history: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -111,6 +114,8 @@ class SimConfig:
             raise ValueError(f"standby_max and wake_s must be >= 0, got {self.standby_max} and {self.wake_s} s")
         if self.routers < 1:
             raise ValueError(f"routers must be >= 1, got {self.routers}")
+        if self.picker and self.max_concurrency_per_endpoint is not None:
+            raise ValueError("picker is simulated without max_concurrency_per_endpoint (queued picks are the router's)")
         if self.routers > 1 and self.max_concurrency_per_endpoint is not None:
             raise ValueError("routers > 1 is simulated without max_concurrency_per_endpoint (no shared admission queue)")
         if not 0 <= self.warm_startup_s <= self.cold_startup_s:
@@ -134,6 +139,7 @@ class SimConfig:
             "routing": {"policy": self.routing_policy, "routers": self.routers, "shared_view": self.shared_view,
                         "load_signal": self.load_signal, "load_interval_s": self.load_interval_s,
                         "kv_events": self.kv_events, "kv_events_delay_s": self.kv_events_delay_s,
+                        "picker": self.picker,
                         "max_concurrency_per_endpoint": self.max_concurrency_per_endpoint,
                         "max_queue_length": self.max_queue_length, "queue_timeout_s": self.queue_timeout_s},
             "startup": {"warm_s": self.warm_startup_s, "cold_s": self.cold_startup_s,

@@ -38,7 +38,9 @@ What runs for real (the live objects, fed in virtual time):
   one `router.kv.events.EventBatch` per step) and every router's `kv-aware` consumes the same
   stream through its own `router.kv.exact_index.ExactIndex` (its pool's `Pool.kv_view`), each
   batch applied ``kv_events_delay_s`` after the step that made it: the objects the live router's
-  subscribers feed (`fleet.tracesim.router_views`);
+  subscribers feed (`fleet.tracesim.router_views`). With ``picker`` every router asks one endpoint
+  picker (`fleet.tracesim.picker`: the live picker's `router.picker.state.PickerState`, its
+  policy object, every router's load and the one exact index the events feed);
 - router statistics: one `router.stats.windows.ModelStats` recorded by the request path's own recording code
   (`router.pools.pool.PoolShared`: `arrived`, `dispatched`, `gave_up`, `rejected`, `completed`) at
   the request path's points (arrival; queue time at dispatch or at a queue timeout; client-side TTFT
@@ -102,6 +104,7 @@ from fleet.tracesim.config import (
 from fleet.tracesim.events import FIRST_OWN_KIND, READY, EngineStepper, EventLoop
 from fleet.tracesim.replica import NodePool, VirtualReplica
 from fleet.tracesim.results import RequestLog, SimResult, TickRecord
+from fleet.tracesim.picker import SimPicker
 from fleet.tracesim.router_views import PEER_CLAIM_DELAY_S, RouterViews
 from fleet.tracesim.workload import Workload, prompt_ids
 from router.pools.policies import make_policy as make_routing_policy
@@ -153,6 +156,8 @@ class Simulation:
         self.engines = EngineStepper(self.loop, self._on_step)
         self.views = RouterViews(config, self.loop, self.replicas, lambda: self._done < len(self.log))
         self.load_views, self.exact_indexes = self.views.load_views, self.views.exact_indexes
+        self.picker = (SimPicker(config.model, config.routing_policy, self.views.picker_view()) if config.picker
+                       else None)  # fmt: skip
         self._queue: deque[int] = deque()   # request indexes waiting in the router (lazy deletion)
         self._queued = 0
         self._waiting = bytearray(len(self.log))   # 1 while request i is in the router queue
@@ -227,7 +232,10 @@ class Simulation:
         self._prompts[i] = ids
         route = self._routes[i] = route_request({"prompt": ids, "max_tokens": r.output_tokens}, r.session_id)
         limited = pool.limit is not None
-        endpoint = None if limited and self._queued else pool.pick(route, now_s)   # FCFS: nobody overtakes a waiter
+        if self.picker is not None:
+            endpoint = self.picker.pick(k, i, pool, route, now_s)
+        else:
+            endpoint = None if limited and self._queued else pool.pick(route, now_s)   # FCFS: nobody overtakes a waiter
         if endpoint is not None:
             self.shared.dispatched(now_s, now_s)
             self._dispatch(i, self._by_endpoint[endpoint.id], now_s)
@@ -300,12 +308,16 @@ class Simulation:
             tokens = self._routes[i].prefill_tokens
             replica.endpoints[k].first_byte(tokens)
             self.views.tell_peers(replica, k, (0, -1, -tokens), now_s)
+            if self.picker is not None:
+                self.picker.first_token(k, i)
 
     def _release(self, replica: VirtualReplica, i: int, now_s: float) -> None:
         """Request ``i`` left ``replica``: its router's endpoint state forgets it."""
         route = self._routes.pop(i)
         k = self._router_of[i]
         replica.endpoints[k].finish(route.prefill_tokens, not self._prefilling[i])
+        if self.picker is not None:
+            self.picker.finished(k, i)
         if self._prefilling[i]:
             self.views.tell_peers(replica, k, (-1, -1, -route.prefill_tokens), now_s)
         else:
@@ -453,6 +465,8 @@ class Simulation:
     def _rebuild_pool(self) -> None:
         """Replace the pools (as the controller's PUT does) from the READY and DRAINING replicas."""
         self.pools = self._make_pools()
+        if self.picker is not None:   # every router's PUT reaches the picker (router.pools.pool.PoolTable.put)
+            self.picker.pool(e.id for e in self.pools[0].endpoints)
         self.pool = self.pools[0]
 
     # ----- the autoscaler (fleet.controller.autoscaling's step) -------------------------------------

@@ -5,8 +5,8 @@ Owns `RouterViews` (per router: its `router.signals.engine_load.EngineLoadView` 
 ``kv_events``, its `router.kv.exact_index.ExactIndex`; the handlers of the events that carry
 those signals) and `PEER_CLAIM_DELAY_S`. Used by `fleet.tracesim.engine.Simulation`, which
 tells it of every dispatch, load change and engine step; `SimConfig.load_signal`,
-``load_interval_s``, ``kv_events``, ``kv_events_delay_s`` and ``shared_view`` say what reaches
-whom and how late (`fleet.tracesim.engine`'s docstring). No I/O: every time is a virtual second.
+``load_interval_s``, ``kv_events``, ``kv_events_delay_s``, ``shared_view`` and ``picker`` say what
+reaches whom and how late (`fleet.tracesim.engine`'s docstring). No I/O: every time is a virtual second.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class RouterViews:
         estimate = "waiting" if config.load_signal == "engine-waiting" else "mix"
         self.load_views = [EngineLoadView(max(DEFAULT_MAX_AGE_S, 10 * config.load_interval_s), estimate)
                            for _ in range(config.routers)]  # fmt: skip
-        self.exact_indexes = [ExactIndex() for _ in range(config.routers)] if config.kv_events else []
+        # With the endpoint picker one index, the picker's, takes the events (`fleet.tracesim.picker`).
+        indexes = 1 if config.picker else config.routers
+        self.exact_indexes = [ExactIndex() for _ in range(indexes)] if config.kv_events else []
         self._peers = config.load_signal == "peers" and config.routers > 1
         self._kv_seq: dict[str, int] = {}   # replica -> sequence number of its last batch
         loop.on(SAMPLE, self._on_sample)
@@ -73,8 +75,13 @@ class RouterViews:
                 self.loop.push(cfg.load_interval_s * (k + 1) / cfg.routers, SAMPLE, k)
 
     def kv_view(self, k: int) -> ExactIndex | None:
-        """Router ``k``'s exact view of the engines' KV caches (None without ``kv_events``)."""
-        return self.exact_indexes[k] if self.exact_indexes else None
+        """Router ``k``'s exact view of the engines' KV caches (None without ``kv_events``, or with
+        the endpoint picker: then the picker's is `picker_view`)."""
+        return self.exact_indexes[k] if self.exact_indexes and not self.config.picker else None
+
+    def picker_view(self) -> ExactIndex | None:
+        """The endpoint picker's exact view (None without ``kv_events`` or without a picker)."""
+        return self.exact_indexes[0] if self.exact_indexes and self.config.picker else None
 
     def opened(self, replica_id: str) -> None:
         """A replica's engine started: its event stream starts empty and complete."""

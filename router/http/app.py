@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.protocol.jsonlimit import loads_bounded
 from router.http.admin import ADMIN_PREFIX, PEER_REPORT_DEPTH, admin_router, validation_message
 from router.protocol.errors import error_body, error_type
+from router.picker.client import DEFAULT_DEADLINE_S, PickerClient
 from router.signals.kv_streams import KvEventStreams
 from router.stats.metrics import RouterMetrics
 from router.pools.endpoint import DEFAULT_FAILURE_COOLDOWN_S
@@ -92,6 +93,8 @@ class RouterApp:
     """Keeps `peer_sender`'s peers equal to what `--peers-dns` resolves to; None: no DNS peers."""
     peer_report: Callable[[object], int] | None = None
     """Takes a peer's load report (`router.signals.peer_load`); None: no peers (FastAPI answers 404)."""
+    picker: PickerClient | None = None
+    """The connection to the endpoint picker (`router.picker.client`); None: the router picks alone."""
 
     def __init__(self, pools: PoolTable, metrics: RouterMetrics, proxy: Proxy, api: FastAPI,
                  admin_token: str) -> None:  # fmt: skip
@@ -218,6 +221,8 @@ class RouterApp:
                         await self.peer_sender.start()
                     if self.kv_streams is not None:
                         await self.kv_streams.start()
+                    if self.picker is not None:
+                        self.picker.start()
                 except Exception as exc:  # report to the server instead of crashing the lifespan task
                     log.exception("router startup failed")
                     await send({"type": "lifespan.startup.failed", "message": repr(exc)})
@@ -234,6 +239,8 @@ class RouterApp:
                     self.peer_datagrams.close()
                 if self.kv_streams is not None:
                     await self.kv_streams.close()
+                if self.picker is not None:
+                    await self.picker.close()
                 await self.proxy.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -327,6 +334,7 @@ def create_app(
     self_addresses: Sequence[str] = (),
     peer_dns_interval_s: float = DEFAULT_PEER_DNS_INTERVAL_S,
     peers_resolve: Resolver = resolve_addresses,
+    picker: tuple[str, int] | tuple[str, int, float] | None = None,
 ) -> RouterApp:
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
@@ -354,6 +362,10 @@ def create_app(
     pods, port their admin API), this router's `self_addresses` (its pod IP) left out; the peers
     found are sent to besides `peers`. `peers_resolve`: how the name becomes addresses (DNS by
     default; a router pod passes `fleet.k8s.peer_endpoints.EndpointsPeers`, the Service's Endpoints).
+    `picker`: (host, port[, deadline in seconds]) of the endpoint picker (`router.picker`): every
+    pool asks it for its picks, falling back to its own when it does not answer within the
+    deadline (default `router.picker.client.DEFAULT_DEADLINE_S`), and follows no KV event stream
+    itself; None: none.
     The time a request's head and body may take to arrive is bounded by the server
     (`router.http.server.uvicorn_config`).
     """
@@ -371,7 +383,12 @@ def create_app(
         if remembered:
             log.info("models served before the restart (503 until published again): %s", ", ".join(remembered))
     kv_streams = KvEventStreams(metrics)
-    pools = PoolTable(metrics, wall_clock, clock, remembered, kv_streams)
+    picker_client = None
+    if picker is not None:
+        deadline_s = picker[2] if len(picker) > 2 else DEFAULT_DEADLINE_S  # type: ignore[misc]
+        picker_client = PickerClient(picker[0], picker[1], deadline_s=deadline_s, clock=clock,
+                                     registry=metrics.registry)  # fmt: skip
+    pools = PoolTable(metrics, wall_clock, clock, remembered, kv_streams, picker_client)
     proxy = Proxy(
         pools,
         metrics,
@@ -441,4 +458,5 @@ def create_app(
     elif engine_load_interval_s is not None:
         app.poller = EnginePoller(pools.load_endpoints, clock, metrics.registry, interval_s=engine_load_interval_s)
     app.kv_streams = kv_streams
+    app.picker = picker_client
     return app

@@ -344,7 +344,7 @@ def serve(host: str, port: int, admin_token: str, log_level: str = "warning",
           models_path: Path | None = None, engine_load_interval_s: float | None = None,
           peers: Sequence[str] = (), router_id: str = "", peer_interval_s: float = DEFAULT_PEER_INTERVAL_S,
           peers_dns: tuple[str, int] | None = None, self_addresses: Sequence[str] = (),
-          fd: int | None = None) -> None:  # fmt: skip
+          fd: int | None = None, picker: tuple[str, int, float] | None = None) -> None:  # fmt: skip
     """Serve a fresh router app on `host:port` until SIGINT/SIGTERM.
 
     `port` 0 binds a free port (the printed line says which). `fd`: a listening TCP socket
@@ -355,11 +355,11 @@ def serve(host: str, port: int, admin_token: str, log_level: str = "warning",
     `models_path`: the models file (`router.http.remembered`; None: none).
     `engine_load_interval_s`: seconds between engine load polls (`router.signals.engine_poll`; None: off).
     `peers`, `router_id`, `peer_interval_s`, `peers_dns`, `self_addresses`: the peer channel
-    (`router.http.app.create_app`).
+    (`router.http.app.create_app`); `picker`: the endpoint picker's (host, port, deadline in seconds), or None.
     """
     app = create_app(admin_token, models_path=models_path, engine_load_interval_s=engine_load_interval_s,
                      peers=peers, router_id=router_id, peer_interval_s=peer_interval_s, peers_dns=peers_dns,
-                     self_addresses=self_addresses)  # fmt: skip
+                     self_addresses=self_addresses, picker=picker)  # fmt: skip
     config = uvicorn_config(app, host, port, log_level=log_level, timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
     sockets = None if fd is None else [inherited_listener(fd)]
     ListeningServer(config, _print_listening).run(sockets=sockets)

@@ -59,6 +59,7 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from router.kv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.kv.prompt_keys import KEY_ROOT, PromptKeys, chain_key as _chain, match_keys
 
 DEFAULT_MAX_BLOCKS_PER_ENDPOINT = 262_144
 """Most blocks the index holds per endpoint: 4M tokens at vLLM's 16-token blocks, ten times the
@@ -67,9 +68,6 @@ than an H200 holds for an 8B model (~57,000 blocks). About 230 bytes per block (
 tracemalloc: the OrderedDict entry, two 64-bit ints, the holder mask; ~300 bytes of RSS), so at
 most ~57 MiB of Python objects (~75 MiB RSS) per endpoint, reached only if removals are lost;
 while they arrive the view is the engine's own size (27,000 blocks: ~6 MiB)."""
-
-KEY_ROOT = 0x6B76_E7E4_7EED
-"""The parent key of a prompt's first block (any fixed int: keys must agree across routers)."""
 
 
 class Claim(NamedTuple):
@@ -112,11 +110,6 @@ class _View:
         self.stored_blocks = 0   # blocks of BlockStored events entered in the view (since it was created)
         self.orphan_blocks = 0   # ... left out because their parent was not in the view
         self.claims = 0   # (key, this endpoint) entries in `ExactIndex._expected`: claimed, not yet stored
-
-
-def _chain(parent_key: int, block: tuple[int, ...]) -> int:
-    """The router key of `block` (its token ids) below `parent_key`, as `_stored` and `match` chain them."""
-    return hash((parent_key, block))
 
 
 def engine_hash(h: bytes | int) -> int:
@@ -300,6 +293,9 @@ class ExactIndex:
         256 calls). Memory: one entry per block claimed and not yet stored or expired."""
         view = self._views.get(endpoint_id)
         size = view.block_tokens if view is not None else None
+        if type(token_ids) is PromptKeys:   # chained already (the endpoint picker's requests)
+            keys = token_ids.keys if size == token_ids.block_tokens else ()
+            return self.expect_keys(endpoint_id, keys, until_s, now_s)
         if view is None or size is None or len(token_ids) < size:
             self._count_expect(now_s)
             return []
@@ -340,6 +336,18 @@ class ExactIndex:
             claimed.append(key)
         view.claims += len(claimed)
         return claimed
+
+    def withdraw(self, endpoint_id: str, keys: Iterable[int]) -> None:
+        """Drop the claims of `keys` at `endpoint_id` (`expect_keys`): the prompt went elsewhere (a
+        pick the router could not wait for, `router.picker.state.PickerState.placed`)."""
+        view = self._views.get(endpoint_id)
+        expected = self._expected
+        for key in keys if view is not None else ():
+            waiting = expected.get(key)
+            if waiting is not None and waiting.pop(view.bit, None) is not None:  # type: ignore[union-attr]
+                view.claims -= 1  # type: ignore[union-attr]
+                if not waiting:
+                    del expected[key]
 
     def _count_expect(self, now_s: float) -> None:
         self._expect_calls += 1
@@ -396,7 +404,8 @@ class ExactIndex:
         answer is a lower bound, where a LIVE endpoint's is exact.
 
         `now_s`: also count the blocks this router sent there and the engine has not stored yet
-        (`expect`, while unexpired at `now_s`); None: the engines' account alone.
+        (`expect`, while unexpired at `now_s`); None: the engines' account alone. `token_ids` may
+        be the prompt's keys (`router.kv.prompt_keys.PromptKeys`, as `expect` also takes them).
 
         Token ids are not checked one by one (the request path passes a client's token-id prompt as
         parsed): one that holds something unhashable (a list, a dict) matches nothing, and the
@@ -426,6 +435,9 @@ class ExactIndex:
         live = self._by_size(rebuilding)
         out: dict[str, int] = {}
         by_bit = self._by_bit
+        if type(token_ids) is PromptKeys:
+            alive = live.get(token_ids.block_tokens, 0)
+            return match_keys(token_ids, alive, holders_of, by_bit, out) if alive else out
         n = len(token_ids)
         ids: Sequence[int] | None = None   # the prompt as a tuple (slices of a tuple are tuples), made once
         for size, alive in live.items():

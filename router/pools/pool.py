@@ -58,6 +58,32 @@ class KvStreams(Protocol):
         ...
 
 
+class PickerTicket(Protocol):
+    """An answered pick the picker holds until the request leaves (`router.picker.client.PickerTicket`)."""
+
+    def first_byte(self) -> None:
+        """The request's first byte reached the client."""
+        ...
+
+    def finish(self) -> None:
+        """The request left the endpoint (done, failed or cancelled)."""
+        ...
+
+
+class RemotePicker(Protocol):
+    """The endpoint picker the pools of this router ask (`router.picker.client.PickerClient`)."""
+
+    def put_pool(self, model: str, policy: str, sources: dict[str, dict | None]) -> None:
+        """`model`'s pool: its policy and its endpoints (id -> KV events source document, or None)."""
+        ...
+
+    async def pick(self, model: str, candidates: Sequence[str], request: RouteRequest,
+                   fallback: Callable[[], int]) -> tuple[int, PickerTicket | None, bool]:  # fmt: skip
+        """(The index of the candidate chosen, its ticket or None, whether the picker chose);
+        `fallback()` is the router's own choice when the picker does not answer in time."""
+        ...
+
+
 class PoolShared:
     """What the successive pools of one model share, so a pool replacement loses nothing:
     `stats` (`router.stats.windows.ModelStats`), `queue` (`router.pools.admission.AdmissionQueue`),
@@ -151,7 +177,8 @@ class Pool:
 
     __slots__ = ("model", "policy", "endpoints", "ready", "created_s", "shared", "limit",
                  "max_queue_length", "queue_timeout_s", "split", "sticky_key", "tokenizer", "first_token_timeout_s",
-                 "max_retries", "stream_limits", "migration_limit", "outlier", "kv_view", "hashes_prompts")  # fmt: skip
+                 "max_retries", "stream_limits", "migration_limit", "outlier", "kv_view", "hashes_prompts",
+                 "picker")  # fmt: skip
 
     def __init__(
         self,
@@ -172,6 +199,7 @@ class Pool:
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         outlier: OutlierDetector | None = None,
         kv_view: ExactIndex | None = None,
+        picker: RemotePicker | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
@@ -192,15 +220,19 @@ class Pool:
         self.outlier = outlier if outlier is not None else OutlierDetector()
         self.kv_view = kv_view
         self.hashes_prompts = policy.uses_prompt_blocks
+        self.picker = picker
         policy.on_endpoints({e.id for e in self.endpoints})
 
     def wants_token_ids(self) -> bool:
         """Whether a text or chat prompt is worth tokenizing with the pool's `tokenizer` now: its
-        policy reads token ids (`RoutingPolicy.uses_token_ids`) and some endpoint's event stream
-        is live (or rebuilding) in `kv_view`. Otherwise the approximate view decides, and
+        policy reads token ids (`RoutingPolicy.uses_token_ids`) and the pool asks the endpoint picker
+        (`picker`), or some endpoint's event stream is live (or rebuilding) in `kv_view`.
+        Otherwise the approximate view decides, and
         `router.request.prepare` does not tokenize (`router.kv.tokenize`)."""
+        if not self.policy.uses_token_ids:
+            return False
         view = self.kv_view
-        return view is not None and self.policy.uses_token_ids and view.any_live(rebuilding=True)
+        return self.picker is not None or (view is not None and view.any_live(rebuilding=True))
 
     def pick(self, request: RouteRequest, now_s: float, tried: Collection[EndpointState] = (), *,
              within_limit: bool = True, key: str | None = None) -> EndpointState | None:  # fmt: skip
@@ -215,6 +247,15 @@ class Pool:
         endpoint in its slow start after an ejection is a candidate for the share of picks its
         slow-start weight gives (`router.pools.outlier.OutlierDetector.admit`), unless it is the
         only one left."""
+        candidates = self.candidates(now_s, tried, within_limit=within_limit, key=key)
+        if candidates is None:
+            return None
+        return self.policy.choose(candidates, request, now_s, self.kv_view)
+
+    def candidates(self, now_s: float, tried: Collection[EndpointState] = (), *, within_limit: bool = True,
+                   key: str | None = None) -> Sequence[EndpointState] | None:  # fmt: skip
+        """The endpoints `pick` lets its policy choose among (its docstring says which), or None if
+        none is left: what the router also hands the endpoint picker."""
         candidates: Sequence[EndpointState] = self.ready
         limit = self.limit
         if limit is not None and within_limit:
@@ -229,8 +270,8 @@ class Pool:
                 return None   # only revisions of weight 0 left (router.pools.split)
         for endpoint in candidates:
             if endpoint.unavailable_until_s > now_s or endpoint.ejected_until_s or endpoint.slow_start_since_s:
-                return self.policy.choose(self._available(candidates, now_s), request, now_s, self.kv_view)
-        return self.policy.choose(candidates, request, now_s, self.kv_view)
+                return self._available(candidates, now_s)
+        return candidates
 
     def _available(self, candidates: Sequence[EndpointState], now_s: float) -> Sequence[EndpointState]:
         """`candidates` without ejected and cooling-down endpoints and the picks slow start keeps
@@ -278,14 +319,18 @@ class PoolTable:
     `Pool.created_s` for `GET /v1/models`; `clock` (the router's monotonic clock, seconds)
     marks when a model's statistics begin. `kv_streams` (None: none) is told which endpoints of
     each pool publish KV cache events (`EndpointSpec.kv_events`), and a pool with any gets its
-    model's exact index as its `Pool.kv_view`.
+    model's exact index as its `Pool.kv_view`. With a `picker` (the endpoint picker,
+    `router.picker.client.PickerClient`) every pool is told to it instead, its endpoints' KV event
+    sources with it, and the pools ask it for their picks (`Pool.picker`): the router follows no
+    KV event stream of its own then.
     """
 
     def __init__(self, metrics: RouterMetrics, wall_clock: Callable[[], float],
                  clock: Callable[[], float] = time.perf_counter, remembered: Iterable[str] = (),
-                 kv_streams: KvStreams | None = None) -> None:  # fmt: skip
+                 kv_streams: KvStreams | None = None, picker: RemotePicker | None = None) -> None:  # fmt: skip
         self._metrics = metrics
         self._kv_streams = kv_streams
+        self._picker = picker
         self._wall_clock = wall_clock
         self._clock = clock
         self._pools: dict[str, Pool] = {}
@@ -401,7 +446,11 @@ class PoolTable:
         settings = spec.outlier_detection.settings()
         outlier = old.outlier if old is not None and old.outlier.settings == settings else OutlierDetector(settings)
         kv_view = None
-        if self._kv_streams is not None:
+        picker = self._picker
+        if picker is not None:
+            picker.put_pool(model, spec.policy, {e.id: e.kv_events.model_dump() if e.kv_events is not None else None
+                                                 for e in spec.endpoints})  # fmt: skip
+        elif self._kv_streams is not None:
             sources = {e.id: e.kv_events for e in spec.endpoints if e.kv_events is not None}
             self._kv_streams.put(model, sources)
             kv_view = self._kv_streams.index(model) if sources else None
@@ -409,7 +458,7 @@ class PoolTable:
                     max_queue_length=spec.max_queue_length, queue_timeout_s=spec.queue_timeout_s,
                     sticky_key=spec.sticky_key, tokenizer=spec.tokenizer, first_token_timeout_s=spec.first_token_timeout_s,
                     max_retries=spec.max_retries, stream_limits=spec.stream_limits.limits(),
-                    migration_limit=spec.migration_limit, outlier=outlier, kv_view=kv_view)  # fmt: skip
+                    migration_limit=spec.migration_limit, outlier=outlier, kv_view=kv_view, picker=picker)  # fmt: skip
         self._pools[model] = pool
         # Waiting requests take the slots the new pool has (all of them if the limit is gone).
         free = pool.free_slots()
@@ -429,7 +478,9 @@ class PoolTable:
             if endpoint.metrics is not None:
                 endpoint.metrics.forget()
         self._metrics.forget_pool(model)
-        if self._kv_streams is not None:
+        if self._picker is not None:
+            self._picker.put_pool(model, pool.policy.name, {})
+        elif self._kv_streams is not None:
             self._kv_streams.delete(model)
         pool.shared.queue.wake_all()  # waiting requests find no pool and are answered
         return True

@@ -13,7 +13,9 @@ FastAPI app. `Proxy.__call__` runs the steps of a request in order, each owned b
 4. **prepare** the routing request (`prepare`: block hashes and token ids, as the pool says its
    policy needs);
 5. **admit and pick** (here): the pool's policy picks a ready endpoint (503 + Retry-After if
-   none); a pool with a per-endpoint concurrency limit holds a request that finds every ready
+   none), or the endpoint picker does for a pool that has one (`Pool.picker`, `router.picker.client`;
+   the pool's own policy when it does not answer in time); a pool with a per-endpoint concurrency
+   limit holds a request that finds every ready
    endpoint full in its admission queue (`router.pools.admission`; 503 when the queue is full or
    the wait times out);
 6. **attempt** it (`attempt`: the first-token deadline, `deadline`; error mapping; outlier
@@ -57,7 +59,7 @@ from router.kv.prompt_blocks import RouteRequest
 from router.kv.tokenize import PoolTokenizers
 from router.pools.endpoint import DEFAULT_FAILURE_COOLDOWN_S, EndpointState
 from router.pools.outlier import Outcome
-from router.pools.pool import Pool, PoolTable
+from router.pools.pool import PickerTicket, Pool, PoolTable
 from router.pools.split import sticky_key
 from router.protocol.errors import error_body
 from router.request.asgi_io import CLOSE, DISCONNECT_WATCH_DELAY_S, BodyTooLarge, ClientWatch, Receive, Scope, \
@@ -186,7 +188,13 @@ class Proxy:
             await add_token_ids(self.tokenizers, pool, parsed.doc, request)
         pool.shared.arrived(arrival_s)
         key = sticky_key(pool.sticky_key, scope["headers"], parsed.doc)   # one user, one revision (router.pools.split)
-        endpoint = self._first_pick(pool, request, arrival_s, key)
+        ticket = None
+        if pool.picker is not None and (pool.limit is None or not pool.shared.queue.has_waiters()):
+            endpoint, ticket = await self._ask_picker(pool, request, arrival_s, key)
+            if ticket is not None:
+                send = _ReportFirstByte(send, ticket)
+        else:
+            endpoint = self._first_pick(pool, request, arrival_s, key)
         if endpoint is None and (pool.limit is None or not pool.ready):
             await refusals.reject(send, 503, parsed.model, error_body(
                 f"model {parsed.model!r} has no ready endpoint; retry later", type_="server_error",
@@ -211,6 +219,30 @@ class Proxy:
             raise
         finally:
             watch.stop()
+            if ticket is not None:
+                ticket.finish()
+
+    async def _ask_picker(self, pool: Pool, request: RouteRequest, arrival_s: float,
+                          key: str | None) -> tuple[EndpointState | None, PickerTicket | None]:  # fmt: skip
+        """Step 5 with an endpoint picker (`Pool.picker`): the endpoint it chooses among the pool's
+        candidates, and its ticket (the picker holds the request's load until `finish`; None when
+        the picker was unreachable); when it does not answer in time, the pool's own policy picks
+        (its approximate view and this router's load). The prompt's blocks the picker placed are
+        recorded as held there in the local policy too, so a fall-back pick finds the prefixes."""
+        candidates = pool.candidates(arrival_s, key=key)
+        if candidates is None:
+            return None, None
+
+        def own_pick() -> int:
+            return candidates.index(pool.policy.choose(candidates, request, arrival_s, pool.kv_view))
+
+        index, ticket, answered = await pool.picker.pick(pool.model, [e.id for e in candidates], request,
+                                                         own_pick)  # type: ignore[union-attr]
+        endpoint = candidates[index]
+        if answered:
+            pool.policy.learn(endpoint.id, request.block_hashes)
+        pool.shared.dispatched(arrival_s, self._clock())
+        return endpoint, ticket
 
     @staticmethod
     def _first_pick(pool: Pool, request: RouteRequest, arrival_s: float, key: str | None) -> EndpointState | None:
@@ -417,3 +449,17 @@ def _first_plan(pool: Pool, parsed: ParsedRequest, end_at: float | None) -> Stre
             plan.tape = Tape()
     return plan
 
+class _ReportFirstByte:
+    """The client's `send`, telling the endpoint picker's ticket when the first body byte goes out
+    (for a stream, its first event; for a sized reply, the whole body)."""
+
+    __slots__ = ("_send", "_ticket")
+
+    def __init__(self, send: Send, ticket: PickerTicket) -> None:
+        self._send = send
+        self._ticket = ticket
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            self._ticket.first_byte()
+        await self._send(message)

@@ -568,3 +568,28 @@ def test_chart_renders_the_apis_of_the_oldest_and_newest_supported_kubernetes():
     proc = subprocess.run([helm_binary(), "template", "fleet", str(CHART), "--kube-version", "1.19.16"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0 and ">=1.20.0-0" in proc.stderr, proc.stderr
+
+
+def test_the_endpoint_picker_is_off_by_default_and_when_on_every_router_asks_it():
+    """router.picker.enabled: a Deployment of one `fleet endpoint-picker` pod and its Service; every
+    router pod gets --picker and no peers (auto); engines admit the picker (KV events), the picker
+    admits the routers (docs/routing.md, "Endpoint picker")."""
+    kinds = _by_kind(render())
+    assert not any(d["metadata"]["name"] == "fleet-picker" for d in kinds["Deployment"] + kinds["Service"])
+    on = ("--set", "router.picker.enabled=true", "--set", "networkPolicy.enabled=true")
+    kinds = _by_kind(render(extra=on))
+    picker = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-picker")
+    assert picker["spec"]["replicas"] == 1 and picker["spec"]["strategy"] == {"type": "Recreate"}
+    container = picker["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:3] == ["endpoint-picker", "--host=0.0.0.0", "--port=8090"]
+    service = next(s for s in kinds["Service"] if s["metadata"]["name"] == "fleet-picker")
+    assert service["spec"]["ports"] == [{"name": "picker", "port": 8090, "targetPort": "picker", "protocol": "TCP"}]
+    args, _, peers = _router_peers(*on)
+    assert "--picker=fleet-picker:8090" in args and not any(a.startswith("--peers") for a in args) and peers is None
+    policies = {p["metadata"]["name"]: p for p in kinds["NetworkPolicy"]}
+    engine_from = policies["fleet-engines"]["spec"]["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
+                                            "app.kubernetes.io/component": "picker"}}} in engine_from
+    picker_in = policies["fleet-picker"]["spec"]["ingress"][0]
+    assert picker_in["ports"] == [{"port": 8090, "protocol": "TCP"}]
+    assert picker_in["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"

@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("router.kv",),                                 # KV events, exact and approximate indexes, tokenizer
     ("router.pools",),                              # endpoints, pools, policies, split, outliers, admission
     ("router.signals", "router.request"),           # engine load, KV streams, peers; the request path
+    ("router.picker",),                             # the endpoint picker: its wire, state, server and client
     ("router.http",),                               # the ASGI app, admin API, uvicorn
     ("router",),                                    # router/__init__.py, router/__main__.py
     ("autoscaler", "warmup"),                       # pure scaling policies; the warm-up gate

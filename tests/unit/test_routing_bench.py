@@ -35,16 +35,19 @@ def test_a_target_names_its_router_count_or_takes_the_default() -> None:
             parse_target(bad, 1)
 
 
-def test_a_target_may_switch_on_kv_events_and_peers_for_itself() -> None:
-    plain = argparse.Namespace(routers=1, kv_events=False, peers=False)
+def test_a_target_may_switch_on_kv_events_peers_and_the_picker_for_itself() -> None:
+    plain = argparse.Namespace(routers=1, kv_events=False, peers=False, picker=False)
     assert parse_target("fleet:kv-aware@2+kv-events+peers", 1) == ("fleet", "kv-aware", 2)
-    assert target_options("fleet:kv-aware", plain) == (False, False)
-    assert target_options("fleet:kv-aware+kv-events", plain) == (True, False)
-    assert target_options("fleet:kv-aware+peers", plain) == (False, False)        # one router: no peers
-    assert target_options("fleet:kv-aware@2+kv-events+peers", plain) == (True, True)
-    assert target_options("vllm-router:cache_aware+kv-events", plain) == (False, False)
-    everywhere = argparse.Namespace(routers=2, kv_events=True, peers=True)
-    assert target_options("fleet:kv-aware", everywhere) == (True, True)
+    assert target_options("fleet:kv-aware", plain) == (False, False, False)
+    assert target_options("fleet:kv-aware+kv-events", plain) == (True, False, False)
+    assert target_options("fleet:kv-aware+peers", plain) == (False, False, False)        # one router: no peers
+    assert target_options("fleet:kv-aware@2+kv-events+peers", plain) == (True, True, False)
+    assert target_options("vllm-router:cache_aware+kv-events", plain) == (False, False, False)
+    # the picker follows the engines' events (on) and holds every router's load (no peers)
+    assert target_options("fleet:kv-aware@2+picker+peers", plain) == (True, False, True)
+    assert target_options("vllm-router:cache_aware+picker", plain) == (False, False, False)
+    everywhere = argparse.Namespace(routers=2, kv_events=True, peers=True, picker=False)
+    assert target_options("fleet:kv-aware", everywhere) == (True, True, False)
     with pytest.raises(SystemExit):
         parse_target("fleet:kv-aware+gossip", 1)
 

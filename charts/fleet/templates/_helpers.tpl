@@ -63,7 +63,7 @@ imagePullSecrets:
 {{- $enabled := .Values.router.peers.enabled -}}
 {{- if kindIs "bool" $enabled -}}
 {{- if $enabled }}true{{ end -}}
-{{- else if gt (int .Values.router.replicas) 1 -}}
+{{- else if and (gt (int .Values.router.replicas) 1) (not .Values.router.picker.enabled) -}}
 true
 {{- end -}}
 {{- end -}}

@@ -1,0 +1,112 @@
+"""The endpoint picker process: one TCP server the routers of a pool set connect to.
+
+Owns `PickerService`: it accepts router connections (`router.picker.wire` frames, pipelined),
+follows each publishing engine's KV event stream once (`router.signals.kv_streams.KvEventStreams`,
+the subscriber the routers run without a picker) and hands every frame to one
+`router.picker.state.PickerState` on this one asyncio loop, so every pick of every router is
+decided in one place, in arrival order. Run by `python -m router.picker`
+(`router/picker/__main__.py`); `fleet up` supervises it (`fleet/local/routerproc.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping
+
+from router.picker.state import PickerState
+from router.picker.wire import FINISH, AnswerFrame, FrameReader, PickFrame, PlacedFrame, PoolFrame, ProgressFrame, \
+    WireError, encode_answer
+from router.pools.spec import KvEventsSource
+from router.signals.kv_streams import KvEventStreams
+
+log = logging.getLogger(__name__)
+
+READ_BYTES = 256 * 1024
+"""Bytes read from a router's connection at once: many pipelined picks per read under load."""
+
+
+class PickerService:
+    """The picker's server: `start(host, port)` listens (port 0: a free one, `port` after),
+    `close()` stops it and the KV subscribers. `clock` gives seconds (monotonic), the policy's
+    `now_s`. `streams`: where the engines' KV events are followed (default: a fresh
+    `KvEventStreams`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, streams: KvEventStreams | None = None) -> None:
+        self._clock = clock
+        self.streams = streams if streams is not None else KvEventStreams(clock=clock)
+        self.state = PickerState(self.streams.index, self._put_sources)
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._ids = itertools.count(1)
+        self.port = 0
+
+    def _put_sources(self, model: str, sources: Mapping[str, dict]) -> None:
+        self.streams.put(model, {e: KvEventsSource.model_validate(s) for e, s in sources.items()})
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Listen on `host`:`port` and start the KV subscribers. Raises OSError if it cannot bind."""
+        await self.streams.start()
+        self._server = await asyncio.start_server(self._serve, host, port, limit=READ_BYTES)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening, drop every connection and stop the KV subscribers."""
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._connections):
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+        await self.streams.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One router's connection: frames in, answers out, until it closes."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        connection = next(self._ids)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        frames = FrameReader()
+        try:
+            while data := await reader.read(READ_BYTES):
+                out = self._handle(connection, frames.feed(data))
+                if out:
+                    writer.write(out)
+        except (WireError, ConnectionError) as err:
+            log.warning("router connection %d dropped: %s", connection, err)
+        finally:
+            self._connections.discard(task)
+            released = self.state.drop_connection(connection)
+            if released:
+                log.info("router connection %d closed holding %d picks: released", connection, released)
+            writer.close()
+
+    def _handle(self, connection: int, frames: list) -> bytes:
+        """Apply `frames` in order; the answers to its picks, framed and joined."""
+        state = self.state
+        answers = []
+        now_s = self._clock()
+        for frame in frames:
+            kind = type(frame)
+            if kind is PickFrame:
+                chosen, cached, block_tokens = state.pick(connection, frame, now_s)
+                answers.append(encode_answer(frame.ticket, chosen, cached, block_tokens))
+            elif kind is ProgressFrame:
+                state.progress(connection, frame.ticket, finished=frame.kind == FINISH)
+            elif kind is PlacedFrame:
+                state.placed(connection, frame.ticket, frame.endpoint_id, now_s)
+            elif kind is PoolFrame:
+                try:
+                    state.pool(frame.model, frame.policy, frame.sources)
+                except (KeyError, ValueError) as err:
+                    log.warning("pool %r from router connection %d refused: %s", frame.model, connection, err)
+            elif kind is AnswerFrame:
+                raise WireError("a router sent an answer frame")
+        return b"".join(answers)
