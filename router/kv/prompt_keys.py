@@ -9,7 +9,8 @@ keys here and sends them (`router.picker.wire`), so the token ids stay with the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import accumulate
+
+from router.kv import index_ops
 
 KEY_ROOT = 0x6B76_E7E4_7EED
 """The parent key of a prompt's first block (any fixed int: keys must agree across routers)."""
@@ -41,10 +42,12 @@ class PromptKeys:
 
 
 def prompt_keys(token_ids: Sequence[int], block_tokens: int) -> PromptKeys:
-    """The router keys of the whole `block_tokens`-token blocks of `token_ids` (`PromptKeys`).
+    """The router keys of the whole `block_tokens`-token blocks of `token_ids` (`PromptKeys`),
+    chained by `router.kv.index_ops.SELECTED` (compiled where built; the same keys either way).
 
-    Raises TypeError if `token_ids` holds something unhashable (a list, a dict)."""
-    keys = list(accumulate(zip(*[iter(token_ids)] * block_tokens), chain_key, initial=KEY_ROOT))[1:]
+    Raises TypeError if `token_ids` holds something unhashable (a list, a dict), ValueError if
+    `block_tokens` < 1."""
+    keys = index_ops.SELECTED.chain_keys(KEY_ROOT, token_ids, block_tokens, len(token_ids) // block_tokens)
     return PromptKeys(keys, block_tokens)
 
 
