@@ -222,7 +222,7 @@ def memory(args: argparse.Namespace) -> None:
     rng = random.Random(2)
     held = [collections.deque() for _ in range(streams)]
     every = max(1, args.prompts // 10)
-    print("| prompts | index entries | RSS MiB |\n|---|---|---|")
+    print(f"| prompts | index entries | RSS MiB |\n|---|---|---|\n| 0 | 0 | {rss_mib():.1f} |")
     next_hash = 1
     for n in range(args.prompts):
         k = n % streams
