@@ -236,8 +236,8 @@ def memory(args: argparse.Namespace) -> None:
             events.append(BlockRemoved(evicted))
         target.apply(k, encode_batch(EventBatch(0.0, events)))
         if (n + 1) % every == 0:
-            entries = len(target.index) if isinstance(target, FleetIngest) else -1
-            print(f"| {n + 1:,} | {entries:,} | {rss_mib():.1f} |", flush=True)
+            entries = f"{len(target.index):,}" if isinstance(target, FleetIngest) else "n/a"
+            print(f"| {n + 1:,} | {entries} | {rss_mib():.1f} |", flush=True)
 
 
 def rss_mib() -> float:

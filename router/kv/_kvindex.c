@@ -1,9 +1,9 @@
 /* The exact index's per-block loops, compiled: router.kv._kvindex.
  *
- * Owns `chain_keys`, `store_blocks` and `remove_blocks`, the compiled twins of the functions of
+ * Owns `chain_keys`, `store_blocks`, `remove_blocks` and `walk_keys`, the compiled twins of the functions of
  * the same names in router/kv/index_ops.py (the pure-Python fallback, which documents what each
  * does); router/kv/index_ops.py selects one or the other at import and checks this module's keys
- * against Python's own hash first. Called by router.kv.exact_index.ExactIndex (apply, expect) and
+ * against Python's own hash first. Called by router.kv.exact_index.ExactIndex (apply, expect, match) and
  * router.kv.prompt_keys.prompt_keys. Built by the package's own build (pyproject.toml,
  * [tool.setuptools] ext-modules, optional: without a compiler the pure-Python twins run).
  *
@@ -21,7 +21,7 @@
 #define XXROTATE(x) (((x) << 31) | ((x) >> 33))
 #define HASH_MODULUS ((Py_uhash_t)2305843009213693951ULL) /* 2**61 - 1: sys.hash_info.modulus, checked at import */
 
-static PyObject *str_pop, *str_move_to_end, *tail8, *from_bytes, *str_big;
+static PyObject *str_pop, *str_move_to_end, *tail8, *from_bytes, *str_big, *zero;
 
 /* hash(int(x)) of a value that is itself a hash (a chained key). */
 static Py_hash_t int_hash(Py_hash_t x) {
@@ -221,11 +221,93 @@ done:
     return result;
 }
 
+/* holders.get(key, 0) | the bits of expected.get(key, {}) claimed until now_s or later. New reference. */
+static PyObject *holders_of(PyObject *holders, PyObject *expected, PyObject *now_s, PyObject *key) {
+    PyObject *mask = PyDict_GetItemWithError(holders, key);
+    if (mask == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        mask = zero;
+    }
+    Py_INCREF(mask);
+    PyObject *waiting = expected == NULL ? NULL : PyDict_GetItemWithError(expected, key);
+    if (waiting == NULL) {
+        if (PyErr_Occurred()) Py_CLEAR(mask);
+        return mask;
+    }
+    if (!PyDict_Check(waiting)) {
+        PyErr_SetString(PyExc_TypeError, "expected must map a key to a dict of {bit: until_s}");
+        Py_DECREF(mask);
+        return NULL;
+    }
+    Py_INCREF(waiting);   /* comparing floats runs no Python code, but hold it all the same */
+    Py_ssize_t pos = 0;
+    PyObject *bit, *until_s;
+    while (mask != NULL && PyDict_Next(waiting, &pos, &bit, &until_s)) {
+        int live = PyObject_RichCompareBool(until_s, now_s, Py_GE);
+        PyObject *more = live > 0 ? PyNumber_Or(mask, bit) : NULL;
+        Py_SETREF(mask, live < 0 ? NULL : live ? more : Py_NewRef(mask));
+    }
+    Py_DECREF(waiting);
+    return mask;
+}
+
+static PyObject *walk_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "walk_keys(holders, expected, now_s, keys, alive) takes 5 arguments");
+        return NULL;
+    }
+    PyObject *holders = args[0], *expected = args[1] == Py_None ? NULL : args[1], *now_s = args[2];
+    if (!PyDict_CheckExact(holders) || (expected != NULL && !PyDict_CheckExact(expected))) {
+        PyErr_SetString(PyExc_TypeError, "holders must be a dict and expected a dict or None");
+        return NULL;
+    }
+    if (expected != NULL && PyDict_GET_SIZE(expected) == 0) expected = NULL;
+    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    PyObject *out = PyList_New(0);
+    PyObject *alive = Py_NewRef(args[4]);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), depth = 0;
+    int truth = out == NULL ? -1 : 1;
+    for (Py_ssize_t i = 0; i < n && truth > 0; i++) {
+        PyObject *held = holders_of(holders, expected, now_s, PySequence_Fast_GET_ITEM(keys, i));
+        PyObject *still = held == NULL ? NULL : PyNumber_And(alive, held);
+        Py_XDECREF(held);
+        if (still == NULL) { truth = -1; break; }
+        if (depth) {
+            int same = PyObject_RichCompareBool(still, alive, Py_EQ);
+            if (same == 0) {   /* some stop matching here: alive & ~still, which is alive ^ still (still is within alive) */
+                PyObject *dropped = PyNumber_Xor(alive, still);
+                PyObject *pair = dropped == NULL ? NULL : Py_BuildValue("(nN)", depth, dropped);
+                same = pair == NULL || PyList_Append(out, pair) < 0 ? -1 : 1;
+                Py_XDECREF(pair);
+            }
+            if (same < 0) { Py_DECREF(still); truth = -1; break; }
+        }
+        Py_SETREF(alive, still);
+        truth = PyObject_IsTrue(alive);
+        if (truth > 0) depth++;
+    }
+    if (truth > 0 && depth > 0) {   /* matched every key */
+        PyObject *pair = Py_BuildValue("(nO)", depth, alive);
+        if (pair == NULL || PyList_Append(out, pair) < 0) truth = -1;
+        Py_XDECREF(pair);
+    }
+    Py_DECREF(alive);
+    Py_DECREF(keys);
+    if (truth < 0) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(key, token_ids, block_tokens, count) -> list[int]: router.kv.index_ops.chain_keys, compiled."},
     {"store_blocks", (PyCFunction)(void (*)(void))store_blocks, METH_FASTCALL,
      "store_blocks(blocks, holders, bit, hashes, keys) -> None: router.kv.index_ops.store_blocks, compiled."},
+    {"walk_keys", (PyCFunction)(void (*)(void))walk_keys, METH_FASTCALL,
+     "walk_keys(holders, expected, now_s, keys, alive) -> list[tuple[int, int]]: router.kv.index_ops.walk_keys, compiled."},
     {"remove_blocks", (PyCFunction)(void (*)(void))remove_blocks, METH_FASTCALL,
      "remove_blocks(blocks, holders, others, hashes) -> None: router.kv.index_ops.remove_blocks, compiled."},
     {NULL, NULL, 0, NULL},
@@ -238,11 +320,12 @@ PyMODINIT_FUNC PyInit__kvindex(void) {
     str_pop = PyUnicode_InternFromString("pop");
     str_move_to_end = PyUnicode_InternFromString("move_to_end");
     str_big = PyUnicode_InternFromString("big");
+    zero = PyLong_FromLong(0);
     PyObject *minus8 = PyLong_FromLong(-8);
     tail8 = minus8 == NULL ? NULL : PySlice_New(minus8, Py_None, Py_None);
     Py_XDECREF(minus8);
     from_bytes = PyObject_GetAttrString((PyObject *)&PyLong_Type, "from_bytes");
-    if (str_pop == NULL || str_move_to_end == NULL || str_big == NULL || tail8 == NULL || from_bytes == NULL)
+    if (str_pop == NULL || str_move_to_end == NULL || str_big == NULL || tail8 == NULL || from_bytes == NULL || zero == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

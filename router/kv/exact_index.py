@@ -60,7 +60,7 @@ from typing import NamedTuple
 from router.kv import index_ops
 from router.kv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.kv.index_ops import IndexOps
-from router.kv.prompt_keys import KEY_ROOT, PromptKeys, match_keys
+from router.kv.prompt_keys import KEY_ROOT, PromptKeys
 
 DEFAULT_MAX_BLOCKS_PER_ENDPOINT = 262_144
 """Most blocks the index holds per endpoint: 4M tokens at vLLM's 16-token blocks, ten times the
@@ -126,9 +126,10 @@ class ExactIndex:
 
     Args:
         max_blocks_per_endpoint: most entries per endpoint (>= 1); see the module docstring.
-        ops: the per-block loops to apply events with (`router.kv.index_ops.IndexOps`); None: the
-            one selected at import (`index_ops.SELECTED`: compiled where the extension is built).
-            Both give the same index; tests run each.
+        ops: the per-block loops to apply events and walk a prompt's keys with
+            (`router.kv.index_ops.IndexOps`); None: the one selected at import
+            (`index_ops.SELECTED`: compiled where the extension is built). Both give the same
+            index; tests run each.
 
     Raises:
         ValueError: `max_blocks_per_endpoint` < 1.
@@ -421,8 +422,14 @@ class ExactIndex:
         out: dict[str, int] = {}
         by_bit = self._by_bit
         if type(token_ids) is PromptKeys:
-            alive = live.get(token_ids.block_tokens, 0)
-            return match_keys(token_ids, alive, holders_of, by_bit, out) if alive else out
+            size = token_ids.block_tokens
+            alive = live.get(size, 0)
+            for blocks, mask in self.ops.walk_keys(holders, expected, now_s, token_ids.keys, alive) if alive else ():
+                while mask:
+                    low = mask & -mask
+                    out[by_bit[low]] = blocks * size
+                    mask ^= low
+            return out
         n = len(token_ids)
         ids: Sequence[int] | None = None   # the prompt as a tuple (slices of a tuple are tuples), made once
         for size, alive in live.items():

@@ -1,11 +1,11 @@
 """The exact index's per-block loops, in two implementations of one behaviour: compiled and Python.
 
-Owns `IndexOps` (the three loops: `chain_keys`, `store_blocks`, `remove_blocks`), `PYTHON` (this
+Owns `IndexOps` (the four loops: `chain_keys`, `store_blocks`, `remove_blocks`, `walk_keys`), `PYTHON` (this
 module's own functions), `COMPILED` (the same loops in C, `router/kv/_kvindex.c`; None when the
 extension was not built or fails its check) and `SELECTED` (the compiled one when present, else
 Python), chosen once at import. `router.kv.exact_index.ExactIndex` applies every `BlockStored` and
-`BlockRemoved` through `SELECTED` (or the `IndexOps` it is given); `router.kv.prompt_keys`
-chains a prompt's keys with it. Pure: no I/O.
+`BlockRemoved` and matches a prompt's keys through `SELECTED` (or the `IndexOps` it is given);
+`router.kv.prompt_keys` chains a prompt's keys with it. Pure: no I/O.
 
 Why compiled: applying a batch is a loop per block (chain a key, look the engine hash up, set
 the holder mask), and the profile of the picker's ingest (docs/routing.md, "What the index
@@ -35,6 +35,7 @@ class IndexOps(NamedTuple):
     chain_keys: Callable[[int, Sequence[int], int, int], list[int]]
     store_blocks: Callable[[OrderedDict, dict, int, Sequence, Sequence[int]], None]
     remove_blocks: Callable[[OrderedDict, dict, int, Sequence], None]
+    walk_keys: Callable[[dict, dict | None, float | None, Sequence[int], int], list[tuple[int, int]]]
 
 
 def chain_keys(key: int, token_ids: Sequence[int], block_tokens: int, count: int) -> list[int]:
@@ -101,7 +102,36 @@ def remove_blocks(blocks: OrderedDict, holders: dict, others: int, hashes: Seque
                 holders.pop(key, None)
 
 
-PYTHON = IndexOps("python", chain_keys, store_blocks, remove_blocks)
+def walk_keys(holders: dict, expected: dict | None, now_s: float | None, keys: Sequence[int],
+              alive: int) -> list[tuple[int, int]]:  # fmt: skip
+    """Walk a prompt's router `keys` in order with `alive`, the mask of endpoints still matching:
+    returns ``(blocks, mask)`` pairs, `mask` the endpoints whose match ends after `blocks` whole
+    blocks (> 0), in order, the last pair for those that hold every key. An endpoint holds a key
+    when its bit is in ``holders[key]`` or, with `expected` (router key -> {endpoint bit: until_s},
+    `ExactIndex.expect`), claimed there until `now_s` or later. Stops where no endpoint matches."""
+    out = []
+    depth = 0
+    for key in keys:
+        mask = holders.get(key, 0)
+        if expected:
+            waiting = expected.get(key)
+            if waiting:
+                for bit, until_s in waiting.items():
+                    if until_s >= now_s:
+                        mask |= bit
+        still = alive & mask
+        if depth and still != alive:
+            out.append((depth, alive ^ still))
+        alive = still
+        if not alive:
+            return out
+        depth += 1
+    if depth:
+        out.append((depth, alive))
+    return out
+
+
+PYTHON = IndexOps("python", chain_keys, store_blocks, remove_blocks, walk_keys)
 """The loops above, in Python: what runs where the extension is not built."""
 
 
@@ -119,16 +149,18 @@ def _agrees(ops: IndexOps) -> bool:
         impl.store_blocks(blocks, holders, 1, [b"\x01" * 32, 7, b"\x02"], [3, 4, 5])
         impl.store_blocks(blocks, holders, 1, [7, 9], [6, 4])
         impl.remove_blocks(blocks, holders, ~1, [b"\x01" * 32, 11])
-        views.append((list(blocks.items()), holders))
+        expected = {4: {2: 5.0, 4: 1.0}, 6: {2: 9.0}}
+        walks = [impl.walk_keys(holders, expected, 2.0, keys, 0b111) for keys in ([3, 4, 6], [4, 6, 6], [3, 3, 3])]
+        views.append((list(blocks.items()), holders, walks))
     return views[0] == views[1]
 
 
 def _compiled() -> IndexOps | None:
     try:
         ext = importlib.import_module("router.kv._kvindex")
-    except ImportError:
+        ops = IndexOps("compiled", ext.chain_keys, ext.store_blocks, ext.remove_blocks, ext.walk_keys)
+    except (ImportError, AttributeError):   # not built, or built from an older source than this module's
         return None
-    ops = IndexOps("compiled", ext.chain_keys, ext.store_blocks, ext.remove_blocks)
     if not _agrees(ops):
         log.warning("router.kv._kvindex disagrees with Python's hashes here; the index runs its Python loops")
         return None

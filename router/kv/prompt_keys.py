@@ -8,7 +8,7 @@ keys here and sends them (`router.picker.wire`), so the token ids stay with the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from router.kv import index_ops
 
@@ -50,26 +50,3 @@ def prompt_keys(token_ids: Sequence[int], block_tokens: int) -> PromptKeys:
     keys = index_ops.SELECTED.chain_keys(KEY_ROOT, token_ids, block_tokens, len(token_ids) // block_tokens)
     return PromptKeys(keys, block_tokens)
 
-
-def match_keys(prompt: PromptKeys, alive: int, holders_of: Callable[[int], int], by_bit: dict[int, str],
-               out: dict[str, int]) -> dict[str, int]:  # fmt: skip
-    """Leading tokens of `prompt` held by each endpoint of the bitmask `alive` (endpoint id ->
-    tokens, > 0 only, into `out`): `router.kv.exact_index.ExactIndex.match` over a prompt's keys.
-    `holders_of(key)` is the mask of endpoints holding a key; `by_bit` names an endpoint's bit."""
-    depth = 0
-    for key in prompt.keys:
-        still = alive & holders_of(key)
-        dropped = (alive & ~still) if depth else 0
-        while dropped:
-            low = dropped & -dropped
-            out[by_bit[low]] = depth
-            dropped ^= low
-        alive = still
-        if not alive:
-            return out
-        depth += prompt.block_tokens
-    while alive:
-        low = alive & -alive
-        out[by_bit[low]] = depth
-        alive ^= low
-    return out

@@ -118,7 +118,26 @@ def test_compiled_and_python_loops_build_the_same_index(seed: int) -> None:
                                                                           for k in range(20)]:  # fmt: skip
         assert compiled.match(tokens, now_s=1.0) == python.match(tokens, now_s=1.0)
         keys = PromptKeys(compiled.ops.chain_keys(KEY_ROOT, tokens, BS, len(tokens) // BS), BS)
-        assert compiled.match(keys) == python.match(keys)
+        for now_s in (None, 1.0, 11.0):   # the engines' account; with the claims; after they expired
+            assert compiled.match(keys, now_s=now_s) == python.match(keys, now_s=now_s)
+            assert compiled.match(keys, now_s=now_s, rebuilding=True) == python.match(tokens, now_s=now_s, rebuilding=True)
+
+
+@pytest.mark.parametrize("impl", ["python", "compiled"])
+def test_the_walk_reports_where_each_endpoints_match_ends(impl: str) -> None:
+    ops = index_ops.IMPLEMENTATIONS.get(impl)
+    if ops is None:
+        pytest.skip("router.kv._kvindex is not built here")
+    holders = {10: 0b111, 11: 0b011, 12: 0b001, 13: 0b001, 2**80: 0b1 << 70}
+    assert ops.walk_keys(holders, None, None, [10, 11, 12, 13, 99], 0b111) == [(1, 0b100), (2, 0b010), (4, 0b001)]
+    assert ops.walk_keys(holders, None, None, [10, 11], 0b101) == [(1, 0b100), (2, 0b001)]
+    assert ops.walk_keys(holders, None, None, [99, 10], 0b111) == []       # nothing matches the first block
+    assert ops.walk_keys(holders, None, None, [], 0b111) == []
+    claims = {11: {0b100: 5.0, 0b010: 1.0}}   # endpoint 4 claimed block 11 until 5 s
+    assert ops.walk_keys(holders, claims, 2.0, [10, 11, 12], 0b111) == [(2, 0b110), (3, 0b001)]
+    assert ops.walk_keys(holders, claims, 6.0, [10, 11, 12], 0b111) == [(1, 0b100), (2, 0b010), (3, 0b001)]
+    wide = 0b1 << 70   # endpoints beyond 64: the masks are Python ints of any width
+    assert ops.walk_keys(holders, None, None, [2**80, 2**80], wide | 1) == [(2, wide)]
 
 
 def test_the_python_loops_are_selected_when_the_extension_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,9 +148,16 @@ def test_the_python_loops_are_selected_when_the_extension_is_missing(monkeypatch
     assert index_ops._compiled() is None
 
 
+def test_an_extension_older_than_this_module_is_not_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = types.SimpleNamespace(chain_keys=index_ops.chain_keys, store_blocks=index_ops.store_blocks,
+                                  remove_blocks=index_ops.remove_blocks)   # built before walk_keys  # fmt: skip
+    monkeypatch.setattr(index_ops.importlib, "import_module", lambda name: stale)
+    assert index_ops._compiled() is None
+
+
 def test_an_extension_whose_keys_disagree_is_not_selected(monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
-    wrong = types.SimpleNamespace(chain_keys=lambda key, ids, size, count: [0] * count,
+    wrong = types.SimpleNamespace(chain_keys=lambda key, ids, size, count: [0] * count, walk_keys=index_ops.walk_keys,
                                   store_blocks=index_ops.store_blocks, remove_blocks=index_ops.remove_blocks)  # fmt: skip
     monkeypatch.setattr(index_ops.importlib, "import_module", lambda name: wrong)
     assert index_ops._compiled() is None
