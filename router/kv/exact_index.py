@@ -55,11 +55,12 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
-from itertools import accumulate
 from typing import NamedTuple
 
+from router.kv import index_ops
 from router.kv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from router.kv.prompt_keys import KEY_ROOT, PromptKeys, chain_key as _chain, match_keys
+from router.kv.index_ops import IndexOps
+from router.kv.prompt_keys import KEY_ROOT, PromptKeys
 
 DEFAULT_MAX_BLOCKS_PER_ENDPOINT = 262_144
 """Most blocks the index holds per endpoint: 4M tokens at vLLM's 16-token blocks, ten times the
@@ -125,15 +126,21 @@ class ExactIndex:
 
     Args:
         max_blocks_per_endpoint: most entries per endpoint (>= 1); see the module docstring.
+        ops: the per-block loops to apply events and walk a prompt's keys with
+            (`router.kv.index_ops.IndexOps`); None: the one selected at import
+            (`index_ops.SELECTED`: compiled where the extension is built). Both give the same
+            index; tests run each.
 
     Raises:
         ValueError: `max_blocks_per_endpoint` < 1.
     """
 
-    def __init__(self, max_blocks_per_endpoint: int = DEFAULT_MAX_BLOCKS_PER_ENDPOINT) -> None:
+    def __init__(self, max_blocks_per_endpoint: int = DEFAULT_MAX_BLOCKS_PER_ENDPOINT, *,
+                 ops: IndexOps | None = None) -> None:  # fmt: skip
         if max_blocks_per_endpoint < 1:
             raise ValueError(f"max_blocks_per_endpoint must be >= 1, got {max_blocks_per_endpoint}")
         self.max_blocks_per_endpoint = max_blocks_per_endpoint
+        self.ops = ops if ops is not None else index_ops.SELECTED
         self._views: dict[str, _View] = {}
         self._by_bit: dict[int, str] = {}
         self._holders: dict[int, int] = {}   # router key -> mask of endpoint bits
@@ -190,19 +197,12 @@ class ExactIndex:
         blocks = view.blocks
         holders = self._holders
         others = ~view.bit
+        remove = self.ops.remove_blocks
         for event in batch.events:
             kind = type(event)
-            if kind is BlockRemoved:   # the commonest: one per evicted block, so inlined
-                if event.medium not in (None, MEDIUM_GPU) or event.group_idx not in (None, 0):
-                    continue
-                for h in event.block_hashes:
-                    key = blocks.pop(h if type(h) is int else int.from_bytes(h[-8:], "big"), None)  # engine_hash
-                    if key is not None:
-                        mask = holders.get(key, 0) & others
-                        if mask:
-                            holders[key] = mask
-                        else:
-                            holders.pop(key, None)
+            if kind is BlockRemoved:   # the commonest: one per evicted block
+                if event.medium in (None, MEDIUM_GPU) and event.group_idx in (None, 0):
+                    remove(blocks, holders, others, event.block_hashes)
             elif kind is BlockStored:
                 self._stored(view, event)
             elif kind is AllBlocksCleared:
@@ -245,32 +245,18 @@ class ExactIndex:
             view.skipped_blocks += len(hashes) - clean   # keys the token ids alone cannot match
             hashes = hashes[:clean]
         blocks = view.blocks
-        holders = self._holders
         bit = view.bit
         view.stored_blocks += len(hashes)
-        ids = tuple(tokens)   # slices of a tuple are tuples: one copy, not two per block
-        start = 0
+        keys = self.ops.chain_keys(key, tokens, size, len(hashes))
         expected = self._expected
-        for h in hashes:
-            key = hash((key, ids[start:start + size]))
-            start += size
-            if expected:
+        if expected:   # the engine stored what was claimed: its own account answers from now on
+            for key in keys:
                 waiting = expected.get(key)
                 if waiting is not None and waiting.pop(bit, None) is not None:
                     view.claims -= 1
                     if not waiting:
                         del expected[key]
-            eh = h if type(h) is int else int.from_bytes(h[-8:], "big")  # engine_hash, inlined
-            old = blocks.get(eh)
-            if old is None:
-                blocks[eh] = key
-                holders[key] = holders.get(key, 0) | bit
-                continue
-            blocks.move_to_end(eh)
-            if old != key:
-                self._drop_holder(old, bit)
-                blocks[eh] = key
-                holders[key] = holders.get(key, 0) | bit
+        self.ops.store_blocks(blocks, self._holders, bit, hashes, keys)
         excess = len(blocks) - self.max_blocks_per_endpoint
         for _ in range(excess):
             _, old_key = blocks.popitem(last=False)
@@ -300,7 +286,7 @@ class ExactIndex:
             self._count_expect(now_s)
             return []
         try:   # whole blocks; a client's "token ids" holding a list or a dict claim nothing
-            keys = list(accumulate(zip(*[iter(token_ids)] * size), _chain, initial=KEY_ROOT))[1:]
+            keys = self.ops.chain_keys(KEY_ROOT, token_ids, size, len(token_ids) // size)
         except TypeError:
             self._count_expect(now_s)
             return []
@@ -436,8 +422,14 @@ class ExactIndex:
         out: dict[str, int] = {}
         by_bit = self._by_bit
         if type(token_ids) is PromptKeys:
-            alive = live.get(token_ids.block_tokens, 0)
-            return match_keys(token_ids, alive, holders_of, by_bit, out) if alive else out
+            size = token_ids.block_tokens
+            alive = live.get(size, 0)
+            for blocks, mask in self.ops.walk_keys(holders, expected, now_s, token_ids.keys, alive) if alive else ():
+                while mask:
+                    low = mask & -mask
+                    out[by_bit[low]] = blocks * size
+                    mask ^= low
+            return out
         n = len(token_ids)
         ids: Sequence[int] | None = None   # the prompt as a tuple (slices of a tuple are tuples), made once
         for size, alive in live.items():

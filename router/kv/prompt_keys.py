@@ -8,8 +8,9 @@ keys here and sends them (`router.picker.wire`), so the token ids stay with the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from itertools import accumulate
+from collections.abc import Sequence
+
+from router.kv import index_ops
 
 KEY_ROOT = 0x6B76_E7E4_7EED
 """The parent key of a prompt's first block (any fixed int: keys must agree across routers)."""
@@ -41,32 +42,11 @@ class PromptKeys:
 
 
 def prompt_keys(token_ids: Sequence[int], block_tokens: int) -> PromptKeys:
-    """The router keys of the whole `block_tokens`-token blocks of `token_ids` (`PromptKeys`).
+    """The router keys of the whole `block_tokens`-token blocks of `token_ids` (`PromptKeys`),
+    chained by `router.kv.index_ops.SELECTED` (compiled where built; the same keys either way).
 
-    Raises TypeError if `token_ids` holds something unhashable (a list, a dict)."""
-    keys = list(accumulate(zip(*[iter(token_ids)] * block_tokens), chain_key, initial=KEY_ROOT))[1:]
+    Raises TypeError if `token_ids` holds something unhashable (a list, a dict), ValueError if
+    `block_tokens` < 1."""
+    keys = index_ops.SELECTED.chain_keys(KEY_ROOT, token_ids, block_tokens, len(token_ids) // block_tokens)
     return PromptKeys(keys, block_tokens)
 
-
-def match_keys(prompt: PromptKeys, alive: int, holders_of: Callable[[int], int], by_bit: dict[int, str],
-               out: dict[str, int]) -> dict[str, int]:  # fmt: skip
-    """Leading tokens of `prompt` held by each endpoint of the bitmask `alive` (endpoint id ->
-    tokens, > 0 only, into `out`): `router.kv.exact_index.ExactIndex.match` over a prompt's keys.
-    `holders_of(key)` is the mask of endpoints holding a key; `by_bit` names an endpoint's bit."""
-    depth = 0
-    for key in prompt.keys:
-        still = alive & holders_of(key)
-        dropped = (alive & ~still) if depth else 0
-        while dropped:
-            low = dropped & -dropped
-            out[by_bit[low]] = depth
-            dropped ^= low
-        alive = still
-        if not alive:
-            return out
-        depth += prompt.block_tokens
-    while alive:
-        low = alive & -alive
-        out[by_bit[low]] = depth
-        alive ^= low
-    return out

@@ -1,6 +1,9 @@
 """The exact block index (router.kv.exact_index.ExactIndex): keys chained over token ids match a prompt's
 ids, removal, AllBlocksCleared, the per-endpoint bound, stream states, what is left out; and
-`kv-aware` routing on it (router.pools.policies.KvAware) where an endpoint's stream is live."""
+`kv-aware` routing on it (router.pools.policies.KvAware) where an endpoint's stream is live.
+
+Every test runs twice: with the index's compiled per-block loops (router/kv/_kvindex.c) and with
+the Python ones (router.kv.index_ops), selected as the index would select them at import."""
 
 from __future__ import annotations
 
@@ -10,12 +13,23 @@ import pytest
 
 from router.pools.endpoint import EndpointState
 from router.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.kv import index_ops
 from router.kv.exact_index import ExactIndex, StreamState
 from router.pools.policies import KvAware
 from router.pools.pool import Pool
 from router.kv.prompt_blocks import route_request
 
 BS = 16
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def index_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> index_ops.IndexOps:
+    """The per-block loops every `ExactIndex` of the test runs (and `prompt_keys` chains with)."""
+    ops = index_ops.IMPLEMENTATIONS.get(request.param)
+    if ops is None:
+        pytest.skip("router.kv._kvindex is not built here (`pip install -e .` builds it where gcc is)")
+    monkeypatch.setattr(index_ops, "SELECTED", ops)
+    return ops
 
 
 class Engine:
