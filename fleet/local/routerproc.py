@@ -332,8 +332,8 @@ class PickerProcess:
         """Start the picker and wait until it accepts connections. Raises RouterStartError."""
         argv = [sys.executable, "-m", "router.picker", "--host", self.host, "--port", str(self.port)]
         try:
-            self.record = self.processes.spawn(argv, {}, log_or_devnull(self.log_path, self.store.write_errors,
-                                                                        "picker_log"))  # fmt: skip
+            log_path, relay = log_target(self.log_path, self.store.write_errors, "picker_log")
+            self.record = self.processes.spawn(argv, {}, log_path, relay=relay)
         except OSError as err:
             raise RouterStartError(f"cannot start the endpoint picker: {err.strerror or err}") from err
         text = json.dumps({"address": self.address, "process": self.record.to_dict()})

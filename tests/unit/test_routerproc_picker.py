@@ -42,9 +42,9 @@ def test_the_picker_starts_first_restarts_when_gone_and_fleet_down_stops_it(
             assert await picker.ensure_running() and picker.restarts == 1
             await router.stop()
 
-        def spawn_alive(argv, env, log_path, _spawn=picker_processes.spawn):
+        def spawn_alive(argv, env, log_path, _spawn=picker_processes.spawn, **kwargs):
             picker_processes.alive = True
-            return _spawn(argv, env, log_path)
+            return _spawn(argv, env, log_path, **kwargs)
 
         picker_processes.spawn = spawn_alive   # type: ignore[method-assign]
         asyncio.run(scenario())
