@@ -84,8 +84,9 @@ class _Scaled:
 
 
 def startup_of(r: Replica) -> tuple[bool, float] | None:
-    """(warm, seconds from placement to READY) of a replica that became READY, else None."""
-    if r.warmup_passed_at_s is None or r.placed_at_s is None:
+    """(warm, seconds from placement to READY) of a replica that became READY, else None; None
+    too for a replica woken from STANDBY (its READY counts from the wake, `wake_estimate_s`)."""
+    if r.warmup_passed_at_s is None or r.placed_at_s is None or r.woke_at_s is not None:
         return None
     present_s = max(r.image_ready_at_s or r.placed_at_s, r.weights_ready_at_s or r.placed_at_s)
     warm = present_s - r.placed_at_s <= COLD_START_THRESHOLD_S
