@@ -52,7 +52,7 @@ def simulate(
         "--cold-startup-s", min=0.0, help="Modelled seconds from placement to READY on a cold node.")] = 600.0,
     warm_nodes: Annotated[int | None, typer.Option(
         "--warm-nodes", min=0, help="Node slots holding image and weights at the start; replicas beyond them start "
-        "cold (default spec.replicas.max: all warm).")] = None,
+        "cold (default spec.replicas.max plus the standby allowance: all warm).")] = None,
     standby_max: Annotated[int | None, typer.Option(
         "--standby-max", min=0, help="Most STANDBY replicas (loaded, asleep, counted in replica-hours) a scaling "
         "policy may keep; a policy without a standby target (all but `standby`) keeps this many. 0: off. "

@@ -284,7 +284,8 @@ class AutoscalerLoop:
         controller = self.controller
         replicas = controller.records.of_deployment(d.name)
         ready = [r for r in replicas if r.status is ReplicaStatus.READY and r.endpoint]
-        starting = [r for r in replicas if r.status.counts_toward_desired() and r.status is not ReplicaStatus.READY]
+        starting = [r for r in replicas if r.status.counts_toward_desired() and r.status is not ReplicaStatus.READY
+                    and not r.standby_refill]   # a refill is not in the target: it sleeps once warm
         for r in ready:
             observed = startup_of(r)
             if observed is not None:
