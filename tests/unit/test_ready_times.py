@@ -1,21 +1,26 @@
 """Times to READY count from the event a person waits on: a woken STANDBY replica's from its wake,
 not from its creation hours before (the transition line `fleet up` prints and the operator sends
-as an Event, the start-up the autoscaler learns from, and the exported estimate)."""
+as an Event, `fleet status`, the start-up the autoscaler learns from, and the exported estimate)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import ScalingContext, ScalingDecision
 from autoscaler.signals import Signals
 from autoscaler.startup import StartupEstimate
+from fleet.cli import app
 from fleet.controller.autoscaling import startup_of
 from fleet.controller.lifecycle import Replica, ReplicaStatus as S
 from fleet.controller.report import TransitionReport, ready_note
 from fleet.controller.targets import FleetRecords
+from fleet.local.state import StateStore
+from tests.support.controller import Harness, write_deployment
 
 
 def first_ready() -> Replica:
@@ -88,3 +93,27 @@ def test_the_wake_estimate_is_exported_beside_the_start_up_estimates() -> None:
     asleep_none = ScalingContext(1.0, 3, 3, 0, Signals(1.0, 30.0), StartupEstimate(60.0, 600.0))
     metrics.record("chat", asleep_none, decision)
     assert math.isnan(value("fleet_autoscaler_startup_seconds", {"deployment": "chat", "kind": "wake"}))
+
+
+async def test_fleet_up_and_fleet_status_count_a_wake_from_the_wake(tmp_path: Path) -> None:
+    h = Harness(tmp_path, [write_deployment(tmp_path, replicas=1, engine={"kind": "sim"},
+                                            standby={"maxReplicas": 1})])  # fmt: skip
+    await h.tick()
+    h.make_healthy("chat-0", "chat-1")
+    await h.tick(n=3)
+    assert h.status()["chat-1"] is S.STANDBY
+    await h.tick(n=600, seconds=6.0)            # an hour asleep
+    h.c.set_desired("chat", 2)
+    await h.tick(n=3)
+    r = h.c.replicas["chat-1"]
+    assert r.status is S.READY and r.woke_at_s is not None
+    [line] = [e.detail for e in h.events if e.replica_id == "chat-1" and e.new is S.READY and e.at_s > r.woke_at_s]
+    assert line.endswith(f"({r.wake_to_ready_s():.1f} s from wake to ready)") and r.wake_to_ready_s() < 10
+    store = StateStore(tmp_path / "state")
+    store.root.mkdir()
+    h.c.state_sink = store
+    store.set_extra(pid=None, phase="running")
+    h.c._save()
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(store.root)], terminal_width=250)
+    assert result.exit_code == 0, result.output
+    assert f"woken: {r.wake_to_ready_s():.1f} s from wake to ready" in result.output
