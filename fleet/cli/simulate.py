@@ -292,9 +292,9 @@ def _yardstick_table(comparison, sticks, usd_per_replica_hour: float | None) -> 
         table.add_column(column, justify="left" if column == "policy" else "right")
     for r in comparison.results:
         s = r.summary()
+        hours = (s.replica_hours, sticks.optimum.replica_hours)
         cost = [] if usd_per_replica_hour is None else [
-            f"{replica_cost_usd(h, 1, usd_per_replica_hour):.2f} USD" for h in (s.replica_hours,
-                                                                                sticks.optimum.replica_hours)]  # fmt: skip
+            f"{replica_cost_usd(h, 1, usd_per_replica_hour):.2f} USD" for h in hours]
         table.add_row(s.name, f"{100 * s.within_slo:.2f}%", f"{s.replica_hours:.2f}",
                       _times(s.replica_hours, sticks.optimum.replica_hours), _times(s.replica_hours, fixed_hours),
                       *cost)  # fmt: skip

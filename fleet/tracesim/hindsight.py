@@ -177,7 +177,8 @@ def _dp(demand: Demand, startup_s: float, low: int, high: int, price: float | No
     ``low..high``; ties go to fewer replicas."""
     counts = np.arange(high + 1, dtype=float)
     held = demand.seconds[:, None] * counts[None, :]                        # [interval, count]
-    missed = np.maximum(0.0, demand.arrivals[:, None] - counts[None, :] * (demand.capacity_per_s * demand.seconds)[:, None])
+    per_replica = demand.capacity_per_s * demand.seconds                     # requests one replica serves
+    missed = np.maximum(0.0, demand.arrivals[:, None] - counts[None, :] * per_replica[:, None])
     stage = held + (np.where(missed > 1e-9, np.inf, 0.0) if price is None else price * missed)
     stage[:, counts < low] = np.inf
     rise = np.maximum(0.0, counts[None, :] - counts[:, None]) * startup_s   # [from, to]: the starts paid
@@ -261,9 +262,9 @@ class Yardsticks:
     startup_s: float
 
     def to_dict(self) -> dict[str, object]:
+        fixed = {**self.fixed.to_dict(), "replicas": int(self.fixed.replicas[0])}
         return {"model": "fleet/tracesim/hindsight.py", "within_slo_share": self.share, "startup_s": self.startup_s,
-                "optimum": self.optimum.to_dict(), "best_fixed_model": {**self.fixed.to_dict(),
-                                                                        "replicas": int(self.fixed.replicas[0])}}  # fmt: skip
+                "optimum": self.optimum.to_dict(), "best_fixed_model": fixed}
 
 
 def yardsticks(workload: Workload, profile: Profile, config: SimConfig, share: float = 0.99,
