@@ -21,7 +21,7 @@ The model, stated once (docs/autoscaling.md, "The hindsight-optimal schedule"):
   that count as missed. An interval's need is ``ceil(arrivals / (capacity x interval))``.
   Queues carried from one interval into the next are not modelled (each interval on its own).
 - Keeping the SLO (`solve`): at most ``miss_budget`` of all requests missed (0: every interval's
-  need met; 0.01: the issue's "at least 99 % within the SLO").
+  need met; 0.01: at least 99 % of the requests within the SLO).
 - Cost: replica-seconds. A replica READY in interval t was started ``startup_s`` before it
   (the warm start-up) and is paid from then: each start costs ``startup_s`` replica-seconds and
   cannot begin before the trace does (so a burst sooner than ``startup_s`` after the start is
