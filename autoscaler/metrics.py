@@ -11,7 +11,8 @@ Series (label ``deployment``; seconds and requests/s as named):
 `fleet_autoscaler_e2e_p99_seconds`, `fleet_autoscaler_arrival_rate`,
 `fleet_autoscaler_concurrency` (in flight + queued), `fleet_autoscaler_engine_waiting`,
 `fleet_autoscaler_kv_cache_usage` (0..1), `fleet_autoscaler_startup_seconds{kind}` (the warm and
-cold time-to-ready estimates). A signal that was not measured is exported as NaN.
+cold placement-to-READY estimates, and ``wake``: the wake-to-READY estimate of a STANDBY replica,
+counted from its wake; NaN while none is asleep). A signal that was not measured is exported as NaN.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class AutoscalerMetrics:
                                     "Highest vllm:kv_cache_usage_perc of the READY replicas (0..1).", d, registry=r),
         }  # fmt: skip
         self.startup = Gauge(
-            "fleet_autoscaler_startup_seconds", "Estimated placement-to-READY time of a new replica, by kind.",
+            "fleet_autoscaler_startup_seconds", "Estimated time to READY, by kind: warm and cold from placement "
+            "of a new replica, wake from the wake of a STANDBY one.",
             [*d, "kind"], registry=r,
         )  # fmt: skip
 
@@ -74,3 +76,5 @@ class AutoscalerMetrics:
             gauge.labels(deployment).set(math.nan if value is None else float(value))
         self.startup.labels(deployment, "warm").set(ctx.startup.warm_s)
         self.startup.labels(deployment, "cold").set(ctx.startup.cold_s)
+        wake_s = ctx.startup.wake_s
+        self.startup.labels(deployment, "wake").set(math.nan if wake_s is None else wake_s)

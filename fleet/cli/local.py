@@ -358,6 +358,8 @@ def status(
             detail = (r.get("detail") or {}).get("cache", "")
         elif st == "STANDBY":
             detail = "asleep (sleep mode level 1)" if r.get("sleep_sent_at_s") is not None else "leaving the pool to sleep"
+        elif st == "READY" and r.get("woke_at_s") is not None and r.get("warmup_passed_at_s") is not None:
+            detail = f"woken: {r['warmup_passed_at_s'] - r['woke_at_s']:.1f} s from wake to ready"
         if r.get("adopted_at_s") is not None and not st.startswith("FAILED"):
             detail = detail or "adopted"
         if r["id"] in router_notes:

@@ -52,7 +52,7 @@ def simulate(
         "--cold-startup-s", min=0.0, help="Modelled seconds from placement to READY on a cold node.")] = 600.0,
     warm_nodes: Annotated[int | None, typer.Option(
         "--warm-nodes", min=0, help="Node slots holding image and weights at the start; replicas beyond them start "
-        "cold (default spec.replicas.max: all warm).")] = None,
+        "cold (default spec.replicas.max plus the standby allowance: all warm).")] = None,
     standby_max: Annotated[int | None, typer.Option(
         "--standby-max", min=0, help="Most STANDBY replicas (loaded, asleep, counted in replica-hours) a scaling "
         "policy may keep; a policy without a standby target (all but `standby`) keeps this many. 0: off. "
@@ -78,6 +78,16 @@ def simulate(
         "--prices", help="GPU prices (YAML: source, gpuHourUsd: {product: USD per GPU-hour}; fleet/pricing.py): "
         "adds a cost column, replica-hours x spec.resources.tensorParallelSize x the price of the "
         "deployment's gpuProduct.")] = None,
+    hindsight: Annotated[bool, typer.Option(
+        "--hindsight/--no-hindsight", help="Solve the hindsight-optimal schedule (the cheapest replica count per "
+        "interval that keeps --within-slo, paying every warm start-up; fleet/tracesim/hindsight.py) and show each "
+        "policy's replica-hours against it and against the best fixed fleet.")] = True,
+    within_slo: Annotated[float, typer.Option(
+        "--within-slo", min=0.5, max=1.0, help="Share of requests within the TTFT SLO that the hindsight-optimal "
+        "schedule and the best fixed fleet must keep (default 0.99).")] = 0.99,
+    hindsight_interval_s: Annotated[float | None, typer.Option(
+        "--hindsight-interval-s", min=0.1, help="Interval of the hindsight-optimal schedule's replica counts "
+        "(default: the TTFT SLO).")] = None,
 ) -> None:
     """Replay a trace through Fleet's router and autoscaler in virtual time (the trace SIMULATOR).
 
@@ -91,8 +101,11 @@ def simulate(
     Prints one row per contender: share of requests within the TTFT SLO (failed requests
     count as missed), p99 and p50 TTFT (of the requests answered), replica-hours (placement
     to stop, start-up included), scaling actions (target changes) and failed requests (503s,
-    drain cut-offs); with --prices, the cost in USD (GPU-hours x the price, its source printed). With --compare, every contender shares the workload, profile, routing,
-    start-up model and replica bounds; only the scaling policy differs.
+    drain cut-offs); with --prices, the cost in USD (GPU-hours x the price, its source printed);
+    each policy's replica-hours as a multiple of the hindsight-optimal schedule's ("x hindsight")
+    and of the best fixed fleet's ("x best fixed": the cheapest fixed-* row that kept --within-slo,
+    else the hindsight model's best fixed size). With --compare, every contender shares the
+    workload, profile, routing, start-up model and replica bounds; only the scaling policy differs.
     """
 
     from fleet.tracesim.compare import (
@@ -169,7 +182,17 @@ def simulate(
         console.print(f"cost: {usd:g} USD per GPU-hour for {product} x {share} per replica "
                       f"(standby replicas count: they hold GPUs); prices from {source} ({prices})", highlight=False)
     comparison.results = _run_with_progress(configs, workload, jobs or min(len(configs), os.cpu_count() or 1))
+    sticks = None
+    if hindsight:
+        from fleet.tracesim.hindsight import yardsticks
+
+        with err_console.status("Solving the hindsight-optimal schedule..."):
+            sticks = yardsticks(workload, replica_profile, base, within_slo, hindsight_interval_s)
+        comparison.hindsight = sticks.to_dict()
     console.print(_simulation_table(comparison, price and price[1] * price[2]))
+    if sticks is not None:
+        _print_yardsticks(sticks, comparison, price and price[1] * price[2])
+        console.print(_yardstick_table(comparison, sticks, price and price[1] * price[2]))
     for r in comparison.results:
         console.print(f"  {r.name}: simulated in {r.wall_s:.1f} s wall ({r.steps} engine steps)", highlight=False)
     if json_out is not None:
@@ -229,6 +252,55 @@ def _gpus_per_replica(resources) -> float:
     return float(resources.tensor_parallel_size)
 
 
+def _best_fixed(comparison, sticks) -> tuple[str, float]:
+    """(name, replica-hours) of the best fixed fleet: the cheapest simulated ``fixed*`` row that
+    kept the yardsticks' share within the SLO, else the hindsight model's best fixed size."""
+    kept = [r.summary() for r in comparison.results if r.policy == "fixed"]
+    kept = [s for s in kept if s.within_slo >= sticks.share - 1e-12]
+    if kept:
+        best = min(kept, key=lambda s: s.replica_hours)
+        return f"{best.name} (simulated)", best.replica_hours
+    return f"fixed-{int(sticks.fixed.replicas[0])} (the model's)", sticks.fixed.replica_hours
+
+
+def _print_yardsticks(sticks, comparison, usd_per_replica_hour: float | None) -> None:
+    """The hindsight-optimal schedule and the best fixed fleet, with the model behind them."""
+    opt, d = sticks.optimum, sticks.optimum.demand
+    usd = "" if usd_per_replica_hour is None else f" ({opt.replica_hours * usd_per_replica_hour:.2f} USD)"
+    name, hours = _best_fixed(comparison, sticks)
+    console.print(
+        f"hindsight-optimal schedule: {opt.replica_hours:.2f} replica-hours{usd}, {opt.starts} start(s) paying "
+        f"{sticks.startup_s:g} s each, at most {int(opt.replicas.max())} replicas, {100 * opt.within_share:.2f}% "
+        f"within the SLO by its model (one replica takes {d.capacity_per_s:.2f} req/s at "
+        f"{100 * sticks.share:g}% within the TTFT SLO; replica counts per {d.interval_s:g} s; "
+        f"fleet/tracesim/hindsight.py)\nbest fixed fleet: {name}, {hours:.2f} replica-hours",
+        highlight=False,
+    )
+
+
+def _yardstick_table(comparison, sticks, usd_per_replica_hour: float | None) -> Table:
+    """Each policy's replica-hours (and cost) as multiples of the hindsight-optimal schedule's and
+    of the best fixed fleet's (`_best_fixed`); a cost is replica-hours x one price, so its multiple
+    is the same."""
+    from fleet.pricing import replica_cost_usd
+
+    fixed_name, fixed_hours = _best_fixed(comparison, sticks)
+    table = Table(title=f"against the hindsight-optimal schedule and the best fixed fleet ({fixed_name})")
+    columns = ["policy", "within SLO", "replica-hours", "x hindsight", "x best fixed"]
+    columns += [] if usd_per_replica_hour is None else ["cost", "hindsight cost"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for r in comparison.results:
+        s = r.summary()
+        hours = (s.replica_hours, sticks.optimum.replica_hours)
+        cost = [] if usd_per_replica_hour is None else [
+            f"{replica_cost_usd(h, 1, usd_per_replica_hour):.2f} USD" for h in hours]
+        table.add_row(s.name, f"{100 * s.within_slo:.2f}%", f"{s.replica_hours:.2f}",
+                      _times(s.replica_hours, sticks.optimum.replica_hours), _times(s.replica_hours, fixed_hours),
+                      *cost)  # fmt: skip
+    return table
+
+
 def _simulation_table(comparison, usd_per_replica_hour: float | None = None) -> Table:
     """The comparison table; with ``usd_per_replica_hour`` (GPUs per replica x USD per GPU-hour),
     a cost column (`fleet.pricing.replica_cost_usd`)."""
@@ -249,3 +321,8 @@ def _simulation_table(comparison, usd_per_replica_hour: float | None = None) -> 
             f"{s.standby_hours:.2f}", str(s.max_replicas), str(s.scaling_actions), str(s.wakes), str(s.failed),
         )  # fmt: skip
     return table
+
+
+def _times(hours: float, yardstick_hours: float) -> str:
+    """``hours`` as a multiple of ``yardstick_hours`` ("2.61x"); "-" without a yardstick."""
+    return f"{hours / yardstick_hours:.2f}x" if yardstick_hours > 0 else "-"

@@ -84,8 +84,9 @@ class _Scaled:
 
 
 def startup_of(r: Replica) -> tuple[bool, float] | None:
-    """(warm, seconds from placement to READY) of a replica that became READY, else None."""
-    if r.warmup_passed_at_s is None or r.placed_at_s is None:
+    """(warm, seconds from placement to READY) of a replica that became READY, else None; None
+    too for a replica woken from STANDBY (its READY counts from the wake, `wake_estimate_s`)."""
+    if r.warmup_passed_at_s is None or r.placed_at_s is None or r.woke_at_s is not None:
         return None
     present_s = max(r.image_ready_at_s or r.placed_at_s, r.weights_ready_at_s or r.placed_at_s)
     warm = present_s - r.placed_at_s <= COLD_START_THRESHOLD_S
@@ -283,7 +284,8 @@ class AutoscalerLoop:
         controller = self.controller
         replicas = controller.records.of_deployment(d.name)
         ready = [r for r in replicas if r.status is ReplicaStatus.READY and r.endpoint]
-        starting = [r for r in replicas if r.status.counts_toward_desired() and r.status is not ReplicaStatus.READY]
+        starting = [r for r in replicas if r.status.counts_toward_desired() and r.status is not ReplicaStatus.READY
+                    and not r.standby_refill]   # a refill is not in the target: it sleeps once warm
         for r in ready:
             observed = startup_of(r)
             if observed is not None:

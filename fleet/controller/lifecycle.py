@@ -162,10 +162,22 @@ class Replica:
         return self.warmup_passed_at_s - self.woke_at_s
 
     def time_to_ready_s(self) -> float | None:
-        """Seconds from creation to READY, or None if it never got there."""
-        if self.warmup_passed_at_s is None:
+        """Seconds from creation to its first READY, or None if it never got there or if that
+        READY was overwritten by one after a wake (`ready_after`)."""
+        if self.warmup_passed_at_s is None or self.woke_at_s is not None:
             return None
         return self.warmup_passed_at_s - self.created_at_s
+
+    def ready_after(self) -> tuple[str, float] | None:
+        """(the event, seconds from it to READY) of its latest READY: ``("wake", s)`` for a
+        replica woken from STANDBY (`wake_to_ready_s`: the wake is what a person waits on, not
+        the creation hours before), else ``("creation", s)`` (`time_to_ready_s`); None when it
+        has not been READY since that event."""
+        if self.woke_at_s is not None:
+            wake_s = self.wake_to_ready_s()
+            return None if wake_s is None else ("wake", wake_s)
+        ttr = self.time_to_ready_s()
+        return None if ttr is None else ("creation", ttr)
 
     def fail(self, status: ReplicaStatus, reason: str, now_s: float, log_tail: list[str] | None = None) -> None:
         """Record a failure (the first one wins: later symptoms of the same fault are ignored)."""

@@ -27,6 +27,16 @@ class ReplicaEvent:
     at_s: float
 
 
+def ready_note(r: Replica) -> str:
+    """`` (N s to ready)`` counted from creation, `` (N s from wake to ready)`` for a replica
+    woken from STANDBY (`Replica.ready_after`); empty when it has not been READY since."""
+    after = r.ready_after()
+    if after is None:
+        return ""
+    event, seconds = after
+    return f" ({seconds:.1f} s from wake to ready)" if event == "wake" else f" ({seconds:.1f} s to ready)"
+
+
 class TransitionReport:
     """Transitions and history of the replicas in ``records``. ``waiting``: replica id -> why it is
     still PENDING (written by placement, `fleet.controller.launch.Launcher`; shared with the
@@ -61,10 +71,9 @@ class TransitionReport:
             where = ", ".join(f"{k} {v}" for k, v in r.detail.items() if k in ("port", "pid", "pod"))
             return f"{r.assignment}{', ' + where if where else ''}{adopted}"
         if status is ReplicaStatus.READY:
-            ttr = r.time_to_ready_s()
             if r.adopted_at_s is not None:
                 return f"{r.endpoint}{adopted}"
-            return f"{r.endpoint} ({ttr:.1f} s to ready)" if ttr is not None else r.endpoint or ""
+            return f"{r.endpoint}{ready_note(r)}" if r.endpoint else ready_note(r).strip()
         if status is ReplicaStatus.DRAINING and r.drain_reason:
             return r.drain_reason
         if status is ReplicaStatus.TERMINATED and r.exit_code is not None:

@@ -18,6 +18,11 @@ revision's replicas in STANDBY (`fleet.controller.lifecycle.ReplicaStatus.STANDB
   gets ``POST /wake_up`` in a task (answered once the weights are back), then its warm-up runs
   (`fleet.controller.health.HealthKeeper.start_warmup`); a failed call fails the replica with the engine's reason.
 
+The decisions themselves are pure functions over any replica with a status (`standby_target`,
+`shape_step`, `trim_and_refill`): the keeper applies them to the controller's records and the
+trace simulator (`fleet.tracesim.engine`) to its virtual replicas, so both run one standby
+lifecycle.
+
 Everything it decides is a fact on the replica record (``slept_at_s``, ``sleep_sent_at_s``,
 ``woke_at_s``), so a restarted controller carries on: a ``/sleep`` or ``/wake_up`` sent twice is
 a no-op in vLLM.
@@ -27,15 +32,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from fleet.controller.lifecycle import Replica, ReplicaStatus
 from fleet.controller.pools import PoolSink
-from fleet.controller.scale import ScaleStep
+from fleet.controller.scale import HasStatus, ScaleStep
 from fleet.controller.targets import DeploymentRecord, FleetRecords
 from warmup.client import EngineAPI, EngineRequestError
 
 log = logging.getLogger("fleet.controller")
+
+R = TypeVar("R", bound=HasStatus)
 
 SLEEP_TIMEOUT_S = 60.0
 """Longest wait for ``POST /sleep`` (vLLM copies the weights to CPU memory before it answers)."""
@@ -43,6 +51,49 @@ SLEEP_TIMEOUT_S = 60.0
 WAKE_TIMEOUT_S = 120.0
 """Longest wait for ``POST /wake_up``: llm-d measured ~3 s for 64 GiB (`fleet.enginesim.sleep`);
 a wake that takes 40 times that has gone wrong."""
+
+
+def standby_target(most: int, wanted: int | None) -> int:
+    """Standby replicas a deployment keeps: ``most`` (``spec.standby.maxReplicas``; 0: off), or
+    fewer when its scaling policy asked for fewer (``wanted``, `ScalingDecision.standby`; None:
+    ``most``), clamped to ``[0, most]``."""
+    return most if wanted is None else max(0, min(most, wanted))
+
+
+def shape_step(step: ScaleStep[R], asleep: Sequence[R],
+               target: int) -> tuple[ScaleStep[R], list[R], list[R]]:  # fmt: skip
+    """The scale step ``step`` with the standby pool applied: a scale-up wakes sleepers before it
+    creates (the oldest of ``asleep`` first: STANDBY replicas in creation order); a scale-down puts
+    READY victims to sleep instead of draining them while fewer than ``target`` are asleep (a
+    victim still starting drains: only a loaded, warmed replica sleeps).
+
+    Returns (what is left to create and drain, the sleepers to wake, the victims to put to sleep)."""
+    create, drain = step.create, list(step.drain)
+    wake = list(asleep[:create])
+    create -= len(wake)
+    room = target - (len(asleep) - len(wake))   # a refill not yet warm gives way (`trim_and_refill`)
+    sleep: list[R] = []
+    if room > 0 and drain:
+        keep = []
+        for r in drain:
+            if room > 0 and r.status is ReplicaStatus.READY:
+                sleep.append(r)
+                room -= 1
+            else:
+                keep.append(r)
+        drain = keep
+    return ScaleStep(create=create, drain=drain), wake, sleep
+
+
+def trim_and_refill(asleep: Sequence[R], refills: Sequence[R], target: int) -> tuple[list[R], int]:
+    """The pool sized to ``target``: ``asleep`` (STANDBY, creation order) beyond it drain, the
+    newest first; then refills (``refills``: replicas created to refill the pool and not asleep
+    yet, creation order) beyond what is still short drain, the newest first (a sleeping replica
+    came first). Returns (replicas to drain, refills to create)."""
+    drain = list(asleep[target:])[::-1]
+    surplus = len(asleep) + len(refills) - target
+    drain += list(refills)[::-1][: max(0, surplus)]
+    return drain, max(0, -surplus)
 
 
 class StandbyKeeper:
@@ -70,8 +121,7 @@ class StandbyKeeper:
         when the autoscaler's policy asked for fewer (``ds.standby_wanted``, clamped to
         ``[0, standby_max]``)."""
         ld = ds.revs.specs.get(ds.revs.stable, ds.loaded)
-        most = ld.deployment.spec.standby_max
-        return most if ds.standby_wanted is None else max(0, min(most, ds.standby_wanted))
+        return standby_target(ld.deployment.spec.standby_max, ds.standby_wanted)
 
     def standby_of(self, ds: DeploymentRecord, spec_hash: str) -> list[Replica]:
         """STANDBY replicas of one revision, the oldest first."""
@@ -87,24 +137,14 @@ class StandbyKeeper:
     def shape(self, ds: DeploymentRecord, spec_hash: str, step: ScaleStep[Replica], now: float) -> ScaleStep[Replica]:
         """``step`` with standby applied: wakes before creates, sleeps before drains. Returns what
         is left for the controller to create and drain."""
-        create, drain = step.create, list(step.drain)
-        if create:
-            for r in self.standby_of(ds, spec_hash)[:create]:
-                r.record_wake(now)
-                create -= 1
-                log.info("replica %s wakes from standby", r.id)
-        room = self.target(ds) - len(self.standby_of(ds, spec_hash))   # a refill not yet warm gives way
-        if room > 0 and drain:
-            keep = []
-            for r in drain:
-                if room > 0 and r.status is ReplicaStatus.READY:
-                    r.record_sleep(now)
-                    room -= 1
-                    log.info("replica %s goes to standby", r.id)
-                else:
-                    keep.append(r)
-            drain = keep
-        return ScaleStep(create=create, drain=drain)
+        left, wake, sleep = shape_step(step, self.standby_of(ds, spec_hash), self.target(ds))
+        for r in wake:
+            r.record_wake(now)
+            log.info("replica %s wakes from standby", r.id)
+        for r in sleep:
+            r.record_sleep(now)
+            log.info("replica %s goes to standby", r.id)
+        return left
 
     def refill_and_trim(self, ds: DeploymentRecord, targets: set[str], current: str, now: float) -> int:
         """Standby replicas of revisions no longer served, and beyond the target, drain (the
@@ -117,14 +157,10 @@ class StandbyKeeper:
                 r.drain_requested_at_s = now
         if want == 0 or current not in targets:
             return 0
-        kept = self.standby_of(ds, current)
-        for r in kept[want:][::-1]:
+        drain, create = trim_and_refill(self.standby_of(ds, current), self.refills_of(ds, current), want)
+        for r in drain:
             r.drain_requested_at_s = now
-        refills = self.refills_of(ds, current)
-        surplus = len(kept) + len(refills) - want
-        for r in refills[::-1][:max(0, surplus)]:   # a sleeping replica came first: the newest refills go
-            r.drain_requested_at_s = now
-        return max(0, -surplus)
+        return create
 
     def describe(self, ds: DeploymentRecord) -> dict[str, object]:
         """For the state file and `fleet status`: ``target`` (standby replicas kept), ``asleep``

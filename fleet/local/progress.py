@@ -87,7 +87,8 @@ class ProgressPrinter:
                 continue
             if now - self._last_note_s.get(r.id, now) >= self.every_s:
                 self._last_note_s[r.id] = now
-                since_s = now - (r.launched_at_s or r.created_at_s)
+                since = r.woke_at_s if r.woke_at_s is not None else r.launched_at_s or r.created_at_s
+                since_s = now - since   # a woken replica: since its wake
                 log_path = r.detail.get("log")
                 where = f" (log: {log_path})" if log_path and status is ReplicaStatus.STARTING else ""
                 if status is ReplicaStatus.CACHING:

@@ -136,12 +136,14 @@ def contender(base: SimConfig, name: str, sizing: FleetSizing | None = None) -> 
 class Comparison:
     """Contenders run on one workload: ``workload`` (`Workload.describe`), one replica's
     ``capacity_per_s`` (requests/s at saturation on the workload's mix) and the ``sizing``
-    derived from it, and one `SimResult` per contender in order (``wall_s`` set)."""
+    derived from it, one `SimResult` per contender in order (``wall_s`` set), and the
+    ``hindsight`` yardsticks (`fleet.tracesim.hindsight.yardsticks`) when they were solved."""
 
     workload: dict[str, Any]
     capacity_per_s: float
     sizing: FleetSizing
     results: list[SimResult] = field(default_factory=list)
+    hindsight: dict[str, Any] | None = None   # `fleet.tracesim.hindsight.Yardsticks.to_dict`, when solved
 
     def to_dict(self, timeline_bin_s: float = 60.0) -> dict[str, Any]:
         """JSON-ready: the workload, the sizing, and each contender's `SimResult.to_dict`."""
@@ -152,6 +154,7 @@ class Comparison:
             "sizing": {"peak": self.sizing.peak, "mean": self.sizing.mean,
                        "peak_rate_per_s": self.sizing.peak_rate_per_s, "mean_rate_per_s": self.sizing.mean_rate_per_s},
             "results": [r.to_dict(timeline_bin_s) for r in self.results],
+            "hindsight": self.hindsight,
         }  # fmt: skip
 
 

@@ -56,7 +56,7 @@ class SimConfig:
     start-up times in seconds (the policy's own estimates start from the spec's
     ``warmStartupSeconds`` / ``coldStartupSeconds`` and follow what it observes);
     ``warm_nodes``: node slots that hold image and weights at the start (default
-    ``bounds.max``: every replica the policy may ask for starts warm); ``slowdown``: factor on
+    `node_slots_warm`: every replica the policy may ask for starts warm, standby included); ``slowdown``: factor on
     every engine step; ``ttft_slo_s``: the SLO the share is measured against (seconds);
     ``drain_timeout_s``: see `DRAIN_TIMEOUT_S`; ``seed``: token ids; ``name``: the row's label;
     ``standby_max``: most STANDBY replicas kept (0: standby off; `fleet.tracesim.engine`'s docstring);
@@ -143,8 +143,15 @@ class SimConfig:
                         "max_concurrency_per_endpoint": self.max_concurrency_per_endpoint,
                         "max_queue_length": self.max_queue_length, "queue_timeout_s": self.queue_timeout_s},
             "startup": {"warm_s": self.warm_startup_s, "cold_s": self.cold_startup_s,
-                        "warm_nodes": self.bounds.max if self.warm_nodes is None else self.warm_nodes},
+                        "warm_nodes": self.node_slots_warm},
             "slowdown": self.slowdown, "ttft_slo_s": self.ttft_slo_s, "drain_timeout_s": self.drain_timeout_s,
             "seed": self.seed, "standby": {"max": self.standby_max, "wake_s": self.wake_s},
             "history_s": -self.history[0][0] if self.history else 0.0,
         }  # fmt: skip
+
+    @property
+    def node_slots_warm(self) -> int:
+        """Node slots warm at the start: ``warm_nodes``, by default ``bounds.max`` plus
+        ``standby_max`` (every replica the deployment may hold at once, the standby pool beside
+        the most serving)."""
+        return self.bounds.max + self.standby_max if self.warm_nodes is None else self.warm_nodes

@@ -66,16 +66,19 @@ What is modelled (docs/autoscaling.md, "Running a policy in virtual time (the tr
   freed slot or a joining replica takes the head of the queue), at most ``max_queue_length``
   waiting (more get a 503 at once), for at most ``queue_timeout_s`` (then a 503); with no
   READY replica at all, a 503. Clients do not retry: a 503 is a failed request.
-- Standby (``standby_max`` > 0; docs/autoscaling.md, "Standby replicas"): the policy's
-  `ScalingDecision.standby` (None: ``standby_max``), clamped to ``[0, min(standby_max,
-  bounds.max - target)]``, replicas are kept asleep (STANDBY: placed, loaded, holding their node
-  slot, counted in replica-hours, not in the pool nor the target). A scale-up takes, in order,
-  a replica starting only to refill the pool, a STANDBY replica (READY ``wake_s`` later, the
-  `autoscaler.startup.StartupEstimate.wake_s` the policy is told while one is asleep), then a
-  new one (warm or cold). A scale-down drains a READY replica into the pool (asleep once its
-  requests finished) while the pool is short, stopping a refill still starting to make room; a
-  pool still short gets new replicas that sleep
-  once READY; a pool too large stops its newest sleepers.
+- Standby (``standby_max`` > 0; docs/autoscaling.md, "Standby replicas"): the controller's
+  standby lifecycle, the same functions (`fleet.controller.standby`: `standby_target`,
+  `shape_step`, `trim_and_refill`) run at every policy tick as the controller runs them every
+  tick. The policy's `ScalingDecision.standby` (None: ``standby_max``), clamped to ``[0,
+  standby_max]``, replicas are kept asleep (STANDBY: placed, loaded, holding their node slot,
+  counted in replica-hours, not in the pool nor the target). A scale-up wakes the oldest
+  STANDBY replicas (READY ``wake_s`` later, the `autoscaler.startup.StartupEstimate.wake_s` the
+  policy is told while one is asleep), then starts new ones (warm or cold); a replica starting
+  to refill the pool stays a refill (it sleeps once READY, never serving first). A scale-down
+  puts READY victims to sleep while the pool is short (out of the pool at once, listed draining
+  while their requests finish, as the controller publishes them); a victim still starting, a
+  woken one included, stops. A pool short of its target gets new replicas that sleep once
+  READY; a pool too large stops its newest sleepers, then its newest refills.
 - Not modelled: engine crashes, connection failures and the router's retries, the network,
   the router's own CPU time.
 """
@@ -92,6 +95,7 @@ from autoscaler.startup import StartupTracker
 from fleet.enginesim.model import EngineModel, FinishedRequest, StepResult
 from fleet.controller.lifecycle import ReplicaStatus
 from fleet.controller.scale import scale_step
+from fleet.controller.standby import shape_step, standby_target, trim_and_refill
 from fleet.tracesim.config import (
     DEFAULT_COLD_STARTUP_S,
     DEFAULT_TTFT_SLO_S,
@@ -147,7 +151,7 @@ class Simulation:
         self._prompts: dict[int, list[int]] = {}        # request -> token ids, until dispatched
         self._router_of = bytearray(len(workload.requests))
         self._prefilling = bytearray(len(workload.requests))   # 1 until the first token
-        self.nodes = NodePool(config.bounds.max if config.warm_nodes is None else config.warm_nodes)
+        self.nodes = NodePool(config.node_slots_warm)
         self.replicas: list[VirtualReplica] = []
         self.desired = config.bounds.initial
         self.log = RequestLog([r.arrival_s for r in workload.requests])
@@ -357,6 +361,8 @@ class Simulation:
             if replica.status is ReplicaStatus.DRAINING and not replica.in_flight_ids:
                 self._stop(replica, now_s)
                 return False
+            if replica.status is ReplicaStatus.STANDBY and not replica.in_flight_ids:
+                self._rebuild_pool()   # asleep with nothing left in flight: no longer listed draining
             if self._queued:
                 self._admit_waiting(now_s)
         return True
@@ -399,7 +405,8 @@ class Simulation:
             self._admit_waiting(now_s)
 
     def _sleep(self, replica: VirtualReplica, now_s: float) -> None:
-        """Put ``replica`` (loaded, nothing in flight) to sleep: STANDBY, keeping its node slot."""
+        """Put ``replica`` (loaded) to sleep: STANDBY at once, keeping its node slot; requests in
+        flight on it finish (the controller sleeps the engine once they have)."""
         replica.record_sleep(now_s)
 
     def _wake(self, replica: VirtualReplica, now_s: float) -> None:
@@ -409,11 +416,11 @@ class Simulation:
         self.loop.push(replica.ready_at_s, READY, replica)
 
     def _drain(self, replica: VirtualReplica, now_s: float) -> None:
-        if replica.status is ReplicaStatus.STARTING:
-            if replica.woken:
-                self._sleep(replica, now_s)  # still loaded: back to sleep
-            else:
-                self._stop(replica, now_s)
+        """Drain ``replica``: one still starting (a woken one included, as the controller drains a
+        WARMING replica) or asleep stops at once; a READY one leaves the pool and stops once its
+        requests finished (or at the drain timeout)."""
+        if replica.status in (ReplicaStatus.STARTING, ReplicaStatus.STANDBY):
+            self._stop(replica, now_s)
             return
         replica.record_drain(now_s)
         if not replica.in_flight_ids:
@@ -436,11 +443,7 @@ class Simulation:
         self._stop(replica, now_s)
 
     def _stop(self, replica: VirtualReplica, now_s: float) -> None:
-        """A drained replica stops, or goes to sleep when it was drained into the standby pool."""
-        if replica.to_standby and replica.status is ReplicaStatus.DRAINING:
-            self._sleep(replica, now_s)
-            self._rebuild_pool()
-            return
+        """``replica`` stops: TERMINATED, its node slot freed."""
         replica.record_stop(now_s)
         self.views.stopped(replica.id)
         self.nodes.release(replica.node)
@@ -448,14 +451,17 @@ class Simulation:
 
     def _make_pools(self) -> list[Pool]:
         """One pool per router, over that router's endpoint states of the READY and DRAINING
-        replicas, in creation order (as the controller lists them, by id)."""
+        replicas and the STANDBY ones with requests still in flight (listed draining, as the
+        controller publishes them), in creation order (as the controller lists them, by id)."""
         cfg = self.config
         pools = []
         for k, routing in enumerate(self.routings):
             endpoints = []
             for r in self.replicas:
-                if r.status in (ReplicaStatus.READY, ReplicaStatus.DRAINING):
-                    r.endpoints[k].draining = r.status is ReplicaStatus.DRAINING
+                status = r.status
+                if status in (ReplicaStatus.READY, ReplicaStatus.DRAINING) or (
+                        status is ReplicaStatus.STANDBY and r.in_flight_ids):  # fmt: skip
+                    r.endpoints[k].draining = status is not ReplicaStatus.READY
                     endpoints.append(r.endpoints[k])
             pools.append(Pool(cfg.model, routing, endpoints, 0.0, self.shared, limit=cfg.max_concurrency_per_endpoint,
                               max_queue_length=cfg.max_queue_length, queue_timeout_s=cfg.queue_timeout_s,
@@ -487,12 +493,9 @@ class Simulation:
         ctx = ScalingContext(now_s, self.desired, len(ready), starting, self.signals.signals(now_s, snapshot),
                              estimate, asleep)  # fmt: skip
         decision = self.policy.decide(ctx)
-        cfg = self.config
-        wanted = cfg.standby_max if decision.standby is None else decision.standby
-        standby_target = max(0, min(wanted, cfg.standby_max, cfg.bounds.max - decision.desired))
-        if decision.desired != self.desired or standby_target != self.standby_target:
-            self.desired, self.standby_target = decision.desired, standby_target
-            self._reconcile(now_s)
+        self.desired = decision.desired
+        self.standby_target = standby_target(self.config.standby_max, decision.standby)
+        self._reconcile(now_s)
         counts = {status: 0 for status in ReplicaStatus}
         for r in self.replicas:
             counts[r.status] += 1
@@ -503,48 +506,29 @@ class Simulation:
             self.loop.push(now_s + self.policy.interval_s, _TICK)
 
     def _reconcile(self, now_s: float) -> None:
-        """The controller's scale step (`fleet.controller.scale.scale_step`, the same function):
-        add replicas (a refill already starting first, then a STANDBY one woken, then a new
-        one), or drain the least advanced first (STARTING before READY), newest first, into the
-        standby pool while it is short; then size the pool (module docstring)."""
+        """The controller's scale step (`fleet.controller.scale.scale_step`) shaped by its standby
+        pool (`fleet.controller.standby.shape_step`, then `trim_and_refill`), the same functions
+        (module docstring, "Standby"): wake the oldest sleepers before starting new replicas;
+        put READY victims to sleep while the pool is short, drain the rest (the least advanced
+        first, the newest first among equals); then size the pool."""
         active = [r for r in self.replicas if r.status.counts_toward_desired() and not r.for_standby]
         step = scale_step(active, self.desired, lambda r: r.index)
+        asleep = [r for r in self.replicas if r.status is ReplicaStatus.STANDBY]
+        step, wake, sleep = shape_step(step, asleep, self.standby_target)
+        for r in wake:
+            self._wake(r, now_s)
+        for r in sleep:
+            self._sleep(r, now_s)
         for _ in range(step.create):
-            refill = next((r for r in self.replicas if r.for_standby and r.status is ReplicaStatus.STARTING), None)
-            asleep = next((r for r in reversed(self.replicas) if r.status is ReplicaStatus.STANDBY), None)
-            if refill is not None:
-                refill.for_standby = False
-            elif asleep is not None:
-                self._wake(asleep, now_s)
-            else:
-                self._add_replica(now_s)
+            self._add_replica(now_s)
         for r in step.drain:
-            if r.status is ReplicaStatus.READY:
-                refill = next((x for x in reversed(self.replicas)
-                               if x.for_standby and x.status is ReplicaStatus.STARTING), None)  # fmt: skip
-                if refill is not None and self._kept() >= self.standby_target:
-                    self._stop(refill, now_s)  # a loaded replica takes the place of one still starting
-                r.to_standby = self._kept() < self.standby_target
             self._drain(r, now_s)
-        self._size_standby(now_s)
-        if step.drain:
-            self._rebuild_pool()
-
-    def _kept(self) -> int:
-        """Replicas asleep or on their way to sleep (draining into the pool, refills starting)."""
-        return sum(1 for r in self.replicas if r.status is ReplicaStatus.STANDBY
-                   or (r.to_standby and r.status is ReplicaStatus.DRAINING)
-                   or (r.for_standby and r.status is ReplicaStatus.STARTING))  # fmt: skip
-
-    def _size_standby(self, now_s: float) -> None:
-        """Refill a short standby pool with new replicas that sleep once READY; stop the
-        newest refills, then the newest sleepers, of a pool too large."""
-        kept = self._kept()
-        for _ in range(self.standby_target - kept):
+        asleep = [r for r in self.replicas if r.status is ReplicaStatus.STANDBY]
+        refills = [r for r in self.replicas if r.for_standby and r.status is ReplicaStatus.STARTING]
+        drain, create = trim_and_refill(asleep, refills, self.standby_target)
+        for r in drain:
+            self._drain(r, now_s)
+        for _ in range(create):
             self._add_replica(now_s).for_standby = True
-        for r in reversed(self.replicas):
-            if kept <= self.standby_target:
-                break
-            if r.for_standby and r.status is ReplicaStatus.STARTING or r.status is ReplicaStatus.STANDBY:
-                self._stop(r, now_s)
-                kept -= 1
+        if step.drain or sleep or drain:
+            self._rebuild_pool()

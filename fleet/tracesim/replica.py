@@ -42,8 +42,7 @@ class VirtualReplica:
     """One simulated replica. Plan: ``created_s``: placed (its cost starts); ``ready_at_s``:
     when it is due READY (placement or wake-up plus the modelled time); ``warm``: started on a
     warm node; ``node``: its slot in the `NodePool`; ``for_standby``: started only to refill the
-    standby pool (sleeps once READY); ``to_standby``: draining into the standby pool (sleeps
-    instead of stopping).
+    standby pool (sleeps once READY, never serving first).
 
     Facts, recorded by the simulator through the ``record_*`` methods (virtual seconds; None:
     not happened): ``ready_s``: became READY since it was placed or last woken; ``drain_s``:
@@ -60,7 +59,7 @@ class VirtualReplica:
 
     __slots__ = ("_qt_count", "_qt_counts", "_qt_sum", "busy", "created_s", "drain_s", "endpoint", "endpoints",
                  "engine", "for_standby", "id", "in_flight_ids", "index", "node", "ready_at_s", "ready_s",
-                 "standby_spans", "stopped_s", "to_standby", "wake_at_s", "warm", "woke_s")  # fmt: skip
+                 "standby_spans", "stopped_s", "wake_at_s", "warm", "woke_s")  # fmt: skip
 
     def __init__(self, replica_id: str, index: int, engine: EngineModel, created_s: float, ready_at_s: float,
                  warm: bool, node: int, routers: int = 1) -> None:  # fmt: skip
@@ -84,7 +83,6 @@ class VirtualReplica:
         self.wake_at_s: float | None = None
         self.in_flight_ids: set[str] = set()
         self.for_standby = False
-        self.to_standby = False
         self._qt_counts = [0] * len(QUEUE_TIME_BOUNDS)
         self._qt_sum = 0.0
         self._qt_count = 0
@@ -119,11 +117,11 @@ class VirtualReplica:
         self.drain_s = now_s
 
     def record_sleep(self, now_s: float) -> None:
-        """It went to sleep (loaded, nothing in flight): STANDBY, holding its node slot, until
-        woken. It serves again only once READY after a wake-up; its standby intentions are met."""
+        """It went to sleep (loaded; requests in flight finish): STANDBY, holding its node slot,
+        until woken. It serves again only once READY after a wake-up; a refill's purpose is met."""
         self.standby_spans.append([now_s, None])
         self.ready_s = self.drain_s = None
-        self.for_standby = self.to_standby = False
+        self.for_standby = False
 
     def record_wake(self, now_s: float) -> None:
         """It was asked to wake (a STANDBY replica): STARTING until READY again."""

@@ -114,3 +114,27 @@ def test_history_primes_the_forecast_of_standby_forecast(files: tuple[Path, Path
     (run,) = json.loads(out_json.read_text())["results"]
     assert run["name"] == "standby-forecast" and run["params"]["autoscaling"]["forecast"]["binSeconds"] == 1800
     assert run["params"]["history_s"] == 7200.0   # two traces of two minutes, each an hour once rounded
+
+
+def test_each_policy_is_held_to_the_hindsight_optimum_and_the_best_fixed_fleet(files: tuple[Path, Path],
+                                                                               tmp_path: Path) -> None:  # fmt: skip
+    trace, dep = files
+    out_json = tmp_path / "out.json"
+    result = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fleet,fixed-1,fixed-4",
+                                 "--warm-startup-s", "10", "--json", str(out_json), "-j", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "hindsight-optimal schedule:" in result.output and "x hindsight" in result.output
+    doc = json.loads(out_json.read_text())
+    sticks = doc["hindsight"]
+    optimum_h = sticks["optimum"]["replica_hours"]
+    assert sticks["within_slo_share"] == 0.99 and sticks["startup_s"] == 10.0
+    assert 0 < optimum_h <= sticks["best_fixed_model"]["replica_hours"]
+    assert sticks["optimum"]["within_slo_model"] >= 0.99
+    by_name = {r["name"]: r["summary"] for r in doc["results"]}
+    kept = [s["replica_hours"] for s in by_name.values() if s["within_slo"] >= 0.99 and s["name"].startswith("fixed")]
+    best_fixed_h = min(kept) if kept else sticks["best_fixed_model"]["replica_hours"]
+    fleet_h = by_name["fleet"]["replica_hours"]
+    assert f"{fleet_h / optimum_h:.2f}x" in result.output and f"{fleet_h / best_fixed_h:.2f}x" in result.output
+    off = runner.invoke(app, ["simulate", str(trace), "-d", str(dep), "--policies", "fixed-1", "--no-hindsight",
+                              "-j", "1"])  # fmt: skip
+    assert off.exit_code == 0 and "hindsight" not in off.output

@@ -1,7 +1,8 @@
 """Standby replicas in the trace simulator (fleet/tracesim/engine.py): a pool filled at the start,
-a burst served by waking sleepers in the wake-up time instead of a start-up, a scale-down draining
-into the pool, standby time counted in replica-hours, the pool sized by the policy's target, and
-no standby for fixed fleets or with the allowance off."""
+a burst served by waking sleepers in the wake-up time instead of a start-up, the pool refilled at
+once after a wake (the controller's lifecycle: tests/unit/test_standby_parity.py), standby time
+counted in replica-hours, the pool sized by the policy's target, and no standby for fixed fleets
+or with the allowance off."""
 
 from __future__ import annotations
 
@@ -35,16 +36,18 @@ def test_the_pool_fills_at_the_start_and_a_burst_wakes_it_in_the_wake_up_time() 
     assert all(seconds == 10.0 for _, _, seconds in result.startups)
 
 
-def test_standby_time_is_counted_in_replica_hours_and_a_scale_down_drains_into_the_pool() -> None:
+def test_standby_time_is_counted_in_replica_hours_and_a_wake_refills_the_pool_at_once() -> None:
     sim, result = simulate(standby_config())
     s = result.summary()
     assert s.standby_hours > 0 and s.wakes == len(result.wakes)
     total_s = sum(r.cost_s(result.horizon_s) for r in sim.replicas)
     assert s.replica_hours == pytest.approx(total_s / 3600)
     assert s.standby_hours == pytest.approx(sum(r.standby_s(result.horizon_s) for r in sim.replicas) / 3600)
-    served_then_slept = [r for r in sim.replicas if r.standby_spans and r.standby_spans[0][0] > r.ready_at_s]
-    assert served_then_slept, "a scale-down drains a READY replica into the pool"
-    assert all(r.stopped_s is None for r in served_then_slept if r.status is ReplicaStatus.STANDBY)
+    woke_at_s = min(r.woke_s for r in sim.replicas if r.woke_s is not None)
+    refills = [r for r in sim.replicas if r.created_s == woke_at_s and r.standby_spans]
+    assert refills, "a wake refills the pool at once, as the controller's trim_and_refill does"
+    assert all(r.standby_spans[0][0] == r.ready_at_s for r in refills)   # asleep once READY, never serving first
+    assert all(r.stopped_s is None for r in refills if r.status is ReplicaStatus.STANDBY)
     last = result.ticks[-1]
     assert last.standby == 2 and last.desired + last.standby == sum(
         1 for r in sim.replicas if r.status in (ReplicaStatus.READY, ReplicaStatus.STANDBY))
