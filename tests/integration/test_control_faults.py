@@ -31,6 +31,7 @@ from loadtests.faultload import FaultLoad
 from tests.support.fleet_up import FleetUp, all_ready, engines, router_pid
 from tests.support.faults import (
     MODEL,
+    ROWS_ENV,
     FaultFleet,
     TmpfsNamespace,
     control_write_errors,
@@ -253,8 +254,10 @@ def test_fleet_down_from_a_truncated_state_with_no_controller_leaves_nothing(tmp
 
 
 ROUTER_KILL_RATE_PER_S = 30.0
-ROUTER_KILL_REQUESTS = 1800
-"""The router kill row's load: 30 streamed completions/s for 60 s, the kill a third of the way in."""
+ROUTER_KILL_S = 60 if os.environ.get(ROWS_ENV) else 20
+"""The router kill row's load: 30 streamed completions/s for 60 s when loadtests/fault_table.py
+records the row (``$FLEET_FAULT_ROWS`` set), 20 s in the test suite; the kill a third of the way in."""
+ROUTER_KILL_REQUESTS = int(ROUTER_KILL_RATE_PER_S * ROUTER_KILL_S)
 
 
 def test_router_kill_9_refuses_no_connection_and_fails_only_the_streams_in_flight_on_it(tmp_path, started,
@@ -266,8 +269,8 @@ def test_router_kill_9_refuses_no_connection_and_fails_only_the_streams_in_fligh
         killed_at = kill_9_router(fleet.state_dir)
         wait_s("a request answered by the restarted router", lambda: load.first_ok_try_after(killed_at),
                RECOVERY_DEADLINE_S, fleet)  # fmt: skip
-        load.wait_for_more(ROUTER_KILL_REQUESTS - len(load.done), "the rest of the 60 s of load")
-    record_row(f"router kill -9 ({ROUTER_KILL_RATE_PER_S:g}/s for 60 s)", load,
+        load.wait_for_more(ROUTER_KILL_REQUESTS - len(load.done), f"the rest of the {ROUTER_KILL_S} s of load")
+    record_row(f"router kill -9 ({ROUTER_KILL_RATE_PER_S:g}/s for {ROUTER_KILL_S} s)", load,
                load.first_ok_try_after(killed_at) - killed_at, "kill -> first request served by the new router",
                lost_in_flight=_in_flight_on_the_router(load, killed_at))  # fmt: skip
     assert load.refused == 0, f"{load.refused} connections refused while the router restarted; {load.summary()}"
