@@ -44,7 +44,6 @@ import pstats
 import random
 import sys
 import time
-from collections.abc import Callable
 
 from router.kv.events import BlockRemoved, BlockStored, EventBatch, batch_of, decode_batch, encode_batch
 

@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 from fleet.cli import app
 from fleet.models import EngineMemorySettings, MemoryNeed, facts_from_config
-from fleet.models.facts import GIB
 from fleet.models.maxlen import allows_long_max_len, derive_max_len, max_model_len_problem
 from tests.support.inventories import H100
 

@@ -13,7 +13,6 @@ import asyncio
 import json
 from typing import Any
 
-import pytest
 from aiohttp import web
 
 from router.request.migrate import MAX_TAPE_BYTES, Continuation, Tape, blocker
