@@ -67,9 +67,39 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), backlog=LISTEN_BACKLOG)
 
 
-class RouterProcess:
+class _Supervised:
+    """What `RouterProcess` and `PickerProcess` share: the process ``record`` (None: not started),
+    ``processes`` (the spawner), the count of ``restarts``, and the restart of a process gone.
+    Subclasses give ``what`` (its name in logs) and ``start``."""
+
+    what = "process"
+    record: ProcessRecord | None
+    processes: LocalProcesses
+    restarts: int
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        return self.record is not None and self.processes.poll(self.record)[0]
+
+    async def ensure_running(self) -> bool:
+        """Restart the process if it is gone. True when it was restarted. Raises RouterStartError
+        when it will not start."""
+        if self.alive():
+            return False
+        log.warning("the %s (pid %s) is gone: restarting it", self.what, self.record.pid if self.record else "?")
+        await self.start()
+        self.restarts += 1
+        return True
+
+
+class RouterProcess(_Supervised):
     """The router of the fleet in ``store``, listening on ``host:port`` through a socket this
-    object holds (port 0: a free one, chosen at the first start)."""
+    object holds (port 0: a free one, chosen at the first start). A restarted router's pools are
+    empty: the caller of `ensure_running` republishes them."""
+
+    what = "router"
 
     def __init__(self, store: StateStore, host: str, port: int, processes: LocalProcesses | None = None) -> None:
         self.store = store
@@ -222,19 +252,6 @@ class RouterProcess:
         self._unpersisted = None
         return True
 
-    def alive(self) -> bool:
-        return self.record is not None and self.processes.poll(self.record)[0]
-
-    async def ensure_running(self) -> bool:
-        """Restart the router if its process is gone. True when it was restarted (its pools are
-        empty: the caller republishes them). Raises RouterStartError when it will not start."""
-        if self.alive():
-            return False
-        log.warning("the router (pid %s) is gone: restarting it", self.record.pid if self.record else "?")
-        await self.start()
-        self.restarts += 1
-        return True
-
     # ----- stop ---------------------------------------------------------------------------
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -299,11 +316,13 @@ def marked_router(root: Path) -> tuple[str, int] | None:
     return None
 
 
-class PickerProcess:
+class PickerProcess(_Supervised):
     """The endpoint picker of the fleet in ``store``, listening on ``host:port``: started before the
     router (which is given ``--picker HOST:PORT``), adopted by its record when a previous
     controller left it running, restarted when it dies (the routers reconnect and send their
     pools again; until then they pick for themselves), stopped after the router."""
+
+    what = "endpoint picker"
 
     def __init__(self, store: StateStore, host: str, port: int, processes: LocalProcesses | None = None) -> None:
         self.store = store
@@ -352,18 +371,6 @@ class PickerProcess:
             writer.close()
             return
         raise RouterStartError(f"endpoint picker did not listen within {timeout_s:g} s (log: {self.log_path})")
-
-    def alive(self) -> bool:
-        return self.record is not None and self.processes.poll(self.record)[0]
-
-    async def ensure_running(self) -> bool:
-        """Restart the picker if its process is gone; True when it was. Raises RouterStartError."""
-        if self.alive():
-            return False
-        log.warning("the endpoint picker (pid %s) is gone: restarting it", self.record.pid if self.record else "?")
-        await self.start()
-        self.restarts += 1
-        return True
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``; forget the record."""
