@@ -31,7 +31,9 @@ docs/routing.md "Endpoint picker") and gives every Fleet router of the target ``
 picker follows the replicas' KV events (so they publish them) and decides every router's picks;
 the routers follow no events and exchange nothing. Router CPU per request then sums the routers
 and the picker (the picker's own share is printed beside); ``--picker-profile PATH`` runs the
-picker under cProfile; ``--kill-picker-at-s T`` SIGKILLs it T seconds into the replay and starts
+picker under cProfile, ``--router-profile DIR`` each Fleet router; ``--probe`` samples the
+picker's and each router's response times apart (`loadtests/picker_probe.py`: where late picks
+come from); ``--kill-picker-at-s T`` SIGKILLs it T seconds into the replay and starts
 a new one ``--picker-down-s`` later (the failed requests column says what the routers' fallback
 cost).
 

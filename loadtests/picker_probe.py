@@ -45,14 +45,17 @@ def _percentiles(samples_ms: list[float]) -> dict:
             **{f"over_{o:g}_ms": round(sum(1 for x in s if x > o) / len(s), 4) for o in OVER_MS}}
 
 
-def probe(picker: tuple[str, int], routers: list[tuple[str, int]], interval_s: float,
-          stop: list[bool]) -> dict:  # fmt: skip
-    """Sample until `stop[0]` is set: {"picker": stats, "router HOST:PORT": stats, ...} (module docstring)."""
+def probe(picker: tuple[str, int], routers: list[tuple[str, int]], interval_s: float, stop: list[bool],
+          samples: dict[str, list[float]] | None = None) -> dict:  # fmt: skip
+    """Sample until `stop[0]` is set: {"picker": stats, "router HOST:PORT": stats, ...} (module
+    docstring); each round trip in ms is appended to ``samples[name]`` as it is taken (a dict
+    the caller may watch; None: a private one). Raises ConnectionError if the picker closes."""
     sock = socket.create_connection(picker)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     frames = FrameReader()
     conns = {f"router {h}:{p}": http.client.HTTPConnection(h, p, timeout=10) for h, p in routers}
-    samples: dict[str, list[float]] = {"picker": [], **{name: [] for name in conns}}
+    samples = {} if samples is None else samples
+    samples.update({"picker": [], **{name: [] for name in conns}})
     ticket = 0
     while not stop[0]:
         started = time.perf_counter()
