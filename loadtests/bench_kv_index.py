@@ -212,6 +212,27 @@ def query(target, args: argparse.Namespace) -> None:
     cpu_s = time.process_time() - cpu0
     print(f"{label(target, args)}: {args.query} matches of {args.query_blocks}-block prompts ({args.query_blocks // 2} held)"
           f"{' by keys (chained by the router, not timed)' if args.keys else ' by token ids'}: {1e6 * cpu_s / args.query:.1f} us CPU per match ({hits} hit)")
+    if args.claims and isinstance(target, FleetIngest):
+        claims(target, asked, args)
+
+
+def claims(target: FleetIngest, asked: list, args: argparse.Namespace) -> None:
+    """``--claims``: what a pick claims of its prompt at the endpoint holding its first half
+    (`ExactIndex.expect`: the other half's keys claimed), each claim then withdrawn (a late pick
+    moved elsewhere, `PickerState.placed`) so that the next one claims anew."""
+    index = target.index
+    claim_s = withdraw_s = 0.0
+    for n in range(args.query):
+        endpoint = target.ids[n % 64 % args.streams]
+        cpu0 = time.process_time()
+        keys = index.expect(endpoint, asked[n % 64], until_s=1e9, now_s=0.0)
+        cpu1 = time.process_time()
+        index.withdraw(endpoint, keys)
+        claim_s += cpu1 - cpu0
+        withdraw_s += time.process_time() - cpu1
+    print(f"{label(target, args)}: {args.query} claims of {args.query_blocks}-block prompts at the endpoint holding "
+          f"their first half: {1e6 * claim_s / args.query:.1f} us CPU per claim, "
+          f"{1e6 * withdraw_s / args.query:.1f} us per withdrawal")
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -260,6 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--query", type=int, default=0, help="prompt matches to time after the ingest")
     parser.add_argument("--query-blocks", type=int, default=750, help="blocks per matched prompt (12k tokens)")
     parser.add_argument("--keys", action="store_true", help="match by PromptKeys (the picker's wire) instead of token ids")
+    parser.add_argument("--claims", action="store_true",
+                        help="after the matches, time the claims of the same prompts (fleet only)")
     parser.add_argument("--prompts", type=int, default=0, help="measure memory over this many distinct prompts instead")
     parser.add_argument("--prompt-blocks", type=int, default=8)
     args = parser.parse_args(argv)

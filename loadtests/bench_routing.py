@@ -31,7 +31,9 @@ docs/routing.md "Endpoint picker") and gives every Fleet router of the target ``
 picker follows the replicas' KV events (so they publish them) and decides every router's picks;
 the routers follow no events and exchange nothing. Router CPU per request then sums the routers
 and the picker (the picker's own share is printed beside); ``--picker-profile PATH`` runs the
-picker under cProfile; ``--kill-picker-at-s T`` SIGKILLs it T seconds into the replay and starts
+picker under cProfile, ``--router-profile DIR`` each Fleet router; ``--probe`` samples the
+picker's and each router's response times apart (`loadtests/picker_probe.py`: where late picks
+come from); ``--kill-picker-at-s T`` SIGKILLs it T seconds into the replay and starts
 a new one ``--picker-down-s`` later (the failed requests column says what the routers' fallback
 cost).
 
@@ -223,15 +225,16 @@ def kill_picker(picker: tuple[subprocess.Popen, str], args, replaced: list) -> N
 
 def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = None, peers: list[str] = (),
                  kv_events: list[dict] | None = None, picker: str | None = None,
-                 picker_deadline_ms: float = 5.0) -> tuple[subprocess.Popen, str]:
+                 picker_deadline_ms: float = 5.0, profile: Path | None = None) -> tuple[subprocess.Popen, str]:
     """One router process of ``kind`` with ``policy`` in front of ``urls``, ready to serve:
     (process, base URL). A Fleet router is given ``--peers`` (the other routers' base URLs),
-    ``--picker`` (the endpoint picker's address) and each endpoint's ``kv_events`` when given.
-    Raises RuntimeError if it exits before answering /health."""
+    ``--picker`` (the endpoint picker's address) and each endpoint's ``kv_events`` when given;
+    a Fleet router runs under cProfile into ``profile`` when given. Raises RuntimeError if it exits before answering /health."""
     port = port or free_port()
     base = f"http://127.0.0.1:{port}"
     if kind == "fleet":
-        cmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port)]
+        run = ["-c", PROFILED_ROUTER.format(path=str(profile))] if profile is not None else ["-m", "router"]
+        cmd = [sys.executable, *run, "--host", "127.0.0.1", "--port", str(port)]
         if peers:
             cmd += ["--peers", ",".join(peers), "--router-id", f"router-{port}"]
         if picker:
@@ -248,6 +251,42 @@ def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = 
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
         wait_http(f"{base}/health", proc)
     return proc, base
+
+
+PROFILED_ROUTER = """
+import cProfile, runpy, signal
+signal.raise_signal = lambda sig: None   # uvicorn re-raises SIGTERM after its shutdown: exit normally instead
+profile = cProfile.Profile()
+profile.enable()
+try:
+    runpy.run_module("router", run_name="__main__", alter_sys=True)
+finally:
+    profile.disable()
+    profile.dump_stats({path!r})
+"""
+"""`python -c` of a Fleet router under cProfile (``--router-profile``): the profile is written
+when the router exits on SIGTERM."""
+
+
+def start_probe(picker: str, routers: list[str]) -> subprocess.Popen:
+    """``--probe``: `loadtests.picker_probe` sampling the picker's and each router's response time."""
+    return subprocess.Popen([sys.executable, "-m", "loadtests.picker_probe", "--picker", picker,
+                             "--routers", ",".join(routers)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def stop_probe(proc: subprocess.Popen) -> dict | None:
+    """The probe's samples (its JSON line), once stopped with SIGTERM; None if it printed none."""
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    return json.loads(out) if out.strip() else None
+
+
+def router_profile(args, target: str, port: int) -> Path | None:
+    """Where ``--router-profile DIR`` puts the cProfile of the router on ``port`` of ``target``."""
+    if args.router_profile is None:
+        return None
+    args.router_profile.mkdir(parents=True, exist_ok=True)
+    return args.router_profile / f"{re.sub(r'[^A-Za-z0-9@+-]', '_', target)}-{port}.prof"
 
 
 def put_pool(base: str, policy: str, urls: list[str], extra: dict | None = None,
@@ -342,6 +381,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
         routers: list[tuple[subprocess.Popen, str]] = []
         picker: tuple[subprocess.Popen, str] | None = None
         killed: list[tuple[subprocess.Popen, str]] = []   # the picker that replaced a killed one
+        prober: subprocess.Popen | None = None
         try:
             if with_picker:
                 picker = start_picker(args.picker_profile)
@@ -351,7 +391,8 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                 routers.append(start_router(kind, policy, sims.urls, port=port, peers=peers,
                                             kv_events=kv_ports.sources() if kv_ports else None,
                                             picker=picker[1] if picker else None,
-                                            picker_deadline_ms=args.picker_deadline_ms))
+                                            picker_deadline_ms=args.picker_deadline_ms,
+                                            profile=router_profile(args, target, port)))
             cpu0 = sum(cpu_s(proc.pid) for proc, _ in routers)
             picker_cpu0 = cpu_s(picker[0].pid) if picker else 0.0
 
@@ -361,6 +402,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                                for _, base in routers]
                     return await replay(trace, AlternatingSender(senders))
 
+            prober = start_probe(picker[1], [base for _, base in routers]) if picker and args.probe else None
             started = time.monotonic()
             if picker is not None and args.kill_picker_at_s is not None:
                 killer = threading.Thread(target=kill_picker, args=(picker, args, killed), daemon=True)
@@ -368,6 +410,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             records = asyncio.run(go())
             wall_s = time.monotonic() - started
             router_cpu_s = sum(cpu_s(proc.pid) for proc, _ in routers) - cpu0
+            probed = stop_probe(prober) if prober is not None else None
             if killed:   # the killed picker's CPU is lost with it: the restarted one's counts from its start
                 picker = killed[0]
                 picker_cpu0 = 0.0
@@ -380,6 +423,9 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             resilience = [scrape(base, RESILIENCE_SERIES) for _, base in routers] if kind == "fleet" else []
             answered = [scrape(base, ENDPOINT_REQUESTS_SERIES) for _, base in routers] if kind == "fleet" else []
         finally:
+            if prober is not None and prober.poll() is None:
+                prober.kill()
+                prober.wait()
             for proc, _ in routers:
                 proc.terminate()
             for proc, _ in routers:
@@ -400,6 +446,8 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
         summary["picker_rtt_share"] = {f"<= {float(le) * 1e3:g} ms": rtt[le] / rtt["+Inf"] if rtt["+Inf"] else None
                                        for le in ("0.0005", "0.001", "0.005")}   # of the answered picks
         summary["picker_cpu_ms_per_request"] = 1e3 * picker_cpu_s / max(1, len(records))
+    if probed is not None:
+        summary["probe"] = probed
     summary["routers"] = n_routers
     summary["kv_events"] = kv_events
     summary["peers"] = with_peers
@@ -468,6 +516,11 @@ def main() -> None:
     parser.add_argument("--picker-down-s", type=float, default=5.0)
     parser.add_argument("--picker-profile", type=Path,
                         help="run the endpoint picker under cProfile, writing its profile here")
+    parser.add_argument("--probe", action="store_true",
+                        help="beside each +picker target, sample the picker's and each router's response times "
+                             "(loadtests/picker_probe.py: where late picks come from; adds ~20 picks/s of wire)")
+    parser.add_argument("--router-profile", type=Path,
+                        help="run each Fleet router under cProfile, writing TARGET-PORT.prof into this folder")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -509,7 +562,8 @@ def main() -> None:
                  if s.get("predicted_over_actual_hits") is not None else "")
               + (f", KV events seen per router {s['kv_events_seen']}" if "kv_events_seen" in s else "")
               + (f", picker picks {s['picker_picks']}, picker CPU {s['picker_cpu_ms_per_request']:.2f} ms/request"
-                 if "picker_picks" in s else ""), flush=True)
+                 if "picker_picks" in s else "")
+              + (f", probe {json.dumps(s['probe'])}" if "probe" in s else ""), flush=True)
 
     slo = f"within {args.ttft_slo_s:g} s TTFT" if args.ttft_slo_s is not None else None
     print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |{f' {slo} |' if slo else ''} prefix-cache hits "

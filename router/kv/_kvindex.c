@@ -1,6 +1,6 @@
 /* The exact index's per-block loops, compiled: router.kv._kvindex.
  *
- * Owns `chain_keys`, `store_blocks`, `remove_blocks` and `walk_keys`, the compiled twins of the functions of
+ * Owns `chain_keys`, `store_blocks`, `remove_blocks`, `walk_keys` and `claim_keys`, the compiled twins of the functions of
  * the same names in router/kv/index_ops.py (the pure-Python fallback, which documents what each
  * does); router/kv/index_ops.py selects one or the other at import and checks this module's keys
  * against Python's own hash first. Called by router.kv.exact_index.ExactIndex (apply, expect, match) and
@@ -301,6 +301,63 @@ static PyObject *walk_keys(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return out;
 }
 
+static PyObject *claim_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "claim_keys(holders, expected, bit, until_s, keys) takes 5 arguments");
+        return NULL;
+    }
+    PyObject *holders = args[0], *expected = args[1], *bit = args[2], *until_s = args[3];
+    if (!PyDict_CheckExact(holders) || !PyDict_CheckExact(expected)) {
+        PyErr_SetString(PyExc_TypeError, "holders and expected must be dicts");
+        return NULL;
+    }
+    PyObject *keys = PySequence_Fast(args[4], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    PyObject *claimed = PyList_New(0);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    int ok = claimed != NULL;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+        PyObject *mask = PyDict_GetItemWithError(holders, key);
+        if (mask == NULL && PyErr_Occurred()) { ok = 0; break; }
+        if (mask != NULL) {
+            PyObject *both = PyNumber_And(mask, bit);
+            int held = both == NULL ? -1 : PyObject_IsTrue(both);
+            Py_XDECREF(both);
+            if (held < 0) { ok = 0; break; }
+            if (held) continue;   /* the engine's account already holds it */
+        }
+        PyObject *waiting = PyDict_GetItemWithError(expected, key);
+        if (waiting == NULL) {
+            if (PyErr_Occurred()) { ok = 0; break; }
+            PyObject *fresh = PyDict_New();
+            ok = fresh != NULL && PyDict_SetItem(fresh, bit, until_s) == 0 && PyDict_SetItem(expected, key, fresh) == 0;
+            Py_XDECREF(fresh);
+        } else {
+            if (!PyDict_Check(waiting)) {
+                PyErr_SetString(PyExc_TypeError, "expected must map a key to a dict of {bit: until_s}");
+                ok = 0;
+                break;
+            }
+            PyObject *before = PyDict_GetItemWithError(waiting, bit);
+            if (before == NULL && PyErr_Occurred()) { ok = 0; break; }
+            if (before != NULL) {   /* claimed there already: it lasts longer, and is not news */
+                int longer = PyObject_RichCompareBool(before, until_s, Py_LT);
+                ok = longer >= 0 && (!longer || PyDict_SetItem(waiting, bit, until_s) == 0);
+                continue;
+            }
+            ok = PyDict_SetItem(waiting, bit, until_s) == 0;
+        }
+        ok = ok && PyList_Append(claimed, key) == 0;
+    }
+    Py_DECREF(keys);
+    if (!ok) {
+        Py_XDECREF(claimed);
+        return NULL;
+    }
+    return claimed;
+}
+
 static PyMethodDef methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(key, token_ids, block_tokens, count) -> list[int]: router.kv.index_ops.chain_keys, compiled."},
@@ -310,6 +367,8 @@ static PyMethodDef methods[] = {
      "walk_keys(holders, expected, now_s, keys, alive) -> list[tuple[int, int]]: router.kv.index_ops.walk_keys, compiled."},
     {"remove_blocks", (PyCFunction)(void (*)(void))remove_blocks, METH_FASTCALL,
      "remove_blocks(blocks, holders, others, hashes) -> None: router.kv.index_ops.remove_blocks, compiled."},
+    {"claim_keys", (PyCFunction)(void (*)(void))claim_keys, METH_FASTCALL,
+     "claim_keys(holders, expected, bit, until_s, keys) -> list[int]: router.kv.index_ops.claim_keys, compiled."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -302,24 +302,7 @@ class ExactIndex:
         view = self._views.get(endpoint_id)
         if view is None:
             return []
-        expected = self._expected
-        holders = self._holders
-        bit = view.bit
-        claimed = []
-        for key in keys:
-            if holders.get(key, 0) & bit:
-                continue   # the engine's account already holds it
-            waiting = expected.get(key)
-            if waiting is None:
-                expected[key] = {bit: until_s}
-            else:
-                before = waiting.get(bit)
-                if before is not None:
-                    if before < until_s:
-                        waiting[bit] = until_s   # claimed again: it lasts longer, and is not news
-                    continue
-                waiting[bit] = until_s
-            claimed.append(key)
+        claimed = self.ops.claim_keys(self._holders, self._expected, view.bit, until_s, keys)
         view.claims += len(claimed)
         return claimed
 

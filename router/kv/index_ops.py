@@ -1,10 +1,11 @@
 """The exact index's per-block loops, in two implementations of one behaviour: compiled and Python.
 
-Owns `IndexOps` (the four loops: `chain_keys`, `store_blocks`, `remove_blocks`, `walk_keys`), `PYTHON` (this
+Owns `IndexOps` (the five loops: `chain_keys`, `store_blocks`, `remove_blocks`, `walk_keys`, `claim_keys`), `PYTHON` (this
 module's own functions), `COMPILED` (the same loops in C, `router/kv/_kvindex.c`; None when the
 extension was not built or fails its check) and `SELECTED` (the compiled one when present, else
 Python), chosen once at import. `router.kv.exact_index.ExactIndex` applies every `BlockStored` and
-`BlockRemoved` and matches a prompt's keys through `SELECTED` (or the `IndexOps` it is given);
+`BlockRemoved`, matches a prompt's keys and claims them at an endpoint (the endpoint picker's picks)
+through `SELECTED` (or the `IndexOps` it is given);
 `router.kv.prompt_keys` chains a prompt's keys with it. Pure: no I/O.
 
 Why compiled: applying a batch is a loop per block (chain a key, look the engine hash up, set
@@ -22,7 +23,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class IndexOps(NamedTuple):
     store_blocks: Callable[[OrderedDict, dict, int, Sequence, Sequence[int]], None]
     remove_blocks: Callable[[OrderedDict, dict, int, Sequence], None]
     walk_keys: Callable[[dict, dict | None, float | None, Sequence[int], int], list[tuple[int, int]]]
+    claim_keys: Callable[[dict, dict, int, float, Iterable[int]], list[int]]
 
 
 def chain_keys(key: int, token_ids: Sequence[int], block_tokens: int, count: int) -> list[int]:
@@ -131,7 +133,30 @@ def walk_keys(holders: dict, expected: dict | None, now_s: float | None, keys: S
     return out
 
 
-PYTHON = IndexOps("python", chain_keys, store_blocks, remove_blocks, walk_keys)
+def claim_keys(holders: dict, expected: dict, bit: int, until_s: float, keys: Iterable[int]) -> list[int]:
+    """Claim router `keys` for the endpoint of `bit` until `until_s` in `expected` (router key ->
+    {endpoint bit: until_s}, `ExactIndex.expect_keys`): a key whose ``holders[key]`` has `bit` is
+    skipped (the engine holds it), a key claimed there already has its claim extended to `until_s`
+    when that is later. Returns the keys newly claimed, in order."""
+    claimed = []
+    for key in keys:
+        if holders.get(key, 0) & bit:
+            continue   # the engine's account already holds it
+        waiting = expected.get(key)
+        if waiting is None:
+            expected[key] = {bit: until_s}
+        else:
+            before = waiting.get(bit)
+            if before is not None:
+                if before < until_s:
+                    waiting[bit] = until_s   # claimed again: it lasts longer, and is not news
+                continue
+            waiting[bit] = until_s
+        claimed.append(key)
+    return claimed
+
+
+PYTHON = IndexOps("python", chain_keys, store_blocks, remove_blocks, walk_keys, claim_keys)
 """The loops above, in Python: what runs where the extension is not built."""
 
 
@@ -151,14 +176,16 @@ def _agrees(ops: IndexOps) -> bool:
         impl.remove_blocks(blocks, holders, ~1, [b"\x01" * 32, 11])
         expected = {4: {2: 5.0, 4: 1.0}, 6: {2: 9.0}}
         walks = [impl.walk_keys(holders, expected, 2.0, keys, 0b111) for keys in ([3, 4, 6], [4, 6, 6], [3, 3, 3])]
-        views.append((list(blocks.items()), holders, walks))
+        claims = [impl.claim_keys(holders, expected, bit, until_s, [3, 4, 6, 8, 8, 2**80])
+                  for bit, until_s in ((2, 7.0), (2, 3.0), (4, 2.0), (2**70, 1.0))]  # fmt: skip
+        views.append((list(blocks.items()), holders, walks, claims, expected))
     return views[0] == views[1]
 
 
 def _compiled() -> IndexOps | None:
     try:
         ext = importlib.import_module("router.kv._kvindex")
-        ops = IndexOps("compiled", ext.chain_keys, ext.store_blocks, ext.remove_blocks, ext.walk_keys)
+        ops = IndexOps("compiled", ext.chain_keys, ext.store_blocks, ext.remove_blocks, ext.walk_keys, ext.claim_keys)
     except (ImportError, AttributeError):   # not built, or built from an older source than this module's
         return None
     if not _agrees(ops):

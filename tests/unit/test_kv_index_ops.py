@@ -140,6 +140,21 @@ def test_the_walk_reports_where_each_endpoints_match_ends(impl: str) -> None:
     assert ops.walk_keys(holders, None, None, [2**80, 2**80], wide | 1) == [(2, wide)]
 
 
+@pytest.mark.parametrize("impl", ["python", "compiled"])
+def test_a_claim_skips_held_keys_and_extends_its_own(impl: str) -> None:
+    ops = index_ops.IMPLEMENTATIONS.get(impl)
+    if ops is None:
+        pytest.skip("router.kv._kvindex is not built here")
+    holders = {10: 0b011, 11: 0b100}
+    expected: dict = {12: {0b010: 9.0}, 13: {0b001: 1.0}}
+    assert ops.claim_keys(holders, expected, 0b010, 5.0, [10, 11, 12, 13, 14]) == [11, 13, 14]
+    assert expected == {12: {0b010: 9.0}, 13: {0b001: 1.0, 0b010: 5.0}, 14: {0b010: 5.0}, 11: {0b010: 5.0}}
+    assert ops.claim_keys(holders, expected, 0b010, 7.0, iter([11, 12, 14])) == []   # claimed already: not news
+    assert expected[11] == {0b010: 7.0} and expected[12] == {0b010: 9.0} and expected[14] == {0b010: 7.0}
+    wide = 0b1 << 70   # endpoints beyond 64: the masks are Python ints of any width
+    assert ops.claim_keys({2**80: wide}, expected, wide, 3.0, [2**80, 2**81]) == [2**81]
+
+
 def test_the_python_loops_are_selected_when_the_extension_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     def missing(name: str) -> types.ModuleType:
         raise ImportError(f"No module named {name!r}")
@@ -150,7 +165,8 @@ def test_the_python_loops_are_selected_when_the_extension_is_missing(monkeypatch
 
 def test_an_extension_older_than_this_module_is_not_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     stale = types.SimpleNamespace(chain_keys=index_ops.chain_keys, store_blocks=index_ops.store_blocks,
-                                  remove_blocks=index_ops.remove_blocks)   # built before walk_keys  # fmt: skip
+                                  remove_blocks=index_ops.remove_blocks,
+                                  walk_keys=index_ops.walk_keys)   # built before claim_keys  # fmt: skip
     monkeypatch.setattr(index_ops.importlib, "import_module", lambda name: stale)
     assert index_ops._compiled() is None
 
@@ -158,7 +174,8 @@ def test_an_extension_older_than_this_module_is_not_selected(monkeypatch: pytest
 def test_an_extension_whose_keys_disagree_is_not_selected(monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     wrong = types.SimpleNamespace(chain_keys=lambda key, ids, size, count: [0] * count, walk_keys=index_ops.walk_keys,
-                                  store_blocks=index_ops.store_blocks, remove_blocks=index_ops.remove_blocks)  # fmt: skip
+                                  store_blocks=index_ops.store_blocks, remove_blocks=index_ops.remove_blocks,
+                                  claim_keys=index_ops.claim_keys)  # fmt: skip
     monkeypatch.setattr(index_ops.importlib, "import_module", lambda name: wrong)
     assert index_ops._compiled() is None
     assert "disagrees" in caplog.text

@@ -1,7 +1,8 @@
 """The routing benchmarks' harness for several routers and for faults: target names with a
 router count and alternating senders (loadtests.bench_routing), the fault load sent to two
 routers in turn with a refused try moved to the other one (loadtests.faultload), the TCP relay
-that cuts a KV event stream and its report (loadtests.routing_faults)."""
+that cuts a KV event stream and its report (loadtests.routing_faults), the probe of the endpoint
+picker's response time (loadtests.picker_probe)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import pytest
 from fleet.tracesim.traces import TraceRequest
 from loadtests.bench_routing import AlternatingSender, KvEventPorts, parse_target, target_label, target_options
 from loadtests.faultload import FaultLoad
+from loadtests.picker_probe import probe
 from loadtests.replay import Outcome
 from loadtests.routing_faults import Prompts, TcpRelay, event_cut_report, table
+from router.picker.service import PickerService
 from tests.support.router import FakeEngine, dead_endpoint
 from tests.support.waits import async_wait_until
 
@@ -196,3 +199,18 @@ def test_the_scale_up_run_adds_one_replica_at_the_join() -> None:
     log = simulate("fewest stored", KvAware, workload, profile, args).requests
     joined = [log.dispatch_s[i] for i in range(len(log)) if log.replica[i] == 2]
     assert joined and min(joined) >= args.join_s + 1.0
+
+
+async def test_the_picker_probe_times_declined_picks_and_leaves_no_state() -> None:
+    service = PickerService()
+    await service.start()
+    try:
+        stop, samples = [False], {}
+        task = asyncio.create_task(asyncio.to_thread(probe, ("127.0.0.1", service.port), [], 0.001, stop, samples))
+        await async_wait_until(lambda: len(samples.get("picker", ())) >= 3 or task.done(), timeout_s=10)
+        stop[0] = True
+        stats = await task
+    finally:
+        await service.close()
+    assert stats["picker"]["n"] >= 3 and 0 < stats["picker"]["p50_ms"] <= stats["picker"]["max_ms"]
+    assert service.state.in_flight() == 0 and not service.state.pools   # declined: no pick held, no pool made
