@@ -52,7 +52,9 @@ class PickerService:
         self._clock = clock
         self.metrics = metrics if metrics is not None else PickerMetrics()
         self.leading = leading
-        self.streams = streams if streams is not None else KvEventStreams(self.metrics, clock=clock)  # type: ignore[arg-type]
+        if streams is None:
+            streams = KvEventStreams(self.metrics, clock=clock)  # type: ignore[arg-type]  # duck-typed: bind_kv
+        self.streams = streams
         self.state = PickerState(self.streams.index, self._put_sources)
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -62,8 +64,7 @@ class PickerService:
         facts.routers = lambda: len(self._connections)
         facts.in_flight = self.state.in_flight
         facts.leading = lambda: self.leading()
-        if streams is not None:
-            facts.kv_rows = streams.kv_rows
+        facts.kv_rows = streams.kv_rows
 
     def _put_sources(self, model: str, sources: Mapping[str, dict]) -> None:
         self.streams.put(model, {e: KvEventsSource.model_validate(s) for e, s in sources.items()})
