@@ -38,6 +38,7 @@ from tests.unit.test_kv_subscriber import Publisher, stored   # the subscriber's
 REPO = Path(__file__).resolve().parents[2]
 NS = "fleet"
 PROBE_PERIOD_S = 1.0
+HA_VALUES = ("--set", "router.picker.enabled=true", "--set", "router.picker.ha.enabled=true")
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(helm_binary() is None, reason="helm not installed: run `bash .ci/helm.sh`")]
 
@@ -53,8 +54,9 @@ def _free_port() -> int:
 class Picker:
     """One `fleet endpoint-picker --lease fleet-picker` process (a picker pod's container)."""
 
-    def __init__(self, work: Path, kubeconfig: Path, identity: str) -> None:
+    def __init__(self, work: Path, kubeconfig: Path, identity: str, namespace: str) -> None:
         self.identity = identity
+        self.namespace = namespace
         self.work = work
         self.kubeconfig = kubeconfig
         self.port, self.metrics_port = _free_port(), _free_port()
@@ -65,7 +67,7 @@ class Picker:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
         args = [sys.executable, "-m", "fleet.cli", "endpoint-picker", "--host", "127.0.0.1", "--port", str(self.port),
-                "--metrics-port", str(self.metrics_port), "--lease", "fleet-picker", "--namespace", NS,
+                "--metrics-port", str(self.metrics_port), "--lease", "fleet-picker", "--namespace", self.namespace,
                 "--identity", self.identity, "--log-level", "info"]  # fmt: skip
         self.proc = subprocess.Popen(args, env=env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
@@ -192,24 +194,24 @@ class PickLoad:
         return next(t for t in self.answered_at_s if t > t_s + 0.05) - t_s
 
 
-def _kubeconfig(path: Path, url: str, token: str) -> Path:
+def kubeconfig_for(path: Path, url: str, token: str, ca_file: Path | None = None) -> Path:
+    """A kubeconfig at `path`: the API server at `url` (its CA: `ca_file`), the bearer `token`."""
+    cluster = {"server": url, **({"certificate-authority": str(ca_file)} if ca_file else {})}
     path.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "picker",
-        "clusters": [{"name": "standin", "cluster": {"server": url}}],
+        "clusters": [{"name": "standin", "cluster": cluster}],
         "users": [{"name": "picker", "user": {"token": token}}],
         "contexts": [{"name": "picker", "context": {"cluster": "standin", "user": "picker", "namespace": NS}}]}))
     return path
 
 
-async def test_picks_fail_over_to_the_standby_with_none_failed(tmp_path):
-    api = APIServerStandIn()
-    api.authorizer = Authorizer(api.store)
-    for obj in render(extra=("--set", "router.picker.enabled=true", "--set", "router.picker.ha.enabled=true")):
-        if obj["kind"] in ("Role", "RoleBinding"):
-            api.store.create(by_kind(obj["apiVersion"], obj["kind"]), obj["metadata"].get("namespace"), obj)
-    await api.start()
-    kubeconfig = _kubeconfig(tmp_path / "kubeconfig", api.url, api.authorizer.service_account_token(NS, "fleet-picker"))
-    pickers = [Picker(tmp_path, kubeconfig, "picker-a"), Picker(tmp_path, kubeconfig, "picker-b")]
+async def failover(work: Path, kubeconfig: Path, namespace: str = NS) -> dict[str, float | str]:
+    """The scenario (module docstring) with the pickers reading the Lease in `namespace` through
+    `kubeconfig`; their logs under `work`. Returns the figures (seconds; counts; `leader`: the
+    picker leading at the end, the first leader restarted) once checked:
+    no pick failed, never two pickers Ready at once, failover times within their bounds. Also
+    run on the real control plane (tests/integration/test_real_control_plane.py)."""
+    pickers = [Picker(work, kubeconfig, "picker-a", namespace), Picker(work, kubeconfig, "picker-b", namespace)]
     service = ServiceStandIn(pickers)
     client = PickerClient("127.0.0.1", 0, deadline_s=0.05)
     load = PickLoad(client)
@@ -217,7 +219,8 @@ async def test_picks_fail_over_to_the_standby_with_none_failed(tmp_path):
     engines = [Publisher(ctx), Publisher(ctx)]   # each engine's KV events, its whole history in its buffer
 
     def logs() -> str:
-        return "\n".join(f"--- {p.identity}\n{p.log.read_text(errors='replace')[-3000:]}" for p in pickers if p.log.exists())
+        return "\n".join(f"--- {p.identity}\n{p.log.read_text(errors='replace')[-3000:]}" for p in pickers
+                         if p.log.exists())  # fmt: skip
 
     try:
         for p in pickers:
@@ -233,7 +236,7 @@ async def test_picks_fail_over_to_the_standby_with_none_failed(tmp_path):
             for n in range(20):
                 await engine.publish(stored(10_000 * i + 100 * n, 10))
         async with httpx.AsyncClient() as http:
-            await async_wait_until(lambda: service.ready.kv_live(http, 200), 30.0,
+            await async_wait_until(lambda: service.ready is not None and service.ready.kv_live(http, 200), 30.0,
                                    what="the leader's views hold both engines' 200 blocks", explain=logs)  # fmt: skip
         load.start()
         await async_wait_until(lambda: load.answered >= 50, 30.0, what="picks answered", explain=logs)
@@ -246,8 +249,8 @@ async def test_picks_fail_over_to_the_standby_with_none_failed(tmp_path):
         kill_failover_s = await load.answered_after(killed_at_s, "picks answered again after the leader's kill -9")
         assert service.ready is standby
         async with httpx.AsyncClient() as http:   # the standby was sent no pool: its views rebuild on takeover
-            await async_wait_until(lambda: standby.kv_live(http, 200), 30.0, interval_s=0.05,
-                                   what="the new leader's views rebuilt from the engines' replay", explain=logs)  # fmt: skip
+            await async_wait_until(lambda: standby.kv_live(http, 200), 30.0, interval_s=0.05, explain=logs,
+                                   what="the new leader's views rebuilt from the engines' replay")  # fmt: skip
         rebuilt_s = time.monotonic() - killed_at_s - kill_failover_s
         leader.start()   # as the kubelet restarts the container: it comes back a standby
         answered = load.answered
@@ -258,14 +261,18 @@ async def test_picks_fail_over_to_the_standby_with_none_failed(tmp_path):
         stop_failover_s = await load.answered_after(stopped_at_s, "picks answered again after SIGTERM of the leader")
         await async_wait_until(lambda: service.ready is leader, 10.0, what="the restarted picker leading")
         await load.stop()
+        figures = {"leader": leader.identity, "kill_failover_s": kill_failover_s, "rebuilt_s": rebuilt_s,
+                   "stop_failover_s": stop_failover_s, "answered": load.answered, "fell_back": load.fell_back,
+                   "failed": len(load.failed)}  # fmt: skip
         print(f"picker failover: kill -9 {kill_failover_s:.1f} s (views rebuilt {rebuilt_s:.2f} s after), SIGTERM "
               f"{stop_failover_s:.1f} s; picks answered {load.answered}, fell back {load.fell_back}, failed "
               f"{len(load.failed)}")  # fmt: skip
         assert load.failed == [] and service.both_ready == 0
-        assert api.authorizer.denied == []   # the chart's Role admits everything the pickers ask
-        # the Lease is client-go's 15 s: a standby takes over a lease duration after the last renewal it saw
+        # the Lease is client-go's 15 s: a standby takes over a lease duration after the last renewal it
+        # saw, then within a retry period; the probe period; the router's reconnect backoff (<= 2 s)
         assert 10.0 < kill_failover_s < 15.0 + 2.0 + PROBE_PERIOD_S + 2.0 + 3.0, kill_failover_s
         assert stop_failover_s < 2.0 + PROBE_PERIOD_S + 2.0 + 3.0, stop_failover_s
+        return figures
     finally:
         await load.stop()
         await client.close()
@@ -274,7 +281,21 @@ async def test_picks_fail_over_to_the_standby_with_none_failed(tmp_path):
             if p.proc is not None and p.proc.poll() is None:
                 p.signal(signal.SIGKILL)
                 p.proc.wait(10)
-        await api.stop()
         for engine in engines:
             await engine.close()
         ctx.destroy(linger=0)
+
+
+async def test_picks_fail_over_to_the_standby_with_none_failed(tmp_path):
+    api = APIServerStandIn()
+    api.authorizer = Authorizer(api.store)
+    for obj in render(extra=HA_VALUES):
+        if obj["kind"] in ("Role", "RoleBinding"):
+            api.store.create(by_kind(obj["apiVersion"], obj["kind"]), obj["metadata"].get("namespace"), obj)
+    await api.start()
+    try:
+        token = api.authorizer.service_account_token(NS, "fleet-picker")
+        await failover(tmp_path, kubeconfig_for(tmp_path / "kubeconfig", api.url, token))
+        assert api.authorizer.denied == []   # the chart's Role admits everything the pickers ask
+    finally:
+        await api.stop()
