@@ -182,10 +182,35 @@ def router_pod(
 def endpoint_picker(
     port: Annotated[int, typer.Option(help="Port the routers connect to.")] = 8090,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    metrics_port: Annotated[int | None, typer.Option(help="Port of /metrics, /ready (200 while answering "
+                                                     "picks) and /healthz. Default: none.")] = None,
+    lease: Annotated[str, typer.Option(help="HA: the coordination.k8s.io/v1 Lease the picker replicas share; "
+                                       "only its holder answers picks. Empty: no HA.")] = "",
+    namespace: Annotated[str, typer.Option(help="The Lease's namespace (default $POD_NAMESPACE, else the "
+                                           "service account's).")] = "",
+    identity: Annotated[str, typer.Option(help="This candidate's name in the Lease (default: the host name).")] = "",
+    lease_duration_s: Annotated[float, typer.Option(help="Seconds a standby waits on an unrenewed Lease "
+                                                    "(client-go's LeaseDuration).")] = 15.0,
+    renew_deadline_s: Annotated[float, typer.Option(help="Seconds after its last renewal the holder stops "
+                                                    "answering (client-go's RenewDeadline).")] = 10.0,
+    retry_period_s: Annotated[float, typer.Option(help="Seconds between two acquire-or-renew rounds "
+                                                  "(client-go's RetryPeriod).")] = 2.0,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "warning",
 ) -> None:
-    """Run the endpoint picker as the chart's picker pod does (`python -m router.picker`): the
-    routers started with --picker ask it for every pick (docs/routing.md, 'Endpoint picker')."""
-    from router.picker.__main__ import main
+    """Run the endpoint picker as the chart's picker pods do (`python -m router.picker`): the
+    routers started with --picker ask it for every pick (docs/routing.md, 'Endpoint picker').
+    With --lease, several replicas run active-passive (fleet/k8s/picker_pod.py)."""
+    import asyncio
+    import logging
 
-    main(["--host", host, "--port", str(port), "--log-level", log_level])
+    from fleet.k8s.peer_endpoints import pod_namespace
+    from fleet.k8s.picker_pod import PickerLease, serve_picker_pod
+
+    logging.basicConfig(level=log_level.upper())
+    try:
+        held = PickerLease(lease, namespace or pod_namespace(), identity, lease_duration_s, renew_deadline_s,
+                           retry_period_s) if lease else None  # fmt: skip
+        asyncio.run(serve_picker_pod(host, port, metrics_port, held))
+    except ValueError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None

@@ -11,8 +11,8 @@ its own approximate index and load); a late one is reported to the picker (`PLAC
 picker counts the request's load and claim where it went.
 
 Metrics on the router's registry: `fleet_router_picker_picks_total{outcome}` (`answered`; fell back:
-`timed_out`, `unreachable`, `declined`: the picker has no such pool yet) and `fleet_router_picker_pick_seconds` (round
-trip of the answered picks).
+`timed_out`, `unreachable`, `declined`: the picker has no such pool yet, or is a standby) and
+`fleet_router_picker_pick_seconds` (round trip of the answered picks).
 """
 
 from __future__ import annotations

@@ -6,6 +6,14 @@ the subscriber the routers run without a picker) and hands every frame to one
 `router.picker.state.PickerState` on this one asyncio loop, so every pick of every router is
 decided in one place, in arrival order. Run by `python -m router.picker`
 (`router/picker/__main__.py`); `fleet up` supervises it (`fleet/local/routerproc.py`).
+
+**HA** (active-passive): `leading` says whether this picker may answer picks (in the chart, while
+it holds a coordination.k8s.io/v1 Lease: `fleet endpoint-picker --lease`, `fleet/k8s/picker_pod.py`).
+A standby keeps its connections, applies every frame but `PICK` (pools, progress, placements) and
+follows the KV streams of the pools it was sent, and answers each pick ``chosen = -1``: the router's
+client counts it `declined` and picks alone (`router.picker.client`). Its readiness (`/ready`,
+`router.picker.metrics.serve_http`) is false, so the Service sends the routers to the leader only.
+Metrics: `router.picker.metrics.PickerMetrics`.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 
+from router.picker.metrics import PickerMetrics
 from router.picker.state import PickerState
 from router.picker.wire import FINISH, AnswerFrame, FrameReader, PickFrame, PlacedFrame, PoolFrame, ProgressFrame, \
     WireError, encode_answer
@@ -34,16 +43,28 @@ class PickerService:
     """The picker's server: `start(host, port)` listens (port 0: a free one, `port` after),
     `close()` stops it and the KV subscribers. `clock` gives seconds (monotonic), the policy's
     `now_s`. `streams`: where the engines' KV events are followed (default: a fresh
-    `KvEventStreams`)."""
+    `KvEventStreams` counting into `metrics`). `leading`: whether picks are answered now (default:
+    always; HA: while the Lease is held). `metrics`: where it records (default: a fresh
+    `PickerMetrics`)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, streams: KvEventStreams | None = None) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, streams: KvEventStreams | None = None, *,
+                 leading: Callable[[], bool] = lambda: True, metrics: PickerMetrics | None = None) -> None:  # fmt: skip
         self._clock = clock
-        self.streams = streams if streams is not None else KvEventStreams(clock=clock)
+        self.metrics = metrics if metrics is not None else PickerMetrics()
+        self.leading = leading
+        if streams is None:
+            streams = KvEventStreams(self.metrics, clock=clock)  # type: ignore[arg-type]  # duck-typed: bind_kv
+        self.streams = streams
         self.state = PickerState(self.streams.index, self._put_sources)
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
         self.port = 0
+        facts = self.metrics.facts
+        facts.routers = lambda: len(self._connections)
+        facts.in_flight = self.state.in_flight
+        facts.leading = lambda: self.leading()
+        facts.kv_rows = streams.kv_rows
 
     def _put_sources(self, model: str, sources: Mapping[str, dict]) -> None:
         self.streams.put(model, {e: KvEventsSource.model_validate(s) for e, s in sources.items()})
@@ -93,11 +114,13 @@ class PickerService:
         state = self.state
         answers = []
         now_s = self._clock()
+        leading: bool | None = None   # asked once per read, at its first pick
         for frame in frames:
             kind = type(frame)
             if kind is PickFrame:
-                chosen, cached, block_tokens = state.pick(connection, frame, now_s)
-                answers.append(encode_answer(frame.ticket, chosen, cached, block_tokens))
+                if leading is None:
+                    leading = self.leading()
+                answers.append(self._pick(connection, frame, now_s) if leading else self._decline(frame))
             elif kind is ProgressFrame:
                 state.progress(connection, frame.ticket, finished=frame.kind == FINISH)
             elif kind is PlacedFrame:
@@ -110,3 +133,17 @@ class PickerService:
             elif kind is AnswerFrame:
                 raise WireError("a router sent an answer frame")
         return b"".join(answers)
+
+    def _pick(self, connection: int, frame: PickFrame, now_s: float) -> bytes:
+        """Decide `frame` (timed and counted); its answer, framed."""
+        metrics = self.metrics
+        start_s = time.perf_counter()
+        chosen, cached, block_tokens = self.state.pick(connection, frame, now_s)
+        metrics.decision.observe(time.perf_counter() - start_s)
+        (metrics.answered if chosen >= 0 else metrics.declined).inc()
+        return encode_answer(frame.ticket, chosen, cached, block_tokens)
+
+    def _decline(self, frame: PickFrame) -> bytes:
+        """A standby's answer to `frame`: none chosen, so the router picks alone."""
+        self.metrics.standby.inc()
+        return encode_answer(frame.ticket, -1, 0, 0)

@@ -593,3 +593,41 @@ def test_the_endpoint_picker_is_off_by_default_and_when_on_every_router_asks_it(
     picker_in = policies["fleet-picker"]["spec"]["ingress"][0]
     assert picker_in["ports"] == [{"port": 8090, "protocol": "TCP"}]
     assert picker_in["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+
+
+def test_the_picker_in_ha_runs_two_replicas_on_a_lease_and_only_the_leader_is_ready():
+    """router.picker.ha: two `fleet endpoint-picker --lease` pods with client-go's timings, a
+    readiness probe on /ready (200 only while holding the Lease, so the Service's Endpoints hold
+    the leader alone), a rollout that does not wait for a standby to be Ready, a service account
+    allowed get/update on its one Lease and create on leases; a PodMonitor scrapes every picker
+    pod (job fleet-picker) and the NetworkPolicy admits Prometheus to its metrics port."""
+    on = ("--set", "router.picker.enabled=true", "--set", "router.picker.ha.enabled=true",
+          "--set", "networkPolicy.enabled=true", "--set", "monitoring.podMonitor.enabled=true")  # fmt: skip
+    kinds = _by_kind(render(api_versions=MONITORING_API, extra=on))
+    picker = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-picker")
+    spec = picker["spec"]
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "100%"}}
+    pod = spec["template"]["spec"]
+    assert pod["serviceAccountName"] == "fleet-picker" and pod["automountServiceAccountToken"] is True
+    container = pod["containers"][0]
+    for arg in ("--metrics-port=9091", "--lease=fleet-picker", "--identity=$(POD_NAME)", "--namespace=$(POD_NAMESPACE)",
+                "--lease-duration-s=15", "--renew-deadline-s=10", "--retry-period-s=2"):  # fmt: skip
+        assert arg in container["args"], arg
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    role = next(r for r in kinds["Role"] if r["metadata"]["name"] == "fleet-picker")
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["fleet-picker"],
+         "verbs": ["get", "update"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]}]  # fmt: skip
+    binding = next(b for b in kinds["RoleBinding"] if b["metadata"]["name"] == "fleet-picker")
+    assert binding["subjects"][0]["name"] == "fleet-picker"
+    monitor = next(m for m in kinds["PodMonitor"] if m["metadata"]["name"] == "fleet-picker")
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["replacement"] == "fleet-picker"
+    policy = next(p for p in kinds["NetworkPolicy"] if p["metadata"]["name"] == "fleet-picker")
+    assert policy["spec"]["ingress"][1]["ports"] == [{"port": 9091, "protocol": "TCP"}]
+    # without HA: one pod, no service account, no Lease
+    kinds = _by_kind(render(extra=("--set", "router.picker.enabled=true")))
+    assert not any(r["metadata"]["name"] == "fleet-picker" for r in kinds.get("Role", []))

@@ -327,3 +327,46 @@ async def test_the_controllers_and_scheduler_place_the_charts_deployments(instal
             owner = pod["metadata"]["ownerReferences"][0]
             assert owner["kind"] == "ReplicaSet" and owner["name"].startswith(f"{name}-"), owner
             assert pod["status"]["phase"] == "Pending" and _scheduled(pod)["status"] == "True", pod["status"]
+
+
+# ----- the endpoint picker's Lease ----------------------------------------------------------------
+
+
+async def test_the_picker_fails_over_on_a_real_lease_under_the_charts_role(control_plane, kube, tmp_path):
+    """Real: kube-apiserver's Lease API (coordination.k8s.io/v1: resourceVersion conflicts, the
+    Lease's times) and its RBAC, with the chart's picker ServiceAccount, Role and RoleBinding
+    (router.picker.ha) and the token the token controller minted for it. Two `fleet endpoint-picker
+    --lease` processes, a router's client under load, kill -9 then SIGTERM of the leader
+    (tests/integration/test_picker_failover.py, where the Service is stood in for: no kube-proxy
+    here): no pick fails. Stand-ins: the Service (a forwarder probing /ready), the engines' KV
+    publishers (in this process)."""
+    import base64
+    import yaml
+
+    from fleet.k8s.client import SECRETS
+    from tests.integration.test_picker_failover import HA_VALUES, failover, kubeconfig_for
+
+    ns = "pickers"
+    await _namespace(kube, control_plane, ns)
+    rendered = yaml.safe_load_all(helm("template", "fleet", str(CHART), "--namespace", ns, "--kube-version",
+                                       KUBE_VERSION, *HA_VALUES).stdout)  # fmt: skip
+    for doc in [d for d in rendered if d and d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]:
+        if doc["metadata"]["name"] == "fleet-picker":
+            await kube.create(control_plane.resource(doc["apiVersion"], doc["kind"]), ns, doc)
+
+    async def token() -> str | None:
+        secrets = (await kube.get(SERVICE_ACCOUNTS, ns, "fleet-picker")).get("secrets") or []
+        if not secrets:
+            return None
+        data = (await kube.get(SECRETS, ns, secrets[0]["name"])).get("data") or {}
+        return base64.b64decode(data["token"]).decode() if "token" in data else None
+
+    picker_token = await async_wait_until(token, timeout_s=60, interval_s=0.2, explain=control_plane.explain,
+                                          what="the picker ServiceAccount's token")  # fmt: skip
+    kubeconfig = kubeconfig_for(tmp_path / "picker.kubeconfig", control_plane.url, picker_token,
+                                control_plane.ca_file)  # fmt: skip
+    figures = await failover(tmp_path, kubeconfig, ns)
+    lease = await kube.get(control_plane.resource("coordination.k8s.io/v1", "Lease"), ns, "fleet-picker")
+    spec = lease["spec"]
+    assert spec["holderIdentity"] == figures["leader"] and spec["leaseTransitions"] >= 2, spec
+    assert figures["failed"] == 0
