@@ -5,7 +5,8 @@ started with `--picker HOST:PORT`; `router.pools.pool.PoolTable` tells it every 
 (`put_pool`), and `router.request.proxy` asks it for the first pick of each request (`pick`) and
 reports the request's first byte and end (`PickerTicket.first_byte`, `finish`). One TCP connection,
 pipelined (`router.picker.wire`); reconnected with backoff (`RECONNECT_MIN_S` doubling to
-`RECONNECT_MAX_S`); every pool is sent again on each connection. A pick not answered within
+`RECONNECT_MAX_S`, reset only by a connection that brought an answer, so a proxy that accepts and
+closes with no picker behind it is not spun against); every pool is sent again on each connection. A pick not answered within
 `DEFAULT_DEADLINE_S`, or asked while the connection is down, is the router's own (its policy on
 its own approximate index and load); a late one is reported to the picker (`PLACED`), so the
 picker counts the request's load and claim where it went.
@@ -95,6 +96,7 @@ class PickerClient:
         self._block_tokens: dict[str, int] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._connection = 0
+        self._answers = 0   # answer frames read, all connections
         self._waiting: dict[int, asyncio.Future[AnswerFrame | None]] = {}
         self._next_ticket = 0
         self._task: asyncio.Task[None] | None = None
@@ -184,7 +186,6 @@ class PickerClient:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(RECONNECT_MAX_S, backoff_s * 2)
                 continue
-            backoff_s = RECONNECT_MIN_S
             sock = writer.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -192,6 +193,7 @@ class PickerClient:
             for frame in self._pools.values():
                 writer.write(frame)
             self._writer = writer
+            answers_before = self._answers
             try:
                 await self._read(reader)
             except (OSError, WireError) as err:
@@ -204,6 +206,11 @@ class PickerClient:
                         future.set_result(None)
                 self._waiting.clear()
                 writer.close()
+            if self._answers > answers_before:   # it served: the next loss starts the backoff afresh
+                backoff_s = RECONNECT_MIN_S
+            else:   # accepted and closed without an answer (e.g. a proxy with no picker behind it)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(RECONNECT_MAX_S, backoff_s * 2)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         frames = FrameReader()
@@ -212,6 +219,7 @@ class PickerClient:
             for frame in frames.feed(data):
                 if type(frame) is not AnswerFrame:
                     raise WireError(f"the picker sent a frame of kind {type(frame).__name__}")
+                self._answers += 1
                 future = waiting.pop(frame.ticket, None)
                 if future is not None and not future.done():   # else answered after its deadline: placed
                     future.set_result(frame)

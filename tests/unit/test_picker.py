@@ -174,3 +174,26 @@ async def test_a_router_asks_the_picker_and_falls_back_when_it_is_gone() -> None
     finally:
         await client.close()
         await service.close()
+
+
+async def test_a_picker_address_that_accepts_and_closes_is_retried_with_backoff() -> None:
+    """A proxy that accepts and closes at once (no picker behind it) is not spun against: the
+    backoff (50 ms doubling) runs between connections that brought no answer."""
+    accepted: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def accept_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(loop.time())
+        writer.close()
+
+    server = await asyncio.start_server(accept_and_close, "127.0.0.1", 0)
+    client = PickerClient("127.0.0.1", server.sockets[0].getsockname()[1], deadline_s=0.5)
+    try:
+        client.put_pool("m", "least-outstanding", {"e0": None})
+        client.start()
+        await async_wait_until(lambda: len(accepted) >= 4, 20.0, what="four connections accepted")
+        assert accepted[3] - accepted[0] >= 0.05 + 0.1 + 0.2 - 0.01, accepted   # the backoff ran between them
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
