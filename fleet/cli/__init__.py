@@ -33,8 +33,8 @@ from fleet.cli import agent, engines, explain, k8s, local, observability, placem
 PANELS: dict[str, tuple[str, ...]] = {
     "Run on this machine": ("up", "status", "top", "logs", "down"),
     "Deployments": ("validate", "plan", "apply", "rollout", "explain"),
-    "Kubernetes and nodes": ("operator", "crd", "router-pod", "router", "node-agent", "pod-devices", "cache",
-                             "inventory"),
+    "Kubernetes and nodes": ("operator", "crd", "router-pod", "router", "endpoint-picker", "node-agent",
+                             "pod-devices", "cache", "inventory"),
     "Observability": ("prometheus-config", "dashboard", "rules"),
     "Simulate and develop": ("simulate", "simulate-rollout", "sim-engine", "make-tiny-model"),
 }

@@ -40,7 +40,7 @@ def help_of(path: tuple[str, ...], columns: int = 120) -> str:
 
 def option_row(text: str, option: str) -> str:
     """The help row that starts with ``option`` (between the panel's borders)."""
-    starts = re.compile(r"│[ *]+" + re.escape(option) + "[ ,]")
+    starts = re.compile(r"│[ *]{1,6}" + re.escape(option) + "[ ,]")   # an option's own row, not its name in a help text
     rows = [line.strip("│ *") for line in text.splitlines() if starts.match(line)]
     assert rows, (option, text)
     return rows[0]

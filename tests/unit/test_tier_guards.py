@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 
+import tests.support.guards as guards_module
 from tests.support.guards import TierGuardError, UnitTierGuards
 
 pytest_plugins = ["pytester"]
@@ -23,8 +24,8 @@ UNROUTABLE = ("192.0.2.1", 80)     # TEST-NET-1 (RFC 5737): never a real host
 
 
 def _unused_loopback_port() -> int:
-    """A loopback port no socket of this process bound: a low one nothing here binds."""
-    return 1
+    """A low loopback port no socket of this process bound (a test run as root may bind port 1)."""
+    return next(port for port in range(1, 1024) if port not in guards_module._bound_ports)
 
 
 def _tripped(guards: UnitTierGuards, fragment: str) -> None:
