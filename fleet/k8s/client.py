@@ -189,6 +189,18 @@ class KubeClient:
             config.load_kube_config()
         return cls(client.ApiClient())
 
+    @classmethod
+    def load_for(cls, flag: str) -> KubeClient:
+        """`load`, for a command whose ``flag`` needs the API. Raises ValueError naming ``flag``
+        when there are no credentials."""
+        from kubernetes.config import ConfigException
+
+        try:
+            return cls.load()
+        except ConfigException as err:
+            raise ValueError(f"{flag}: no Kubernetes API credentials (the pod's service account token, else a "
+                             f"kubeconfig): {err}") from None
+
     @staticmethod
     def for_host(host: str, token: str | None = None) -> KubeClient:
         """A client of the API server at ``host`` (http(s)://...), with a bearer token if given."""

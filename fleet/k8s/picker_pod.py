@@ -75,15 +75,9 @@ async def serve_picker_pod(host: str, port: int, metrics_port: int | None, lease
         return
     own_kube = None
     if kube is None:
-        from kubernetes.config import ConfigException
-
         from fleet.k8s.client import KubeClient
 
-        try:
-            kube = own_kube = KubeClient.load()
-        except ConfigException as err:
-            raise ValueError(f"--lease: no Kubernetes API credentials (the pod's service account token, else a "
-                             f"kubeconfig): {err}") from None
+        kube = own_kube = KubeClient.load_for("--lease")
     elector = elector_for(kube, lease)
     keeper = LeaseKeeper(elector, lease.retry_period_s,
                          lambda: log.warning("%s %s the picker lease %s", elector.identity,

@@ -100,13 +100,7 @@ async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: s
     if peers_endpoints is not None:
         namespace = pod_namespace()
         if kube is None:
-            from kubernetes.config import ConfigException
-
-            try:
-                kube = own_kube = KubeClient.load()
-            except ConfigException as err:
-                raise ValueError(f"--peers-endpoints: no Kubernetes API credentials (the pod's service account "
-                                 f"token, else a kubeconfig): {err}") from None
+            kube = own_kube = KubeClient.load_for("--peers-endpoints")
         resolve, target = EndpointsPeers(kube, namespace), peers_endpoints
     try:
         await _serve(host, port, admin_port, log_level, stop, drain_timeout_s,

@@ -93,6 +93,18 @@ class _Supervised:
         self.restarts += 1
         return True
 
+    async def _terminate(self, grace_s: float) -> None:
+        """SIGTERM the process, SIGKILL it if it still runs after ``grace_s``; forget the record."""
+        if self.record is None:
+            return
+        self.processes.stop(self.record)
+        deadline = time.monotonic() + grace_s
+        while self.processes.poll(self.record)[0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.processes.poll(self.record)[0]:
+            self.processes.kill(self.record)
+        self.record = None
+
 
 class RouterProcess(_Supervised):
     """The router of the fleet in ``store``, listening on ``host:port`` through a socket this
@@ -260,14 +272,7 @@ class RouterProcess(_Supervised):
         if self.listener is not None:   # new connections are refused from here; the router drains
             self.listener.close()
             self.listener = None
-        if self.record is not None:
-            self.processes.stop(self.record)
-            deadline = time.monotonic() + grace_s
-            while self.processes.poll(self.record)[0] and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            if self.processes.poll(self.record)[0]:
-                self.processes.kill(self.record)
-            self.record = None
+        await self._terminate(grace_s)
         self._unpersisted = None
         try:
             self.record_path.unlink()
@@ -374,14 +379,7 @@ class PickerProcess(_Supervised):
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``; forget the record."""
-        if self.record is not None:
-            self.processes.stop(self.record)
-            deadline = time.monotonic() + grace_s
-            while self.processes.poll(self.record)[0] and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            if self.processes.poll(self.record)[0]:
-                self.processes.kill(self.record)
-            self.record = None
+        await self._terminate(grace_s)
         try:
             self.record_path.unlink()
         except OSError:
