@@ -3,7 +3,7 @@
 Owns the two commands' arguments and help; the work is done by `fleet.k8s.crd` (the CRD from
 the pydantic spec), `fleet.k8s.operator` (the operator loop) and `fleet.k8s.routerpod` (the router
 pod). Registered on the `fleet` app by `fleet.cli`. The `kubernetes` client is imported only by
-`fleet operator` and by `fleet router-pod --peers-endpoints`.
+`fleet operator`, by `fleet endpoint-picker --lease` and by `fleet router-pod --picker-endpoints`.
 """
 
 from __future__ import annotations
@@ -128,19 +128,6 @@ def router_pod(
     port: Annotated[int, typer.Option(help="Port of the OpenAI API (the public Service's target).")] = 8080,
     admin_port: Annotated[int, typer.Option(help="Port of the admin API (the operator's pool updates).")] = 9090,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
-    peers_endpoints: Annotated[str, typer.Option(
-        help="SERVICE:PORT: the other router pods are the ready addresses of this Service's Endpoints (a "
-             "Service in the pod's namespace: $POD_NAMESPACE, else the service account's namespace file), read "
-             "through the Kubernetes API with the pod's service account (RBAC: get on that Endpoints object); "
-             "PORT: their admin port. They share their load (docs/routing.md, 'A shared load signal'). Empty: "
-             "none.")] = "",
-    peers_dns: Annotated[str, typer.Option(
-        help="NAME:PORT of the other router pods found by DNS instead (a headless Service where cluster DNS "
-             "answers; PORT: their admin port). Empty: none.")] = "",
-    pod_ip: Annotated[str, typer.Option(envvar="FLEET_POD_IP",
-                                        help="This pod's IP, left out of the peers found.")] = "",
-    router_id: Annotated[str, typer.Option(envvar="FLEET_POD_NAME",
-                                           help="This router's id in its load reports (the pod name).")] = "",
     drain_timeout_s: Annotated[Optional[float], typer.Option(
         help="Seconds the requests in flight may take to finish once SIGTERM came (no new connection is "
              "accepted); then they are cut. Keep it under the pod's terminationGracePeriodSeconds less its "
@@ -148,6 +135,12 @@ def router_pod(
     picker: Annotated[str, typer.Option(
         help="HOST:PORT of the endpoint picker every pool asks for its picks (docs/routing.md, 'Endpoint "
              "picker'); the router then follows no KV event stream itself. Empty: none.")] = "",
+    picker_endpoints: Annotated[str, typer.Option(
+        help="SERVICE:PORT: the endpoint picker is the ready address of this Service's Endpoints (a Service in "
+             "the pod's namespace: $POD_NAMESPACE, else the service account's namespace file), read through the "
+             "Kubernetes API with the pod's service account (RBAC: get on that Endpoints object) before each "
+             "connection and every 2 s while connected; PORT: the picker's port. No cluster DNS or kube-proxy "
+             "needed. Instead of --picker. Empty: none.")] = "",
 ) -> None:
     """Run the router as the chart's router pods do: the OpenAI API on --port, the admin API on
     --admin-port only (404 under /admin on --port). The admin token is read from
@@ -155,23 +148,18 @@ def router_pod(
     import asyncio
     import os
 
-    from fleet.k8s.peer_endpoints import parse_endpoints_target
     from fleet.k8s.routerpod import serve_router_pod
-    from router.signals.peer_discovery import parse_dns_target
+    from fleet.k8s.service_endpoints import parse_endpoints_target
+    from router.picker.client import parse_address
 
     token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN", "")
     if not token:
         typer.echo("FLEET_ROUTER_ADMIN_TOKEN is not set: the admin API needs a token.", err=True)
         raise typer.Exit(2)
     try:
-        dns = parse_dns_target(peers_dns) if peers_dns else None
-        endpoints = parse_endpoints_target(peers_endpoints) if peers_endpoints else None
-        try:
-            picker_at = parse_dns_target(picker) if picker else None   # NAME:PORT, as the peers' DNS target
-        except ValueError:
-            raise ValueError(f"--picker must be HOST:PORT with a port in 1-65535, got {picker!r}") from None
-        asyncio.run(serve_router_pod(host, port, admin_port, token, peers_dns=dns, pod_ip=pod_ip,
-                                     router_id=router_id, peers_endpoints=endpoints, picker=picker_at,
+        picker_at = parse_address(picker) if picker else None
+        endpoints = parse_endpoints_target(picker_endpoints) if picker_endpoints else None
+        asyncio.run(serve_router_pod(host, port, admin_port, token, picker=picker_at, picker_endpoints=endpoints,
                                      **({} if drain_timeout_s is None else {"drain_timeout_s": drain_timeout_s})))  # fmt: skip
     except ValueError as err:
         typer.echo(str(err), err=True)
@@ -203,12 +191,12 @@ def endpoint_picker(
     import asyncio
     import logging
 
-    from fleet.k8s.peer_endpoints import pod_namespace
     from fleet.k8s.picker_pod import PickerLease, serve_picker_pod
+    from fleet.k8s.service_endpoints import pod_namespace
 
     logging.basicConfig(level=log_level.upper())
     try:
-        held = PickerLease(lease, namespace or pod_namespace(), identity, lease_duration_s, renew_deadline_s,
+        held = PickerLease(lease, namespace or pod_namespace(flag="--lease"), identity, lease_duration_s, renew_deadline_s,
                            retry_period_s) if lease else None  # fmt: skip
         asyncio.run(serve_picker_pod(host, port, metrics_port, held))
     except ValueError as err:

@@ -5,11 +5,11 @@ router's app (`router.http.app.create_app`) serves ``/v1`` and ``/admin/v1`` on 
 cluster the public Service must never carry the admin API, so this process serves the same app
 twice, from one event loop and one pool table: on ``port`` with every ``/admin`` path answered
 404 (`PublicOnly`), and on ``admin_port`` in full (the operator pushes pools there; the chart's
-NetworkPolicy option admits only the operator and the other router pods to it: the router pods
-post their load to each other's admin port, `router.signals.peer_discovery`). The peers are found
-through the router-peers Service's Endpoints (``--peers-endpoints``: `fleet.k8s.peer_endpoints`,
-read with the pod's service account, injected here into the router's `PeerDiscovery`) or by DNS
-(``--peers-dns``). Called by `fleet.cli.k8s`.
+NetworkPolicy option admits only the operator to it). The endpoint picker is reached at a static
+``--picker HOST:PORT`` or at the ready address of the picker Service's Endpoints
+(``--picker-endpoints SERVICE:PORT``: `fleet.k8s.service_endpoints.ServiceLocator`, read with the
+pod's service account, injected here into the router's `router.picker.client.PickerClient`; no
+cluster DNS or kube-proxy needed). Called by `fleet.cli.k8s`.
 
 Told to stop (SIGTERM from the kubelet, after the chart's ``preStop`` sleep has let the Service's
 endpoints drop the pod), the public server stops accepting and its requests in flight finish, up
@@ -28,10 +28,9 @@ from typing import Any
 import uvicorn
 
 from fleet.k8s.client import KubeClient
-from fleet.k8s.peer_endpoints import EndpointsPeers, pod_namespace
+from fleet.k8s.service_endpoints import EndpointsAddresses, ServiceLocator, pod_namespace
 from router.http.app import create_app
 from router.http.server import CLIENT_KEEPALIVE_S, DRAIN_TIMEOUT_S
-from router.signals.peer_discovery import resolve_addresses
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -71,41 +70,37 @@ def _config(app, host: str, port: int, lifespan: str, log_level: str, drain_time
 
 async def serve_router_pod(host: str, port: int, admin_port: int, admin_token: str,
                            log_level: str = "warning", stop: asyncio.Event | None = None,
-                           peers_dns: tuple[str, int] | None = None, pod_ip: str = "",
-                           router_id: str = "", peers_endpoints: tuple[str, int] | None = None,
                            kube: KubeClient | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S,
-                           picker: tuple[str, int] | None = None) -> None:  # fmt: skip
+                           picker: tuple[str, int] | None = None,
+                           picker_endpoints: tuple[str, int] | None = None) -> None:  # fmt: skip
     """Serve the OpenAI API on ``host:port`` and the admin API on ``host:admin_port`` until
     ``stop`` is set (None: until SIGINT/SIGTERM), then drain: no new connection, the requests in
-    flight finish for up to ``drain_timeout_s`` seconds (then they are cut). The other router pods, which this one shares
-    its load with (``pod_ip``, its own address, left out; ``router_id``, its id in its reports:
-    the pod name; `router.signals.peer_discovery`), are found through ``peers_endpoints``
-    ((Service name in the pod's namespace, peers' admin port): the Service's Endpoints, read with
-    ``kube``, by default `KubeClient.load`, the pod's service account; the namespace from
-    `fleet.k8s.peer_endpoints.pod_namespace`) or ``peers_dns`` ((headless Service's DNS name,
-    peers' admin port)); at most one of the two. ``picker``: (host, port) of the endpoint picker
-    every pool asks (`router.picker`); None: the router picks alone.
+    flight finish for up to ``drain_timeout_s`` seconds (then they are cut). The endpoint picker
+    every pool asks (`router.picker`) is at ``picker`` ((host, port), static) or at the ready
+    address of ``picker_endpoints`` ((Service name in the pod's namespace, the picker's port):
+    the Service's Endpoints, read with ``kube``, by default `KubeClient.load_for`, the pod's
+    service account; the namespace from `fleet.k8s.service_endpoints.pod_namespace`); at most one
+    of the two; neither: the router picks alone.
 
     Raises:
-        ValueError: the ports are equal, ``drain_timeout_s`` is not > 0, both peer sources are given, or (with
-            ``peers_endpoints``) the pod's namespace or API credentials are missing.
+        ValueError: the ports are equal, ``drain_timeout_s`` is not > 0, both picker addresses are given,
+            or (with ``picker_endpoints``) the pod's namespace or API credentials are missing.
     """
     if port == admin_port:
         raise ValueError(f"--admin-port must differ from --port ({port}): the admin API never shares the public port")
     if not drain_timeout_s > 0:
         raise ValueError(f"--drain-timeout-s must be > 0 seconds, not {drain_timeout_s:g}")
-    if peers_dns is not None and peers_endpoints is not None:
-        raise ValueError("--peers-dns and --peers-endpoints are two ways to find the same peers: give one")
-    resolve, target, own_kube = resolve_addresses, peers_dns, None
-    if peers_endpoints is not None:
+    if picker is not None and picker_endpoints is not None:
+        raise ValueError("--picker and --picker-endpoints are two ways to find the same picker: give one")
+    locate, own_kube = None, None
+    if picker_endpoints is not None:
         namespace = pod_namespace()
         if kube is None:
-            kube = own_kube = KubeClient.load_for("--peers-endpoints")
-        resolve, target = EndpointsPeers(kube, namespace), peers_endpoints
+            kube = own_kube = KubeClient.load_for("--picker-endpoints")
+        locate = ServiceLocator(EndpointsAddresses(kube, namespace), *picker_endpoints)
     try:
         await _serve(host, port, admin_port, log_level, stop, drain_timeout_s,
-                     create_app(admin_token, peers_dns=target, self_addresses=[pod_ip] if pod_ip else [],
-                                router_id=router_id, peers_resolve=resolve, picker=picker))  # fmt: skip
+                     create_app(admin_token, picker=picker, picker_locate=locate))
     finally:
         if own_kube is not None:
             own_kube.close()

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.protocol.jsonlimit import loads_bounded
 from router.http.admin import ADMIN_PREFIX, PEER_REPORT_DEPTH, admin_router, validation_message
 from router.protocol.errors import error_body, error_type
-from router.picker.client import DEFAULT_DEADLINE_S, PickerClient
+from router.picker.client import DEFAULT_DEADLINE_S, Locate, PickerClient
 from router.signals.kv_streams import KvEventStreams
 from router.stats.metrics import RouterMetrics
 from router.pools.endpoint import DEFAULT_FAILURE_COOLDOWN_S
@@ -335,6 +335,7 @@ def create_app(
     peer_dns_interval_s: float = DEFAULT_PEER_DNS_INTERVAL_S,
     peers_resolve: Resolver = resolve_addresses,
     picker: tuple[str, int] | tuple[str, int, float] | None = None,
+    picker_locate: Locate | None = None,
 ) -> RouterApp:
     """Build the router's ASGI app with no pools (a controller PUTs them).
 
@@ -365,7 +366,10 @@ def create_app(
     `picker`: (host, port[, deadline in seconds]) of the endpoint picker (`router.picker`): every
     pool asks it for its picks, falling back to its own when it does not answer within the
     deadline (default `router.picker.client.DEFAULT_DEADLINE_S`), and follows no KV event stream
-    itself; None: none.
+    itself; None: none. `picker_locate`: where the picker is, asked again and again
+    (`router.picker.client.Locate`; a router pod passes `fleet.k8s.service_endpoints.ServiceLocator`,
+    the picker Service's ready address) instead of a static `picker`; give at most one of the two
+    (ValueError otherwise).
     The time a request's head and body may take to arrive is bounded by the server
     (`router.http.server.uvicorn_config`).
     """
@@ -384,10 +388,14 @@ def create_app(
             log.info("models served before the restart (503 until published again): %s", ", ".join(remembered))
     kv_streams = KvEventStreams(metrics)
     picker_client = None
+    if picker is not None and picker_locate is not None:
+        raise ValueError("give the picker's address or a way to locate it, not both")
     if picker is not None:
         deadline_s = picker[2] if len(picker) > 2 else DEFAULT_DEADLINE_S  # type: ignore[misc]
         picker_client = PickerClient(picker[0], picker[1], deadline_s=deadline_s, clock=clock,
                                      registry=metrics.registry)  # fmt: skip
+    elif picker_locate is not None:
+        picker_client = PickerClient(locate=picker_locate, clock=clock, registry=metrics.registry)
     pools = PoolTable(metrics, wall_clock, clock, remembered, kv_streams, picker_client)
     proxy = Proxy(
         pools,

@@ -1,12 +1,19 @@
 """A router's connection to the endpoint picker: ask per request, fall back when it does not answer.
 
-Owns `PickerClient` and `PickerTicket`. `router.http.app.create_app` makes one when the router is
-started with `--picker HOST:PORT`; `router.pools.pool.PoolTable` tells it every pool
+Owns `PickerClient`, `PickerTicket`, `Locate` and `parse_address` (``--picker HOST:PORT``). `router.http.app.create_app` makes one when the
+router is started with `--picker HOST:PORT` (a static address) or, in a router pod, with a
+`Locate` (the picker Service's ready address read through the Kubernetes API,
+`fleet.k8s.service_endpoints`, injected by `fleet.k8s.routerpod`: router/ never imports fleet/);
+`router.pools.pool.PoolTable` tells it every pool
 (`put_pool`), and `router.request.proxy` asks it for the first pick of each request (`pick`) and
 reports the request's first byte and end (`PickerTicket.first_byte`, `finish`). One TCP connection,
 pipelined (`router.picker.wire`); reconnected with backoff (`RECONNECT_MIN_S` doubling to
 `RECONNECT_MAX_S`, reset only by a connection that brought an answer, so a proxy that accepts and
-closes with no picker behind it is not spun against); every pool is sent again on each connection. A pick not answered within
+closes with no picker behind it is not spun against); every pool is sent again on each connection.
+With a `Locate`, the address is asked before each connection and every `DEFAULT_LOCATE_INTERVAL_S`
+while connected: when it changes (an HA failover moved the Service's ready address to the new
+leader) the connection is closed and the next one goes to the new address; when the locator fails
+the last address is kept; when it finds none the router picks alone until it finds one. A pick not answered within
 `DEFAULT_DEADLINE_S`, or asked while the connection is down, is the router's own (its policy on
 its own approximate index and load); a late one is reported to the picker (`PLACED`), so the
 picker counts the request's load and claim where it went.
@@ -23,7 +30,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -44,7 +51,31 @@ default `--block-size`)."""
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 2.0
 """Backoff between two connection attempts: doubling from `RECONNECT_MIN_S` to `RECONNECT_MAX_S`."""
+DEFAULT_LOCATE_INTERVAL_S = 2.0
+"""Seconds between two reads of the picker's address while connected (with a `Locate`): an HA
+failover is followed within this long after the Service's Endpoints changed (the new leader turns
+Ready within its readiness probe's period, router-picker.yaml)."""
 PICK_RTT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01)
+
+
+Address = tuple[str, int]
+Locate = Callable[[], Awaitable[Address | None]]
+"""Where the picker is now: an async callable returning (host, port), or None when no picker is
+ready. An OSError it raises means "unknown now": the client keeps the last address."""
+
+
+def parse_address(target: str, flag: str = "--picker") -> Address:
+    """``HOST:PORT`` (``[V6]:PORT`` for an IPv6 literal) as (host, port).
+
+    Raises:
+        ValueError: naming ``flag``: no port, a port outside 1-65535, or an empty host.
+    """
+    host, sep, port = target.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag} must be HOST:PORT with a port in 1-65535, got {target!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
 
 
 class PickerTicket:
@@ -69,17 +100,30 @@ class PickerTicket:
 
 
 class PickerClient:
-    """The router's connection to the picker at `host`:`port` (module docstring).
+    """The router's connection to the picker at `host`:`port`, or wherever `locate` says it is
+    (module docstring); give one of the two.
 
     `start()` begins connecting (on the running loop); `close()` stops. `deadline_s`: the wait
-    for an answer. `clock`: seconds, for the round-trip histogram. `registry`: where the metrics
-    go (None: a private one)."""
+    for an answer. `locate_interval_s`: seconds between two calls of `locate` while connected.
+    `clock`: seconds, for the round-trip histogram. `registry`: where the metrics go (None: a
+    private one). `host` and `port` are the address connected to last.
 
-    def __init__(self, host: str, port: int, *, deadline_s: float = DEFAULT_DEADLINE_S,
+    Raises:
+        ValueError: both or neither of `host` and `locate` given, or `locate_interval_s` not > 0.
+    """
+
+    def __init__(self, host: str = "", port: int = 0, *, locate: Locate | None = None,
+                 locate_interval_s: float = DEFAULT_LOCATE_INTERVAL_S, deadline_s: float = DEFAULT_DEADLINE_S,
                  clock: Callable[[], float] = time.perf_counter,
                  registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+        if bool(host) == (locate is not None):
+            raise ValueError("PickerClient: give the picker's host and port, or a locate callable, not both or neither")
+        if not locate_interval_s > 0:
+            raise ValueError(f"locate_interval_s must be > 0 seconds, not {locate_interval_s:g}")
         self.host = host
         self.port = port
+        self._locate = locate
+        self.locate_interval_s = locate_interval_s
         self.deadline_s = deadline_s
         self._clock = clock
         r = registry if registry is not None else CollectorRegistry()
@@ -177,15 +221,41 @@ class PickerClient:
         if connection == self._connection and self._writer is not None:
             self._writer.write(frame)
 
+    async def _address(self) -> Address | None:
+        """Where to connect now: the static address, or what `locate` says (its failure: the last one)."""
+        if self._locate is None:
+            return self.host, self.port
+        try:
+            found = await self._locate()
+        except OSError as err:
+            log.warning("endpoint picker: its address is unknown now (%s); keeping %s:%s", err, self.host, self.port)
+            return (self.host, self.port) if self.host else None
+        if found is not None and found != (self.host, self.port):
+            log.info("endpoint picker at %s:%s", *found)
+        return found
+
+    async def _follow(self, at: Address, writer: asyncio.StreamWriter) -> None:
+        """While connected to `at`: ask `locate` every `locate_interval_s`; close the connection
+        when the picker moved (or none is ready), so that the next one goes to where it is now."""
+        while True:
+            await asyncio.sleep(self.locate_interval_s)
+            if await self._address() != at:
+                writer.close()
+                return
+
     async def _run(self) -> None:
         backoff_s = RECONNECT_MIN_S
         while True:
+            at = await self._address()
             try:
-                reader, writer = await asyncio.open_connection(self.host, self.port)
+                if at is None:
+                    raise OSError("no endpoint picker is ready")
+                reader, writer = await asyncio.open_connection(*at)
             except OSError:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(RECONNECT_MAX_S, backoff_s * 2)
                 continue
+            self.host, self.port = at
             sock = writer.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -194,11 +264,14 @@ class PickerClient:
                 writer.write(frame)
             self._writer = writer
             answers_before = self._answers
+            follower = None if self._locate is None else asyncio.get_running_loop().create_task(self._follow(at, writer))
             try:
                 await self._read(reader)
             except (OSError, WireError) as err:
                 log.warning("endpoint picker connection lost: %s", err)
             finally:
+                if follower is not None:
+                    follower.cancel()
                 self._writer = None
                 self._connection += 1   # tickets of the closed connection are the picker's to release
                 for future in self._waiting.values():

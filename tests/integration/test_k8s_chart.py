@@ -66,7 +66,7 @@ def test_defaults_render_the_expected_objects():
     kinds = _by_kind(render())
     assert {k: len(v) for k, v in kinds.items()} == {   # the node agent's DaemonSet, account and role too
         "CustomResourceDefinition": 1, "ServiceAccount": 3, "Role": 2, "RoleBinding": 2, "ClusterRole": 2,
-        "ClusterRoleBinding": 2, "Deployment": 2, "DaemonSet": 1, "Service": 4, "PodDisruptionBudget": 1,
+        "ClusterRoleBinding": 2, "Deployment": 3, "DaemonSet": 1, "Service": 4, "PodDisruptionBudget": 1,
     }
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     assert router["spec"]["replicas"] == 2
@@ -81,24 +81,17 @@ def test_admin_api_never_on_the_public_service():
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     container = router["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: (p["containerPort"], p["protocol"]) for p in container["ports"]}
-    # the peers' UDP load reports share the admin port's number (router/signals/peer_datagram.py)
-    assert ports == {"http": (8080, "TCP"), "admin": (9090, "TCP"), "peer-load": (9090, "UDP")}
+    assert ports == {"http": (8080, "TCP"), "admin": (9090, "TCP")}
     assert "--admin-port=9090" in container["args"] and container["args"][0] == "router-pod"
     for svc in kinds["Service"]:
-        if svc["metadata"]["name"] == "fleet-router-peers":   # headless: Endpoints (and DNS records), no proxy
-            assert svc["spec"]["clusterIP"] == "None"
-            continue
         assert all(p["targetPort"] != "admin" and p["port"] != 9090 for p in svc["spec"]["ports"]), svc
     policy = next(p for p in kinds["NetworkPolicy"] if p["metadata"]["name"] == "fleet-router")
+    assert [r["ports"] for r in policy["spec"]["ingress"]] == [[{"port": 8080, "protocol": "TCP"}],
+                                                               [{"port": 9090, "protocol": "TCP"}]]  # fmt: skip
     admin_rule = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 9090)
-    assert admin_rule["from"] == [{"podSelector": {"matchLabels": {
+    assert admin_rule["from"] == [{"podSelector": {"matchLabels": {   # the operator alone
         "app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
-        "app.kubernetes.io/component": component}}} for component in ("operator", "router")]   # peers
-    udp_rule = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["protocol"] == "UDP")
-    assert udp_rule["ports"] == [{"port": 9090, "protocol": "UDP"}]   # the peers' datagrams, from routers only
-    assert udp_rule["from"] == [{"podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
-        "app.kubernetes.io/component": "router"}}}]
+        "app.kubernetes.io/component": "operator"}}}]
     # the admin token comes from the Secret: the router's through secretKeyRef, the operator's
     # through the API (test_the_operator_owns_the_admin_token_secret)
     env = {e["name"]: e for e in container["env"]}
@@ -113,9 +106,9 @@ def test_rbac_is_least_privilege():
         "fleet-fleet-agent": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},   # and gets
                               {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}   # its GPU pods' uids
     roles = {r["metadata"]["name"]: r for r in kinds["Role"]}
-    # the router pods: get on their peers Service's Endpoints (by name), nothing else (router-rbac.yaml)
+    # the router pods: get on the picker Service's Endpoints (by name), nothing else (router-rbac.yaml)
     assert roles["fleet-router"]["rules"] == [{"apiGroups": [""], "resources": ["endpoints"],
-                                               "resourceNames": ["fleet-router-peers"], "verbs": ["get"]}]  # fmt: skip
+                                               "resourceNames": ["fleet-picker"], "verbs": ["get"]}]  # fmt: skip
     role = roles["fleet-operator"]
     assert role["metadata"]["namespace"] == "fleet"
     resources = {r for rule in role["rules"] for r in rule["resources"]}
@@ -177,7 +170,8 @@ def test_global_registry_extra_objects_and_engine_pod_settings():
     (["--set", "router.port=0"], "port"),
     (["--set", "router.adminToken.existingSecret=Not_A_Name"], "existingSecret"),
     (["--set", "router.adminToken.existingSecretKey=a/b"], "existingSecretKey"),
-    (["--set", "router.peers.enabled=sometimes"], "enabled"),
+    (["--set", "router.picker.enabled=sometimes"], "enabled"),
+    (["--set", "router.peers.enabled=true"], "peers"),
     (["--set", "agent.nodeselector.a=b"], "nodeselector"),
     (["--set", "agent.runtimeClassName=NVIDIA_runtime"], "runtimeClassName"),
 ])
@@ -190,13 +184,12 @@ def test_values_schema_refuses_bad_values(bad, field):
     assert field in proc.stderr, proc.stderr
 
 
-def _router_peers(*extra: str) -> tuple[list[str], dict[str, dict], dict | None]:
-    """(router args, router env by name, the headless peers Service or None) of a render."""
+def _router_args(*extra: str) -> tuple[list[str], dict[str, dict]]:
+    """(router args, router env by name) of a render."""
     kinds = _by_kind(render(extra=extra))
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")
     container = router["spec"]["template"]["spec"]["containers"][0]
-    services = {s["metadata"]["name"]: s for s in kinds["Service"]}
-    return container["args"], {e["name"]: e for e in container["env"]}, services.get("fleet-router-peers")
+    return container["args"], {e["name"]: e for e in container["env"]}
 
 
 def _router_pod_spec(*extra: str) -> dict:
@@ -204,32 +197,24 @@ def _router_pod_spec(*extra: str) -> dict:
     return next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-router")["spec"]["template"]["spec"]
 
 
-def test_routers_find_each_other_through_the_peers_services_endpoints():
-    """With more than one router replica (the default 2) each router pod reads the Endpoints of a
-    Service of the Ready router pods through the API, with a token of its own service account,
-    and posts its load to their admin port (fleet/k8s/peer_endpoints.py, router.signals.peer_discovery)."""
-    args, env, service = _router_peers()
-    assert args[:4] == ["router-pod", "--host=0.0.0.0", "--port=8080", "--admin-port=9090"]
-    assert args[4:7] == ["--peers-endpoints=fleet-router-peers:9090", "--pod-ip=$(FLEET_POD_IP)",
-                         "--router-id=$(FLEET_POD_NAME)"]  # fmt: skip
-    assert env["FLEET_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert env["FLEET_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    spec = _router_pod_spec()
-    assert spec["serviceAccountName"] == "fleet-router" and spec["automountServiceAccountToken"] is True
-    assert service is not None
-    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is False
-    assert service["spec"]["selector"] == {"app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",
-                                           "app.kubernetes.io/component": "router"}  # fmt: skip
-    assert service["spec"]["ports"] == [{"name": "admin", "port": 9090, "targetPort": "admin", "protocol": "TCP"}]
-    # one router: nobody to share with (auto), unless asked; without peers no API token at all
-    args, env, service = _router_peers("--set", "router.replicas=1")
-    assert not any(a.startswith("--peers") for a in args) and "FLEET_POD_IP" not in env and service is None
-    spec = _router_pod_spec("--set", "router.replicas=1")
+def test_routers_find_the_picker_through_its_services_endpoints():
+    """By default (the picker on, whatever router.replicas) each router pod reads the Endpoints of
+    the picker Service through the API, with a token of its own service account, and connects to
+    their ready address (fleet/k8s/service_endpoints.py, router.picker.client); no DNS name, no
+    virtual IP. Without the picker: no API token at all."""
+    for replicas in ("1", "2"):
+        args, env = _router_args("--set", f"router.replicas={replicas}")
+        assert args[:4] == ["router-pod", "--host=0.0.0.0", "--port=8080", "--admin-port=9090"]
+        assert [a for a in args if a.startswith("--picker")] == ["--picker-endpoints=fleet-picker:8090"]
+        assert set(env) == {"FLEET_ROUTER_ADMIN_TOKEN", "HF_HOME"}
+        spec = _router_pod_spec("--set", f"router.replicas={replicas}")
+        assert spec["serviceAccountName"] == "fleet-router" and spec["automountServiceAccountToken"] is True
+    args, _ = _router_args("--set", "router.picker.enabled=false")
+    assert not any(a.startswith("--picker") for a in args)
+    spec = _router_pod_spec("--set", "router.picker.enabled=false")
     assert "serviceAccountName" not in spec and spec["automountServiceAccountToken"] is False
-    args, _, service = _router_peers("--set", "router.replicas=1", "--set", "router.peers.enabled=true")
-    assert "--pod-ip=$(FLEET_POD_IP)" in args and service is not None
-    args, _, service = _router_peers("--set", "router.peers.enabled=false")
-    assert not any(a.startswith("--peers") for a in args) and service is None
+    kinds = _by_kind(render(extra=("--set", "router.picker.enabled=false")))
+    assert not any(r["metadata"]["name"] == "fleet-router" for r in kinds.get("Role", []))
 
 
 def _router_deployment(*extra: str) -> dict:
@@ -570,13 +555,13 @@ def test_chart_renders_the_apis_of_the_oldest_and_newest_supported_kubernetes():
     assert proc.returncode != 0 and ">=1.20.0-0" in proc.stderr, proc.stderr
 
 
-def test_the_endpoint_picker_is_off_by_default_and_when_on_every_router_asks_it():
-    """router.picker.enabled: a Deployment of one `fleet endpoint-picker` pod and its Service; every
-    router pod gets --picker and no peers (auto); engines admit the picker (KV events), the picker
-    admits the routers (docs/routing.md, "Endpoint picker")."""
-    kinds = _by_kind(render())
+def test_the_endpoint_picker_is_on_by_default_and_every_router_asks_it():
+    """router.picker.enabled (the default): a Deployment of one `fleet endpoint-picker` pod and its
+    Service; every router pod gets --picker-endpoints; engines admit the picker (KV events), the
+    picker admits the routers (docs/routing.md, "Endpoint picker"). Off: no picker objects."""
+    kinds = _by_kind(render(extra=("--set", "router.picker.enabled=false")))
     assert not any(d["metadata"]["name"] == "fleet-picker" for d in kinds["Deployment"] + kinds["Service"])
-    on = ("--set", "router.picker.enabled=true", "--set", "networkPolicy.enabled=true")
+    on = ("--set", "networkPolicy.enabled=true",)
     kinds = _by_kind(render(extra=on))
     picker = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "fleet-picker")
     assert picker["spec"]["replicas"] == 1 and picker["spec"]["strategy"] == {"type": "Recreate"}
@@ -584,8 +569,8 @@ def test_the_endpoint_picker_is_off_by_default_and_when_on_every_router_asks_it(
     assert container["args"][:3] == ["endpoint-picker", "--host=0.0.0.0", "--port=8090"]
     service = next(s for s in kinds["Service"] if s["metadata"]["name"] == "fleet-picker")
     assert service["spec"]["ports"] == [{"name": "picker", "port": 8090, "targetPort": "picker", "protocol": "TCP"}]
-    args, _, peers = _router_peers(*on)
-    assert "--picker=fleet-picker:8090" in args and not any(a.startswith("--peers") for a in args) and peers is None
+    args, _ = _router_args(*on)
+    assert "--picker-endpoints=fleet-picker:8090" in args
     policies = {p["metadata"]["name"]: p for p in kinds["NetworkPolicy"]}
     engine_from = policies["fleet-engines"]["spec"]["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fleet", "app.kubernetes.io/instance": "fleet",

@@ -11,13 +11,15 @@ or `fleet.testing.k8s.realbox.RealClusterInABox`: both give ``kube``, ``nodes``,
 ``preload_image``, ``inject_xid``, ``leftovers`` and ``denied``.
 
 Journey: install -> agents up on every GPU node, node facts accepted, the two router pods each
-finding the other in the Endpoints of the router-peers Service -> a TP=2 ``hf://...@rev``
+connected to the endpoint picker found in the Endpoints of the picker Service -> a TP=2 ``hf://...@rev``
 deployment on the NVL node, a MIG one, a TP=1 one on the SXM node and a CPU one, served through
 two router pods -> TP=2 replicas each on one NVLink pair (never across PCIe), MIG on a 3g.40gb slice ->
-weights fetched once per node, engines started from the node cache -> KV event streams followed ->
+weights fetched once per node, engines started from the node cache -> KV event streams followed by
+the picker, both routers' picks answered by it ->
 an Xid 79 on a GPU of the SXM node: quarantined, its replica drained and replaced on another GPU,
 no request failed before streaming -> a canary rollout promotes -> ``helm upgrade`` rolls the
-operator, which adopts every engine -> kill -9 of the operator, an agent and a router pod ->
+operator, which adopts every engine -> kill -9 of the operator, an agent and a router pod (which
+connects to the picker again) ->
 delete, uninstall, nothing left. Any request outside a Role's rights fails it.
 """
 
@@ -36,6 +38,7 @@ import aiohttp
 
 from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, SECRETS, NotFound
 from fleet.k8s.pods import node_affinity
+from prometheus_client.parser import text_string_to_metric_families
 from tests.support.waits import async_wait_until
 
 NS = "fleet"
@@ -214,23 +217,33 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
         await box_wait(lambda: len(router_urls()) == 2, 120, what="2 ready router pods")
         mark("agents up, node facts published, routers ready")
 
-        async def peers_found() -> bool:
-            """Each router pod sends its load to the other's admin port, found in the Endpoints of
-            the router-peers Service (fleet/k8s/peer_endpoints.py; GET /admin/v1/peers: targets)."""
-            ips = sorted(p["status"]["podIP"] for p in pods("app.kubernetes.io/component=router") if ready(p))
-            secret = box.get(SECRETS, NS, "fleet-router-admin")
-            auth = {"Authorization": f"Bearer {base64.b64decode(secret['data']['token']).decode()}"}
+        async def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+            """{(sample name, labels): value} of the Prometheus text at ``url``."""
             async with aiohttp.ClientSession() as http:
-                for ip in ips:
-                    async with http.get(f"http://{ip}:9090/admin/v1/peers", headers=auth) as r:
-                        peer_targets[ip] = (await r.json())["targets"] if r.status == 200 else [r.status]
-            return len(ips) == 2 and all(peer_targets[ip] == [f"http://{other}:9090"] for ip in ips
-                                         for other in ips if other != ip)  # fmt: skip
+                async with http.get(url) as r:
+                    text = await r.text()
+            return {(x.name, frozenset(x.labels.items())): x.value
+                    for family in text_string_to_metric_families(text) for x in family.samples}  # fmt: skip
 
-        peer_targets: dict[str, list] = {}
-        await async_wait_until(peers_found, 60, interval_s=0.5, what="each router pod's peer set holding the other",
-                               explain=lambda: f"{peer_targets}\n{why()}")  # fmt: skip
-        mark("router pods found each other through the router-peers Service's Endpoints")
+        async def picker_metrics() -> dict[tuple[str, frozenset], float]:
+            """The metrics of the one ready picker pod (its metrics port, 9091)."""
+            (picker,) = [p for p in pods("app.kubernetes.io/component=picker") if ready(p)]
+            return await scrape(f"http://{picker['status']['podIP']}:9091/metrics")
+
+        async def routers_connected() -> bool:
+            """Each router pod connects to the picker at the ready address of the picker Service's
+            Endpoints (fleet/k8s/service_endpoints.py; no cluster DNS, no kube-proxy here)."""
+            picker_rows.clear()
+            picker_rows.update((n, v) for (n, _), v in (await picker_metrics()).items() if n.startswith("fleet_picker_r"))
+            return picker_rows.get("fleet_picker_routers_connected") == 2
+
+        picker_rows: dict[str, float] = {}
+        await box_wait(lambda: len([p for p in pods("app.kubernetes.io/component=picker") if ready(p)]) == 1, 120,
+                       what="a ready endpoint picker pod")
+        await async_wait_until(routers_connected, 60, interval_s=0.5, ignoring=(aiohttp.ClientError, ValueError),
+                               what="both router pods connected to the endpoint picker",
+                               explain=lambda: f"{picker_rows}\n{why()}")  # fmt: skip
+        mark("router pods connected to the picker found through its Service's Endpoints")
 
         # ---- deployments: TP=2 on NVLink pairs, MIG, TP=1 on SXM ---------------------------------
         canary = {"strategy": "canary", "steps": [{"weight": 50}, {"analysis": {"passes": 1}}],
@@ -253,41 +266,47 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
         mark("4 deployments (TP=2 NVLink, MIG, TP=1, CPU) served through 2 router pods")
 
         async def kv_streams_live() -> bool:
-            """Every router pod follows every engine pod's KV event stream (the engine's PUB socket
-            and replay socket at its pod IP, ports kv-events / kv-replay) with an exact view, and
-            has applied events of every deployment (each got a prompt longer than a KV block)."""
+            """The picker follows every engine pod's KV event stream (the engine's PUB socket and
+            replay socket at its pod IP, ports kv-events / kv-replay) with an exact view, and has
+            applied events of every deployment (each got a prompt longer than a KV block); every
+            router pod's picks were answered by it, and each fetched chat-nvl's tokenizer from the
+            hub (it tokenizes the prompts it asks about; it holds no weights)."""
             names = {p["metadata"]["name"]: d for d in ("chat-nvl", "small-mig", "chat-sxm") for p in engine_pods(d)}
-            async with aiohttp.ClientSession() as http:
-                for url in router_urls():
-                    async with http.get(f"{url}/metrics") as r:
-                        text = await r.text()
-                    rows = [line for line in text.splitlines() if line.startswith(("fleet_router_kv_",
-                                                                                   "fleet_router_tokenizer"))]  # fmt: skip
-                    kv_rows[url] = rows
-                    live = {n for n in names if f'fleet_router_kv_stream_live{{endpoint="{n}",model="{names[n]}"}} 1.0' in rows}
-                    applied = {names[n] for n in names for line in rows
-                               if line.startswith(f'fleet_router_kv_events_total{{endpoint="{n}",')
-                               and float(line.rsplit(" ", 1)[1]) > 0}  # fmt: skip
-                    if live != set(names) or applied != set(names.values()):
-                        return False
-                    # chat-nvl's tokenizer fetched from the hub by the router pod (it holds no weights)
-                    if 'fleet_router_tokenizer_loads_total{outcome="ok"} 1.0' not in rows:
-                        return False
+            rows = await picker_metrics()
+            kv_rows["picker"] = sorted(f"{n}{dict(labels)} {v}" for (n, labels), v in rows.items()
+                                       if n.startswith("fleet_picker_kv_"))  # fmt: skip
+            live = {n for n in names if rows.get(("fleet_picker_kv_stream_live",
+                                                  frozenset({"endpoint": n, "model": names[n]}.items()))) == 1}  # fmt: skip
+            applied = {names[n] for n in names
+                       if rows.get(("fleet_picker_kv_events_total", frozenset({"endpoint": n, "model": names[n]}.items())),
+                                   0) > 0}  # fmt: skip
+            if live != set(names) or applied != set(names.values()):
+                return False
+            for url in router_urls():
+                router_rows = await scrape(f"{url}/metrics")
+                kv_rows[url] = sorted(f"{n}{dict(labels)} {v}" for (n, labels), v in router_rows.items()
+                                      if n.startswith(("fleet_router_picker_", "fleet_router_tokenizer")))  # fmt: skip
+                if router_rows.get(("fleet_router_picker_picks_total", frozenset({"outcome": "answered"}.items())), 0) < 1:
+                    return False
+                if router_rows.get(("fleet_router_tokenizer_loads_total", frozenset({"outcome": "ok"}.items()))) != 1:
+                    return False
             return bool(names)
 
         kv_rows: dict[str, list[str]] = {}
         long_prompt = " ".join(f"word{i}" for i in range(400))   # many KV blocks of any block size
         async with aiohttp.ClientSession() as http:
-            for model in ("chat-nvl", "small-mig", "chat-sxm"):
-                async with http.post(f"{router_urls()[0]}/v1/completions",
-                                     json={"model": model, "prompt": long_prompt, "max_tokens": 2}) as r:  # fmt: skip
-                    assert r.status == 200, await r.text()
-        await async_wait_until(kv_streams_live, 60, interval_s=0.25,
-                               what="every router pod following every engine pod's KV event stream",
+            for url in router_urls():
+                for model in ("chat-nvl", "small-mig", "chat-sxm"):
+                    async with http.post(f"{url}/v1/completions",
+                                         json={"model": model, "prompt": long_prompt, "max_tokens": 2}) as r:  # fmt: skip
+                        assert r.status == 200, await r.text()
+        await async_wait_until(kv_streams_live, 60, interval_s=0.25, ignoring=(aiohttp.ClientError, ValueError),
+                               what="the picker following every engine pod's KV event stream, answering both routers",
                                explain=lambda: f"{json.dumps(kv_rows, indent=1)}\n{why()}")  # fmt: skip
         for f in tokenizer:   # the node's weight cache once (the whole repository), each router pod once
             assert len(hub.log.file_gets(f"org/chat/resolve/{rev}/{f}")) == 3, f
-        mark("KV event streams live from every engine pod to every router pod; tokenizer fetched by each router")
+        mark("KV event streams live from every engine pod to the picker; both routers' picks answered; "
+             "tokenizer fetched by each router")
 
         nvl = engine_pods("chat-nvl")
         assert {p["spec"]["nodeName"] for p in nvl} == {"nvl-4"}
@@ -407,6 +426,9 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
         await box_wait(lambda: restarted(router, "router"), 120, what="a router pod restarted after kill -9")
         await box_wait(lambda: served("chat-sxm"), 120, what="chat-sxm served through both routers after the kills")
         await box_wait(lambda: served("chat-nvl"), 60, what="chat-nvl served through both routers after the kills")
+        await async_wait_until(routers_connected, 60, interval_s=0.5, ignoring=(aiohttp.ClientError, ValueError),
+                               what="both router pods connected to the picker again after the kills",
+                               explain=lambda: f"{picker_rows}\n{why()}")  # fmt: skip
         after = engines()
         assert after == before, f"the restarted operator replaced engine pods instead of adopting them\n{why()}"
         mark("kill -9 of operator, agent and router: adopted, served")
@@ -439,9 +461,9 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
         assert not left, f"left after uninstall: {left}"
         mark("deleted and uninstalled: nothing left")
         # helm uninstall deletes the Roles while the pods are still stopping (as on a real cluster):
-        # the operator's last act, giving the Lease up, and a router's last read of its peers'
+        # the operator's last act, giving the Lease up, and a router's last read of the picker's
         # Endpoints may be refused; the Lease then just expires.
-        stopping = (("leases", '"fleet-operator" is forbidden'), ("endpoints", '"fleet-router-peers" is forbidden'))
+        stopping = (("leases", '"fleet-operator" is forbidden'), ("endpoints", '"fleet-picker" is forbidden'))
         late = [d for d in box.denied if not any(kind in d and what in d for kind, what in stopping)]
         assert not late, f"requests outside a Role's rights: {late}"
     finally:

@@ -68,39 +68,33 @@ async def test_a_drain_timeout_that_is_not_positive_is_refused_naming_the_option
         await serve_router_pod("127.0.0.1", 8080, 9090, "t", drain_timeout_s=0)
 
 
-def test_router_pod_refuses_a_bad_peers_dns_target(monkeypatch):
+def test_router_pod_refuses_a_bad_picker_address(monkeypatch):
     from typer.testing import CliRunner
 
     from fleet.cli import app
 
     monkeypatch.setenv("FLEET_ROUTER_ADMIN_TOKEN", "tok")
-    result = CliRunner().invoke(app, ["router-pod", "--peers-dns", "fleet-router-peers"])   # no port
-    assert result.exit_code == 2 and "NAME:PORT" in result.output
+    result = CliRunner().invoke(app, ["router-pod", "--picker", "fleet-picker"])   # no port
+    assert result.exit_code == 2 and "--picker must be HOST:PORT" in result.output
 
 
-async def test_router_pod_finds_its_peers_by_name():
-    """The chart's arguments reach the router app: its peers are what the name resolves to, its
-    own pod IP left out (`localhost` is 127.0.0.1 here; the pod says it is 127.0.0.2, so it finds
-    its own admin port and posts to itself, which its id makes it ignore)."""
+async def test_router_pod_connects_to_a_static_picker():
+    """`--picker HOST:PORT` reaches the router app: its picker client connects there."""
+    from router.picker.service import PickerService
+
+    picker = PickerService()
+    await picker.start("127.0.0.1", 0)
     port, admin_port = _free_port(), _free_port()
     stop = asyncio.Event()
     task = asyncio.create_task(serve_router_pod("127.0.0.1", port, admin_port, "tok", stop=stop,
-                                                peers_dns=("localhost", admin_port), pod_ip="127.0.0.2",
-                                                router_id="fleet-router-abc"))  # fmt: skip
-    async with httpx.AsyncClient(timeout=5) as c:
-
-        async def peers() -> httpx.Response | None:
-            r = await c.get(f"http://127.0.0.1:{admin_port}/admin/v1/peers", headers={"Authorization": "Bearer tok"})
-            return r if r.status_code == 200 else None
-
-        r = await async_wait_until(peers, 20, interval_s=0.05, what="the router pod to start",
-                                   ignoring=(httpx.TransportError,))
-        assert r.json()["router"] == "fleet-router-abc" and r.json()["targets"] == [f"http://127.0.0.1:{admin_port}"]
-    # the peers' load datagrams are received on UDP at the admin port's number (router/signals/peer_datagram.py)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, pytest.raises(OSError):
-        udp.bind(("127.0.0.1", admin_port))
-    stop.set()
-    await asyncio.wait_for(task, 20)
+                                                picker=("127.0.0.1", picker.port)))  # fmt: skip
+    try:
+        await async_wait_until(lambda: picker.metrics.facts.routers() == 1, 20, interval_s=0.05,
+                               what="the router pod connected to the picker")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await picker.close()
 
 
 async def _slow_engine(chunks: int, gap_s: float):

@@ -197,3 +197,64 @@ async def test_a_picker_address_that_accepts_and_closes_is_retried_with_backoff(
         await client.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_located_picker_is_followed_when_it_moves_and_kept_when_the_locator_fails() -> None:
+    """With a `Locate`, the client connects where it says, keeps that address while the locator
+    fails (an OSError), moves when it names another picker (the old one still up: a client that
+    kept a stale address keeps answering there), and picks alone while it names none."""
+    first, second = PickerService(), PickerService()
+    await first.start("127.0.0.1", 0)
+    await second.start("127.0.0.1", 0)
+    where: list[tuple[str, int] | None | OSError] = [("127.0.0.1", first.port)]
+    failed: list[OSError] = []
+
+    async def locate() -> tuple[str, int] | None:
+        if isinstance(where[0], OSError):
+            failed.append(where[0])
+            raise where[0]
+        return where[0]
+
+    client = PickerClient(locate=locate, locate_interval_s=0.05, deadline_s=2.0)
+    request = RouteRequest(block_hashes=(1,), prompt_tokens=16, token_ids=list(range(16)))
+
+    def own_pick() -> int:
+        raise AssertionError("the picker answers: the router does not pick")
+
+    try:
+        client.put_pool("m", "least-outstanding", {"e0": None, "e1": None})
+        client.start()
+        await async_wait_until(lambda: client.connected and "m" in first.state.pools, 10.0,
+                               what="the client connected where the locator said")
+        where[0] = OSError("the API server is unreachable")
+        await async_wait_until(lambda: len(failed) >= 3, 10.0, what="three failed locates")
+        assert client.connected and (client.host, client.port) == ("127.0.0.1", first.port)
+        assert (await client.pick("m", ["e0", "e1"], request, own_pick))[2]
+        assert first.state.in_flight() == 1
+        where[0] = ("127.0.0.1", second.port)
+        await async_wait_until(lambda: client.connected and "m" in second.state.pools, 10.0,
+                               what="the client moved to the picker the locator names now")
+        assert client.port == second.port
+        await async_wait_until(lambda: first.state.in_flight() == 0, 10.0, what="the old picker released the pick")
+        _, ticket, answered = await client.pick("m", ["e0", "e1"], request, own_pick)
+        assert answered and second.state.in_flight() == 1 and first.state.in_flight() == 0
+        ticket.finish()
+        where[0] = None   # no picker is ready
+        await async_wait_until(lambda: not client.connected, 10.0, what="the client left the unready picker")
+        assert await client.pick("m", ["e0", "e1"], request, lambda: 1) == (1, None, False)
+    finally:
+        await client.close()
+        await first.close()
+        await second.close()
+
+
+def test_a_picker_client_needs_one_address() -> None:
+    async def locate() -> None:
+        return None
+
+    with pytest.raises(ValueError, match="not both or neither"):
+        PickerClient()
+    with pytest.raises(ValueError, match="not both or neither"):
+        PickerClient("127.0.0.1", 1, locate=locate)
+    with pytest.raises(ValueError, match="locate_interval_s"):
+        PickerClient(locate=locate, locate_interval_s=0)

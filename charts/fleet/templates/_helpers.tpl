@@ -58,12 +58,3 @@ imagePullSecrets:
 {{- end }}
 {{- end -}}
 
-{{- /* "true" when the router pods share their load (router.peers.enabled; auto: replicas > 1), else "". */ -}}
-{{- define "fleet.routerPeers" -}}
-{{- $enabled := .Values.router.peers.enabled -}}
-{{- if kindIs "bool" $enabled -}}
-{{- if $enabled }}true{{ end -}}
-{{- else if and (gt (int .Values.router.replicas) 1) (not .Values.router.picker.enabled) -}}
-true
-{{- end -}}
-{{- end -}}
