@@ -20,16 +20,14 @@ Deployment's router pods. Each router keeps its own policy state (prefix index, 
 counts, `cache_aware`'s tree): nothing is shared but the replicas. A target may override the
 count with a suffix, `fleet:kv-aware@2`, so one and two routers run in one invocation under
 the same machine conditions. Router CPU per request is summed over a target's router
-processes. `--peers` gives Fleet's routers of a target each other's URLs (`python -m router
---peers`: they exchange their load); `--kv-events` has every replica publish its KV cache events
-(`--kv-events-config`) and every Fleet router subscribe to them (the endpoints' `kv_events`), as
-`fleet up` and the Helm chart set them up. Neither changes `vllm-router` targets. A target may
-switch either on for itself with a ``+`` suffix (``fleet:kv-aware+kv-events``,
-``fleet:kv-aware@2+kv-events+peers``), so rows with and without events run side by side.
+processes. `--kv-events` has every replica publish its KV cache events (`--kv-events-config`)
+and every Fleet router subscribe to them (the endpoints' `kv_events`), as `fleet up` sets them
+up; it does not change `vllm-router` targets. A target may switch it on for itself with a ``+``
+suffix (``fleet:kv-aware+kv-events``), so rows with and without events run side by side.
 ``+picker`` (or ``--picker``) starts one endpoint picker per target (`python -m router.picker`,
 docs/routing.md "Endpoint picker") and gives every Fleet router of the target ``--picker``: the
 picker follows the replicas' KV events (so they publish them) and decides every router's picks;
-the routers follow no events and exchange nothing. Router CPU per request then sums the routers
+the routers follow no events. Router CPU per request then sums the routers
 and the picker (the picker's own share is printed beside); ``--picker-profile PATH`` runs the
 picker under cProfile, ``--router-profile DIR`` each Fleet router; ``--probe`` samples the
 picker's and each router's response times apart (`loadtests/picker_probe.py`: where late picks
@@ -149,9 +147,9 @@ def virtual_round_robin(trace: Trace, args, slowdown: float, profile: Profile) -
     return out
 
 
-TARGET_OPTIONS = ("kv-events", "peers", "picker")
-"""What a target may switch on for itself with a ``+`` suffix (``fleet:kv-aware@2+kv-events+peers``),
-beside the run-wide ``--kv-events`` / ``--peers``: rows with and without events in one run."""
+TARGET_OPTIONS = ("kv-events", "picker")
+"""What a target may switch on for itself with a ``+`` suffix (``fleet:kv-aware@2+picker``),
+beside the run-wide ``--kv-events`` / ``--picker``: rows with and without them in one run."""
 
 
 VLLM_ROUTER = Path(sys.executable).with_name("vllm-router")
@@ -175,24 +173,23 @@ def parse_target(target: str, default_routers: int) -> tuple[str, str, int]:
     return kind, policy, routers
 
 
-def target_options(target: str, args) -> tuple[bool, bool, bool]:
-    """(KV events, peers, endpoint picker) for ``target``: its own ``+kv-events`` / ``+peers`` /
-    ``+picker`` or the run-wide flags; all only for Fleet targets (peers only with several routers
-    and no picker). The picker follows the engines' KV events, so it switches them on."""
-    kind, _, routers = parse_target(target, args.routers)
+def target_options(target: str, args) -> tuple[bool, bool]:
+    """(KV events, endpoint picker) for ``target``: its own ``+kv-events`` / ``+picker`` or the
+    run-wide flags; both only for Fleet targets. The picker follows the engines' KV events, so it
+    switches them on."""
+    kind, _, _ = parse_target(target, args.routers)
     options = target.split("+")[1:]
     picker = kind == "fleet" and (bool(args.picker) or "picker" in options)
     kv_events = kind == "fleet" and (bool(args.kv_events) or "kv-events" in options or picker)
-    peers = kind == "fleet" and routers > 1 and not picker and (bool(args.peers) or "peers" in options)
-    return kv_events, peers, picker
+    return kv_events, picker
 
 
 def target_label(target: str, default_routers: int, summary: dict | None = None) -> str:
-    """How a target is named in the printed rows: ``fleet:kv-aware, 2 routers, KV events, peers``
-    (what ``summary`` says was on)."""
+    """How a target is named in the printed rows: ``fleet:kv-aware, 2 routers, KV events, endpoint
+    picker`` (what ``summary`` says was on)."""
     kind, policy, routers = parse_target(target, default_routers)
     label = f"{kind}:{policy}, {routers} router{'s' if routers > 1 else ''}"
-    return label + "".join(f", {name}" for key, name in (("kv_events", "KV events"), ("peers", "peers"),
+    return label + "".join(f", {name}" for key, name in (("kv_events", "KV events"),
                                                          ("picker", "endpoint picker"))
                            if (summary or {}).get(key))
 
@@ -223,20 +220,17 @@ def kill_picker(picker: tuple[subprocess.Popen, str], args, replaced: list) -> N
     replaced.append(start_picker(port=int(picker[1].rpartition(":")[2])))
 
 
-def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = None, peers: list[str] = (),
+def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = None,
                  kv_events: list[dict] | None = None, picker: str | None = None,
                  picker_deadline_ms: float = 5.0, profile: Path | None = None) -> tuple[subprocess.Popen, str]:
     """One router process of ``kind`` with ``policy`` in front of ``urls``, ready to serve:
-    (process, base URL). A Fleet router is given ``--peers`` (the other routers' base URLs),
-    ``--picker`` (the endpoint picker's address) and each endpoint's ``kv_events`` when given;
+    (process, base URL). A Fleet router is given ``--picker`` (the endpoint picker's address) and each endpoint's ``kv_events`` when given;
     a Fleet router runs under cProfile into ``profile`` when given. Raises RuntimeError if it exits before answering /health."""
     port = port or free_port()
     base = f"http://127.0.0.1:{port}"
     if kind == "fleet":
         run = ["-c", PROFILED_ROUTER.format(path=str(profile))] if profile is not None else ["-m", "router"]
         cmd = [sys.executable, *run, "--host", "127.0.0.1", "--port", str(port)]
-        if peers:
-            cmd += ["--peers", ",".join(peers), "--router-id", f"router-{port}"]
         if picker:
             cmd += ["--picker", picker, "--picker-deadline-ms", str(picker_deadline_ms)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -369,7 +363,7 @@ def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
 
 def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     kind, policy, n_routers = parse_target(target, args.routers)
-    kv_events, with_peers, with_picker = target_options(target, args)
+    kv_events, with_picker = target_options(target, args)
     # Every usage object says what the prefix cache held, which Fleet's routers count beside
     # their prediction (fleet_router_prefix_cache_{hits,predicted_hits}_total).
     extra = ["--enable-prompt-tokens-details", *(["--slowdown", str(slowdown)] if slowdown != 1.0 else [])]
@@ -387,8 +381,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                 picker = start_picker(args.picker_profile)
             ports = [free_port() for _ in range(n_routers)]
             for port in ports:
-                peers = [f"http://127.0.0.1:{q}" for q in ports if q != port] if with_peers else []
-                routers.append(start_router(kind, policy, sims.urls, port=port, peers=peers,
+                routers.append(start_router(kind, policy, sims.urls, port=port,
                                             kv_events=kv_ports.sources() if kv_ports else None,
                                             picker=picker[1] if picker else None,
                                             picker_deadline_ms=args.picker_deadline_ms,
@@ -450,7 +443,6 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
         summary["probe"] = probed
     summary["routers"] = n_routers
     summary["kv_events"] = kv_events
-    summary["peers"] = with_peers
     if kv_seen:   # did the events arrive? per router: events applied, streams live at the end
         summary["kv_events_seen"] = [
             {"events": sum(v for k, v in m.items() if k.startswith("fleet_router_kv_events_total")),
@@ -497,14 +489,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--targets", default=DEFAULT_TARGETS,
                         help="comma-separated fleet:<policy> / vllm-router:<policy>, each optionally @N routers and "
-                             "+kv-events / +peers / +picker (that target only)")
+                             "+kv-events / +picker (that target only)")
     parser.add_argument("--routers", type=int, default=1,
                         help="router processes per target, requests alternating between them (default 1)")
     parser.add_argument("--kv-events", action="store_true",
                         help="replicas publish their KV cache events (--kv-events-config) and Fleet's routers "
                              "subscribe (each endpoint's kv_events)")
-    parser.add_argument("--peers", action="store_true",
-                        help="Fleet's routers of one target exchange their load (python -m router --peers)")
     parser.add_argument("--picker", action="store_true",
                         help="Fleet's routers of each target ask one endpoint picker (python -m router.picker), "
                              "which follows the replicas' KV events (so --kv-events is on)")
@@ -580,7 +570,7 @@ def main() -> None:
         args.json_out.write_text(json.dumps({
             "trace": args.trace, "window": [start_s, window_s], "replicas": args.replicas, "profile": args.profile,
             "load": args.load, "slowdown": slowdown, "speedup": speedup, "routers": args.routers,
-            "kv_events": args.kv_events, "peers": args.peers,
+            "kv_events": args.kv_events, "picker": args.picker,
             "virtual_reference": reference,
             "results": dict(rows)}, indent=1))
 

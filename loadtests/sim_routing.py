@@ -13,7 +13,8 @@ with its own policy object and its own view of the endpoints (`SimConfig.routers
 `--load-signals` runs each policy once per load signal (`SimConfig.load_signal`: what each
 router knows of the load the others sent): `own`, `engine:100` (the engines' waiting and
 running requests sampled every 100 ms), `engine-prefill:100` (plus their queued prefill
-tokens), `peers:50` (every router's dispatches reach the others 50 ms late). `--kv-events` has every
+tokens). `--picker` has every router ask one endpoint picker, which holds every router's load.
+`--kv-events` has every
 router's `kv-aware` match prompts against the engines' own KV cache events
 (`SimConfig.kv_events`) instead of its approximate index.
 
@@ -116,8 +117,8 @@ def main() -> None:
                         help="the routers ask one endpoint picker (SimConfig.picker; it runs the policy by name, "
                              "without the parameters a policy of --policies carries)")
     parser.add_argument("--load-signals", default="own",
-                        help="comma-separated load signals, each `name[:interval_ms]`: own, engine, engine-prefill, "
-                             "peers (SimConfig.load_signal)")
+                        help="comma-separated load signals, each `name[:interval_ms]`: own, engine, engine-waiting, "
+                             "engine-prefill (SimConfig.load_signal)")
     parser.add_argument("--ttft-slo-s", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0, help="the prompts' token ids, and the arrival jitter's draw")
     parser.add_argument("--arrival-jitter-ms", type=float, default=0.0,

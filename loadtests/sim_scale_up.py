@@ -5,8 +5,9 @@ since the router first saw it (`router.kv.exact_index.ExactIndex.placed_blocks`;
 conversations where the least was stored"). That count only grows, so a replica that joins late
 starts far below the others. This script measures what that does: the pool starts with
 ``--replicas - 1`` simulated replicas, offered load sized for ``--replicas``, and one more replica
-joins ``--join-s`` virtual seconds in (ready ``--startup-s`` later). It runs two routers on the
-engines' KV events and each other's load (`peers`, 10 ms) with `kv-aware` as shipped, and again
+joins ``--join-s`` virtual seconds in (ready ``--startup-s`` later). It runs one router on the
+engines' KV events (what any number of routers behind the endpoint picker decide alike, one
+picker deciding for all) with `kv-aware` as shipped, and again
 with new conversations placed by rendezvous hashing on the first block (the rule before, for
 comparison: `kv-aware` with its new-conversation step switched off, a subclass), and prints per
 row: p99 TTFT and prefix-cache hits over all requests and over those that arrived after the join,
@@ -64,16 +65,15 @@ class RendezvousNewConversations(KvAware):
 
 def simulate(label: str, policy: type[KvAware], workload: Workload, profile: Profile,
              args: argparse.Namespace) -> SimResult:  # fmt: skip
-    """Replay `workload` through two routers of `policy`, ``args.replicas - 1`` replicas and one
+    """Replay `workload` through one router of `policy`, ``args.replicas - 1`` replicas and one
     more joining at ``args.join_s`` (ready ``args.startup_s`` later)."""
     cfg = SimConfig(profile=profile, autoscaling=AutoscalingSpec(policy="fixed"),
                     bounds=ReplicaBounds(args.replicas - 1, args.replicas, args.replicas - 1),
-                    routing_policy="kv-aware", seed=args.seed, name=label, routers=2, load_signal="peers",
-                    load_interval_s=0.01, kv_events=True, warm_startup_s=args.startup_s,
+                    routing_policy="kv-aware", seed=args.seed, name=label, kv_events=True, warm_startup_s=args.startup_s,
                     cold_startup_s=args.startup_s)  # fmt: skip
     sim = Simulation(cfg, workload)
     sim.policy = JoinAt(cfg.autoscaling, cfg.bounds, args.join_s)
-    sim.routings = [policy() for _ in range(2)]
+    sim.routings = [policy()]
     sim.routing = sim.routings[0]
     return sim.run()
 

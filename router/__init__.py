@@ -9,7 +9,7 @@ Rooms, bottom first (each imports only the rooms before it; tests/unit/test_laye
   blocks, the pool's own tokenizer;
 - `pools`: endpoints, pools, routing policies, the revision split, outlier ejection, admission;
 - `signals`: what the router learns off the request path: engines' load (`/metrics` polls),
-  their KV event streams, peer routers' load;
+  their KV event streams;
 - `request`: the request path, one step a module (parse, resolve, prepare, pick, attempt, relay);
 - `http`: the HTTP edge: the ASGI app, the admin API, uvicorn, the remembered models.
 

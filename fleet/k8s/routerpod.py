@@ -132,7 +132,6 @@ async def _serve(host: str, port: int, admin_port: int, log_level: str,
         if admin_task.done():
             await admin_task
             return
-        await app.listening(host, admin_port)   # the peers' UDP load reports, beside the admin API
         print(f"fleet router listening on http://{host}:{port} (admin API on port {admin_port})", flush=True)
         await public.serve()
         admin.should_exit = True

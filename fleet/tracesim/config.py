@@ -41,7 +41,7 @@ to READY: the ~3 s llm-d's fast-model-actuation work reports for waking 64 GiB o
 figure `fleet.controller.autoscaling.DEFAULT_WAKE_S` cites), not scaled down for an 8B model's
 16 GB: a conservative figure."""
 
-LOAD_SIGNALS = ("own", "engine", "engine-waiting", "engine-prefill", "peers")
+LOAD_SIGNALS = ("own", "engine", "engine-waiting", "engine-prefill")
 """What a router knows of the load other routers sent (`SimConfig.load_signal`)."""
 
 
@@ -64,7 +64,7 @@ class SimConfig:
     rates before the trace, (bin start in seconds before 0, requests/s), given to the policy once
     (`ScalingPolicy.prime`: the forecast of `standby` learns from them);
     ``load_signal`` (one of `LOAD_SIGNALS`) and ``load_interval_s`` (seconds between engine load
-    samples, or the peer channel's delay): what each router knows of the others' load (module
+    samples): what each router knows of the others' load (module
     docstring of `fleet.tracesim.engine`); ``kv_events``: the engines' KV cache events reach every
     router's exact index, ``kv_events_delay_s`` after the step that made them (same docstring);
     ``picker``: the routers ask one endpoint picker for every pick (`fleet.tracesim.picker`), which
@@ -109,7 +109,8 @@ class SimConfig:
         if self.kv_events_delay_s < 0:
             raise ValueError(f"kv_events_delay_s must be >= 0, got {self.kv_events_delay_s}")
         if self.load_interval_s < 0 or (self.load_interval_s == 0 and self.load_signal.startswith("engine")):
-            raise ValueError(f"load_interval_s must be > 0 (>= 0 for peers), got {self.load_interval_s}")
+            raise ValueError(f"load_interval_s must be > 0 for an engine load signal (>= 0 otherwise), "
+                             f"got {self.load_interval_s}")
         if self.standby_max < 0 or self.wake_s < 0:
             raise ValueError(f"standby_max and wake_s must be >= 0, got {self.standby_max} and {self.wake_s} s")
         if self.routers < 1:

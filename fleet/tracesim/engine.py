@@ -24,16 +24,13 @@ What runs for real (the live objects, fed in virtual time):
   turn, as routers behind a load balancer do. ``shared_view`` also tells every router of every
   placement (`RoutingPolicy.learn`), which is what each would learn from the engines' KV cache
   events: the upper bound of what an exact, shared view gives. ``load_signal`` says what each
-  router knows of the load the others sent (docs/routing.md, "A shared load signal"): nothing
+  router knows of the load the others sent (docs/routing.md, "Two routers or more"): nothing
   (``own``: only its own requests); the engines' load sampled every ``load_interval_s`` by each router
   (``engine``: `vllm:num_requests_waiting` / `running`, through the router's own
   `router.signals.engine_load.EngineLoadView`, the others' requests taken to look like the router's own;
   ``engine-waiting``: split into prefilling and decoding by the engine's waiting share;
   ``engine-prefill``: plus the engine's queued prefill
-  tokens, which vLLM does not export); or every other router's dispatches, first tokens and
-  finishes, ``load_interval_s`` late (``peers``: a peer channel with that delay; the live
-  channel, `router.signals.peer_load`, sends snapshots every 10 ms, so its information is at most
-  that old). With
+  tokens, which vLLM does not export); with ``picker`` the picker holds every router's load. With
   ``kv_events`` every simulated engine makes vLLM's KV cache events (`EngineModel(kv_events=True)`:
   one `router.kv.events.EventBatch` per step) and every router's `kv-aware` consumes the same
   stream through its own `router.kv.exact_index.ExactIndex` (its pool's `Pool.kv_view`), each
@@ -109,7 +106,7 @@ from fleet.tracesim.events import FIRST_OWN_KIND, READY, EngineStepper, EventLoo
 from fleet.tracesim.replica import NodePool, VirtualReplica
 from fleet.tracesim.results import RequestLog, SimResult, TickRecord
 from fleet.tracesim.picker import SimPicker
-from fleet.tracesim.router_views import PEER_CLAIM_DELAY_S, RouterViews
+from fleet.tracesim.router_views import RouterViews
 from fleet.tracesim.workload import Workload, prompt_ids
 from router.pools.policies import make_policy as make_routing_policy
 from router.pools.pool import Pool, PoolShared
@@ -121,7 +118,7 @@ _DRAIN_TIMEOUT, _QUEUE_TIMEOUT, _TICK = range(FIRST_OWN_KIND, FIRST_OWN_KIND + 3
 `fleet.tracesim.router_views`' four), in the order they run at one virtual instant."""
 
 __all__ = ["DEFAULT_COLD_STARTUP_S", "DEFAULT_TTFT_SLO_S", "DEFAULT_WAKE_S", "DEFAULT_WARM_STARTUP_S",
-           "DRAIN_TIMEOUT_S", "LOAD_SIGNALS", "PEER_CLAIM_DELAY_S", "SimConfig", "Simulation"]  # fmt: skip
+           "DRAIN_TIMEOUT_S", "LOAD_SIGNALS", "SimConfig", "Simulation"]  # fmt: skip
 
 
 class Simulation:
@@ -311,7 +308,6 @@ class Simulation:
             k = self._router_of[i]
             tokens = self._routes[i].prefill_tokens
             replica.endpoints[k].first_byte(tokens)
-            self.views.tell_peers(replica, k, (0, -1, -tokens), now_s)
             if self.picker is not None:
                 self.picker.first_token(k, i)
 
@@ -322,10 +318,6 @@ class Simulation:
         replica.endpoints[k].finish(route.prefill_tokens, not self._prefilling[i])
         if self.picker is not None:
             self.picker.finished(k, i)
-        if self._prefilling[i]:
-            self.views.tell_peers(replica, k, (-1, -1, -route.prefill_tokens), now_s)
-        else:
-            self.views.tell_peers(replica, k, (-1, 0, 0), now_s)
         self._prefilling[i] = 0
 
     def _finish(self, replica: VirtualReplica, fr: FinishedRequest, now_s: float) -> None:

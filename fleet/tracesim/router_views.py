@@ -1,9 +1,9 @@
-"""What each simulated router knows beyond its own requests: the other routers' load and claims,
-the engines' load samples and KV cache events, and (as an upper bound) every router's placements.
+"""What each simulated router knows beyond its own requests: the engines' load samples and KV
+cache events, and (as an upper bound) every router's placements.
 
 Owns `RouterViews` (per router: its `router.signals.engine_load.EngineLoadView` and, with
-``kv_events``, its `router.kv.exact_index.ExactIndex`; the handlers of the events that carry
-those signals) and `PEER_CLAIM_DELAY_S`. Used by `fleet.tracesim.engine.Simulation`, which
+``kv_events``, its `router.kv.exact_index.ExactIndex`, or the endpoint picker's one index; the
+handlers of the events that carry those signals). Used by `fleet.tracesim.engine.Simulation`, which
 tells it of every dispatch, load change and engine step; `SimConfig.load_signal`,
 ``load_interval_s``, ``kv_events``, ``kv_events_delay_s``, ``shared_view`` and ``picker`` say what
 reaches whom and how late (`fleet.tracesim.engine`'s docstring). No I/O: every time is a virtual second.
@@ -11,7 +11,6 @@ reaches whom and how late (`fleet.tracesim.engine`'s docstring). No I/O: every t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 from fleet.controller.lifecycle import ReplicaStatus
@@ -20,24 +19,15 @@ from fleet.tracesim.config import SimConfig
 from fleet.tracesim.events import FIRST_OWN_KIND, EventLoop
 from fleet.tracesim.replica import VirtualReplica
 from router.kv.events import EventBatch
-from router.kv.exact_index import Claim, ExactIndex
+from router.kv.exact_index import ExactIndex
 from router.kv.prompt_blocks import RouteRequest
 from router.pools.policies import RoutingPolicy
 from router.signals.engine_load import DEFAULT_MAX_AGE_S, EngineLoadView
 
-SAMPLE, PEER, KV_BATCH, CLAIM = range(FIRST_OWN_KIND + 3, FIRST_OWN_KIND + 7)
-"""Event kinds: a router's engine load poll, a peer's load change, an engine step's KV events,
-a peer's claim. They follow the simulation's own three (drain timeout, queue timeout,
-autoscaler tick: `fleet.tracesim.engine`), so at one virtual instant those run first."""
-
-PEER_CLAIM_DELAY_S = 0.001
-"""Modelled seconds from a router's dispatch to its peers taking the dispatch's claim
-(`router.kv.exact_index.Claim`): the live router sends it at once, as one datagram on the peer channel
-(`router.signals.peer_channel.PeerSender.send_claim`), so a LAN hop and a loop turn, not the load
-reports' 10 ms."""
-
-LoadDelta = tuple[int, int, int]
-"""A router's change of load on one replica: (in flight, prefilling, prefill tokens)."""
+SAMPLE, KV_BATCH = range(FIRST_OWN_KIND + 3, FIRST_OWN_KIND + 5)
+"""Event kinds: a router's engine load poll, an engine step's KV events. They follow the
+simulation's own three (drain timeout, queue timeout, autoscaler tick: `fleet.tracesim.engine`),
+so at one virtual instant those run first."""
 
 
 class RouterViews:
@@ -59,12 +49,9 @@ class RouterViews:
         # With the endpoint picker one index, the picker's, takes the events (`fleet.tracesim.picker`).
         indexes = 1 if config.picker else config.routers
         self.exact_indexes = [ExactIndex() for _ in range(indexes)] if config.kv_events else []
-        self._peers = config.load_signal == "peers" and config.routers > 1
         self._kv_seq: dict[str, int] = {}   # replica -> sequence number of its last batch
         loop.on(SAMPLE, self._on_sample)
-        loop.on(PEER, self._on_peer)
         loop.on(KV_BATCH, self._on_kv_batch)
-        loop.on(CLAIM, self._on_claim)
 
     def start(self) -> None:
         """Schedule the routers' first engine load polls (engine signals only), out of phase,
@@ -95,25 +82,12 @@ class RouterViews:
 
     def dispatched(self, replica: VirtualReplica, k: int, route: RouteRequest, routings: Sequence[RoutingPolicy],
                    now_s: float) -> None:  # fmt: skip
-        """Router ``k`` sent ``route`` to ``replica``: its peers hear of the load and the claim;
-        with ``shared_view`` every other router's policy learns the placement."""
-        self.tell_peers(replica, k, (1, 1, route.prefill_tokens), now_s)
-        if route.claim is not None and self._peers:
-            self.loop.push(now_s + PEER_CLAIM_DELAY_S, CLAIM, (k, route.claim))
+        """Router ``k`` sent ``route`` to ``replica``: with ``shared_view`` every other router's
+        policy learns the placement."""
         if self.config.shared_view:
             for other, routing in enumerate(routings):
                 if other != k:
                     routing.learn(replica.id, route.block_hashes)
-
-    def tell_peers(self, replica: VirtualReplica, k: int, delta: LoadDelta, now_s: float) -> None:
-        """Router ``k`` changed its load on ``replica`` by ``delta``: with ``peers``, the other
-        routers hear of it ``load_interval_s`` later."""
-        if not self._peers:
-            return
-        if self.config.load_interval_s > 0:
-            self.loop.push(now_s + self.config.load_interval_s, PEER, (replica, k, delta))
-        else:
-            self._on_peer((replica, k, delta), now_s)
 
     def stepped(self, replica: VirtualReplica, result: StepResult, now_s: float) -> None:
         """An engine step of ``replica`` ended: its KV cache events reach every router
@@ -126,21 +100,6 @@ class RouterViews:
             self.loop.push(now_s + self.config.kv_events_delay_s, KV_BATCH, payload)
         else:
             self._on_kv_batch(payload, now_s)
-
-    def _on_peer(self, payload: tuple[VirtualReplica, int, LoadDelta], now_s: float) -> None:
-        """Router ``k``'s load change on a replica reaches the other routers."""
-        replica, k, (in_flight, prefilling, tokens) = payload
-        for j, endpoint in enumerate(replica.endpoints):
-            if j != k:
-                endpoint.set_others_load(endpoint.others_in_flight + in_flight, endpoint.others_prefilling + prefilling,
-                                         endpoint.others_prefill_tokens + tokens, math.inf)  # fmt: skip
-
-    def _on_claim(self, payload: tuple[int, Claim], now_s: float) -> None:
-        """Router ``k``'s claim reaches the other routers (what the live router's peers do with it)."""
-        k, claim = payload
-        for j, index in enumerate(self.exact_indexes):
-            if j != k:
-                index.expect_keys(claim.endpoint_id, claim.keys, claim.until_s, now_s)
 
     def _on_kv_batch(self, payload: tuple[str, EventBatch, int], now_s: float) -> None:
         """One engine step's KV cache events reach every router (its subscriber's `apply`)."""

@@ -37,7 +37,7 @@ import contextlib
 import gc
 import json
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Path, Query, Request, Response
@@ -53,8 +53,6 @@ from router.pools.spec import MAX_ENDPOINTS_PER_POOL, EndpointSpec, PoolSpec
 from router.stats.windows import DEFAULT_RATE_RETENTION_S, DEFAULT_WINDOW_S
 
 ADMIN_PREFIX = "/admin/"
-PEER_REPORT_DEPTH = 8
-"""Deepest JSON nesting of a peer load report taken (a report nests 4 levels: router.signals.peer_load)."""
 """Paths under this prefix are the admin API's (guarded by `router.http.app.RouterApp`)."""
 
 MAX_VALIDATION_ERRORS = 5
@@ -164,15 +162,9 @@ def _json_response(body: bytes) -> Response:
 ModelName = Annotated[str, Path(min_length=1, max_length=256, description="Model name, as clients send it in `model`.")]
 
 
-def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | None = None,
-                 peer_report: Callable[[object], int] | None = None,
-                 peer_state: Callable[[], dict[str, object]] | None = None) -> APIRouter:  # fmt: skip
+def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | None = None) -> APIRouter:
     """The `/admin/v1` router over `pools`, guarded by `admin_token` (compared in constant time).
-    `models_file`: told after each PUT and DELETE (`router.http.remembered`); None: no file.
-    `peer_report`: takes a peer router's load report (`router.signals.peer_load`; raises ValueError for
-    a bad one) and returns the sender's datagrams taken so far; None: this router has no peers
-    (`POST /peer-load` answers 404).
-    `peer_state`: what `GET /peers` answers (`router.http.app.create_app`); None: 404."""
+    `models_file`: told after each PUT and DELETE (`router.http.remembered`); None: no file."""
     if not admin_token:
         raise ValueError("admin_token must not be empty")
     expected = admin_token.encode()
@@ -191,30 +183,6 @@ def admin_router(pools: PoolTable, admin_token: str, models_file: ModelsFile | N
         """The control plane has published every pool it holds: `GET /ready` answers 200 from now on."""
         pools.mark_synced()
         return {"synced": True}
-
-    @router.post("/peer-load")
-    async def peer_load(request: Request) -> dict[str, int]:
-        """A peer router's load report (`router.signals.peer_load`): 200 ``{"datagrams": N}``, the sender's
-        datagrams this router took so far (`router.signals.peer_datagram.DatagramTally`); 422 for a bad
-        report; 404 when this router was started without peers."""
-        if peer_report is None:
-            raise HTTPException(404, "this router has no peers (python -m router --peers)")
-        try:
-            taken = peer_report(loads_bounded(await request.body(), PEER_REPORT_DEPTH))
-        except ValueError as err:   # JsonTooDeep is one
-            raise HTTPException(422, f"bad peer load report: {err}") from err
-        return {"datagrams": taken}
-
-    @router.get("/peers")
-    async def peers() -> dict[str, object]:
-        """The peer channel as this router sees it: `{"router": its id, "targets": [peer base URLs
-        it sends to], "datagrams_confirmed": [the targets that confirmed they take its UDP
-        datagrams, router.signals.peer_channel], "live": [ids of peers whose last report counts], "load":
-        {model: {endpoint: [in_flight, prefilling, prefill_tokens]}}}` (the live peers' load,
-        summed); 404 without peers."""
-        if peer_state is None:
-            raise HTTPException(404, "this router has no peers (python -m router --peers or --peers-dns)")
-        return peer_state()
 
     @router.get("/pools")
     async def list_pools() -> Response:

@@ -20,11 +20,10 @@ Called by `router.http.server.serve` (uvicorn) and by tests.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
@@ -32,19 +31,13 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.protocol.jsonlimit import loads_bounded
-from router.http.admin import ADMIN_PREFIX, PEER_REPORT_DEPTH, admin_router, validation_message
+from router.http.admin import ADMIN_PREFIX, admin_router, validation_message
 from router.protocol.errors import error_body, error_type
 from router.picker.client import DEFAULT_DEADLINE_S, Locate, PickerClient
 from router.signals.kv_streams import KvEventStreams
 from router.stats.metrics import RouterMetrics
 from router.pools.endpoint import DEFAULT_FAILURE_COOLDOWN_S
 from router.signals.engine_poll import EnginePoller
-from router.signals.peer_channel import PEER_LOAD_PATH, PeerMetrics, PeerSender, ReportPoster
-from router.signals.peer_discovery import (DEFAULT_PEER_DNS_INTERVAL_S, DiscoveryMetrics, PeerDiscovery, Resolver,
-                                           resolve_addresses)
-from router.signals.peer_datagram import DatagramMetrics, DatagramTally, PeerDatagrams, decode_claim
-from router.signals.peer_load import DEFAULT_PEER_INTERVAL_S, PeerLoadView, parse_report, report_order
 from router.pools.pool import PoolTable
 from router.http.remembered import ModelsFile
 from router.kv.tokenize import PoolTokenizers
@@ -85,14 +78,6 @@ class RouterApp:
     models_file: ModelsFile | None = None
     poller: EnginePoller | None = None
     """Polls the engines' load for `kv-aware` pools (`router.signals.engine_poll`); None: off."""
-    peer_sender: PeerSender | None = None
-    """Sends this router's load to its peers (`router.signals.peer_channel`); None: no peers."""
-    peer_discovery: PeerDiscovery | None = None
-    peer_datagrams: PeerDatagrams | None = None
-    """The peers' load reports over UDP (`router.signals.peer_datagram`), opened by `listening`; None: no peers."""
-    """Keeps `peer_sender`'s peers equal to what `--peers-dns` resolves to; None: no DNS peers."""
-    peer_report: Callable[[object], int] | None = None
-    """Takes a peer's load report (`router.signals.peer_load`); None: no peers (FastAPI answers 404)."""
     picker: PickerClient | None = None
     """The connection to the endpoint picker (`router.picker.client`); None: the router picks alone."""
 
@@ -105,13 +90,6 @@ class RouterApp:
         self.proxy = proxy
         self.api = api
         self._expected_auth = b"bearer " + admin_token.encode()
-
-    async def listening(self, host: str, port: int) -> None:
-        """The admin API is bound to `host:port` (`router.http.server.ListeningServer`,
-        `fleet.k8s.routerpod`): open the peers' UDP socket on the same port number
-        (`router.signals.peer_datagram`); no-op without peers."""
-        if self.peer_datagrams is not None and not self.peer_datagrams.open:
-            await self.peer_datagrams.start(host, port)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -174,9 +152,6 @@ class RouterApp:
             return
         if body is None:
             return  # the client is gone
-        if self.peer_report is not None and scope["path"] == PEER_LOAD_PATH and scope["method"] == "POST":
-            await self._peer_load(body, send)
-            return
         replayed = False
 
         async def receive_read_body() -> Message:
@@ -187,20 +162,6 @@ class RouterApp:
             return await receive()
 
         await self.api(scope, receive_read_body, send)
-
-    async def _peer_load(self, body: bytes, send: Send) -> None:
-        """`POST /admin/v1/peer-load` without FastAPI: every peer posts here its heartbeat (every
-        250 ms, or every second once it knows its datagrams arrive: `router.signals.peer_channel`), and
-        FastAPI's routing and request objects cost more than taking the report. Answers as the FastAPI route (router/http/admin.py) does:
-        200 ``{"datagrams": N}`` (the sender's datagrams taken so far, `router.signals.peer_datagram.
-        DatagramTally`), or 422 ``{"detail": ...}`` for a bad report."""
-        assert self.peer_report is not None
-        try:
-            taken = self.peer_report(loads_bounded(body, PEER_REPORT_DEPTH))
-        except ValueError as err:   # JsonTooDeep is one
-            await send_json(send, 422, json.dumps({"detail": f"bad peer load report: {err}"}).encode())
-            return
-        await send_json(send, 200, b'{"datagrams":%d}' % taken)
 
     async def _refuse(self, send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
         self.metrics.reject("", status, False)
@@ -215,10 +176,6 @@ class RouterApp:
                     await self.proxy.start()
                     if self.poller is not None:
                         await self.poller.start()
-                    if self.peer_discovery is not None:
-                        await self.peer_discovery.start()
-                    if self.peer_sender is not None:
-                        await self.peer_sender.start()
                     if self.kv_streams is not None:
                         await self.kv_streams.start()
                     if self.picker is not None:
@@ -231,12 +188,6 @@ class RouterApp:
             elif message["type"] == "lifespan.shutdown":
                 if self.poller is not None:
                     await self.poller.close()
-                if self.peer_discovery is not None:
-                    await self.peer_discovery.close()
-                if self.peer_sender is not None:
-                    await self.peer_sender.close()
-                if self.peer_datagrams is not None:
-                    self.peer_datagrams.close()
                 if self.kv_streams is not None:
                     await self.kv_streams.close()
                 if self.picker is not None:
@@ -246,9 +197,8 @@ class RouterApp:
                 return
 
 
-def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str, peer_report: Callable[[object], int] | None,
-               models_file: ModelsFile | None = None,
-               peer_state: Callable[[], dict[str, object]] | None = None) -> FastAPI:  # fmt: skip
+def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str,
+               models_file: ModelsFile | None = None) -> FastAPI:  # fmt: skip
     api = FastAPI(title="Fleet router", docs_url=None, redoc_url=None, openapi_url=None)
 
     @api.exception_handler(StarletteHTTPException)
@@ -310,7 +260,7 @@ def _build_api(pools: PoolTable, metrics: RouterMetrics, admin_token: str, peer_
         body, content_type = await metrics.render_off_loop(request.headers.get("accept", ""))
         return Response(content=body, headers={"content-type": content_type})
 
-    api.include_router(admin_router(pools, admin_token, models_file, peer_report, peer_state))
+    api.include_router(admin_router(pools, admin_token, models_file))
     return api
 
 
@@ -327,13 +277,6 @@ def create_app(
     failure_cooldown_s: float = DEFAULT_FAILURE_COOLDOWN_S,
     models_path: Path | None = None,
     engine_load_interval_s: float | None = None,
-    peers: Sequence[str] = (),
-    router_id: str = "",
-    peer_interval_s: float = DEFAULT_PEER_INTERVAL_S,
-    peers_dns: tuple[str, int] | None = None,
-    self_addresses: Sequence[str] = (),
-    peer_dns_interval_s: float = DEFAULT_PEER_DNS_INTERVAL_S,
-    peers_resolve: Resolver = resolve_addresses,
     picker: tuple[str, int] | tuple[str, int, float] | None = None,
     picker_locate: Locate | None = None,
 ) -> RouterApp:
@@ -353,16 +296,7 @@ def create_app(
     the file is kept up to date; None: no file.
     `engine_load_interval_s`: seconds between polls of each `kv-aware` endpoint's `/metrics` for
     its load (`router.signals.engine_poll`; `router.signals.engine_load.DEFAULT_POLL_INTERVAL_S` measured best);
-    None: no polling (each router counts only its own load, unless it has peers).
-    `peers`: base URLs of the other routers in front of the same pools: every `peer_interval_s`
-    this router posts its load to each (`router.signals.peer_channel`) and counts theirs in `kv-aware`
-    (`router.signals.peer_load`); with peers the engines are not polled. `router_id`: this router's id in
-    its reports (default: a random one).
-    `peers_dns`: (name, port) whose addresses are the other routers, resolved every
-    `peer_dns_interval_s` (`router.signals.peer_discovery`; in Kubernetes a headless Service of the router
-    pods, port their admin API), this router's `self_addresses` (its pod IP) left out; the peers
-    found are sent to besides `peers`. `peers_resolve`: how the name becomes addresses (DNS by
-    default; a router pod passes `fleet.k8s.peer_endpoints.EndpointsPeers`, the Service's Endpoints).
+    None: no polling (the router counts only its own load).
     `picker`: (host, port[, deadline in seconds]) of the endpoint picker (`router.picker`): every
     pool asks it for its picks, falling back to its own when it does not answer within the
     deadline (default `router.picker.client.DEFAULT_DEADLINE_S`), and follows no KV event stream
@@ -408,62 +342,10 @@ def create_app(
         failure_cooldown_s=failure_cooldown_s,
         tokenizers=PoolTokenizers(metrics.registry),
     )
-    peer_report = peer_state = None
-    has_peers = bool(peers) or peers_dns is not None
-    if has_peers:
-        view = PeerLoadView(router_id or secrets.token_hex(8))
-
-        tally = DatagramTally()
-
-        def peer_report(doc: object, datagram: bool = False) -> int:
-            """Take a report; the datagrams taken from its sender so far (the HTTP answer)."""
-            peer_id, loads = parse_report(doc)
-            if view.receive(peer_id, loads, pools.load_endpoints(), clock(), report_order(doc)):
-                channel_metrics.received.inc()
-            if datagram:
-                tally.add(peer_id)
-            return tally.count(peer_id)
-
-        def peer_datagram(body: bytes) -> None:
-            peer_report(loads_bounded(body, PEER_REPORT_DEPTH), datagram=True)
-
-        def peer_claim(body: bytes) -> None:
-            """A peer's claim (`router.signals.peer_datagram.decode_claim`) into the pool's KV view."""
-            model, endpoint_id, keys, ttl_s = decode_claim(body)
-            if pools.get(model) is None:
-                return
-            now_s = clock()
-            kv_streams.index(model).expect_keys(endpoint_id, keys, now_s + ttl_s, now_s)
-            datagram_metrics.claims_received.inc()
-
-        def peer_state() -> dict[str, object]:
-            now_s = clock()
-            targets = [u.removesuffix(PEER_LOAD_PATH) for u in sender.urls]
-            return {"router": view.self_id, "targets": targets, "datagrams_confirmed": sender.confirmed(),
-                    "live": view.peers(now_s), "load": view.totals(now_s)}
-
-        channel_metrics = PeerMetrics(metrics.registry, lambda: len(view.peers(clock())))
-        datagram_metrics = DatagramMetrics(metrics.registry)
-        datagrams = PeerDatagrams(admin_token, peer_datagram, datagram_metrics, peer_claim)
-    api = _build_api(pools, metrics, admin_token, peer_report, models_file, peer_state)
+    api = _build_api(pools, metrics, admin_token, models_file)
     app = RouterApp(pools, metrics, proxy, api, admin_token)
     app.models_file = models_file
-    app.peer_report = peer_report
-    if has_peers:
-        static = list(peers)
-        sender = PeerSender(view.self_id, static, pools.load_endpoints, ReportPoster(admin_token),
-                            channel_metrics, peer_interval_s, datagrams)  # fmt: skip
-        app.peer_sender = sender
-        app.peer_datagrams = datagrams
-        proxy.on_load_change(sender.notify)   # a report goes out within peer_interval_s of each change
-        proxy.on_claim(lambda model, claim: sender.send_claim(model, claim, clock()))
-        if peers_dns is not None:
-            app.peer_discovery = PeerDiscovery(
-                peers_dns[0], peers_dns[1], self_addresses,
-                lambda found: sender.set_peers(static + [u for u in found if u not in static]),
-                DiscoveryMetrics(metrics.registry), resolve=peers_resolve, clock=clock,
-                interval_s=peer_dns_interval_s)
-    elif engine_load_interval_s is not None:
+    if engine_load_interval_s is not None:
         app.poller = EnginePoller(pools.load_endpoints, clock, metrics.registry, interval_s=engine_load_interval_s)
     app.kv_streams = kv_streams
     app.picker = picker_client

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.http.app import RouterApp, create_app
-from router.signals.peer_load import DEFAULT_PEER_INTERVAL_S
+from router.http.app import create_app
 from router.protocol.errors import error_body, error_type
 
 CLIENT_KEEPALIVE_S = 75
@@ -330,9 +329,6 @@ class ListeningServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            app = self.config.app
-            if isinstance(app, RouterApp):
-                await app.listening(host, port)   # the peers' UDP socket, on the same port number
             self._on_listening(host, port)
 
 
@@ -342,8 +338,6 @@ def _print_listening(host: str, port: int) -> None:
 
 def serve(host: str, port: int, admin_token: str, log_level: str = "warning",
           models_path: Path | None = None, engine_load_interval_s: float | None = None,
-          peers: Sequence[str] = (), router_id: str = "", peer_interval_s: float = DEFAULT_PEER_INTERVAL_S,
-          peers_dns: tuple[str, int] | None = None, self_addresses: Sequence[str] = (),
           fd: int | None = None, picker: tuple[str, int, float] | None = None) -> None:  # fmt: skip
     """Serve a fresh router app on `host:port` until SIGINT/SIGTERM.
 
@@ -354,12 +348,10 @@ def serve(host: str, port: int, admin_token: str, log_level: str = "warning",
     `/admin/v1` (non-empty, else ValueError). `log_level` is uvicorn's (e.g. "info").
     `models_path`: the models file (`router.http.remembered`; None: none).
     `engine_load_interval_s`: seconds between engine load polls (`router.signals.engine_poll`; None: off).
-    `peers`, `router_id`, `peer_interval_s`, `peers_dns`, `self_addresses`: the peer channel
-    (`router.http.app.create_app`); `picker`: the endpoint picker's (host, port, deadline in seconds), or None.
+    `picker`: the endpoint picker's (host, port, deadline in seconds), or None (`router.http.app.create_app`).
     """
     app = create_app(admin_token, models_path=models_path, engine_load_interval_s=engine_load_interval_s,
-                     peers=peers, router_id=router_id, peer_interval_s=peer_interval_s, peers_dns=peers_dns,
-                     self_addresses=self_addresses, picker=picker)  # fmt: skip
+                     picker=picker)
     config = uvicorn_config(app, host, port, log_level=log_level, timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
     sockets = None if fd is None else [inherited_listener(fd)]
     ListeningServer(config, _print_listening).run(sockets=sockets)

@@ -37,9 +37,9 @@ the traffic (loadtests/bench_router_memory.py `--policy-stream N --kv-events`).
 once it has scheduled the prompt's prefill, and the report reaches the router a tick later; in
 between, a second request sharing the prefix would see it nowhere. So the policy may tell the
 index what it sent where: those blocks count as held there (`match` with `now_s`) until the
-engine's `BlockStored` for each arrives, its view is cleared, or the claim expires. Its peer
-routers are told of each claim (`Claim`, taken with `expect_keys`; `router.signals.peer_datagram`). This
-is the one part of the index that is the routers' own account, not the engines'.
+engine's `BlockStored` for each arrives, its view is cleared, or the claim expires. The
+endpoint picker moves a claim where a late pick went (`Claim`, taken with `expect_keys`;
+`router.picker.state`). This is the one part of the index that is the routers' own account, not the engines'.
 
 **Liveness** (`state`): an endpoint's view is LIVE when its stream is up (`stream_up`) and the
 view is complete: it was built from a known-empty cache (`reset(known_empty=True)`: a fresh
@@ -73,7 +73,7 @@ while they arrive the view is the engine's own size (27,000 blocks: ~6 MiB)."""
 
 class Claim(NamedTuple):
     """Blocks a router sent to an endpoint for prefill and claimed there (`ExactIndex.expect`):
-    what its peers are told, so that they too send the next request sharing the prefix there."""
+    what the endpoint picker moves to the endpoint a late pick went to (`router.picker.state`)."""
 
     endpoint_id: str
     keys: list[int]    # router keys, in prompt order (the view's blocks left out)
@@ -274,8 +274,7 @@ class ExactIndex:
 
         Keys are chained with the endpoint's block size (known from its events); an endpoint
         without one, or a prompt shorter than a block, claims nothing. Returns the keys newly claimed
-        (neither held nor claimed there already), in prompt order: what the router's peers are told
-        (`expect_keys`). `now_s`: the caller's clock, for the sweep of expired claims (every
+        (neither held nor claimed there already), in prompt order (what `expect_keys` takes). `now_s`: the caller's clock, for the sweep of expired claims (every
         256 calls). Memory: one entry per block claimed and not yet stored or expired."""
         view = self._views.get(endpoint_id)
         size = view.block_tokens if view is not None else None
@@ -294,7 +293,7 @@ class ExactIndex:
 
     def expect_keys(self, endpoint_id: str, keys: Iterable[int], until_s: float, now_s: float) -> list[int]:
         """Claim router `keys` at `endpoint_id` until `until_s`, as `expect` does for a prompt: how a
-        peer router's claim (the keys its `expect` returned) is taken. Keys the view holds are
+        claim made elsewhere (the keys an `expect` returned) is taken. Keys the view holds are
         skipped; nothing is claimed at an endpoint the index has not seen (its bit would be
         another endpoint's later). Returns the keys newly claimed (a key claimed there already
         only has its claim extended, and is left out)."""
@@ -474,8 +473,8 @@ class ExactIndex:
     def placed_blocks(self, endpoint_id: str) -> int:
         """Blocks of new prompt content the endpoint has taken: the blocks its engine reported
         stored since the endpoint was first seen (`store_counts`, never decreasing: evictions do
-        not take them back), plus the blocks claimed there and not stored yet (`expect`, this
-        router's and its peers' claims). `kv-aware` sends a new conversation to the endpoint
+        not take them back), plus the blocks claimed there and not stored yet (`expect`: the
+        claims of this index's router, or of every router at the endpoint picker). `kv-aware` sends a new conversation to the endpoint
         with the fewest (`DEFAULT_NEW_PREFIX_SLACK` in `router.pools.policies`), as `cache_aware` sends
         it to its smallest tree; every router reads the same engines' events, so they agree.
         0 for an unknown endpoint."""

@@ -84,8 +84,8 @@ class RouteRequest:
             `router.request.prepare`; `prompt_tokens` is then their count); None when neither is
             known. What the exact index (`router.kv.exact_index.ExactIndex.match`) matches.
         claim: written by `kv-aware`: the blocks it claimed at the chosen endpoint while the
-            engine prefills them (`router.kv.exact_index.Claim`), which `router.request.attempt`
-            passes on to the router's peers; None when nothing was claimed.
+            engine prefills them (`router.kv.exact_index.Claim`; the endpoint picker keeps it with
+            the pick, `router.picker.state`); None when nothing was claimed.
     """
 
     block_hashes: tuple[int, ...] = ()

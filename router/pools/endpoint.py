@@ -49,15 +49,14 @@ class EndpointState:
     and `finish`. `metrics` holds the endpoint's Prometheus children
     (`router.stats.endpoint_metrics.EndpointMetrics`; None outside a `PoolTable`).
 
-    The load other routers sent (docs/routing.md, "Two routers"): `others_in_flight`,
+    The load other routers sent (docs/routing.md, "Two routers or more"): `others_in_flight`,
     `others_prefilling` and `others_prefill_tokens` estimate the requests in flight, those not
     yet past their first token, and their prompt tokens to prefill, that reached the engine from
     anywhere but this router, as of the engine's latest load sample (`router.signals.engine_load`);
     `others_until_s` (router-clock seconds) is when that estimate goes stale (0: none). The
     fields are written only here, through `set_others_load` and `forget_others_load`: the signal
-    that estimates them hands its figures over (`router.signals.peer_load.PeerLoadView` from the
-    peers' reports, `router.signals.engine_load.EngineLoadView` from the engines' load, or the
-    trace simulator's peer channel); `kv-aware` reads them.
+    that estimates them hands its figures over (`router.signals.engine_load.EngineLoadView` from
+    the engines' load, live and in the trace simulator); `kv-aware` reads them.
 
     Outlier ejection: `outlier` holds its outlier counters and ejection (`router.pools.outlier.OutlierState`); `ejected_until_s` (router-clock
     seconds, 0.0 when in service) mirrors the ejection's end for the picking loop

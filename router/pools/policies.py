@@ -82,7 +82,7 @@ cache exceeds the prefix; but the redone prefill is work the whole fleet pays fo
 queued or decoding on the new endpoint waits through it, and its blocks evict others' prefixes
 there), which the greedy wait does not count. 16 (with `DEFAULT_PREFIX_LOAD_BOUND` 16) is the
 trace simulator's choice on Mooncake seconds 300-600 and 900 to the trace's end, two routers on
-KV events and the peers' load (docs/routing.md, "How the defaults were chosen"): weight 1 gives
+KV events and load shared between the routers (docs/routing.md, "How the defaults were chosen"): weight 1 gives
 10.1% / 47.7% prefix-cache hits and p99 TTFT 3.23 s / 2.87 s, weight 4 15.5% / 57.5% and
 2.73 s / 2.32 s; averaged over the simulator's seeds 0-2, weight 16 with bound 16 finds 67.8%
 hits on seconds 900-1,100 at 80% and 90% load against 67.2% / 67.3% for weight 8 with bound 6
@@ -98,7 +98,7 @@ take requests until it holds this factor of the mean in flight, where others sto
 prefix once its home holds 1.5x the mean, and redoes the prefill elsewhere; the cost (queued
 prefill tokens) still weighs the wait there. Finite, so a prefix every request shares still
 spills. Tuned with `DEFAULT_MISS_TOKEN_WEIGHT` in the trace simulator on the same two Mooncake
-windows (two routers, KV events, the peers' load; docs/routing.md, "How the defaults were
+windows (two routers, KV events, load shared between the routers; docs/routing.md, "How the defaults were
 chosen"): the general bound alone (1.5) gives 15.4% / 54.9% hits, p99 TTFT 2.74 s / 2.49 s, e2e
 p50 2.96 s / 0.88 s; 4 gives 16.6% / 65.6%, 2.73 s / 2.32 s, 2.86 s / 0.65 s; 100 (no bound)
 66.0% hits on the second window; `cache-aware` there 15.7% / 67.7%, 4.59 s / 2.44 s, 3.91 s /
@@ -112,7 +112,7 @@ DEFAULT_PREFIX_SHARE = 0.3
 """Share of the prompt an endpoint must hold for `DEFAULT_PREFIX_LOAD_BOUND`, not
 `DEFAULT_LOAD_BOUND`, to apply to it: vllm-router's `cache_aware` `--cache-threshold` default
 (0.1.17), so both stay with a prefix from the same share. In the trace simulator on Mooncake
-seconds 300-600 and 900-1,100 (two routers, KV events, the peers' load, 80% and 90% load;
+seconds 300-600 and 900-1,100 (two routers, KV events, load shared between the routers, 80% and 90% load;
 docs/routing.md, "How the defaults were chosen"), 0.3 with a prefix bound of 6 gives 16.6% /
 66.2% hits at 80% and 15.8% / 66.5% at 90%, against 16.6% / 65.6% and 15.8% / 63.9% for 0.5
 with a bound of 4, p99 TTFT the same or lower (2.41 s against 2.59 s on the second window at
@@ -128,7 +128,7 @@ rule (the worker with the smallest tree: the least distinct prompt text sent), r
 engines' own account, so every router sees the same counts and places alike, where rendezvous
 hashing would place a conversation by a hash of its first block (a lottery: the simulator's seeds
 move its hits by up to 1.3 points). In the trace simulator (Mooncake tuning windows, two routers, KV
-events, the peers' load, 80% and 90%, six draws of token ids and arrival order; docs/routing.md,
+events, load shared between the routers, 80% and 90%, six draws of token ids and arrival order; docs/routing.md,
 "How the defaults were chosen" and "Today's defaults against `cache-aware`"): prefix-cache hits
 the same as placing by rendezvous hashing (30.80% against 30.73%, `cache-aware` 30.76%), p99 TTFT
 lower in each of the six window-load cells (by 1-8%). At 0.05 Azure `code` and `conv` route as
@@ -188,7 +188,7 @@ class RoutingPolicy(Registered, registry=ROUTING_POLICIES):
 
     def learn(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
         """Another source says `endpoint_id` now holds the prompt blocks `block_hashes` (a
-        peer router's placement, or the engine's KV events). Default: ignored."""
+        placement another router made, or the engine's KV events). Default: ignored."""
 
     def _rotate(self, ties: Sequence[EndpointState]) -> EndpointState:
         """Pick among equally good endpoints in turn, so ties spread load evenly. A single
@@ -323,7 +323,8 @@ class KvAware(RoutingPolicy, name="kv-aware"):
        the cheapest, the one that has taken the fewest blocks of new prompt content
        (`ExactIndex.placed_blocks`: blocks its engine stored, plus blocks claimed there and not
        stored yet), as `cache_aware` picks its smallest tree (`DEFAULT_NEW_PREFIX_SLACK`). Every
-       router reads the same events and its peers' claims, so they count alike.
+       router reads the same events (behind the endpoint picker, one view holds every router's
+       claims), so they count alike.
     4. Otherwise (no exact view, or a session key; nothing held anywhere, or a prompt shorter
        than one block) the request's affinity key (`RouteRequest.affinity_key`: session id,
        else the first block's hash) picks, by rendezvous hashing (highest random weight;

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import aiohttp
 
-from router.kv.exact_index import Claim
 from router.kv.prompt_blocks import RouteRequest
 from router.pools.endpoint import EndpointState
 from router.pools.outlier import Outcome
@@ -87,10 +86,6 @@ def outcome_of(status: int) -> Outcome:
     return Outcome.GATEWAY_FAILURE if status in (502, 503, 504) else Outcome.SERVER_ERROR
 
 
-def _nothing() -> None:
-    """The default load-change hook: nobody listens."""
-
-
 class Attempts:
     """Runs attempts (`run`) over one shared aiohttp `ClientSession` (`start`, `close`).
 
@@ -98,13 +93,11 @@ class Attempts:
     router's own answers are counted (`router.request.refuse.Refusals`). `timeout`: the session's
     connect and read timeouts; `keepalive_timeout_s`: how long an idle upstream connection is kept;
     `failure_cooldown_s`: how long an endpoint whose connection failed is skipped
-    (`router.pools.endpoint.DEFAULT_FAILURE_COOLDOWN_S`). Hooks: `load_changed()` at every change
-    of this router's load on an endpoint, `claimed(model, claim)` at a dispatch whose policy
-    claimed the prompt's blocks (`router.request.proxy.Proxy.on_load_change`, `on_claim`).
+    (`router.pools.endpoint.DEFAULT_FAILURE_COOLDOWN_S`).
     """
 
     __slots__ = ("_clock", "_refusals", "_timeout", "_keepalive_timeout_s", "_failure_cooldown_s", "relay",
-                 "session", "load_changed", "claimed")  # fmt: skip
+                 "session")  # fmt: skip
 
     def __init__(self, clock: Callable[[], float], refusals: Refusals, timeout: aiohttp.ClientTimeout,
                  keepalive_timeout_s: float, failure_cooldown_s: float) -> None:  # fmt: skip
@@ -115,8 +108,6 @@ class Attempts:
         self._failure_cooldown_s = failure_cooldown_s
         self.relay = Relay(clock, refusals.count)
         self.session: aiohttp.ClientSession | None = None
-        self.load_changed: Callable[[], None] = _nothing
-        self.claimed: Callable[[str, Claim], None] | None = None
 
     async def start(self) -> None:
         """Open the upstream client session (no connection limit, keep-alive)."""
@@ -178,9 +169,6 @@ class Attempts:
         if not m.bound:
             m.bind()  # series appear at an endpoint's first request (cheap pool updates)
         endpoint.start(prefill_tokens)
-        self.load_changed()
-        if request.claim is not None and self.claimed is not None:
-            self.claimed(pool.model, request.claim)
         first = [prefill_tokens]   # emptied when the first byte releases the prefill charge
         start_s = self._clock()
         try:
@@ -192,7 +180,6 @@ class Attempts:
                                       arrival_s, start_s, timeout_s, may_retry, plan)  # fmt: skip
         finally:
             endpoint.finish(prefill_tokens, not first)
-            self.load_changed()
             queue = pool.shared.queue
             if queue.has_waiters() and not endpoint.draining:
                 queue.wake(1)

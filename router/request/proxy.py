@@ -54,7 +54,6 @@ from collections.abc import Callable
 
 import aiohttp
 
-from router.kv.exact_index import Claim
 from router.kv.prompt_blocks import RouteRequest
 from router.kv.tokenize import PoolTokenizers
 from router.pools.endpoint import DEFAULT_FAILURE_COOLDOWN_S, EndpointState
@@ -141,18 +140,6 @@ class Proxy:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._attempts = Attempts(clock, self._refusals, timeout, keepalive_timeout_s, failure_cooldown_s)
         self.tokenizers = tokenizers if tokenizers is not None else PoolTokenizers()
-
-    def on_load_change(self, notify: Callable[[], None]) -> None:
-        """Call `notify()` whenever an endpoint's load as this router sent it changes (dispatch,
-        first byte, finish): the peer channel's sender (`router.signals.peer_channel.PeerSender.notify`)."""
-        self._attempts.load_changed = notify
-        self._attempts.relay.load_changed = notify
-
-    def on_claim(self, claimed: Callable[[str, Claim], None]) -> None:
-        """Call `claimed(model, claim)` at each dispatch whose policy claimed the prompt's blocks
-        at the endpoint (`RouteRequest.claim`): the peer channel's sender
-        (`router.signals.peer_channel.PeerSender.send_claim`)."""
-        self._attempts.claimed = claimed
 
     async def start(self) -> None:
         """Open the upstream client session (no connection limit, keep-alive)."""

@@ -178,25 +178,18 @@ class StreamPlan:
                            end_at=self.end_at)  # fmt: skip
 
 
-def _nothing() -> None:
-    """The default load-change hook: nobody listens."""
-
-
 class Relay:
     """Sends an engine's answer to the client through ASGI `send`.
 
     `clock`: the router's clock (seconds; the first body chunk's time). `refused(model, status)`:
     counts an answer the router gives itself (`router.request.refuse.Refusals.count`).
-    `load_changed`: called when a request's prefill charge is released at its first body chunk
-    (the peer channel's `notify`, set through `router.request.proxy.Proxy.on_load_change`).
     """
 
-    __slots__ = ("_clock", "_refused", "load_changed")
+    __slots__ = ("_clock", "_refused")
 
     def __init__(self, clock: Callable[[], float], refused: Callable[[str, int], None]) -> None:
         self._clock = clock
         self._refused = refused
-        self.load_changed: Callable[[], None] = _nothing
 
     async def whole(self, endpoint: EndpointState, m: EndpointMetrics, resp: aiohttp.ClientResponse, status: int,
                     headers: Headers, send: Send, watch: ClientWatch, predicted_cached: int,
@@ -347,7 +340,6 @@ class Relay:
             if first_chunk:
                 first_byte_s = first_chunk_s
                 endpoint.first_byte(first.pop())
-                self.load_changed()
                 chunk = sse.feed(first_chunk, first_chunk_s) if sse is not None else first_chunk
                 if continuation is not None and chunk:
                     chunk = continuation.rewrite(chunk)
@@ -369,7 +361,6 @@ class Relay:
                     if first_byte_s is None:
                         first_byte_s = now_s
                         endpoint.first_byte(first.pop())
-                        self.load_changed()
                     chunk = sse.feed(chunk, now_s)
                     if not chunk:
                         continue  # a partial event, held back until its end arrives
@@ -382,7 +373,6 @@ class Relay:
                 elif first_byte_s is None:
                     first_byte_s = clock()
                     endpoint.first_byte(first.pop())
-                    self.load_changed()
                 if guard is not None:
                     guard.sending = True   # a client slow to read is not a silent engine
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

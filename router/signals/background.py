@@ -1,11 +1,9 @@
 """One background loop a router component runs while it is started.
 
 Owns `BackgroundLoop`: `start` creates the named task unless it runs, `stop` cancels it and waits
-for it to end. Used by the engine-load poller (`router.signals.engine_poll`), the peer-load sender
-(`router.signals.peer_channel`) and peer discovery (`router.signals.peer_discovery`), each started and closed by
+for it to end. Used by the engine-load poller (`router.signals.engine_poll`), started and closed by
 `router.http.app.RouterApp`'s lifespan; and `wake`, the callback that resolves a future a loop
-waits on (a timer's or a file descriptor's), shared by `router.signals.peer_channel` and
-`router.signals.kv_subscriber`.
+waits on (a file descriptor's), used by `router.signals.kv_subscriber`.
 """
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 DRAIN_INTERVAL_S = 0.02
 """Seconds between two drains of the subscribers' sockets (the shared `DrainTicks`): the most a
-batch waits in the socket after it arrived. Against the 10 ms peer-load interval
-(`router.signals.peer_load.DEFAULT_PEER_INTERVAL_S`) and the seconds between a conversation's turns, a
+batch waits in the socket after it arrived. Against the seconds between a conversation's turns, a
 20 ms older view changes few decisions; it makes a router with 8 busy streams wake 50 times a
 second for them instead of once per batch (hundreds). 50 ms saved no CPU measurably on the
 Mooncake window (docs/benchmarks.md, "Router CPU with KV events"), so the fresher view stays."""

@@ -12,9 +12,10 @@ estimate. Pure: no I/O, times are passed in.
 **Why.** Each router counts only the requests it sent. With two routers behind one Service,
 each sees about half of every endpoint's load, and both can send long prompts to the same
 replica at once: in the trace simulator (docs/routing.md, "Two routers") that raised
-`kv-aware`'s p99 TTFT on the Mooncake trace from 2.72 s to 4.39 s. This is the fallback of a
-router without peers: routers that tell each other their load (`router.signals.peer_load`) do better,
-because what queues on an endpoint is prompt tokens and vLLM exports only request counts.
+`kv-aware`'s p99 TTFT on the Mooncake trace from 2.72 s to 4.39 s. This is the fallback of
+routers without an endpoint picker: the picker (`router.picker`), which holds every router's
+requests, does better, because what queues on an endpoint is prompt tokens and vLLM exports only
+request counts.
 
 **How.** At a sample the engine holds `waiting + running` requests, and this router knows how
 many of them are its own (`EndpointState.in_flight` at that instant); the rest came from other
@@ -44,11 +45,11 @@ from router.pools.endpoint import EndpointState
 
 DEFAULT_POLL_INTERVAL_S = 0.1
 """Seconds between two polls of an endpoint's `/metrics` for its load. In the trace simulator on
-the Mooncake trace with two routers (docs/routing.md, "A shared load signal") the interval made
+the Mooncake trace with two routers (docs/routing.md, "Two routers or more") the interval made
 no difference between 50 ms and 1 s (p99 TTFT 4.32-4.54 s): the engines' request counts are
 what limit this signal, not their age. With the engines' KV events, 100 ms took p99 from 4.19 s
 (own load only) to 3.78 s. Opt-in (`python -m router --engine-load-interval-ms 100`) for routers
-without peers (`router.signals.peer_load` does better)."""
+without an endpoint picker (the picker does better)."""
 
 DEFAULT_MAX_AGE_S = 1.0
 """Seconds after a sample during which its estimate of other routers' load is used: ten

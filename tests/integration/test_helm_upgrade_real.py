@@ -186,7 +186,7 @@ def upgraded(control_plane: RealControlPlane, previous_chart: Path) -> Iterator[
             await _established(kube)
             for doc in LIVE:
                 await kube.create(INFERENCE_DEPLOYMENTS, NAMESPACE, doc)
-            before = await async_wait_until(lambda: _rolled_out(kube, new), timeout_s=60, interval_s=0.3,
+            before = await async_wait_until(lambda: _rolled_out(kube, old), timeout_s=60, interval_s=0.3,
                                             explain=control_plane.explain, what="each Deployment's ReplicaSet")  # fmt: skip
             upgrade = await release.upgrade(old, new)
             after = await _snapshot(kube)
@@ -244,8 +244,9 @@ def test_the_previous_chart_refuses_1_20_and_installs_what_1_20_serves(previous_
 def test_every_object_of_the_new_render_is_accepted_and_dropped_ones_deleted(upgraded, control_plane):
     """Real: the API server takes every write of the upgrade (an error would have raised in the
     fixture) and keeps each object as today's chart renders it. The upgrade creates what is new
-    (the node agent's DaemonSet, ServiceAccount and RBAC; the router pods' ServiceAccount, Role and
-    RoleBinding for their peers' Endpoints; the policy/v1beta1 budget), deletes the
+    (the node agent's DaemonSet, ServiceAccount and RBAC; the endpoint picker's Deployment and
+    Service; the router pods' ServiceAccount, Role and RoleBinding for the picker Service's
+    Endpoints; the policy/v1beta1 budget), deletes the
     two NetworkPolicies the new values dropped, and leaves no other object of the release."""
     up: Applied = upgraded["upgrade"]
     new, old = upgraded["new"], upgraded["old"]
@@ -253,7 +254,9 @@ def test_every_object_of_the_new_render_is_accepted_and_dropped_ones_deleted(upg
     previous = {_key(d) for d in old}
     assert set(up.created) == {_key(d) for d in new if _key(d) not in previous} | _keys(new, "PodDisruptionBudget")
     assert {k[1] for k in up.created} == {"DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                                          "Role", "RoleBinding", "PodDisruptionBudget"}, up.created  # fmt: skip
+                                          "Role", "RoleBinding", "PodDisruptionBudget", "Deployment",
+                                          "Service"}, up.created  # fmt: skip
+    assert {k[3] for k in up.created if k[1] in ("Deployment", "Service")} == {"fleet-picker"}, up.created
     assert up.kept == [] and up.skipped == {}
 
     async def check() -> list[str]:
@@ -311,18 +314,20 @@ def test_live_inference_deployments_keep_their_spec(upgraded, control_plane):
 async def test_deployments_roll_where_the_pod_template_changed(upgraded, control_plane):
     """Real: the controller-manager makes a new ReplicaSet for each Deployment whose pod template
     the new chart changed (the operator: its engine settings carry the GPU toleration; the
-    router: its own ServiceAccount and --peers-endpoints) and none for one it did not change; the DaemonSet controller wants the agent on the one
+    router: its own ServiceAccount and --picker-endpoints) and none for one it did not change, and
+    the first of the endpoint picker's, new in this chart; the DaemonSet controller wants the agent on the one
     GPU node (GPU Feature Discovery's label) and not on the CPU node. Stand-in: the nodes."""
     old = {d["metadata"]["name"]: d for d in upgraded["old"] if d["kind"] == "Deployment"}
     new = {d["metadata"]["name"]: d for d in upgraded["new"] if d["kind"] == "Deployment"}
-    changed = {n for n in new if _missing(new[n]["spec"]["template"], old[n]["spec"]["template"])}
-    assert changed == {"fleet-operator", "fleet-router"}, changed
+    assert set(new) - set(old) == {"fleet-picker"}, sorted(new)
+    changed = {n for n in new if n not in old or _missing(new[n]["spec"]["template"], old[n]["spec"]["template"])}
+    assert changed == {"fleet-operator", "fleet-router", "fleet-picker"}, changed
     kube = control_plane.client()
     try:
         async def rolled() -> dict:
             snap = (await _snapshot(kube))["replica_sets"]
             first = upgraded["before"]["replica_sets"]
-            fresh = {n: [rs for name, rs in snap.get(n, {}).items() if name not in first[n]] for n in new}
+            fresh = {n: [rs for name, rs in snap.get(n, {}).items() if name not in first.get(n, {})] for n in new}
             return fresh if all(bool(fresh[n]) == (n in changed) for n in new) else {}
 
         fresh = await async_wait_until(rolled, timeout_s=60, interval_s=0.3, explain=control_plane.explain,
@@ -352,7 +357,7 @@ async def test_uninstall_leaves_only_the_crd_and_the_inference_deployments(upgra
     release = Release(kube, control_plane.resource, RELEASE, NAMESPACE)
     try:
         sets, _ = await kube.list(REPLICA_SETS, NAMESPACE, label_selector=SELECTOR)
-        assert len(sets) >= 3, [s["metadata"]["name"] for s in sets]   # the router's, the operator's two
+        assert len(sets) >= 4, [s["metadata"]["name"] for s in sets]   # the router's, the operator's two, the picker's
         gone = await release.uninstall(upgraded["new"])
         assert [k[1] for k in gone.kept] == ["CustomResourceDefinition"]
         assert len(gone.deleted) == len(upgraded["new"]) - 1

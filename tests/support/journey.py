@@ -26,7 +26,6 @@ delete, uninstall, nothing left. Any request outside a Role's rights fails it.
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import json
 import os
@@ -35,10 +34,10 @@ import time
 from pathlib import Path
 
 import aiohttp
-
-from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, SECRETS, NotFound
-from fleet.k8s.pods import node_affinity
 from prometheus_client.parser import text_string_to_metric_families
+
+from fleet.k8s.client import INFERENCE_DEPLOYMENTS, NODES, PODS, NotFound
+from fleet.k8s.pods import node_affinity
 from tests.support.waits import async_wait_until
 
 NS = "fleet"

@@ -211,9 +211,9 @@ def test_token_ids_holding_something_unhashable_match_and_claim_nothing() -> Non
     assert index.match(ids) == {"a": 3 * BS}
 
 
-def test_a_peers_claim_is_taken_by_key_and_skips_what_the_view_holds() -> None:
-    """`expect` returns the keys it claimed (the ones the view did not hold); another router's
-    index takes them with `expect_keys` and matches the prompt there, until the engine stores it."""
+def test_a_claim_is_taken_by_key_and_skips_what_the_view_holds() -> None:
+    """`expect` returns the keys it claimed (the ones the view did not hold); another index
+    takes them with `expect_keys` and matches the prompt there, until the engine stores it."""
     engine = Engine()
     sender, receiver = ExactIndex(), ExactIndex()
     ids = prompt(6)
@@ -237,7 +237,8 @@ def claimed(index: ExactIndex, endpoint_id: str) -> int:
 
 def test_placed_blocks_are_the_blocks_stored_plus_the_claims_not_yet_stored() -> None:
     """`placed_blocks`: every block the engine reported stored (evictions do not take it back)
-    and every claim, this router's or a peer's, until it is stored, cleared or swept."""
+    and every claim, made here or taken as keys (`expect_keys`, as the picker moves a late pick's
+    claim), until it is stored, cleared or swept."""
     engine, index = Engine(), ExactIndex()
     for e in ("a", "b"):
         index.open(e)
@@ -253,11 +254,11 @@ def test_placed_blocks_are_the_blocks_stored_plus_the_claims_not_yet_stored() ->
     assert index.placed_blocks("b") == 7 and claimed(index, "b") == 2
     index.apply("b", batch(BlockRemoved(engine.hashes(ids)[:4])))   # evicted: still placed there
     assert index.placed_blocks("b") == 7
-    peer = prompt(3, base=9000)
-    other = ExactIndex()                                            # a peer's claim arrives as keys
+    elsewhere = prompt(3, base=9000)
+    other = ExactIndex()                                            # a claim made elsewhere arrives as keys
     other.open("a")
     other.apply("a", batch(engine.stored(prompt(1, base=5000))))
-    keys = other.expect("a", peer, until_s=5.0, now_s=0.0)
+    keys = other.expect("a", elsewhere, until_s=5.0, now_s=0.0)
     assert index.expect_keys("a", keys, until_s=5.0, now_s=0.0) == keys
     assert index.placed_blocks("a") == 5 and claimed(index, "a") == 3
     for _ in range(256):                                            # expired claims go at the sweep
@@ -290,7 +291,7 @@ def test_kv_aware_sends_a_shared_prefix_where_it_is_being_prefilled() -> None:
         chosen = policy.choose([a, b], second, 0.5, index)
         assert (chosen is where) is follows
         assert second.cached_tokens == (40 * BS if follows else 0)
-        if follows:   # the first request's claim, for the peers; the second's prompt is claimed already
+        if follows:   # the first request's claim, kept with its pick; the second's prompt is claimed already
             assert first.claim is not None and first.claim.endpoint_id == where.id
             assert len(first.claim.keys) == 40 and first.claim.until_s == 10.0
             assert second.claim is None

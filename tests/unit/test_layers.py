@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("router.stats",),                              # windowed statistics, request log, Prometheus metrics
     ("router.kv",),                                 # KV events, exact and approximate indexes, tokenizer
     ("router.pools",),                              # endpoints, pools, policies, split, outliers, admission
-    ("router.signals", "router.request"),           # engine load, KV streams, peers; the request path
+    ("router.signals", "router.request"),           # engine load, KV streams; the request path
     ("router.picker",),                             # the endpoint picker: its wire, state, server and client
     ("router.http",),                               # the ASGI app, admin API, uvicorn
     ("router",),                                    # router/__init__.py, router/__main__.py

@@ -38,21 +38,20 @@ def test_a_target_names_its_router_count_or_takes_the_default() -> None:
             parse_target(bad, 1)
 
 
-def test_a_target_may_switch_on_kv_events_peers_and_the_picker_for_itself() -> None:
-    plain = argparse.Namespace(routers=1, kv_events=False, peers=False, picker=False)
-    assert parse_target("fleet:kv-aware@2+kv-events+peers", 1) == ("fleet", "kv-aware", 2)
-    assert target_options("fleet:kv-aware", plain) == (False, False, False)
-    assert target_options("fleet:kv-aware+kv-events", plain) == (True, False, False)
-    assert target_options("fleet:kv-aware+peers", plain) == (False, False, False)        # one router: no peers
-    assert target_options("fleet:kv-aware@2+kv-events+peers", plain) == (True, True, False)
-    assert target_options("vllm-router:cache_aware+kv-events", plain) == (False, False, False)
-    # the picker follows the engines' events (on) and holds every router's load (no peers)
-    assert target_options("fleet:kv-aware@2+picker+peers", plain) == (True, False, True)
-    assert target_options("vllm-router:cache_aware+picker", plain) == (False, False, False)
-    everywhere = argparse.Namespace(routers=2, kv_events=True, peers=True, picker=False)
-    assert target_options("fleet:kv-aware", everywhere) == (True, True, False)
-    with pytest.raises(SystemExit):
-        parse_target("fleet:kv-aware+gossip", 1)
+def test_a_target_may_switch_on_kv_events_and_the_picker_for_itself() -> None:
+    plain = argparse.Namespace(routers=1, kv_events=False, picker=False)
+    assert parse_target("fleet:kv-aware@2+kv-events+picker", 1) == ("fleet", "kv-aware", 2)
+    assert target_options("fleet:kv-aware", plain) == (False, False)
+    assert target_options("fleet:kv-aware+kv-events", plain) == (True, False)
+    assert target_options("vllm-router:cache_aware+kv-events", plain) == (False, False)
+    # the picker follows the engines' events (on)
+    assert target_options("fleet:kv-aware@2+picker", plain) == (True, True)
+    assert target_options("vllm-router:cache_aware+picker", plain) == (False, False)
+    everywhere = argparse.Namespace(routers=2, kv_events=True, picker=True)
+    assert target_options("fleet:kv-aware", everywhere) == (True, True)
+    for unknown in ("fleet:kv-aware+gossip", "fleet:kv-aware@2+peers"):
+        with pytest.raises(SystemExit, match="unknown option"):
+            parse_target(unknown, 1)
 
 
 async def test_requests_alternate_between_the_routers() -> None:
@@ -173,8 +172,8 @@ def test_kv_event_ports_follow_the_simulators_offset_per_replica() -> None:
     sources = ports.sources()
     assert [s["publisher"] for s in sources][2:4] == [f"tcp://127.0.0.1:{ports.pub[0] + 2}",
                                                       f"tcp://127.0.0.1:{ports.pub[1]}"]
-    assert target_label("fleet:kv-aware@2", 1, {"kv_events": True, "peers": True}) == \
-        "fleet:kv-aware, 2 routers, KV events, peers"
+    assert target_label("fleet:kv-aware@2", 1, {"kv_events": True, "picker": True}) == \
+        "fleet:kv-aware, 2 routers, KV events, endpoint picker"
 
 
 def test_the_scale_up_run_adds_one_replica_at_the_join() -> None:

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import socket
 
-import httpx
 import pytest
 
 from fleet.k8s.client import ApiError

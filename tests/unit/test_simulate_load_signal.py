@@ -1,6 +1,7 @@
 """What each simulated router knows of the load the others sent (SimConfig.load_signal): the
-engines' load sampled through `router.signals.engine_load.EngineLoadView`, or a peer channel with a
-delay; and the engines' KV cache events read by every router's exact index (fleet.tracesim.engine)."""
+engines' load sampled through `router.signals.engine_load.EngineLoadView`; the engines' KV cache
+events read by every router's exact index (fleet.tracesim.engine); and a claim seen by every
+router through the endpoint picker (SimConfig.picker)."""
 
 from __future__ import annotations
 
@@ -42,21 +43,6 @@ def run(signal: str = "own", interval_s: float = 0.1, routers: int = 2) -> Simul
     return sim
 
 
-def test_a_peer_channel_without_delay_keeps_every_router_told_of_the_others_load() -> None:
-    sim = run("peers", 0.0, routers=3)
-    for replica in sim.replicas:
-        for e in replica.endpoints:   # what the others told it adds up to what they undid: nothing
-            assert (e.others_in_flight, e.others_prefilling, e.others_prefill_tokens) == (0, 0, 0)
-            assert e.others_until_s == float("inf")
-
-
-def test_a_delayed_peer_channel_settles_once_the_run_is_over() -> None:
-    sim = run("peers", 0.05)
-    for replica in sim.replicas:
-        for e in replica.endpoints:
-            assert e.others_in_flight >= 0   # events still in flight at the end are the only difference
-
-
 @pytest.mark.parametrize("signal", ["engine", "engine-prefill"])
 def test_engine_samples_reach_every_router(signal: str) -> None:
     sim = run(signal, 0.05)
@@ -64,17 +50,11 @@ def test_engine_samples_reach_every_router(signal: str) -> None:
     assert sim.config.params()["routing"]["load_signal"] == signal
 
 
-def test_routers_told_of_each_others_load_spread_long_prompts_better() -> None:
-    def p99(sim: Simulation) -> float:
-        ttfts = sorted(f - a for f, a in zip(sim.log.first_token_s, sim.log.arrival_s))
-        return ttfts[int(0.99 * (len(ttfts) - 1))]
-
-    assert p99(run("peers", 0.0)) < p99(run("own"))
-
-
 def test_bad_load_signals_are_refused() -> None:
     with pytest.raises(ValueError, match="load_signal"):
         config("gossip")
+    with pytest.raises(ValueError, match="load_signal must be one of own, engine, engine-waiting, engine-prefill"):
+        config("peers")
     with pytest.raises(ValueError, match="load_interval_s"):
         config("engine", 0.0)
 
@@ -107,24 +87,20 @@ def test_every_router_reads_the_engines_kv_events(delay_s: float) -> None:
     assert exact < 0.02        # the engines' account: what the engine finds, but for a batch in flight
 
 
-@pytest.mark.parametrize("signal", ["peers", "own"])
-def test_a_routers_claim_reaches_the_other_router_with_the_peers_load(signal: str) -> None:
+@pytest.mark.parametrize("picker", [True, False])
+def test_a_routers_claim_reaches_the_other_router_through_the_picker(picker: bool) -> None:
     """One replica, requests alternating between the routers: a first prompt through router 0
     warms the views (its events teach the engine's block size, which a claim needs); then a prompt
     through router 1, and the same prompt through router 0 50 ms later, before the engine's events
-    (0.5 s late) show it stored. With the peer channel router 0 has router 1's claim and expects
-    the whole prompt cached; on its own load it expects nothing."""
+    (0.5 s late) show it stored. Through the picker (one view, every router's claims) router 0's
+    pick expects the whole prompt cached; each router on its own expects nothing."""
     warm = TraceRequest(0.0, 256, 4, None, (7, 8), 128)
     first = TraceRequest(2.0, 1024, 4, None, tuple(range(100, 108)), 128)
     second = TraceRequest(2.05, 1024, 4, None, tuple(range(100, 108)), 128)
     cfg = SimConfig(profile=PREFILL, autoscaling=AutoscalingSpec(policy="fixed"), bounds=ReplicaBounds(1, 1, 1),
-                    routing_policy="kv-aware", routers=2, load_signal=signal, load_interval_s=0.01,
-                    kv_events=True, kv_events_delay_s=0.5)  # fmt: skip
+                    routing_policy="kv-aware", routers=2, kv_events=True, kv_events_delay_s=0.5, picker=picker)  # fmt: skip
     sim = Simulation(cfg, Workload.from_trace(Trace("claims", (warm, first, second)), PREFILL))
     sim.run()
     log = sim.log
     assert not any(log.failed) and log.predicted_cached_tokens[1] == 0
-    if signal == "peers":
-        assert log.predicted_cached_tokens[2] == 1024
-    else:
-        assert log.predicted_cached_tokens[2] == 0
+    assert log.predicted_cached_tokens[2] == (1024 if picker else 0)
