@@ -186,7 +186,7 @@ def endpoint_picker(
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "warning",
 ) -> None:
     """Run the endpoint picker as the chart's picker pods do (`python -m router.picker`): the
-    routers started with --picker ask it for every pick (docs/routing.md, 'Endpoint picker').
+    routers started with --picker or --picker-endpoints ask it for every pick (docs/routing.md, 'Endpoint picker').
     With --lease, several replicas run active-passive (fleet/k8s/picker_pod.py)."""
     import asyncio
     import logging
