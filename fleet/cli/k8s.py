@@ -159,8 +159,9 @@ def router_pod(
     try:
         picker_at = parse_address(picker) if picker else None
         endpoints = parse_endpoints_target(picker_endpoints) if picker_endpoints else None
+        drain = {} if drain_timeout_s is None else {"drain_timeout_s": drain_timeout_s}
         asyncio.run(serve_router_pod(host, port, admin_port, token, picker=picker_at, picker_endpoints=endpoints,
-                                     **({} if drain_timeout_s is None else {"drain_timeout_s": drain_timeout_s})))  # fmt: skip
+                                     **drain))
     except ValueError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
@@ -196,8 +197,8 @@ def endpoint_picker(
 
     logging.basicConfig(level=log_level.upper())
     try:
-        held = PickerLease(lease, namespace or pod_namespace(flag="--lease"), identity, lease_duration_s, renew_deadline_s,
-                           retry_period_s) if lease else None  # fmt: skip
+        held = PickerLease(lease, namespace or pod_namespace(flag="--lease"), identity, lease_duration_s,
+                           renew_deadline_s, retry_period_s) if lease else None  # fmt: skip
         asyncio.run(serve_picker_pod(host, port, metrics_port, held))
     except ValueError as err:
         typer.echo(str(err), err=True)

@@ -1,22 +1,23 @@
 """A router's connection to the endpoint picker: ask per request, fall back when it does not answer.
 
-Owns `PickerClient`, `PickerTicket`, `Locate` and `parse_address` (``--picker HOST:PORT``). `router.http.app.create_app` makes one when the
-router is started with `--picker HOST:PORT` (a static address) or, in a router pod, with a
-`Locate` (the picker Service's ready address read through the Kubernetes API,
-`fleet.k8s.service_endpoints`, injected by `fleet.k8s.routerpod`: router/ never imports fleet/);
-`router.pools.pool.PoolTable` tells it every pool
-(`put_pool`), and `router.request.proxy` asks it for the first pick of each request (`pick`) and
-reports the request's first byte and end (`PickerTicket.first_byte`, `finish`). One TCP connection,
-pipelined (`router.picker.wire`); reconnected with backoff (`RECONNECT_MIN_S` doubling to
-`RECONNECT_MAX_S`, reset only by a connection that brought an answer, so a proxy that accepts and
-closes with no picker behind it is not spun against); every pool is sent again on each connection.
-With a `Locate`, the address is asked before each connection and every `DEFAULT_LOCATE_INTERVAL_S`
-while connected: when it changes (an HA failover moved the Service's ready address to the new
-leader) the connection is closed and the next one goes to the new address; when the locator fails
-the last address is kept; when it finds none the router picks alone until it finds one. A pick not answered within
-`DEFAULT_DEADLINE_S`, or asked while the connection is down, is the router's own (its policy on
-its own approximate index and load); a late one is reported to the picker (`PLACED`), so the
-picker counts the request's load and claim where it went.
+Owns `PickerClient`, `PickerTicket`, `Locate` and `parse_address` (``--picker HOST:PORT``).
+`router.http.app.create_app` makes one when the router is started with `--picker HOST:PORT` (a
+static address) or, in a router pod, with a `Locate` (the picker Service's ready address read
+through the Kubernetes API, `fleet.k8s.service_endpoints.ServiceLocator`, injected by
+`fleet.k8s.routerpod`: router/ never imports fleet/); `router.pools.pool.PoolTable` tells it every
+pool (`put_pool`), and `router.request.proxy` asks it for the first pick of each request (`pick`)
+and reports the request's first byte and end (`PickerTicket.first_byte`, `finish`). One TCP
+connection, pipelined (`router.picker.wire`); reconnected with backoff (`RECONNECT_MIN_S` doubling
+to `RECONNECT_MAX_S`, reset only by a connection that brought an answer, so a proxy that accepts
+and closes with no picker behind it is not spun against); every pool is sent again on each
+connection. With a `Locate`, the address is asked before each connection and every
+`DEFAULT_LOCATE_INTERVAL_S` while connected: when it changes (an HA failover moved the Service's
+ready address to the new leader) the connection is closed and the next one goes to the new
+address; when the locator fails the last address is kept; when it finds none the router picks
+alone until it finds one. A pick not answered within `DEFAULT_DEADLINE_S`, or asked while the
+connection is down, is the router's own (its policy on its own approximate index and load); a
+late one is reported to the picker (`PLACED`), so the picker counts the request's load and claim
+where it went.
 
 Metrics on the router's registry: `fleet_router_picker_picks_total{outcome}` (`answered`; fell back:
 `timed_out`, `unreachable`, `declined`: the picker has no such pool yet, or is a standby) and
@@ -264,7 +265,9 @@ class PickerClient:
                 writer.write(frame)
             self._writer = writer
             answers_before = self._answers
-            follower = None if self._locate is None else asyncio.get_running_loop().create_task(self._follow(at, writer))
+            follower = None
+            if self._locate is not None:
+                follower = asyncio.get_running_loop().create_task(self._follow(at, writer))
             try:
                 await self._read(reader)
             except (OSError, WireError) as err:

@@ -11,8 +11,8 @@ estimate. Pure: no I/O, times are passed in.
 
 **Why.** Each router counts only the requests it sent. With two routers behind one Service,
 each sees about half of every endpoint's load, and both can send long prompts to the same
-replica at once: in the trace simulator (docs/routing.md, "Two routers") that raised
-`kv-aware`'s p99 TTFT on the Mooncake trace from 2.72 s to 4.39 s. This is the fallback of
+replica at once: in the trace simulator (docs/routing.md, "Load signals between two routers")
+that raised `kv-aware`'s p99 TTFT on the Mooncake trace from 2.72 s to 4.39 s. This is the fallback of
 routers without an endpoint picker: the picker (`router.picker`), which holds every router's
 requests, does better, because what queues on an endpoint is prompt tokens and vLLM exports only
 request counts.
@@ -45,8 +45,8 @@ from router.pools.endpoint import EndpointState
 
 DEFAULT_POLL_INTERVAL_S = 0.1
 """Seconds between two polls of an endpoint's `/metrics` for its load. In the trace simulator on
-the Mooncake trace with two routers (docs/routing.md, "Two routers or more") the interval made
-no difference between 50 ms and 1 s (p99 TTFT 4.32-4.54 s): the engines' request counts are
+the Mooncake trace with two routers (docs/routing.md, "Load signals between two routers") the
+interval made no difference between 50 ms and 1 s (p99 TTFT 4.32-4.54 s): the engines' request counts are
 what limit this signal, not their age. With the engines' KV events, 100 ms took p99 from 4.19 s
 (own load only) to 3.78 s. Opt-in (`python -m router --engine-load-interval-ms 100`) for routers
 without an endpoint picker (the picker does better)."""

@@ -246,11 +246,13 @@ def test_every_object_of_the_new_render_is_accepted_and_dropped_ones_deleted(upg
     fixture) and keeps each object as today's chart renders it. The upgrade creates what is new
     (the node agent's DaemonSet, ServiceAccount and RBAC; the endpoint picker's Deployment and
     Service; the router pods' ServiceAccount, Role and RoleBinding for the picker Service's
-    Endpoints; the policy/v1beta1 budget), deletes the
-    two NetworkPolicies the new values dropped, and leaves no other object of the release."""
+    Endpoints; the policy/v1beta1 budget), deletes the two NetworkPolicies the new values dropped
+    and the router pods' headless Service the previous chart had (the picker replaces it), and
+    leaves no other object of the release."""
     up: Applied = upgraded["upgrade"]
     new, old = upgraded["new"], upgraded["old"]
-    assert set(up.deleted) == _keys(old, "NetworkPolicy") and len(up.deleted) == 2, up.deleted
+    gone = _keys(old, "NetworkPolicy") | {("", "Service", NAMESPACE, "fleet-router-peers")}
+    assert set(up.deleted) == gone and len(up.deleted) == 3, up.deleted
     previous = {_key(d) for d in old}
     assert set(up.created) == {_key(d) for d in new if _key(d) not in previous} | _keys(new, "PodDisruptionBudget")
     assert {k[1] for k in up.created} == {"DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",

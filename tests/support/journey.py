@@ -233,7 +233,8 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
             """Each router pod connects to the picker at the ready address of the picker Service's
             Endpoints (fleet/k8s/service_endpoints.py; no cluster DNS, no kube-proxy here)."""
             picker_rows.clear()
-            picker_rows.update((n, v) for (n, _), v in (await picker_metrics()).items() if n.startswith("fleet_picker_r"))
+            rows = await picker_metrics()
+            picker_rows.update((n, v) for (n, _), v in rows.items() if n.startswith("fleet_picker_r"))
             return picker_rows.get("fleet_picker_routers_connected") == 2
 
         picker_rows: dict[str, float] = {}
@@ -274,18 +275,19 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
             rows = await picker_metrics()
             kv_rows["picker"] = sorted(f"{n}{dict(labels)} {v}" for (n, labels), v in rows.items()
                                        if n.startswith("fleet_picker_kv_"))  # fmt: skip
-            live = {n for n in names if rows.get(("fleet_picker_kv_stream_live",
-                                                  frozenset({"endpoint": n, "model": names[n]}.items()))) == 1}  # fmt: skip
-            applied = {names[n] for n in names
-                       if rows.get(("fleet_picker_kv_events_total", frozenset({"endpoint": n, "model": names[n]}.items())),
-                                   0) > 0}  # fmt: skip
+            def of(n: str) -> frozenset:
+                return frozenset({"endpoint": n, "model": names[n]}.items())
+
+            live = {n for n in names if rows.get(("fleet_picker_kv_stream_live", of(n))) == 1}
+            applied = {names[n] for n in names if rows.get(("fleet_picker_kv_events_total", of(n)), 0) > 0}
             if live != set(names) or applied != set(names.values()):
                 return False
             for url in router_urls():
                 router_rows = await scrape(f"{url}/metrics")
                 kv_rows[url] = sorted(f"{n}{dict(labels)} {v}" for (n, labels), v in router_rows.items()
                                       if n.startswith(("fleet_router_picker_", "fleet_router_tokenizer")))  # fmt: skip
-                if router_rows.get(("fleet_router_picker_picks_total", frozenset({"outcome": "answered"}.items())), 0) < 1:
+                answered = ("fleet_router_picker_picks_total", frozenset({"outcome": "answered"}.items()))
+                if router_rows.get(answered, 0) < 1:
                     return False
                 if router_rows.get(("fleet_router_tokenizer_loads_total", frozenset({"outcome": "ok"}.items()))) != 1:
                     return False
@@ -296,8 +298,8 @@ async def users_journey(box, work: Path) -> list[tuple[str, float]]:
         async with aiohttp.ClientSession() as http:
             for url in router_urls():
                 for model in ("chat-nvl", "small-mig", "chat-sxm"):
-                    async with http.post(f"{url}/v1/completions",
-                                         json={"model": model, "prompt": long_prompt, "max_tokens": 2}) as r:  # fmt: skip
+                    body = {"model": model, "prompt": long_prompt, "max_tokens": 2}
+                    async with http.post(f"{url}/v1/completions", json=body) as r:
                         assert r.status == 200, await r.text()
         await async_wait_until(kv_streams_live, 60, interval_s=0.25, ignoring=(aiohttp.ClientError, ValueError),
                                what="the picker following every engine pod's KV event stream, answering both routers",
