@@ -114,6 +114,9 @@ def up(
     picker_port: Annotated[int, typer.Option(
         help="Run the endpoint picker on this port (python -m router.picker; docs/routing.md \"Endpoint picker\") "
         "and have the router ask it for every pick (0: off, the router picks alone).")] = 0,
+    picker_metrics_port: Annotated[Optional[int], typer.Option(
+        help="Port of the endpoint picker's /metrics (fleet_picker_*), /ready and /healthz, a fleet-picker target "
+        "of Prometheus (default: --picker-port + 1; 0: off).")] = None,
     state_dir: StateDir = None,
 ) -> None:
     """Run the deployments on this machine until Ctrl-C or `fleet down`.
@@ -140,17 +143,20 @@ def up(
     store = StateStore(state_dir or default_state_dir())
     if detach:
         raise typer.Exit(_detach(files, store, port=port, host=host, metrics_port=metrics_port, prices=prices,
-                                 picker_port=picker_port))
+                                 picker_port=picker_port, picker_metrics_port=picker_metrics_port))
     from fleet.local.preflight import PreflightError
     from fleet.local.up import run_up
 
     if metrics_port is None:
         metrics_port = port + 1
+    if picker_metrics_port is None:
+        picker_metrics_port = picker_port + 1 if picker_port else 0
     try:
         code = asyncio.run(run_up(loaded, store=store, console=console, host=host, port=port,
                                   metrics_port=metrics_port or None,
                                   prices=gpu_prices.gpu_hour_usd if gpu_prices else None,
-                                  picker_port=picker_port or None))  # fmt: skip
+                                  picker_port=picker_port or None,
+                                  picker_metrics_port=picker_metrics_port or None))  # fmt: skip
     except PreflightError as err:
         err_console.print("[bold red]Cannot start; nothing was started:[/]")
         for line in err.problems:
@@ -163,7 +169,7 @@ def up(
 
 
 def _detach(files: list[Path], store: StateStore, *, port: int, host: str, metrics_port: int | None,
-            prices: Path | None = None, picker_port: int = 0) -> int:
+            prices: Path | None = None, picker_port: int = 0, picker_metrics_port: int | None = None) -> int:
     """Start `fleet up` in a new session with its output in ``logs/fleet-up.log``; relay that log
     until every replica is READY, a replica fails, or the background process exits."""
     log_path = store.log_dir / "fleet-up.log"
@@ -176,6 +182,8 @@ def _detach(files: list[Path], store: StateStore, *, port: int, host: str, metri
         argv += ["--prices", str(prices.resolve())]
     if picker_port:
         argv += ["--picker-port", str(picker_port)]
+    if picker_metrics_port is not None:
+        argv += ["--picker-metrics-port", str(picker_metrics_port)]
     offset = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

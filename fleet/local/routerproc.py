@@ -325,15 +325,19 @@ class PickerProcess(_Supervised):
     """The endpoint picker of the fleet in ``store``, listening on ``host:port``: started before the
     router (which is given ``--picker HOST:PORT``), adopted by its record when a previous
     controller left it running, restarted when it dies (the routers reconnect and send their
-    pools again; until then they pick for themselves), stopped after the router."""
+    pools again; until then they pick for themselves), stopped after the router. ``metrics_port``:
+    where it serves ``/metrics`` (``fleet_picker_*``), ``/ready`` and ``/healthz`` on ``host``
+    (router/picker/metrics.py; None: not served); `metrics_url` is its base URL."""
 
     what = "endpoint picker"
 
-    def __init__(self, store: StateStore, host: str, port: int, processes: LocalProcesses | None = None) -> None:
+    def __init__(self, store: StateStore, host: str, port: int, processes: LocalProcesses | None = None,
+                 metrics_port: int | None = None) -> None:  # fmt: skip
         self.store = store
         self.address = f"{host}:{port}"
         self.host = host
         self.port = port
+        self.metrics_port = metrics_port
         self.processes = processes or LocalProcesses()
         self.record_path = store.root / "picker.json"
         self.log_path = store.log_dir / "picker.log"
@@ -350,17 +354,26 @@ class PickerProcess(_Supervised):
         if record is None or not self.processes.is_ours(record):
             return False
         self.record = record
+        self.metrics_port = d.get("metrics_port")   # what it serves, whatever this controller was given
         return True
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Base URL of the picker's ``/metrics``, or None when it serves none."""
+        return f"http://{self.host}:{self.metrics_port}" if self.metrics_port else None
 
     async def start(self, timeout_s: float = 30.0) -> None:
         """Start the picker and wait until it accepts connections. Raises RouterStartError."""
         argv = [sys.executable, "-m", "router.picker", "--host", self.host, "--port", str(self.port)]
+        if self.metrics_port:
+            argv += ["--metrics-port", str(self.metrics_port)]
         try:
             log_path, relay = log_target(self.log_path, self.store.write_errors, "picker_log")
             self.record = self.processes.spawn(argv, {}, log_path, relay=relay)
         except OSError as err:
             raise RouterStartError(f"cannot start the endpoint picker: {err.strerror or err}") from err
-        text = json.dumps({"address": self.address, "process": self.record.to_dict()})
+        text = json.dumps({"address": self.address, "metrics_port": self.metrics_port,
+                           "process": self.record.to_dict()})  # fmt: skip
         self.store.write_errors.attempt("picker_json", lambda: write_atomically(self.record_path, text, 0o644))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

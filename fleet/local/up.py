@@ -132,7 +132,8 @@ class _Machine:
     picker: PickerProcess | None = None
 
     @classmethod
-    def make(cls, store: StateStore, host: str, port: int, picker_port: int | None = None) -> _Machine:
+    def make(cls, store: StateStore, host: str, port: int, picker_port: int | None = None,
+             picker_metrics_port: int | None = None) -> _Machine:  # fmt: skip
         node = discover_local()
         weights = WeightCache(default_cache_root())
         agent, agent_off = _node_agent(node, weights, store)
@@ -141,7 +142,7 @@ class _Machine:
         if agent is not None:
             agent.serving = backend.gpu_replicas   # the usage series' deployment / replica labels
         router = RouterProcess(store, host, port)
-        picker = PickerProcess(store, host, picker_port) if picker_port else None
+        picker = PickerProcess(store, host, picker_port, metrics_port=picker_metrics_port) if picker_port else None
         router.picker = picker.address if picker is not None else None
         return cls(node, weights, agent, agent_off, backend, router, router.recorded() is not None, picker)
 
@@ -150,6 +151,8 @@ class _Machine:
         ports = {} if self.adopting_router else {"router": (host, port)}
         if self.picker is not None and not self.adopting_router:
             ports["picker"] = (host, self.picker.port)
+            if self.picker.metrics_port:
+                ports["picker metrics"] = (host, self.picker.metrics_port)
         if metrics_port:
             ports["metrics"] = (host, metrics_port)
         return ports
@@ -167,6 +170,7 @@ async def run_up(
     fail_soft_output: bool = True,
     prices: dict[str, float] | None = None,
     picker_port: int | None = None,
+    picker_metrics_port: int | None = None,
 ) -> int:
     """Serve ``loaded`` until SIGINT/SIGTERM; return the process exit code.
 
@@ -178,7 +182,9 @@ async def run_up(
     ``logs/fleet-up.log``, the log of `fleet logs controller`). ``prices``: USD per GPU-hour by
     product (`fleet.pricing.GpuPrices.gpu_hour_usd`), exported with the controller's metrics.
     ``picker_port``: run the endpoint picker there (on ``host``) and have the router ask it
-    (`fleet.local.routerproc.PickerProcess`); None: the router picks alone.
+    (`fleet.local.routerproc.PickerProcess`); None: the router picks alone. ``picker_metrics_port``:
+    where the picker serves ``/metrics`` (a ``fleet-picker`` target in the file_sd file); None: not
+    served.
 
     Only SIGINT/SIGTERM (Ctrl-C, `fleet down`) drains and stops the replicas and the router. A
     failure of the control plane itself (an exception that escapes despite the fail-soft writes)
@@ -195,7 +201,7 @@ async def run_up(
             previous, unreadable = store.read(), None
         except StateUnreadable as err:
             previous, unreadable = None, err
-        machine = _Machine.make(store, host, port, picker_port)
+        machine = _Machine.make(store, host, port, picker_port, picker_metrics_port)
         preflight(loaded, await machine.backend.inventory(), machine.ports(host, port, metrics_port))
     except BaseException:
         store.release()
@@ -297,7 +303,8 @@ class _Up:
         try:
             if picker is not None and not picker.adopt():
                 await picker.start()
-                self.console.print(f"Endpoint picker listening on {picker.address} (log: {picker.log_path})",
+                metrics = f", metrics on {picker.metrics_url}/metrics" if picker.metrics_url else ""
+                self.console.print(f"Endpoint picker listening on {picker.address}{metrics} (log: {picker.log_path})",
                                    highlight=False)  # fmt: skip
         except RouterStartError as err:
             self.console.print(f"[red]{err}[/]", highlight=False)
@@ -362,9 +369,11 @@ class _Up:
             self.servers.append(server)
             self.console.print(f"Controller, autoscaler and rollout metrics on http://{host}:{port}/metrics",
                                highlight=False)  # fmt: skip
+        picker = self.machine.picker
         return LocalObservability(self.store.root, self.router.url, port and f"http://{host}:{port}",
                                   node_agent_url=agent_url, collector=metrics.controller_state,
-                                  write_errors=self.store.write_errors)  # fmt: skip
+                                  write_errors=self.store.write_errors,
+                                  picker_url=picker.metrics_url if picker is not None else None)  # fmt: skip
 
     def _start_tasks(self, autoscaler: AutoscalerLoop | None) -> list[asyncio.Task]:
         """The router's supervisor, the control channel (`fleet apply`, `fleet rollout`) and the

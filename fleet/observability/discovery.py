@@ -6,8 +6,9 @@ the same document `state.json` holds) and never by the controller object itself:
 - `file_sd_groups` - a pure function from a snapshot to Prometheus file_sd target groups
   (https://prometheus.io/docs/guides/file-sd/): the router, `fleet up`'s own metrics endpoint
   (autoscaler decisions and the replica states below), the node agent's (GPU health and
-  quarantine, `fleet.agent.runner`), and every engine replica whose process runs, each labelled
-  with ``job`` (`JOB_ROUTER`, `JOB_CONTROLLER`, `JOB_NODE_AGENT`, `JOB_ENGINE`) and, for
+  quarantine, `fleet.agent.runner`), the endpoint picker's when it runs, and every engine replica
+  whose process runs, each labelled with ``job`` (`JOB_ROUTER`, `JOB_CONTROLLER`,
+  `JOB_NODE_AGENT`, `JOB_PICKER`, `JOB_ENGINE`) and, for
   engines, ``deployment``, ``version`` (the replica's revision) and ``replica`` (its id, the
   same string as the ``endpoint`` label of the router's per-endpoint series).
 - `FileSDWriter` - writes those groups atomically (temp file + rename, as Prometheus asks of
@@ -50,10 +51,12 @@ JOB_ROUTER = "fleet-router"
 JOB_ENGINE = "fleet-engine"
 JOB_CONTROLLER = "fleet-controller"
 JOB_NODE_AGENT = "fleet-node-agent"
+JOB_PICKER = "fleet-picker"
 """``job`` label values: the router's series (``fleet_router_*``), the engines' (``vllm:*``; the
 engine simulator exports the same names), `fleet up`'s own or the operator's
 (``fleet_autoscaler_*``, ``fleet_replicas``, ``fleet_deployment_*``), and the node agent's
-(``fleet_gpu_*``, ``fleet_node_agent_*``, ``fleet_weight_cache_*``, each with a ``node`` label).
+(``fleet_gpu_*``, ``fleet_node_agent_*``, ``fleet_weight_cache_*``, each with a ``node`` label),
+and the endpoint picker's (``fleet_picker_*``: router/picker/metrics.py).
 The Helm chart's ServiceMonitor and PodMonitors set the same values (charts/fleet/templates/
 monitoring.yaml), so the shipped dashboard and rules read a cluster as they read `fleet up`."""
 
@@ -82,7 +85,7 @@ def _host_port(url: str) -> str:
 
 
 def file_sd_groups(snapshot: Mapping[str, Any], router_url: str | None, controller_url: str | None = None,
-                   node_agent_url: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
+                   node_agent_url: str | None = None, picker_url: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Prometheus file_sd target groups for one local fleet.
 
     Args:
@@ -93,10 +96,11 @@ def file_sd_groups(snapshot: Mapping[str, Any], router_url: str | None, controll
         controller_url: base URL of `fleet up`'s metrics server, or None when not served.
         node_agent_url: base URL of the node agent's server (`fleet.agent.runner.serve`), or
             None when no agent runs (a machine without NVIDIA GPUs).
+        picker_url: base URL of the endpoint picker's HTTP side (`fleet up --picker-port`), or None.
 
     Returns:
         ``[{"targets": ["host:port"], "labels": {...}}, ...]``, sorted (router, controller, node
-        agent, then engines by deployment and replica id), so equal fleets give equal files.
+        agent, picker, then engines by deployment and replica id), so equal fleets give equal files.
     """
     groups: list[dict[str, Any]] = []
     if router_url:
@@ -105,6 +109,8 @@ def file_sd_groups(snapshot: Mapping[str, Any], router_url: str | None, controll
         groups.append({"targets": [_host_port(controller_url)], "labels": {"job": JOB_CONTROLLER}})
     if node_agent_url:
         groups.append({"targets": [_host_port(node_agent_url)], "labels": {"job": JOB_NODE_AGENT}})
+    if picker_url:
+        groups.append({"targets": [_host_port(picker_url)], "labels": {"job": JOB_PICKER}})
     engines = [
         r for r in snapshot.get("replicas", [])
         if r.get("endpoint") and r.get("status") in SCRAPED_STATUSES
@@ -324,8 +330,9 @@ class LocalObservability:
                  registry: CollectorRegistry | None = None, node_agent_url: str | None = None,
                  prices: Mapping[str, float] | None = None,
                  collector: ControllerStateCollector | None = None,
-                 write_errors: WriteAttempts | None = None) -> None:  # fmt: skip
+                 write_errors: WriteAttempts | None = None, picker_url: str | None = None) -> None:  # fmt: skip
         self.router_url = router_url
+        self.picker_url = picker_url
         self.controller_url = controller_url
         self.node_agent_url = node_agent_url
         self.writer = FileSDWriter(targets_path(state_dir))
@@ -344,7 +351,8 @@ class LocalObservability:
         written is counted and tried again at a later tick once its backoff is over
         (``write_errors``), never raised into the controller loop."""
         self.collector.update(snapshot)
-        self._write(file_sd_groups(snapshot, self.router_url, self.controller_url, self.node_agent_url))
+        self._write(file_sd_groups(snapshot, self.router_url, self.controller_url, self.node_agent_url,
+                                   self.picker_url))  # fmt: skip
 
     def _write(self, groups: list[dict[str, Any]], force: bool = False) -> None:
         if self.write_errors is not None:

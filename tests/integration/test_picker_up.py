@@ -1,7 +1,8 @@
 """`fleet up --picker-port`: the endpoint picker as one more supervised process. The router asks
-it for every pick; a picker killed with SIGKILL under load costs no request (the router picks
-alone), is restarted by the supervisor, and the router returns to it; an orderly stop leaves no
-picker behind (fleet/local/routerproc.py `PickerProcess`, router/picker)."""
+it for every pick; its /metrics is a `fleet-picker` target of the Prometheus file_sd file; a picker
+killed with SIGKILL under load costs no request (the router picks alone), is restarted by the
+supervisor, and the router returns to it; an orderly stop leaves no picker behind
+(fleet/local/routerproc.py `PickerProcess`, router/picker)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ def write_fleet(tmp_path: Path) -> Path:
     return f
 
 
-def picks(router_url: str, outcome: str) -> float:
-    text = httpx.get(f"{router_url}/metrics", timeout=10).text
-    found = re.search(rf'^fleet_router_picker_picks_total{{outcome="{outcome}"}} (\S+)$', text, re.M)
+def picks(base_url: str, outcome: str, prefix: str = "fleet_router_picker") -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    found = re.search(rf'^{prefix}_picks_total{{outcome="{outcome}"}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
 
 
@@ -61,12 +62,18 @@ def complete(router_url: str, i: int) -> int:
 
 def test_fleet_up_runs_the_picker_and_survives_its_sigkill(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
-    fleet = FleetUp([write_fleet(tmp_path)], state_dir, extra_args=("--picker-port", str(free_port())))
+    metrics_port = free_port()
+    fleet = FleetUp([write_fleet(tmp_path)], state_dir,
+                    extra_args=("--picker-port", str(free_port()), "--picker-metrics-port", str(metrics_port)))
     try:
         fleet.wait_for("2 replicas READY", lambda: all_ready(fleet, 2), timeout_s=180)
         url = fleet.router_url
         assert [complete(url, i) for i in range(5)] == [200] * 5
         wait_until(lambda: picks(url, "answered") >= 1, 30, what="the router's picks answered by the picker")
+        picker_url = f"http://127.0.0.1:{metrics_port}"
+        assert picks(picker_url, "answered", prefix="fleet_picker") >= 1
+        targets = json.loads((state_dir / "prometheus-targets.json").read_text())
+        assert {"targets": [f"127.0.0.1:{metrics_port}"], "labels": {"job": "fleet-picker"}} in targets
         first = picker_pid(state_dir)
         assert first is not None
         os.kill(first, signal.SIGKILL)

@@ -16,6 +16,7 @@ from fleet.observability.discovery import (
     JOB_CONTROLLER,
     JOB_ENGINE,
     JOB_NODE_AGENT,
+    JOB_PICKER,
     JOB_ROUTER,
     REPLICA_STATUSES,
     FileSDWriter,
@@ -159,6 +160,16 @@ def test_tick_writes_the_targets_file_and_survives_an_unwritable_directory(tmp_p
     broken = LocalObservability(tmp_path / "missing" / "dir", "http://127.0.0.1:8080", None)
     broken.tick(SNAPSHOT)  # logged, not raised into the controller loop
     assert "cannot write Prometheus targets" in caplog.text
+
+
+def test_the_endpoint_picker_is_a_target_of_its_own_job_when_it_serves_metrics(tmp_path: Path) -> None:
+    groups = file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080", None, picker_url="http://127.0.0.1:8091")
+    assert {"targets": ["127.0.0.1:8091"], "labels": {"job": JOB_PICKER}} in groups
+    assert [g["labels"]["job"] for g in groups][:2] == [JOB_ROUTER, JOB_PICKER]
+    assert JOB_PICKER not in {g["labels"]["job"] for g in file_sd_groups(SNAPSHOT, "http://127.0.0.1:8080")}
+    obs = LocalObservability(tmp_path, "http://127.0.0.1:8080", None, picker_url="http://127.0.0.1:8091")
+    obs.tick(SNAPSHOT)
+    assert json.loads(targets_path(tmp_path).read_text()) == groups
 
 
 def test_a_targets_file_that_cannot_be_written_is_logged_once_then_with_backoff_and_its_recovery_said(
