@@ -121,6 +121,10 @@ def model_check(ld: LoadedDeployment, paths_on_nodes: bool = False, vllm_check: 
         return out
     r = ld.deployment.spec.resources
     f = need.facts
+    if r.accelerator == "cpu":   # its length checked (`_engine_problems`); host memory is not
+        out.notes.append(f"model {f.architecture}, {f.weight_bytes / GIB:.1f} GiB of weights ({f.weight_source}); "
+                         f"CPU replica: up to {need.context_tokens:,} tokens per sequence, host memory not checked")
+        return out
     if (problem := tp_problem(f, r.tensor_parallel_size)) is not None:
         out.problems.append(f"{where}.resources.tensorParallelSize: {problem}")
         return out

@@ -64,8 +64,8 @@ def read_memory_need(ld: LoadedDeployment, *, hub: bool = True) -> MemoryNeed | 
     (`fleet validate`, `fleet plan`) share: `fleet.models.read.memory_need` of the deployment,
     an ``hf://`` source read from this machine's weight cache when it holds it
     (`fleet.agent.cache.cached_hub_dir`), else from the hub, or not at all with ``hub=False``
-    (None: weights not on this machine yet). None also for the engine simulator, a CPU replica
-    and sources Fleet does not read. Blocking (files, network): `ModelMemory` runs it in a thread
+    (None: weights not on this machine yet). None also for the engine simulator and sources Fleet
+    does not read. Blocking (files, network): `ModelMemory` runs it in a thread
     for ``hf://`` sources. Raises ModelSourceError or EngineArgError."""
     from fleet.agent.cache import cached_hub_dir
 
@@ -126,7 +126,7 @@ class ModelMemory:
         blocks on the network: an ``hf://`` source is read in a thread, started here (when called
         on a running event loop; the controller's steps are)."""
         spec = ld.deployment.spec
-        if spec.engine.kind == "sim" or spec.resources.accelerator != "gpu":
+        if spec.engine.kind == "sim":
             return None
         key = ld.serving_hash
         entry = self._entries.get(key)

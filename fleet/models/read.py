@@ -68,12 +68,14 @@ def memory_need(dep: InferenceDeployment, base_dir: Path | None = None,
                 cached_dir: Path | None = None) -> MemoryNeed | None:
     """The `MemoryNeed` of one replica of ``dep``: its model's facts (`read_model_facts`), its
     ``spec.engine.args`` and ``env`` (`EngineMemorySettings.from_engine_args`) and its TP size. None for a
-    simulated engine, a CPU replica, or a source Fleet does not read.
+    simulated engine or a source Fleet does not read. A CPU replica's need holds no device memory
+    to check (placement never fits it to a GPU: `fleet.placement.explain.node_reason`), but its
+    ``--max-model-len`` is checked against the model's maximum as on a GPU (`MemoryNeed.max_len_problem`).
 
     Raises ModelSourceError (the model cannot be read) or EngineArgError (a bad engine flag).
     """
     spec = dep.spec
-    if spec.engine.kind == "sim" or spec.resources.accelerator != "gpu":
+    if spec.engine.kind == "sim":
         return None
     facts = read_model_facts(spec.model.source, base_dir, cached_dir)
     if facts is None:

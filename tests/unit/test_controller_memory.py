@@ -300,6 +300,17 @@ async def test_a_max_model_len_vllm_refuses_waits_with_the_reason_as_a_model_too
     assert started and h.backend.ensure_calls == started
 
 
+async def test_a_cpu_replicas_max_model_len_vllm_refuses_waits_with_the_reason(tmp_path):
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "config.json").write_text((CONFIGS / "qwen2.5-7b-instruct.json").read_text())
+    f = write_deployment(tmp_path, replicas=1, model={"name": "chat-model", "source": "./models/m"},
+                         engine={"args": ["--max-model-len", "65536"]}, resources={"accelerator": "cpu"})
+    h = MemoryHarness(tmp_path, [f], node("cpu-0", n=0, cpu_cores=(0, 1)))
+    await h.tick(n=5)
+    assert h.status() == {"chat-0": S.PENDING} and h.backend.ensure_calls == []
+    assert TOO_LONG in h.c.waiting_reason("chat-0")
+
+
 async def test_vllm_allow_long_max_model_len_in_the_engine_env_lets_the_length_through(tmp_path):
     f = long_context_deployment(tmp_path, "65536", env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
     h = MemoryHarness(tmp_path, [f], node("gpu-0", n=2))

@@ -153,6 +153,19 @@ def test_validate_refuses_a_max_model_len_above_the_models_maximum(tmp_path):
     assert run("validate", str(f)).exit_code == 0
 
 
+def test_validate_refuses_a_cpu_replicas_max_model_len_above_the_models_maximum(tmp_path):
+    # No device memory to check on CPU, but vLLM's length rule holds there as on a GPU.
+    cpu = "{accelerator: cpu}"
+    result = run("validate", "--no-vllm-check",
+                 str(_deployment(tmp_path, "qwen2.5-7b-instruct", cpu, ["--max-model-len", "65536"])))
+    assert result.exit_code == 2, result.output
+    assert "spec.engine.args: --max-model-len 65,536 is above the model's maximum 32,768" in result.output
+    result = run("validate", "--no-vllm-check",
+                 str(_deployment(tmp_path, "qwen2.5-7b-instruct", cpu, ["--max-model-len", "8192"])))
+    assert result.exit_code == 0, result.output
+    assert "CPU replica: up to 8,192 tokens per sequence, host memory not checked" in result.output
+
+
 def test_validate_says_when_no_vllm_is_here_to_check_the_flags(tmp_path):
     shape = f'{{gpuProduct: "{H100}", tensorParallelSize: 1}}'
     f = _deployment(tmp_path, "qwen2.5-7b-instruct", shape, ["--max-model-len", "8192"])
