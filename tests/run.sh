@@ -10,6 +10,9 @@
 #   tests/e2e          `fleet up` on real vLLM (CPU build)
 # Installs what it needs into .venv first (see .ci/venv.sh). Extra arguments go to pytest instead
 # of the three tiers: `./tests/run.sh tests/unit`, `./tests/run.sh -m "not e2e"`.
+# Runs the tests on FLEET_TEST_WORKERS pytest-xdist workers (default 2; 0: in this process, in
+# order); the tests that hold the whole machine run on one of them, one after another
+# (tests/conftest.py `ONE_AT_A_TIME`).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/.ci/venv.sh"
@@ -17,7 +20,7 @@ source "$repo/.ci/prometheus.sh"
 bash "$repo/.ci/helm.sh" "$repo/.venv"   # Helm for the chart tests (tests/integration/test_k8s_chart.py)
 cd "$repo"
 if [ "$#" -eq 0 ]; then
-  set -- tests/unit tests/integration tests/e2e   # in this order (pytest keeps it)
+  set -- tests/unit tests/integration tests/e2e   # collected in this order; the two workers take them in it
 fi
 # The real Kubernetes layers of the integration tier, each built once into ~/.cache/fleet/NAME and
 # then found in a second (fleet/testing/k8s/buildcache.py): the apiextensions-apiserver of
@@ -58,4 +61,5 @@ case " $* " in
   *" tests/integration"*|*" tests "*|*test_fleet_image*|*test_real_node_journey*)
     real_layer images FLEET_IMAGE "${FLEET_IMAGE_BUILD_S:-600}" "fleet image " FLEET_IMAGE_UNAVAILABLE ;;
 esac
-exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=15 "$@"
+exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=15 \
+     -n "${FLEET_TEST_WORKERS:-2}" "$@"

@@ -445,11 +445,21 @@ class RealNode:
                 Path("/proc/sys", key).write_text(value + "\n")
 
     def _remove_state(self) -> None:
+        """The node's directories: moved aside at once (a rename) and deleted by a detached ``rm``
+        that outlives this process, as containerd's root (the unpacked images) takes ~25 s to
+        delete on a busy disk and nothing waits for it. ``--one-file-system``: ``rm`` never
+        descends into a mount (the node's mounts die with its namespace before this step)."""
         for d in self._made_dirs:
             with contextlib.suppress(OSError):
                 d.rmdir()
+        trash = self.workdir / f".removed-{time.time_ns()}"
         for d in ("containerd", "kubelet", "cni", "host", "volume-plugins", "overlay-probe"):
-            shutil.rmtree(self.workdir / d, ignore_errors=True)
+            if (self.workdir / d).exists():
+                trash.mkdir(exist_ok=True)
+                os.rename(self.workdir / d, trash / d)
+        if trash.exists():
+            subprocess.Popen(["rm", "-rf", "--one-file-system", str(trash)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
 
 # ----- the machine ----------------------------------------------------------------------------------
