@@ -302,12 +302,13 @@ def test_every_object_the_chart_renders_for_1_20_is_accepted(installed, control_
 
 
 async def test_the_controllers_and_scheduler_place_the_charts_deployments(installed, control_plane, kube):
-    """Real: the controller-manager turns each release's Deployments (router, operator) into a
+    """Real: the controller-manager turns each release's Deployments (router, operator, picker) into a
     ReplicaSet and its Pods, and the scheduler binds every Pod to the CPU node (the GPU node's
     taint keeps them off it). Stand-ins: the nodes (hollow); no kubelet, so the Pods stay Pending."""
     deployments = {(release, doc["metadata"]["name"]): doc["spec"]["replicas"] for release, objs in installed.items()
                    for doc, _ in objs if doc["kind"] == "Deployment"}  # fmt: skip
-    assert len(deployments) == 2 * len(RELEASES)
+    assert {name.rsplit("-", 1)[-1] for _, name in deployments} == {"router", "operator", "picker"}
+    assert len(deployments) == 3 * len(RELEASES)
 
     async def placed() -> dict[tuple[str, str], list[str]]:
         out: dict[tuple[str, str], list[str]] = {}

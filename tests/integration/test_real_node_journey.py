@@ -206,8 +206,8 @@ def test_fleet_image_imported_into_the_node(node, image):
 
 
 def test_helm_install_runs_operator_routers_and_agent_on_the_node(node, kube, plane, helm, tmp_path_factory):
-    """The real helm installs the chart; the scheduler binds the operator, two router pods and
-    the agent to the real node; containerd and runc run them from Fleet's image, the kubelet's
+    """The real helm installs the chart; the scheduler binds the operator, two router pods, the
+    endpoint picker and the agent to the real node; containerd and runc run them from Fleet's image, the kubelet's
     probes pass and every pod is Ready. A router's process, as the chart's securityContext says:
     uid 10001, no capability, the runtime's seccomp filter, a read-only root file system."""
     since = time.monotonic()
@@ -219,9 +219,9 @@ def test_helm_install_runs_operator_routers_and_agent_on_the_node(node, kube, pl
     def all_ready() -> bool:
         pods = _pods(kube)
         components = sorted(p["metadata"]["labels"].get("app.kubernetes.io/component", "") for p in pods if _ready(p))
-        return components == ["agent", "operator", "router", "router"]
+        return components == ["agent", "operator", "picker", "router", "router"]
 
-    wait_until(all_ready, timeout_s=150, interval_s=0.5, what="the operator, 2 routers and the agent Ready",
+    wait_until(all_ready, timeout_s=150, interval_s=0.5, what="the operator, 2 routers, the picker and the agent Ready",
                explain=lambda: _why(kube, node))  # fmt: skip
     for p in _pods(kube):
         assert p["spec"]["nodeName"] == NODE
@@ -234,7 +234,7 @@ def test_helm_install_runs_operator_routers_and_agent_on_the_node(node, kube, pl
     root_mount = next(line.split() for line in Path(f"/proc/{pid}/mounts").read_text().splitlines()
                       if line.split()[1] == "/")  # fmt: skip
     assert "ro" in root_mount[3].split(","), root_mount
-    mark("operator, 2 router pods and the agent Ready on the real node", since)
+    mark("operator, 2 router pods, the picker and the agent Ready on the real node", since)
 
 
 def _published(kube: KubeClient) -> dict | None:

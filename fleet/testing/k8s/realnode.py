@@ -16,6 +16,8 @@ What a node changes on the machine, and how it is kept apart and undone:
   network-namespace files) dies with it, and the paths kubelet 1.20 and containerd 1.6 hard-code
   (`HOST_PATHS`: /var/log/pods, the device-plugin directory, the shim sockets, /var/lib/cni) are
   bind mounts of the node's work directory there;
+- the link ``/run/fleet-node-NAME-device-plugins`` to its device-plugins directory (a short path
+  for the plugins' sockets: `RealNode.device_plugin_dir`);
 - cgroups under ``/NODE_CGROUP_PREFIX-NAME`` in every cgroup v1 hierarchy (``--cgroup-root``);
 - the bridge `BRIDGE`, iptables chains (the kubelet's and kube-proxy's ``KUBE-*``, the bridge
   plugin's ``CNI-*`` of `CNI_NETWORK`) and the `SYSCTLS` the kubelet, kube-proxy and the bridge set.
@@ -99,7 +101,10 @@ class RealNode:
         self.nvml_state = nvml_state
         self.socket = workdir / "containerd" / "containerd.sock"
         self.cgroup_root = f"/{NODE_CGROUP_PREFIX}-{name}"
-        self.device_plugin_dir = workdir / "host" / "var/lib/kubelet/device-plugins"
+        # The kubelet's device-plugins directory, seen from this machine through a short link: a
+        # plugin's socket path must fit a unix socket address (107 bytes), which a work directory
+        # deep under pytest's (xdist's) temporary directories need not.
+        self.device_plugin_dir = Path(f"/run/fleet-node-{name}-device-plugins")
         self.pod_resources_socket = workdir / "kubelet" / "pod-resources" / "kubelet.sock"
         self.node_ip = ""
         self.snapshotter = "overlayfs"
@@ -189,6 +194,7 @@ class RealNode:
                   if str(self.workdir) in line.split()[4]]  # fmt: skip
         found += [f"sysctl {k}={_sysctl(k)} (was {v})" for k, v in self._sysctls.items() if _sysctl(k) != v]
         found += [f"directory {d}" for d in self._made_dirs if d.exists()]
+        found += [f"link {self.device_plugin_dir}"] if self.device_plugin_dir.is_symlink() else []
         return found
 
     # ----- starting it ----------------------------------------------------------------------------
@@ -275,6 +281,8 @@ class RealNode:
             self._mkdirs(target)
             run_step(f"bind {target}", ["nsenter", "-t", str(holder.pid), "-m", "--", "mount", "--bind",
                                         str(source), str(target)], deadline)  # fmt: skip
+        self.device_plugin_dir.unlink(missing_ok=True)
+        self.device_plugin_dir.symlink_to(self.workdir / "host" / "var/lib/kubelet/device-plugins")
 
     def _mkdirs(self, path: Path) -> None:
         missing = [p for p in (path, *path.parents) if not p.exists()]
@@ -452,6 +460,7 @@ class RealNode:
         for d in self._made_dirs:
             with contextlib.suppress(OSError):
                 d.rmdir()
+        self.device_plugin_dir.unlink(missing_ok=True)
         trash = self.workdir / f".removed-{time.time_ns()}"
         for d in ("containerd", "kubelet", "cni", "host", "volume-plugins", "overlay-probe"):
             if (self.workdir / d).exists():
