@@ -4,9 +4,11 @@ policy to (replica-hours, and cost with ``--prices``), beside the best fixed fle
 
 Owns `slo_capacity_per_s` (one replica's throughput at the SLO), `drain_s_at` (the seconds a
 stopped replica drains), `Demand` (`demand_of`: arrivals and replicas needed per interval),
-`Schedule` and `solve` (dynamic programming over replica counts per interval), and `best_fixed` (the cheapest constant count in the same model). Called
-by `fleet simulate` (`fleet/cli/simulate.py`) through `yardsticks`. Pure: no I/O, no clock;
-numpy for the DP.
+`Schedule` (`schedule_of`: what given counts pay and miss), `solve` (dynamic programming over
+replica counts per interval), and `best_fixed` (the cheapest constant count in the model).
+Called by `fleet simulate` (`fleet/cli/simulate.py`) through `yardsticks` and by the benchmarks
+`loadtests/hindsight_replay.py` and `loadtests/oracle_bound.py`. Pure: no I/O, no clock; numpy
+for the DP.
 
 The model, stated once (docs/autoscaling.md, "The hindsight-optimal schedule"):
 
@@ -22,15 +24,16 @@ The model, stated once (docs/autoscaling.md, "The hindsight-optimal schedule"):
   Queues carried from one interval into the next are not modelled (each interval on its own).
 - Keeping the SLO (`solve`): at most ``miss_budget`` of all requests missed (0: every interval's
   need met; 0.01: at least 99 % of the requests within the SLO).
-- Cost: replica-seconds. A replica READY in interval t was started ``startup_s`` before it
-  (the warm start-up) and is paid from then: each start costs ``startup_s`` replica-seconds and
+- Cost: replica-seconds. A replica READY in interval t was started ``startup_s`` before it (the
+  warm start-up) and is paid from then: each start costs ``startup_s`` replica-seconds and
   cannot begin before the trace does (so a burst sooner than ``startup_s`` after the start is
-  met only by the replicas there at 0 s; the first interval's count is free, READY at 0 s, as the
-  simulator's first replicas are). A replica stopped at an interval's end leaves the pool
+  met only by the replicas there at 0 s; the first interval's count is free, READY at 0 s, as
+  the simulator's first replicas are). A replica stopped at an interval's end leaves the pool
   then and drains: its requests in flight finish, as a scale-down in the simulator and the
   controller drains a READY replica; each stop pays ``drain_s`` replica-seconds (`drain_s_at`:
-  the mix's mean end-to-end latency at one replica's capacity at the SLO). Between ``min_replicas`` (``spec.replicas.min``) and the need of the
-  busiest interval; ``spec.replicas.max`` is not applied (as for the fixed fleets).
+  the mix's mean end-to-end latency at one replica's capacity at the SLO). Between
+  ``min_replicas`` (``spec.replicas.min``) and the need of the busiest interval;
+  ``spec.replicas.max`` is not applied (as for the fixed fleets).
 - Standby counted as the policies count it: a STANDBY replica holds its GPU and is paid like
   a READY one (`fleet.tracesim.replica.VirtualReplica.cost_s`), so in hindsight a sleeper is never
   cheaper than the same replica awake: the optimum sleeps none, and the wake-up time never binds.
@@ -232,7 +235,9 @@ def _dp(demand: Demand, startup_s: float, low: int, high: int, price: float | No
     return np.repeat(out, block)[:t_count]
 
 
-def _schedule(demand: Demand, replicas: np.ndarray, startup_s: float, drain_s: float = 0.0) -> Schedule:
+def schedule_of(demand: Demand, replicas: np.ndarray, startup_s: float, drain_s: float = 0.0) -> Schedule:
+    """The `Schedule` of ``replicas`` (one count per interval of ``demand``): what it pays, each
+    start ``startup_s`` and each stop ``drain_s``, and what it misses, by the model."""
     steps = np.diff(replicas)
     starts, stops = int(np.maximum(0, steps).sum()), int(np.maximum(0, -steps).sum())
     paid_s = float((replicas * demand.seconds).sum()) + startup_s * starts + drain_s * stops
@@ -259,7 +264,8 @@ def solve(demand: Demand, startup_s: float, *, min_replicas: int = 0, miss_budge
     high = max(min_replicas, int(demand.need.max()))
 
     def schedule(price: float | None) -> Schedule:
-        return _schedule(demand, _dp(demand, startup_s, min_replicas, high, price, drain_s, block), startup_s, drain_s)
+        counts = _dp(demand, startup_s, min_replicas, high, price, drain_s, block)
+        return schedule_of(demand, counts, startup_s, drain_s)
 
     exact = schedule(None)
     allowed = miss_budget * demand.requests
@@ -287,7 +293,7 @@ def best_fixed(demand: Demand, *, min_replicas: int = 0, miss_budget: float = 0.
     n = max(1, min_replicas)
     while float(demand.missed(np.full(len(demand.seconds), n)).sum()) > allowed + 1e-9:
         n += 1
-    return _schedule(demand, np.full(len(demand.seconds), n), 0.0)
+    return schedule_of(demand, np.full(len(demand.seconds), n), 0.0)
 
 
 @dataclass(frozen=True)
