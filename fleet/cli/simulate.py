@@ -270,7 +270,8 @@ def _print_yardsticks(sticks, comparison, usd_per_replica_hour: float | None) ->
     name, hours = _best_fixed(comparison, sticks)
     console.print(
         f"hindsight-optimal schedule: {opt.replica_hours:.2f} replica-hours{usd}, {opt.starts} start(s) paying "
-        f"{sticks.startup_s:g} s each, at most {int(opt.replicas.max())} replicas, {100 * opt.within_share:.2f}% "
+        f"{sticks.startup_s:g} s each, {opt.stops} stop(s) draining {sticks.drain_s:.1f} s each, at most "
+        f"{int(opt.replicas.max())} replicas, {100 * opt.within_share:.2f}% "
         f"within the SLO by its model (one replica takes {d.capacity_per_s:.2f} req/s at "
         f"{100 * sticks.share:g}% within the TTFT SLO; replica counts per {d.interval_s:g} s; "
         f"fleet/tracesim/hindsight.py)\nbest fixed fleet: {name}, {hours:.2f} replica-hours",

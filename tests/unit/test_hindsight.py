@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fleet.tracesim.hindsight import Demand, best_fixed, demand_of, slo_capacity_per_s, solve
+from fleet.tracesim.hindsight import Demand, best_fixed, demand_of, drain_s_at, slo_capacity_per_s, solve
 from fleet.tracesim.workload import replica_capacity_per_s
 from tests.unit.test_simulate import TINY, trace_of
 
@@ -49,6 +49,25 @@ def test_between_two_spikes_replicas_are_held_or_restarted_whichever_is_cheaper(
     spikes = 2 * 10 * 3 + (5 + gap + 5) * 10
     extra = gap * 10 * 2 + 2 * 30 if held else 4 * 30
     assert s.replica_s == pytest.approx(spikes + extra)
+
+
+def test_every_stop_pays_its_drain_so_a_gap_worth_restarting_without_it_is_held() -> None:
+    # A gap of 4 intervals: holding 2 replicas costs 80 s, restarting them 2 x 30 s, plus 2 x 15 s
+    # of drain for the 2 extra stops: held (a policy's scale-down drains too).
+    d = demand(*[10] * 5, 30, *[10] * 4, 30, *[10] * 5)
+    free = solve(d, startup_s=30.0, min_replicas=1)
+    assert free.starts == 4 and free.stops == 4
+    s = solve(d, startup_s=30.0, min_replicas=1, drain_s=15.0)
+    assert s.starts == 2 and s.stops == 2 and list(s.replicas[6:10]) == [3] * 4
+    assert s.replica_s == pytest.approx(2 * 10 * 3 + 14 * 10 + 4 * 10 * 2 + 2 * 30 + 2 * 15)
+
+
+def test_a_blocked_schedule_changes_its_count_only_at_block_boundaries() -> None:
+    d = demand(*[10] * 7, 30, *[10] * 7)
+    s = solve(d, startup_s=30.0, min_replicas=1, block=3)
+    assert list(s.replicas) == [1] * 6 + [3] * 3 + [1] * 6     # the spike's block of three held at 3
+    assert s.replica_s == pytest.approx(15 * 10 + 3 * 10 * 2 + 2 * 30)
+    assert s.replica_s > solve(d, startup_s=30.0, min_replicas=1).replica_s
 
 
 def test_the_miss_budget_lets_a_small_spike_go_and_is_kept() -> None:
@@ -103,6 +122,7 @@ def test_one_replicas_capacity_at_the_slo_is_below_saturation_and_grows_with_the
     strict = slo_capacity_per_s(trace, TINY, ttft_slo_s=0.2, sample=200)
     lenient = slo_capacity_per_s(trace, TINY, ttft_slo_s=2.0, sample=200)
     assert 0 < strict < lenient < saturated
+    assert 0 < drain_s_at(trace, TINY, strict, sample=200) < drain_s_at(trace, TINY, saturated, sample=200)
 
 
 def test_bad_input_is_refused_naming_the_field() -> None:
@@ -114,5 +134,11 @@ def test_bad_input_is_refused_naming_the_field() -> None:
         solve(demand(10), 30.0, miss_budget=1.0)
     with pytest.raises(ValueError, match="startup_s must be >= 0"):
         solve(demand(10), -1.0)
+    with pytest.raises(ValueError, match="drain_s must be >= 0"):
+        solve(demand(10), 30.0, drain_s=-1.0)
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        solve(demand(10), 30.0, block=0)
+    with pytest.raises(ValueError, match="rate_per_s must be > 0"):
+        drain_s_at(trace_of((10, 1.0)), TINY, 0.0)
     with pytest.raises(ValueError, match="share must be in"):
         slo_capacity_per_s(trace_of((10, 1.0)), TINY, 2.0, share=0.0)
