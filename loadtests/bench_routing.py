@@ -83,7 +83,7 @@ from fleet.enginesim.model import Arrival, EngineModel, run_virtual
 from fleet.enginesim.profiles import Profile, get_profile
 from fleet.tracesim.workload import clip as clip_workload
 from fleet.tracesim.traces import Trace, load_trace
-from loadtests.procs import SimFleet, cpu_s, free_port, wait_http
+from loadtests.procs import SimFleet, cpu_s, free_port, sched_counts, wait_http
 from loadtests.replay import HttpSender, Outcome, PromptBuilder, replay, summarize_run
 from loadtests.routing_faults import KV_SERIES, scrape
 from loadtests.stats import summarize
@@ -361,6 +361,17 @@ def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
+def per_process(role: str, before: dict, after: dict, per: float, unit: str) -> dict:
+    """One process's share between two `loadtests.procs.sched_counts`: CPU in ms and voluntary switches (its
+    wakeups), involuntary switches (waits for a core) and timeslices, each divided by ``per``
+    (requests, or seconds when idle); ``unit`` names the divisor in the keys."""
+    out = {"role": role, f"cpu_ms_per_{unit}": 1e-6 * (after["cpu_ns"] - before["cpu_ns"]) / per}
+    for key in ("voluntary", "involuntary", "runs"):
+        out[f"{key}_per_{unit}"] = (after[key] - before[key]) / per
+    out["threads"] = after["threads"]
+    return out
+
+
 def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     kind, policy, n_routers = parse_target(target, args.routers)
     kv_events, with_picker = target_options(target, args)
@@ -386,6 +397,14 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                                             picker=picker[1] if picker else None,
                                             picker_deadline_ms=args.picker_deadline_ms,
                                             profile=router_profile(args, target, port)))
+            watched = [("router", proc) for proc, _ in routers] + ([("picker", picker[0])] if picker else [])
+            idle: list[dict] = []
+            if args.idle_s > 0:   # the tier with its pool and streams, and no request
+                before = [sched_counts(proc.pid) for _, proc in watched]
+                time.sleep(args.idle_s)
+                idle = [per_process(role, b, sched_counts(proc.pid), args.idle_s, "s")
+                        for (role, proc), b in zip(watched, before, strict=True)]
+            counts0 = [sched_counts(proc.pid) for _, proc in watched]
             cpu0 = sum(cpu_s(proc.pid) for proc, _ in routers)
             picker_cpu0 = cpu_s(picker[0].pid) if picker else 0.0
 
@@ -403,6 +422,8 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             records = asyncio.run(go())
             wall_s = time.monotonic() - started
             router_cpu_s = sum(cpu_s(proc.pid) for proc, _ in routers) - cpu0
+            processes = [per_process(role, c0, sched_counts(proc.pid), max(1, len(records)), "request")
+                         for (role, proc), c0 in zip(watched, counts0, strict=True) if proc.poll() is None]
             probed = stop_probe(prober) if prober is not None else None
             if killed:   # the killed picker's CPU is lost with it: the restarted one's counts from its start
                 picker = killed[0]
@@ -468,6 +489,9 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                     per_endpoint[found.group(1)] = per_endpoint.get(found.group(1), 0) + v
         summary["requests_per_endpoint"] = dict(sorted(per_endpoint.items()))
     summary["router_cpu_ms_per_request"] = 1e3 * (router_cpu_s + picker_cpu_s) / max(1, len(records))
+    summary["processes"] = processes   # each router's and the picker's CPU and scheduling, per request
+    if idle:
+        summary["idle"] = idle   # the same, per second, before the replay (`--idle-s`)
     summary["wall_s"] = wall_s
     return summary
 
@@ -511,6 +535,9 @@ def main() -> None:
                              "(loadtests/picker_probe.py: where late picks come from; adds ~20 picks/s of wire)")
     parser.add_argument("--router-profile", type=Path,
                         help="run each Fleet router under cProfile, writing TARGET-PORT.prof into this folder")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="before each replay, measure every router's and the picker's CPU and wakeups per "
+                             "second for this long with no request (default 0: not measured)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -554,6 +581,11 @@ def main() -> None:
               + (f", picker picks {s['picker_picks']}, picker CPU {s['picker_cpu_ms_per_request']:.2f} ms/request"
                  if "picker_picks" in s else "")
               + (f", probe {json.dumps(s['probe'])}" if "probe" in s else ""), flush=True)
+        for key, unit in (("processes", "request"), ("idle", "s")):
+            for p in s.get(key, []):
+                print(f"    {'idle ' if unit == 's' else ''}{p['role']}: CPU {p[f'cpu_ms_per_{unit}']:.2f} ms/{unit}, "
+                      f"wakeups {p[f'voluntary_per_{unit}']:.1f}/{unit}, preempted {p[f'involuntary_per_{unit}']:.1f}/{unit}, "
+                      f"timeslices {p[f'runs_per_{unit}']:.1f}/{unit}, {p['threads']} threads", flush=True)
 
     slo = f"within {args.ttft_slo_s:g} s TTFT" if args.ttft_slo_s is not None else None
     print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |{f' {slo} |' if slo else ''} prefix-cache hits "
