@@ -194,13 +194,16 @@ def target_label(target: str, default_routers: int, summary: dict | None = None)
                            if (summary or {}).get(key))
 
 
-def start_picker(profile: Path | None = None, port: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_picker(profile: Path | None = None, port: int | None = None,
+                 drain_interval_ms: float | None = None) -> tuple[subprocess.Popen, str]:
     """The endpoint picker (`python -m router.picker`, under cProfile into ``profile`` when given),
-    listening on ``port`` (default: a free one): (process, ``HOST:PORT``). Raises RuntimeError if it
-    exits before it listens."""
+    listening on ``port`` (default: a free one), draining the KV event sockets every
+    ``drain_interval_ms`` (default: the picker's): (process, ``HOST:PORT``). Raises RuntimeError if
+    it exits before it listens."""
     port = port or free_port()
     prof = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
-    proc = subprocess.Popen([sys.executable, *prof, "-m", "router.picker", "--port", str(port)],
+    drain = ["--drain-interval-ms", str(drain_interval_ms)] if drain_interval_ms is not None else []
+    proc = subprocess.Popen([sys.executable, *prof, "-m", "router.picker", "--port", str(port), *drain],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline() if proc.stdout is not None else ""
     if not line.startswith("picker listening"):
@@ -217,7 +220,8 @@ def kill_picker(picker: tuple[subprocess.Popen, str], args, replaced: list) -> N
     picker[0].kill()
     picker[0].wait()
     time.sleep(args.picker_down_s)
-    replaced.append(start_picker(port=int(picker[1].rpartition(":")[2])))
+    replaced.append(start_picker(port=int(picker[1].rpartition(":")[2]),
+                                 drain_interval_ms=args.picker_drain_interval_ms))
 
 
 def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = None,
@@ -389,7 +393,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
         prober: subprocess.Popen | None = None
         try:
             if with_picker:
-                picker = start_picker(args.picker_profile)
+                picker = start_picker(args.picker_profile, drain_interval_ms=args.picker_drain_interval_ms)
             ports = [free_port() for _ in range(n_routers)]
             for port in ports:
                 routers.append(start_router(kind, policy, sims.urls, port=port,
@@ -528,6 +532,9 @@ def main() -> None:
                         help="SIGKILL the endpoint picker this many seconds into each replay, and start a new one "
                              "--picker-down-s later (the routers pick alone meanwhile)")
     parser.add_argument("--picker-down-s", type=float, default=5.0)
+    parser.add_argument("--picker-drain-interval-ms", type=float,
+                        help="the picker's drain of the KV event sockets (python -m router.picker "
+                             "--drain-interval-ms; default: the picker's own)")
     parser.add_argument("--picker-profile", type=Path,
                         help="run the endpoint picker under cProfile, writing its profile here")
     parser.add_argument("--probe", action="store_true",
@@ -584,7 +591,8 @@ def main() -> None:
         for key, unit in (("processes", "request"), ("idle", "s")):
             for p in s.get(key, []):
                 print(f"    {'idle ' if unit == 's' else ''}{p['role']}: CPU {p[f'cpu_ms_per_{unit}']:.2f} ms/{unit}, "
-                      f"wakeups {p[f'voluntary_per_{unit}']:.1f}/{unit}, preempted {p[f'involuntary_per_{unit}']:.1f}/{unit}, "
+                      f"wakeups {p[f'voluntary_per_{unit}']:.1f}/{unit}, "
+                      f"preempted {p[f'involuntary_per_{unit}']:.1f}/{unit}, "
                       f"timeslices {p[f'runs_per_{unit}']:.1f}/{unit}, {p['threads']} threads", flush=True)
 
     slo = f"within {args.ttft_slo_s:g} s TTFT" if args.ttft_slo_s is not None else None
