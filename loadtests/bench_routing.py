@@ -33,7 +33,14 @@ picker under cProfile, ``--router-profile DIR`` each Fleet router; ``--probe`` s
 picker's and each router's response times apart (`loadtests/picker_probe.py`: where late picks
 come from); ``--kill-picker-at-s T`` SIGKILLs it T seconds into the replay and starts
 a new one ``--picker-down-s`` later (the failed requests column says what the routers' fallback
-cost).
+cost); ``--picker-drain-interval-ms`` sets the picker's drain of the KV event sockets.
+
+**Per process.** Beside the sum, each router's and the picker's share is printed per request: CPU
+(ms, from the scheduler's nanoseconds), wakeups (voluntary context switches: each is a sleep
+ended), preemptions (involuntary ones: a wait for a core) and timeslices, summed over its threads
+(`loadtests.procs.sched_counts`). ``--idle-s S`` measures the same per second for S seconds before
+the replay, the pool given and the streams followed but no request: what the tier costs when
+idle.
 
 **Load.** One replica's capacity on this trace's request mix is measured with the simulator's
 pure model in virtual time (every request of the window queued at once; completed requests per
