@@ -43,9 +43,10 @@ DRAIN_INTERVAL_S = 0.05
 `router.signals.drain_ticks.DrainTicks`; a router without a picker drains every
 `router.signals.drain_ticks.DRAIN_INTERVAL_S`, 0.02). A tick reads every live stream's sockets
 whether they hold a batch or not, so its cost grows with the engines and is paid 1/interval times a
-second: with 8 engines each storing a batch of 55 blocks 7 times a second, 50 ms against 20 ms
-takes the ingest from ~400 to ~230 us of CPU per batch (`python -m loadtests.bench_kv_events
---batches 800 --blocks 55 --rate 7 --streams 8`, docs/routing.md "Where the picker's CPU goes").
+second: with 8 engines each storing a batch of 55 blocks 7 times a second, the ingest costs ~230
+us of CPU per batch at 50 ms against ~400 at 20 ms (`python -m loadtests.bench_kv_events
+--batches 800 --blocks 55 --rate 7 --streams 8 --drain-interval-ms 50`, docs/routing.md "Where
+the picker's CPU goes").
 The view lags the engine by at most one interval more than the wire; what a pick sends to an
 engine meanwhile is held by its claim (`router.kv.exact_index.ExactIndex.expect_keys`) until
 the engine reports it stored."""
