@@ -4,7 +4,9 @@ Owns `serve`, the process entry point used by `python -m router` (router/__main_
 by deployment scripts, `uvicorn_config` (the server settings `serve` and `tests.support.router` share)
 and `RequestGuardProtocol`, uvicorn's httptools protocol with deadlines on receiving each request
 (head, then body), limits on its head (its size, the request target, each header field and
-their number) however the head is split into reads, and no protocol switching. uvloop +
+their number) however the head is split into reads, and no protocol switching, and
+`TickingServer` (uvicorn's server whose own loop turns once a second, woken to shut down;
+`ListeningServer` and the router pod's servers, `fleet/k8s/routerpod.py`). uvloop +
 httptools and no access log are what the measured figures in docs/benchmarks.md (the router
 sections) assume; the loop and parser are not options.
 """
