@@ -23,7 +23,8 @@ for S seconds (CPU milliseconds per second of this process: wake-ups, heartbeats
 thread), what quiet engines cost the endpoint picker.
 
 Usage:
-    python -m loadtests.bench_kv_events [--batches 3000] [--blocks 1] [--rate 1000] [--streams 1] [--one-socket]
+    python -m loadtests.bench_kv_events [--batches 3000] [--blocks 1] [--rate 1000] [--streams 1] [--one-socket] \\
+        [--drain-interval-ms 20]
     python -m loadtests.bench_kv_events --idle-s 20 --streams 8
 """
 
@@ -116,15 +117,18 @@ def _one_socket(ctx: zmq.asyncio.Context, index: ExactIndex, ports: list[int],
     return stop
 
 
-async def run(batches: int, blocks: int, rate: float, streams: int = 1, *, one_socket: bool = False) -> dict[str, float]:
+async def run(batches: int, blocks: int, rate: float, streams: int = 1, *, one_socket: bool = False,
+              drain_interval_s: float = DRAIN_INTERVAL_S) -> dict[str, float]:
     """Follow `batches` batches of `blocks` blocks at `rate`/s on each of `streams` streams (with
-    `one_socket`, the design probe of the module docstring); CPU seconds of this process per batch."""
+    `one_socket`, the design probe of the module docstring), the subscribers draining every
+    `drain_interval_s` (a router's `DRAIN_INTERVAL_S`; the endpoint picker's is
+    `router.picker.service.DRAIN_INTERVAL_S`); CPU seconds of this process per batch."""
     publisher = PUBLISHER_TOPICS if one_socket else PUBLISHER
     proc = subprocess.Popen([sys.executable, "-c", publisher, str(batches), str(blocks), str(rate), str(streams)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     ctx = zmq.asyncio.Context()
     index = ExactIndex()
-    ticks = DrainTicks()
+    ticks = DrainTicks(drain_interval_s)
     ids = [f"e{k}" for k in range(streams)]
     last = (batches - 1) // streams   # the first stream's last seq
 
@@ -219,6 +223,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1, help="publishers (engines), each followed by a subscriber")
     parser.add_argument("--one-socket", action="store_true",
                         help="a design probe: one SUB socket for all streams, the endpoint in the topic (module docstring)")
+    parser.add_argument("--drain-interval-ms", type=float, default=DRAIN_INTERVAL_S * 1e3,
+                        help=f"the subscribers' shared drain tick (default {DRAIN_INTERVAL_S * 1e3:g}, a router's; "
+                             "the endpoint picker drains every 50)")
     parser.add_argument("--idle-s", type=float, default=0.0,
                         help="measure idle CPU instead: subscribers on silent publishers for this many seconds")
     args = parser.parse_args()
@@ -226,7 +233,8 @@ def main() -> None:
         ms_per_s, live = asyncio.run(idle(args.streams, args.idle_s))
         print(f"{args.streams} quiet stream(s) ({live} connected) for {args.idle_s:g} s: {ms_per_s:.2f} ms CPU per second")
         return
-    out = asyncio.run(run(args.batches, args.blocks, args.rate, args.streams, one_socket=args.one_socket))
+    out = asyncio.run(run(args.batches, args.blocks, args.rate, args.streams, one_socket=args.one_socket,
+                          drain_interval_s=args.drain_interval_ms / 1e3))
     print(f"{'one socket: ' if args.one_socket else ''}{out['batches']:.0f} batches of {args.blocks} block(s) at {args.rate:g}/s on each of {args.streams} stream(s): "
           f"{out['cpu_us_per_batch']:.1f} us CPU per batch ({out['loop_us_per_batch']:.1f} us on the event loop's "
           f"thread, the rest libzmq's I/O thread), {out['cpu_us_per_block']:.1f} us per block")

@@ -33,7 +33,14 @@ picker under cProfile, ``--router-profile DIR`` each Fleet router; ``--probe`` s
 picker's and each router's response times apart (`loadtests/picker_probe.py`: where late picks
 come from); ``--kill-picker-at-s T`` SIGKILLs it T seconds into the replay and starts
 a new one ``--picker-down-s`` later (the failed requests column says what the routers' fallback
-cost).
+cost); ``--picker-drain-interval-ms`` sets the picker's drain of the KV event sockets.
+
+**Per process.** Beside the sum, each router's and the picker's share is printed per request: CPU
+(ms, from the scheduler's nanoseconds), wakeups (voluntary context switches: each is a sleep
+ended), preemptions (involuntary ones: a wait for a core) and timeslices, summed over its threads
+(`loadtests.procs.sched_counts`). ``--idle-s S`` measures the same per second for S seconds before
+the replay, the pool given and the streams followed but no request: what the tier costs when
+idle.
 
 **Load.** One replica's capacity on this trace's request mix is measured with the simulator's
 pure model in virtual time (every request of the window queued at once; completed requests per
@@ -83,7 +90,7 @@ from fleet.enginesim.model import Arrival, EngineModel, run_virtual
 from fleet.enginesim.profiles import Profile, get_profile
 from fleet.tracesim.workload import clip as clip_workload
 from fleet.tracesim.traces import Trace, load_trace
-from loadtests.procs import SimFleet, cpu_s, free_port, wait_http
+from loadtests.procs import SimFleet, cpu_s, free_port, sched_counts, wait_http
 from loadtests.replay import HttpSender, Outcome, PromptBuilder, replay, summarize_run
 from loadtests.routing_faults import KV_SERIES, scrape
 from loadtests.stats import summarize
@@ -194,13 +201,16 @@ def target_label(target: str, default_routers: int, summary: dict | None = None)
                            if (summary or {}).get(key))
 
 
-def start_picker(profile: Path | None = None, port: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_picker(profile: Path | None = None, port: int | None = None,
+                 drain_interval_ms: float | None = None) -> tuple[subprocess.Popen, str]:
     """The endpoint picker (`python -m router.picker`, under cProfile into ``profile`` when given),
-    listening on ``port`` (default: a free one): (process, ``HOST:PORT``). Raises RuntimeError if it
-    exits before it listens."""
+    listening on ``port`` (default: a free one), draining the KV event sockets every
+    ``drain_interval_ms`` (default: the picker's): (process, ``HOST:PORT``). Raises RuntimeError if
+    it exits before it listens."""
     port = port or free_port()
     prof = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
-    proc = subprocess.Popen([sys.executable, *prof, "-m", "router.picker", "--port", str(port)],
+    drain = ["--drain-interval-ms", str(drain_interval_ms)] if drain_interval_ms is not None else []
+    proc = subprocess.Popen([sys.executable, *prof, "-m", "router.picker", "--port", str(port), *drain],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline() if proc.stdout is not None else ""
     if not line.startswith("picker listening"):
@@ -217,7 +227,8 @@ def kill_picker(picker: tuple[subprocess.Popen, str], args, replaced: list) -> N
     picker[0].kill()
     picker[0].wait()
     time.sleep(args.picker_down_s)
-    replaced.append(start_picker(port=int(picker[1].rpartition(":")[2])))
+    replaced.append(start_picker(port=int(picker[1].rpartition(":")[2]),
+                                 drain_interval_ms=args.picker_drain_interval_ms))
 
 
 def start_router(kind: str, policy: str, urls: list[str], *, port: int | None = None,
@@ -361,6 +372,17 @@ def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
+def per_process(role: str, before: dict, after: dict, per: float, unit: str) -> dict:
+    """One process's share between two `loadtests.procs.sched_counts`: CPU in ms and voluntary switches (its
+    wakeups), involuntary switches (waits for a core) and timeslices, each divided by ``per``
+    (requests, or seconds when idle); ``unit`` names the divisor in the keys."""
+    out = {"role": role, f"cpu_ms_per_{unit}": 1e-6 * (after["cpu_ns"] - before["cpu_ns"]) / per}
+    for key in ("voluntary", "involuntary", "runs"):
+        out[f"{key}_per_{unit}"] = (after[key] - before[key]) / per
+    out["threads"] = after["threads"]
+    return out
+
+
 def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
     kind, policy, n_routers = parse_target(target, args.routers)
     kv_events, with_picker = target_options(target, args)
@@ -378,7 +400,7 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
         prober: subprocess.Popen | None = None
         try:
             if with_picker:
-                picker = start_picker(args.picker_profile)
+                picker = start_picker(args.picker_profile, drain_interval_ms=args.picker_drain_interval_ms)
             ports = [free_port() for _ in range(n_routers)]
             for port in ports:
                 routers.append(start_router(kind, policy, sims.urls, port=port,
@@ -386,6 +408,14 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                                             picker=picker[1] if picker else None,
                                             picker_deadline_ms=args.picker_deadline_ms,
                                             profile=router_profile(args, target, port)))
+            watched = [("router", proc) for proc, _ in routers] + ([("picker", picker[0])] if picker else [])
+            idle: list[dict] = []
+            if args.idle_s > 0:   # the tier with its pool and streams, and no request
+                before = [sched_counts(proc.pid) for _, proc in watched]
+                time.sleep(args.idle_s)
+                idle = [per_process(role, b, sched_counts(proc.pid), args.idle_s, "s")
+                        for (role, proc), b in zip(watched, before, strict=True)]
+            counts0 = [sched_counts(proc.pid) for _, proc in watched]
             cpu0 = sum(cpu_s(proc.pid) for proc, _ in routers)
             picker_cpu0 = cpu_s(picker[0].pid) if picker else 0.0
 
@@ -403,6 +433,8 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
             records = asyncio.run(go())
             wall_s = time.monotonic() - started
             router_cpu_s = sum(cpu_s(proc.pid) for proc, _ in routers) - cpu0
+            processes = [per_process(role, c0, sched_counts(proc.pid), max(1, len(records)), "request")
+                         for (role, proc), c0 in zip(watched, counts0, strict=True) if proc.poll() is None]
             probed = stop_probe(prober) if prober is not None else None
             if killed:   # the killed picker's CPU is lost with it: the restarted one's counts from its start
                 picker = killed[0]
@@ -468,6 +500,9 @@ def run_target(target: str, trace: Trace, args, slowdown: float) -> dict:
                     per_endpoint[found.group(1)] = per_endpoint.get(found.group(1), 0) + v
         summary["requests_per_endpoint"] = dict(sorted(per_endpoint.items()))
     summary["router_cpu_ms_per_request"] = 1e3 * (router_cpu_s + picker_cpu_s) / max(1, len(records))
+    summary["processes"] = processes   # each router's and the picker's CPU and scheduling, per request
+    if idle:
+        summary["idle"] = idle   # the same, per second, before the replay (`--idle-s`)
     summary["wall_s"] = wall_s
     return summary
 
@@ -504,6 +539,9 @@ def main() -> None:
                         help="SIGKILL the endpoint picker this many seconds into each replay, and start a new one "
                              "--picker-down-s later (the routers pick alone meanwhile)")
     parser.add_argument("--picker-down-s", type=float, default=5.0)
+    parser.add_argument("--picker-drain-interval-ms", type=float,
+                        help="the picker's drain of the KV event sockets (python -m router.picker "
+                             "--drain-interval-ms; default: the picker's own)")
     parser.add_argument("--picker-profile", type=Path,
                         help="run the endpoint picker under cProfile, writing its profile here")
     parser.add_argument("--probe", action="store_true",
@@ -511,6 +549,9 @@ def main() -> None:
                              "(loadtests/picker_probe.py: where late picks come from; adds ~20 picks/s of wire)")
     parser.add_argument("--router-profile", type=Path,
                         help="run each Fleet router under cProfile, writing TARGET-PORT.prof into this folder")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="before each replay, measure every router's and the picker's CPU and wakeups per "
+                             "second for this long with no request (default 0: not measured)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -554,6 +595,12 @@ def main() -> None:
               + (f", picker picks {s['picker_picks']}, picker CPU {s['picker_cpu_ms_per_request']:.2f} ms/request"
                  if "picker_picks" in s else "")
               + (f", probe {json.dumps(s['probe'])}" if "probe" in s else ""), flush=True)
+        for key, unit in (("processes", "request"), ("idle", "s")):
+            for p in s.get(key, []):
+                print(f"    {'idle ' if unit == 's' else ''}{p['role']}: CPU {p[f'cpu_ms_per_{unit}']:.2f} ms/{unit}, "
+                      f"wakeups {p[f'voluntary_per_{unit}']:.1f}/{unit}, "
+                      f"preempted {p[f'involuntary_per_{unit}']:.1f}/{unit}, "
+                      f"timeslices {p[f'runs_per_{unit}']:.1f}/{unit}, {p['threads']} threads", flush=True)
 
     slo = f"within {args.ttft_slo_s:g} s TTFT" if args.ttft_slo_s is not None else None
     print(f"\n| router:policy | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |{f' {slo} |' if slo else ''} prefix-cache hits "

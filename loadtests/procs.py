@@ -26,6 +26,33 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def sched_counts(pid: int) -> dict[str, int]:
+    """What the scheduler did with process `pid`, summed over its live threads: ``cpu_ns`` (time on
+    a CPU, nanoseconds: finer than `cpu_s`'s clock ticks), ``voluntary`` context switches (the
+    thread slept: each is followed by a wakeup), ``involuntary`` ones (preempted while it could
+    run: a wait for a core), ``runs`` (timeslices it ran), ``threads``. Sources:
+    /proc/PID/task/TID/status (``voluntary_ctxt_switches``, ``nonvoluntary_ctxt_switches``) and
+    /proc/PID/task/TID/schedstat (time on CPU, time waiting, timeslices: Linux
+    Documentation/scheduler/sched-stats.rst). A thread that exits between the listing and the
+    read is skipped."""
+    out = {"cpu_ns": 0, "voluntary": 0, "involuntary": 0, "runs": 0, "threads": 0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+            on_cpu_ns, _, runs = (int(v) for v in (task / "schedstat").read_text().split()[:3])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                out["voluntary"] += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                out["involuntary"] += int(line.split()[1])
+        out["cpu_ns"] += on_cpu_ns
+        out["runs"] += runs
+        out["threads"] += 1
+    return out
+
+
 def rss_mib(pid: int) -> float:
     """Resident memory of process `pid` in MiB (VmRSS of /proc/PID/status)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

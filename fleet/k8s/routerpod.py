@@ -30,7 +30,7 @@ import uvicorn
 from fleet.k8s.client import KubeClient
 from fleet.k8s.service_endpoints import EndpointsAddresses, ServiceLocator, pod_namespace
 from router.http.app import create_app
-from router.http.server import CLIENT_KEEPALIVE_S, DRAIN_TIMEOUT_S
+from router.http.server import CLIENT_KEEPALIVE_S, DRAIN_TIMEOUT_S, TickingServer
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -54,8 +54,9 @@ class PublicOnly:
         await self.app(scope, receive, send)
 
 
-class _QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves signals to `serve_router_pod` (two servers share them)."""
+class _QuietServer(TickingServer):
+    """A uvicorn server that leaves signals to `serve_router_pod` (two servers share them); its
+    own loop turns once a second (`router.http.server.TickingServer`)."""
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -4,7 +4,9 @@ Owns `serve`, the process entry point used by `python -m router` (router/__main_
 by deployment scripts, `uvicorn_config` (the server settings `serve` and `tests.support.router` share)
 and `RequestGuardProtocol`, uvicorn's httptools protocol with deadlines on receiving each request
 (head, then body), limits on its head (its size, the request target, each header field and
-their number) however the head is split into reads, and no protocol switching. uvloop +
+their number) however the head is split into reads, and no protocol switching, and
+`TickingServer` (uvicorn's server whose own loop turns once a second, woken to shut down;
+`ListeningServer` and the router pod's servers, `fleet/k8s/routerpod.py`). uvloop +
 httptools and no access log are what the measured figures in docs/benchmarks.md (the router
 sections) assume; the loop and parser are not options.
 """
@@ -12,6 +14,7 @@ sections) assume; the loop and parser are not options.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import sys
 from collections.abc import Callable
@@ -317,7 +320,54 @@ def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "warning"
     return uvicorn.Config(app, **settings)
 
 
-class ListeningServer(uvicorn.Server):
+SERVER_TICK_S = 1.0
+"""Seconds between two turns of the server's own loop (`TickingServer`): uvicorn's turn refreshes
+the `date` header, which changes once a second. uvicorn turns every 0.1 s to notice `should_exit`,
+10 wakeups a second of every idle router; here `should_exit` wakes the loop itself."""
+
+
+class TickingServer(uvicorn.Server):
+    """uvicorn's server whose own loop (`main_loop`: the `date` header, `should_exit`) turns once
+    per `SERVER_TICK_S` instead of ten times a second, and at once when `should_exit` is set (by
+    uvicorn's signal handler, or by the owner from any thread). Shutdown then starts as soon as it
+    is asked, as uvicorn's does. Used by `ListeningServer` and the router pod's servers
+    (`fleet/k8s/routerpod.py`)."""
+
+    _wake_on_exit: Callable[[], None] | None = None
+
+    @property
+    def should_exit(self) -> bool:   # type: ignore[override]
+        return self._exit_asked
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        self._exit_asked = value
+        wake = self._wake_on_exit
+        if value and wake is not None:
+            wake()
+
+    async def main_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        asked = asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):   # the loop closed: nothing waits any more
+                loop.call_soon_threadsafe(asked.set)
+
+        self._wake_on_exit = wake
+        counter = 0
+        try:
+            should_exit = await self.on_tick(counter)
+            while not should_exit:
+                counter = (counter + 10) % 864000   # uvicorn counts 0.1 s turns, the date at every 10th: each turn
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asked.wait(), SERVER_TICK_S)
+                should_exit = await self.on_tick(counter)
+        finally:
+            self._wake_on_exit = None
+
+
+class ListeningServer(TickingServer):
     """uvicorn server that calls `on_listening(host, port)` once its socket is bound
     (port 0 resolves to the real port). Used by `serve` and by `tests.support.router`."""
 

@@ -16,7 +16,7 @@ import logging
 import signal
 
 from router.picker.metrics import serve_http
-from router.picker.service import PickerService
+from router.picker.service import DRAIN_INTERVAL_S, PickerService
 
 
 async def serve(service: PickerService, host: str, port: int, metrics_port: int | None = None) -> None:
@@ -48,14 +48,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8090, help="port to bind; 0 picks a free one (default 8090)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="port of /metrics, /ready and /healthz on --host; 0 picks a free one (default: none)")
+    p.add_argument("--drain-interval-ms", type=float, default=DRAIN_INTERVAL_S * 1e3,
+                   help="milliseconds between two drains of the engines' KV event sockets "
+                        f"(default {DRAIN_INTERVAL_S * 1e3:g}; router.picker.service.DRAIN_INTERVAL_S)")
     p.add_argument("--log-level", default="warning", help="logging level (default warning)")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if not args.drain_interval_ms > 0:
+        p.error(f"--drain-interval-ms must be > 0, got {args.drain_interval_ms:g}")
     logging.basicConfig(level=args.log_level.upper())
-    asyncio.run(serve(PickerService(), args.host, args.port, args.metrics_port))
+    service = PickerService(drain_interval_s=args.drain_interval_ms / 1e3)
+    asyncio.run(serve(service, args.host, args.port, args.metrics_port))
 
 
 if __name__ == "__main__":

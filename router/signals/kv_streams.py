@@ -50,6 +50,11 @@ class KvEventStreams:
         if metrics is not None:
             metrics.watch_kv_streams(self)
 
+    @property
+    def drain_interval_s(self) -> float:
+        """Seconds between two drains of the subscribers' sockets (their shared `DrainTicks`)."""
+        return self._ticks.interval_s
+
     def index(self, model: str) -> ExactIndex:
         """`model`'s exact index (made on first use; kept while the model has a pool)."""
         index = self._indexes.get(model)

@@ -12,13 +12,15 @@ from router.kv.exact_index import ExactIndex
 from router.kv.prompt_blocks import RouteRequest, token_id_block_hashes
 from router.kv.prompt_keys import prompt_keys
 from router.picker.client import PickerClient
-from router.picker.service import PickerService
+from router.picker import __main__ as picker_main
+from router.picker.service import DRAIN_INTERVAL_S, PickerService
 from router.picker.state import PickerState
 from router.picker.wire import (FINISH, AnswerFrame, FrameReader, PickFrame, PlacedFrame, PoolFrame, ProgressFrame,
                                 WireError, decode, encode_answer, encode_finish, encode_first_byte, encode_pick,
                                 encode_placed, encode_pool)
 from router.pools.endpoint import EndpointState
 from router.pools.policies import make_policy
+from router.signals.drain_ticks import DRAIN_INTERVAL_S as ROUTER_DRAIN_INTERVAL_S
 from tests.support.waits import async_wait_until
 
 BS = 16
@@ -258,3 +260,15 @@ def test_a_picker_client_needs_one_address() -> None:
         PickerClient("127.0.0.1", 1, locate=locate)
     with pytest.raises(ValueError, match="locate_interval_s"):
         PickerClient(locate=locate, locate_interval_s=0)
+
+
+def test_the_picker_drains_its_streams_less_often_than_a_router_and_takes_an_interval() -> None:
+    assert PickerService().streams.drain_interval_s == DRAIN_INTERVAL_S > ROUTER_DRAIN_INTERVAL_S
+    assert PickerService(drain_interval_s=0.01).streams.drain_interval_s == 0.01
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_the_picker_refuses_a_drain_interval_that_is_not_positive(value: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        picker_main.main(["--drain-interval-ms", value])
+    assert f"--drain-interval-ms must be > 0, got {float(value):g}" in capsys.readouterr().err

@@ -2,22 +2,28 @@
 router count and alternating senders (loadtests.bench_routing), the fault load sent to two
 routers in turn with a refused try moved to the other one (loadtests.faultload), the TCP relay
 that cuts a KV event stream and its report (loadtests.routing_faults), the probe of the endpoint
-picker's response time (loadtests.picker_probe)."""
+picker's response time (loadtests.picker_probe), each process's CPU and scheduling counts
+(loadtests.procs.sched_counts, loadtests.bench_routing.per_process)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from fleet.tracesim.traces import TraceRequest
-from loadtests.bench_routing import AlternatingSender, KvEventPorts, parse_target, target_label, target_options
+from loadtests.bench_routing import AlternatingSender, KvEventPorts, parse_target, per_process, target_label, \
+    target_options
 from loadtests.faultload import FaultLoad
 from loadtests.picker_probe import probe
+from loadtests.procs import sched_counts
 from loadtests.replay import Outcome
 from loadtests.routing_faults import Prompts, TcpRelay, event_cut_report, table
 from router.picker.service import PickerService
@@ -213,3 +219,35 @@ async def test_the_picker_probe_times_declined_picks_and_leaves_no_state() -> No
         await service.close()
     assert stats["picker"]["n"] >= 3 and 0 < stats["picker"]["p50_ms"] <= stats["picker"]["max_ms"]
     assert service.state.in_flight() == 0 and not service.state.pools   # declined: no pick held, no pool made
+
+
+def test_a_process_counts_its_threads_cpu_and_sleeps() -> None:
+    before = sched_counts(os.getpid())
+    slept, done = threading.Event(), threading.Event()
+
+    def sleeper() -> None:
+        for _ in range(20):
+            done.wait(0.001)
+        slept.set()
+        done.wait()   # alive while counted: a thread's counts leave with it
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    spin_until = time.process_time() + 0.05
+    while time.process_time() < spin_until:
+        pass
+    assert slept.wait(30)
+    after = sched_counts(os.getpid())
+    done.set()
+    thread.join()
+    assert after["threads"] >= before["threads"] + 1   # the sleeper was counted while it ran
+    assert after["cpu_ns"] - before["cpu_ns"] >= 40_000_000
+    assert after["voluntary"] - before["voluntary"] >= 20   # each timed wait slept
+
+
+def test_a_process_share_is_divided_per_request_or_second() -> None:
+    before = {"cpu_ns": 1_000_000, "voluntary": 10, "involuntary": 2, "runs": 12, "threads": 3}
+    after = {"cpu_ns": 21_000_000, "voluntary": 50, "involuntary": 12, "runs": 62, "threads": 4}
+    assert per_process("picker", before, after, 10, "request") == {
+        "role": "picker", "cpu_ms_per_request": 2.0, "voluntary_per_request": 4.0, "involuntary_per_request": 1.0,
+        "runs_per_request": 5.0, "threads": 4}
