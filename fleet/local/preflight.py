@@ -47,7 +47,7 @@ def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[
     driver can run the engine's CUDA: `fleet.placement.compat`; and its ``--max-model-len`` is
     one vLLM accepts for the model: `fleet.models.memory.MemoryNeed.max_len_problem`, named under
     ``spec.engine.args`` and not again as a placement problem); each named port
-    (``{"router": (host, port)}``) is free. Raises PreflightError listing every problem."""
+    (``{"router": (host, port)}``) is free and no other of them. Raises PreflightError listing every problem."""
     problems = []
     placer = get_strategy()
     for ld in loaded:
@@ -75,7 +75,12 @@ def preflight(loaded: list[LoadedDeployment], inventory: Inventory, ports: dict[
         unfit = placer.fits_at_all(request.shape, inventory, memory=request.memory, cuda=request.cuda)
         if unfit is not None:
             problems.append(f"{where} spec.resources: cannot place a replica on this machine: {unfit.reason}")
+    claimed: dict[int, str] = {}
     for what, (host, port) in ports.items():
+        if port in claimed:   # two of fleet up's own servers on one port: the second would not bind
+            problems.append(f"{what} port {port} is also the {claimed[port]} port: give one of them another")
+            continue
+        claimed[port] = what
         problem = port_problem(host, port)
         if problem:
             problems.append(f"{what} port {problem}")
